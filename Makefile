@@ -1,0 +1,44 @@
+# entrenar: two set-up commands on a fresh machine, `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-dev
+
+.PHONY: install test test-fast lint format demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Run the whole test suite (slow real-model tests included).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+## Skip the tests marked slow.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check entrenar tests examples benchmarks
+	$(BIN)/ruff format --check entrenar tests examples benchmarks
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format entrenar tests examples benchmarks
+	$(BIN)/ruff check --fix entrenar tests examples benchmarks
+
+## The main job on its embedded default (for now: the quickstart).
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+## Benchmarks against peers measured in the same run (installs torch for the peers).
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	set -e; for f in benchmarks/*.py; do echo "== $$f"; $(BIN)/python $$f; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

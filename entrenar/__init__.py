@@ -1,0 +1,42 @@
+"""entrenar: training and fine-tuning neural networks on JAX.
+
+Layers, each importing only the ones below it::
+
+    lora quant     pytree transforms (LoRAWeight, QuantizedWeight nodes)
+    nn  io         models as pure functions over param pytrees; file formats
+    optim          (init, update) pairs, schedules, clipping
+    autograd       Tensor, tape over jax.vjp, ops, gradient checking
+    functional     value_and_grad / grad over pytrees; tree helpers; errors
+
+Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
+"""
+
+from entrenar import errors
+from entrenar.functional import grad, value_and_grad
+from entrenar.tree import (
+    assert_trees_allclose,
+    tree_bytes,
+    tree_named_leaves,
+    tree_size,
+)
+from entrenar.types import Array, Grads, OptState, Params, PRNGKey, PyTree, Updates
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Array",
+    "Grads",
+    "OptState",
+    "PRNGKey",
+    "Params",
+    "PyTree",
+    "Updates",
+    "__version__",
+    "assert_trees_allclose",
+    "errors",
+    "grad",
+    "tree_bytes",
+    "tree_named_leaves",
+    "tree_size",
+    "value_and_grad",
+]

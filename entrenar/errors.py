@@ -1,0 +1,71 @@
+"""The exceptions entrenar raises.
+
+Every error a user can cause is one of these types, and its message says what was wrong
+(the file, key, field or shape) and what to do about it. They all derive from
+`EntrenarError`, so ``except entrenar.errors.EntrenarError`` catches them all; each also
+derives from the built-in exception a Python user would expect (``ValueError``,
+``KeyError``, ``RuntimeError``), so existing handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class EntrenarError(Exception):
+    """Base class of every error raised by entrenar."""
+
+
+class ShapeError(EntrenarError, ValueError):
+    """Arrays or tensors whose shapes do not fit the operation."""
+
+
+class DTypeError(EntrenarError, TypeError):
+    """An array of a dtype the operation does not accept."""
+
+
+class ConfigError(EntrenarError, ValueError):
+    """An invalid configuration value or an unknown configuration key."""
+
+
+class TapeError(EntrenarError, RuntimeError):
+    """Misuse of the autograd tape.
+
+    Examples: ``backward`` on a non-scalar without a seed gradient, or changing the data
+    of a tensor that requires grad while an operation on the tape still needs it.
+    """
+
+
+class GradientCheckError(EntrenarError, AssertionError):
+    """Analytic and finite-difference gradients disagree beyond the threshold."""
+
+
+class QuantizationError(EntrenarError, ValueError):
+    """Values that cannot be quantized (NaN or Inf) or an unsupported scheme."""
+
+
+class FormatError(EntrenarError, ValueError):
+    """A file that is truncated, corrupt, hostile or not in the expected format.
+
+    The message names the file and the field that failed validation.
+    """
+
+
+class UnsupportedError(EntrenarError, NotImplementedError):
+    """A valid request for something entrenar does not support (yet)."""
+
+
+class CompatibilityError(EntrenarError, ValueError):
+    """Two objects that must match do not (an adapter and its base model, ...)."""
+
+
+__all__ = [
+    "CompatibilityError",
+    "ConfigError",
+    "DTypeError",
+    "EntrenarError",
+    "FormatError",
+    "GradientCheckError",
+    "QuantizationError",
+    "ShapeError",
+    "TapeError",
+    "UnsupportedError",
+]
