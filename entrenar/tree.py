@@ -82,7 +82,7 @@ def assert_trees_allclose(
     """
     a_flat, a_def = jax.tree_util.tree_flatten_with_path(actual)
     e_flat, e_def = jax.tree_util.tree_flatten_with_path(expected)
-    if a_def != e_def:
+    if a_def != e_def:  # type: ignore[operator]
         raise AssertionError(
             f"{err_msg} tree structures differ:\n  actual:   {a_def}\n"
             f"  expected: {e_def}"
@@ -107,7 +107,7 @@ def check_same_structure(a: PyTree, b: PyTree, what: str = "trees") -> None:
     """Raise `ShapeError` unless ``a`` and ``b`` match in structure and shapes."""
     a_flat, a_def = jax.tree_util.tree_flatten_with_path(a)
     b_flat, b_def = jax.tree_util.tree_flatten_with_path(b)
-    if a_def != b_def:
+    if a_def != b_def:  # type: ignore[operator]
         raise ShapeError(f"{what} have different structures: {a_def} vs {b_def}")
     for (path, x), (_, y) in zip(a_flat, b_flat):
         if np.shape(x) != np.shape(y):
