@@ -35,9 +35,8 @@ format: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
-## Benchmarks against peers measured in the same run (installs torch for the peers).
+## Benchmarks against peers measured in the same run (dev installs the peers).
 bench: $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[bench]'
 	set -e; for f in benchmarks/*.py; do echo "== $$f"; $(BIN)/python $$f; done
 
 clean:
