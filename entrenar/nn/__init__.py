@@ -1,8 +1,70 @@
 """Layers and models as pure functions over parameter pytrees.
 
-Every layer multiplies through `linear`, which dispatches on the weight's node type.
+Protocol: a model is a frozen config dataclass with ``init(key) -> params`` and a pure
+``apply(params, inputs, ...) -> outputs``; params are nested dicts named like Hugging
+Face modules, transformer layers stacked along a leading axis and run with
+`jax.lax.scan`. Every layer multiplies through `linear`, which dispatches on the
+weight's node type (array, LoRA, quantized), so model code never touches weights.
 """
 
+from entrenar.nn.attention import (
+    KVCache,
+    causal_mask,
+    dot_product_attention,
+    init_kv_cache,
+    update_cache_layer,
+)
+from entrenar.nn.hf_names import STACKED_KEYS, from_hf_names, to_hf_names
+from entrenar.nn.init import (
+    fans,
+    kaiming_normal,
+    kaiming_uniform,
+    normal,
+    xavier_normal,
+    xavier_uniform,
+)
+from entrenar.nn.layers import (
+    dropout,
+    embedding,
+    gated_mlp,
+    gelu_tanh,
+    layer_norm,
+    mlp,
+    rms_norm,
+    silu,
+)
 from entrenar.nn.linear import linear, weight_matmul
+from entrenar.nn.llama import Llama, LlamaConfig
+from entrenar.nn.rope import apply_rope, rope_angles, rotate_half
 
-__all__ = ["linear", "weight_matmul"]
+__all__ = [
+    "STACKED_KEYS",
+    "KVCache",
+    "Llama",
+    "LlamaConfig",
+    "apply_rope",
+    "causal_mask",
+    "dot_product_attention",
+    "dropout",
+    "embedding",
+    "fans",
+    "from_hf_names",
+    "gated_mlp",
+    "gelu_tanh",
+    "init_kv_cache",
+    "kaiming_normal",
+    "kaiming_uniform",
+    "layer_norm",
+    "linear",
+    "mlp",
+    "normal",
+    "rms_norm",
+    "rope_angles",
+    "rotate_half",
+    "silu",
+    "to_hf_names",
+    "update_cache_layer",
+    "weight_matmul",
+    "xavier_normal",
+    "xavier_uniform",
+]

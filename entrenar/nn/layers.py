@@ -1,0 +1,160 @@
+"""Stateless layers: embedding, normalisation, dropout, feed-forward blocks.
+
+Each layer is a pure function of its inputs and its weights. Dense weights go through
+`entrenar.nn.linear`, so LoRA and quantized weight nodes work unchanged; norm gains and
+embedding tables are plain arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from entrenar.errors import ConfigError, DTypeError
+from entrenar.nn.linear import linear
+from entrenar.types import PRNGKey
+
+Activation = Callable[[jax.Array], jax.Array]
+
+
+def embedding(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Look up rows of ``table: (V, D)`` for integer ``tokens: (...)`` -> ``(..., D)``.
+
+    Out-of-range ids give NaN rows (``jnp.take``'s fill mode) rather than silently
+    clamped ones, so a bad tokenizer shows up in the loss.
+
+    >>> embedding(jnp.arange(6.0).reshape(3, 2), jnp.array([2, 0])).tolist()
+    [[4.0, 5.0], [0.0, 1.0]]
+    """
+    tokens = jnp.asarray(tokens)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise DTypeError(f"token ids must be integers, got dtype {tokens.dtype}")
+    return jnp.take(table, tokens, axis=0)  # (..., D)
+
+
+def layer_norm(
+    x: jax.Array, weight: jax.Array, bias: jax.Array | None, eps: float = 1e-5
+) -> jax.Array:
+    """LayerNorm over the last axis (Ba et al., 2016), computed in float32.
+
+    ``y = (x - μ) / sqrt(σ² + eps) · weight + bias`` with the biased variance ``σ²``.
+
+    >>> y = layer_norm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2))
+    >>> [round(v, 3) for v in y[0].tolist()]
+    [-1.0, 1.0]
+    """
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """RMSNorm over the last axis (Zhang & Sennrich, 2019), computed in float32.
+
+    ``y = x / sqrt(mean(x²) + eps) · weight``.
+
+    >>> [round(v, 4) for v in rms_norm(jnp.array([3.0, 4.0]), jnp.ones(2))[:].tolist()]
+    [0.8485, 1.1314]
+    """
+    xf = x.astype(jnp.float32)
+    ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(ms + eps) * weight.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def dropout(
+    x: jax.Array, rate: float, *, key: PRNGKey | None, deterministic: bool = False
+) -> jax.Array:
+    """Inverted dropout: zero each entry with probability ``rate``, scale the rest.
+
+    ``y = x · m / (1 - rate)`` with ``m ~ Bernoulli(1 - rate)``, so ``E[y] = x``.
+    With ``deterministic=True`` or ``rate == 0`` it is the identity (no key needed).
+
+    >>> dropout(jnp.ones(3), 0.5, key=None, deterministic=True).tolist()
+    [1.0, 1.0, 1.0]
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"dropout rate must lie in [0, 1], got {rate}")
+    if deterministic or rate == 0.0:
+        return x
+    if key is None:
+        raise ConfigError("dropout needs key=... unless deterministic=True or rate=0")
+    if rate == 1.0:
+        return jnp.zeros_like(x)
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU, tanh approximation (GPT-2's ``gelu_new``).
+
+    ``0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))``.
+    """
+    return jax.nn.gelu(x, approximate=True)
+
+
+def silu(x: jax.Array) -> jax.Array:
+    """SiLU / swish: ``x · sigmoid(x)``."""
+    return jax.nn.silu(x)
+
+
+def mlp(
+    x: jax.Array,
+    w_in: Any,
+    b_in: jax.Array | None,
+    w_out: Any,
+    b_out: jax.Array | None,
+    activation: Activation = gelu_tanh,
+) -> jax.Array:
+    """Two-layer feed-forward block ``act(x W_inᵀ + b_in) W_outᵀ + b_out``.
+
+    Args:
+        x: ``(..., D)``.
+        w_in: ``(F, D)`` weight (array or weight node).
+        b_in: ``(F,)`` bias or None.
+        w_out: ``(D, F)`` weight.
+        b_out: ``(D,)`` bias or None.
+        activation: elementwise nonlinearity.
+
+    Returns:
+        ``(..., D)``.
+    """
+    h = activation(linear(x, w_in, b_in))  # (..., F)
+    return linear(h, w_out, b_out)  # (..., D)
+
+
+def gated_mlp(
+    x: jax.Array,
+    w_gate: Any,
+    w_up: Any,
+    w_down: Any,
+    activation: Activation = silu,
+) -> jax.Array:
+    """Gated feed-forward block, SwiGLU with ``silu`` (Shazeer, 2020).
+
+    ``y = (act(x W_gateᵀ) ⊙ x W_upᵀ) W_downᵀ`` with ``W_gate, W_up: (F, D)`` and
+    ``W_down: (D, F)``; no biases (as in Llama).
+    """
+    g = activation(linear(x, w_gate))  # (..., F)
+    u = linear(x, w_up)  # (..., F)
+    return linear(g * u, w_down)  # (..., D)
+
+
+__all__ = [
+    "Activation",
+    "dropout",
+    "embedding",
+    "gated_mlp",
+    "gelu_tanh",
+    "layer_norm",
+    "mlp",
+    "rms_norm",
+    "silu",
+]

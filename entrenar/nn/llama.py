@@ -1,0 +1,388 @@
+"""Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Touvron et al., "LLaMA: Open and Efficient Foundation Language Models", 2023. The
+config is the model: `LlamaConfig` is a frozen dataclass with ``init(key) -> params``
+and a pure ``apply(params, tokens) -> logits``. The param tree uses Hugging Face names
+with the layers stacked along a leading axis ``L`` (specs/conventions.md); map it to
+flat names with `entrenar.nn.to_hf_names` / `entrenar.nn.from_hf_names`.
+
+Forward, for tokens ``x: (B, T)`` (specs/models.md has the exact math)::
+
+    h = E[x]
+    for each layer:  h = h + Attn(RMSNorm(h));  h = h + SwiGLU(RMSNorm(h))
+    logits = RMSNorm(h) Wᵀ   (W = E when embeddings are tied)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from entrenar.errors import ConfigError, ShapeError, UnsupportedError
+from entrenar.nn.attention import (
+    KVCache,
+    causal_mask,
+    dot_product_attention,
+    init_kv_cache,
+    update_cache_layer,
+)
+from entrenar.nn.init import normal
+from entrenar.nn.layers import embedding, gated_mlp, rms_norm
+from entrenar.nn.linear import linear
+from entrenar.nn.rope import apply_rope
+from entrenar.types import Params, PRNGKey
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def check_dtype(name: str, field: str) -> None:
+    """Raise `ConfigError` unless ``name`` is one of `DTYPES`."""
+    if name not in DTYPES:
+        raise ConfigError(f"{field} must be one of {DTYPES}, got {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Llama architecture, precision and memory options; also the model itself.
+
+    Attributes:
+        vocab_size: ``V``.
+        hidden_size: ``D``.
+        intermediate_size: ``I``, width of the SwiGLU block.
+        num_layers: ``L`` (Hugging Face: ``num_hidden_layers``).
+        num_heads: ``H`` query heads.
+        num_kv_heads: ``KV`` key/value heads, ``H % KV == 0`` (GQA; ``KV == H`` is
+            plain multi-head attention).
+        head_dim: ``d``; None means ``D // H``.
+        rope_theta: rotary base ``θ``.
+        rms_norm_eps: ``ε`` of every RMSNorm.
+        tie_word_embeddings: the output head reuses ``embed_tokens`` (no ``lm_head``).
+        max_position_embeddings: longest context the weights were trained for.
+        initializer_range: std of the normal initialiser of ``init``.
+        dtype: compute dtype (activations, KV cache); logits are always float32.
+        param_dtype: dtype of the parameters ``init`` creates.
+        remat: rematerialise each layer in the backward pass (`jax.checkpoint`),
+            trading compute for activation memory.
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 32
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"LlamaConfig.{name} must be positive")
+        if self.num_heads <= 0 or self.num_kv_heads <= 0:
+            raise ConfigError("LlamaConfig.num_heads and num_kv_heads must be > 0")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"LlamaConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_heads "
+                f"({self.num_heads}); set head_dim explicitly"
+            )
+        if self.hd % 2:
+            raise ConfigError(f"LlamaConfig head_dim must be even, got {self.hd}")
+        check_dtype(self.dtype, "LlamaConfig.dtype")
+        check_dtype(self.param_dtype, "LlamaConfig.param_dtype")
+
+    # ----------------------------------------------------------------- presets
+    @classmethod
+    def smollm2_135m(cls, **overrides: Any) -> LlamaConfig:
+        """SmolLM2-135M (HuggingFaceTB/SmolLM2-135M), exactly.
+
+        >>> c = LlamaConfig.smollm2_135m()
+        >>> (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.hd)
+        (576, 30, 9, 3, 64)
+        """
+        fields: dict[str, Any] = dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_layers=30,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            initializer_range=0.041666666666666664,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> LlamaConfig:
+        """Build from a Hugging Face ``config.json`` dict (``model_type: llama``).
+
+        Raises:
+            UnsupportedError: rope scaling, biases or an activation other than SiLU.
+        """
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or rope
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise UnsupportedError(f"rope scaling {scaling!r} is not supported")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise UnsupportedError("Llama with attention_bias/mlp_bias is unsupported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UnsupportedError(f"hidden_act {hf['hidden_act']!r} is unsupported")
+        heads = int(hf["num_attention_heads"])
+        fields: dict[str, Any] = dict(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=hf.get("head_dim"),
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` dict of this architecture."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.hd,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def hd(self) -> int:
+        """The head dimension ``d``."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def param_shapes(self) -> dict[str, Any]:
+        """Nested dict of parameter shapes, the tree of specs/conventions.md."""
+        v, d, i, n = self.vocab_size, self.hidden_size, self.intermediate_size, 0
+        n = self.num_layers
+        qd, kvd = self.num_heads * self.hd, self.num_kv_heads * self.hd
+        shapes: dict[str, Any] = {
+            "model": {
+                "embed_tokens": {"weight": (v, d)},
+                "layers": {
+                    "input_layernorm": {"weight": (n, d)},
+                    "self_attn": {
+                        "q_proj": {"weight": (n, qd, d)},
+                        "k_proj": {"weight": (n, kvd, d)},
+                        "v_proj": {"weight": (n, kvd, d)},
+                        "o_proj": {"weight": (n, d, qd)},
+                    },
+                    "post_attention_layernorm": {"weight": (n, d)},
+                    "mlp": {
+                        "gate_proj": {"weight": (n, i, d)},
+                        "up_proj": {"weight": (n, i, d)},
+                        "down_proj": {"weight": (n, d, i)},
+                    },
+                },
+                "norm": {"weight": (d,)},
+            }
+        }
+        if not self.tie_word_embeddings:
+            shapes["lm_head"] = {"weight": (v, d)}
+        return shapes
+
+    def num_params(self) -> int:
+        """Number of scalar parameters.
+
+        >>> LlamaConfig.smollm2_135m().num_params()
+        134515008
+        """
+        leaves = jax.tree_util.tree_leaves(
+            self.param_shapes(), is_leaf=lambda s: isinstance(s, tuple)
+        )
+        total = 0
+        for shape in leaves:
+            size = 1
+            for s in shape:
+                size *= s
+            total += size
+        return total
+
+    # ------------------------------------------------------------------- model
+    def init(self, key: PRNGKey) -> Params:
+        """Random parameters: weights ``N(0, initializer_range²)``, norm gains 1."""
+        shapes = self.param_shapes()
+        flat, treedef = jax.tree_util.tree_flatten_with_path(
+            shapes, is_leaf=lambda s: isinstance(s, tuple)
+        )
+        leaves = []
+        for idx, (path, shape) in enumerate(flat):
+            name = jax.tree_util.keystr(path)
+            if "norm" in name:
+                leaves.append(jnp.ones(shape, self.param_dtype))
+            else:
+                k = jax.random.fold_in(key, idx)
+                leaves.append(
+                    normal(
+                        shape, key=k, std=self.initializer_range, dtype=self.param_dtype
+                    )
+                )
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def apply(
+        self, params: Params, tokens: jax.Array, *, mask: jax.Array | None = None
+    ) -> jax.Array:
+        """Logits ``(B, T, V)`` float32 for ``tokens: (B, T)``, causal attention.
+
+        Args:
+            params: the param tree of `param_shapes` (leaves may be weight nodes).
+            tokens: int token ids ``(B, T)``.
+            mask: optional ``(B, T)`` bool, False at padding positions, which no
+                token attends to.
+        """
+        _check_tokens(tokens)
+        t = tokens.shape[1]
+        positions = jnp.arange(t, dtype=jnp.int32)
+        allowed = causal_mask(positions, t)  # (T, T)
+        if mask is not None:
+            allowed = allowed[None] & mask.astype(bool)[:, None, :]  # (B, T, T)
+        h, _ = self._layers(params, tokens, positions, allowed, None)
+        return self._head(params, h)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty `KVCache` for ``batch`` sequences of up to ``max_len`` tokens."""
+        return init_kv_cache(
+            self.num_layers, batch, max_len, self.num_kv_heads, self.hd, self.dtype
+        )
+
+    def apply_cached(
+        self, params: Params, tokens: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """One cached step: logits ``(B, T, V)`` of ``tokens`` at ``cache.pos + t``.
+
+        Keys and values of the new tokens are written into the cache; the new tokens
+        attend to every cached position and causally among themselves.
+        """
+        _check_tokens(tokens)
+        t, s = tokens.shape[1], cache.k.shape[2]
+        positions = cache.pos + jnp.arange(t, dtype=jnp.int32)  # (T,)
+        allowed = causal_mask(positions, s)  # (T, S)
+        h, (k, v) = self._layers(params, tokens, positions, allowed, cache)
+        return self._head(params, h), KVCache(k, v, cache.pos + t)
+
+    # --------------------------------------------------------------- internals
+    def _layers(
+        self,
+        params: Params,
+        tokens: jax.Array,
+        positions: jax.Array,
+        allowed: jax.Array,
+        cache: KVCache | None,
+    ) -> tuple[jax.Array, Any]:
+        m = params["model"]
+        h = embedding(m["embed_tokens"]["weight"], tokens).astype(self.dtype)
+        pos = None if cache is None else cache.pos
+
+        def layer(h: jax.Array, xs: Any) -> tuple[jax.Array, Any]:
+            lp, ck, cv = xs
+            a, kv = self._attention(lp, h, positions, allowed, ck, cv, pos)
+            h = h + a  # (B, T, D)
+            mp = lp["mlp"]
+            x = rms_norm(h, lp["post_attention_layernorm"]["weight"], self.rms_norm_eps)
+            x = gated_mlp(
+                x,
+                mp["gate_proj"]["weight"],
+                mp["up_proj"]["weight"],
+                mp["down_proj"]["weight"],
+            )
+            return h + x, kv
+
+        if self.remat:
+            layer = jax.checkpoint(layer)
+        xs = (
+            (m["layers"], None, None)
+            if cache is None
+            else (m["layers"], cache.k, cache.v)
+        )
+        return jax.lax.scan(layer, h, xs)
+
+    def _attention(
+        self,
+        lp: Params,
+        h: jax.Array,
+        positions: jax.Array,
+        allowed: jax.Array,
+        ck: jax.Array | None,
+        cv: jax.Array | None,
+        pos: jax.Array | None,
+    ) -> tuple[jax.Array, Any]:
+        b, t, _ = h.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
+        ap = lp["self_attn"]
+        x = rms_norm(h, lp["input_layernorm"]["weight"], self.rms_norm_eps)
+        q = linear(x, ap["q_proj"]["weight"]).reshape(b, t, nh, hd)  # (B, T, H, d)
+        k = linear(x, ap["k_proj"]["weight"]).reshape(b, t, nkv, hd)  # (B, T, KV, d)
+        v = linear(x, ap["v_proj"]["weight"]).reshape(b, t, nkv, hd)
+        q = apply_rope(q, positions, self.rope_theta)
+        k = apply_rope(k, positions, self.rope_theta)
+        if ck is not None and cv is not None and pos is not None:
+            k = ck = update_cache_layer(ck, k, pos)  # (B, S, KV, d)
+            v = cv = update_cache_layer(cv, v, pos)
+        o = dot_product_attention(q, k, v, allowed)  # (B, T, H, d)
+        return linear(o.reshape(b, t, nh * hd), ap["o_proj"]["weight"]), (ck, cv)
+
+    def _head(self, params: Params, h: jax.Array) -> jax.Array:
+        h = rms_norm(h, params["model"]["norm"]["weight"], self.rms_norm_eps)
+        if self.tie_word_embeddings:
+            w = params["model"]["embed_tokens"]["weight"]
+        elif "lm_head" in params:
+            w = params["lm_head"]["weight"]
+        else:
+            raise ShapeError(
+                "params have no 'lm_head' but the config does not tie embeddings; "
+                "set tie_word_embeddings=True or add lm_head.weight"
+            )
+        return linear(h, w).astype(jnp.float32)  # (B, T, V)
+
+
+def _check_tokens(tokens: jax.Array) -> None:
+    if tokens.ndim != 2:
+        raise ShapeError(f"tokens must have shape (batch, time), got {tokens.shape}")
+
+
+Llama = LlamaConfig
+"""The model is its config: ``Llama(...)`` is a `LlamaConfig`."""
+
+__all__ = ["DTYPES", "Llama", "LlamaConfig", "check_dtype"]

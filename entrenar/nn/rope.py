@@ -1,0 +1,61 @@
+"""Rotary position embeddings (RoPE), Hugging Face's half-split layout.
+
+Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
+For head dimension ``d`` and base ``θ`` (``rope_theta``), pair ``i < d/2`` rotates by
+the angle ``p · θ^(-2i/d)`` at position ``p``. In the half-split layout the pair is
+``(x[i], x[i + d/2])`` (not the interleaved ``(x[2i], x[2i+1])`` of the paper and
+llama.cpp), so
+
+    ``rope(x) = x · cos + rotate_half(x) · sin``,
+    ``rotate_half(x) = concat(-x[d/2:], x[:d/2])``,
+
+with ``cos, sin`` of the angles repeated twice along the last axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from entrenar.errors import ShapeError
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> jax.Array:
+    """Angles ``p · θ^(-2i/d)``: ``positions (...)`` -> ``(..., d/2)`` float32.
+
+    >>> rope_angles(jnp.array([0, 1]), 4, 100.0).tolist()
+    [[0.0, 0.0], [1.0, 0.10000000149011612]]
+    """
+    if head_dim % 2:
+        raise ShapeError(f"rotary head_dim must be even, got {head_dim}")
+    exponent = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim  # (d/2,)
+    inv_freq = 1.0 / (jnp.float32(theta) ** exponent)  # (d/2,)
+    return positions.astype(jnp.float32)[..., None] * inv_freq  # (..., d/2)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    """``concat(-x[..., d/2:], x[..., :d/2])``.
+
+    >>> rotate_half(jnp.array([1.0, 2.0, 3.0, 4.0])).tolist()
+    [-3.0, -4.0, 1.0, 2.0]
+    """
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate queries or keys ``x: (B, T, H, d)`` at ``positions: (T,)`` or ``(B, T)``.
+
+    Computed in float32, returned in ``x``'s dtype.
+    """
+    ang = rope_angles(positions, x.shape[-1], theta)  # (T, d/2) or (B, T, d/2)
+    ang = jnp.concatenate([ang, ang], axis=-1)  # (..., T, d)
+    if ang.ndim == 2:
+        ang = ang[None]  # (1, T, d)
+    cos = jnp.cos(ang)[:, :, None, :]  # (B|1, T, 1, d)
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    return (xf * cos + rotate_half(xf) * sin).astype(x.dtype)  # (B, T, H, d)
+
+
+__all__ = ["apply_rope", "rope_angles", "rotate_half"]
