@@ -1,0 +1,48 @@
+"""LoRA and QLoRA as pytree transforms, with adapter files PEFT can read.
+
+Protocol: ``apply(params, LoRAConfig(...), key=...)`` wraps the selected weights in
+`LoRAWeight` nodes (``x Wᵀ + s (x Aᵀ) Bᵀ`` through `entrenar.nn.linear`, no model
+change; ``quantize="nf4"`` stores the bases 4-bit: QLoRA). ``split`` gives the
+``(trainable, frozen)`` halves, gradients are taken w.r.t. the trainable half only,
+``combine`` joins them. ``merge`` folds adapters into dense weights, ``unmerge``
+takes them out; ``save_adapter`` / ``load_adapter`` use Hugging Face PEFT's files.
+"""
+
+from entrenar.lora.adapter_io import load_adapter, save_adapter
+from entrenar.lora.config import ALL_LINEAR, LoRAConfig
+from entrenar.lora.merge import (
+    RequantError,
+    delta,
+    merge,
+    merge_and_requantize,
+    unmerge,
+)
+from entrenar.lora.report import MemoryReport, memory_report
+from entrenar.lora.transform import (
+    apply,
+    combine,
+    split,
+    trainable_mask,
+    with_dropout_keys,
+)
+from entrenar.lora.weight import LoRAWeight
+
+__all__ = [
+    "ALL_LINEAR",
+    "LoRAConfig",
+    "LoRAWeight",
+    "MemoryReport",
+    "RequantError",
+    "apply",
+    "combine",
+    "delta",
+    "load_adapter",
+    "memory_report",
+    "merge",
+    "merge_and_requantize",
+    "save_adapter",
+    "split",
+    "trainable_mask",
+    "unmerge",
+    "with_dropout_keys",
+]

@@ -1,0 +1,284 @@
+"""Adapter files in Hugging Face PEFT's layout.
+
+A folder with ``adapter_config.json`` (``peft_type: "LORA"``, ``r``, ``lora_alpha``,
+``target_modules``, ``use_rslora``, optional ``rank_pattern`` / ``alpha_pattern``) and
+``adapter_model.safetensors`` holding, for each adapted module ``<m>`` (a Hugging Face
+name, one per layer of a stacked weight)::
+
+    base_model.model.<m>.lora_A.weight   (r, in)    float32
+    base_model.model.<m>.lora_B.weight   (out, r)   float32
+
+so an adapter trained here loads with ``PeftModel.from_pretrained`` and one saved by
+PEFT loads here. `load_adapter` checks every name, shape and rank against the base
+tree and reports everything that does not match in one `CompatibilityError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import json
+import os
+import re
+import tempfile
+from typing import Any
+
+import jax
+import numpy as np
+
+from entrenar.errors import CompatibilityError, FormatError, UnsupportedError
+from entrenar.lora import _safetensors
+from entrenar.lora.names import (
+    STACKED_KEYS,
+    hf_modules,
+    is_weight_leaf,
+    leaf_shape,
+    named_weight_leaves,
+    stacked_split,
+)
+from entrenar.lora.weight import LoRAWeight
+from entrenar.types import Params
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+_TENSOR = re.compile(
+    r"base_model\.model\.(.+)\.lora_([AB])(?:\.[A-Za-z0-9_\-]+)?\.weight"
+)
+
+
+def _adapted(params: Params, stacked_keys: tuple[str, ...]):
+    """``(path, node, hf_module_names)`` for every `LoRAWeight` in the tree."""
+    out = []
+    for name, x in named_weight_leaves(params):
+        if isinstance(x, LoRAWeight):
+            shape = (*x.a.shape[:-2], x.b.shape[-2], x.a.shape[-1])
+            out.append((name, x, hf_modules(name, shape, stacked_keys)))
+    return out
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def save_adapter(
+    params: Params,
+    path: str | os.PathLike[str],
+    *,
+    base_model_name_or_path: str | None = None,
+    task_type: str | None = "CAUSAL_LM",
+    stacked_keys: tuple[str, ...] = STACKED_KEYS,
+) -> None:
+    """Write the adapters of ``params`` to the folder ``path`` in PEFT's layout.
+
+    Args:
+        params: a tree with `LoRAWeight` nodes (the full tree or `split`'s trainable
+            half).
+        path: output folder (created if missing); both files are written atomically.
+        base_model_name_or_path: recorded in the config for PEFT.
+        task_type: PEFT task type (``"CAUSAL_LM"``, or ``None`` for a custom model).
+        stacked_keys: keys under which layers are stacked (layer ``i`` of a stacked
+            weight is saved as ``...layers.{i}...``).
+
+    Raises:
+        CompatibilityError: no adapter in ``params``, or adapters mix rsLoRA settings.
+    """
+    folder = os.fspath(path)
+    adapted = _adapted(params, stacked_keys)
+    if not adapted:
+        raise CompatibilityError("save_adapter: the tree has no LoRAWeight to save")
+    if len({x.rslora for _, x, _ in adapted}) > 1:
+        raise CompatibilityError(
+            "PEFT stores one use_rslora for all adapters; got both"
+        )
+    tensors, ranks, alphas = {}, {}, {}
+    for _, x, modules in adapted:
+        a, b = np.asarray(x.a, np.float32), np.asarray(x.b, np.float32)
+        stacked = a.ndim == 3
+        for i, m in enumerate(modules):
+            tensors[f"{PREFIX}{m}.lora_A.weight"] = a[i] if stacked else a
+            tensors[f"{PREFIX}{m}.lora_B.weight"] = b[i] if stacked else b
+            ranks[m], alphas[m] = x.rank, x.alpha
+    r = collections.Counter(ranks.values()).most_common(1)[0][0]
+    alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
+    suffixes = sorted({m.rsplit(".", 1)[-1] for m in ranks})
+    all_modules = {
+        m for n, w in named_weight_leaves(params) for m in hf_modules(n, leaf_shape(w))
+    }
+    others = {m for m in all_modules - set(ranks) if m.rsplit(".", 1)[-1] in suffixes}
+    targets: list[str] | str = suffixes
+    if others:  # a suffix list would adapt more modules: name them exactly
+        targets = "|".join(re.escape(m) for m in sorted(ranks))
+    config = {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": adapted[0][1].dropout,
+        "target_modules": targets,
+        "use_rslora": adapted[0][1].rslora,
+        "rank_pattern": {re.escape(m): k for m, k in ranks.items() if k != r},
+        "alpha_pattern": {re.escape(m): k for m, k in alphas.items() if k != alpha},
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "use_dora": False,
+    }
+    os.makedirs(folder, exist_ok=True)
+    _safetensors.write(os.path.join(folder, WEIGHTS_NAME), tensors, {"format": "pt"})
+    _atomic_write_text(os.path.join(folder, CONFIG_NAME), json.dumps(config, indent=2))
+
+
+def _read_config(folder: str) -> dict[str, Any]:
+    file = os.path.join(folder, CONFIG_NAME)
+    if not os.path.isfile(file):
+        raise FormatError(f"{file}: not found; an adapter folder needs {CONFIG_NAME}")
+    if os.path.getsize(file) > 16 * 1024 * 1024:
+        raise FormatError(f"{file}: larger than 16 MiB, not an adapter config")
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+        raise UnsupportedError(f"{file}: peft_type {cfg.get('peft_type')!r}; only LORA")
+    for field, typ in (("r", int), ("lora_alpha", (int, float))):
+        if not isinstance(cfg.get(field), typ) or cfg[field] <= 0:
+            raise FormatError(f"{file}: field {field!r} = {cfg.get(field)!r}, need > 0")
+    for field, ok in (("use_dora", False), ("fan_in_fan_out", False)):
+        if cfg.get(field, ok) != ok:
+            raise UnsupportedError(f"{file}: {field}={cfg[field]!r} is not supported")
+    if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
+        raise UnsupportedError(f"{file}: bias / modules_to_save are not supported")
+    return cfg
+
+
+def _pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``get_pattern_key``)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def load_adapter(
+    path: str | os.PathLike[str],
+    base_params: Params,
+    *,
+    stacked_keys: tuple[str, ...] = STACKED_KEYS,
+) -> Params:
+    """Read a PEFT LoRA adapter folder and attach it to ``base_params``.
+
+    Args:
+        path: folder with ``adapter_config.json`` and ``adapter_model.safetensors``.
+        base_params: the base model's tree (dense or quantized weights).
+        stacked_keys: keys under which layers are stacked.
+
+    Returns:
+        ``base_params`` with every adapted weight a `LoRAWeight` (adapters float32).
+
+    Raises:
+        FormatError: a missing, corrupt or malformed file.
+        CompatibilityError: names, shapes or ranks that do not fit the base; the
+            message lists every mismatch.
+        UnsupportedError: DoRA, biases, ``fan_in_fan_out``, or an adapter on only
+            some layers of a stacked weight.
+    """
+    folder = os.fspath(path)
+    cfg = _read_config(folder)
+    wfile = os.path.join(folder, WEIGHTS_NAME)
+    if not os.path.isfile(wfile):
+        raise FormatError(f"{wfile}: not found (adapter_model.bin is not read: pickle)")
+    header, _, start = _safetensors.read_header(wfile)
+
+    found: dict[str, dict[str, Any]] = collections.defaultdict(dict)
+    problems = []
+    for name, info in header.items():
+        m = _TENSOR.fullmatch(name)
+        if m is None:
+            problems.append(f"tensor {name!r} is not a LoRA A/B weight")
+            continue
+        found[m.group(1)][m.group(2)] = info
+
+    flat, treedef = jax.tree_util.tree_flatten(base_params, is_leaf=is_weight_leaf)
+    names = [n for n, _ in named_weight_leaves(base_params)]
+    index: dict[str, tuple[int, int]] = {}
+    for k, (n, x) in enumerate(zip(names, flat)):
+        for j, mod in enumerate(hf_modules(n, leaf_shape(x), stacked_keys)):
+            index[mod] = (k, j)
+
+    per_leaf: dict[int, dict[int, str]] = collections.defaultdict(dict)
+    for mod, parts in sorted(found.items()):
+        if mod not in index:
+            near = difflib.get_close_matches(mod, list(index), n=1)
+            hint = f" (closest base module: {near[0]!r})" if near else ""
+            problems.append(f"module {mod!r} is not in the base model{hint}")
+            continue
+        if set(parts) != {"A", "B"}:
+            problems.append(f"module {mod!r} has lora_{next(iter(parts))} only")
+            continue
+        k, j = index[mod]
+        out, fan_in = leaf_shape(flat[k])[-2:]
+        if isinstance(flat[k], LoRAWeight):
+            problems.append(f"module {mod!r} already has an adapter in the base tree")
+        a_shape, b_shape = parts["A"]["shape"], parts["B"]["shape"]
+        r = _pattern(cfg.get("rank_pattern") or {}, mod, cfg["r"])
+        if a_shape != (r, fan_in) or b_shape != (out, r):
+            problems.append(
+                f"module {mod!r}: lora_A {a_shape} / lora_B {b_shape} do not fit the "
+                f"base weight ({out}, {fan_in}) with rank {r}: expected A ({r}, "
+                f"{fan_in}), B ({out}, {r})"
+            )
+        per_leaf[k][j] = mod
+    for k, layers in per_leaf.items():
+        stack = hf_modules(names[k], leaf_shape(flat[k]), stacked_keys)
+        if len(stack) > 1 and len(layers) != len(stack):
+            problems.append(
+                f"{names[k]!r}: the adapter covers {len(layers)} of its {len(stack)} "
+                "stacked layers; entrenar needs all of them (or none)"
+            )
+    if problems:
+        shown = "\n  ".join(problems[:12])
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise CompatibilityError(
+            f"{folder}: adapter does not match the base model:\n  {shown}{more}"
+        )
+
+    def read(mod: str, part: str) -> np.ndarray:
+        arr = _safetensors.read_tensor(wfile, found[mod][part], start)
+        return arr.astype(np.float32)
+
+    out_leaves = list(flat)
+    for k, layers in per_leaf.items():
+        mods = [layers[j] for j in sorted(layers)]
+        a = np.stack([read(m, "A") for m in mods])  # (L, r, in)
+        b = np.stack([read(m, "B") for m in mods])  # (L, out, r)
+        if stacked_split(names[k], stacked_keys) is None:
+            a, b = a[0], b[0]  # (r, in), (out, r)
+        alphas = {
+            _pattern(cfg.get("alpha_pattern") or {}, m, cfg["lora_alpha"]) for m in mods
+        }
+        if len(alphas) > 1:
+            raise UnsupportedError(
+                f"{names[k]!r}: layers with different alphas {alphas}"
+            )
+        out_leaves[k] = LoRAWeight(
+            flat[k],
+            jax.numpy.asarray(a),
+            jax.numpy.asarray(b),
+            alphas.pop(),
+            a.shape[-2],
+            rslora=bool(cfg.get("use_rslora", False)),
+            dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),
+        )
+    return jax.tree_util.tree_unflatten(treedef, out_leaves)
+
+
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_adapter", "save_adapter"]

@@ -1,0 +1,132 @@
+"""Fold adapters into their bases (`merge`) and take them out again (`unmerge`).
+
+``merge`` replaces each `LoRAWeight` by the dense matrix
+
+    W' = W + s · B A            (*lead, out, in), s = alpha / r (or alpha / sqrt(r))
+
+computed in float32 and cast to the base's dtype (a quantized base is dequantized
+first, so a merged QLoRA model is dense). ``merge_and_requantize`` quantizes ``W'``
+again with the base's own scheme and reports the error that costs. ``unmerge`` is the
+inverse for dense bases: ``W = W' - s · B A``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from entrenar.errors import CompatibilityError
+from entrenar.lora import _quant
+from entrenar.lora.names import is_weight_leaf, named_weight_leaves
+from entrenar.lora.weight import LoRAWeight
+from entrenar.types import Params
+
+
+def delta(w: LoRAWeight) -> jax.Array:
+    """The update ``s · B A`` in float32, ``(*lead, out, in)``."""
+    a = jnp.asarray(w.a).astype(jnp.float32)  # (*lead, r, in)
+    b = jnp.asarray(w.b).astype(jnp.float32)  # (*lead, out, r)
+    return w.scale * jnp.einsum("...or,...ri->...oi", b, a)
+
+
+def merged_weight(w: LoRAWeight) -> jax.Array:
+    """``W + s · B A`` in the base's (dequantized) dtype."""
+    base = _quant.to_dense(w.base)
+    return (base.astype(jnp.float32) + delta(w)).astype(base.dtype)
+
+
+def merge(params: Params) -> Params:
+    """Replace every `LoRAWeight` by its merged dense weight ``W + s · B A``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> w = LoRAWeight(jnp.zeros((2, 2)), jnp.ones((1, 2)), jnp.ones((2, 1)),
+        ...                alpha=2, rank=1)
+        >>> merge({"w": w})["w"].tolist()
+        [[2.0, 2.0], [2.0, 2.0]]
+    """
+    return jax.tree_util.tree_map(
+        lambda x: merged_weight(x) if isinstance(x, LoRAWeight) else x,
+        params,
+        is_leaf=is_weight_leaf,
+    )
+
+
+class RequantError(NamedTuple):
+    """How far a requantized merged weight is from the exact merged weight."""
+
+    max_abs: float
+    """``max |Q(W') - W'|``."""
+    rms: float
+    """``sqrt(mean((Q(W') - W')²))``."""
+    relative_rms: float
+    """``rms / sqrt(mean(W'²))``."""
+
+
+def merge_and_requantize(params: Params) -> tuple[Params, dict[str, RequantError]]:
+    """`merge`, then quantize each merged weight whose base was quantized.
+
+    Each quantized base is dequantized, ``s · B A`` is added, and the sum is quantized
+    again with the base's scheme, block size and double quantization.
+
+    Returns:
+        ``(params, errors)``: the new tree (quantized merged weights, dense weights
+        elsewhere) and, per dotted path of a requantized weight, its `RequantError`.
+    """
+    errors: dict[str, RequantError] = {}
+    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_leaf)
+    out = []
+    for (name, _), x in zip(named_weight_leaves(params), flat):
+        if isinstance(x, LoRAWeight):
+            merged = merged_weight(x)
+            if _quant.is_quantized(x.base):
+                q = _quant.requantize_like(merged, x.base)
+                diff = _quant.to_dense(q).astype(jnp.float32) - merged
+                rms = float(jnp.sqrt(jnp.mean(diff**2)))
+                ref = float(jnp.sqrt(jnp.mean(merged.astype(jnp.float32) ** 2)))
+                errors[name] = RequantError(
+                    float(jnp.max(jnp.abs(diff))), rms, rms / ref if ref else 0.0
+                )
+                merged = q
+            x = merged
+        out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out), errors
+
+
+def unmerge(merged: Params, adapters: Params) -> Params:
+    """Undo `merge`: ``LoRAWeight(W' - s · B A, A, B)`` where ``adapters`` has one.
+
+    Args:
+        merged: a tree of dense weights (the output of `merge`, possibly trained or
+            saved and reloaded since).
+        adapters: a tree with the same structure holding the `LoRAWeight` nodes
+            (the `apply`'d params or the trainable half from `split`).
+
+    Returns:
+        A tree like ``merged`` with the adapted weights as `LoRAWeight` nodes again;
+        dense bases are recovered to float32 rounding.
+    """
+
+    def undo(ad: Any, m: Any) -> Any:
+        if not isinstance(ad, LoRAWeight):
+            return m
+        if _quant.is_quantized(m) or isinstance(m, LoRAWeight):
+            raise CompatibilityError(
+                f"unmerge needs a dense merged weight where the adapter is, got {m!r}"
+            )
+        if tuple(m.shape) != (*ad.a.shape[:-2], ad.b.shape[-2], ad.a.shape[-1]):
+            raise CompatibilityError(
+                f"unmerge: merged weight {tuple(m.shape)} does not fit the adapter "
+                f"A {tuple(ad.a.shape)}, B {tuple(ad.b.shape)}"
+            )
+        base = (jnp.asarray(m).astype(jnp.float32) - delta(ad)).astype(m.dtype)
+        return ad.replace(base=base, dropout_key=None)
+
+    return jax.tree_util.tree_map(
+        undo, adapters, merged, is_leaf=lambda x: x is None or is_weight_leaf(x)
+    )
+
+
+__all__ = ["RequantError", "delta", "merge", "merge_and_requantize", "unmerge"]

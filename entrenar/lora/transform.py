@@ -1,0 +1,233 @@
+"""LoRA as a tree rewrite: `apply`, `split` / `combine`, `trainable_mask`, dropout keys.
+
+``apply`` replaces every weight a `LoRAConfig` selects by a `LoRAWeight` node; the rest
+of the tree is returned unchanged (same objects). ``split`` partitions the result into a
+trainable half (the adapters ``A``, ``B``) and a frozen half (everything else, bases
+included); gradients are then taken with respect to the trainable half only::
+
+    trainable, frozen = split(params)
+    loss, grads = jax.value_and_grad(lambda t: loss_fn(combine(t, frozen)))(trainable)
+
+Both halves keep the tree's structure, with ``None`` where the other half holds a leaf,
+so optimizers (optax or entrenar.optim) run on ``trainable`` directly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.lora import _quant
+from entrenar.lora.config import LoRAConfig, target_matches
+from entrenar.lora.names import (
+    STACKED_KEYS,
+    hf_modules,
+    is_weight_leaf,
+    leaf_shape,
+    named_weight_leaves,
+    stacked_split,
+)
+from entrenar.lora.weight import LoRAWeight
+from entrenar.types import Params, PRNGKey
+
+
+def _init_adapter(
+    key: PRNGKey, shape: tuple[int, ...], config: LoRAConfig
+) -> tuple[jax.Array, jax.Array]:
+    """``A (*lead, r, in)`` random and ``B (*lead, out, r)`` zero, in float32."""
+    *lead, out, fan_in = shape
+    r = config.rank
+    a_shape = (*lead, r, fan_in)
+    if config.init == "kaiming":  # PyTorch kaiming_uniform_(a=sqrt(5)): bound 1/√in
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
+    else:  # "gaussian": N(0, 1/r²), PEFT's init_lora_weights="gaussian"
+        a = jax.random.normal(key, a_shape, jnp.float32) / r
+    b = jnp.zeros((*lead, out, r), jnp.float32)
+    return a, b
+
+
+def _selected(
+    name: str, shape: tuple[int, ...], config: LoRAConfig, stacked_keys: tuple[str, ...]
+) -> bool:
+    """Whether ``config.targets`` select the leaf; all layers of a stack or none."""
+    modules = hf_modules(name, shape, stacked_keys)
+    if not modules:
+        return False
+    per_layer_ndim = len(shape) - (stacked_split(name, stacked_keys) is not None)
+    hits = [
+        any(target_matches(t, m, per_layer_ndim) for t in config.targets)
+        for m in modules
+    ]
+    if any(hits) and not all(hits):
+        chosen = [m for m, h in zip(modules, hits) if h]
+        raise UnsupportedError(
+            f"LoRA targets {config.targets} select only some layers of the stacked "
+            f"weight {name!r} ({len(chosen)} of {len(modules)}, e.g. {chosen[0]!r}); "
+            "stacked layers share one adapter shape: target all layers or none"
+        )
+    return all(hits)
+
+
+def apply(
+    params: Params,
+    config: LoRAConfig,
+    *,
+    key: PRNGKey,
+    quantize: str | None = None,
+    stacked_keys: tuple[str, ...] = STACKED_KEYS,
+) -> Params:
+    """Wrap every weight ``config.targets`` select in a `LoRAWeight`.
+
+    Args:
+        params: parameter tree (weights ``(*lead, out, in)``; stacked layers allowed).
+        config: rank, alpha, targets, dropout, init, rsLoRA.
+        key: random key for ``A`` (each weight gets ``fold_in(key, leaf_index)``).
+        quantize: ``None``, ``"nf4"`` or ``"int4"``: store the frozen bases of the
+            adapted weights as ``entrenar.quant.QuantizedWeight`` (QLoRA; NF4 uses
+            double quantization). Bases already quantized are kept as they are.
+        stacked_keys: the keys under which layers are stacked along axis 0.
+
+    Returns:
+        A new tree; the input is not modified.
+
+    Raises:
+        ConfigError: no weight matched, or a target is already a ``LoRAWeight``.
+        UnsupportedError: a target selects only some layers of a stacked weight.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> p = {"q_proj": {"weight": jnp.ones((4, 3))}, "norm": jnp.ones(3)}
+        >>> cfg = LoRAConfig(rank=2, alpha=4, targets="q_proj")
+        >>> lp = apply(p, cfg, key=jax.random.key(0))
+        >>> lp["q_proj"]["weight"].a.shape, lp["q_proj"]["weight"].b.shape
+        ((2, 3), (4, 2))
+    """
+    if quantize not in (None, "nf4", "int4"):
+        raise ConfigError(f"quantize must be None, 'nf4' or 'int4', got {quantize!r}")
+    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_leaf)
+    names = [n for n, _ in named_weight_leaves(params)]
+    out = []
+    for i, (name, leaf) in enumerate(zip(names, flat)):
+        shape = leaf_shape(leaf)
+        if not _selected(name, shape, config, stacked_keys):
+            out.append(leaf)
+            continue
+        if isinstance(leaf, LoRAWeight):
+            raise ConfigError(
+                f"{name!r} already has a LoRA adapter; merge it first (lora.merge)"
+            )
+        a, b = _init_adapter(jax.random.fold_in(key, i), shape, config)
+        base = leaf if quantize is None else _quant.quantize_base(leaf, quantize, name)
+        out.append(
+            LoRAWeight(
+                base, a, b, config.alpha, config.rank,
+                rslora=config.rslora, dropout=config.dropout,
+            )
+        )  # fmt: skip
+    if all(o is f for o, f in zip(out, flat)):
+        candidates = [n for n, x in zip(names, flat) if hf_modules(n, leaf_shape(x))]
+        raise ConfigError(
+            f"LoRA targets {config.targets} matched no weight; weights are named like "
+            f"{candidates[:4]} (match their module names, without '.weight')"
+        )
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def split(params: Params) -> tuple[Params, Params]:
+    """Partition into ``(trainable, frozen)``: adapters vs everything else.
+
+    ``trainable`` holds ``LoRAWeight(base=None, a, b)`` nodes and ``None`` elsewhere;
+    ``frozen`` holds the other leaves and ``LoRAWeight(base, a=None, b=None)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> p = {"w": LoRAWeight(jnp.ones((2, 2)), jnp.ones((1, 2)), jnp.zeros((2, 1)),
+        ...      alpha=1, rank=1), "bias": jnp.zeros(2)}
+        >>> t, f = split(p)
+        >>> [x.shape for x in jax.tree_util.tree_leaves(t)]
+        [(1, 2), (2, 1)]
+    """
+
+    def trainable(x: Any) -> Any:
+        if isinstance(x, LoRAWeight):
+            return x.replace(base=None, dropout_key=None)
+        return None
+
+    def frozen(x: Any) -> Any:
+        return x.replace(a=None, b=None) if isinstance(x, LoRAWeight) else x
+
+    return (
+        jax.tree_util.tree_map(trainable, params, is_leaf=is_weight_leaf),
+        jax.tree_util.tree_map(frozen, params, is_leaf=is_weight_leaf),
+    )
+
+
+def combine(trainable: Params, frozen: Params) -> Params:
+    """Inverse of `split`: ``combine(*split(p))`` is ``p``."""
+
+    def pick(t: Any, f: Any) -> Any:
+        if isinstance(f, LoRAWeight):
+            if not isinstance(t, LoRAWeight):
+                raise ConfigError(
+                    "combine: the trainable tree has no adapter where the frozen tree "
+                    "has a LoRAWeight; pass the halves of one lora.split"
+                )
+            return f.replace(a=t.a, b=t.b)
+        return f if t is None else t
+
+    return jax.tree_util.tree_map(
+        pick, trainable, frozen, is_leaf=lambda x: x is None or is_weight_leaf(x)
+    )
+
+
+def trainable_mask(params: Params) -> Params:
+    """Boolean tree (a prefix of ``params``): ``True`` exactly at adapter leaves.
+
+    Usable as ``optax.masked(opt, trainable_mask(params))`` when optimizing the whole
+    tree (`split` is cheaper: no gradients are formed for frozen weights).
+    """
+
+    def mask(x: Any) -> Any:
+        if isinstance(x, LoRAWeight):
+            key = None if x.dropout_key is None else False
+            return x.replace(base=False, a=True, b=True, dropout_key=key)
+        return False
+
+    return jax.tree_util.tree_map(mask, params, is_leaf=is_weight_leaf)
+
+
+def with_dropout_keys(params: Params, *, key: PRNGKey) -> Params:
+    """Give every `LoRAWeight` with ``dropout > 0`` a fresh dropout key.
+
+    Call once per training step (``key = jax.random.fold_in(root, step)``) on the
+    frozen half or the full tree; a node whose ``dropout_key`` is ``None`` applies no
+    dropout (evaluation). Stacked nodes get one key per layer, ``(*lead, 2)``.
+    """
+    if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_leaf)
+    out = []
+    for i, x in enumerate(flat):
+        if isinstance(x, LoRAWeight) and x.dropout > 0.0:
+            ref = x.base if x.base is not None else x.a
+            lead = leaf_shape(ref)[:-2]
+            keys = jax.random.split(jax.random.fold_in(key, i), int(np.prod(lead)))
+            data = jax.random.key_data(keys)  # (n, k) uint32
+            x = x.replace(dropout_key=data.reshape(*lead, data.shape[-1]))
+        out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+__all__ = [
+    "apply",
+    "combine",
+    "split",
+    "trainable_mask",
+    "with_dropout_keys",
+]

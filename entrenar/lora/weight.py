@@ -1,0 +1,154 @@
+"""`LoRAWeight`: a frozen weight plus a trainable low-rank update, as one pytree node.
+
+The node stands where a weight ``W: (out, in)`` stood in a parameter tree. Its product
+with an input is registered on `entrenar.nn.weight_matmul`, so every layer that calls
+`entrenar.nn.linear` computes (Hu et al. 2021, "LoRA", arXiv:2106.09685)
+
+    y = x Wᵀ + s · (drop(x) Aᵀ) Bᵀ,    A: (r, in),  B: (out, r)
+
+with ``s = alpha / r`` (or ``alpha / sqrt(r)`` for rsLoRA, Kalajdzievski 2023,
+arXiv:2312.03732), without ever forming ``W + s B A``. ``W`` is computed through
+``weight_matmul(base, x)``, so a quantized base (``entrenar.quant.QuantizedWeight``)
+gives QLoRA (Dettmers et al. 2023, arXiv:2305.14314).
+
+Leading axes are allowed on every child (stacked layers: ``base (L, out, in)``,
+``a (L, r, in)``, ``b (L, out, r)``, ``dropout_key (L, 2)``), so `jax.lax.scan` slices a
+stacked node per layer like any array. ``alpha``, ``rank``, ``rslora`` and ``dropout``
+are static (auxiliary data): changing them recompiles, they are never traced.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from entrenar.nn.linear import weight_matmul
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class LoRAWeight:
+    """A frozen ``base`` weight with a low-rank adapter ``s · B A``.
+
+    Attributes:
+        base: the frozen weight ``(*lead, out, in)``: an array or any weight node
+            registered on `entrenar.nn.weight_matmul` (e.g. ``QuantizedWeight``).
+        a: ``(*lead, r, in)`` down-projection (PEFT's ``lora_A.weight``).
+        b: ``(*lead, out, r)`` up-projection (PEFT's ``lora_B.weight``), zero at init.
+        alpha: LoRA alpha (static).
+        rank: r (static).
+        rslora: scale ``alpha / sqrt(r)`` instead of ``alpha / r`` (static).
+        dropout: dropout rate on the adapter's input (static). Dropout acts only
+            while ``dropout_key`` is set (see `entrenar.lora.with_dropout_keys`);
+            with ``dropout_key=None`` the forward is deterministic (evaluation).
+        dropout_key: raw ``uint32`` key data ``(*lead, 2)`` or ``None``.
+
+    Children may be ``None`` (or masks, gradients, optimizer moments): the node is
+    also the container of `entrenar.lora.split`'s halves and of gradient trees.
+    """
+
+    __slots__ = ("a", "alpha", "b", "base", "dropout", "dropout_key", "rank", "rslora")
+
+    def __init__(
+        self,
+        base: Any,
+        a: Any,
+        b: Any,
+        alpha: float,
+        rank: int,
+        *,
+        rslora: bool = False,
+        dropout: float = 0.0,
+        dropout_key: Any = None,
+    ) -> None:
+        self.base = base
+        self.a = a
+        self.b = b
+        self.alpha = float(alpha)
+        self.rank = int(rank)
+        self.rslora = bool(rslora)
+        self.dropout = float(dropout)
+        self.dropout_key = dropout_key
+
+    @property
+    def scale(self) -> float:
+        """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape of the weight, ``(*lead, out, in)``."""
+        if self.base is not None and hasattr(self.base, "shape"):
+            return tuple(self.base.shape)
+        return (*self.a.shape[:-2], self.b.shape[-2], self.a.shape[-1])
+
+    def replace(self, **changes: Any) -> LoRAWeight:
+        """A copy with the given fields changed (nothing is mutated)."""
+        fields = {
+            "base": self.base,
+            "a": self.a,
+            "b": self.b,
+            "alpha": self.alpha,
+            "rank": self.rank,
+            "rslora": self.rslora,
+            "dropout": self.dropout,
+            "dropout_key": self.dropout_key,
+        }
+        fields.update(changes)
+        return LoRAWeight(**fields)
+
+    def tree_flatten_with_keys(self):  # noqa: D102 - pytree protocol
+        children = (
+            (jax.tree_util.GetAttrKey("base"), self.base),
+            (jax.tree_util.GetAttrKey("lora_A"), self.a),
+            (jax.tree_util.GetAttrKey("lora_B"), self.b),
+            (jax.tree_util.GetAttrKey("dropout_key"), self.dropout_key),
+        )
+        return children, (self.alpha, self.rank, self.rslora, self.dropout)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):  # noqa: D102 - pytree protocol
+        base, a, b, key = children
+        alpha, rank, rslora, dropout = aux
+        return cls(
+            base, a, b, alpha, rank, rslora=rslora, dropout=dropout, dropout_key=key
+        )
+
+    def __repr__(self) -> str:
+        def desc(x: Any) -> str:
+            if x is None:
+                return "None"
+            shape = getattr(x, "shape", None)
+            dtype = getattr(x, "dtype", None)
+            return f"{type(x).__name__}{tuple(shape) if shape is not None else ''}" + (
+                f":{dtype}" if dtype is not None else ""
+            )
+
+        return (
+            f"LoRAWeight(base={desc(self.base)}, a={desc(self.a)}, b={desc(self.b)}, "
+            f"alpha={self.alpha:g}, rank={self.rank}, rslora={self.rslora}, "
+            f"dropout={self.dropout:g})"
+        )
+
+
+def _dropout(x: jax.Array, rate: float, key_data: jax.Array) -> jax.Array:
+    """Inverted dropout on ``x`` with a raw ``uint32[2]`` key."""
+    key = jax.random.wrap_key_data(key_data)
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+@weight_matmul.register(LoRAWeight)
+def _lora_matmul(w: LoRAWeight, x: jax.Array) -> jax.Array:
+    """``x Wᵀ + s · (drop(x) Aᵀ) Bᵀ`` for ``x: (..., in)``, without ``W + s BA``."""
+    y = weight_matmul(w.base, x)  # (..., out)
+    if w.dropout > 0.0 and w.dropout_key is not None:
+        x = _dropout(x, w.dropout, w.dropout_key)
+    h = jnp.einsum("...i,ri->...r", x, jnp.asarray(w.a).astype(x.dtype))  # (..., r)
+    delta = jnp.einsum("...r,or->...o", h, jnp.asarray(w.b).astype(x.dtype))
+    return y + (w.scale * delta).astype(y.dtype)  # (..., out)
+
+
+__all__ = ["LoRAWeight"]
