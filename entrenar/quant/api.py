@@ -1,0 +1,162 @@
+"""`quantize` and `dequantize`: one entry point over every scheme, and tree versions.
+
+Both are pure and jittable (the scheme and its options are static): under `jax.jit`
+the NaN/Inf check is skipped, since the values are unknown at trace time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar.errors import QuantizationError
+from entrenar.quant.ggml import dequantize_ggml, quantize_ggml
+from entrenar.quant.int4 import dequantize_int4, quantize_int4
+from entrenar.quant.int8 import dequantize_int8, quantize_int8
+from entrenar.quant.nf4 import dequantize_nf4, quantize_nf4
+from entrenar.quant.weight import SCHEMES, QuantizedWeight
+from entrenar.tree import key_path_str
+from entrenar.types import PyTree
+
+_DEQUANTIZE: dict[str, Callable[[QuantizedWeight, Any], jax.Array]] = {
+    "int4": dequantize_int4,
+    "nf4": dequantize_nf4,
+    "int8": dequantize_int8,
+    "q8_0": dequantize_ggml,
+    "q4_0": dequantize_ggml,
+    "q4_1": dequantize_ggml,
+}
+
+
+def quantize(
+    w: Any,
+    scheme: str = "nf4",
+    *,
+    block_size: int = 64,
+    double_quant: bool = False,
+    symmetric: bool = True,
+    granularity: str = "block",
+    axis: int = -2,
+) -> QuantizedWeight:
+    """Quantize ``w: (*lead, cols)`` with blocks along the last axis.
+
+    Args:
+        w: a float array (any leading axes: rows, stacked layers).
+        scheme: ``"nf4"``, ``"int4"``, ``"int8"``, or a llama.cpp block format
+            ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` (fixed 32-value blocks, bit-exact with
+            llama.cpp's reference quantizer).
+        block_size: values per block (``nf4``, ``int4``, block-wise ``int8``).
+        double_quant: ``nf4`` only: quantize the block scales too (QLoRA's DQ).
+        symmetric: ``int8`` only: int8 codes around 0, else uint8 with zero points.
+        granularity: ``int8`` only: ``"block"``, ``"channel"`` or ``"tensor"``.
+        axis: ``int8`` per-channel only: the channel axis.
+
+    Returns:
+        A new `QuantizedWeight`; ``w`` is not modified.
+
+    Raises:
+        QuantizationError: unknown scheme, or NaN/Inf in a concrete ``w``.
+        ShapeError: the last axis does not split into whole blocks.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> q = quantize(jnp.linspace(-1.0, 1.0, 128).reshape(2, 64), "int4")
+        >>> q.codes.shape, q.scales.shape, float(dequantize(q)[1, -1])
+        ((2, 32), (2, 1), 1.0)
+    """
+    if scheme == "nf4":
+        return quantize_nf4(w, block_size=block_size, double_quant=double_quant)
+    if scheme == "int4":
+        return quantize_int4(w, block_size=block_size)
+    if scheme == "int8":
+        return quantize_int8(
+            w,
+            symmetric=symmetric,
+            granularity=granularity,
+            axis=axis,
+            block_size=block_size,
+        )
+    if scheme in ("q8_0", "q4_0", "q4_1"):
+        return quantize_ggml(w, scheme)
+    raise QuantizationError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+
+
+def dequantize(q: QuantizedWeight, dtype: Any = None) -> jax.Array:
+    """The values a `QuantizedWeight` stands for, ``q.shape`` in ``dtype``.
+
+    Args:
+        q: the node.
+        dtype: output dtype (default: the dtype ``q`` was quantized from).
+    """
+    if q.scheme not in _DEQUANTIZE:
+        raise QuantizationError(
+            f"unknown scheme {q.scheme!r}; expected one of {SCHEMES}"
+        )
+    return _DEQUANTIZE[q.scheme](q, np.dtype(q.dtype if dtype is None else dtype))
+
+
+def is_quantized(x: Any) -> bool:
+    """Whether ``x`` is a `QuantizedWeight` (an ``is_leaf`` for tree functions)."""
+    return isinstance(x, QuantizedWeight)
+
+
+def quantize_params(
+    params: PyTree,
+    scheme: str = "nf4",
+    *,
+    predicate: Callable[[str, Any], bool] | None = None,
+    **options: Any,
+) -> PyTree:
+    """A new tree whose selected weights are `QuantizedWeight` nodes.
+
+    By default every floating leaf with at least two axes whose last axis splits
+    into whole blocks is quantized (weights, not biases or norms); ``predicate(name,
+    leaf)`` (``name`` the dotted path) chooses instead.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> p = quantize_params({"w": jnp.ones((4, 64)), "b": jnp.ones(4)}, "int4")
+        >>> type(p["w"]).__name__, p["b"].shape
+        ('QuantizedWeight', (4,))
+    """
+    block = 32 if scheme in ("q8_0", "q4_0", "q4_1") else options.get("block_size", 64)
+    if scheme == "int8" and options.get("granularity", "block") != "block":
+        block = 1
+
+    def default(_: str, x: Any) -> bool:
+        return (
+            np.ndim(x) >= 2
+            and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+            and np.shape(x)[-1] % block == 0
+        )
+
+    select = predicate or default
+
+    def rule(path: tuple[Any, ...], x: Any) -> Any:
+        if is_quantized(x) or not select(key_path_str(path), x):
+            return x
+        return quantize(x, scheme, **options)
+
+    return jax.tree_util.tree_map_with_path(rule, params, is_leaf=is_quantized)
+
+
+def dequantize_params(params: PyTree, dtype: Any = None) -> PyTree:
+    """A new tree with every `QuantizedWeight` replaced by its dense values."""
+    return jax.tree_util.tree_map(
+        lambda x: dequantize(x, dtype) if is_quantized(x) else x,
+        params,
+        is_leaf=is_quantized,
+    )
+
+
+__all__ = [
+    "dequantize",
+    "dequantize_params",
+    "is_quantized",
+    "quantize",
+    "quantize_params",
+]

@@ -1,0 +1,210 @@
+"""llama.cpp block formats Q8_0, Q4_0, Q4_1, bit-compatible with GGUF.
+
+Each format cuts the last axis into blocks of 32 values (GGUF's ``ne[0]`` is the row
+length, so blocks never cross rows). A block stores a float16 scale ``d`` (and for
+Q4_1 a float16 minimum ``m``) followed by the codes; `from_ggml` and `to_ggml`
+convert between GGUF's interleaved bytes and a `QuantizedWeight` without touching a
+bit. The quantizers reproduce llama.cpp's reference quantizers
+(``quantize_row_q*_ref`` in ``ggml-quants.c``)::
+
+    Q8_0: d = max|x| / 127,     q = round_half_away(x / d) ∈ [-127, 127],  x̂ = d q
+    Q4_0: d = x[argmax|x|] / -8, q = min(15, trunc(x / d + 8.5)),        x̂ = d (q - 8)
+    Q4_1: d = (max - min) / 15,  q = min(15, trunc((x - min) / d + 0.5)), x̂ = d q + m
+
+where ``1 / d`` is taken as 0 when ``d == 0`` and ``d``, ``m`` are rounded to float16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar.errors import FormatError, QuantizationError
+from entrenar.quant.weight import (
+    QuantizedWeight,
+    as_float,
+    check_blocks,
+    check_finite,
+    pack_nibbles,
+    to_blocks,
+    unpack_nibbles,
+)
+
+QK = 32
+"""Values per block in Q8_0, Q4_0 and Q4_1."""
+
+BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2}
+"""Bytes per 32-value block as stored in GGUF."""
+
+
+def _inverse(d: jax.Array) -> jax.Array:
+    """``1 / d``, or 0 where ``d == 0`` (llama.cpp's ``id = d ? 1/d : 0``)."""
+    safe = jnp.where(d == 0, jnp.float32(1), d)
+    return jnp.where(d == 0, jnp.float32(0), jnp.float32(1) / safe)
+
+
+def _round_half_away(v: jax.Array) -> jax.Array:
+    """C's ``roundf``: round half away from zero, exactly (as gguf's ``np_roundf``)."""
+    a = jnp.abs(v)
+    floored = jnp.floor(a)
+    return jnp.sign(v) * (floored + jnp.floor(2 * (a - floored)))
+
+
+def quantize_ggml(w: Any, scheme: str) -> QuantizedWeight:
+    """Quantize ``w: (*lead, cols)`` to ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``.
+
+    Gives the same codes and float16 scales as llama.cpp's reference quantizer.
+
+    Raises:
+        ShapeError: ``cols`` is not a multiple of 32.
+        QuantizationError: ``w`` holds NaN or Inf (checked when ``w`` is concrete).
+    """
+    dtype = np.dtype(jnp.asarray(w).dtype)
+    check_blocks(tuple(np.shape(w)), QK, scheme)
+    check_finite(w, scheme)
+    x = to_blocks(as_float(w), QK)  # (*lead, nb, 32)
+    offsets = None
+    if scheme == "q8_0":
+        d = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / jnp.float32(127)
+        codes = _round_half_away(x * _inverse(d)).astype(jnp.int8)
+        codes = codes.reshape(*codes.shape[:-2], -1)  # (*lead, cols)
+    elif scheme == "q4_0":
+        imax = jnp.argmax(jnp.abs(x), axis=-1, keepdims=True)
+        d = jnp.take_along_axis(x, imax, axis=-1) / jnp.float32(-8)
+        q = jnp.trunc(x * _inverse(d) + jnp.float32(8.5))
+        codes = pack_nibbles(jnp.clip(q, 0, 15))  # (*lead, cols // 2)
+    elif scheme == "q4_1":
+        lo = jnp.min(x, axis=-1, keepdims=True)
+        d = (jnp.max(x, axis=-1, keepdims=True) - lo) / jnp.float32(15)
+        q = jnp.trunc((x - lo) * _inverse(d) + jnp.float32(0.5))
+        codes = pack_nibbles(jnp.clip(q, 0, 15))
+        offsets = lo[..., 0].astype(jnp.float16)  # (*lead, nb)
+    else:
+        raise QuantizationError(f"not a llama.cpp block format: {scheme!r}")
+    scales = d[..., 0].astype(jnp.float16)  # (*lead, nb)
+    return QuantizedWeight(
+        codes, scales, offsets, scheme=scheme, block_size=QK, dtype=dtype
+    )
+
+
+def dequantize_ggml(q: QuantizedWeight, dtype: Any) -> jax.Array:
+    """Values of a Q8_0 / Q4_0 / Q4_1 node, as llama.cpp's dequantizers compute them."""
+    d = q.scales.astype(jnp.float32)[..., None]  # (*lead, nb, 1)
+    if q.scheme == "q8_0":
+        x = to_blocks(q.codes, QK).astype(jnp.float32) * d
+    elif q.scheme == "q4_0":
+        x = d * (unpack_nibbles(q.codes, QK).astype(jnp.float32) - jnp.float32(8))
+    else:
+        m = q.offsets.astype(jnp.float32)[..., None]
+        x = d * unpack_nibbles(q.codes, QK).astype(jnp.float32) + m
+    return x.reshape(*x.shape[:-2], -1).astype(dtype)  # (*lead, cols)
+
+
+def from_ggml(
+    raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]
+) -> QuantizedWeight:
+    """A `QuantizedWeight` from a tensor's bytes as stored in GGUF, bit for bit.
+
+    Args:
+        raw: the tensor's bytes (uint8, any shape; read as a flat buffer).
+        ggml_type: ``"Q8_0"``, ``"Q4_0"`` or ``"Q4_1"`` (case-insensitive).
+        shape: the tensor's shape in row-major numpy order, ``(*lead, cols)`` with
+            ``cols`` = GGUF ``ne[0]``.
+
+    Raises:
+        FormatError: unknown type, ``cols`` not a multiple of 32, or ``raw`` of the
+            wrong length or dtype (checked before anything is allocated).
+
+    Example:
+        >>> import numpy as np
+        >>> block = np.concatenate([np.float16(0.5).reshape(1).view(np.uint8),
+        ...                         np.arange(32, dtype=np.int8).view(np.uint8)])
+        >>> q = from_ggml(block, "Q8_0", (1, 32))
+        >>> q.shape, float(dequantize_ggml(q, np.float32)[0, 3])
+        ((1, 32), 1.5)
+    """
+    kind = str(ggml_type).upper()
+    if kind not in BLOCK_BYTES:
+        raise FormatError(
+            f"GGML type {ggml_type!r} is not one entrenar.quant keeps quantized; "
+            f"expected one of {sorted(BLOCK_BYTES)} (dequantize other types on load)"
+        )
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 1 or any(s <= 0 for s in shape) or shape[-1] % QK:
+        raise FormatError(
+            f"{kind} tensor of shape {shape}: the row length (GGUF ne[0], the last "
+            f"numpy axis) must be a positive multiple of {QK}"
+        )
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8:
+        raise FormatError(f"{kind} tensor bytes must be uint8, got {raw.dtype}")
+    n_blocks = int(np.prod(shape)) // QK
+    expected = n_blocks * BLOCK_BYTES[kind]
+    if raw.size != expected:
+        raise FormatError(
+            f"{kind} tensor of shape {shape} needs {n_blocks} blocks x "
+            f"{BLOCK_BYTES[kind]} bytes = {expected} bytes, got {raw.size}: the file "
+            f"is truncated or the shape/type is wrong"
+        )
+    lead, nb = shape[:-1], shape[-1] // QK
+    blocks = raw.reshape(*lead, nb, BLOCK_BYTES[kind])  # (*lead, nb, bytes)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    offsets = None
+    codes: np.ndarray
+    if kind == "Q8_0":
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    elif kind == "Q4_0":
+        codes = blocks[..., 2:]
+    else:
+        offsets = jnp.asarray(
+            np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+        )
+        codes = blocks[..., 4:]
+    return QuantizedWeight(
+        jnp.asarray(codes.reshape(*lead, -1)),
+        jnp.asarray(d),
+        offsets,
+        scheme=kind.lower(),
+        block_size=QK,
+        dtype=np.dtype(np.float32),
+    )
+
+
+def to_ggml(q: QuantizedWeight) -> tuple[np.ndarray, str]:
+    """GGUF bytes of a Q8_0 / Q4_0 / Q4_1 node: ``(raw uint8 (n_bytes,), ggml_type)``.
+
+    The exact inverse of `from_ggml`.
+
+    Raises:
+        QuantizationError: the node uses another scheme (quantize to one of the
+            llama.cpp formats first, or write it dequantized).
+    """
+    if q.scheme not in ("q8_0", "q4_0", "q4_1"):
+        raise QuantizationError(
+            f"to_ggml writes q8_0/q4_0/q4_1 nodes, got scheme {q.scheme!r}: "
+            f"requantize with quantize(w, scheme='q4_0') or store it dequantized"
+        )
+    kind = q.scheme.upper()
+    lead = q.shape[:-1]
+    nb = q.shape[-1] // QK
+    parts = [np.asarray(q.scales, np.float16).reshape(*lead, nb, 1).view(np.uint8)]
+    if kind == "Q4_1":
+        parts.append(
+            np.asarray(q.offsets, np.float16).reshape(*lead, nb, 1).view(np.uint8)
+        )
+    codes = np.asarray(q.codes)
+    parts.append(codes.reshape(*lead, nb, -1).view(np.uint8))
+    return np.concatenate(parts, axis=-1).reshape(-1), kind
+
+
+__all__ = [
+    "BLOCK_BYTES",
+    "QK",
+    "dequantize_ggml",
+    "from_ggml",
+    "quantize_ggml",
+    "to_ggml",
+]

@@ -1,0 +1,158 @@
+"""NormalFloat4 (NF4) with optional double quantization (Dettmers et al., 2023).
+
+QLoRA's NF4 code has 16 values: the quantiles of a standard normal distribution,
+scaled to ``[-1, 1]``, with an exact zero (8 positive, 7 negative values). A block of
+``B`` values (default 64) is stored as its absmax ``s = max|x|`` and the codes
+``q_i = argmin_k |x_i / s - NF4[k]|``; the value is ``x̂_i = s · NF4[q_i]``.
+
+Double quantization (DQ) quantizes the float32 block scales too: per matrix (the last
+two axes of the scales) their mean ``μ`` is subtracted, the centred scales are cut into
+groups of 256, and each group is stored as int8 codes ``c = round(127 (s - μ) / a)``
+with ``a`` the group's absmax (float32). Bits per parameter::
+
+    without DQ: 4 + 32 / B                       = 4.5     (B = 64)
+    with DQ:    4 + 8 / B + 32 / (256 B) (+ μ)   ≈ 4.127
+
+(bitsandbytes uses its dynamic 8-bit map for the second level; entrenar uses linear
+int8, which costs the same bits.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar.quant.weight import (
+    QuantizedWeight,
+    as_float,
+    check_blocks,
+    check_finite,
+    pack_nibbles,
+    to_blocks,
+    unpack_nibbles,
+)
+
+NF4_CODE = np.array(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982985687256,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=np.float32,
+)
+"""The 16 NF4 values (QLoRA, Appendix E; bitsandbytes ``create_normal_map``)."""
+
+DQ_GROUP = 256
+"""First-level scales per second-level scale in double quantization."""
+
+_MIDPOINTS = (NF4_CODE[1:] + NF4_CODE[:-1]) / 2  # decision thresholds, (15,)
+
+
+def _dq_axes(ndim: int) -> int:
+    """Number of trailing scale axes that form one DQ matrix (2, or 1 for vectors)."""
+    return min(ndim, 2)
+
+
+def double_quantize(s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantize float32 block scales ``(*lead, rows, nb)`` to int8 codes.
+
+    Returns:
+        ``(codes int8 (*lead, rows, nb), group absmax float32 (*lead, G),
+        mean float32 (*lead,))`` with ``G = ceil(rows · nb / 256)``.
+    """
+    k = _dq_axes(s.ndim)
+    lead, n = s.shape[: s.ndim - k], int(np.prod(s.shape[s.ndim - k :]))
+    flat = s.reshape(*lead, n)  # (*lead, n)
+    mean = jnp.mean(flat, axis=-1)  # (*lead,)
+    groups = -(-n // DQ_GROUP)
+    c = jnp.pad(
+        flat - mean[..., None], [(0, 0)] * len(lead) + [(0, groups * DQ_GROUP - n)]
+    )
+    c = c.reshape(*lead, groups, DQ_GROUP)  # (*lead, G, 256)
+    a = jnp.max(jnp.abs(c), axis=-1)  # (*lead, G)
+    inv = jnp.where(a == 0, jnp.float32(0), jnp.float32(127) / jnp.where(a == 0, 1, a))
+    codes = jnp.clip(jnp.round(c * inv[..., None]), -127, 127).astype(jnp.int8)
+    codes = codes.reshape(*lead, groups * DQ_GROUP)[..., :n].reshape(s.shape)
+    return codes, a, mean
+
+
+def double_dequantize(codes: jax.Array, a: jax.Array, mean: jax.Array) -> jax.Array:
+    """Float32 block scales from `double_quantize`'s output, clamped at 0."""
+    k = _dq_axes(codes.ndim)
+    lead, n = codes.shape[: codes.ndim - k], int(np.prod(codes.shape[codes.ndim - k :]))
+    groups = a.shape[-1]
+    c = codes.reshape(*lead, n).astype(jnp.float32)
+    c = jnp.pad(c, [(0, 0)] * len(lead) + [(0, groups * DQ_GROUP - n)])
+    c = c.reshape(*lead, groups, DQ_GROUP) * (a / jnp.float32(127))[..., None]
+    s = c.reshape(*lead, groups * DQ_GROUP)[..., :n] + mean[..., None]
+    return jnp.maximum(s, 0).reshape(codes.shape)  # (*lead, rows, nb)
+
+
+def quantize_nf4(
+    w: Any, *, block_size: int = 64, double_quant: bool = False
+) -> QuantizedWeight:
+    """Quantize ``w: (*lead, cols)`` to NF4 blocks along the last axis.
+
+    Raises:
+        ShapeError: ``cols`` is not a multiple of ``block_size``.
+        QuantizationError: ``w`` holds NaN or Inf (checked when ``w`` is concrete).
+    """
+    dtype = np.dtype(jnp.asarray(w).dtype)
+    check_blocks(tuple(np.shape(w)), block_size, "nf4")
+    check_finite(w, "nf4")
+    x = to_blocks(as_float(w), block_size)  # (*lead, nb, B)
+    s = jnp.max(jnp.abs(x), axis=-1)  # (*lead, nb)
+    if double_quant:
+        scales, a, mean = double_quantize(s)
+        s = double_dequantize(scales, a, mean)  # code against the scales we store
+    else:
+        scales, a, mean = s, None, None
+    inv = jnp.where(s == 0, jnp.float32(0), 1 / jnp.where(s == 0, 1, s))
+    y = x * inv[..., None]  # in [-1, 1] (slightly beyond with DQ)
+    q = jnp.sum(y[..., None] > jnp.asarray(_MIDPOINTS), axis=-1)  # (*lead, nb, B)
+    return QuantizedWeight(
+        pack_nibbles(q),
+        scales,
+        None,
+        a,
+        mean,
+        scheme="nf4",
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+def dequantize_nf4(q: QuantizedWeight, dtype: Any) -> jax.Array:
+    """Values ``s · NF4[code]`` of an NF4 node, ``(*lead, cols)`` in ``dtype``."""
+    s = q.scales
+    if q.double_quant:
+        s = double_dequantize(s, q.scale_scales, q.scale_offset)
+    codes = unpack_nibbles(q.codes, q.block_size)  # (*lead, nb, B)
+    x = jnp.asarray(NF4_CODE)[codes] * s.astype(jnp.float32)[..., None]
+    return x.reshape(*x.shape[:-2], -1).astype(dtype)
+
+
+__all__ = [
+    "DQ_GROUP",
+    "NF4_CODE",
+    "dequantize_nf4",
+    "double_dequantize",
+    "double_quantize",
+    "quantize_nf4",
+]
