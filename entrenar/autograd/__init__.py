@@ -1,0 +1,91 @@
+"""Tape-style automatic differentiation over ``jax.vjp``.
+
+Protocol: make leaves with ``Tensor(data, requires_grad=True)``; operate on them with
+Python operators and the functions here (each operation is recorded on the tape held in
+a ``contextvars.ContextVar``); call ``backward(loss)``; read ``leaf.grad``. Inside
+`no_grad` nothing is recorded. The same code runs eagerly (lazily evaluated, compiled
+once per graph structure) and inside `jax.jit` (on tracers), where it gives what
+``jax.grad`` gives. `check_gradient` compares any function's gradients with central
+finite differences in float64.
+"""
+
+from entrenar.autograd.backward import backward
+from entrenar.autograd.engine import clear_caches
+from entrenar.autograd.functional import (
+    binary_cross_entropy_with_logits,
+    concatenate,
+    cross_entropy,
+    dropout,
+    embedding,
+    exp,
+    gelu,
+    layer_norm,
+    log,
+    log_softmax,
+    matmul,
+    max,
+    mean,
+    mse_loss,
+    relu,
+    reshape,
+    rms_norm,
+    scaled_dot_product_attention,
+    sigmoid,
+    silu,
+    softmax,
+    sqrt,
+    stack,
+    sum,
+    swish,
+    tanh,
+    transpose,
+    where,
+)
+from entrenar.autograd.gradcheck import GradientCheckResult, check_gradient
+from entrenar.autograd.ops import Op, apply, defop
+from entrenar.autograd.tape import enable_grad, get_tape, is_grad_enabled, no_grad
+from entrenar.autograd.tensor import Tensor, as_tensor
+
+__all__ = [
+    "GradientCheckResult",
+    "Op",
+    "Tensor",
+    "apply",
+    "as_tensor",
+    "backward",
+    "binary_cross_entropy_with_logits",
+    "check_gradient",
+    "clear_caches",
+    "concatenate",
+    "cross_entropy",
+    "defop",
+    "dropout",
+    "embedding",
+    "enable_grad",
+    "exp",
+    "gelu",
+    "get_tape",
+    "is_grad_enabled",
+    "layer_norm",
+    "log",
+    "log_softmax",
+    "matmul",
+    "max",
+    "mean",
+    "mse_loss",
+    "no_grad",
+    "relu",
+    "reshape",
+    "rms_norm",
+    "scaled_dot_product_attention",
+    "sigmoid",
+    "silu",
+    "softmax",
+    "sqrt",
+    "stack",
+    "sum",
+    "swish",
+    "tanh",
+    "transpose",
+    "where",
+]

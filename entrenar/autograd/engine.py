@@ -1,0 +1,259 @@
+"""Turning a recorded graph into one pure function, compiling it, and running it.
+
+Eager mode is lazy: an operation on tensors records a `Node` and infers its output
+shape, but computes nothing. When a value is needed (``.data``, ``.item()``) or
+``backward`` is called, the graph below the target is linearised into a `Program`: a
+list of instructions ``(op, static, argument slots)`` over input slots (leaf values and
+constants). The program's structure (instructions, input shapes and dtypes, which inputs
+are differentiated) is its cache key. Execution is tiered:
+
+1. the first time a structure is seen, the program runs op by op (``jax.vjp`` of the
+   replay function for ``backward``), so one-off graphs never wait for a compiler;
+2. from the second time on, it runs as one `jax.jit`-compiled function, cached by key;
+   a notebook-style loop that repeats the same step therefore costs one compiled call
+   per evaluation instead of one dispatch per operation;
+3. when a structure's evaluation has been followed by ``backward`` before, evaluating it
+   again computes the value and the gradients in the same compiled call (the forward
+   pass is not run twice), and ``backward`` then only accumulates them.
+
+Inside `jax.jit` the same code runs on tracers; the compiled program is inlined into the
+caller's computation, so the result is what ``jax.grad`` of the same function gives.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar.errors import TapeError
+
+if TYPE_CHECKING:
+    from entrenar.autograd.tensor import Tensor
+
+# key -> compiled function; bounded so a stream of distinct graphs cannot grow memory.
+_CACHE_SIZE = 512
+_compiled: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()
+_seen: collections.Counter[tuple] = collections.Counter()
+_backward_follows: set[tuple] = set()
+stats: collections.Counter[str] = (
+    collections.Counter()
+)  # "eager", "compiled", "compiles", "fused" (for tests)
+
+
+class Program:
+    """A linearised graph: inputs, instructions and the slot of the target."""
+
+    __slots__ = ("diff_slots", "diff_tensors", "inputs", "instrs", "key", "nodes")
+
+    def __init__(self) -> None:
+        self.inputs: list[Any] = []  # values of input slots
+        self.instrs: list[tuple] = []  # (op, static, arg slots)
+        self.diff_slots: list[int] = []  # input slots differentiated by backward
+        self.diff_tensors: list[Tensor] = []  # the leaves owning those slots
+        self.nodes: list[Any] = []  # recorded nodes walked (freed after backward)
+        self.key: tuple = ()
+
+
+def _input_sig(v: Any) -> tuple:
+    if isinstance(v, (bool, int, float, complex)):
+        return ("py", type(v))
+    return (tuple(v.shape), np.dtype(v.dtype), bool(getattr(v, "weak_type", False)))
+
+
+def build(target: Tensor, *, for_grad: bool) -> Program:
+    """Linearise the graph below ``target`` (iterative post-order walk).
+
+    A tensor is recomputed from its node when it has no value yet, or when it requires
+    grad (so gradients flow through it); otherwise its value is an input slot.
+    """
+    prog = Program()
+    slot_of: dict[int, int] = {}  # id(tensor) or id(constant) -> slot
+    input_sigs: list[tuple] = []
+    n_inputs = 0
+    keep_alive: list[Any] = []  # constants whose id() keys slot_of
+
+    def add_input(value: Any, key_id: int, diff_owner: Tensor | None) -> int:
+        nonlocal n_inputs
+        slot = n_inputs
+        n_inputs += 1
+        slot_of[key_id] = slot
+        prog.inputs.append(value)
+        input_sigs.append((*_input_sig(value), diff_owner is not None))
+        if diff_owner is not None:
+            prog.diff_slots.append(slot)
+            prog.diff_tensors.append(diff_owner)
+        return slot
+
+    def _as_snap(a: Any, snap: Any) -> bool:
+        # A leaf read through its recorded value: every leaf, except the ones being
+        # differentiated (those are the gradient's variables).
+        return snap is not None and not (for_grad and a.requires_grad)
+
+    # Slots: inputs are numbered 0, 1, ...; instruction outputs -1, -2, ...
+    stack: list[tuple[Any, bool]] = [(target, False)]
+    while stack:
+        t, expanded = stack.pop()
+        if id(t) in slot_of:
+            continue
+        node = t._node
+        if node is None or (t._value is not None and not t.requires_grad):
+            diff = for_grad and t.requires_grad and node is None
+            add_input(t._value, id(t), t if diff else None)
+            continue
+        if for_grad and node.freed:
+            raise TapeError(
+                "backward through a graph that was already freed (op "
+                f"{node.op.name!r}, output shape {t.shape}): a previous backward() "
+                "released it. Pass "
+                "retain_graph=True to the first backward() to differentiate twice."
+            )
+        if not expanded:
+            stack.append((t, True))
+            for a, snap in zip(reversed(node.args), reversed(node.snaps)):
+                if _is_tensor(a) and id(a) not in slot_of and not _as_snap(a, snap):
+                    stack.append((a, False))
+            continue
+        arg_slots = []
+        for a, snap in zip(node.args, node.snaps):
+            if not _is_tensor(a):
+                keep_alive.append(a)
+                arg_slots.append(add_input(a, id(a), None))
+            elif _as_snap(a, snap):
+                sid = id(snap)  # a constant leaf: its value as recorded
+                if sid not in slot_of:
+                    keep_alive.append(snap)
+                    add_input(snap, sid, None)
+                arg_slots.append(slot_of[sid])
+            else:
+                arg_slots.append(slot_of[id(a)])
+        slot_of[id(t)] = -1 - len(prog.instrs)
+        prog.instrs.append((node.op, node.static, tuple(arg_slots)))
+        if node.recorded:
+            prog.nodes.append(node)
+    prog.key = (tuple(prog.instrs), tuple(input_sigs))
+    del keep_alive
+    return prog
+
+
+def _is_tensor(a: Any) -> bool:
+    return hasattr(a, "_node") and hasattr(a, "_live_uses")
+
+
+def _run(instrs: Sequence[tuple], ins: Sequence[Any]) -> Any:
+    """Replay a program: the pure function the graph denotes."""
+    if not instrs:
+        return ins[0]
+    outs: list[Any] = []
+    for op, static, slots in instrs:
+        args = [ins[s] if s >= 0 else outs[-1 - s] for s in slots]
+        outs.append(op.fn(*args, **dict(static)))
+    return outs[-1]
+
+
+def _make_forward(prog: Program) -> Callable:
+    instrs = prog.instrs
+
+    def forward(ins: list[Any]) -> Any:
+        return _run(instrs, ins)
+
+    return forward
+
+
+def _make_grad(prog: Program) -> Callable:
+    instrs, diff_slots = prog.instrs, tuple(prog.diff_slots)
+
+    def value_and_grads(ins: list[Any], seed: Any) -> tuple[Any, list[Any]]:
+        def f(diff_vals: list[Any]) -> Any:
+            full = list(ins)
+            for s, v in zip(diff_slots, diff_vals):
+                full[s] = v
+            return _run(instrs, full)
+
+        out, vjp = jax.vjp(f, [ins[s] for s in diff_slots])
+        cot = jnp.ones_like(out) if seed is None else jnp.asarray(seed, out.dtype)
+        (grads,) = vjp(cot)
+        return out, grads
+
+    return value_and_grads
+
+
+def _execute(prog: Program, kind: str, make: Callable, *extra: Any) -> Any:
+    """Run ``make(prog)`` on the program's inputs.
+
+    Op by op the first time a structure is seen, compiled (and cached) after that.
+    """
+    key = (kind, prog.key)
+    fn = _compiled.get(key)
+    if fn is None:
+        _seen[key] += 1
+        if len(_seen) > 8 * _CACHE_SIZE:
+            _seen.clear()
+        if _seen[key] < 2:
+            stats["eager"] += 1
+            return make(prog)(prog.inputs, *extra)
+        fn = jax.jit(make(prog))
+        _compiled[key] = fn
+        stats["compiles"] += 1
+        if len(_compiled) > _CACHE_SIZE:
+            _compiled.popitem(last=False)
+    else:
+        _compiled.move_to_end(key)
+    stats["compiled"] += 1
+    return fn(prog.inputs, *extra)
+
+
+def evaluate(t: Tensor) -> Any:
+    """Compute the value of a lazy tensor.
+
+    When a backward pass is known to follow this graph, its gradients are computed in
+    the same call and kept for `backward`.
+    """
+    if t.requires_grad and t.size == 1:
+        try:
+            prog = build(t, for_grad=True)
+        except TapeError:  # part of the graph was freed: a plain forward is fine
+            prog = None
+        if prog is not None and prog.instrs and prog.key in _backward_follows:
+            out, grads = _execute(prog, "grad", _make_grad, None)
+            stats["fused"] += 1
+            t._pending = (grads, prog.diff_tensors, prog.nodes)
+            return out
+    else:
+        prog = None
+    if prog is None:
+        prog = build(t, for_grad=False)
+    return _execute(prog, "forward", _make_forward)
+
+
+def backward(t: Tensor, seed: Any = None, *, retain_graph: bool = False) -> None:
+    """Accumulate d(t)/d(leaf) (times ``seed``) into ``.grad`` of every leaf."""
+    pending = t._pending
+    t._pending = None
+    if pending is not None and seed is None:
+        grads, tensors, nodes = pending
+    else:
+        prog = build(t, for_grad=True)
+        tensors, nodes = prog.diff_tensors, prog.nodes
+        out, grads = _execute(prog, "grad", _make_grad, seed)
+        if prog.instrs:
+            _backward_follows.add(prog.key)
+        if t._value is None:
+            t._value = out
+    for leaf, g in zip(tensors, grads):
+        leaf.grad = g if leaf.grad is None else leaf.grad + g
+    if not retain_graph:
+        for node in nodes:
+            node.free()
+
+
+def clear_caches() -> None:
+    """Forget every compiled program (for tests and memory pressure)."""
+    _compiled.clear()
+    _seen.clear()
+    _backward_follows.clear()
+    stats.clear()

@@ -1,0 +1,372 @@
+"""`Tensor`: an array that records the operations applied to it.
+
+A tensor is either a **leaf** (made from data; ``requires_grad=True`` marks a
+parameter whose ``.grad`` backward fills) or the **output of an operation** (it holds a
+`Node` and is computed lazily, see `entrenar.autograd.engine`). Its value is a
+``jax.Array`` (``.data``); gradients are ``jax.Array``s of the same shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar.autograd import engine
+from entrenar.autograd import ops as _ops
+from entrenar.autograd.tape import Node
+from entrenar.errors import ShapeError, TapeError
+
+
+def _to_value(data: Any, dtype: Any = None) -> Any:
+    """Host or device array for ``data`` with a canonical JAX dtype."""
+    if isinstance(data, Tensor):
+        data = data.data
+    if isinstance(data, jax.Array):  # includes tracers
+        return data if dtype is None else data.astype(dtype)
+    arr = np.asarray(data, dtype=dtype)
+    canonical = jax.dtypes.canonicalize_dtype(arr.dtype)
+    if arr.dtype != canonical:
+        arr = arr.astype(canonical)
+    return arr
+
+
+class Tensor:
+    """A shaped array with an autograd tape.
+
+    Args:
+        data: a list, number, numpy array, jax array (or tracer) or Tensor.
+        requires_grad: record operations on this tensor so that `backward` fills
+            its ``.grad``.
+        dtype: optional dtype to convert to (default: the data's, with float64
+            becoming float32 unless JAX's x64 mode is on).
+
+    Example:
+        >>> from entrenar.autograd import Tensor, backward
+        >>> x = Tensor([3.0], requires_grad=True)
+        >>> y = x * x
+        >>> backward(y)
+        >>> x.grad.tolist()
+        [6.0]
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_aval",
+        "_live_uses",
+        "_node",
+        "_pending",
+        "_value",
+        "grad",
+        "requires_grad",
+    )
+    __array_priority__ = 1000  # numpy defers to Tensor's reflected operators
+
+    def __init__(self, data: Any, requires_grad: bool = False, dtype: Any = None):
+        value = _to_value(data, dtype)
+        self._init(value, None, requires_grad)
+
+    def _init(
+        self, value: Any, node: Node | None, requires_grad: bool, aval: Any = None
+    ) -> None:
+        self._value = value
+        self._node = node
+        self._aval = aval if aval is not None else _ops.Aval.of(value)
+        self._live_uses = 0
+        self._pending: Any = None
+        self.requires_grad = bool(requires_grad)
+        self.grad: Any = None
+        if requires_grad and not jnp.issubdtype(self.dtype, jnp.inexact):
+            raise TapeError(
+                f"only floating-point tensors can require grad, got {self.dtype}; "
+                "pass dtype=jnp.float32"
+            )
+
+    @classmethod
+    def _wrap(cls, value: Any, requires_grad: bool = False) -> Tensor:
+        t = cls.__new__(cls)
+        t._init(value, None, requires_grad)
+        return t
+
+    @classmethod
+    def _lazy(cls, node: Node, aval: Any, requires_grad: bool) -> Tensor:
+        t = cls.__new__(cls)
+        t._init(None, node, requires_grad, aval)
+        return t
+
+    # ---- constructors ----------------------------------------------------------
+    @classmethod
+    def from_vec(cls, values: Sequence[float], requires_grad: bool = False) -> Tensor:
+        """A 1-D float32 tensor, as ``Tensor::from_vec`` in the original Rust API."""
+        return cls._wrap(np.asarray(values, np.float32).reshape(-1), requires_grad)
+
+    @classmethod
+    def zeros(
+        cls, shape: int | Sequence[int], requires_grad: bool = False, dtype: Any = None
+    ) -> Tensor:
+        """A tensor of zeros (float32 by default)."""
+        return cls(np.zeros(shape, dtype or np.float32), requires_grad)
+
+    @classmethod
+    def ones(
+        cls, shape: int | Sequence[int], requires_grad: bool = False, dtype: Any = None
+    ) -> Tensor:
+        """A tensor of ones (float32 by default)."""
+        return cls(np.ones(shape, dtype or np.float32), requires_grad)
+
+    @classmethod
+    def randn(
+        cls,
+        shape: int | Sequence[int],
+        *,
+        key: jax.Array,
+        requires_grad: bool = False,
+        dtype: Any = jnp.float32,
+    ) -> Tensor:
+        """Standard normal samples drawn with an explicit ``key``."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return cls(jax.random.normal(key, shape, dtype), requires_grad)
+
+    # ---- properties ------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape, known without computing the value."""
+        return self._aval.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The element dtype."""
+        return self._aval.dtype
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self._aval.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self._aval.shape)
+
+    @property
+    def is_leaf(self) -> bool:
+        """True for tensors made from data (not by an operation)."""
+        return self._node is None
+
+    @property
+    def data(self) -> jax.Array:
+        """The value as a ``jax.Array`` (computed on first access)."""
+        if self._value is None:
+            self._value = engine.evaluate(self)
+        if not isinstance(self._value, jax.Array):
+            self._value = jnp.asarray(self._value)
+        return self._value
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        if self._node is not None:
+            raise TapeError(
+                "cannot assign .data of a tensor computed by an operation "
+                f"({self._node.op.name}); assign to a leaf, or use .detach() first"
+            )
+        if self.requires_grad and self._live_uses > 0:
+            raise TapeError(
+                f"cannot change the data of a tensor that requires grad (shape "
+                f"{self.shape}) while {self._live_uses} recorded operation(s) still "
+                "need it: call backward() first, build that graph under no_grad(), "
+                "or drop the tensors that hold it"
+            )
+        new = _to_value(value)
+        self._value = new
+        self._aval = _ops.Aval.of(new)
+
+    def numpy(self) -> np.ndarray:
+        """The value as a numpy array."""
+        if self._value is None:
+            self._value = engine.evaluate(self)
+        return np.asarray(self._value)
+
+    def item(self) -> float | int | bool:
+        """The value of a one-element tensor as a Python number."""
+        if self.size != 1:
+            raise ShapeError(
+                f"item() needs a tensor with one element, got shape {self.shape}"
+            )
+        return self.numpy().reshape(()).item()
+
+    def tolist(self) -> Any:
+        """The value as nested Python lists."""
+        return self.numpy().tolist()
+
+    def zero_grad(self) -> None:
+        """Forget the accumulated gradient (``.grad`` becomes None)."""
+        self.grad = None
+
+    def detach(self) -> Tensor:
+        """A tensor with the same value, cut from the graph (no grad flows back)."""
+        if self._node is None:
+            return Tensor._wrap(self._value)
+        return _ops.apply(_ops.STOP_GRADIENT, self)._as_constant()
+
+    def _as_constant(self) -> Tensor:
+        self.requires_grad = False
+        if self._node is not None:
+            self._node.recorded = False
+        return self
+
+    def requires_grad_(self, flag: bool = True) -> Tensor:
+        """Set ``requires_grad`` on a leaf, in place; returns the tensor."""
+        if self._node is not None:
+            raise TapeError("requires_grad_ applies to leaf tensors only")
+        self.requires_grad = flag
+        return self
+
+    def astype(self, dtype: Any) -> Tensor:
+        """Convert to ``dtype`` (differentiable between float dtypes)."""
+        return _ops.apply(_ops.ASTYPE, self, dtype=np.dtype(dtype))
+
+    def __repr__(self) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        op = f", op={self._node.op.name}" if self._node is not None else ""
+        if self._value is None:
+            body = f"<lazy {self.dtype}{list(self.shape)}>"
+        else:
+            try:
+                body = np.array2string(
+                    np.asarray(self._value), precision=4, threshold=20, separator=", "
+                )
+            except Exception:  # tracers
+                body = f"<traced {self.dtype}{list(self.shape)}>"
+        return f"Tensor({body}, shape={self.shape}, dtype={self.dtype}{grad}{op})"
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    # ---- operators --------------------------------------------------------------
+    def __add__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.ADD, self, o)
+
+    def __radd__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.ADD, o, self)
+
+    def __sub__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.SUB, self, o)
+
+    def __rsub__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.SUB, o, self)
+
+    def __mul__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.MUL, self, o)
+
+    def __rmul__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.MUL, o, self)
+
+    def __truediv__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.DIV, self, o)
+
+    def __rtruediv__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.DIV, o, self)
+
+    def __pow__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.POW, self, o)
+
+    def __rpow__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.POW, o, self)
+
+    def __matmul__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.MATMUL, self, o)
+
+    def __rmatmul__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.MATMUL, o, self)
+
+    def __neg__(self) -> Tensor:
+        return _ops.apply(_ops.NEG, self)
+
+    def __lt__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.LT, self, o)
+
+    def __le__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.LE, self, o)
+
+    def __gt__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.GT, self, o)
+
+    def __ge__(self, o: Any) -> Tensor:
+        return _ops.apply(_ops.GE, self, o)
+
+    def __getitem__(self, index: Any) -> Tensor:
+        return _ops.getitem(self, index)
+
+    # ---- methods mirroring the functional API -------------------------------------
+    def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        """Sum over ``axis`` (all axes by default)."""
+        return _ops.apply(_ops.SUM, self, axis=_ops._axis(axis), keepdims=keepdims)
+
+    def mean(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        """Mean over ``axis`` (all axes by default)."""
+        return _ops.apply(_ops.MEAN, self, axis=_ops._axis(axis), keepdims=keepdims)
+
+    def max(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        """Maximum over ``axis``; ties share the gradient equally (as jax.grad)."""
+        return _ops.apply(_ops.MAX, self, axis=_ops._axis(axis), keepdims=keepdims)
+
+    def reshape(self, *shape: Any) -> Tensor:
+        """Reshape (one ``-1`` allowed)."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return _ops.apply(_ops.RESHAPE, self, shape=tuple(int(s) for s in shape))
+
+    def transpose(self, *axes: int) -> Tensor:
+        """Permute axes (reverse them when none are given)."""
+        if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+            axes = tuple(axes[0])
+        return _ops.apply(_ops.TRANSPOSE, self, axes=tuple(axes) or None)
+
+    @property
+    def T(self) -> Tensor:
+        """The transpose (axes reversed)."""
+        return self.transpose()
+
+    def exp(self) -> Tensor:
+        """Elementwise e^x."""
+        return _ops.apply(_ops.EXP, self)
+
+    def log(self) -> Tensor:
+        """Elementwise natural logarithm."""
+        return _ops.apply(_ops.LOG, self)
+
+    def sqrt(self) -> Tensor:
+        """Elementwise square root."""
+        return _ops.apply(_ops.SQRT, self)
+
+    def tanh(self) -> Tensor:
+        """Elementwise tanh."""
+        return _ops.apply(_ops.TANH, self)
+
+    def abs(self) -> Tensor:
+        """Elementwise absolute value."""
+        return _ops.apply(_ops.ABS, self)
+
+
+def as_tensor(x: Any) -> Tensor:
+    """``x`` if it is a Tensor, else a constant Tensor holding it."""
+    return x if isinstance(x, Tensor) else Tensor(x)
+
+
+__all__ = ["Tensor", "as_tensor"]
