@@ -1,0 +1,271 @@
+"""ggml tensor types: block sizes and numpy dequantization.
+
+A ggml tensor of type ``T`` stores each row (``ne[0]`` elements, the last numpy axis)
+as ``ne[0] / block_size`` blocks of ``type_size`` bytes. The formats, as in ggml's
+``ggml-quants.c`` (``d``, ``m``, ``dmin`` are little-endian float16):
+
+- ``Q8_0`` (32 values, 34 B): ``d, q[32] int8``; ``x = d·q``.
+- ``Q4_0`` (32, 18 B): ``d, qs[16]``; value ``j < 16`` is the low nibble of ``qs[j]``,
+  value ``j + 16`` its high nibble; ``x = d·(q − 8)``.
+- ``Q4_1`` (32, 20 B): ``d, m, qs[16]`` as Q4_0; ``x = d·q + m``.
+- ``Q5_0``/``Q5_1`` (32, 22/24 B): as Q4_0/Q4_1 plus ``qh`` (uint32) holding bit 4 of
+  value ``j`` in bit ``j``; ``x = d·(q − 16)`` / ``x = d·q + m``.
+- ``Q4_K`` (256, 144 B): ``d, dmin, scales[12], qs[128]``: 8 sub-blocks of 32 with 6-bit
+  scale ``sc`` and min ``mn`` packed in ``scales``; ``x = d·sc·q − dmin·mn``. Each
+  32-byte chunk of ``qs`` holds two sub-blocks (low nibbles, then high nibbles).
+- ``Q5_K`` (256, 176 B): ``d, dmin, scales[12], qh[32], qs[128]``: Q4_K plus a
+  fifth bit, bit ``s`` of ``qh[l]`` for sub-block ``s``.
+- ``Q6_K`` (256, 210 B): ``ql[128], qh[64], scales[16] int8, d``: 16 sub-blocks of 16,
+  ``x = d·scale·(q − 32)`` with ``q`` = 4 low bits from ``ql`` and 2 high from ``qh``.
+
+All functions take the raw bytes of whole rows and return float32 values.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from entrenar.errors import FormatError, UnsupportedError
+
+
+class GGMLType(NamedTuple):
+    """One ggml tensor type: its id in GGUF files, name and block geometry."""
+
+    id: int
+    name: str
+    block_size: int
+    type_size: int
+
+
+_TYPES = [
+    GGMLType(0, "F32", 1, 4),
+    GGMLType(1, "F16", 1, 2),
+    GGMLType(2, "Q4_0", 32, 18),
+    GGMLType(3, "Q4_1", 32, 20),
+    GGMLType(6, "Q5_0", 32, 22),
+    GGMLType(7, "Q5_1", 32, 24),
+    GGMLType(8, "Q8_0", 32, 34),
+    GGMLType(9, "Q8_1", 32, 36),
+    GGMLType(10, "Q2_K", 256, 84),
+    GGMLType(11, "Q3_K", 256, 110),
+    GGMLType(12, "Q4_K", 256, 144),
+    GGMLType(13, "Q5_K", 256, 176),
+    GGMLType(14, "Q6_K", 256, 210),
+    GGMLType(15, "Q8_K", 256, 292),
+    GGMLType(24, "I8", 1, 1),
+    GGMLType(25, "I16", 1, 2),
+    GGMLType(26, "I32", 1, 4),
+    GGMLType(27, "I64", 1, 8),
+    GGMLType(28, "F64", 1, 8),
+    GGMLType(30, "BF16", 1, 2),
+]
+GGML_TYPES: dict[int, GGMLType] = {t.id: t for t in _TYPES}
+"""Every ggml type id entrenar can size, keyed by id."""
+GGML_TYPE_IDS: dict[str, int] = {t.name: t.id for t in _TYPES}
+"""Type ids keyed by name (``"Q4_1" -> 3``)."""
+
+
+def ggml_type(type_id: int) -> GGMLType:
+    """Return the `GGMLType` of ``type_id``.
+
+    Raises:
+        FormatError: unknown type id.
+
+    >>> ggml_type(3)
+    GGMLType(id=3, name='Q4_1', block_size=32, type_size=20)
+    """
+    t = GGML_TYPES.get(int(type_id))
+    if t is None:
+        raise FormatError(f"unknown ggml tensor type id {type_id}")
+    return t
+
+
+def row_bytes(type_id: int, n: int) -> int:
+    """Bytes of one row of ``n`` values (``n`` must be a whole number of blocks).
+
+    >>> row_bytes(8, 64)
+    68
+    """
+    t = ggml_type(type_id)
+    if n % t.block_size:
+        raise FormatError(
+            f"row length {n} is not a multiple of {t.name}'s block size {t.block_size}"
+        )
+    return n // t.block_size * t.type_size
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian float16 from ``(..., 2)`` uint8 to float32 ``(...)``."""
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """``(n, k)`` bytes -> ``(n, 2k)`` codes: all low nibbles, then all high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q8_0(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])[:, None]  # (n, 1)
+    return d * b[:, 2:].view(np.int8).astype(np.float32)  # (n, 32)
+
+
+def _q4_0(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])[:, None]
+    return d * (_nibbles(b[:, 2:]).astype(np.float32) - 8.0)
+
+
+def _q4_1(b: np.ndarray) -> np.ndarray:
+    d, m = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    return d * _nibbles(b[:, 4:]).astype(np.float32) + m
+
+
+def _high_bits32(qh: np.ndarray) -> np.ndarray:
+    """``(n, 4)`` bytes of a little-endian uint32 -> ``(n, 32)`` bit 4 values (0/16)."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # (n, 32), bit j at j
+    return bits.astype(np.uint8) << 4
+
+
+def _q5_0(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])[:, None]
+    q = _nibbles(b[:, 6:]) | _high_bits32(b[:, 2:6])
+    return d * (q.astype(np.float32) - 16.0)
+
+
+def _q5_1(b: np.ndarray) -> np.ndarray:
+    d, m = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    q = _nibbles(b[:, 8:]) | _high_bits32(b[:, 4:8])
+    return d * q.astype(np.float32) + m
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack Q4_K/Q5_K's 12 bytes into 8 six-bit scales and 8 mins, ``(n, 8)`` each.
+
+    Sub-block ``j < 4``: ``sc = s[j] & 63``, ``mn = s[j+4] & 63``. For ``j >= 4``:
+    ``sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4``,
+    ``mn = (s[j+4] >> 4) | (s[j] >> 6) << 4``.
+    """
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    sc, mn = _k_scales(b[:, 4:16])  # (n, 8)
+    qs = b[:, 16:].reshape(n, 4, 32)  # chunk c holds sub-blocks 2c (low), 2c+1 (high)
+    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32).astype(np.float32)
+    x = (d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]  # (n, 8, 32)
+    return x.reshape(n, 256)
+
+
+def _q5_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    sc, mn = _k_scales(b[:, 4:16])
+    qh = b[:, 16:48]  # (n, 32): bit s of qh[l] is bit 4 of value l of sub-block s
+    qs = b[:, 48:].reshape(n, 4, 32)
+    low = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32)
+    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    q = (low | (high << 4)).astype(np.float32)  # (n, 8, 32)
+    x = (d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]
+    return x.reshape(n, 256)
+
+
+def _q6_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    ql = b[:, 0:128].reshape(n, 2, 2, 32)  # (half, 32-byte chunk, l)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)  # (half, l)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(n, 2, 8)
+    d = _f16(b[:, 208:210])[:, None, None]
+    # Within a half of 128 values: quarter k uses nibble k // 2 of chunk k % 2 and
+    # bits 2k..2k+1 of qh.
+    lo0, lo1 = ql[:, :, 0], ql[:, :, 1]  # (n, 2, 32) each
+    low = np.stack([lo0 & 15, lo1 & 15, lo0 >> 4, lo1 >> 4], axis=2)  # (n, 2, 4, 32)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    q = (low | (high << 4)).astype(np.float32) - 32.0  # (n, 2, 4, 32)
+    scale = (d * sc).reshape(n, 2, 4, 2, 1)  # one scale per 16 values
+    return (scale * q.reshape(n, 2, 4, 2, 16)).reshape(n, 256)
+
+
+def _plain(dtype: str):
+    def f(b: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(b).view(dtype).astype(np.float32)
+
+    return f
+
+
+def _bf16(b: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(b).view("<u2").astype(np.uint32) << 16
+    return u.view(np.float32)
+
+
+_DEQUANT = {
+    0: _plain("<f4"),
+    1: _plain("<f2"),
+    30: _bf16,
+    8: _q8_0,
+    2: _q4_0,
+    3: _q4_1,
+    6: _q5_0,
+    7: _q5_1,
+    12: _q4_k,
+    13: _q5_k,
+    14: _q6_k,
+}
+DEQUANTIZABLE: tuple[str, ...] = tuple(GGML_TYPES[i].name for i in _DEQUANT)
+"""Names of the ggml types `dequantize` supports."""
+
+
+def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode the raw bytes of a ggml tensor into float32 of ``shape`` (numpy order).
+
+    Args:
+        raw: uint8 bytes of the tensor, ``prod(shape[:-1]) * row_bytes`` long.
+        type_id: ggml type id (see `GGML_TYPES`).
+        shape: numpy shape; the last axis is ggml's ``ne[0]``, the row.
+
+    Returns:
+        float32 array of ``shape``.
+
+    Raises:
+        FormatError: ``raw`` has the wrong size for ``shape`` and the type.
+        UnsupportedError: a type `dequantize` cannot decode (see `DEQUANTIZABLE`).
+
+    >>> dequantize(np.array([0, 60, 0, 192], np.uint8), 1, (2,)).tolist()  # F16
+    [1.0, -2.0]
+    """
+    t = ggml_type(type_id)
+    fn = _DEQUANT.get(t.id)
+    if fn is None:
+        raise UnsupportedError(
+            f"cannot dequantize ggml type {t.name}; "
+            f"supported: {', '.join(DEQUANTIZABLE)}"
+        )
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    rows = n // shape[-1] if shape and shape[-1] else 0
+    want = rows * row_bytes(t.id, shape[-1]) if shape else t.type_size
+    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if raw.size != want:
+        raise FormatError(
+            f"{t.name} tensor of shape {shape} needs {want} bytes, got {raw.size}"
+        )
+    if n == 0:
+        return np.zeros(shape, np.float32)
+    blocks = raw.reshape(-1, t.type_size)  # (n_blocks, type_size)
+    with np.errstate(invalid="ignore", over="ignore"):  # corrupt scales give inf/nan
+        return fn(blocks).reshape(shape)
+
+
+__all__ = [
+    "DEQUANTIZABLE",
+    "GGML_TYPES",
+    "GGML_TYPE_IDS",
+    "GGMLType",
+    "dequantize",
+    "ggml_type",
+    "row_bytes",
+]

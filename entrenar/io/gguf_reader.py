@@ -1,0 +1,291 @@
+"""A validating GGUF reader (format versions 2 and 3, little-endian).
+
+Layout (all integers little-endian)::
+
+    magic "GGUF" | version u32 | n_tensors u64 | n_kv u64
+    n_kv × (key: string, type: u32, value)
+    n_tensors × (name: string, n_dims u32, ne[n_dims] u64, ggml_type u32, offset u64)
+    padding to `alignment` (metadata ``general.alignment``, default 32)
+    tensor data; tensor ``i`` starts at data_start + offset_i (a multiple of alignment)
+
+A string is ``u64 length`` + UTF-8 bytes; an array is ``item_type u32, count u64`` and
+the items. ``ne[0]`` is the row length, so the numpy shape is ``ne`` reversed.
+
+Every count, length, dimension and offset is checked against the bytes left in the
+file before anything is allocated, so a truncated or hostile file raises
+`entrenar.errors.FormatError` naming the file and the field. Tensor data is not read
+until asked for: the file is memory-mapped and `GGUFFile.raw` returns a view.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io.ggml_dequant import dequantize, ggml_type
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4
+_MAX_DEPTH = 3  # arrays of arrays of arrays at most
+
+
+class GGUFValueType(enum.IntEnum):
+    """Type tags of GGUF metadata values."""
+
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+SCALAR_FORMATS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<B",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+"""`struct` format of each fixed-size value type."""
+
+
+@dataclass(frozen=True)
+class GGUFField:
+    """One metadata value with its GGUF type (``item_type`` for arrays)."""
+
+    value: Any
+    type: GGUFValueType
+    item_type: GGUFValueType | None = None
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor lies: numpy ``shape``, ggml type, absolute ``offset``, bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_id: int
+    offset: int
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        """The ggml type name, e.g. ``"Q4_1"``."""
+        return ggml_type(self.type_id).name
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF file: metadata, tensor infos and a memory map of the data."""
+
+    path: str
+    version: int
+    fields: dict[str, GGUFField]
+    tensors: dict[str, GGUFTensorInfo]
+    alignment: int
+    data_offset: int
+    _data: np.ndarray = field(repr=False)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Metadata values by key (without their types)."""
+        return {k: f.value for k, f in self.fields.items()}
+
+    def info(self, name: str) -> GGUFTensorInfo:
+        """The `GGUFTensorInfo` of ``name``; `KeyError`-like `FormatError` if absent."""
+        if name not in self.tensors:
+            raise FormatError(f"{self.path}: no tensor named {name!r}")
+        return self.tensors[name]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's stored bytes, a read-only uint8 view into the file."""
+        t = self.info(name)
+        return self._data[t.offset : t.offset + t.nbytes]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor dequantized to float32, in numpy shape order."""
+        t = self.info(name)
+        return dequantize(self.raw(name), t.type_id, t.shape)
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer, checking each length first."""
+
+    def __init__(self, buf: Any, size: int, path: str) -> None:
+        self.buf, self.size, self.path, self.pos = buf, size, path, 0
+
+    def fail(self, what: str, msg: str) -> FormatError:
+        return FormatError(f"{self.path}: {what}: {msg} (at byte {self.pos})")
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail(
+                what, f"needs {n} bytes but only {self.size - self.pos} remain"
+            )
+
+    def scalar(self, vtype: GGUFValueType, what: str) -> Any:
+        fmt = SCALAR_FORMATS[vtype]
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return bool(v) if vtype == GGUFValueType.BOOL else v
+
+    def u32(self, what: str) -> int:
+        return int(self.scalar(GGUFValueType.UINT32, what))
+
+    def u64(self, what: str) -> int:
+        return int(self.scalar(GGUFValueType.UINT64, what))
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"{what} length")
+        self.need(n, what)
+        b = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return b.decode("utf-8", errors="surrogateescape")
+
+    def vtype(self, what: str) -> GGUFValueType:
+        v = self.u32(what)
+        try:
+            return GGUFValueType(v)
+        except ValueError:
+            raise self.fail(what, f"unknown value type {v}") from None
+
+    def value(self, vtype: GGUFValueType, what: str, depth: int = 0) -> GGUFField:
+        if vtype == GGUFValueType.STRING:
+            return GGUFField(self.string(what), vtype)
+        if vtype != GGUFValueType.ARRAY:
+            return GGUFField(self.scalar(vtype, what), vtype)
+        if depth >= _MAX_DEPTH:
+            raise self.fail(what, f"arrays nested deeper than {_MAX_DEPTH}")
+        item = self.vtype(f"{what} item type")
+        count = self.u64(f"{what} count")
+        if item in SCALAR_FORMATS:
+            n = struct.calcsize(SCALAR_FORMATS[item])
+            self.need(count * n, f"{what} ({count} items)")
+            a = np.frombuffer(self.buf, SCALAR_FORMATS[item], count, self.pos)
+            self.pos += count * n
+            vals = a.astype(bool) if item == GGUFValueType.BOOL else a
+            return GGUFField(vals.tolist(), vtype, item)
+        # Strings take >= 8 bytes each, arrays >= 12: bound count before looping.
+        self.need(count * (8 if item == GGUFValueType.STRING else 12), what)
+        items = [self.value(item, what, depth + 1).value for _ in range(count)]
+        return GGUFField(items, vtype, item)
+
+
+def _tensor_info(cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int, int]:
+    name = cur.string(f"tensor {i} name")
+    what = f"tensor {name!r}"
+    n_dims = cur.u32(f"{what} n_dims")
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise cur.fail(what, f"n_dims {n_dims} is not in 1..{MAX_DIMS}")
+    ne = [cur.u64(f"{what} ne[{d}]") for d in range(n_dims)]
+    type_id = cur.u32(f"{what} type")
+    try:
+        t = ggml_type(type_id)
+    except FormatError:
+        raise cur.fail(what, f"unknown ggml type {type_id}") from None
+    offset = cur.u64(f"{what} offset")
+    if ne[0] % t.block_size:
+        raise cur.fail(what, f"ne[0]={ne[0]} not a multiple of {t.name}'s block size")
+    n_rows = math.prod(ne[1:])
+    nbytes = n_rows * (ne[0] // t.block_size * t.type_size)
+    if nbytes > cur.size:
+        raise cur.fail(what, f"shape {ne} needs {nbytes} bytes, more than the file")
+    return name, tuple(reversed(ne)), type_id, offset, nbytes
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Parse and validate the GGUF file at ``path`` (tensor data is memory-mapped).
+
+    Raises:
+        FormatError: not a GGUF file, or a truncated, corrupt or hostile one; the
+            message names the file and the field.
+        UnsupportedError: a GGUF version other than 2 or 3.
+    """
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    if size < 24:
+        raise FormatError(f"{path}: {size} bytes is too short for a GGUF header")
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    cur = _Cursor(mm, size, path)
+    if mm[:4] != GGUF_MAGIC:
+        raise FormatError(f"{path}: magic {mm[:4]!r} is not {GGUF_MAGIC!r}; not GGUF")
+    cur.pos = 4
+    version = cur.u32("version")
+    if version not in (2, 3):
+        raise UnsupportedError(
+            f"{path}: GGUF version {version} is not supported (only 2 and 3, "
+            "little-endian); convert the file with a recent llama.cpp"
+        )
+    n_tensors = cur.u64("tensor_count")
+    n_kv = cur.u64("kv_count")
+    # Each KV takes >= 12 bytes and each tensor info >= 28: bound before looping.
+    cur.need(
+        n_kv * 12 + n_tensors * 28, f"{n_kv} metadata entries, {n_tensors} tensors"
+    )
+    fields: dict[str, GGUFField] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key {i}")
+        if key in fields:
+            raise cur.fail(f"metadata key {key!r}", "appears twice")
+        fields[key] = cur.value(cur.vtype(f"{key!r} type"), f"metadata {key!r}")
+    alignment = DEFAULT_ALIGNMENT
+    if "general.alignment" in fields:
+        a = fields["general.alignment"]
+        if a.type != GGUFValueType.UINT32 or a.value <= 0 or a.value & (a.value - 1):
+            raise cur.fail("general.alignment", f"{a.value!r} is not a power of two")
+        alignment = int(a.value)
+    infos = [_tensor_info(cur, i) for i in range(n_tensors)]
+    data_offset = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, shape, type_id, offset, nbytes in infos:
+        if name in tensors:
+            raise FormatError(f"{path}: tensor {name!r} appears twice")
+        if offset % alignment:
+            raise FormatError(
+                f"{path}: tensor {name!r} offset {offset} is not a multiple of the "
+                f"alignment {alignment}"
+            )
+        start = data_offset + offset
+        if start + nbytes > size:
+            raise FormatError(
+                f"{path}: tensor {name!r} data [{start}, {start + nbytes}) lies past "
+                f"the end of the file ({size} bytes); the file is truncated"
+            )
+        tensors[name] = GGUFTensorInfo(name, shape, type_id, start, nbytes)
+    data = np.frombuffer(mm, dtype=np.uint8)
+    return GGUFFile(path, version, fields, tensors, alignment, data_offset, data)
+
+
+__all__ = [
+    "GGUFField",
+    "GGUFFile",
+    "GGUFTensorInfo",
+    "GGUFValueType",
+    "read_gguf",
+]

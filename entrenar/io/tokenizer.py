@@ -1,0 +1,278 @@
+r"""GPT-2-style byte-level BPE built from a GGUF's ``tokenizer.ggml.*`` fields.
+
+It tokenizes as llama.cpp's ``llm_tokenizer_bpe`` does:
+
+1. **Special tokens.** Control tokens (``token_type`` 3) are matched in the text when
+   ``special=True``; user-defined tokens (type 4) always. Longer tokens win; the text
+   between them goes through steps 2-4.
+2. **Pre-tokenization** by the model's ``tokenizer.ggml.pre`` rules. The GPT-2 regex
+   ``'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+``
+   is hand-coded over Unicode categories as in llama.cpp's ``unicode.cpp``; the
+   ``smollm``/``starcoder`` family first splits off every digit (``\p{N}``).
+3. **Bytes to symbols.** Each piece's UTF-8 bytes map to printable characters with
+   GPT-2's ``bytes_to_unicode`` table (``Ġ`` is the space).
+4. **Merges.** Repeatedly merge the adjacent pair with the lowest rank in
+   ``tokenizer.ggml.merges`` (leftmost first on ties) until no pair has a rank; each
+   symbol is then looked up in ``tokenizer.ggml.tokens``.
+"""
+
+from __future__ import annotations
+
+import functools
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from entrenar.errors import FormatError, UnsupportedError
+
+CONTROL, USER_DEFINED = 3, 4
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell"}
+_GPT2_PRE = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"} | _DIGIT_SPLIT_PRE
+# llama.cpp's whitespace set (unicode.cpp), a bit wider than str.isspace().
+_WHITESPACE = frozenset(
+    {*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B)}
+    | {0x2028, 0x2029, 0x202F, 0x205F, 0x3000}
+)
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+def _kind(ch: str) -> str:
+    """Class of ``ch``: ``s`` space, ``L`` letter, ``N`` number, ``U``, ``P`` other."""
+    if ord(ch) in _WHITESPACE:
+        return "s"
+    cat = unicodedata.category(ch)
+    if cat == "Cn":  # unassigned: llama.cpp has no flags for it
+        return "U"
+    return cat[0] if cat[0] in "LN" else "P"
+
+
+def gpt2_split(text: str) -> list[str]:
+    """Split ``text`` by the GPT-2 pre-tokenizer regex (see the module docstring).
+
+    >>> gpt2_split("Hello world's  2024!!")
+    ['Hello', ' world', "'s", ' ', ' 2024', '!!']
+    """
+    out, pos, n = [], 0, len(text)
+    kinds = [_kind(c) for c in text] + ["end"]
+    while pos < n:
+        c = text[pos]
+        if c == "'" and pos + 1 < n:
+            nxt = text[pos + 1 : pos + 3]
+            if nxt[:1] in ("s", "t", "m", "d"):
+                out.append(text[pos : pos + 2])
+                pos += 2
+                continue
+            if nxt in ("re", "ve", "ll"):
+                out.append(text[pos : pos + 3])
+                pos += 3
+                continue
+        start = pos
+        k = kinds[pos + 1] if c == " " and pos + 1 < n else kinds[pos]
+        if k in ("L", "N", "P"):
+            end = pos + (c == " ")
+            while kinds[end] == k:
+                end += 1
+            out.append(text[start:end])
+            pos = end
+            continue
+        end = pos
+        while kinds[end] == "s":
+            end += 1
+        if end - pos > 1 and end < n:  # \s+(?!\S): leave the last space to the word
+            end -= 1
+        end = max(end, pos + 1)  # no rule matched: a single character
+        out.append(text[start:end])
+        pos = end
+    return out
+
+
+def pre_tokenize(text: str, pre: str) -> list[str]:
+    """Pre-tokenize ``text`` by the rules named ``pre`` (``tokenizer.ggml.pre``).
+
+    >>> pre_tokenize("in 2024", "smollm")
+    ['in', ' ', '2', '0', '2', '4']
+    """
+    if pre not in _GPT2_PRE:
+        raise UnsupportedError(
+            f"pre-tokenizer {pre!r} is not supported; supported: {sorted(_GPT2_PRE)}"
+        )
+    if pre not in _DIGIT_SPLIT_PRE:
+        return gpt2_split(text)
+    out: list[str] = []
+    run = ""
+    for ch in text:
+        if unicodedata.category(ch)[0] == "N":
+            out += [*gpt2_split(run), ch]
+            run = ""
+        else:
+            run += ch
+    return out + gpt2_split(run)
+
+
+@dataclass(frozen=True)
+class BPETokenizer:
+    """Byte-level BPE over a GGUF vocabulary.
+
+    Attributes:
+        tokens: the vocabulary, token id -> string (byte-level symbols).
+        merges: ``"a b"`` pairs, rank = position.
+        token_types: llama.cpp token types (1 normal, 3 control, 4 user-defined, ...).
+        pre: pre-tokenizer name (``tokenizer.ggml.pre``).
+        bos_id, eos_id: special ids (``None`` when absent).
+        add_bos: prepend ``bos_id`` by default (``tokenizer.ggml.add_bos_token``).
+    """
+
+    tokens: tuple[str, ...]
+    merges: tuple[str, ...]
+    token_types: tuple[int, ...]
+    pre: str = "gpt2"
+    bos_id: int | None = None
+    eos_id: int | None = None
+    add_bos: bool = False
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, md: dict[str, Any], path: str = "<gguf>"
+    ) -> BPETokenizer:
+        """Build from GGUF metadata (``tokenizer.ggml.model`` must be ``"gpt2"``)."""
+        model = md.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise UnsupportedError(
+                f"{path}: tokenizer.ggml.model {model!r} is not supported "
+                "(only 'gpt2', byte-level BPE)"
+            )
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if not isinstance(md.get(key), list):
+                raise FormatError(f"{path}: {key} is missing or not an array")
+        tokens = md["tokenizer.ggml.tokens"]
+        types = md.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        if len(types) != len(tokens):
+            raise FormatError(
+                f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                f"{len(tokens)} tokens"
+            )
+        return cls(
+            tokens=tuple(tokens),
+            merges=tuple(md["tokenizer.ggml.merges"]),
+            token_types=tuple(int(t) for t in types),
+            pre=str(md.get("tokenizer.ggml.pre", "gpt2")),
+            bos_id=md.get("tokenizer.ggml.bos_token_id"),
+            eos_id=md.get("tokenizer.ggml.eos_token_id"),
+            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @functools.cached_property
+    def _vocab(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.tokens)}
+
+    @functools.cached_property
+    def _ranks(self) -> dict[tuple[str, str], int]:
+        ranks: dict[tuple[str, str], int] = {}
+        for r, m in enumerate(self.merges):
+            a, sep, b = m.partition(" ")
+            if sep:
+                ranks.setdefault((a, b), r)
+        return ranks
+
+    @functools.cached_property
+    def _specials(self) -> tuple[list[str], list[str]]:
+        """(control tokens, user-defined tokens), longest first."""
+        ctl = [t for t, k in zip(self.tokens, self.token_types) if k == CONTROL]
+        usr = [t for t, k in zip(self.tokens, self.token_types) if k == USER_DEFINED]
+        return sorted(ctl, key=len, reverse=True), sorted(usr, key=len, reverse=True)
+
+    def _split_special(self, text: str, special: bool) -> list[tuple[str, bool]]:
+        ctl, usr = self._specials
+        cands = sorted((ctl if special else []) + usr, key=len, reverse=True)
+        parts: list[tuple[str, bool]] = [(text, False)]
+        for tok in cands:
+            if not tok:
+                continue
+            new: list[tuple[str, bool]] = []
+            for s, is_tok in parts:
+                if is_tok or tok not in s:
+                    new.append((s, is_tok))
+                    continue
+                pieces = s.split(tok)
+                for j, p in enumerate(pieces):
+                    if j:
+                        new.append((tok, True))
+                    if p:
+                        new.append((p, False))
+            parts = new
+        return parts
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - the tokenizer is immutable
+    def _bpe(self, piece: str) -> tuple[int, ...]:
+        b2u = bytes_to_unicode()
+        syms = [b2u[b] for b in piece.encode("utf-8", errors="surrogatepass")]
+        ranks = self._ranks
+        while len(syms) > 1:
+            best, at = None, -1
+            for i in range(len(syms) - 1):
+                r = ranks.get((syms[i], syms[i + 1]))
+                if r is not None and (best is None or r < best):
+                    best, at = r, i
+            if best is None:
+                break
+            syms[at : at + 2] = [syms[at] + syms[at + 1]]
+        ids: list[int] = []
+        for s in syms:
+            if s in self._vocab:
+                ids.append(self._vocab[s])
+            else:  # unknown symbol: fall back to its single bytes, as llama.cpp does
+                ids.extend(self._vocab[c] for c in s if c in self._vocab)
+        return tuple(ids)
+
+    def encode(
+        self, text: str, *, add_bos: bool | None = None, special: bool = False
+    ) -> list[int]:
+        """Token ids of ``text``.
+
+        Args:
+            text: the string.
+            add_bos: prepend BOS; default the file's ``add_bos_token``.
+            special: parse control tokens such as ``<|im_start|>`` in the text.
+        """
+        ids: list[int] = []
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids.append(int(self.bos_id))
+        for part, is_tok in self._split_special(text, special):
+            if is_tok:
+                ids.append(self._vocab[part])
+                continue
+            for piece in pre_tokenize(part, self.pre):
+                ids.extend(self._bpe(piece))
+        return ids
+
+    def decode(self, ids: Sequence[int], *, special: bool = False) -> str:
+        """Text of ``ids`` (control tokens dropped unless ``special``)."""
+        u2b = {u: b for b, u in bytes_to_unicode().items()}
+        out = bytearray()
+        for i in ids:
+            if not 0 <= int(i) < len(self.tokens):
+                raise FormatError(f"token id {i} is outside the vocabulary")
+            tok, kind = self.tokens[int(i)], self.token_types[int(i)]
+            if kind in (CONTROL, USER_DEFINED):
+                if kind == USER_DEFINED or special:
+                    out += tok.encode("utf-8")
+                continue
+            out += bytes(u2b[c] for c in tok if c in u2b)
+        return out.decode("utf-8", errors="replace")
+
+
+__all__ = ["BPETokenizer", "bytes_to_unicode", "gpt2_split", "pre_tokenize"]
