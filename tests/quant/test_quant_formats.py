@@ -1,0 +1,197 @@
+"""NF4 (+ double quantization), int4 and int8: code tables, bounds, bits per value."""
+
+from statistics import NormalDist
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from entrenar.errors import ConfigError, QuantizationError, ShapeError
+from entrenar.quant import NF4_CODE, dequantize, quantize
+from entrenar.quant.report import bits_per_param
+
+# QLoRA (Dettmers et al., 2023), Appendix E: the NF4 data type, as printed.
+PAPER_NF4 = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+    0.33791524171829224, 0.44070982985687256, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+]  # fmt: skip
+
+
+def _normal_float_quantiles(offset: float = 0.9677083) -> np.ndarray:
+    """NF4 derived as in the paper: 8 positive and 7 negative normal quantiles + 0."""
+    n = NormalDist()
+    pos = [n.inv_cdf(p) for p in np.linspace(offset, 0.5, 9)[:-1]]
+    neg = [-n.inv_cdf(p) for p in np.linspace(offset, 0.5, 8)[:-1]]
+    v = np.sort(np.array([*pos, 0.0, *neg]))
+    return v / v.max()
+
+
+def test_nf4_table_is_the_papers():
+    np.testing.assert_array_equal(NF4_CODE, np.array(PAPER_NF4, np.float32))
+    np.testing.assert_allclose(NF4_CODE, _normal_float_quantiles(), atol=2e-7)
+
+
+def test_nf4_codes_are_nearest_table_values():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 128)).astype(np.float32)
+    got = np.asarray(dequantize(quantize(w, "nf4")))
+    blocks = w.reshape(4, 2, 64)
+    s = np.abs(blocks).max(-1, keepdims=True)
+    nearest = NF4_CODE[np.abs(blocks[..., None] / s[..., None] - NF4_CODE).argmin(-1)]
+    np.testing.assert_allclose(got, (nearest * s).reshape(4, 128), rtol=1e-6)
+
+
+def _values(draw_scale: float, seed: int, special: str) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((4, 256)) * draw_scale
+    if special == "zeros":
+        w[1] = 0.0
+    elif special == "constant":
+        w[2, :64] = -draw_scale
+    elif special == "spike":
+        w[3, 7] = draw_scale * 1e3
+    return w.astype(np.float32)
+
+
+SPECIAL = st.sampled_from(["none", "zeros", "constant", "spike"])
+SCALE = st.sampled_from([1e-30, 1e-6, 1.0, 1e6, 1e30])
+SEED = st.integers(0, 2**31 - 1)
+
+
+@given(SCALE, SEED, SPECIAL)
+def test_nf4_int4_round_trip_bounds(scale, seed, special):
+    w = _values(scale, seed, special)
+    blocks = np.abs(w).reshape(4, 4, 64).max(-1, keepdims=True)
+    half_gap = np.max(np.diff(NF4_CODE)) / 2
+    for scheme, bound in (("nf4", half_gap * blocks), ("int4", blocks / 14)):
+        err = np.abs(np.asarray(dequantize(quantize(w, scheme))) - w)
+        assert np.all(err.reshape(4, 4, 64) <= bound * (1 + 1e-6)), scheme
+
+
+@given(SCALE, SEED, SPECIAL)
+def test_nf4_double_quant_round_trip_bound(scale, seed, special):
+    w = _values(scale, seed, special)
+    q = quantize(w, "nf4", double_quant=True)
+    s = np.abs(w).reshape(4, 4, 64).max(-1)  # exact block absmax
+    centred = np.abs(s - s.mean())
+    scale_err = centred.max() / 254 * (1 + 1e-5) + 1e-6 * s.max()
+    half_gap = np.max(np.diff(NF4_CODE)) / 2
+    err = np.abs(np.asarray(dequantize(q)) - w).reshape(4, 4, 64)
+    assert np.all(err <= (half_gap * s + scale_err)[..., None] * (1 + 1e-5))
+
+
+@given(SCALE, SEED, SPECIAL, st.booleans(), st.sampled_from(["block", "channel"]))
+def test_int8_round_trip_bound(scale, seed, special, symmetric, granularity):
+    w = _values(scale, seed, special)
+    q = quantize(w, "int8", symmetric=symmetric, granularity=granularity)
+    err = np.abs(np.asarray(dequantize(q)) - w)
+    g = w.reshape(4, 4, 64) if granularity == "block" else w.reshape(4, 1, 256)
+    if symmetric:
+        step = np.abs(g).max(-1, keepdims=True) / 127
+    else:
+        lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+        step = ((hi - lo) / 255)[..., None]
+    assert np.all(err.reshape(g.shape) <= step / 2 * (1 + 1e-5) + 1e-37)
+
+
+def test_int8_granularities_and_axes():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3, 8, 64)).astype(np.float32)  # stacked (L, out, in)
+    cases = {
+        ("tensor", -2): (3, 1, 1),
+        ("channel", -2): (3, 8, 1),
+        ("channel", -1): (3, 1, 64),
+        ("block", -2): (3, 8, 2),
+    }
+    for (gran, axis), scale_shape in cases.items():
+        for sym in (True, False):
+            q = quantize(
+                w, "int8", granularity=gran, axis=axis, symmetric=sym, block_size=32
+            )
+            assert q.scales.shape == scale_shape
+            assert q.codes.dtype == (jnp.int8 if sym else jnp.uint8)
+            if not sym:
+                assert q.offsets.shape == scale_shape
+            # scale per group = its absmax / 127 (sym) or range / 255 (asym)
+            red = {"tensor": (1, 2), "channel": (2,) if axis == -2 else (1,)}
+            g = w.reshape(3, 8, 2, 32) if gran == "block" else w
+            ax = (3,) if gran == "block" else red[gran]
+            if sym:
+                expected = np.abs(g).max(ax, keepdims=True) / 127
+            else:
+                expected = (
+                    np.maximum(g.max(ax, keepdims=True), 0)
+                    - np.minimum(g.min(ax, keepdims=True), 0)
+                ) / 255
+            np.testing.assert_allclose(
+                q.scales, expected.reshape(scale_shape), rtol=1e-6
+            )
+            err = np.abs(np.asarray(dequantize(q)) - w)
+            assert err.max() <= float(np.max(q.scales)) / 2 * (1 + 1e-5)
+
+
+def test_asymmetric_int8_keeps_zero_exact_and_uses_uint8_range():
+    w = np.linspace(-1.0, 3.0, 64, dtype=np.float32).reshape(1, 64)
+    w[0, 10] = 0.0
+    q = quantize(w, "int8", symmetric=False, granularity="tensor")
+    assert float(dequantize(q)[0, 10]) == 0.0
+    assert int(q.codes.min()) == 0 and int(q.codes.max()) == 255
+
+
+def test_zeros_quantize_to_zeros_everywhere():
+    w = np.zeros((2, 64), np.float32)
+    for kw in (
+        {"scheme": "nf4"},
+        {"scheme": "nf4", "double_quant": True},
+        {"scheme": "int4"},
+        {"scheme": "int8", "symmetric": False},
+    ):
+        np.testing.assert_array_equal(np.asarray(dequantize(quantize(w, **kw))), w)
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "int4", "int8"])
+def test_nan_inf_rejected(scheme):
+    w = np.ones((2, 64), np.float32)
+    w[1, 3] = -np.inf
+    with pytest.raises(QuantizationError, match=r"NaN/Inf.*\(1, 3\)"):
+        quantize(w, scheme)
+
+
+def test_bad_requests_are_clear_errors():
+    with pytest.raises(QuantizationError, match="unknown scheme"):
+        quantize(np.ones((1, 64), np.float32), "fp3")
+    with pytest.raises(ShapeError, match="multiple of 64"):
+        quantize(np.ones((1, 100), np.float32), "nf4")
+    with pytest.raises(ConfigError, match="granularity"):
+        quantize(np.ones((1, 64), np.float32), "int8", granularity="row")
+
+
+def test_bits_per_param_from_stored_arrays():
+    w = np.random.default_rng(2).standard_normal((256, 1024)).astype(np.float32)
+    bits = {
+        "nf4_dq": bits_per_param(quantize(w, "nf4", double_quant=True)),
+        "nf4": bits_per_param(quantize(w, "nf4")),
+        "int4": bits_per_param(quantize(w, "int4")),
+        "int8": bits_per_param(quantize(w, "int8", granularity="channel")),
+    }
+    assert 4.12 <= bits["nf4_dq"] <= 4.13
+    assert bits["nf4"] == 4.5 and bits["int4"] == 4.5
+    assert 8.0 < bits["int8"] < 8.05  # 8 + 32 / 1024
+
+
+def test_dtype_round_trip_and_jit():
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 128)), jnp.bfloat16)
+    q = quantize(w, "nf4", double_quant=True)
+    assert q.dtype == jnp.bfloat16 and dequantize(q).dtype == jnp.bfloat16
+    assert dequantize(q, jnp.float32).dtype == jnp.float32
+    jq = jax.jit(lambda x: quantize(x, "nf4", double_quant=True))(w)
+    np.testing.assert_array_equal(np.asarray(jq.codes), np.asarray(q.codes))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(dequantize)(q)).astype(np.float32),
+        np.asarray(dequantize(q)).astype(np.float32),
+    )

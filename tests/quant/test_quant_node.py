@@ -1,0 +1,118 @@
+"""QuantizedWeight as a pytree node: stacking, scan, nn.linear, trees, memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import entrenar.nn
+from entrenar.quant import (
+    QuantizedWeight,
+    dequantize,
+    dequantize_params,
+    quantize,
+    quantize_params,
+)
+from entrenar.quant.report import memory_report
+from entrenar.tree import tree_named_leaves
+
+SCHEMES = [
+    ("nf4", {}),
+    ("nf4", {"double_quant": True}),
+    ("int4", {}),
+    ("int8", {"granularity": "channel"}),
+    ("int8", {"symmetric": False}),
+    ("q4_1", {}),
+]
+
+
+def _stack(key=0, layers=3, out=8, inp=64):
+    return jax.random.normal(jax.random.key(key), (layers, out, inp), jnp.float32)
+
+
+@pytest.mark.parametrize(("scheme", "kw"), SCHEMES)
+def test_stacked_node_slices_and_scans_per_layer(scheme, kw):
+    w = _stack()
+    q = quantize(w, scheme, **kw)
+    assert q.shape == (3, 8, 64)
+    dense = dequantize(q)
+    # a layer of the stacked node equals that layer quantized on its own
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(dequantize(q[i])), dense[i])
+        np.testing.assert_array_equal(
+            np.asarray(dequantize(quantize(w[i], scheme, **kw))), dense[i]
+        )
+    x = jnp.ones((2, 64), jnp.float32)
+
+    def body(h, layer_w):
+        return h, entrenar.nn.linear(h, layer_w)[:, :1].sum() + 0 * h.sum()
+
+    _, ys = jax.lax.scan(body, x, q)
+    expected = jnp.stack([(x @ dense[i].T)[:, :1].sum() for i in range(3)])
+    np.testing.assert_allclose(ys, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("scheme", "kw"), SCHEMES)
+def test_linear_dispatches_and_jits(scheme, kw):
+    w = _stack(1)[0]
+    q = quantize(w, scheme, **kw)
+    x = jax.random.normal(jax.random.key(2), (4, 64), jnp.float32)
+    b = jnp.arange(8.0)
+    expected = x @ dequantize(q).T + b
+    got = jax.jit(entrenar.nn.linear)(x, q, b)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # the compute dtype follows x
+    assert entrenar.nn.linear(x.astype(jnp.bfloat16), q).dtype == jnp.bfloat16
+
+
+def test_pytree_round_trip_keeps_static_aux():
+    q = quantize(_stack()[0], "nf4", double_quant=True, block_size=32)
+    leaves, treedef = jax.tree_util.tree_flatten(q)
+    assert len(leaves) == 4  # codes, int8 scales, group absmax, mean
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert (back.scheme, back.block_size, back.dtype) == ("nf4", 32, jnp.float32)
+    names = [n for n, _ in tree_named_leaves({"w": q})]
+    assert names == ["w.codes", "w.scales", "w.scale_scales", "w.scale_offset"]
+    # the codes are packed: two per byte
+    assert q.codes.dtype == jnp.uint8 and q.codes.shape == (8, 32)
+
+
+def test_gradient_flows_to_input_through_quantized_linear():
+    q = quantize(_stack()[0], "int4")
+    x = jnp.ones((2, 64), jnp.float32)
+    g = jax.grad(lambda x: entrenar.nn.linear(x, q).sum())(x)
+    np.testing.assert_allclose(g, jnp.broadcast_to(dequantize(q).sum(0), (2, 64)))
+
+
+def test_quantize_params_selects_weights_and_does_not_mutate():
+    params = {
+        "layers": {"w": _stack(), "norm": jnp.ones((3, 64))[:, :10]},
+        "bias": jnp.zeros(8),
+        "odd": jnp.ones((4, 30)),
+    }
+    before = jax.tree_util.tree_map(np.asarray, params)
+    qp = quantize_params(params, "nf4", double_quant=True)
+    assert isinstance(qp["layers"]["w"], QuantizedWeight)
+    assert qp["layers"]["norm"] is params["layers"]["norm"]
+    assert qp["bias"] is params["bias"] and qp["odd"] is params["odd"]
+    for a, b in zip(
+        jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(before)
+    ):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    dense = dequantize_params(qp)
+    assert dense["layers"]["w"].shape == (3, 8, 64)
+    only_w = quantize_params(params, "int8", predicate=lambda n, _: n == "layers.w")
+    assert isinstance(only_w["layers"]["w"], QuantizedWeight)
+
+
+def test_memory_report_counts_stored_arrays():
+    params = {"w": _stack(), "b": jnp.zeros(8)}
+    qp = quantize_params(params, "nf4")
+    r = memory_report(qp)
+    entry = {e.name: e for e in r.entries}
+    assert entry["w"].params == 3 * 8 * 64
+    assert entry["w"].bytes == 3 * 8 * 32 + 3 * 8 * 4  # packed codes + f32 scales
+    assert entry["w"].bits_per_param == 4.5
+    assert entry["b"].bytes == 32
+    assert r.bytes == entry["w"].bytes + 32
+    assert "total" in str(r)
