@@ -1,0 +1,90 @@
+"""Model I/O: JSON, YAML, safetensors and GGUF files, and llama.cpp's Llama models.
+
+Protocol: ``save_model(Model(metadata, params), path, SaveConfig(format))`` writes
+atomically; ``load_model(path)`` detects the format from magic bytes and extension and
+validates every size before allocating, raising `entrenar.errors.FormatError` naming
+the file and field. Params are nested dicts of arrays stored by dotted name.
+``load_llama_gguf(path)`` maps a llama.cpp GGUF to ``(LlamaConfig, params,
+tokenizer_info)``; ``save_llama_gguf`` writes one back; `BPETokenizer` tokenizes as
+llama.cpp does. specs/io.md documents each format.
+"""
+
+from entrenar.io.atomic import atomic_write
+from entrenar.io.formats import detect_format, load_model, save_model
+from entrenar.io.ggml_dequant import (
+    DEQUANTIZABLE,
+    GGML_TYPE_IDS,
+    GGML_TYPES,
+    GGMLType,
+    dequantize,
+)
+from entrenar.io.gguf_reader import (
+    GGUFField,
+    GGUFFile,
+    GGUFTensorInfo,
+    GGUFValueType,
+    read_gguf,
+)
+from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
+from entrenar.io.hf_llama import load_hf_llama
+from entrenar.io.json_yaml import load_json, load_yaml, save_json, save_yaml
+from entrenar.io.llama_gguf import (
+    llama_config_from_gguf,
+    load_llama_gguf,
+    load_tokenizer,
+    permute_qk,
+    unpermute_qk,
+)
+from entrenar.io.llama_gguf_write import save_llama_gguf
+from entrenar.io.model import (
+    Model,
+    ModelFormat,
+    ModelMetadata,
+    SaveConfig,
+    flatten_params,
+    unflatten_params,
+)
+from entrenar.io.models_pkg import smollm2_path
+from entrenar.io.safetensors_io import read_safetensors, save_safetensors
+from entrenar.io.tokenizer import BPETokenizer
+
+__all__ = [
+    "DEQUANTIZABLE",
+    "GGML_TYPES",
+    "GGML_TYPE_IDS",
+    "BPETokenizer",
+    "GGMLType",
+    "GGUFField",
+    "GGUFFile",
+    "GGUFTensor",
+    "GGUFTensorInfo",
+    "GGUFValueType",
+    "Model",
+    "ModelFormat",
+    "ModelMetadata",
+    "SaveConfig",
+    "atomic_write",
+    "dequantize",
+    "detect_format",
+    "flatten_params",
+    "llama_config_from_gguf",
+    "load_hf_llama",
+    "load_json",
+    "load_llama_gguf",
+    "load_model",
+    "load_tokenizer",
+    "load_yaml",
+    "permute_qk",
+    "read_gguf",
+    "read_safetensors",
+    "save_json",
+    "save_llama_gguf",
+    "save_model",
+    "save_safetensors",
+    "save_yaml",
+    "smollm2_path",
+    "tensor_from_array",
+    "unflatten_params",
+    "unpermute_qk",
+    "write_gguf",
+]

@@ -185,7 +185,7 @@ def _stack_rows(g: GGUFFile, names: list[str], n_perm: int | None) -> np.ndarray
 
 
 def load_llama_gguf(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | GGUFFile,
     keep_quantized: bool = False,
     *,
     dtype: str = "float32",
@@ -193,7 +193,7 @@ def load_llama_gguf(
     """Load a llama.cpp Llama GGUF into entrenar's stacked param tree.
 
     Args:
-        path: the ``.gguf`` file.
+        path: the ``.gguf`` file (or a `GGUFFile` already read).
         keep_quantized: keep the layers' projection weights stored as Q8_0, Q4_0 or
             Q4_1 as `entrenar.quant.QuantizedWeight` nodes (for QLoRA); everything
             else (norms, embeddings, other types) is dequantized.

@@ -1,0 +1,200 @@
+"""`save_model` / `load_model`: one entry point over JSON, YAML, safetensors, GGUF.
+
+The format is read from the file's magic bytes (``GGUF``; an 8-byte length then
+``{`` for safetensors; ``{`` for JSON), falling back to the extension (``.yaml``,
+``.yml``). A GGUF written from a model that is not a Llama ("generic GGUF") stores
+each tensor by its dotted name in its own dtype (F32, F16, BF16, F64, I8..I64) and
+the metadata as ``general.name``, ``general.architecture``, ``entrenar.version``,
+``entrenar.training_config`` and ``entrenar.custom`` (JSON strings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io.gguf_reader import GGUFField, GGUFValueType, read_gguf
+from entrenar.io.gguf_writer import GGUFTensor, write_gguf
+from entrenar.io.json_yaml import load_json, load_yaml, save_json, save_yaml
+from entrenar.io.model import (
+    DTYPES,
+    Model,
+    ModelFormat,
+    ModelMetadata,
+    SaveConfig,
+    flatten_params,
+    unflatten_params,
+)
+from entrenar.io.safetensors_io import load_model_safetensors, save_model_safetensors
+
+# numpy dtype name <-> ggml type id for generic GGUF tensors.
+_GGUF_DTYPES = {
+    "float32": 0,
+    "float16": 1,
+    "bfloat16": 30,
+    "int8": 24,
+    "int16": 25,
+    "int32": 26,
+    "int64": 27,
+    "float64": 28,
+}
+_GGUF_IDS = {v: k for k, v in _GGUF_DTYPES.items()}
+_EXT = {
+    ".json": ModelFormat.JSON,
+    ".yaml": ModelFormat.YAML,
+    ".yml": ModelFormat.YAML,
+    ".safetensors": ModelFormat.SAFETENSORS,
+    ".gguf": ModelFormat.GGUF,
+}
+
+
+def detect_format(path: str | os.PathLike[str]) -> ModelFormat:
+    """The `ModelFormat` of an existing file, by magic bytes, then by extension.
+
+    Raises:
+        FormatError: neither the content nor the extension names a format.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"GGUF":
+        return ModelFormat.GGUF
+    if len(head) == 9 and head[8:9] == b"{":
+        (n,) = struct.unpack("<Q", head[:8])
+        if 0 < n <= os.path.getsize(path) - 8:
+            return ModelFormat.SAFETENSORS
+    ext = os.path.splitext(path)[1].lower()
+    if ext in (".yaml", ".yml"):
+        return ModelFormat.YAML
+    if head.lstrip()[:1] == b"{":
+        return ModelFormat.JSON
+    if ext in _EXT:
+        return _EXT[ext]
+    raise FormatError(
+        f"{path}: cannot tell the format from the content or extension; use .json, "
+        ".yaml, .safetensors or .gguf"
+    )
+
+
+def _save_generic_gguf(model: Model, path: str | os.PathLike[str]) -> None:
+    md, s = model.metadata, GGUFValueType.STRING
+    fields = {
+        "general.architecture": GGUFField(md.architecture, s),
+        "general.name": GGUFField(md.name, s),
+        "entrenar.version": GGUFField(md.version, s),
+        "entrenar.training_config": GGUFField(json.dumps(md.training_config), s),
+        "entrenar.custom": GGUFField(json.dumps(md.custom), s),
+    }
+    tensors = {}
+    for name, a in flatten_params(model.params).items():
+        if a.dtype.name not in _GGUF_DTYPES or not 1 <= a.ndim <= 4:
+            raise UnsupportedError(
+                f"GGUF stores 1-4 dim tensors of {sorted(_GGUF_DTYPES)}; {name!r} is "
+                f"{a.dtype} of shape {a.shape} (use safetensors)"
+            )
+        raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        tensors[name] = GGUFTensor(raw, a.shape, _GGUF_DTYPES[a.dtype.name])
+    write_gguf(path, fields, tensors)
+
+
+def _load_gguf(path: str) -> Model:
+    g = read_gguf(path)
+    if "entrenar.version" not in g.fields and g.metadata.get(
+        "general.architecture"
+    ) == ("llama"):
+        from entrenar.io.llama_gguf import load_llama_gguf
+
+        config, params, _ = load_llama_gguf(g)
+        meta = ModelMetadata(
+            name=str(g.metadata.get("general.name", "llama")),
+            architecture="llama",
+            custom={"llama_config": dataclasses.asdict(config), "gguf_source": path},
+        )
+        return Model(meta, params)
+    md: dict[str, Any] = {}
+    for key, k in (("general.name", "name"), ("general.architecture", "architecture")):
+        if key in g.fields:
+            md[k] = g.fields[key].value
+    if "entrenar.version" in g.fields:
+        md["version"] = g.fields["entrenar.version"].value
+    for k in ("training_config", "custom"):
+        if f"entrenar.{k}" in g.fields:
+            try:
+                md[k] = json.loads(g.fields[f"entrenar.{k}"].value)
+            except (ValueError, TypeError, RecursionError):
+                raise FormatError(f"{path}: entrenar.{k} is not JSON") from None
+    flat = {}
+    for name, t in g.tensors.items():
+        if t.type_id in _GGUF_IDS:
+            dt = DTYPES[_GGUF_IDS[t.type_id]]
+            flat[name] = np.frombuffer(g.raw(name), dt.newbyteorder("<")).reshape(
+                t.shape
+            )
+        else:
+            flat[name] = g.tensor(name)  # quantized: dequantized to float32
+    return Model(ModelMetadata.from_dict(md, path), unflatten_params(flat))
+
+
+def save_model(
+    model: Model, path: str | os.PathLike[str], config: SaveConfig | None = None
+) -> None:
+    """Write ``model`` to ``path`` in ``config.format`` (atomically).
+
+    A model with architecture ``"llama"`` and ``custom["llama_config"]`` (as
+    `load_model` returns for a Llama GGUF) is written to GGUF as a llama.cpp model
+    (`entrenar.io.save_llama_gguf`, tensors in ``config.gguf_tensor_type``, metadata
+    and tokenizer from ``config.gguf_source`` or ``custom["gguf_source"]``); any
+    other model as a generic GGUF.
+    """
+    config = config or SaveConfig()
+    fmt = ModelFormat(config.format)
+    if fmt == ModelFormat.JSON:
+        save_json(model, path, config.pretty)
+    elif fmt == ModelFormat.YAML:
+        save_yaml(model, path, config.pretty)
+    elif fmt == ModelFormat.SAFETENSORS:
+        save_model_safetensors(model, path)
+    elif model.metadata.architecture == "llama" and "llama_config" in (
+        model.metadata.custom
+    ):
+        from entrenar.io.llama_gguf_write import save_llama_gguf
+        from entrenar.nn import LlamaConfig
+
+        custom = model.metadata.custom
+        save_llama_gguf(
+            path,
+            LlamaConfig(**custom["llama_config"]),
+            model.params,
+            source=config.gguf_source or custom.get("gguf_source"),
+            tensor_type=config.gguf_tensor_type,
+            name=model.metadata.name,
+        )
+    else:
+        _save_generic_gguf(model, path)
+
+
+def load_model(path: str | os.PathLike[str]) -> Model:
+    """Read a model file in any `ModelFormat` (detected by `detect_format`).
+
+    Raises:
+        FormatError: an unknown, truncated, corrupt or hostile file, naming the file
+            and the field.
+    """
+    path = os.fspath(path)
+    fmt = detect_format(path)
+    if fmt == ModelFormat.GGUF:
+        return _load_gguf(path)
+    if fmt == ModelFormat.SAFETENSORS:
+        return load_model_safetensors(path)
+    if fmt == ModelFormat.YAML:
+        return load_yaml(path)
+    return load_json(path)
+
+
+__all__ = ["detect_format", "load_model", "save_model"]

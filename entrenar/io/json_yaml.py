@@ -1,0 +1,168 @@
+"""JSON and YAML model files: readable, exact, for small models.
+
+Both hold the same document::
+
+    format: entrenar.model
+    format_version: 1
+    metadata: {name, architecture, version, training_config, custom}
+    tensors:
+      <dotted name>: {dtype: float32, shape: [2, 3], data: [[...], [...]]}
+
+``data`` is nested lists in the tensor's shape (a 0-d tensor is a bare number).
+Floats are written with Python's shortest round-trip ``repr`` of their float64 value,
+which is exact for float16/bfloat16/float32/float64, so loading gives back the same
+bits (NaN payloads aside). JSON has no NaN or infinity: they are written as the
+strings ``"nan"``, ``"inf"``, ``"-inf"``; YAML writes ``.nan``, ``.inf``, ``-.inf``.
+YAML is read with ``yaml.safe_load``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import yaml
+
+from entrenar.errors import FormatError
+from entrenar.io.atomic import atomic_write
+from entrenar.io.model import (
+    DTYPES,
+    Model,
+    ModelMetadata,
+    flatten_params,
+    unflatten_params,
+)
+
+FORMAT_NAME = "entrenar.model"
+FORMAT_VERSION = 1
+_MAX_RANK = 8
+
+
+def _json_safe(x: Any) -> Any:
+    """Replace non-finite floats in nested lists by strings."""
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x
+
+
+def _document(model: Model, json_mode: bool) -> dict[str, Any]:
+    tensors = {}
+    for name, a in flatten_params(model.params).items():
+        data = (a.astype(np.float32) if a.dtype.name == "bfloat16" else a).tolist()
+        if json_mode and a.dtype.kind == "f" and not np.isfinite(a).all():
+            data = _json_safe(data)
+        tensors[name] = {"dtype": a.dtype.name, "shape": list(a.shape), "data": data}
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "metadata": model.metadata.to_dict(),
+        "tensors": tensors,
+    }
+
+
+def save_json(model: Model, path: str | os.PathLike[str], pretty: bool = False) -> None:
+    """Write ``model`` as JSON, atomically."""
+    doc = _document(model, json_mode=True)
+    with atomic_write(path, "w") as f:
+        json.dump(doc, f, indent=1 if pretty else None, allow_nan=False)
+
+
+def save_yaml(model: Model, path: str | os.PathLike[str], pretty: bool = False) -> None:
+    """Write ``model`` as YAML, atomically (data rows in flow style)."""
+    doc = _document(model, json_mode=False)
+    with atomic_write(path, "w") as f:
+        yaml.safe_dump(doc, f, sort_keys=False, default_flow_style=None, width=120)
+
+
+def _check_nested(data: Any, shape: list[int], where: str) -> None:
+    """Check nested lists have exactly ``shape``, level by level (no recursion)."""
+    level = [data]
+    for depth, n in enumerate(shape):
+        nxt: list[Any] = []
+        for x in level:
+            if not isinstance(x, list) or len(x) != n:
+                got = len(x) if isinstance(x, list) else type(x).__name__
+                raise FormatError(f"{where}: data at depth {depth} is {got}, want {n}")
+            nxt.extend(x)
+        level = nxt
+    for x in level:
+        if isinstance(x, (list, dict)):
+            raise FormatError(f"{where}: data nests deeper than shape {shape}")
+
+
+def _tensor(name: str, t: Any, path: str, budget: int) -> np.ndarray:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(t, Mapping) or set(t) != {"dtype", "shape", "data"}:
+        raise FormatError(f"{where} must be a mapping with dtype, shape and data")
+    dtype, shape = t["dtype"], t["shape"]
+    if dtype not in DTYPES:
+        raise FormatError(f"{where}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_RANK
+        or not all(type(s) is int and s >= 0 for s in shape)
+    ):
+        raise FormatError(f"{where}: shape {shape!r} must be a list of ints >= 0")
+    if math.prod(shape) > budget:
+        raise FormatError(f"{where}: shape {shape} has more values than the file")
+    _check_nested(t["data"], shape, where)
+    try:
+        return np.array(t["data"], dtype=DTYPES[dtype]).reshape(shape)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise FormatError(f"{where}: data is not {dtype}: {e}") from None
+
+
+def model_from_document(doc: Any, path: str, budget: int) -> Model:
+    """Validate a parsed JSON/YAML document and build the `Model`."""
+    if not isinstance(doc, Mapping) or doc.get("format") != FORMAT_NAME:
+        raise FormatError(f"{path}: not an entrenar model (format != {FORMAT_NAME!r})")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise FormatError(
+            f"{path}: format_version {doc.get('format_version')!r} is not "
+            f"{FORMAT_VERSION}; upgrade entrenar"
+        )
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, Mapping):
+        raise FormatError(f"{path}: 'tensors' must be a mapping of name to tensor")
+    meta = ModelMetadata.from_dict(doc.get("metadata", {}), path)
+    flat = {str(k): _tensor(str(k), t, path, budget) for k, t in tensors.items()}
+    return Model(meta, unflatten_params(flat))
+
+
+def load_json(path: str | os.PathLike[str]) -> Model:
+    """Read a model written by `save_json`.
+
+    Raises:
+        FormatError: invalid JSON or a document that does not validate.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise FormatError(f"{path}: invalid JSON: {e}") from None
+    return model_from_document(doc, path, os.path.getsize(path))
+
+
+def load_yaml(path: str | os.PathLike[str]) -> Model:
+    """Read a model written by `save_yaml` (with ``yaml.safe_load``).
+
+    Raises:
+        FormatError: invalid YAML or a document that does not validate.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        raise FormatError(f"{path}: invalid YAML: {e}") from None
+    return model_from_document(doc, path, os.path.getsize(path))
+
+
+__all__ = ["load_json", "load_yaml", "save_json", "save_yaml"]

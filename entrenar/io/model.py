@@ -1,0 +1,195 @@
+"""`Model`, `ModelMetadata`, `SaveConfig`, `ModelFormat`; names and dtypes of tensors.
+
+A model's params are a nested dict of arrays; every format stores them flat, by the
+dotted path (``model.layers.self_attn.q_proj.weight``, Hugging Face's convention), so a
+key may not contain a dot. Dtypes are kept exactly (`DTYPES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from entrenar.errors import FormatError
+from entrenar.types import Params
+
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in (
+        "float16",
+        "float32",
+        "float64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+    )
+}
+"""Array dtypes the formats store, by name (``bfloat16`` is added below)."""
+try:  # jax depends on ml_dtypes; numpy itself has no bfloat16
+    import ml_dtypes
+
+    DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    pass
+
+
+class ModelFormat(enum.Enum):
+    """File formats `entrenar.io.save_model` writes."""
+
+    JSON = "json"
+    YAML = "yaml"
+    SAFETENSORS = "safetensors"
+    GGUF = "gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelMetadata:
+    """What a saved model is: name, architecture, version, how it was trained.
+
+    Attributes:
+        name: model name.
+        architecture: e.g. ``"llama"``, ``"mlp"``.
+        version: free-form version string.
+        training_config: JSON-serialisable dict (the config it was trained with).
+        custom: JSON-serialisable dict of anything else.
+
+    >>> m = ModelMetadata("tiny", "mlp").with_version("2").with_custom(seed=1)
+    >>> (m.version, m.custom)
+    ('2', {'seed': 1})
+    """
+
+    name: str = "model"
+    architecture: str = "custom"
+    version: str = "0.1.0"
+    training_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    custom: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def with_version(self, version: str) -> ModelMetadata:
+        """A copy with ``version`` replaced."""
+        return dataclasses.replace(self, version=str(version))
+
+    def with_custom(self, **items: Any) -> ModelMetadata:
+        """A copy with ``items`` added to ``custom``."""
+        return dataclasses.replace(self, custom={**self.custom, **items})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "<metadata>") -> ModelMetadata:
+        """Validate and build from `to_dict`'s output."""
+        if not isinstance(d, Mapping):
+            raise FormatError(f"{path}: metadata must be a mapping, got {type(d)}")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise FormatError(f"{path}: unknown metadata fields {sorted(unknown)}")
+        for k in ("name", "architecture", "version"):
+            if k in d and not isinstance(d[k], str):
+                raise FormatError(f"{path}: metadata.{k} must be a string")
+        for k in ("training_config", "custom"):
+            if k in d and not isinstance(d[k], Mapping):
+                raise FormatError(f"{path}: metadata.{k} must be a mapping")
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model to save or that was loaded: metadata and a nested dict of arrays."""
+
+    metadata: ModelMetadata
+    params: Params
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveConfig:
+    """How `entrenar.io.save_model` writes.
+
+    Attributes:
+        format: the `ModelFormat`.
+        pretty: indent JSON / block-style YAML for reading by people.
+        gguf_tensor_type: GGUF matrices of a Llama: F32, F16, BF16, Q8_0, Q4_0, Q4_1.
+        gguf_source: GGUF to copy a Llama's metadata and tokenizer from.
+    """
+
+    format: ModelFormat = ModelFormat.SAFETENSORS
+    pretty: bool = False
+    gguf_tensor_type: str = "F32"
+    gguf_source: str | None = None
+
+
+def flatten_params(params: Params) -> dict[str, np.ndarray]:
+    """Nested dict of arrays -> ``{dotted_name: numpy array}`` (dtypes kept).
+
+    >>> flatten_params({"a": {"w": np.zeros((1, 2), np.float16)}})["a.w"].dtype
+    dtype('float16')
+    """
+    out: dict[str, np.ndarray] = {}
+
+    def walk(tree: Any, prefix: str) -> None:
+        if not isinstance(tree, Mapping):
+            raise FormatError(
+                f"params must be nested dicts of arrays, got {type(tree)}"
+            )
+        for k, v in tree.items():
+            if not isinstance(k, str) or not k or "." in k:
+                raise FormatError(
+                    f"param key {k!r} under {prefix!r}: keys must be non-empty "
+                    "strings without dots"
+                )
+            if isinstance(v, Mapping):
+                walk(v, f"{prefix}{k}.")
+                continue
+            a = np.asarray(v)  # jax arrays copy to host here
+            if a.dtype.name not in DTYPES:
+                raise FormatError(
+                    f"param {prefix}{k!r} has dtype {a.dtype}, not one of "
+                    f"{sorted(DTYPES)} (dequantize quantized weights before saving)"
+                )
+            out[f"{prefix}{k}"] = a
+
+    walk(params, "")
+    return out
+
+
+def unflatten_params(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{dotted_name: array}`` -> nested dict (inverse of `flatten_params`).
+
+    >>> unflatten_params({"a.w": 1, "a.b": 2, "c": 3})
+    {'a': {'w': 1, 'b': 2}, 'c': 3}
+    """
+    tree: dict[str, Any] = {}
+    for name, a in flat.items():
+        *parents, leaf = parts = str(name).split(".")
+        if not all(parts):
+            raise FormatError(f"tensor name {name!r} has an empty part")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise FormatError(f"tensor name {name!r} nests under an array")
+        if leaf in node:
+            raise FormatError(f"tensor name {name!r} collides with another")
+        node[leaf] = a
+    return tree
+
+
+__all__ = [
+    "DTYPES",
+    "Model",
+    "ModelFormat",
+    "ModelMetadata",
+    "SaveConfig",
+    "flatten_params",
+    "unflatten_params",
+]

@@ -1,0 +1,180 @@
+"""safetensors model files, and Hugging Face Llama checkpoints.
+
+Layout (https://github.com/huggingface/safetensors)::
+
+    u64 little-endian N | N bytes of JSON header | data
+    header = {"__metadata__": {str: str}, name: {"dtype": "F32", "shape": [..],
+              "data_offsets": [begin, end]}, ...}   (offsets relative to the data)
+
+entrenar writes with the ``safetensors`` package (its flax/JAX backend, which also
+handles bfloat16) and puts the model's metadata in ``__metadata__``: ``format`` =
+``entrenar.model``, ``name``, ``architecture``, ``version`` and ``training_config`` /
+``custom`` as JSON strings. Reading parses and validates the header first (length,
+JSON, dtypes, shapes, offsets inside the file, no overlaps) and then maps the data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from entrenar.errors import FormatError
+from entrenar.io.atomic import atomic_write
+from entrenar.io.model import (
+    DTYPES,
+    Model,
+    ModelMetadata,
+    flatten_params,
+    unflatten_params,
+)
+
+ST_DTYPES = {
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "BOOL": "bool",
+}
+"""safetensors dtype tag -> numpy dtype name."""
+MAX_HEADER = 100 * 2**20
+
+
+def save_safetensors(
+    tensors: dict[str, Any], path: str | os.PathLike[str], metadata: dict[str, str]
+) -> None:
+    """Write ``{name: array}`` with string ``metadata`` atomically."""
+    import jax.numpy as jnp
+    import safetensors.flax
+
+    data = safetensors.flax.save(
+        {k: jnp.asarray(v) for k, v in tensors.items()}, metadata
+    )
+    with atomic_write(path) as f:
+        f.write(data)
+
+
+def read_safetensors(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Validate and read a safetensors file: ``({name: array}, metadata)``.
+
+    Arrays are read-only views of a memory map of the file.
+
+    Raises:
+        FormatError: a truncated, corrupt or hostile file (the message names it and
+            the field).
+    """
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise FormatError(f"{path}: {size} bytes is too short for safetensors")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, MAX_HEADER):
+            raise FormatError(f"{path}: header length {n} exceeds the file or limit")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise FormatError(f"{path}: header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise FormatError(f"{path}: __metadata__ must map strings to strings")
+    n_data = size - 8 - n
+    spans, infos = [], {}
+    for name, t in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(t, dict) or t.get("dtype") not in ST_DTYPES:
+            raise FormatError(f"{where}: dtype must be one of {sorted(ST_DTYPES)}")
+        shape: Any = t.get("shape")
+        offs: Any = t.get("data_offsets")
+        if not isinstance(shape, list) or not all(
+            type(s) is int and s >= 0 for s in shape
+        ):
+            raise FormatError(f"{where}: shape {shape!r} is not a list of ints >= 0")
+        ok = isinstance(offs, list) and len(offs) == 2
+        if (
+            not ok
+            or not all(type(o) is int for o in offs)
+            or not 0 <= offs[0] <= offs[1]
+        ):
+            raise FormatError(f"{where}: data_offsets {offs!r} are invalid")
+        dt = DTYPES[ST_DTYPES[t["dtype"]]]
+        if offs[1] > n_data or offs[1] - offs[0] != math.prod(shape) * dt.itemsize:
+            raise FormatError(
+                f"{where}: data_offsets {offs} do not fit shape {shape} of "
+                f"{t['dtype']} within the {n_data} data bytes"
+            )
+        spans.append((offs[0], offs[1], name))
+        infos[name] = (dt, tuple(shape), int(offs[0]))
+    spans.sort()
+    for (_, e0, a), (b1, _, b) in itertools.pairwise(spans):
+        if b1 < e0:
+            raise FormatError(f"{path}: tensors {a!r} and {b!r} overlap")
+    mm = np.memmap(path, np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    base = 8 + n
+    out = {}
+    for name, (dt, shape, off) in infos.items():
+        count = math.prod(shape)
+        raw = mm[base + off : base + off + count * dt.itemsize]
+        out[name] = np.frombuffer(raw, dtype=dt.newbyteorder("<"), count=count).reshape(
+            shape
+        )
+    return out, meta
+
+
+def save_model_safetensors(model: Model, path: str | os.PathLike[str]) -> None:
+    """Write a `Model` as safetensors (metadata in the header)."""
+    md = model.metadata
+    meta = {
+        "format": "entrenar.model",
+        "name": md.name,
+        "architecture": md.architecture,
+        "version": md.version,
+        "training_config": json.dumps(md.training_config),
+        "custom": json.dumps(md.custom),
+    }
+    save_safetensors(flatten_params(model.params), path, meta)
+
+
+def load_model_safetensors(path: str | os.PathLike[str]) -> Model:
+    """Read a safetensors file as a `Model` (any names; metadata if entrenar's)."""
+    tensors, meta = read_safetensors(path)
+    fields: dict[str, Any] = {}
+    for k in ("name", "architecture", "version"):
+        if k in meta:
+            fields[k] = meta[k]
+    for k in ("training_config", "custom"):
+        if k in meta:
+            try:
+                fields[k] = json.loads(meta[k])
+            except (ValueError, RecursionError):
+                raise FormatError(f"{path}: metadata {k!r} is not JSON") from None
+    metadata = ModelMetadata.from_dict(fields, os.fspath(path))
+    return Model(
+        metadata, unflatten_params({k: np.array(v) for k, v in tensors.items()})
+    )
+
+
+__all__ = [
+    "load_model_safetensors",
+    "read_safetensors",
+    "save_model_safetensors",
+    "save_safetensors",
+]
