@@ -1,0 +1,203 @@
+"""Adapter files against the real Hugging Face PEFT on a tiny LlamaForCausalLM."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar import lora
+from entrenar.errors import CompatibilityError, FormatError, UnsupportedError
+from entrenar.lora import LoRAConfig, LoRAWeight
+from entrenar.nn import LlamaConfig, to_hf_names
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+st_numpy = pytest.importorskip("safetensors.numpy")
+
+CFG = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-5,
+)
+TOKENS = np.array([[1, 5, 9, 2, 33, 7, 60, 3], [4, 4, 8, 15, 16, 23, 42, 0]])
+
+
+@pytest.fixture(scope="module")
+def base():
+    params = CFG.init(jax.random.key(0))
+    return params
+
+
+def hf_model(params):
+    """A LlamaForCausalLM holding exactly ``params``."""
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(**CFG.to_hf_config())
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    state = {k: torch.from_numpy(np.array(v)) for k, v in to_hf_names(params).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return model
+
+
+def torch_logits(model):
+    with torch.no_grad():
+        return model(torch.from_numpy(TOKENS)).logits.numpy()
+
+
+def our_logits(params):
+    return np.asarray(CFG.apply(params, jnp.asarray(TOKENS)))
+
+
+def trained(params, cfg, seed=3):
+    """``lora.apply`` with non-zero B (as after training)."""
+    lp = lora.apply(params, cfg, key=jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+
+    def fill(x):
+        if isinstance(x, LoRAWeight):
+            b = (rng.normal(size=x.b.shape) * 0.05).astype(np.float32)
+            return x.replace(b=jnp.asarray(b))
+        return x
+
+    return jax.tree_util.tree_map(
+        fill, lp, is_leaf=lambda x: isinstance(x, LoRAWeight)
+    )
+
+
+def test_adapter_written_here_loads_in_peft(base, tmp_path):
+    model = hf_model(base)
+    np.testing.assert_allclose(torch_logits(model), our_logits(base), atol=1e-4)
+    lp = trained(base, LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj")))
+    ours = our_logits(lp)
+    assert np.abs(ours - our_logits(base)).max() > 1e-3  # the adapter matters
+    lora.save_adapter(lp, tmp_path, base_model_name_or_path="tiny-llama")
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
+    assert cfg["target_modules"] == ["q_proj", "v_proj"]
+    names = st_numpy.load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert names["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (4, 32)
+    assert names["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"].shape == (16, 4)
+    assert len(names) == 2 * 2 * 2
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path)).eval()
+    np.testing.assert_allclose(torch_logits(peft_model), ours, atol=1e-4)
+    back = lora.load_adapter(tmp_path, base)
+    np.testing.assert_array_equal(our_logits(back), ours)
+
+
+def test_rslora_and_partial_targets_round_trip_through_peft(base, tmp_path):
+    cfg = LoRAConfig(rank=2, alpha=3.0, targets=r"layers\.\d+\.mlp\.up_proj", rslora=True)
+    lp = trained(base, cfg)
+    lora.save_adapter(lp, tmp_path)
+    peft_model = peft.PeftModel.from_pretrained(hf_model(base), str(tmp_path)).eval()
+    np.testing.assert_allclose(torch_logits(peft_model), our_logits(lp), atol=1e-4)
+
+
+def test_adapter_saved_by_peft_loads_here(base, tmp_path):
+    model = hf_model(base)
+    pcfg = peft.LoraConfig(
+        r=3, lora_alpha=6, target_modules=["k_proj", "o_proj", "down_proj"],
+        init_lora_weights=False, lora_dropout=0.0,
+    )  # fmt: skip
+    peft_model = peft.get_peft_model(model, pcfg).eval()
+    expected = torch_logits(peft_model)
+    peft_model.save_pretrained(str(tmp_path))
+    loaded = lora.load_adapter(tmp_path, base)
+    node = loaded["model"]["layers"]["mlp"]["down_proj"]["weight"]
+    assert isinstance(node, LoRAWeight) and node.rank == 3 and node.scale == 2.0
+    assert node.a.shape == (2, 3, 48) and node.b.shape == (2, 32, 3)
+    np.testing.assert_allclose(our_logits(loaded), expected, atol=1e-4)
+
+
+def write_peft_by_hand(folder, tensors, config):
+    os.makedirs(folder, exist_ok=True)
+    st_numpy.save_file(tensors, os.path.join(folder, "adapter_model.safetensors"),
+                       metadata={"format": "pt"})  # fmt: skip
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def test_hand_written_peft_file_gives_the_merged_forward(base, tmp_path):
+    rng = np.random.default_rng(11)
+    tensors, deltas = {}, {}
+    for i in range(2):
+        m = f"model.layers.{i}.mlp.gate_proj"
+        a = rng.normal(size=(5, 32)).astype(np.float32) * 0.1
+        b = rng.normal(size=(48, 5)).astype(np.float32) * 0.1
+        tensors[f"base_model.model.{m}.lora_A.weight"] = a
+        tensors[f"base_model.model.{m}.lora_B.weight"] = b
+        deltas[i] = (7.0 / 5) * b @ a  # alpha_pattern overrides lora_alpha
+    config = {"peft_type": "LORA", "r": 5, "lora_alpha": 16,
+              "alpha_pattern": {"gate_proj": 7}, "target_modules": ["gate_proj"]}  # fmt: skip
+    write_peft_by_hand(tmp_path, tensors, config)
+    loaded = lora.load_adapter(tmp_path, base)
+    w = np.array(base["model"]["layers"]["mlp"]["gate_proj"]["weight"])
+    merged_ref = jax.tree_util.tree_map(lambda x: x, base)
+    merged_ref["model"]["layers"]["mlp"]["gate_proj"]["weight"] = jnp.asarray(
+        w + np.stack([deltas[0], deltas[1]])
+    )
+    np.testing.assert_allclose(our_logits(loaded), our_logits(merged_ref), atol=1e-5)
+
+
+def test_load_reports_every_mismatch(base, tmp_path):
+    rng = np.random.default_rng(0)
+
+    def t(*shape):
+        return rng.normal(size=shape).astype(np.float32)
+
+    p = "base_model.model.model.layers"
+    tensors = {
+        f"{p}.0.self_attn.q_proj.lora_A.weight": t(4, 32),
+        f"{p}.0.self_attn.q_proj.lora_B.weight": t(32, 4),  # only layer 0 of 2
+        f"{p}.0.self_attn.k_proj.lora_A.weight": t(4, 31),  # wrong in
+        f"{p}.0.self_attn.k_proj.lora_B.weight": t(16, 4),
+        f"{p}.1.self_attn.k_proj.lora_A.weight": t(4, 32),
+        f"{p}.1.self_attn.k_proj.lora_B.weight": t(16, 4),
+        f"{p}.0.self_attn.qq_proj.lora_A.weight": t(4, 32),  # unknown module
+        f"{p}.0.self_attn.qq_proj.lora_B.weight": t(32, 4),
+        f"{p}.0.mlp.up_proj.lora_A.weight": t(4, 32),  # B missing
+        f"{p}.0.mlp.gate_proj.lora_A.weight": t(2, 32),  # rank 2, config says 4
+        f"{p}.0.mlp.gate_proj.lora_B.weight": t(48, 2),
+    }
+    write_peft_by_hand(tmp_path, tensors, {"peft_type": "LORA", "r": 4, "lora_alpha": 8})
+    with pytest.raises(CompatibilityError) as err:
+        lora.load_adapter(tmp_path, base)
+    msg = str(err.value)
+    assert "'model.layers.0.self_attn.k_proj': lora_A (4, 31)" in msg
+    assert "qq_proj' is not in the base model (closest base module: " in msg
+    assert "up_proj' has lora_A only" in msg
+    assert "gate_proj': lora_A (2, 32) / lora_B (48, 2)" in msg and "rank 4" in msg
+    assert "covers 1 of its 2 stacked layers" in msg
+
+
+def test_load_rejects_bad_files(base, tmp_path):
+    with pytest.raises(FormatError, match="adapter_config.json"):
+        lora.load_adapter(tmp_path, base)
+    good = {"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": np.zeros((2, 32), np.float32)}
+    write_peft_by_hand(tmp_path, good, {"peft_type": "LORA", "r": 2, "lora_alpha": 2})
+    f = tmp_path / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-8])  # truncated
+    with pytest.raises(FormatError, match="data_offsets"):
+        lora.load_adapter(tmp_path, base)
+    f.write_bytes(b"\xff" * 16)
+    with pytest.raises(FormatError, match="header length"):
+        lora.load_adapter(tmp_path, base)
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 0}')
+    with pytest.raises(FormatError, match="'r'"):
+        lora.load_adapter(tmp_path, base)
+    (tmp_path / "adapter_config.json").write_text(
+        '{"peft_type": "LORA", "r": 2, "lora_alpha": 2, "use_dora": true}'
+    )
+    with pytest.raises(UnsupportedError, match="use_dora"):
+        lora.load_adapter(tmp_path, base)
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        lora.load_adapter(tmp_path, base)
