@@ -5,6 +5,8 @@ pure and jittable; a `QuantizedWeight` is a pytree node holding packed codes and
 scales with blocks along the last axis, so it stacks, slices and scans like an array,
 and `entrenar.nn.linear` multiplies by it directly. ``from_ggml`` / ``to_ggml``
 convert the llama.cpp formats (Q8_0, Q4_0, Q4_1) to and from GGUF bytes bit for bit.
+``fake_quant`` (straight-through gradients) serves QAT; ``calibrate`` / ``ptq`` serve
+post-training quantization; ``memory_report`` counts bytes as stored.
 """
 
 from entrenar.quant import linear as _linear  # registers nn.weight_matmul
@@ -17,6 +19,9 @@ from entrenar.quant.api import (
 )
 from entrenar.quant.ggml import from_ggml, to_ggml
 from entrenar.quant.nf4 import NF4_CODE
+from entrenar.quant.ptq import Range, calibrate, ptq
+from entrenar.quant.qat import fake_quant, fake_quant_range, round_ste
+from entrenar.quant.report import MemoryReport, bits_per_param, memory_report
 from entrenar.quant.weight import SCHEMES, QuantizedWeight
 
 del _linear
@@ -24,12 +29,21 @@ del _linear
 __all__ = [
     "NF4_CODE",
     "SCHEMES",
+    "MemoryReport",
     "QuantizedWeight",
+    "Range",
+    "bits_per_param",
+    "calibrate",
     "dequantize",
     "dequantize_params",
+    "fake_quant",
+    "fake_quant_range",
     "from_ggml",
     "is_quantized",
+    "memory_report",
+    "ptq",
     "quantize",
     "quantize_params",
+    "round_ste",
     "to_ggml",
 ]
