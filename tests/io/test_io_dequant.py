@@ -17,7 +17,7 @@ TYPES += ["Q4_K", "Q5_K", "Q6_K"]
 def _random_blocks(rng, name: str, rows: int, blocks: int) -> np.ndarray:
     """Random bytes whose float16 scale fields are finite, moderate numbers."""
     qt = gguf.GGMLQuantizationType[name]
-    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    _, ts = gguf.GGML_QUANT_SIZES[qt]
     raw = rng.integers(0, 256, size=(rows * blocks, ts), dtype=np.uint8)
     if name in ("F32", "F16", "BF16"):
         dt = {"F32": np.float32, "F16": np.float16}.get(name, np.float32)
