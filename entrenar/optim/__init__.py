@@ -1,0 +1,112 @@
+"""Optimizers as pure state transitions, with schedules, clipping, masks, accumulation.
+
+Protocol (optax's, so optax transformations work here and these work in optax)::
+
+    tx = adamw(learning_rate=cosine(1e-3, 10_000), weight_decay=0.01)
+    state = tx.init(params)                              # NamedTuple <Name>State
+    updates, state = tx.update(grads, state, params)     # pure, jit-friendly
+    params = apply_updates(params, updates)
+
+Optimizers are `chain`s of small pieces (`scale_by_adam`, `trace`,
+`add_decayed_weights`, `scale_by_learning_rate`, `clip_by_global_norm`); the learning
+rate lives in the state (`get_lr`, `set_lr`). `freeze` gives frozen leaves no update and
+no state; `accumulate` averages ``k`` micro-batch gradients per step. `SGD`, `Adam`,
+`AdamW` wrap them for the Tensor API (``opt.step(tensors)``). Math: specs/optimizers.md.
+"""
+
+from entrenar.optim.accumulation import (
+    AccumulateState,
+    accumulate,
+    microbatched_value_and_grad,
+)
+from entrenar.optim.alias import adam, adamw, sgd
+from entrenar.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    MaskedNode,
+    apply_updates,
+    chain,
+    identity,
+    stateless,
+)
+from entrenar.optim.clipping import clip_by_global_norm, clip_grad_norm, global_norm
+from entrenar.optim.learning_rate import (
+    LearningRateState,
+    ScheduleState,
+    get_lr,
+    scale,
+    scale_by_learning_rate,
+    set_lr,
+)
+from entrenar.optim.masking import Mask, MaskedState, freeze, masked, resolve_mask
+from entrenar.optim.schedules import (
+    CosineScheduler,
+    Schedule,
+    constant,
+    cosine,
+    exponential_decay,
+    join_schedules,
+    linear,
+    step_decay,
+    warmup,
+)
+from entrenar.optim.stateful import SGD, Adam, AdamW, Optimizer
+from entrenar.optim.transforms import (
+    ScaleByAdamState,
+    TraceState,
+    add_decayed_weights,
+    map_updates,
+    scale_by_adam,
+    scale_by_momentum,
+    trace,
+)
+
+__all__ = [
+    "SGD",
+    "AccumulateState",
+    "Adam",
+    "AdamW",
+    "CosineScheduler",
+    "EmptyState",
+    "GradientTransformation",
+    "LearningRateState",
+    "Mask",
+    "MaskedNode",
+    "MaskedState",
+    "Optimizer",
+    "ScaleByAdamState",
+    "Schedule",
+    "ScheduleState",
+    "TraceState",
+    "accumulate",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "clip_grad_norm",
+    "constant",
+    "cosine",
+    "exponential_decay",
+    "freeze",
+    "get_lr",
+    "global_norm",
+    "identity",
+    "join_schedules",
+    "linear",
+    "map_updates",
+    "masked",
+    "microbatched_value_and_grad",
+    "resolve_mask",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_momentum",
+    "set_lr",
+    "sgd",
+    "stateless",
+    "step_decay",
+    "trace",
+    "warmup",
+]

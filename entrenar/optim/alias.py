@@ -1,0 +1,153 @@
+"""The ready-made optimizers: `sgd`, `adam`, `adamw`, each a `chain` of small pieces.
+
+Every ``learning_rate`` is a number or a schedule; the rate sits in the state (read it
+with `get_lr`, change it with `set_lr`). ``state_dtype`` stores the moment buffers in a
+narrower dtype (e.g. ``jnp.bfloat16``) to halve their memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from entrenar.optim.base import GradientTransformation, chain
+from entrenar.optim.learning_rate import scale_by_learning_rate
+from entrenar.optim.masking import Mask
+from entrenar.optim.schedules import Schedule
+from entrenar.optim.transforms import add_decayed_weights, scale_by_adam, trace
+
+
+def sgd(
+    learning_rate: float | Schedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    *,
+    state_dtype: Any = None,
+) -> GradientTransformation:
+    r"""Stochastic gradient descent, with optional momentum (PyTorch's ``SGD``).
+
+    .. math::
+        g'_t = g_t + λ θ_{t-1},\quad b_t = μ b_{t-1} + g'_t,\quad
+        θ_t = θ_{t-1} - η_t \,(b_t \text{ or, with Nesterov, } g'_t + μ b_t)
+
+    With ``momentum=0`` this is ``θ ← θ - η (g + λθ)``. Weight decay here is the L2
+    penalty's gradient added before the momentum, as in ``torch.optim.SGD``.
+    Momentum: Polyak (1964); Nesterov form: Sutskever et al. (2013).
+
+    Args:
+        learning_rate: ``η``: a number or a schedule.
+        momentum: ``μ``; 0 keeps no buffer (no state memory).
+        nesterov: Nesterov momentum.
+        weight_decay: ``λ``.
+        state_dtype: dtype of the momentum buffer.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from entrenar.optim import apply_updates
+        >>> tx = sgd(0.1)
+        >>> u, _ = tx.update(jnp.array([1.0]), tx.init(jnp.zeros(1)))
+        >>> round(float(apply_updates(jnp.array([1.0]), u)[0]), 6)
+        0.9
+    """
+    pieces: list[Any] = []
+    if weight_decay:
+        pieces.append(add_decayed_weights(weight_decay))
+    if momentum:
+        pieces.append(trace(momentum, nesterov, accumulator_dtype=state_dtype))
+    pieces.append(scale_by_learning_rate(learning_rate))
+    return chain(*pieces)
+
+
+def adam(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    eps_root: float = 0.0,
+    state_dtype: Any = None,
+) -> GradientTransformation:
+    r"""Adam (Kingma & Ba, 2015, "Adam: A Method for Stochastic Optimization").
+
+    .. math::
+        m_t = β_1 m_{t-1} + (1-β_1) g_t,\quad v_t = β_2 v_{t-1} + (1-β_2) g_t^2
+
+        \hat m_t = m_t / (1-β_1^t),\quad \hat v_t = v_t / (1-β_2^t),\quad
+        θ_t = θ_{t-1} - η_t\, \hat m_t / (\sqrt{\hat v_t} + ε)
+
+    ``t`` counts from 1 at the first update (the bias correction).
+
+    Args:
+        learning_rate: ``η``: a number or a schedule.
+        b1: ``β_1``.
+        b2: ``β_2``.
+        eps: ``ε``, outside the square root (as in the paper and PyTorch).
+        eps_root: added inside the square root (0 in the paper).
+        state_dtype: dtype of ``m`` and ``v`` (default: the parameter's).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> tx = adam(0.1)
+        >>> u, _ = tx.update(jnp.array([5.0]), tx.init(jnp.zeros(1)))
+        >>> round(float(u[0]), 5)  # the first step is -η·sign(g)
+        -0.1
+    """
+    return chain(
+        scale_by_adam(
+            b1, b2, eps, eps_root, mu_dtype=state_dtype, nu_dtype=state_dtype
+        ),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def adamw(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    mask: Mask | None = None,
+    *,
+    eps_root: float = 0.0,
+    state_dtype: Any = None,
+) -> GradientTransformation:
+    r"""AdamW: Adam with decoupled weight decay (Loshchilov & Hutter, 2019).
+
+    .. math::
+        θ_t = θ_{t-1} - η_t \left(\frac{\hat m_t}{\sqrt{\hat v_t} + ε}
+              + λ θ_{t-1}\right)
+
+    with ``\hat m_t, \hat v_t`` as in `adam`. The decay ``λθ`` is added to Adam's
+    direction, not to the gradient, so it is not rescaled by ``\sqrt{\hat v}``; it *is*
+    multiplied by the learning rate ``η_t`` (as ``torch.optim.AdamW`` and
+    ``optax.adamw`` do), so the per-step shrink is ``1 - η_t λ``.
+
+    Args:
+        learning_rate: ``η``: a number or a schedule.
+        b1: ``β_1``.
+        b2: ``β_2``.
+        eps: ``ε``.
+        weight_decay: ``λ``.
+        mask: decay only the leaves where the mask is True (a pytree of bools or a
+            predicate ``fn(name, leaf)``), e.g. not biases and norms.
+        eps_root: added inside the square root.
+        state_dtype: dtype of ``m`` and ``v``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> tx = adamw(0.1, weight_decay=0.5)
+        >>> p = jnp.array([2.0])
+        >>> u, _ = tx.update(jnp.array([1.0]), tx.init(p), p)
+        >>> round(float(u[0]), 5)  # -η (1 + λθ) = -0.1 · (1 + 1)
+        -0.2
+    """
+    return chain(
+        scale_by_adam(
+            b1, b2, eps, eps_root, mu_dtype=state_dtype, nu_dtype=state_dtype
+        ),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+__all__ = ["adam", "adamw", "sgd"]
