@@ -11,7 +11,8 @@ Layers, each importing only the ones below it::
 Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 """
 
-from entrenar import errors
+from entrenar import autograd, errors
+from entrenar.autograd import Tensor, backward, check_gradient, no_grad
 from entrenar.functional import grad, value_and_grad
 from entrenar.tree import (
     assert_trees_allclose,
@@ -30,11 +31,16 @@ __all__ = [
     "PRNGKey",
     "Params",
     "PyTree",
+    "Tensor",
     "Updates",
     "__version__",
     "assert_trees_allclose",
+    "autograd",
+    "backward",
+    "check_gradient",
     "errors",
     "grad",
+    "no_grad",
     "tree_bytes",
     "tree_named_leaves",
     "tree_size",

@@ -45,7 +45,7 @@ class Aval(NamedTuple):
         """The aval of an array or tracer."""
         return cls(
             tuple(np.shape(value)),
-            np.dtype(value.dtype),
+            value.dtype,  # a numpy dtype, or JAX's extended dtypes (PRNG keys)
             bool(getattr(value, "weak_type", False)),
         )
 
@@ -114,7 +114,9 @@ def apply(op: Op, *args: Any, **static: Any) -> Any:
     if not is_grad_enabled():
         vals = [a.data if isinstance(a, Tensor) else a for a in args]
         return Tensor._wrap(op.fn(*vals, **static), requires_grad=False)
-    requires = any(isinstance(a, Tensor) and a.requires_grad for a in args)
+    requires = any(
+        isinstance(a, Tensor) and a.requires_grad for a in args
+    ) and jnp.issubdtype(aval.dtype, jnp.inexact)
     snaps = tuple(
         a._value if isinstance(a, Tensor) and a._node is None else None for a in args
     )
