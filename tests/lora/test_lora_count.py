@@ -49,9 +49,7 @@ def test_trainable_count_equals_peft_on_the_same_model():
         model = transformers.LlamaForCausalLM(
             transformers.LlamaConfig(**SMOL.to_hf_config())
         )
-    pm = peft.get_peft_model(
-        model, peft.LoraConfig(r=4, target_modules="all-linear")
-    )
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
     assert pm.get_nb_trainable_parameters()[0] == al.trainable_params
 
 

@@ -68,9 +68,7 @@ def trained(params, cfg, seed=3):
             return x.replace(b=jnp.asarray(b))
         return x
 
-    return jax.tree_util.tree_map(
-        fill, lp, is_leaf=lambda x: isinstance(x, LoRAWeight)
-    )
+    return jax.tree_util.tree_map(fill, lp, is_leaf=lambda x: isinstance(x, LoRAWeight))
 
 
 def test_adapter_written_here_loads_in_peft(base, tmp_path):
@@ -84,8 +82,12 @@ def test_adapter_written_here_loads_in_peft(base, tmp_path):
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
     assert cfg["target_modules"] == ["q_proj", "v_proj"]
     names = st_numpy.load_file(str(tmp_path / "adapter_model.safetensors"))
-    assert names["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (4, 32)
-    assert names["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"].shape == (16, 4)
+    assert names[
+        "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+    ].shape == (4, 32)
+    assert names[
+        "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"
+    ].shape == (16, 4)
     assert len(names) == 2 * 2 * 2
     peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path)).eval()
     np.testing.assert_allclose(torch_logits(peft_model), ours, atol=1e-4)
@@ -94,7 +96,9 @@ def test_adapter_written_here_loads_in_peft(base, tmp_path):
 
 
 def test_rslora_and_partial_targets_round_trip_through_peft(base, tmp_path):
-    cfg = LoRAConfig(rank=2, alpha=3.0, targets=r"layers\.\d+\.mlp\.up_proj", rslora=True)
+    cfg = LoRAConfig(
+        rank=2, alpha=3.0, targets=r"layers\.\d+\.mlp\.up_proj", rslora=True
+    )
     lp = trained(base, cfg)
     lora.save_adapter(lp, tmp_path)
     peft_model = peft.PeftModel.from_pretrained(hf_model(base), str(tmp_path)).eval()
@@ -135,8 +139,13 @@ def test_hand_written_peft_file_gives_the_merged_forward(base, tmp_path):
         tensors[f"base_model.model.{m}.lora_A.weight"] = a
         tensors[f"base_model.model.{m}.lora_B.weight"] = b
         deltas[i] = (7.0 / 5) * b @ a  # alpha_pattern overrides lora_alpha
-    config = {"peft_type": "LORA", "r": 5, "lora_alpha": 16,
-              "alpha_pattern": {"gate_proj": 7}, "target_modules": ["gate_proj"]}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "r": 5,
+        "lora_alpha": 16,
+        "alpha_pattern": {"gate_proj": 7},
+        "target_modules": ["gate_proj"],
+    }
     write_peft_by_hand(tmp_path, tensors, config)
     loaded = lora.load_adapter(tmp_path, base)
     w = np.array(base["model"]["layers"]["mlp"]["gate_proj"]["weight"])
@@ -167,7 +176,9 @@ def test_load_reports_every_mismatch(base, tmp_path):
         f"{p}.0.mlp.gate_proj.lora_A.weight": t(2, 32),  # rank 2, config says 4
         f"{p}.0.mlp.gate_proj.lora_B.weight": t(48, 2),
     }
-    write_peft_by_hand(tmp_path, tensors, {"peft_type": "LORA", "r": 4, "lora_alpha": 8})
+    write_peft_by_hand(
+        tmp_path, tensors, {"peft_type": "LORA", "r": 4, "lora_alpha": 8}
+    )
     with pytest.raises(CompatibilityError) as err:
         lora.load_adapter(tmp_path, base)
     msg = str(err.value)
@@ -179,9 +190,13 @@ def test_load_reports_every_mismatch(base, tmp_path):
 
 
 def test_load_rejects_bad_files(base, tmp_path):
-    with pytest.raises(FormatError, match="adapter_config.json"):
+    with pytest.raises(FormatError, match=r"adapter_config\.json"):
         lora.load_adapter(tmp_path, base)
-    good = {"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": np.zeros((2, 32), np.float32)}
+    good = {
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": np.zeros(
+            (2, 32), np.float32
+        )
+    }
     write_peft_by_hand(tmp_path, good, {"peft_type": "LORA", "r": 2, "lora_alpha": 2})
     f = tmp_path / "adapter_model.safetensors"
     f.write_bytes(f.read_bytes()[:-8])  # truncated

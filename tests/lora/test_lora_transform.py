@@ -210,6 +210,7 @@ def test_dropout_is_exact_without_keys_and_matches_reference_with_keys():
     )
     t, f = lora.split(keyed)  # keys live in the frozen half; mask is a prefix tree
     assert t["model"]["layers"]["up_proj"]["weight"].dropout_key is None
+    assert f["model"]["layers"]["up_proj"]["weight"].dropout_key is node.dropout_key
     mask = lora.trainable_mask(keyed)
     jax.tree_util.tree_map(lambda m, x: None, mask, keyed)  # prefix of the params
 
