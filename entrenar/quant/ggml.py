@@ -53,6 +53,21 @@ def _round_half_away(v: jax.Array) -> jax.Array:
     return jnp.sign(v) * (floored + jnp.floor(2 * (a - floored)))
 
 
+def _check_float16(scales: jax.Array, offsets: Any, scheme: str) -> None:
+    """Raise if a concrete block scale (or minimum) overflowed float16 to Inf."""
+    for a in (scales, offsets):
+        if a is None or isinstance(a, jax.core.Tracer):
+            continue
+        bad = ~np.isfinite(np.asarray(a, np.float32))
+        if bad.any():
+            raise QuantizationError(
+                f"{scheme!r} stores block scales as float16 (max 65504): "
+                f"{int(bad.sum())} block(s) overflow, first at block index "
+                f"{tuple(int(i) for i in np.argwhere(bad)[0])}; rescale the tensor "
+                f"or use a scheme with float32 scales (nf4, int4, int8)"
+            )
+
+
 def quantize_ggml(w: Any, scheme: str) -> QuantizedWeight:
     """Quantize ``w: (*lead, cols)`` to ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``.
 
@@ -60,7 +75,9 @@ def quantize_ggml(w: Any, scheme: str) -> QuantizedWeight:
 
     Raises:
         ShapeError: ``cols`` is not a multiple of 32.
-        QuantizationError: ``w`` holds NaN or Inf (checked when ``w`` is concrete).
+        QuantizationError: ``w`` holds NaN or Inf, or values so large that a block
+            scale overflows float16 (llama.cpp would store Inf); checked when ``w``
+            is concrete.
     """
     dtype = np.dtype(jnp.asarray(w).dtype)
     check_blocks(tuple(np.shape(w)), QK, scheme)
@@ -85,6 +102,7 @@ def quantize_ggml(w: Any, scheme: str) -> QuantizedWeight:
     else:
         raise QuantizationError(f"not a llama.cpp block format: {scheme!r}")
     scales = d[..., 0].astype(jnp.float16)  # (*lead, nb)
+    _check_float16(scales, offsets, scheme)
     return QuantizedWeight(
         codes, scales, offsets, scheme=scheme, block_size=QK, dtype=dtype
     )

@@ -83,6 +83,27 @@ def test_random_bytes_round_trip_losslessly(scheme):
     np.testing.assert_array_equal(np.asarray(dequantize(q)), expected)
 
 
+@given(
+    st.sampled_from(FORMATS),
+    st.sampled_from([1e-30, 1e-7, 1e-3, 1.0, 300.0, 1e6]),
+    st.integers(0, 2**31 - 1),
+)
+def test_quantize_bit_exact_over_magnitudes(scheme, scale, seed):
+    """Includes float16 underflow (d -> 0 or subnormal) and overflow (d -> inf)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((2, 64)) * scale).astype(np.float32)
+    w[1, 32:] = np.float32(scale)  # a constant block
+    with np.errstate(over="ignore"):
+        expected = gguf_quantize(w, _kind(scheme)).reshape(-1)
+    n_f16 = 2 if scheme == "q4_1" else 1
+    f16 = expected.reshape(-1, len(expected) // 4)[:, : 2 * n_f16].copy()
+    if not np.isfinite(f16.view(np.float16)).all():  # llama.cpp would store Inf
+        with pytest.raises(QuantizationError, match="overflow"):
+            quantize(w, scheme)
+        return
+    np.testing.assert_array_equal(to_ggml(quantize(w, scheme))[0], expected)
+
+
 def test_jit_quantize_matches_eager():
     w = _tricky(4)
     for scheme in FORMATS:
@@ -120,6 +141,14 @@ def test_nan_and_inf_are_rejected():
         for scheme in FORMATS:
             with pytest.raises(QuantizationError, match="NaN/Inf"):
                 quantize(w, scheme)
+
+
+def test_float16_scale_overflow_is_rejected():
+    w = np.zeros((1, 32), np.float32)
+    w[0, 0] = 1e6  # q4_0: d = -1e6 / 8 does not fit float16
+    with pytest.raises(QuantizationError, match="float16"):
+        quantize(w, "q4_0")
+    quantize(w, "q8_0")  # d = 1e6 / 127 fits
 
 
 def test_from_ggml_validates_before_allocating():
