@@ -216,3 +216,53 @@ def test_load_rejects_bad_files(base, tmp_path):
     (tmp_path / "adapter_config.json").write_text("{not json")
     with pytest.raises(FormatError, match="not valid JSON"):
         lora.load_adapter(tmp_path, base)
+
+
+def test_exact_module_names_when_a_suffix_would_adapt_more(tmp_path):
+    """Only ``a.q_proj`` is adapted: target_modules must not also catch ``b.q_proj``."""
+    rng = np.random.default_rng(2)
+    w = {k: rng.normal(size=(6, 4)).astype(np.float32) for k in "ab"}
+    params = {k: {"q_proj": {"weight": jnp.asarray(v)}} for k, v in w.items()}
+    lp = trained(params, LoRAConfig(rank=2, alpha=2.0, targets="a.q_proj"))
+    lp["b"] = trained(params, LoRAConfig(rank=3, alpha=1.0, targets="b.q_proj"), 9)["b"]
+    lora.save_adapter(lp, tmp_path, task_type=None)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert cfg["r"] in (2, 3) and cfg["rank_pattern"] and cfg["alpha_pattern"]
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Module()
+            self.b = torch.nn.Module()
+            self.a.q_proj = torch.nn.Linear(4, 6, bias=False)
+            self.b.q_proj = torch.nn.Linear(4, 6, bias=False)
+
+        def forward(self, x):
+            return self.a.q_proj(x) + self.b.q_proj(x)
+
+    model = Two()
+    with torch.no_grad():
+        for k in "ab":
+            getattr(model, k).q_proj.weight.copy_(torch.from_numpy(w[k]))
+    pm = peft.PeftModel.from_pretrained(model, str(tmp_path)).eval()
+    x = rng.normal(size=(3, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = pm(torch.from_numpy(x)).numpy()
+
+    def ours(p):
+        from entrenar.nn import linear
+
+        return np.asarray(linear(x, p["a"]["q_proj"]["weight"]) +
+                          linear(x, p["b"]["q_proj"]["weight"]))  # fmt: skip
+
+    np.testing.assert_allclose(ours(lp), expected, atol=1e-5)
+    np.testing.assert_allclose(ours(lora.load_adapter(tmp_path, params)), expected,
+                               atol=1e-5)  # fmt: skip
+    # Only a.q_proj adapted: a suffix list ["q_proj"] would wrap b.q_proj as well.
+    only_a = trained(params, LoRAConfig(rank=2, alpha=2.0, targets="a.q_proj"))
+    lora.save_adapter(only_a, tmp_path / "a", task_type=None)
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert isinstance(cfg["target_modules"], str)
+    pm = peft.PeftModel.from_pretrained(Two(), str(tmp_path / "a"))
+    wrapped = [n for n, _ in pm.named_modules() if n.endswith("q_proj.lora_A")]
+    assert wrapped == ["base_model.model.a.q_proj.lora_A"]
