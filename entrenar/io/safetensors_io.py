@@ -6,8 +6,8 @@ Layout (https://github.com/huggingface/safetensors)::
     header = {"__metadata__": {str: str}, name: {"dtype": "F32", "shape": [..],
               "data_offsets": [begin, end]}, ...}   (offsets relative to the data)
 
-entrenar writes with the ``safetensors`` package (its flax/JAX backend, which also
-handles bfloat16) and puts the model's metadata in ``__metadata__``: ``format`` =
+entrenar writes with the ``safetensors`` package (numpy backend; bfloat16 as
+``ml_dtypes.bfloat16``) and puts the model's metadata in ``__metadata__``: ``format`` =
 ``entrenar.model``, ``name``, ``architecture``, ``version`` and ``training_config`` /
 ``custom`` as JSON strings. Reading parses and validates the header first (length,
 JSON, dtypes, shapes, offsets inside the file, no overlaps) and then maps the data.
@@ -56,13 +56,11 @@ MAX_HEADER = 100 * 2**20
 def save_safetensors(
     tensors: dict[str, Any], path: str | os.PathLike[str], metadata: dict[str, str]
 ) -> None:
-    """Write ``{name: array}`` with string ``metadata`` atomically."""
-    import jax.numpy as jnp
-    import safetensors.flax
+    """Write ``{name: array}`` with string ``metadata`` atomically (dtypes kept)."""
+    import safetensors.numpy
 
-    data = safetensors.flax.save(
-        {k: jnp.asarray(v) for k, v in tensors.items()}, metadata
-    )
+    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}
+    data = safetensors.numpy.save(arrays, metadata)
     with atomic_write(path) as f:
         f.write(data)
 

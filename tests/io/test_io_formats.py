@@ -1,0 +1,203 @@
+"""save_model / load_model round trips for every format and dtype; safetensors; HF."""
+
+import json
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from entrenar.errors import EntrenarError, FormatError, UnsupportedError
+from entrenar.io import (
+    Model,
+    ModelFormat,
+    ModelMetadata,
+    SaveConfig,
+    detect_format,
+    load_model,
+    read_safetensors,
+    save_model,
+)
+
+EXT = {
+    ModelFormat.JSON: "json",
+    ModelFormat.YAML: "yaml",
+    ModelFormat.SAFETENSORS: "safetensors",
+    ModelFormat.GGUF: "gguf",
+}
+FLOATS = ["float32", "float16", "bfloat16", "float64"]
+INTS = ["int8", "int16", "int32", "int64"]
+UINTS = ["uint8", "uint16", "uint32", "uint64", "bool"]
+
+
+def _array(rng, dtype, shape):
+    if dtype in FLOATS:
+        x = rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 6, size=shape)
+        return x.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    if dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+
+
+def _model(dtypes, shapes=((2, 3), (4,), (1, 2, 2))):
+    rng = np.random.default_rng(0)
+    params = {
+        "layer": {
+            f"w_{d}": _array(rng, d, shapes[i % len(shapes)])
+            for i, d in enumerate(dtypes)
+        },
+        "head": {"bias": np.array([1.5, -0.0, 3e-38], np.float32)},
+    }
+    meta = (
+        ModelMetadata("tiny", "mlp", training_config={"lr": 0.001, "steps": [1, 2]})
+        .with_version("1.2.3")
+        .with_custom(seed=7, note="ü")
+    )
+    return Model(meta, params)
+
+
+def _assert_same(a, b):
+    assert a.metadata == b.metadata
+    fa = {k: np.asarray(v) for k, v in _flat(a.params).items()}
+    fb = {k: np.asarray(v) for k, v in _flat(b.params).items()}
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        assert fa[k].dtype == fb[k].dtype and fa[k].shape == fb[k].shape, k
+        np.testing.assert_array_equal(fa[k].view(np.uint8), fb[k].view(np.uint8), k)
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(ModelFormat))
+@pytest.mark.parametrize("pretty", [False, True])
+def test_round_trip_is_exact(tmp_path, fmt, pretty):
+    dtypes = FLOATS + INTS + ([] if fmt == ModelFormat.GGUF else UINTS)
+    model = _model(dtypes)
+    path = tmp_path / f"m.{EXT[fmt]}"
+    save_model(model, path, SaveConfig(fmt, pretty=pretty))
+    assert detect_format(path) == fmt
+    _assert_same(load_model(path), model)
+
+
+@pytest.mark.parametrize("fmt", [ModelFormat.JSON, ModelFormat.YAML])
+def test_text_formats_keep_shapes_and_non_finite(tmp_path, fmt):
+    w = np.array([[np.nan, np.inf], [-np.inf, -0.0]], np.float32)
+    model = Model(ModelMetadata(), {"w": w, "s": np.float32(2.5)})
+    path = tmp_path / f"m.{EXT[fmt]}"
+    save_model(model, path, SaveConfig(fmt))
+    if fmt == ModelFormat.JSON:
+        doc = json.loads(path.read_text())
+        assert doc["tensors"]["w"]["shape"] == [2, 2]
+        assert doc["tensors"]["w"]["data"][0] == ["nan", "inf"]
+        assert doc["tensors"]["s"] == {"dtype": "float32", "shape": [], "data": 2.5}
+    back = load_model(path)
+    np.testing.assert_array_equal(back.params["w"], w)
+    assert np.signbit(back.params["w"][1, 1]) and back.params["s"].shape == ()
+
+
+def test_jax_arrays_save(tmp_path):
+    model = Model(ModelMetadata(), {"w": jnp.arange(6.0).reshape(2, 3)})
+    save_model(model, tmp_path / "m.safetensors")
+    np.testing.assert_array_equal(
+        load_model(tmp_path / "m.safetensors").params["w"], np.arange(6.0).reshape(2, 3)
+    )
+
+
+def test_safetensors_is_readable_by_safetensors_and_torch(tmp_path):
+    import safetensors.numpy
+    import safetensors.torch
+    import torch
+
+    model = _model(["float32", "bfloat16", "int64"])
+    path = tmp_path / "m.safetensors"
+    save_model(model, path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(n))["__metadata__"]
+    assert meta["name"] == "tiny" and json.loads(meta["custom"])["seed"] == 7
+    ref = safetensors.torch.load_file(path)
+    ours, _ = read_safetensors(path)
+    for k, t in ref.items():
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+            np.testing.assert_array_equal(ours[k].astype(np.float32), t.numpy())
+        else:
+            np.testing.assert_array_equal(ours[k], t.numpy())
+    # A file written by the safetensors package (no entrenar metadata) loads too.
+    safetensors.numpy.save_file({"a.b": np.ones((2, 2), np.float32)}, tmp_path / "x.st")
+    m = load_model(tmp_path / "x.st")
+    assert m.metadata == ModelMetadata() and m.params["a"]["b"].shape == (2, 2)
+
+
+def test_detect_format_by_magic_over_extension(tmp_path):
+    model = _model(["float32"])
+    save_model(model, tmp_path / "m.bin", SaveConfig(ModelFormat.GGUF))
+    assert detect_format(tmp_path / "m.bin") == ModelFormat.GGUF
+    save_model(model, tmp_path / "m.gguf", SaveConfig(ModelFormat.JSON))
+    assert detect_format(tmp_path / "m.gguf") == ModelFormat.JSON
+    save_model(model, tmp_path / "m.dat", SaveConfig(ModelFormat.SAFETENSORS))
+    assert detect_format(tmp_path / "m.dat") == ModelFormat.SAFETENSORS
+    (tmp_path / "m.xyz").write_bytes(b"\x00\x01")
+    with pytest.raises(FormatError, match=r"m\.xyz"):
+        load_model(tmp_path / "m.xyz")
+
+
+def test_invalid_models_are_rejected(tmp_path):
+    with pytest.raises(FormatError, match="without dots"):
+        save_model(Model(ModelMetadata(), {"a.b": np.ones(2)}), tmp_path / "x.json")
+    with pytest.raises(UnsupportedError, match="1-4 dim"):
+        save_model(
+            Model(ModelMetadata(), {"s": np.float32(1)}),
+            tmp_path / "x.gguf",
+            SaveConfig(ModelFormat.GGUF),
+        )
+    with pytest.raises(FormatError, match="dtype"):
+        save_model(Model(ModelMetadata(), {"c": np.ones(2, np.complex64)}), "x.json")
+
+
+def test_failed_write_leaves_old_file(tmp_path):
+    path = tmp_path / "m.json"
+    save_model(_model(["float32"]), path, SaveConfig(ModelFormat.JSON))
+    before = path.read_bytes()
+    with pytest.raises(EntrenarError):
+        bad = Model(ModelMetadata(), {"w": np.ones(2, np.complex64)})
+        save_model(bad, path, SaveConfig(ModelFormat.JSON))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+
+
+def test_hf_llama_checkpoint_loads_and_matches_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from entrenar.io import load_hf_llama
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    config, params = load_hf_llama(tmp_path)
+    tokens = np.array([[3, 17, 5, 60, 2, 9]])
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    got = np.asarray(config.apply(params, jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
