@@ -15,6 +15,7 @@ from entrenar.quant.api import (
     dequantize_params,
     is_quantized,
     quantize,
+    quantize_like,
     quantize_params,
 )
 from entrenar.quant.ggml import from_ggml, to_ggml
@@ -43,6 +44,7 @@ __all__ = [
     "memory_report",
     "ptq",
     "quantize",
+    "quantize_like",
     "quantize_params",
     "round_ste",
     "to_ggml",

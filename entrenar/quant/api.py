@@ -99,6 +99,31 @@ def dequantize(q: QuantizedWeight, dtype: Any = None) -> jax.Array:
     return _DEQUANTIZE[q.scheme](q, np.dtype(q.dtype if dtype is None else dtype))
 
 
+def quantize_like(w: Any, like: QuantizedWeight) -> QuantizedWeight:
+    """Quantize ``w`` with every option of ``like`` (scheme, block, DQ, int8 mode).
+
+    Useful to requantize a merged or updated weight in its original format.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> q = quantize(jnp.ones((4, 8)), "int8", granularity="channel", axis=-1)
+        >>> quantize_like(2 * jnp.ones((4, 8)), q).scales.shape
+        (1, 8)
+    """
+    axis = -2
+    if like.granularity == "channel":  # the one scale axis of the matrix kept whole
+        axis = -1 if like.scales.shape[-1] == like.shape[-1] > 1 else -2
+    return quantize(
+        w,
+        like.scheme,
+        block_size=like.block_size,
+        double_quant=like.double_quant,
+        symmetric=like.offsets is None,
+        granularity=like.granularity,
+        axis=axis,
+    )
+
+
 def is_quantized(x: Any) -> bool:
     """Whether ``x`` is a `QuantizedWeight` (an ``is_leaf`` for tree functions)."""
     return isinstance(x, QuantizedWeight)
@@ -158,5 +183,6 @@ __all__ = [
     "dequantize_params",
     "is_quantized",
     "quantize",
+    "quantize_like",
     "quantize_params",
 ]

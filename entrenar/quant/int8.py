@@ -16,7 +16,8 @@ In both cases ``|x - x̂| <= d / 2``. ``1 / d`` is 0 when ``d == 0``.
 Granularity: ``"block"`` (scales ``(*lead, cols // B)``), ``"channel"`` (one scale per
 index of ``axis``: the reduction runs over the other of the last two axes, scales keep
 the tensor's rank with size-1 axes) or ``"tensor"`` (one scale per matrix, i.e. per
-index of any leading axes, so stacked layers keep their own scales).
+index of any leading axes, so stacked layers keep their own scales; a leading channel
+axis therefore means ``"tensor"``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def quantize_int8(
     else:
         axes = _reduce_axes(shape, granularity, axis)
         block_size = shape[-1]
+        if len(axes) == 2:  # a leading channel axis: one scale per matrix
+            granularity = "tensor"
     check_finite(w, "int8")
     if symmetric:
         d = jnp.max(jnp.abs(x), axis=axes, keepdims=True) / jnp.float32(127)

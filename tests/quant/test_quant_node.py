@@ -11,6 +11,7 @@ from entrenar.quant import (
     dequantize,
     dequantize_params,
     quantize,
+    quantize_like,
     quantize_params,
 )
 from entrenar.quant.report import memory_report
@@ -116,3 +117,22 @@ def test_memory_report_counts_stored_arrays():
     assert entry["b"].bytes == 32
     assert r.bytes == entry["w"].bytes + 32
     assert "total" in str(r)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kw"),
+    [
+        *SCHEMES,
+        ("int8", {"granularity": "channel", "axis": -1, "symmetric": False}),
+        ("int8", {"granularity": "tensor"}),
+        ("int8", {"granularity": "channel", "axis": 0}),  # leading axis = per matrix
+        ("nf4", {"block_size": 32, "double_quant": True}),
+    ],
+)
+def test_quantize_like_reproduces_every_option(scheme, kw):
+    w = _stack(4)
+    q = quantize(w, scheme, **kw)
+    again = quantize_like(w, q)
+    assert jax.tree_util.tree_structure(again) == jax.tree_util.tree_structure(q)
+    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(q)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
