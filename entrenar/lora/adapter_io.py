@@ -75,8 +75,9 @@ def save_adapter(
     """Write the adapters of ``params`` to the folder ``path`` in PEFT's layout.
 
     Args:
-        params: a tree with `LoRAWeight` nodes (the full tree or `split`'s trainable
-            half).
+        params: a tree with `LoRAWeight` nodes. Pass the full tree: then
+            ``target_modules`` is checked against the modules without adapters
+            (with `split`'s trainable half it is the list of name suffixes).
         path: output folder (created if missing); both files are written atomically.
         base_model_name_or_path: recorded in the config for PEFT.
         task_type: PEFT task type (``"CAUSAL_LM"``, or ``None`` for a custom model).

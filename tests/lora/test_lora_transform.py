@@ -204,6 +204,10 @@ def test_dropout_is_exact_without_keys_and_matches_reference_with_keys():
     ref = np.asarray(x) @ w.T + one.scale * (xd @ a.T) @ b.T
     np.testing.assert_allclose(linear(x, one), ref, rtol=1e-5, atol=1e-5)
     assert not np.allclose(linear(x, one), linear(x, one.replace(dropout_key=None)))
+    step = jax.jit(lambda p, k: forward(lora.with_dropout_keys(p, key=k), X))
+    eager = forward(lora.with_dropout_keys(lp, key=jax.random.key(7)), X)
+    np.testing.assert_allclose(step(lp, jax.random.key(7)), eager, rtol=1e-6)
+    assert not np.allclose(step(lp, jax.random.key(8)), eager)
     again = lora.with_dropout_keys(lp, key=jax.random.key(8))
     assert not np.array_equal(
         again["model"]["layers"]["up_proj"]["weight"].dropout_key, node.dropout_key
