@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from entrenar.autograd import ops as _ops
 from entrenar.errors import TapeError
 
 if TYPE_CHECKING:
@@ -57,42 +57,25 @@ class Program:
         self.key: tuple = ()
 
 
-def _input_sig(v: Any) -> tuple:
-    if isinstance(v, (bool, int, float, complex)):
-        return ("py", type(v))
-    return (tuple(np.shape(v)), v.dtype, bool(getattr(v, "weak_type", False)))
+def _scalar_sig(v: Any) -> Any:
+    return type(v) if isinstance(v, (bool, int, float, complex)) else _ops.Aval.of(v)
 
 
 def build(target: Tensor, *, for_grad: bool) -> Program:
     """Linearise the graph below ``target`` (iterative post-order walk).
 
     A tensor is recomputed from its node when it has no value yet, or when it requires
-    grad (so gradients flow through it); otherwise its value is an input slot.
+    grad (so gradients flow through it); otherwise its value is an input slot. Leaves
+    are read through the value recorded with each node, except the leaves being
+    differentiated (the gradient's variables). Slots: inputs are numbered 0, 1, ...;
+    instruction outputs -1, -2, ...
     """
+    tensor_type = _ops.TENSOR_TYPE
     prog = Program()
-    slot_of: dict[int, int] = {}  # id(tensor) or id(constant) -> slot
-    input_sigs: list[tuple] = []
-    n_inputs = 0
-    keep_alive: list[Any] = []  # constants whose id() keys slot_of
+    inputs, instrs, nodes = prog.inputs, prog.instrs, prog.nodes
+    slot_of: dict[int, int] = {}  # id(tensor) or id(snapshot value) -> slot
+    sigs: list[Any] = []
 
-    def add_input(value: Any, key_id: int, diff_owner: Tensor | None) -> int:
-        nonlocal n_inputs
-        slot = n_inputs
-        n_inputs += 1
-        slot_of[key_id] = slot
-        prog.inputs.append(value)
-        input_sigs.append((*_input_sig(value), diff_owner is not None))
-        if diff_owner is not None:
-            prog.diff_slots.append(slot)
-            prog.diff_tensors.append(diff_owner)
-        return slot
-
-    def _as_snap(a: Any, snap: Any) -> bool:
-        # A leaf read through its recorded value: every leaf, except the ones being
-        # differentiated (those are the gradient's variables).
-        return snap is not None and not (for_grad and a.requires_grad)
-
-    # Slots: inputs are numbered 0, 1, ...; instruction outputs -1, -2, ...
     stack: list[tuple[Any, bool]] = [(target, False)]
     while stack:
         t, expanded = stack.pop()
@@ -100,46 +83,50 @@ def build(target: Tensor, *, for_grad: bool) -> Program:
             continue
         node = t._node
         if node is None or (t._value is not None and not t.requires_grad):
-            diff = for_grad and t.requires_grad and node is None
-            add_input(t._value, id(t), t if diff else None)
+            diff = for_grad and node is None and t.requires_grad
+            slot_of[id(t)] = len(inputs)
+            if diff:
+                prog.diff_slots.append(len(inputs))
+                prog.diff_tensors.append(t)
+            inputs.append(t._value)
+            sigs.append((t._aval, diff))
             continue
         if for_grad and node.freed:
             raise TapeError(
                 "backward through a graph that was already freed (op "
                 f"{node.op.name!r}, output shape {t.shape}): a previous backward() "
-                "released it. Pass "
-                "retain_graph=True to the first backward() to differentiate twice."
+                "released it; pass retain_graph=True to the first backward() to "
+                "differentiate twice"
             )
         if not expanded:
             stack.append((t, True))
-            for a, snap in zip(reversed(node.args), reversed(node.snaps)):
-                if _is_tensor(a) and id(a) not in slot_of and not _as_snap(a, snap):
+            for a, snap in zip(node.args, node.snaps):
+                if isinstance(a, tensor_type) and (
+                    snap is None or (for_grad and a.requires_grad)
+                ):
                     stack.append((a, False))
             continue
         arg_slots = []
         for a, snap in zip(node.args, node.snaps):
-            if not _is_tensor(a):
-                keep_alive.append(a)
-                arg_slots.append(add_input(a, id(a), None))
-            elif _as_snap(a, snap):
-                sid = id(snap)  # a constant leaf: its value as recorded
-                if sid not in slot_of:
-                    keep_alive.append(snap)
-                    add_input(snap, sid, None)
-                arg_slots.append(slot_of[sid])
-            else:
+            if not isinstance(a, tensor_type):  # a constant array or Python scalar
+                arg_slots.append(len(inputs))
+                inputs.append(a)
+                sigs.append(_scalar_sig(a))
+            elif snap is None or (for_grad and a.requires_grad):
                 arg_slots.append(slot_of[id(a)])
-        slot_of[id(t)] = -1 - len(prog.instrs)
-        prog.instrs.append((node.op, node.static, tuple(arg_slots)))
-        if node.recorded:
-            prog.nodes.append(node)
-    prog.key = (tuple(prog.instrs), tuple(input_sigs))
-    del keep_alive
+            else:  # a constant leaf, as recorded
+                slot = slot_of.get(id(snap))
+                if slot is None:
+                    slot = slot_of[id(snap)] = len(inputs)
+                    inputs.append(snap)
+                    sigs.append(a._aval if snap is a._value else _scalar_sig(snap))
+                arg_slots.append(slot)
+        slot_of[id(t)] = -1 - len(instrs)
+        instrs.append((node.op, node.static, tuple(arg_slots)))
+        if node.tape is not None:
+            nodes.append(node)
+    prog.key = (tuple(instrs), tuple(sigs))
     return prog
-
-
-def _is_tensor(a: Any) -> bool:
-    return hasattr(a, "_node") and hasattr(a, "_live_uses")
 
 
 def _run(instrs: Sequence[tuple], ins: Sequence[Any]) -> Any:

@@ -54,9 +54,7 @@ _AVAL_CACHE: dict[tuple, Aval] = {}
 
 
 def _sig(a: Any) -> Any:
-    from entrenar.autograd.tensor import Tensor
-
-    if isinstance(a, Tensor):
+    if isinstance(a, TENSOR_TYPE):
         return a._aval
     if isinstance(a, (bool, int, float)):
         return type(a)
@@ -101,29 +99,40 @@ def infer(op: Op, static: tuple, args: Sequence[Any]) -> Aval:
     return out
 
 
+_INEXACT: dict[Any, bool] = {}
+TENSOR_TYPE: Any = None  # entrenar.autograd.tensor.Tensor, set when that module loads
+
+
+def _is_inexact(dtype: Any) -> bool:
+    r = _INEXACT.get(dtype)
+    if r is None:
+        r = _INEXACT[dtype] = bool(jnp.issubdtype(dtype, jnp.inexact))
+    return r
+
+
 def apply(op: Op, *args: Any, **static: Any) -> Any:
     """Record ``op(*args, **static)`` and return its (lazy) output tensor.
 
     Under `no_grad` nothing is recorded: the op runs at once and the result is a
     plain leaf that does not require grad.
     """
-    from entrenar.autograd.tensor import Tensor
-
-    static_t = tuple(sorted(static.items()))
+    tensor = TENSOR_TYPE
+    static_t = tuple(sorted(static.items())) if static else ()
     aval = infer(op, static_t, args)
     if not is_grad_enabled():
-        vals = [a.data if isinstance(a, Tensor) else a for a in args]
-        return Tensor._wrap(op.fn(*vals, **static), requires_grad=False)
-    requires = any(
-        isinstance(a, Tensor) and a.requires_grad for a in args
-    ) and jnp.issubdtype(aval.dtype, jnp.inexact)
-    snaps = tuple(
-        a._value if isinstance(a, Tensor) and a._node is None else None for a in args
-    )
-    node = Node(op, static_t, args, snaps, recorded=requires)
-    if requires:
-        get_tape().record(node)
-    return Tensor._lazy(node, aval, requires_grad=requires)
+        vals = [a.data if isinstance(a, tensor) else a for a in args]
+        return tensor._wrap(op.fn(*vals, **static), requires_grad=False)
+    requires = False
+    snaps = []
+    for a in args:
+        if isinstance(a, tensor):
+            requires = requires or a.requires_grad
+            snaps.append(a._value if a._node is None else None)
+        else:
+            snaps.append(None)
+    requires = requires and _is_inexact(aval.dtype)
+    node = Node(op, static_t, args, tuple(snaps), get_tape() if requires else None)
+    return tensor._lazy(node, aval, requires_grad=requires)
 
 
 def defop(name: str, fn: Callable[..., Any]) -> Op:
@@ -174,8 +183,6 @@ STACK = defop("stack", lambda *xs, axis: jnp.stack(xs, axis))
 
 def _encode_index(index: Any) -> tuple[tuple, list[Any]]:
     """Split an index into a hashable spec and its array parts (dynamic inputs)."""
-    from entrenar.autograd.tensor import Tensor
-
     items = index if isinstance(index, tuple) else (index,)
     spec: list[Any] = []
     arrays: list[Any] = []
@@ -184,8 +191,8 @@ def _encode_index(index: Any) -> tuple[tuple, list[Any]]:
             spec.append(("slice", it.start, it.stop, it.step))
         elif it is None or it is Ellipsis or isinstance(it, (int, np.integer)):
             spec.append(int(it) if isinstance(it, np.integer) else it)
-        elif isinstance(it, (Tensor, np.ndarray, jax.Array, list)):
-            arr = it if isinstance(it, Tensor) else np.asarray(it)
+        elif isinstance(it, (TENSOR_TYPE, np.ndarray, jax.Array, list)):
+            arr = it if isinstance(it, TENSOR_TYPE) else np.asarray(it)
             spec.append(("array", len(arrays)))
             arrays.append(arr)
         else:

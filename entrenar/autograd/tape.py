@@ -4,20 +4,18 @@ State lives in two `contextvars.ContextVar`s (the only global state in entrenar)
 threads and asyncio tasks each see their own tape and grad mode:
 
 * ``_GRAD_ENABLED``: whether new operations are recorded (`no_grad` turns it off).
-* ``_TAPE``: the current `Tape`, a weak registry of live `Node`s in creation (that is,
-  topological) order.
+* ``_TAPE``: the current `Tape`, which counts the live recorded `Node`s.
 
 A `Node` is one recorded operation: the op, its static parameters, its arguments
 (tensors or constants) and, for leaf tensors, a snapshot of their value at record time.
-Nodes are owned by the tensors they produce; the tape only holds weak references, so a
-graph nobody can reach any more disappears from the tape by itself.
+Nodes are owned by the tensors they produce, so a graph nobody can reach any more
+disappears from the tape by itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -36,13 +34,14 @@ class Node:
         snaps: for each argument that is a leaf tensor, its value when recorded
             (so later changes to a constant input cannot alter this graph); ``None``
             for other arguments.
-        recorded: whether the node is on the tape (grad mode was on and an input
-            requires grad); recorded nodes pin their grad-requiring leaves.
-        freed: set by ``backward(..., retain_graph=False)``; a freed node cannot be
-            differentiated (or evaluated) again.
+        tape: the `Tape` the node is recorded on, or None when it is not recorded
+            (grad mode off, or no input requires grad). Recorded nodes pin their
+            grad-requiring leaves: their data cannot change until the node is freed.
+        freed: set by ``backward(..., retain_graph=False)`` or when the node is
+            garbage-collected; a freed node cannot be differentiated again.
     """
 
-    __slots__ = ("__weakref__", "args", "freed", "op", "recorded", "snaps", "static")
+    __slots__ = ("args", "freed", "op", "snaps", "static", "tape")
 
     def __init__(
         self,
@@ -50,28 +49,41 @@ class Node:
         static: tuple[tuple[str, Any], ...],
         args: tuple[Any, ...],
         snaps: tuple[Any, ...],
-        recorded: bool,
+        tape: Tape | None,
     ):
         self.op = op
         self.static = static
         self.args = args
         self.snaps = snaps
-        self.recorded = recorded
+        self.tape = tape
         self.freed = False
-        if recorded:
-            for a in args:
-                if _is_pinned_leaf(a):
+        if tape is not None:
+            tape._live += 1
+            for a, s in zip(args, snaps):
+                if s is not None and a.requires_grad:
                     a._live_uses += 1
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the node is on a tape."""
+        return self.tape is not None
 
     def free(self) -> None:
         """Release this node: its pinned leaves may be modified again."""
         if self.freed:
             return
         self.freed = True
-        if self.recorded:
-            for a in self.args:
-                if _is_pinned_leaf(a):
+        if self.tape is not None:
+            self.tape._live -= 1
+            for a, s in zip(self.args, self.snaps):
+                if s is not None and a.requires_grad:
                     a._live_uses -= 1
+
+    def unrecord(self) -> None:
+        """Take the node off its tape (its output no longer requires grad)."""
+        self.free()
+        self.freed = False
+        self.tape = None
 
     def __del__(self) -> None:
         try:
@@ -80,37 +92,21 @@ class Node:
             pass
 
 
-def _is_pinned_leaf(a: Any) -> bool:
-    # A leaf that requires grad: changing its data would invalidate the gradient.
-    return getattr(a, "_node", 1) is None and getattr(a, "requires_grad", False)
-
-
 class Tape:
-    """Weak registry of the live recorded nodes, in creation order."""
+    """The recording context: counts the live recorded nodes.
+
+    The nodes themselves are owned by the tensors they produce (a graph nobody can
+    reach disappears, and leaves the tape, by itself); ``len(tape)`` is the number of
+    recorded nodes not yet freed by a backward pass.
+    """
+
+    __slots__ = ("_live",)
 
     def __init__(self) -> None:
-        self._nodes: weakref.WeakValueDictionary[int, Node] = (
-            weakref.WeakValueDictionary()
-        )
-        self._count = 0
-
-    def record(self, node: Node) -> None:
-        """Add ``node`` to the tape."""
-        self._nodes[self._count] = node
-        self._count += 1
-
-    def live_nodes(self) -> list[Node]:
-        """Recorded nodes not yet freed by a backward pass, oldest first."""
-        return [n for _, n in sorted(self._nodes.items()) if not n.freed]
-
-    def clear(self) -> None:
-        """Free every node on the tape (as ``backward`` does for its graph)."""
-        for n in list(self._nodes.values()):
-            n.free()
-        self._nodes.clear()
+        self._live = 0
 
     def __len__(self) -> int:
-        return len(self.live_nodes())
+        return self._live
 
 
 _GRAD_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar(

@@ -80,7 +80,7 @@ class Tensor:
         self._pending: Any = None
         self.requires_grad = bool(requires_grad)
         self.grad: Any = None
-        if requires_grad and not jnp.issubdtype(self.dtype, jnp.inexact):
+        if requires_grad and not _ops._is_inexact(self.dtype):
             raise TapeError(
                 f"only floating-point tensors can require grad, got {self.dtype}; "
                 "pass dtype=jnp.float32"
@@ -215,13 +215,18 @@ class Tensor:
     def _as_constant(self) -> Tensor:
         self.requires_grad = False
         if self._node is not None:
-            self._node.recorded = False
+            self._node.unrecord()
         return self
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
         """Set ``requires_grad`` on a leaf, in place; returns the tensor."""
         if self._node is not None:
             raise TapeError("requires_grad_ applies to leaf tensors only")
+        if self._live_uses > 0:
+            raise TapeError(
+                "cannot change requires_grad of a tensor that recorded operations "
+                "still use; call backward() first"
+            )
         self.requires_grad = flag
         return self
 
@@ -362,6 +367,9 @@ class Tensor:
     def abs(self) -> Tensor:
         """Elementwise absolute value."""
         return _ops.apply(_ops.ABS, self)
+
+
+_ops.TENSOR_TYPE = Tensor
 
 
 def as_tensor(x: Any) -> Tensor:

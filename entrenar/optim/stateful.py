@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.optim.alias import adam, adamw, sgd
@@ -98,14 +99,17 @@ class Optimizer:
             return
         states = [self._state_for(t) for t in live]
         params = [t.data for t in live]
-        grads = [jnp.asarray(t.grad) for t in live]
+        grads = [
+            g if isinstance(g, jax.Array) else jnp.asarray(g)
+            for g in (t.grad for t in live)
+        ]
         for p, g in zip(params, grads):
             if p.shape != g.shape:
                 raise ShapeError(
                     f"tensor of shape {p.shape} has a gradient of shape {g.shape}"
                 )
         new_params, new_states = self._step_fn(
-            params, grads, states, jnp.float32(self._lr)
+            params, grads, states, np.float32(self._lr)
         )
         for t, p, s in zip(live, new_params, new_states):
             t.data = p
