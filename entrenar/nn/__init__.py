@@ -14,6 +14,8 @@ from entrenar.nn.attention import (
     init_kv_cache,
     update_cache_layer,
 )
+from entrenar.nn.generate import decode_step, generate, sample_logits
+from entrenar.nn.gpt2 import GPT2, GPT2Config, conv1d_transpose
 from entrenar.nn.hf_names import STACKED_KEYS, from_hf_names, to_hf_names
 from entrenar.nn.init import (
     fans,
@@ -35,15 +37,21 @@ from entrenar.nn.layers import (
 )
 from entrenar.nn.linear import linear, weight_matmul
 from entrenar.nn.llama import Llama, LlamaConfig
+from entrenar.nn.mlp_model import MLP
 from entrenar.nn.rope import apply_rope, rope_angles, rotate_half
 
 __all__ = [
+    "GPT2",
+    "MLP",
     "STACKED_KEYS",
+    "GPT2Config",
     "KVCache",
     "Llama",
     "LlamaConfig",
     "apply_rope",
     "causal_mask",
+    "conv1d_transpose",
+    "decode_step",
     "dot_product_attention",
     "dropout",
     "embedding",
@@ -51,6 +59,7 @@ __all__ = [
     "from_hf_names",
     "gated_mlp",
     "gelu_tanh",
+    "generate",
     "init_kv_cache",
     "kaiming_normal",
     "kaiming_uniform",
@@ -61,6 +70,7 @@ __all__ = [
     "rms_norm",
     "rope_angles",
     "rotate_half",
+    "sample_logits",
     "silu",
     "to_hf_names",
     "update_cache_layer",

@@ -6,9 +6,10 @@ Ainslie et al., 2023. With ``H`` query heads and ``KV`` key/value heads (``H % K
 
     ``o_h = softmax(q_h k_gᵀ / sqrt(d) + M) v_g``,  ``M = 0`` where allowed, ``-∞`` not.
 
-Scores and the softmax are computed in float32. A `KVCache` keeps the keys and values
-of every layer for ``max_len`` positions; a step writes its ``T`` new entries at
-``pos`` and attends causally to positions ``<= pos + t``.
+Scores and the softmax are computed in float32 (float64 for float64 inputs). A
+`KVCache` keeps the keys and values of every layer for ``max_len`` positions; a step
+writes its ``T`` new entries at ``pos`` and attends causally to positions
+``<= pos + t``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from entrenar.errors import ShapeError
+from entrenar.nn.layers import upcast_dtype
 from entrenar.types import DType
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row gives a uniform, not NaN
@@ -52,8 +54,9 @@ def init_kv_cache(
     (2, 1, 8, 3, 4)
     """
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
-    zeros = jnp.zeros(shape, dtype)
-    return KVCache(zeros, zeros, jnp.zeros((), jnp.int32))
+    return KVCache(
+        jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32)
+    )
 
 
 def causal_mask(q_positions: jax.Array, k_len: int) -> jax.Array:
@@ -62,7 +65,7 @@ def causal_mask(q_positions: jax.Array, k_len: int) -> jax.Array:
     >>> causal_mask(jnp.arange(2), 3).tolist()
     [[True, False, False], [True, True, False]]
     """
-    return jnp.arange(k_len)[None, :] <= q_positions[:, None]  # (T, S)
+    return jnp.arange(k_len, dtype=q_positions.dtype)[None, :] <= q_positions[:, None]
 
 
 def update_cache_layer(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
@@ -98,12 +101,12 @@ def dot_product_attention(
             f"query heads ({h}) must be a multiple of key/value heads ({kv})"
         )
     qg = q.reshape(b, t, kv, h // kv, d)  # (B, T, KV, G, d)
-    scale = jnp.float32(1.0 / d**0.5)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * scale  # (B, KV, G, T, S)
+    f = upcast_dtype(q.dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=f)
+    scores = scores * jnp.asarray(1.0 / d**0.5, f)  # (B, KV, G, T, S)
     if mask is not None:
         m = mask if mask.ndim == 3 else mask[None]  # (B|1, T, S)
-        scores = jnp.where(m[:, None, None], scores, jnp.float32(_NEG))
+        scores = jnp.where(m[:, None, None], scores, jnp.asarray(_NEG, f))
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (B, KV, G, T, S)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # (B, T, KV, G, d)
     return out.reshape(b, t, h, d).astype(q.dtype)

@@ -64,6 +64,8 @@ def to_hf_names(params: Params) -> dict[str, Any]:
                         walk(layer, f"{path}.{i}.", True)
                 else:
                     walk(sub, f"{path}.", stacked)
+            elif isinstance(sub, (list, tuple)):
+                walk({str(i): x for i, x in enumerate(sub)}, f"{path}.", stacked)
             else:
                 out[path] = sub
 

@@ -20,6 +20,16 @@ from entrenar.types import PRNGKey
 Activation = Callable[[jax.Array], jax.Array]
 
 
+def upcast_dtype(dtype: Any) -> Any:
+    """The dtype norms, softmax and rotary math run in: float32, or float64 inputs' own.
+
+    >>> upcast_dtype(jnp.bfloat16), upcast_dtype(jnp.float64)
+    (dtype('float32'), dtype('float64'))
+    """
+    wide = jnp.dtype(dtype) == jnp.dtype("float64")
+    return jnp.dtype("float64") if wide else jnp.dtype("float32")
+
+
 def embedding(table: jax.Array, tokens: jax.Array) -> jax.Array:
     """Look up rows of ``table: (V, D)`` for integer ``tokens: (...)`` -> ``(..., D)``.
 
@@ -38,7 +48,7 @@ def embedding(table: jax.Array, tokens: jax.Array) -> jax.Array:
 def layer_norm(
     x: jax.Array, weight: jax.Array, bias: jax.Array | None, eps: float = 1e-5
 ) -> jax.Array:
-    """LayerNorm over the last axis (Ba et al., 2016), computed in float32.
+    """LayerNorm over the last axis (Ba et al., 2016), computed in float32 (or 64).
 
     ``y = (x - μ) / sqrt(σ² + eps) · weight + bias`` with the biased variance ``σ²``.
 
@@ -46,26 +56,28 @@ def layer_norm(
     >>> [round(v, 3) for v in y[0].tolist()]
     [-1.0, 1.0]
     """
-    xf = x.astype(jnp.float32)
+    f = upcast_dtype(x.dtype)
+    xf = x.astype(f)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(f)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + bias.astype(f)
     return y.astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """RMSNorm over the last axis (Zhang & Sennrich, 2019), computed in float32.
+    """RMSNorm over the last axis (Zhang & Sennrich, 2019), in float32 (or 64).
 
     ``y = x / sqrt(mean(x²) + eps) · weight``.
 
     >>> [round(v, 4) for v in rms_norm(jnp.array([3.0, 4.0]), jnp.ones(2))[:].tolist()]
     [0.8485, 1.1314]
     """
-    xf = x.astype(jnp.float32)
+    f = upcast_dtype(x.dtype)
+    xf = x.astype(f)
     ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-    y = xf * jax.lax.rsqrt(ms + eps) * weight.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(ms + eps) * weight.astype(f)
     return y.astype(x.dtype)
 
 
@@ -157,4 +169,5 @@ __all__ = [
     "mlp",
     "rms_norm",
     "silu",
+    "upcast_dtype",
 ]

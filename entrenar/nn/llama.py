@@ -31,7 +31,7 @@ from entrenar.nn.attention import (
     update_cache_layer,
 )
 from entrenar.nn.init import normal
-from entrenar.nn.layers import embedding, gated_mlp, rms_norm
+from entrenar.nn.layers import embedding, gated_mlp, rms_norm, upcast_dtype
 from entrenar.nn.linear import linear
 from entrenar.nn.rope import apply_rope
 from entrenar.types import Params, PRNGKey
@@ -63,7 +63,8 @@ class LlamaConfig:
         tie_word_embeddings: the output head reuses ``embed_tokens`` (no ``lm_head``).
         max_position_embeddings: longest context the weights were trained for.
         initializer_range: std of the normal initialiser of ``init``.
-        dtype: compute dtype (activations, KV cache); logits are always float32.
+        dtype: compute dtype (activations, KV cache); logits are float32 (float64
+            when computing in float64).
         param_dtype: dtype of the parameters ``init`` creates.
         remat: rematerialise each layer in the backward pass (`jax.checkpoint`),
             trading compute for activation memory.
@@ -264,7 +265,7 @@ class LlamaConfig:
     def apply(
         self, params: Params, tokens: jax.Array, *, mask: jax.Array | None = None
     ) -> jax.Array:
-        """Logits ``(B, T, V)`` float32 for ``tokens: (B, T)``, causal attention.
+        """Causal-attention logits ``(B, T, V)`` (float32 or 64) for ``tokens: (B, T)``.
 
         Args:
             params: the param tree of `param_shapes` (leaves may be weight nodes).
@@ -374,7 +375,7 @@ class LlamaConfig:
                 "params have no 'lm_head' but the config does not tie embeddings; "
                 "set tie_word_embeddings=True or add lm_head.weight"
             )
-        return linear(h, w).astype(jnp.float32)  # (B, T, V)
+        return linear(h, w).astype(upcast_dtype(h.dtype))
 
 
 def _check_tokens(tokens: jax.Array) -> None:

@@ -14,23 +14,28 @@ with ``cos, sin`` of the angles repeated twice along the last axis.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from entrenar.errors import ShapeError
+from entrenar.nn.layers import upcast_dtype
 
 
-def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> jax.Array:
-    """Angles ``p · θ^(-2i/d)``: ``positions (...)`` -> ``(..., d/2)`` float32.
+def rope_angles(
+    positions: jax.Array, head_dim: int, theta: float, dtype: Any = jnp.float32
+) -> jax.Array:
+    """Angles ``p · θ^(-2i/d)``: ``positions (...)`` -> ``(..., d/2)`` in ``dtype``.
 
     >>> rope_angles(jnp.array([0, 1]), 4, 100.0).tolist()
     [[0.0, 0.0], [1.0, 0.10000000149011612]]
     """
     if head_dim % 2:
         raise ShapeError(f"rotary head_dim must be even, got {head_dim}")
-    exponent = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim  # (d/2,)
-    inv_freq = 1.0 / (jnp.float32(theta) ** exponent)  # (d/2,)
-    return positions.astype(jnp.float32)[..., None] * inv_freq  # (..., d/2)
+    exponent = jnp.arange(0, head_dim, 2, dtype=dtype) / head_dim  # (d/2,)
+    inv_freq = 1.0 / (jnp.asarray(theta, dtype) ** exponent)  # (d/2,)
+    return positions.astype(dtype)[..., None] * inv_freq  # (..., d/2)
 
 
 def rotate_half(x: jax.Array) -> jax.Array:
@@ -46,15 +51,16 @@ def rotate_half(x: jax.Array) -> jax.Array:
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotate queries or keys ``x: (B, T, H, d)`` at ``positions: (T,)`` or ``(B, T)``.
 
-    Computed in float32, returned in ``x``'s dtype.
+    Computed in float32 (float64 for float64 ``x``), returned in ``x``'s dtype.
     """
-    ang = rope_angles(positions, x.shape[-1], theta)  # (T, d/2) or (B, T, d/2)
+    f = upcast_dtype(x.dtype)
+    ang = rope_angles(positions, x.shape[-1], theta, f)  # (T, d/2) or (B, T, d/2)
     ang = jnp.concatenate([ang, ang], axis=-1)  # (..., T, d)
     if ang.ndim == 2:
         ang = ang[None]  # (1, T, d)
     cos = jnp.cos(ang)[:, :, None, :]  # (B|1, T, 1, d)
     sin = jnp.sin(ang)[:, :, None, :]
-    xf = x.astype(jnp.float32)
+    xf = x.astype(f)
     return (xf * cos + rotate_half(xf) * sin).astype(x.dtype)  # (B, T, H, d)
 
 
