@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from entrenar.autograd import check_gradient
 from entrenar.errors import ShapeError
 from entrenar.nn import LlamaConfig, to_hf_names
 from entrenar.nn.generate import generate
@@ -168,37 +169,29 @@ def test_remat_and_mixed_precision():
     assert bf.init_cache(1, 4).k.dtype == jnp.bfloat16
 
 
-def test_gradient_finite_differences_float64():
-    with jax.enable_x64(True):
-        c = tiny(dtype="float64", param_dtype="float64")
-        p = c.init(jax.random.key(7))
-        tok = jnp.asarray(TOKENS[:, :4])
-        target = jnp.asarray(TOKENS[:, 1:5])
+def test_gradients_pass_check_gradient():
+    # Every parameter element of a tiny Llama (GQA, untied head), central
+    # differences in float64 by entrenar.autograd.check_gradient.
+    c = LlamaConfig(
+        vocab_size=7, hidden_size=8, intermediate_size=8, num_layers=2,
+        num_heads=2, num_kv_heads=1, rope_theta=10.0, initializer_range=0.3,
+        dtype="float64",
+    )  # fmt: skip
+    leaves, treedef = jax.tree_util.tree_flatten(c.init(jax.random.key(7)))
+    tok = jnp.asarray(TOKENS[:1, :3] % 7)
+    target = jnp.asarray(TOKENS[:1, 1:4] % 7)
 
-        def loss(params):
-            logp = jax.nn.log_softmax(c.apply(params, tok).astype(jnp.float64))
-            return -jnp.mean(jnp.take_along_axis(logp, target[..., None], axis=-1))
-
-        g = jax.grad(loss)(p)
-        loss = jax.jit(loss)
-        leaves, treedef = jax.tree_util.tree_flatten(p)
-        keys = jax.random.split(jax.random.key(8), len(leaves))
-        dirs = [
-            jax.random.normal(k, x.shape, jnp.float64)
-            for k, x in zip(keys, leaves, strict=True)
-        ]
-        v = jax.tree_util.tree_unflatten(treedef, dirs)
-        eps = 1e-6
-        plus = jax.tree_util.tree_map(lambda a, b: a + eps * b, p, v)
-        minus = jax.tree_util.tree_map(lambda a, b: a - eps * b, p, v)
-        fd = (loss(plus) - loss(minus)) / (2 * eps)
-        an = sum(
-            jnp.vdot(a, b)
-            for a, b in zip(
-                jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(v), strict=True
-            )
+    def loss(*xs):
+        if not all(isinstance(x, (jax.Array, np.ndarray)) for x in xs):
+            raise TypeError("a jnp function: differentiate it with jax.grad")
+        logp = jax.nn.log_softmax(
+            c.apply(jax.tree_util.tree_unflatten(treedef, xs), tok)
         )
-        np.testing.assert_allclose(float(an), float(fd), rtol=1e-6)
+        return -jnp.mean(jnp.take_along_axis(logp, target[..., None], axis=-1))
+
+    result = check_gradient(loss, leaves, eps=1e-4, threshold=1e-6)
+    assert result.passed, (result.max_error, result.worst)
+    assert sum(np.abs(a).sum() > 0 for a in result.analytic) == len(leaves)
 
 
 def test_bad_inputs():
