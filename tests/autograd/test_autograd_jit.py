@@ -61,6 +61,23 @@ def test_jitted_tensor_step_equals_jax_grad_step():
         np.testing.assert_allclose(p_t[k], p_j[k], rtol=1e-6, atol=1e-7)
 
 
+def test_jitted_tensor_step_compiles_to_the_same_program_as_jax_grad():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import tape as bench  # the benchmark's MLP steps and HLO histogram
+
+    params = bench.mlp_params(jax.random.key(0), [6, 8, 3])
+    x = jax.random.normal(jax.random.key(1), (4, 6))
+    y = jnp.array([0, 2, -100, 1])
+    hist_t = bench.op_histogram(
+        bench.step_tensor.lower(params, x, y).compile().as_text()
+    )
+    hist_j = bench.op_histogram(bench.step_jax.lower(params, x, y).compile().as_text())
+    assert hist_t == hist_j and hist_t["dot"] >= 4
+
+
 def test_tensor_code_under_jax_grad_of_data():
     # The tape also works on tracers of an outer transformation.
     def f(w):
