@@ -97,6 +97,7 @@ CASES = {
     "log": (ag.log, jnp.log, [pos(4)]),
     "sqrt": (ag.sqrt, jnp.sqrt, [pos(4)]),
     "tanh": (ag.tanh, jnp.tanh, [rand(4)]),
+    "abs": (lambda x: x.abs(), jnp.abs, [away_from_zero(4)]),
     "sigmoid": (ag.sigmoid, jax.nn.sigmoid, [rand(4)]),
     "relu": (ag.relu, jax.nn.relu, [away_from_zero(6)]),
     "gelu_exact": (ag.gelu, lambda x: jax.nn.gelu(x, approximate=False), [rand(5)]),
@@ -271,3 +272,12 @@ def test_dropout_identity_when_not_training():
     x = Tensor(rand(4), requires_grad=True)
     y = ag.dropout(x, 0.3, key=KEY, training=False)
     np.testing.assert_array_equal(y.numpy(), x.numpy())
+
+
+def test_astype_mixed_precision_gradient():
+    x = Tensor(rand(3), requires_grad=True)
+    y = x.astype(jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    backward((y * y).astype(jnp.float32).sum())
+    assert x.grad.dtype == np.float32
+    np.testing.assert_allclose(x.grad, 2 * x.numpy(), rtol=1e-2)
