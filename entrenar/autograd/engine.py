@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 # key -> compiled function; bounded so a stream of distinct graphs cannot grow memory.
 _CACHE_SIZE = 512
 _compiled: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()
-_backward_follows: set[tuple] = set()
 stats: collections.Counter[str] = (
     collections.Counter()
 )  # "eager", "compiled", "compiles", "fused" (for tests)
@@ -167,8 +166,8 @@ def _make_grad(prog: Program) -> Callable:
     return value_and_grads
 
 
-def _execute(prog: Program, kind: str, make: Callable, *extra: Any) -> Any:
-    """Run ``make(prog)`` on the program's inputs, compiled once per structure."""
+def _compiled_fn(prog: Program, kind: str, make: Callable) -> Callable:
+    """The jitted ``make(prog)``, compiled once per (kind, structure) and cached."""
     key = (kind, prog.key)
     fn = _compiled.get(key)
     if fn is None:
@@ -177,33 +176,32 @@ def _execute(prog: Program, kind: str, make: Callable, *extra: Any) -> Any:
         stats["compiles"] += 1
         if len(_compiled) > _CACHE_SIZE:
             _compiled.popitem(last=False)
-    else:
-        _compiled.move_to_end(key)
-    stats["calls"] += 1
-    return fn(prog.inputs, *extra)
+    return fn
 
 
 def evaluate(t: Tensor) -> Any:
     """Compute the value of a lazy tensor.
 
-    When a backward pass is known to follow this graph, its gradients are computed in
+    When this graph's structure has been differentiated before (its gradient program
+    is compiled), a backward pass is expected to follow: the gradients are computed in
     the same call and kept for `backward`.
     """
+    prog = None
     if t.requires_grad and t.size == 1:
         try:
             prog = build(t, for_grad=True)
         except TapeError:  # part of the graph was freed: a plain forward is fine
             prog = None
-        if prog is not None and prog.instrs and prog.key in _backward_follows:
-            out, grads = _execute(prog, "grad", _make_grad, None)
+        grad_fn = prog and prog.instrs and _compiled.get(("grad", prog.key))
+        if grad_fn:
+            assert prog is not None
+            out, grads = grad_fn(prog.inputs, None)
             stats["fused"] += 1
             t._pending = (grads, prog.diff_tensors, prog.nodes)
             return out
-    else:
-        prog = None
     if prog is None:
         prog = build(t, for_grad=False)
-    return _execute(prog, "forward", _make_forward)
+    return _compiled_fn(prog, "forward", _make_forward)(prog.inputs)
 
 
 def backward(t: Tensor, seed: Any = None, *, retain_graph: bool = False) -> None:
@@ -215,11 +213,7 @@ def backward(t: Tensor, seed: Any = None, *, retain_graph: bool = False) -> None
     else:
         prog = build(t, for_grad=True)
         tensors, nodes = prog.diff_tensors, prog.nodes
-        out, grads = _execute(prog, "grad", _make_grad, seed)
-        if prog.instrs:
-            if len(_backward_follows) > 4 * _CACHE_SIZE:
-                _backward_follows.clear()
-            _backward_follows.add(prog.key)
+        out, grads = _compiled_fn(prog, "grad", _make_grad)(prog.inputs, seed)
         if t._value is None:
             t._value = out
     for leaf, g in zip(tensors, grads):
@@ -232,5 +226,4 @@ def backward(t: Tensor, seed: Any = None, *, retain_graph: bool = False) -> None
 def clear_caches() -> None:
     """Forget every compiled program (for tests and memory pressure)."""
     _compiled.clear()
-    _backward_follows.clear()
     stats.clear()
