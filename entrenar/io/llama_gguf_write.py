@@ -11,13 +11,14 @@ as is. q/k rows are permuted to llama.cpp's order (see `entrenar.io.llama_gguf`)
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 import jax
 import numpy as np
 
-from entrenar.errors import ConfigError, FormatError
+from entrenar.errors import ConfigError, FormatError, QuantizationError
 from entrenar.io.ggml_dequant import GGML_TYPE_IDS
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_gguf
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
@@ -39,14 +40,25 @@ def _leaf(tree: Any, path: tuple[str, ...]) -> Any:
     return tree["weight"]
 
 
-def _to_bytes(w: Any, kind: str) -> np.ndarray:
+@functools.cache
+def _quantize_jit() -> Any:
+    """`entrenar.quant.quantize`, compiled once per shape and scheme."""
+    from entrenar.quant import quantize
+
+    return jax.jit(quantize, static_argnums=1)
+
+
+def _to_bytes(w: Any, kind: str, name: str) -> np.ndarray:
     """Stored bytes of ``w: (..., rows, cols)`` in ``kind``, as ``(..., rows, nb)``."""
-    from entrenar.quant import QuantizedWeight, dequantize, quantize, to_ggml
+    from entrenar.quant import QuantizedWeight, dequantize, to_ggml
 
     if kind in ("Q8_0", "Q4_0", "Q4_1"):
         if not (isinstance(w, QuantizedWeight) and w.scheme == kind.lower()):
             a = dequantize(w, np.float32) if isinstance(w, QuantizedWeight) else w
-            w = quantize(np.asarray(a, np.float32), kind.lower())
+            a = np.asarray(a, np.float32)
+            if not np.isfinite(a).all():
+                raise QuantizationError(f"{name} holds NaN or Inf; cannot write {kind}")
+            w = jax.device_get(_quantize_jit()(a, kind.lower()))
         raw, _ = to_ggml(w)
         return raw.reshape(*w.shape[:-1], -1)
     if isinstance(w, QuantizedWeight):
@@ -76,13 +88,14 @@ def _metadata(source: GGUFFile | None, config: LlamaConfig, kind: str, name: str
         "llama.block_count": (config.num_layers, u32),
         "llama.attention.head_count": (config.num_heads, u32),
         "llama.attention.head_count_kv": (config.num_kv_heads, u32),
-        "llama.attention.key_length": (config.hd, u32),
-        "llama.attention.value_length": (config.hd, u32),
         "llama.rope.dimension_count": (config.hd, u32),
         "llama.rope.freq_base": (config.rope_theta, f32),
         "llama.attention.layer_norm_rms_epsilon": (config.rms_norm_eps, f32),
         "general.file_type": (FILE_TYPES[kind], u32),
     }
+    for k in ("llama.attention.key_length", "llama.attention.value_length"):
+        if k in fields or config.hd != config.hidden_size // config.num_heads:
+            new[k] = (config.hd, u32)  # llama.cpp's default is D / H
     for k, (v, t) in new.items():
         fields[k] = GGUFField(v, t)
     return fields
@@ -146,13 +159,13 @@ def save_llama_gguf(
         k = "F32" if stem.endswith("norm") else emb_kind
         w = weight(params, p)
         tensors[f"{stem}.weight"] = GGUFTensor(
-            _to_bytes(w, k).reshape(-1), tuple(np.shape(w)), GGML_TYPE_IDS[k]
+            _to_bytes(w, k, stem).reshape(-1), tuple(np.shape(w)), GGML_TYPE_IDS[k]
         )
     layers = params["model"]["layers"]
     for stem, p in LAYER_NAMES.items():
         k = "F32" if stem.endswith("norm") else kind
         w = weight(layers, p)
-        raw = _to_bytes(w, k)  # (L, rows, row_bytes) or (L, D, 4)
+        raw = _to_bytes(w, k, stem)  # (L, rows, row_bytes) or (L, D, 4)
         if stem in perm:
             raw = permute_qk(raw, perm[stem])
         shape = tuple(w.shape[1:])
@@ -160,8 +173,9 @@ def save_llama_gguf(
             tensors[f"blk.{i}.{stem}.weight"] = GGUFTensor(
                 np.ascontiguousarray(raw[i]).reshape(-1), shape, GGML_TYPE_IDS[k]
             )
-    # llama.cpp expects tensors in layer order.
-    order = sorted(tensors, key=_order_key)
+    # The source's order when it has the same tensors, else layer by layer.
+    same = src is not None and set(src.tensors) == set(tensors)
+    order = list(src.tensors) if same and src else sorted(tensors, key=_order_key)
     tensors = {n: tensors[n] for n in order}
     write_gguf(path, _metadata(src, config, kind, name), tensors)
 
