@@ -26,7 +26,7 @@ from entrenar.types import DType, Params
 STACKED_KEYS = ("layers", "h")
 """Dict keys whose subtree is stacked along a leading layer axis."""
 
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 """Buffers some checkpoints store that are derived, not parameters."""
 
 
