@@ -216,8 +216,20 @@ class BPETokenizer:
             parts = new
         return parts
 
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 - the tokenizer is immutable
+    @functools.cached_property
+    def _cache(self) -> dict[str, tuple[int, ...]]:
+        return {}
+
     def _bpe(self, piece: str) -> tuple[int, ...]:
+        """Token ids of one pre-tokenized piece (memoized per tokenizer)."""
+        ids = self._cache.get(piece)
+        if ids is None:
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            ids = self._cache[piece] = self._merge(piece)
+        return ids
+
+    def _merge(self, piece: str) -> tuple[int, ...]:
         b2u = bytes_to_unicode()
         syms = [b2u[b] for b in piece.encode("utf-8", errors="surrogatepass")]
         ranks = self._ranks
