@@ -1,11 +1,14 @@
 """`quantize` and `dequantize`: one entry point over every scheme, and tree versions.
 
-Both are pure and jittable (the scheme and its options are static): under `jax.jit`
-the NaN/Inf check is skipped, since the values are unknown at trace time.
+Both are pure and jittable (the scheme and its options are static). Called eagerly,
+each compiles to one XLA program per scheme, options and shape (cached), after an
+eager NaN/Inf check; under an outer `jax.jit` the values are unknown at trace time
+and the check is skipped.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import QuantizationError
-from entrenar.quant.ggml import dequantize_ggml, quantize_ggml
+from entrenar.quant.ggml import check_float16, dequantize_ggml, quantize_ggml
 from entrenar.quant.int4 import dequantize_int4, quantize_int4
 from entrenar.quant.int8 import dequantize_int8, quantize_int8
 from entrenar.quant.nf4 import dequantize_nf4, quantize_nf4
-from entrenar.quant.weight import SCHEMES, QuantizedWeight
+from entrenar.quant.weight import SCHEMES, QuantizedWeight, check_finite
 from entrenar.tree import key_path_str
 from entrenar.types import PyTree
 
@@ -68,6 +71,26 @@ def quantize(
         >>> q.codes.shape, q.scales.shape, float(dequantize(q)[1, -1])
         ((2, 32), (2, 1), 1.0)
     """
+    if scheme not in SCHEMES:
+        raise QuantizationError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+    check_finite(w, scheme)  # eagerly, before the compiled program
+    q = _quantize(w, scheme, block_size, double_quant, symmetric, granularity, axis)
+    if scheme in ("q8_0", "q4_0", "q4_1"):
+        check_float16(q.scales, q.offsets, scheme)
+    return q
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _quantize(
+    w: Any,
+    scheme: str,
+    block_size: int,
+    double_quant: bool,
+    symmetric: bool,
+    granularity: str,
+    axis: int,
+) -> QuantizedWeight:
+    """`quantize` as one compiled program per scheme, options and shape."""
     if scheme == "nf4":
         return quantize_nf4(w, block_size=block_size, double_quant=double_quant)
     if scheme == "int4":
@@ -80,9 +103,7 @@ def quantize(
             axis=axis,
             block_size=block_size,
         )
-    if scheme in ("q8_0", "q4_0", "q4_1"):
-        return quantize_ggml(w, scheme)
-    raise QuantizationError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+    return quantize_ggml(w, scheme)
 
 
 def dequantize(q: QuantizedWeight, dtype: Any = None) -> jax.Array:
@@ -96,7 +117,12 @@ def dequantize(q: QuantizedWeight, dtype: Any = None) -> jax.Array:
         raise QuantizationError(
             f"unknown scheme {q.scheme!r}; expected one of {SCHEMES}"
         )
-    return _DEQUANTIZE[q.scheme](q, np.dtype(q.dtype if dtype is None else dtype))
+    return _dequantize(q, np.dtype(q.dtype if dtype is None else dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _dequantize(q: QuantizedWeight, dtype: np.dtype) -> jax.Array:
+    return _DEQUANTIZE[q.scheme](q, dtype)
 
 
 def quantize_like(w: Any, like: QuantizedWeight) -> QuantizedWeight:

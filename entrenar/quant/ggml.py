@@ -53,7 +53,7 @@ def _round_half_away(v: jax.Array) -> jax.Array:
     return jnp.sign(v) * (floored + jnp.floor(2 * (a - floored)))
 
 
-def _check_float16(scales: jax.Array, offsets: Any, scheme: str) -> None:
+def check_float16(scales: jax.Array, offsets: Any, scheme: str) -> None:
     """Raise if a concrete block scale (or minimum) overflowed float16 to Inf."""
     for a in (scales, offsets):
         if a is None or isinstance(a, jax.core.Tracer):
@@ -102,7 +102,7 @@ def quantize_ggml(w: Any, scheme: str) -> QuantizedWeight:
     else:
         raise QuantizationError(f"not a llama.cpp block format: {scheme!r}")
     scales = d[..., 0].astype(jnp.float16)  # (*lead, nb)
-    _check_float16(scales, offsets, scheme)
+    check_float16(scales, offsets, scheme)
     return QuantizedWeight(
         codes, scales, offsets, scheme=scheme, block_size=QK, dtype=dtype
     )
@@ -221,6 +221,7 @@ def to_ggml(q: QuantizedWeight) -> tuple[np.ndarray, str]:
 __all__ = [
     "BLOCK_BYTES",
     "QK",
+    "check_float16",
     "dequantize_ggml",
     "from_ggml",
     "quantize_ggml",

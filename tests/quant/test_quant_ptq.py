@@ -1,5 +1,7 @@
 """PTQ: calibration of activation ranges, and int8 PTQ of a trained MLP."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,14 @@ def _forward(p, x, ranges=None):
     return h, acts
 
 
+@functools.cache
+def _trained():
+    """Training data, test data and the trained float MLP (shared by the tests)."""
+    x, y = _data(jax.random.key(1), 1024)
+    xt, yt = _data(jax.random.key(2), 4096)
+    return x, xt, yt, _train(x, y)
+
+
 def _train(x, y, steps=300, lr=0.1):
     keys = jax.random.split(jax.random.key(0), 3)
     dims = [(64, 16), (64, 64), (4, 64)]
@@ -102,9 +112,7 @@ def _train(x, y, steps=300, lr=0.1):
 
 @pytest.mark.parametrize("method", ["minmax", "percentile"])
 def test_int8_ptq_of_trained_mlp_loses_under_one_point(method):
-    x, y = _data(jax.random.key(1), 1024)
-    xt, yt = _data(jax.random.key(2), 4096)
-    params = _train(x, y)
+    x, xt, yt, params = _trained()
     batches = [x[i : i + 256] for i in range(0, 1024, 256)]
     qparams, ranges = ptq(
         params,
