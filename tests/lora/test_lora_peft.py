@@ -266,3 +266,27 @@ def test_exact_module_names_when_a_suffix_would_adapt_more(tmp_path):
     pm = peft.PeftModel.from_pretrained(Two(), str(tmp_path / "a"))
     wrapped = [n for n, _ in pm.named_modules() if n.endswith("q_proj.lora_A")]
     assert wrapped == ["base_model.model.a.q_proj.lora_A"]
+
+
+def test_bfloat16_adapter_written_by_torch_loads_as_float32(base, tmp_path):
+    st_torch = pytest.importorskip("safetensors.torch")
+    gen = torch.Generator().manual_seed(0)
+    tensors, ref = {}, {}
+    for i in range(2):
+        m = f"model.layers.{i}.self_attn.o_proj"
+        a = torch.randn(2, 32, generator=gen).to(torch.bfloat16)
+        b = torch.randn(32, 2, generator=gen).to(torch.bfloat16)
+        tensors[f"base_model.model.{m}.lora_A.default.weight"] = a
+        tensors[f"base_model.model.{m}.lora_B.default.weight"] = b
+        ref[i] = (a.float().numpy(), b.float().numpy())
+    os.makedirs(tmp_path, exist_ok=True)
+    st_torch.save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2, "use_rslora": True})
+    )
+    node = lora.load_adapter(tmp_path, base)["model"]["layers"]["self_attn"]["o_proj"][
+        "weight"
+    ]
+    assert node.a.dtype == jnp.float32 and node.rslora and node.scale == 2 / 2**0.5
+    np.testing.assert_array_equal(node.a, np.stack([ref[0][0], ref[1][0]]))
+    np.testing.assert_array_equal(node.b, np.stack([ref[0][1], ref[1][1]]))
