@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.optim.base import GradientTransformation, MaskedNode
@@ -59,7 +60,7 @@ def resolve_mask(mask: Mask, tree: PyTree) -> PyTree:
             "give one bool per parameter leaf, or a predicate fn(name, leaf)"
         )
     for path, m in jax.tree_util.tree_flatten_with_path(mask)[0]:
-        if not isinstance(m, (bool, type(jnp.bool_(True)))):
+        if not isinstance(m, (bool, np.bool_)):
             raise ConfigError(
                 f"mask value at {key_path_str(path)!r} is {type(m).__name__}; masks "
                 "hold Python bools (they decide the state's structure, so they must "

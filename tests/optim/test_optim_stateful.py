@@ -1,0 +1,131 @@
+"""The Tensor-API wrappers (SGD, Adam, AdamW, clip_grad_norm) against torch.optim."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar import optim as eo
+from entrenar.autograd import Tensor, backward
+from entrenar.errors import ConfigError, ShapeError
+
+torch = pytest.importorskip("torch")
+
+RNG = np.random.default_rng(0)
+W0 = RNG.normal(size=(3, 4)).astype(np.float32)
+B0 = RNG.normal(size=(4,)).astype(np.float32)
+X = RNG.normal(size=(5, 3)).astype(np.float32)
+
+
+def _entrenar_loss(w, b):
+    y = Tensor(X) @ w + b  # (5, 4)
+    return (y * y).mean()
+
+
+def _torch_loss(w, b):
+    y = torch.from_numpy(X) @ w + b
+    return (y * y).mean()
+
+
+CASES = {
+    "sgd": (lambda: eo.SGD(0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    "sgd_momentum_nesterov_wd": (
+        lambda: eo.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+        lambda p: torch.optim.SGD(
+            p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01
+        ),
+    ),
+    "adam": (lambda: eo.Adam(0.01), lambda p: torch.optim.Adam(p, lr=0.01)),
+    "adamw": (
+        lambda: eo.AdamW(0.01, weight_decay=0.1, beta1=0.8, beta2=0.99, eps=1e-6),
+        lambda p: torch.optim.AdamW(
+            p, lr=0.01, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_wrapper_matches_torch_with_lr_changes_and_clipping(name):
+    ours_f, theirs_f = CASES[name]
+    w, b = Tensor(W0, requires_grad=True), Tensor(B0, requires_grad=True)
+    tw = torch.nn.Parameter(torch.from_numpy(W0.copy()))
+    tb = torch.nn.Parameter(torch.from_numpy(B0.copy()))
+    opt, topt = ours_f(), theirs_f([tw, tb])
+    sched = eo.CosineScheduler(opt.lr, opt.lr / 10, 20)
+    for step in range(20):
+        opt.set_lr(sched.get_lr(step))
+        for g in topt.param_groups:
+            g["lr"] = sched.get_lr(step)
+        backward(_entrenar_loss(w, b))
+        norm = eo.clip_grad_norm([w, b], 0.5)
+        opt.step([w, b])
+        opt.zero_grad([w, b])
+        topt.zero_grad()
+        _torch_loss(tw, tb).backward()
+        tnorm = torch.nn.utils.clip_grad_norm_([tw, tb], 0.5)
+        topt.step()
+        assert float(norm) == pytest.approx(float(tnorm), rel=1e-4)
+        assert w.grad is None and b.grad is None
+    np.testing.assert_allclose(w.numpy(), tw.detach().numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(b.numpy(), tb.detach().numpy(), rtol=1e-4, atol=1e-5)
+    assert opt.lr == pytest.approx(sched.get_lr(19))
+
+
+def test_tensors_without_grad_are_skipped_and_keep_their_state():
+    w = Tensor(W0, requires_grad=True)
+    frozen = Tensor(B0, requires_grad=False)
+    opt = eo.Adam(0.1)
+    backward((w * w).sum())
+    opt.step([w, frozen])
+    assert opt.state_of(frozen) is None
+    np.testing.assert_array_equal(frozen.numpy(), B0)
+    assert int(opt.state_of(w)[0].count) == 1
+    opt.zero_grad([w])
+    opt.step([w])  # no grad: nothing happens
+    assert int(opt.state_of(w)[0].count) == 1
+
+
+def test_one_compile_across_steps_and_lr_changes():
+    w = Tensor(W0, requires_grad=True)
+    opt = eo.AdamW(0.01)
+    for step in range(4):
+        opt.set_lr(0.01 / (step + 1))
+        backward((w * w).sum())
+        opt.step([w])
+        opt.zero_grad([w])
+    assert opt._step_fn._cache_size() == 1
+
+
+def test_bf16_state_for_tensors():
+    w = Tensor(W0, requires_grad=True)
+    opt = eo.Adam(0.01, state_dtype=jnp.bfloat16)
+    backward((w * w).sum())
+    opt.step([w])
+    assert opt.state_of(w)[0].mu.dtype == jnp.bfloat16
+
+
+def test_clip_grad_norm_leaves_small_grads_and_skips_none():
+    w = Tensor([0.3, 0.4], requires_grad=True)
+    b = Tensor([1.0], requires_grad=True)
+    backward((w * w).sum() * 0.5)
+    norm = eo.clip_grad_norm([w, b], 10.0)
+    assert float(norm) == pytest.approx(0.5)
+    np.testing.assert_allclose(np.asarray(w.grad), [0.3, 0.4], rtol=1e-6)
+    assert b.grad is None
+
+
+def test_wrapper_errors():
+    with pytest.raises(ConfigError, match="number"):
+        eo.Adam(eo.cosine(0.1, 10))
+    with pytest.raises(ConfigError, match="max_norm"):
+        eo.clip_grad_norm([], 0.0)
+    w = Tensor(W0, requires_grad=True)
+    opt = eo.SGD(0.1, momentum=0.9)
+    backward((w * w).sum())
+    opt.step([w])
+    w.data = jnp.ones((2, 2))
+    w.grad = jnp.ones((2, 2))
+    with pytest.raises(ShapeError, match="changed shape"):
+        opt.step([w])
