@@ -228,3 +228,13 @@ def test_memory_report_counts_and_bytes():
         make_params())) + rep.trainable_params  # fmt: skip
     assert rep.frozen_bits_per_param == 32.0
     assert "trainable params: 288" in str(rep)
+
+
+def test_forward_never_forms_the_merged_matrix():
+    out, fan_in, r = 7, 5, 2
+    node = LoRAWeight(jnp.ones((out, fan_in)), jnp.ones((r, fan_in)),
+                      jnp.ones((out, r)), alpha=1.0, rank=r)  # fmt: skip
+    jaxpr = jax.make_jaxpr(linear)(jnp.ones((3, fan_in)), node).jaxpr
+    shapes = [v.aval.shape for eqn in jaxpr.eqns for v in eqn.outvars]
+    assert (out, fan_in) not in shapes, shapes  # only (3, r) and (3, out) products
+    assert (3, r) in shapes
