@@ -2,9 +2,10 @@
 
 Each step is ``update`` + ``apply_updates`` jitted as one function with the parameters
 and the state donated (updated in place), fed a fixed gradient. The peers run in the
-same process, interleaved repetition by repetition so that machine noise hits all of
-them alike: optax's ``adamw`` (the same jitted, donated step) and
-``torch.optim.AdamW(fused=True)`` (plus ``foreach=True``) when torch is installed.
+same process, interleaved repetition by repetition (in a rotating order) so that
+machine noise hits all of them alike: optax's ``adamw`` (the same jitted, donated
+step) and ``torch.optim.AdamW(fused=True)`` (plus ``foreach=True``) when torch is
+installed.
 
 An AdamW step must read θ, g, m, v and write θ, m, v: 28 bytes per float32 parameter;
 the bandwidth column is ``28 · N / time``. Reported: median milliseconds per step and
@@ -72,8 +73,11 @@ def measure(steppers: dict, reps: int) -> dict:
         run()
         run()
     times: dict = {k: [] for k in steppers}
-    for _ in range(reps):
-        for name, run in steppers.items():
+    names = list(steppers)
+    for rep in range(reps):
+        # rotate the order so no one always runs right after the same peer
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            run = steppers[name]
             t0 = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - t0)
