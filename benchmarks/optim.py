@@ -123,7 +123,10 @@ def main() -> None:
                 eo.adamw(h["lr"], h["b1"], h["b2"], h["eps"], h["wd"]), n
             ),
             "optax": jax_stepper(
-                optax.adamw(h["lr"], h["b1"], h["b2"], h["eps"], h["wd"]), n
+                optax.adamw(
+                    h["lr"], b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=h["wd"]
+                ),
+                n,
             ),
         }
         if have_torch:

@@ -99,6 +99,10 @@ class Optimizer:
             return
         states = [self._state_for(t) for t in live]
         params = [t.data for t in live]
+        for t, p in zip(live, params):
+            # Raises TapeError now (if a live tape still needs t), before the donated
+            # states are consumed, rather than half-way through the assignments.
+            t.data = p
         grads = [
             g if isinstance(g, jax.Array) else jnp.asarray(g)
             for g in (t.grad for t in live)
