@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from entrenar.errors import ConfigError
-from entrenar.nn import generate, sample_logits
+from entrenar.nn import decode_step, generate, sample_logits
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 LOGITS = jnp.asarray(np.tile(np.log(PROBS), (4000, 1)), jnp.float32)  # (N, V)
@@ -89,3 +89,13 @@ def test_sampled_generation_is_reproducible_from_its_key():
     assert a.shape == (3, 10) and not np.array_equal(a, c)
     with pytest.raises(ConfigError, match="key"):
         generate(Bigram(), table, prompt, max_new_tokens=2, temperature=0.5)
+
+
+def test_one_compiled_step_per_token():
+    table = jnp.asarray(np.random.default_rng(1).normal(size=(7, 7)), jnp.float32)
+    before = decode_step._cache_size()
+    out = generate(
+        Bigram(vocab=7), table, jnp.zeros((2, 3), jnp.int32), max_new_tokens=9
+    )
+    assert out.shape == (2, 9)
+    assert decode_step._cache_size() - before == 2  # the prompt shape and (B, 1)

@@ -201,3 +201,14 @@ def test_bad_inputs():
         c.apply(p, jnp.zeros(3, jnp.int32))
     with pytest.raises(ShapeError, match="max_len"):
         generate(c, p, jnp.zeros((1, 3), jnp.int32), max_new_tokens=5, max_len=4)
+
+
+def test_program_size_does_not_grow_with_depth():
+    def size(num_layers, remat):
+        c = tiny(num_layers=num_layers, remat=remat)
+        p = jax.eval_shape(c.init, jax.random.key(0))
+        grad = jax.grad(lambda q: jnp.sum(c.apply(q, jnp.asarray(TOKENS))))
+        return len(jax.make_jaxpr(grad)(p).eqns)  # one scan, not L layer copies
+
+    for remat in (False, True):
+        assert size(2, remat) == size(12, remat)
