@@ -1,9 +1,13 @@
 """Llama against an independent numpy reference and against transformers."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from entrenar.autograd import check_gradient
 from entrenar.errors import ShapeError
@@ -28,6 +32,12 @@ def tiny(**kw):
         initializer_range=0.2,
     )
     return LlamaConfig(**{**base, **kw})
+
+
+@functools.cache
+def tiny_model():
+    c = tiny()
+    return c, c.init(jax.random.key(1))
 
 
 # ---------------------------------------------------------------- numpy reference
@@ -212,3 +222,15 @@ def test_program_size_does_not_grow_with_depth():
 
     for remat in (False, True):
         assert size(2, remat) == size(12, remat)
+
+
+@settings(max_examples=10)
+@given(st.integers(1, 6), st.lists(st.integers(0, 10), min_size=7, max_size=7))
+def test_causal_logits_ignore_later_tokens(cut, other):
+    c, p = tiny_model()
+    changed = TOKENS.copy()
+    changed[0, cut:] = other[cut:]
+    a = APPLY(c, p, jnp.asarray(TOKENS))
+    b = APPLY(c, p, jnp.asarray(changed))
+    np.testing.assert_allclose(a[:, :cut], b[:, :cut], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(a[1], b[1])
