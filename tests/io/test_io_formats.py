@@ -175,6 +175,7 @@ def test_failed_write_leaves_old_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
 
 
+@pytest.mark.slow
 def test_hf_llama_checkpoint_loads_and_matches_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -201,3 +202,41 @@ def test_hf_llama_checkpoint_loads_and_matches_transformers(tmp_path):
         ref = hf(torch.tensor(tokens)).logits.numpy()
     got = np.asarray(config.apply(params, jnp.asarray(tokens, jnp.int32)))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_gguf_through_load_model_and_save_model(tmp_path):
+    from entrenar.io import load_llama_gguf, save_llama_gguf
+    from entrenar.nn import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=64,
+    )
+    rng = np.random.default_rng(0)
+    params = _flat_shapes_to_tree(config.param_shapes(), rng)
+    save_llama_gguf(tmp_path / "a.gguf", config, params, tensor_type="F32")
+    model = load_model(tmp_path / "a.gguf")
+    assert model.metadata.architecture == "llama"
+    assert model.metadata.custom["llama_config"]["num_kv_heads"] == 2
+    save_model(model, tmp_path / "b.gguf", SaveConfig(ModelFormat.GGUF))
+    _, back, _ = load_llama_gguf(tmp_path / "b.gguf")
+    fa, fb = _flat(params), _flat(back)
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        np.testing.assert_array_equal(np.asarray(fb[k]), fa[k], err_msg=k)
+    save_model(model, tmp_path / "c.safetensors")  # and on to any other format
+    _assert_same(load_model(tmp_path / "c.safetensors"), model)
+
+
+def _flat_shapes_to_tree(shapes, rng):
+    return {
+        k: _flat_shapes_to_tree(v, rng)
+        if isinstance(v, dict)
+        else rng.standard_normal(v).astype(np.float32)
+        for k, v in shapes.items()
+    }

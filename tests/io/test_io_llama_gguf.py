@@ -52,16 +52,26 @@ def _random_params(config):
     )
 
 
-def _greedy(step, config, params, ids, n):
-    """Greedy tokens after ``ids``, fed one token per step (one compiled shape)."""
-    cache = config.init_cache(1, len(ids) + n)
-    out: list[int] = []
-    for i in range(len(ids) + n - 1):
+def _stepwise(step, config, params, ids, n=0):
+    """Logits ``(T, V)`` of ``ids`` and ``n`` greedy tokens after them.
+
+    One token per cached step and a fixed cache length: one compiled shape for all.
+    """
+    assert len(ids) + n <= 32
+    cache = config.init_cache(1, 32)
+    logits_all, out = [], []
+    for i in range(len(ids) + n - 1 if n else len(ids)):
         tok = ids[i] if i < len(ids) else out[-1]
         logits, cache = step(params, jnp.asarray([[tok]], jnp.int32), cache)
-        if i >= len(ids) - 1:
-            out.append(int(jnp.argmax(logits[0, -1])))
-    return out
+        logits_all.append(np.asarray(logits[0, -1]))
+        if n and i >= len(ids) - 1:
+            out.append(int(np.argmax(logits_all[-1])))
+    return np.stack(logits_all), out
+
+
+@pytest.fixture(scope="module")
+def step(smol):
+    return jax.jit(smol[2].apply_cached)
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +105,10 @@ def test_config_and_tree(smol):
 
 
 @pytest.mark.slow
-def test_logits_match_numpy_forward_and_llama_cpp(smol, llama_cpp_model):
+def test_logits_match_numpy_forward_and_llama_cpp(smol, step, llama_cpp_model):
     _, _, config, params, _, tok = smol
     ids = tok.encode(PROMPTS[0])
-    ours = np.asarray(config.apply(params, jnp.asarray([ids], jnp.int32))[0])
+    ours, _ = _stepwise(step, config, params, ids)
     ref = llama_forward(config, params, ids)  # float64, same dequantized weights
     np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-3)
     cpp = _llama_cpp_logits(llama_cpp_model, ids)  # quantized matmuls inside
@@ -109,12 +119,11 @@ def test_logits_match_numpy_forward_and_llama_cpp(smol, llama_cpp_model):
 
 
 @pytest.mark.slow
-def test_greedy_continuation_matches_llama_cpp(smol, llama_cpp_model):
+def test_greedy_continuation_matches_llama_cpp(smol, step, llama_cpp_model):
     _, _, config, params, _, tok = smol
-    step = jax.jit(config.apply_cached)
     for prompt in PROMPTS[:2]:
         ids = tok.encode(prompt)
-        ours = _greedy(step, config, params, ids, 6)
+        _, ours = _stepwise(step, config, params, ids, 6)
         ll = llama_cpp_model
         ll.reset()
         ll.eval(ids)
@@ -130,15 +139,15 @@ def test_greedy_continuation_matches_llama_cpp(smol, llama_cpp_model):
 
 
 @pytest.mark.slow
-def test_keep_quantized_gives_same_logits(smol, qparams):
+def test_keep_quantized_gives_same_logits(smol, step, qparams):
     _, _, config, params, _, tok = smol
     q = qparams["model"]["layers"]["self_attn"]["q_proj"]["weight"]
     assert isinstance(q, QuantizedWeight) and q.scheme == "q4_1"
     assert q.shape == (30, 576, 576)
-    ids = jnp.asarray([tok.encode(PROMPTS[1])], jnp.int32)
-    np.testing.assert_allclose(
-        config.apply(qparams, ids), config.apply(params, ids), rtol=0, atol=1e-3
-    )
+    ids = tok.encode(PROMPTS[1])[:3]
+    ours_q, _ = _stepwise(step, config, qparams, ids)
+    ours, _ = _stepwise(step, config, params, ids)
+    np.testing.assert_allclose(ours_q, ours, rtol=0, atol=1e-3)
 
 
 @pytest.mark.slow
