@@ -240,3 +240,46 @@ def _flat_shapes_to_tree(shapes, rng):
         else rng.standard_normal(v).astype(np.float32)
         for k, v in shapes.items()
     }
+
+
+def test_sharded_hf_checkpoint_and_bad_shards(tmp_path):
+    import safetensors.numpy
+
+    from entrenar.io import load_hf_llama
+    from entrenar.nn import LlamaConfig, to_hf_names
+
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        tie_word_embeddings=True,
+    )
+    params = _flat_shapes_to_tree(config.param_shapes(), np.random.default_rng(3))
+    flat = {k: np.asarray(v) for k, v in to_hf_names(params).items()}
+    names = sorted(flat)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        safetensors.numpy.save_file({k: flat[k] for k in keys}, tmp_path / file)
+    weight_map = {k: f for f, keys in shards.items() for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": weight_map})
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_config()))
+    config2, back = load_hf_llama(tmp_path)
+    assert config2.num_kv_heads == 2 and config2.tie_word_embeddings
+    fa, fb = _flat(params), _flat(back)
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        np.testing.assert_array_equal(np.asarray(fb[k]), fa[k], err_msg=k)
+    weight_map[names[0]] = "../evil.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": weight_map})
+    )
+    with pytest.raises(FormatError, match="plain file name"):
+        load_hf_llama(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(FormatError, match=r"config\.json"):
+        load_hf_llama(tmp_path)
