@@ -2,10 +2,11 @@
 
 Each step is ``update`` + ``apply_updates`` jitted as one function with the parameters
 and the state donated (updated in place), fed a fixed gradient. The peers run in the
-same process, interleaved repetition by repetition (in a rotating order) so that
-machine noise hits all of them alike: optax's ``adamw`` (the same jitted, donated
-step) and ``torch.optim.AdamW(fused=True)`` (plus ``foreach=True``) when torch is
-installed.
+same process: optax's ``adamw`` (the same jitted, donated step), interleaved with
+entrenar repetition by repetition in a rotating order so that machine noise hits both
+alike; then, as a separate block (torch's OpenMP threads spin after each op and would
+slow XLA's threads if interleaved), ``torch.optim.AdamW(fused=True)`` and
+``foreach=True`` when torch is installed.
 
 An AdamW step must read θ, g, m, v and write θ, m, v: 28 bytes per float32 parameter;
 the bandwidth column is ``28 · N / time``. Reported: median milliseconds per step and
@@ -129,11 +130,17 @@ def main() -> None:
                 n,
             ),
         }
+        t = measure(steppers, reps)
         if have_torch:
-            steppers["torch_fused"] = torch_stepper(n, fused=True)
+            # Measured as a separate block: torch's OpenMP threads keep spinning for a
+            # while after each op and would steal the cores from XLA's threads.
+            del steppers
+            gc.collect()
+            steppers = {"torch_fused": torch_stepper(n, fused=True)}
             if n <= 10**7:  # foreach allocates temporaries: skip at 100M for memory
                 steppers["torch_foreach"] = torch_stepper(n, fused=False)
-        t = measure(steppers, reps)
+            t.update(measure(steppers, reps))
+            time.sleep(1.0)  # let the OpenMP threads go idle before the next size
         gbs = BYTES_PER_PARAM * n / (t["entrenar"] * 1e-3) / 1e9
         tf = t.get("torch_fused", float("nan"))
         tfe = t.get("torch_foreach", float("nan"))
