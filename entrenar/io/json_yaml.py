@@ -113,8 +113,9 @@ def _tensor(name: str, t: Any, path: str, budget: int) -> np.ndarray:
         raise FormatError(f"{where}: shape {shape} has more values than the file")
     _check_nested(t["data"], shape, where)
     try:
-        return np.array(t["data"], dtype=DTYPES[dtype]).reshape(shape)
-    except (ValueError, TypeError, OverflowError) as e:
+        with np.errstate(over="raise", invalid="raise"):  # 1e10 as float16: error
+            return np.array(t["data"], dtype=DTYPES[dtype]).reshape(shape)
+    except (ValueError, TypeError, OverflowError, FloatingPointError) as e:
         raise FormatError(f"{where}: data is not {dtype}: {e}") from None
 
 

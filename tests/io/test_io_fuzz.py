@@ -183,6 +183,12 @@ def test_hostile_safetensors_and_json(tmp_path):
     )
     with pytest.raises(FormatError, match="more values than the file"):
         load_model(j)
+    j.write_text(
+        '{"format": "entrenar.model", "format_version": 1, "tensors": '
+        '{"w": {"dtype": "float16", "shape": [1], "data": [1e10]}}}'
+    )
+    with pytest.raises(FormatError, match=r"'w'.*not float16"):
+        load_model(j)
     j.write_text("[" * 100000)
     with pytest.raises(FormatError, match="invalid JSON"):
         load_model(j)
