@@ -8,7 +8,7 @@ import pytest
 
 from entrenar import optim as eo
 from entrenar.autograd import Tensor, backward
-from entrenar.errors import ConfigError, ShapeError
+from entrenar.errors import ConfigError, ShapeError, TapeError
 
 torch = pytest.importorskip("torch")
 
@@ -129,3 +129,17 @@ def test_wrapper_errors():
     w.grad = jnp.ones((2, 2))
     with pytest.raises(ShapeError, match="changed shape"):
         opt.step([w])
+
+
+def test_step_during_a_live_tape_raises_before_touching_the_state():
+    w = Tensor(W0, requires_grad=True)
+    opt = eo.SGD(0.1, momentum=0.9)
+    backward((w * w).sum())
+    opt.step([w])
+    before = np.asarray(opt.state_of(w)[0].trace).copy()
+    y = w * 2.0  # a recorded operation still needs w
+    w.grad = jnp.ones_like(w.data)
+    with pytest.raises(TapeError):
+        opt.step([w])
+    np.testing.assert_array_equal(np.asarray(opt.state_of(w)[0].trace), before)
+    del y
