@@ -20,14 +20,14 @@ import difflib
 import json
 import os
 import re
-import tempfile
 from typing import Any
 
 import jax
 import numpy as np
 
 from entrenar.errors import CompatibilityError, FormatError, UnsupportedError
-from entrenar.lora import _safetensors
+from entrenar.io.atomic import atomic_write
+from entrenar.io.safetensors_io import read_safetensors, save_safetensors
 from entrenar.lora.names import (
     STACKED_KEYS,
     hf_modules,
@@ -55,13 +55,6 @@ def _adapted(params: Params, stacked_keys: tuple[str, ...]):
             shape = (*x.a.shape[:-2], x.b.shape[-2], x.a.shape[-1])
             out.append((name, x, hf_modules(name, shape, stacked_keys)))
     return out
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def save_adapter(
@@ -133,8 +126,9 @@ def save_adapter(
         "use_dora": False,
     }
     os.makedirs(folder, exist_ok=True)
-    _safetensors.write(os.path.join(folder, WEIGHTS_NAME), tensors, {"format": "pt"})
-    _atomic_write_text(os.path.join(folder, CONFIG_NAME), json.dumps(config, indent=2))
+    save_safetensors(tensors, os.path.join(folder, WEIGHTS_NAME), {"format": "pt"})
+    with atomic_write(os.path.join(folder, CONFIG_NAME), "w") as f:
+        f.write(json.dumps(config, indent=2))
 
 
 def _read_config(folder: str) -> dict[str, Any]:
@@ -197,7 +191,7 @@ def load_adapter(
     wfile = os.path.join(folder, WEIGHTS_NAME)
     if not os.path.isfile(wfile):
         raise FormatError(f"{wfile}: not found (adapter_model.bin is not read: pickle)")
-    header, _, start = _safetensors.read_header(wfile)
+    header, _ = read_safetensors(wfile)  # validated, memory-mapped
 
     found: dict[str, dict[str, Any]] = collections.defaultdict(dict)
     problems = []
@@ -229,7 +223,7 @@ def load_adapter(
         out, fan_in = leaf_shape(flat[k])[-2:]
         if isinstance(flat[k], LoRAWeight):
             problems.append(f"module {mod!r} already has an adapter in the base tree")
-        a_shape, b_shape = parts["A"]["shape"], parts["B"]["shape"]
+        a_shape, b_shape = parts["A"].shape, parts["B"].shape
         r = _pattern(cfg.get("rank_pattern") or {}, mod, cfg["r"])
         if a_shape != (r, fan_in) or b_shape != (out, r):
             problems.append(
@@ -253,8 +247,7 @@ def load_adapter(
         )
 
     def read(mod: str, part: str) -> np.ndarray:
-        arr = _safetensors.read_tensor(wfile, found[mod][part], start)
-        return arr.astype(np.float32)
+        return np.asarray(found[mod][part], dtype=np.float32)
 
     out_leaves = list(flat)
     for k, layers in per_leaf.items():
