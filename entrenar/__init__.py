@@ -11,7 +11,7 @@ Layers, each importing only the ones below it::
 Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 """
 
-from entrenar import autograd, errors
+from entrenar import autograd, errors, io, lora, nn, optim, quant
 from entrenar.autograd import Tensor, backward, check_gradient, no_grad
 from entrenar.functional import grad, value_and_grad
 from entrenar.tree import (
@@ -40,7 +40,12 @@ __all__ = [
     "check_gradient",
     "errors",
     "grad",
+    "io",
+    "lora",
+    "nn",
     "no_grad",
+    "optim",
+    "quant",
     "tree_bytes",
     "tree_named_leaves",
     "tree_size",
