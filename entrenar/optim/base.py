@@ -70,18 +70,7 @@ def identity() -> GradientTransformation:
     >>> tx.update({"w": jnp.ones(2)}, tx.init(None))[0]["w"].tolist()
     [1.0, 1.0]
     """
-
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(
-        updates: Updates, state: OptState, params: Params | None = None
-    ) -> tuple[Updates, OptState]:
-        del params
-        return updates, state
-
-    return GradientTransformation(init, update)
+    return stateless(lambda updates, params: updates)
 
 
 def stateless(

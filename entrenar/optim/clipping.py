@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from entrenar.errors import ConfigError
-from entrenar.optim.base import EmptyState, GradientTransformation
-from entrenar.types import OptState, Params, PyTree, Updates
+from entrenar.optim.base import GradientTransformation, stateless
+from entrenar.types import PyTree
 
 
 def global_norm(tree: PyTree) -> jax.Array:
@@ -60,17 +60,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """
     _check_max_norm(max_norm)
 
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(
-        updates: Updates, state: OptState, params: Params | None = None
-    ) -> tuple[Updates, OptState]:
-        del params
-        return _clip(updates, max_norm, global_norm(updates)), state
-
-    return GradientTransformation(init, update)
+    return stateless(
+        lambda updates, params: _clip(updates, max_norm, global_norm(updates))
+    )
 
 
 @jax.jit

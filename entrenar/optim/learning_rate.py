@@ -19,7 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from entrenar.errors import ConfigError
-from entrenar.optim.base import EmptyState, GradientTransformation, safe_increment
+from entrenar.optim.base import (
+    GradientTransformation,
+    safe_increment,
+    stateless,
+)
 from entrenar.optim.schedules import Schedule
 from entrenar.types import OptState, Params, Updates
 
@@ -49,18 +53,9 @@ def scale(step_size: float) -> GradientTransformation:
     >>> tx.update(jnp.ones(2), tx.init(None))[0].tolist()
     [-2.0, -2.0]
     """
-
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(
-        updates: Updates, state: OptState, params: Params | None = None
-    ) -> tuple[Updates, OptState]:
-        del params
-        return _scale_tree(updates, jnp.float32(step_size)), state
-
-    return GradientTransformation(init, update)
+    return stateless(
+        lambda updates, params: _scale_tree(updates, jnp.float32(step_size))
+    )
 
 
 def scale_by_learning_rate(

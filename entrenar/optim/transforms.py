@@ -20,6 +20,7 @@ from entrenar.optim.base import (
     EmptyState,
     GradientTransformation,
     safe_increment,
+    stateless,
     tree_zeros_like,
 )
 from entrenar.optim.masking import masked
@@ -222,18 +223,7 @@ def map_updates(fn: Callable[[jax.Array], jax.Array]) -> GradientTransformation:
     >>> tx.update(jnp.array([-3.0, 2.0]), tx.init(None))[0].tolist()
     [-1.0, 1.0]
     """
-
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(
-        updates: Updates, state: OptState, params: Params | None = None
-    ) -> tuple[Updates, OptState]:
-        del params
-        return jax.tree_util.tree_map(fn, updates), state
-
-    return GradientTransformation(init, update)
+    return stateless(lambda updates, params: jax.tree_util.tree_map(fn, updates))
 
 
 __all__ = [
