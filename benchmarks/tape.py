@@ -147,13 +147,14 @@ def bench_mlp(repeats: int, iters: int = 20) -> tuple[float, float]:
         op_histogram(step_jax.lower(params, x, y).compile().as_text())
     )
     print(f"(b) compiled HLO of both steps has the same instructions: {same}")
-    # interleave the two so machine noise hits both alike
+    # interleave the two, alternating which goes first, so noise hits both alike
     t_tensor, t_jax = [], []
     run(step_tensor)()
     run(step_jax)()
-    for _ in range(repeats):
-        t_tensor.append(timed(run(step_tensor), 1))
-        t_jax.append(timed(run(step_jax), 1))
+    for i in range(3 * repeats):
+        pair = [(t_tensor, step_tensor), (t_jax, step_jax)]
+        for times, step in pair if i % 2 else pair[::-1]:
+            times.append(timed(run(step), 1))
     return statistics.median(t_tensor) / iters, statistics.median(t_jax) / iters
 
 
