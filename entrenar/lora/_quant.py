@@ -26,13 +26,7 @@ def to_dense(w: Any) -> jax.Array:
     return quant.dequantize(w) if quant.is_quantized(w) else jnp.asarray(w)
 
 
-def requantize_like(w: jax.Array, like: Any) -> Any:
-    """Quantize ``w`` like ``like``: same scheme, block size, double quantization."""
-    return quant.quantize(
-        w, like.scheme, block_size=like.block_size, double_quant=like.double_quant
-    )
-
-
 is_quantized = quant.is_quantized
+requantize_like = quant.quantize_like  # every option of the node, int8 modes included
 
 __all__ = ["is_quantized", "quantize_base", "requantize_like", "to_dense"]

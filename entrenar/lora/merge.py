@@ -81,6 +81,7 @@ def merge_and_requantize(params: Params) -> tuple[Params, dict[str, RequantError
     for (name, _), x in zip(named_weight_leaves(params), flat):
         if isinstance(x, LoRAWeight):
             merged = merged_weight(x)
+            result: Any = merged
             if _quant.is_quantized(x.base):
                 q = _quant.requantize_like(merged, x.base)
                 diff = _quant.to_dense(q).astype(jnp.float32) - merged
@@ -89,8 +90,8 @@ def merge_and_requantize(params: Params) -> tuple[Params, dict[str, RequantError
                 errors[name] = RequantError(
                     float(jnp.max(jnp.abs(diff))), rms, rms / ref if ref else 0.0
                 )
-                merged = q
-            x = merged
+                result = q
+            x = result
         out.append(x)
     return jax.tree_util.tree_unflatten(treedef, out), errors
 
