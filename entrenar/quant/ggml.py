@@ -25,12 +25,10 @@ import numpy as np
 from entrenar.errors import FormatError, QuantizationError
 from entrenar.quant.weight import (
     QuantizedWeight,
-    as_float,
-    check_blocks,
-    check_finite,
     pack_nibbles,
     to_blocks,
     unpack_nibbles,
+    validated_blocks,
 )
 
 QK = 32
@@ -80,9 +78,7 @@ def quantize_ggml(w: Any, scheme: str) -> QuantizedWeight:
             is concrete.
     """
     dtype = np.dtype(jnp.asarray(w).dtype)
-    check_blocks(tuple(np.shape(w)), QK, scheme)
-    check_finite(w, scheme)
-    x = to_blocks(as_float(w), QK)  # (*lead, nb, 32)
+    x = validated_blocks(w, QK, scheme)  # (*lead, nb, 32)
     offsets = None
     if scheme == "q8_0":
         d = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / jnp.float32(127)

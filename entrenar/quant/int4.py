@@ -16,12 +16,9 @@ import numpy as np
 
 from entrenar.quant.weight import (
     QuantizedWeight,
-    as_float,
-    check_blocks,
-    check_finite,
     pack_nibbles,
-    to_blocks,
     unpack_nibbles,
+    validated_blocks,
 )
 
 
@@ -33,9 +30,7 @@ def quantize_int4(w: Any, *, block_size: int = 64) -> QuantizedWeight:
         QuantizationError: ``w`` holds NaN or Inf (checked when ``w`` is concrete).
     """
     dtype = np.dtype(jnp.asarray(w).dtype)
-    check_blocks(tuple(np.shape(w)), block_size, "int4")
-    check_finite(w, "int4")
-    x = to_blocks(as_float(w), block_size)  # (*lead, nb, B)
+    x = validated_blocks(w, block_size, "int4")  # (*lead, nb, B)
     d = jnp.max(jnp.abs(x), axis=-1) / jnp.float32(7)  # (*lead, nb)
     inv = jnp.where(d == 0, jnp.float32(0), 1 / jnp.where(d == 0, 1, d))
     q = jnp.clip(jnp.round(x * inv[..., None]), -7, 7) + 8  # (*lead, nb, B) in [1, 15]

@@ -27,12 +27,9 @@ import numpy as np
 
 from entrenar.quant.weight import (
     QuantizedWeight,
-    as_float,
-    check_blocks,
-    check_finite,
     pack_nibbles,
-    to_blocks,
     unpack_nibbles,
+    validated_blocks,
 )
 
 NF4_CODE = np.array(
@@ -114,9 +111,7 @@ def quantize_nf4(
         QuantizationError: ``w`` holds NaN or Inf (checked when ``w`` is concrete).
     """
     dtype = np.dtype(jnp.asarray(w).dtype)
-    check_blocks(tuple(np.shape(w)), block_size, "nf4")
-    check_finite(w, "nf4")
-    x = to_blocks(as_float(w), block_size)  # (*lead, nb, B)
+    x = validated_blocks(w, block_size, "nf4")  # (*lead, nb, B)
     s = jnp.max(jnp.abs(x), axis=-1)  # (*lead, nb)
     if double_quant:
         scales, a, mean = double_quantize(s)

@@ -182,6 +182,18 @@ def to_blocks(x: jax.Array, block_size: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
 
 
+def validated_blocks(w: Any, block_size: int, scheme: str) -> jax.Array:
+    """``w: (*lead, cols)`` as float32 blocks ``(*lead, cols // block, block)``.
+
+    Raises:
+        ShapeError: ``cols`` is not a multiple of ``block_size``.
+        QuantizationError: ``w`` holds NaN or Inf (checked when ``w`` is concrete).
+    """
+    check_blocks(tuple(np.shape(w)), block_size, scheme)
+    check_finite(w, scheme)
+    return to_blocks(as_float(w), block_size)
+
+
 def pack_nibbles(q: jax.Array) -> jax.Array:
     """Pack 4-bit codes ``(*lead, nb, block)`` into bytes ``(*lead, nb * block // 2)``.
 
@@ -209,4 +221,5 @@ __all__ = [
     "pack_nibbles",
     "to_blocks",
     "unpack_nibbles",
+    "validated_blocks",
 ]
