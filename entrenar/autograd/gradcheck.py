@@ -39,13 +39,11 @@ class GradientCheckResult:
         return self.passed
 
 
-def _scalarize(out: Any, key: int) -> tuple[Any, Any]:
+def _projection(out: Any, key: int) -> np.ndarray | None:
     # Non-scalar outputs are reduced with a fixed random projection: sum(out * r).
-    shape = out.shape
-    if int(np.prod(shape)) == 1:
-        return None, None
-    r = np.random.default_rng(key).standard_normal(shape)
-    return r, shape
+    if int(np.prod(out.shape)) == 1:
+        return None
+    return np.random.default_rng(key).standard_normal(out.shape)
 
 
 def check_gradient(
@@ -146,7 +144,7 @@ def _analytic(
     except TypeError:
         out = None
     if isinstance(out, Tensor):
-        proj, _ = _scalarize(out, seed)
+        proj = _projection(out, seed)
         loss = (out * proj).sum() if proj is not None else out.sum()
         backward(loss)
         grads = [
@@ -157,7 +155,7 @@ def _analytic(
         ]
         return grads, True, proj
     out_arr = jax.eval_shape(fn, *arrays)
-    proj, _ = _scalarize(out_arr, seed)
+    proj = _projection(out_arr, seed)
 
     def projected(*xs: Any) -> Any:
         y = fn(*xs)

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from entrenar.autograd.ops import Op
-    from entrenar.autograd.tensor import Tensor
 
 
 class Node:
@@ -158,11 +157,6 @@ def enable_grad() -> Iterator[None]:
         yield
     finally:
         _GRAD_ENABLED.reset(token)
-
-
-def pinned(t: Tensor) -> bool:
-    """Whether a live recorded node still needs the data of leaf tensor ``t``."""
-    return t._live_uses > 0
 
 
 __all__ = ["Node", "Tape", "enable_grad", "get_tape", "is_grad_enabled", "no_grad"]
