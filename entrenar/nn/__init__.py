@@ -36,7 +36,9 @@ from entrenar.nn.layers import (
     silu,
 )
 from entrenar.nn.linear import linear, weight_matmul
+from entrenar.nn import losses
 from entrenar.nn.llama import Llama, LlamaConfig
+from entrenar.nn.losses import causal_lm_loss, cross_entropy, kl_divergence
 from entrenar.nn.mlp_model import MLP
 from entrenar.nn.rope import apply_rope, rope_angles, rotate_half
 
@@ -49,8 +51,10 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "apply_rope",
+    "causal_lm_loss",
     "causal_mask",
     "conv1d_transpose",
+    "cross_entropy",
     "decode_step",
     "dot_product_attention",
     "dropout",
@@ -63,8 +67,10 @@ __all__ = [
     "init_kv_cache",
     "kaiming_normal",
     "kaiming_uniform",
+    "kl_divergence",
     "layer_norm",
     "linear",
+    "losses",
     "mlp",
     "normal",
     "rms_norm",

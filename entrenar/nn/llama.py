@@ -263,8 +263,15 @@ class LlamaConfig:
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def apply(
-        self, params: Params, tokens: jax.Array, *, mask: jax.Array | None = None
-    ) -> jax.Array:
+        self,
+        params: Params,
+        tokens: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        return_hidden: bool = False,
+    ) -> Any:
         """Causal-attention logits ``(B, T, V)`` (float32 or 64) for ``tokens: (B, T)``.
 
         Args:
@@ -272,15 +279,46 @@ class LlamaConfig:
             tokens: int token ids ``(B, T)``.
             mask: optional ``(B, T)`` bool, False at padding positions, which no
                 token attends to.
+            segment_ids: optional int ``(B, T)`` for packed sequences: a token attends
+                only to earlier tokens with the same segment id, so packed documents
+                never see each other.
+            positions: optional int ``(B, T)`` or ``(T,)`` rotary positions; by
+                default ``0..T-1``. With packing, pass positions that restart at 0
+                for each document so that a packed document gets the logits it
+                would get alone.
+            return_hidden: also return the hidden states, ``(L + 1, B, T, D)``: the
+                embeddings, then each layer's output (before the final norm).
+
+        Returns:
+            logits, or ``(logits, hidden)`` with ``return_hidden``.
         """
         _check_tokens(tokens)
-        t = tokens.shape[1]
-        positions = jnp.arange(t, dtype=jnp.int32)
-        allowed = causal_mask(positions, t)  # (T, T)
+        b, t = tokens.shape
+        allowed = causal_mask(jnp.arange(t, dtype=jnp.int32), t)  # (T, T)
         if mask is not None:
             allowed = allowed[None] & mask.astype(bool)[:, None, :]  # (B, T, T)
-        h, _ = self._layers(params, tokens, positions, allowed, None)
-        return self._head(params, h)
+        if segment_ids is not None:
+            if tuple(segment_ids.shape) != (b, t):
+                raise ShapeError(
+                    f"segment_ids must have the tokens' shape {(b, t)}, got "
+                    f"{tuple(segment_ids.shape)}"
+                )
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+            allowed = allowed & same
+        if positions is None:
+            positions = jnp.arange(t, dtype=jnp.int32)  # (T,)
+        elif tuple(positions.shape) not in ((t,), (b, t)):
+            raise ShapeError(
+                f"positions must have shape {(t,)} or {(b, t)}, got "
+                f"{tuple(positions.shape)}"
+            )
+        h, (_, hidden) = self._layers(
+            params, tokens, positions, allowed, None, return_hidden
+        )
+        logits = self._head(params, h)
+        if not return_hidden:
+            return logits
+        return logits, hidden
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty `KVCache` for ``batch`` sequences of up to ``max_len`` tokens."""
@@ -300,7 +338,7 @@ class LlamaConfig:
         t, s = tokens.shape[1], cache.k.shape[2]
         positions = cache.pos + jnp.arange(t, dtype=jnp.int32)  # (T,)
         allowed = causal_mask(positions, s)  # (T, S)
-        h, (k, v) = self._layers(params, tokens, positions, allowed, cache)
+        h, ((k, v), _) = self._layers(params, tokens, positions, allowed, cache)
         return self._head(params, h), KVCache(k, v, cache.pos + t)
 
     # --------------------------------------------------------------- internals
@@ -311,7 +349,9 @@ class LlamaConfig:
         positions: jax.Array,
         allowed: jax.Array,
         cache: KVCache | None,
+        return_hidden: bool = False,
     ) -> tuple[jax.Array, Any]:
+        """Run the scanned layers; returns ``(h, (cache_kv, hidden or None))``."""
         m = params["model"]
         h = embedding(m["embed_tokens"]["weight"], tokens).astype(self.dtype)
         pos = None if cache is None else cache.pos
@@ -328,7 +368,8 @@ class LlamaConfig:
                 mp["up_proj"]["weight"],
                 mp["down_proj"]["weight"],
             )
-            return h + x, kv
+            h = h + x
+            return h, (kv, h if return_hidden else None)
 
         if self.remat:
             layer = jax.checkpoint(layer)
@@ -337,7 +378,11 @@ class LlamaConfig:
             if cache is None
             else (m["layers"], cache.k, cache.v)
         )
-        return jax.lax.scan(layer, h, xs)
+        h0 = h
+        h, (kv, hidden) = jax.lax.scan(layer, h, xs)
+        if return_hidden:
+            hidden = jnp.concatenate([h0[None], hidden], axis=0)  # (L+1, B, T, D)
+        return h, (kv, hidden)
 
     def _attention(
         self,

@@ -1,0 +1,298 @@
+"""Losses as pure jnp functions: the one home for the math that models, the Tensor API,
+the Trainer and distillation share.
+
+Every loss takes arrays, computes in float32 (float64 inputs stay float64), and reduces
+with ``reduction``: ``"mean"`` (over the valid elements when a mask or ``ignore_index``
+is given), ``"sum"`` or ``"none"`` (elementwise, masked entries zero). Class-indexed
+losses (`cross_entropy`, `causal_lm_loss`, `kl_divergence`) work on logits of shape
+``(..., C)`` through a numerically stable ``log_softmax``.
+
+Conventions (PyTorch's, so users' habits carry over):
+
+- integer targets equal to ``ignore_index`` (default -100) count neither in the sum nor
+  in the mean; the mean over no valid element is 0;
+- `causal_lm_loss` takes ``labels`` aligned with the input tokens (Hugging Face's
+  convention) and shifts inside: position ``t``'s logits predict ``labels[t + 1]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from entrenar.errors import ConfigError, ShapeError
+
+Reduction = Literal["mean", "sum", "none"]
+IGNORE_INDEX = -100
+
+
+def _float(x: jax.Array) -> jax.Array:
+    """``x`` as float32, or float64 when it already is."""
+    x = jnp.asarray(x)
+    return x if x.dtype == jnp.float64 else x.astype(jnp.float32)
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum", "none"):
+        raise ConfigError(
+            f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
+        )
+
+
+def reduce_loss(
+    values: jax.Array, reduction: str = "mean", *, where: jax.Array | None = None
+) -> jax.Array:
+    """Reduce elementwise ``values`` by ``reduction`` over the entries where ``where``.
+
+    ``"mean"`` divides by the number of valid entries (at least 1, so an all-masked
+    batch gives 0, not NaN); ``"none"`` returns ``values`` with masked entries zeroed.
+
+    >>> reduce_loss(jnp.array([1.0, 2.0, 6.0]), where=jnp.array([True, True, False]))
+    Array(1.5, dtype=float32)
+    """
+    _check_reduction(reduction)
+    if where is not None:
+        where = jnp.broadcast_to(jnp.asarray(where, bool), values.shape)
+        values = jnp.where(where, values, jnp.zeros_like(values))
+    if reduction == "none":
+        return values
+    total = jnp.sum(values)
+    if reduction == "sum":
+        return total
+    count = values.size if where is None else jnp.sum(where)
+    return total / jnp.maximum(count, 1).astype(values.dtype)
+
+
+# ---- regression ------------------------------------------------------------------
+def mse(
+    pred: jax.Array,
+    target: jax.Array,
+    reduction: Reduction = "mean",
+    *,
+    where: jax.Array | None = None,
+) -> jax.Array:
+    """Mean squared error ``(pred - target)²``.
+
+    >>> mse(jnp.array([1.0, 3.0]), jnp.array([0.0, 1.0]))
+    Array(2.5, dtype=float32)
+    """
+    diff = _float(pred) - _float(target)
+    return reduce_loss(jnp.square(diff), reduction, where=where)
+
+
+def l1(
+    pred: jax.Array,
+    target: jax.Array,
+    reduction: Reduction = "mean",
+    *,
+    where: jax.Array | None = None,
+) -> jax.Array:
+    """Mean absolute error ``|pred - target|``.
+
+    >>> l1(jnp.array([1.0, 3.0]), jnp.array([0.0, 1.0]))
+    Array(1.5, dtype=float32)
+    """
+    diff = _float(pred) - _float(target)
+    return reduce_loss(jnp.abs(diff), reduction, where=where)
+
+
+def huber(
+    pred: jax.Array,
+    target: jax.Array,
+    delta: float = 1.0,
+    reduction: Reduction = "mean",
+    *,
+    where: jax.Array | None = None,
+) -> jax.Array:
+    """Huber loss (Huber, 1964): quadratic within ``delta`` of the target, linear out.
+
+    ``½ r²`` if ``|r| ≤ δ`` else ``δ (|r| - ½ δ)``, with ``r = pred - target``
+    (PyTorch's ``HuberLoss``; ``delta = 1`` is ``smooth_l1_loss``).
+
+    >>> huber(jnp.array([0.5, 3.0]), jnp.zeros(2), reduction="none").tolist()
+    [0.125, 2.5]
+    """
+    if not delta > 0:
+        raise ConfigError(f"huber delta must be > 0, got {delta}")
+    r = jnp.abs(_float(pred) - _float(target))
+    d = jnp.asarray(delta, r.dtype)
+    values = jnp.where(r <= d, 0.5 * r * r, d * (r - 0.5 * d))
+    return reduce_loss(values, reduction, where=where)
+
+
+# ---- classification --------------------------------------------------------------
+def binary_cross_entropy_with_logits(
+    logits: jax.Array,
+    targets: jax.Array,
+    reduction: Reduction = "mean",
+    *,
+    where: jax.Array | None = None,
+) -> jax.Array:
+    """``-[y log σ(x) + (1 - y) log(1 - σ(x))]``, stable for large ``|x|``.
+
+    Computed as ``max(x, 0) - x y + log(1 + e^{-|x|})``.
+
+    >>> round(float(binary_cross_entropy_with_logits(jnp.zeros(1), jnp.ones(1))), 4)
+    0.6931
+    """
+    x, y = _float(logits), _float(targets)
+    values = jnp.maximum(x, 0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x)))
+    return reduce_loss(values, reduction, where=where)
+
+
+def _check_class_targets(logits: jax.Array, targets: jax.Array) -> None:
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ShapeError(
+            f"targets {tuple(targets.shape)} must equal logits' shape without its "
+            f"class axis {tuple(logits.shape[:-1])} (logits {tuple(logits.shape)})"
+        )
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ShapeError(f"class targets must be integers, got dtype {targets.dtype}")
+
+
+def cross_entropy(
+    logits: jax.Array,
+    targets: jax.Array,
+    reduction: Reduction = "mean",
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    where: jax.Array | None = None,
+    label_smoothing: float = 0.0,
+) -> jax.Array:
+    """Softmax cross-entropy with integer targets: ``-log softmax(logits)[target]``.
+
+    Entries whose target is ``ignore_index``, or where ``where`` is False, are left
+    out of the sum and of the mean. With ``label_smoothing = ε`` the target
+    distribution is ``(1 - ε)·onehot + ε/C`` (Szegedy et al., 2016).
+
+    Args:
+        logits: ``(..., C)``, any float dtype (computed in float32 or float64).
+        targets: integer ``(...)``.
+        reduction: "mean" over valid entries, "sum", or "none" (``(...)``).
+        ignore_index: target value to skip.
+        where: optional bool ``(...)``, False to skip an entry.
+        label_smoothing: ε in [0, 1).
+
+    >>> round(float(cross_entropy(jnp.array([[0.0, 0.0]]), jnp.array([1]))), 4)
+    0.6931
+    """
+    targets = jnp.asarray(targets)
+    _check_class_targets(logits, targets)
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ConfigError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    logp = jax.nn.log_softmax(_float(logits), axis=-1)  # (..., C)
+    valid = targets != ignore_index  # (...)
+    if where is not None:
+        valid = valid & jnp.asarray(where, bool)
+    safe = jnp.where(valid, targets, 0)
+    nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]  # (...)
+    if label_smoothing:
+        eps = jnp.asarray(label_smoothing, logp.dtype)
+        nll = (1 - eps) * nll - eps * jnp.mean(logp, axis=-1)
+    return reduce_loss(nll, reduction, where=valid)
+
+
+def causal_lm_loss(
+    logits: jax.Array,
+    labels: jax.Array,
+    reduction: Reduction = "mean",
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    loss_mask: jax.Array | None = None,
+) -> jax.Array:
+    """Next-token cross-entropy: position ``t``'s logits predict ``labels[t + 1]``.
+
+    ``labels`` are aligned with the input tokens, ``(B, T)``, as in Hugging Face
+    (usually the input ids themselves). Positions to leave out — padding, the prompt
+    of a prompt/completion pair, the first token of each packed document — carry
+    ``ignore_index`` in ``labels`` or False in ``loss_mask`` (both aligned with the
+    labels: the mask at ``t + 1`` says whether predicting ``labels[t + 1]`` counts).
+
+    Args:
+        logits: ``(B, T, V)``.
+        labels: integer ``(B, T)``.
+        reduction: "mean" over counted tokens, "sum", or "none" (``(B, T - 1)``).
+        ignore_index: label value to skip.
+        loss_mask: optional bool ``(B, T)``.
+
+    >>> logits = jnp.zeros((1, 3, 4))
+    >>> round(float(causal_lm_loss(logits, jnp.array([[0, 1, 2]]))), 4)  # log 4
+    1.3863
+    """
+    if logits.ndim != 3 or tuple(labels.shape) != tuple(logits.shape[:2]):
+        raise ShapeError(
+            f"causal_lm_loss needs logits (B, T, V) and labels (B, T); got logits "
+            f"{tuple(logits.shape)} and labels {tuple(jnp.shape(labels))}"
+        )
+    where = None if loss_mask is None else jnp.asarray(loss_mask, bool)[:, 1:]
+    return cross_entropy(
+        logits[:, :-1],  # (B, T-1, V)
+        jnp.asarray(labels)[:, 1:],  # (B, T-1)
+        reduction,
+        ignore_index=ignore_index,
+        where=where,
+    )
+
+
+# ---- distributions ---------------------------------------------------------------
+def kl_divergence(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    temperature: float = 1.0,
+    reduction: Reduction = "mean",
+    *,
+    where: jax.Array | None = None,
+) -> jax.Array:
+    """``KL(softmax(teacher/T) ‖ softmax(student/T))`` summed over the class axis.
+
+    ``Σ_c p_c (log p_c - log q_c)`` with ``p`` the teacher's and ``q`` the student's
+    tempered distributions; 0 where they agree, and ``p_c = 0`` terms contribute 0.
+    Reduced over the leading axes (``where``: bool over ``logits.shape[:-1]``).
+    Distillation multiplies it by ``T²`` (Hinton et al., 2015) so gradients keep
+    their scale across temperatures; that factor belongs to the caller.
+
+    >>> float(kl_divergence(jnp.array([[1.0, 2.0]]), jnp.array([[1.0, 2.0]])))
+    0.0
+    """
+    if tuple(jnp.shape(student_logits)) != tuple(jnp.shape(teacher_logits)):
+        raise ShapeError(
+            f"student logits {tuple(jnp.shape(student_logits))} and teacher logits "
+            f"{tuple(jnp.shape(teacher_logits))} must have the same shape"
+        )
+    if not temperature > 0:
+        raise ConfigError(f"temperature must be > 0, got {temperature}")
+    s, t = _float(student_logits), _float(teacher_logits)
+    inv_t = jnp.asarray(1.0 / temperature, s.dtype)
+    log_q = jax.nn.log_softmax(s * inv_t, axis=-1)  # (..., C)
+    log_p = jax.nn.log_softmax(t * inv_t, axis=-1)
+    p = jnp.exp(log_p)
+    values = jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1)  # (...)
+    return reduce_loss(values, reduction, where=where)
+
+
+LOSSES: dict[str, Any] = {
+    "mse": mse,
+    "l1": l1,
+    "huber": huber,
+    "cross_entropy": cross_entropy,
+    "causal_lm": causal_lm_loss,
+    "binary_cross_entropy_with_logits": binary_cross_entropy_with_logits,
+    "kl_divergence": kl_divergence,
+}
+"""Losses by the names configs use."""
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LOSSES",
+    "Reduction",
+    "binary_cross_entropy_with_logits",
+    "causal_lm_loss",
+    "cross_entropy",
+    "huber",
+    "kl_divergence",
+    "l1",
+    "mse",
+    "reduce_loss",
+]
