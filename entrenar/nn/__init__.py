@@ -7,6 +7,7 @@ Face modules, transformer layers stacked along a leading axis and run with
 weight's node type (array, LoRA, quantized), so model code never touches weights.
 """
 
+from entrenar.nn import losses
 from entrenar.nn.attention import (
     KVCache,
     causal_mask,
@@ -36,7 +37,6 @@ from entrenar.nn.layers import (
     silu,
 )
 from entrenar.nn.linear import linear, weight_matmul
-from entrenar.nn import losses
 from entrenar.nn.llama import Llama, LlamaConfig
 from entrenar.nn.losses import causal_lm_loss, cross_entropy, kl_divergence
 from entrenar.nn.mlp_model import MLP

@@ -1,5 +1,4 @@
-"""Losses as pure jnp functions: the one home for the math that models, the Tensor API,
-the Trainer and distillation share.
+"""Losses as pure jnp functions, shared by models, Tensor API, Trainer, distillation.
 
 Every loss takes arrays, computes in float32 (float64 inputs stay float64), and reduces
 with ``reduction``: ``"mean"`` (over the valid elements when a mask or ``ignore_index``
