@@ -86,14 +86,26 @@ class MLP:
         return {"layers": layers}
 
     def apply(
-        self, params: Params, x: jax.Array, *, key: PRNGKey | None = None
-    ) -> jax.Array:
+        self,
+        params: Params,
+        x: jax.Array,
+        *,
+        key: PRNGKey | None = None,
+        return_hidden: bool = False,
+    ) -> Any:
         """Outputs ``(..., out)`` for inputs ``x: (..., in)``.
 
         Args:
             params: from `init` (weights may be LoRA or quantized nodes).
             x: inputs ``(..., sizes[0])``.
             key: dropout key; None disables dropout.
+            return_hidden: also return the hidden states, a tuple of ``K`` arrays:
+                ``h₀ = x`` (in the compute dtype), then each hidden layer's output
+                ``h_k: (..., n_k)`` as the next layer receives it (after the
+                activation and dropout).
+
+        Returns:
+            outputs, or ``(outputs, hidden)`` with ``return_hidden``.
         """
         if x.shape[-1] != self.sizes[0]:
             raise ShapeError(
@@ -102,13 +114,15 @@ class MLP:
         act = ACTIVATIONS[self.activation]
         layers = params["layers"]
         h = x.astype(self.dtype)
+        hidden = [h]
         for k, layer in enumerate(layers):
             h = linear(h, layer["weight"], layer["bias"])  # (..., n_k)
             if k < len(layers) - 1:
                 h = act(h)
                 if key is not None:
                     h = dropout(h, self.dropout, key=jax.random.fold_in(key, k))
-        return h
+                hidden.append(h)
+        return (h, tuple(hidden)) if return_hidden else h
 
 
 __all__ = ["ACTIVATIONS", "INITIALIZERS", "MLP"]
