@@ -57,6 +57,14 @@ class CompatibilityError(EntrenarError, ValueError):
     """Two objects that must match do not (an adapter and its base model, ...)."""
 
 
+class NonFiniteError(EntrenarError, FloatingPointError):
+    """A training step produced a non-finite loss or gradient.
+
+    The message names the step and the quantity; the run's last checkpoint is the
+    last good state.
+    """
+
+
 __all__ = [
     "CompatibilityError",
     "ConfigError",
@@ -64,6 +72,7 @@ __all__ = [
     "EntrenarError",
     "FormatError",
     "GradientCheckError",
+    "NonFiniteError",
     "QuantizationError",
     "ShapeError",
     "TapeError",
