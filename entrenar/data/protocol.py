@@ -67,6 +67,12 @@ class ArrayLoader:
         seed: seed of the shuffling.
         drop_last: drop the last incomplete batch (keeps one compiled shape); else
             yield it smaller.
+        pad: instead, fill the last incomplete batch up to ``batch_size`` with rows
+            of ``pad_values`` (one compiled shape, no example lost); wins over
+            ``drop_last``. The loss must ignore those rows: LM batches pad with
+            ``labels=-100`` and ``attention_mask=False``; for others, add a weight
+            array of ones and pad it with 0.
+        pad_values: the fill value of each array's padding rows (default 0).
 
     Example:
         >>> import numpy as np
@@ -83,6 +89,8 @@ class ArrayLoader:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
+        pad: bool = False,
+        pad_values: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(arrays, Mapping) or not arrays:
             raise ConfigError("ArrayLoader needs a non-empty dict of arrays")
@@ -97,6 +105,12 @@ class ArrayLoader:
         if int(batch_size) < 1:
             raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
         self.batch_size = int(batch_size)
+        drop_last = drop_last and not pad
+        self.pad = bool(pad)
+        self.pad_values = dict(pad_values or {})
+        unknown = set(self.pad_values) - set(self.arrays)
+        if unknown:
+            raise ConfigError(f"pad_values for unknown arrays {sorted(unknown)}")
         if drop_last and self.n < self.batch_size:
             raise ShapeError(
                 f"{self.n} examples make no full batch of {self.batch_size}; lower "
@@ -137,7 +151,15 @@ class ArrayLoader:
         while self.position < len(self):
             idx = order[self.position * self.batch_size :][: self.batch_size]
             self.position += 1
-            yield {k: v[idx] for k, v in self.arrays.items()}
+            batch = {k: v[idx] for k, v in self.arrays.items()}
+            if self.pad and len(idx) < self.batch_size:
+                batch = {k: self._padded(k, v) for k, v in batch.items()}
+            yield batch
+
+    def _padded(self, key: str, v: np.ndarray) -> np.ndarray:
+        fill = np.full((self.batch_size - len(v), *v.shape[1:]), 0, v.dtype)
+        fill[...] = self.pad_values.get(key, 0)
+        return np.concatenate([v, fill])
 
 
 __all__ = ["ArrayLoader", "Batch", "Loader", "epoch_permutation"]
