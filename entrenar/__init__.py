@@ -2,6 +2,7 @@
 
 Layers, each importing only the ones below it::
 
+    distill        distillation losses (pure functions of logits and hidden states)
     lora quant     pytree transforms (LoRAWeight, QuantizedWeight nodes)
     nn  io         models as pure functions over param pytrees; file formats
     optim          (init, update) pairs, schedules, clipping
@@ -11,7 +12,7 @@ Layers, each importing only the ones below it::
 Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 """
 
-from entrenar import autograd, errors, io, lora, nn, optim, quant
+from entrenar import autograd, distill, errors, io, lora, nn, optim, quant
 from entrenar.autograd import Tensor, backward, check_gradient, no_grad
 from entrenar.functional import grad, value_and_grad
 from entrenar.tree import (
@@ -38,6 +39,7 @@ __all__ = [
     "autograd",
     "backward",
     "check_gradient",
+    "distill",
     "errors",
     "grad",
     "io",
