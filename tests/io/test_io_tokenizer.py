@@ -1,81 +1,25 @@
-"""BPE tokenizer from GGUF fields against llama.cpp and Hugging Face `tokenizers`."""
+"""BPE tokenizer from GGUF fields against llama.cpp and Hugging Face `tokenizers`.
 
-import random
+llama.cpp's token ids are recorded in tests/data/llama_cpp_reference.json (how: see
+test_io_llama_gguf.py and tests/oracles/make_llama_cpp_reference.py, which made them
+with llama-cpp-python 0.3.36): every string of the corpus with and without special
+tokens, and 200 random Unicode strings drawn once with hypothesis. The "live" variant
+runs llama.cpp now, in a subprocess.
+"""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from llama_cpp_cases import corpus, reference
 
 from entrenar.errors import UnsupportedError
 from entrenar.io import BPETokenizer, load_tokenizer, read_gguf, smollm2_path
 from entrenar.io.tokenizer import gpt2_split, pre_tokenize
 
-WORDS = """the of and to in is was for on that with as by at from his an were are which
-this be has had it not or have one they first its after new who but two been their
-Paris München naïve café résumé façade Straße coöperate jalapeño""".split()
-SAMPLES = [
-    "Hello world",
-    "Hello, world! How are you doing today?",
-    "I'm sure you're right; we've seen they'll do it, he'd say. 'S 'LL",
-    "   leading spaces",
-    "trailing spaces   ",
-    "a\n\nb\t\tc\r\nd",
-    "x = 12345 + 3.14159 - 0.5e-10",
-    "2024-01-15 12:30:45 and 1,000,000 people",
-    "def f(x):\n    return x ** 2  # square\n",
-    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
-    "import numpy as np\nprint(np.arange(10).reshape(2, 5))",
-    '<div class="main">Hello &amp; welcome</div>',
-    "Ünïcödé 日本語のテキスト 中文 한국어 Ελληνικά русский עברית العربية",
-    "emoji 😀👍🏽 🇪🇸 ok ❤️",
-    "١٢٣ ४५६ digits ²³ ½ Ⅻ",
-    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n",
-    "<|endoftext|><repo_name>x<file_sep>",
-    "  \n  ",
-    "",
-    " ",
-    "x\u00a0y\u3000z\u2009w",
-    "\u0301combining e\u0301",
-    "tab\tsep\vvt\fff",
-    "$$$ !!! ??? ... --- ___ ***",
-    "https://example.com/path?q=1&r=two#frag",
-    "CamelCaseWord snake_case_word kebab-case-word",
-]
-
-
-def _corpus() -> list[str]:
-    rng = random.Random(0)
-    out = list(SAMPLES)
-    pieces = [
-        *WORDS,
-        " ",
-        "  ",
-        "\n",
-        "\t",
-        "0",
-        "42",
-        "3.5",
-        ",",
-        ".",
-        "'s",
-        "!?",
-        "é",
-        "日本",
-        "😀",
-        "<|im_start|>",
-        "()",
-        "{}",
-        "=>",
-        "\u00a0",
-        "'",
-        "''",
-    ]
-    for _ in range(300):
-        out.append("".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))))
-    return out
-
-
-CORPUS = _corpus()
+CORPUS = corpus()
+RANDOM_TEXT = st.text(
+    st.characters(codec="utf-8", exclude_categories=["Cs", "Cn"]), max_size=40
+)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +27,12 @@ def tok():
     return load_tokenizer(smollm2_path())
 
 
-@pytest.fixture(scope="module")
-def llama_vocab():
-    llama_cpp = pytest.importorskip("llama_cpp")
-    return llama_cpp.Llama(smollm2_path(), vocab_only=True, verbose=False)
+@pytest.fixture(
+    scope="module", params=["recorded", pytest.param("live", marks=pytest.mark.slow)]
+)
+def llama_tokens(request):
+    """llama.cpp's ids: ``{"corpus": [[s, ids, ids_special]], "random_text": ...}``."""
+    return reference(request.param)[0]["tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +53,11 @@ def hf_tok(tok):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("special", [False, True])
-def test_matches_llama_cpp(tok, llama_vocab, special):
-    assert len(CORPUS) > 300
-    for s in CORPUS:
-        ref = llama_vocab.tokenize(s.encode("utf-8"), add_bos=False, special=special)
-        assert tok.encode(s, special=special) == ref, s
+def test_matches_llama_cpp(tok, llama_tokens, special):
+    assert [c[0] for c in llama_tokens["corpus"]] == CORPUS  # recorded for this corpus
+    assert len(CORPUS) == 326
+    for s, ids, ids_special in llama_tokens["corpus"]:
+        assert tok.encode(s, special=special) == (ids_special if special else ids), s
 
 
 @pytest.mark.slow
@@ -123,12 +69,16 @@ def test_matches_hf_tokenizers(tok, hf_tok):
 
 
 @pytest.mark.slow
-@given(
-    st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cn"]), max_size=40)
-)
-def test_random_text_matches_llama_cpp(tok, llama_vocab, s):
-    ref = llama_vocab.tokenize(s.encode("utf-8"), add_bos=False, special=False)
-    assert tok.encode(s) == ref
+def test_random_text_matches_llama_cpp(tok, llama_tokens):
+    assert len(llama_tokens["random_text"]) >= 150
+    for s, ids in llama_tokens["random_text"]:
+        assert tok.encode(s) == ids, s
+
+
+@pytest.mark.slow
+@given(RANDOM_TEXT)
+def test_random_text_matches_hf_tokenizers(tok, hf_tok, s):
+    assert tok.encode(s) == hf_tok.encode(s).ids
 
 
 @pytest.mark.slow

@@ -1,0 +1,217 @@
+"""What the tests ask llama.cpp, and how they get its answers without running it.
+
+llama.cpp is a *recorded oracle*: ``tests/oracles/make_llama_cpp_reference.py`` runs
+llama-cpp-python once, where it works, and writes its outputs to ``tests/data/``
+(`RECORDED`). The tests compare entrenar against those files, so the suite never loads
+llama.cpp into the pytest process (its default build crashes on some CPUs, e.g. in
+``decode`` on Intel Xeons with AMX). `live_reference` re-runs the same script in a
+subprocess for an extra, live comparison, and turns "llama.cpp is not installed" or
+"the subprocess died from a signal" into a skip that names the reason.
+
+This module holds the inputs both sides share: the prompts, the tokenizer corpus, and
+the tiny Llama models whose GGUF files entrenar writes for llama.cpp to run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from entrenar.nn import LlamaConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = ROOT / "tests" / "data"
+SCRIPT = ROOT / "tests" / "oracles" / "make_llama_cpp_reference.py"
+REFERENCE_JSON = "llama_cpp_reference.json"
+REFERENCE_NPZ = "llama_cpp_logits.npz"
+NOT_IMPORTABLE = 77  # the script's exit status when `import llama_cpp` fails
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a"]
+GREEDY_STEPS = 6
+TINY_KINDS = ("F32", "Q4_0")
+TINY_IDS = [504, 3575, 282, 4649, 314, 17, 9]
+TINY_SEED = 0
+
+WORDS = """the of and to in is was for on that with as by at from his an were are which
+this be has had it not or have one they first its after new who but two been their
+Paris München naïve café résumé façade Straße coöperate jalapeño""".split()
+SAMPLES = [
+    "Hello world",
+    "Hello, world! How are you doing today?",
+    "I'm sure you're right; we've seen they'll do it, he'd say. 'S 'LL",
+    "   leading spaces",
+    "trailing spaces   ",
+    "a\n\nb\t\tc\r\nd",
+    "x = 12345 + 3.14159 - 0.5e-10",
+    "2024-01-15 12:30:45 and 1,000,000 people",
+    "def f(x):\n    return x ** 2  # square\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "import numpy as np\nprint(np.arange(10).reshape(2, 5))",
+    '<div class="main">Hello &amp; welcome</div>',
+    "Ünïcödé 日本語のテキスト 中文 한국어 Ελληνικά русский עברית العربية",
+    "emoji 😀👍🏽 🇪🇸 ok ❤️",
+    "١٢٣ ४५६ digits ²³ ½ Ⅻ",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n",
+    "<|endoftext|><repo_name>x<file_sep>",
+    "  \n  ",
+    "",
+    " ",
+    "x\u00a0y\u3000z\u2009w",
+    "\u0301combining e\u0301",
+    "tab\tsep\vvt\fff",
+    "$$$ !!! ??? ... --- ___ ***",
+    "https://example.com/path?q=1&r=two#frag",
+    "CamelCaseWord snake_case_word kebab-case-word",
+]
+PIECES = [
+    *WORDS,
+    *[" ", "  ", "\n", "\t", "0", "42", "3.5", ",", ".", "'s", "!?", "é", "日本"],
+    *["😀", "<|im_start|>", "()", "{}", "=>", "\u00a0", "'", "''"],
+]
+
+
+def corpus() -> list[str]:
+    """`SAMPLES` and 300 strings glued from `PIECES` (326 in all, fixed by seed 0)."""
+    rng = random.Random(0)
+    out = list(SAMPLES)
+    for _ in range(300):
+        out.append("".join(rng.choice(PIECES) for _ in range(rng.randint(1, 12))))
+    return out
+
+
+def tiny_config() -> LlamaConfig:
+    """A 2-layer GQA Llama with SmolLM2's vocabulary (its tokenizer is copied)."""
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """Steele et al.'s SplitMix64 finaliser on uint64 (exact integer arithmetic)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_weight(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Weights ``k / 32`` with integers ``k`` in [-8, 7], each 32-block holding a -8.
+
+    The values depend only on ``(seed, name, index)`` through integer hashing, so they
+    are the same on every machine and numpy version. Every 32-value block along the
+    last axis is exactly representable in F16 and Q4_0 (scale 1/32, its largest
+    magnitude a -8): the GGUF file entrenar writes from them is the same byte for byte
+    wherever it is written, and so is what llama.cpp computes from it.
+    """
+    assert shape[-1] % 32 == 0, (name, shape)
+    base = np.uint64(((seed & 0xFFFF) << 32) | zlib.crc32(name.encode()))
+    with np.errstate(over="ignore"):
+        idx = np.arange(int(np.prod(shape)), dtype=np.uint64)
+        h = _splitmix64(idx + base * np.uint64(1 << 24)).reshape(-1, 32)
+    k = (h % np.uint64(15)).astype(np.int64) - 7  # (blocks, 32) in [-7, 7]
+    pos = ((h[:, 0] >> np.uint64(40)) % np.uint64(32)).astype(np.int64)  # (blocks,)
+    k[np.arange(len(k)), pos] = -8
+    return (k.reshape(shape) / 32.0).astype(np.float32)
+
+
+def tiny_params(config: LlamaConfig, seed: int = TINY_SEED) -> dict:
+    """`seeded_weight` for every leaf of ``config.param_shapes()``."""
+
+    def build(tree: dict, prefix: str) -> dict:
+        return {
+            k: build(v, f"{prefix}{k}.")
+            if isinstance(v, dict)
+            else seeded_weight(prefix + k, tuple(v), seed)
+            for k, v in tree.items()
+        }
+
+    return build(config.param_shapes(), "")
+
+
+def load_reference(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """The JSON record and the arrays the script wrote into ``folder``."""
+    with open(folder / REFERENCE_JSON, encoding="utf-8") as f:
+        record = json.load(f)
+    with np.load(folder / REFERENCE_NPZ, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    return record, arrays
+
+
+def _run(out: Path, args: tuple[str, ...], env: dict[str, str]) -> tuple[str, str]:
+    """``("ok" | "skip" | "fail", why)`` of the oracle script run into ``out``."""
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+    try:
+        p = subprocess.run(
+            cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600
+        )
+    except subprocess.TimeoutExpired as e:
+        return "fail", f"{SCRIPT.name} ran past {e.timeout} s"
+    tail = p.stderr.strip()[-2000:]
+    if p.returncode < 0:
+        sig = signal.Signals(-p.returncode).name
+        why = f"the llama.cpp subprocess died from {sig} on this machine"
+        return "skip", why + (f": {tail[-500:]}" if tail else "")
+    if p.returncode == NOT_IMPORTABLE:
+        return "skip", f"llama_cpp is not importable in a subprocess: {tail}"
+    if p.returncode != 0:
+        return "fail", f"{SCRIPT.name} exited with status {p.returncode}:\n{tail}"
+    return "ok", ""
+
+
+def run_script(out: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    """Run the oracle script into ``out`` in a subprocess; nothing it does can kill us.
+
+    Skips (with the reason) when llama_cpp is not importable there or the subprocess
+    dies from a signal (llama.cpp crashing on this CPU); fails on any other error.
+    """
+    status, why = _run(out, args, env or {})
+    if status == "skip":
+        pytest.skip(why)
+    if status == "fail":
+        pytest.fail(why)
+
+
+@functools.cache
+def _live() -> tuple[str, str, Path]:
+    """Run the script once per pytest process into a temporary folder."""
+    out = Path(tempfile.mkdtemp(prefix="llama_cpp_live_"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    return (*_run(out, (), {}), out)
+
+
+def reference(source: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """llama.cpp's answers: ``"recorded"`` in tests/data, or ``"live"`` ones.
+
+    Live answers come from the script run now in a subprocess (once per pytest run);
+    they skip or fail as `run_script` does.
+    """
+    if source == "recorded":
+        return load_reference(RECORDED)
+    status, why, out = _live()
+    if status == "skip":
+        pytest.skip(why)
+    if status == "fail":
+        pytest.fail(why)
+    return load_reference(out)
