@@ -1,0 +1,240 @@
+r"""A fast tokenizer (Hugging Face ``tokenizers``, in Rust) equal to `BPETokenizer`.
+
+`entrenar.io.BPETokenizer` is the pure-Python reference, checked against llama.cpp.
+`FastTokenizer` builds the same byte-level BPE in Hugging Face ``tokenizers`` from the
+same GGUF fields (``tokenizer.ggml.tokens``, ``merges``, ``token_type``, ``pre``,
+``bos/eos_token_id``) and returns the same ids:
+
+- **Specials.** Control tokens (type 3) are ``AddedToken(special=True)``, parsed only
+  with ``special=True`` (otherwise ``encode_special_tokens`` makes them plain text);
+  user-defined tokens (type 4) are plain added tokens, always parsed.
+- **Pre-tokenizer.** The GPT-2 regex, with its classes spelt out from Python's
+  ``unicodedata`` so that both tokenizers use one Unicode table (the reference's):
+  ``'s|'t|'re|'ve|'m|'ll|'d| ?L+| ?N+| ?P+|S+(?!\S)|S+|U`` where ``S`` is llama.cpp's
+  whitespace set, ``L`` letters, ``N`` numbers, ``U`` unassigned code points (each its
+  own piece, as llama.cpp has no flags for them) and ``P`` everything else. The
+  ``smollm``/``starcoder`` family first isolates every ``N`` character.
+- **Bytes and merges.** ``ByteLevel`` maps bytes to GPT-2's printable symbols; the
+  ``BPE`` model merges the lowest-ranked pair, leftmost first, like the reference.
+
+Text with lone surrogates (not valid Unicode) cannot be passed to ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import unicodedata
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io.gguf_reader import GGUFFile, read_gguf
+from entrenar.io.tokenizer import (
+    _DIGIT_SPLIT_PRE,
+    _GPT2_PRE,
+    _WHITESPACE,
+    CONTROL,
+    USER_DEFINED,
+    BPETokenizer,
+    bytes_to_unicode,
+)
+
+
+def _ranges(codes: Sequence[int]) -> str:
+    r"""Bracket-free regex class body for sorted code points (``\x{a}-\x{b}...``)."""
+    out, i = [], 0
+    while i < len(codes):
+        j = i
+        while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
+            j += 1
+        a, b = codes[i], codes[j]
+        out.append(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else ""))
+        i = j + 1
+    return "".join(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _classes() -> dict[str, str]:
+    """Regex class bodies of the reference's character kinds (see `_kind`)."""
+    kinds: dict[str, list[int]] = {"S": [], "L": [], "N": [], "U": []}
+    for c in range(0x110000):
+        if 0xD800 <= c <= 0xDFFF:
+            continue
+        if c in _WHITESPACE:
+            kinds["S"].append(c)
+            continue
+        cat = unicodedata.category(chr(c))
+        if cat == "Cn":
+            kinds["U"].append(c)
+        elif cat[0] in "LN":
+            kinds[cat[0]].append(c)
+    return {k: _ranges(v) for k, v in kinds.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def gpt2_pattern() -> str:
+    """The reference's GPT-2 pre-tokenizer as one Oniguruma regex (module docstring)."""
+    c = _classes()
+    s, letters, nums, u = f"[{c['S']}]", f"[{c['L']}]", f"[{c['N']}]", f"[{c['U']}]"
+    other = f"[^{c['S']}{c['L']}{c['N']}{c['U']}]"
+    not_s = f"[^{c['S']}]"
+    return (
+        f"'s|'t|'re|'ve|'m|'ll|'d| ?{letters}+| ?{nums}+| ?{other}+"
+        f"|{s}+(?!{not_s})|{s}+|{u}"
+    )
+
+
+def token_bytes(tokens: Sequence[str], token_types: Sequence[int]) -> list[bytes]:
+    """The bytes each token stands for (control/user tokens: their UTF-8 text).
+
+    Byte-level BPE is lossless, so the byte lengths of a text's tokens add up to the
+    UTF-8 length of the text; `entrenar.data.formatting` uses this to find which
+    tokens fall inside a completion.
+    """
+    u2b = {u: b for b, u in bytes_to_unicode().items()}
+    out = []
+    for tok, kind in zip(tokens, token_types):
+        if kind in (CONTROL, USER_DEFINED) or any(ch not in u2b for ch in tok):
+            out.append(tok.encode("utf-8"))
+        else:
+            out.append(bytes(u2b[ch] for ch in tok))
+    return out
+
+
+class FastTokenizer:
+    """`BPETokenizer`'s ids at Rust speed (Hugging Face ``tokenizers``).
+
+    Args:
+        reference: the `BPETokenizer` whose fields (vocabulary, merges, token types,
+            pre-tokenizer, BOS/EOS) define this one.
+        chat_template: the model's Jinja chat template (``tokenizer.chat_template``),
+            or None.
+        pad_id: padding id (``tokenizer.ggml.padding_token_id``), or None.
+
+    Attributes mirror the reference: ``tokens``, ``token_types``, ``bos_id``,
+    ``eos_id``, ``add_bos``, plus ``pad_id`` and ``chat_template``.
+    """
+
+    def __init__(
+        self,
+        reference: BPETokenizer,
+        *,
+        chat_template: str | None = None,
+        pad_id: int | None = None,
+    ) -> None:
+        try:
+            import tokenizers as hf
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise UnsupportedError(
+                "the fast tokenizer needs Hugging Face tokenizers: pip install "
+                "'entrenar[data]' (or use entrenar.io.BPETokenizer)"
+            ) from e
+        if reference.pre not in _GPT2_PRE:
+            raise UnsupportedError(
+                f"pre-tokenizer {reference.pre!r} is not supported; supported: "
+                f"{sorted(_GPT2_PRE)}"
+            )
+        self.reference = reference
+        self.tokens, self.token_types = reference.tokens, reference.token_types
+        self.bos_id, self.eos_id = reference.bos_id, reference.eos_id
+        self.add_bos, self.pre = reference.add_bos, reference.pre
+        self.chat_template, self.pad_id = chat_template, pad_id
+        vocab = {t: i for i, t in enumerate(reference.tokens)}
+        if len(vocab) != len(reference.tokens):
+            raise FormatError("tokenizer.ggml.tokens has duplicate tokens")
+        merges = []
+        for r, m in enumerate(reference.merges):
+            a, sep, b = m.partition(" ")
+            if not sep or a not in vocab or b not in vocab or a + b not in vocab:
+                raise FormatError(
+                    f"tokenizer.ggml.merges[{r}] {m!r} is not 'a b' over the "
+                    "vocabulary with 'ab' in it"
+                )
+            merges.append((a, b))
+        pre = hf.pre_tokenizers
+        steps: list[Any] = [pre.Split(hf.Regex(gpt2_pattern()), behavior="isolated")]
+        if reference.pre in _DIGIT_SPLIT_PRE:
+            digit = hf.Regex(f"[{_classes()['N']}]")
+            steps.insert(0, pre.Split(digit, behavior="isolated"))
+        steps.append(pre.ByteLevel(add_prefix_space=False, use_regex=False))
+        self._hf: list[Any] = []
+        for parse_special in (False, True):
+            t = hf.Tokenizer(hf.models.BPE(vocab, merges))
+            t.pre_tokenizer = pre.Sequence(steps)
+            t.decoder = hf.decoders.ByteLevel()
+            added = [
+                hf.AddedToken(tok, special=kind == CONTROL, normalized=False)
+                for tok, kind in zip(reference.tokens, reference.token_types)
+                if kind in (CONTROL, USER_DEFINED)
+            ]
+            t.add_special_tokens(added)
+            t.encode_special_tokens = not parse_special
+            self._hf.append(t)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str] | GGUFFile) -> FastTokenizer:
+        """The tokenizer (and chat template) of a GGUF file."""
+        g = path if isinstance(path, GGUFFile) else read_gguf(path)
+        md = g.metadata
+        ref = BPETokenizer.from_gguf_metadata(md, g.path)
+        template = md.get("tokenizer.chat_template")
+        pad = md.get("tokenizer.ggml.padding_token_id")
+        return cls(
+            ref,
+            chat_template=template if isinstance(template, str) else None,
+            pad_id=None if pad is None else int(pad),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens."""
+        return len(self.tokens)
+
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes]:
+        """Bytes of each token id (see `token_bytes`)."""
+        return token_bytes(self.tokens, self.token_types)
+
+    def _bos(self, add_bos: bool | None) -> list[int]:
+        add = self.add_bos if add_bos is None else add_bos
+        return [int(self.bos_id)] if add and self.bos_id is not None else []
+
+    def encode(
+        self, text: str, *, add_bos: bool | None = None, special: bool = False
+    ) -> list[int]:
+        """Token ids of ``text`` (same arguments and ids as `BPETokenizer.encode`)."""
+        ids = self._hf[bool(special)].encode(text, add_special_tokens=False).ids
+        return self._bos(add_bos) + list(ids)
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        *,
+        add_bos: bool | None = None,
+        special: bool = False,
+    ) -> list[list[int]]:
+        """`encode` of each text, in parallel threads (Rust's rayon)."""
+        encs = self._hf[bool(special)].encode_batch(
+            list(texts), add_special_tokens=False
+        )
+        bos = self._bos(add_bos)
+        return [bos + list(e.ids) for e in encs]
+
+    def decode(self, ids: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
+        """Text of ``ids`` (control tokens dropped unless ``special``)."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < len(self.tokens):
+                raise FormatError(f"token id {i} is outside the vocabulary")
+        return str(self._hf[0].decode(ids, skip_special_tokens=not special))
+
+
+def load_fast_tokenizer(path: str | os.PathLike[str] | GGUFFile) -> FastTokenizer:
+    """`FastTokenizer.from_gguf`: the fast tokenizer of a GGUF file."""
+    return FastTokenizer.from_gguf(path)
+
+
+__all__ = ["FastTokenizer", "gpt2_pattern", "load_fast_tokenizer", "token_bytes"]

@@ -1,0 +1,226 @@
+"""Examples to token ids and labels: plain text, prompt-completion and chat.
+
+Each record becomes one text made of segments, some of them *trained* (their tokens
+carry labels) and the rest context (labels ``-100``):
+
+- ``"text"``: ``record["text"]`` (+ EOS), all trained;
+- ``"prompt_completion"``: ``record["prompt"]`` (context) + ``record["completion"]``
+  (+ EOS) trained, so the loss is masked to the completion;
+- ``"chat"``: ``record["messages"]`` rendered through the model's chat template; the
+  assistant turns (`entrenar.data.chat.assistant_spans`, including the end-of-turn
+  token) are trained, system and user turns are context.
+
+The whole text is tokenized at once, exactly as it would be for inference, and a
+token is trained when any of its bytes lies in a trained segment: byte-level BPE is
+lossless, so each token's byte length (`token_bytes`) locates it in the text. Labels
+are aligned with the ids (``labels[t] = ids[t]`` or ``-100``); the loss shifts them
+(`entrenar.nn.losses.causal_lm_loss`). A BOS the tokenizer prepends is never trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from entrenar.data.chat import assistant_spans
+from entrenar.data.fast_tokenizer import token_bytes
+from entrenar.data.readers import Records
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
+
+IGNORE_INDEX = -100
+Format = Literal["text", "prompt_completion", "chat"]
+FORMATS = ("text", "prompt_completion", "chat")
+
+
+class Tokenizer(Protocol):
+    """What formatting needs of a tokenizer (`BPETokenizer` and `FastTokenizer`)."""
+
+    tokens: Sequence[str]
+    token_types: Sequence[int]
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(
+        self, text: str, *, add_bos: bool | None = None, special: bool = False
+    ) -> list[int]:
+        """Token ids of ``text``."""
+        ...
+
+
+_LENGTHS: dict[int, tuple[Sequence[str], np.ndarray]] = {}
+
+
+def token_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """Byte length of each token id, ``(V,)`` int64 (cached per vocabulary)."""
+    hit = _LENGTHS.get(id(tokenizer.tokens))
+    if hit is None or hit[0] is not tokenizer.tokens:
+        table = getattr(tokenizer, "token_bytes", None)
+        if table is None:
+            table = token_bytes(tokenizer.tokens, tokenizer.token_types)
+        hit = (tokenizer.tokens, np.array([len(b) for b in table], np.int64))
+        _LENGTHS[id(tokenizer.tokens)] = hit
+    return hit[1]
+
+
+def _encode_all(
+    tokenizer: Tokenizer, texts: list[str], special: bool
+) -> list[list[int]]:
+    batch = getattr(tokenizer, "encode_batch", None)
+    if batch is not None:
+        return list(batch(texts, add_bos=None, special=special))
+    return [tokenizer.encode(t, special=special) for t in texts]
+
+
+def label_segments(
+    tokenizer: Tokenizer,
+    ids: Sequence[int],
+    segments: Sequence[tuple[str, bool]],
+) -> np.ndarray:
+    """Labels of ``ids`` (the tokens of the joined ``segments``; see module docstring).
+
+    Returns:
+        ``(len(ids),)`` int32: the id where the token overlaps a trained segment,
+        else ``-100``.
+    """
+    ids_arr = np.asarray(ids, np.int64)
+    lengths = token_lengths(tokenizer)[ids_arr]  # (n,)
+    total = sum(len(s.encode("utf-8", "surrogatepass")) for s, _ in segments)
+    skip = int(lengths.sum()) - total  # a prepended BOS
+    n_bos = 0
+    if skip and len(ids_arr) and ids_arr[0] == tokenizer.bos_id:
+        n_bos, skip = 1, skip - int(lengths[0])
+    if skip:
+        raise UnsupportedError(
+            "the tokenizer's tokens do not add up to the text's bytes, so labels "
+            "cannot be aligned; use a byte-level BPE tokenizer"
+        )
+    ends = np.cumsum(lengths[n_bos:])  # (n - n_bos,) byte end of each token
+    starts = ends - lengths[n_bos:]
+    trained = np.zeros(len(ids_arr) - n_bos, bool)
+    pos = 0
+    for text, train in segments:
+        nb = len(text.encode("utf-8", "surrogatepass"))
+        if train and nb:
+            trained |= (starts < pos + nb) & (ends > pos)
+        pos += nb
+    labels = np.full(len(ids_arr), IGNORE_INDEX, np.int32)
+    labels[n_bos:][trained] = ids_arr[n_bos:][trained]
+    return labels
+
+
+def record_segments(
+    recs: Records,
+    i: int,
+    format: Format,
+    *,
+    fields: dict[str, str],
+    chat_template: str | None,
+    chat_variables: dict[str, Any],
+) -> list[tuple[str, bool]]:
+    """The ``(text, trained)`` segments of record ``i`` in ``format``."""
+    if format == "text":
+        return [(recs.value(i, fields["text"], str), True)]
+    if format == "prompt_completion":
+        prompt = recs.value(i, fields["prompt"], str)
+        return [(prompt, False), (recs.value(i, fields["completion"], str), True)]
+    if chat_template is None:
+        raise ConfigError(
+            "format='chat' needs a chat template: pass chat_template= or a tokenizer "
+            "loaded from a GGUF that has tokenizer.chat_template"
+        )
+    messages = recs.value(i, fields["messages"], (list, tuple))
+    try:
+        text, spans = assistant_spans(messages, chat_template, **chat_variables)
+    except FormatError as e:
+        raise FormatError(f"{recs.where(i, fields['messages'])}: {e}") from None
+    segs, pos = [], 0
+    for a, b in spans:
+        segs += [(text[pos:a], False), (text[a:b], True)]
+        pos = b
+    return [*segs, (text[pos:], False)]
+
+
+def special_texts(tokenizer: Tokenizer) -> dict[str, str]:
+    """``bos_token``/``eos_token`` texts for chat templates (as transformers passes)."""
+    out = {}
+    for name in ("bos", "eos", "pad"):
+        i = getattr(tokenizer, f"{name}_id", None)
+        if i is not None and 0 <= int(i) < len(tokenizer.tokens):
+            out[f"{name}_token"] = tokenizer.tokens[int(i)]
+    return out
+
+
+def encode_records(
+    records: Sequence[Mapping[str, Any]] | Records,
+    tokenizer: Tokenizer,
+    *,
+    format: Format = "text",
+    fields: dict[str, str] | None = None,
+    chat_template: str | None = None,
+    add_eos: bool | None = None,
+    special: bool | None = None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, labels)`` int32 arrays of each record (see the module docstring).
+
+    Args:
+        records: dicts, or `Records` from a file (errors then name file, row, column).
+        tokenizer: `FastTokenizer` (batched) or `BPETokenizer`.
+        format: ``"text"``, ``"prompt_completion"`` or ``"chat"``.
+        fields: rename the fields, e.g. ``{"text": "body"}``.
+        chat_template: Jinja template; default the tokenizer's ``chat_template``.
+        add_eos: append EOS (trained) after text and completions; default True
+            except for chat, whose template closes each turn.
+        special: parse control tokens in the text; default True for chat only.
+    """
+    if format not in FORMATS:
+        raise ConfigError(f"format must be one of {FORMATS}, got {format!r}")
+    recs = Records.wrap(records)
+    names = {"text": "text", "prompt": "prompt", "completion": "completion"}
+    names["messages"] = "messages"
+    names.update(fields or {})
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    variables = special_texts(tokenizer)
+    eos = (format != "chat") if add_eos is None else add_eos
+    if eos and tokenizer.eos_id is None:
+        raise ConfigError("add_eos needs a tokenizer with an EOS id")
+    segs = [
+        record_segments(
+            recs,
+            i,
+            format,
+            fields=names,
+            chat_template=template,
+            chat_variables=variables,
+        )
+        for i in range(len(recs))
+    ]
+    parse = (format == "chat") if special is None else special
+    all_ids = _encode_all(
+        tokenizer, ["".join(s for s, _ in seg) for seg in segs], parse
+    )
+    out = []
+    for seg, ids in zip(segs, all_ids):
+        labels = label_segments(tokenizer, ids, seg)
+        ids_a = np.asarray(ids, np.int32)
+        if eos:
+            last = seg[-1][1]  # the EOS is trained when the text's end is
+            eid = int(tokenizer.eos_id)  # type: ignore[arg-type]
+            ids_a = np.append(ids_a, np.int32(eid))
+            labels = np.append(labels, np.int32(eid if last else IGNORE_INDEX))
+        out.append((ids_a, labels.astype(np.int32)))
+    return out
+
+
+__all__ = [
+    "FORMATS",
+    "IGNORE_INDEX",
+    "Format",
+    "Tokenizer",
+    "encode_records",
+    "label_segments",
+    "record_segments",
+    "special_texts",
+    "token_lengths",
+]

@@ -1,0 +1,311 @@
+"""Records from JSONL, CSV and Parquet files, and arrays from records.
+
+A record is a dict from column name to value. `Records` keeps the file each one came
+from and its row number, so an error later (a missing field, a wrong type) names the
+file, the row and the column. Row numbers are 1-based: the line for JSONL, the data
+row (after the header) for CSV and Parquet.
+
+Every reader checks the file's size against ``max_bytes`` before reading it; Parquet
+also checks the uncompressed size its footer declares, so a small hostile file cannot
+expand into memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from entrenar.errors import FormatError, UnsupportedError
+
+MAX_BYTES = 4 << 30
+"""Default size limit of a data file (4 GiB)."""
+
+
+@dataclass(frozen=True)
+class Records(Sequence[dict[str, Any]]):
+    """Rows of a file: a sequence of dicts that remembers where each came from.
+
+    Attributes:
+        rows: the records.
+        source: the file (or a description such as ``"<records>"``).
+        row_numbers: the 1-based row (or line) number of each record in ``source``.
+        unit: ``"line"`` (JSONL) or ``"row"``.
+    """
+
+    rows: list[dict[str, Any]]
+    source: str = "<records>"
+    row_numbers: list[int] = field(default_factory=list)
+    unit: str = "record"
+
+    @classmethod
+    def wrap(cls, records: Sequence[Mapping[str, Any]] | Records) -> Records:
+        """``records`` as `Records` (in-memory dicts are numbered from 1)."""
+        if isinstance(records, Records):
+            return records
+        return cls([dict(r) if isinstance(r, Mapping) else r for r in records])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.rows[i]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.rows)
+
+    def where(self, i: int, column: str | None = None) -> str:
+        """``"file.jsonl line 3, column 'text'"`` for record ``i``."""
+        n = self.row_numbers[i] if self.row_numbers else i + 1
+        col = "" if column is None else f", column {column!r}"
+        return f"{self.source} {self.unit} {n}{col}"
+
+    def value(self, i: int, column: str, kind: type | tuple[type, ...]) -> Any:
+        """Record ``i``'s ``column``, checked to be of ``kind``."""
+        row = self.rows[i]
+        if not isinstance(row, Mapping):
+            raise FormatError(
+                f"{self.where(i)}: expected an object with named fields, got "
+                f"{type(row).__name__}"
+            )
+        if column not in row:
+            raise FormatError(
+                f"{self.where(i, column)}: missing; the row has {sorted(row)}"
+            )
+        value = row[column]
+        if not isinstance(value, kind):
+            names = kind if isinstance(kind, tuple) else (kind,)
+            want = " or ".join(k.__name__ for k in names)
+            raise FormatError(
+                f"{self.where(i, column)}: expected {want}, got "
+                f"{type(value).__name__} {str(value)[:40]!r}"
+            )
+        return value
+
+
+def _check_size(path: str, max_bytes: int) -> None:
+    if not os.path.isfile(path):
+        raise FormatError(f"{path}: no such file")
+    size = os.path.getsize(path)
+    if size > max_bytes:
+        raise FormatError(
+            f"{path}: {size} bytes is over the limit of {max_bytes}; pass a larger "
+            "max_bytes if the file is trusted"
+        )
+
+
+def _require(recs: Records, columns: Sequence[str] | None) -> Records:
+    for i in range(len(recs)):
+        for c in columns or ():
+            recs.value(i, c, object)
+    return recs
+
+
+def read_jsonl(
+    path: str | os.PathLike[str],
+    *,
+    columns: Sequence[str] | None = None,
+    max_bytes: int = MAX_BYTES,
+) -> Records:
+    """One record per non-blank line of a JSON Lines file; each must be an object.
+
+    Args:
+        path: the file.
+        columns: fields every record must have (else a `FormatError` naming the line).
+        max_bytes: refuse larger files.
+    """
+    path = os.fspath(path)
+    _check_size(path, max_bytes)
+    rows, numbers = [], []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FormatError(
+                    f"{path} line {n}, column {e.colno}: invalid JSON ({e.msg})"
+                ) from None
+            if not isinstance(row, dict):
+                raise FormatError(
+                    f"{path} line {n}: expected a JSON object, got {type(row).__name__}"
+                )
+            rows.append(row)
+            numbers.append(n)
+    return _require(Records(rows, path, numbers, "line"), columns)
+
+
+def read_csv(
+    path: str | os.PathLike[str],
+    *,
+    columns: Sequence[str] | None = None,
+    max_bytes: int = MAX_BYTES,
+    delimiter: str = ",",
+) -> Records:
+    """Rows of a CSV file with a header line, values as strings.
+
+    A row with more or fewer fields than the header is a `FormatError` naming the row
+    and the first column it lacks (or that there is one field too many).
+    """
+    path = os.fspath(path)
+    _check_size(path, max_bytes)
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f, delimiter=delimiter)
+        header = next(reader, None)
+        if not header:
+            raise FormatError(f"{path}: no header line")
+        if len(set(header)) != len(header):
+            raise FormatError(f"{path}: duplicate column names in header {header}")
+        missing = [c for c in columns or () if c not in header]
+        if missing:
+            raise FormatError(
+                f"{path}: missing column {missing[0]!r}; the header has {header}"
+            )
+        rows, numbers = [], []
+        try:
+            for n, values in enumerate(reader, start=1):
+                if not values:
+                    continue
+                if len(values) != len(header):
+                    col = header[len(values)] if len(values) < len(header) else None
+                    what = (
+                        f"column {col!r} is missing"
+                        if col
+                        else f"{len(values) - len(header)} field(s) past the header"
+                    )
+                    raise FormatError(
+                        f"{path} row {n}: {what} ({len(values)} fields, the header "
+                        f"has {len(header)})"
+                    )
+                rows.append(dict(zip(header, values)))
+                numbers.append(n)
+        except csv.Error as e:
+            raise FormatError(f"{path} row {reader.line_num}: {e}") from None
+    return Records(rows, path, numbers, "row")
+
+
+def read_parquet(
+    path: str | os.PathLike[str],
+    *,
+    columns: Sequence[str] | None = None,
+    max_bytes: int = MAX_BYTES,
+) -> Records:
+    """Rows of a Parquet file (pyarrow), optionally only ``columns``.
+
+    A requested column the file lacks is a `FormatError`; a null in a requested column
+    is one naming the row and column.
+    """
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise UnsupportedError(
+            "reading Parquet needs pyarrow: pip install 'entrenar[data]'"
+        ) from e
+    path = os.fspath(path)
+    _check_size(path, max_bytes)
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
+        raise FormatError(f"{path}: not a readable Parquet file ({e})") from None
+    names = pf.schema_arrow.names
+    missing = [c for c in columns or () if c not in names]
+    if missing:
+        raise FormatError(
+            f"{path}: missing column {missing[0]!r}; the file has {names}"
+        )
+    md = pf.metadata
+    expanded = sum(md.row_group(g).total_byte_size for g in range(md.num_row_groups))
+    if expanded > max_bytes:
+        raise FormatError(
+            f"{path}: {expanded} bytes uncompressed is over the limit of {max_bytes}"
+        )
+    try:
+        table = pf.read(columns=list(columns) if columns else None)
+    except Exception as e:
+        raise FormatError(f"{path}: cannot read its data ({e})") from None
+    rows = table.to_pylist()
+    for c in columns or ():
+        nulls = table.column(c).null_count
+        if nulls:
+            i = next(i for i, r in enumerate(rows) if r[c] is None)
+            raise FormatError(f"{path} row {i + 1}, column {c!r}: null value")
+    return Records(rows, path, list(range(1, len(rows) + 1)), "row")
+
+
+READERS = {".jsonl": read_jsonl, ".csv": read_csv, ".parquet": read_parquet}
+"""The reader of each file extension (``.json`` lines files count as JSONL too)."""
+
+
+def load_records(
+    path: str | os.PathLike[str],
+    *,
+    columns: Sequence[str] | None = None,
+    max_bytes: int = MAX_BYTES,
+) -> Records:
+    r"""Records of a ``.jsonl``/``.ndjson``, ``.csv`` or ``.parquet`` file.
+
+    >>> import os, tempfile
+    >>> p = os.path.join(tempfile.mkdtemp(), "d.jsonl")
+    >>> _ = open(p, "w").write('{"text": "hi"}\n')
+    >>> load_records(p, columns=["text"]).rows
+    [{'text': 'hi'}]
+    """
+    ext = os.path.splitext(os.fspath(path))[1].lower()
+    ext = ".jsonl" if ext in (".ndjson", ".json") else ext
+    if ext not in READERS:
+        raise UnsupportedError(
+            f"{os.fspath(path)}: unknown data file type {ext!r}; use one of "
+            ".jsonl, .csv, .parquet"
+        )
+    return READERS[ext](path, columns=columns, max_bytes=max_bytes)
+
+
+def to_arrays(
+    records: Sequence[Mapping[str, Any]] | Records,
+    columns: Mapping[str, str | Sequence[str]],
+    *,
+    dtype: Any = np.float32,
+) -> dict[str, np.ndarray]:
+    """Numeric arrays from records, e.g. ``{"x": ["f1", "f2"], "y": "label"}``.
+
+    A column name gives an ``(N,)`` array; a list of names an ``(N, k)`` array. A value
+    that does not convert to ``dtype`` is a `FormatError` naming file, row and column.
+
+    >>> to_arrays([{"a": "1", "b": 2}], {"x": ["a", "b"], "y": "b"})["x"].tolist()
+    [[1.0, 2.0]]
+    """
+    recs = Records.wrap(records)
+    out = {}
+    for key, cols in columns.items():
+        names = [cols] if isinstance(cols, str) else list(cols)
+        arr = np.empty((len(recs), len(names)), dtype)
+        for i in range(len(recs)):
+            for j, c in enumerate(names):
+                v = recs.value(i, c, object)
+                try:
+                    arr[i, j] = v
+                except (TypeError, ValueError):
+                    raise FormatError(
+                        f"{recs.where(i, c)}: {str(v)[:40]!r} is not a "
+                        f"{np.dtype(dtype).name} number"
+                    ) from None
+        out[key] = arr[:, 0] if isinstance(cols, str) else arr
+    return out
+
+
+__all__ = [
+    "MAX_BYTES",
+    "READERS",
+    "Records",
+    "load_records",
+    "read_csv",
+    "read_jsonl",
+    "read_parquet",
+    "to_arrays",
+]
