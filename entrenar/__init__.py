@@ -12,7 +12,7 @@ Layers, each importing only the ones below it::
 Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 """
 
-from entrenar import autograd, distill, errors, io, lora, nn, optim, quant
+from entrenar import autograd, data, distill, errors, io, lora, nn, optim, quant
 from entrenar.autograd import Tensor, backward, check_gradient, no_grad
 from entrenar.functional import grad, value_and_grad
 from entrenar.tree import (
@@ -39,6 +39,7 @@ __all__ = [
     "autograd",
     "backward",
     "check_gradient",
+    "data",
     "distill",
     "errors",
     "grad",
