@@ -1,0 +1,283 @@
+"""Merge recipes in mergekit's YAML shape, validated on load.
+
+::
+
+    merge_method: ties            # linear | task_arithmetic | ties | dare_linear
+    base_model: base.safetensors  #   | dare_ties | slerp
+    models:
+      - model: math.safetensors
+        parameters: {weight: 1.0, density: 0.5}
+      - model: code.gguf
+        parameters: {weight: [0.5, 1.0], density: 0.5}   # a gradient over depth
+    parameters: {normalize: true, lambda: 1.0}           # global settings
+    dtype: float32                # inputs rounded to it; the output too unless
+    out_dtype: bfloat16           # out_dtype says otherwise
+    random_seed: 0                # entrenar's addition: DARE's key
+
+mergekit's single ``slices`` entry whose sources all span the whole depth is read
+as ``models``. A model is a GGUF, safetensors, JSON or YAML file, a Hugging Face
+folder (``config.json`` + safetensors), or ``model+adapter`` (a PEFT adapter folder
+folded into the model first, mergekit's syntax). Relative paths are relative to the
+recipe's folder. An unknown key or method is a `ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.merge.schedule import Setting, check_setting
+
+METHODS: dict[str, dict[str, Any]] = {
+    "linear": {"kind": "linear", "normalize": True},
+    "task_arithmetic": {"kind": "task_vectors", "normalize": False},
+    "ties": {"kind": "task_vectors", "trim": True, "elect": True, "normalize": True},
+    "dare_linear": {"kind": "task_vectors", "drop": True, "normalize": False},
+    "dare_ties": {
+        "kind": "task_vectors",
+        "drop": True,
+        "elect": True,
+        "normalize": False,
+    },
+    "slerp": {"kind": "slerp"},
+}
+"""Supported ``merge_method`` values and mergekit's defaults for each."""
+
+_GLOBAL = {
+    "linear": {"normalize", "weight"},
+    "task_arithmetic": {"normalize", "lambda", "int8_mask", "weight"},
+    "ties": {"normalize", "lambda", "int8_mask", "rescale", "weight", "density"},
+    "dare_linear": {"normalize", "lambda", "int8_mask", "rescale", "weight", "density"},
+    "dare_ties": {"normalize", "lambda", "int8_mask", "rescale", "weight", "density"},
+    "slerp": {"t"},
+}
+_PER_MODEL = {
+    "linear": {"weight"},
+    "task_arithmetic": {"weight"},
+    "ties": {"weight", "density"},
+    "dare_linear": {"weight", "density"},
+    "dare_ties": {"weight", "density"},
+    "slerp": set(),
+}
+_FLAGS = {"normalize", "int8_mask", "rescale"}
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+_TOP = {
+    "merge_method",
+    "base_model",
+    "models",
+    "slices",
+    "parameters",
+    "dtype",
+    "out_dtype",
+    "random_seed",
+    "tokenizer_source",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRef:
+    """One input model: its path (resolved), optional adapter, per-model settings."""
+
+    path: str
+    adapter: str | None = None
+    parameters: Mapping[str, Setting] = dataclasses.field(default_factory=dict)
+    layer_range: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A validated merge recipe (see the module docstring for the YAML)."""
+
+    merge_method: str
+    models: tuple[ModelRef, ...]
+    base_model: ModelRef | None = None
+    parameters: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dtype: str | None = None
+    out_dtype: str | None = None
+    random_seed: int = 0
+
+    def setting(self, ref: ModelRef, name: str, default: Any = None) -> Setting:
+        """A per-model setting, falling back to the global one, then ``default``.
+
+        A conditional per-model setting that matches no tensor falls back too
+        (`entrenar.merge.schedule.evaluate` returns None there).
+        """
+        local, glob = ref.parameters.get(name), self.parameters.get(name)
+        fallback = glob if glob is not None else default
+        if local is None or fallback is None:
+            return fallback if local is None else local
+        conditional = isinstance(local, Mapping) or (
+            isinstance(local, list) and all(isinstance(c, Mapping) for c in local)
+        )
+        if conditional:
+            listed = [local] if isinstance(local, Mapping) else list(local)
+            return [*listed, {"value": fallback}]
+        return local
+
+    def flag(self, name: str) -> bool:
+        """A boolean global parameter with mergekit's default for the method."""
+        value = self.parameters.get(name, METHODS[self.merge_method].get(name))
+        return bool(value) if value is not None else name == "rescale"
+
+
+def _resolve_path(spec: Any, folder: str, where: str) -> tuple[str, str | None]:
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(f"{where}: a model must be a path string, got {spec!r}")
+    path, _, adapter = spec.partition("+")
+
+    def full(p: str) -> str:
+        p = os.path.expanduser(p)
+        return p if os.path.isabs(p) else os.path.normpath(os.path.join(folder, p))
+
+    return full(path), (full(adapter) if adapter else None)
+
+
+def _model_ref(entry: Any, method: str, folder: str, where: str) -> ModelRef:
+    if not isinstance(entry, Mapping) or "model" not in entry:
+        raise ConfigError(f"{where}: each entry needs 'model', got {entry!r}")
+    unknown = set(entry) - {"model", "parameters", "layer_range"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+    path, adapter = _resolve_path(entry["model"], folder, where)
+    params = entry.get("parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{where}.parameters must be a mapping")
+    bad = set(params) - _PER_MODEL[method]
+    if bad:
+        raise ConfigError(
+            f"{where}.parameters: {sorted(bad)} not used by {method} (it takes "
+            f"{sorted(_PER_MODEL[method]) or 'none'})"
+        )
+    for k, v in params.items():
+        check_setting(v, f"{where}.parameters.{k}")
+    rng = entry.get("layer_range")
+    if rng is not None and (
+        not isinstance(rng, list)
+        or len(rng) != 2
+        or not all(type(r) is int for r in rng)
+    ):
+        raise ConfigError(f"{where}.layer_range must be [start, end], got {rng!r}")
+    return ModelRef(path, adapter, dict(params), tuple(rng) if rng else None)
+
+
+def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recipe:
+    """Validate a recipe mapping (as read from YAML) into a `Recipe`.
+
+    Raises:
+        ConfigError: an unknown key, method or parameter, or a malformed value.
+        UnsupportedError: mergekit features entrenar does not run (several slices,
+            partial layer ranges, ``modules``, tokenizer merging).
+    """
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{source}: a recipe must be a mapping")
+    unknown = set(doc) - _TOP
+    if unknown:
+        if "modules" in unknown:
+            raise UnsupportedError(f"{source}: 'modules' recipes are not supported")
+        raise ConfigError(f"{source}: unknown keys {sorted(unknown)}")
+    method = doc.get("merge_method")
+    if method not in METHODS:
+        raise ConfigError(
+            f"{source}: merge_method {method!r} is not one of {sorted(METHODS)}"
+        )
+    if doc.get("tokenizer_source") not in (None, "base"):
+        raise UnsupportedError(
+            f"{source}: tokenizer_source {doc['tokenizer_source']!r}: only the base "
+            "model's tokenizer is kept"
+        )
+    entries, slice_base = doc.get("models"), None
+    if doc.get("slices") is not None:
+        if entries is not None:
+            raise ConfigError(f"{source}: give either 'models' or 'slices', not both")
+        slices = doc["slices"]
+        if not isinstance(slices, list) or len(slices) != 1:
+            raise UnsupportedError(
+                f"{source}: only one slice spanning every layer is supported"
+            )
+        s = slices[0]
+        if not isinstance(s, Mapping) or set(s) - {"sources", "base_model"}:
+            raise ConfigError(f"{source}: slices[0] takes 'sources' (and base_model)")
+        entries, slice_base = s.get("sources"), s.get("base_model")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{source}: 'models' must be a non-empty list")
+    models = tuple(
+        _model_ref(e, method, folder, f"{source}: models[{i}]")
+        for i, e in enumerate(entries)
+    )
+    ranges = {m.layer_range for m in models}
+    if len(ranges) > 1:
+        raise UnsupportedError(f"{source}: sources with different layer ranges")
+    base_spec = doc.get("base_model", slice_base)
+    base = None
+    if base_spec is not None:
+        path, adapter = _resolve_path(base_spec, folder, f"{source}: base_model")
+        base = ModelRef(path, adapter, {}, next(iter(ranges)))
+    if METHODS[method]["kind"] != "linear" and base is None:
+        raise ConfigError(f"{source}: {method} needs a base_model")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{source}: parameters must be a mapping")
+    bad = set(params) - _GLOBAL[method]
+    if bad:
+        raise ConfigError(
+            f"{source}: parameters {sorted(bad)} not used by {method} (it takes "
+            f"{sorted(_GLOBAL[method])})"
+        )
+    for k, v in params.items():
+        if k in _FLAGS:
+            if not isinstance(v, bool):
+                raise ConfigError(f"{source}: parameters.{k} must be true or false")
+        else:
+            check_setting(v, f"{source}: parameters.{k}")
+    dtypes = {}
+    for k in ("dtype", "out_dtype"):
+        v = doc.get(k)
+        if v is not None and v not in DTYPES:
+            raise ConfigError(f"{source}: {k} {v!r} is not one of {sorted(DTYPES)}")
+        dtypes[k] = DTYPES[v] if v is not None else None
+    seed = doc.get("random_seed", 0)
+    if type(seed) is not int:
+        raise ConfigError(f"{source}: random_seed must be an integer")
+    return Recipe(
+        method,
+        models,
+        base,
+        dict(params),
+        dtypes["dtype"],
+        dtypes["out_dtype"],
+        seed,
+    )
+
+
+def load_recipe(path: str | os.PathLike[str]) -> Recipe:
+    """Read and validate a recipe YAML file (``yaml.safe_load``).
+
+    Raises:
+        FormatError: the file is missing or not YAML.
+        ConfigError: see `parse_recipe`.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: no such recipe file") from None
+    except yaml.YAMLError as e:
+        raise FormatError(f"{path}: not valid YAML: {e}") from None
+    return parse_recipe(doc, os.path.dirname(os.path.abspath(path)), path)
+
+
+__all__ = ["DTYPES", "METHODS", "ModelRef", "Recipe", "load_recipe", "parse_recipe"]

@@ -1,0 +1,355 @@
+"""Run a merge recipe over model files: read through `entrenar.io`, write atomically.
+
+Safetensors files and Hugging Face folders are memory-mapped, so a merge reads each
+tensor when its turn comes and holds only the output model (plus one tensor per
+input) in memory; GGUF, JSON and YAML models are loaded by `entrenar.io.load_model`
+(a llama.cpp GGUF dequantized to float32) and each input tensor is released once
+merged. The output format follows the output path's extension (``.safetensors``,
+``.gguf``, ``.json``, ``.yaml``); any other path is a Hugging Face folder
+(``model.safetensors`` plus the base folder's ``config.json`` and tokenizer files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.io import (
+    Model,
+    ModelFormat,
+    ModelMetadata,
+    SaveConfig,
+    atomic_write,
+    detect_format,
+    flatten_params,
+    load_model,
+    read_safetensors,
+    save_model,
+    save_safetensors,
+    unflatten_params,
+)
+from entrenar.io.model import DTYPES
+from entrenar.merge.engine import Plan, merge_leaf
+from entrenar.merge.leaves import (
+    check_leaves,
+    fold_tree,
+    is_floating,
+    layouts,
+    logical_dtype,
+    logical_shape,
+    named_leaves,
+    num_layers,
+    same_values,
+)
+from entrenar.merge.recipe import METHODS, ModelRef, Recipe, load_recipe, parse_recipe
+from entrenar.merge.schedule import map_setting
+
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
+"""Files copied from a Hugging Face base folder into an output folder."""
+
+
+@dataclasses.dataclass
+class Source:
+    """An opened input model: metadata and ``{dotted name: array}`` (maybe mapped)."""
+
+    path: str
+    metadata: ModelMetadata
+    leaves: dict[str, Any]
+    folder: str | None = None
+
+
+def _st_metadata(meta: Mapping[str, str], path: str) -> ModelMetadata:
+    fields: dict[str, Any] = {
+        k: meta[k] for k in ("name", "architecture", "version") if k in meta
+    }
+    for k in ("training_config", "custom"):
+        if k in meta:
+            try:
+                fields[k] = json.loads(meta[k])
+            except (ValueError, RecursionError):
+                raise FormatError(f"{path}: metadata {k!r} is not JSON") from None
+    return ModelMetadata.from_dict(fields, path)
+
+
+def _open_folder(folder: str) -> Source:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError):
+            raise FormatError(f"{index}: not a safetensors index") from None
+        if not isinstance(weight_map, dict):
+            raise FormatError(f"{index}: 'weight_map' must map names to files")
+        files = sorted({str(v) for v in weight_map.values()})
+    else:
+        files = ["model.safetensors"]
+    leaves: dict[str, Any] = {}
+    for name in files:
+        if os.path.basename(name) != name:
+            raise FormatError(f"{index}: shard name {name!r} must be a plain file name")
+        leaves.update(read_safetensors(os.path.join(folder, name))[0])
+    arch = "custom"
+    cfg = os.path.join(folder, "config.json")
+    if os.path.exists(cfg):
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                arch = str(json.load(f).get("model_type", arch))
+        except (ValueError, AttributeError):
+            raise FormatError(f"{cfg}: not a JSON object") from None
+    meta = ModelMetadata(os.path.basename(os.path.normpath(folder)), arch)
+    return Source(folder, meta, leaves, folder)
+
+
+def open_model(ref: ModelRef) -> Source:
+    """Open ``ref``'s model (and fold its adapter) for reading leaf by leaf.
+
+    Raises:
+        FormatError: a missing or unreadable model (the message names the file).
+    """
+    path = ref.path
+    if os.path.isdir(path):
+        src = _open_folder(path)
+    elif not os.path.exists(path):
+        raise FormatError(f"{path}: no such model file or folder")
+    elif detect_format(path) == ModelFormat.SAFETENSORS:
+        tensors, meta = read_safetensors(path)
+        src = Source(path, _st_metadata(meta, path), dict(tensors))
+    else:
+        model = load_model(path)
+        src = Source(path, model.metadata, named_leaves(model.params)[0])
+    if ref.adapter:
+        from entrenar import lora
+
+        params = lora.load_adapter(ref.adapter, unflatten_params(src.leaves))
+        src.leaves = named_leaves(fold_tree(params))[0]
+    return src
+
+
+def build_plan(recipe: Recipe, refs: Sequence[ModelRef]) -> Plan:
+    """The `Plan` a recipe describes, with mergekit's per-method defaults."""
+    spec = METHODS[recipe.merge_method]
+    if spec["kind"] == "slerp":
+        if recipe.parameters.get("t") is None:
+            raise ConfigError("slerp needs parameters.t")
+        return Plan("slerp", t=recipe.parameters["t"])
+    weights = []
+    for r in refs:
+        w = recipe.setting(r, "weight")
+        if w is None:
+            raise ConfigError(f"{recipe.merge_method}: model {r.path} needs a weight")
+        weights.append(w)
+    if spec["kind"] == "linear":
+        return Plan(
+            "linear", weights=tuple(weights), normalize=recipe.flag("normalize")
+        )
+    density = tuple(recipe.setting(r, "density", 1.0) for r in refs)
+    return Plan(
+        "task_vectors",
+        weights=tuple(weights),
+        density=density if spec.get("trim") else None,
+        keep=density if spec.get("drop") else None,
+        lam=recipe.parameters.get("lambda", 1.0),
+        elect=bool(spec.get("elect")),
+        normalize=recipe.flag("normalize"),
+        rescale=recipe.flag("rescale"),
+        key=jax.random.key(recipe.random_seed) if spec.get("drop") else None,
+    )
+
+
+def _write(model: Model, output: str, base: Source, out_dtype: str | None) -> None:
+    ext = os.path.splitext(output)[1].lower()
+    formats = {
+        ".safetensors": ModelFormat.SAFETENSORS,
+        ".gguf": ModelFormat.GGUF,
+        ".json": ModelFormat.JSON,
+        ".yaml": ModelFormat.YAML,
+        ".yml": ModelFormat.YAML,
+    }
+    if ext in formats:
+        kind = {"float16": "F16", "bfloat16": "BF16"}.get(out_dtype or "", "F32")
+        save_model(model, output, SaveConfig(formats[ext], gguf_tensor_type=kind))
+        return
+    if base.folder is None:
+        raise ConfigError(
+            f"{output}: a folder output needs a Hugging Face folder as the base "
+            "model; name a .safetensors or .gguf file instead"
+        )
+    os.makedirs(output, exist_ok=True)
+    tensors = flatten_params(model.params)
+    save_safetensors(
+        tensors, os.path.join(output, "model.safetensors"), {"format": "pt"}
+    )
+    for name in HF_FILES:
+        src = os.path.join(base.folder, name)
+        if os.path.exists(src):
+            with open(src, "rb") as f, atomic_write(os.path.join(output, name)) as g:
+                shutil.copyfileobj(f, g)
+
+
+def _as_recipe(recipe: Recipe | Mapping[str, Any] | str | os.PathLike[str]) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, Mapping):
+        return parse_recipe(recipe, os.getcwd())
+    return load_recipe(recipe)
+
+
+def run_recipe(
+    recipe: Recipe | Mapping[str, Any] | str | os.PathLike[str],
+    output: str | os.PathLike[str] | None = None,
+) -> Model:
+    """Run a merge recipe (a `Recipe`, a mapping, or a YAML path).
+
+    Args:
+        recipe: what to merge (entrenar.merge.recipe documents the YAML).
+        output: where to write the merged model (format from the extension; a
+            folder for Hugging Face layout); None writes nothing.
+
+    Returns:
+        The merged `Model` (the base's metadata; params in the inputs' layout).
+
+    Raises:
+        ConfigError, FormatError, UnsupportedError, CompatibilityError, ShapeError,
+        DTypeError: a bad recipe or models that cannot be merged, each naming the
+            key, file or leaf.
+    """
+    recipe = _as_recipe(recipe)
+    kind = METHODS[recipe.merge_method]["kind"]
+    base_ref = recipe.base_model if kind != "linear" else None
+    refs = [
+        r
+        for r in recipe.models
+        if base_ref is None or (r.path, r.adapter) != (base_ref.path, base_ref.adapter)
+    ]
+    if kind == "slerp" and len(refs) != 1:
+        raise ConfigError("slerp merges base_model with exactly one other model")
+    if not refs:
+        raise ConfigError("the recipe lists no model besides the base")
+    sources = ([open_model(base_ref)] if base_ref else []) + [
+        open_model(r) for r in refs
+    ]
+    lead = sources[0]
+    check_leaves(
+        [s.path for s in sources],
+        [s.leaves for s in sources],
+        same_dtype=not recipe.dtype,
+    )
+    shapes = {k: logical_shape(v) for k, v in lead.leaves.items()}
+    lay = layouts(shapes)
+    span = recipe.models[0].layer_range
+    if span is not None:
+        depth = num_layers(shapes)
+        if span[0] != 0 or span[1] != depth:
+            raise UnsupportedError(
+                f"layer_range {list(span)}: only a slice over all {depth} layers is "
+                "supported"
+            )
+    plan = build_plan(recipe, refs)
+    cast = DTYPES[recipe.dtype] if recipe.dtype else None
+    out: dict[str, Any] = {}
+    for name in list(lead.leaves):
+        xs = [s.leaves.pop(name) for s in sources]  # each input released after use
+        dt = logical_dtype(xs[0])
+        if not is_floating(dt):
+            out[name] = np.asarray(same_values(name, xs))
+            continue
+        if cast is not None:
+            xs = [np.asarray(x).astype(cast) for x in xs]
+        out_dt = DTYPES[recipe.out_dtype or recipe.dtype or dt.name]
+        head, rest = (None, xs) if base_ref is None else (xs[0], xs[1:])
+        out[name] = np.asarray(merge_leaf(plan, name, lay[name], head, rest, out_dt))
+    model = Model(lead.metadata, unflatten_params(out))
+    if output is not None:
+        _write(model, os.fspath(output), lead, recipe.out_dtype or recipe.dtype)
+    return model
+
+
+def merge_files(
+    models: Sequence[str | os.PathLike[str]],
+    method: str,
+    output: str | os.PathLike[str] | None = None,
+    *,
+    base: str | os.PathLike[str] | None = None,
+    weights: Sequence[float] | None = None,
+    density: float | Sequence[float] | None = None,
+    drop_rate: float | None = None,
+    t: float | Sequence[float] | None = None,
+    lam: float | None = None,
+    normalize: bool | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+) -> Model:
+    """Merge model files without writing a recipe (what ``entrenar merge`` calls).
+
+    Args:
+        models: the models to merge (the base is given separately).
+        method: a `entrenar.merge.recipe.METHODS` name.
+        output: where to write (see `run_recipe`); None writes nothing.
+        base: the base model (SLERP's ``t = 0`` end).
+        weights: one weight per model (default 1 each).
+        density: TIES/DARE density, one for all or one per model.
+        drop_rate: DARE's drop probability (sets ``density = 1 - drop_rate``).
+        t: SLERP's ``t``, a number or a per-layer schedule.
+        lam: λ.
+        normalize: override the method's default.
+        dtype: ``float32``, ``float16`` or ``bfloat16``.
+        seed: DARE's random seed.
+    """
+    if drop_rate is not None:
+        if density is not None:
+            raise ConfigError("give density or drop_rate, not both")
+        density = map_setting(drop_rate, lambda p: 1.0 - p)
+    n = len(models)
+    entries = []
+    for i, m in enumerate(models):
+        params: dict[str, Any] = {}
+        if METHODS.get(method, {}).get("kind") in ("linear", "task_vectors"):
+            params["weight"] = 1.0 if weights is None else weights[i]
+        if density is not None:
+            dens = density if not isinstance(density, Sequence) else density[i]
+            params["density"] = dens
+        entries.append({"model": os.fspath(m), "parameters": params})
+    if weights is not None and len(weights) != n:
+        raise ConfigError(f"{len(weights)} weights for {n} models")
+    doc: dict[str, Any] = {
+        "merge_method": method,
+        "models": entries,
+        "random_seed": seed,
+    }
+    if base is not None:
+        doc["base_model"] = os.fspath(base)
+    glob: dict[str, Any] = {}
+    for key, value in (("t", t), ("lambda", lam), ("normalize", normalize)):
+        if value is not None:
+            glob[key] = list(value) if isinstance(value, Sequence) else value
+    if glob:
+        doc["parameters"] = glob
+    if dtype is not None:
+        doc["dtype"] = dtype
+    return run_recipe(parse_recipe(doc, os.getcwd(), "<merge_files>"), output)
+
+
+__all__ = [
+    "HF_FILES",
+    "Source",
+    "build_plan",
+    "merge_files",
+    "open_model",
+    "run_recipe",
+]
