@@ -1,0 +1,14 @@
+"""The ``entrenar`` command: a thin click layer over `entrenar.config` and the library.
+
+Subcommands: ``train``, ``validate``, ``info``, ``quantize``, ``merge``, ``generate``,
+``eval``, ``plot`` (``entrenar COMMAND --help`` for each). Exit codes: 0 ok, 1 the run
+failed, 2 usage or configuration error; errors print one line unless ``--verbose``.
+Not imported by ``import entrenar``.
+"""
+
+from entrenar.cli import inspect as _inspect  # registers validate, info
+from entrenar.cli.app import EXIT_FAILED, EXIT_OK, EXIT_USAGE, cli, main
+
+del _inspect
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "cli", "main"]

@@ -1,0 +1,148 @@
+"""The ``entrenar`` command group, its error handling and its exit codes.
+
+Exit codes: 0 success; 1 the run failed (an error while training, merging, writing
+...); 2 a usage or configuration error (bad option, invalid config key or value,
+missing or unreadable input file). An error prints one line, ``error: <message>``, on
+stderr; ``--verbose`` (before or after the subcommand) adds the traceback.
+
+Shell completion (click's): ``entrenar --completion bash > ~/.entrenar-complete.bash``
+then ``source`` it (``zsh`` and ``fish`` likewise), or
+``eval "$(_ENTRENAR_COMPLETE=bash_source entrenar)"``.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from entrenar.errors import (
+    CompatibilityError,
+    ConfigError,
+    EntrenarError,
+    FormatError,
+    UnsupportedError,
+)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+USAGE_ERRORS = (ConfigError, FormatError, UnsupportedError, CompatibilityError)
+"""Errors in what the user asked for: exit code 2."""
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit code of an error escaping a command (see the module docstring)."""
+    usage = (*USAGE_ERRORS, click.UsageError, FileNotFoundError, IsADirectoryError)
+    if isinstance(error, usage):
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def one_line(error: BaseException) -> str:
+    """``error: <message>`` on one line (the first line of a long message)."""
+    text = str(error).strip() or type(error).__name__
+    if isinstance(error, KeyError) and error.args:
+        text = str(error.args[0])
+    if not isinstance(error, (EntrenarError, click.ClickException)):
+        text = f"{type(error).__name__}: {text}"
+    return f"error: {text}"
+
+
+def _set_verbose(ctx: click.Context, _: Any, value: bool) -> bool:
+    if value:
+        ctx.find_root().meta["entrenar.verbose"] = True
+    return value
+
+
+verbose_option = click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_set_verbose,
+    help="Print tracebacks and more progress detail.",
+)
+
+
+def is_verbose(ctx: click.Context | None = None) -> bool:
+    """Whether ``--verbose`` was given anywhere on the command line."""
+    ctx = ctx or click.get_current_context(silent=True)
+    return bool(ctx and ctx.find_root().meta.get("entrenar.verbose"))
+
+
+class Group(click.Group):
+    """A click group that turns every error into one line and an exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the subcommand; errors become ``error: ...`` and exit 1 or 2."""
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            raise click.exceptions.Exit(130) from None
+        except Exception as e:
+            if is_verbose(ctx):
+                traceback.print_exc(file=sys.stderr)
+            click.echo(one_line(e), err=True)
+            raise click.exceptions.Exit(exit_code(e)) from None
+
+
+def _print_completion(ctx: click.Context, _: Any, shell: str | None) -> None:
+    if shell is None or ctx.resilient_parsing:
+        return
+    from click.shell_completion import get_completion_class
+
+    cls = get_completion_class(shell)
+    assert cls is not None  # click.Choice allows only known shells
+    click.echo(cls(ctx.command, {}, "entrenar", "_ENTRENAR_COMPLETE").source())
+    ctx.exit(0)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="entrenar", prog_name="entrenar")
+@click.option(
+    "--completion",
+    type=click.Choice(["bash", "zsh", "fish"]),
+    expose_value=False,
+    is_eager=True,
+    callback=_print_completion,
+    help="Print the shell completion script for SHELL and exit.",
+)
+@verbose_option
+def cli() -> None:
+    """Entrenar: train, fine-tune, quantize and merge models from the command line.
+
+    Exit codes: 0 ok, 1 the run failed, 2 usage or configuration error.
+    """
+
+
+def command(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``cli.command`` with ``--verbose`` added (it works after the subcommand too)."""
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        return cli.command(*args, **kwargs)(verbose_option(fn))
+
+    return wrap
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``entrenar`` console script and ``python -m entrenar``."""
+    cli.main(args=argv, prog_name="entrenar")
+
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "cli",
+    "command",
+    "exit_code",
+    "is_verbose",
+    "main",
+    "one_line",
+]

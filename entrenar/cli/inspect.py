@@ -1,0 +1,175 @@
+"""``entrenar validate`` and ``entrenar info``: what a config or a model file holds."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import click
+import numpy as np
+import yaml
+
+from entrenar.cli.app import command
+from entrenar.config import summary
+from entrenar.errors import FormatError
+
+CONFIG_EXTENSIONS = (".yaml", ".yml")
+
+
+@command("validate")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--detailed", is_flag=True, help="Also print what the run will do.")
+def validate_cmd(config: str, detailed: bool) -> None:
+    """Check CONFIG (keys, types, ranges, files, model sizes) without training."""
+    spec = summary.validate(config)
+    click.echo(f"✓ Configuration is valid: {config}")
+    if detailed:
+        for line in summary.format_summary(summary.summarize(spec)):
+            click.echo(line)
+
+
+def plain(x: Any) -> Any:
+    """Numpy scalars, tuples and arrays as plain Python data (for JSON and YAML)."""
+    if isinstance(x, dict):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return x
+
+
+def _emit(data: dict[str, Any], fmt: str) -> None:
+    data = plain(data)
+    if fmt == "json":
+        click.echo(json.dumps(data, indent=2, default=str))
+    elif fmt == "yaml":
+        click.echo(yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip())
+    else:
+        _text(data, 0)
+
+
+def _text(data: Any, depth: int) -> None:
+    pad = "  " * depth
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            click.echo(f"{pad}{key}:")
+            _text(value, depth + 1)
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            click.echo(f"{pad}{key}: ({len(value)})")
+            for item in value:
+                click.echo(
+                    f"{pad}  - " + ", ".join(f"{k}={v}" for k, v in item.items())
+                )
+        else:
+            click.echo(f"{pad}{key}: {value}")
+
+
+@command("info")
+@click.argument("path", type=click.Path(exists=True))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json", "yaml"]),
+    default="text",
+    show_default=True,
+    help="Output format.",
+)
+@click.option("--tensors", is_flag=True, help="List every tensor of a model file.")
+def info_cmd(path: str, fmt: str, tensors: bool) -> None:
+    """Describe PATH: a run's YAML config or a model file/folder."""
+    if path.lower().endswith(CONFIG_EXTENSIONS) and not _is_model_yaml(path):
+        spec = summary.validate(path)
+        data = {"summary": summary.summarize(spec), "config": summary.as_dict(spec)}
+    else:
+        data = model_info(path, tensors=tensors)
+    _emit(data, fmt)
+
+
+def _is_model_yaml(path: str) -> bool:
+    """A YAML file entrenar.io wrote (``metadata`` + ``params``), not a config."""
+    from entrenar.config.spec import read_yaml
+
+    raw = read_yaml(path)
+    return isinstance(raw, dict) and "params" in raw and "metadata" in raw
+
+
+def _tensor_rows(items: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
+    types: dict[str, int] = {}
+    for _, shape, kind in items:
+        types[kind] = types.get(kind, 0) + math.prod(shape)
+    return {
+        "tensors": len(items),
+        "parameters": sum(math.prod(s) for _, s, _ in items),
+        "types": types,
+    }
+
+
+def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
+    """Format, architecture, parameter count and tensor types of a model file."""
+    from entrenar import io
+
+    size = _size(path)
+    if os.path.isdir(path):
+        from entrenar.config.models import load_built
+
+        built = load_built(path)
+        flat = io.flatten_params(built.params)
+        items = [(n, tuple(a.shape), str(a.dtype)) for n, a in flat.items()]
+        out: dict[str, Any] = {"path": path, "format": "hf-folder"}
+        out["architecture"] = "llama"
+    elif io.detect_format(path) == io.ModelFormat.GGUF:
+        g = io.read_gguf(path)
+        items = [(n, t.shape, t.type_name) for n, t in g.tensors.items()]
+        md = g.metadata
+        out = {"path": path, "format": "gguf", "gguf_version": g.version}
+        out["architecture"] = md.get("general.architecture")
+        out["name"] = md.get("general.name")
+        arch = out["architecture"]
+        for k in ("context_length", "embedding_length", "block_count"):
+            if f"{arch}.{k}" in md:
+                out[k] = md[f"{arch}.{k}"]
+        if "tokenizer.ggml.tokens" in md:
+            out["vocab_size"] = len(md["tokenizer.ggml.tokens"])
+        if "tokenizer.chat_template" in md:
+            out["chat_template"] = True
+    else:
+        model = io.load_model(path)
+        flat = io.flatten_params(model.params)
+        items = [(n, tuple(a.shape), str(a.dtype)) for n, a in flat.items()]
+        meta = model.metadata
+        out = {"path": path, "format": io.detect_format(path).value}
+        out |= {"name": meta.name, "architecture": meta.architecture}
+        out["version"] = meta.version
+        if meta.custom.get("model_config"):
+            out["model_config"] = meta.custom["model_config"]
+        if meta.custom.get("quantization"):
+            out["quantization"] = meta.custom["quantization"]
+        if meta.custom.get("merge"):
+            out["merge"] = meta.custom["merge"]
+    if not items:
+        raise FormatError(f"{path}: holds no tensors")
+    out |= _tensor_rows(items)
+    out["file_bytes"] = size
+    if tensors:
+        out["tensor_list"] = [
+            {"name": n, "shape": list(s), "type": k} for n, s, k in items
+        ]
+    return out
+
+
+def _size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(
+            os.path.getsize(os.path.join(root, f))
+            for root, _, files in os.walk(path)
+            for f in files
+        )
+    return os.path.getsize(path)
+
+
+__all__ = ["info_cmd", "model_info", "plain", "validate_cmd"]

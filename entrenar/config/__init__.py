@@ -1,0 +1,43 @@
+"""Declarative runs: a YAML file -> frozen dataclasses -> `train_from_yaml`.
+
+Protocol: ``load_config(path, overrides)`` reads a run's YAML with ``yaml.safe_load``
+into a `TrainSpec` (sections ``model``, ``data``, ``optimizer``, ``scheduler``,
+``lora``, ``quantization``, ``distillation``, ``training``, ``merge``, ``export``),
+checking every key, type, range and input file; any problem is a `ConfigError` whose
+message starts with the key path and, for a likely typo, names the closest valid key.
+Every key, its default and its range: specs/config.md.
+"""
+
+from entrenar.config.fields import parse
+from entrenar.config.sections import (
+    DataSection,
+    DistillationSection,
+    EarlyStoppingSection,
+    ExportSection,
+    LoRASection,
+    ModelSection,
+    OptimizerSection,
+    QuantizationSection,
+    SchedulerSection,
+    TrainingSection,
+)
+from entrenar.config.spec import TrainSpec, apply_overrides, load_config
+from entrenar.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "DataSection",
+    "DistillationSection",
+    "EarlyStoppingSection",
+    "ExportSection",
+    "LoRASection",
+    "ModelSection",
+    "OptimizerSection",
+    "QuantizationSection",
+    "SchedulerSection",
+    "TrainSpec",
+    "TrainingSection",
+    "apply_overrides",
+    "load_config",
+    "parse",
+]

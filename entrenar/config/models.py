@@ -1,0 +1,203 @@
+"""Models named by a config: built from an architecture spec or read from a file.
+
+A `BuiltModel` is the model config object (`entrenar.nn.MLP`, `GPT2Config` or
+`LlamaConfig`, which is also the model: ``apply(params, x)``), its params, and for a
+language model the tokenizer. Files written by `save_built` keep the architecture in
+the metadata (``custom["model_config"]``, or ``custom["llama_config"]`` for a Llama as
+`entrenar.io` writes it), so `load_built` rebuilds the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from entrenar import io, nn
+from entrenar.config.fields import convert, unknown_key
+from entrenar.config.sections import ModelSection
+from entrenar.errors import ConfigError, EntrenarError, FormatError
+from entrenar.types import Params
+
+ARCH_CLASSES: dict[str, type] = {
+    "mlp": nn.MLP,
+    "gpt2": nn.GPT2Config,
+    "llama": nn.LlamaConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltModel:
+    """A model ready to train or run.
+
+    Attributes:
+        architecture: ``"mlp"``, ``"gpt2"`` or ``"llama"``.
+        config: the model (``config.apply(params, inputs)``).
+        params: its parameter tree.
+        tokenizer: a language model's tokenizer (None for an mlp).
+        source: the file it was read from (None when built from scratch).
+    """
+
+    architecture: str
+    config: Any
+    params: Params
+    tokenizer: Any = None
+    source: str | None = None
+
+    @property
+    def is_lm(self) -> bool:
+        """Whether this is a language model (tokens in, logits out)."""
+        return self.architecture != "mlp"
+
+
+def arch_config(architecture: str, sizes: Mapping[str, Any], path: str) -> Any:
+    """The model config of ``architecture`` from a mapping of its fields, checked.
+
+    Unknown keys get the closest field; wrong types and the model's own rules
+    (`entrenar.nn` raises ConfigError) are reported under ``path``.
+    """
+    cls = ARCH_CLASSES[architecture]
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in sizes.items():
+        if key not in names:
+            raise unknown_key(key, path, names)
+        kwargs[key] = convert(hints[key], value, f"{path}.{key}", {})
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """A model config as JSON data (tuples become lists)."""
+    return {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in dataclasses.asdict(config).items()
+    }
+
+
+def from_scratch(section: ModelSection, *, key: Any) -> BuiltModel:
+    """Initialise ``section.architecture`` with the sizes in ``section.config``."""
+    assert section.architecture is not None  # ModelSection.check guarantees it
+    sizes = dict(section.config)
+    sizes.setdefault("param_dtype", section.dtype)
+    config = arch_config(section.architecture, sizes, "model.config")
+    return BuiltModel(section.architecture, config, config.init(key))
+
+
+def load_built(
+    path: str, *, keep_quantized: bool = False, dtype: str = "float32"
+) -> BuiltModel:
+    """Read a model file or folder into a `BuiltModel`.
+
+    Args:
+        path: a llama.cpp ``.gguf``, a Hugging Face Llama folder, or a file written
+            by `save_built` / `entrenar.io.save_model` with the architecture in its
+            metadata.
+        keep_quantized: keep a GGUF's quantized projection weights as they are.
+        dtype: dtype of the loaded (dequantized) parameters.
+
+    Raises:
+        FormatError: a file whose architecture cannot be told, or a bad file.
+    """
+    if os.path.isdir(path):
+        config, params = io.load_hf_llama(path, dtype=dtype)
+        return BuiltModel("llama", config, params, None, path)
+    if io.detect_format(path) == io.ModelFormat.GGUF:
+        g = io.read_gguf(path)
+        if "entrenar.version" not in g.fields:
+            config, params, _ = io.load_llama_gguf(
+                g, keep_quantized=keep_quantized, dtype=dtype
+            )
+            return BuiltModel("llama", config, params, load_tokenizer_file(path), path)
+    model = io.load_model(path)
+    custom = model.metadata.custom
+    arch = model.metadata.architecture
+    if "llama_config" in custom:
+        arch, fields = "llama", custom["llama_config"]
+    elif isinstance(custom.get("model_config"), Mapping) and arch in ARCH_CLASSES:
+        fields = custom["model_config"]
+    else:
+        raise FormatError(
+            f"{path}: its metadata does not say which model it holds (architecture "
+            f"{arch!r}, no custom.model_config); save models with "
+            "entrenar.config.save_built or give model.architecture and model.config"
+        )
+    config = arch_config(arch, fields, f"{path}: model_config")
+    params = jax.tree_util.tree_map(lambda a: jax.numpy.asarray(a), model.params)
+    return BuiltModel(arch, config, params, None, path)
+
+
+def load_tokenizer_file(path: str) -> Any:
+    """The fast tokenizer of a ``.gguf`` file (`entrenar.data.load_fast_tokenizer`)."""
+    from entrenar import data
+
+    return data.load_fast_tokenizer(path)
+
+
+def build_model(section: ModelSection, *, key: Any) -> BuiltModel:
+    """The model a ``model:`` section names: loaded from its path or from scratch."""
+    if section.path is None:
+        built = from_scratch(section, key=key)
+    else:
+        try:
+            built = load_built(
+                section.path, keep_quantized=section.keep_quantized, dtype=section.dtype
+            )
+        except EntrenarError as e:
+            raise type(e)(f"model.path: {e}") from None
+        if section.architecture not in (None, built.architecture):
+            raise ConfigError(
+                f"model.architecture: {section.architecture!r} but {section.path} "
+                f"holds a {built.architecture} model"
+            )
+    if section.tokenizer is not None:
+        built = dataclasses.replace(
+            built, tokenizer=load_tokenizer_file(section.tokenizer)
+        )
+    return built
+
+
+def save_built(
+    built: BuiltModel,
+    params: Params,
+    path: str,
+    *,
+    fmt: str = "safetensors",
+    name: str = "model",
+    training_config: Mapping[str, Any] | None = None,
+) -> None:
+    """Write ``params`` of ``built`` so that `load_built` reads the model back."""
+    custom: dict[str, Any] = {"model_config": config_dict(built.config)}
+    if built.architecture == "llama":
+        custom = {"llama_config": config_dict(built.config)}
+        if built.source and built.source.endswith(".gguf"):
+            custom["gguf_source"] = built.source
+    meta = io.ModelMetadata(
+        name=name,
+        architecture=built.architecture,
+        training_config=dict(training_config or {}),
+        custom=custom,
+    )
+    io.save_model(io.Model(meta, params), path, io.SaveConfig(io.ModelFormat(fmt)))
+
+
+__all__ = [
+    "ARCH_CLASSES",
+    "BuiltModel",
+    "arch_config",
+    "build_model",
+    "config_dict",
+    "from_scratch",
+    "load_built",
+    "load_tokenizer_file",
+    "save_built",
+]

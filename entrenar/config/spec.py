@@ -1,0 +1,355 @@
+"""`TrainSpec`, the whole YAML file, and `load_config` / `validate`.
+
+``load_config(path, overrides)`` reads the file with ``yaml.safe_load``, applies the
+dotted-key overrides (``{"training.max_steps": 5}``) to the mapping, checks every key
+and value (`entrenar.config.fields.parse`), resolves input paths against the config
+file's folder and checks that they exist. Every failure is a `ConfigError` whose
+message starts with the key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from entrenar.config.fields import key_names, option, parse, unknown_key
+from entrenar.config.sections import (
+    DataSection,
+    DistillationSection,
+    ExportSection,
+    LoRASection,
+    ModelSection,
+    OptimizerSection,
+    QuantizationSection,
+    SchedulerSection,
+    TrainingSection,
+)
+from entrenar.errors import ConfigError
+
+DATA_EXTENSIONS = (".jsonl", ".csv", ".parquet")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """One run: every section of the YAML file (absent optional sections are None).
+
+    A training run needs ``model`` and ``data``; a file with only ``merge`` (and
+    optionally ``export``) describes a merge.
+    """
+
+    name: str | None = option(None, doc="name of the run (default: the file's stem)")
+    model: ModelSection | None = option(None, doc="the model (see `model`)")
+    data: DataSection | None = option(None, doc="the data (see `data`)")
+    optimizer: OptimizerSection = option(
+        factory=OptimizerSection, doc="the optimizer (see `optimizer`)"
+    )
+    scheduler: SchedulerSection | None = option(
+        None, aliases=("schedule", "lr_scheduler"), doc="learning-rate schedule"
+    )
+    lora: LoRASection | None = option(None, doc="LoRA / QLoRA adapters")
+    quantization: QuantizationSection | None = option(
+        None, aliases=("quantize",), doc="post-training quantization of the model"
+    )
+    distillation: DistillationSection | None = option(
+        None, aliases=("distill",), doc="knowledge distillation from a teacher"
+    )
+    training: TrainingSection = option(
+        factory=TrainingSection, aliases=("train", "trainer"), doc="the run itself"
+    )
+    merge: dict[str, Any] | None = option(
+        None,
+        doc="a mergekit-shaped merge recipe (entrenar.merge): merge_method, base_model,"
+        " models, parameters, dtype",
+    )
+    export: ExportSection = option(
+        factory=ExportSection, doc="files written after training"
+    )
+    source: str | None = option(
+        None, doc="the YAML file this spec was read from (set by load_config)"
+    )
+
+    def check(self, path: str) -> None:
+        """Which sections a run needs, and how they fit together."""
+        if self.merge is None and (self.model is None or self.data is None):
+            missing = "model" if self.model is None else "data"
+            raise ConfigError(
+                f"{missing}: required key is missing (a training run needs `model` and "
+                "`data`; a merge needs a `merge` recipe)"
+            )
+        if self.merge is not None and self.data is not None:
+            raise ConfigError(
+                "merge: a file is either a training run (data) or a merge recipe; "
+                "split it in two"
+            )
+        lm = self.model is not None and self.model_architecture != "mlp"
+        if self.data is not None and self.model is not None:
+            fmt = self.data.format
+            if lm and fmt == "tabular":
+                raise ConfigError(
+                    "data.format: tabular data trains an mlp, not a language model"
+                )
+            if not lm and fmt in ("text", "prompt_completion", "chat"):
+                raise ConfigError(
+                    f"data.format: {fmt} data trains a language model, not an mlp"
+                )
+            if not lm and self.data.target is None:
+                raise ConfigError("data.target: tabular data needs a target column")
+        if self.lora is not None and self.lora.enabled and not lm and self.model:
+            if self.lora.targets == ("q_proj", "v_proj"):
+                raise ConfigError(
+                    "lora.targets: an mlp has no q_proj/v_proj; target its layers, "
+                    "e.g. ['layers'] or 'all-linear'"
+                )
+        if self.distillation is not None and self.lora is not None:
+            if self.lora.enabled:
+                raise ConfigError(
+                    "distillation: distilling into LoRA adapters is not supported; "
+                    "train the whole student (remove `lora`)"
+                )
+        if self.distillation is not None and self.data is not None:
+            if self.data.task == "regression" and not lm:
+                raise ConfigError(
+                    "distillation: needs class probabilities; data.task is regression"
+                )
+        gguf_only = {"gguf", "hf"} & set(self.export.formats)
+        if gguf_only and self.model_architecture not in (None, "llama"):
+            raise ConfigError(
+                f"export.formats: {sorted(gguf_only)} write Llama models only; "
+                f"this model is {self.model_architecture}"
+            )
+
+    @property
+    def model_architecture(self) -> str | None:
+        """``model.architecture``, else guessed from the path (.gguf, folder: llama)."""
+        if self.model is None:
+            return None
+        if self.model.architecture is not None:
+            return self.model.architecture
+        p = self.model.path or ""
+        if p.endswith(".gguf") or os.path.isdir(p):
+            return "llama"
+        return None
+
+    @property
+    def is_merge(self) -> bool:
+        """Whether this file describes a merge rather than a training run."""
+        return self.merge is not None
+
+
+def apply_overrides(raw: Any, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of the raw mapping with dotted keys set (``{"training.max_steps": 5}``).
+
+    A key that names no field of the schema is a `ConfigError` with the closest key;
+    a value of None removes the key (its default applies).
+    """
+    out: dict[str, Any] = _copy(raw if raw is not None else {})
+    from entrenar.config import sections as sec
+
+    for dotted, value in (overrides or {}).items():
+        parts = str(dotted).split(".")
+        node: dict[str, Any] = out
+        cls: type | None = TrainSpec
+        for i, part in enumerate(parts):
+            here = ".".join(parts[:i])
+            names = key_names(cls) if cls is not None else None
+            if names is not None and part not in names:
+                raise unknown_key(part, here, list(names), sorted(set(names.values())))
+            field = names[part] if names is not None else part
+            cls = _section_class(cls, field, sec) if cls is not None else None
+            if i == len(parts) - 1:
+                if value is None:
+                    node.pop(part, None)
+                else:
+                    node[part] = value
+                break
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"{'.'.join(parts[: i + 1])}: is a value, not a section; "
+                    f"cannot set {dotted}"
+                )
+            node = child
+    return out
+
+
+def _section_class(cls: type, field: str, sec: Any) -> type | None:
+    import typing
+
+    from entrenar.config.fields import hints
+
+    hint = hints(cls)[field]
+    for arg in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(arg):
+            return arg  # type: ignore[return-value]
+    return None
+
+
+def _copy(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: _copy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_copy(v) for v in x]
+    return x
+
+
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    """``yaml.safe_load`` of a file, with missing files and bad YAML as ConfigError."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+
+
+def load_config(
+    path: str | os.PathLike[str],
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    check_files: bool = True,
+) -> TrainSpec:
+    r"""Read, override and check a run's YAML file.
+
+    Args:
+        path: the YAML file.
+        overrides: dotted keys to set before checking, e.g.
+            ``{"training.max_steps": 5, "optimizer.lr": 1e-4}``.
+        check_files: check that input files exist and have a known format.
+
+    Returns:
+        The `TrainSpec`, input paths made absolute (relative ones are relative to
+        the config file's folder).
+
+    Raises:
+        ConfigError: the first problem found, starting with its key path.
+
+    Example:
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> open(os.path.join(d, "t.csv"), "w").write("a,y\\n1,0\\n")
+        8
+        >>> cfg = os.path.join(d, "run.yaml")
+        >>> _ = open(cfg, "w").write(
+        ...     "model: {architecture: mlp, config: {sizes: [1, 2]}}\\n"
+        ...     "data: {train: t.csv, target: y}\\noptimizer: {lr: 0.1}\\n")
+        >>> load_config(cfg, {"optimizer.lr": 0.5}).optimizer.lr
+        0.5
+        >>> load_config(cfg, {"optimizer.lr": -1})
+        Traceback (most recent call last):
+        ...
+        entrenar.errors.ConfigError: optimizer.lr: must be > 0, got -1
+    """
+    path = os.fspath(path)
+    raw = read_yaml(path)
+    if raw is None:
+        raise ConfigError(f"{path}: the file is empty; see specs/config.md")
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    raw = apply_overrides(raw, overrides)
+    raw.setdefault("source", os.path.abspath(path))
+    spec = parse(TrainSpec, raw)
+    spec = resolve_paths(spec, os.path.dirname(os.path.abspath(path)))
+    if check_files:
+        check_inputs(spec)
+    return spec
+
+
+def resolve_paths(spec: TrainSpec, base: str) -> TrainSpec:
+    """Input paths relative to ``base`` made absolute (a new spec)."""
+
+    def fix(p: Any) -> Any:
+        if p is None:
+            return None
+        p = os.path.expanduser(p)
+        return p if os.path.isabs(p) else os.path.normpath(os.path.join(base, p))
+
+    changes: dict[str, Any] = {}
+    if spec.model is not None:
+        changes["model"] = dataclasses.replace(
+            spec.model, path=fix(spec.model.path), tokenizer=fix(spec.model.tokenizer)
+        )
+    if spec.data is not None:
+        changes["data"] = dataclasses.replace(
+            spec.data, train=fix(spec.data.train), validation=fix(spec.data.validation)
+        )
+    if spec.distillation is not None:
+        changes["distillation"] = dataclasses.replace(
+            spec.distillation, teacher=fix(spec.distillation.teacher)
+        )
+    if spec.merge is not None:
+        changes["merge"] = resolve_recipe_paths(spec.merge, fix)
+    return dataclasses.replace(spec, **changes)
+
+
+def resolve_recipe_paths(recipe: dict[str, Any], fix: Any) -> dict[str, Any]:
+    """A merge recipe with ``base_model`` and ``models[].model`` paths resolved."""
+    out = dict(recipe)
+    if isinstance(out.get("base_model"), str):
+        out["base_model"] = fix(out["base_model"])
+    if isinstance(out.get("models"), list):
+        models = []
+        for m in out["models"]:
+            if isinstance(m, Mapping) and isinstance(m.get("model"), str):
+                m = {**m, "model": fix(m["model"])}
+            elif isinstance(m, str):
+                m = fix(m)
+            models.append(m)
+        out["models"] = models
+    return out
+
+
+def _exists(key: str, p: str | None, *, folder_ok: bool = False) -> None:
+    if p is None:
+        return
+    if folder_ok and os.path.isdir(p):
+        return
+    if not os.path.isfile(p):
+        raise ConfigError(f"{key}: file not found: {p}")
+
+
+def check_inputs(spec: TrainSpec) -> None:
+    """Every input file exists and has a format entrenar reads."""
+    if spec.model is not None:
+        _exists("model.path", spec.model.path, folder_ok=True)
+        _exists("model.tokenizer", spec.model.tokenizer)
+        tok = spec.model.tokenizer
+        if tok is not None and not tok.lower().endswith(".gguf"):
+            raise ConfigError(
+                f"model.tokenizer: {os.path.basename(tok)!r} is not a .gguf file (the "
+                "tokenizer is read from a GGUF's tokenizer.ggml.* fields)"
+            )
+    if spec.data is not None:
+        for key, p in (("data.train", spec.data.train),
+                       ("data.validation", spec.data.validation)):  # fmt: skip
+            _exists(key, p)
+            if p is not None and not p.lower().endswith(DATA_EXTENSIONS):
+                raise ConfigError(
+                    f"{key}: {os.path.basename(p)!r} is not one of "
+                    f"{', '.join(DATA_EXTENSIONS)}"
+                )
+    if spec.distillation is not None:
+        _exists("distillation.teacher", spec.distillation.teacher, folder_ok=True)
+
+
+__all__ = [
+    "DATA_EXTENSIONS",
+    "TrainSpec",
+    "apply_overrides",
+    "check_inputs",
+    "load_config",
+    "read_yaml",
+    "resolve_paths",
+]
