@@ -33,9 +33,9 @@ Batch = dict[str, Any]
 class Loader(Protocol):
     """An epoch-aware, resumable iterable of batches (see the module docstring)."""
 
-    def __iter__(self) -> Iterator[Batch]: ...  # noqa: D105
+    def __iter__(self) -> Iterator[Batch]: ...
 
-    def __len__(self) -> int: ...  # noqa: D105
+    def __len__(self) -> int: ...
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: its order, position 0."""
@@ -101,7 +101,7 @@ class ArrayLoader:
                 f"every array needs the same leading (example) axis; got lengths "
                 f"{lengths}"
             )
-        self.n = int(next(iter(lengths.values())))
+        self.n = int(next(iter(self.arrays.values())).shape[0])
         if int(batch_size) < 1:
             raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
         self.batch_size = int(batch_size)
