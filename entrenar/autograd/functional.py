@@ -18,7 +18,10 @@ import jax.numpy as jnp
 
 from entrenar.autograd import ops as _ops
 from entrenar.autograd.tensor import Tensor
-from entrenar.errors import ShapeError
+from entrenar.errors import ConfigError, ShapeError
+from entrenar.nn import attention as _attention
+from entrenar.nn import layers as _layers
+from entrenar.nn import losses as _losses
 
 apply, defop = _ops.apply, _ops.defop
 
@@ -211,48 +214,53 @@ def embedding(weight: Any, ids: Any) -> Tensor:
 
 
 def _dropout(x, key, *, rate):
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+    return _layers.dropout(x, rate, key=key)
 
 
 _DROPOUT = defop("dropout", _dropout)
 
 
-def dropout(x: Any, rate: float, *, key: jax.Array, training: bool = True) -> Tensor:
-    """Inverted dropout (Srivastava et al., 2014).
+def dropout(
+    x: Any, rate: float, *, key: jax.Array | None, deterministic: bool = False
+) -> Tensor:
+    """Inverted dropout (Srivastava et al., 2014): `entrenar.nn.dropout`, recorded.
 
     Zeroes each element with probability ``rate`` and scales the rest by
-    1/(1-rate); the identity when not ``training``.
+    1/(1-rate); the identity when ``deterministic`` or ``rate == 0``.
     """
-    if not 0.0 <= rate < 1.0:
-        raise ShapeError(f"dropout rate must be in [0, 1), got {rate}")
-    if not training or rate == 0.0:
+    _layers.check_dropout_rate(rate)
+    if deterministic or rate == 0.0:
         return apply(_ops.ADD, x, 0.0)
+    if key is None:
+        raise ConfigError("dropout needs key=... unless deterministic=True or rate=0")
     return apply(_DROPOUT, x, key, rate=float(rate))
 
 
 # ---- attention -----------------------------------------------------------------------
 def _sdpa(q, k, v, *mask, causal, scale):
     # q: (B, Hq, T, d)  k: (B, Hkv, S, d)  v: (B, Hkv, S, dv)
-    b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    group = hq // hkv
-    q = q.reshape(b, hkv, group, t, d)  # (B, Hkv, G, T, d)
-    logits = jnp.einsum("bhgtd,bhsd->bhgts", q, k) * scale  # (B, Hkv, G, T, S)
-    logits = logits.reshape(b, hq, t, s)  # (B, Hq, T, S)
-    neg = jnp.finfo(logits.dtype).min
+    # nn's layout is (B, T, H, d); masks here broadcast to (B, Hq, T, S)
+    t, s = q.shape[2], k.shape[2]
+    allowed = None
     if causal:
-        allowed = jnp.tril(jnp.ones((t, s), bool), k=s - t)  # (T, S)
-        logits = jnp.where(allowed, logits, neg)
+        allowed = _attention.causal_mask(jnp.arange(t) + (s - t), s)[None, None]
+    bias = None
     if mask:
         m = mask[0]
         if m.dtype == jnp.bool_:
-            logits = jnp.where(m, logits, neg)
+            m = m.reshape((1,) * (4 - m.ndim) + m.shape)  # (B|1, H|1, T|1, S|1)
+            allowed = m if allowed is None else allowed & m
         else:
-            logits = logits + m.astype(logits.dtype)
-    p = jax.nn.softmax(logits, axis=-1).reshape(b, hkv, group, t, s)
-    out = jnp.einsum("bhgts,bhsd->bhgtd", p, v)  # (B, Hkv, G, T, dv)
-    return out.reshape(b, hq, t, v.shape[-1])  # (B, Hq, T, dv)
+            bias = m
+    out = _attention.dot_product_attention(
+        q.swapaxes(1, 2),
+        k.swapaxes(1, 2),
+        v.swapaxes(1, 2),
+        allowed,
+        bias=bias,
+        scale=scale,
+    )  # (B, T, Hq, dv)
+    return out.swapaxes(1, 2)  # (B, Hq, T, dv)
 
 
 _SDPA = defop("scaled_dot_product_attention", _sdpa)
@@ -297,40 +305,18 @@ def _shape(x: Any) -> tuple[int, ...]:
     return x.shape if isinstance(x, Tensor) else tuple(jnp.shape(x))
 
 
-# ---- losses --------------------------------------------------------------------------
-def _reduce(x, reduction):
-    if reduction == "mean":
-        return jnp.mean(x)
-    if reduction == "sum":
-        return jnp.sum(x)
-    return x
-
-
-def _check_reduction(reduction: str) -> None:
-    if reduction not in ("mean", "sum", "none"):
-        raise ShapeError(
-            f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
-        )
-
-
-_MSE = defop("mse", lambda p, y, *, reduction: _reduce(jnp.square(p - y), reduction))
+# ---- losses: recorded wrappers over entrenar.nn.losses ------------------------------
+_MSE = defop("mse", lambda p, y, *, reduction: _losses.mse(p, y, reduction))
 
 
 def mse_loss(pred: Any, target: Any, reduction: str = "mean") -> Tensor:
-    """Mean squared error: mean((pred - target)²)."""
-    _check_reduction(reduction)
+    """Mean squared error ``(pred - target)²``: `entrenar.nn.losses.mse`, recorded."""
+    _losses.check_reduction(reduction)
     return apply(_MSE, pred, target, reduction=reduction)
 
 
 def _cross_entropy(logits, targets, *, ignore_index, reduction):
-    logp = jax.nn.log_softmax(logits, axis=-1)  # (..., C)
-    valid = targets != ignore_index  # (...)
-    safe = jnp.where(valid, targets, 0)
-    nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]  # (...)
-    nll = jnp.where(valid, nll, jnp.zeros_like(nll))
-    if reduction == "mean":
-        return jnp.sum(nll) / jnp.maximum(jnp.sum(valid), 1).astype(nll.dtype)
-    return _reduce(nll, reduction)
+    return _losses.cross_entropy(logits, targets, reduction, ignore_index=ignore_index)
 
 
 _CROSS_ENTROPY = defop("cross_entropy", _cross_entropy)
@@ -339,7 +325,7 @@ _CROSS_ENTROPY = defop("cross_entropy", _cross_entropy)
 def cross_entropy(
     logits: Any, targets: Any, ignore_index: int = -100, reduction: str = "mean"
 ) -> Tensor:
-    """Softmax cross-entropy with integer class targets.
+    """Softmax cross-entropy with integer targets: `entrenar.nn.losses.cross_entropy`.
 
     loss = -Σ_valid log softmax(logits)[target] / #valid, where positions whose target
     equals ``ignore_index`` count neither in the sum nor in the mean (0 if none valid).
@@ -350,7 +336,7 @@ def cross_entropy(
         ignore_index: target value to skip (PyTorch's default -100).
         reduction: "mean" (over valid positions), "sum" or "none".
     """
-    _check_reduction(reduction)
+    _losses.check_reduction(reduction)
     return apply(
         _CROSS_ENTROPY,
         logits,
@@ -360,18 +346,17 @@ def cross_entropy(
     )
 
 
-def _bce_logits(x, y, *, reduction):
-    # max(x, 0) - x·y + log(1 + e^{-|x|}): stable for large |x|
-    loss = jnp.maximum(x, 0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x)))
-    return _reduce(loss, reduction)
-
-
-_BCE = defop("binary_cross_entropy_with_logits", _bce_logits)
+_BCE = defop(
+    "binary_cross_entropy_with_logits",
+    lambda x, y, *, reduction: _losses.binary_cross_entropy_with_logits(
+        x, y, reduction
+    ),
+)
 
 
 def binary_cross_entropy_with_logits(
     logits: Any, targets: Any, reduction: str = "mean"
 ) -> Tensor:
-    """-[y log σ(x) + (1-y) log(1-σ(x))], computed stably from logits."""
-    _check_reduction(reduction)
+    """-[y log σ(x) + (1-y) log(1-σ(x))], stably: `nn.losses`' version, recorded."""
+    _losses.check_reduction(reduction)
     return apply(_BCE, logits, targets, reduction=reduction)

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from entrenar.nn.layers import dropout
 from entrenar.nn.linear import weight_matmul
 
 
@@ -133,19 +134,12 @@ class LoRAWeight:
         )
 
 
-def _dropout(x: jax.Array, rate: float, key_data: jax.Array) -> jax.Array:
-    """Inverted dropout on ``x`` with a raw ``uint32[2]`` key."""
-    key = jax.random.wrap_key_data(key_data)
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
-
-
 @weight_matmul.register(LoRAWeight)
 def _lora_matmul(w: LoRAWeight, x: jax.Array) -> jax.Array:
     """``x Wᵀ + s · (drop(x) Aᵀ) Bᵀ`` for ``x: (..., in)``, without ``W + s BA``."""
     y = weight_matmul(w.base, x)  # (..., out)
     if w.dropout > 0.0 and w.dropout_key is not None:
-        x = _dropout(x, w.dropout, w.dropout_key)
+        x = dropout(x, w.dropout, key=jax.random.wrap_key_data(w.dropout_key))
     h = jnp.einsum("...i,ri->...r", x, jnp.asarray(w.a).astype(x.dtype))  # (..., r)
     delta = jnp.einsum("...r,or->...o", h, jnp.asarray(w.b).astype(x.dtype))
     return y + (w.scale * delta).astype(y.dtype)  # (..., out)

@@ -80,36 +80,56 @@ def update_cache_layer(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.
 
 
 def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    *,
+    bias: jax.Array | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
-    """Grouped-query attention.
+    """Grouped-query attention ``softmax(q kᵀ · scale + bias, masked) v``.
+
+    Vaswani et al. (2017) with GQA (Ainslie et al., 2023): each of the ``KV``
+    key/value heads serves ``H / KV`` query heads. Scores and softmax run in float32
+    (float64 for float64 inputs); a fully masked row attends uniformly, not NaN.
 
     Args:
         q: ``(B, T, H, d)`` queries.
         k: ``(B, S, KV, d)`` keys, ``H % KV == 0``.
-        v: ``(B, S, KV, d)`` values.
-        mask: boolean, True where attention is allowed; ``(T, S)`` or ``(B, T, S)``;
-            None attends everywhere.
+        v: ``(B, S, KV, dv)`` values.
+        mask: boolean, True where attention is allowed: ``(T, S)``, ``(B, T, S)`` or
+            broadcastable to ``(B, H, T, S)`` when 4-d; None attends everywhere.
+        bias: optional additive float scores, broadcastable to ``(B, H, T, S)``.
+        scale: score scale, ``1/√d`` by default.
 
     Returns:
-        ``(B, T, H, d)`` in ``q``'s dtype.
+        ``(B, T, H, dv)`` in ``q``'s dtype.
     """
     b, t, h, d = q.shape
-    kv = k.shape[2]
+    s, kv = k.shape[1], k.shape[2]
     if h % kv:
         raise ShapeError(
             f"query heads ({h}) must be a multiple of key/value heads ({kv})"
         )
-    qg = q.reshape(b, t, kv, h // kv, d)  # (B, T, KV, G, d)
+    g = h // kv
+    qg = q.reshape(b, t, kv, g, d)  # (B, T, KV, G, d)
     f = upcast_dtype(q.dtype)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=f)
-    scores = scores * jnp.asarray(1.0 / d**0.5, f)  # (B, KV, G, T, S)
+    scale = 1.0 / d**0.5 if scale is None else scale
+    scores = scores * jnp.asarray(scale, f)  # (B, KV, G, T, S)
+    if bias is not None:
+        full = jnp.broadcast_to(bias, (b, h, t, s)).reshape(b, kv, g, t, s)
+        scores = scores + full.astype(f)
     if mask is not None:
-        m = mask if mask.ndim == 3 else mask[None]  # (B|1, T, S)
-        scores = jnp.where(m[:, None, None], scores, jnp.asarray(_NEG, f))
+        if mask.ndim == 4:
+            m = jnp.broadcast_to(mask, (b, h, t, s)).reshape(b, kv, g, t, s)
+        else:
+            m = (mask if mask.ndim == 3 else mask[None])[:, None, None]  # (B|1,1,1,T,S)
+        scores = jnp.where(m, scores, jnp.asarray(_NEG, f))
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (B, KV, G, T, S)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # (B, T, KV, G, d)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # (B, T, KV, G, dv)
+    return out.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
 
 
 __all__ = [

@@ -81,6 +81,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def check_dropout_rate(rate: float) -> None:
+    """Raise `ConfigError` unless ``0 <= rate <= 1``."""
+    if not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"dropout rate must lie in [0, 1], got {rate}")
+
+
 def dropout(
     x: jax.Array, rate: float, *, key: PRNGKey | None, deterministic: bool = False
 ) -> jax.Array:
@@ -92,8 +98,7 @@ def dropout(
     >>> dropout(jnp.ones(3), 0.5, key=None, deterministic=True).tolist()
     [1.0, 1.0, 1.0]
     """
-    if not 0.0 <= rate <= 1.0:
-        raise ConfigError(f"dropout rate must lie in [0, 1], got {rate}")
+    check_dropout_rate(rate)
     if deterministic or rate == 0.0:
         return x
     if key is None:

@@ -33,7 +33,8 @@ def _float(x: jax.Array) -> jax.Array:
     return x if x.dtype == jnp.float64 else x.astype(jnp.float32)
 
 
-def _check_reduction(reduction: str) -> None:
+def check_reduction(reduction: str) -> None:
+    """Raise `ConfigError` unless ``reduction`` is "mean", "sum" or "none"."""
     if reduction not in ("mean", "sum", "none"):
         raise ConfigError(
             f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
@@ -51,7 +52,7 @@ def reduce_loss(
     >>> reduce_loss(jnp.array([1.0, 2.0, 6.0]), where=jnp.array([True, True, False]))
     Array(1.5, dtype=float32)
     """
-    _check_reduction(reduction)
+    check_reduction(reduction)
     if where is not None:
         where = jnp.broadcast_to(jnp.asarray(where, bool), values.shape)
         values = jnp.where(where, values, jnp.zeros_like(values))
@@ -288,6 +289,7 @@ __all__ = [
     "Reduction",
     "binary_cross_entropy_with_logits",
     "causal_lm_loss",
+    "check_reduction",
     "cross_entropy",
     "huber",
     "kl_divergence",

@@ -270,7 +270,7 @@ def test_cross_entropy_all_ignored_is_zero():
 
 def test_dropout_identity_when_not_training():
     x = Tensor(rand(4), requires_grad=True)
-    y = ag.dropout(x, 0.3, key=KEY, training=False)
+    y = ag.dropout(x, 0.3, key=KEY, deterministic=True)
     np.testing.assert_array_equal(y.numpy(), x.numpy())
 
 
