@@ -2,6 +2,7 @@
 
 Layers, each importing only the ones below it::
 
+    train          TrainState, jitted steps, Trainer, checkpoints (over data)
     distill        distillation losses (pure functions of logits and hidden states)
     lora quant     pytree transforms (LoRAWeight, QuantizedWeight nodes)
     nn  io         models as pure functions over param pytrees; file formats
@@ -12,7 +13,7 @@ Layers, each importing only the ones below it::
 Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 """
 
-from entrenar import autograd, data, distill, errors, io, lora, nn, optim, quant
+from entrenar import autograd, data, distill, errors, io, lora, nn, optim, quant, train
 from entrenar.autograd import Tensor, backward, check_gradient, no_grad
 from entrenar.functional import grad, value_and_grad
 from entrenar.tree import (
@@ -49,6 +50,7 @@ __all__ = [
     "no_grad",
     "optim",
     "quant",
+    "train",
     "tree_bytes",
     "tree_named_leaves",
     "tree_size",

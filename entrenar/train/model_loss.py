@@ -1,0 +1,121 @@
+"""Loss functions for entrenar's models, on the batch keys of specs/conventions.md.
+
+- Language models (`entrenar.nn.Llama`, `entrenar.nn.GPT2`): the causal LM loss on
+  ``input_ids`` with ``labels`` (default: the input ids), ``attention_mask``
+  (padding: neither attended to nor counted) and, for Llama, ``segment_ids`` and
+  ``positions`` of packed rows. The loss is the mean over counted next-token targets
+  and reports their number as ``loss_weight`` (so accumulation and evaluation
+  average over tokens, not over batches).
+- Any other model with ``apply(params, x, *, key=None)`` (`entrenar.nn.MLP`): the
+  ``TrainConfig.loss`` named in ``entrenar.nn.losses.LOSSES`` between
+  ``apply(params, batch["x"])`` and ``batch["y"]``, a mean over the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from entrenar import lora
+from entrenar.errors import ConfigError, ShapeError
+from entrenar.nn.gpt2 import GPT2Config
+from entrenar.nn.llama import LlamaConfig
+from entrenar.nn.losses import IGNORE_INDEX, LOSSES, causal_lm_loss
+from entrenar.train.step import LossFn
+from entrenar.types import Params, PyTree
+
+
+def _need(batch: PyTree, keys: tuple[str, ...], what: str) -> None:
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise ShapeError(
+            f"{what} batches need the keys {list(keys)}; this batch lacks {missing} "
+            f"(it has {sorted(batch)})"
+        )
+
+
+def causal_lm_loss_fn(model: Any) -> LossFn:
+    """``loss_fn(params, batch, *, key)`` for a Llama or GPT-2 config."""
+    is_llama = isinstance(model, LlamaConfig)
+
+    def loss_fn(params: Params, batch: PyTree, *, key: Any) -> Any:
+        _need(batch, ("input_ids",), "language-model")
+        tokens = jnp.asarray(batch["input_ids"])  # (B, T)
+        labels = jnp.asarray(batch.get("labels", tokens))  # (B, T)
+        mask = batch.get("attention_mask")
+        kwargs: dict[str, Any] = {"mask": mask}
+        if is_llama:
+            kwargs.update(
+                segment_ids=batch.get("segment_ids"), positions=batch.get("positions")
+            )
+        elif "segment_ids" in batch:
+            raise ShapeError("GPT-2 does not take packed rows (segment_ids); use Llama")
+        else:
+            kwargs["key"] = key
+        if key is not None:
+            params = lora.with_dropout_keys(params, key=key)
+        logits = model.apply(params, tokens, **kwargs)  # (B, T, V)
+        total = causal_lm_loss(logits, labels, "sum", loss_mask=mask)
+        counted = labels[:, 1:] != IGNORE_INDEX  # (B, T-1)
+        if mask is not None:
+            counted = counted & jnp.asarray(mask, bool)[:, 1:]
+        n = jnp.sum(counted).astype(jnp.float32)
+        return total / jnp.maximum(n, 1.0), {"loss_weight": n}
+
+    return loss_fn
+
+
+def supervised_loss_fn(model: Any, loss: str = "mse") -> LossFn:
+    """``loss_fn(params, batch, *, key)``: ``LOSSES[loss](apply(params, x), y)``."""
+    if loss not in LOSSES or loss in ("causal_lm", "kl_divergence"):
+        raise ConfigError(
+            f"loss {loss!r} does not fit (x, y) batches; use one of "
+            f"{sorted(set(LOSSES) - {'causal_lm', 'kl_divergence'})}"
+        )
+    fn = LOSSES[loss]
+
+    def loss_fn(params: Params, batch: PyTree, *, key: Any) -> Any:
+        _need(batch, ("x", "y"), "supervised")
+        pred = model.apply(params, jnp.asarray(batch["x"]), key=key)
+        return fn(pred, jnp.asarray(batch["y"]))
+
+    return loss_fn
+
+
+def loss_for_model(model: Any, loss: str = "mse") -> LossFn:
+    """The loss function the Trainer uses for ``model`` (see the module docstring)."""
+    if isinstance(model, (LlamaConfig, GPT2Config)):
+        return causal_lm_loss_fn(model)
+    if hasattr(model, "apply"):
+        return supervised_loss_fn(model, loss)
+    raise ConfigError(
+        f"Trainer needs a loss function loss_fn(params, batch, *, key) or a model "
+        f"with .apply; got {type(model).__name__}"
+    )
+
+
+def with_compute_dtype(loss_fn: LossFn, dtype: str | None) -> LossFn:
+    """``loss_fn`` on params whose float leaves are cast to ``dtype`` (None: as is)."""
+    if dtype is None:
+        return loss_fn
+    dt = jnp.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dt)
+        return x
+
+    def wrapped(params: Params, batch: PyTree, *, key: Any) -> Any:
+        return loss_fn(jax.tree_util.tree_map(cast, params), batch, key=key)
+
+    return wrapped
+
+
+__all__ = [
+    "causal_lm_loss_fn",
+    "loss_for_model",
+    "supervised_loss_fn",
+    "with_compute_dtype",
+]

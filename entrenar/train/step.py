@@ -1,0 +1,241 @@
+r"""The jitted training and evaluation steps.
+
+A loss function has the signature ``loss_fn(params, batch, *, key) -> loss`` or
+``-> (loss, metrics)``, with ``params`` the whole tree, ``batch`` a dict of arrays and
+``key`` the step's dropout key (``None`` at evaluation). A metric named
+``"loss_weight"`` is the number of terms the loss is a mean over (valid tokens, say);
+when present, micro-batches and evaluation batches are weighted by it, so that
+
+.. math::
+    L = \frac{\sum_i w_i L_i}{\sum_i w_i},\qquad
+    g = \frac{\sum_i w_i \nabla L_i}{\sum_i w_i}
+
+equals the loss and gradient of the concatenated batch (a token-level mean stays a
+token-level mean however the batch is split). Without it every micro-batch weighs 1.
+
+``train_step(state, batch) -> (state, metrics)`` runs, in one jitted computation
+whose trainable parameters and optimizer state are donated: the per-step key
+``fold_in(state.key, state.step)``; value and gradient w.r.t. the trainable half only,
+over ``grad_accum`` micro-batches (``lax.scan`` over the batch split along its
+leading axis); the global gradient norm; optional clipping; the optimizer update.
+Metrics: ``loss``, ``grad_norm`` (before clipping), ``lr`` (when the optimizer state
+holds one), ``tokens`` (for batches with ``attention_mask`` or ``input_ids``),
+``finite`` and the loss function's own metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from entrenar.errors import ConfigError, ShapeError
+from entrenar.optim import apply_updates, clip_by_global_norm, get_lr, global_norm
+from entrenar.optim.base import tree_zeros_like
+from entrenar.train.state import Trainable, TrainState, combine
+from entrenar.types import Params, PyTree
+
+LossFn = Callable[..., Any]
+Metrics = dict[str, jax.Array]
+
+
+def call_loss(
+    loss_fn: LossFn, params: Params, batch: PyTree, key: Any
+) -> tuple[jax.Array, jax.Array, Metrics]:
+    """``(loss, weight, metrics)`` from a loss function's result (weight 1 if none)."""
+    out = loss_fn(params, batch, key=key)
+    loss, aux = out if isinstance(out, tuple) else (out, {})
+    aux = dict(aux)
+    weight = aux.pop("loss_weight", None)
+    w = jnp.float32(1.0) if weight is None else jnp.asarray(weight, jnp.float32)
+    aux = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}
+    return jnp.asarray(loss, jnp.float32), jax.lax.stop_gradient(w), aux
+
+
+def batch_tokens(batch: PyTree) -> jax.Array | None:
+    """Tokens in a batch: ``sum(attention_mask)``, else ``input_ids.size``."""
+    if not isinstance(batch, dict):
+        return None
+    if "attention_mask" in batch:
+        return jnp.sum(jnp.asarray(batch["attention_mask"]).astype(jnp.int32))
+    if "input_ids" in batch:
+        return jnp.int32(jnp.size(batch["input_ids"]))
+    return None
+
+
+def split_microbatches(batch: PyTree, k: int) -> PyTree:
+    """Every leaf ``(B, ...)`` reshaped to ``(k, B/k, ...)``."""
+
+    def leaf(x: Any) -> jax.Array:
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[0] % k:
+            raise ShapeError(
+                f"grad_accum={k} needs every batch array's leading axis to be a "
+                f"multiple of {k}; got an array of shape {tuple(x.shape)}"
+            )
+        return x.reshape(k, x.shape[0] // k, *x.shape[1:])  # (k, B/k, ...)
+
+    return jax.tree_util.tree_map(leaf, batch)
+
+
+def _value_and_grad(
+    loss_fn: LossFn, trainable: Params, frozen: Params, batch: PyTree, key: Any, k: int
+) -> tuple[jax.Array, jax.Array, Metrics, Params]:
+    """``(loss, weight, metrics, grads)``, accumulated over ``k`` micro-batches."""
+
+    def f(t: Params, mb: PyTree, key: Any) -> tuple[jax.Array, Any]:
+        loss, w, aux = call_loss(loss_fn, combine(t, frozen), mb, key)
+        return (loss if k == 1 else loss * w), (loss, w, aux)
+
+    vg = jax.value_and_grad(f, has_aux=True)
+    if k == 1:
+        (_, (loss, w, aux)), grads = vg(trainable, batch, key)
+        return loss, w, aux, grads
+
+    micro = split_microbatches(batch, k)  # leaves (k, B/k, ...)
+    first = jax.tree_util.tree_map(lambda x: x[0], micro)
+    aux_shape = jax.eval_shape(f, trainable, first, key)[1][2]
+    zero_aux = {n: jnp.zeros([], jnp.float32) for n in aux_shape}
+    carry0 = (jnp.float32(0), jnp.float32(0), zero_aux, tree_zeros_like(trainable))
+
+    def body(carry: Any, xs: Any) -> tuple[Any, None]:
+        i, mb = xs
+        (wloss, (_, w, aux)), g = vg(trainable, mb, jax.random.fold_in(key, i))
+        s_loss, s_w, s_aux, s_g = carry
+        s_aux = {n: s_aux[n] + w * aux[n] for n in s_aux}
+        s_g = jax.tree_util.tree_map(jnp.add, s_g, g)
+        return (s_loss + wloss, s_w + w, s_aux, s_g), None
+
+    (s_loss, s_w, s_aux, s_g), _ = jax.lax.scan(
+        body, carry0, (jnp.arange(k, dtype=jnp.int32), micro)
+    )
+    inv = 1.0 / jnp.maximum(s_w, jnp.float32(1e-30))  # W = 0: loss and grads are 0
+    grads = jax.tree_util.tree_map(lambda g: g * inv.astype(g.dtype), s_g)
+    return s_loss * inv, s_w, {n: v * inv for n, v in s_aux.items()}, grads
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: Any,
+    *,
+    trainable: Trainable = None,
+    grad_accum: int = 1,
+    clip: float | None = None,
+    skip_nonfinite: bool = False,
+) -> Callable[[TrainState, PyTree], tuple[TrainState, Metrics]]:
+    """A pure, jitted, donated ``train_step(state, batch) -> (state, metrics)``.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch, *, key) -> loss | (loss, metrics)``.
+        optimizer: an ``(init, update)`` pair (entrenar.optim or optax) over the
+            trainable half; the state must come from ``TrainState.create`` with the
+            same ``trainable``.
+        trainable: documents how the state was partitioned (`TrainState.create`
+            does the partition; the step only differentiates ``state.trainable``).
+        grad_accum: micro-batches per step; the batch's leading axis is split in
+            ``grad_accum`` equal parts, run one after another (``lax.scan``).
+        clip: clip the gradient to this global norm before the optimizer.
+        skip_nonfinite: when the loss or the gradient norm is not finite, keep the
+            trainable params and optimizer state unchanged (the step counter still
+            advances); ``metrics["finite"]`` tells which steps were skipped.
+
+    The arrays of ``state.trainable`` and ``state.opt_state`` are donated: use the
+    returned state, not the one passed in.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from entrenar.optim import sgd
+        >>> loss = lambda p, b, *, key: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2)
+        >>> s = TrainState.create({"w": jnp.float32(0.0)}, sgd(0.1),
+        ...                       key=jax.random.key(0))
+        >>> step = make_train_step(loss, sgd(0.1))
+        >>> s, m = step(s, {"x": jnp.ones(4), "y": 2 * jnp.ones(4)})
+        >>> float(m["loss"]), float(s.trainable["w"]), int(s.step)
+        (4.0, 0.4000000059604645, 1)
+    """
+    del trainable  # the partition lives in the state
+    k = int(grad_accum)
+    if k < 1:
+        raise ConfigError(f"grad_accum must be at least 1, got {grad_accum}")
+    if clip is not None and not clip > 0:
+        raise ConfigError(f"clip must be a positive norm or None, got {clip}")
+    clipper = None if clip is None else clip_by_global_norm(float(clip))
+
+    def step(
+        trainable: Params, opt_state: Any, frozen: Params, count: Any, root: Any,
+        batch: PyTree,
+    ) -> tuple[Params, Any, Any, Metrics]:  # fmt: skip
+        key = jax.random.fold_in(root, count)
+        loss, _, aux, grads = _value_and_grad(loss_fn, trainable, frozen, batch, key, k)
+        gnorm = global_norm(grads)
+        metrics: Metrics = {"loss": loss, "grad_norm": gnorm, **aux}
+        try:
+            metrics["lr"] = jnp.asarray(get_lr(opt_state), jnp.float32)
+        except ConfigError:
+            pass
+        tokens = batch_tokens(batch)
+        if tokens is not None:
+            metrics["tokens"] = tokens
+        if clipper is not None:
+            grads, _ = clipper.update(grads, clipper.init(None))
+        updates, new_opt = optimizer.update(grads, opt_state, trainable)
+        new_train = apply_updates(trainable, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        metrics["finite"] = finite
+        if skip_nonfinite:
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_train = jax.tree_util.tree_map(keep, new_train, trainable)
+            new_opt = jax.tree_util.tree_map(keep, new_opt, opt_state)
+        return new_train, new_opt, count + 1, metrics
+
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+
+    def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
+        t, o, count, metrics = jitted(
+            state.trainable, state.opt_state, state.frozen, state.step, state.key,
+            batch,
+        )  # fmt: skip
+        return TrainState(t, state.frozen, o, count, state.key), metrics
+
+    train_step.jitted = jitted  # type: ignore[attr-defined]
+    return train_step
+
+
+def make_eval_step(
+    loss_fn: LossFn,
+) -> Callable[[TrainState | Params, PyTree], Metrics]:
+    """A jitted ``eval_step(state_or_params, batch) -> metrics`` (``key=None``).
+
+    Metrics: ``loss``, ``loss_weight`` (1 unless the loss function reports one, for
+    weighting batches in a mean) and the loss function's own metrics.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> ev = make_eval_step(lambda p, b, *, key: jnp.sum(p * b["x"]))
+        >>> float(ev(jnp.float32(2.0), {"x": jnp.ones(3)})["loss"])
+        6.0
+    """
+
+    @jax.jit
+    def run(params: Params, batch: PyTree) -> Metrics:
+        loss, w, aux = call_loss(loss_fn, params, batch, None)
+        return {"loss": loss, "loss_weight": w, **aux}
+
+    def eval_step(state: TrainState | Params, batch: PyTree) -> Metrics:
+        params = state.params if isinstance(state, TrainState) else state
+        return run(params, batch)
+
+    return eval_step
+
+
+__all__ = [
+    "LossFn",
+    "Metrics",
+    "batch_tokens",
+    "call_loss",
+    "make_eval_step",
+    "make_train_step",
+    "split_microbatches",
+]

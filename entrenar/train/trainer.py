@@ -1,0 +1,406 @@
+"""`Trainer`: a training run a newcomer can read top to bottom (see `Trainer.fit`).
+
+The Trainer owns no math: the step is `make_train_step`'s jitted function, the data a
+`entrenar.data.protocol.Loader`, the checkpoints `Checkpointer`'s. It adds the loop
+around them: epochs, logging, evaluation, early stopping, checkpoints, resuming and
+the non-finite guard. A resumed run ends bit-identical to an uninterrupted one: the
+state, the loader's position, the history and the early-stopping counters are all in
+the checkpoint, step ``t`` draws from ``fold_in(key, t)``, and the data order is a
+function of ``(seed, epoch)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from entrenar.data.protocol import ArrayLoader, Loader
+from entrenar.errors import ConfigError, NonFiniteError
+from entrenar.train.callbacks import Callback
+from entrenar.train.checkpoint import Checkpointer, resolve_resume
+from entrenar.train.config import TrainConfig
+from entrenar.train.metrics import MetricsWriter, Progress
+from entrenar.train.model_loss import loss_for_model, with_compute_dtype
+from entrenar.train.state import Trainable, TrainState
+from entrenar.train.step import make_eval_step, make_train_step
+from entrenar.types import Params
+
+_NOT_AVERAGED = ("finite", "tokens", "lr")  # log records: lr is the last, tokens/s
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `Trainer.fit` returns.
+
+    Attributes:
+        state: the final `TrainState` (``state.params`` is the whole tree).
+        history: one record per log step (``step``, ``epoch``, ``loss``, ...).
+        eval_history: one record per evaluation (``step``, ``epoch``, ``eval_loss``).
+        best_eval_loss: the lowest eval loss seen (None without eval data).
+        best_step: the step of ``best_eval_loss``.
+        stopped_early: whether early stopping (or a callback) ended the run.
+        steps: optimizer steps taken in total.
+    """
+
+    state: TrainState
+    history: list[dict[str, Any]]
+    eval_history: list[dict[str, Any]]
+    best_eval_loss: float | None
+    best_step: int | None
+    stopped_early: bool
+    steps: int
+
+    @property
+    def params(self) -> Params:
+        """The trained parameter tree."""
+        return self.state.params
+
+
+class Trainer:
+    """Train ``params`` with ``optimizer`` on a loss function or one of our models.
+
+    Args:
+        loss_fn_or_model: ``loss_fn(params, batch, *, key) -> loss | (loss, metrics)``,
+            or a model: `entrenar.nn.Llama` / `GPT2` (causal LM loss on
+            ``input_ids``, ``labels``, ``attention_mask``, ...) or any model with
+            ``apply(params, x, *, key)`` (``config.loss`` between it and ``y``).
+        params: the initial parameter tree (not modified; the trainable half is
+            copied).
+        optimizer: an ``(init, update)`` pair (entrenar.optim or optax).
+        config: a `TrainConfig`.
+        trainable: None (all), ``"lora"`` or a mask (see `entrenar.train.state`).
+        callbacks: `Callback` objects.
+
+    Example:
+        >>> import numpy as np
+        >>> from entrenar.nn import MLP
+        >>> from entrenar.optim import adam
+        >>> m = MLP((1, 1))
+        >>> x = np.linspace(-1, 1, 64, dtype=np.float32)[:, None]
+        >>> t = Trainer(m, m.init(jax.random.key(0)), adam(0.1),
+        ...             TrainConfig(epochs=30, batch_size=16, progress=False))
+        >>> r = t.fit({"x": x, "y": 2 * x + 1})
+        >>> r.steps, t.evaluate({"x": x, "y": 2 * x + 1})["eval_loss"] < 1e-2
+        (120, True)
+    """
+
+    def __init__(
+        self,
+        loss_fn_or_model: Any,
+        params: Params,
+        optimizer: Any,
+        config: TrainConfig | None = None,
+        *,
+        trainable: Trainable = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        self.config = cfg = config if config is not None else TrainConfig()
+        if hasattr(loss_fn_or_model, "apply"):
+            self.model, loss_fn = (
+                loss_fn_or_model,
+                loss_for_model(loss_fn_or_model, cfg.loss),
+            )
+        elif callable(loss_fn_or_model):
+            self.model, loss_fn = None, loss_fn_or_model
+        else:
+            raise ConfigError(
+                "Trainer's first argument must be loss_fn(params, batch, *, key) or a "
+                f"model with .apply; got {type(loss_fn_or_model).__name__}"
+            )
+        self.loss_fn = with_compute_dtype(loss_fn, cfg.compute_dtype)
+        self.optimizer, self.callbacks = optimizer, list(callbacks)
+        self.state = TrainState.create(
+            params, optimizer, key=jax.random.key(cfg.seed), trainable=trainable
+        )
+        self._step_fn = make_train_step(
+            self.loss_fn, optimizer, grad_accum=cfg.grad_accum, clip=cfg.grad_clip,
+            skip_nonfinite=True,
+        )  # fmt: skip
+        self._eval_fn = make_eval_step(self.loss_fn)
+        self.history: list[dict[str, Any]] = []
+        self.eval_history: list[dict[str, Any]] = []
+        self.best_eval_loss: float | None = None
+        self.best_step: int | None = None
+        self.bad_evals = 0  # evaluations since the best one
+        self.should_stop = False
+        self.epoch = 0
+        self._pending: list[tuple[int, Any]] = []  # (step, device metrics) unchecked
+        self._window: list[dict[str, float]] = []  # checked steps since the last log
+        self._t_log = time.perf_counter()
+        self._checkpointer: Checkpointer | None = None
+        self._writer: MetricsWriter | None = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        return int(self.state.step)
+
+    # ------------------------------------------------------------------ the run
+    def fit(
+        self,
+        train_data: Any,
+        eval_data: Any = None,
+        resume: str | os.PathLike[str] | None = None,
+    ) -> TrainResult:
+        """Train until ``max_steps`` / ``epochs``, early stopping or a callback's stop.
+
+        Args:
+            train_data: a dict of arrays (batched here, shuffled per epoch from
+                ``(seed, epoch)``) or a `Loader`.
+            eval_data: the same kinds, or None.
+            resume: None (start fresh), ``"latest"`` (the newest checkpoint in
+                ``output_dir``, or a fresh start if there is none) or a path (a run
+                folder, its checkpoints folder, or one checkpoint's folder).
+
+        Raises:
+            NonFiniteError: ``nonfinite="stop"`` and a step's loss or gradient was
+                not finite (no checkpoint is written after it).
+        """
+        cfg = self.config
+        # 1. Data: a Loader whose order is a function of (seed, epoch).
+        loader = self._loader(train_data, train=True)
+        total = cfg.max_steps or cfg.epochs * len(loader)
+        # 2. Outputs: metrics.jsonl (+ TensorBoard) and checkpoints, in output_dir.
+        if cfg.output_dir is not None:
+            self._writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard)
+            self._checkpointer = Checkpointer(
+                os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep_checkpoints
+            )
+        # 3. State: fresh, or everything a checkpoint holds (and the data position).
+        loader.set_epoch(self.epoch)
+        self.should_stop = False
+        if resume is not None:
+            self._resume(resume, loader)
+        stopped_early = self.should_stop
+        last_eval = last_ckpt = self.step
+        progress = Progress(total, self.step, cfg.progress)
+        self._t_log = time.perf_counter()
+        try:
+            # 4. The loop: one jitted step per batch, then log / eval / checkpoint.
+            while self.step < total and not self.should_stop:
+                for batch in loader:
+                    self.train_step(batch)  # 4a. forward, backward, update
+                    step = self.step
+                    progress.update()
+                    if step % cfg.log_every == 0:  # 4b. log
+                        progress.show(self._log())
+                    if (
+                        eval_data is not None
+                        and cfg.eval_every
+                        and (step % cfg.eval_every == 0)
+                    ):
+                        stopped_early |= self._eval(eval_data)  # 4c. eval, patience
+                        last_eval = step
+                    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                        self._checkpoint(loader)  # 4d. checkpoint
+                        last_ckpt = step
+                    if step >= total or self.should_stop:
+                        break
+                else:  # 4e. the epoch ran to its end
+                    self.epoch += 1
+                    loader.set_epoch(self.epoch)
+                    if cfg.eval_every is None and eval_data is not None:
+                        stopped_early |= self._eval(eval_data)
+                        last_eval = self.step
+                    if cfg.checkpoint_every is None:
+                        self._checkpoint(loader)
+                        last_ckpt = self.step
+            # 5. The end: last log, eval and checkpoint if not just done.
+            if self._pending or self._window:
+                progress.show(self._log())
+            if eval_data is not None and last_eval != self.step:
+                self._eval(eval_data)
+            if last_ckpt != self.step:
+                self._checkpoint(loader)
+        finally:
+            progress.close()
+            if self._writer is not None:
+                self._writer.close()
+        result = TrainResult(
+            self.state, list(self.history), list(self.eval_history),
+            self.best_eval_loss, self.best_step,
+            stopped_early or self.should_stop, self.step,
+        )  # fmt: skip
+        for cb in self.callbacks:
+            cb.on_end(self, result)
+        return result
+
+    def train_step(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """One optimizer step on ``batch``; returns its metrics (device arrays)."""
+        self.state, metrics = self._step_fn(self.state, batch)
+        self._pending.append((self.step, metrics))
+        for cb in self.callbacks:
+            cb.on_step(self, self.step, metrics)
+        return metrics
+
+    def train_epoch(self, data: Any) -> dict[str, float]:
+        """One pass over ``data`` (no logging or checkpoints); the mean loss."""
+        loader = self._loader(data, train=True)
+        loader.set_epoch(self.epoch)
+        for batch in loader:
+            self.train_step(batch)
+        self.epoch += 1
+        self._check_pending()
+        window, self._window = self._window, []
+        return {"loss": float(np.mean([r["loss"] for r in window if r["finite"]]))}
+
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """``{"eval_loss", "eval_<metric>"...}``: means weighted by ``loss_weight``."""
+        loader = self._loader(data, train=False)
+        loader.set_epoch(0)
+        sums: dict[str, float] = {}
+        total_w = 0.0
+        for batch in loader:
+            m = jax.device_get(self._eval_fn(self.state, batch))
+            w = float(m.pop("loss_weight"))
+            total_w += w
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + w * float(v)
+        if total_w == 0:
+            raise ConfigError("evaluation data gave no batch (or no counted target)")
+        return {f"eval_{k}": v / total_w for k, v in sums.items()}
+
+    # ----------------------------------------------------------------- helpers
+    def _loader(self, data: Any, *, train: bool) -> Loader:
+        cfg = self.config
+        if isinstance(data, Mapping):
+            size = cfg.batch_size * cfg.grad_accum if train else cfg.batch_size
+            return ArrayLoader(
+                data, size, shuffle=cfg.shuffle and train, seed=cfg.seed,
+                drop_last=cfg.drop_last if train else False,
+            )  # fmt: skip
+        if isinstance(data, Loader):
+            return data
+        raise ConfigError(
+            f"training data must be a dict of arrays or a Loader (iterable of dict "
+            f"batches with set_epoch, __len__, state_dict); got {type(data).__name__}"
+        )
+
+    def _check_pending(self) -> None:
+        """Move checked steps to the log window; stop on a non-finite step."""
+        if not self._pending:
+            return
+        host = jax.device_get([m for _, m in self._pending])
+        for (step, _), m in zip(self._pending, host):
+            rec = {k: float(v) for k, v in m.items()}
+            if not rec["finite"] and self.config.nonfinite == "stop":
+                self._pending = []
+                last = (
+                    None
+                    if self._checkpointer is None
+                    else self._checkpointer.latest_step()
+                )
+                raise NonFiniteError(
+                    f"step {step}: the loss is {rec['loss']} and the gradient norm "
+                    f"{rec['grad_norm']}; the run stopped (the update was not applied; "
+                    f"last checkpoint: {'none' if last is None else f'step {last}'}). "
+                    "Lower the learning rate, clip gradients (grad_clip) or set "
+                    "nonfinite='skip'"
+                )
+            self._window.append(rec)
+        self._pending = []
+
+    def _log(self) -> dict[str, Any]:
+        self._check_pending()
+        window, self._window = self._window, []
+        now = time.perf_counter()
+        good = [r for r in window if r["finite"]]  # skipped steps are not averaged
+        record: dict[str, Any] = {"step": self.step, "epoch": self.epoch}
+        names = [k for k in (window[0] if window else {}) if k not in _NOT_AVERAGED]
+        for k in names:
+            record[k] = float(np.mean([r[k] for r in good])) if good else float("nan")
+        if window and "lr" in window[-1]:
+            record["lr"] = window[-1]["lr"]
+        if window and "tokens" in window[0]:
+            tokens = sum(r["tokens"] for r in window)
+            record["tokens_per_s"] = tokens / max(now - self._t_log, 1e-9)
+        record["skipped"] = len(window) - len(good)
+        self._t_log = now
+        self.history.append(record)
+        if self._writer is not None:
+            self._writer.write(record)
+        for cb in self.callbacks:
+            cb.on_log(self, self.step, record)
+        return record
+
+    def _eval(self, eval_data: Any) -> bool:
+        """Evaluate, track the best loss; True when patience ran out."""
+        self._check_pending()
+        metrics = self.evaluate(eval_data)
+        loss = metrics["eval_loss"]
+        record = {"step": self.step, "epoch": self.epoch, **metrics}
+        self.eval_history.append(record)
+        if (
+            self.best_eval_loss is None
+            or loss < self.best_eval_loss - self.config.min_delta
+        ):
+            self.best_eval_loss, self.best_step, self.bad_evals = loss, self.step, 0
+        else:
+            self.bad_evals += 1
+        if self._writer is not None:
+            self._writer.write(record, prefix="eval")
+        for cb in self.callbacks:
+            cb.on_eval(self, self.step, metrics)
+        patience = self.config.patience
+        if patience is not None and self.bad_evals >= patience:
+            self.should_stop = True
+            return True
+        return False
+
+    def _meta(self, loader: Loader) -> dict[str, Any]:
+        return {
+            "step": self.step, "epoch": self.epoch, "loader": loader.state_dict(),
+            "config": self.config.to_dict(), "history": self.history,
+            "eval_history": self.eval_history, "best_eval_loss": self.best_eval_loss,
+            "best_step": self.best_step, "bad_evals": self.bad_evals,
+            "window": self._window, "stopped": self.should_stop,
+        }  # fmt: skip
+
+    def _checkpoint(self, loader: Loader) -> None:
+        if self._checkpointer is None:
+            return
+        self._check_pending()  # never checkpoint past a non-finite step
+        path = self._checkpointer.save(self.state, self._meta(loader))
+        for cb in self.callbacks:
+            cb.on_checkpoint(self, self.step, path)
+
+    def _resume(self, resume: str | os.PathLike[str], loader: Loader) -> None:
+        folder, step = resolve_resume(resume, self.config.output_dir)
+        ckpt = self._checkpointer
+        if ckpt is None or ckpt.directory != os.path.abspath(folder):
+            ckpt = Checkpointer(folder, keep=self.config.keep_checkpoints)
+        if resume == "latest" and ckpt.latest_step() is None:
+            return  # nothing saved yet: a fresh start
+        self.state, meta = ckpt.restore(self.state, step)
+        changed = {
+            k: (v, getattr(self.config, k)) for k, v in meta["config"].items()
+            if k in ("seed", "batch_size", "grad_accum", "shuffle")
+            and getattr(self.config, k) != v
+        }  # fmt: skip
+        if changed:
+            warnings.warn(
+                f"resuming with a config that differs from the checkpoint's in "
+                f"{changed} (saved, now): the run will not match an uninterrupted one",
+                stacklevel=3,
+            )
+        self.epoch = int(meta["epoch"])
+        loader.load_state_dict(meta["loader"])
+        self.history, self.eval_history = (
+            list(meta["history"]),
+            list(meta["eval_history"]),
+        )
+        self.best_eval_loss, self.best_step = meta["best_eval_loss"], meta["best_step"]
+        self.bad_evals, self._window = int(meta["bad_evals"]), list(meta["window"])
+        self._pending, self.should_stop = [], bool(meta["stopped"])
+        if self._writer is not None:
+            self._writer.truncate_after(self.step)
+
+
+__all__ = ["TrainResult", "Trainer"]
