@@ -86,7 +86,7 @@ def main() -> None:
     print(f"loss {first:.4f} -> {last:.4f} in {time.perf_counter() - t0:.1f} s")
 
     tokens = make_batch(jax.random.fold_in(root, 3))
-    merged = lora.merge(params)
+    merged = lora.fold(params)
     diff = jnp.max(jnp.abs(MODEL.apply(merged, tokens) - MODEL.apply(params, tokens)))
     print(f"merged vs adapted logits: max |diff| = {float(diff):.2e}")
 

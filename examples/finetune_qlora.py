@@ -47,7 +47,7 @@ def main() -> None:
     (_, lora_loss, _), (qparams, q_loss, _) = results.values()
     print(f"QLoRA / LoRA final loss: {q_loss / lora_loss:.4f}")
 
-    _, errors = lora.merge_and_requantize(qparams)
+    _, errors = lora.fold_and_requantize(qparams)
     for path, err in errors.items():
         print(f"requantized {path}: max |err| {err.max_abs:.2e}, "
               f"relative rms {err.relative_rms:.3f}")  # fmt: skip

@@ -4,18 +4,19 @@ Protocol: ``apply(params, LoRAConfig(...), key=...)`` wraps the selected weights
 `LoRAWeight` nodes (``x Wᵀ + s (x Aᵀ) Bᵀ`` through `entrenar.nn.linear`, no model
 change; ``quantize="nf4"`` stores the bases 4-bit: QLoRA). ``split`` gives the
 ``(trainable, frozen)`` halves, gradients are taken w.r.t. the trainable half only,
-``combine`` joins them. ``merge`` folds adapters into dense weights, ``unmerge``
+``combine`` joins them. ``fold`` folds adapters into dense weights (model merging
+is `entrenar.merge`), ``unfold``
 takes them out; ``save_adapter`` / ``load_adapter`` use Hugging Face PEFT's files.
 """
 
 from entrenar.lora.adapter_io import load_adapter, save_adapter
 from entrenar.lora.config import ALL_LINEAR, LoRAConfig
-from entrenar.lora.merge import (
-    RequantError,
+from entrenar.lora.fold import (
+    RequantReport,
     delta,
-    merge,
-    merge_and_requantize,
-    unmerge,
+    fold,
+    fold_and_requantize,
+    unfold,
 )
 from entrenar.lora.report import MemoryReport, memory_report
 from entrenar.lora.transform import (
@@ -32,17 +33,17 @@ __all__ = [
     "LoRAConfig",
     "LoRAWeight",
     "MemoryReport",
-    "RequantError",
+    "RequantReport",
     "apply",
     "combine",
     "delta",
+    "fold",
+    "fold_and_requantize",
     "load_adapter",
     "memory_report",
-    "merge",
-    "merge_and_requantize",
     "save_adapter",
     "split",
     "trainable_mask",
-    "unmerge",
+    "unfold",
     "with_dropout_keys",
 ]

@@ -120,7 +120,7 @@ def apply(
             continue
         if isinstance(leaf, LoRAWeight):
             raise ConfigError(
-                f"{name!r} already has a LoRA adapter; merge it first (lora.merge)"
+                f"{name!r} already has a LoRA adapter; merge it first (lora.fold)"
             )
         a, b = _init_adapter(jax.random.fold_in(key, i), shape, config)
         base = leaf if quantize is None else _quant.quantize_base(leaf, quantize, name)

@@ -36,7 +36,7 @@ def test_qlora_forward_and_merge_match_numpy(scheme):
     got = jax.vmap(linear)(jnp.asarray(X), node)  # per-layer, as a scan would
     ref = np.einsum("lbi,loi->lbo", X, merged_ref)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
-    merged = lora.merge({"w": node})["w"]
+    merged = lora.fold({"w": node})["w"]
     np.testing.assert_allclose(merged, merged_ref, rtol=1e-6, atol=1e-6)
 
 
@@ -52,9 +52,9 @@ def test_qlora_base_errors():
 def test_requantize_only_quantized_bases_and_unmerge_needs_dense():
     node = adapted("nf4")
     dense = LoRAWeight(jnp.asarray(W), node.a, node.b, node.alpha, node.rank)
-    out, errors = lora.merge_and_requantize({"q": node, "d": dense})
+    out, errors = lora.fold_and_requantize({"q": node, "d": dense})
     assert list(errors) == ["q"]
     assert isinstance(out["q"], quant.QuantizedWeight)
     assert isinstance(out["d"], jax.Array)
     with pytest.raises(CompatibilityError, match="dense merged weight"):
-        lora.unmerge({"q": out["q"]}, {"q": node})
+        lora.unfold({"q": out["q"]}, {"q": node})

@@ -73,7 +73,7 @@ def test_lora_finetune_learns_and_leaves_frozen_weights_bit_identical(base, lora
     assert len(flat_base) == len(flat_frozen)
     for a, b in zip(flat_base, flat_frozen):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    merged = lora.merge(params)
+    merged = lora.fold(params)
     tokens = batch()
     np.testing.assert_allclose(
         CFG.apply(merged, tokens), CFG.apply(params, tokens), atol=1e-5, rtol=1e-5
@@ -99,12 +99,12 @@ def test_qlora_reaches_the_lora_loss_within_5_percent(base, lora_run):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # codes frozen
     # Merge: dequantize + add (dense), or requantize with the error reported.
     tokens = batch()
-    dense = lora.merge(qparams)
+    dense = lora.fold(qparams)
     assert isinstance(dense["model"]["layers"]["mlp"]["up_proj"]["weight"], jax.Array)
     np.testing.assert_allclose(
         CFG.apply(dense, tokens), CFG.apply(qparams, tokens), atol=1e-4, rtol=1e-4
     )
-    requant, errors = lora.merge_and_requantize(qparams)
+    requant, errors = lora.fold_and_requantize(qparams)
     up = requant["model"]["layers"]["mlp"]["up_proj"]["weight"]
     assert isinstance(up, quant.QuantizedWeight) and up.scheme == "nf4"
     assert set(errors) == {
@@ -115,7 +115,7 @@ def test_qlora_reaches_the_lora_loss_within_5_percent(base, lora_run):
     e = errors["model.layers.mlp.up_proj.weight"]
     ref = (
         quant.dequantize(up)
-        - lora.merge(qparams)["model"]["layers"]["mlp"]["up_proj"]["weight"]
+        - lora.fold(qparams)["model"]["layers"]["mlp"]["up_proj"]["weight"]
     )
     assert e.max_abs == pytest.approx(float(jnp.max(jnp.abs(ref))), rel=1e-5)
     assert 0 < e.relative_rms < 0.2

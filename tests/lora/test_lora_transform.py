@@ -1,4 +1,4 @@
-"""apply / split / combine / mask / merge / unmerge on hand-made trees."""
+"""apply / split / combine / mask / merge / unfold on hand-made trees."""
 
 import math
 
@@ -94,9 +94,9 @@ def test_adapted_model_equals_base_exactly_at_init():
 def test_merge_of_apply_is_identity_and_unmerge_inverts():
     p = make_params()
     lp = lora.apply(p, CFG, key=KEY)
-    assert_trees_allclose(lora.merge(lp), p, rtol=0)
+    assert_trees_allclose(lora.fold(lp), p, rtol=0)
     trained = randomize_b(lp, jax.random.key(5))
-    merged = lora.merge(trained)
+    merged = lora.fold(trained)
     w = trained["model"]["layers"]["up_proj"]["weight"]
     ref = np.asarray(w.base) + w.scale * np.einsum(
         "lor,lri->loi", np.asarray(w.b), np.asarray(w.a)
@@ -105,14 +105,14 @@ def test_merge_of_apply_is_identity_and_unmerge_inverts():
                                rtol=1e-6, atol=1e-6)  # fmt: skip
     np.testing.assert_allclose(forward(merged, X), forward(trained, X),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
-    back = lora.unmerge(merged, trained)
+    back = lora.unfold(merged, trained)
     assert_trees_allclose(lora.split(back)[0], lora.split(trained)[0], rtol=0)
-    assert_trees_allclose(lora.merge(back), merged, rtol=1e-6, atol=1e-6)
+    assert_trees_allclose(lora.fold(back), merged, rtol=1e-6, atol=1e-6)
     up = back["model"]["layers"]["up_proj"]["weight"].base
     np.testing.assert_allclose(up, p["model"]["layers"]["up_proj"]["weight"],
                                atol=1e-6)  # fmt: skip
     with pytest.raises(CompatibilityError, match="does not fit"):
-        lora.unmerge({"w": jnp.zeros((3, 3))}, {"w": w})
+        lora.unfold({"w": jnp.zeros((3, 3))}, {"w": w})
 
 
 def test_split_combine_and_mask():

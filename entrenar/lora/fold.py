@@ -1,12 +1,12 @@
-"""Fold adapters into their bases (`merge`) and take them out again (`unmerge`).
+"""Fold adapters into their bases (`fold`) and take them out again (`unfold`).
 
-``merge`` replaces each `LoRAWeight` by the dense matrix
+``fold`` replaces each `LoRAWeight` by the dense matrix
 
     W' = W + s · B A            (*lead, out, in), s = alpha / r (or alpha / sqrt(r))
 
 computed in float32 and cast to the base's dtype (a quantized base is dequantized
-first, so a merged QLoRA model is dense). ``merge_and_requantize`` quantizes ``W'``
-again with the base's own scheme and reports the error that costs. ``unmerge`` is the
+first, so a merged QLoRA model is dense). ``fold_and_requantize`` quantizes ``W'``
+again with the base's own scheme and reports the error that costs. ``unfold`` is the
 inverse for dense bases: ``W = W' - s · B A``.
 """
 
@@ -31,30 +31,30 @@ def delta(w: LoRAWeight) -> jax.Array:
     return w.scale * jnp.einsum("...or,...ri->...oi", b, a)
 
 
-def merged_weight(w: LoRAWeight) -> jax.Array:
+def folded_weight(w: LoRAWeight) -> jax.Array:
     """``W + s · B A`` in the base's (dequantized) dtype."""
     base = _quant.to_dense(w.base)
     return (base.astype(jnp.float32) + delta(w)).astype(base.dtype)
 
 
-def merge(params: Params) -> Params:
+def fold(params: Params) -> Params:
     """Replace every `LoRAWeight` by its merged dense weight ``W + s · B A``.
 
     Example:
         >>> import jax.numpy as jnp
         >>> w = LoRAWeight(jnp.zeros((2, 2)), jnp.ones((1, 2)), jnp.ones((2, 1)),
         ...                alpha=2, rank=1)
-        >>> merge({"w": w})["w"].tolist()
+        >>> fold({"w": w})["w"].tolist()
         [[2.0, 2.0], [2.0, 2.0]]
     """
     return jax.tree_util.tree_map(
-        lambda x: merged_weight(x) if isinstance(x, LoRAWeight) else x,
+        lambda x: folded_weight(x) if isinstance(x, LoRAWeight) else x,
         params,
         is_leaf=is_weight_leaf,
     )
 
 
-class RequantError(NamedTuple):
+class RequantReport(NamedTuple):
     """How far a requantized merged weight is from the exact merged weight."""
 
     max_abs: float
@@ -65,29 +65,29 @@ class RequantError(NamedTuple):
     """``rms / sqrt(mean(W'²))``."""
 
 
-def merge_and_requantize(params: Params) -> tuple[Params, dict[str, RequantError]]:
-    """`merge`, then quantize each merged weight whose base was quantized.
+def fold_and_requantize(params: Params) -> tuple[Params, dict[str, RequantReport]]:
+    """`fold`, then quantize each merged weight whose base was quantized.
 
     Each quantized base is dequantized, ``s · B A`` is added, and the sum is quantized
     again with the base's scheme, block size and double quantization.
 
     Returns:
         ``(params, errors)``: the new tree (quantized merged weights, dense weights
-        elsewhere) and, per dotted path of a requantized weight, its `RequantError`.
+        elsewhere) and, per dotted path of a requantized weight, its `RequantReport`.
     """
-    errors: dict[str, RequantError] = {}
+    errors: dict[str, RequantReport] = {}
     flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_leaf)
     out = []
     for (name, _), x in zip(named_weight_leaves(params), flat):
         if isinstance(x, LoRAWeight):
-            merged = merged_weight(x)
+            merged = folded_weight(x)
             result: Any = merged
             if _quant.is_quantized(x.base):
                 q = _quant.requantize_like(merged, x.base)
                 diff = _quant.to_dense(q).astype(jnp.float32) - merged
                 rms = float(jnp.sqrt(jnp.mean(diff**2)))
                 ref = float(jnp.sqrt(jnp.mean(merged.astype(jnp.float32) ** 2)))
-                errors[name] = RequantError(
+                errors[name] = RequantReport(
                     float(jnp.max(jnp.abs(diff))), rms, rms / ref if ref else 0.0
                 )
                 result = q
@@ -96,11 +96,11 @@ def merge_and_requantize(params: Params) -> tuple[Params, dict[str, RequantError
     return jax.tree_util.tree_unflatten(treedef, out), errors
 
 
-def unmerge(merged: Params, adapters: Params) -> Params:
-    """Undo `merge`: ``LoRAWeight(W' - s · B A, A, B)`` where ``adapters`` has one.
+def unfold(merged: Params, adapters: Params) -> Params:
+    """Undo `fold`: ``LoRAWeight(W' - s · B A, A, B)`` where ``adapters`` has one.
 
     Args:
-        merged: a tree of dense weights (the output of `merge`, possibly trained or
+        merged: a tree of dense weights (the output of `fold`, possibly trained or
             saved and reloaded since).
         adapters: a tree with the same structure holding the `LoRAWeight` nodes
             (the `apply`'d params or the trainable half from `split`).
@@ -115,11 +115,11 @@ def unmerge(merged: Params, adapters: Params) -> Params:
             return m
         if _quant.is_quantized(m) or isinstance(m, LoRAWeight):
             raise CompatibilityError(
-                f"unmerge needs a dense merged weight where the adapter is, got {m!r}"
+                f"unfold needs a dense merged weight where the adapter is, got {m!r}"
             )
         if tuple(m.shape) != (*ad.a.shape[:-2], ad.b.shape[-2], ad.a.shape[-1]):
             raise CompatibilityError(
-                f"unmerge: merged weight {tuple(m.shape)} does not fit the adapter "
+                f"unfold: merged weight {tuple(m.shape)} does not fit the adapter "
                 f"A {tuple(ad.a.shape)}, B {tuple(ad.b.shape)}"
             )
         base = (jnp.asarray(m).astype(jnp.float32) - delta(ad)).astype(m.dtype)
@@ -130,4 +130,4 @@ def unmerge(merged: Params, adapters: Params) -> Params:
     )
 
 
-__all__ = ["RequantError", "delta", "merge", "merge_and_requantize", "unmerge"]
+__all__ = ["RequantReport", "delta", "fold", "fold_and_requantize", "unfold"]
