@@ -165,12 +165,17 @@ class FastTokenizer:
             t = hf.Tokenizer(hf.models.BPE(vocab, merges))
             t.pre_tokenizer = pre.Sequence(steps)
             t.decoder = hf.decoders.ByteLevel()
-            added = [
-                hf.AddedToken(tok, special=kind == CONTROL, normalized=False)
-                for tok, kind in zip(reference.tokens, reference.token_types)
-                if kind in (CONTROL, USER_DEFINED)
-            ]
-            t.add_special_tokens(added)
+            for kind, add in (
+                (CONTROL, t.add_special_tokens),
+                (USER_DEFINED, t.add_tokens),
+            ):
+                add(
+                    [
+                        hf.AddedToken(tok, special=kind == CONTROL, normalized=False)
+                        for tok, k in zip(reference.tokens, reference.token_types)
+                        if k == kind
+                    ]
+                )
             t.encode_special_tokens = not parse_special
             self._hf.append(t)
 
