@@ -1,0 +1,156 @@
+"""Chat templates render as transformers renders them; labels cover only replies."""
+
+import numpy as np
+import pytest
+
+from entrenar.data import (
+    FastTokenizer,
+    assistant_spans,
+    encode_records,
+    load_chat_template,
+    render_chat,
+)
+from entrenar.errors import FormatError
+from entrenar.io import smollm2_path
+
+CHAT = [
+    {"role": "user", "content": "What is the capital of Zorbia?"},
+    {"role": "assistant", "content": "Quuxville."},
+    {"role": "user", "content": "And its river?"},
+    {"role": "assistant", "content": "The Blorp, 12 km long."},
+]
+SYSTEM = [{"role": "system", "content": "Be brief."}, *CHAT[:2]]
+SMOL_DEFAULT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+    "Hugging Face<|im_end|>\n"
+)
+# A template that uses what transformers' environment adds: tojson, loop controls,
+# raise_exception, {% generation %}, trim_blocks/lstrip_blocks whitespace control.
+FANCY = """{{ bos_token }}
+{% for m in messages %}
+  {% if m.role not in ['system', 'user', 'assistant'] %}
+    {{ raise_exception('unknown role ' + m.role) }}
+  {% endif %}
+  {% if m.role == 'system' %}{% continue %}{% endif %}
+  [{{ m.role | upper }}] {{ m | tojson }}
+  {% if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}
+{% endgeneration %}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}[ASSISTANT]{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return FastTokenizer.from_gguf(smollm2_path())
+
+
+@pytest.mark.slow
+def test_smollm2_template_renders_expected_text():
+    template = load_chat_template(smollm2_path())
+    text = render_chat(CHAT[:2], template, add_generation_prompt=False)
+    assert text == (
+        SMOL_DEFAULT + "<|im_start|>user\nWhat is the capital of Zorbia?<|im_end|>\n"
+        "<|im_start|>assistant\nQuuxville.<|im_end|>\n"
+    )
+    prompt = render_chat(SYSTEM[:2], template, add_generation_prompt=True)
+    assert prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of Zorbia?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template", ["smollm2", FANCY])
+@pytest.mark.parametrize("messages", [CHAT, SYSTEM, CHAT[:1]])
+@pytest.mark.parametrize("gen", [False, True])
+def test_matches_transformers_apply_chat_template(tok, template, messages, gen):
+    transformers = pytest.importorskip("transformers")
+    if template == "smollm2":
+        template = tok.chat_template
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok._hf[1],
+        bos_token=tok.tokens[tok.bos_id],
+        eos_token=tok.tokens[tok.eos_id],
+    )
+    hf.chat_template = template
+    want = hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=gen
+    )
+    got = render_chat(
+        messages,
+        template,
+        add_generation_prompt=gen,
+        bos_token=tok.tokens[tok.bos_id],
+        eos_token=tok.tokens[tok.eos_id],
+    )
+    assert got == want
+    ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert tok.encode(got, special=True) == list(ids)
+
+
+def test_template_errors_and_sandbox():
+    with pytest.raises(FormatError, match="unknown role tool"):
+        render_chat([{"role": "tool", "content": "x"}], FANCY)
+    with pytest.raises(FormatError, match="line 1"):
+        render_chat(CHAT, "{% for m in messages %}")
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(FormatError, match="unsafe|access"):
+        render_chat(CHAT, escape)
+    with pytest.raises(FormatError, match=r"messages\[1\]: 'content' must be a string"):
+        render_chat([CHAT[0], {"role": "assistant"}], FANCY)
+
+
+@pytest.mark.slow
+def test_assistant_spans_are_the_replies():
+    template = load_chat_template(smollm2_path())
+    text, spans = assistant_spans(CHAT, template)
+    assert [text[a:b] for a, b in spans] == [
+        "Quuxville.<|im_end|>\n",
+        "The Blorp, 12 km long.<|im_end|>\n",
+    ]
+
+
+@pytest.mark.slow
+def test_template_that_rewrites_history_is_refused(tok):
+    # Only the last assistant turn shows its content: renders don't extend each other.
+    t = (
+        "{% for m in messages %}{{ m.role }}:"
+        "{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    with pytest.raises(FormatError, match=r"record 1, column 'messages': messages\[1\]"):
+        encode_records([{"messages": CHAT}], tok, format="chat", chat_template=t)
+
+
+@pytest.mark.slow
+def test_chat_labels_only_on_assistant_turns(tok):
+    [(ids, labels)] = encode_records([{"messages": CHAT}], tok, format="chat")
+    text = render_chat(CHAT, tok.chat_template)
+    assert ids.tolist() == tok.encode(text, special=True)  # tokenized as for inference
+    trained = labels != -100
+    np.testing.assert_array_equal(labels[trained], ids[trained])
+    # The trained tokens are exactly the two replies with their end-of-turn.
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], trained, [0]]).astype(int)))
+    pieces = [tok.decode(ids[a:b], special=True) for a, b in zip(runs[::2], runs[1::2])]
+    assert pieces == ["Quuxville.<|im_end|>\n", "The Blorp, 12 km long.<|im_end|>\n"]
+
+
+@pytest.mark.slow
+def test_prompt_completion_labels_only_on_completion(tok):
+    recs = [
+        {"prompt": "Q: What is 2+2?\nA:", "completion": " 4"},
+        {"prompt": "The capital of Zorbia is", "completion": " Quuxville."},
+    ]
+    for (ids, labels), r in zip(encode_records(recs, tok, format="prompt_completion"),
+                                recs):  # fmt: skip
+        assert ids.tolist() == tok.encode(r["prompt"] + r["completion"]) + [2]
+        trained = labels != -100
+        first = int(np.argmax(trained))
+        assert not trained[:first].any() and trained[first:].all()
+        assert tok.decode(ids[:first]) == r["prompt"]
+        assert tok.decode(ids[first:], special=True) == r["completion"] + "<|im_end|>"
+    # Plain text: every token is trained, an EOS closes each document.
+    [(ids, labels)] = encode_records([{"text": "Hello there."}], tok, format="text")
+    assert labels.tolist() == ids.tolist() == tok.encode("Hello there.") + [2]
