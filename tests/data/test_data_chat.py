@@ -74,9 +74,7 @@ def test_matches_transformers_apply_chat_template(tok, template, messages, gen):
         eos_token=tok.tokens[tok.eos_id],
     )
     hf.chat_template = template
-    want = hf.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=gen
-    )
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
     got = render_chat(
         messages,
         template,
@@ -96,7 +94,7 @@ def test_template_errors_and_sandbox():
     with pytest.raises(FormatError, match="line 1"):
         render_chat(CHAT, "{% for m in messages %}")
     escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
-    with pytest.raises(FormatError, match="unsafe|access"):
+    with pytest.raises(FormatError, match=r"unsafe|access"):
         render_chat(CHAT, escape)
     with pytest.raises(FormatError, match=r"messages\[1\]: 'content' must be a string"):
         render_chat([CHAT[0], {"role": "assistant"}], FANCY)
@@ -120,7 +118,8 @@ def test_template_that_rewrites_history_is_refused(tok):
         "{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}\n"
         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
     )
-    with pytest.raises(FormatError, match=r"record 1, column 'messages': messages\[1\]"):
+    where = r"record 1, column 'messages': messages\[1\]"
+    with pytest.raises(FormatError, match=where):
         encode_records([{"messages": CHAT}], tok, format="chat", chat_template=t)
 
 
@@ -145,7 +144,7 @@ def test_prompt_completion_labels_only_on_completion(tok):
     ]
     for (ids, labels), r in zip(encode_records(recs, tok, format="prompt_completion"),
                                 recs):  # fmt: skip
-        assert ids.tolist() == tok.encode(r["prompt"] + r["completion"]) + [2]
+        assert ids.tolist() == [*tok.encode(r["prompt"] + r["completion"]), 2]
         trained = labels != -100
         first = int(np.argmax(trained))
         assert not trained[:first].any() and trained[first:].all()
@@ -153,4 +152,4 @@ def test_prompt_completion_labels_only_on_completion(tok):
         assert tok.decode(ids[first:], special=True) == r["completion"] + "<|im_end|>"
     # Plain text: every token is trained, an EOS closes each document.
     [(ids, labels)] = encode_records([{"text": "Hello there."}], tok, format="text")
-    assert labels.tolist() == ids.tolist() == tok.encode("Hello there.") + [2]
+    assert labels.tolist() == ids.tolist() == [*tok.encode("Hello there."), 2]
