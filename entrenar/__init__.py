@@ -13,7 +13,19 @@ Layers, each importing only the ones below it::
 Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 """
 
-from entrenar import autograd, data, distill, errors, io, lora, nn, optim, quant, train
+from entrenar import (
+    autograd,
+    data,
+    distill,
+    errors,
+    io,
+    lora,
+    merge,
+    nn,
+    optim,
+    quant,
+    train,
+)
 from entrenar.autograd import Tensor, backward, check_gradient, no_grad
 from entrenar.functional import grad, value_and_grad
 from entrenar.tree import (
@@ -46,6 +58,7 @@ __all__ = [
     "grad",
     "io",
     "lora",
+    "merge",
     "nn",
     "no_grad",
     "optim",
