@@ -40,6 +40,8 @@ class BuiltModel:
         params: its parameter tree.
         tokenizer: a language model's tokenizer (None for an mlp).
         source: the file it was read from (None when built from scratch).
+        custom: the file's ``custom`` metadata (e.g. a tabular model's feature
+            normalisation), empty otherwise.
     """
 
     architecture: str
@@ -47,6 +49,7 @@ class BuiltModel:
     params: Params
     tokenizer: Any = None
     source: str | None = None
+    custom: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def is_lm(self) -> bool:
@@ -120,6 +123,11 @@ def load_built(
             return BuiltModel("llama", config, params, load_tokenizer_file(path), path)
     model = io.load_model(path)
     custom = model.metadata.custom
+    tree = lists_from_dicts(model.params)
+    if isinstance(custom.get("quantization"), Mapping):
+        from entrenar.config.export import restore_quantized
+
+        tree = restore_quantized(tree, custom["quantization"], path)
     arch = model.metadata.architecture
     if "llama_config" in custom:
         arch, fields = "llama", custom["llama_config"]
@@ -132,8 +140,8 @@ def load_built(
             "entrenar.config.save_built or give model.architecture and model.config"
         )
     config = arch_config(arch, fields, f"{path}: model_config")
-    params = jax.tree_util.tree_map(lambda a: jax.numpy.asarray(a), model.params)
-    return BuiltModel(arch, config, params, None, path)
+    params = jax.tree_util.tree_map(jax.numpy.asarray, tree)
+    return BuiltModel(arch, config, params, None, path, dict(custom))
 
 
 def load_tokenizer_file(path: str) -> Any:
@@ -174,20 +182,50 @@ def save_built(
     fmt: str = "safetensors",
     name: str = "model",
     training_config: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write ``params`` of ``built`` so that `load_built` reads the model back."""
+    """Write ``params`` of ``built`` so that `load_built` reads the model back.
+
+    Lists in the tree (an mlp's layers) are stored as dicts keyed ``"0"``, ``"1"``...
+    (names ``layers.0.weight``); ``extra`` goes into the metadata's ``custom``.
+    """
     custom: dict[str, Any] = {"model_config": config_dict(built.config)}
     if built.architecture == "llama":
         custom = {"llama_config": config_dict(built.config)}
         if built.source and built.source.endswith(".gguf"):
             custom["gguf_source"] = built.source
+    custom.update(extra or {})
     meta = io.ModelMetadata(
         name=name,
         architecture=built.architecture,
         training_config=dict(training_config or {}),
         custom=custom,
     )
-    io.save_model(io.Model(meta, params), path, io.SaveConfig(io.ModelFormat(fmt)))
+    tree = dicts_from_lists(params)
+    io.save_model(io.Model(meta, tree), path, io.SaveConfig(io.ModelFormat(fmt)))
+
+
+def dicts_from_lists(tree: Any) -> Any:
+    """Lists in a param tree as dicts keyed by position (``"0"``, ``"1"``, ...)."""
+    if isinstance(tree, Mapping):
+        return {k: dicts_from_lists(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return {str(i): dicts_from_lists(v) for i, v in enumerate(tree)}
+    return tree
+
+
+def lists_from_dicts(tree: Any) -> Any:
+    """The inverse of `dicts_from_lists`: dicts keyed ``"0".."n-1"`` become lists."""
+    if not isinstance(tree, Mapping):
+        return tree
+    out = {k: lists_from_dicts(v) for k, v in tree.items()}
+    if (
+        out
+        and all(k.isdigit() for k in out)
+        and sorted(map(int, out)) == list(range(len(out)))
+    ):
+        return [out[str(i)] for i in range(len(out))]
+    return out
 
 
 __all__ = [
@@ -196,7 +234,9 @@ __all__ = [
     "arch_config",
     "build_model",
     "config_dict",
+    "dicts_from_lists",
     "from_scratch",
+    "lists_from_dicts",
     "load_built",
     "load_tokenizer_file",
     "save_built",

@@ -235,8 +235,9 @@ class SchedulerSection:
         None,
         ge=1,
         aliases=("total_steps", "transition_steps"),
-        doc="steps of the decay after warm-up (default: the rest of the run); "
-        "exponential_decay: steps per factor of `decay_rate`",
+        doc="length of the decay (default: the rest of the run after warm-up); "
+        "warmup_cosine_decay counts the warm-up in it (optax's meaning); "
+        "exponential_decay: steps per factor of `decay_rate` (default 1)",
     )
     init_value: float = option(
         0.0, ge=0.0, aliases=("warmup_init",), doc="learning rate at step 0 of warm-up"
@@ -356,12 +357,12 @@ class DistillationSection:
 
 @dataclasses.dataclass(frozen=True)
 class EarlyStoppingSection:
-    """``training.early_stopping:``: stop when the watched metric stops improving."""
+    """``training.early_stopping:``: stop when the eval loss stops improving."""
 
     patience: int = option(3, ge=1, doc="evaluations without improvement to wait")
-    min_delta: float = option(0.0, ge=0.0, doc="smallest change that counts")
-    metric: str = option("eval_loss", doc="the metric to watch")
-    mode: Literal["min", "max"] = option("min", doc="whether lower or higher is better")
+    min_delta: float = option(
+        0.0, ge=0.0, doc="an eval loss improves when below best - min_delta"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +402,7 @@ class TrainingSection:
         10, ge=1, aliases=("log_interval",), doc="steps between metric lines"
     )
     early_stopping: EarlyStoppingSection | None = option(
-        None, doc="stop when `metric` stops improving (see below)"
+        None, doc="stop when the eval loss stops improving (needs validation data)"
     )
     seed: int = option(0, ge=0, doc="seed of initialisation, shuffling and dropout")
     output_dir: str = option(
@@ -431,7 +432,8 @@ class ExportSection:
         option(
             ("safetensors",),
             aliases=("format",),
-            doc="safetensors / json (entrenar.io model file), gguf (llama.cpp, llama "
+            doc="model files hold the LoRA adapters folded into the base (lora.fold): "
+            "safetensors / json (entrenar.io model file), gguf (llama.cpp, llama "
             "only), hf (Hugging Face folder, llama only), adapter (PEFT folder, LoRA "
             "only)",
         )
@@ -441,11 +443,6 @@ class ExportSection:
         aliases=("tensor_type", "type"),
         doc="GGUF tensor type of the matrices (Q8_0 keeps a LoRA's effect; Q4 types "
         "may lose it)",
-    )
-    fold_adapter: bool = option(
-        True,
-        aliases=("merge_adapter",),
-        doc="fold LoRA adapters into the base for the model files (lora.fold)",
     )
 
     def check(self, path: str) -> None:

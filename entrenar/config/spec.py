@@ -289,26 +289,7 @@ def resolve_paths(spec: TrainSpec, base: str) -> TrainSpec:
         changes["distillation"] = dataclasses.replace(
             spec.distillation, teacher=fix(spec.distillation.teacher)
         )
-    if spec.merge is not None:
-        changes["merge"] = resolve_recipe_paths(spec.merge, fix)
     return dataclasses.replace(spec, **changes)
-
-
-def resolve_recipe_paths(recipe: dict[str, Any], fix: Any) -> dict[str, Any]:
-    """A merge recipe with ``base_model`` and ``models[].model`` paths resolved."""
-    out = dict(recipe)
-    if isinstance(out.get("base_model"), str):
-        out["base_model"] = fix(out["base_model"])
-    if isinstance(out.get("models"), list):
-        models = []
-        for m in out["models"]:
-            if isinstance(m, Mapping) and isinstance(m.get("model"), str):
-                m = {**m, "model": fix(m["model"])}
-            elif isinstance(m, str):
-                m = fix(m)
-            models.append(m)
-        out["models"] = models
-    return out
 
 
 def _exists(key: str, p: str | None, *, folder_ok: bool = False) -> None:

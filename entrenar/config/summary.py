@@ -45,9 +45,9 @@ def validate(
     spec = config if isinstance(config, TrainSpec) else load_config(config, overrides)
     check_model_sizes(spec)
     if spec.merge is not None:
-        from entrenar.config.merging import parse_recipe
+        from entrenar.config.merging import spec_recipe
 
-        parse_recipe(spec.merge)
+        spec_recipe(spec)
     return spec
 
 

@@ -1,0 +1,168 @@
+"""``entrenar train``, ``entrenar eval`` and ``entrenar plot``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import click
+
+from entrenar.cli.app import command, is_verbose
+
+
+def _overrides(**flags: Any) -> dict[str, Any]:
+    """Command-line flags as dotted config overrides (only the ones given)."""
+    keys = {
+        "epochs": "training.epochs",
+        "max_steps": "training.max_steps",
+        "lr": "optimizer.lr",
+        "batch_size": "data.batch_size",
+        "output_dir": "training.output_dir",
+        "seed": "training.seed",
+        "save_every": "training.checkpoint_every",
+        "log_every": "training.log_every",
+        "grad_accum": "training.grad_accum",
+    }
+    out = {keys[k]: v for k, v in flags.items() if v is not None}
+    if flags.get("epochs") is not None and flags.get("max_steps") is None:
+        out["training.max_steps"] = None  # --epochs sets the length of the run
+    return out
+
+
+@command("train")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--epochs", type=click.IntRange(min=1), help="Override training.epochs "
+              "(and drop training.max_steps).")  # fmt: skip
+@click.option("--max-steps", type=click.IntRange(min=1), help="Override "
+              "training.max_steps.")  # fmt: skip
+@click.option("--lr", type=float, help="Override optimizer.lr.")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Override "
+              "data.batch_size.")  # fmt: skip
+@click.option("--grad-accum", type=click.IntRange(min=1), help="Override "
+              "training.grad_accum.")  # fmt: skip
+@click.option("--output-dir", type=click.Path(file_okay=False), help="Override "
+              "training.output_dir.")  # fmt: skip
+@click.option("--seed", type=click.IntRange(min=0), help="Override training.seed.")
+@click.option("--save-every", type=click.IntRange(min=1), help="Override "
+              "training.checkpoint_every.")  # fmt: skip
+@click.option("--log-every", type=click.IntRange(min=1), help="Override "
+              "training.log_every.")  # fmt: skip
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override any key, e.g. --set lora.rank=16 (VALUE is read as YAML).",
+)
+@click.option(
+    "--resume",
+    metavar="latest|PATH",
+    help="Continue from the newest checkpoint in the output dir ('latest') or from "
+    "a run folder / checkpoint folder.",
+)
+@click.option("--dry-run", is_flag=True, help="Build model, data and optimizer; "
+              "do not train.")  # fmt: skip
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def train_cmd(
+    config: str, sets: tuple[str, ...], resume: str | None, dry_run: bool,
+    no_progress: bool, **flags: Any,
+) -> None:  # fmt: skip
+    """Train the run CONFIG describes (a YAML file; see specs/config.md)."""
+    from entrenar.config.run import train_from_yaml
+
+    overrides = _overrides(**flags) | parse_sets(sets)
+    result = train_from_yaml(
+        config, overrides, resume=resume, dry_run=dry_run,
+        progress=not no_progress,
+    )  # fmt: skip
+    if dry_run:
+        click.echo(f"✓ dry run: {config} builds; nothing was trained")
+        for k, v in result.metrics.items():
+            click.echo(f"  {k}: {v}")
+        return
+    m = result.metrics
+    parts = [
+        f"{k}={_fmt(m[k])}" for k in ("steps", "train_loss", "eval_loss") if k in m
+    ]
+    click.echo(f"✓ trained: {', '.join(parts)}")
+    for kind, path in result.files.items():
+        click.echo(f"  {kind}: {path}")
+    if is_verbose():
+        click.echo(json.dumps(m, indent=2, default=str))
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
+    """``("lora.rank=16", ...)`` as overrides; each value is parsed as YAML."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise click.BadParameter(
+                f"{item!r}: bad value", param_hint="--set"
+            ) from None
+    return out
+
+
+@command("eval")
+@click.argument("target", type=click.Path(exists=True))
+@click.option(
+    "--data",
+    "data_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Data to evaluate on (default: the config's validation data).",
+)
+@click.option("--model", "model_path", type=click.Path(exists=True),
+              help="With a CONFIG: the trained model to evaluate (default: "
+              "<output_dir>/model.safetensors).")  # fmt: skip
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+def eval_cmd(
+    target: str, data_path: str | None, model_path: str | None, fmt: str
+) -> None:
+    """Evaluate a trained model: TARGET is a run's CONFIG or a MODEL file.
+
+    With a MODEL, --data names the data; its format is read as tabular for an mlp
+    (the model file stores its features, target and normalisation) and text for a
+    language model.
+    """
+    from entrenar.config.evaluate import evaluate_config, evaluate_model
+
+    if target.lower().endswith((".yaml", ".yml")):
+        out = evaluate_config(target, data=data_path, model=model_path)
+    else:
+        if data_path is None:
+            raise click.UsageError("evaluating a MODEL needs --data FILE")
+        out = evaluate_model(target, data_path)
+    if fmt == "json":
+        click.echo(json.dumps(out, indent=2))
+    else:
+        for k, v in out.items():
+            click.echo(f"{k}: {_fmt(v)}")
+
+
+@command("plot")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Image path (default RUN_DIR/loss.png).")  # fmt: skip
+def plot_cmd(run_dir: str, output: str | None) -> None:
+    """Plot RUN_DIR/metrics.jsonl: train and eval loss and the learning rate."""
+    from entrenar.train.plot import plot
+
+    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        raise click.BadParameter(
+            f"{run_dir} has no metrics.jsonl", param_hint="RUN_DIR"
+        )
+    click.echo(plot(run_dir, output))
+
+
+__all__ = ["eval_cmd", "parse_sets", "plot_cmd", "train_cmd"]

@@ -1,0 +1,262 @@
+"""The pieces of a run built from its sections: data, schedule, optimizer, TrainConfig.
+
+Tabular data becomes in-memory arrays ``{"x": (N, F) float32, "y": (N,) int32 or
+(N, 1) float32}`` (the Trainer batches them); text becomes an `entrenar.data`
+`TextLoader` whose batches hold ``batch_size × grad_accum`` rows (the Trainer splits
+each into ``grad_accum`` micro-batches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from entrenar import data as data_lib
+from entrenar import optim
+from entrenar.config.models import BuiltModel
+from entrenar.config.spec import TrainSpec
+from entrenar.errors import ConfigError
+from entrenar.train import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """Training and evaluation data of a run.
+
+    Attributes:
+        train: arrays (tabular) or a loader (text).
+        eval: the same kinds, or None.
+        steps_per_epoch: optimizer steps in one pass over ``train``.
+        examples: training examples (rows, or documents for text).
+        stats: tabular normalisation (``{"mean": [...], "std": [...]}``) and the
+            feature names, to be stored with the model; empty for text.
+    """
+
+    train: Any
+    eval: Any
+    steps_per_epoch: int
+    examples: int
+    stats: dict[str, Any]
+
+
+def _split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    order = np.random.default_rng([int(seed), 7]).permutation(n)
+    k = round(n * fraction)
+    if fraction > 0 and not 0 < k < n:
+        raise ConfigError(
+            f"data.validation_split: {fraction} of {n} examples leaves an empty split"
+        )
+    return np.sort(order[k:]), np.sort(order[:k])
+
+
+def _tabular(spec: TrainSpec, built: BuiltModel) -> RunData:
+    d = spec.data
+    assert d is not None and d.target is not None
+    target: str = d.target
+    train_recs = data_lib.load_records(d.train)
+    if not len(train_recs):
+        raise ConfigError(f"data.train: {d.train} holds no rows")
+    first = train_recs[0]
+    if target not in first:
+        raise ConfigError(
+            f"data.target: column {target!r} is not in {d.train} (it has "
+            f"{sorted(first)})"
+        )
+    features = list(d.features or [c for c in first if c != target])
+    n_in, n_out = built.config.sizes[0], built.config.sizes[-1]
+    if len(features) != n_in:
+        raise ConfigError(
+            f"model.config.sizes: the first size is {n_in} but data has "
+            f"{len(features)} feature columns ({', '.join(features[:6])}...)"
+        )
+
+    def arrays(recs: Any, where: str) -> dict[str, np.ndarray]:
+        x = data_lib.to_arrays(recs, {"x": features})["x"]
+        if d.task == "regression":
+            y = data_lib.to_arrays(recs, {"y": [target]})["y"]  # (N, 1)
+            if n_out != 1:
+                raise ConfigError(
+                    f"model.config.sizes: regression predicts one value; the last "
+                    f"size is {n_out}"
+                )
+            return {"x": x, "y": y}
+        raw = data_lib.to_arrays(recs, {"y": target}, dtype=np.float64)["y"]
+        if np.any(raw != np.round(raw)) or np.any(raw < 0) or np.any(raw >= n_out):
+            bad = raw[(raw != np.round(raw)) | (raw < 0) | (raw >= n_out)][0]
+            raise ConfigError(
+                f"data.target: {where} has class {bad:g}; classes must be integers "
+                f"0..{n_out - 1} (the model's last size is {n_out})"
+            )
+        return {"x": x, "y": raw.astype(np.int32)}
+
+    train = arrays(train_recs, d.train)
+    if d.validation is not None:
+        valid: dict[str, np.ndarray] | None = arrays(
+            data_lib.load_records(d.validation), d.validation
+        )
+    elif d.validation_split > 0:
+        keep, held = _split(len(train["x"]), d.validation_split, spec.training.seed)
+        valid = {k: v[held] for k, v in train.items()}
+        train = {k: v[keep] for k, v in train.items()}
+    else:
+        valid = None
+    stats: dict[str, Any] = {"features": features, "target": target}
+    if d.normalize:
+        mean = train["x"].mean(axis=0)
+        std = train["x"].std(axis=0)
+        std = np.where(std > 0, std, 1.0).astype(np.float32)
+        train["x"] = ((train["x"] - mean) / std).astype(np.float32)
+        if valid is not None:
+            valid["x"] = ((valid["x"] - mean) / std).astype(np.float32)
+        stats |= {"mean": mean.tolist(), "std": std.tolist()}
+    per_step = d.batch_size * spec.training.grad_accum
+    steps = len(train["x"]) // per_step
+    if steps == 0:
+        raise ConfigError(
+            f"data.batch_size: {len(train['x'])} training rows make no full step of "
+            f"batch_size × grad_accum = {per_step}"
+        )
+    return RunData(train, valid, steps, len(train["x"]), stats)
+
+
+def _text(spec: TrainSpec, built: BuiltModel) -> RunData:
+    d = spec.data
+    assert d is not None
+    if built.tokenizer is None:
+        raise ConfigError(
+            "model.tokenizer: this language model has no tokenizer; name a .gguf "
+            "whose tokenizer to use"
+        )
+    if d.packing and built.architecture == "gpt2":
+        raise ConfigError("data.packing: GPT-2 does not take packed rows; use llama")
+    fmt: Any = "text" if d.format == "auto" else d.format
+    fields = {
+        "text": d.text_field,
+        "prompt": d.prompt_field,
+        "completion": d.completion_field,
+        "messages": d.messages_field,
+    }
+    rows = d.batch_size * spec.training.grad_accum
+    common: dict[str, Any] = dict(
+        format=fmt, seq_len=d.seq_len, packing=d.packing, fields=fields
+    )
+    train = data_lib.lm_loader(
+        d.train, built.tokenizer, batch_size=rows, shuffle=d.shuffle,
+        seed=spec.training.seed, drop_last=True, **common,
+    )  # fmt: skip
+    valid = None
+    if d.validation is not None:
+        valid = data_lib.lm_loader(
+            d.validation, built.tokenizer, batch_size=d.batch_size, shuffle=False,
+            **common,
+        )  # fmt: skip
+    elif d.validation_split > 0:
+        raise ConfigError(
+            "data.validation_split: for text data give a `validation` file instead"
+        )
+    if len(train) == 0:
+        raise ConfigError(
+            f"data.batch_size: {d.train} has fewer rows than batch_size × grad_accum "
+            f"= {rows}"
+        )
+    return RunData(train, valid, len(train), train.documents, {})
+
+
+def build_data(spec: TrainSpec, built: BuiltModel) -> RunData:
+    """The training and evaluation data of ``spec`` for ``built``."""
+    return _tabular(spec, built) if not built.is_lm else _text(spec, built)
+
+
+def total_steps(spec: TrainSpec, steps_per_epoch: int) -> int:
+    """Optimizer steps of the run: ``max_steps``, else ``epochs × steps_per_epoch``."""
+    t = spec.training
+    return t.max_steps or (t.epochs or 1) * steps_per_epoch
+
+
+def build_schedule(spec: TrainSpec, total: int) -> Any:
+    """The learning rate: ``optimizer.lr`` or a schedule over ``total`` steps."""
+    lr, s = spec.optimizer.lr, spec.scheduler
+    if s is None:
+        return lr
+    w = s.warmup_steps
+    if w and w >= total:
+        raise ConfigError(
+            f"scheduler.warmup_steps: {w} is not below the run's {total} steps"
+        )
+    if s.name == "warmup_cosine_decay":  # optax's: decay_steps counts the warm-up
+        return optim.warmup_cosine_decay_schedule(
+            s.init_value, lr, w, s.decay_steps or total, s.end_value
+        )
+    decay = s.decay_steps or max(total - w, 1)
+    if s.name == "constant":
+        sched: Any = optim.constant_schedule(lr)
+    elif s.name == "linear":
+        sched = optim.linear_schedule(lr, s.end_value, decay)
+    elif s.name == "cosine_decay":
+        sched = optim.cosine_decay_schedule(lr, decay, s.end_value / lr)
+    else:
+        assert s.decay_rate is not None
+        sched = optim.exponential_decay(
+            lr, s.decay_steps or 1, s.decay_rate, staircase=s.staircase
+        )
+    return optim.warmup(sched, w, s.init_value) if w else sched
+
+
+def build_optimizer(spec: TrainSpec, total: int) -> optim.GradientTransformation:
+    """``optimizer.name`` with its hyperparameters and the schedule."""
+    o = spec.optimizer
+    lr = build_schedule(spec, total)
+    if o.name == "sgd":
+        return optim.sgd(
+            lr, o.momentum or 0.0, bool(o.nesterov), weight_decay=o.weight_decay or 0.0
+        )
+    betas = dict(b1=_or(o.beta1, 0.9), b2=_or(o.beta2, 0.999), eps=_or(o.eps, 1e-8))
+    if o.name == "adam":
+        return optim.adam(lr, **betas)
+    return optim.adamw(lr, **betas, weight_decay=_or(o.weight_decay, 0.01))
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def train_config(spec: TrainSpec, *, progress: bool = True) -> TrainConfig:
+    """The `entrenar.train.TrainConfig` of the ``training`` and ``data`` sections."""
+    t, d = spec.training, spec.data
+    assert d is not None
+    loss = t.loss
+    if loss == "auto":
+        loss = "mse" if d.task == "regression" else "cross_entropy"
+    es = t.early_stopping
+    return TrainConfig(
+        epochs=t.epochs or 1,
+        max_steps=t.max_steps,
+        batch_size=d.batch_size,
+        grad_accum=t.grad_accum,
+        grad_clip=t.grad_clip,
+        log_every=t.log_every,
+        eval_every=t.eval_every,
+        checkpoint_every=t.checkpoint_every,
+        keep_checkpoints=t.keep_checkpoints,
+        patience=es.patience if es is not None else None,
+        min_delta=es.min_delta if es is not None else 0.0,
+        seed=t.seed,
+        output_dir=t.output_dir,
+        compute_dtype=None if t.compute_dtype == "float32" else t.compute_dtype,
+        progress=progress,
+        loss=loss,
+        shuffle=d.shuffle,
+        drop_last=True,
+    )
+
+
+__all__ = [
+    "RunData",
+    "build_data",
+    "build_optimizer",
+    "build_schedule",
+    "total_steps",
+    "train_config",
+]

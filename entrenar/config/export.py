@@ -1,0 +1,231 @@
+"""The files a run writes after training, and quantized model files.
+
+A quantized model that is not a llama.cpp GGUF is stored as an `entrenar.io` model
+file whose quantized weights are split into their arrays (``<name>.codes``,
+``<name>.scales``, ``<name>.offsets``, ...), with ``custom["quantization"]`` mapping
+each weight name to its static fields (scheme, block size, dtype, granularity);
+`restore_quantized` rebuilds the `entrenar.quant.QuantizedWeight` nodes.
+`entrenar.io.load_model` reads such a file as its plain arrays.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from entrenar import io, lora, quant
+from entrenar.config.models import BuiltModel, save_built
+from entrenar.errors import ConfigError, FormatError
+from entrenar.tree import key_path_str
+from entrenar.types import Params
+
+GGML_SCHEMES = ("q8_0", "q4_0", "q4_1")
+_FIELDS = ("codes", "scales", "offsets", "scale_scales", "scale_offset")
+
+
+def split_quantized(params: Params) -> tuple[Params, dict[str, Any]]:
+    """Params with each `QuantizedWeight` replaced by a dict of its arrays, + its info.
+
+    Returns:
+        ``(tree, info)``: ``info[name] = {"scheme", "block_size", "dtype",
+        "granularity"}`` for each quantized weight's dotted ``name``.
+    """
+    info: dict[str, Any] = {}
+
+    def rule(path: Any, x: Any) -> Any:
+        if not quant.is_quantized(x):
+            return x
+        info[key_path_str(path)] = {
+            "scheme": x.scheme,
+            "block_size": int(x.block_size),
+            "dtype": np.dtype(x.dtype).name,
+            "granularity": x.granularity,
+        }
+        return {f: getattr(x, f) for f in _FIELDS if getattr(x, f) is not None}
+
+    tree = jax.tree_util.tree_map_with_path(rule, params, is_leaf=quant.is_quantized)
+    return tree, info
+
+
+def restore_quantized(params: Params, info: Mapping[str, Any], path: str) -> Params:
+    """Rebuild the `QuantizedWeight` nodes `split_quantized` took apart."""
+    out = params
+    for name, fields in info.items():
+        parts = name.split(".")
+        node: Any = out
+        for p in parts[:-1]:
+            node = node[int(p)] if isinstance(node, list) else node.get(p)
+            if node is None:
+                raise FormatError(f"{path}: quantized weight {name!r} is missing")
+        arrays = node.get(parts[-1]) if isinstance(node, dict) else None
+        if not isinstance(arrays, dict) or "codes" not in arrays:
+            raise FormatError(f"{path}: quantized weight {name!r} has no codes")
+        try:
+            q = quant.QuantizedWeight(
+                **{f: arrays.get(f) for f in _FIELDS},
+                scheme=str(fields["scheme"]),
+                block_size=int(fields["block_size"]),
+                dtype=np.dtype(str(fields["dtype"])),
+                granularity=str(fields["granularity"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"{path}: quantization of {name!r}: {e}") from None
+        node[parts[-1]] = q
+    return out
+
+
+def quantize_options(scheme: str, block_size: int, per_channel: bool) -> dict[str, Any]:
+    """Keyword options of `entrenar.quant.quantize` for a scheme."""
+    if scheme in GGML_SCHEMES:
+        return {}
+    opts: dict[str, Any] = {"block_size": block_size}
+    if scheme == "nf4":
+        opts["double_quant"] = True
+    if scheme == "int8" and per_channel:
+        opts["granularity"] = "channel"
+    return opts
+
+
+def write_quantized(
+    built: BuiltModel,
+    params: Params,
+    path: str,
+    scheme: str,
+    *,
+    block_size: int = 64,
+    per_channel: bool = False,
+    name: str = "model",
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """Write ``params`` of ``built`` quantized with ``scheme``; returns the path.
+
+    A Llama in a GGML scheme (q8_0, q4_0, q4_1) to a ``.gguf`` path is written as a
+    llama.cpp model; anything else as an entrenar model file (see the module
+    docstring) in the format of the path's extension.
+    """
+    if path.endswith(".gguf"):
+        if built.architecture != "llama" or scheme not in GGML_SCHEMES:
+            raise ConfigError(
+                f"{path}: a .gguf output holds a Llama in q8_0, q4_0 or q4_1; this is "
+                f"a {built.architecture} in {scheme} (write .safetensors instead)"
+            )
+        source = (
+            built.source if built.source and built.source.endswith(".gguf") else None
+        )
+        io.save_llama_gguf(
+            path, built.config, params, source=source, tensor_type=scheme.upper(),
+            name=name,
+        )  # fmt: skip
+        return path
+    qparams = quant.quantize_params(
+        quant.dequantize_params(params), scheme,
+        **quantize_options(scheme, block_size, per_channel),
+    )  # fmt: skip
+    tree, info = split_quantized(qparams)
+    if not info:
+        raise ConfigError(
+            f"{scheme}: no weight of this model has a row length that splits into "
+            f"blocks of {block_size}; choose a smaller block size"
+        )
+    fmt = "json" if path.endswith(".json") else "safetensors"
+    save_built(
+        built, tree, path, fmt=fmt, name=name,
+        extra={**(extra or {}), "quantization": info},
+    )  # fmt: skip
+    return path
+
+
+def write_outputs(
+    spec: Any,
+    built: BuiltModel,
+    params: Params,
+    out_dir: str,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """Write what ``export`` and ``quantization`` ask for; ``{kind: path}``."""
+    os.makedirs(out_dir, exist_ok=True)
+    written: dict[str, str] = {}
+    ex = spec.export
+    name = spec.name or "model"
+    adapted = bool(jax.tree_util.tree_leaves(lora.split(params)[0]))
+    if "adapter" in ex.formats:
+        if not adapted:
+            raise ConfigError("export.formats: 'adapter' needs a LoRA run (lora:)")
+        folder = os.path.join(out_dir, "adapter")
+        lora.save_adapter(
+            params, folder, base_model_name_or_path=built.source,
+            task_type="CAUSAL_LM" if built.is_lm else None,
+        )  # fmt: skip
+        written["adapter"] = folder
+    model_params = lora.fold(params) if adapted else params  # plain weights
+    train_cfg = {"source": spec.source, "name": spec.name}
+    for fmt in ("safetensors", "json"):
+        if fmt in ex.formats:
+            path = os.path.join(out_dir, f"model.{fmt}")
+            save_built(
+                built, quant.dequantize_params(model_params), path, fmt=fmt,
+                name=name, training_config=train_cfg, extra=extra,
+            )  # fmt: skip
+            written[fmt] = path
+    if "gguf" in ex.formats:
+        path = os.path.join(out_dir, "model.gguf")
+        source = (
+            built.source if built.source and built.source.endswith(".gguf") else None
+        )
+        io.save_llama_gguf(
+            path, built.config, model_params, source=source,
+            tensor_type=ex.gguf_type, name=name,
+        )  # fmt: skip
+        written["gguf"] = path
+    if "hf" in ex.formats:
+        written["hf"] = write_hf_folder(
+            built, model_params, os.path.join(out_dir, "hf")
+        )
+    q = spec.quantization
+    if q is not None and q.enabled:
+        scheme = q.resolved_scheme
+        ext = "gguf" if built.architecture == "llama" and scheme in GGML_SCHEMES else (
+            "safetensors")  # fmt: skip
+        path = os.path.join(out_dir, f"model-{scheme}.{ext}")
+        write_quantized(
+            built, model_params, path, scheme, block_size=q.block_size,
+            per_channel=q.per_channel, name=name, extra=extra,
+        )  # fmt: skip
+        written["quantized"] = path
+    return written
+
+
+def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
+    """A Hugging Face ``LlamaForCausalLM`` folder (config.json + model.safetensors)."""
+    import json
+
+    if built.architecture != "llama":
+        raise ConfigError("export.formats: 'hf' writes Llama models only")
+    from entrenar import nn
+
+    os.makedirs(folder, exist_ok=True)
+    dense = quant.dequantize_params(params)
+    flat = nn.to_hf_names(dense)
+    tensors = {k: np.asarray(v) for k, v in flat.items()}
+    io.save_safetensors(
+        tensors, os.path.join(folder, "model.safetensors"), {"format": "pt"}
+    )
+    with io.atomic_write(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(built.config.to_hf_config(), f, indent=2)
+    return folder
+
+
+__all__ = [
+    "GGML_SCHEMES",
+    "quantize_options",
+    "restore_quantized",
+    "split_quantized",
+    "write_hf_folder",
+    "write_outputs",
+    "write_quantized",
+]

@@ -1,0 +1,246 @@
+"""`train_from_yaml`: a whole run from one YAML file.
+
+The workflow, top to bottom (each step in its own function below):
+
+1. load and validate the config (with overrides);
+2. build the model: read a GGUF / safetensors / HF folder, or initialise an
+   architecture from scratch (`entrenar.config.models`);
+3. wrap the targeted weights in LoRA adapters, the bases 4-bit for QLoRA
+   (`entrenar.lora.apply`);
+4. build the data (`entrenar.data`), the schedule and the optimizer
+   (`entrenar.optim`), and the loss: the model's own, or distillation from a teacher
+   (`entrenar.distill.make_distill_loss_fn`);
+5. `entrenar.train.Trainer.fit`: metrics.jsonl, checkpoints/, early stopping, resume;
+6. export: adapter (PEFT), model files, GGUF / HF folder, a quantized copy, loss.png.
+
+A config whose only job is a ``merge`` recipe runs `entrenar.merge.run_recipe` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from entrenar import lora
+from entrenar.config.build import (
+    RunData,
+    build_data,
+    build_optimizer,
+    total_steps,
+    train_config,
+)
+from entrenar.config.export import write_outputs
+from entrenar.config.merging import run_merge
+from entrenar.config.models import BuiltModel, build_model, load_built
+from entrenar.config.spec import TrainSpec
+from entrenar.config.summary import as_dict, validate
+from entrenar.io import atomic_write
+from entrenar.train import Trainer, TrainResult
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `train_from_yaml` returns.
+
+    Attributes:
+        spec: the validated `TrainSpec` (overrides applied).
+        output_dir: where the run wrote its files.
+        files: what was written, by kind (``"safetensors"``, ``"adapter"``,
+            ``"gguf"``, ``"quantized"``, ``"merged"``, ``"metrics"``, ``"plot"``...).
+        train: the Trainer's result (None for a dry run or a merge).
+        metrics: final figures: ``steps``, ``train_loss``, ``eval_loss``...
+    """
+
+    spec: TrainSpec
+    output_dir: str
+    files: dict[str, str]
+    train: TrainResult | None = None
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Everything `fit` needs, built from the spec (what ``--dry-run`` checks)."""
+
+    built: BuiltModel
+    params: Any
+    loss: Any
+    trainable: Any
+    data: RunData
+    optimizer: Any
+    total: int
+
+
+def prepare(spec: TrainSpec) -> Prepared:
+    """Steps 2-4: model, adapters, data, optimizer and loss, ready for `Trainer`."""
+    assert spec.model is not None
+    key = jax.random.key(spec.training.seed)
+    built = build_model(spec.model, key=jax.random.fold_in(key, 0))
+    params, trainable = built.params, None
+    if spec.lora is not None and spec.lora.enabled:
+        params, trainable = (
+            _apply_lora(spec, params, jax.random.fold_in(key, 1)),
+            "lora",
+        )
+    data = build_data(spec, built)
+    total = total_steps(spec, data.steps_per_epoch)
+    optimizer = build_optimizer(spec, total)
+    loss: Any = built.config
+    if spec.distillation is not None:
+        from entrenar.distill import make_distill_loss_fn
+
+        d = spec.distillation
+        teacher = load_built(d.teacher)
+        _check_teacher(built, teacher, d.teacher)
+        loss = make_distill_loss_fn(
+            built.config, teacher.config, teacher.params,
+            temperature=d.temperature, alpha=d.alpha,
+        )  # fmt: skip
+        params = loss.init(params, key=jax.random.fold_in(key, 2))
+        trainable = loss.trainable
+    return Prepared(built, params, loss, trainable, data, optimizer, total)
+
+
+def _apply_lora(spec: TrainSpec, params: Any, key: Any) -> Any:
+    s = spec.lora
+    assert s is not None
+    config = lora.LoRAConfig(
+        rank=s.rank, alpha=s.alpha, targets=s.targets, dropout=s.dropout,
+        init=s.init, rslora=s.rslora,
+    )  # fmt: skip
+    quantize = None if s.quantize_base == "none" else s.quantize_base
+    try:
+        return lora.apply(params, config, key=key, quantize=quantize)
+    except Exception as e:
+        if type(e).__name__ in ("ConfigError", "UnsupportedError"):
+            raise type(e)(f"lora.targets: {e}") from None
+        raise
+
+
+def _check_teacher(student: BuiltModel, teacher: BuiltModel, path: str) -> None:
+    from entrenar.errors import CompatibilityError
+
+    def out(b: BuiltModel) -> int:
+        c = b.config
+        return int(c.sizes[-1]) if b.architecture == "mlp" else int(c.vocab_size)
+
+    if student.is_lm != teacher.is_lm or out(student) != out(teacher):
+        raise CompatibilityError(
+            f"distillation.teacher: {path} is a {teacher.architecture} with "
+            f"{out(teacher)} outputs; the student ({student.architecture}) has "
+            f"{out(student)}: they must predict the same classes or vocabulary"
+        )
+
+
+def train_from_yaml(
+    path: str | os.PathLike[str],
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    resume: str | None = None,
+    dry_run: bool = False,
+    progress: bool = True,
+) -> RunResult:
+    """Run the whole workflow a YAML file describes (see the module docstring).
+
+    Args:
+        path: the run's YAML file (specs/config.md).
+        overrides: dotted keys to set, e.g. ``{"training.max_steps": 5}``.
+        resume: ``"latest"`` or a checkpoint path to continue from (None: fresh).
+        dry_run: build everything (model, adapters, data, optimizer) and stop
+            before training; nothing is written.
+        progress: show the progress bar.
+
+    Returns:
+        A `RunResult` with the files written and the final metrics.
+
+    Raises:
+        ConfigError: an invalid config (before anything runs), naming the key.
+    """
+    spec = validate(path, overrides)
+    out_dir = spec.training.output_dir
+    if spec.is_merge:
+        if dry_run:
+            return RunResult(spec, out_dir, {})
+        return RunResult(spec, out_dir, run_merge(spec))
+    prep = prepare(spec)
+    if dry_run:
+        return RunResult(spec, out_dir, {}, metrics=_plan(prep))
+    cfg = train_config(spec, progress=progress)
+    trainer = Trainer(
+        prep.loss, prep.params, prep.optimizer, cfg, trainable=prep.trainable
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    _write_json(os.path.join(out_dir, "config.json"), as_dict(spec))
+    result = trainer.fit(prep.data.train, prep.data.eval, resume=resume)
+    params = result.params
+    if spec.distillation is not None:
+        params = params["student"]
+    extra: dict[str, Any] = {"tabular": prep.data.stats} if prep.data.stats else {}
+    tokenizer = spec.model.tokenizer if spec.model else None
+    if tokenizer is None and prep.built.source and prep.built.source.endswith(".gguf"):
+        tokenizer = prep.built.source
+    if prep.built.is_lm and tokenizer:
+        extra["tokenizer"] = tokenizer
+    files = write_outputs(spec, prep.built, params, out_dir, extra=extra)
+    files["metrics"] = os.path.join(out_dir, "metrics.jsonl")
+    files["checkpoints"] = os.path.join(out_dir, "checkpoints")
+    files |= _plot(out_dir)
+    metrics = _final_metrics(result)
+    _write_json(
+        os.path.join(out_dir, "result.json"), {"metrics": metrics, "files": files}
+    )
+    return RunResult(spec, out_dir, files, result, metrics)
+
+
+def _plan(prep: Prepared) -> dict[str, Any]:
+    from entrenar.tree import tree_size
+
+    trainable = (
+        prep.params
+        if prep.trainable is None
+        else (lora.split(prep.params)[0] if prep.trainable == "lora" else None)
+    )
+    out = {
+        "steps": prep.total,
+        "steps_per_epoch": prep.data.steps_per_epoch,
+        "examples": prep.data.examples,
+        "parameters": tree_size(prep.params),
+    }
+    if trainable is not None:
+        out["trainable_parameters"] = tree_size(trainable)
+    return out
+
+
+def _plot(out_dir: str) -> dict[str, str]:
+    """``loss.png`` when matplotlib is installed (the plot is optional)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return {}
+    from entrenar.train.plot import plot
+
+    return {"plot": plot(out_dir)}
+
+
+def _final_metrics(result: TrainResult) -> dict[str, Any]:
+    out: dict[str, Any] = {"steps": result.steps, "stopped_early": result.stopped_early}
+    if result.history:
+        out["train_loss"] = result.history[-1].get("loss")
+    if result.eval_history:
+        out["eval_loss"] = result.eval_history[-1].get("eval_loss")
+        out["best_eval_loss"] = result.best_eval_loss
+        out["best_step"] = result.best_step
+    return out
+
+
+def _write_json(path: str, data: Any) -> None:
+    with atomic_write(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+
+
+__all__ = ["Prepared", "RunResult", "prepare", "train_from_yaml"]
