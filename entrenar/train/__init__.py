@@ -23,6 +23,7 @@ from entrenar.train.model_loss import (
     loss_for_model,
     supervised_loss_fn,
 )
+from entrenar.train.plot import plot, read_metrics
 from entrenar.train.state import TrainState, combine, partition
 from entrenar.train.step import make_eval_step, make_train_step
 from entrenar.train.trainer import Trainer, TrainResult
@@ -40,5 +41,7 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "partition",
+    "plot",
+    "read_metrics",
     "supervised_loss_fn",
 ]

@@ -1,0 +1,80 @@
+"""`plot(run_dir)`: ``loss.png`` from a run's ``metrics.jsonl`` (matplotlib)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from entrenar.errors import FormatError, UnsupportedError
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of ``<run_dir>/metrics.jsonl`` (a bad line names its number)."""
+    path = os.path.join(os.fspath(run_dir), "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FormatError(f"{path} does not exist: is {run_dir} a Trainer output_dir?")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise FormatError(f"{path} line {i} is not JSON: {e}") from e
+    return records
+
+
+def plot(run_dir: str | os.PathLike[str], out: str | None = None) -> str:
+    """Write ``loss.png``: train and eval loss against the step, and the rate.
+
+    Args:
+        run_dir: a Trainer ``output_dir`` holding ``metrics.jsonl``.
+        out: the image path (default ``<run_dir>/loss.png``).
+
+    Returns:
+        The path of the image.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise UnsupportedError(
+            "plot needs matplotlib: pip install 'entrenar[train]'"
+        ) from e
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("loss") is not None]
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    lrs = [r for r in records if r.get("lr") is not None]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals], [r["eval_loss"] for r in evals],
+            "o-", label="eval loss",
+        )  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if lrs:
+        ax2 = ax.twinx()
+        ax2.plot(
+            [r["step"] for r in lrs], [r["lr"] for r in lrs],
+            color="tab:gray", linestyle="--", label="learning rate",
+        )  # fmt: skip
+        ax2.set_ylabel("learning rate")
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, loc="upper right")
+    fig.tight_layout()
+    out = out or os.path.join(os.fspath(run_dir), "loss.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+__all__ = ["plot", "read_metrics"]
