@@ -2,7 +2,7 @@
 
 Protocol (optax's, so optax transformations work here and these work in optax)::
 
-    tx = adamw(learning_rate=cosine(1e-3, 10_000), weight_decay=0.01)
+    tx = adamw(learning_rate=cosine_decay_schedule(1e-3, 10_000), weight_decay=0.01)
     state = tx.init(params)                              # NamedTuple <Name>State
     updates, state = tx.update(grads, state, params)     # pure, jit-friendly
     params = apply_updates(params, updates)
@@ -42,13 +42,14 @@ from entrenar.optim.masking import Mask, MaskedState, freeze, masked, resolve_ma
 from entrenar.optim.schedules import (
     CosineScheduler,
     Schedule,
-    constant,
-    cosine,
+    constant_schedule,
+    cosine_decay_schedule,
     exponential_decay,
     join_schedules,
-    linear,
+    linear_schedule,
     step_decay,
     warmup,
+    warmup_cosine_decay_schedule,
 )
 from entrenar.optim.stateful import SGD, Adam, AdamW, Optimizer
 from entrenar.optim.transforms import (
@@ -86,15 +87,15 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "clip_grad_norm",
-    "constant",
-    "cosine",
+    "constant_schedule",
+    "cosine_decay_schedule",
     "exponential_decay",
     "freeze",
     "get_lr",
     "global_norm",
     "identity",
     "join_schedules",
-    "linear",
+    "linear_schedule",
     "map_updates",
     "masked",
     "microbatched_value_and_grad",
@@ -109,4 +110,5 @@ __all__ = [
     "step_decay",
     "trace",
     "warmup",
+    "warmup_cosine_decay_schedule",
 ]

@@ -2,7 +2,8 @@
 
 A schedule is any ``fn(step) -> lr``; ``step`` is a Python int or an int32 array (a
 tracer under ``jax.jit``) counting the updates already applied, and ``lr`` is a float32
-scalar. Every optimizer accepts a schedule wherever it accepts a number.
+scalar. Every optimizer accepts a schedule wherever it accepts a number. Names,
+argument orders and semantics are optax's, so a schedule ports between the two.
 
 Formulas (``t`` the step, clipped to the schedule's range) are in specs/optimizers.md.
 """
@@ -32,10 +33,10 @@ def _positive_steps(name: str, steps: int) -> None:
         raise ConfigError(f"{name} must be a positive number of steps, got {steps}")
 
 
-def constant(value: float) -> Schedule:
+def constant_schedule(value: float) -> Schedule:
     """``lr(t) = value``.
 
-    >>> float(constant(0.1)(7))
+    >>> float(constant_schedule(0.1)(7))
     0.10000000149011612
     """
 
@@ -45,7 +46,7 @@ def constant(value: float) -> Schedule:
     return schedule
 
 
-def linear(
+def linear_schedule(
     init_value: float,
     end_value: float,
     transition_steps: int,
@@ -56,7 +57,7 @@ def linear(
     ``lr(t) = end + (init - end) · (1 - τ / transition_steps)`` with
     ``τ = clip(t - transition_begin, 0, transition_steps)``.
 
-    >>> float(linear(1.0, 0.0, 10)(5))
+    >>> float(linear_schedule(1.0, 0.0, 10)(5))
     0.5
     """
     _positive_steps("transition_steps", transition_steps)
@@ -69,38 +70,70 @@ def linear(
     return schedule
 
 
-def cosine(init_lr: float, total_steps: int, min_lr: float = 0.0) -> Schedule:
-    """Cosine annealing with a floor (Loshchilov & Hutter, 2017, SGDR).
-
-    ``lr(t) = min_lr + (init_lr - min_lr) · ½ (1 + cos(π · min(t, T) / T))``,
-    ``T = total_steps``; ``lr(t) = min_lr`` for ``t ≥ T``.
-
-    >>> [round(float(cosine(1.0, 10, 0.1)(t)), 4) for t in (0, 5, 10, 20)]
-    [1.0, 0.55, 0.1, 0.1]
-    """
-    _positive_steps("total_steps", total_steps)
+def _cosine(init_value: float, decay_steps: int, end_value: float) -> Schedule:
+    """``end + (init - end) · ½ (1 + cos(π · min(t, T) / T))``, ``T = decay_steps``."""
+    _positive_steps("decay_steps", decay_steps)
 
     def schedule(count: Any) -> jax.Array:
-        t = jnp.minimum(_step(count), total_steps)
-        cos = 0.5 * (1.0 + jnp.cos(math.pi * t / total_steps))
-        return min_lr + (init_lr - min_lr) * cos
+        t = jnp.minimum(_step(count), decay_steps)
+        cos = 0.5 * (1.0 + jnp.cos(math.pi * t / decay_steps))
+        return end_value + (init_value - end_value) * cos
 
     return schedule
 
 
-def exponential_decay(
-    init_lr: float,
-    decay_rate: float,
-    transition_steps: int = 1,
-    *,
-    staircase: bool = False,
-    transition_begin: int = 0,
+def cosine_decay_schedule(
+    init_value: float, decay_steps: int, alpha: float = 0.0
 ) -> Schedule:
-    """``lr(t) = init_lr · rate^(τ / transition_steps)``, ``τ = max(t - begin, 0)``.
+    """Cosine annealing (Loshchilov & Hutter, 2017, SGDR) to ``alpha · init_value``.
+
+    ``lr(t) = init · ((1 - α) · ½ (1 + cos(π · min(t, T) / T)) + α)``,
+    ``T = decay_steps``; ``lr(t) = α · init`` for ``t ≥ T``.
+
+    >>> [round(float(cosine_decay_schedule(1.0, 10, 0.1)(t)), 4) for t in (0, 5, 10)]
+    [1.0, 0.55, 0.1]
+    """
+    return _cosine(init_value, decay_steps, alpha * init_value)
+
+
+def warmup_cosine_decay_schedule(
+    init_value: float,
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    end_value: float = 0.0,
+) -> Schedule:
+    """Linear warm-up from ``init_value`` to ``peak_value``, then cosine to the end.
+
+    ``decay_steps`` counts the whole schedule, warm-up included (optax's meaning):
+    ``lr(t) = init + (peak - init) · t / W`` for ``t < W``, then the cosine from
+    ``peak`` to ``end`` over ``decay_steps - W`` steps.
+
+    >>> s = warmup_cosine_decay_schedule(0.0, 1.0, 5, 15)
+    >>> [round(float(s(t)), 3) for t in (0, 1, 5, 10, 15)]
+    [0.0, 0.2, 1.0, 0.5, 0.0]
+    """
+    if int(decay_steps) <= int(warmup_steps):
+        raise ConfigError(
+            f"decay_steps ({decay_steps}) counts the warm-up too and must exceed "
+            f"warmup_steps ({warmup_steps})"
+        )
+    cos = _cosine(peak_value, decay_steps - warmup_steps, end_value)
+    return warmup(cos, warmup_steps, init_value)
+
+
+def exponential_decay(
+    init_value: float,
+    transition_steps: int,
+    decay_rate: float,
+    transition_begin: int = 0,
+    staircase: bool = False,
+) -> Schedule:
+    """``lr(t) = init · rate^(τ / transition_steps)``, ``τ = max(t - begin, 0)``.
 
     With ``staircase`` the exponent is rounded down, so the rate drops in steps.
 
-    >>> round(float(exponential_decay(1.0, 0.5, 2)(4)), 6)
+    >>> round(float(exponential_decay(1.0, 2, 0.5)(4)), 6)
     0.25
     """
     _positive_steps("transition_steps", transition_steps)
@@ -110,18 +143,18 @@ def exponential_decay(
         p = tau / transition_steps
         if staircase:
             p = jnp.floor(p)
-        return init_lr * jnp.power(jnp.float32(decay_rate), p)
+        return init_value * jnp.power(jnp.float32(decay_rate), p)
 
     return schedule
 
 
-def step_decay(init_lr: float, step_size: int, gamma: float = 0.1) -> Schedule:
-    """Step decay (PyTorch's ``StepLR``): ``lr(t) = init_lr · γ^⌊t / step_size⌋``.
+def step_decay(init_value: float, step_size: int, gamma: float = 0.1) -> Schedule:
+    """Step decay (PyTorch's ``StepLR``): ``lr(t) = init · γ^⌊t / step_size⌋``.
 
     >>> [round(float(step_decay(1.0, 3, 0.5)(t)), 4) for t in (0, 2, 3, 7)]
     [1.0, 1.0, 0.5, 0.25]
     """
-    return exponential_decay(init_lr, gamma, step_size, staircase=True)
+    return exponential_decay(init_value, step_size, gamma, staircase=True)
 
 
 def join_schedules(
@@ -131,7 +164,7 @@ def join_schedules(
 
     ``lr(t) = s_i(t - b_{i-1})`` for ``b_{i-1} ≤ t < b_i`` (``b_{-1} = 0``).
 
-    >>> s = join_schedules([constant(1.0), linear(1.0, 0.0, 4)], [2])
+    >>> s = join_schedules([constant_schedule(1.0), linear_schedule(1.0, 0.0, 4)], [2])
     >>> [float(s(t)) for t in (0, 1, 2, 4, 9)]
     [1.0, 1.0, 1.0, 0.5, 0.0]
     """
@@ -152,30 +185,34 @@ def join_schedules(
 
 
 def warmup(
-    schedule: Schedule | float, warmup_steps: int, init_lr: float = 0.0
+    schedule: Schedule | float, warmup_steps: int, init_value: float = 0.0
 ) -> Schedule:
-    """Linear warm-up from ``init_lr`` to ``schedule(0)``, then ``schedule``.
+    """Linear warm-up from ``init_value`` to ``schedule(0)``, then ``schedule``.
 
-    ``lr(t) = init_lr + (s(0) - init_lr) · t / W`` for ``t < W``, else ``s(t - W)``.
-    ``warmup(cosine(peak, T - W, end), W)`` is optax's
-    ``warmup_cosine_decay_schedule(0, peak, W, T, end)``.
+    ``lr(t) = init + (s(0) - init) · t / W`` for ``t < W``, else ``s(t - W)``.
+    Any schedule can be warmed up this way; `warmup_cosine_decay_schedule` is the
+    common case.
 
-    >>> s = warmup(cosine(1.0, 10), 5)
+    >>> s = warmup(cosine_decay_schedule(1.0, 10), 5)
     >>> [round(float(s(t)), 3) for t in (0, 1, 5, 10, 15)]
     [0.0, 0.2, 1.0, 0.5, 0.0]
     """
     _positive_steps("warmup_steps", warmup_steps)
-    after = constant(schedule) if isinstance(schedule, (int, float)) else schedule
+    after = (
+        constant_schedule(schedule) if isinstance(schedule, (int, float)) else schedule
+    )
     peak = float(after(0))
-    return join_schedules([linear(init_lr, peak, warmup_steps), after], [warmup_steps])
+    ramp = linear_schedule(init_value, peak, warmup_steps)
+    return join_schedules([ramp, after], [warmup_steps])
 
 
 @dataclass(frozen=True)
 class CosineScheduler:
-    """The original object API: ``CosineScheduler(0.1, 0.001, 1000).get_lr(step)``.
+    """The book's object API: ``CosineScheduler(0.1, 0.001, 1000).get_lr(step)``.
 
-    It is the schedule `cosine(initial_lr, total_steps, min_lr)`, and is itself
-    callable as a schedule.
+    Cosine annealing from ``initial_lr`` to ``min_lr`` (an absolute floor) over
+    ``total_steps``; callable as a schedule. Equal to
+    ``cosine_decay_schedule(initial_lr, total_steps, alpha=min_lr / initial_lr)``.
 
     >>> sched = CosineScheduler(initial_lr=0.1, min_lr=0.0, total_steps=100)
     >>> round(sched.get_lr(50), 6)
@@ -191,7 +228,7 @@ class CosineScheduler:
 
     def __call__(self, step: Any) -> jax.Array:
         """The learning rate at ``step`` as a float32 array (traceable)."""
-        return cosine(self.initial_lr, self.total_steps, self.min_lr)(step)
+        return _cosine(self.initial_lr, self.total_steps, self.min_lr)(step)
 
     def get_lr(self, step: int) -> float:
         """The learning rate at ``step`` as a Python float."""
@@ -201,11 +238,12 @@ class CosineScheduler:
 __all__ = [
     "CosineScheduler",
     "Schedule",
-    "constant",
-    "cosine",
+    "constant_schedule",
+    "cosine_decay_schedule",
     "exponential_decay",
     "join_schedules",
-    "linear",
+    "linear_schedule",
     "step_decay",
     "warmup",
+    "warmup_cosine_decay_schedule",
 ]

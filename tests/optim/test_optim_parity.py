@@ -58,15 +58,15 @@ CASES = {
         lambda: optax.adamw(0.01, weight_decay=0.1, mask=_rank2),
     ),
     "adam_cosine": (
-        lambda: eo.adam(eo.cosine(0.02, 800, 0.001)),
+        lambda: eo.adam(eo.cosine_decay_schedule(0.02, 800, 0.05)),
         lambda: optax.adam(optax.cosine_decay_schedule(0.02, 800, 0.001 / 0.02)),
     ),
     "adam_linear": (
-        lambda: eo.adam(eo.linear(0.02, 0.001, 700, 100)),
+        lambda: eo.adam(eo.linear_schedule(0.02, 0.001, 700, 100)),
         lambda: optax.adam(optax.linear_schedule(0.02, 0.001, 700, 100)),
     ),
     "sgd_exponential": (
-        lambda: eo.sgd(eo.exponential_decay(0.05, 0.5, 300), 0.9),
+        lambda: eo.sgd(eo.exponential_decay(0.05, 300, 0.5), 0.9),
         lambda: optax.sgd(optax.exponential_decay(0.05, 300, 0.5), 0.9),
     ),
     "sgd_step_decay": (
@@ -74,7 +74,10 @@ CASES = {
         lambda: optax.sgd(optax.exponential_decay(0.05, 250, 0.5, staircase=True), 0.9),
     ),
     "adamw_warmup_cosine": (
-        lambda: eo.adamw(eo.warmup(eo.cosine(0.02, 900, 0.002), 100), weight_decay=0.1),
+        lambda: eo.adamw(
+            eo.warmup_cosine_decay_schedule(0.0, 0.02, 100, 1000, 0.002),
+            weight_decay=0.1,
+        ),
         lambda: optax.adamw(
             optax.warmup_cosine_decay_schedule(0.0, 0.02, 100, 1000, 0.002),
             weight_decay=0.1,

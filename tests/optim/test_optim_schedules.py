@@ -16,21 +16,21 @@ from entrenar.errors import ConfigError
 T = np.arange(0, 1200)
 
 SCHEDULES = {
-    "constant": (eo.constant(0.3), optax.constant_schedule(0.3)),
+    "constant": (eo.constant_schedule(0.3), optax.constant_schedule(0.3)),
     "linear": (
-        eo.linear(0.1, 0.01, 500, 100),
+        eo.linear_schedule(0.1, 0.01, 500, 100),
         optax.linear_schedule(0.1, 0.01, 500, 100),
     ),
     "cosine": (
-        eo.cosine(0.1, 1000, 0.001),
+        eo.cosine_decay_schedule(0.1, 1000, 0.01),
         optax.cosine_decay_schedule(0.1, 1000, 0.01),
     ),
     "exponential": (
-        eo.exponential_decay(0.1, 0.9, 50),
+        eo.exponential_decay(0.1, 50, 0.9),
         optax.exponential_decay(0.1, 50, 0.9),
     ),
     "exponential_staircase_begin": (
-        eo.exponential_decay(0.1, 0.9, 50, staircase=True, transition_begin=30),
+        eo.exponential_decay(0.1, 50, 0.9, transition_begin=30, staircase=True),
         optax.exponential_decay(0.1, 50, 0.9, transition_begin=30, staircase=True),
     ),
     "step_decay": (
@@ -38,11 +38,11 @@ SCHEDULES = {
         optax.exponential_decay(0.1, 300, 0.5, staircase=True),
     ),
     "warmup_cosine": (
-        eo.warmup(eo.cosine(0.1, 900, 0.001), 100),
+        eo.warmup_cosine_decay_schedule(0.0, 0.1, 100, 1000, 0.001),
         optax.warmup_cosine_decay_schedule(0.0, 0.1, 100, 1000, 0.001),
     ),
     "warmup_exponential": (
-        eo.warmup(eo.exponential_decay(0.1, 0.99, 10), 50, init_lr=0.01),
+        eo.warmup(eo.exponential_decay(0.1, 10, 0.99), 50, init_value=0.01),
         optax.warmup_exponential_decay_schedule(0.01, 0.1, 50, 10, 0.99),
     ),
 }
@@ -80,12 +80,16 @@ def test_step_decay_is_torch_steplr():
 
 
 def test_bad_schedule_arguments_are_config_errors():
+    with pytest.raises(ConfigError, match="decay_steps"):
+        eo.cosine_decay_schedule(0.1, 0)
     with pytest.raises(ConfigError, match="total_steps"):
-        eo.cosine(0.1, 0)
+        eo.CosineScheduler(0.1, 0.0, 0)
+    with pytest.raises(ConfigError, match="counts the warm-up"):
+        eo.warmup_cosine_decay_schedule(0.0, 0.1, 10, 10)
     with pytest.raises(ConfigError, match="warmup_steps"):
-        eo.warmup(eo.constant(0.1), -1)
+        eo.warmup(eo.constant_schedule(0.1), -1)
     with pytest.raises(ConfigError, match="boundary"):
-        eo.join_schedules([eo.constant(0.1)], [3])
+        eo.join_schedules([eo.constant_schedule(0.1)], [3])
 
 
 # ---- the learning rate in the state ------------------------------------------------
@@ -113,7 +117,7 @@ def test_get_and_set_lr_without_recompiling():
 
 
 def test_schedule_state_reports_next_rate_and_refuses_set_lr():
-    sched = eo.cosine(0.1, 10)
+    sched = eo.cosine_decay_schedule(0.1, 10)
     tx = eo.sgd(sched, momentum=0.9)
     s = tx.init(jnp.zeros(2))
     for t in range(4):

@@ -118,7 +118,7 @@ def test_clip_grad_norm_leaves_small_grads_and_skips_none():
 
 def test_wrapper_errors():
     with pytest.raises(ConfigError, match="number"):
-        eo.Adam(eo.cosine(0.1, 10))
+        eo.Adam(eo.cosine_decay_schedule(0.1, 10))
     with pytest.raises(ConfigError, match="max_norm"):
         eo.clip_grad_norm([], 0.0)
     w = Tensor(W0, requires_grad=True)
