@@ -43,7 +43,9 @@ def ties(base, thetas, density, weights, lam=1.0, normalize=True):
 
 def task_arithmetic(base, thetas, weights, lam=1.0):
     taus = task_vectors(base, thetas)
-    return np.asarray(base, np.float64) + lam * sum(w * t for w, t in zip(weights, taus))
+    return np.asarray(base, np.float64) + lam * sum(
+        w * t for w, t in zip(weights, taus)
+    )
 
 
 def dare(base, thetas, masks, drop_rate, weights, lam=1.0, ties=False, rescale=True):

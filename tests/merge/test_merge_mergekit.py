@@ -8,10 +8,9 @@ generator and rescales by the L1 norm instead of the paper's 1 / (1 - p)
 
 import numpy as np
 import pytest
+from merge_helpers import finetuned, leaves, make_tree
 
 from entrenar import merge
-
-from merge_helpers import finetuned, leaves, make_tree
 
 torch = pytest.importorskip("torch")
 mk = pytest.importorskip("mergekit.merge_methods")

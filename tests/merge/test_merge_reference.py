@@ -1,14 +1,13 @@
 """Each method against a numpy transcription of its paper, leaf by leaf, to 1e-6."""
 
 import jax
+import np_merge
 import numpy as np
 import pytest
+from merge_helpers import finetuned, leaves, make_tree
 
 from entrenar import merge
 from entrenar.merge.engine import leaf_key
-
-import np_merge
-from merge_helpers import finetuned, leaves, make_tree
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
