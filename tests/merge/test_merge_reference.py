@@ -87,7 +87,7 @@ def test_dare_drops_the_stated_fraction_and_keeps_the_mean():
 
 @pytest.mark.parametrize("t", [0.0, 0.25, 0.5, 1.0])
 def test_slerp_matches_shoemake(trees, t):
-    base, models = trees
+    _, models = trees
     a, b = models[0], models[1]
     out = merge.slerp(a, b, t)
     got, la, lb = leaves(out), leaves(a), leaves(b)
@@ -100,7 +100,7 @@ def test_slerp_matches_shoemake(trees, t):
 
 
 def test_slerp_schedule_is_interpolated_over_depth(trees):
-    base, models = trees
+    _, models = trees
     a, b = leaves(models[0]), leaves(models[1])
     schedule = [0.0, 1.0, 0.2]  # layers at depth 0, 0.5, 1 -> t = 0, 1, 0.2
     out = leaves(merge.slerp(models[0], models[1], schedule))
