@@ -6,10 +6,18 @@ a ``contextvars.ContextVar``); call ``backward(loss)``; read ``leaf.grad``. Insi
 `no_grad` nothing is recorded. The same code runs eagerly (lazily evaluated, compiled
 once per graph structure) and inside `jax.jit` (on tracers), where it gives what
 ``jax.grad`` gives. `check_gradient` compares any function's gradients with central
-finite differences in float64.
+finite differences in float64. Compiled programs are kept in a bounded LRU cache
+(`set_cache_size`, `cache_info`, `clear_caches`); a graph whose shapes keep changing
+runs padded to shape buckets instead of compiling every shape.
 """
 
 from entrenar.autograd.backward import backward
+from entrenar.autograd.cache import (
+    DEFAULT_CACHE_SIZE,
+    CacheInfo,
+    cache_info,
+    set_cache_size,
+)
 from entrenar.autograd.engine import clear_caches
 from entrenar.autograd.functional import (
     binary_cross_entropy_with_logits,
@@ -47,6 +55,8 @@ from entrenar.autograd.tape import enable_grad, get_tape, is_grad_enabled, no_gr
 from entrenar.autograd.tensor import Tensor, as_tensor
 
 __all__ = [
+    "DEFAULT_CACHE_SIZE",
+    "CacheInfo",
     "GradientCheckResult",
     "Op",
     "Tensor",
@@ -54,6 +64,7 @@ __all__ = [
     "as_tensor",
     "backward",
     "binary_cross_entropy_with_logits",
+    "cache_info",
     "check_gradient",
     "clear_caches",
     "concatenate",
@@ -78,6 +89,7 @@ __all__ = [
     "reshape",
     "rms_norm",
     "scaled_dot_product_attention",
+    "set_cache_size",
     "sigmoid",
     "silu",
     "softmax",

@@ -5,15 +5,20 @@ shape, but computes nothing. When a value is needed (``.data``, ``.item()``) or
 ``backward`` is called, the graph below the target is linearised into a `Program`: a
 list of instructions ``(op, static, argument slots)`` over input slots (leaf values and
 constants). The program's structure (instructions, input shapes and dtypes, which inputs
-are differentiated) is its cache key, and
-each program runs as one `jax.jit`-compiled function cached by that key. A
+are differentiated) is its cache key, and each program runs as one `jax.jit`-compiled
+function kept in a bounded least-recently-used cache (`entrenar.autograd.cache`). A
 notebook-style loop that repeats the same step therefore costs one compiled call per
-evaluation instead of one dispatch per operation. (Running a new structure op by op
-first was measured to be slower: eager JAX compiles every primitive for every new
-shape, about 3x the time of compiling the whole program once.) When a structure's
-evaluation has been followed by ``backward`` before, evaluating it again computes the
-value and the gradients in the same compiled call (the forward pass is not run twice),
-and ``backward`` then only accumulates them.
+evaluation instead of one dispatch per operation. When a structure's evaluation has
+been followed by ``backward`` before, evaluating it again computes the value and the
+gradients in the same compiled call (the forward pass is not run twice), and
+``backward`` then only accumulates them.
+
+Changing shapes: a structure met at ``SHAPES_BEFORE_BUCKETING`` distinct shapes that
+arrives with yet another one runs padded to a shape bucket (`entrenar.autograd.bucket`),
+so a loop over new sizes compiles once per bucket instead of once per size. (Running a
+new shape op by op instead was measured slower still: eager JAX compiles every
+primitive for every new shape.) A bucketed shape that repeats ``PROMOTE_AFTER`` times
+in a row is compiled for its exact shape.
 
 Inside `jax.jit` the same code runs on tracers; the compiled program is inlined into the
 caller's computation, so the result is what ``jax.grad`` of the same function gives.
@@ -28,27 +33,57 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
+from entrenar.autograd import bucket as _bucket
 from entrenar.autograd import ops as _ops
+from entrenar.autograd.cache import programs as _programs
 from entrenar.errors import TapeError
 
 if TYPE_CHECKING:
     from entrenar.autograd.tensor import Tensor
 
-# key -> compiled function; bounded so a stream of distinct graphs cannot grow memory.
-_CACHE_SIZE = 512
-_compiled: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()
-stats: collections.Counter[str] = (
-    collections.Counter()
-)  # "eager", "compiled", "compiles", "fused" (for tests)
+SHAPES_BEFORE_BUCKETING = 2  # exact-shape programs per structure before buckets
+PROMOTE_AFTER = 32  # a bucketed shape seen this many times in a row gets its own
+_HISTORY_SIZE = 1024  # structures remembered (bounded like the program cache)
+
+# counters shared with the cache: "hits", "misses", "evictions", "compiles", "fused",
+# "bucketed" (cache_info() reports them; tests read them)
+stats = _programs.counts
+
+
+class _Seen:
+    """What the engine remembers of one structure (kind, shape-free key)."""
+
+    __slots__ = ("exact", "last", "no_bucket", "ref", "streak")
+
+    def __init__(self, ref: tuple[int, ...]):
+        self.ref = ref  # axis sizes of the first shape met (bucket.dims)
+        self.exact = 1  # shapes compiled exactly
+        self.last: tuple = ()  # the last exact key run in a bucket, and how often
+        self.streak = 0
+        self.no_bucket = False  # a padding rule did not fit: always exact
+
+
+_history: collections.OrderedDict[tuple, _Seen] = collections.OrderedDict()
 
 
 class Program:
     """A linearised graph: inputs, instructions and the slot of the target."""
 
-    __slots__ = ("diff_slots", "diff_tensors", "inputs", "instrs", "key", "nodes")
+    __slots__ = (
+        "diff_slots",
+        "diff_tensors",
+        "in_avals",
+        "inputs",
+        "instrs",
+        "key",
+        "nodes",
+        "out_avals",
+    )
 
     def __init__(self) -> None:
         self.inputs: list[Any] = []  # values of input slots
+        self.in_avals: list[Any] = []  # their Aval, or the Python scalar type
+        self.out_avals: list[Any] = []  # Aval of each instruction's output
         self.instrs: list[tuple] = []  # (op, static, arg slots)
         self.diff_slots: list[int] = []  # input slots differentiated by backward
         self.diff_tensors: list[Tensor] = []  # the leaves owning those slots
@@ -88,6 +123,7 @@ def build(target: Tensor, *, for_grad: bool) -> Program:
                 prog.diff_slots.append(len(inputs))
                 prog.diff_tensors.append(t)
             inputs.append(t._value)
+            prog.in_avals.append(t._aval)
             sigs.append((t._aval, diff))
             continue
         if for_grad and node.freed:
@@ -111,6 +147,7 @@ def build(target: Tensor, *, for_grad: bool) -> Program:
                 arg_slots.append(len(inputs))
                 inputs.append(a)
                 sigs.append(_scalar_sig(a))
+                prog.in_avals.append(sigs[-1])
             elif snap is None or (for_grad and a.requires_grad):
                 arg_slots.append(slot_of[id(a)])
             else:  # a constant leaf, as recorded
@@ -119,9 +156,11 @@ def build(target: Tensor, *, for_grad: bool) -> Program:
                     slot = slot_of[id(snap)] = len(inputs)
                     inputs.append(snap)
                     sigs.append(a._aval if snap is a._value else _scalar_sig(snap))
+                    prog.in_avals.append(sigs[-1])
                 arg_slots.append(slot)
         slot_of[id(t)] = -1 - len(instrs)
         instrs.append((node.op, node.static, tuple(arg_slots)))
+        prog.out_avals.append(t._aval)
         if node.tape is not None:
             nodes.append(node)
     prog.key = (tuple(instrs), tuple(sigs))
@@ -148,15 +187,15 @@ def _make_forward(prog: Program) -> Callable:
     return forward
 
 
-def _make_grad(prog: Program) -> Callable:
+def _make_grad(prog: Program, run: Callable = _run) -> Callable:
     instrs, diff_slots = prog.instrs, tuple(prog.diff_slots)
 
-    def value_and_grads(ins: list[Any], seed: Any) -> tuple[Any, list[Any]]:
+    def value_and_grads(ins: list[Any], seed: Any, *extra: Any) -> tuple[Any, list]:
         def f(diff_vals: list[Any]) -> Any:
             full = list(ins)
             for s, v in zip(diff_slots, diff_vals):
                 full[s] = v
-            return _run(instrs, full)
+            return run(instrs, full, *extra)
 
         out, vjp = jax.vjp(f, [ins[s] for s in diff_slots])
         cot = jnp.ones_like(out) if seed is None else jnp.asarray(seed, out.dtype)
@@ -166,17 +205,97 @@ def _make_grad(prog: Program) -> Callable:
     return value_and_grads
 
 
-def _compiled_fn(prog: Program, kind: str, make: Callable) -> Callable:
-    """The jitted ``make(prog)``, compiled once per (kind, structure) and cached."""
-    key = (kind, prog.key)
-    fn = _compiled.get(key)
+def _is_traced(values: Sequence[Any]) -> bool:
+    return any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+def _bucket_plan(prog: Program, kind: str) -> _bucket.Plan | None:
+    """A padded plan when this structure keeps changing shape, else None (exact)."""
+    if not prog.instrs or _is_traced(prog.inputs):
+        return None
+    skey = (
+        kind,
+        prog.key[0],
+        tuple(
+            a if isinstance(a, type) else (len(a.shape), a.dtype) for a in prog.in_avals
+        ),
+        tuple(prog.diff_slots),
+    )
+    seen = _history.get(skey)
+    if seen is None:
+        _history[skey] = _Seen(_bucket.dims(prog.in_avals, prog.out_avals))
+        if len(_history) > _HISTORY_SIZE:
+            _history.popitem(last=False)
+        return None
+    _history.move_to_end(skey)
+    if seen.no_bucket or seen.exact < SHAPES_BEFORE_BUCKETING:
+        seen.exact += 1
+        return None
+    seen.streak = seen.streak + 1 if seen.last == prog.key else 1
+    seen.last = prog.key
+    if seen.streak >= PROMOTE_AFTER:  # settled on this shape: compile it exactly
+        seen.streak = 0
+        return None
+    p = _bucket.plan(prog, seen.ref)
+    if p is None:  # an op without a padding rule never fits; nothing to pad may
+        seen.no_bucket = any(op.pad is None for op, _, _ in prog.instrs)
+    else:
+        p.seen = seen
+    return p
+
+
+def _run_bucketed(prog: Program, p: _bucket.Plan, kind: str, seed: Any) -> Any:
+    """Run ``prog`` padded (compiling its bucket's program once); results unpadded."""
+    key = ("bucket-" + kind, p.key)
+    fn = _programs.get(key)
     if fn is None:
-        fn = jax.jit(make(prog))
-        _compiled[key] = fn
+        instrs, in_specs, out_info = prog.instrs, p.in_specs, p.out_info
+
+        def run(instrs: Sequence[tuple], ins: Sequence[Any], sz: Any) -> Any:
+            return _bucket.run(instrs, in_specs, out_info, ins, sz)
+
+        if kind == "forward":
+            fn = jax.jit(lambda ins, sz: run(instrs, ins, sz))
+        else:
+            fn = jax.jit(_make_grad(prog, run))
+        _programs.put(key, fn)
         stats["compiles"] += 1
-        if len(_compiled) > _CACHE_SIZE:
-            _compiled.popitem(last=False)
-    return fn
+    target = prog.out_avals[-1].shape
+    try:
+        if kind == "forward":
+            out = _bucket.unpad(fn(p.ins, p.sz), target)
+        else:
+            if seed is not None:
+                seed = _bucket.pad_like(seed, p.out_info[-1][1])
+            out, grads = fn(p.ins, seed, p.sz)
+            out = _bucket.unpad(out, target)
+            grads = [
+                _bucket.unpad(g, prog.in_avals[s].shape)
+                for g, s in zip(grads, prog.diff_slots)
+            ]
+    except _bucket.Unsupported:
+        _programs.pop(key)
+        p.seen.no_bucket = True
+        raise
+    stats["bucketed"] += 1
+    return out if kind == "forward" else (out, grads)
+
+
+def _call(prog: Program, kind: str, seed: Any = None) -> Any:
+    """Run the forward (``kind="forward"``) or value-and-grads program of ``prog``."""
+    key = (kind, prog.key)
+    fn = _programs.get(key)
+    if fn is None:
+        p = _bucket_plan(prog, kind)
+        if p is not None:
+            try:
+                return _run_bucketed(prog, p, kind, seed)
+            except _bucket.Unsupported:
+                pass  # this structure is compiled exactly from now on
+        fn = jax.jit(_make_forward(prog) if kind == "forward" else _make_grad(prog))
+        _programs.put(key, fn)
+        stats["compiles"] += 1
+    return fn(prog.inputs) if kind == "forward" else fn(prog.inputs, seed)
 
 
 def evaluate(t: Tensor) -> Any:
@@ -192,7 +311,7 @@ def evaluate(t: Tensor) -> Any:
             prog = build(t, for_grad=True)
         except TapeError:  # part of the graph was freed: a plain forward is fine
             prog = None
-        grad_fn = prog and prog.instrs and _compiled.get(("grad", prog.key))
+        grad_fn = prog and prog.instrs and _programs.get(("grad", prog.key))
         if grad_fn:
             assert prog is not None
             out, grads = grad_fn(prog.inputs, None)
@@ -201,7 +320,7 @@ def evaluate(t: Tensor) -> Any:
             return out
     if prog is None:
         prog = build(t, for_grad=False)
-    return _compiled_fn(prog, "forward", _make_forward)(prog.inputs)
+    return _call(prog, "forward")
 
 
 def backward(t: Tensor, seed: Any = None, *, retain_graph: bool = False) -> None:
@@ -213,7 +332,7 @@ def backward(t: Tensor, seed: Any = None, *, retain_graph: bool = False) -> None
     else:
         prog = build(t, for_grad=True)
         tensors, nodes = prog.diff_tensors, prog.nodes
-        out, grads = _compiled_fn(prog, "grad", _make_grad)(prog.inputs, seed)
+        out, grads = _call(prog, "grad", seed)
         if t._value is None:
             t._value = out
     for leaf, g in zip(tensors, grads):
@@ -224,6 +343,11 @@ def backward(t: Tensor, seed: Any = None, *, retain_graph: bool = False) -> None
 
 
 def clear_caches() -> None:
-    """Forget every compiled program (for tests and memory pressure)."""
-    _compiled.clear()
-    stats.clear()
+    """Forget every compiled program, the shape history and the counters.
+
+    This releases the memory of the compiled programs (JAX's own caches of them are
+    keyed by the dropped functions).
+    """
+    _programs.clear()
+    _history.clear()
+    _ops._AVAL_CACHE.clear()

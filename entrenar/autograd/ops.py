@@ -17,17 +17,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.autograd.tape import Node, get_tape, is_grad_enabled
-from entrenar.errors import ShapeError
+from entrenar.errors import ConfigError, ShapeError
 
 
 class Op:
-    """A named pure function over arrays; its vjp is its backward rule."""
+    """A named pure function over arrays; its vjp is its backward rule.
 
-    __slots__ = ("fn", "name")
+    ``pad`` names the op's padding rule (`entrenar.autograd.bucket`): how it runs on
+    arrays padded to a shape bucket without changing its valid region, or None.
+    """
 
-    def __init__(self, name: str, fn: Callable[..., Any]):
+    __slots__ = ("fn", "name", "pad")
+
+    def __init__(self, name: str, fn: Callable[..., Any], pad: str | None = None):
         self.name = name
         self.fn = fn
+        self.pad = pad
 
     def __repr__(self) -> str:
         return f"Op({self.name})"
@@ -69,34 +74,98 @@ def _abstract(sig: Any) -> Any:
     return jax.ShapeDtypeStruct(sig.shape, sig.dtype, weak_type=sig.weak_type)
 
 
+_DTYPES: dict[tuple, tuple[Any, bool]] = {}  # (op, static, ranks and dtypes) -> dtype
+
+
+def _rule_shape(op: Op, static: tuple, sigs: Sequence[Any]) -> tuple[int, ...] | None:
+    """The output shape of an elementwise op or a reduction, without tracing.
+
+    None when ``op`` is neither or the arguments do not fit (then `jax.eval_shape`
+    decides, and raises the error).
+    """
+    shapes = [() if isinstance(s, type) else s.shape for s in sigs]
+    if op.pad == "elementwise":
+        try:
+            return tuple(np.broadcast_shapes(*shapes))
+        except ValueError:
+            return None
+    if op.pad not in ("sum", "mean", "max") or len(shapes) != 1:
+        return None
+    (shape,), kw = shapes, dict(static)
+    nd, axis = len(shape), kw["axis"]
+    axes = (
+        tuple(range(nd))
+        if axis is None
+        else axis
+        if isinstance(axis, tuple)
+        else (axis,)
+    )
+    if not all(isinstance(a, (int, np.integer)) and -nd <= a < nd for a in axes):
+        return None
+    red = {int(a) % nd for a in axes}
+    if len(red) != len(axes) or (op.pad == "max" and any(shape[a] == 0 for a in red)):
+        return None
+    keep = kw["keepdims"]
+    return tuple(
+        1 if i in red else d for i, d in enumerate(shape) if keep or i not in red
+    )
+
+
 def infer(op: Op, static: tuple, args: Sequence[Any]) -> Aval:
-    """Output shape and dtype of ``op`` on ``args`` (cached)."""
+    """Output shape and dtype of ``op`` on ``args`` (cached).
+
+    Elementwise ops and reductions at a new shape reuse the dtype found by
+    `jax.eval_shape` for the same dtypes and ranks (their dtype does not depend on
+    the sizes), so a loop over new sizes does not trace every op again.
+    """
     sigs = [_sig(a) for a in args]
     key = (op, static, tuple(sigs))
     out = _AVAL_CACHE.get(key)
-    if out is None:
-        kwargs = dict(static)
-        try:
-            sds = jax.eval_shape(
-                lambda *xs: op.fn(*xs, **kwargs), *[_abstract(s) for s in sigs]
-            )
-        except (TypeError, ValueError, IndexError) as e:
-            shapes = ", ".join(
-                s.__name__ if isinstance(s, type) else f"{s.dtype}{list(s.shape)}"
-                for s in sigs
-            )
-            raise ShapeError(
-                f"{op.name}({shapes}"
-                + (f"; {', '.join(f'{k}={v!r}' for k, v in static)}" if static else "")
-                + f") is invalid: {e}"
-            ) from None
-        if not isinstance(sds, jax.ShapeDtypeStruct):
-            raise ShapeError(f"{op.name} must return one array, got {type(sds)}")
-        out = Aval.of(sds)
-        if len(_AVAL_CACHE) > 65536:
-            _AVAL_CACHE.clear()
-        _AVAL_CACHE[key] = out
+    if out is not None:
+        return out
+    shape = _rule_shape(op, static, sigs) if op.pad is not None else None
+    dkey = (
+        op,
+        static,
+        tuple(
+            s if isinstance(s, type) else (len(s.shape), s.dtype, s.weak_type)
+            for s in sigs
+        ),
+    )
+    dtype = _DTYPES.get(dkey) if shape is not None else None
+    if shape is not None and dtype is not None:
+        out = Aval(shape, *dtype)
+    else:
+        out = _eval_shape(op, static, sigs)
+        if shape == out.shape:
+            if len(_DTYPES) > 65536:
+                _DTYPES.clear()
+            _DTYPES[dkey] = (out.dtype, out.weak_type)
+    if len(_AVAL_CACHE) > 65536:
+        _AVAL_CACHE.clear()
+    _AVAL_CACHE[key] = out
     return out
+
+
+def _eval_shape(op: Op, static: tuple, sigs: Sequence[Any]) -> Aval:
+    kwargs = dict(static)
+    try:
+        sds = jax.eval_shape(
+            lambda *xs: op.fn(*xs, **kwargs), *[_abstract(s) for s in sigs]
+        )
+    except (TypeError, ValueError, IndexError) as e:
+        shapes = ", ".join(
+            s.__name__ if isinstance(s, type) else f"{s.dtype}{list(s.shape)}"
+            for s in sigs
+        )
+        raise ShapeError(
+            f"{op.name}({shapes}"
+            + (f"; {', '.join(f'{k}={v!r}' for k, v in static)}" if static else "")
+            + f") is invalid: {e}"
+        ) from None
+    if not isinstance(sds, jax.ShapeDtypeStruct):
+        raise ShapeError(f"{op.name} must return one array, got {type(sds)}")
+    return Aval.of(sds)
 
 
 _INEXACT: dict[Any, bool] = {}
@@ -135,31 +204,47 @@ def apply(op: Op, *args: Any, **static: Any) -> Any:
     return tensor._lazy(node, aval, requires_grad=requires)
 
 
-def defop(name: str, fn: Callable[..., Any]) -> Op:
-    """Define an operation from a pure jnp function (its backward is its vjp)."""
-    return Op(name, fn)
+PAD_RULES = ("elementwise", "sum", "mean", "max", "matmul", "transpose", "take")
+
+
+def defop(name: str, fn: Callable[..., Any], *, pad: str | None = None) -> Op:
+    """Define an operation from a pure jnp function (its backward is its vjp).
+
+    Args:
+        name: shown in errors and reprs.
+        fn: ``fn(*arrays, **static) -> array``, pure jnp.
+        pad: optional padding rule (one of `PAD_RULES`, see `entrenar.autograd.bucket`);
+            ``"elementwise"`` suits any op whose output element depends only on the
+            input elements at the same (broadcast) position. Ops without one are
+            compiled for their exact shapes.
+    """
+    if pad is not None and pad not in PAD_RULES:
+        raise ConfigError(
+            f"defop({name!r}): pad must be one of {PAD_RULES}, got {pad!r}"
+        )
+    return Op(name, fn, pad)
 
 
 # ---- elementwise arithmetic (numpy broadcasting) -------------------------------
-ADD = defop("add", jnp.add)
-SUB = defop("sub", jnp.subtract)
-MUL = defop("mul", jnp.multiply)
-DIV = defop("div", jnp.divide)
-POW = defop("pow", jnp.power)
-NEG = defop("neg", jnp.negative)
-MATMUL = defop("matmul", jnp.matmul)
-LT = defop("lt", jnp.less)
-LE = defop("le", jnp.less_equal)
-GT = defop("gt", jnp.greater)
-GE = defop("ge", jnp.greater_equal)
-EXP = defop("exp", jnp.exp)
-LOG = defop("log", jnp.log)
-SQRT = defop("sqrt", jnp.sqrt)
-ABS = defop("abs", jnp.abs)
-TANH = defop("tanh", jnp.tanh)
-WHERE = defop("where", jnp.where)
-STOP_GRADIENT = defop("stop_gradient", jax.lax.stop_gradient)
-ASTYPE = defop("astype", lambda x, *, dtype: x.astype(dtype))
+ADD = defop("add", jnp.add, pad="elementwise")
+SUB = defop("sub", jnp.subtract, pad="elementwise")
+MUL = defop("mul", jnp.multiply, pad="elementwise")
+DIV = defop("div", jnp.divide, pad="elementwise")
+POW = defop("pow", jnp.power, pad="elementwise")
+NEG = defop("neg", jnp.negative, pad="elementwise")
+MATMUL = defop("matmul", jnp.matmul, pad="matmul")
+LT = defop("lt", jnp.less, pad="elementwise")
+LE = defop("le", jnp.less_equal, pad="elementwise")
+GT = defop("gt", jnp.greater, pad="elementwise")
+GE = defop("ge", jnp.greater_equal, pad="elementwise")
+EXP = defop("exp", jnp.exp, pad="elementwise")
+LOG = defop("log", jnp.log, pad="elementwise")
+SQRT = defop("sqrt", jnp.sqrt, pad="elementwise")
+ABS = defop("abs", jnp.abs, pad="elementwise")
+TANH = defop("tanh", jnp.tanh, pad="elementwise")
+WHERE = defop("where", jnp.where, pad="elementwise")
+STOP_GRADIENT = defop("stop_gradient", jax.lax.stop_gradient, pad="elementwise")
+ASTYPE = defop("astype", lambda x, *, dtype: x.astype(dtype), pad="elementwise")
 
 
 # ---- reductions -----------------------------------------------------------------
@@ -169,14 +254,24 @@ def _axis(axis: int | Sequence[int] | None) -> int | tuple[int, ...] | None:
     return axis
 
 
-SUM = defop("sum", lambda x, *, axis, keepdims: jnp.sum(x, axis, keepdims=keepdims))
-MEAN = defop("mean", lambda x, *, axis, keepdims: jnp.mean(x, axis, keepdims=keepdims))
-MAX = defop("max", lambda x, *, axis, keepdims: jnp.max(x, axis, keepdims=keepdims))
+SUM = defop(
+    "sum", lambda x, *, axis, keepdims: jnp.sum(x, axis, keepdims=keepdims), pad="sum"
+)
+MEAN = defop(
+    "mean",
+    lambda x, *, axis, keepdims: jnp.mean(x, axis, keepdims=keepdims),
+    pad="mean",
+)
+MAX = defop(
+    "max", lambda x, *, axis, keepdims: jnp.max(x, axis, keepdims=keepdims), pad="max"
+)
 
 
 # ---- shape ops --------------------------------------------------------------------
 RESHAPE = defop("reshape", lambda x, *, shape: jnp.reshape(x, shape))
-TRANSPOSE = defop("transpose", lambda x, *, axes: jnp.transpose(x, axes))
+TRANSPOSE = defop(
+    "transpose", lambda x, *, axes: jnp.transpose(x, axes), pad="transpose"
+)
 CONCATENATE = defop("concatenate", lambda *xs, axis: jnp.concatenate(xs, axis))
 STACK = defop("stack", lambda *xs, axis: jnp.stack(xs, axis))
 
@@ -212,7 +307,9 @@ def _decode_index(spec: tuple, arrays: Sequence[Any]) -> tuple:
     return tuple(out)
 
 
-GETITEM = defop("getitem", lambda x, *arrays, spec: x[_decode_index(spec, arrays)])
+GETITEM = defop(  # padded as "take" only for x[int_array] (see bucket.plan)
+    "getitem", lambda x, *arrays, spec: x[_decode_index(spec, arrays)], pad="take"
+)
 
 
 def getitem(x: Any, index: Any) -> Any:
