@@ -47,6 +47,11 @@ def call_loss(
     """``(loss, weight, metrics)`` from a loss function's result (weight 1 if none)."""
     out = loss_fn(params, batch, key=key)
     loss, aux = out if isinstance(out, tuple) else (out, {})
+    if jnp.ndim(loss) != 0:
+        raise ShapeError(
+            f"loss_fn must return a scalar loss (or (loss, metrics)); got shape "
+            f"{tuple(jnp.shape(loss))}: reduce it, e.g. with jnp.mean"
+        )
     aux = dict(aux)
     weight = aux.pop("loss_weight", None)
     w = jnp.float32(1.0) if weight is None else jnp.asarray(weight, jnp.float32)

@@ -1,0 +1,219 @@
+"""Trainer: early stopping, the non-finite guard, outputs, callbacks, resume."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar.errors import ConfigError, NonFiniteError
+from entrenar.nn import MLP
+from entrenar.optim import adamw, sgd
+from entrenar.train import (
+    Callback,
+    Checkpointer,
+    TrainConfig,
+    Trainer,
+    plot,
+    read_metrics,
+)
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(16, 3)).astype(np.float32)
+Y = (X @ np.array([[1.0], [-2.0], [0.5]], np.float32) + 0.3).astype(np.float32)
+DATA = {"x": X, "y": Y}
+
+
+def linear_loss(p, b, *, key):
+    if "v" in b:  # scripted evaluation batches carry their own loss
+        return jnp.mean(b["v"]) + 0.0 * jnp.sum(p["w"])
+    return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+PARAMS = {"w": jnp.zeros((3, 1)), "b": jnp.zeros(1)}
+
+
+class Scripted:
+    """An evaluation Loader whose i-th pass yields loss values[i]."""
+
+    def __init__(self, values):
+        self.values, self.i = list(values), 0
+
+    def __iter__(self):
+        v = self.values[self.i]
+        self.i += 1
+        yield {"v": np.full(1, v, np.float32)}
+
+    def __len__(self):
+        return 1
+
+    def set_epoch(self, epoch):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("min_delta", "stop_epoch", "best"),
+    [(0.05, 4, 0.8), (0.0, 5, 0.79)],
+)
+def test_early_stopping_at_the_right_epoch(min_delta, stop_epoch, best):
+    # eval losses per epoch; patience 2: stop after two evaluations without
+    # improving on best - min_delta (Keras' EarlyStopping rule)
+    script = [1.0, 0.8, 0.79, 0.85, 0.9, 0.7, 0.6]
+    cfg = TrainConfig(epochs=10, batch_size=4, patience=2, min_delta=min_delta,
+                      progress=False)  # fmt: skip
+    r = Trainer(linear_loss, PARAMS, sgd(0.01), cfg).fit(DATA, Scripted(script))
+    assert r.stopped_early
+    assert [e["epoch"] for e in r.eval_history] == list(range(1, stop_epoch + 1))
+    assert r.steps == stop_epoch * 4  # 16 examples / batch 4
+    assert r.best_eval_loss == pytest.approx(best)
+    assert r.best_step == 4 * script.index(best) + 4
+
+
+def test_no_early_stopping_without_patience():
+    cfg = TrainConfig(epochs=3, batch_size=4, progress=False)
+    r = Trainer(linear_loss, PARAMS, sgd(0.01), cfg).fit(DATA, Scripted([1, 2, 3, 4]))
+    assert not r.stopped_early and r.steps == 12 and len(r.eval_history) == 3
+
+
+def nan_at(step_to_break):
+    """A loss that is NaN on the batch seen at optimizer step ``step_to_break``."""
+
+    def loss_fn(p, b, *, key):
+        return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2) + jnp.sum(b["bad"])
+
+    bad = np.zeros((16, 1), np.float32)
+    bad[(step_to_break - 1) * 4] = np.nan  # no shuffling: step s sees rows 4(s-1)..
+    return loss_fn, {**DATA, "bad": bad}
+
+
+def test_nonfinite_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path):
+    loss_fn, data = nan_at(3)
+    cfg = TrainConfig(epochs=2, batch_size=4, shuffle=False, checkpoint_every=1,
+                      log_every=1, output_dir=str(tmp_path),
+                      progress=False)  # fmt: skip
+    t = Trainer(loss_fn, PARAMS, sgd(0.1), cfg)
+    with pytest.raises(NonFiniteError, match=r"step 3: the loss is nan") as e:
+        t.fit(data)
+    assert "last checkpoint: step 2" in str(e.value)
+    ck = Checkpointer(tmp_path / "checkpoints")
+    assert ck.steps() == [1, 2]
+    state, meta = ck.restore(Trainer(loss_fn, PARAMS, sgd(0.1), cfg).state)
+    assert int(state.step) == 2 and meta["step"] == 2
+    assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(state.trainable))
+
+
+def test_nonfinite_skip_drops_the_update_and_counts_it():
+    loss_fn, data = nan_at(2)
+    cfg = TrainConfig(epochs=1, batch_size=4, shuffle=False, log_every=4,
+                      nonfinite="skip", progress=False)  # fmt: skip
+    t = Trainer(loss_fn, PARAMS, sgd(0.1), cfg)
+    r = t.fit(data)
+    assert r.steps == 4 and r.history[-1]["skipped"] == 1
+    assert np.isfinite(r.history[-1]["loss"])
+    # the same run without the bad batch's step: steps 1, 3, 4 only
+    ref = Trainer(linear_loss, PARAMS, sgd(0.1), cfg)
+    for i in (0, 2, 3):
+        ref.train_step({k: v[4 * i : 4 * i + 4] for k, v in DATA.items()})
+    np.testing.assert_array_equal(np.asarray(r.params["w"]), ref.state.params["w"])
+
+
+def test_config_validation_names_the_field():
+    for bad, field in [({"epochs": 0}, "epochs"), ({"grad_clip": -1.0}, "grad_clip"),
+                       ({"nonfinite": "ignore"}, "nonfinite"),
+                       ({"compute_dtype": "int8"}, "compute_dtype"),
+                       ({"loss": "hinge"}, "loss"), ({"patience": 0}, "patience"),
+                       ({"batch_size": 2.5}, "batch_size")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=field):
+            TrainConfig(**bad)
+    with pytest.raises(ConfigError, match="lerning_rate"):
+        TrainConfig.from_dict({"lerning_rate": 1})
+    with pytest.raises(ConfigError, match="output_dir"):
+        TrainConfig(tensorboard=True)
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.calls = []
+
+    def on_step(self, trainer, step, metrics):
+        self.calls.append(("step", step))
+
+    def on_eval(self, trainer, step, metrics):
+        self.calls.append(("eval", step))
+
+    def on_checkpoint(self, trainer, step, path):
+        assert os.path.isdir(path)
+        self.calls.append(("checkpoint", step))
+
+    def on_end(self, trainer, result):
+        self.calls.append(("end", result.steps))
+
+
+def test_outputs_metrics_plot_tensorboard_and_callbacks(tmp_path):
+    model = MLP((3, 8, 1))
+    cfg = TrainConfig(epochs=3, batch_size=4, log_every=2, keep_checkpoints=2,
+                      output_dir=str(tmp_path), tensorboard=True,
+                      progress=True)  # fmt: skip
+    rec = Recorder()
+    t = Trainer(model, model.init(jax.random.key(0)), adamw(0.05), cfg, callbacks=[rec])
+    r = t.fit(DATA, DATA)
+    records = read_metrics(tmp_path)
+    train = [x for x in records if "loss" in x]
+    evals = [x for x in records if "eval_loss" in x]
+    assert [x["step"] for x in train] == [2, 4, 6, 8, 10, 12]
+    assert [x["step"] for x in evals] == [4, 8, 12]
+    assert train == r.history and evals == r.eval_history
+    assert {"lr", "grad_norm", "loss", "epoch"} <= set(train[0])
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert os.path.getsize(plot(tmp_path)) > 10_000
+    assert any(f.startswith("events") for f in os.listdir(tmp_path / "tensorboard"))
+    assert Checkpointer(tmp_path / "checkpoints").steps() == [8, 12]  # last 2 kept
+    assert rec.calls.count(("eval", 4)) == 1 and rec.calls[-1] == ("end", 12)
+    assert [c for c in rec.calls if c[0] == "checkpoint"] == [
+        ("checkpoint", 4), ("checkpoint", 8), ("checkpoint", 12)]  # fmt: skip
+    assert sum(c[0] == "step" for c in rec.calls) == 12
+
+
+def test_resume_in_process_mid_epoch_and_at_epoch_end(tmp_path):
+    model = MLP((3, 8, 1), dropout=0.2)  # dropout: the step keys matter
+    p = model.init(jax.random.key(0))
+
+    def cfg(d):
+        return TrainConfig(epochs=3, batch_size=2, grad_accum=2, checkpoint_every=2,
+                           keep_checkpoints=10, log_every=2, output_dir=str(d),
+                           progress=False)  # fmt: skip
+
+    full = Trainer(model, p, adamw(0.01), cfg(tmp_path / "full")).fit(DATA, DATA)
+    # 4 steps an epoch: step 6 is mid-epoch, step 4 an epoch's end (after its eval)
+    for step in (6, 4):
+        src = tmp_path / "full" / "checkpoints" / str(step)
+        r = Trainer(model, p, adamw(0.01), cfg(tmp_path / f"r{step}")).fit(
+            DATA, DATA, resume=src
+        )
+        for a, b in zip(jax.tree_util.tree_leaves((full.state.trainable,
+                                                   full.state.opt_state)),
+                        jax.tree_util.tree_leaves((r.state.trainable,
+                                                   r.state.opt_state))):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert r.history == full.history and r.eval_history == full.eval_history
+
+
+def test_resume_latest_without_checkpoint_starts_fresh_and_bad_path_errors(tmp_path):
+    cfg = TrainConfig(max_steps=2, batch_size=4, output_dir=str(tmp_path),
+                      progress=False)  # fmt: skip
+    r = Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA, resume="latest")
+    assert r.steps == 2
+    r2 = Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA, resume="latest")
+    assert r2.steps == 2 and r2.history == r.history  # already done: nothing to run
+    with pytest.raises(Exception, match="not a folder"):
+        Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA, resume=tmp_path / "x")
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [2]
