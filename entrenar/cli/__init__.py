@@ -7,9 +7,10 @@ Not imported by ``import entrenar``.
 """
 
 from entrenar.cli import inspect as _inspect  # registers validate, info
+from entrenar.cli import model_cmds as _model_cmds  # quantize, merge, generate
 from entrenar.cli import run_cmds as _run_cmds  # registers train, eval, plot
 from entrenar.cli.app import EXIT_FAILED, EXIT_OK, EXIT_USAGE, cli, main
 
-del _inspect, _run_cmds
+del _inspect, _model_cmds, _run_cmds
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "cli", "main"]

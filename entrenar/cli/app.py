@@ -24,11 +24,18 @@ from entrenar.errors import (
     ConfigError,
     EntrenarError,
     FormatError,
+    QuantizationError,
     UnsupportedError,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-USAGE_ERRORS = (ConfigError, FormatError, UnsupportedError, CompatibilityError)
+USAGE_ERRORS = (
+    ConfigError,
+    FormatError,
+    UnsupportedError,
+    CompatibilityError,
+    QuantizationError,
+)
 """Errors in what the user asked for: exit code 2."""
 
 

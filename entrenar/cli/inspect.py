@@ -139,9 +139,8 @@ def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
             out["chat_template"] = True
     else:
         model = io.load_model(path)
-        flat = io.flatten_params(model.params)
-        items = [(n, tuple(a.shape), str(a.dtype)) for n, a in flat.items()]
         meta = model.metadata
+        items = _stored_items(model.params, meta.custom.get("quantization"), path)
         out = {"path": path, "format": io.detect_format(path).value}
         out |= {"name": meta.name, "architecture": meta.architecture}
         out["version"] = meta.version
@@ -160,6 +159,28 @@ def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
             {"name": n, "shape": list(s), "type": k} for n, s, k in items
         ]
     return out
+
+
+def _stored_items(
+    params: Any, quantized: Any, path: str
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, logical shape, type)`` of each tensor; quantized weights as one."""
+    from entrenar import io, quant
+    from entrenar.config.export import restore_quantized
+    from entrenar.tree import key_path_str
+
+    if not isinstance(quantized, dict):
+        flat = io.flatten_params(params)
+        return [(n, tuple(a.shape), str(a.dtype)) for n, a in flat.items()]
+    import jax
+
+    tree = restore_quantized(params, quantized, path)
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=quant.is_quantized)[0]
+    return [
+        (key_path_str(p), tuple(x.shape), x.scheme if quant.is_quantized(x) else
+         str(x.dtype))
+        for p, x in leaves
+    ]  # fmt: skip
 
 
 def _size(path: str) -> int:

@@ -32,22 +32,35 @@ def _overrides(**flags: Any) -> dict[str, Any]:
 
 @command("train")
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--epochs", type=click.IntRange(min=1), help="Override training.epochs "
-              "(and drop training.max_steps).")  # fmt: skip
-@click.option("--max-steps", type=click.IntRange(min=1), help="Override "
-              "training.max_steps.")  # fmt: skip
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=1),
+    help="Override training.epochs (and drop training.max_steps).",
+)
+@click.option(
+    "--max-steps", type=click.IntRange(min=1), help="Override training.max_steps."
+)
 @click.option("--lr", type=float, help="Override optimizer.lr.")
-@click.option("--batch-size", type=click.IntRange(min=1), help="Override "
-              "data.batch_size.")  # fmt: skip
-@click.option("--grad-accum", type=click.IntRange(min=1), help="Override "
-              "training.grad_accum.")  # fmt: skip
-@click.option("--output-dir", type=click.Path(file_okay=False), help="Override "
-              "training.output_dir.")  # fmt: skip
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), help="Override data.batch_size."
+)
+@click.option(
+    "--grad-accum", type=click.IntRange(min=1), help="Override training.grad_accum."
+)
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False),
+    help="Override training.output_dir.",
+)
 @click.option("--seed", type=click.IntRange(min=0), help="Override training.seed.")
-@click.option("--save-every", type=click.IntRange(min=1), help="Override "
-              "training.checkpoint_every.")  # fmt: skip
-@click.option("--log-every", type=click.IntRange(min=1), help="Override "
-              "training.log_every.")  # fmt: skip
+@click.option(
+    "--save-every",
+    type=click.IntRange(min=1),
+    help="Override training.checkpoint_every.",
+)
+@click.option(
+    "--log-every", type=click.IntRange(min=1), help="Override training.log_every."
+)
 @click.option(
     "--set",
     "sets",
@@ -61,21 +74,29 @@ def _overrides(**flags: Any) -> dict[str, Any]:
     help="Continue from the newest checkpoint in the output dir ('latest') or from "
     "a run folder / checkpoint folder.",
 )
-@click.option("--dry-run", is_flag=True, help="Build model, data and optimizer; "
-              "do not train.")  # fmt: skip
+@click.option(
+    "--dry-run", is_flag=True, help="Build model, data and optimizer; do not train."
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def train_cmd(
-    config: str, sets: tuple[str, ...], resume: str | None, dry_run: bool,
-    no_progress: bool, **flags: Any,
-) -> None:  # fmt: skip
+    config: str,
+    sets: tuple[str, ...],
+    resume: str | None,
+    dry_run: bool,
+    no_progress: bool,
+    **flags: Any,
+) -> None:
     """Train the run CONFIG describes (a YAML file; see specs/config.md)."""
     from entrenar.config.run import train_from_yaml
 
     overrides = _overrides(**flags) | parse_sets(sets)
     result = train_from_yaml(
-        config, overrides, resume=resume, dry_run=dry_run,
+        config,
+        overrides,
+        resume=resume,
+        dry_run=dry_run,
         progress=not no_progress,
-    )  # fmt: skip
+    )
     if dry_run:
         click.echo(f"✓ dry run: {config} builds; nothing was trained")
         for k, v in result.metrics.items():
@@ -122,9 +143,13 @@ def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
     type=click.Path(exists=True, dir_okay=False),
     help="Data to evaluate on (default: the config's validation data).",
 )
-@click.option("--model", "model_path", type=click.Path(exists=True),
-              help="With a CONFIG: the trained model to evaluate (default: "
-              "<output_dir>/model.safetensors).")  # fmt: skip
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True),
+    help="With a CONFIG: the trained model to evaluate (default: "
+    "<output_dir>/model.safetensors).",
+)
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def eval_cmd(
     target: str, data_path: str | None, model_path: str | None, fmt: str
@@ -152,8 +177,12 @@ def eval_cmd(
 
 @command("plot")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Image path (default RUN_DIR/loss.png).")  # fmt: skip
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    help="Image path (default RUN_DIR/loss.png).",
+)
 def plot_cmd(run_dir: str, output: str | None) -> None:
     """Plot RUN_DIR/metrics.jsonl: train and eval loss and the learning rate."""
     from entrenar.train.plot import plot

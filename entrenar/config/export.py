@@ -18,7 +18,12 @@ import jax
 import numpy as np
 
 from entrenar import io, lora, quant
-from entrenar.config.models import BuiltModel, save_built
+from entrenar.config.models import (
+    BuiltModel,
+    config_dict,
+    dicts_from_lists,
+    save_built,
+)
 from entrenar.errors import ConfigError, FormatError
 from entrenar.tree import key_path_str
 from entrenar.types import Params
@@ -121,21 +126,46 @@ def write_quantized(
             name=name,
         )  # fmt: skip
         return path
+    custom: dict[str, Any] = {"model_config": config_dict(built.config)}
+    if built.architecture == "llama":
+        custom = {"llama_config": config_dict(built.config)}
+    meta = io.ModelMetadata(name, built.architecture, custom=custom | dict(extra or {}))
+    return write_quantized_model(
+        io.Model(meta, dicts_from_lists(params)), path, scheme,
+        block_size=block_size, per_channel=per_channel,
+    )  # fmt: skip
+
+
+def write_quantized_model(
+    model: io.Model,
+    path: str,
+    scheme: str,
+    *,
+    block_size: int = 64,
+    per_channel: bool = False,
+) -> str:
+    """Quantize the weights of any `entrenar.io` model and write it (module docstring).
+
+    Every floating weight with two or more axes whose rows split into whole blocks is
+    quantized; biases, norms and odd shapes stay as they are.
+
+    Raises:
+        ConfigError: no weight of the model can be quantized with these settings.
+    """
     qparams = quant.quantize_params(
-        quant.dequantize_params(params), scheme,
+        quant.dequantize_params(model.params), scheme,
         **quantize_options(scheme, block_size, per_channel),
     )  # fmt: skip
     tree, info = split_quantized(qparams)
     if not info:
+        block = 32 if scheme in GGML_SCHEMES else block_size
         raise ConfigError(
-            f"{scheme}: no weight of this model has a row length that splits into "
-            f"blocks of {block_size}; choose a smaller block size"
+            f"{scheme}: no weight of this model has rows that split into blocks of "
+            f"{block}; choose a smaller --block-size or another scheme"
         )
-    fmt = "json" if path.endswith(".json") else "safetensors"
-    save_built(
-        built, tree, path, fmt=fmt, name=name,
-        extra={**(extra or {}), "quantization": info},
-    )  # fmt: skip
+    meta = model.metadata.with_custom(quantization=info)
+    fmt = io.ModelFormat.JSON if path.endswith(".json") else io.ModelFormat.SAFETENSORS
+    io.save_model(io.Model(meta, tree), path, io.SaveConfig(fmt))
     return path
 
 
@@ -228,4 +258,5 @@ __all__ = [
     "write_hf_folder",
     "write_outputs",
     "write_quantized",
+    "write_quantized_model",
 ]

@@ -1,0 +1,314 @@
+"""``entrenar quantize``, ``entrenar merge`` and ``entrenar generate``."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from entrenar.cli.app import command
+
+SCHEMES = ("nf4", "int4", "int8", "q4_0", "q4_1", "q8_0")
+MERGE_METHODS = (
+    "ties",
+    "dare_ties",
+    "dare_linear",
+    "task_arithmetic",
+    "linear",
+    "average",
+    "slerp",
+)
+
+
+def _scheme(scheme: str | None, bits: int | None, method: str | None) -> str:
+    """The scheme from --scheme, or from the book's --bits / --method."""
+    if scheme is not None:
+        if bits is not None and bits != (8 if scheme in ("int8", "q8_0") else 4):
+            raise click.BadParameter(
+                f"--bits {bits} contradicts --scheme {scheme}", param_hint="--bits"
+            )
+        return scheme
+    if bits == 8:
+        return "int8" if method == "asymmetric" else "q8_0"
+    return "q4_1" if method == "asymmetric" else "q4_0"
+
+
+@command("quantize")
+@click.argument("model", type=click.Path(exists=True))
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Output file: .gguf (a Llama in q8_0/q4_0/q4_1), .safetensors or .json.",
+)
+@click.option(
+    "--scheme",
+    type=click.Choice(SCHEMES),
+    help="Quantization scheme (default: q4_0, or q8_0 with --bits 8).",
+)
+@click.option(
+    "--bits",
+    type=click.Choice(["4", "8"]),
+    default=None,
+    help="4 or 8 bits, when --scheme is not given.",
+)
+@click.option(
+    "--method",
+    type=click.Choice(["symmetric", "asymmetric"]),
+    help="With --bits: symmetric (q4_0 / q8_0) or asymmetric (q4_1 / int8 "
+    "with zero points).",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=2),
+    default=64,
+    show_default=True,
+    help="Values per block (nf4, int4, int8).",
+)
+@click.option("--per-channel", is_flag=True, help="int8: one scale per output row.")
+@click.option(
+    "--calibration-data",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Data to compare the quantized model with the original on "
+    "(loss, accuracy or perplexity, before and after).",
+)
+def quantize_cmd(
+    model: str,
+    output: str,
+    scheme: str | None,
+    bits: str | None,
+    method: str | None,
+    block_size: int,
+    per_channel: bool,
+    calibration_data: str | None,
+) -> None:
+    """Quantize MODEL's weights and write them to OUTPUT."""
+    from entrenar.config.quantize import quantize_file
+
+    chosen = _scheme(scheme, int(bits) if bits else None, method)
+    if per_channel and chosen != "int8":
+        if scheme is None and bits is None:
+            chosen = "int8"
+        else:
+            raise click.BadParameter(
+                "only int8 has per-channel scales", param_hint="--per-channel"
+            )
+    report = quantize_file(
+        model,
+        output,
+        chosen,
+        block_size=block_size,
+        per_channel=per_channel,
+        calibration_data=calibration_data,
+    )
+    click.echo(f"✓ {model} -> {output} ({chosen})")
+    for k, v in report.items():
+        click.echo(f"  {k}: {v}")
+
+
+def _floats(text: str | None, name: str) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not a comma-separated list of numbers", param_hint=name
+        ) from None
+
+
+@command("merge")
+@click.argument("models", nargs=-1, type=click.Path(exists=True))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(),
+    help="Output file (.safetensors, .gguf, .json) or folder.",
+)
+@click.option(
+    "--config",
+    "recipe",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A mergekit-shaped recipe, or a run config with a merge: section.",
+)
+@click.option(
+    "--method",
+    type=click.Choice(MERGE_METHODS),
+    default="ties",
+    show_default=True,
+    help="Merge method (average = linear).",
+)
+@click.option(
+    "--base",
+    type=click.Path(exists=True),
+    help="Base model (task vectors are taken against it; SLERP's t=0 end).",
+)
+@click.option("--weights", help="Comma-separated weight per model.")
+@click.option(
+    "--density",
+    type=click.FloatRange(0, 1, min_open=True),
+    help="TIES/DARE: fraction of each task vector kept.",
+)
+@click.option(
+    "--weight",
+    "--t",
+    "t",
+    type=click.FloatRange(0, 1),
+    help="SLERP: interpolation factor t.",
+)
+@click.option("--lambda", "lam", type=float, help="Scale of the merged task vector.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    help="Compute and output dtype.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="DARE's seed.")
+def merge_cmd(
+    models: tuple[str, ...],
+    output: str | None,
+    recipe: str | None,
+    method: str,
+    base: str | None,
+    weights: str | None,
+    density: float | None,
+    t: float | None,
+    lam: float | None,
+    dtype: str | None,
+    seed: int,
+) -> None:
+    """Merge MODELS (or the recipe given with --config) into one model."""
+    from entrenar import merge
+
+    if recipe is not None:
+        if models:
+            raise click.UsageError("give MODELS or --config RECIPE, not both")
+        written = _merge_recipe(recipe, output)
+        click.echo(f"✓ merged ({recipe}) -> {written}")
+        return
+    if output is None:
+        raise click.UsageError("missing -o/--output")
+    method = "linear" if method == "average" else method
+    if method == "slerp":
+        if len(models) == 2 and base is None:
+            base, models = models[0], models[1:]
+        if t is None:
+            raise click.UsageError("slerp needs --weight/--t")
+    elif method not in ("linear",) and base is None:
+        if len(models) < 2:
+            raise click.UsageError(f"{method} needs --base or at least two MODELS")
+        base, models = models[0], models[1:]
+    if not models:
+        raise click.UsageError("name at least one model to merge")
+    merge.merge_files(
+        list(models),
+        method,
+        output,
+        base=base,
+        weights=_floats(weights, "--weights"),
+        density=density,
+        t=t,
+        lam=lam,
+        dtype=dtype,
+        seed=seed,
+    )
+    click.echo(
+        f"✓ merged {len(models) + (base is not None)} models ({method}) -> {output}"
+    )
+
+
+def _merge_recipe(path: str, output: str | None) -> str:
+    from entrenar import merge
+    from entrenar.config.merging import is_bare_recipe, load_recipe_file, run_merge
+    from entrenar.config.summary import validate
+
+    if is_bare_recipe(path):
+        if output is None:
+            raise click.UsageError("a bare recipe needs -o/--output")
+        merge.run_recipe(load_recipe_file(path), output)
+        return output
+    overrides = {}
+    if output is not None:
+        overrides["training.output_dir"] = os.path.dirname(output) or "."
+    spec = validate(path, overrides)
+    if not spec.is_merge:
+        raise click.UsageError(f"{path} has no merge: section")
+    files = run_merge(spec)
+    if output is not None and files["merged"] != os.path.abspath(output):
+        os.replace(files["merged"], output)
+        return output
+    return files["merged"]
+
+
+@command("generate")
+@click.argument("model", type=click.Path(exists=True))
+@click.option("--prompt", "-p", required=True, help="The prompt (or user message).")
+@click.option(
+    "--adapter",
+    type=click.Path(exists=True, file_okay=False),
+    help="A PEFT adapter folder to apply to MODEL.",
+)
+@click.option(
+    "--chat/--no-chat",
+    default=False,
+    help="Render the prompt through "
+    "the model's chat template and stop at its end-of-turn token.",
+)
+@click.option("--system", help="A system message (with --chat).")
+@click.option(
+    "--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="0 is greedy.",
+)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True))
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A .gguf whose tokenizer to use (default: MODEL's own).",
+)
+@click.option("--stream/--no-stream", default=True, help="Print tokens as they come.")
+def generate_cmd(
+    model: str,
+    prompt: str,
+    adapter: str | None,
+    chat: bool,
+    system: str | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float | None,
+    seed: int,
+    tokenizer: str | None,
+    stream: bool,
+) -> None:
+    """Continue PROMPT with MODEL (a GGUF, HF folder or entrenar model file)."""
+    from entrenar.config.inference import generate_text
+
+    def emit(piece: str) -> None:
+        click.echo(piece, nl=False)
+
+    text = generate_text(
+        model,
+        prompt,
+        adapter=adapter,
+        chat=chat,
+        system=system,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        tokenizer=tokenizer,
+        on_text=emit if stream else None,
+    )
+    if stream:
+        click.echo()
+    else:
+        click.echo(text)
+
+
+__all__ = ["generate_cmd", "merge_cmd", "quantize_cmd"]
