@@ -15,7 +15,14 @@ from entrenar.nn.attention import (
     init_kv_cache,
     update_cache_layer,
 )
-from entrenar.nn.generate import decode_step, generate, sample_logits
+from entrenar.nn.generate import (
+    check_length,
+    context_length,
+    decode_step,
+    generate,
+    generate_stream,
+    sample_logits,
+)
 from entrenar.nn.gpt2 import GPT2, GPT2Config, conv1d_transpose
 from entrenar.nn.hf_names import STACKED_KEYS, from_hf_names, to_hf_names
 from entrenar.nn.init import (
@@ -53,6 +60,8 @@ __all__ = [
     "apply_rope",
     "causal_lm_loss",
     "causal_mask",
+    "check_length",
+    "context_length",
     "conv1d_transpose",
     "cross_entropy",
     "decode_step",
@@ -64,6 +73,7 @@ __all__ = [
     "gated_mlp",
     "gelu_tanh",
     "generate",
+    "generate_stream",
     "init_kv_cache",
     "kaiming_normal",
     "kaiming_uniform",

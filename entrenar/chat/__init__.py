@@ -1,0 +1,31 @@
+"""Chat inference: text in, text out, through the model's own chat template.
+
+Protocol: ``ChatModel(model, params, tokenizer)`` (or ``ChatModel.from_gguf(path,
+adapter=...)``) renders a conversation with the template, tokenizes it with control
+tokens parsed, refuses a request longer than the context, and decodes greedily (or by
+sampling) until an end-of-turn token: ``chat("Hi")`` returns the text,
+``chat.reply(...)`` a `Reply` with its tokens and finish reason, ``chat.stream(...)``
+yields the text as it comes. `exact_match` scores greedy replies on a chat dataset
+in one teacher-forced forward pass per batch. Layer: above ``data``, ``nn``, ``io``
+and ``lora``; below ``config`` and ``cli``.
+"""
+
+from entrenar.chat.evaluate import ExactMatch, exact_match, reply_targets
+from entrenar.chat.session import (
+    END_OF_TURN,
+    ChatModel,
+    Reply,
+    as_messages,
+    end_of_turn_ids,
+)
+
+__all__ = [
+    "END_OF_TURN",
+    "ChatModel",
+    "ExactMatch",
+    "Reply",
+    "as_messages",
+    "end_of_turn_ids",
+    "exact_match",
+    "reply_targets",
+]

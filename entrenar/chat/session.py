@@ -1,0 +1,258 @@
+"""Text in, text out: a chat model answering through its own chat template.
+
+`ChatModel` holds a causal language model (a `entrenar.nn.LlamaConfig` and its
+params, adapters allowed), a tokenizer and the model's Jinja chat template. A reply
+is produced in four steps:
+
+1. **Render** the conversation with the template (`entrenar.data.render_chat`), ending
+   with the opening of an assistant turn (``add_generation_prompt=True``).
+2. **Tokenize** with control tokens parsed (``special=True``), so ``<|im_start|>`` is
+   one token, as in training, not seven pieces of text.
+3. **Check the length**: prompt plus ``max_new_tokens`` must fit the model's context
+   (`entrenar.nn.check_length`); a longer request is refused before any work.
+4. **Decode** with the KV cache (`entrenar.nn.generate_stream`), greedy by default,
+   until an end-of-turn token (`end_of_turn_ids`: the tokenizer's EOS and the usual
+   end-of-turn control tokens the vocabulary has) or ``max_new_tokens``.
+
+`ChatModel.stream` yields the reply's text as it comes, piece by piece (a piece is
+held back while it ends inside a multi-byte UTF-8 character).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar import data, io, lora
+from entrenar.errors import ConfigError
+from entrenar.nn import check_length, generate_stream
+from entrenar.types import Params, PRNGKey
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+"""Control tokens that end a turn in common chat formats (ChatML, Llama 3, ...)."""
+
+Messages = str | Sequence[Mapping[str, Any]]
+
+
+def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a reply: the EOS id and each `END_OF_TURN` token present.
+
+    Only control tokens (llama.cpp token type 3) count, so a vocabulary that holds
+    ``<|im_end|>`` as plain text is not cut short.
+    """
+    ids = [] if tokenizer.eos_id is None else [int(tokenizer.eos_id)]
+    index = {t: i for i, t in enumerate(tokenizer.tokens) if t in END_OF_TURN}
+    for tok in END_OF_TURN:
+        i = index.get(tok)
+        if i is not None and tokenizer.token_types[i] == 3 and i not in ids:
+            ids.append(i)
+    return tuple(ids)
+
+
+def as_messages(prompt: Messages, system: str | None = None) -> list[dict[str, Any]]:
+    """A user string (plus an optional system prompt) as a message list.
+
+    >>> as_messages("Hi", system="Be brief.")  # doctest: +NORMALIZE_WHITESPACE
+    [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
+    """
+    if isinstance(prompt, str):
+        msgs = [{"role": "user", "content": prompt}]
+    else:
+        msgs = data.check_messages(prompt)
+    if system is not None:
+        msgs = [{"role": "system", "content": system}, *msgs]
+    return msgs
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """One generated reply.
+
+    Attributes:
+        text: the reply, without the end-of-turn token.
+        token_ids: the generated ids, the end-of-turn token included when one came.
+        finish_reason: ``"stop"`` (an end-of-turn token) or ``"length"``
+            (``max_new_tokens`` reached first).
+        prompt_tokens: length of the rendered, tokenized prompt.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: Literal["stop", "length"]
+    prompt_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatModel:
+    """A causal LM with its tokenizer and chat template; see the module docstring.
+
+    Attributes:
+        model: the architecture (`entrenar.nn.LlamaConfig`), with ``init_cache`` and
+            ``apply_cached``.
+        params: its param tree (dense, quantized or with `entrenar.lora.LoRAWeight`
+            nodes).
+        tokenizer: `entrenar.data.FastTokenizer` or `entrenar.io.BPETokenizer`.
+        chat_template: Jinja template; None takes the tokenizer's ``chat_template``.
+        stop_ids: ids that end a reply; None takes `end_of_turn_ids`.
+    """
+
+    model: Any
+    params: Params
+    tokenizer: Any
+    chat_template: str | None = None
+    stop_ids: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_gguf(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        adapter: str | os.PathLike[str] | None = None,
+        keep_quantized: bool = False,
+    ) -> ChatModel:
+        """Load a llama.cpp GGUF (and optionally a PEFT adapter folder) for chat.
+
+        Args:
+            path: the ``.gguf`` file; its tokenizer and chat template are used.
+            adapter: a PEFT LoRA folder (`entrenar.lora.save_adapter`) to attach.
+            keep_quantized: keep Q8_0/Q4 matrices quantized (less memory; each step
+                then dequantizes them, which is slower than dequantizing once).
+        """
+        gguf = io.read_gguf(path)
+        config, params, _ = io.load_llama_gguf(gguf, keep_quantized=keep_quantized)
+        if adapter is not None:
+            params = lora.load_adapter(adapter, params)
+        return cls(config, params, data.load_fast_tokenizer(gguf))
+
+    @property
+    def template(self) -> str:
+        """The chat template in use."""
+        t = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not t:
+            raise ConfigError(
+                "this model has no chat template (tokenizer.chat_template); pass "
+                "chat_template= to ChatModel"
+            )
+        return str(t)
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        """The ids that end a reply."""
+        return end_of_turn_ids(self.tokenizer) if self.stop_ids is None else (
+            self.stop_ids)  # fmt: skip
+
+    def render(self, messages: Messages, *, system: str | None = None) -> str:
+        """The prompt text: the conversation plus the opening of the assistant turn."""
+        return data.render_chat(
+            as_messages(messages, system), self.template, add_generation_prompt=True,
+            **data.special_texts(self.tokenizer),
+        )  # fmt: skip
+
+    def encode(self, messages: Messages, *, system: str | None = None) -> list[int]:
+        """Token ids of `render`, control tokens parsed as single tokens."""
+        return list(self.tokenizer.encode(self.render(messages, system=system),
+                                          special=True))  # fmt: skip
+
+    def _steps(
+        self,
+        messages: Messages,
+        system: str | None,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        key: PRNGKey | None,
+    ) -> tuple[list[int], Iterator[np.ndarray]]:
+        ids = self.encode(messages, system=system)
+        check_length(self.model, len(ids), max_new_tokens)
+        steps = generate_stream(
+            self.model, self.params, jnp.asarray([ids], jnp.int32),
+            max_new_tokens=max_new_tokens, key=key, temperature=temperature,
+            top_k=top_k, top_p=top_p, stop_tokens=self.stops,
+        )  # fmt: skip
+        return ids, steps
+
+    def reply(
+        self,
+        messages: Messages,
+        *,
+        system: str | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        key: PRNGKey | None = None,
+    ) -> Reply:
+        """Generate the assistant's reply to ``messages`` (a string is one user turn).
+
+        Greedy unless ``temperature > 0`` (then ``key`` is required); stops at an
+        end-of-turn token or after ``max_new_tokens``.
+
+        Raises:
+            ShapeError: prompt + ``max_new_tokens`` exceeds the model's context.
+            FormatError: malformed messages or a template that fails to render.
+        """
+        prompt, steps = self._steps(
+            messages, system, max_new_tokens, temperature, top_k, top_p, key
+        )
+        out = [int(row[0]) for row in steps]
+        stopped = bool(out) and out[-1] in self.stops
+        text_ids = out[:-1] if stopped else out
+        return Reply(
+            text=self.tokenizer.decode(text_ids),
+            token_ids=tuple(out),
+            finish_reason="stop" if stopped else "length",
+            prompt_tokens=len(prompt),
+        )
+
+    def __call__(self, messages: Messages, **kwargs: Any) -> str:
+        """The text of `reply` (same arguments)."""
+        return self.reply(messages, **kwargs).text
+
+    def stream(
+        self,
+        messages: Messages,
+        *,
+        system: str | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        key: PRNGKey | None = None,
+    ) -> Iterator[str]:
+        """Yield the reply's text piece by piece as tokens come (same arguments).
+
+        The checks (messages, template, length) run before this returns, so a bad
+        request raises here, not at the first ``next``. ``"".join(stream(...))``
+        equals ``reply(...).text``.
+        """
+        _, steps = self._steps(
+            messages, system, max_new_tokens, temperature, top_k, top_p, key
+        )
+        return self._texts(steps)
+
+    def _texts(self, steps: Iterator[np.ndarray]) -> Iterator[str]:
+        ids: list[int] = []
+        sent = ""
+        for row in steps:
+            tok = int(row[0])
+            if tok in self.stops:
+                break
+            ids.append(tok)
+            text = self.tokenizer.decode(ids)
+            if text.endswith("\ufffd"):  # inside a multi-byte character: wait
+                continue
+            if len(text) > len(sent):
+                yield text[len(sent) :]
+                sent = text
+        text = self.tokenizer.decode(ids)
+        if len(text) > len(sent):
+            yield text[len(sent) :]
+
+
+__all__ = ["END_OF_TURN", "ChatModel", "Reply", "as_messages", "end_of_turn_ids"]
