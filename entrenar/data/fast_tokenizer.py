@@ -222,9 +222,10 @@ class FastTokenizer:
         special: bool = False,
     ) -> list[list[int]]:
         """`encode` of each text, in parallel threads (Rust's rayon)."""
-        encs = self._hf[bool(special)].encode_batch(
-            list(texts), add_special_tokens=False
-        )
+        t = self._hf[bool(special)]
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets.
+        run = getattr(t, "encode_batch_fast", t.encode_batch)
+        encs = run(list(texts), add_special_tokens=False)
         bos = self._bos(add_bos)
         return [bos + list(e.ids) for e in encs]
 
