@@ -81,7 +81,11 @@ def distillation_terms(
             f"{tuple(teacher_logits.shape)} must have the same shape (same classes / "
             "vocabulary)"
         )
-    teacher_logits = jax.lax.stop_gradient(teacher_logits)
+    # one compute dtype for both (a float32 teacher may teach a float64 student)
+    dtypes = (jnp.asarray(student_logits).dtype, jnp.asarray(teacher_logits).dtype)
+    dtype = jnp.float64 if jnp.dtype(jnp.float64) in dtypes else jnp.float32
+    student_logits = jnp.asarray(student_logits, dtype)
+    teacher_logits = jax.lax.stop_gradient(jnp.asarray(teacher_logits, dtype))
     valid = _valid(student_logits, labels, ignore_index, where)  # (...)
     kl = kl_divergence(
         student_logits, teacher_logits, temperature, reduction, where=valid

@@ -143,6 +143,13 @@ class DistillLossFn:
             key: dropout key for the student (the teacher runs without dropout).
             step: the training step (progressive schedule); else ``batch["step"]``.
         """
+        if self.progressive is not None:
+            step = batch.get("step") if step is None else step
+            if step is None:
+                raise ConfigError(
+                    "progressive distillation needs the training step: pass "
+                    "loss_fn(params, batch, key=key, step=step) or batch['step']"
+                )
         if "input_ids" in batch:
             inputs = jnp.asarray(batch["input_ids"])  # (B, T)
             labels = jnp.asarray(batch.get("labels", inputs))  # (B, T)
@@ -186,12 +193,6 @@ class DistillLossFn:
         loss = jnp.float32(a * temp**2) * kl + jnp.float32(1.0 - a) * ce
         metrics = {"kl": kl, "ce": ce}
         if self.progressive is not None:
-            step = batch.get("step") if step is None else step
-            if step is None:
-                raise ConfigError(
-                    "progressive distillation needs the training step: pass "
-                    "loss_fn(params, batch, key=key, step=step) or batch['step']"
-                )
             hidden = self.progressive.hidden_loss(
                 s_hidden, t_out[0][1], params["projection"], step, where=where
             )

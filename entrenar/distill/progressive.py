@@ -36,6 +36,12 @@ from entrenar.types import Params, PRNGKey
 HIDDEN_LOSSES = ("mse", "cosine")
 
 
+def _float(x: Any) -> jax.Array:
+    """``x`` as float32, or float64 when it already is (as in `entrenar.nn.losses`)."""
+    x = jnp.asarray(x)
+    return x if x.dtype == jnp.float64 else x.astype(jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgressiveDistiller:
     """Hidden-state matching with a lower-to-upper schedule.
@@ -144,7 +150,7 @@ class ProgressiveDistiller:
         *,
         where: jax.Array | None = None,
     ) -> jax.Array:
-        """``(P,)`` float32: each pair's loss, averaged over the counted positions.
+        """``(P,)``: each pair's loss, averaged over the counted positions (float32).
 
         Args:
             student_hidden: indexable by layer (a tuple of arrays or an array
@@ -156,10 +162,8 @@ class ProgressiveDistiller:
         """
         losses = []
         for k, (i, j) in enumerate(zip(self.student_layers, self.teacher_layers)):
-            hs = jnp.asarray(student_hidden[i], jnp.float32)  # (..., D_s)
-            ht = jax.lax.stop_gradient(
-                jnp.asarray(teacher_hidden[j], jnp.float32)
-            )  # (..., D_t)
+            hs = _float(student_hidden[i])  # (..., D_s)
+            ht = jax.lax.stop_gradient(_float(teacher_hidden[j])).astype(hs.dtype)
             if str(k) in projection:
                 hs = linear(hs, projection[str(k)]["weight"])  # (..., D_t)
             if hs.shape != ht.shape:
@@ -174,7 +178,7 @@ class ProgressiveDistiller:
             if self.loss == "mse":
                 per_pos = jnp.mean(jnp.square(hs - ht), axis=-1)  # (...)
             else:
-                eps = jnp.float32(1e-8)
+                eps = jnp.asarray(1e-8, hs.dtype)
                 dot = jnp.sum(hs * ht, axis=-1)
                 norms = jnp.linalg.norm(hs, axis=-1) * jnp.linalg.norm(ht, axis=-1)
                 per_pos = 1.0 - dot / jnp.maximum(norms, eps)  # (...)
@@ -191,10 +195,10 @@ class ProgressiveDistiller:
         where: jax.Array | None = None,
     ) -> jax.Array:
         """The scheduled hidden term: mean of the active pairs' losses at ``step``."""
-        w = self.pair_weights(step)  # (P,)
         per_pair = self.pair_losses(
             student_hidden, teacher_hidden, projection, where=where
         )
+        w = self.pair_weights(step).astype(per_pair.dtype)  # (P,)
         return jnp.sum(w * per_pair) / jnp.maximum(jnp.sum(w), 1.0)
 
 

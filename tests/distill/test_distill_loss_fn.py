@@ -1,0 +1,228 @@
+"""make_distill_loss_fn: a frozen teacher and the student in one jitted step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar import lora, optim, quant
+from entrenar.distill import (
+    ProgressiveDistiller,
+    distillation_loss,
+    make_distill_loss_fn,
+)
+from entrenar.errors import ConfigError
+from entrenar.nn import MLP, LlamaConfig
+
+TEACHER, STUDENT = MLP((64, 64, 10)), MLP((64, 16, 10))
+
+
+def _mlp_setup(**kw):
+    tp = TEACHER.init(jax.random.key(0))
+    loss_fn = make_distill_loss_fn(
+        STUDENT, TEACHER, tp, temperature=3.0, alpha=0.7, **kw
+    )
+    params = loss_fn.init(STUDENT.init(jax.random.key(1)), key=jax.random.key(2))
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.normal(size=(8, 64)).astype(np.float32),
+        "y": rng.integers(0, 10, size=8).astype(np.int32),
+    }
+    return loss_fn, params, batch
+
+
+def test_classification_loss_equals_distillation_loss_of_the_two_models():
+    loss_fn, params, batch = _mlp_setup()
+    loss, metrics = jax.jit(loss_fn)(params, batch)
+
+    @jax.jit
+    def reference(params, batch):
+        s = STUDENT.apply(params["student"], batch["x"])
+        t = TEACHER.apply(params["teacher"], batch["x"])
+        return distillation_loss(s, t, batch["y"], 3.0, 0.7)
+
+    np.testing.assert_allclose(float(loss), float(reference(params, batch)), rtol=1e-6)
+    assert float(metrics["loss"]) == float(loss)
+    np.testing.assert_allclose(
+        float(loss), 0.7 * 9 * float(metrics["kl"]) + 0.3 * float(metrics["ce"]), 1e-6
+    )
+
+
+def test_teacher_is_frozen_and_the_step_trains_the_student():
+    loss_fn, params, batch = _mlp_setup()
+    grads = jax.jit(jax.grad(lambda p: loss_fn(p, batch)[0]))(params)
+    assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads["teacher"]))
+    assert any(np.any(np.asarray(g)) for g in jax.tree.leaves(grads["student"]))
+
+    tx = optim.freeze(optim.adam(1e-2), loss_fn.trainable)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, batch, key):
+        (loss, _), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, key=key)
+        updates, state = tx.update(g, state, params)
+        return optim.apply_updates(params, updates), state, loss
+
+    teacher_before = params["teacher"]
+    losses = []
+    for i in range(30):
+        params, state, loss = step(params, state, batch, jax.random.key(i))
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert step._cache_size() == 1
+    for a, b in zip(
+        jax.tree.leaves(teacher_before), jax.tree.leaves(params["teacher"])
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    trainable, frozen = loss_fn.split(params)
+    assert sorted(trainable) == ["student"] and sorted(frozen) == ["teacher"]
+    assert loss_fn.combine(trainable, frozen).keys() == params.keys()
+
+
+@pytest.mark.parametrize("kind", ["nf4", "lora"])
+def test_quantized_or_lora_teacher_runs_in_the_jitted_step(kind):
+    tp = TEACHER.init(jax.random.key(0))
+    if kind == "nf4":
+        frozen_tp = quant.quantize_params(tp, "nf4")
+        dense_tp = quant.dequantize_params(frozen_tp)
+        assert any(
+            quant.is_quantized(x)
+            for x in jax.tree.leaves(frozen_tp, is_leaf=quant.is_quantized)
+        )
+    else:
+        cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets=r"layers\.\d+")
+        adapted = lora.apply(tp, cfg, key=jax.random.key(5))
+        frozen_tp, dense_tp = {"layers": []}, {"layers": []}
+        for k, layer in enumerate(adapted["layers"]):
+            w = layer["weight"]
+            assert isinstance(w, lora.LoRAWeight)
+            w = w.replace(b=jax.random.normal(jax.random.key(k), w.b.shape))
+            dense = w.base + w.scale * (w.b @ w.a)  # W + s B A
+            frozen_tp["layers"].append({**layer, "weight": w})
+            dense_tp["layers"].append({**layer, "weight": dense})
+    sp = STUDENT.init(jax.random.key(1))
+    batch = _mlp_setup()[2]
+    got = make_distill_loss_fn(STUDENT, TEACHER, frozen_tp)
+    want = make_distill_loss_fn(STUDENT, TEACHER, dense_tp)
+    k = jax.random.key(3)
+    loss_a = jax.jit(got)(got.init(sp, key=k), batch)[0]
+    loss_b = want(want.init(sp, key=k), batch)[0]
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-5)
+
+
+def test_ensemble_of_identical_teachers_equals_one_teacher():
+    tp = TEACHER.init(jax.random.key(0))
+    sp = STUDENT.init(jax.random.key(1))
+    batch = _mlp_setup()[2]
+    one = make_distill_loss_fn(STUDENT, TEACHER, tp, temperature=2.0)
+    ens = make_distill_loss_fn(STUDENT, [TEACHER] * 3, [tp] * 3, temperature=2.0)
+    k = jax.random.key(0)
+    a = one(one.init(sp, key=k), batch)[0]
+    b = ens(ens.init(sp, key=k), batch)[0]
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+
+
+LM_T = LlamaConfig(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position_embeddings=32,
+)
+LM_S = LlamaConfig(
+    vocab_size=50,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    max_position_embeddings=32,
+)
+
+
+def _lm_batch():
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 50, size=(3, 9)).astype(np.int32)
+    mask = np.ones((3, 9), bool)
+    mask[2, 6:] = False  # right padding
+    labels = np.where(mask, ids, -100).astype(np.int32)
+    labels[0, :3] = -100  # a prompt
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def test_causal_lm_shifts_and_masks():
+    tp, sp = LM_T.init(jax.random.key(0)), LM_S.init(jax.random.key(1))
+    loss_fn = make_distill_loss_fn(LM_S, LM_T, tp, temperature=2.0, alpha=0.5)
+    params = loss_fn.init(sp, key=jax.random.key(2))
+    batch = _lm_batch()
+    f = jax.jit(loss_fn)
+    loss, _ = f(params, batch)
+
+    @jax.jit
+    def reference(batch):
+        mask = batch["attention_mask"]
+        s = LM_S.apply(sp, batch["input_ids"], mask=mask)
+        t = LM_T.apply(tp, batch["input_ids"], mask=mask)
+        return distillation_loss(
+            s[:, :-1], t[:, :-1], batch["labels"][:, 1:], 2.0, 0.5, where=mask[:, 1:]
+        )
+
+    np.testing.assert_allclose(float(loss), float(reference(batch)), rtol=1e-5)
+    # changing a masked-out label or a padded token's id changes nothing
+    other = dict(batch, input_ids=batch["input_ids"].copy())
+    other["input_ids"][2, 7] = (other["input_ids"][2, 7] + 1) % 50
+    np.testing.assert_allclose(float(f(params, other)[0]), float(loss), rtol=1e-6)
+
+
+def test_progressive_llama_with_projection_and_schedule():
+    tp, sp = LM_T.init(jax.random.key(0)), LM_S.init(jax.random.key(1))
+    pd = {"student_layers": [1, 2], "teacher_layers": [2, 4], "stage_steps": 5}
+    loss_fn = make_distill_loss_fn(LM_S, LM_T, tp, progressive=pd)
+    assert isinstance(loss_fn.progressive, ProgressiveDistiller)
+    params = loss_fn.init(sp, key=jax.random.key(2))
+    assert {k: v["weight"].shape for k, v in params["projection"].items()} == {
+        "0": (32, 16),
+        "1": (32, 16),
+    }
+    assert loss_fn.trainable("projection.0.weight", None)
+    batch = _lm_batch()
+    f = jax.jit(loss_fn)
+    _, m0 = f(params, batch, step=0)
+    _, m9 = f(params, batch, step=9)
+    assert f._cache_size() == 1  # the step is traced, not static
+
+    @jax.jit
+    def per_pair(batch):
+        mask = batch["attention_mask"]
+        _, hs = LM_S.apply(sp, batch["input_ids"], mask=mask, return_hidden=True)
+        _, ht = LM_T.apply(tp, batch["input_ids"], mask=mask, return_hidden=True)
+        return loss_fn.progressive.pair_losses(hs, ht, params["projection"], where=mask)
+
+    per = per_pair(batch)
+    np.testing.assert_allclose(float(m0["hidden"]), float(per[0]), rtol=1e-5)
+    np.testing.assert_allclose(float(m9["hidden"]), float(per.mean()), rtol=1e-5)
+    # the step may also come in the batch; gradients reach the projections
+    g = jax.jit(jax.grad(lambda p: f(p, {**batch, "step": jnp.int32(9)})[0]))(params)
+    assert np.any(np.asarray(g["projection"]["1"]["weight"]))
+    with pytest.raises(ConfigError, match="training step"):
+        loss_fn(params, batch)
+
+
+def test_errors():
+    tp = TEACHER.init(jax.random.key(0))
+    loss_fn, params, _ = _mlp_setup()
+    with pytest.raises(ConfigError, match="'x' and 'y'"):
+        loss_fn(params, {"inputs": np.zeros((1, 64))})
+    with pytest.raises(ConfigError, match="list of as many"):
+        make_distill_loss_fn(STUDENT, [TEACHER, TEACHER], tp)
+    with pytest.raises(ConfigError, match="ensemble"):
+        make_distill_loss_fn(
+            STUDENT,
+            [TEACHER, TEACHER],
+            [tp, tp],
+            progressive=ProgressiveDistiller((1,), (1,)),
+        )
+    with pytest.raises(ConfigError, match="alpha"):
+        make_distill_loss_fn(STUDENT, TEACHER, tp, alpha=-0.1)
