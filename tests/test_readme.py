@@ -19,5 +19,7 @@ def test_readme_block_runs(i, capsys):
     exec(compile(BLOCKS[i], f"README.md block {i}", "exec"), namespace)
     if "w" in namespace and "b" in namespace and i == 0:
         assert abs(namespace["w"].item() - 2.0) < 0.05
+        assert abs(namespace["b"].item() - 1.0) < 0.1
     if "params" in namespace:
         assert abs(float(namespace["params"]["w"]) - 2.0) < 0.05
+        assert abs(float(namespace["params"]["b"]) - 1.0) < 0.1

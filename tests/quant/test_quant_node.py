@@ -102,6 +102,15 @@ def test_quantize_params_selects_weights_and_does_not_mutate():
         np.testing.assert_array_equal(np.asarray(a), b)
     dense = dequantize_params(qp)
     assert dense["layers"]["w"].shape == (3, 8, 64)
+    # Values, not only shapes: each layer dequantizes like the node alone, within
+    # NF4's error of the original, and untouched leaves pass through.
+    node = qp["layers"]["w"]
+    np.testing.assert_array_equal(dense["layers"]["w"], dequantize(node))
+    w = np.asarray(params["layers"]["w"])
+    err = np.abs(np.asarray(dense["layers"]["w"]) - w)
+    assert err.max() <= 0.2 * np.abs(w).max()  # NF4 steps are < 0.2 of the absmax
+    assert np.corrcoef(np.asarray(dense["layers"]["w"]).ravel(), w.ravel())[0, 1] > 0.99
+    assert dense["layers"]["norm"] is params["layers"]["norm"]
     only_w = quantize_params(params, "int8", predicate=lambda n, _: n == "layers.w")
     assert isinstance(only_w["layers"]["w"], QuantizedWeight)
 
