@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from entrenar.data.chat import assistant_spans
+from entrenar.data.chat import assistant_spans, render_chat
 from entrenar.data.fast_tokenizer import token_bytes
 from entrenar.data.readers import Records
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
@@ -152,6 +152,31 @@ def special_texts(tokenizer: Tokenizer) -> dict[str, str]:
     return out
 
 
+def apply_chat_template(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> list[int]:
+    """Token ids of a conversation, for generation (like ``transformers``' method).
+
+    Renders ``messages`` through ``chat_template`` (default the tokenizer's) with the
+    special tokens' texts and, by default, the generation prompt, then tokenizes the
+    text with control tokens parsed.
+    """
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise ConfigError("no chat template: pass chat_template=")
+    text = render_chat(
+        messages,
+        template,
+        add_generation_prompt=add_generation_prompt,
+        **special_texts(tokenizer),
+    )
+    return list(tokenizer.encode(text, special=True))
+
+
 def encode_records(
     records: Sequence[Mapping[str, Any]] | Records,
     tokenizer: Tokenizer,
@@ -218,6 +243,7 @@ __all__ = [
     "IGNORE_INDEX",
     "Format",
     "Tokenizer",
+    "apply_chat_template",
     "encode_records",
     "label_segments",
     "record_segments",

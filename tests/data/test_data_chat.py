@@ -5,6 +5,7 @@ import pytest
 
 from entrenar.data import (
     FastTokenizer,
+    apply_chat_template,
     assistant_spans,
     encode_records,
     load_chat_template,
@@ -153,3 +154,34 @@ def test_prompt_completion_labels_only_on_completion(tok):
     # Plain text: every token is trained, an EOS closes each document.
     [(ids, labels)] = encode_records([{"text": "Hello there."}], tok, format="text")
     assert labels.tolist() == ids.tolist() == [*tok.encode("Hello there."), 2]
+
+
+@pytest.mark.slow
+def test_apply_chat_template_for_generation(tok):
+    ids = apply_chat_template(tok, CHAT[:1])
+    text = render_chat(CHAT[:1], tok.chat_template, add_generation_prompt=True)
+    assert ids == tok.encode(text, special=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert tok.decode(ids, special=True) == text
+
+
+def test_labels_with_a_bos_and_specials():
+    from entrenar.io import BPETokenizer
+    from entrenar.io.tokenizer import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    tokens = (*[b2u[b] for b in range(256)], "<s>", "</s>", "<|u|>")
+    tok = BPETokenizer(tokens, (), (1,) * 256 + (3, 3, 3), bos_id=256, eos_id=257,
+                       add_bos=True)  # fmt: skip
+    [(ids, labels)] = encode_records(
+        [{"prompt": "é?", "completion": "ok"}], tok, format="prompt_completion"
+    )
+    assert ids.tolist() == [256, 195, 169, 63, 111, 107, 257]  # BOS, é is two bytes
+    assert labels.tolist() == [-100, -100, -100, -100, 111, 107, 257]
+    t = "{% for m in messages %}<|u|>{{ m.content }}{% endfor %}"
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    [(ids, labels)] = encode_records(
+        [{"messages": msgs}], tok, format="chat", chat_template=t
+    )
+    assert ids.tolist() == [256, 258, 97, 258, 98]
+    assert labels.tolist() == [-100, -100, -100, -100, 98]
