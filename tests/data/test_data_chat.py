@@ -180,8 +180,12 @@ def test_labels_with_a_bos_and_specials():
     assert labels.tolist() == [-100, -100, -100, -100, 111, 107, 257]
     t = "{% for m in messages %}<|u|>{{ m.content }}{% endfor %}"
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    [(ids, labels)] = encode_records(
-        [{"messages": msgs}], tok, format="chat", chat_template=t
-    )
-    assert ids.tolist() == [256, 258, 97, 258, 98]
-    assert labels.tolist() == [-100, -100, -100, -100, 98]
+    gen = "{% if add_generation_prompt %}<|u|>{% endif %}"
+    # With a generation prompt, the turn's header is prompt; without one, it is the
+    # model's to produce.
+    for template, want in [(t + gen, [-100] * 4 + [98]), (t, [-100] * 3 + [258, 98])]:
+        [(ids, labels)] = encode_records(
+            [{"messages": msgs}], tok, format="chat", chat_template=template
+        )
+        assert ids.tolist() == [256, 258, 97, 258, 98]
+        assert labels.tolist() == want
