@@ -22,6 +22,7 @@ from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_reader import GGUFField, GGUFValueType, read_gguf
 from entrenar.io.gguf_writer import GGUFTensor, write_gguf
 from entrenar.io.json_yaml import load_json, load_yaml, save_json, save_yaml
+from entrenar.io.llama_gguf_write import save_llama_gguf
 from entrenar.io.model import (
     DTYPES,
     Model,
@@ -32,6 +33,7 @@ from entrenar.io.model import (
     unflatten_params,
 )
 from entrenar.io.safetensors_io import load_model_safetensors, save_model_safetensors
+from entrenar.nn import LlamaConfig
 
 # numpy dtype name <-> ggml type id for generic GGUF tensors.
 _GGUF_DTYPES = {
@@ -163,9 +165,6 @@ def save_model(
     elif model.metadata.architecture == "llama" and "llama_config" in (
         model.metadata.custom
     ):
-        from entrenar.io.llama_gguf_write import save_llama_gguf
-        from entrenar.nn import LlamaConfig
-
         custom = model.metadata.custom
         save_llama_gguf(
             path,

@@ -36,6 +36,7 @@ from entrenar.io.ggml_dequant import dequantize
 from entrenar.io.gguf_reader import GGUFFile, GGUFValueType, read_gguf
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
+from entrenar.quant import from_ggml
 from entrenar.types import Params
 
 LAYER_NAMES = {
@@ -231,8 +232,6 @@ def load_llama_gguf(
         shape = (config.num_layers, *g.tensors[names[0]].shape)
         (t,) = types if len(types) == 1 else (None,)
         if keep_quantized and t in KEEP_QUANTIZED and len(shape) == 3:
-            from entrenar.quant import from_ggml
-
             value: Any = from_ggml(raw.reshape(-1), t, shape)
         else:
             layers = [

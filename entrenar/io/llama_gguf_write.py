@@ -24,6 +24,7 @@ from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_ggu
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
 from entrenar.io.llama_gguf import GLOBAL_NAMES, LAYER_NAMES, permute_qk
 from entrenar.nn import LlamaConfig
+from entrenar.quant import QuantizedWeight, dequantize, quantize, to_ggml
 from entrenar.types import Params
 
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -43,15 +44,11 @@ def _leaf(tree: Any, path: tuple[str, ...]) -> Any:
 @functools.cache
 def _quantize_jit() -> Any:
     """`entrenar.quant.quantize`, compiled once per shape and scheme."""
-    from entrenar.quant import quantize
-
     return jax.jit(quantize, static_argnums=1)
 
 
 def _to_bytes(w: Any, kind: str, name: str) -> np.ndarray:
     """Stored bytes of ``w: (..., rows, cols)`` in ``kind``, as ``(..., rows, nb)``."""
-    from entrenar.quant import QuantizedWeight, dequantize, to_ggml
-
     if kind in ("Q8_0", "Q4_0", "Q4_1"):
         if not (isinstance(w, QuantizedWeight) and w.scheme == kind.lower()):
             a = dequantize(w, np.float32) if isinstance(w, QuantizedWeight) else w
