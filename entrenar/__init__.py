@@ -1,14 +1,16 @@
 """entrenar: training and fine-tuning neural networks on JAX.
 
-Layers, each importing only the ones below it::
+Layers, each importing only the ones below it (specs/conventions.md; a test checks)::
 
-    train          TrainState, jitted steps, Trainer, checkpoints (over data)
-    distill        distillation losses (pure functions of logits and hidden states)
-    lora quant     pytree transforms (LoRAWeight, QuantizedWeight nodes)
-    nn  io         models as pure functions over param pytrees; file formats
-    optim          (init, update) pairs, schedules, clipping
-    autograd       Tensor, tape over jax.vjp, ops, gradient checking
-    functional     value_and_grad / grad over pytrees; tree helpers; errors
+    cli            the `entrenar` command (not imported here: ``python -m entrenar``)
+    config         YAML -> frozen dataclasses -> train_from_yaml()
+    train  chat    Trainer, jitted steps, checkpoints; chat inference
+    data  merge    loaders, tokenizers, packing; TIES/DARE/SLERP model merging
+    lora  distill  LoRA/QLoRA pytree transforms; distillation losses
+    io             JSON, YAML, safetensors, GGUF, tokenizer, SmolLM2
+    autograd quant Tensor API over nn's math; QuantizedWeight formats
+    nn  optim      models, layers, losses; (init, update) optimizers, schedules
+    tree  functional, errors, types
 
 Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 """
