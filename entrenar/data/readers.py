@@ -155,6 +155,16 @@ def read_csv(
     """
     path = os.fspath(path)
     _check_size(path, max_bytes)
+    # The csv module's per-field limit (128 KiB) is process-wide: lift it to the file
+    # size while reading, then put it back.
+    old = csv.field_size_limit(min(max(max_bytes, 1 << 17), 2**31 - 1))
+    try:
+        return _csv_records(path, columns, delimiter)
+    finally:
+        csv.field_size_limit(old)
+
+
+def _csv_records(path: str, columns: Sequence[str] | None, delimiter: str) -> Records:
     with open(path, encoding="utf-8", newline="") as f:
         reader = csv.reader(f, delimiter=delimiter)
         header = next(reader, None)

@@ -150,3 +150,14 @@ def test_size_checked_before_reading(tmp_path):
         read_csv(tmp_path / "absent.csv")
     with pytest.raises(UnsupportedError, match=r"\.txt"):
         load_records(tmp_path / "notes.txt")
+
+
+def test_long_csv_field_and_nested_parquet(tmp_path):
+    p = tmp_path / "long.csv"
+    _write_csv(p, [{"text": "w " * 200_000}])  # 400 kB, over csv's default limit
+    assert len(read_csv(p)[0]["text"]) == 400_000
+    assert csv.field_size_limit() == 131072  # the process-wide limit restored
+    q = tmp_path / "chat.parquet"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    _write_parquet(q, [{"messages": msgs}])
+    assert read_parquet(q, columns=["messages"]).rows == [{"messages": msgs}]
