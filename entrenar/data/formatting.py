@@ -30,8 +30,8 @@ from entrenar.data.readers import Records
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 
 IGNORE_INDEX = -100
-Format = Literal["text", "prompt_completion", "chat"]
-FORMATS = ("text", "prompt_completion", "chat")
+Format = Literal["text", "prompt_completion", "chat", "auto"]
+FORMATS = ("text", "prompt_completion", "chat", "auto")
 
 
 class Tokenizer(Protocol):
@@ -152,6 +152,30 @@ def special_texts(tokenizer: Tokenizer) -> dict[str, str]:
     return out
 
 
+def detect_format(
+    records: Sequence[Mapping[str, Any]] | Records, fields: Mapping[str, str]
+) -> Format:
+    """The format the first record's fields name: messages, prompt+completion, text.
+
+    >>> detect_format([{"prompt": "2+2=", "completion": "4"}], {"prompt": "prompt",
+    ...     "completion": "completion", "messages": "messages", "text": "text"})
+    'prompt_completion'
+    """
+    recs = Records.wrap(records)
+    first = recs[0] if len(recs) and isinstance(recs[0], Mapping) else {}
+    if fields["messages"] in first:
+        return "chat"
+    if fields["prompt"] in first and fields["completion"] in first:
+        return "prompt_completion"
+    if fields["text"] in first or not len(recs):
+        return "text"
+    raise FormatError(
+        f"{recs.where(0)}: cannot tell the format from its fields {sorted(first)}; "
+        f"expected {fields['messages']!r}, {fields['prompt']!r} and "
+        f"{fields['completion']!r}, or {fields['text']!r} (or pass format=)"
+    )
+
+
 def apply_chat_template(
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
@@ -192,7 +216,8 @@ def encode_records(
     Args:
         records: dicts, or `Records` from a file (errors then name file, row, column).
         tokenizer: `FastTokenizer` (batched) or `BPETokenizer`.
-        format: ``"text"``, ``"prompt_completion"`` or ``"chat"``.
+        format: ``"text"``, ``"prompt_completion"``, ``"chat"``, or ``"auto"``
+            (`detect_format` from the first record's fields).
         fields: rename the fields, e.g. ``{"text": "body"}``.
         chat_template: Jinja template; default the tokenizer's ``chat_template``.
         add_eos: append EOS (trained) after text and completions; default True
@@ -205,6 +230,8 @@ def encode_records(
     names = {"text": "text", "prompt": "prompt", "completion": "completion"}
     names["messages"] = "messages"
     names.update(fields or {})
+    if format == "auto":
+        format = detect_format(recs, names)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     variables = special_texts(tokenizer)
     eos = (format != "chat") if add_eos is None else add_eos
@@ -244,6 +271,7 @@ __all__ = [
     "Format",
     "Tokenizer",
     "apply_chat_template",
+    "detect_format",
     "encode_records",
     "label_segments",
     "record_segments",

@@ -32,7 +32,7 @@ class TextLoader:
     Args:
         records: dicts, `Records`, or the path of a JSONL/CSV/Parquet file.
         tokenizer: a `FastTokenizer` (or the reference `BPETokenizer`).
-        format: ``"text"``, ``"prompt_completion"`` or ``"chat"``.
+        format: ``"text"``, ``"prompt_completion"``, ``"chat"`` or ``"auto"``.
         seq_len: tokens per row.
         batch_size: rows per batch.
         packing: pack several documents per row (else one, right-padded).

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from entrenar.data import ArrayLoader, Loader, TextLoader, lm_loader
-from entrenar.errors import ConfigError
+from entrenar.errors import ConfigError, FormatError
 from entrenar.io import BPETokenizer
 
 
@@ -103,3 +103,16 @@ def test_text_loader_from_a_file(tmp_path):
         lm_loader(RECS, TOK, format="dialogue", seq_len=8, batch_size=2)
     with pytest.raises(ConfigError, match="no tokens"):
         lm_loader([], TOK, seq_len=8, batch_size=2)
+
+
+def test_auto_format_from_fields():
+    pc = [{"q": "a", "a": "b"}]
+    fields = {"prompt": "q", "completion": "a"}
+    auto = lm_loader(pc, TOK, format="auto", fields=fields, seq_len=8, batch_size=1)
+    want = lm_loader(pc, TOK, format="prompt_completion", fields=fields, seq_len=8,
+                     batch_size=1)  # fmt: skip
+    np.testing.assert_array_equal(
+        next(iter(auto))["labels"], next(iter(want))["labels"]
+    )
+    with pytest.raises(FormatError, match=r"record 1: cannot tell the format"):
+        lm_loader([{"body": "x"}], TOK, format="auto", seq_len=8, batch_size=1)
