@@ -3,10 +3,15 @@
 (a) The quickstart loop (100 epochs x 4 samples, SGD) with the eager Tensor API vs the
     same loop in PyTorch eager autograd (when torch is installed).
 (b) A jitted Tensor-API MLP train step vs the same step written with ``jax.grad``.
+(c) Eager loops whose shapes change every step (`tape_shapes.py`): issue 20's loop
+    over sizes 1..N and a variable-length sequence model step, against PyTorch eager
+    and against the engine of an older commit, each in its own process (RSS).
 
-    python benchmarks/tape.py [--repeats 5]
+    python benchmarks/tape.py [--repeats 5] [--baseline-commit REV] [--skip-ab]
 
-Targets: (a) no slower than PyTorch eager; (b) within 2% of jax.grad.
+Targets: (a) no slower than PyTorch eager; (b) within 2% of jax.grad; (c) memory
+growth < 100 MB over 1,000 distinct shapes, 400 steps in <= 1/5 of the old engine's
+time, the same-shape loop no slower than the old engine.
 """
 
 from __future__ import annotations
@@ -161,15 +166,25 @@ def bench_mlp(repeats: int, iters: int = 20) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--baseline-commit", default=None, help="old engine for (c)")
+    ap.add_argument("--skip-ab", action="store_true", help="run only (c)")
     a = ap.parse_args()
     print(f"jax {jax.__version__}, devices {jax.devices()}")
+    if not a.skip_ab:
+        bench_ab(a.repeats)
+    import tape_shapes
 
+    tape_shapes.run_all(a.baseline_commit)
+
+
+def bench_ab(repeats: int) -> None:
+    """(a) the quickstart loop vs PyTorch eager; (b) the jitted MLP step vs jax.grad."""
     t0 = time.perf_counter()
     quickstart_entrenar = make_quickstart_entrenar()
     quickstart_entrenar()
     t_cold = time.perf_counter() - t0
     print(f"(a) first run of the quickstart, compiles included: {t_cold * 1e3:.0f} ms")
-    t_ours = timed(quickstart_entrenar, a.repeats)
+    t_ours = timed(quickstart_entrenar, repeats)
     print(
         f"(a) quickstart 100 epochs x 4 samples, entrenar eager: {t_ours * 1e3:.1f} ms"
         f" ({t_ours / 400 * 1e6:.0f} us/step)"
@@ -178,7 +193,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(1)
-        t_torch = timed(quickstart_torch, a.repeats)
+        t_torch = timed(quickstart_torch, repeats)
         print(
             f"    PyTorch {torch.__version__} eager autograd: {t_torch * 1e3:.1f} ms"
             f" ({t_torch / 400 * 1e6:.0f} us/step)"
@@ -187,7 +202,7 @@ def main() -> None:
     except ImportError:
         print("    torch not installed: no peer")
 
-    t_t, t_j = bench_mlp(a.repeats)
+    t_t, t_j = bench_mlp(repeats)
     print(
         f"(b) jitted MLP step 512-1024-1024-10, batch 256: Tensor API "
         f"{t_t * 1e3:.2f} ms, jax.grad {t_j * 1e3:.2f} ms, "

@@ -209,18 +209,19 @@ def _is_traced(values: Sequence[Any]) -> bool:
     return any(isinstance(v, jax.core.Tracer) for v in values)
 
 
+def _structure(prog: Program, kind: str) -> tuple:
+    """The shape-free key of ``prog``: instructions, input ranks and dtypes."""
+    ranks = tuple(
+        a if isinstance(a, type) else (len(a.shape), a.dtype) for a in prog.in_avals
+    )
+    return (kind, prog.key[0], ranks, tuple(prog.diff_slots))
+
+
 def _bucket_plan(prog: Program, kind: str) -> _bucket.Plan | None:
     """A padded plan when this structure keeps changing shape, else None (exact)."""
     if not prog.instrs or _is_traced(prog.inputs):
         return None
-    skey = (
-        kind,
-        prog.key[0],
-        tuple(
-            a if isinstance(a, type) else (len(a.shape), a.dtype) for a in prog.in_avals
-        ),
-        tuple(prog.diff_slots),
-    )
+    skey = _structure(prog, kind)
     seen = _history.get(skey)
     if seen is None:
         _history[skey] = _Seen(_bucket.dims(prog.in_avals, prog.out_avals))
@@ -301,9 +302,9 @@ def _call(prog: Program, kind: str, seed: Any = None) -> Any:
 def evaluate(t: Tensor) -> Any:
     """Compute the value of a lazy tensor.
 
-    When this graph's structure has been differentiated before (its gradient program
-    is compiled), a backward pass is expected to follow: the gradients are computed in
-    the same call and kept for `backward`.
+    When this graph's structure has been differentiated before (at this shape or, in
+    a loop of changing shapes, at another), a backward pass is expected to follow: the
+    gradients are computed in the same call and kept for `backward`.
     """
     prog = None
     if t.requires_grad and t.size == 1:
@@ -311,13 +312,16 @@ def evaluate(t: Tensor) -> Any:
             prog = build(t, for_grad=True)
         except TapeError:  # part of the graph was freed: a plain forward is fine
             prog = None
-        grad_fn = prog and prog.instrs and _programs.get(("grad", prog.key))
-        if grad_fn:
-            assert prog is not None
-            out, grads = grad_fn(prog.inputs, None)
-            stats["fused"] += 1
-            t._pending = (grads, prog.diff_tensors, prog.nodes)
-            return out
+        if prog is not None and prog.instrs:
+            grad_fn = _programs.get(("grad", prog.key))
+            if grad_fn is not None or _structure(prog, "grad") in _history:
+                if grad_fn is None:
+                    out, grads = _call(prog, "grad")
+                else:
+                    out, grads = grad_fn(prog.inputs, None)
+                stats["fused"] += 1
+                t._pending = (grads, prog.diff_tensors, prog.nodes)
+                return out
     if prog is None:
         prog = build(t, for_grad=False)
     return _call(prog, "forward")

@@ -78,21 +78,35 @@ _DTYPES: dict[tuple, tuple[Any, bool]] = {}  # (op, static, ranks and dtypes) ->
 
 
 def _rule_shape(op: Op, static: tuple, sigs: Sequence[Any]) -> tuple[int, ...] | None:
-    """The output shape of an elementwise op or a reduction, without tracing.
+    """The output shape of an op with a padding rule, without tracing.
 
-    None when ``op`` is neither or the arguments do not fit (then `jax.eval_shape`
-    decides, and raises the error).
+    None when the rule does not say or the arguments do not fit (then
+    `jax.eval_shape` decides, and raises the error).
     """
     shapes = [() if isinstance(s, type) else s.shape for s in sigs]
-    if op.pad == "elementwise":
-        try:
+    kw = dict(static)
+    try:
+        if op.pad == "elementwise":
             return tuple(np.broadcast_shapes(*shapes))
-        except ValueError:
-            return None
-    if op.pad not in ("sum", "mean", "max") or len(shapes) != 1:
+        if op.pad in ("sum", "mean", "max") and len(shapes) == 1:
+            return _reduced(shapes[0], kw["axis"], kw["keepdims"], op.pad == "max")
+        if op.pad == "matmul" and min(len(shapes[0]), len(shapes[1])) >= 2:
+            (*ba, m, k), (*bb, k2, n) = shapes
+            if k == k2:
+                return (*np.broadcast_shapes(tuple(ba), tuple(bb)), m, n)
+        if op.pad == "take" and kw["spec"] == (("array", 0),) and shapes[0]:
+            return (*shapes[1], *shapes[0][1:])
+        if op.pad == "transpose":
+            axes = kw["axes"] or tuple(reversed(range(len(shapes[0]))))
+            if sorted(axes) == list(range(len(shapes[0]))):
+                return tuple(shapes[0][a] for a in axes)
+    except ValueError:  # shapes that do not broadcast
         return None
-    (shape,), kw = shapes, dict(static)
-    nd, axis = len(shape), kw["axis"]
+    return None
+
+
+def _reduced(shape: tuple[int, ...], axis: Any, keep: bool, nonempty: bool) -> Any:
+    nd = len(shape)
     axes = (
         tuple(range(nd))
         if axis is None
@@ -103,9 +117,8 @@ def _rule_shape(op: Op, static: tuple, sigs: Sequence[Any]) -> tuple[int, ...] |
     if not all(isinstance(a, (int, np.integer)) and -nd <= a < nd for a in axes):
         return None
     red = {int(a) % nd for a in axes}
-    if len(red) != len(axes) or (op.pad == "max" and any(shape[a] == 0 for a in red)):
+    if len(red) != len(axes) or (nonempty and any(shape[a] == 0 for a in red)):
         return None
-    keep = kw["keepdims"]
     return tuple(
         1 if i in red else d for i, d in enumerate(shape) if keep or i not in red
     )
@@ -114,9 +127,10 @@ def _rule_shape(op: Op, static: tuple, sigs: Sequence[Any]) -> tuple[int, ...] |
 def infer(op: Op, static: tuple, args: Sequence[Any]) -> Aval:
     """Output shape and dtype of ``op`` on ``args`` (cached).
 
-    Elementwise ops and reductions at a new shape reuse the dtype found by
-    `jax.eval_shape` for the same dtypes and ranks (their dtype does not depend on
-    the sizes), so a loop over new sizes does not trace every op again.
+    Ops with a padding rule (elementwise, reductions, matmul, transpose, take) at a
+    new shape get their shape from the rule and reuse the dtype `jax.eval_shape` found
+    for the same dtypes and ranks (their dtype does not depend on the sizes), so a
+    loop over new sizes does not trace every op again.
     """
     sigs = [_sig(a) for a in args]
     key = (op, static, tuple(sigs))
