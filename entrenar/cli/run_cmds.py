@@ -102,6 +102,12 @@ def train_cmd(
         for k, v in result.metrics.items():
             click.echo(f"  {k}: {v}")
         return
+    if result.spec.is_merge:
+        click.echo(f"✓ merged: {result.files['merged']}")
+        for kind, path in result.files.items():
+            if kind != "merged":
+                click.echo(f"  {kind}: {path}")
+        return
     m = result.metrics
     parts = [
         f"{k}={_fmt(m[k])}" for k in ("steps", "train_loss", "eval_loss") if k in m

@@ -51,7 +51,9 @@ def _split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(order[k:]), np.sort(order[:k])
 
 
-def _tabular(spec: TrainSpec, built: BuiltModel) -> RunData:
+def _tabular(
+    spec: TrainSpec, built: BuiltModel, preset: dict[str, Any] | None
+) -> RunData:
     d = spec.data
     assert d is not None and d.target is not None
     target: str = d.target
@@ -64,7 +66,9 @@ def _tabular(spec: TrainSpec, built: BuiltModel) -> RunData:
             f"data.target: column {target!r} is not in {d.train} (it has "
             f"{sorted(first)})"
         )
-    features = list(d.features or [c for c in first if c != target])
+    preset = preset or {}
+    stored = preset.get("features")
+    features = list(d.features or stored or [c for c in first if c != target])
     n_in, n_out = built.config.sizes[0], built.config.sizes[-1]
     if len(features) != n_in:
         raise ConfigError(
@@ -104,9 +108,13 @@ def _tabular(spec: TrainSpec, built: BuiltModel) -> RunData:
         valid = None
     stats: dict[str, Any] = {"features": features, "target": target}
     if d.normalize:
-        mean = train["x"].mean(axis=0)
-        std = train["x"].std(axis=0)
-        std = np.where(std > 0, std, 1.0).astype(np.float32)
+        if "mean" in preset and list(stored or []) == features:
+            mean = np.asarray(preset["mean"], np.float32)  # the model's own
+            std = np.asarray(preset["std"], np.float32)
+        else:
+            mean = train["x"].mean(axis=0)
+            std = train["x"].std(axis=0)
+            std = np.where(std > 0, std, 1.0).astype(np.float32)
         train["x"] = ((train["x"] - mean) / std).astype(np.float32)
         if valid is not None:
             valid["x"] = ((valid["x"] - mean) / std).astype(np.float32)
@@ -128,6 +136,12 @@ def _text(spec: TrainSpec, built: BuiltModel) -> RunData:
         raise ConfigError(
             "model.tokenizer: this language model has no tokenizer; name a .gguf "
             "whose tokenizer to use"
+        )
+    n_tokens = len(built.tokenizer.tokens)
+    if n_tokens > built.config.vocab_size:
+        raise ConfigError(
+            f"model.config.vocab_size: {built.config.vocab_size} is smaller than the "
+            f"tokenizer's {n_tokens} tokens"
         )
     if d.packing and built.architecture == "gpt2":
         raise ConfigError("data.packing: GPT-2 does not take packed rows; use llama")
@@ -164,9 +178,21 @@ def _text(spec: TrainSpec, built: BuiltModel) -> RunData:
     return RunData(train, valid, len(train), train.documents, {})
 
 
-def build_data(spec: TrainSpec, built: BuiltModel) -> RunData:
-    """The training and evaluation data of ``spec`` for ``built``."""
-    return _tabular(spec, built) if not built.is_lm else _text(spec, built)
+def build_data(
+    spec: TrainSpec, built: BuiltModel, teacher: BuiltModel | None = None
+) -> RunData:
+    """The training and evaluation data of ``spec`` for ``built``.
+
+    Tabular features are normalised with the statistics stored in the model file
+    being fine-tuned, else in the distillation teacher's file, else computed from the
+    training split, so a model always sees inputs scaled as in its training.
+    """
+    if built.is_lm:
+        return _text(spec, built)
+    preset = built.custom.get("tabular")
+    if not isinstance(preset, dict) and teacher is not None:
+        preset = teacher.custom.get("tabular")
+    return _tabular(spec, built, preset if isinstance(preset, dict) else None)
 
 
 def total_steps(spec: TrainSpec, steps_per_epoch: int) -> int:

