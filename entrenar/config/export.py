@@ -10,6 +10,7 @@ each weight name to its static fields (scheme, block size, dtype, granularity);
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from entrenar import io, lora, quant
+from entrenar import io, lora, nn, quant
 from entrenar.config.models import (
     BuiltModel,
     config_dict,
@@ -242,12 +243,8 @@ def write_outputs(
 
 def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
     """A Hugging Face ``LlamaForCausalLM`` folder (config.json + model.safetensors)."""
-    import json
-
     if built.architecture != "llama":
         raise ConfigError("export.formats: 'hf' writes Llama models only")
-    from entrenar import nn
-
     os.makedirs(folder, exist_ok=True)
     dense = quant.dequantize_params(params)
     flat = nn.to_hf_names(dense)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from entrenar import merge
+from entrenar import io, merge
 from entrenar.config.spec import TrainSpec, read_yaml
 from entrenar.errors import ConfigError
 
@@ -68,8 +68,6 @@ def run_merge(spec: TrainSpec) -> dict[str, str]:
     first = os.path.join(out_dir, f"model.{formats[0]}")
     model = merge.run_recipe(recipe, first)
     files = {"merged": first}
-    from entrenar import io
-
     for fmt in formats[1:]:
         path = os.path.join(out_dir, f"model.{fmt}")
         io.save_model(model, path, io.SaveConfig(io.ModelFormat(fmt)))

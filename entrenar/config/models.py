@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from entrenar import io, nn
+from entrenar import data, io, nn
 from entrenar.config.fields import convert, unknown_key
 from entrenar.config.sections import ModelSection
 from entrenar.errors import ConfigError, EntrenarError, FormatError
@@ -146,8 +146,6 @@ def load_built(
 
 def load_tokenizer_file(path: str) -> Any:
     """The fast tokenizer of a ``.gguf`` file (`entrenar.data.load_fast_tokenizer`)."""
-    from entrenar import data
-
     return data.load_fast_tokenizer(path)
 
 

@@ -39,8 +39,12 @@ from entrenar.config.merging import run_merge
 from entrenar.config.models import BuiltModel, build_model, load_built
 from entrenar.config.spec import TrainSpec
 from entrenar.config.summary import as_dict, validate
+from entrenar.distill import make_distill_loss_fn
+from entrenar.errors import CompatibilityError, UnsupportedError
 from entrenar.io import atomic_write
 from entrenar.train import Trainer, TrainResult
+from entrenar.train.plot import plot
+from entrenar.tree import tree_size
 
 
 @dataclasses.dataclass
@@ -97,8 +101,6 @@ def prepare(spec: TrainSpec) -> Prepared:
     optimizer = build_optimizer(spec, total)
     loss: Any = built.config
     if spec.distillation is not None and teacher is not None:
-        from entrenar.distill import make_distill_loss_fn
-
         d = spec.distillation
         loss = make_distill_loss_fn(
             built.config, teacher.config, teacher.params,
@@ -126,8 +128,6 @@ def _apply_lora(spec: TrainSpec, params: Any, key: Any) -> Any:
 
 
 def _check_teacher(student: BuiltModel, teacher: BuiltModel, path: str) -> None:
-    from entrenar.errors import CompatibilityError
-
     def out(b: BuiltModel) -> int:
         c = b.config
         return int(c.sizes[-1]) if b.architecture == "mlp" else int(c.vocab_size)
@@ -201,8 +201,6 @@ def train_from_yaml(
 
 
 def _plan(prep: Prepared) -> dict[str, Any]:
-    from entrenar.tree import tree_size
-
     trainable = (
         prep.params
         if prep.trainable is None
@@ -222,12 +220,9 @@ def _plan(prep: Prepared) -> dict[str, Any]:
 def _plot(out_dir: str) -> dict[str, str]:
     """``loss.png`` when matplotlib is installed (the plot is optional)."""
     try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+        return {"plot": plot(out_dir)}
+    except UnsupportedError:  # no matplotlib
         return {}
-    from entrenar.train.plot import plot
-
-    return {"plot": plot(out_dir)}
 
 
 def _final_metrics(result: TrainResult) -> dict[str, Any]:

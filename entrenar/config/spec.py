@@ -10,13 +10,16 @@ message starts with the key path.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import struct
+import typing
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
-from entrenar.config.fields import key_names, option, parse, unknown_key
+from entrenar.config.fields import hints, key_names, option, parse, unknown_key
 from entrenar.config.sections import (
     DataSection,
     DistillationSection,
@@ -28,7 +31,8 @@ from entrenar.config.sections import (
     SchedulerSection,
     TrainingSection,
 )
-from entrenar.errors import ConfigError
+from entrenar.errors import ConfigError, EntrenarError
+from entrenar.io import read_gguf, smollm2_path
 
 DATA_EXTENSIONS = (".jsonl", ".csv", ".parquet")
 
@@ -156,17 +160,12 @@ def file_architecture(path: str) -> str | None:
     safetensors file says so in its metadata. None when it cannot be told cheaply
     (the model is then checked once it is loaded).
     """
-    import json
-    import struct
-
     if os.path.isdir(path):
         return "llama"
     try:
         with open(path, "rb") as f:
             head = f.read(8)
             if head[:4] == b"GGUF":
-                from entrenar.io import read_gguf
-
                 g = read_gguf(path)
                 arch = g.metadata.get("general.architecture")
                 return str(arch) if "entrenar.version" in g.fields else "llama"
@@ -187,8 +186,6 @@ def apply_overrides(raw: Any, overrides: Mapping[str, Any] | None) -> dict[str, 
     a value of None removes the key (its default applies).
     """
     out: dict[str, Any] = _copy(raw if raw is not None else {})
-    from entrenar.config import sections as sec
-
     for dotted, value in (overrides or {}).items():
         parts = str(dotted).split(".")
         node: dict[str, Any] = out
@@ -199,7 +196,7 @@ def apply_overrides(raw: Any, overrides: Mapping[str, Any] | None) -> dict[str, 
             if names is not None and part not in names:
                 raise unknown_key(part, here, list(names), sorted(set(names.values())))
             field = names[part] if names is not None else part
-            cls = _section_class(cls, field, sec) if cls is not None else None
+            cls = _section_class(cls, field) if cls is not None else None
             if i == len(parts) - 1:
                 if value is None:
                     node.pop(part, None)
@@ -218,11 +215,7 @@ def apply_overrides(raw: Any, overrides: Mapping[str, Any] | None) -> dict[str, 
     return out
 
 
-def _section_class(cls: type, field: str, sec: Any) -> type | None:
-    import typing
-
-    from entrenar.config.fields import hints
-
+def _section_class(cls: type, field: str) -> type | None:
     hint = hints(cls)[field]
     for arg in (hint, *typing.get_args(hint)):
         if dataclasses.is_dataclass(arg):
@@ -317,9 +310,6 @@ def named_model(name: str, key: str) -> str | None:
     """The file of a named model (`NAMED_MODELS`), or None for any other string."""
     if name not in NAMED_MODELS and name.lower() not in NAMED_MODELS:
         return None
-    from entrenar.errors import EntrenarError
-    from entrenar.io import smollm2_path
-
     try:
         return smollm2_path()
     except EntrenarError as e:
