@@ -173,3 +173,27 @@ def test_unassigned_code_points_are_single_pieces():
     )
     for s in [f" {cn}{cn}!", f"a{cn}b", f"{cn} {cn}"]:
         assert TOY_FAST.encode(s) == TOY.encode(s)
+
+
+@given(TEXT, TEXT)
+def test_labels_cover_exactly_the_completion(prompt, completion):
+    from entrenar.data import encode_records
+
+    for tok in (TOY, TOY_FAST):
+        [(ids, labels)] = encode_records(
+            [{"prompt": prompt, "completion": completion}], tok,
+            format="prompt_completion",
+        )  # fmt: skip
+        table = token_bytes(TOY.tokens, TOY.token_types)
+        trained = labels != -100
+        # Context tokens come first, then only trained ones (completion + EOS).
+        k = len(trained) - int(trained.sum())
+        assert not trained[:k].any() and trained[k:].all()
+        head = b"".join(table[i] for i in ids[:k])
+        tail = b"".join(table[i] for i in ids[k:-1])
+        p, c = prompt.encode(), completion.encode()
+        assert head + tail == p + c and p.startswith(head)
+        if c:  # the first trained token reaches into the completion
+            assert len(head) + len(table[ids[k]]) > len(p)
+        else:  # only the EOS is trained
+            assert k == len(ids) - 1
