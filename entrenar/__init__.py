@@ -10,7 +10,7 @@ Layers, each importing only the ones below it (specs/conventions.md; a test chec
     io             JSON, YAML, safetensors, GGUF, tokenizer, SmolLM2
     autograd quant Tensor API over nn's math; QuantizedWeight formats
     nn  optim      models, layers, losses; (init, update) optimizers, schedules
-    tree  functional, errors, types
+    tree  gradients, errors, types
 
 Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 """
@@ -29,7 +29,7 @@ from entrenar import (
     train,
 )
 from entrenar.autograd import Tensor, backward, check_gradient, no_grad
-from entrenar.functional import grad, value_and_grad
+from entrenar.gradients import grad, value_and_grad
 from entrenar.tree import (
     assert_trees_allclose,
     tree_bytes,

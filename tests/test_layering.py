@@ -13,7 +13,7 @@ ROOT = Path(__file__).parents[1] / "entrenar"
 
 LAYERS = [
     {"errors", "types"},
-    {"tree", "functional"},
+    {"tree", "gradients"},
     {"nn", "optim"},
     {"autograd", "quant"},
     {"io"},

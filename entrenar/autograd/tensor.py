@@ -206,6 +206,17 @@ class Tensor:
         """Forget the accumulated gradient (``.grad`` becomes None)."""
         self.grad = None
 
+    def backward(self, grad: Any = None, *, retain_graph: bool = False) -> None:
+        """``entrenar.backward(self, grad, retain_graph=...)``, PyTorch's spelling.
+
+        Accumulates ``∂self/∂x`` into ``x.grad`` for every leaf ``x`` that requires
+        grad; see `entrenar.autograd.backward`.
+        """
+        # backward.py imports this module; import it when first called.
+        from entrenar.autograd.backward import backward
+
+        backward(self, grad, retain_graph=retain_graph)
+
     def detach(self) -> Tensor:
         """A tensor with the same value, cut from the graph (no grad flows back)."""
         if self._node is None:

@@ -14,6 +14,7 @@ so optimizers (optax or entrenar.optim) run on ``trainable`` directly.
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any
 
@@ -131,12 +132,33 @@ def apply(
             )
         )  # fmt: skip
     if all(o is f for o, f in zip(out, flat)):
-        candidates = [n for n, x in zip(names, flat) if hf_modules(n, leaf_shape(x))]
-        raise ConfigError(
-            f"LoRA targets {config.targets} matched no weight; weights are named like "
-            f"{candidates[:4]} (match their module names, without '.weight')"
-        )
+        raise ConfigError(_no_match_message(config.targets, names, flat))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _no_match_message(targets: Any, names: list[str], flat: list[Any]) -> str:
+    """Name the linear weights a target could match, and the closest to a typo."""
+    examples: dict[str, str] = {}  # last module part -> one full module name
+    for name, leaf in zip(names, flat):
+        shape = leaf_shape(leaf)
+        stacked = stacked_split(name) is not None
+        modules = hf_modules(name, shape)
+        if modules and len(shape) - int(stacked) >= 2:  # a matrix per module
+            examples.setdefault(modules[0].rsplit(".", 1)[-1], modules[0])
+    wanted = [targets] if isinstance(targets, str) else list(targets)
+    close = {
+        t: difflib.get_close_matches(t, list(examples), n=1)
+        for t in wanted
+        if isinstance(t, str)
+    }
+    example = max(examples.values(), key=len, default="?")
+    hints = "".join(f" Did you mean {m[0]!r} for {t!r}?" for t, m in close.items() if m)
+    return (
+        f"LoRA targets {targets} matched no weight. The linear weights here are "
+        f"{', '.join(examples) or 'none'} (full names like {example!r}); a target "
+        f"matches the last parts of a module name, or the whole name as a regex."
+        f"{hints}"
+    )
 
 
 def split(params: Params) -> tuple[Params, Params]:
@@ -153,6 +175,14 @@ def split(params: Params) -> tuple[Params, Params]:
         >>> [x.shape for x in jax.tree_util.tree_leaves(t)]
         [(1, 2), (2, 1)]
     """
+    nodes = jax.tree_util.tree_leaves(
+        params, is_leaf=lambda x: isinstance(x, LoRAWeight)
+    )
+    if not any(isinstance(x, LoRAWeight) for x in nodes):
+        raise ConfigError(
+            "lora.split found no LoRA adapter in params, so nothing would train; "
+            "add adapters first with lora.apply(params, LoRAConfig(...), key=...)"
+        )
 
     def trainable(x: Any) -> Any:
         if isinstance(x, LoRAWeight):

@@ -134,8 +134,12 @@ def test_split_combine_and_mask():
     assert_trees_allclose(lora.split(new)[1], f, rtol=0)  # frozen untouched
     up = new["model"]["layers"]["up_proj"]["weight"]
     np.testing.assert_allclose(up.b, lp["model"]["layers"]["up_proj"]["weight"].b - 1)
+    only_up = LoRAConfig(rank=2, alpha=4.0, targets="up_proj")
+    other_t, _ = lora.split(lora.apply(make_params(), only_up, key=KEY))
     with pytest.raises(ConfigError, match="halves"):
-        lora.combine(lora.split(make_params())[0], f)
+        lora.combine(other_t, f)  # no adapter where f holds down_proj's node
+    with pytest.raises(ConfigError, match="no LoRA adapter"):
+        lora.split(make_params())  # nothing would train: an error, not all-None
 
 
 def test_gradients_only_for_adapters_and_match_finite_differences():
