@@ -166,6 +166,11 @@ class Trainer:
         cfg = self.config
         # 1. Data: a Loader whose order is a function of (seed, epoch).
         loader = self._loader(train_data, train=True)
+        if len(loader) == 0:
+            raise ConfigError(
+                "the training data gives no batch: add data or lower "
+                "batch_size × grad_accum"
+            )
         total = cfg.max_steps or cfg.epochs * len(loader)
         # 2. Outputs: metrics.jsonl (+ TensorBoard) and checkpoints, in output_dir.
         if cfg.output_dir is not None:

@@ -1,0 +1,150 @@
+"""Steps/s of `Trainer.fit` against the bare jitted step, same model, same run.
+
+The model is a small Llama (causal LM loss on ``input_ids``/``labels``/
+``attention_mask``), trained with AdamW. Variants, each after a warm-up step that
+compiles it, timed over the same number of steps and interleaved repetition by
+repetition in a rotating order (so machine noise hits all alike):
+
+- ``bare``: ``state, m = step(state, batch)`` in a Python loop over pre-sliced numpy
+  batches (``make_train_step`` with no guard), blocked on at the end;
+- ``bare+guard``: the same with ``skip_nonfinite=True`` (the in-graph non-finite
+  guard the Trainer always uses), to separate its cost from the loop's;
+- ``fit``: ``Trainer.fit`` on a dict of arrays (its ArrayLoader shuffles and gathers
+  each batch), logging every 10 steps, no progress bar, no output folder;
+- ``fit+outputs``: the same with the tqdm bar and metrics.jsonl in an output folder
+  (``checkpoint_every`` past the end, so the one final checkpoint is the only one;
+  its time is part of the figure).
+
+Reported per variant: the fastest and the median run's wall seconds, the median
+process CPU seconds (all threads; steadier than wall time on a shared machine, and
+the loop's Python work shows up in it), steps/s of the fastest run, and overheads
+against ``bare`` (target: ``fit`` under 3%).
+
+    python benchmarks/trainer.py                 # defaults below
+    python benchmarks/trainer.py --steps 100 --reps 7 --hidden 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from entrenar.nn import LlamaConfig
+from entrenar.optim import adamw
+from entrenar.train import (
+    TrainConfig,
+    Trainer,
+    TrainState,
+    causal_lm_loss_fn,
+    make_train_step,
+)
+
+
+def make_data(n: int, seq: int, vocab: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, (n, seq)).astype(np.int32)
+    return {"input_ids": ids, "labels": ids.copy(),
+            "attention_mask": np.ones((n, seq), bool)}  # fmt: skip
+
+
+def bare_runner(model, params, data, batch, steps, guard):
+    loss_fn = causal_lm_loss_fn(model)
+    tx = adamw(1e-3)
+    step = make_train_step(loss_fn, tx, skip_nonfinite=guard)
+    batches = [{k: v[i * batch : (i + 1) * batch] for k, v in data.items()}
+               for i in range(steps + 1)]  # fmt: skip
+    box = {"state": TrainState.create(params, tx, key=jax.random.key(0))}
+    box["state"], m = step(box["state"], batches[0])  # compile
+    jax.block_until_ready(m)
+
+    def run() -> None:
+        state = box["state"]
+        for b in batches[1:]:
+            state, m = step(state, b)
+        jax.block_until_ready((state.trainable, m))
+        box["state"] = state
+
+    return run
+
+
+def fit_runner(model, params, data, batch, steps, outputs):
+    out = tempfile.mkdtemp() if outputs else None
+    box: dict = {"done": 0}
+
+    def make() -> Trainer:
+        cfg = TrainConfig(batch_size=batch, max_steps=10**9, log_every=10,
+                          progress=outputs, output_dir=out,
+                          checkpoint_every=10**9)  # fmt: skip
+        t = Trainer(model, params, adamw(1e-3), cfg)
+        t.train_step({k: v[:batch] for k, v in data.items()})  # compile
+        jax.block_until_ready(t.state.trainable)
+        return t
+
+    box["trainer"] = make()
+
+    def run() -> None:
+        t: Trainer = box["trainer"]
+        start = t.step
+        t.config = dataclasses.replace(t.config, max_steps=start + steps)
+        t.fit(data)
+        jax.block_until_ready(t.state.trainable)
+        assert t.step == start + steps
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    args = ap.parse_args()
+    model = LlamaConfig(
+        vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_layers=args.layers, num_heads=4, num_kv_heads=2,
+        max_position_embeddings=args.seq,
+    )  # fmt: skip
+    params = model.init(jax.random.key(0))
+    data = make_data(args.batch * (args.steps + 1), args.seq, model.vocab_size)
+    runners = {
+        "bare": bare_runner(model, params, data, args.batch, args.steps, False),
+        "bare+guard": bare_runner(model, params, data, args.batch, args.steps, True),
+        "fit": fit_runner(model, params, data, args.batch, args.steps, False),
+        "fit+outputs": fit_runner(model, params, data, args.batch, args.steps, True),
+    }
+    wall: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
+    names = list(runners)
+    for rep in range(args.reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            runners[name]()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    best0, cpu0 = min(wall["bare"]), statistics.median(cpu["bare"])
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, cpus={os.cpu_count()}"
+          f"; Llama D={args.hidden} L={args.layers}, batch {args.batch}x{args.seq}, "
+          f"{args.steps} steps x {args.reps} reps")  # fmt: skip
+    print("| variant | fastest s | median s | steps/s (fastest) | overhead (fastest) "
+          "| median CPU s | overhead (CPU) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        best, med, c = min(wall[name]), statistics.median(wall[name]), cpu[name]
+        cm = statistics.median(c)
+        print(f"| {name} | {best:.3f} | {med:.3f} | {args.steps / best:.1f} | "
+              f"{100 * (best / best0 - 1):+.1f}% | {cm:.3f} | "
+              f"{100 * (cm / cpu0 - 1):+.1f}% |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
