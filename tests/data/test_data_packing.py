@@ -96,18 +96,32 @@ def _placed(rows):
     return out
 
 
-def test_packed_logits_equal_unpacked():
-    params = TINY.init(jax.random.key(0))
-    docs = _docs([5, 3, 5, 5, 3, 5, 5], seed=1)  # two lengths: two compilations
-    rows = pack_rows(docs, 16, pad_id=0)
-    assert rows["segment_ids"].max() >= 3  # rows hold several documents
-    packed = _packed_apply(params, rows)  # (R, 16, V)
+@pytest.fixture(scope="module")
+def model_docs():
+    """Params, 7 five-token documents, and each document's logits alone ``(7, 5, V)``.
+
+    Equal lengths keep compilations few: one for the documents alone, one for the
+    packed rows, one for the padded rows.
+    """
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map(  # random weights, drawn by numpy (init is slow)
+        lambda shape: jnp.asarray(rng.normal(0, 0.2, shape), jnp.float32),
+        TINY.param_shapes(),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    docs = _docs([5] * 7, seed=1)
+    alone = APPLY(params, jnp.asarray(np.stack([ids for ids, _ in docs])))
+    return params, docs, np.asarray(alone)
+
+
+def test_packed_logits_equal_unpacked(model_docs):
+    params, docs, alone = model_docs
+    rows = pack_rows(docs, 16, pad_id=0)  # 3 documents at 0, 5, 10; then padding
+    assert rows["segment_ids"].max() == 3 and len(rows["input_ids"]) == 3
+    packed = _packed_apply(params, rows)  # (3, 16, V)
     placed = _placed(rows)
-    for n in (3, 5):  # the documents of length n, each alone in its row
-        same = [ids for ids, _ in docs if len(ids) == n]
-        alone = APPLY(params, jnp.asarray(np.stack(same)))  # (k, n, V)
-        got = [packed[r, at : at + n] for r, at in map(placed.get, map(bytes, same))]
-        np.testing.assert_allclose(np.stack(got), alone, rtol=1e-5, atol=1e-5)
+    got = [packed[r, at : at + 5] for r, at in (placed[bytes(d)] for d, _ in docs)]
+    np.testing.assert_allclose(np.stack(got), alone, rtol=1e-5, atol=1e-5)
     # One segment per row and positions 0..T-1 (what no packing means): differs.
     t = np.arange(16, dtype=np.int32)
     plain = dict(rows, segment_ids=np.ones_like(rows["segment_ids"]),
@@ -115,15 +129,12 @@ def test_packed_logits_equal_unpacked():
     assert not np.allclose(_packed_apply(params, plain), packed, atol=1e-3)
 
 
-def test_padded_logits_equal_unpadded():
-    params = TINY.init(jax.random.key(1))
-    docs = _docs([4, 9], seed=2)
-    rows = pad_rows(docs, 16)
+def test_padded_logits_equal_unpadded(model_docs):
+    params, docs, alone = model_docs
+    rows = pad_rows(docs, 16)  # (7, 16): 5 tokens, 11 padding
     out = APPLY(params, jnp.asarray(rows["input_ids"]),
-                     mask=jnp.asarray(rows["attention_mask"]))  # fmt: skip
-    for r, (ids, _) in enumerate(docs):
-        alone = APPLY(params, jnp.asarray(ids)[None])[0]
-        np.testing.assert_allclose(out[r, : len(ids)], alone, rtol=1e-5, atol=1e-5)
+                mask=jnp.asarray(rows["attention_mask"]))  # fmt: skip
+    np.testing.assert_allclose(out[:, :5], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_lm_loader_batches_have_the_conventions_keys():
