@@ -33,20 +33,32 @@ def compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
 def trim_top_k(delta: jax.Array, k: jax.Array) -> jax.Array:
     """Keep each row's ``k`` largest magnitudes (ties at the threshold kept).
 
+    The k-th largest ``|delta|`` is found exactly without sorting: the bit patterns
+    of non-negative floats order like the floats, so the largest pattern ``T`` with
+    ``#{|delta| >= T} >= k`` is built bit by bit from the top (one counting pass per
+    bit, 31 for float32: several times faster than a sort on XLA:CPU).
+
     Args:
-        delta: ``(n, m)`` task vectors of one layer.
+        delta: ``(n, m)`` float32 task vectors of one layer.
         k: ``(n,)`` int32, values to keep per row (0 keeps none).
 
     Returns:
         ``(n, m)``: ``delta`` where ``|delta| >= `` the row's k-th largest ``|delta|``,
         else 0 (TIES step 1, Yadav et al. 2023).
     """
-    mag = jnp.abs(delta)  # (n, m)
-    m = delta.shape[-1]
-    ordered = jnp.sort(mag, axis=-1)  # (n, m) ascending
-    at = jnp.clip(m - k, 0, m - 1)[:, None]  # (n, 1) index of the k-th largest
-    threshold = jnp.take_along_axis(ordered, at, axis=-1)  # (n, 1)
-    keep = (mag >= threshold) & (k[:, None] > 0)
+    wide = delta.dtype == jnp.float64
+    itype = jnp.int64 if wide else jnp.int32
+    bits = jax.lax.bitcast_convert_type(jnp.abs(delta), itype)  # (n, m), monotone
+    one = jnp.asarray(1, itype)
+
+    def step(i: jax.Array, t: jax.Array) -> jax.Array:
+        cand = t | jnp.left_shift(one, (bits.dtype.itemsize * 8 - 2 - i).astype(itype))
+        count = jnp.sum(bits >= cand[:, None], axis=-1)  # (n,)
+        return jnp.where(count >= k, cand, t)
+
+    top = bits.dtype.itemsize * 8 - 1  # every bit below the sign bit
+    t = jax.lax.fori_loop(0, top, step, jnp.zeros(delta.shape[0], itype))  # (n,)
+    keep = (bits >= t[:, None]) & (k[:, None] > 0)
     return jnp.where(keep, delta, jnp.zeros_like(delta))
 
 
@@ -136,14 +148,13 @@ def task_vectors_leaf(
         kept = jax.vmap(one)(keys, p_keep)  # (n, L, m)
         scaled = delta / p_keep if rescale else delta
         delta = jnp.where(kept, scaled, jnp.zeros_like(delta))
-    delta = jnp.swapaxes(delta, 0, 1)  # (L, n, m)
 
     def layer(d: jax.Array, wl: jax.Array, kl: jax.Array) -> jax.Array:
         if trim:
             d = trim_top_k(d, kl)
         return combine(d, wl.astype(dt), elect=elect, normalize=normalize)
 
-    merged = jax.vmap(layer)(delta, w, k)  # (L, m)
+    merged = jax.vmap(layer, in_axes=(1, 0, 0))(delta, w, k)  # (L, m), per layer
     return b + lam.astype(dt)[:, None] * merged
 
 

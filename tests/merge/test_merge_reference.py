@@ -140,3 +140,34 @@ def test_per_leaf_programs_are_jitted_once_per_shape(trees):
     before = kernels.task_vectors_leaf._cache_size()
     merge.ties(base, [finetuned(base, 9), *models[1:]], [0.4, 0.6, 0.1])
     assert kernels.task_vectors_leaf._cache_size() == before
+
+
+def test_trim_keeps_the_k_largest_magnitudes_and_their_ties():
+    import jax.numpy as jnp
+
+    from entrenar.merge.kernels import trim_top_k
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(3, 1000)).astype(np.float32)
+    x[0, :10] = [
+        30,
+        -30,
+        30,
+        0,
+        -0.0,
+        1e-40,
+        -1e-40,
+        9,
+        9,
+        -9,
+    ]  # ties, zeros, subnormals
+    for k in ([1, 0, 1000], [3, 500, 999], [5, 17, 2]):
+        got = np.asarray(trim_top_k(jnp.asarray(x), jnp.asarray(k, jnp.int32)))
+        for row, kk in zip(range(3), k):
+            mag = np.abs(x[row])
+            kth = np.sort(mag)[::-1][kk - 1] if kk else np.inf
+            want = np.where(mag >= kth, x[row], 0)
+            np.testing.assert_array_equal(got[row], want)
+    # Three values tie at |30| for k = 1: all three are kept (the paper's rule).
+    got = trim_top_k(jnp.asarray(x[:1]), jnp.asarray([1], jnp.int32))
+    assert int(np.count_nonzero(got)) == 3
