@@ -16,7 +16,7 @@ from entrenar.io.ggml_dequant import (
     GGML_TYPE_IDS,
     GGML_TYPES,
     GGMLType,
-    dequantize,
+    dequantize_ggml,
 )
 from entrenar.io.gguf_reader import (
     GGUFField,
@@ -64,7 +64,7 @@ __all__ = [
     "ModelMetadata",
     "SaveConfig",
     "atomic_write",
-    "dequantize",
+    "dequantize_ggml",
     "detect_format",
     "flatten_params",
     "llama_config_from_gguf",

@@ -24,7 +24,7 @@ from entrenar.io.gguf_writer import GGUFTensor, write_gguf
 from entrenar.io.json_yaml import load_json, load_yaml, save_json, save_yaml
 from entrenar.io.llama_gguf_write import save_llama_gguf
 from entrenar.io.model import (
-    DTYPES,
+    STORAGE_DTYPES,
     Model,
     ModelFormat,
     ModelMetadata,
@@ -134,7 +134,7 @@ def _load_gguf(path: str) -> Model:
     flat = {}
     for name, t in g.tensors.items():
         if t.type_id in _GGUF_IDS:
-            dt = DTYPES[_GGUF_IDS[t.type_id]]
+            dt = STORAGE_DTYPES[_GGUF_IDS[t.type_id]]
             flat[name] = np.frombuffer(g.raw(name), dt.newbyteorder("<")).reshape(
                 t.shape
             )

@@ -216,10 +216,12 @@ _DEQUANT = {
     14: _q6_k,
 }
 DEQUANTIZABLE: tuple[str, ...] = tuple(GGML_TYPES[i].name for i in _DEQUANT)
-"""Names of the ggml types `dequantize` supports."""
+"""Names of the ggml types `dequantize_ggml` supports."""
 
 
-def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
+def dequantize_ggml(
+    raw: np.ndarray, type_id: int, shape: tuple[int, ...]
+) -> np.ndarray:
     """Decode the raw bytes of a ggml tensor into float32 of ``shape`` (numpy order).
 
     Args:
@@ -232,9 +234,9 @@ def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndar
 
     Raises:
         FormatError: ``raw`` has the wrong size for ``shape`` and the type.
-        UnsupportedError: a type `dequantize` cannot decode (see `DEQUANTIZABLE`).
+        UnsupportedError: a type `dequantize_ggml` cannot decode (see `DEQUANTIZABLE`).
 
-    >>> dequantize(np.array([0, 60, 0, 192], np.uint8), 1, (2,)).tolist()  # F16
+    >>> dequantize_ggml(np.array([0, 60, 0, 192], np.uint8), 1, (2,)).tolist()  # F16
     [1.0, -2.0]
     """
     t = ggml_type(type_id)
@@ -264,7 +266,7 @@ __all__ = [
     "GGML_TYPES",
     "GGML_TYPE_IDS",
     "GGMLType",
-    "dequantize",
+    "dequantize_ggml",
     "ggml_type",
     "row_bytes",
 ]

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from entrenar.errors import FormatError, UnsupportedError
-from entrenar.io.ggml_dequant import dequantize, ggml_type
+from entrenar.io.ggml_dequant import dequantize_ggml, ggml_type
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -128,7 +128,7 @@ class GGUFFile:
     def tensor(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32, in numpy shape order."""
         t = self.info(name)
-        return dequantize(self.raw(name), t.type_id, t.shape)
+        return dequantize_ggml(self.raw(name), t.type_id, t.shape)
 
 
 class _Cursor:

@@ -30,7 +30,7 @@ import yaml
 from entrenar.errors import FormatError
 from entrenar.io.atomic import atomic_write
 from entrenar.io.model import (
-    DTYPES,
+    STORAGE_DTYPES,
     Model,
     ModelMetadata,
     flatten_params,
@@ -101,8 +101,10 @@ def _tensor(name: str, t: Any, path: str, budget: int) -> np.ndarray:
     if not isinstance(t, Mapping) or set(t) != {"dtype", "shape", "data"}:
         raise FormatError(f"{where} must be a mapping with dtype, shape and data")
     dtype, shape = t["dtype"], t["shape"]
-    if dtype not in DTYPES:
-        raise FormatError(f"{where}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if dtype not in STORAGE_DTYPES:
+        raise FormatError(
+            f"{where}: dtype {dtype!r} is not one of {sorted(STORAGE_DTYPES)}"
+        )
     if (
         not isinstance(shape, list)
         or len(shape) > _MAX_RANK
@@ -114,7 +116,7 @@ def _tensor(name: str, t: Any, path: str, budget: int) -> np.ndarray:
     _check_nested(t["data"], shape, where)
     try:
         with np.errstate(over="raise", invalid="raise"):  # 1e10 as float16: error
-            return np.array(t["data"], dtype=DTYPES[dtype]).reshape(shape)
+            return np.array(t["data"], dtype=STORAGE_DTYPES[dtype]).reshape(shape)
     except (ValueError, TypeError, OverflowError, FloatingPointError) as e:
         raise FormatError(f"{where}: data is not {dtype}: {e}") from None
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
-from entrenar.io.ggml_dequant import dequantize
+from entrenar.io.ggml_dequant import dequantize_ggml
 from entrenar.io.gguf_reader import GGUFFile, GGUFValueType, read_gguf
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
@@ -235,7 +235,7 @@ def load_llama_gguf(
             value: Any = from_ggml(raw.reshape(-1), t, shape)
         else:
             layers = [
-                dequantize(raw[i], g.tensors[n].type_id, shape[1:])
+                dequantize_ggml(raw[i], g.tensors[n].type_id, shape[1:])
                 for i, n in enumerate(names)
             ]
             value = jnp.asarray(np.stack(layers), dtype=dtype)

@@ -2,7 +2,7 @@
 
 A model's params are a nested dict of arrays; every format stores them flat, by the
 dotted path (``model.layers.self_attn.q_proj.weight``, Hugging Face's convention), so a
-key may not contain a dot. Dtypes are kept exactly (`DTYPES`).
+key may not contain a dot. Dtypes are kept exactly (`STORAGE_DTYPES`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from entrenar.errors import FormatError
 from entrenar.types import Params
 
-DTYPES: dict[str, np.dtype] = {
+STORAGE_DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name)
     for name in (
         "float16",
@@ -38,7 +38,7 @@ DTYPES: dict[str, np.dtype] = {
 try:  # jax depends on ml_dtypes; numpy itself has no bfloat16
     import ml_dtypes
 
-    DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+    STORAGE_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 except ImportError:  # pragma: no cover
     pass
 
@@ -128,33 +128,78 @@ class SaveConfig:
     gguf_source: str | None = None
 
 
+def _not_an_array_hint(v: Any) -> str | None:
+    """What to do with a leaf that is not a plain array, or None if it is one."""
+    kind = type(v).__name__
+    if kind == "LoRAWeight":
+        return (
+            "is a LoRA adapter node: fold it into its base first "
+            "(entrenar.lora.fold), or save the adapter alone (entrenar.lora."
+            "save_adapter)"
+        )
+    if kind == "QuantizedWeight":
+        return (
+            "is a QuantizedWeight: dequantize first (entrenar.quant."
+            "dequantize_params) or write a GGUF (entrenar.io.save_llama_gguf)"
+        )
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        return (
+            f"is a {kind} (an optimizer or training state?): model files hold "
+            "params; the Trainer's checkpoints (entrenar.train) hold whole states"
+        )
+    return None
+
+
+def _index_key(k: str) -> int | None:
+    """``"[3]"`` -> 3 (a list position in a stored name), else None."""
+    if len(k) > 2 and k[0] == "[" and k[-1] == "]" and k[1:-1].isdigit():
+        return int(k[1:-1])
+    return None
+
+
 def flatten_params(params: Params) -> dict[str, np.ndarray]:
-    """Nested dict of arrays -> ``{dotted_name: numpy array}`` (dtypes kept).
+    """Nested dicts and lists of arrays -> ``{dotted_name: numpy array}``.
+
+    Dtypes are kept. A list position is stored as ``[i]`` (``layers.[0].weight``,
+    the layout of `entrenar.nn.MLP`), which `unflatten_params` turns back into a
+    list.
 
     >>> flatten_params({"a": {"w": np.zeros((1, 2), np.float16)}})["a.w"].dtype
     dtype('float16')
+    >>> list(flatten_params({"layers": [{"b": np.zeros(1)}]}))
+    ['layers.[0].b']
     """
     out: dict[str, np.ndarray] = {}
 
     def walk(tree: Any, prefix: str) -> None:
-        if not isinstance(tree, Mapping):
+        items: Any
+        if isinstance(tree, Mapping):
+            items = tree.items()
+        elif isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+            items = ((f"[{i}]", v) for i, v in enumerate(tree))
+        else:
             raise FormatError(
-                f"params must be nested dicts of arrays, got {type(tree)}"
+                f"params must be nested dicts or lists of arrays, got {type(tree)}"
             )
-        for k, v in tree.items():
+        for k, v in items:
             if not isinstance(k, str) or not k or "." in k:
                 raise FormatError(
                     f"param key {k!r} under {prefix!r}: keys must be non-empty "
                     "strings without dots"
                 )
-            if isinstance(v, Mapping):
+            hint = _not_an_array_hint(v)
+            if hint is not None:
+                raise FormatError(f"param {prefix}{k!r} {hint}")
+            if isinstance(v, (Mapping, list)) or (
+                isinstance(v, tuple) and not hasattr(v, "_fields")
+            ):
                 walk(v, f"{prefix}{k}.")
                 continue
             a = np.asarray(v)  # jax arrays copy to host here
-            if a.dtype.name not in DTYPES:
+            if a.dtype.name not in STORAGE_DTYPES:
                 raise FormatError(
                     f"param {prefix}{k!r} has dtype {a.dtype}, not one of "
-                    f"{sorted(DTYPES)} (dequantize quantized weights before saving)"
+                    f"{sorted(STORAGE_DTYPES)}; cast it (e.g. to float32) first"
                 )
             out[f"{prefix}{k}"] = a
 
@@ -162,11 +207,28 @@ def flatten_params(params: Params) -> dict[str, np.ndarray]:
     return out
 
 
-def unflatten_params(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """``{dotted_name: array}`` -> nested dict (inverse of `flatten_params`).
+def _lists_back(node: Any, name: str) -> Any:
+    """Turn dicts whose keys are all ``[i]`` back into lists, depth first."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists_back(v, f"{name}{k}.") for k, v in node.items()}
+    idx = [_index_key(k) for k in node]
+    if not idx or any(i is None for i in idx):
+        if any(i is not None for i in idx):
+            raise FormatError(f"tensor names under {name!r} mix [i] and plain keys")
+        return node
+    if sorted(i for i in idx if i is not None) != list(range(len(idx))):
+        raise FormatError(f"list positions under {name!r} are not 0..{len(idx) - 1}")
+    return [node[f"[{i}]"] for i in range(len(idx))]
+
+
+def unflatten_params(flat: Mapping[str, Any]) -> Any:
+    """``{dotted_name: array}`` -> nested dicts and lists (inverse of `flatten_params`).
 
     >>> unflatten_params({"a.w": 1, "a.b": 2, "c": 3})
     {'a': {'w': 1, 'b': 2}, 'c': 3}
+    >>> unflatten_params({"layers.[1].b": 2, "layers.[0].b": 1})
+    {'layers': [{'b': 1}, {'b': 2}]}
     """
     tree: dict[str, Any] = {}
     for name, a in flat.items():
@@ -181,11 +243,11 @@ def unflatten_params(flat: Mapping[str, Any]) -> dict[str, Any]:
         if leaf in node:
             raise FormatError(f"tensor name {name!r} collides with another")
         node[leaf] = a
-    return tree
+    return _lists_back(tree, "")
 
 
 __all__ = [
-    "DTYPES",
+    "STORAGE_DTYPES",
     "Model",
     "ModelFormat",
     "ModelMetadata",

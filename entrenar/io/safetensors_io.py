@@ -27,7 +27,7 @@ import numpy as np
 from entrenar.errors import FormatError
 from entrenar.io.atomic import atomic_write
 from entrenar.io.model import (
-    DTYPES,
+    STORAGE_DTYPES,
     Model,
     ModelMetadata,
     flatten_params,
@@ -113,7 +113,7 @@ def read_safetensors(
             or not 0 <= offs[0] <= offs[1]
         ):
             raise FormatError(f"{where}: data_offsets {offs!r} are invalid")
-        dt = DTYPES[ST_DTYPES[t["dtype"]]]
+        dt = STORAGE_DTYPES[ST_DTYPES[t["dtype"]]]
         if offs[1] > n_data or offs[1] - offs[0] != math.prod(shape) * dt.itemsize:
             raise FormatError(
                 f"{where}: data_offsets {offs} do not fit shape {shape} of "

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from entrenar import lora
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io import (
     Model,
@@ -36,7 +37,7 @@ from entrenar.io import (
     save_safetensors,
     unflatten_params,
 )
-from entrenar.io.model import DTYPES
+from entrenar.io.model import STORAGE_DTYPES
 from entrenar.merge.engine import Plan, merge_leaf
 from entrenar.merge.leaves import (
     check_leaves,
@@ -134,8 +135,6 @@ def open_model(ref: ModelRef) -> Source:
         model = load_model(path)
         src = Source(path, model.metadata, named_leaves(model.params)[0])
     if ref.adapter:
-        from entrenar import lora
-
         params = lora.load_adapter(ref.adapter, unflatten_params(src.leaves))
         src.leaves = named_leaves(fold_tree(params))[0]
     return src
@@ -261,7 +260,7 @@ def run_recipe(
                 "supported"
             )
     plan = build_plan(recipe, refs)
-    cast = DTYPES[recipe.dtype] if recipe.dtype else None
+    cast = STORAGE_DTYPES[recipe.dtype] if recipe.dtype else None
     out: dict[str, Any] = {}
     for name in list(lead.leaves):
         xs = [s.leaves.pop(name) for s in sources]  # each input released after use
@@ -271,7 +270,7 @@ def run_recipe(
             continue
         if cast is not None:
             xs = [np.asarray(x).astype(cast) for x in xs]
-        out_dt = DTYPES[recipe.out_dtype or recipe.dtype or dt.name]
+        out_dt = STORAGE_DTYPES[recipe.out_dtype or recipe.dtype or dt.name]
         head, rest = (None, xs) if base_ref is None else (xs[0], xs[1:])
         out[name] = np.asarray(merge_leaf(plan, name, lay[name], head, rest, out_dt))
     model = Model(lead.metadata, unflatten_params(out))

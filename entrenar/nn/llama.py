@@ -36,13 +36,13 @@ from entrenar.nn.linear import linear
 from entrenar.nn.rope import apply_rope
 from entrenar.types import Params, PRNGKey
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def check_dtype(name: str, field: str) -> None:
-    """Raise `ConfigError` unless ``name`` is one of `DTYPES`."""
-    if name not in DTYPES:
-        raise ConfigError(f"{field} must be one of {DTYPES}, got {name!r}")
+    """Raise `ConfigError` unless ``name`` is one of `COMPUTE_DTYPES`."""
+    if name not in COMPUTE_DTYPES:
+        raise ConfigError(f"{field} must be one of {COMPUTE_DTYPES}, got {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,4 +431,4 @@ def _check_tokens(tokens: jax.Array) -> None:
 Llama = LlamaConfig
 """The model is its config: ``Llama(...)`` is a `LlamaConfig`."""
 
-__all__ = ["DTYPES", "Llama", "LlamaConfig", "check_dtype"]
+__all__ = ["COMPUTE_DTYPES", "Llama", "LlamaConfig", "check_dtype"]

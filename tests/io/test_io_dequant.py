@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from entrenar.errors import FormatError, UnsupportedError
-from entrenar.io import GGML_TYPES, dequantize
+from entrenar.io import GGML_TYPES, dequantize_ggml
 from entrenar.io.ggml_dequant import row_bytes
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -45,7 +45,7 @@ def test_dequantize_matches_gguf(name, seed, rows, blocks):
     raw = _random_blocks(rng, name, rows, blocks)
     shape = (rows, bs * blocks)
     ref = gguf.quants.dequantize(raw.reshape(rows, -1), qt).reshape(shape)
-    got = dequantize(raw, qt.value, shape)
+    got = dequantize_ggml(raw, qt.value, shape)
     assert got.dtype == np.float32 and got.shape == shape
     np.testing.assert_array_equal(got, ref.astype(np.float32))
 
@@ -57,7 +57,7 @@ def test_dequantize_matches_entrenar_quant(scheme):
 
     raw = _random_blocks(np.random.default_rng(1), scheme, 4, 2)
     shape = (4, 64)
-    ours = dequantize(raw, gguf.GGMLQuantizationType[scheme].value, shape)
+    ours = dequantize_ggml(raw, gguf.GGMLQuantizationType[scheme].value, shape)
     theirs = np.asarray(qdeq(from_ggml(raw, scheme, shape), np.float32))
     np.testing.assert_array_equal(ours, theirs)
 
@@ -71,10 +71,10 @@ def test_type_table_matches_gguf():
 
 def test_size_and_type_errors():
     with pytest.raises(FormatError, match="needs 34 bytes"):
-        dequantize(np.zeros(33, np.uint8), 8, (32,))
+        dequantize_ggml(np.zeros(33, np.uint8), 8, (32,))
     with pytest.raises(FormatError, match="block size"):
         row_bytes(8, 31)
     with pytest.raises(FormatError, match="unknown ggml"):
-        dequantize(np.zeros(4, np.uint8), 99, (1,))
+        dequantize_ggml(np.zeros(4, np.uint8), 99, (1,))
     with pytest.raises(UnsupportedError, match="Q2_K"):
-        dequantize(np.zeros(84, np.uint8), 10, (256,))
+        dequantize_ggml(np.zeros(84, np.uint8), 10, (256,))

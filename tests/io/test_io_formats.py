@@ -283,3 +283,32 @@ def test_sharded_hf_checkpoint_and_bad_shards(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(FormatError, match=r"config\.json"):
         load_hf_llama(tmp_path)
+
+
+def test_library_param_trees_save_or_say_what_to_do(tmp_path):
+    import jax
+
+    from entrenar import lora, optim
+    from entrenar.errors import FormatError
+    from entrenar.io import Model, ModelMetadata, load_model, save_model
+    from entrenar.nn import MLP
+
+    mlp = MLP((3, 4, 2))
+    params = mlp.init(jax.random.key(0))  # {"layers": [ {weight, bias}, ... ]}
+    for ext in ("safetensors", "json", "gguf"):
+        path = tmp_path / f"mlp.{ext}"
+        save_model(Model(ModelMetadata("mlp", "mlp"), params), path)
+        back = load_model(path).params
+        assert isinstance(back["layers"], list) and len(back["layers"]) == 2
+        x = jax.numpy.ones((1, 3))
+        np.testing.assert_array_equal(mlp.apply(back, x), mlp.apply(params, x))
+    adapted = lora.apply(
+        {"w": {"weight": jax.numpy.ones((4, 4))}},
+        lora.LoRAConfig(rank=1, targets="w"),
+        key=jax.random.key(0),
+    )
+    with pytest.raises(FormatError, match=r"lora\.fold.*save_adapter"):
+        save_model(Model(ModelMetadata("m", "x"), adapted), tmp_path / "a.safetensors")
+    state = optim.adam(1e-3).init(params)
+    with pytest.raises(FormatError, match="Trainer's checkpoints"):
+        save_model(Model(ModelMetadata("m", "x"), {"s": state}), tmp_path / "s.json")
