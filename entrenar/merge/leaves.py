@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from entrenar import lora
 from entrenar.errors import CompatibilityError, DTypeError, ShapeError
 from entrenar.lora.names import stacked_split
 from entrenar.lora.weight import LoRAWeight
@@ -129,11 +130,9 @@ def fold_tree(params: PyTree) -> PyTree:
     """Every `LoRAWeight` folded into ``W + s B A`` by the lora package's fold.
 
     The lora package names that function ``fold`` (``merge`` before the rename
-    that gave "merge" to model merging); it is looked up when first needed.
+    that gave "merge" to model merging); the name is looked up at call time.
     """
-    from entrenar import lora
-
-    fold = getattr(lora, "fold", None) or lora.merge
+    fold = getattr(lora, "fold", None) or lora.merge  # type: ignore[attr-defined]
     return fold(params)
 
 
