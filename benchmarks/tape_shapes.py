@@ -12,13 +12,17 @@ Cases (one child process per case and implementation, so RSS is that loop's own)
   loss read with ``.item()``, backward, SGD(lr 0.1); one new length T in 8..8+N per
   step, shuffled.
 
-Implementations: ``entrenar`` (this tree), ``old`` (entrenar at ``--baseline-commit``,
-exported with ``git archive`` and put first on PYTHONPATH: "today" before issue 20),
+Implementations: ``entrenar`` (this tree), ``nobucket`` (this tree with shape buckets
+off: exact programs in the bounded cache), ``jax-eager`` (issue loop only: eager jnp
+and ``jax.vjp`` op by op, the other cheap path considered), ``old`` (entrenar at
+``--baseline-commit``, exported with ``git archive`` and imported instead of this
+tree: "today" before issue 20),
 ``torch`` (PyTorch eager, one thread). Each child prints one JSON line: seconds for
 the loop (same-shape loops: warm, and the first run apart), RSS before and after it,
 the process's peak RSS, and a check value (the last gradient's sum, the last loss or
 the learned weight) that must agree between implementations.
 
+    python benchmarks/tape.py --skip-ab --baseline-commit REV   # all of (c)
     python benchmarks/tape_shapes.py CASE IMPL STEPS   # one child
 """
 
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -37,10 +40,16 @@ import numpy as np
 V, D, H = 64, 32, 64  # vocabulary, embedding and hidden sizes of the seq model
 
 
-def rss_mb() -> float:
-    """Resident set size of this process now, in MiB."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def rss_mb(field: str = "VmRSS") -> float:
+    """Resident set size of this process now (``VmHWM``: its peak), in MiB.
+
+    (``getrusage``'s peak would include the parent's, inherited across fork.)
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def seq_data(steps: int) -> tuple[list[np.ndarray], list[tuple]]:
@@ -110,6 +119,26 @@ def loops_entrenar() -> dict:
         quick=quick,
         seq=seq,
     )
+
+
+def loops_jax_eager() -> dict:
+    """The issue loop op by op: eager jnp and ``jax.vjp``, no whole-graph program.
+
+    The "cheap path" alternative to buckets (each primitive compiles per shape).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def sizes_loop(sizes) -> float:
+        for n in sizes:
+            x = jnp.arange(n, dtype=jnp.float32)
+            loss, vjp = jax.vjp(
+                lambda w, x=x: ((w * x + 1.0) * (w * x + 1.0)).sum(), jnp.ones(n)
+            )
+            (g,) = vjp(jnp.ones_like(loss))
+        return float(g.sum())
+
+    return dict(issue=lambda steps: sizes_loop(range(1, steps + 1)))
 
 
 def loops_torch() -> dict:
@@ -185,7 +214,11 @@ def child(case: str, impl: str, steps: int) -> None:
         import jax.numpy as jnp
 
         jnp.zeros(1).block_until_ready()  # the backend is up before the clock starts
-        loops = loops_entrenar()
+        loops = loops_jax_eager() if impl == "jax-eager" else loops_entrenar()
+    if impl == "nobucket":  # choice A: exact programs only, in the bounded cache
+        from entrenar.autograd import engine
+
+        engine.SHAPES_BEFORE_BUCKETING = 10**9
     before = rss_mb()
     times, cpu = [], []
     for _ in range(3 if case in ("same", "quick") else 1):
@@ -194,7 +227,7 @@ def child(case: str, impl: str, steps: int) -> None:
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     after = rss_mb()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = rss_mb("VmHWM")
     source = sys.modules["entrenar"].__file__ if "entrenar" in sys.modules else ""
     result = dict(
         seconds=float(np.median(times[1:])) if len(times) > 1 else times[0],
@@ -239,14 +272,17 @@ def run_all(baseline_commit: str | None) -> None:
     """Run every case and print one table row per (case, implementation)."""
     old_root = export_commit(baseline_commit) if baseline_commit else None
     plan = [
-        ("issue", 400, ["entrenar", "old", "torch"]),
+        ("issue", 100, ["entrenar", "nobucket", "jax-eager", "old", "torch"]),
+        ("issue", 400, ["entrenar", "nobucket", "old", "torch"]),
         ("issue", 1000, ["entrenar", "torch"]),
         ("same", 400, ["entrenar", "old", "torch"]),
         ("quick", 400, ["entrenar", "old", "torch"]),
-        ("seq", 200, ["entrenar", "old", "torch"]),
+        ("seq", 100, ["entrenar", "old", "torch"]),
+        ("seq", 400, ["entrenar", "torch"]),
     ]
     print(
-        "(c) case     steps impl       seconds  x torch  x old  RSS +MB  peak MB  check"
+        "(c) case     steps impl       seconds  x torch  x old   cpu s  cpu x old"
+        "  RSS +MB  peak MB  check"
     )
     for case, steps, impls in plan:
         rows = {
@@ -258,10 +294,11 @@ def run_all(baseline_commit: str | None) -> None:
             vs_torch = r["seconds"] / rows["torch"]["seconds"]
             old = rows.get("old")
             vs_old = r["seconds"] / old["seconds"] if old else float("nan")
+            cpu_old = r["cpu"] / old["cpu"] if old else float("nan")
             print(
                 f"    {case:8s} {steps:5d} {impl:9s} {r['seconds']:8.3f}"
-                f" {vs_torch:8.1f} {vs_old:6.3f} {r['after'] - r['before']:8.0f}"
-                f" {r['peak']:8.0f}  {r['check']:.6g}",
+                f" {vs_torch:8.1f} {vs_old:6.3f} {r['cpu']:7.3f} {cpu_old:10.3f}"
+                f" {r['after'] - r['before']:8.0f} {r['peak']:8.0f}  {r['check']:.6g}",
                 flush=True,
             )
 

@@ -115,10 +115,9 @@ def plan(prog: Any, ref_dims: tuple[int, ...]) -> Plan | None:
     sig_key: list[Any] = []
     for v, a, sp in zip(prog.inputs, in_avals, in_specs):
         if any(j >= 0 for j in sp):
-            arr = np.asarray(v)
-            if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
-                return None
-            v = pad_like(arr, padded(arr.shape))
+            if not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == jnp.bool_):
+                return None  # e.g. PRNG keys: no zero to pad with
+            v = pad_like(v, padded(a.shape))
         ins.append(v)
         sig_key.append(
             a if isinstance(a, type) else (padded(a.shape), a.dtype, a.weak_type)
@@ -129,6 +128,7 @@ def plan(prog: Any, ref_dims: tuple[int, ...]) -> Plan | None:
         tuple(in_specs),
         tuple(out_info),
         len(varying),
+        tuple(prog.diff_slots),
     )
     return Plan(key, ins, np.asarray(varying, np.int32), in_specs, out_info)
 

@@ -241,3 +241,17 @@ def test_rule_shapes_match_eval_shape(a, b, keep):
     check(ops.SUM, (("axis", -1 if a else None), ("keepdims", keep)), a)
     check(ops.MAX, (("axis", None), ("keepdims", keep)), a)
     check(ops.TRANSPOSE, (("axes", None),), a)
+
+
+def test_buckets_differentiate_whichever_input_requires_grad():
+    for grad_a in (True, False):
+        for n in [3, 4, 5]:  # n = 5 runs in the bucket of 16
+            av, bv = np.arange(n, dtype=np.float32), np.full(n, 2.0, np.float32)
+            a, b = (
+                Tensor(av, requires_grad=grad_a),
+                Tensor(bv, requires_grad=not grad_a),
+            )
+            backward((a * b * a).sum())
+            got = (a if grad_a else b).grad
+            np.testing.assert_array_equal(got, 2 * av * bv if grad_a else av * av)
+    assert ag.cache_info().bucketed == 2
