@@ -30,11 +30,14 @@ import numpy as np
 
 from entrenar import data, io, lora
 from entrenar.errors import ConfigError
-from entrenar.nn import check_length, generate_stream
+from entrenar.nn import check_length, context_length, generate_stream
 from entrenar.types import Params, PRNGKey
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Control tokens that end a turn in common chat formats (ChatML, Llama 3, ...)."""
+
+DEFAULT_MAX_NEW_TOKENS = 256
+"""Replies stop here when no end-of-turn token came (``max_new_tokens=None``)."""
 
 Messages = str | Sequence[Mapping[str, Any]]
 
@@ -162,13 +165,16 @@ class ChatModel:
         self,
         messages: Messages,
         system: str | None,
-        max_new_tokens: int,
+        max_new_tokens: int | None,
         temperature: float,
         top_k: int | None,
         top_p: float | None,
         key: PRNGKey | None,
     ) -> tuple[list[int], Iterator[np.ndarray]]:
         ids = self.encode(messages, system=system)
+        if max_new_tokens is None:
+            room = (context_length(self.model) or 1 << 62) - len(ids)
+            max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, max(room, 1))
         check_length(self.model, len(ids), max_new_tokens)
         steps = generate_stream(
             self.model, self.params, jnp.asarray([ids], jnp.int32),
@@ -182,7 +188,7 @@ class ChatModel:
         messages: Messages,
         *,
         system: str | None = None,
-        max_new_tokens: int = 256,
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
@@ -191,7 +197,8 @@ class ChatModel:
         """Generate the assistant's reply to ``messages`` (a string is one user turn).
 
         Greedy unless ``temperature > 0`` (then ``key`` is required); stops at an
-        end-of-turn token or after ``max_new_tokens``.
+        end-of-turn token or after ``max_new_tokens`` (None: `DEFAULT_MAX_NEW_TOKENS`
+        or what is left of the context, whichever is less).
 
         Raises:
             ShapeError: prompt + ``max_new_tokens`` exceeds the model's context.
@@ -219,7 +226,7 @@ class ChatModel:
         messages: Messages,
         *,
         system: str | None = None,
-        max_new_tokens: int = 256,
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
@@ -255,4 +262,11 @@ class ChatModel:
             yield text[len(sent) :]
 
 
-__all__ = ["END_OF_TURN", "ChatModel", "Reply", "as_messages", "end_of_turn_ids"]
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "END_OF_TURN",
+    "ChatModel",
+    "Reply",
+    "as_messages",
+    "end_of_turn_ids",
+]

@@ -7,10 +7,13 @@ change; ``quantize="nf4"`` stores the bases 4-bit: QLoRA). ``split`` gives the
 ``combine`` joins them. ``fold`` folds adapters into dense weights (model merging
 is `entrenar.merge`), ``unfold``
 takes them out; ``save_adapter`` / ``load_adapter`` use Hugging Face PEFT's files.
+``fold_retention`` measures how much of the update a file's tensor type keeps, and
+``save_folded_gguf`` writes a folded GGUF, warning when the type would erase it.
 """
 
 from entrenar.lora.adapter_io import load_adapter, save_adapter
 from entrenar.lora.config import ALL_LINEAR, LoRAConfig
+from entrenar.lora.export import Retention, fold_retention, save_folded_gguf
 from entrenar.lora.fold import (
     RequantReport,
     delta,
@@ -34,14 +37,17 @@ __all__ = [
     "LoRAWeight",
     "MemoryReport",
     "RequantReport",
+    "Retention",
     "apply",
     "combine",
     "delta",
     "fold",
     "fold_and_requantize",
+    "fold_retention",
     "load_adapter",
     "memory_report",
     "save_adapter",
+    "save_folded_gguf",
     "split",
     "trainable_mask",
     "unfold",

@@ -1,0 +1,112 @@
+"""ChatModel: template, special tokens, end of turn, streaming, length, exact match."""
+
+import dataclasses
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar.chat import ChatModel, end_of_turn_ids, exact_match
+from entrenar.errors import ShapeError
+from entrenar.io import BPETokenizer
+from entrenar.io.tokenizer import bytes_to_unicode
+from entrenar.nn import generate
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+B2U = bytes_to_unicode()
+START, END = 256, 257  # <|im_start|>, <|im_end|>
+TOKENIZER = BPETokenizer(
+    tokens=(*(B2U[b] for b in range(256)), "<|im_start|>", "<|im_end|>"),
+    merges=(),
+    token_types=(1,) * 256 + (3, 3),
+    eos_id=END,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableLM:
+    """A real (if tiny) causal LM: the next token's logits depend on the last token."""
+
+    max_position_embeddings: int = 64
+
+    def apply(self, table, tokens):
+        return table[tokens]  # (B, T, V)
+
+    def init_cache(self, batch, max_len):
+        return jnp.zeros((), jnp.int32)
+
+    def apply_cached(self, table, tokens, cache):
+        return table[tokens], cache + tokens.shape[1]
+
+
+def table(chain):
+    """Random logits, except that ``a -> b`` for each pair of ``chain`` wins."""
+    t = np.random.default_rng(0).normal(size=(258, 258)).astype(np.float32)
+    for a, b in itertools.pairwise(chain):
+        t[a, b] = 20.0
+    return jnp.asarray(t)
+
+
+# After "assistant\n" the model says "OKé" (é is two bytes) and ends the turn.
+REPLY = [ord("\n"), ord("O"), ord("K"), 0xC3, 0xA9, END]
+CHAT = ChatModel(TableLM(), table(REPLY), TOKENIZER, chat_template=CHATML)
+
+
+def test_prompt_is_the_template_with_control_tokens_parsed():
+    ids = CHAT.encode("Hi")
+    text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert CHAT.render("Hi") == text
+    assert ids.count(START) == 2 and ids.count(END) == 1  # one token each
+    assert ids == TOKENIZER.encode(text, special=True)
+    assert len(TOKENIZER.encode(text)) == len(text.encode())  # as plain text: bytes
+
+
+def test_reply_stops_at_the_end_of_turn_token():
+    r = CHAT.reply("Hi")
+    assert r.text == "OKé" and r.finish_reason == "stop"
+    assert r.token_ids == (ord("O"), ord("K"), 0xC3, 0xA9, END)
+    assert end_of_turn_ids(TOKENIZER) == (END,)
+    short = CHAT.reply("Hi", max_new_tokens=2)
+    assert short.text == "OK" and short.finish_reason == "length"
+    # The library default of nn.generate without stop tokens runs to the limit.
+    ids = jnp.asarray([CHAT.encode("Hi")], jnp.int32)
+    assert generate(CHAT.model, CHAT.params, ids, max_new_tokens=8).shape == (1, 8)
+
+
+def test_stream_yields_whole_characters_and_joins_to_the_reply():
+    pieces = list(CHAT.stream("Hi"))
+    assert pieces == ["O", "K", "é"]  # the lone 0xC3 byte is held back
+    assert "".join(pieces) == CHAT("Hi")
+
+
+def test_a_request_beyond_the_context_is_refused_up_front():
+    n = len(CHAT.encode("Hi"))
+    with pytest.raises(ShapeError, match=f"context of 64 tokens.*at most {64 - n}"):
+        CHAT.stream("Hi", max_new_tokens=64)  # raises before the first token
+    with pytest.raises(ShapeError, match="context"):
+        CHAT.reply("Hi", max_new_tokens=9000)
+    assert CHAT.reply("Hi", max_new_tokens=64 - n).finish_reason == "stop"
+    # The default is capped by what is left of the context.
+    never = ChatModel(TableLM(), table([ord("\n"), ord("O"), ord("O")]), TOKENIZER,
+                      chat_template=CHATML)  # fmt: skip
+    r = never.reply("Hi")
+    assert r.finish_reason == "length" and len(r.token_ids) == 64 - n
+
+
+def record(reply):
+    return {"messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": reply}]}  # fmt: skip
+
+
+def test_exact_match_agrees_with_greedy_replies():
+    recs = [record("OKé"), record("OK"), record("NO"), record("OKé")]
+    em = exact_match(CHAT, recs, batch_size=3)
+    greedy = [CHAT.reply(r["messages"][:-1]) for r in recs]
+    want = [g.text == r["messages"][1]["content"] and g.finish_reason == "stop"
+            for g, r in zip(greedy, recs)]  # fmt: skip
+    assert list(em.hits) == want == [True, False, False, True]
+    assert (em.correct, em.total, em.accuracy) == (2, 4, 0.5)
