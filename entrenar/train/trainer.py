@@ -35,6 +35,10 @@ from entrenar.types import Params
 _NOT_AVERAGED = ("finite", "tokens", "lr")  # log records: lr is the last, tokens/s
 
 
+def _every(step: int, n: int | None) -> bool:
+    return n is not None and step % n == 0
+
+
 @dataclasses.dataclass
 class TrainResult:
     """What `Trainer.fit` returns.
@@ -130,7 +134,8 @@ class Trainer:
         self.best_step: int | None = None
         self.bad_evals = 0  # evaluations since the best one
         self.should_stop = False
-        self.epoch = 0
+        self.epoch = 0  # completed epochs
+        self.batch_in_epoch = 0  # batches of the current epoch already trained on
         self._pending: list[tuple[int, Any]] = []  # (step, device metrics) unchecked
         self._window: list[dict[str, float]] = []  # checked steps since the last log
         self._t_log = time.perf_counter()
@@ -180,11 +185,11 @@ class Trainer:
             )
         # 3. State: fresh, or everything a checkpoint holds (and the data position).
         loader.set_epoch(self.epoch)
-        self.should_stop = False
+        self.batch_in_epoch, self.should_stop = 0, False
         if resume is not None:
             self._resume(resume, loader)
         stopped_early = self.should_stop
-        last_eval = last_ckpt = self.step
+        last_ckpt = self.step
         progress = Progress(total, self.step, cfg.progress)
         self._t_log = time.perf_counter()
         try:
@@ -192,36 +197,33 @@ class Trainer:
             while self.step < total and not self.should_stop:
                 for batch in loader:
                     self.train_step(batch)  # 4a. forward, backward, update
-                    step = self.step
+                    step, self.batch_in_epoch = self.step, self.batch_in_epoch + 1
                     progress.update()
                     if step % cfg.log_every == 0:  # 4b. log
                         progress.show(self._log())
-                    if (
-                        eval_data is not None
-                        and cfg.eval_every
-                        and (step % cfg.eval_every == 0)
-                    ):
+                    if eval_data is not None and _every(step, cfg.eval_every):
                         stopped_early |= self._eval(eval_data)  # 4c. eval, patience
-                        last_eval = step
-                    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    if _every(step, cfg.checkpoint_every):
                         self._checkpoint(loader)  # 4d. checkpoint
                         last_ckpt = step
                     if step >= total or self.should_stop:
                         break
-                else:  # 4e. the epoch ran to its end
-                    self.epoch += 1
+                else:  # the loader is exhausted
+                    self.batch_in_epoch = len(loader)
+                if self.batch_in_epoch >= len(loader) and not self.should_stop:
+                    # 4e. the epoch's end (also when its last batch was the last step)
+                    self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                     loader.set_epoch(self.epoch)
                     if cfg.eval_every is None and eval_data is not None:
                         stopped_early |= self._eval(eval_data)
-                        last_eval = self.step
                     if cfg.checkpoint_every is None:
                         self._checkpoint(loader)
                         last_ckpt = self.step
-            # 5. The end: last log, eval and checkpoint if not just done.
+            # 5. The end: last log, and a checkpoint if not just written. (No extra
+            # evaluation: evaluations keep their schedule, so a run ended by
+            # max_steps and later extended evaluates as an uninterrupted one.)
             if self._pending or self._window:
                 progress.show(self._log())
-            if eval_data is not None and last_eval != self.step:
-                self._eval(eval_data)
             if last_ckpt != self.step:
                 self._checkpoint(loader)
         finally:
@@ -362,6 +364,7 @@ class Trainer:
     def _meta(self, loader: Loader) -> dict[str, Any]:
         return {
             "step": self.step, "epoch": self.epoch, "loader": loader.state_dict(),
+            "batch_in_epoch": self.batch_in_epoch,
             "config": self.config.to_dict(), "history": self.history,
             "eval_history": self.eval_history, "best_eval_loss": self.best_eval_loss,
             "best_step": self.best_step, "bad_evals": self.bad_evals,
@@ -395,7 +398,10 @@ class Trainer:
                 f"{changed} (saved, now): the run will not match an uninterrupted one",
                 stacklevel=3,
             )
-        self.epoch = int(meta["epoch"])
+        self.epoch, self.batch_in_epoch = (
+            int(meta["epoch"]),
+            int(meta["batch_in_epoch"]),
+        )
         loader.load_state_dict(meta["loader"])
         self.history, self.eval_history = (
             list(meta["history"]),
