@@ -1,4 +1,4 @@
-"""First training loop: the original book's XOR MLP, with the Tensor API.
+"""First training loop: an XOR MLP with the Tensor API.
 
 A 2-8-1 MLP learns XOR (inputs in {0, 1} plus a little Gaussian noise, so the
 validation set is not a copy of the training set) with everything a real loop has:

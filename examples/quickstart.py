@@ -1,8 +1,8 @@
 """Quickstart: learn y = 2x + 1 with the Tensor API and SGD.
 
-The original entrenar quickstart, in Python: two scalar parameters, one sample at a
-time, mean squared error, `backward`, `SGD.step`, `zero_grad`. It runs eagerly; each
-step's graph is compiled once and reused, so the loop is fast.
+Two scalar parameters, one sample at a time, mean squared error, `backward`,
+`SGD.step`, `zero_grad`. It runs eagerly; each step's graph is compiled once and
+reused, so the loop is fast.
 
     python examples/quickstart.py
 """

@@ -120,7 +120,7 @@ def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:
     return apply(_ops.STACK, *xs, axis=axis)
 
 
-# ---- matmul, including the original flat form ----------------------------------------
+# ---- matmul, including the flat form (m·n outputs from flat inputs) ------------------
 _FLAT_MATMUL = defop(
     "matmul_flat",
     lambda a, b, *, m, k, n: (jnp.reshape(a, (m, k)) @ jnp.reshape(b, (k, n))).reshape(
@@ -132,7 +132,7 @@ _FLAT_MATMUL = defop(
 def matmul(
     a: Any, b: Any, m: int | None = None, k: int | None = None, n: int | None = None
 ) -> Tensor:
-    """Matrix product ``a @ b``, or the original Rust API's flat form.
+    """Matrix product ``a @ b``, or the flat form ``matmul(a, b, m, k, n)``.
 
     In the flat form ``a`` holds an (m, k) matrix and ``b`` a (k, n) matrix, both
     row-major and flattened; the result is the flattened (m, n) product.

@@ -101,7 +101,7 @@ class Tensor:
     # ---- constructors ----------------------------------------------------------
     @classmethod
     def from_vec(cls, values: Sequence[float], requires_grad: bool = False) -> Tensor:
-        """A 1-D float32 tensor, as ``Tensor::from_vec`` in the original Rust API."""
+        """A 1-D float32 tensor from a list of numbers (Rust's ``Tensor::from_vec``)."""
         return cls._wrap(np.asarray(values, np.float32).reshape(-1), requires_grad)
 
     @classmethod

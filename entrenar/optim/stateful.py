@@ -158,7 +158,7 @@ class Adam(Optimizer):
 
     @classmethod
     def default_params(cls, lr: float) -> Adam:
-        """Adam with β1=0.9, β2=0.999, ε=1e-8 (the original API's name)."""
+        """Adam with β1=0.9, β2=0.999, ε=1e-8 (a name kept for Rust API users)."""
         return cls(lr)
 
 
@@ -180,7 +180,7 @@ class AdamW(Optimizer):
 
     @classmethod
     def default_params(cls, lr: float) -> AdamW:
-        """AdamW with λ=0.01, β1=0.9, β2=0.999, ε=1e-8 (the original API's name)."""
+        """AdamW with λ=0.01, β1=0.9, β2=0.999, ε=1e-8 (a name for Rust API users)."""
         return cls(lr)
 
 

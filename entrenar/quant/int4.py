@@ -1,4 +1,4 @@
-"""Symmetric blockwise 4-bit integers (``int4``), the seed's scheme.
+"""Symmetric blockwise 4-bit integers (``int4``): absmax scale per block, codes -7..7.
 
 Each block of ``B`` values along the last axis (default 64) stores a float32 scale
 ``d = max|x| / 7`` and codes ``q = clip(round(x / d), -7, 7)``; the value is
