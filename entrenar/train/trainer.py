@@ -230,6 +230,8 @@ class Trainer:
             progress.close()
             if self._writer is not None:
                 self._writer.close()
+            if self._checkpointer is not None:
+                self._checkpointer.close()
         result = TrainResult(
             self.state, list(self.history), list(self.eval_history),
             self.best_eval_loss, self.best_step,
