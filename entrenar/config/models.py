@@ -120,7 +120,9 @@ def load_built(
             config, params, _ = io.load_llama_gguf(
                 g, keep_quantized=keep_quantized, dtype=dtype
             )
-            return BuiltModel("llama", config, params, load_tokenizer_file(path), path)
+            has_tok = "tokenizer.ggml.tokens" in g.metadata
+            tok = load_tokenizer_file(path) if has_tok else None
+            return BuiltModel("llama", config, params, tok, path)
     model = io.load_model(path)
     custom = model.metadata.custom
     tree = lists_from_dicts(model.params)

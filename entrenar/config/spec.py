@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from entrenar.config.fields import hints, key_names, option, parse, unknown_key
+from entrenar.config.models import arch_config
 from entrenar.config.sections import (
     DataSection,
     DistillationSection,
@@ -294,6 +295,8 @@ def load_config(
     raw = apply_overrides(raw, overrides)
     raw.setdefault("source", os.path.abspath(path))
     spec = parse(TrainSpec, raw)
+    if spec.model is not None and spec.model.architecture and spec.model.path is None:
+        arch_config(spec.model.architecture, spec.model.config, "model.config")
     spec = resolve_paths(spec, os.path.dirname(os.path.abspath(path)))
     if check_files:
         check_inputs(spec)

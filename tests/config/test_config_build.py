@@ -1,0 +1,140 @@
+"""Schedules and optimizers built from a config equal optax's (the reference)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from entrenar.config import load_config
+from entrenar.config.build import build_optimizer, build_schedule, train_config
+from entrenar.errors import ConfigError
+
+STEPS = [0, 1, 5, 9, 10, 37, 80, 99, 100, 150]
+
+
+def _lr(schedule, t):
+    return float(schedule(t)) if callable(schedule) else float(schedule)
+
+
+@pytest.mark.parametrize(
+    ("section", "reference"),
+    [
+        (None, optax.constant_schedule(0.01)),
+        (
+            {"name": "linear", "end_value": 0.001},
+            optax.linear_schedule(0.01, 0.001, 100),
+        ),
+        (
+            {"name": "cosine_decay", "end_value": 0.002},
+            optax.cosine_decay_schedule(0.01, 100, alpha=0.2),
+        ),
+        (
+            {"name": "warmup_cosine_decay", "warmup_steps": 10, "end_value": 0.001},
+            optax.warmup_cosine_decay_schedule(0.0, 0.01, 10, 100, 0.001),
+        ),
+        (
+            {"name": "exponential_decay", "decay_rate": 0.5, "decay_steps": 20},
+            optax.exponential_decay(0.01, 20, 0.5),
+        ),
+        (
+            {
+                "name": "exponential_decay",
+                "decay_rate": 0.5,
+                "decay_steps": 20,
+                "staircase": True,
+            },
+            optax.exponential_decay(0.01, 20, 0.5, staircase=True),
+        ),
+        (
+            {"name": "constant", "warmup_steps": 10, "init_value": 0.001},
+            optax.join_schedules(
+                [optax.linear_schedule(0.001, 0.01, 10), optax.constant_schedule(0.01)],
+                [10],
+            ),
+        ),
+        (
+            {"name": "cosine_decay", "warmup_steps": 10},
+            optax.join_schedules(
+                [
+                    optax.linear_schedule(0.0, 0.01, 10),
+                    optax.cosine_decay_schedule(0.01, 90),
+                ],
+                [10],
+            ),
+        ),
+    ],
+)
+def test_schedules_match_optax(wine_yaml, section, reference):
+    spec = load_config(wine_yaml(scheduler=section, optimizer={"lr": 0.01}))
+    ours = build_schedule(spec, total=100)
+    for t in STEPS:
+        assert _lr(ours, t) == pytest.approx(float(reference(t)), rel=1e-5, abs=1e-9)
+
+
+def test_warmup_longer_than_the_run_is_an_error(wine_yaml):
+    spec = load_config(wine_yaml(scheduler={"name": "constant", "warmup_steps": 50}))
+    with pytest.raises(ConfigError, match=r"^scheduler\.warmup_steps: 50 is not below"):
+        build_schedule(spec, total=50)
+
+
+@pytest.mark.parametrize(
+    ("section", "reference"),
+    [
+        ({"name": "sgd", "lr": 0.1}, optax.sgd(0.1)),
+        (
+            {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True},
+            optax.sgd(0.1, momentum=0.9, nesterov=True),
+        ),
+        (
+            {"name": "adam", "lr": 0.01, "beta1": 0.8, "eps": 1e-6},
+            optax.adam(0.01, b1=0.8, eps=1e-6),
+        ),
+        ({"name": "adamw", "lr": 0.01}, optax.adamw(0.01, weight_decay=0.01)),
+        (
+            {"name": "adamw", "lr": 0.01, "weight_decay": 0.1, "beta2": 0.99},
+            optax.adamw(0.01, b2=0.99, weight_decay=0.1),
+        ),
+    ],
+)
+def test_optimizers_match_optax(wine_yaml, section, reference):
+    spec = load_config(wine_yaml(optimizer=section))
+    ours = build_optimizer(spec, total=100)
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"w": jax.random.normal(keys[0], (3, 4)), "b": jnp.ones(4)}
+    p_ours, p_ref = params, params
+    s_ours, s_ref = ours.init(params), reference.init(params)
+    for k in keys[1:]:
+        g = {
+            n: jax.random.normal(jax.random.fold_in(k, i), x.shape)
+            for i, (n, x) in enumerate(params.items())
+        }
+        u, s_ours = ours.update(g, s_ours, p_ours)
+        p_ours = optax.apply_updates(p_ours, u)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats
+            u, s_ref = reference.update(g, s_ref, p_ref)
+        p_ref = optax.apply_updates(p_ref, u)
+    for name in params:
+        np.testing.assert_allclose(p_ours[name], p_ref[name], rtol=1e-6, atol=1e-7)
+
+
+def test_train_config_carries_the_training_section(wine_yaml):
+    spec = load_config(
+        wine_yaml(
+            training={
+                "max_steps": 7,
+                "grad_accum": 2,
+                "grad_clip": 0.5,
+                "early_stopping": {"patience": 2, "min_delta": 0.01},
+                "compute_dtype": "bfloat16",
+                "output_dir": "o",
+            }
+        ),
+    )
+    cfg = train_config(spec, progress=False)
+    assert (cfg.max_steps, cfg.grad_accum, cfg.grad_clip) == (7, 2, 0.5)
+    assert (cfg.patience, cfg.min_delta) == (2, 0.01)
+    assert cfg.compute_dtype == "bfloat16" and cfg.loss == "cross_entropy"
+    assert cfg.batch_size == 16 and cfg.output_dir == "o"

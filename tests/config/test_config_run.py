@@ -1,0 +1,233 @@
+"""train_from_yaml end to end on small real data: files, resume, overrides, exports."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import CONFIGS, WINE, WORDS, write
+
+from entrenar import io, lora, nn, quant
+from entrenar.config import load_built, train_from_yaml
+from entrenar.config.evaluate import evaluate_model
+from entrenar.tree import assert_trees_allclose
+
+
+def _run(path, **overrides):
+    return train_from_yaml(path, overrides or None, progress=False)
+
+
+def test_wine_run_writes_metrics_checkpoints_and_a_model(wine_yaml):
+    result = _run(wine_yaml())
+    out = Path(result.output_dir)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert sorted(os.listdir(out / "checkpoints")) == ["3", "6"]
+    assert result.metrics["steps"] == 6
+    built = load_built(str(out / "model.safetensors"))
+    assert built.architecture == "mlp" and built.config.sizes == (13, 8, 3)
+    assert_trees_allclose(built.params, result.train.params, rtol=0, atol=0)
+    metrics = evaluate_model(
+        str(out / "model.safetensors"), str(WINE / "validation.parquet")
+    )
+    assert metrics["examples"] == 36
+    assert metrics["eval_loss"] == pytest.approx(_numpy_loss(built), rel=1e-5)
+
+
+def _numpy_loss(built):
+    """Mean cross-entropy on the validation file, in numpy from the stored stats."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(WINE / "validation.parquet").to_pydict()
+    tab = built.custom["tabular"]
+    x = np.stack([np.asarray(table[c], np.float64) for c in tab["features"]], 1)
+    x = (x - np.asarray(tab["mean"])) / np.asarray(tab["std"])
+    h = x
+    layers = built.params["layers"]
+    for i, layer in enumerate(layers):
+        h = h @ np.asarray(layer["weight"], np.float64).T + np.asarray(layer["bias"])
+        if i < len(layers) - 1:
+            h = np.maximum(h, 0)
+    y = np.asarray(table["cultivar"])
+    logp = (
+        h
+        - np.log(np.exp(h - h.max(1, keepdims=True)).sum(1, keepdims=True))
+        - (h.max(1, keepdims=True))
+    )
+    return float(-logp[np.arange(len(y)), y].mean())
+
+
+def test_resume_continues_to_the_same_end(wine_yaml, tmp_path):
+    full = _run(wine_yaml(), **{"training.output_dir": str(tmp_path / "full")})
+    part = tmp_path / "part"
+    _run(wine_yaml(), **{"training.output_dir": str(part), "training.max_steps": 3})
+    resumed = train_from_yaml(
+        wine_yaml(),
+        {"training.output_dir": str(part)},
+        resume="latest",
+        progress=False,
+    )
+    assert resumed.metrics["steps"] == 6
+    assert_trees_allclose(resumed.train.params, full.train.params, rtol=0, atol=0)
+
+
+def test_overrides_change_the_run(wine_yaml, tmp_path):
+    base = _run(wine_yaml(), **{"training.output_dir": str(tmp_path / "a")})
+    lr = _run(
+        wine_yaml(), **{"training.output_dir": str(tmp_path / "b"), "optimizer.lr": 0.1}
+    )
+    seed = _run(
+        wine_yaml(), **{"training.output_dir": str(tmp_path / "c"), "training.seed": 3}
+    )
+    w = [r.train.params["layers"][0]["weight"] for r in (base, lr, seed)]
+    assert not np.allclose(w[0], w[1]) and not np.allclose(w[0], w[2])
+    plan = train_from_yaml(wine_yaml(), {"data.batch_size": 4}, dry_run=True)
+    assert plan.metrics["steps_per_epoch"] == 142 // 4
+
+
+def test_dry_run_writes_nothing(wine_yaml, tmp_path):
+    result = train_from_yaml(wine_yaml(), dry_run=True, progress=False)
+    assert result.metrics["steps"] == 6 and result.metrics["parameters"] == 139
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_on_an_mlp_trains_only_the_adapters(wine_yaml):
+    path = wine_yaml(
+        lora={"rank": 2, "alpha": 4, "targets": "all-linear"},
+        export={"formats": ["adapter", "safetensors"]},
+    )
+    result = _run(path)
+    params = result.train.params
+    w = params["layers"][0]["weight"]
+    assert isinstance(w, lora.LoRAWeight)
+    built = load_built(result.files["safetensors"])
+    assert_trees_allclose(built.params, lora.fold(params), rtol=1e-6, atol=1e-6)
+    adapter = lora.load_adapter(result.files["adapter"], _base(params))
+    assert_trees_allclose(lora.fold(adapter), built.params, rtol=1e-5, atol=1e-6)
+
+
+def _base(params):
+    return jax.tree_util.tree_map(
+        lambda x: x.base if isinstance(x, lora.LoRAWeight) else x,
+        params,
+        is_leaf=lambda x: isinstance(x, lora.LoRAWeight),
+    )
+
+
+def test_distillation_run_writes_the_student(tmp_path):
+    doc = (CONFIGS / "wine-distill.yaml").read_text()
+    path = tmp_path / "d.yaml"
+    path.write_text(doc.replace("../", str(CONFIGS.parent) + "/"))
+    result = _run(
+        path,
+        **{
+            "training.output_dir": str(tmp_path / "out"),
+            "training.epochs": None,
+            "training.max_steps": 4,
+        },
+    )
+    assert {"kl", "ce"} <= set(result.train.history[-1])
+    student = load_built(result.files["safetensors"])
+    assert student.config.sizes == (13, 8, 3)
+
+
+def test_merge_config_writes_a_model_that_loads(tmp_path):
+    result = _run(
+        CONFIGS / "wine-merge.yaml", **{"training.output_dir": str(tmp_path / "m")}
+    )
+    merged = load_built(result.files["merged"])
+    assert merged.architecture == "mlp"
+    out = evaluate_model(result.files["merged"], str(WINE / "validation.parquet"))
+    assert out["accuracy"] > 0.8
+
+
+def test_quantized_copy_reads_back_as_quantized_weights(wine_yaml):
+    path = wine_yaml(quantization={"scheme": "int8", "block_size": 4})
+    result = _run(path)
+    q = load_built(result.files["quantized"])
+    first, second = (layer["weight"] for layer in q.params["layers"])
+    assert not quant.is_quantized(first)  # rows of 13 do not split into blocks of 4
+    assert quant.is_quantized(second) and second.scheme == "int8"
+    assert second.shape == (3, 8) and second.block_size == 4
+    x = jnp.ones((2, 13))
+    dense = load_built(result.files["safetensors"])
+    np.testing.assert_allclose(
+        q.config.apply(q.params, x), dense.config.apply(dense.params, x), atol=0.05
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama GGUF (no tokenizer inside) of the number-words vocabulary."""
+    folder = tmp_path_factory.mktemp("llama")
+    cfg = nn.LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=64,
+    )
+    io.save_llama_gguf(folder / "tiny.gguf", cfg, cfg.init(jax.random.key(0)))
+    lines = (WORDS / "train.jsonl").read_text().splitlines()[:64]
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.mark.slow
+def test_qlora_run_exports_adapter_gguf_hf_and_quantized(tiny_llama):
+    doc = {
+        "model": {"path": "tiny.gguf", "tokenizer": str(WORDS / "tokenizer.gguf")},
+        "data": {
+            "train": "train.jsonl",
+            "validation": "train.jsonl",
+            "format": "prompt_completion",
+            "batch_size": 8,
+            "seq_len": 24,
+        },
+        "lora": {
+            "rank": 4,
+            "alpha": 8,
+            "targets": ["q_proj", "v_proj"],
+            "quantize_base": "nf4",
+        },
+        "optimizer": {"name": "adamw", "lr": 0.01},
+        "training": {"max_steps": 3, "output_dir": str(tiny_llama / "out")},
+        "quantization": {"scheme": "q8_0"},
+        "export": {
+            "formats": ["adapter", "safetensors", "gguf", "hf"],
+            "gguf_type": "F32",
+        },
+    }
+    result = _run(write(tiny_llama / "run.yaml", doc))
+    files = result.files
+    assert {"adapter", "safetensors", "gguf", "hf", "quantized"} <= set(files)
+    assert files["quantized"].endswith("model-q8_0.gguf")
+    trained = result.train.params
+    folded = lora.fold(trained)
+    config, from_gguf, _ = io.load_llama_gguf(files["gguf"])
+    hf_config, from_hf = io.load_hf_llama(files["hf"])
+    assert hf_config.vocab_size == 320
+    dense = quant.dequantize_params(folded)
+    assert_trees_allclose(from_gguf, dense, rtol=1e-6, atol=1e-6)
+    assert_trees_allclose(from_hf, dense, rtol=1e-6, atol=1e-6)
+    ids = jnp.asarray([[5, 9, 30, 2]], jnp.int32)
+    with_adapter = lora.load_adapter(files["adapter"], _dense_base(trained))
+    np.testing.assert_allclose(
+        config.apply(with_adapter, ids), config.apply(from_gguf, ids), atol=1e-4
+    )
+    _, q8, _ = io.load_llama_gguf(files["quantized"])
+    np.testing.assert_allclose(
+        config.apply(q8, ids), config.apply(dense, ids), atol=0.05
+    )
+
+
+def _dense_base(params):
+    return quant.dequantize_params(_base(params))
