@@ -1,0 +1,42 @@
+"""Generation refuses requests beyond the model's context and streams its steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar.errors import ShapeError
+from entrenar.nn import (
+    LlamaConfig,
+    context_length,
+    decode_step,
+    generate,
+    generate_stream,
+)
+
+TINY = LlamaConfig(
+    vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+    num_kv_heads=1, max_position_embeddings=16,
+)  # fmt: skip
+PARAMS = TINY.init(jax.random.key(0))
+PROMPT = jnp.arange(1, 11, dtype=jnp.int32)[None]  # (1, 10)
+
+
+def test_beyond_the_context_is_refused_before_any_computation():
+    assert context_length(TINY) == 16
+    before = decode_step._cache_size()
+    with pytest.raises(ShapeError, match=r"10 tokens.*= 17 exceeds.*context of 16.*6"):
+        generate(TINY, PARAMS, PROMPT, max_new_tokens=7)
+    with pytest.raises(ShapeError, match="context of 16"):
+        generate_stream(TINY, PARAMS, PROMPT, max_new_tokens=9000)  # not iterated
+    assert decode_step._cache_size() == before  # nothing was compiled or run
+    assert generate(TINY, PARAMS, PROMPT, max_new_tokens=6).shape == (1, 6)
+
+
+def test_stream_yields_the_steps_generate_returns():
+    kw = dict(max_new_tokens=6, temperature=1.0, key=jax.random.key(3))
+    steps = list(generate_stream(TINY, PARAMS, PROMPT, **kw))
+    assert all(s.shape == (1,) for s in steps)
+    np.testing.assert_array_equal(
+        np.stack(steps, axis=1), generate(TINY, PARAMS, PROMPT, **kw)
+    )
