@@ -124,8 +124,8 @@ class TrainSpec:
         if self.lora is not None and self.lora.enabled and not lm:
             if self.lora.targets == ("q_proj", "v_proj"):
                 raise ConfigError(
-                    "lora.targets: an mlp has no q_proj/v_proj; target its layers, "
-                    "e.g. ['layers'] or 'all-linear'"
+                    "lora.targets: an mlp has no q_proj/v_proj; target its layers "
+                    "with 'all-linear' (or their names: '0', '1', ...)"
                 )
         if self.distillation is not None and self.data is not None:
             if self.data.task == "regression" and not lm:

@@ -1,0 +1,344 @@
+"""The ``entrenar`` command: exit codes, one-line errors, overrides, files read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+from conftest import CONFIGS, MODELS, REPO, WINE, WORDS
+
+from entrenar import io, nn, quant
+from entrenar.cli import cli
+from entrenar.config import load_built
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_help_lists_every_command():
+    result = run("--help")
+    assert result.exit_code == 0
+    for name in (
+        "train",
+        "validate",
+        "info",
+        "quantize",
+        "merge",
+        "generate",
+        "eval",
+        "plot",
+    ):
+        assert name in result.output
+
+
+def test_validate_a_shipped_config():
+    result = run("validate", CONFIGS / "wine-mlp.yaml", "--detailed")
+    assert result.exit_code == 0, result.output
+    assert "Configuration is valid" in result.output
+    assert "Optimizer: name=adamw, lr=0.01" in result.output
+
+
+BROKEN = [
+    (
+        {"training": {"epochz": 3}},
+        "training.epochz: unknown key; did you mean 'epochs'?",
+    ),
+    ({"data": {"batch_size": "big"}}, "data.batch_size: expected an integer"),
+    ({"optimizer": {"lr": -1}}, "optimizer.lr: must be > 0, got -1"),
+    ({"data": {"train": "missing.parquet"}}, "data.train: file not found"),
+    ({"optimizer": {"name": "adamm"}}, "optimizer.name: must be one of"),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    BROKEN,
+    ids=["typo", "type", "negative-lr", "missing-file", "unknown-optimizer"],
+)
+def test_broken_configs_exit_2_with_one_line_naming_the_key(
+    tiny_config, change, message
+):
+    doc = yaml.safe_load(tiny_config.read_text())
+    for section, values in change.items():
+        doc[section] = {**doc[section], **values}
+    tiny_config.write_text(yaml.safe_dump(doc))
+    for command in ("validate", "train"):
+        result = run(command, tiny_config)
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {message}")
+        assert "Traceback" not in result.output
+
+
+def test_verbose_adds_the_traceback(tiny_config):
+    tiny_config.write_text(tiny_config.read_text().replace("lr: 0.01", "lr: -1"))
+    result = run("validate", tiny_config, "--verbose")
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr and "ConfigError" in result.stderr
+
+
+def test_usage_errors_exit_2(tiny_config):
+    assert run("validate").exit_code == 2
+    assert run("train", tiny_config, "--lr", "fast").exit_code == 2
+    assert run("frobnicate").exit_code == 2
+
+
+def test_train_writes_metrics_checkpoints_and_model(tiny_config, tmp_path):
+    out = tmp_path / "o"
+    result = run(
+        "train",
+        tiny_config,
+        "--max-steps",
+        "3",
+        "--lr",
+        "0.05",
+        "--output-dir",
+        out,
+        "--seed",
+        "2",
+        "--no-progress",
+    )
+    assert result.exit_code == 0, result.output
+    used = json.loads((out / "config.json").read_text())
+    assert used["optimizer"]["lr"] == 0.05
+    assert used["training"]["max_steps"] == 3 and used["training"]["seed"] == 2
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").open()]
+    assert max(steps) == 3
+    assert sorted(os.listdir(out / "checkpoints")) == ["2", "3"]
+    assert load_built(str(out / "model.safetensors")).config.sizes == (13, 8, 3)
+
+
+def test_epochs_override_replaces_max_steps(tiny_config, tmp_path):
+    result = run(
+        "train",
+        tiny_config,
+        "--epochs",
+        "1",
+        "--batch-size",
+        "71",
+        "--output-dir",
+        tmp_path / "e",
+        "--no-progress",
+    )
+    assert result.exit_code == 0, result.output
+    assert "steps=2" in result.output  # 142 rows / 71 per step, one epoch
+
+
+def test_set_overrides_any_key(tiny_config, tmp_path):
+    result = run(
+        "train",
+        tiny_config,
+        "--set",
+        "lora.rank=2",
+        "--set",
+        "lora.targets=all-linear",
+        "--dry-run",
+    )
+    assert result.exit_code == 0, result.output
+    assert "trainable_parameters" in result.output
+    bad = run("train", tiny_config, "--set", "lora.rnak=2", "--dry-run")
+    assert bad.exit_code == 2
+    assert "lora.rnak: unknown key; did you mean 'rank'?" in bad.stderr
+
+
+def test_resume_continues(tiny_config, tmp_path):
+    out = tmp_path / "r"
+    first = run(
+        "train", tiny_config, "--max-steps", "2", "--output-dir", out, "--no-progress"
+    )
+    assert first.exit_code == 0, first.output
+    again = run(
+        "train",
+        tiny_config,
+        "--max-steps",
+        "4",
+        "--output-dir",
+        out,
+        "--resume",
+        "latest",
+        "--no-progress",
+    )
+    assert again.exit_code == 0, again.output
+    steps = [
+        json.loads(x)["step"]
+        for x in (out / "metrics.jsonl").open()
+        if "loss" in json.loads(x)
+    ]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_quantize_writes_a_file_info_and_load_model_read(tmp_path):
+    out = tmp_path / "q.safetensors"
+    result = run(
+        "quantize",
+        MODELS / "wine-mlp.safetensors",
+        "-o",
+        out,
+        "--scheme",
+        "int8",
+        "--block-size",
+        "8",
+        "--calibration-data",
+        WINE / "validation.parquet",
+    )
+    assert result.exit_code == 0, result.output
+    assert "after: {'examples': 36" in result.output
+    info = json.loads(run("info", out, "--format", "json").output)
+    assert info["quantization"]["layers.1.weight"]["scheme"] == "int8"
+    assert info["parameters"] == 13 * 32 + 32 + 32 * 3 + 3
+    stored = io.load_model(out).params["layers"]["1"]["weight"]
+    assert stored["codes"].dtype == np.int8
+    back = load_built(str(out)).params["layers"][1]["weight"]
+    ref = quant.quantize(
+        load_built(str(MODELS / "wine-mlp.safetensors")).params["layers"][1]["weight"],
+        "int8",
+        block_size=8,
+    )
+    np.testing.assert_array_equal(back.codes, ref.codes)
+
+
+def test_quantize_a_llama_to_gguf(tmp_path):
+    cfg = nn.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+    )
+    src = tmp_path / "l.gguf"
+    io.save_llama_gguf(src, cfg, cfg.init(jax.random.key(0)))
+    out = tmp_path / "l-q8.gguf"
+    result = run("quantize", src, "-o", out, "--bits", "8")
+    assert result.exit_code == 0, result.output
+    info = json.loads(run("info", out, "--format", "json").output)
+    assert info["types"]["Q8_0"] > 0 and info["architecture"] == "llama"
+    assert io.load_model(out).metadata.architecture == "llama"
+    assert (
+        run("quantize", src, "-o", tmp_path / "x.gguf", "--scheme", "nf4").exit_code
+        == 2
+    )
+
+
+def test_merge_writes_a_file_info_and_load_model_read(tmp_path):
+    out = tmp_path / "m.safetensors"
+    a, b = MODELS / "wine-mlp-ft-a.safetensors", MODELS / "wine-mlp-ft-b.safetensors"
+    result = run("merge", a, b, "-o", out, "--method", "average")
+    assert result.exit_code == 0, result.output
+    assert json.loads(run("info", out, "--format", "json").output)["tensors"] == 4
+    merged = io.load_model(out).params
+    ref = [io.load_model(p).params for p in (a, b)]
+    w = merged["layers"]["0"]["weight"]
+    np.testing.assert_allclose(
+        w,
+        (ref[0]["layers"]["0"]["weight"] + ref[1]["layers"]["0"]["weight"]) / 2,
+        rtol=1e-6,
+    )
+    recipe = run(
+        "merge",
+        "--config",
+        CONFIGS / "wine-merge.yaml",
+        "-o",
+        tmp_path / "r" / "ties.safetensors",
+    )
+    assert recipe.exit_code == 0, recipe.output
+    assert io.load_model(tmp_path / "r" / "ties.safetensors").metadata.name
+
+
+def test_info_of_a_config_in_every_format():
+    for fmt, parse in (("json", json.loads), ("yaml", yaml.safe_load)):
+        result = run("info", CONFIGS / "wine-mlp.yaml", "--format", fmt)
+        assert result.exit_code == 0, result.output
+        data = parse(result.output)
+        assert data["summary"]["model"]["parameters"] == 13 * 32 + 32 + 32 * 3 + 3
+        assert data["config"]["optimizer"]["name"] == "adamw"
+
+
+def test_eval_and_plot(tiny_config, tmp_path):
+    assert run("train", tiny_config, "--no-progress").exit_code == 0
+    result = run("eval", tiny_config, "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["examples"] == 36
+    png = tmp_path / "loss.png"
+    assert run("plot", tmp_path / "run", "-o", png).exit_code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_generate_and_the_context_limit(tmp_path):
+    cfg = nn.LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        max_position_embeddings=32,
+    )
+    model = tmp_path / "lm.gguf"
+    io.save_llama_gguf(model, cfg, cfg.init(jax.random.key(0)))
+    tok = WORDS / "tokenizer.gguf"
+    result = run(
+        "generate",
+        model,
+        "--tokenizer",
+        tok,
+        "-p",
+        "12 in words:",
+        "--max-new-tokens",
+        "4",
+    )
+    assert result.exit_code == 0, result.output
+    too_long = run(
+        "generate",
+        model,
+        "--tokenizer",
+        tok,
+        "-p",
+        "12 in words:",
+        "--max-new-tokens",
+        "40",
+    )
+    assert too_long.exit_code == 2
+    assert "exceeds the model's context of 32 tokens" in too_long.stderr
+
+
+def test_completion_script():
+    result = run("--completion", "bash")
+    assert result.exit_code == 0 and "_ENTRENAR_COMPLETE" in result.output
+
+
+def test_python_dash_m_entrenar_in_a_subprocess(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        (CONFIGS / "wine-mlp.yaml")
+        .read_text()
+        .replace("lr: 0.01", "lr: -1")
+        .replace("../data", str(REPO / "examples" / "data"))
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    ok = subprocess.run(
+        [sys.executable, "-m", "entrenar", "validate", str(CONFIGS / "wine-mlp.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "Configuration is valid" in ok.stdout
+    failed = subprocess.run(
+        [sys.executable, "-m", "entrenar", "validate", str(bad)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert failed.returncode == 2
+    assert failed.stderr.strip() == "error: optimizer.lr: must be > 0, got -1"
