@@ -17,6 +17,7 @@ Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 
 from entrenar import (
     autograd,
+    config,
     data,
     distill,
     errors,
@@ -54,6 +55,7 @@ __all__ = [
     "autograd",
     "backward",
     "check_gradient",
+    "config",
     "data",
     "distill",
     "errors",
