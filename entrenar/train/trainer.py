@@ -134,6 +134,7 @@ class Trainer:
         self.best_step: int | None = None
         self.bad_evals = 0  # evaluations since the best one
         self.should_stop = False
+        self._step = 0  # == int(self.state.step), kept on the host
         self.epoch = 0  # completed epochs
         self.batch_in_epoch = 0  # batches of the current epoch already trained on
         self._pending: list[tuple[int, Any]] = []  # (step, device metrics) unchecked
@@ -144,8 +145,8 @@ class Trainer:
 
     @property
     def step(self) -> int:
-        """Optimizer steps taken."""
-        return int(self.state.step)
+        """Optimizer steps taken (kept on the host: reading it never waits)."""
+        return self._step
 
     # ------------------------------------------------------------------ the run
     def fit(
@@ -244,6 +245,7 @@ class Trainer:
     def train_step(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns its metrics (device arrays)."""
         self.state, metrics = self._step_fn(self.state, batch)
+        self._step += 1
         self._pending.append((self.step, metrics))
         for cb in self.callbacks:
             cb.on_step(self, self.step, metrics)
@@ -389,6 +391,7 @@ class Trainer:
         if resume == "latest" and ckpt.latest_step() is None:
             return  # nothing saved yet: a fresh start
         self.state, meta = ckpt.restore(self.state, step)
+        self._step = int(self.state.step)
         changed = {
             k: (v, getattr(self.config, k)) for k, v in meta["config"].items()
             if k in ("seed", "batch_size", "grad_accum", "shuffle")
