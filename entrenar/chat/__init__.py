@@ -5,21 +5,25 @@ adapter=...)``) renders a conversation with the template, tokenizes it with cont
 tokens parsed, refuses a request longer than the context, and decodes greedily (or by
 sampling) until an end-of-turn token: ``chat("Hi")`` returns the text,
 ``chat.reply(...)`` a `Reply` with its tokens and finish reason, ``chat.stream(...)``
-yields the text as it comes. `exact_match` scores greedy replies on a chat dataset
-in one teacher-forced forward pass per batch. Layer: above ``data``, ``nn``, ``io``
-and ``lora``; below ``config`` and ``cli``.
+yields the text as it comes; ``chat=False`` continues plain text instead.
+`exact_match` scores greedy replies on a chat dataset in one teacher-forced forward
+pass per batch. Layer: above ``data``, ``nn``, ``io`` and ``lora``; below ``config``
+and ``cli``.
 """
 
 from entrenar.chat.evaluate import ExactMatch, exact_match, reply_targets
 from entrenar.chat.session import (
+    DEFAULT_MAX_NEW_TOKENS,
     END_OF_TURN,
     ChatModel,
     Reply,
     as_messages,
     end_of_turn_ids,
+    stream_text,
 )
 
 __all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
     "END_OF_TURN",
     "ChatModel",
     "ExactMatch",
@@ -28,4 +32,5 @@ __all__ = [
     "end_of_turn_ids",
     "exact_match",
     "reply_targets",
+    "stream_text",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -70,6 +70,33 @@ def as_messages(prompt: Messages, system: str | None = None) -> list[dict[str, A
     if system is not None:
         msgs = [{"role": "system", "content": system}, *msgs]
     return msgs
+
+
+def stream_text(
+    tokenizer: Any, steps: Iterable[np.ndarray], stops: Sequence[int] = ()
+) -> Iterator[str]:
+    """Text pieces of generated tokens (row 0 of each step) until a stop token.
+
+    A piece is held back while the text ends inside a multi-byte UTF-8 character
+    (the tokenizer decodes it as U+FFFD), so every piece is whole characters and the
+    pieces join to the decoded text.
+    """
+    ids: list[int] = []
+    sent = ""
+    for row in steps:
+        tok = int(row[0])
+        if tok in stops:
+            break
+        ids.append(tok)
+        text = tokenizer.decode(ids)
+        if text.endswith("\ufffd"):  # inside a multi-byte character: wait
+            continue
+        if len(text) > len(sent):
+            yield text[len(sent) :]
+            sent = text
+    text = tokenizer.decode(ids)
+    if len(text) > len(sent):
+        yield text[len(sent) :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +183,23 @@ class ChatModel:
             **data.special_texts(self.tokenizer),
         )  # fmt: skip
 
-    def encode(self, messages: Messages, *, system: str | None = None) -> list[int]:
-        """Token ids of `render`, control tokens parsed as single tokens."""
-        return list(self.tokenizer.encode(self.render(messages, system=system),
-                                          special=True))  # fmt: skip
+    def encode(
+        self, messages: Messages, *, system: str | None = None, chat: bool = True
+    ) -> list[int]:
+        """Token ids of the prompt.
+
+        With ``chat`` (the default): `render` tokenized with control tokens parsed
+        as single tokens. Without: ``messages`` is plain text to continue, tokenized
+        as text (control tokens not parsed, BOS as the tokenizer's default).
+        """
+        if chat:
+            text = self.render(messages, system=system)
+            return list(self.tokenizer.encode(text, special=True))
+        if not isinstance(messages, str) or system is not None:
+            raise ConfigError(
+                "chat=False continues plain text: pass a string and no system prompt"
+            )
+        return list(self.tokenizer.encode(messages))
 
     def _steps(
         self,
@@ -170,8 +210,9 @@ class ChatModel:
         top_k: int | None,
         top_p: float | None,
         key: PRNGKey | None,
+        chat: bool,
     ) -> tuple[list[int], Iterator[np.ndarray]]:
-        ids = self.encode(messages, system=system)
+        ids = self.encode(messages, system=system, chat=chat)
         if max_new_tokens is None:
             room = (context_length(self.model) or 1 << 62) - len(ids)
             max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, max(room, 1))
@@ -193,19 +234,21 @@ class ChatModel:
         top_k: int | None = None,
         top_p: float | None = None,
         key: PRNGKey | None = None,
+        chat: bool = True,
     ) -> Reply:
         """Generate the assistant's reply to ``messages`` (a string is one user turn).
 
-        Greedy unless ``temperature > 0`` (then ``key`` is required); stops at an
-        end-of-turn token or after ``max_new_tokens`` (None: `DEFAULT_MAX_NEW_TOKENS`
-        or what is left of the context, whichever is less).
+        Greedy unless ``temperature > 0`` (then ``key`` is required). Stops at an
+        end-of-turn token (EOS included) or after ``max_new_tokens`` (None:
+        `DEFAULT_MAX_NEW_TOKENS` or what is left of the context, whichever is less).
+        ``chat=False`` continues ``messages`` as plain text instead (see `encode`).
 
         Raises:
             ShapeError: prompt + ``max_new_tokens`` exceeds the model's context.
             FormatError: malformed messages or a template that fails to render.
         """
         prompt, steps = self._steps(
-            messages, system, max_new_tokens, temperature, top_k, top_p, key
+            messages, system, max_new_tokens, temperature, top_k, top_p, key, chat
         )
         out = [int(row[0]) for row in steps]
         stopped = bool(out) and out[-1] in self.stops
@@ -231,6 +274,7 @@ class ChatModel:
         top_k: int | None = None,
         top_p: float | None = None,
         key: PRNGKey | None = None,
+        chat: bool = True,
     ) -> Iterator[str]:
         """Yield the reply's text piece by piece as tokens come (same arguments).
 
@@ -239,27 +283,9 @@ class ChatModel:
         equals ``reply(...).text``.
         """
         _, steps = self._steps(
-            messages, system, max_new_tokens, temperature, top_k, top_p, key
+            messages, system, max_new_tokens, temperature, top_k, top_p, key, chat
         )
-        return self._texts(steps)
-
-    def _texts(self, steps: Iterator[np.ndarray]) -> Iterator[str]:
-        ids: list[int] = []
-        sent = ""
-        for row in steps:
-            tok = int(row[0])
-            if tok in self.stops:
-                break
-            ids.append(tok)
-            text = self.tokenizer.decode(ids)
-            if text.endswith("\ufffd"):  # inside a multi-byte character: wait
-                continue
-            if len(text) > len(sent):
-                yield text[len(sent) :]
-                sent = text
-        text = self.tokenizer.decode(ids)
-        if len(text) > len(sent):
-            yield text[len(sent) :]
+        return stream_text(self.tokenizer, steps, self.stops)
 
 
 __all__ = [
@@ -269,4 +295,5 @@ __all__ = [
     "Reply",
     "as_messages",
     "end_of_turn_ids",
+    "stream_text",
 ]

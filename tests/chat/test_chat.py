@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from entrenar.chat import ChatModel, end_of_turn_ids, exact_match
-from entrenar.errors import ShapeError
+from entrenar.errors import ConfigError, ShapeError
 from entrenar.io import BPETokenizer
 from entrenar.io.tokenizer import bytes_to_unicode
 from entrenar.nn import generate
@@ -110,3 +110,13 @@ def test_exact_match_agrees_with_greedy_replies():
             for g, r in zip(greedy, recs)]  # fmt: skip
     assert list(em.hits) == want == [True, False, False, True]
     assert (em.correct, em.total, em.accuracy) == (2, 4, 0.5)
+
+
+def test_plain_text_continuation_skips_the_template():
+    ids = CHAT.encode("a\n", chat=False)
+    assert ids == [ord("a"), ord("\n")]
+    r = CHAT.reply("a\n", chat=False)  # after "\n" the table says "OKé", then EOS
+    assert r.text == "OKé" and r.finish_reason == "stop" and r.prompt_tokens == 2
+    assert "".join(CHAT.stream("a\n", chat=False)) == "OKé"
+    with pytest.raises(ConfigError, match="plain text"):
+        CHAT.reply([{"role": "user", "content": "Hi"}], chat=False)
