@@ -256,7 +256,10 @@ def _merge_recipe(path: str, output: str | None) -> str:
 )
 @click.option("--system", help="A system message (with --chat).")
 @click.option(
-    "--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    help="At most this many tokens (default: entrenar.chat's default, capped by what "
+    "is left of the context).",
 )
 @click.option(
     "--temperature",
@@ -279,7 +282,7 @@ def generate_cmd(
     adapter: str | None,
     chat: bool,
     system: str | None,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     temperature: float,
     top_p: float | None,
     seed: int,

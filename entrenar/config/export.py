@@ -187,8 +187,14 @@ def write_outputs(
     out_dir: str,
     *,
     extra: Mapping[str, Any] | None = None,
+    report: dict[str, Any] | None = None,
 ) -> dict[str, str]:
-    """Write what ``export`` and ``quantization`` ask for; ``{kind: path}``."""
+    """Write what ``export`` and ``quantization`` ask for; ``{kind: path}``.
+
+    A LoRA run's GGUF goes through `entrenar.lora.save_folded_gguf`, which measures
+    the share of the update ``export.gguf_type`` keeps (put in ``report`` as
+    ``gguf_update_kept``) and warns when it is low.
+    """
     os.makedirs(out_dir, exist_ok=True)
     written: dict[str, str] = {}
     ex = spec.export
@@ -218,10 +224,18 @@ def write_outputs(
         source = (
             built.source if built.source and built.source.endswith(".gguf") else None
         )
-        io.save_llama_gguf(
-            path, built.config, model_params, source=source,
-            tensor_type=ex.gguf_type, name=name,
-        )  # fmt: skip
+        if adapted:  # measures how much of the update the type keeps; warns if little
+            kept = lora.save_folded_gguf(
+                path, built.config, params, source=source, tensor_type=ex.gguf_type,
+                name=name,
+            )  # fmt: skip
+            if report is not None:
+                report["gguf_update_kept"] = round(float(kept.kept), 4)
+        else:
+            io.save_llama_gguf(
+                path, built.config, model_params, source=source,
+                tensor_type=ex.gguf_type, name=name,
+            )  # fmt: skip
         written["gguf"] = path
     if "hf" in ex.formats:
         written["hf"] = write_hf_folder(

@@ -189,11 +189,13 @@ def train_from_yaml(
         tokenizer = prep.built.source
     if prep.built.is_lm and tokenizer:
         extra["tokenizer"] = tokenizer
-    files = write_outputs(spec, prep.built, params, out_dir, extra=extra)
+    metrics = _final_metrics(result)
+    files = write_outputs(
+        spec, prep.built, params, out_dir, extra=extra, report=metrics
+    )
     files["metrics"] = os.path.join(out_dir, "metrics.jsonl")
     files["checkpoints"] = os.path.join(out_dir, "checkpoints")
     files |= _plot(out_dir)
-    metrics = _final_metrics(result)
     _write_json(
         os.path.join(out_dir, "result.json"), {"metrics": metrics, "files": files}
     )
