@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from entrenar.distributed import check_mesh_spec
 from entrenar.errors import ConfigError
 from entrenar.nn.losses import LOSSES
 
@@ -47,6 +48,8 @@ class TrainConfig:
             ``entrenar.nn.losses.LOSSES`` (batches with ``x`` and ``y``).
         shuffle: shuffle in-memory data each epoch (order from ``(seed, epoch)``).
         drop_last: drop the last incomplete batch of in-memory data.
+        mesh: devices to train on, ``{"data": N, "fsdp": M}`` (one size may be -1:
+            the remaining devices); None: one device. See specs/distributed.md.
 
     Example:
         >>> TrainConfig(epochs=2, batch_size=8).grad_accum
@@ -77,6 +80,7 @@ class TrainConfig:
     loss: str = "mse"
     shuffle: bool = True
     drop_last: bool = True
+    mesh: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, optional: bool = False) -> None:
@@ -115,6 +119,11 @@ class TrainConfig:
             )
         if self.tensorboard and self.output_dir is None:
             raise ConfigError("TrainConfig.tensorboard needs an output_dir")
+        if self.mesh is not None:
+            try:
+                check_mesh_spec(self.mesh)
+            except ConfigError as e:
+                raise ConfigError(f"TrainConfig.mesh: {e}") from None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrainConfig:

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from entrenar import distributed
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.optim import apply_updates, clip_by_global_norm, get_lr, global_norm
 from entrenar.optim.base import tree_zeros_like
@@ -129,6 +130,8 @@ def make_train_step(
     grad_accum: int = 1,
     clip: float | None = None,
     skip_nonfinite: bool = False,
+    mesh: Any = None,
+    rules: distributed.ShardingRules | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, Metrics]]:
     """A pure, jitted, donated ``train_step(state, batch) -> (state, metrics)``.
 
@@ -145,6 +148,11 @@ def make_train_step(
         skip_nonfinite: when the loss or the gradient norm is not finite, keep the
             trainable params and optimizer state unchanged (the step counter still
             advances); ``metrics["finite"]`` tells which steps were skipped.
+        mesh: a `jax.sharding.Mesh` from `entrenar.distributed.make_mesh` (the
+            state placed by `distributed.shard_state`): each batch is split over
+            its devices, and the gradients, new params and optimizer state are
+            constrained to ``rules``' layout (specs/distributed.md).
+        rules: `distributed.ShardingRules` (default ones if None).
 
     The arrays of ``state.trainable`` and ``state.opt_state`` are donated: use the
     returned state, not the one passed in.
@@ -174,6 +182,9 @@ def make_train_step(
     ) -> tuple[Params, Any, Any, Metrics]:  # fmt: skip
         key = jax.random.fold_in(root, count)
         loss, _, aux, grads = _value_and_grad(loss_fn, trainable, frozen, batch, key, k)
+        if mesh is not None:  # FSDP: each device keeps its slice (reduce-scatter)
+            layout = distributed.param_sharding(trainable, mesh, rules)
+            grads = distributed.constrain(grads, layout)
         gnorm = global_norm(grads)
         metrics: Metrics = {"loss": loss, "grad_norm": gnorm, **aux}
         try:
@@ -193,11 +204,19 @@ def make_train_step(
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             new_train = jax.tree_util.tree_map(keep, new_train, trainable)
             new_opt = jax.tree_util.tree_map(keep, new_opt, opt_state)
+        if mesh is not None:  # the state keeps its layout from step to step
+            new_train = distributed.constrain(new_train, layout)
+            new_opt = distributed.constrain(
+                new_opt,
+                distributed.opt_state_sharding(opt_state, trainable, mesh, rules),
+            )
         return new_train, new_opt, count + 1, metrics
 
     jitted = jax.jit(step, donate_argnums=(0, 1))
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
+        if mesh is not None:
+            batch = distributed.shard_batch(batch, mesh)
         t, o, count, metrics = jitted(
             state.trainable, state.opt_state, state.frozen, state.step, state.key,
             batch,
@@ -209,9 +228,12 @@ def make_train_step(
 
 
 def make_eval_step(
-    loss_fn: LossFn,
+    loss_fn: LossFn, *, mesh: Any = None
 ) -> Callable[[TrainState | Params, PyTree], Metrics]:
     """A jitted ``eval_step(state_or_params, batch) -> metrics`` (``key=None``).
+
+    With a ``mesh``, a batch whose rows split over its devices is split, any other
+    is replicated.
 
     Metrics: ``loss``, ``loss_weight`` (1 unless the loss function reports one, for
     weighting batches in a mean) and the loss function's own metrics.
@@ -230,6 +252,8 @@ def make_eval_step(
 
     def eval_step(state: TrainState | Params, batch: PyTree) -> Metrics:
         params = state.params if isinstance(state, TrainState) else state
+        if mesh is not None:
+            batch = distributed.place_batch(batch, mesh)
         return run(params, batch)
 
     return eval_step

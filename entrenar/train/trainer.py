@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from entrenar import distributed
 from entrenar.data.protocol import ArrayLoader, Loader
 from entrenar.errors import ConfigError, NonFiniteError
 from entrenar.train.callbacks import Callback
@@ -81,6 +82,11 @@ class Trainer:
         config: a `TrainConfig`.
         trainable: None (all), ``"lora"`` or a mask (see `entrenar.train.state`).
         callbacks: `Callback` objects.
+        mesh: a `jax.sharding.Mesh` or a spec ``{"data": N, "fsdp": M}``
+            (default: ``config.mesh``; None: one device). The state is placed on it
+            by ``sharding_rules`` and every batch is split over its devices
+            (`entrenar.distributed`, specs/distributed.md).
+        sharding_rules: `entrenar.distributed.ShardingRules` (default ones if None).
 
     Example:
         >>> import numpy as np
@@ -104,6 +110,8 @@ class Trainer:
         *,
         trainable: Trainable = None,
         callbacks: Sequence[Callback] = (),
+        mesh: Any = None,
+        sharding_rules: distributed.ShardingRules | None = None,
     ) -> None:
         self.config = cfg = config if config is not None else TrainConfig()
         if hasattr(loss_fn_or_model, "apply"):
@@ -123,11 +131,14 @@ class Trainer:
         self.state = TrainState.create(
             params, optimizer, key=jax.random.key(cfg.seed), trainable=trainable
         )
+        self.mesh = distributed.resolve_mesh(mesh if mesh is not None else cfg.mesh)
+        if self.mesh is not None:  # params and optimizer state placed by the rules
+            self.state = distributed.shard_state(self.state, self.mesh, sharding_rules)
         self._step_fn = make_train_step(
             self.loss_fn, optimizer, grad_accum=cfg.grad_accum, clip=cfg.grad_clip,
-            skip_nonfinite=True,
+            skip_nonfinite=True, mesh=self.mesh, rules=sharding_rules,
         )  # fmt: skip
-        self._eval_fn = make_eval_step(self.loss_fn)
+        self._eval_fn = make_eval_step(self.loss_fn, mesh=self.mesh)
         self.history: list[dict[str, Any]] = []
         self.eval_history: list[dict[str, Any]] = []
         self.best_eval_loss: float | None = None

@@ -1,0 +1,324 @@
+"""Where each parameter and optimizer-state array lives on a mesh.
+
+A rule is chosen per named leaf (the dotted names of `entrenar.tree.key_path_str`,
+e.g. ``model.layers.self_attn.q_proj.weight``), like optimizer masks and LoRA targets:
+
+1. ``ShardingRules.rules``: ``(match, spec)`` pairs, first match wins; ``match`` is a
+   predicate ``fn(name, leaf) -> bool`` or a regular expression searched in the name,
+   ``spec`` a `jax.sharding.PartitionSpec` (``None``: replicated).
+2. LoRA adapters (``lora_A``, ``lora_B``, their dropout keys) are replicated: they are
+   small, and replicating them keeps their update free of communication.
+3. Everything else follows the FSDP rule: a leaf of at least ``min_size`` elements is
+   split along one axis over ``fsdp``: the largest axis whose length ``fsdp``
+   divides (the first of equals), never axis 0 of stacked layers
+   (``model.layers.*``: ``lax.scan`` slices that axis per layer); other leaves are
+   replicated. A ``QuantizedWeight`` ``(*lead, out, in)`` is split along ``out``,
+   the one axis its codes, scales and offsets share, so every shard holds whole
+   quantization blocks; its second-level scales (double quantization) are
+   replicated.
+
+Optimizer state is placed like the params it belongs to: each subtree of the state
+with the params' structure and shapes (optax's ``mu``, ``nu``, ...) gets the params'
+placement; any other leaf (step counts, learning rates, factored moments) follows the
+rules by its own dotted name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from entrenar import nn
+from entrenar.lora import LoRAWeight
+from entrenar.quant import QuantizedWeight
+from entrenar.tree import key_path_str
+from entrenar.types import PyTree
+
+Match = Callable[[str, Any], bool] | str
+"""A predicate ``fn(dotted_name, leaf) -> bool`` or a regex searched in the name."""
+
+_ADAPTER_PARTS = ("lora_A", "lora_B", "dropout_key")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """How params are placed on a mesh (see the module docstring).
+
+    Attributes:
+        min_size: leaves with fewer elements are replicated (their communication
+            would cost more than their memory saves).
+        rules: ``(match, spec)`` pairs checked before the defaults; ``spec`` is a
+            `PartitionSpec` over the mesh axes ``("data", "fsdp")`` or ``None``
+            (replicated).
+        stacked_keys: dict keys under which layers are stacked along axis 0.
+
+    Example:
+        >>> rules = ShardingRules(min_size=0, rules=[("embed_tokens", None)])
+        >>> rules.min_size
+        0
+    """
+
+    min_size: int = 2**14
+    rules: Sequence[tuple[Match, PartitionSpec | None]] = ()
+    stacked_keys: tuple[str, ...] = nn.STACKED_KEYS
+
+
+def _matches(match: Match, name: str, leaf: Any) -> bool:
+    if isinstance(match, str):
+        return re.search(match, name) is not None
+    return bool(match(name, leaf))
+
+
+def _is_stacked(name: str, stacked_keys: tuple[str, ...]) -> bool:
+    parts = name.split(".")
+    return any(
+        p in stacked_keys and not parts[j + 1].isdigit()
+        for j, p in enumerate(parts[:-1])
+    )
+
+
+def fsdp_axis(
+    shape: tuple[int, ...], shards: int, *, stacked: bool, min_size: int
+) -> int | None:
+    """The axis FSDP splits a leaf of ``shape`` along, or None (replicated).
+
+    >>> fsdp_axis((2, 64, 32), 8, stacked=True, min_size=0)
+    1
+    >>> fsdp_axis((30, 32), 8, stacked=False, min_size=0)
+    1
+    >>> fsdp_axis((4, 32), 8, stacked=False, min_size=4096) is None
+    True
+    """
+    if shards <= 1 or int(np.prod(shape)) < min_size:
+        return None
+    axes = [a for a in range(1 if stacked else 0, len(shape)) if shape[a] % shards == 0]
+    return max(axes, key=lambda a: (shape[a], -a)) if axes else None
+
+
+def _spec(axis: int | None) -> PartitionSpec:
+    return PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "fsdp")
+
+
+def _array_spec(name: str, leaf: Any, mesh: Mesh, rules: ShardingRules) -> Any:
+    for match, spec in rules.rules:
+        if _matches(match, name, leaf):
+            return PartitionSpec() if spec is None else spec
+    if name.rsplit(".", 1)[-1] in _ADAPTER_PARTS:
+        return PartitionSpec()
+    stacked = _is_stacked(name, rules.stacked_keys)
+    shape = tuple(int(s) for s in np.shape(leaf))
+    return _spec(
+        fsdp_axis(shape, mesh.shape["fsdp"], stacked=stacked, min_size=rules.min_size)
+    )
+
+
+def _quantized_specs(
+    name: str, q: QuantizedWeight, mesh: Mesh, rules: ShardingRules
+) -> QuantizedWeight:
+    """Codes, scales and offsets split along ``out`` (axis -2 of the logical shape)."""
+    shape = q.shape
+    axis = len(shape) - 2
+    shards = mesh.shape["fsdp"]
+    split = (
+        axis >= (1 if _is_stacked(name, rules.stacked_keys) else 0)
+        and shards > 1
+        and q.size >= rules.min_size
+        and shape[axis] % shards == 0
+    )
+
+    def child(part: str, x: Any) -> Any:
+        if x is None:
+            return None
+        full = f"{name}.{part}"
+        for match, spec in rules.rules:
+            if _matches(match, full, x):
+                return PartitionSpec() if spec is None else spec
+        same = np.ndim(x) == len(shape) and np.shape(x)[axis] == shape[axis]
+        return _spec(axis if split and same else None)
+
+    return dataclasses.replace(
+        q, **{f.name: child(f.name, getattr(q, f.name))
+              for f in dataclasses.fields(q) if f.name in _QUANT_CHILDREN}
+    )  # fmt: skip
+
+
+_QUANT_CHILDREN = ("codes", "scales", "offsets", "scale_scales", "scale_offset")
+
+
+def _node_specs(name: str, x: Any, mesh: Mesh, rules: ShardingRules) -> Any:
+    if isinstance(x, LoRAWeight):
+        return x.replace(
+            base=None if x.base is None else _node_specs(f"{name}.base", x.base, mesh,
+                                                         rules),
+            a=None if x.a is None else PartitionSpec(),
+            b=None if x.b is None else PartitionSpec(),
+            dropout_key=None if x.dropout_key is None else PartitionSpec(),
+        )  # fmt: skip
+    if isinstance(x, QuantizedWeight):
+        return _quantized_specs(name, x, mesh, rules)
+    return _array_spec(name, x, mesh, rules)
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, LoRAWeight | QuantizedWeight)
+
+
+def param_specs(
+    tree: PyTree, mesh: Mesh, rules: ShardingRules | None = None, prefix: str = ""
+) -> PyTree:
+    """A tree like ``tree`` with a `PartitionSpec` at each array leaf."""
+    rules = rules or ShardingRules()
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)
+    out = []
+    for path, x in flat:
+        name = ".".join(p for p in (prefix, key_path_str(path)) if p)
+        out.append(_node_specs(name, x, mesh, rules))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _named(mesh: Mesh, specs: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), specs,
+        is_leaf=lambda s: isinstance(s, PartitionSpec),
+    )  # fmt: skip
+
+
+def param_sharding(
+    tree: PyTree, mesh: Mesh, rules: ShardingRules | None = None
+) -> PyTree:
+    """A tree like ``tree`` with a `NamedSharding` at each array leaf.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from entrenar.distributed import make_mesh
+        >>> mesh = make_mesh({"fsdp": -1})
+        >>> s = param_sharding({"w": jnp.zeros((4, 8))}, mesh, ShardingRules(0))
+        >>> s["w"].spec == (PartitionSpec(None, "fsdp") if mesh.shape["fsdp"] > 1
+        ...                 else PartitionSpec())
+        True
+    """
+    return _named(mesh, param_specs(tree, mesh, rules))
+
+
+def _shapes(tree: PyTree) -> list[tuple[int, ...]]:
+    return [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def opt_state_sharding(
+    opt_state: PyTree, params: PyTree, mesh: Mesh, rules: ShardingRules | None = None
+) -> PyTree:
+    """Shardings for an optimizer state over ``params`` (the trainable half).
+
+    Each subtree of ``opt_state`` shaped like ``params`` (same structure and leaf
+    shapes: optax's and entrenar.optim's moments) is placed like ``params``; other
+    leaves by the rules, under their own dotted names.
+    """
+    rules = rules or ShardingRules()
+    pdef, pshapes = jax.tree_util.tree_structure(params), _shapes(params)
+    params_specs = param_specs(params, mesh, rules)
+
+    def like_params(x: Any) -> bool:
+        return (
+            jax.tree_util.tree_structure(x) == pdef  # type: ignore[operator]
+            and _shapes(x) == pshapes
+        )
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        opt_state, is_leaf=lambda x: like_params(x) or _is_node(x)
+    )
+    out = []
+    for path, x in flat:
+        if like_params(x):
+            out.append(params_specs)
+        else:
+            out.append(param_specs(x, mesh, rules, prefix=key_path_str(path)))
+    return _named(mesh, jax.tree_util.tree_unflatten(treedef, out))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding of an array every device holds whole."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def put(tree: PyTree, shardings: PyTree) -> PyTree:
+    """Place ``tree``'s arrays by ``shardings`` (same structure), on any process.
+
+    With one process this is ``jax.device_put``. With several, each leaf must hold
+    the same value on every process; each process builds only its own shards.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    shards = treedef.flatten_up_to(shardings)
+    if jax.process_count() == 1:
+        return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, shards))
+    out = []
+    for x, s in zip(leaves, shards):
+        if isinstance(x, jax.Array) and x.sharding == s:
+            out.append(x)
+            continue
+        host = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else x
+        host = np.asarray(host)
+        out.append(jax.make_array_from_callback(host.shape, s, lambda i, h=host: h[i]))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shard_params(
+    tree: PyTree, mesh: Mesh, rules: ShardingRules | None = None
+) -> PyTree:
+    """``tree`` placed on ``mesh`` by `param_sharding`."""
+    return put(tree, param_sharding(tree, mesh, rules))
+
+
+def shard_opt_state(
+    opt_state: PyTree, params: PyTree, mesh: Mesh, rules: ShardingRules | None = None
+) -> PyTree:
+    """``opt_state`` placed on ``mesh`` by `opt_state_sharding`."""
+    return put(opt_state, opt_state_sharding(opt_state, params, mesh, rules))
+
+
+def shard_state(state: Any, mesh: Mesh, rules: ShardingRules | None = None) -> Any:
+    """A train state (``trainable, frozen, opt_state, step, key`` fields) on ``mesh``.
+
+    The params and optimizer state by the rules; the step and the random key
+    replicated.
+    """
+    rep = replicated(mesh)
+    key = state.key
+    key_data = put(jax.random.key_data(key), rep)
+    return state._replace(
+        trainable=shard_params(state.trainable, mesh, rules),
+        frozen=shard_params(state.frozen, mesh, rules),
+        opt_state=shard_opt_state(state.opt_state, state.trainable, mesh, rules),
+        step=put(state.step, rep),
+        key=jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(key)),
+    )
+
+
+def constrain(tree: PyTree, shardings: PyTree) -> PyTree:
+    """`jax.lax.with_sharding_constraint` over a tree (inside `jax.jit`)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    shards = treedef.flatten_up_to(shardings)
+    return jax.tree_util.tree_unflatten(
+        treedef, jax.lax.with_sharding_constraint(leaves, shards)
+    )
+
+
+__all__ = [
+    "Match",
+    "ShardingRules",
+    "constrain",
+    "fsdp_axis",
+    "opt_state_sharding",
+    "param_sharding",
+    "param_specs",
+    "put",
+    "replicated",
+    "shard_opt_state",
+    "shard_params",
+    "shard_state",
+]
