@@ -154,7 +154,7 @@ def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
     "model_path",
     type=click.Path(exists=True),
     help="With a CONFIG: the trained model to evaluate (default: "
-    "<output_dir>/model.safetensors).",
+    "the run's model.safetensors, model.gguf, hf/ or model.json).",
 )
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def eval_cmd(

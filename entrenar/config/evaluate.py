@@ -1,5 +1,8 @@
 """Evaluate a trained model on data: loss and accuracy (tabular) or perplexity (text).
 
+Chat data also gets the task metric, the exact match of greedy replies
+(`entrenar.chat.exact_match`).
+
 A tabular model file written by `train_from_yaml` stores its feature columns, target
 and normalisation (``custom["tabular"]``), so evaluating it on a new file applies the
 same preprocessing as training did.
@@ -16,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from entrenar import chat
 from entrenar import data as data_lib
 from entrenar.config.models import BuiltModel, load_built, load_tokenizer_file
 from entrenar.config.summary import validate
@@ -71,7 +75,16 @@ def _text(built: BuiltModel, path: str, fmt: Any, seq_len: int) -> dict[str, Any
     if weight == 0:
         raise ConfigError(f"{path}: no token to evaluate on")
     mean = total / weight
-    return {"tokens": int(weight), "eval_loss": mean, "perplexity": math.exp(mean)}
+    out: dict[str, Any] = {
+        "tokens": int(weight),
+        "eval_loss": mean,
+        "perplexity": math.exp(mean),
+    }
+    if fmt == "chat":  # the task metric: greedy replies reproduced exactly
+        session = chat.ChatModel(built.config, built.params, built.tokenizer)
+        em = chat.exact_match(session, data_lib.load_records(path))
+        out |= {"exact_match": em.accuracy, "examples": em.total}
+    return out
 
 
 def evaluate_model(
@@ -96,12 +109,19 @@ def evaluate_config(
         raise ConfigError(
             "data.validation: the config names no validation file; pass --data FILE"
         )
-    model = model or os.path.join(spec.training.output_dir, "model.safetensors")
-    if not os.path.exists(model):
-        raise ConfigError(
-            f"{model}: no trained model; run `entrenar train {config}` first or pass "
-            "--model"
-        )
+    if model is None:
+        out = spec.training.output_dir
+        found = [
+            os.path.join(out, name)
+            for name in ("model.safetensors", "model.gguf", "hf", "model.json")
+            if os.path.exists(os.path.join(out, name))
+        ]
+        if not found:
+            raise ConfigError(
+                f"{out}: no trained model; run `entrenar train {config}` first or "
+                "pass --model"
+            )
+        model = found[0]
     fmt = "text" if spec.data.format in ("auto", "tabular") else spec.data.format
     return evaluate_model(
         model, path, fmt=fmt, seq_len=spec.data.seq_len, task=spec.data.task
