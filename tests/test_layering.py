@@ -18,7 +18,7 @@ LAYERS = [
     {"autograd", "quant"},
     {"io"},
     {"lora", "distill"},
-    {"data", "merge"},
+    {"data", "merge", "distributed"},
     {"chat", "train"},
     {"config"},
     {"cli"},
