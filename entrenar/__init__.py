@@ -6,6 +6,7 @@ Layers, each importing only the ones below it (specs/conventions.md; a test chec
     config         YAML -> frozen dataclasses -> train_from_yaml()
     train  chat    Trainer, jitted steps, checkpoints; chat inference
     data  merge    loaders, tokenizers, packing; TIES/DARE/SLERP model merging
+    distributed    meshes, FSDP / data-parallel sharding rules, multi-host start-up
     lora  distill  LoRA/QLoRA pytree transforms; distillation losses
     io             JSON, YAML, safetensors, GGUF, tokenizer, SmolLM2
     autograd quant Tensor API over nn's math; QuantizedWeight formats
@@ -20,6 +21,7 @@ from entrenar import (
     config,
     data,
     distill,
+    distributed,
     errors,
     io,
     lora,
