@@ -30,8 +30,8 @@ from typing import Literal
 import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
+from entrenar.nn.losses import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 Overflow = Literal["truncate", "split", "error"]
 Document = tuple[np.ndarray, np.ndarray]
 

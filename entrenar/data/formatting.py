@@ -28,8 +28,8 @@ from entrenar.data.chat import assistant_spans, render_chat
 from entrenar.data.fast_tokenizer import token_bytes
 from entrenar.data.readers import Records
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.nn.losses import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 Format = Literal["text", "prompt_completion", "chat", "auto"]
 FORMATS = ("text", "prompt_completion", "chat", "auto")
 
