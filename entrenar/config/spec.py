@@ -273,12 +273,11 @@ def load_config(
     Example:
         >>> import tempfile, os
         >>> d = tempfile.mkdtemp()
-        >>> open(os.path.join(d, "t.csv"), "w").write("a,y\\n1,0\\n")
-        8
+        >>> _ = open(os.path.join(d, "t.csv"), "w").write("a,y\n1,0\n")
         >>> cfg = os.path.join(d, "run.yaml")
         >>> _ = open(cfg, "w").write(
-        ...     "model: {architecture: mlp, config: {sizes: [1, 2]}}\\n"
-        ...     "data: {train: t.csv, target: y}\\noptimizer: {lr: 0.1}\\n")
+        ...     "model: {architecture: mlp, config: {sizes: [1, 2]}}\n"
+        ...     "data: {train: t.csv, target: y}\noptimizer: {lr: 0.1}\n")
         >>> load_config(cfg, {"optimizer.lr": 0.5}).optimizer.lr
         0.5
         >>> load_config(cfg, {"optimizer.lr": -1})
