@@ -79,7 +79,7 @@ def main() -> None:
     base = MODEL.init(jax.random.fold_in(root, 0))
     config = lora.LoRAConfig(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
     params = lora.apply(base, config, key=jax.random.fold_in(root, 1))
-    print(lora.memory_report(params))
+    print(lora.trainable_report(params))
 
     t0 = time.perf_counter()
     params, first, last = train(params, args.steps, key=jax.random.fold_in(root, 2))

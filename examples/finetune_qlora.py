@@ -37,7 +37,7 @@ def main() -> None:
         params = lora.apply(
             base, config, key=jax.random.fold_in(root, 1), quantize=quantize
         )
-        report = lora.memory_report(params)
+        report = lora.trainable_report(params)
         print(f"== {name}\n{report}")
         t0 = time.perf_counter()
         params, _, last = train(params, args.steps, key=data_key)

@@ -21,7 +21,7 @@ from entrenar.lora.fold import (
     fold_and_requantize,
     unfold,
 )
-from entrenar.lora.report import MemoryReport, memory_report
+from entrenar.lora.trainable_report import TrainableReport, trainable_report
 from entrenar.lora.transform import (
     apply,
     combine,
@@ -35,9 +35,9 @@ __all__ = [
     "ALL_LINEAR",
     "LoRAConfig",
     "LoRAWeight",
-    "MemoryReport",
     "RequantReport",
     "Retention",
+    "TrainableReport",
     "apply",
     "combine",
     "delta",
@@ -45,11 +45,11 @@ __all__ = [
     "fold_and_requantize",
     "fold_retention",
     "load_adapter",
-    "memory_report",
     "save_adapter",
     "save_folded_gguf",
     "split",
     "trainable_mask",
+    "trainable_report",
     "unfold",
     "with_dropout_keys",
 ]

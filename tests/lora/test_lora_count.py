@@ -23,7 +23,7 @@ def adapted_shapes(config, **kw):
 
 
 def test_smollm2_rank8_q_v_has_460800_trainable_params():
-    rep = lora.memory_report(adapted_shapes(QV))
+    rep = lora.trainable_report(adapted_shapes(QV))
     assert rep.trainable_params == 460_800  # 30 · 8 · ((576 + 576) + (576 + 192))
     assert rep.frozen_params == SMOL.num_params() == 134_515_008
     assert rep.trainable_bytes == 4 * 460_800
@@ -41,10 +41,10 @@ def test_trainable_count_equals_peft_on_the_same_model():
         model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     )
     trainable, total = pm.get_nb_trainable_parameters()
-    rep = lora.memory_report(adapted_shapes(QV))
+    rep = lora.trainable_report(adapted_shapes(QV))
     assert trainable == rep.trainable_params == 460_800
     assert total == rep.total_params
-    al = lora.memory_report(adapted_shapes(LoRAConfig(rank=4, targets="all-linear")))
+    al = lora.trainable_report(adapted_shapes(LoRAConfig(rank=4, targets="all-linear")))
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(
             transformers.LlamaConfig(**SMOL.to_hf_config())
@@ -56,7 +56,7 @@ def test_trainable_count_equals_peft_on_the_same_model():
 def test_qlora_nf4_double_quant_bits_per_param():
     # Whole model, every linear layer 4-bit: sizes of the stored arrays (eval_shape).
     cfg = LoRAConfig(rank=8, targets="all-linear")
-    rep = lora.memory_report(adapted_shapes(cfg, quantize="nf4"))
+    rep = lora.trainable_report(adapted_shapes(cfg, quantize="nf4"))
     linear = [
         s for n, s in jax.tree_util.tree_flatten_with_path(
             adapted_shapes(cfg, quantize="nf4"),
@@ -76,4 +76,4 @@ def test_qlora_nf4_double_quant_bits_per_param():
     stored = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(q))
     bits = 8 * stored / w.size
     assert bits <= 4.13, bits
-    assert re.search(r"4\.1\d\d bits/param", str(lora.memory_report(lp)))
+    assert re.search(r"4\.1\d\d bits/param", str(lora.trainable_report(lp)))

@@ -21,7 +21,7 @@ def test_smollm2_gguf_qlora_init_forward_is_exact_and_counts_match():
     params = lora.apply(base, cfg, key=jax.random.key(0))
     node = params["model"]["layers"]["self_attn"]["q_proj"]["weight"]
     assert node.base is q  # an already quantized base is kept as it is
-    assert lora.memory_report(params).trainable_params == 460_800
+    assert lora.trainable_report(params).trainable_params == 460_800
     tokens = jnp.asarray([[1, 504, 3458, 282, 4371, 30]], jnp.int32)
     apply = jax.jit(config.apply)
     np.testing.assert_array_equal(apply(params, tokens), apply(base, tokens))

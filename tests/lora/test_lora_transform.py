@@ -120,7 +120,7 @@ def test_split_combine_and_mask():
     t, f = lora.split(lp)
     names = [n for n, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
     assert len(names) == 4  # A and B of two stacked weights, nothing else
-    assert lora.memory_report(t).frozen_params == 0
+    assert lora.trainable_report(t).frozen_params == 0
     assert_trees_allclose(lora.combine(t, f), lp, rtol=0)
     mask = lora.trainable_mask(lp)
     frozen_mask = jax.tree_util.tree_map(lambda m: not m, mask)
@@ -225,7 +225,7 @@ def test_dropout_is_exact_without_keys_and_matches_reference_with_keys():
 
 def test_memory_report_counts_and_bytes():
     lp = lora.apply(make_params(), CFG, key=KEY)
-    rep = lora.memory_report(lp)
+    rep = lora.trainable_report(lp)
     assert rep.trainable_params == L * 2 * (D + H) * 2
     assert rep.trainable_bytes == 4 * rep.trainable_params
     assert rep.total_params == sum(x.size for x in jax.tree_util.tree_leaves(

@@ -1,4 +1,4 @@
-"""`memory_report`: trainable and frozen parameters and the bytes they take."""
+"""`trainable_report`: trainable and frozen parameters and the bytes they take."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _count(x: Any) -> tuple[int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryReport:
+class TrainableReport:
     """Parameter counts and stored bytes of an adapted tree.
 
     Attributes:
@@ -74,7 +74,7 @@ class MemoryReport:
         )
 
 
-def memory_report(params: Params) -> MemoryReport:
+def trainable_report(params: Params) -> TrainableReport:
     """Count trainable (adapter) and frozen parameters and bytes.
 
     Works on arrays and on ``jax.ShapeDtypeStruct`` trees (``jax.eval_shape`` of
@@ -85,7 +85,7 @@ def memory_report(params: Params) -> MemoryReport:
         >>> import jax.numpy as jnp
         >>> w = LoRAWeight(jnp.zeros((4, 3)), jnp.zeros((2, 3)), jnp.zeros((4, 2)),
         ...                alpha=4, rank=2)
-        >>> r = memory_report({"w": w, "b": jnp.zeros(4)})
+        >>> r = trainable_report({"w": w, "b": jnp.zeros(4)})
         >>> r.trainable_params, r.frozen_params, r.trainable_bytes, r.frozen_bytes
         (14, 16, 56, 64)
     """
@@ -99,7 +99,7 @@ def memory_report(params: Params) -> MemoryReport:
         else:
             n, b = _count(x)
         fp, fb = fp + n, fb + b
-    return MemoryReport(tp, fp, tb, fb)
+    return TrainableReport(tp, fp, tb, fb)
 
 
-__all__ = ["MemoryReport", "memory_report"]
+__all__ = ["TrainableReport", "trainable_report"]
