@@ -119,8 +119,9 @@ class DataSection:
     )
     normalize: bool = option(
         True,
-        doc="tabular: standardize each feature with the training split's mean and "
-        "standard deviation",
+        doc="tabular: standardize each feature by a mean and standard deviation: "
+        "those stored in the model file being fine-tuned, else in the distillation "
+        "teacher's, else the training split's (stored with the trained model)",
     )
     batch_size: int = option(8, ge=1, doc="examples per optimizer micro-batch")
     seq_len: int = option(
