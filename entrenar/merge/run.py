@@ -315,6 +315,10 @@ def merge_files(
             raise ConfigError("give density or drop_rate, not both")
         density = map_setting(drop_rate, lambda p: 1.0 - p)
     n = len(models)
+    if weights is not None and len(weights) != n:
+        raise ConfigError(f"{len(weights)} weights for {n} models")
+    if isinstance(density, Sequence) and len(density) != n:
+        raise ConfigError(f"{len(density)} densities for {n} models")
     entries = []
     for i, m in enumerate(models):
         params: dict[str, Any] = {}
@@ -324,8 +328,6 @@ def merge_files(
             dens = density if not isinstance(density, Sequence) else density[i]
             params["density"] = dens
         entries.append({"model": os.fspath(m), "parameters": params})
-    if weights is not None and len(weights) != n:
-        raise ConfigError(f"{len(weights)} weights for {n} models")
     doc: dict[str, Any] = {
         "merge_method": method,
         "models": entries,

@@ -312,3 +312,12 @@ def test_recipe_files_and_models_must_exist(tmp_path):
     doc = {"merge_method": "linear", "models": [{"model": "nope.safetensors"}]}
     with pytest.raises(FormatError, match=r"nope\.safetensors: no such model"):
         merge.run_recipe(_recipe(tmp_path, doc))
+
+
+def test_merge_files_checks_its_arguments():
+    with pytest.raises(ConfigError, match="1 weights for 2 models"):
+        merge.merge_files(["a", "b"], "linear", weights=[1.0])
+    with pytest.raises(ConfigError, match="3 densities for 2 models"):
+        merge.merge_files(["a", "b"], "ties", base="c", density=[0.5] * 3)
+    with pytest.raises(ConfigError, match="density or drop_rate"):
+        merge.merge_files(["a"], "dare_ties", base="c", density=0.5, drop_rate=0.5)
