@@ -36,13 +36,13 @@ import time
 import jax
 import numpy as np
 
-from entrenar.nn import LlamaConfig
+from entrenar.nn import MLP, LlamaConfig
 from entrenar.optim import adamw
 from entrenar.train import (
     TrainConfig,
     Trainer,
     TrainState,
-    causal_lm_loss_fn,
+    loss_for_model,
     make_train_step,
 )
 
@@ -55,7 +55,7 @@ def make_data(n: int, seq: int, vocab: int) -> dict[str, np.ndarray]:
 
 
 def bare_runner(model, params, data, batch, steps, guard):
-    loss_fn = causal_lm_loss_fn(model)
+    loss_fn = loss_for_model(model)
     tx = adamw(1e-3)
     step = make_train_step(loss_fn, tx, skip_nonfinite=guard)
     batches = [{k: v[i * batch : (i + 1) * batch] for k, v in data.items()}
@@ -100,6 +100,42 @@ def fit_runner(model, params, data, batch, steps, outputs):
     return run
 
 
+def measure(model, params, data, batch, steps, reps) -> dict[str, dict[str, float]]:
+    """Interleaved runs of the four variants: fastest/median wall, median CPU."""
+    runners = {
+        "bare": bare_runner(model, params, data, batch, steps, False),
+        "bare+guard": bare_runner(model, params, data, batch, steps, True),
+        "fit": fit_runner(model, params, data, batch, steps, False),
+        "fit+outputs": fit_runner(model, params, data, batch, steps, True),
+    }
+    wall: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
+    names = list(runners)
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            runners[name]()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {
+        k: {"best": min(wall[k]), "median": statistics.median(wall[k]),
+            "cpu": statistics.median(cpu[k])}
+        for k in names
+    }  # fmt: skip
+
+
+def table(res: dict[str, dict[str, float]], steps: int) -> None:
+    b = res["bare"]
+    print("| variant | fastest s | median s | steps/s (fastest) | us/step (fastest) "
+          "| vs bare (fastest) | median CPU s | vs bare (CPU) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in res.items():
+        print(f"| {name} | {r['best']:.3f} | {r['median']:.3f} | "
+              f"{steps / r['best']:.1f} | {1e6 * r['best'] / steps:.0f} | "
+              f"{100 * (r['best'] / b['best'] - 1):+.1f}% | {r['cpu']:.3f} | "
+              f"{100 * (r['cpu'] / b['cpu'] - 1):+.1f}% |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -108,42 +144,39 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--loop-steps", type=int, default=400)
     args = ap.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"cpus={os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+
+    # A. A small Llama: the ratio the target is about.
     model = LlamaConfig(
         vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
         num_layers=args.layers, num_heads=4, num_kv_heads=2,
         max_position_embeddings=args.seq,
     )  # fmt: skip
-    params = model.init(jax.random.key(0))
     data = make_data(args.batch * (args.steps + 1), args.seq, model.vocab_size)
-    runners = {
-        "bare": bare_runner(model, params, data, args.batch, args.steps, False),
-        "bare+guard": bare_runner(model, params, data, args.batch, args.steps, True),
-        "fit": fit_runner(model, params, data, args.batch, args.steps, False),
-        "fit+outputs": fit_runner(model, params, data, args.batch, args.steps, True),
-    }
-    wall: dict[str, list[float]] = {k: [] for k in runners}
-    cpu: dict[str, list[float]] = {k: [] for k in runners}
-    names = list(runners)
-    for rep in range(args.reps):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            t0, c0 = time.perf_counter(), time.process_time()
-            runners[name]()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    best0, cpu0 = min(wall["bare"]), statistics.median(cpu["bare"])
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, cpus={os.cpu_count()}"
-          f"; Llama D={args.hidden} L={args.layers}, batch {args.batch}x{args.seq}, "
+    llama = measure(model, model.init(jax.random.key(0)), data, args.batch,
+                    args.steps, args.reps)  # fmt: skip
+    print(f"\nA. Llama D={args.hidden} L={args.layers}, batch {args.batch}x{args.seq}, "
           f"{args.steps} steps x {args.reps} reps")  # fmt: skip
-    print("| variant | fastest s | median s | steps/s (fastest) | overhead (fastest) "
-          "| median CPU s | overhead (CPU) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
-    for name in names:
-        best, med, c = min(wall[name]), statistics.median(wall[name]), cpu[name]
-        cm = statistics.median(c)
-        print(f"| {name} | {best:.3f} | {med:.3f} | {args.steps / best:.1f} | "
-              f"{100 * (best / best0 - 1):+.1f}% | {cm:.3f} | "
-              f"{100 * (cm / cpu0 - 1):+.1f}% |")  # fmt: skip
+    table(llama, args.steps)
+
+    # B. The loop's own cost per step: a model whose step is nearly free.
+    tiny = MLP((4, 4, 1))
+    rng = np.random.default_rng(0)
+    n = 8 * (args.loop_steps + 1)
+    xy = {"x": rng.normal(size=(n, 4)).astype(np.float32),
+          "y": rng.normal(size=(n, 1)).astype(np.float32)}  # fmt: skip
+    loop = measure(tiny, tiny.init(jax.random.key(0)), xy, 8, args.loop_steps,
+                   args.reps)  # fmt: skip
+    print(f"\nB. MLP 4-4-1, batch 8, {args.loop_steps} steps x {args.reps} reps")
+    table(loop, args.loop_steps)
+    per_step = (loop["fit"]["best"] - loop["bare"]["best"]) / args.loop_steps
+    llama_step = llama["bare"]["best"] / args.steps
+    print(f"\nloop overhead of fit: {1e6 * per_step:.0f} us/step = "
+          f"{100 * per_step / llama_step:.2f}% of A's bare step "
+          f"({1e3 * llama_step:.1f} ms)")  # fmt: skip
 
 
 if __name__ == "__main__":
