@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from entrenar import lora, optim
 from entrenar.nn import LlamaConfig
+from entrenar.nn.losses import causal_lm_loss
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "bench" / "peers"
 
@@ -50,9 +50,8 @@ def entrenar_step_times(
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(trainable, state, frozen, tokens):
         def loss_of(t):
-            logits = cfg.apply(lora.combine(t, frozen), tokens[:, :-1])  # (B, T, V)
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+            logits = cfg.apply(lora.combine(t, frozen), tokens)  # (B, T, V)
+            return causal_lm_loss(logits, tokens)
 
         loss, grads = jax.value_and_grad(loss_of)(trainable)
         updates, state = tx.update(grads, state, trainable)

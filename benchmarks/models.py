@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from entrenar.nn import LlamaConfig
+from entrenar.nn.losses import causal_lm_loss
 
 
 def matmul_flops_per_s(n: int = 2048, reps: int = 5) -> float:
@@ -45,10 +46,7 @@ def train_flops(c: LlamaConfig, batch: int, seq: int) -> float:
 
 def loss_fn(c: LlamaConfig):
     def loss(params, tokens):
-        logits = c.apply(params, tokens[:, :-1])  # (B, T, V)
-        logp = jax.nn.log_softmax(logits)
-        tgt = tokens[:, 1:, None]
-        return -jnp.mean(jnp.take_along_axis(logp, tgt, axis=-1))
+        return causal_lm_loss(c.apply(params, tokens), tokens)  # logits (B, T, V)
 
     return jax.jit(jax.value_and_grad(loss))
 

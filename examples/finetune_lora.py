@@ -20,6 +20,7 @@ import numpy as np
 
 from entrenar import lora, optim
 from entrenar.nn import LlamaConfig
+from entrenar.nn.losses import causal_lm_loss
 
 MODEL = LlamaConfig(
     vocab_size=64,
@@ -40,9 +41,7 @@ def make_batch(key: jax.Array, batch: int = 16, length: int = 33) -> jax.Array:
 
 def loss_fn(params, tokens: jax.Array) -> jax.Array:
     """Next-token cross-entropy."""
-    logits = MODEL.apply(params, tokens[:, :-1])  # (B, T-1, V)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+    return causal_lm_loss(MODEL.apply(params, tokens), tokens)  # logits (B, T, V)
 
 
 def train(params, steps: int, *, key: jax.Array, lr: float = 1e-2):

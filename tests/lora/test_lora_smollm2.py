@@ -7,6 +7,7 @@ import pytest
 
 from entrenar import lora, quant
 from entrenar.lora import LoRAConfig
+from entrenar.nn.losses import causal_lm_loss
 
 io = pytest.importorskip("entrenar.io")
 
@@ -29,9 +30,7 @@ def test_smollm2_gguf_qlora_init_forward_is_exact_and_counts_match():
     trainable, frozen = lora.split(params)
 
     def loss(t):
-        logits = config.apply(lora.combine(t, frozen), tokens[:, :-1])
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+        return causal_lm_loss(config.apply(lora.combine(t, frozen), tokens), tokens)
 
     g = jax.jit(jax.grad(loss))(trainable)
     gb = g["model"]["layers"]["self_attn"]["v_proj"]["weight"].b

@@ -10,6 +10,7 @@ import pytest
 from entrenar import lora, optim, quant
 from entrenar.lora import LoRAConfig
 from entrenar.nn import LlamaConfig
+from entrenar.nn.losses import causal_lm_loss
 
 CFG = LlamaConfig(
     vocab_size=32,
@@ -31,9 +32,7 @@ def batch():
 
 
 def loss_fn(params, tokens):
-    logits = CFG.apply(params, tokens[:, :-1])  # (B, T, V)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+    return causal_lm_loss(CFG.apply(params, tokens), tokens)  # next-token CE
 
 
 def finetune(params):
