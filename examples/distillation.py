@@ -1,4 +1,4 @@
-"""Knowledge distillation on real data: digits (MLP) and text (SmolLM2-135M -> tiny Llama).
+"""Knowledge distillation on real data: digits (MLPs) and text (SmolLM2 -> tiny Llama).
 
     python examples/distillation.py [--seeds 5] [--lm-steps 30] [--no-lm]
 
@@ -52,9 +52,13 @@ def digits_split():
 def fit(loss_fn_or_model, params, data, *, epochs, lr, seed, trainable=None, wd=0.0):
     """Train with AdamW + cosine decay; returns the final whole params tree."""
     cfg = TrainConfig(
-        epochs=epochs, batch_size=64, seed=seed, loss="cross_entropy",
-        progress=False, log_every=10_000,
-    )  # fmt: skip
+        epochs=epochs,
+        batch_size=64,
+        seed=seed,
+        loss="cross_entropy",
+        progress=False,
+        log_every=10_000,
+    )
     steps = epochs * (len(data["y"]) // cfg.batch_size)
     tx = optim.adamw(optim.cosine_decay_schedule(lr, steps), weight_decay=wd)
     trainer = Trainer(loss_fn_or_model, params, tx, cfg, trainable=trainable)
@@ -70,10 +74,19 @@ def digits(seeds: int, labelled: int = 150) -> tuple[list[float], list[float]]:
     train, test = digits_split()
     teacher = MLP((64, 256, 256, 10), dropout=0.3)
     t0 = time.perf_counter()
-    tp = fit(teacher, teacher.init(jax.random.key(100)), train, epochs=150, lr=3e-3,
-             seed=100, wd=1e-4)  # fmt: skip
-    print(f"digits: teacher 64-256-256-10 on {len(train['y'])} images: test accuracy "
-          f"{accuracy(teacher, tp, test):.4f} ({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    tp = fit(
+        teacher,
+        teacher.init(jax.random.key(100)),
+        train,
+        epochs=150,
+        lr=3e-3,
+        seed=100,
+        wd=1e-4,
+    )
+    print(
+        f"digits: teacher 64-256-256-10 on {len(train['y'])} images: test accuracy "
+        f"{accuracy(teacher, tp, test):.4f} ({time.perf_counter() - t0:.0f} s)"
+    )
 
     small = {k: v[:labelled] for k, v in train.items()}
     student = MLP((64, 64, 10))
@@ -86,21 +99,35 @@ def digits(seeds: int, labelled: int = 150) -> tuple[list[float], list[float]]:
         p = fit(student, sp, small, epochs=200, lr=3e-3, seed=seed)
         alone.append(accuracy(student, p, test))
         params = loss_fn.init(sp, key=jax.random.key(seed))
-        p = fit(loss_fn, params, small, epochs=200, lr=3e-3, seed=seed,
-                trainable=loss_fn.trainable)  # fmt: skip
+        p = fit(
+            loss_fn,
+            params,
+            small,
+            epochs=200,
+            lr=3e-3,
+            seed=seed,
+            trainable=loss_fn.trainable,
+        )
         distilled.append(accuracy(student, p["student"], test))
         print(f"  seed {seed}: alone {alone[-1]:.4f}  distilled {distilled[-1]:.4f}")
-    print(f"digits student 64-64-10 on {labelled} labelled images, {seeds} seeds: "
-          f"alone {np.mean(alone):.4f} ± {np.std(alone):.4f}, "
-          f"distilled {np.mean(distilled):.4f} ± {np.std(distilled):.4f}")  # fmt: skip
+    print(
+        f"digits student 64-64-10 on {labelled} labelled images, {seeds} seeds: "
+        f"alone {np.mean(alone):.4f} ± {np.std(alone):.4f}, "
+        f"distilled {np.mean(distilled):.4f} ± {np.std(distilled):.4f}"
+    )
     return alone, distilled
 
 
 # ------------------------------------------------------------------------- text
 STUDENT_LM = dict(
-    hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-    tie_word_embeddings=True, max_position_embeddings=512,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
 
 
 def text_rows(tokenizer, seq_len: int, held_out: int = 4):
@@ -125,9 +152,11 @@ def language_model(steps: int, seq_len: int, seeds: int) -> tuple[float, float]:
     train, held = text_rows(tok, seq_len)
     student = LlamaConfig(vocab_size=teacher.vocab_size, **STUDENT_LM)
     n_tokens = train["input_ids"].size
-    print(f"text: {n_tokens} training / {held['input_ids'].size} held-out tokens; "
-          f"teacher SmolLM2-135M ({teacher.num_params() / 1e6:.0f} M weights), "
-          f"student {student.num_params() / 1e6:.1f} M")  # fmt: skip
+    print(
+        f"text: {n_tokens} training / {held['input_ids'].size} held-out tokens; "
+        f"teacher SmolLM2-135M ({teacher.num_params() / 1e6:.0f} M weights), "
+        f"student {student.num_params() / 1e6:.1f} M"
+    )
     cfg = dict(max_steps=steps, batch_size=8, progress=False, log_every=10_000)
     loss_fn = distill.make_distill_loss_fn(
         student, teacher, tp, temperature=1.0, alpha=0.5
@@ -139,18 +168,27 @@ def language_model(steps: int, seq_len: int, seeds: int) -> tuple[float, float]:
         base = Trainer(student, sp, tx, TrainConfig(seed=seed, **cfg))
         base.fit(train)
         alone.append(base.evaluate(held)["eval_loss"])
-        kd = Trainer(loss_fn, loss_fn.init(sp, key=jax.random.key(seed)), tx,
-                     TrainConfig(seed=seed, **cfg), trainable=loss_fn.trainable)  # fmt: skip
+        kd = Trainer(
+            loss_fn,
+            loss_fn.init(sp, key=jax.random.key(seed)),
+            tx,
+            TrainConfig(seed=seed, **cfg),
+            trainable=loss_fn.trainable,
+        )
         kd.fit(train)
         distilled.append(kd.evaluate(held)["eval_ce"])
-        print(f"  seed {seed}: held-out CE alone {alone[-1]:.4f}  "
-              f"distilled {distilled[-1]:.4f}")  # fmt: skip
+        print(
+            f"  seed {seed}: held-out CE alone {alone[-1]:.4f}  "
+            f"distilled {distilled[-1]:.4f}"
+        )
     ce = jax.jit(lambda p, x: causal_lm_loss(teacher.apply(p, x), x))
     print(f"  (the teacher's own held-out CE: {float(ce(tp, held['input_ids'])):.4f})")
-    print(f"text student, {steps} steps of 8 x {seq_len} tokens, {seeds} seed(s): "
-          f"held-out CE alone {np.mean(alone):.4f} ± {np.std(alone):.4f}, "
-          f"distilled {np.mean(distilled):.4f} ± {np.std(distilled):.4f} "
-          f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    print(
+        f"text student, {steps} steps of 8 x {seq_len} tokens, {seeds} seed(s): "
+        f"held-out CE alone {np.mean(alone):.4f} ± {np.std(alone):.4f}, "
+        f"distilled {np.mean(distilled):.4f} ± {np.std(distilled):.4f} "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
     return float(np.mean(alone)), float(np.mean(distilled))
 
 
