@@ -70,8 +70,9 @@ class DistillLossFn:
     """``loss_fn(params, batch, *, key) -> (loss, metrics)`` for distillation.
 
     Build it with `make_distill_loss_fn`. Metrics: ``loss``, ``kl`` (the soft term
-    before ``α T²``), ``ce`` (hard labels) and, with a progressive distiller,
-    ``hidden`` (the scheduled hidden-state term).
+    before ``α T²``), ``ce`` (hard labels), ``loss_weight`` (the number of counted
+    positions, by which the Trainer weighs batches) and, with a progressive
+    distiller, ``hidden`` (the scheduled hidden-state term).
 
     Attributes:
         student: the student model (``apply(params, inputs, ...)``).
@@ -189,6 +190,9 @@ class DistillLossFn:
         else:
             s_lg, t_lg, lab, lg_where = s_logits, t_logits, labels, None
         kl, ce = self.logit_loss.terms(s_lg, t_lg, lab, where=lg_where)
+        counted = jnp.asarray(lab) != self.logit_loss.ignore_index
+        if lg_where is not None:
+            counted = counted & lg_where
         a, temp = self.logit_loss.alpha, self.logit_loss.temperature
         loss = jnp.float32(a * temp**2) * kl + jnp.float32(1.0 - a) * ce
         metrics = {"kl": kl, "ce": ce}
@@ -199,6 +203,8 @@ class DistillLossFn:
             loss = loss + jnp.float32(self.progressive.weight) * hidden
             metrics["hidden"] = hidden
         metrics["loss"] = loss
+        # the Trainer weighs micro-batches and evaluation batches by it
+        metrics["loss_weight"] = jnp.sum(counted).astype(jnp.float32)
         return loss, metrics
 
 
@@ -236,7 +242,7 @@ def make_distill_loss_fn(
         >>> batch = {"x": jnp.ones((2, 4)), "y": jnp.array([0, 2])}
         >>> loss, metrics = loss_fn(params, batch, key=jax.random.key(3))
         >>> sorted(metrics)
-        ['ce', 'kl', 'loss']
+        ['ce', 'kl', 'loss', 'loss_weight']
     """
     logit_loss = DistillationLoss(temperature, alpha, ignore_index)
     if isinstance(teacher, (list, tuple)):

@@ -226,3 +226,30 @@ def test_errors():
         )
     with pytest.raises(ConfigError, match="alpha"):
         make_distill_loss_fn(STUDENT, TEACHER, tp, alpha=-0.1)
+
+
+def test_runs_on_the_trainer_with_the_teacher_frozen():
+    from entrenar.train import TrainConfig, Trainer
+
+    loss_fn, params, _ = _mlp_setup()
+    rng = np.random.default_rng(3)
+    data = {
+        "x": rng.normal(size=(64, 64)).astype(np.float32),
+        "y": rng.integers(0, 10, size=64).astype(np.int32),
+    }
+    cfg = TrainConfig(epochs=10, batch_size=16, progress=False, log_every=100)
+    trainer = Trainer(
+        loss_fn, params, optim.adam(1e-2), cfg, trainable=loss_fn.trainable
+    )
+    before = trainer.evaluate(data)
+    result = trainer.fit(data)
+    after = trainer.evaluate(data)
+    assert result.steps == 40
+    assert after["eval_loss"] < 0.5 * before["eval_loss"]
+    assert after["eval_ce"] < before["eval_ce"]
+    for a, b in zip(
+        jax.tree.leaves(params["teacher"]), jax.tree.leaves(result.params["teacher"])
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the frozen half holds the teacher; the optimizer keeps no state for it
+    assert jax.tree.leaves(result.state.frozen["student"]) == []
