@@ -130,7 +130,8 @@ def measure(model, params, data, batch, steps, reps) -> dict[str, dict[str, floa
 def table(res: dict[str, dict[str, float]], steps: int) -> None:
     b = res["bare+guard"]  # the very program the Trainer runs, in a bare loop
     print("| variant | fastest s | median s | steps/s (fastest) | us/step (fastest) "
-          "| vs bare+guard (fastest) | median CPU s | vs bare+guard (CPU) |")  # fmt: skip
+          "| vs bare+guard (fastest) | median CPU s "
+          "| vs bare+guard (CPU) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         print(f"| {name} | {r['best']:.3f} | {r['median']:.3f} | "
