@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.init import xavier_uniform
 from entrenar.nn.linear import linear
-from entrenar.nn.losses import reduce_loss
+from entrenar.nn.losses import mse, reduce_loss
 from entrenar.types import Params, PRNGKey
 
 HIDDEN_LOSSES = ("mse", "cosine")
@@ -176,7 +176,7 @@ class ProgressiveDistiller:
             if where is not None:
                 mask = jnp.broadcast_to(jnp.asarray(where, bool), hs.shape[:-1])
             if self.loss == "mse":
-                per_pos = jnp.mean(jnp.square(hs - ht), axis=-1)  # (...)
+                per_pos = jnp.mean(mse(hs, ht, "none"), axis=-1)  # (...)
             else:
                 eps = jnp.asarray(1e-8, hs.dtype)
                 dot = jnp.sum(hs * ht, axis=-1)
