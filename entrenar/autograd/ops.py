@@ -83,7 +83,9 @@ def _rule_shape(op: Op, static: tuple, sigs: Sequence[Any]) -> tuple[int, ...] |
     None when the rule does not say or the arguments do not fit (then
     `jax.eval_shape` decides, and raises the error).
     """
-    shapes = [() if isinstance(s, type) else s.shape for s in sigs]
+    shapes: list[tuple[int, ...]] = [
+        () if isinstance(s, type) else s.shape for s in sigs
+    ]
     kw = dict(static)
     try:
         if op.pad == "elementwise":
@@ -91,9 +93,9 @@ def _rule_shape(op: Op, static: tuple, sigs: Sequence[Any]) -> tuple[int, ...] |
         if op.pad in ("sum", "mean", "max") and len(shapes) == 1:
             return _reduced(shapes[0], kw["axis"], kw["keepdims"], op.pad == "max")
         if op.pad == "matmul" and min(len(shapes[0]), len(shapes[1])) >= 2:
-            (*ba, m, k), (*bb, k2, n) = shapes
-            if k == k2:
-                return (*np.broadcast_shapes(tuple(ba), tuple(bb)), m, n)
+            a, b = shapes
+            if a[-1] == b[-2]:  # (..., m, k) @ (..., k, n) -> (..., m, n)
+                return (*np.broadcast_shapes(a[:-2], b[:-2]), a[-2], b[-1])
         if op.pad == "take" and kw["spec"] == (("array", 0),) and shapes[0]:
             return (*shapes[1], *shapes[0][1:])
         if op.pad == "transpose":
