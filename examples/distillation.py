@@ -4,7 +4,7 @@
 
 1. Digits (scikit-learn's 8x8 handwritten digits, 1797 images, 10 classes; 60/40
    train/test split). A teacher MLP 64-256-256-10 (dropout, weight decay) trains on
-   the whole training split. A student MLP 64-64-10 (1/17 of the teacher's weights)
+   the whole training split. A student MLP 64-64-10 (1/18 of the teacher's weights)
    then learns from a small labelled set of 150 training images, alone
    (cross-entropy) or distilled (α T² KL + (1 − α) CE, T = 4, α = 0.9): same
    steps, batches and initialisation for each seed. Test accuracy, mean ± std.
