@@ -10,7 +10,6 @@ same preprocessing as training did.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from typing import Any
@@ -19,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entrenar import chat
+from entrenar import chat, nn
 from entrenar import data as data_lib
-from entrenar.config.models import BuiltModel, load_built, load_tokenizer_file
+from entrenar.config.models import BuiltModel, load_built
 from entrenar.config.summary import validate
 from entrenar.errors import ConfigError
 from entrenar.nn import losses
@@ -57,10 +56,8 @@ def _tabular(built: BuiltModel, path: str, task: str | None) -> dict[str, Any]:
 
 def _text(built: BuiltModel, path: str, fmt: Any, seq_len: int) -> dict[str, Any]:
     if built.tokenizer is None:
-        tok = built.custom.get("tokenizer")
-        if not tok or not os.path.isfile(tok):
-            raise ConfigError(f"{built.source}: no tokenizer to read {path} with")
-        built = dataclasses.replace(built, tokenizer=load_tokenizer_file(tok))
+        raise ConfigError(f"{built.source}: no tokenizer to read {path} with")
+    seq_len = min(seq_len, nn.context_length(built.config) or seq_len)
     loader = data_lib.lm_loader(
         path, built.tokenizer, format=fmt, seq_len=seq_len, batch_size=4,
         shuffle=False,
@@ -87,14 +84,29 @@ def _text(built: BuiltModel, path: str, fmt: Any, seq_len: int) -> dict[str, Any
     return out
 
 
+def data_format(path: str) -> str:
+    """``chat``, ``prompt_completion`` or ``text``, from the first record's fields."""
+    recs = data_lib.load_records(path)
+    first = recs[0] if len(recs) else {}
+    if "messages" in first:
+        return "chat"
+    if "prompt" in first and "completion" in first:
+        return "prompt_completion"
+    return "text"
+
+
 def evaluate_model(
-    model: str, data: str, *, fmt: str = "text", seq_len: int = 512,
+    model: str, data: str, *, fmt: str = "auto", seq_len: int = 512,
     task: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Metrics of a model file on a data file (see the module docstring)."""
+    """Metrics of a model file on a data file (see the module docstring).
+
+    ``fmt`` ``"auto"`` reads a language model's data as chat (records with
+    ``messages``), prompt-completion (``prompt`` and ``completion``) or text.
+    """
     built = load_built(model)
     if built.is_lm:
-        return _text(built, data, fmt, seq_len)
+        return _text(built, data, data_format(data) if fmt == "auto" else fmt, seq_len)
     return _tabular(built, data, task)
 
 
@@ -122,7 +134,7 @@ def evaluate_config(
                 "pass --model"
             )
         model = found[0]
-    fmt = "text" if spec.data.format in ("auto", "tabular") else spec.data.format
+    fmt = "auto" if spec.data.format in ("auto", "tabular") else spec.data.format
     return evaluate_model(
         model, path, fmt=fmt, seq_len=spec.data.seq_len, task=spec.data.task
     )

@@ -57,8 +57,6 @@ def generate_text(
     if not built.is_lm:
         raise ConfigError(f"{model}: generate needs a language model, not an mlp")
     tok = load_tokenizer_file(tokenizer) if tokenizer else built.tokenizer
-    if tok is None and built.custom.get("tokenizer"):
-        tok = load_tokenizer_file(str(built.custom["tokenizer"]))
     if tok is None:
         raise ConfigError(f"{model}: no tokenizer; pass --tokenizer FILE.gguf")
     params = built.params

@@ -104,7 +104,8 @@ def load_built(
     Args:
         path: a llama.cpp ``.gguf``, a Hugging Face Llama folder, or a file written
             by `save_built` / `entrenar.io.save_model` with the architecture in its
-            metadata.
+            metadata (and, for a language model, ``custom["tokenizer"]``: a GGUF
+            path relative to the model file's folder, loaded when it exists).
         keep_quantized: keep a GGUF's quantized projection weights as they are.
         dtype: dtype of the loaded (dequantized) parameters.
 
@@ -143,7 +144,11 @@ def load_built(
         )
     config = arch_config(arch, fields, f"{path}: model_config")
     params = jax.tree_util.tree_map(jax.numpy.asarray, tree)
-    return BuiltModel(arch, config, params, None, path, dict(custom))
+    tok = custom.get("tokenizer")  # relative to the model file's folder
+    if isinstance(tok, str):
+        tok = os.path.join(os.path.dirname(os.path.abspath(path)), tok)
+    tokenizer = load_tokenizer_file(tok) if tok and os.path.isfile(tok) else None
+    return BuiltModel(arch, config, params, tokenizer, path, dict(custom))
 
 
 def load_tokenizer_file(path: str) -> Any:

@@ -188,7 +188,7 @@ def train_from_yaml(
     if tokenizer is None and prep.built.source and prep.built.source.endswith(".gguf"):
         tokenizer = prep.built.source
     if prep.built.is_lm and tokenizer:
-        extra["tokenizer"] = tokenizer
+        extra["tokenizer"] = os.path.relpath(tokenizer, os.path.abspath(out_dir))
     metrics = _final_metrics(result)
     files = write_outputs(
         spec, prep.built, params, out_dir, extra=extra, report=metrics

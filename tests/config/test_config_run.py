@@ -231,3 +231,26 @@ def test_qlora_run_exports_adapter_gguf_hf_and_quantized(tiny_llama):
 
 def _dense_base(params):
     return quant.dequantize_params(_base(params))
+
+
+@pytest.mark.slow
+def test_shipped_wine_config_learns_the_held_out_cultivars(tmp_path):
+    result = _run(CONFIGS / "wine-mlp.yaml", **{"training.output_dir": str(tmp_path)})
+    out = evaluate_model(result.files["safetensors"], str(WINE / "validation.parquet"))
+    assert out["accuracy"] >= 0.9, out
+
+
+@pytest.mark.slow
+def test_shipped_lora_config_teaches_the_gpt2_ordinals(tmp_path):
+    val = str(WORDS / "ordinals_validation.jsonl")
+    base = evaluate_model(
+        str(CONFIGS.parent / "models" / "number-words-gpt2.safetensors"),
+        val,
+        fmt="prompt_completion",
+    )
+    result = _run(
+        CONFIGS / "number-words-gpt2-lora.yaml",
+        **{"training.output_dir": str(tmp_path), "training.max_steps": 60},
+    )
+    tuned = evaluate_model(result.files["safetensors"], val, fmt="prompt_completion")
+    assert tuned["eval_loss"] < 0.5 * base["eval_loss"], (base, tuned)

@@ -24,6 +24,7 @@ def test_there_are_shipped_configs():
         "wine-mlp.yaml",
         "wine-distill.yaml",
         "wine-merge.yaml",
+        "number-words-gpt2.yaml",
         "number-words-gpt2-lora.yaml",
     } <= names
 

@@ -1,10 +1,15 @@
-"""Write the number-words data set and a byte-level BPE tokenizer trained on it.
+"""Write the number-words data sets and a byte-level BPE tokenizer trained on them.
 
-``train.jsonl`` / ``validation.jsonl``: prompt-completion records such as
-``{"prompt": "347 in words:", "completion": " three hundred forty-seven"}`` for
-integers 0-9999 (written for this project; 2000 training and 200 held-out numbers,
-disjoint, seed 0). ``tokenizer.gguf``: a GPT-2-style byte-level BPE (the 256 byte
-symbols, merges learned from the training text with Hugging Face ``tokenizers``, and
+Written for this project, integers 0-9999, seed 0, every split disjoint:
+
+- ``train.jsonl`` / ``validation.jsonl`` (2000 / 200): cardinals,
+  ``{"prompt": "347 in words:", "completion": " three hundred forty-seven"}``;
+- ``ordinals_train.jsonl`` / ``ordinals_validation.jsonl`` (1000 / 200): ordinals,
+  ``{"prompt": "347 as an ordinal:", "completion": " three hundred forty-seventh"}``,
+  the new task a LoRA adapter teaches a model trained on cardinals.
+
+``tokenizer.gguf``: a GPT-2-style byte-level BPE (the 256 byte symbols, merges
+learned from the training texts with Hugging Face ``tokenizers``, and
 ``<|endoftext|>``) stored as GGUF ``tokenizer.ggml.*`` fields, no tensors, so any
 entrenar language model config can name it as ``model.tokenizer``.
 Run: ``python examples/data/number_words/make_number_words.py``.
@@ -39,9 +44,40 @@ def words(n: int) -> str:
     return words(n // 1000) + " thousand" + rest
 
 
+IRREGULAR = {
+    "one": "first",
+    "two": "second",
+    "three": "third",
+    "five": "fifth",
+    "eight": "eighth",
+    "nine": "ninth",
+    "twelve": "twelfth",
+}
+
+
+def ordinal(n: int) -> str:
+    """English ordinal words of ``0 <= n < 10000`` (``forty-seventh``)."""
+    text = words(n)
+    head, sep, last = text.rpartition("-" if "-" in text.split(" ")[-1] else " ")
+    if last in IRREGULAR:
+        last = IRREGULAR[last]
+    elif last.endswith("y"):
+        last = last[:-1] + "ieth"
+    else:
+        last += "th"
+    return head + sep + last
+
+
 def records(numbers: np.ndarray) -> list[dict[str, str]]:
     return [
         {"prompt": f"{n} in words:", "completion": " " + words(int(n))} for n in numbers
+    ]
+
+
+def ordinal_records(numbers: np.ndarray) -> list[dict[str, str]]:
+    return [
+        {"prompt": f"{n} as an ordinal:", "completion": " " + ordinal(int(n))}
+        for n in numbers
     ]
 
 
@@ -85,13 +121,22 @@ def write_tokenizer(texts: list[str], path: str) -> None:
 def main() -> None:
     rng = np.random.default_rng(0)
     numbers = rng.permutation(10000)
-    splits = {"train": numbers[:2000], "validation": numbers[2000:2200]}
-    for name, nums in splits.items():
+    splits = {
+        "train": records(numbers[:2000]),
+        "validation": records(numbers[2000:2200]),
+        "ordinals_train": ordinal_records(numbers[2200:3200]),
+        "ordinals_validation": ordinal_records(numbers[3200:3400]),
+    }
+    for name, recs in splits.items():
         with open(os.path.join(HERE, f"{name}.jsonl"), "w", encoding="utf-8") as f:
-            for r in records(nums):
+            for r in recs:
                 f.write(json.dumps(r) + "\n")
-        print(f"{name}.jsonl: {len(nums)} records")
-    texts = [r["prompt"] + r["completion"] for r in records(splits["train"])]
+        print(f"{name}.jsonl: {len(recs)} records")
+    texts = [
+        r["prompt"] + r["completion"]
+        for name in ("train", "ordinals_train")
+        for r in splits[name]
+    ]
     write_tokenizer(texts, os.path.join(HERE, "tokenizer.gguf"))
 
 
