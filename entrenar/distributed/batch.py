@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from entrenar.distributed.mesh import MESH_AXES, batch_shards
-from entrenar.distributed.rules import put
+from entrenar.distributed.rules import from_host, put
 from entrenar.errors import ShapeError
 from entrenar.tree import key_path_str
 from entrenar.types import PyTree
@@ -72,8 +72,7 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
         elif jax.process_count() == 1:
             out.append(jax.device_put(x, s))
         else:
-            host = np.asarray(x)
-            out.append(jax.make_array_from_callback(shape, s, lambda i, h=host: h[i]))
+            out.append(from_host(x, s))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -101,7 +100,7 @@ def process_rows(batch_size: int, mesh: Mesh) -> slice:
     _check_rows("batch", (batch_size,), mesh)
     index = batch_sharding(mesh).addressable_devices_indices_map((batch_size,))
     starts = sorted(
-        {(i[0].start or 0, i[0].stop or batch_size) for i in index.values()}
+        {(i[0].start or 0, i[0].stop or batch_size) for i in index.values() if i}
     )
     lo, hi = starts[0][0], starts[-1][1]
     if sum(b - a for a, b in starts) != hi - lo:

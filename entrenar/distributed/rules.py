@@ -253,7 +253,7 @@ def put(tree: PyTree, shardings: PyTree) -> PyTree:
     the same value on every process; each process builds only its own shards.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    shards = treedef.flatten_up_to(shardings)
+    shards = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]
     if jax.process_count() == 1:
         return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, shards))
     out = []
@@ -261,10 +261,22 @@ def put(tree: PyTree, shardings: PyTree) -> PyTree:
         if isinstance(x, jax.Array) and x.sharding == s:
             out.append(x)
             continue
-        host = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else x
-        host = np.asarray(host)
-        out.append(jax.make_array_from_callback(host.shape, s, lambda i, h=host: h[i]))
+        out.append(from_host(x, s))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def from_host(x: Any, sharding: Any) -> jax.Array:
+    """A global array of the value ``x`` (the same on every process).
+
+    Each process builds only the shards of its own devices
+    (`jax.make_array_from_callback`), so it works across processes.
+    """
+    host = np.asarray(jax.device_get(x))
+
+    def shard(index: Any) -> np.ndarray:
+        return host[index]
+
+    return jax.make_array_from_callback(host.shape, sharding, shard)
 
 
 def shard_params(
@@ -302,7 +314,7 @@ def shard_state(state: Any, mesh: Mesh, rules: ShardingRules | None = None) -> A
 def constrain(tree: PyTree, shardings: PyTree) -> PyTree:
     """`jax.lax.with_sharding_constraint` over a tree (inside `jax.jit`)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    shards = treedef.flatten_up_to(shardings)
+    shards = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]
     return jax.tree_util.tree_unflatten(
         treedef, jax.lax.with_sharding_constraint(leaves, shards)
     )
@@ -312,6 +324,7 @@ __all__ = [
     "Match",
     "ShardingRules",
     "constrain",
+    "from_host",
     "fsdp_axis",
     "opt_state_sharding",
     "param_sharding",

@@ -1,0 +1,184 @@
+"""Multi-device checks, run in subprocesses (the device count is fixed at jax import).
+
+``python run_distributed.py <check> <out_dir> [args]`` with ``XLA_FLAGS=
+--xla_force_host_platform_device_count=N`` set by the caller; each check writes
+``<out_dir>/<check>.json`` (and arrays as ``.npz``) for tests/distributed to assert on,
+and asserts what it can itself (a failure exits non-zero with the traceback).
+
+- ``meshes`` (8 devices): a small Llama, 20 steps on 1 device and on meshes
+  {data: 8}, {fsdp: 8}, {data: 2, fsdp: 4}; loss curves, final params, per-device
+  bytes; the {fsdp: 8} run checkpoints at step 10.
+- ``resume <ckpt_dir> <mesh>`` (any device count): resume that run at step 10 and
+  train to 20.
+- ``adapters`` (8 devices): LoRA on {data: 2, fsdp: 4} and QLoRA (NF4 bases) on
+  {fsdp: 8} against 1 device; batch placement helpers.
+- ``multiprocess <pid> <port>`` (4 devices each, 2 processes): {data: 2, fsdp: 4}
+  over both processes against this process's single-device run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+
+from entrenar import distributed, lora
+from entrenar.nn import LlamaConfig
+from entrenar.optim import adamw
+from entrenar.train import TrainConfig, Trainer
+from entrenar.tree import tree_bytes
+
+MODEL = LlamaConfig(
+    vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, max_position_embeddings=32,
+)  # fmt: skip
+ADAPTED = LlamaConfig(  # NF4 blocks of 64 along the input axis
+    vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, max_position_embeddings=32, initializer_range=0.3,
+)  # fmt: skip
+RULES = distributed.ShardingRules(min_size=0)  # tiny model: shard every leaf we can
+STEPS, BATCH = 20, 8
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def data(vocab: int = 32) -> dict[str, np.ndarray]:
+    ids = np.random.default_rng(0).integers(0, vocab, (STEPS * BATCH, 16))
+    return {"input_ids": ids.astype(np.int32)}
+
+
+def config(**kw: object) -> TrainConfig:
+    base = {"batch_size": BATCH, "max_steps": STEPS, "log_every": 1, "progress": False}
+    return TrainConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def host(tree: object) -> list[np.ndarray]:
+    """Every leaf as a numpy array (gathered across processes when needed)."""
+    from jax.experimental import multihost_utils
+
+    out = []
+    for x in jax.tree_util.tree_leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = multihost_utils.process_allgather(x, tiled=True)
+        out.append(np.asarray(x))
+    return out
+
+
+def fit(model: LlamaConfig, params: object, mesh: object, **kw: object) -> dict:
+    trainable = kw.pop("trainable", None)
+    resume = kw.pop("resume", None)
+    t = Trainer(model, params, adamw(1e-3), config(**kw), mesh=mesh,
+                sharding_rules=RULES, trainable=trainable)  # fmt: skip
+    r = t.fit(data(model.vocab_size), resume=resume)
+    return {"loss": [h["loss"] for h in r.history], "state": r.state,
+            "params": host(r.state.trainable)}  # fmt: skip
+
+
+def same(run: dict, ref: dict, what: str) -> None:
+    np.testing.assert_allclose(run["loss"], ref["loss"], **TOL, err_msg=what)
+    for a, b in zip(run["params"], ref["params"], strict=True):
+        np.testing.assert_allclose(a, b, **TOL, err_msg=what)
+
+
+def meshes(out: str) -> None:
+    params = MODEL.init(jax.random.key(0))
+    ref = fit(MODEL, params, None)
+    moved = max(
+        float(np.max(np.abs(a - np.asarray(b))))
+        for a, b in zip(ref["params"], jax.tree_util.tree_leaves(params))
+    )
+    assert moved > 1e-3, moved  # the runs train: matching is not trivial
+    report: dict = {"loss": ref["loss"], "moved": moved, "bytes": {}}
+    for name, spec, kw in (
+        ("data8", {"data": 8}, {}),
+        ("fsdp8", {"fsdp": 8}, {"output_dir": out, "checkpoint_every": 10}),
+        ("data2_fsdp4", {"data": 2, "fsdp": 4}, {}),
+    ):
+        run = fit(MODEL, params, spec, **kw)
+        same(run, ref, name)
+        state = run["state"]
+        per_device = distributed.bytes_per_device((state.trainable, state.opt_state))
+        report["bytes"][name] = {
+            "total": tree_bytes((state.trainable, state.opt_state)),
+            "max_per_device": max(per_device.values()),
+            "devices": len(per_device),
+        }
+    np.savez(os.path.join(out, "final.npz"), *ref["params"])
+    with open(os.path.join(out, "meshes.json"), "w") as f:
+        json.dump(report, f)
+
+
+def resume(out: str, ckpt: str, spec: str) -> None:
+    mesh = json.loads(spec)
+    params = MODEL.init(jax.random.key(0))
+    run = fit(MODEL, params, mesh, resume=os.path.join(ckpt, "checkpoints", "10"))
+    ref = np.load(os.path.join(ckpt, "final.npz"))
+    for i, a in enumerate(run["params"]):
+        np.testing.assert_allclose(a, ref[f"arr_{i}"], **TOL)
+    layout = {str(x.sharding) for x in jax.tree_util.tree_leaves(run["state"])}
+    with open(os.path.join(out, "resume.json"), "w") as f:
+        json.dump({"devices": jax.device_count(), "steps": int(run["state"].step),
+                   "shardings": sorted(layout)}, f)  # fmt: skip
+
+
+def adapters(out: str) -> None:
+    base = ADAPTED.init(jax.random.key(0))
+    cfg = lora.LoRAConfig(rank=4, alpha=8, targets=lora.ALL_LINEAR, dropout=0.1)
+    report = {}
+    for name, quantize, spec in (
+        ("lora", None, {"data": 2, "fsdp": 4}),
+        ("qlora", "nf4", {"fsdp": 8}),
+    ):
+        params = lora.apply(base, cfg, key=jax.random.key(1), quantize=quantize)
+        ref = fit(ADAPTED, params, None, trainable="lora")
+        run = fit(ADAPTED, params, spec, trainable="lora")
+        same(run, ref, name)
+        frozen = jax.tree_util.tree_leaves(run["state"].frozen)
+        report[name] = {
+            "loss": run["loss"],
+            "frozen_specs": sorted({str(x.sharding.spec) for x in frozen}),
+            "trainable_specs": sorted(
+                {str(x.sharding.spec)
+                 for x in jax.tree_util.tree_leaves(run["state"].trainable)}
+            ),
+        }  # fmt: skip
+    mesh = distributed.make_mesh({"data": 2, "fsdp": 4})
+    try:
+        distributed.shard_batch({"input_ids": np.zeros((6, 4), np.int32)}, mesh)
+        report["batch_error"] = None
+    except distributed.batch.ShapeError as e:
+        report["batch_error"] = str(e)
+    b = distributed.shard_batch({"x": np.arange(16 * 3).reshape(16, 3)}, mesh)
+    report["rows_per_device"] = sorted(
+        {s.data.shape[0] for s in b["x"].addressable_shards}
+    )
+    report["process_rows"] = str(distributed.process_rows(16, mesh))
+    local = distributed.host_local_batch({"x": np.arange(16 * 3).reshape(16, 3)}, mesh)
+    report["host_local_equal"] = bool(np.array_equal(np.asarray(local["x"]),
+                                                     np.asarray(b["x"])))  # fmt: skip
+    with open(os.path.join(out, "adapters.json"), "w") as f:
+        json.dump(report, f)
+
+
+def multiprocess(out: str, pid: str, port: str) -> None:
+    distributed.initialize(f"127.0.0.1:{port}", 2, int(pid))
+    assert jax.process_count() == 2 and jax.device_count() == 8
+    params = MODEL.init(jax.random.key(0))
+    ref = fit(MODEL, params, None)  # this process's first device alone
+    run = fit(MODEL, params, {"data": 2, "fsdp": 4})
+    same(run, ref, f"process {pid}")
+    rows = distributed.process_rows(BATCH, distributed.make_mesh({"fsdp": -1}))
+    with open(os.path.join(out, f"multiprocess{pid}.json"), "w") as f:
+        json.dump({"processes": jax.process_count(), "devices": jax.device_count(),
+                   "local": jax.local_device_count(), "loss": run["loss"],
+                   "rows": [rows.start, rows.stop]}, f)  # fmt: skip
+
+
+if __name__ == "__main__":
+    check, out, *args = sys.argv[1:]
+    {"meshes": meshes, "resume": resume, "adapters": adapters,
+     "multiprocess": multiprocess}[check](out, *args)  # fmt: skip

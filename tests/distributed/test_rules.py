@@ -1,0 +1,179 @@
+"""Sharding rules, meshes and multi-process settings, on one process (no devices).
+
+Layouts are checked on an `AbstractMesh` (rules only read the axis sizes); training
+on real meshes runs in subprocesses (test_multidevice.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from entrenar import distributed, lora
+from entrenar.distributed import ShardingRules, fsdp_axis, param_specs
+from entrenar.errors import ConfigError
+from entrenar.nn import LlamaConfig
+from entrenar.optim import adamw
+from entrenar.train import TrainConfig
+from entrenar.tree import tree_named_leaves
+
+MESH = AbstractMesh((2, 4), ("data", "fsdp"))
+MODEL = LlamaConfig(
+    vocab_size=30, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, max_position_embeddings=32,
+)  # fmt: skip
+
+
+ALL = ShardingRules(min_size=0)
+
+
+def specs(tree, rules=ALL, mesh=MESH):
+    out = param_specs(tree, mesh, rules)
+    return dict(tree_named_leaves(out, is_leaf=lambda s: isinstance(s, P)))
+
+
+@pytest.mark.parametrize(
+    "shape, stacked, min_size, axis",
+    [
+        ((2, 64, 32), True, 0, 1),  # largest divisible, not the layer axis
+        ((16, 6, 12), True, 0, 2),  # axis 0 divisible and largest, but stacked
+        ((16, 6, 12), False, 0, 0),
+        ((30, 64), False, 0, 1),  # 30 does not split in 4
+        ((32, 32), False, 0, 0),  # equal lengths: the first
+        ((2, 30), True, 0, None),  # nothing divisible
+        ((64, 64), False, 64 * 64 + 1, None),  # small: replicated
+        ((), False, 0, None),
+    ],
+)
+def test_fsdp_axis(shape, stacked, min_size, axis):
+    assert fsdp_axis(shape, 4, stacked=stacked, min_size=min_size) == axis
+
+
+def test_llama_layout_never_splits_the_layer_axis():
+    params = jax.eval_shape(MODEL.init, jax.random.key(0))
+    got = specs(params)
+    assert got["model.layers.self_attn.q_proj.weight"] == P(None, "fsdp")  # (2,64,64)
+    assert got["model.layers.mlp.down_proj.weight"] == P(None, None, "fsdp")
+    assert got["model.embed_tokens.weight"] == P(None, "fsdp")  # (30, 64)
+    for name, spec in got.items():
+        if name.startswith("model.layers."):
+            assert len(spec) == 0 or spec[0] is None, name
+    # {data: 8, fsdp: 1}: replicated everywhere
+    assert set(specs(params, mesh=AbstractMesh((8, 1), ("data", "fsdp"))).values()) == {
+        P()
+    }
+    # the default threshold (16384 elements) replicates this model's small leaves
+    default = specs(params, ShardingRules())
+    assert default["model.layers.mlp.up_proj.weight"] == P(None, "fsdp")  # 16384
+    assert default["model.layers.self_attn.k_proj.weight"] == P()  # 4096
+
+
+def test_user_rules_come_first_regex_or_predicate():
+    params = jax.eval_shape(MODEL.init, jax.random.key(0))
+    rules = ShardingRules(
+        min_size=0,
+        rules=[
+            ("embed_tokens", None),
+            (lambda name, x: name.endswith("o_proj.weight"), P(None, None, "fsdp")),
+            ("proj", P(None, "fsdp")),  # every other projection, even v_proj (2,32,64)
+        ],
+    )
+    got = specs(params, rules)
+    assert got["model.embed_tokens.weight"] == P()
+    assert got["model.layers.self_attn.o_proj.weight"] == P(None, None, "fsdp")
+    assert got["model.layers.self_attn.v_proj.weight"] == P(None, "fsdp")
+    assert got["lm_head.weight"] == P(None, "fsdp")
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_lora_adapters_replicated_bases_split_along_out(quantize):
+    cfg = lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "up_proj"))
+    params = jax.eval_shape(  # shapes are all the rules read
+        lambda k: lora.apply(MODEL.init(k), cfg, key=k, quantize=quantize),
+        jax.random.key(0),
+    )
+    got = specs(params)
+    q = "model.layers.self_attn.q_proj.weight"
+    assert got[f"{q}.lora_A"] == got[f"{q}.lora_B"] == P()
+    if quantize is None:
+        assert got[f"{q}.base"] == P(None, "fsdp")
+        return
+    node = params["model"]["layers"]["mlp"]["up_proj"]["weight"].base
+    assert node.codes.shape == (2, 128, 32) and node.scales.shape == (2, 128, 1)
+    up = "model.layers.mlp.up_proj.weight.base"
+    # out (axis 1) for codes and scales alike, though codes' axis 2 would also split
+    assert got[f"{up}.codes"] == got[f"{up}.scales"] == P(None, "fsdp")
+    assert got[f"{up}.scale_scales"] == got[f"{up}.scale_offset"] == P()
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda: adamw(1e-3), lambda: optax.chain(optax.clip(1.0), optax.adamw(1e-3))],
+)
+def test_optimizer_state_placed_like_its_params(make_opt):
+    cfg = lora.LoRAConfig(rank=4, alpha=8, targets="q_proj")
+    params = jax.eval_shape(
+        lambda k: lora.apply(MODEL.init(k), cfg, key=k), jax.random.key(0)
+    )
+    t, _ = lora.split(params)
+    t["model"]["norm"] = params["model"]["norm"]  # a non-LoRA leaf trains too
+    opt_state = make_opt().init(t)
+    shard = distributed.opt_state_sharding(opt_state, t, MESH, ShardingRules(0))
+    flat = tree_named_leaves(jax.tree_util.tree_map(lambda s: s.spec, shard))
+    mu = {n.split("mu.", 1)[1]: s for n, s in flat if ".mu." in n}
+    assert mu == specs(t)
+    assert mu["model.norm.weight"] == P("fsdp")
+    assert all(s == P() for n, s in flat if "count" in n or n.endswith("lr"))
+
+
+def test_mesh_specs_and_errors():
+    assert distributed.check_mesh_spec({"data": -1}) == {"data": -1, "fsdp": 1}
+    n = jax.device_count()
+    mesh = distributed.make_mesh({"fsdp": -1})
+    assert mesh.axis_names == ("data", "fsdp") and mesh.shape["fsdp"] == n
+    with pytest.raises(ConfigError, match=r"needs 16 devices, but there are .*XLA_FL"):
+        distributed.make_mesh({"data": 4, "fsdp": 4})
+    with pytest.raises(ConfigError, match="at most one mesh axis"):
+        distributed.make_mesh({"data": -1, "fsdp": -1})
+    with pytest.raises(ConfigError, match="size >= 1"):
+        distributed.check_mesh_spec({"data": 0})
+    with pytest.raises(ConfigError, match=r"TrainConfig.mesh: mesh axis 'tp'"):
+        TrainConfig(mesh={"tp": 2})
+    assert TrainConfig.from_dict({"mesh": {"fsdp": 8}}).mesh == {"fsdp": 8}
+
+
+def test_process_config_from_arguments_and_environment():
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
+           "JAX_PROCESS_ID": "3"}  # fmt: skip
+    cfg = distributed.process_config(env=env)
+    assert cfg == distributed.ProcessConfig("10.0.0.1:1234", 4, 3)
+    cfg = distributed.process_config("h:1", process_id=0, env=env)  # arguments win
+    assert (cfg.coordinator, cfg.num_processes, cfg.process_id) == ("h:1", 4, 0)
+    assert not distributed.process_config(env={}).multi_process
+    with pytest.raises(ConfigError, match=r"incomplete.*JAX_PROCESS_ID"):
+        distributed.process_config(env={**env, "JAX_PROCESS_ID": ""})
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES must be an integer"):
+        distributed.process_config(env={**env, "JAX_NUM_PROCESSES": "four"})
+    with pytest.raises(ConfigError, match="host:port"):
+        distributed.process_config(env={**env, "JAX_COORDINATOR_ADDRESS": "10.0.0.1"})
+    with pytest.raises(ConfigError, match=r"process_id 4 is not in \[0, num_pro"):
+        distributed.process_config(process_id=4, env=env)
+
+
+def test_initialize_alone_is_a_no_op(monkeypatch):
+    for name in distributed.ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    assert not distributed.initialize().multi_process
+    assert not jax.distributed.is_initialized() and jax.process_count() == 1
+
+
+def test_one_device_placement_and_bytes():
+    mesh = distributed.make_mesh({"data": -1})
+    tree = {"w": jnp.ones((4, 8)), "b": None, "q": np.zeros(3, np.int8)}
+    placed = distributed.shard_params(tree, mesh, ShardingRules(min_size=0))
+    assert placed["b"] is None and placed["w"].sharding.mesh == mesh
+    per_device = distributed.bytes_per_device(placed)
+    assert sum(per_device.values()) == (4 * 8 * 4 + 3) * jax.device_count()
