@@ -114,6 +114,7 @@ def _print_completion(ctx: click.Context, _: Any, shell: str | None) -> None:
 @click.version_option(package_name="entrenar", prog_name="entrenar")
 @click.option(
     "--completion",
+    "--generate-completion",
     type=click.Choice(["bash", "zsh", "fish"]),
     expose_value=False,
     is_eager=True,
