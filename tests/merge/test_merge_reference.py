@@ -8,6 +8,7 @@ from merge_helpers import finetuned, leaves, make_tree
 
 from entrenar import merge
 from entrenar.merge.engine import leaf_key
+from entrenar.tree import assert_trees_allclose
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
@@ -171,3 +172,27 @@ def test_trim_keeps_the_k_largest_magnitudes_and_their_ties():
     # Three values tie at |30| for k = 1: all three are kept (the paper's rule).
     got = trim_top_k(jnp.asarray(x[:1]), jnp.asarray([1], jnp.int32))
     assert int(np.count_nonzero(got)) == 3
+
+
+def test_methods_trace_under_jit(trees):
+    base, models = trees
+    a, b = models[0], models[1]
+    key = jax.random.key(1)
+
+    @jax.jit
+    def all_methods(base, a, b):
+        return (
+            merge.ties(base, [a, b], 0.4, [1.0, 2.0]),
+            merge.dare(base, [a, b], 0.5, key=key, ties=True),
+            merge.slerp(a, b, [0.0, 0.3, 1.0]),
+            merge.linear([a, b], [1.0, 3.0]),
+        )
+
+    eager = (
+        merge.ties(base, [a, b], 0.4, [1.0, 2.0]),
+        merge.dare(base, [a, b], 0.5, key=key, ties=True),
+        merge.slerp(a, b, [0.0, 0.3, 1.0]),
+        merge.linear([a, b], [1.0, 3.0]),
+    )
+    for got, want in zip(all_methods(base, a, b), eager):
+        assert_trees_allclose(got, want, rtol=1e-6, atol=1e-6)
