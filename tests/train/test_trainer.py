@@ -217,3 +217,43 @@ def test_resume_latest_without_checkpoint_starts_fresh_and_bad_path_errors(tmp_p
         Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA, resume=tmp_path / "x")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [2]
+
+
+def test_evaluate_weights_batches_by_loss_weight_and_train_epoch():
+    def token_mean(p, b, *, key):
+        # per-row losses, counted where mask: a mean over counted entries
+        err = (b["x"] @ p["w"] + p["b"] - b["y"])[:, 0] ** 2  # (B,)
+        n = jnp.sum(b["m"]).astype(jnp.float32)
+        return jnp.sum(jnp.where(b["m"], err, 0.0)) / jnp.maximum(n, 1.0), {
+            "loss_weight": n
+        }
+
+    m = np.zeros(16, bool)
+    m[[0, 1, 2, 5, 9, 10, 11, 12, 13, 14]] = True  # 3, 1, 2, 4 counted per batch of 4
+    data = {**DATA, "m": m}
+    cfg = TrainConfig(batch_size=4, shuffle=False, progress=False)
+    t = Trainer(token_mean, PARAMS, sgd(0.05), cfg)
+    whole = float(token_mean(PARAMS, data, key=None)[0])
+    assert t.evaluate(data)["eval_loss"] == pytest.approx(whole, rel=1e-6)
+    mean_of_means = np.mean([float(token_mean(PARAMS, {k: v[i : i + 4] for k, v in
+                                                       data.items()}, key=None)[0])
+                             for i in range(0, 16, 4)])  # fmt: skip
+    assert abs(mean_of_means - whole) > 1e-3  # so the weighting is what is tested
+    first = t.train_epoch(data)["loss"]
+    second = t.train_epoch(data)["loss"]
+    assert t.step == 8 and t.epoch == 2 and second < first
+
+
+def test_compute_dtype_casts_params_inside_the_loss_only():
+    seen = []
+
+    def loss_fn(p, b, *, key):
+        seen.append(p["w"].dtype)
+        x, y = b["x"].astype(p["w"].dtype), b["y"].astype(p["w"].dtype)
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2).astype(jnp.float32)
+
+    cfg = TrainConfig(max_steps=2, batch_size=4, compute_dtype="bfloat16",
+                      progress=False)  # fmt: skip
+    r = Trainer(loss_fn, PARAMS, sgd(0.05), cfg).fit(DATA)
+    assert seen and all(d == jnp.bfloat16 for d in seen)
+    assert r.params["w"].dtype == jnp.float32 and r.history[-1]["loss"] > 0
