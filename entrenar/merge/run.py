@@ -224,9 +224,9 @@ def run_recipe(
         The merged `Model` (the base's metadata; params in the inputs' layout).
 
     Raises:
-        ConfigError, FormatError, UnsupportedError, CompatibilityError, ShapeError,
-        DTypeError: a bad recipe or models that cannot be merged, each naming the
-            key, file or leaf.
+        EntrenarError: a bad recipe or models that cannot be merged (`ConfigError`,
+            `FormatError`, `UnsupportedError`, `CompatibilityError`, `ShapeError`,
+            `DTypeError`), each naming the key, file or leaf.
     """
     recipe = _as_recipe(recipe)
     kind = METHODS[recipe.merge_method]["kind"]
