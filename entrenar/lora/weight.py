@@ -135,9 +135,18 @@ class LoRAWeight:
 
 
 @weight_matmul.register(LoRAWeight)
-def _lora_matmul(w: LoRAWeight, x: jax.Array) -> jax.Array:
-    """``x Wᵀ + s · (drop(x) Aᵀ) Bᵀ`` for ``x: (..., in)``, without ``W + s BA``."""
-    y = weight_matmul(w.base, x)  # (..., out)
+def _lora_matmul(
+    w: LoRAWeight, x: jax.Array, matmul_dtype: str | None = None
+) -> jax.Array:
+    """``x Wᵀ + s · (drop(x) Aᵀ) Bᵀ`` for ``x: (..., in)``, without ``W + s BA``.
+
+    ``matmul_dtype`` applies to the frozen base (``"bfloat16"``: bfloat16 inputs,
+    float32 accumulation); the rank-``r`` adapter products stay in ``x``'s dtype.
+    """
+    if matmul_dtype is None:
+        y = weight_matmul(w.base, x)  # (..., out)
+    else:
+        y = weight_matmul(w.base, x, matmul_dtype)
     if w.dropout > 0.0 and w.dropout_key is not None:
         x = dropout(x, w.dropout, key=jax.random.wrap_key_data(w.dropout_key))
     h = jnp.einsum("...i,ri->...r", x, jnp.asarray(w.a).astype(x.dtype))  # (..., r)

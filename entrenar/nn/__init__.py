@@ -43,7 +43,7 @@ from entrenar.nn.layers import (
     rms_norm,
     silu,
 )
-from entrenar.nn.linear import linear, weight_matmul
+from entrenar.nn.linear import MATMUL_DTYPES, linear, lowp_matmul, weight_matmul
 from entrenar.nn.llama import Llama, LlamaConfig
 from entrenar.nn.losses import causal_lm_loss, cross_entropy, kl_divergence
 from entrenar.nn.mlp_model import MLP
@@ -51,6 +51,7 @@ from entrenar.nn.rope import apply_rope, rope_angles, rotate_half
 
 __all__ = [
     "GPT2",
+    "MATMUL_DTYPES",
     "MLP",
     "STACKED_KEYS",
     "GPT2Config",
@@ -81,6 +82,7 @@ __all__ = [
     "layer_norm",
     "linear",
     "losses",
+    "lowp_matmul",
     "mlp",
     "normal",
     "rms_norm",

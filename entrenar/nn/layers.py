@@ -153,15 +153,18 @@ def gated_mlp(
     w_up: Any,
     w_down: Any,
     activation: Activation = silu,
+    *,
+    matmul_dtype: str | None = None,
 ) -> jax.Array:
     """Gated feed-forward block, SwiGLU with ``silu`` (Shazeer, 2020).
 
     ``y = (act(x W_gateᵀ) ⊙ x W_upᵀ) W_downᵀ`` with ``W_gate, W_up: (F, D)`` and
-    ``W_down: (D, F)``; no biases (as in Llama).
+    ``W_down: (D, F)``; no biases (as in Llama). ``matmul_dtype`` is passed to
+    `linear` (mixed precision).
     """
-    g = activation(linear(x, w_gate))  # (..., F)
-    u = linear(x, w_up)  # (..., F)
-    return linear(g * u, w_down)  # (..., D)
+    g = activation(linear(x, w_gate, matmul_dtype=matmul_dtype))  # (..., F)
+    u = linear(x, w_up, matmul_dtype=matmul_dtype)  # (..., F)
+    return linear(g * u, w_down, matmul_dtype=matmul_dtype)  # (..., D)
 
 
 __all__ = [

@@ -32,7 +32,7 @@ from entrenar.nn.attention import (
 )
 from entrenar.nn.init import normal
 from entrenar.nn.layers import embedding, gated_mlp, rms_norm, upcast_dtype
-from entrenar.nn.linear import linear
+from entrenar.nn.linear import check_matmul_dtype, linear
 from entrenar.nn.rope import apply_rope
 from entrenar.types import Params, PRNGKey
 
@@ -68,6 +68,17 @@ class LlamaConfig:
         param_dtype: dtype of the parameters ``init`` creates.
         remat: rematerialise each layer in the backward pass (`jax.checkpoint`),
             trading compute for activation memory.
+        matmul_dtype: None (every matmul in ``dtype``), or ``"bfloat16"`` (or
+            ``"float16"``): mixed precision for the weight matmuls (projections,
+            MLP, output head). Their inputs are cast to bfloat16, products
+            accumulate in float32 and the results are in ``dtype``, in the forward
+            and the backward pass (`entrenar.nn.lowp_matmul`, whose backward pass
+            computes no gradient for a frozen weight); activations, norms, rotary
+            embeddings, attention softmax and logits stay in ``dtype`` (float32).
+            Parameters, adapters and optimizer state keep their own dtypes. On
+            CPUs with AMX (Intel Sapphire Rapids and later) XLA:CPU runs these
+            dots several times faster than float32; elsewhere the results are the
+            same, only not faster.
     """
 
     vocab_size: int = 32000
@@ -85,6 +96,7 @@ class LlamaConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    matmul_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -106,6 +118,7 @@ class LlamaConfig:
             raise ConfigError(f"LlamaConfig head_dim must be even, got {self.hd}")
         check_dtype(self.dtype, "LlamaConfig.dtype")
         check_dtype(self.param_dtype, "LlamaConfig.param_dtype")
+        check_matmul_dtype(self.matmul_dtype, "LlamaConfig.matmul_dtype")
 
     # ----------------------------------------------------------------- presets
     @classmethod
@@ -292,33 +305,43 @@ class LlamaConfig:
         Returns:
             logits, or ``(logits, hidden)`` with ``return_hidden``.
         """
-        _check_tokens(tokens)
-        b, t = tokens.shape
-        allowed = causal_mask(jnp.arange(t, dtype=jnp.int32), t)  # (T, T)
-        if mask is not None:
-            allowed = allowed[None] & mask.astype(bool)[:, None, :]  # (B, T, T)
-        if segment_ids is not None:
-            if tuple(segment_ids.shape) != (b, t):
-                raise ShapeError(
-                    f"segment_ids must have the tokens' shape {(b, t)}, got "
-                    f"{tuple(segment_ids.shape)}"
-                )
-            same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
-            allowed = allowed & same
-        if positions is None:
-            positions = jnp.arange(t, dtype=jnp.int32)  # (T,)
-        elif tuple(positions.shape) not in ((t,), (b, t)):
-            raise ShapeError(
-                f"positions must have shape {(t,)} or {(b, t)}, got "
-                f"{tuple(positions.shape)}"
-            )
-        h, (_, hidden) = self._layers(
-            params, tokens, positions, allowed, None, return_hidden
+        h, hidden = self._trunk(
+            params, tokens, mask, segment_ids, positions, return_hidden
         )
         logits = self._head(params, h)
         if not return_hidden:
             return logits
         return logits, hidden
+
+    def features(
+        self,
+        params: Params,
+        tokens: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """The final normalised hidden states ``RMSNorm(h): (B, T, D)`` in ``dtype``.
+
+        ``apply``'s logits are ``features(...) Wᵀ`` with ``W = output_weight(params)``;
+        a loss that never forms the whole ``(B, T, V)`` logits
+        (`entrenar.nn.losses.chunked_causal_lm_loss`) takes these two instead.
+        Arguments as in `apply`.
+        """
+        h, _ = self._trunk(params, tokens, mask, segment_ids, positions, False)
+        return rms_norm(h, params["model"]["norm"]["weight"], self.rms_norm_eps)
+
+    def output_weight(self, params: Params) -> Any:
+        """The output head's weight ``(V, D)``: ``embed_tokens`` when tied."""
+        if self.tie_word_embeddings:
+            return params["model"]["embed_tokens"]["weight"]
+        if "lm_head" in params:
+            return params["lm_head"]["weight"]
+        raise ShapeError(
+            "params have no 'lm_head' but the config does not tie embeddings; "
+            "set tie_word_embeddings=True or add lm_head.weight"
+        )
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty `KVCache` for ``batch`` sequences of up to ``max_len`` tokens."""
@@ -342,6 +365,41 @@ class LlamaConfig:
         return self._head(params, h), KVCache(k, v, cache.pos + t)
 
     # --------------------------------------------------------------- internals
+    def _trunk(
+        self,
+        params: Params,
+        tokens: jax.Array,
+        mask: jax.Array | None,
+        segment_ids: jax.Array | None,
+        positions: jax.Array | None,
+        return_hidden: bool,
+    ) -> tuple[jax.Array, Any]:
+        """Check the inputs, build the attention mask, run the layers."""
+        _check_tokens(tokens)
+        b, t = tokens.shape
+        allowed = causal_mask(jnp.arange(t, dtype=jnp.int32), t)  # (T, T)
+        if mask is not None:
+            allowed = allowed[None] & mask.astype(bool)[:, None, :]  # (B, T, T)
+        if segment_ids is not None:
+            if tuple(segment_ids.shape) != (b, t):
+                raise ShapeError(
+                    f"segment_ids must have the tokens' shape {(b, t)}, got "
+                    f"{tuple(segment_ids.shape)}"
+                )
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+            allowed = allowed & same
+        if positions is None:
+            positions = jnp.arange(t, dtype=jnp.int32)  # (T,)
+        elif tuple(positions.shape) not in ((t,), (b, t)):
+            raise ShapeError(
+                f"positions must have shape {(t,)} or {(b, t)}, got "
+                f"{tuple(positions.shape)}"
+            )
+        h, (_, hidden) = self._layers(
+            params, tokens, positions, allowed, None, return_hidden
+        )
+        return h, hidden
+
     def _layers(
         self,
         params: Params,
@@ -367,6 +425,7 @@ class LlamaConfig:
                 mp["gate_proj"]["weight"],
                 mp["up_proj"]["weight"],
                 mp["down_proj"]["weight"],
+                matmul_dtype=self.matmul_dtype,
             )
             h = h + x
             return h, (kv, h if return_hidden else None)
@@ -398,29 +457,27 @@ class LlamaConfig:
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
         ap = lp["self_attn"]
         x = rms_norm(h, lp["input_layernorm"]["weight"], self.rms_norm_eps)
-        q = linear(x, ap["q_proj"]["weight"]).reshape(b, t, nh, hd)  # (B, T, H, d)
-        k = linear(x, ap["k_proj"]["weight"]).reshape(b, t, nkv, hd)  # (B, T, KV, d)
-        v = linear(x, ap["v_proj"]["weight"]).reshape(b, t, nkv, hd)
+        md = self.matmul_dtype
+        q = linear(x, ap["q_proj"]["weight"], matmul_dtype=md)
+        k = linear(x, ap["k_proj"]["weight"], matmul_dtype=md)
+        v = linear(x, ap["v_proj"]["weight"], matmul_dtype=md)
+        q = q.reshape(b, t, nh, hd)  # (B, T, H, d)
+        k = k.reshape(b, t, nkv, hd)  # (B, T, KV, d)
+        v = v.reshape(b, t, nkv, hd)
         q = apply_rope(q, positions, self.rope_theta)
         k = apply_rope(k, positions, self.rope_theta)
         if ck is not None and cv is not None and pos is not None:
             k = ck = update_cache_layer(ck, k, pos)  # (B, S, KV, d)
             v = cv = update_cache_layer(cv, v, pos)
         o = dot_product_attention(q, k, v, allowed)  # (B, T, H, d)
-        return linear(o.reshape(b, t, nh * hd), ap["o_proj"]["weight"]), (ck, cv)
+        o = linear(o.reshape(b, t, nh * hd), ap["o_proj"]["weight"], matmul_dtype=md)
+        return o, (ck, cv)
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
         h = rms_norm(h, params["model"]["norm"]["weight"], self.rms_norm_eps)
-        if self.tie_word_embeddings:
-            w = params["model"]["embed_tokens"]["weight"]
-        elif "lm_head" in params:
-            w = params["lm_head"]["weight"]
-        else:
-            raise ShapeError(
-                "params have no 'lm_head' but the config does not tie embeddings; "
-                "set tie_word_embeddings=True or add lm_head.weight"
-            )
-        return linear(h, w).astype(upcast_dtype(h.dtype))
+        w = self.output_weight(params)
+        logits = linear(h, w, matmul_dtype=self.matmul_dtype)  # (B, T, V)
+        return logits.astype(upcast_dtype(h.dtype))
 
 
 def _check_tokens(tokens: jax.Array) -> None:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from entrenar.errors import ConfigError, ShapeError
+from entrenar.nn.linear import linear
 
 Reduction = Literal["mean", "sum", "none"]
 IGNORE_INDEX = -100
@@ -236,6 +237,76 @@ def causal_lm_loss(
     )
 
 
+def chunked_causal_lm_loss(
+    hidden: jax.Array,
+    weight: Any,
+    labels: jax.Array,
+    reduction: Reduction = "mean",
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    loss_mask: jax.Array | None = None,
+    chunk: int = 128,
+    matmul_dtype: str | None = None,
+) -> jax.Array:
+    """`causal_lm_loss` of the logits ``hidden Wᵀ``, never forming them whole.
+
+    The ``N = B (T - 1)`` predicting positions are split into chunks of ``chunk``
+    tokens; each chunk's logits ``(chunk, V)`` are formed, reduced to
+    ``logsumexp(z) - z[label]`` and dropped, and the backward pass recomputes them
+    chunk by chunk (`jax.checkpoint`), so at most one chunk's logits exist at a time
+    instead of ``(B, T, V)`` float32 (100 MB for SmolLM2 at 4 x 128 tokens). Equal
+    to ``causal_lm_loss(linear(hidden, weight), labels, ...)`` up to float rounding.
+
+    Args:
+        hidden: ``(B, T, D)`` final hidden states (`entrenar.nn.Llama.features`).
+        weight: the head ``(V, D)``, an array or weight node (`entrenar.nn.linear`).
+        labels: integer ``(B, T)`` aligned with the inputs (shifted inside).
+        reduction: "mean" over counted tokens, "sum", or "none" (``(B, T - 1)``).
+        ignore_index: label value to skip.
+        loss_mask: optional bool ``(B, T)``, aligned with the labels.
+        chunk: tokens per chunk (at least 1).
+        matmul_dtype: passed to `entrenar.nn.linear` (mixed precision).
+
+    >>> import jax.numpy as jnp
+    >>> h, w = jnp.zeros((1, 3, 2)), jnp.ones((4, 2))
+    >>> round(float(chunked_causal_lm_loss(h, w, jnp.array([[0, 1, 2]]), chunk=1)), 4)
+    1.3863
+    """
+    hidden = jnp.asarray(hidden)
+    labels = jnp.asarray(labels)
+    if hidden.ndim != 3 or tuple(labels.shape) != tuple(hidden.shape[:2]):
+        raise ShapeError(
+            f"chunked_causal_lm_loss needs hidden (B, T, D) and labels (B, T); got "
+            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}"
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ShapeError(f"labels must be integers, got dtype {labels.dtype}")
+    if chunk < 1:
+        raise ConfigError(f"chunk must be >= 1, got {chunk}")
+    b, t, d = hidden.shape
+    n = b * (t - 1)
+    x = hidden[:, :-1].reshape(n, d)  # (N, D)
+    y = labels[:, 1:].reshape(n)  # (N,)
+    valid = y != ignore_index  # (N,)
+    if loss_mask is not None:
+        valid = valid & jnp.asarray(loss_mask, bool)[:, 1:].reshape(n)
+    chunks = max(1, -(-n // chunk))
+    pad = chunks * chunk - n
+    x = jnp.pad(x, ((0, pad), (0, 0))).reshape(chunks, chunk, d)  # (C, chunk, D)
+    y = jnp.pad(jnp.where(valid, y, 0), (0, pad)).reshape(chunks, chunk)
+    f = jnp.float64 if hidden.dtype == jnp.float64 else jnp.float32
+
+    @jax.checkpoint
+    def one(xy: tuple[jax.Array, jax.Array]) -> jax.Array:
+        xc, yc = xy
+        z = linear(xc, weight, matmul_dtype=matmul_dtype).astype(f)  # (chunk, V)
+        lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
+        return lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0]
+
+    nll = jax.lax.map(one, (x, y)).reshape(-1)[:n].reshape(b, t - 1)  # (B, T-1)
+    return reduce_loss(nll, reduction, where=valid.reshape(b, t - 1))
+
+
 # ---- distributions ---------------------------------------------------------------
 def kl_divergence(
     student_logits: jax.Array,
@@ -290,6 +361,7 @@ __all__ = [
     "binary_cross_entropy_with_logits",
     "causal_lm_loss",
     "check_reduction",
+    "chunked_causal_lm_loss",
     "cross_entropy",
     "huber",
     "kl_divergence",

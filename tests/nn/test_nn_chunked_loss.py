@@ -1,0 +1,89 @@
+"""`chunked_causal_lm_loss` equals `causal_lm_loss` of the whole logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar.errors import ConfigError, ShapeError
+from entrenar.nn import LlamaConfig, causal_lm_loss, linear
+from entrenar.nn.losses import chunked_causal_lm_loss
+
+
+def _inputs() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((3, 7, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((50, 16)), jnp.float32)
+    labels = rng.integers(0, 50, (3, 7))
+    labels[0, 3] = labels[2, 6] = -100
+    mask = np.ones((3, 7), bool)
+    mask[1, 5:] = False
+    return h, w, jnp.asarray(labels, jnp.int32), jnp.asarray(mask)
+
+
+def _weighted(out: jax.Array) -> jax.Array:
+    """A scalar that depends on every entry of ``out`` differently."""
+    return jnp.sum(
+        out * jnp.arange(1, out.size + 1, dtype=out.dtype).reshape(out.shape)
+    )
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 18, 64])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_equals_whole_logits_loss_and_gradients(chunk: int, reduction: str) -> None:
+    h, w, labels, mask = _inputs()
+
+    def whole(h: jax.Array, w: jax.Array) -> jax.Array:
+        out = causal_lm_loss(linear(h, w), labels, reduction, loss_mask=mask)
+        return jnp.sum(
+            out * jnp.arange(1, out.size + 1, dtype=out.dtype).reshape(out.shape)
+        )
+
+    def chunked(h: jax.Array, w: jax.Array) -> jax.Array:
+        out = chunked_causal_lm_loss(
+            h, w, labels, reduction, loss_mask=mask, chunk=chunk
+        )
+        return jnp.sum(
+            out * jnp.arange(1, out.size + 1, dtype=out.dtype).reshape(out.shape)
+        )
+
+    np.testing.assert_allclose(chunked(h, w), whole(h, w), rtol=1e-6)
+    ga = jax.grad(chunked, argnums=(0, 1))(h, w)
+    gb = jax.grad(whole, argnums=(0, 1))(h, w)
+    for a, b in zip(ga, gb):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
+
+
+def test_llama_features_and_output_weight_give_apply_loss() -> None:
+    cfg = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+    )
+    params = cfg.init(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 40)
+    ref = causal_lm_loss(cfg.apply(params, tokens), tokens)
+    got = chunked_causal_lm_loss(
+        cfg.features(params, tokens), cfg.output_weight(params), tokens, chunk=4
+    )
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    assert cfg.output_weight(params) is params["lm_head"]["weight"]
+    tied = dataclasses.replace(cfg, tie_word_embeddings=True)
+    assert tied.output_weight(params) is params["model"]["embed_tokens"]["weight"]
+    with pytest.raises(ShapeError, match="lm_head"):
+        cfg.output_weight({"model": params["model"]})
+
+
+def test_bad_arguments() -> None:
+    h, w, labels, _ = _inputs()
+    with pytest.raises(ConfigError, match="chunk"):
+        chunked_causal_lm_loss(h, w, labels, chunk=0)
+    with pytest.raises(ShapeError, match="labels"):
+        chunked_causal_lm_loss(h, w, labels[:, 1:])
