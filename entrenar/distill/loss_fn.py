@@ -194,13 +194,15 @@ class DistillLossFn:
         if lg_where is not None:
             counted = counted & lg_where
         a, temp = self.logit_loss.alpha, self.logit_loss.temperature
-        loss = jnp.float32(a * temp**2) * kl + jnp.float32(1.0 - a) * ce
+        loss = (
+            jnp.asarray(a * temp**2, kl.dtype) * kl + jnp.asarray(1 - a, ce.dtype) * ce
+        )
         metrics = {"kl": kl, "ce": ce}
         if self.progressive is not None:
             hidden = self.progressive.hidden_loss(
                 s_hidden, t_out[0][1], params["projection"], step, where=where
             )
-            loss = loss + jnp.float32(self.progressive.weight) * hidden
+            loss = loss + jnp.asarray(self.progressive.weight, loss.dtype) * hidden
             metrics["hidden"] = hidden
         metrics["loss"] = loss
         # the Trainer weighs micro-batches and evaluation batches by it
