@@ -275,6 +275,7 @@ def train_config(spec: TrainSpec, *, progress: bool = True) -> TrainConfig:
         loss=loss,
         shuffle=d.shuffle,
         drop_last=True,
+        mesh=t.mesh,
     )
 
 

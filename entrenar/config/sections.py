@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Literal
 
 from entrenar.config.fields import option
+from entrenar.distributed import check_mesh_spec
 from entrenar.errors import ConfigError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -367,6 +368,13 @@ class EarlyStoppingSection:
     )
 
 
+def _mesh(raw: Any) -> dict[str, int]:
+    try:
+        return check_mesh_spec(raw)
+    except ConfigError as e:
+        raise ConfigError(f"training.mesh: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingSection:
     """``training:``: length of the run, its intervals, its seed and its outputs."""
@@ -420,6 +428,12 @@ class TrainingSection:
         "auto",
         doc="tabular loss; auto: cross_entropy for classification, mse for "
         "regression (language models always use the causal LM loss)",
+    )
+    mesh: dict[str, Any] | None = option(
+        None,
+        normalize=_mesh,
+        doc="devices to train on, {data: N, fsdp: M} (N x M = the device count; "
+        "one size may be -1: the rest); default: one device (specs/distributed.md)",
     )
 
 
