@@ -191,7 +191,10 @@ class Trainer:
         total = cfg.max_steps or cfg.epochs * len(loader)
         # 2. Outputs: metrics.jsonl (+ TensorBoard) and checkpoints, in output_dir.
         if cfg.output_dir is not None:
-            self._writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard)
+            if jax.process_index() == 0:  # several processes: one writes the logs
+                self._writer = MetricsWriter(
+                    cfg.output_dir, tensorboard=cfg.tensorboard
+                )
             self._checkpointer = Checkpointer(
                 os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep_checkpoints
             )
