@@ -259,6 +259,31 @@ class Tensor:
                 body = f"<traced {self.dtype}{list(self.shape)}>"
         return f"Tensor({body}, shape={self.shape}, dtype={self.dtype}{grad}{op})"
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: shape, dtype, gradient state, the values and ``.grad``."""
+        import html
+
+        def values(x: Any) -> str:
+            try:
+                text = np.array2string(
+                    np.asarray(x), precision=4, threshold=50, separator=", "
+                )
+            except Exception:  # tracers
+                text = "<traced>"
+            return f"<pre style='margin:0'>{html.escape(text)}</pre>"
+
+        facts = [f"shape {self.shape}", f"dtype {self.dtype}"]
+        if self.requires_grad:
+            facts.append("requires_grad")
+        if self._node is not None:
+            facts.append(f"op {self._node.op.name}")
+        body = "<i>lazy</i>" if self._value is None else values(self._value)
+        rows = f"<tr><th>value</th><td style='text-align:left'>{body}</td></tr>"
+        if getattr(self, "grad", None) is not None:
+            grad = values(self.grad)
+            rows += f"<tr><th>grad</th><td style='text-align:left'>{grad}</td></tr>"
+        return f"<b>Tensor</b> {html.escape(', '.join(facts))}<table>{rows}</table>"
+
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")

@@ -133,6 +133,38 @@ class LoRAWeight:
             f"dropout={self.dropout:g})"
         )
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the base, the factors, the scale and the trainable count."""
+        import html
+
+        def desc(x: Any) -> str:
+            if x is None:
+                return "None"
+            shape = tuple(getattr(x, "shape", ()))
+            dtype = getattr(x, "dtype", None)
+            kind = type(x).__name__
+            return f"{kind} {shape}" + (f" {dtype}" if dtype is not None else "")
+
+        n_ab = sum(math.prod(x.shape) for x in (self.a, self.b) if hasattr(x, "shape"))
+        scale = "α/√r" if self.rslora else "α/r"
+        rows = [
+            ("W", f"{desc(self.base)} (frozen)"),
+            ("A", f"{desc(self.a)} (trainable)"),
+            ("B", f"{desc(self.b)} (trainable)"),
+            (
+                "rank r, α",
+                f"{self.rank}, {self.alpha:g}: scale {scale} = {self.scale:g}",
+            ),
+            ("dropout", f"{self.dropout:g}"),
+            ("trainable params", f"{n_ab:,}"),
+        ]
+        cells = "".join(
+            f"<tr><th style='text-align:left'>{k}</th>"
+            f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+            for k, v in rows
+        )
+        return f"<b>LoRAWeight</b> W + {scale}·B·A<table>{cells}</table>"
+
 
 @weight_matmul.register(LoRAWeight)
 def _lora_matmul(

@@ -107,6 +107,27 @@ class QuantizedWeight:
             f"{', double_quant' if self.double_quant else ''})"
         )
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: format, shape, and bytes against the same float32 array."""
+        import html
+
+        n = int(np.prod(self.shape))
+        f32 = 4 * n
+        rows = [
+            ("scheme", self.scheme + (" + double quant" if self.double_quant else "")),
+            ("shape", str(self.shape)),
+            ("block size", str(self.block_size)),
+            ("dtype (dequantized)", np.dtype(self.dtype).name),
+            ("stored", f"{self.nbytes:,} bytes = {8 * self.nbytes / max(n, 1):.2f} "
+             f"bits/param ({self.nbytes / max(f32, 1):.3f}x float32)"),
+        ]  # fmt: skip
+        cells = "".join(
+            f"<tr><th style='text-align:left'>{k}</th>"
+            f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+            for k, v in rows
+        )
+        return f"<b>QuantizedWeight</b><table>{cells}</table>"
+
 
 _CHILDREN = ("codes", "scales", "offsets", "scale_scales", "scale_offset")
 
