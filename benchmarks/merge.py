@@ -13,9 +13,11 @@ Each contestant then runs in its own process, so its peak resident memory
    state dicts with Hugging Face's per-layer names (what mergekit merges), in memory.
 
 Times are the median of ``--repeats`` runs after a first one (which, for entrenar,
-includes compiling). Peak memory is reported whole and above the resident size once
-the inputs are loaded. The processes also save two merged tensors, compared at the
-end (the methods are the same math, so they agree to float32 rounding).
+includes compiling). Peak memory is the peak resident size (``ru_maxrss``, which
+counts the touched pages of memory-mapped files), that peak above the resident size
+once the inputs are loaded, and the peak private (anonymous) memory, sampled every
+10 ms, which leaves out the mapped input files. The processes also save two merged
+tensors, compared at the end.
 
 Usage: ``python benchmarks/merge.py [--layers 30] [--density 0.5] [--repeats 2]``
 """
@@ -31,6 +33,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -38,12 +41,36 @@ import numpy as np
 CHECK = ("model.layers.self_attn.q_proj.weight", "model.embed_tokens.weight")
 
 
-def rss_mib() -> float:
+def status_mib(field: str = "VmRSS") -> float:
+    """A memory field of /proc/self/status in MiB (VmRSS, RssAnon, RssFile)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+class AnonPeak:
+    """Peak RssAnon, sampled every 10 ms.
+
+    Private memory only: it leaves out the pages of memory-mapped input files
+    (clean and reclaimable, but counted by ``ru_maxrss``).
+    """
+
+    def __init__(self) -> None:
+        self.peak = status_mib("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, status_mib("RssAnon"))
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, status_mib("RssAnon"))
 
 
 def peak_mib() -> float:
@@ -104,10 +131,11 @@ def worker(kind: str, folder: str, density: float, repeats: int) -> None:
     from entrenar.tree import tree_named_leaves
 
     report: dict[str, object] = {"kind": kind}
+    sampler = AnonPeak()
     checks: dict[str, np.ndarray] = {}
     if kind == "entrenar":
         base, a, b = (unflatten_params(t) for t in load_flat(folder))
-        report["rss_loaded_mib"] = rss_mib()
+        report["rss_loaded_mib"] = status_mib()
 
         def run():
             out = merge.ties(base, [a, b], density)
@@ -117,7 +145,7 @@ def worker(kind: str, folder: str, density: float, repeats: int) -> None:
         flat = dict(tree_named_leaves(out))
         checks = {k: np.asarray(flat[k]) for k in CHECK}
     elif kind == "entrenar_files":
-        report["rss_loaded_mib"] = rss_mib()
+        report["rss_loaded_mib"] = status_mib()
         recipe = {
             "merge_method": "ties",
             "base_model": os.path.join(folder, "base.safetensors"),
@@ -146,7 +174,7 @@ def worker(kind: str, folder: str, density: float, repeats: int) -> None:
                 else:
                     sd[name] = torch.from_numpy(x)
             dicts.append(sd)
-        report["rss_loaded_mib"] = rss_mib()
+        report["rss_loaded_mib"] = status_mib()
         params = {"weight": [1.0, 1.0], "density": [density, density]}
 
         def run():
@@ -159,7 +187,9 @@ def worker(kind: str, folder: str, density: float, repeats: int) -> None:
             CHECK[0]: np.stack([out[q.format(i)].numpy() for i in range(layers)]),
             CHECK[1]: out[CHECK[1]].numpy(),
         }
-    report.update(first_s=first, times_s=times, peak_mib=peak_mib())
+    report.update(
+        first_s=first, times_s=times, peak_mib=peak_mib(), anon_peak_mib=sampler.stop()
+    )
     np.savez(os.path.join(folder, f"check_{kind}.npz"), **checks)
     print(json.dumps(report))
 
@@ -204,7 +234,8 @@ def main() -> None:
             ratio = med / float(np.median(peer["times_s"])) if peer else float("nan")
             print(
                 f"| {kind} | {r['first_s']:.2f} | {med:.2f} | {ratio:.2f} | "
-                f"{r['peak_mib']:.0f} | {r['peak_mib'] - r['rss_loaded_mib']:.0f} |"
+                f"{r['peak_mib']:.0f} | {r['peak_mib'] - r['rss_loaded_mib']:.0f} | "
+                f"{r['anon_peak_mib']:.0f} |"
             )
         if peer:
             want = np.load(os.path.join(folder, "check_mergekit.npz"))

@@ -146,8 +146,8 @@ def merge_leaf(
         )
         return out.reshape(shape).astype(out_dtype)
     w = _per_model(plan.weights, layout, "weight", name)  # (L, n)
-    thetas = jnp.stack([jnp.asarray(as_layers(x)) for x in models])  # (n, L, m)
     if plan.kind == "linear":
+        thetas = jnp.stack([jnp.asarray(as_layers(x)) for x in models])  # (n, L, m)
         if plan.normalize and np.any(np.abs(w.sum(axis=1)) < 1e-12):
             raise ConfigError(f"leaf {name!r}: the weights sum to 0; cannot normalize")
         out = kernels.linear_leaf(
@@ -172,7 +172,7 @@ def merge_leaf(
     _check_range(lam, "lambda", name, -np.inf, np.inf, False, False)
     out = kernels.task_vectors_leaf(
         as_layers(base),
-        thetas,
+        tuple(as_layers(x) for x in models),  # n x (L, m)
         jnp.asarray(w, jnp.float32),
         jnp.asarray(k),
         jnp.asarray(keep, jnp.float32),

@@ -104,7 +104,7 @@ def combine(
 )
 def task_vectors_leaf(
     base: jax.Array,
-    thetas: jax.Array,
+    thetas: tuple[jax.Array, ...],
     w: jax.Array,
     k: jax.Array,
     keep: jax.Array,
@@ -121,7 +121,8 @@ def task_vectors_leaf(
 
     Args:
         base: ``(L, m)`` the base model's leaf.
-        thetas: ``(n, L, m)`` the fine-tuned models' leaves.
+        thetas: ``n`` arrays ``(L, m)``, the fine-tuned models' leaves (stacked
+            inside the program, so no stacked copy is made outside it).
         w: ``(L, n)`` weights.
         k: ``(L, n)`` int32 values kept by the TIES trim (used when ``trim``).
         keep: ``(L, n)`` DARE keep probabilities ``1 - p`` (used when ``drop``).
@@ -136,9 +137,9 @@ def task_vectors_leaf(
     Returns:
         ``(L, m)`` merged leaf in the compute dtype.
     """
-    dt = compute_dtype(base.dtype, thetas.dtype)
+    dt = compute_dtype(base.dtype, *(t.dtype for t in thetas))
     b = base.astype(dt)  # (L, m)
-    delta = thetas.astype(dt) - b[None]  # (n, L, m)
+    delta = jnp.stack([t.astype(dt) - b for t in thetas])  # (n, L, m)
     if drop:
         p_keep = jnp.transpose(keep).astype(dt)[:, :, None]  # (n, L, 1)
 
