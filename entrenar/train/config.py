@@ -144,5 +144,21 @@ class TrainConfig:
         """The fields as a plain dict (JSON data)."""
         return dataclasses.asdict(self)
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the fields, those changed from their default in bold."""
+        import html
+
+        rows = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            changed = f.default is not dataclasses.MISSING and value != f.default
+            text = html.escape(repr(value))
+            text = f"<b>{text}</b>" if changed else text
+            rows.append(
+                f"<tr><th style='text-align:left'>{f.name}</th>"
+                f"<td style='text-align:left'>{text}</td></tr>"
+            )
+        return f"<b>TrainConfig</b><table>{''.join(rows)}</table>"
+
 
 __all__ = ["COMPUTE_DTYPES", "TrainConfig"]

@@ -26,21 +26,22 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-def plot(run_dir: str | os.PathLike[str], out: str | None = None) -> str:
+def plot(
+    run_dir: str | os.PathLike[str], out: str | None = None, *, show: bool = False
+) -> str:
     """Write ``loss.png``: train and eval loss against the step, and the rate.
 
     Args:
         run_dir: a Trainer ``output_dir`` holding ``metrics.jsonl``.
         out: the image path (default ``<run_dir>/loss.png``).
+        show: also display the image inline (in Jupyter: ``IPython.display``); a
+            no-op outside IPython.
 
     Returns:
         The path of the image.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a Figure of its own: no pyplot, so a notebook's backend is left alone
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise UnsupportedError(
             "plot needs matplotlib: pip install 'entrenar[train]'"
@@ -49,7 +50,8 @@ def plot(run_dir: str | os.PathLike[str], out: str | None = None) -> str:
     train = [r for r in records if r.get("loss") is not None]
     evals = [r for r in records if r.get("eval_loss") is not None]
     lrs = [r for r in records if r.get("lr") is not None]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     if evals:
         ax.plot(
@@ -73,8 +75,20 @@ def plot(run_dir: str | os.PathLike[str], out: str | None = None) -> str:
     fig.tight_layout()
     out = out or os.path.join(os.fspath(run_dir), "loss.png")
     fig.savefig(out, dpi=100)
-    plt.close(fig)
+    if show:
+        _show_inline(out)
     return out
+
+
+def _show_inline(path: str) -> None:
+    """Display the PNG at ``path`` in IPython (nothing without IPython)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import Image, display
+    except ImportError:
+        return
+    if get_ipython() is not None:
+        display(Image(filename=path))
 
 
 __all__ = ["plot", "read_metrics"]

@@ -67,6 +67,53 @@ class TrainResult:
         """The trained parameter tree."""
         return self.state.params
 
+    def _summary(self) -> str:
+        last = next((r["loss"] for r in reversed(self.history) if "loss" in r), None)
+        parts = [f"steps={self.steps}"]
+        if last is not None:
+            parts.append(f"final loss {last:.4g}")
+        if self.best_eval_loss is not None:
+            parts.append(f"best eval loss {self.best_eval_loss:.4g}")
+            parts.append(f"at step {self.best_step}")
+        if self.stopped_early:
+            parts.append("stopped early")
+        parts.append(f"{len(self.history)} log records")
+        parts.append(f"{len(self.eval_history)} evaluations")
+        return ", ".join(parts)
+
+    def __repr__(self) -> str:
+        return f"TrainResult({self._summary()})"
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the summary and the log records (first and last ones)."""
+        import html
+
+        records = sorted(
+            [*self.history, *self.eval_history], key=lambda r: int(r["step"])
+        )
+        columns = ["step", "epoch", "loss", "grad_norm", "lr", "tokens_per_s"]
+        columns += ["eval_loss"] if self.eval_history else []
+        shown = records if len(records) <= 12 else [*records[:5], None, *records[-6:]]
+
+        def cell(v: Any) -> str:
+            if v is None:
+                return ""
+            return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+
+        head = "".join(f"<th>{c}</th>" for c in columns)
+        rows = "".join(
+            "<tr><td colspan='99'>…</td></tr>"
+            if r is None
+            else "<tr>"
+            + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns)
+            + "</tr>"
+            for r in shown
+        )
+        return (
+            f"<b>TrainResult</b> {html.escape(self._summary())}"
+            f"<table><tr>{head}</tr>{rows}</table>"
+        )
+
 
 class Trainer:
     """Train ``params`` with ``optimizer`` on a loss function or one of our models.
