@@ -66,6 +66,23 @@ class RunResult:
     train: TrainResult | None = None
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the final figures, the files written, the training run."""
+        import html
+
+        def table(d: Mapping[str, Any]) -> str:
+            rows = "".join(
+                f"<tr><th style='text-align:left'>{html.escape(str(k))}</th>"
+                f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
+                for k, v in d.items()
+            )
+            return f"<table>{rows}</table>"
+
+        name = html.escape(self.spec.name or "")
+        out = f"<b>RunResult</b> {name} in {html.escape(self.output_dir)}"
+        out += table(self.metrics) + table(self.files)
+        return out + (self.train._repr_html_() if self.train is not None else "")
+
 
 @dataclasses.dataclass
 class Prepared:

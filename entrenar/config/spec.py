@@ -153,6 +153,41 @@ class TrainSpec:
         """Whether this file describes a merge rather than a training run."""
         return self.merge is not None
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: each section present, its changed fields in bold."""
+        return f"<b>TrainSpec</b>{_dataclass_html(self)}"
+
+
+def _dataclass_html(obj: Any) -> str:
+    """An HTML table of a config dataclass (Jupyter's view of the sections).
+
+    Fields changed from their default are bold, sections (nested dataclasses) are
+    nested tables, and absent (None) sections are left out.
+    """
+    import html
+
+    rows = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None and f.default is None:
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            text = _dataclass_html(value)
+        else:
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = dataclasses.MISSING
+            text = html.escape(repr(value))
+            text = f"<b>{text}</b>" if value != default else text
+        rows.append(
+            f"<tr><th style='text-align:left;vertical-align:top'>{f.name}</th>"
+            f"<td style='text-align:left'>{text}</td></tr>"
+        )
+    return f"<table>{''.join(rows)}</table>"
+
 
 def file_architecture(path: str) -> str | None:
     """The architecture a model file declares, read from its header only.
