@@ -11,12 +11,17 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from cli_cases import CONFIGS, MODELS, REPO, WINE, WORDS, write_tiny_config
 from click.testing import CliRunner
-from conftest import CONFIGS, MODELS, REPO, WINE, WORDS
 
 from entrenar import io, nn, quant
 from entrenar.cli import cli
 from entrenar.config import load_built
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    return write_tiny_config(tmp_path)
 
 
 def run(*args: str):

@@ -7,10 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from config_cases import wine_yaml_factory
 
 from entrenar.config import load_config
 from entrenar.config.build import build_optimizer, build_schedule, train_config
 from entrenar.errors import ConfigError
+
+
+@pytest.fixture
+def wine_yaml(tmp_path):
+    """``wine_yaml(**sections) -> path`` of a tiny wine run (config_cases)."""
+    return wine_yaml_factory(tmp_path)
+
 
 STEPS = [0, 1, 5, 9, 10, 37, 80, 99, 100, 150]
 

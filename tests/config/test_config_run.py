@@ -10,12 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import CONFIGS, WINE, WORDS, write
+from config_cases import CONFIGS, WINE, WORDS, wine_yaml_factory, write
 
 from entrenar import io, lora, nn, quant
 from entrenar.config import load_built, train_from_yaml
 from entrenar.config.evaluate import evaluate_model
 from entrenar.tree import assert_trees_allclose
+
+
+@pytest.fixture
+def wine_yaml(tmp_path):
+    """``wine_yaml(**sections) -> path`` of a tiny wine run (config_cases)."""
+    return wine_yaml_factory(tmp_path)
 
 
 def _run(path, **overrides):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CONFIGS, WINE, wine_doc, write
+from config_cases import CONFIGS, WINE, wine_doc, wine_yaml_factory, write
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,6 +14,13 @@ from entrenar.config import load_config, validate
 from entrenar.config.docs import render
 from entrenar.config.models import dicts_from_lists, lists_from_dicts
 from entrenar.errors import ConfigError
+
+
+@pytest.fixture
+def wine_yaml(tmp_path):
+    """``wine_yaml(**sections) -> path`` of a tiny wine run (config_cases)."""
+    return wine_yaml_factory(tmp_path)
+
 
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import yaml
 
 REPO = Path(__file__).parents[2]
@@ -14,8 +13,8 @@ MODELS = REPO / "examples" / "models"
 WORDS = REPO / "examples" / "data" / "number_words"
 
 
-@pytest.fixture
-def tiny_config(tmp_path: Path) -> Path:
+def write_tiny_config(tmp_path: Path) -> Path:
+    """A 4-step wine MLP run writing to tmp/run."""
     doc = {
         "model": {"architecture": "mlp", "config": {"sizes": [13, 8, 3]}},
         "data": {

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 REPO = Path(__file__).parents[2]
@@ -43,9 +42,8 @@ def write(path: Path, doc: Any) -> Path:
     return path
 
 
-@pytest.fixture
-def wine_yaml(tmp_path: Path):
-    """``wine_yaml(**sections) -> path`` of a tiny wine run writing to tmp/run."""
+def wine_yaml_factory(tmp_path: Path):
+    """``make(**sections) -> path`` of a tiny wine run writing to tmp/run."""
 
     def make(**sections: Any) -> Path:
         return write(tmp_path / "run.yaml", wine_doc(tmp_path / "run", **sections))
