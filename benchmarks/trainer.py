@@ -9,6 +9,8 @@ repetition in a rotating order (so machine noise hits all alike):
   batches (``make_train_step`` with no guard), blocked on at the end;
 - ``bare+guard``: the same with ``skip_nonfinite=True`` (the in-graph non-finite
   guard the Trainer always uses), to separate its cost from the loop's;
+- ``bare+guard again``: a second, identical instance of ``bare+guard``: the spread
+  between the two is the measurement's noise floor;
 - ``fit``: ``Trainer.fit`` on a dict of arrays (its ArrayLoader shuffles and gathers
   each batch), logging every 10 steps, no progress bar, no output folder;
 - ``fit+outputs``: the same with the tqdm bar and metrics.jsonl in an output folder
@@ -108,6 +110,7 @@ def measure(model, params, data, batch, steps, reps) -> dict[str, dict[str, floa
     runners = {
         "bare": bare_runner(model, params, data, batch, steps, False),
         "bare+guard": bare_runner(model, params, data, batch, steps, True),
+        "bare+guard again": bare_runner(model, params, data, batch, steps, True),
         "fit": fit_runner(model, params, data, batch, steps, False),
         "fit+outputs": fit_runner(model, params, data, batch, steps, True),
     }
