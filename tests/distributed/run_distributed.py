@@ -30,7 +30,7 @@ import numpy as np
 from entrenar import distributed, lora
 from entrenar.nn import LlamaConfig
 from entrenar.optim import adamw
-from entrenar.train import TrainConfig, Trainer
+from entrenar.train import Checkpointer, TrainConfig, Trainer
 from entrenar.tree import tree_bytes
 
 MODEL = LlamaConfig(
@@ -75,7 +75,7 @@ def fit(model: LlamaConfig, params: object, mesh: object, **kw: object) -> dict:
                 sharding_rules=RULES, trainable=trainable)  # fmt: skip
     r = t.fit(data(model.vocab_size), resume=resume)
     return {"loss": [h["loss"] for h in r.history], "state": r.state,
-            "params": host(r.state.trainable)}  # fmt: skip
+            "params": host(r.state.trainable), "trainer": t}  # fmt: skip
 
 
 def same(run: dict, ref: dict, what: str) -> None:
@@ -169,8 +169,15 @@ def multiprocess(out: str, pid: str, port: str) -> None:
     assert jax.process_count() == 2 and jax.device_count() == 8
     params = MODEL.init(jax.random.key(0))
     ref = fit(MODEL, params, None)  # this process's first device alone
-    run = fit(MODEL, params, {"data": 2, "fsdp": 4})
+    run = fit(
+        MODEL, params, {"data": 2, "fsdp": 4}, output_dir=os.path.join(out, "run")
+    )
     same(run, ref, f"process {pid}")
+    # the checkpoint both processes wrote restores onto the same mesh, bit for bit
+    ckpt = Checkpointer(os.path.join(out, "run", "checkpoints"))
+    restored, _ = ckpt.restore(run["trainer"].state)
+    for a, b in zip(host(restored.trainable), run["params"], strict=True):
+        np.testing.assert_array_equal(a, b)
     rows = distributed.process_rows(BATCH, distributed.make_mesh({"fsdp": -1}))
     with open(os.path.join(out, f"multiprocess{pid}.json"), "w") as f:
         json.dump({"processes": jax.process_count(), "devices": jax.device_count(),

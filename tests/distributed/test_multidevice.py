@@ -25,7 +25,8 @@ TIMEOUT = 900
 def _start(args, out, devices):
     flags = f"--xla_force_host_platform_device_count={devices}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    log = open(Path(out) / f"{args[0]}-{'-'.join(args[1:])[:20]}.log", "w")
+    tag = args[1] if args[0] == "multiprocess" else ""
+    log = open(Path(out) / f"{args[0]}{tag}.log", "w")
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), args[0], str(out), *args[1:]],
         env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -118,3 +119,7 @@ def test_two_processes_train_like_one(runs):
     assert (a["processes"], a["devices"], a["local"]) == (2, 8, 4)
     assert a["loss"] == b["loss"]  # one computation, read by both
     assert (a["rows"], b["rows"]) == ([0, 4], [4, 8])
+    run = runs[1]["mp"] / "run"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["20"]
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 20  # written by process 0 only
