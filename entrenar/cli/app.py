@@ -12,6 +12,7 @@ then ``source`` it (``zsh`` and ``fish`` likewise), or
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -89,6 +90,10 @@ class Group(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.Abort, click.ClickException):
             raise
+        except BrokenPipeError:  # the reader left (`entrenar info ... | head`)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            raise click.exceptions.Exit(0) from None
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             raise click.exceptions.Exit(130) from None
@@ -138,6 +143,28 @@ def command(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Any]:
     return wrap
 
 
+class ModelPath(click.Path):
+    """An existing model file or folder, or a named model (``smollm2``)."""
+
+    name = "model"
+
+    def __init__(self) -> None:
+        super().__init__(exists=True)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        """The path, with a named model replaced by its file."""
+        from entrenar.config.spec import named_model
+
+        if isinstance(value, str):
+            try:
+                found = named_model(value, param.name if param else "model")
+            except ConfigError as e:
+                self.fail(str(e), param, ctx)
+            if found is not None:
+                return found
+        return super().convert(value, param, ctx)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``entrenar`` console script and ``python -m entrenar``."""
     cli.main(args=argv, prog_name="entrenar")
@@ -147,6 +174,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_USAGE",
+    "ModelPath",
     "cli",
     "command",
     "exit_code",

@@ -11,7 +11,7 @@ import click
 import numpy as np
 import yaml
 
-from entrenar.cli.app import command
+from entrenar.cli.app import ModelPath, command
 from entrenar.config import summary
 from entrenar.errors import FormatError
 
@@ -70,7 +70,7 @@ def _text(data: Any, depth: int) -> None:
 
 
 @command("info")
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=ModelPath())
 @click.option(
     "--format",
     "fmt",

@@ -6,7 +6,7 @@ import os
 
 import click
 
-from entrenar.cli.app import command
+from entrenar.cli.app import ModelPath, command
 
 SCHEMES = ("nf4", "int4", "int8", "q4_0", "q4_1", "q8_0")
 MERGE_METHODS = (
@@ -34,7 +34,7 @@ def _scheme(scheme: str | None, bits: int | None, method: str | None) -> str:
 
 
 @command("quantize")
-@click.argument("model", type=click.Path(exists=True))
+@click.argument("model", type=ModelPath())
 @click.option(
     "-o",
     "--output",
@@ -119,7 +119,7 @@ def _floats(text: str | None, name: str) -> list[float] | None:
 
 
 @command("merge")
-@click.argument("models", nargs=-1, type=click.Path(exists=True))
+@click.argument("models", nargs=-1, type=ModelPath())
 @click.option(
     "-o",
     "--output",
@@ -241,7 +241,7 @@ def _merge_recipe(path: str, output: str | None) -> str:
 
 
 @command("generate")
-@click.argument("model", type=click.Path(exists=True))
+@click.argument("model", type=ModelPath())
 @click.option("--prompt", "-p", required=True, help="The prompt (or user message).")
 @click.option(
     "--adapter",

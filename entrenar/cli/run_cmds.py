@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from entrenar.cli.app import command, is_verbose
+from entrenar.cli.app import ModelPath, command, is_verbose
 
 
 def _overrides(**flags: Any) -> dict[str, Any]:
@@ -142,7 +142,7 @@ def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
 
 
 @command("eval")
-@click.argument("target", type=click.Path(exists=True))
+@click.argument("target", type=ModelPath())
 @click.option(
     "--data",
     "data_path",
