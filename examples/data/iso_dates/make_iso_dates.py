@@ -38,7 +38,9 @@ SIZES = {"train": 320, "heldout": 80}
 
 def ordinal(n: int) -> str:
     """``1st``, ``2nd``, ``3rd``, ``4th``, ..., ``11th``, ..., ``21st``."""
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    suffix = (
+        "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    )
     return f"{n}{suffix}"
 
 
