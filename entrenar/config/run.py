@@ -25,8 +25,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
-from entrenar import lora
+from entrenar import lora, quant
 from entrenar.config.build import (
     RunData,
     build_data,
@@ -44,7 +45,6 @@ from entrenar.errors import CompatibilityError, UnsupportedError
 from entrenar.io import atomic_write
 from entrenar.train import Trainer, TrainResult
 from entrenar.train.plot import plot
-from entrenar.tree import tree_size
 
 
 @dataclasses.dataclass
@@ -229,11 +229,32 @@ def _plan(prep: Prepared) -> dict[str, Any]:
         "steps": prep.total,
         "steps_per_epoch": prep.data.steps_per_epoch,
         "examples": prep.data.examples,
-        "parameters": tree_size(prep.params),
+        "parameters": logical_size(prep.params),
     }
     if trainable is not None:
-        out["trainable_parameters"] = tree_size(trainable)
+        out["trainable_parameters"] = logical_size(trainable)
     return out
+
+
+def logical_size(params: Any) -> int:
+    """Values the model stands for (not the bytes it is stored in).
+
+    A quantized weight counts its logical shape, a LoRA weight its base plus ``A``
+    and ``B``.
+    """
+
+    def node(x: Any) -> bool:
+        return isinstance(x, lora.LoRAWeight) or quant.is_quantized(x)
+
+    total = 0
+    for x in jax.tree_util.tree_leaves(params, is_leaf=node):
+        if isinstance(x, lora.LoRAWeight):
+            total += logical_size(x.base) + int(x.a.size) + int(x.b.size)
+        elif quant.is_quantized(x):
+            total += int(x.size)
+        else:
+            total += int(np.size(x))
+    return total
 
 
 def _plot(out_dir: str) -> dict[str, str]:
