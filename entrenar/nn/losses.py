@@ -16,10 +16,12 @@ Conventions (PyTorch's, so users' habits carry over):
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.linear import linear
@@ -237,6 +239,82 @@ def causal_lm_loss(
     )
 
 
+def _head_logits(
+    xc: jax.Array, w: jax.Array, matmul_dtype: str | None, f: Any
+) -> jax.Array:
+    """One chunk's logits ``(chunk, V)`` in ``f``; ``w`` already in the matmul dtype."""
+    if matmul_dtype is None:
+        return jnp.einsum("ci,vi->cv", xc, w.astype(xc.dtype)).astype(f)
+    return jnp.einsum(
+        "ci,vi->cv", xc.astype(w.dtype), w, preferred_element_type=jnp.float32
+    ).astype(f)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_nll(
+    x: jax.Array, w: jax.Array, y: jax.Array, matmul_dtype: str | None, f: Any
+) -> jax.Array:
+    """``logsumexp(z) - z[y]`` per token, ``z = x Wᵀ`` chunk by chunk: ``(C, chunk)``.
+
+    The custom VJP keeps only ``x`` and the per-token ``logsumexp`` and recomputes
+    each chunk's logits in the backward pass, where ``dz = softmax(z) - onehot(y)``
+    is formed in one elementwise pass (no scatter); ``dW`` is accumulated in
+    float32 only when ``W`` is differentiated. ``W`` is cast to the matmul dtype
+    once, not once per chunk.
+    """
+    return _chunked_nll_fwd_impl(x, w, y, matmul_dtype, f)[0]
+
+
+def _chunked_nll_fwd_impl(
+    x: jax.Array, w: jax.Array, y: jax.Array, matmul_dtype: str | None, f: Any
+) -> tuple[jax.Array, jax.Array]:
+    wl = w if matmul_dtype is None else w.astype(matmul_dtype)  # cast once
+
+    def one(xy: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        xc, yc = xy
+        z = _head_logits(xc, wl, matmul_dtype, f)  # (chunk, V)
+        lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
+        return lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0], lse
+
+    nll, lse = jax.lax.map(one, (x, y))  # (C, chunk) each
+    return nll, lse
+
+
+def _chunked_nll_fwd(
+    x: Any, w: Any, y: Any, matmul_dtype: str | None, f: Any
+) -> tuple[jax.Array, Any]:
+    nll, lse = _chunked_nll_fwd_impl(x.value, w.value, y.value, matmul_dtype, f)
+    want_dw = jnp.zeros((0,)) if w.perturbed else None
+    return nll, (x.value, w.value, y.value, lse, want_dw)
+
+
+def _chunked_nll_bwd(matmul_dtype: str | None, f: Any, res: Any, g: jax.Array) -> Any:
+    x, w, y, lse, want_dw = res
+    wl = w if matmul_dtype is None else w.astype(matmul_dtype)
+    md = x.dtype if matmul_dtype is None else wl.dtype
+
+    def one(dw: Any, xs: tuple[jax.Array, ...]) -> tuple[Any, jax.Array]:
+        xc, yc, lc, gc = xs
+        z = _head_logits(xc, wl, matmul_dtype, f)  # (chunk, V)
+        hit = jnp.arange(z.shape[-1])[None, :] == yc[:, None]  # (chunk, V)
+        dz = (jnp.exp(z - lc[:, None]) - hit.astype(f)) * gc[:, None].astype(f)
+        dzl = dz.astype(md)
+        dx = jnp.einsum("cv,vi->ci", dzl, wl, preferred_element_type=f)  # (chunk, D)
+        if dw is not None:
+            dw = dw + jnp.einsum(
+                "cv,ci->vi", dzl, xc.astype(md), preferred_element_type=jnp.float32
+            )
+        return dw, dx.astype(x.dtype)
+
+    dw0 = None if want_dw is None else jnp.zeros(w.shape, jnp.float32)
+    dw, dx = jax.lax.scan(one, dw0, (x, y, lse, g))  # dx: (C, chunk, D)
+    y_ct = np.zeros(y.shape, jax.dtypes.float0)
+    return dx, (None if dw is None else dw.astype(w.dtype)), y_ct
+
+
+_chunked_nll.defvjp(_chunked_nll_fwd, _chunked_nll_bwd, symbolic_zeros=True)
+
+
 def chunked_causal_lm_loss(
     hidden: jax.Array,
     weight: Any,
@@ -295,6 +373,10 @@ def chunked_causal_lm_loss(
     x = jnp.pad(x, ((0, pad), (0, 0))).reshape(chunks, chunk, d)  # (C, chunk, D)
     y = jnp.pad(jnp.where(valid, y, 0), (0, pad)).reshape(chunks, chunk)
     f = jnp.float64 if hidden.dtype == jnp.float64 else jnp.float32
+    if isinstance(weight, jax.Array | np.ndarray):
+        nll = _chunked_nll(x, jnp.asarray(weight), y, matmul_dtype, np.dtype(f))
+        nll = nll.reshape(-1)[:n].reshape(b, t - 1)  # (B, T-1)
+        return reduce_loss(nll, reduction, where=valid.reshape(b, t - 1))
 
     @jax.checkpoint
     def one(xy: tuple[jax.Array, jax.Array]) -> jax.Array:

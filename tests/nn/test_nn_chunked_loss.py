@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from entrenar import lora
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn import LlamaConfig, causal_lm_loss, linear
 from entrenar.nn.losses import chunked_causal_lm_loss
@@ -87,3 +88,43 @@ def test_bad_arguments() -> None:
         chunked_causal_lm_loss(h, w, labels, chunk=0)
     with pytest.raises(ShapeError, match="labels"):
         chunked_causal_lm_loss(h, w, labels[:, 1:])
+
+
+@pytest.mark.parametrize("matmul_dtype", [None, "bfloat16"])
+def test_weight_node_head_and_mixed_precision(matmul_dtype: str | None) -> None:
+    """A LoRA head takes the rematerialised path; bfloat16 matmuls the fast one."""
+    h, w, labels, mask = _inputs()
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((2, 16)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((50, 2)), jnp.float32)
+
+    def whole(h: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+        node = lora.LoRAWeight(w, a, b, alpha=4.0, rank=2)
+        z = linear(h, node, matmul_dtype=matmul_dtype)
+        return _weighted(causal_lm_loss(z, labels, "none", loss_mask=mask))
+
+    def chunked(h: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+        node = lora.LoRAWeight(w, a, b, alpha=4.0, rank=2)
+        out = chunked_causal_lm_loss(
+            h, node, labels, "none", loss_mask=mask, chunk=4, matmul_dtype=matmul_dtype
+        )
+        return _weighted(out)
+
+    ga = jax.value_and_grad(chunked, argnums=(0, 1, 2))(h, a, b)
+    gb = jax.value_and_grad(whole, argnums=(0, 1, 2))(h, a, b)
+    for x, y in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-4)
+    if matmul_dtype is not None:  # plain head: fast path vs whole logits, same dtype
+        fast = jax.grad(
+            lambda h: _weighted(
+                chunked_causal_lm_loss(
+                    h, w, labels, "none", chunk=8, matmul_dtype="bfloat16"
+                )
+            )
+        )(h)
+        ref = jax.grad(
+            lambda h: _weighted(
+                causal_lm_loss(linear(h, w, matmul_dtype="bfloat16"), labels, "none")
+            )
+        )(h)
+        np.testing.assert_allclose(fast, ref, rtol=1e-5, atol=1e-4)
