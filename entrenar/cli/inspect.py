@@ -12,8 +12,6 @@ import numpy as np
 import yaml
 
 from entrenar.cli.app import ModelPath, command
-from entrenar.config import summary
-from entrenar.errors import FormatError
 
 CONFIG_EXTENSIONS = (".yaml", ".yml")
 
@@ -23,6 +21,8 @@ CONFIG_EXTENSIONS = (".yaml", ".yml")
 @click.option("--detailed", is_flag=True, help="Also print what the run will do.")
 def validate_cmd(config: str, detailed: bool) -> None:
     """Check CONFIG (keys, types, ranges, files, model sizes) without training."""
+    from entrenar.config import summary
+
     spec = summary.validate(config)
     click.echo(f"✓ Configuration is valid: {config}")
     if detailed:
@@ -83,6 +83,8 @@ def _text(data: Any, depth: int) -> None:
 def info_cmd(path: str, fmt: str, tensors: bool) -> None:
     """Describe PATH: a run's YAML config or a model file/folder."""
     if path.lower().endswith(CONFIG_EXTENSIONS) and not _is_model_yaml(path):
+        from entrenar.config import summary
+
         spec = summary.validate(path)
         data = {"summary": summary.summarize(spec), "config": summary.as_dict(spec)}
     else:
@@ -151,6 +153,8 @@ def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
         if meta.custom.get("merge"):
             out["merge"] = meta.custom["merge"]
     if not items:
+        from entrenar.errors import FormatError
+
         raise FormatError(f"{path}: holds no tensors")
     out |= _tensor_rows(items)
     out["file_bytes"] = size
