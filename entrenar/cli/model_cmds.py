@@ -100,6 +100,7 @@ def quantize_cmd(
         chosen,
         block_size=block_size,
         per_channel=per_channel,
+        symmetric=method != "asymmetric",
         calibration_data=calibration_data,
     )
     click.echo(f"✓ {model} -> {output} ({chosen})")

@@ -84,8 +84,14 @@ def restore_quantized(params: Params, info: Mapping[str, Any], path: str) -> Par
     return out
 
 
-def quantize_options(scheme: str, block_size: int, per_channel: bool) -> dict[str, Any]:
-    """Keyword options of `entrenar.quant.quantize` for a scheme."""
+def quantize_options(
+    scheme: str, block_size: int, per_channel: bool, symmetric: bool = True
+) -> dict[str, Any]:
+    """Keyword options of `entrenar.quant.quantize` for a scheme.
+
+    ``symmetric=False`` gives int8 zero points (uint8 codes); q4_1 is the
+    asymmetric 4-bit GGML scheme by itself.
+    """
     if scheme in GGML_SCHEMES:
         return {}
     opts: dict[str, Any] = {"block_size": block_size}
@@ -93,6 +99,8 @@ def quantize_options(scheme: str, block_size: int, per_channel: bool) -> dict[st
         opts["double_quant"] = True
     if scheme == "int8" and per_channel:
         opts["granularity"] = "channel"
+    if scheme == "int8" and not symmetric:
+        opts["symmetric"] = False
     return opts
 
 
@@ -144,6 +152,7 @@ def write_quantized_model(
     *,
     block_size: int = 64,
     per_channel: bool = False,
+    symmetric: bool = True,
 ) -> str:
     """Quantize the weights of any `entrenar.io` model and write it (module docstring).
 
@@ -155,7 +164,7 @@ def write_quantized_model(
     """
     qparams = quant.quantize_params(
         quant.dequantize_params(model.params), scheme,
-        **quantize_options(scheme, block_size, per_channel),
+        **quantize_options(scheme, block_size, per_channel, symmetric),
     )  # fmt: skip
     tree, info = split_quantized(qparams)
     if not info:

@@ -33,6 +33,7 @@ def quantize_file(
     *,
     block_size: int = 64,
     per_channel: bool = False,
+    symmetric: bool = True,
     calibration_data: str | None = None,
 ) -> dict[str, Any]:
     """Quantize ``model`` to ``output`` with ``scheme``; a report of what it did.
@@ -51,7 +52,7 @@ def quantize_file(
     else:
         write_quantized_model(
             io.load_model(model), output, scheme, block_size=block_size,
-            per_channel=per_channel,
+            per_channel=per_channel, symmetric=symmetric,
         )  # fmt: skip
     before, after = _size(model), _size(output)
     report: dict[str, Any] = {

@@ -347,3 +347,33 @@ def test_python_dash_m_entrenar_in_a_subprocess(tmp_path):
     )
     assert failed.returncode == 2
     assert failed.stderr.strip() == "error: optimizer.lr: must be > 0, got -1"
+
+
+def test_quantize_with_the_books_bits_and_method(tmp_path):
+    out = tmp_path / "a8.safetensors"
+    result = run(
+        "quantize",
+        MODELS / "wine-mlp.safetensors",
+        "-o",
+        out,
+        "--bits",
+        "8",
+        "--method",
+        "asymmetric",
+        "--block-size",
+        "16",
+    )
+    assert result.exit_code == 0, result.output
+    w = load_built(str(out)).params["layers"][1]["weight"]
+    assert w.scheme == "int8" and w.codes.dtype == np.uint8 and w.offsets is not None
+    clash = run(
+        "quantize",
+        MODELS / "wine-mlp.safetensors",
+        "-o",
+        out,
+        "--bits",
+        "8",
+        "--scheme",
+        "q4_0",
+    )
+    assert clash.exit_code == 2 and "--bits 8 contradicts --scheme q4_0" in clash.stderr
