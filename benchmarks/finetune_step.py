@@ -4,12 +4,14 @@ One run measures, each in its own process (so each peak resident set is its own)
 
 - entrenar LoRA (rank 8, alpha 16 on q_proj/v_proj, AdamW 1e-4, batch 4 x 128, labels
   = inputs), written with the public API: `LlamaConfig`, `lora.apply/split/combine`,
-  `nn.causal_lm_loss` (or `nn.losses.chunked_causal_lm_loss` on `Llama.features`),
+  `nn.losses.chunked_causal_lm_loss` on `Llama.features` (``--loss full``:
+  `nn.causal_lm_loss` of `Llama.apply`'s logits),
   `optim.adamw`, one jitted step with donated buffers; in float32 and with
   ``LlamaConfig(matmul_dtype="bfloat16")`` (bfloat16 matmul inputs, float32
   accumulation, float32 everything else);
 - entrenar QLoRA: every projection of the layers NF4 with double quantization
-  (`quant.quantize_params`), the same adapters on top;
+  (`quant.quantize_params`), the same adapters on top, bfloat16 matmuls (float32
+  with ``--cases entrenar_qlora_f32``);
 - the peer, ``../shared/bench/peers/torch_llama_lora.py`` (transformers + PEFT +
   torch.optim.AdamW, same shape, rank, targets), in float32 and with ``--bf16``
   (``torch.autocast("cpu", bfloat16)``);
@@ -48,6 +50,8 @@ ENTRENAR_CASES: list[tuple[str, list[str]]] = [
     ("entrenar_lora_f32", ["--variant", "lora", "--matmul-dtype", "none"]),
     ("entrenar_lora_bf16", ["--variant", "lora", "--matmul-dtype", "bfloat16"]),
     ("entrenar_qlora_bf16", ["--variant", "qlora", "--matmul-dtype", "bfloat16"]),
+]
+OPTIONAL_CASES: list[tuple[str, list[str]]] = [
     ("entrenar_qlora_f32", ["--variant", "qlora", "--matmul-dtype", "none"]),
 ]
 
@@ -229,8 +233,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--loss", choices=["full", "chunked"], default="full")
-    ap.add_argument("--chunk", type=int, default=128, help="tokens per loss chunk")
+    ap.add_argument(
+        "--loss",
+        choices=["full", "chunked"],
+        default="chunked",
+        help="full: causal_lm_loss of Llama.apply's logits; chunked: "
+        "chunked_causal_lm_loss of Llama.features (default)",
+    )
+    ap.add_argument("--chunk", type=int, default=256, help="tokens per loss chunk")
     ap.add_argument("--remat", action="store_true", help="LlamaConfig(remat=True)")
     ap.add_argument(
         "--only",
@@ -238,7 +248,11 @@ def main() -> None:
         default="all",
         help="measure only entrenar's cases or only the peer's",
     )
-    ap.add_argument("--cases", default="", help="comma-separated entrenar case names")
+    ap.add_argument(
+        "--cases",
+        default="",
+        help="comma-separated entrenar cases (default: all but entrenar_qlora_f32)",
+    )
     ap.add_argument("--worker", choices=["rate", "entrenar"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="lora", help=argparse.SUPPRESS)
@@ -300,8 +314,10 @@ def main() -> None:
         import jax
 
         result["jax"] = jax.__version__
-        for name, args in ENTRENAR_CASES:
-            if wanted and name not in wanted:
+        for name, args in ENTRENAR_CASES + OPTIONAL_CASES:
+            if (wanted and name not in wanted) or (
+                not wanted and (name, args) in OPTIONAL_CASES
+            ):
                 continue
             rec, rss = run_child([*me, "--worker", "entrenar", *common, *args])
             rec["peak_rss_mib"] = round(rss, 1)
