@@ -23,7 +23,7 @@ def _title(docs_dir: str, rel: str) -> str:
         lines = f.read().splitlines()
     for line in lines:
         if line.startswith("# "):
-            return line[2:].strip().strip("`")
+            return line[2:].replace("`", "").strip()
         if line.startswith('--8<-- "') and line.endswith('.md"'):
             return _title(root, line[len('--8<-- "') : -1])
     return os.path.splitext(os.path.basename(rel))[0]
