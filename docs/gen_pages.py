@@ -211,6 +211,7 @@ def stale(want: dict[str, str]) -> list[str]:
 
 
 def main() -> int:
+    """Write the stale pages, or with ``--check`` list them (exit 1)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report stale pages")
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""mkdocs hook: expand the nav entries ``guide/``, ``examples/``, ``api/``, ``benchmarks/``.
+"""mkdocs hook: expand the nav's folder entries (``guide/``, ``api/``...) into pages.
 
 Each such entry becomes the folder's pages (``index.md`` first, then by name), titled
 by their source's title, so a page that docs/gen_pages.py adds for a new spec,
