@@ -8,8 +8,8 @@ and asserts what it can itself (a failure exits non-zero with the traceback).
 - ``meshes`` (8 devices): a small Llama, 20 steps on 1 device and on meshes
   {data: 8}, {fsdp: 8}, {data: 2, fsdp: 4}; loss curves, final params, per-device
   bytes; the {fsdp: 8} run checkpoints at step 10.
-- ``resume <ckpt_dir> <mesh>`` (any device count): resume that run at step 10 and
-  train to 20.
+- ``resume <meshes_out_dir> <mesh>`` (any device count, started with ``meshes``):
+  resume its {fsdp: 8} run at step 10 and train to 20.
 - ``adapters`` (8 devices): LoRA on {data: 2, fsdp: 4} and QLoRA (NF4 bases) on
   {fsdp: 8} against 1 device; batch placement helpers.
 - ``multiprocess <pid> <port>`` (4 devices each, 2 processes): {data: 2, fsdp: 4}
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -93,6 +95,8 @@ def meshes(out: str) -> None:
     )
     assert moved > 1e-3, moved  # the runs train: matching is not trivial
     report: dict = {"loss": ref["loss"], "moved": moved, "bytes": {}}
+    np.savez(os.path.join(out, "final.tmp.npz"), *ref["params"])  # for `resume`
+    os.replace(os.path.join(out, "final.tmp.npz"), os.path.join(out, "final.npz"))
     for name, spec, kw in (
         ("data8", {"data": 8}, {}),
         ("fsdp8", {"fsdp": 8}, {"output_dir": out, "checkpoint_every": 10}),
@@ -107,15 +111,23 @@ def meshes(out: str) -> None:
             "max_per_device": max(per_device.values()),
             "devices": len(per_device),
         }
-    np.savez(os.path.join(out, "final.npz"), *ref["params"])
     with open(os.path.join(out, "meshes.json"), "w") as f:
         json.dump(report, f)
 
 
 def resume(out: str, ckpt: str, spec: str) -> None:
+    # started with `meshes`: wait for its reference params and step-10 checkpoint
+    # (orbax renames a checkpoint's folder when complete), then copy the
+    # checkpoint, so that our Checkpointer never touches the running one's folder
+    src = os.path.join(ckpt, "checkpoints", "10")
+    deadline = time.monotonic() + 900
+    while not (os.path.isdir(src) and os.path.exists(os.path.join(ckpt, "final.npz"))):
+        assert time.monotonic() < deadline, f"no checkpoint {src}"
+        time.sleep(0.5)
+    shutil.copytree(src, os.path.join(out, "checkpoints", "10"))
     mesh = json.loads(spec)
     params = MODEL.init(jax.random.key(0))
-    run = fit(MODEL, params, mesh, resume=os.path.join(ckpt, "checkpoints", "10"))
+    run = fit(MODEL, params, mesh, resume=os.path.join(out, "checkpoints", "10"))
     ref = np.load(os.path.join(ckpt, "final.npz"))
     for i, a in enumerate(run["params"]):
         np.testing.assert_allclose(a, ref[f"arr_{i}"], **TOL)
