@@ -57,10 +57,12 @@ bench: $(STAMP)
 	set -e; for f in benchmarks/*.py; do echo "== $$f"; $(BIN)/python $$f; done
 
 ## The documentation site (mkdocs.yml) in site/: strict, so a broken reference, a missing
-## page or a docstring griffe cannot parse fails. The generated pages are rewritten first.
+## page or a docstring griffe cannot parse fails. The generated pages are rewritten first;
+## check_site.py then finds every public name rendered in site/api.
 docs: $(STAMP)
 	$(BIN)/python docs/gen_pages.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	$(BIN)/python docs/check_site.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis
