@@ -1,10 +1,15 @@
 """The main job end to end: QLoRA of the real SmolLM2 GGUF, exported and reloaded.
 
-A short run of ``examples/configs/smollm2-qlora.yaml`` (fewer steps), then: the
-held-out exact match of the exported GGUF, reloaded from disk, beats the base
-model's; greedy replies with the adapter equal those of the folded Q8_0 GGUF on the
-prompts used; greedy chat ends at the end-of-turn token; the Hugging Face folder
-gives the adapter model's logits.
+A short run of ``examples/configs/smollm2-qlora.yaml`` (fewer steps), then:
+
+- the held-out exact match of the exported Q8_0 GGUF, reloaded from disk, beats the
+  base model's by a wide margin and stays within two records of the adapter's;
+- greedy chat through the chat template ends at the end-of-turn token ``<|im_end|>``;
+- greedy replies with the adapter equal those of the folded model exported as F32.
+  Not Q8_0: its rounding (0.4x the update's size, uncorrelated with it) keeps the
+  update on average but can flip the argmax of a borderline reply (one of 32 records
+  in a 14-step run), so exact equality is only a property of a lossless export;
+- the Hugging Face folder gives the adapter model's logits.
 """
 
 import os
@@ -14,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entrenar import data, io
+from entrenar import data, io, lora
 from entrenar.chat import ChatModel, exact_match
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +41,7 @@ def test_qlora_main_job_improves_the_exported_model(gguf, tmp_path):
     from entrenar.config.run import train_from_yaml
 
     held = list(data.load_records(HELDOUT))[:N_HELD]
+    questions = [r["messages"][:-1] for r in held[:N_PROMPTS]]
     base = ChatModel.from_gguf(gguf)
     before = exact_match(base, held)
     del base
@@ -43,31 +49,38 @@ def test_qlora_main_job_improves_the_exported_model(gguf, tmp_path):
         CONFIG,
         {"training.max_steps": STEPS, "training.output_dir": str(tmp_path)},
         progress=False,
-    )  # fmt: skip
+    )
     assert run.spec.export.gguf_type == "Q8_0"
     for kind in ("adapter", "gguf", "hf", "metrics", "plot"):
         assert os.path.exists(run.files[kind]), kind
     assert os.path.isfile(os.path.join(run.files["adapter"], "adapter_config.json"))
 
-    merged = ChatModel.from_gguf(run.files["gguf"])  # reloaded from disk
+    merged = ChatModel.from_gguf(run.files["gguf"])  # Q8_0, reloaded from disk
     after = exact_match(merged, held)
     assert before.accuracy <= 0.1 and after.accuracy >= before.accuracy + 0.5, (
         before,
         after,
     )
+    for q in questions:
+        m = merged.reply(q, max_new_tokens=24)
+        assert m.finish_reason == "stop" and m.token_ids[-1] == merged.tokenizer.eos_id
+    del merged
 
     adapted = ChatModel.from_gguf(gguf, adapter=run.files["adapter"])
-    eot = merged.tokenizer.eos_id
-    for r in held[:N_PROMPTS]:
-        question = r["messages"][:-1]
-        a = adapted.reply(question, max_new_tokens=24)
-        m = merged.reply(question, max_new_tokens=24)
-        assert a.token_ids == m.token_ids, (question, a.text, m.text)
-        assert m.finish_reason == "stop" and m.token_ids[-1] == eot  # <|im_end|>
-    assert exact_match(adapted, held).hits == after.hits
+    with_adapter = exact_match(adapted, held)
+    assert abs(with_adapter.correct - after.correct) <= 2, (with_adapter, after)
+    f32 = tmp_path / "model-f32.gguf"
+    kept = lora.save_folded_gguf(
+        f32, adapted.model, adapted.params, source=gguf, tensor_type="F32"
+    )
+    assert kept.kept == pytest.approx(1.0, abs=1e-4)
+    folded = ChatModel.from_gguf(f32)
+    for q in questions:
+        assert adapted.reply(q, max_new_tokens=24) == folded.reply(q, max_new_tokens=24)
+    assert exact_match(folded, held).hits == with_adapter.hits
 
     config, hf_params = io.load_hf_llama(run.files["hf"])
-    ids = jnp.asarray([adapted.encode(held[0]["messages"][:-1])], jnp.int32)
+    ids = jnp.asarray([adapted.encode(questions[0])], jnp.int32)
     want = jax.jit(adapted.model.apply)(adapted.params, ids)
     got = jax.jit(config.apply)(hf_params, ids)
     np.testing.assert_allclose(got, want, atol=2e-3 * float(jnp.abs(want).max()))
