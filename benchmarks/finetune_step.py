@@ -23,7 +23,10 @@ One run measures, each in its own process (so each peak resident set is its own)
 
 Step times are medians over ``--steps`` timed steps after two warm-up steps (the
 peer's protocol); entrenar's compile time (lower + compile) is reported apart. Peak
-RSS is the child's ``ru_maxrss`` from ``os.wait4``. Prints one JSON document.
+RSS is the child's ``ru_maxrss`` from ``os.wait4`` (set-up included: an entrenar
+QLoRA run first builds float32 weights, then quantizes them); entrenar's runs also
+report their RSS after set-up and XLA's own accounting of the step (arguments and
+temporaries, `Compiled.memory_analysis`). Prints one JSON document.
 
     python benchmarks/finetune_step.py [--layers 30] [--steps 6] [--only entrenar]
 """
@@ -78,10 +81,11 @@ def step_flops(layers: int, batch: int, seq: int, rank: int) -> dict[str, float]
 
 
 # -------------------------------------------------------------------- workers
-def _peak_rss_self_mib() -> float:
+def _rss_self_mib(field: str) -> float:
+    """``VmHWM:`` (peak) or ``VmRSS:`` (current) of this process, in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -164,9 +168,12 @@ def worker_entrenar(a: argparse.Namespace) -> dict[str, Any]:
         updates, state = tx.update(grads, state, trainable)
         return optim.apply_updates(trainable, updates), state, loss
 
+    rss_setup = _rss_self_mib("VmRSS:")  # parameters built (and quantized)
     t0 = time.perf_counter()
     compiled = step.lower(trainable, state, frozen, tokens).compile()
     compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    mib = 1 << 20
     times, losses = [], []
     for i in range(a.steps + 2):
         t0 = time.perf_counter()
@@ -182,7 +189,10 @@ def worker_entrenar(a: argparse.Namespace) -> dict[str, Any]:
         "step_s_max": round(max(times), 4),
         "loss_first": round(losses[0], 4),
         "loss_last": round(losses[-1], 4),
-        "peak_rss_self_mib": round(_peak_rss_self_mib(), 1),
+        "peak_rss_self_mib": round(_rss_self_mib("VmHWM:"), 1),
+        "rss_after_setup_mib": round(rss_setup, 1),
+        "step_arguments_mib": round(mem.argument_size_in_bytes / mib, 1),
+        "step_temporaries_mib": round(mem.temp_size_in_bytes / mib, 1),
     }
 
 
