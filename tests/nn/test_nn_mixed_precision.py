@@ -106,14 +106,15 @@ def _adapter_grads(cfg: LlamaConfig, params: dict, tokens: jax.Array) -> tuple:
     return float(value), [np.asarray(g) for g in jax.tree_util.tree_leaves(grads)]
 
 
-def _tiny_lora(quantized: bool) -> tuple[dict, jax.Array]:
+def _tiny_lora(quantized: str | None) -> tuple[dict, jax.Array]:
     params = TINY.init(jax.random.key(0))
     if quantized:
+        options = {"double_quant": True} if quantized == "nf4" else {}
         params = quant.quantize_params(
             params,
-            "nf4",
-            double_quant=True,
+            quantized,
             predicate=lambda name, x: ".layers." in name and "_proj" in name,
+            **options,
         )
     params = lora.apply(
         params,
@@ -129,8 +130,8 @@ def _tiny_lora(quantized: bool) -> tuple[dict, jax.Array]:
     return params, tokens
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
-def test_bf16_matmuls_match_float32_gradients(quantized: bool) -> None:
+@pytest.mark.parametrize("quantized", [None, "nf4", "q4_1"])
+def test_bf16_matmuls_match_float32_gradients(quantized: str | None) -> None:
     params, tokens = _tiny_lora(quantized)
     l32, g32 = _adapter_grads(TINY, params, tokens)
     mixed = dataclasses.replace(TINY, matmul_dtype="bfloat16")
@@ -145,7 +146,7 @@ def test_bf16_matmuls_match_float32_gradients(quantized: bool) -> None:
 _SUBPROCESS = """
 import dataclasses, json, jax, numpy as np
 from tests.nn.test_nn_mixed_precision import TINY, _adapter_grads, _tiny_lora
-params, tokens = _tiny_lora(True)
+params, tokens = _tiny_lora("nf4")
 cfg = dataclasses.replace(TINY, matmul_dtype="bfloat16")
 loss, grads = _adapter_grads(cfg, params, tokens)
 print(json.dumps([loss] + [float(np.sum(g * g)) for g in grads]))
