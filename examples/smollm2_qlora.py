@@ -18,10 +18,12 @@
 import argparse
 import json
 import os
+import shutil
 import time
 
 from entrenar import data, io, lora
 from entrenar.chat import ChatModel, exact_match
+from entrenar.config import load_config
 from entrenar.config.run import train_from_yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,6 +76,10 @@ def main() -> None:
         overrides["training.max_steps"] = args.max_steps
     if args.output_dir:
         overrides["training.output_dir"] = args.output_dir
+    out_dir = load_config(args.config, overrides).training.output_dir
+    if os.path.isfile(os.path.join(out_dir, "config.json")):  # an earlier run's folder
+        print(f"(replacing the earlier run in {out_dir})")
+        shutil.rmtree(out_dir)  # its checkpoints would stop a fresh run
     t = clock()
     run = train_from_yaml(args.config, overrides, progress=False)
     t_train = since(t)
