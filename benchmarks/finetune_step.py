@@ -131,7 +131,12 @@ def worker_entrenar(a: argparse.Namespace) -> dict[str, Any]:
     from entrenar.nn import losses as nn_losses
 
     md = None if a.matmul_dtype == "none" else a.matmul_dtype
-    cfg = LlamaConfig.smollm2_135m(num_layers=a.layers, matmul_dtype=md, remat=a.remat)
+    cfg = LlamaConfig.smollm2_135m(
+        num_layers=a.layers,
+        matmul_dtype=md,
+        remat=a.remat,
+        remat_policy=a.remat_policy or None,
+    )
     params = cfg.init(jax.random.key(0))
     if a.variant == "qlora":
         params = quant.quantize_params(
@@ -252,6 +257,7 @@ def main() -> None:
     )
     ap.add_argument("--chunk", type=int, default=256, help="tokens per loss chunk")
     ap.add_argument("--remat", action="store_true", help="LlamaConfig(remat=True)")
+    ap.add_argument("--remat-policy", default="", help="LlamaConfig(remat_policy=...)")
     ap.add_argument(
         "--only",
         choices=["all", "entrenar", "peer"],
@@ -292,6 +298,8 @@ def main() -> None:
     common = [*shape, "--loss", a.loss, "--chunk", str(a.chunk)]
     if a.remat:
         common.append("--remat")
+    if a.remat_policy:
+        common += ["--remat-policy", a.remat_policy]
     flops = step_flops(a.layers, a.batch, a.seq, a.rank)
     result: dict[str, Any] = {
         "benchmark": "finetune_step",
@@ -309,6 +317,7 @@ def main() -> None:
             "loss": a.loss,
             "chunk": a.chunk,
             "remat": a.remat,
+            "remat_policy": a.remat_policy or None,
         },
         "flops_per_step": flops,
     }

@@ -170,3 +170,16 @@ def test_same_results_without_amx() -> None:
         )
         out[isa] = json.loads(proc.stdout.strip().splitlines()[-1])
     np.testing.assert_allclose(out[""], out["--xla_cpu_max_isa=AVX2"], rtol=1e-4)
+
+
+def test_remat_policy_gives_the_same_gradients() -> None:
+    params, tokens = _tiny_lora(None)
+    mixed = dataclasses.replace(TINY, matmul_dtype="bfloat16")
+    l0, g0 = _adapter_grads(mixed, params, tokens)
+    policy = dataclasses.replace(mixed, remat_policy="dots_saveable")
+    l1, g1 = _adapter_grads(policy, params, tokens)
+    assert abs(l1 - l0) < 1e-6
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ConfigError, match="remat_policy"):
+        dataclasses.replace(TINY, remat_policy="save_nothing_please")
