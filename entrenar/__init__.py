@@ -60,6 +60,7 @@ __all__ = [
     "config",
     "data",
     "distill",
+    "distributed",
     "errors",
     "grad",
     "io",
