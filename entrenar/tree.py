@@ -59,6 +59,23 @@ def key_path_str(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
+def list_index(part: str) -> int | None:
+    """The list position a part of a dotted name stands for, else None.
+
+    In memory a list position is a bare number (``layers.3.weight``, from
+    `key_path_str`); in a stored file it is bracketed (``layers.[3].weight``, from
+    `entrenar.io.flatten_params`). Both mean one layer, not a stacked key.
+
+    >>> list_index("3"), list_index("[3]"), list_index("q_proj")
+    (3, 3, None)
+    """
+    if part.isdigit():
+        return int(part)
+    if len(part) > 2 and part[0] == "[" and part[-1] == "]" and part[1:-1].isdigit():
+        return int(part[1:-1])
+    return None
+
+
 def tree_named_leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
     """List of ``(dotted_name, leaf)`` pairs in flattening order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
@@ -121,6 +138,7 @@ __all__ = [
     "assert_trees_allclose",
     "check_same_structure",
     "key_path_str",
+    "list_index",
     "tree_bytes",
     "tree_named_leaves",
     "tree_size",

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from entrenar import nn
 from entrenar.lora import LoRAWeight
+from entrenar.lora.names import stacked_split
 from entrenar.quant import QuantizedWeight
 from entrenar.tree import key_path_str
 from entrenar.types import PyTree
@@ -76,11 +77,7 @@ def _matches(match: Match, name: str, leaf: Any) -> bool:
 
 
 def _is_stacked(name: str, stacked_keys: tuple[str, ...]) -> bool:
-    parts = name.split(".")
-    return any(
-        p in stacked_keys and not parts[j + 1].isdigit()
-        for j, p in enumerate(parts[:-1])
-    )
+    return stacked_split(name, stacked_keys) is not None
 
 
 def fsdp_axis(

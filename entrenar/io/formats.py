@@ -34,6 +34,7 @@ from entrenar.io.model import (
 )
 from entrenar.io.safetensors_io import load_model_safetensors, save_model_safetensors
 from entrenar.nn import LlamaConfig
+from entrenar.types import Params
 
 # numpy dtype name <-> ggml type id for generic GGUF tensors.
 _GGUF_DTYPES = {
@@ -144,9 +145,14 @@ def _load_gguf(path: str) -> Model:
 
 
 def save_model(
-    model: Model, path: str | os.PathLike[str], config: SaveConfig | None = None
+    model: Model | Params,
+    path: str | os.PathLike[str],
+    config: SaveConfig | None = None,
 ) -> None:
     """Write ``model`` to ``path`` in ``config.format`` (atomically).
+
+    ``model`` is a `Model` or a bare params tree (nested dicts and lists of arrays),
+    saved with the default `ModelMetadata`.
 
     A model with architecture ``"llama"`` and ``custom["llama_config"]`` (as
     `load_model` returns for a Llama GGUF) is written to GGUF as a llama.cpp model
@@ -154,6 +160,13 @@ def save_model(
     and tokenizer from ``config.gguf_source`` or ``custom["gguf_source"]``); any
     other model as a generic GGUF.
     """
+    if isinstance(model, dict | list | tuple):
+        model = Model(ModelMetadata(), model)
+    elif not isinstance(model, Model):
+        raise TypeError(
+            f"save_model takes an entrenar.io.Model or a params tree (dicts and lists "
+            f"of arrays), not {type(model).__name__}"
+        )
     config = config or SaveConfig()
     fmt = ModelFormat(config.format)
     if fmt == ModelFormat.JSON:

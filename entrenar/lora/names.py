@@ -15,7 +15,7 @@ import jax
 
 from entrenar import nn
 from entrenar.lora.weight import LoRAWeight
-from entrenar.tree import key_path_str
+from entrenar.tree import key_path_str, list_index
 
 STACKED_KEYS: tuple[str, ...] = nn.STACKED_KEYS
 """Dict keys under which transformer layers are stacked along axis 0."""
@@ -41,10 +41,12 @@ def stacked_split(
     ('model.layers', 'self_attn.q_proj.weight')
     >>> stacked_split("model.layers.3.self_attn.q_proj.weight") is None
     True
+    >>> stacked_split("layers.[0].weight") is None  # a stored list position
+    True
     """
     parts = path.split(".")
     for j, p in enumerate(parts[:-1]):
-        if p in stacked_keys and not parts[j + 1].isdigit():
+        if p in stacked_keys and list_index(parts[j + 1]) is None:
             return ".".join(parts[: j + 1]), ".".join(parts[j + 1 :])
     return None
 

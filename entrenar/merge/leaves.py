@@ -23,7 +23,7 @@ from entrenar.lora.names import stacked_split
 from entrenar.lora.weight import LoRAWeight
 from entrenar.nn import STACKED_KEYS
 from entrenar.quant import QuantizedWeight, dequantize
-from entrenar.tree import key_path_str
+from entrenar.tree import key_path_str, list_index
 from entrenar.types import PyTree
 
 
@@ -48,8 +48,9 @@ def _indexed_layer(name: str) -> tuple[str, int] | None:
     """``("model.layers", 3)`` for ``model.layers.3.mlp.up_proj.weight``, else None."""
     parts = name.split(".")
     for j, p in enumerate(parts[:-1]):
-        if p in STACKED_KEYS and parts[j + 1].isdigit():
-            return ".".join(parts[: j + 1]), int(parts[j + 1])
+        index = list_index(parts[j + 1])
+        if p in STACKED_KEYS and index is not None:
+            return ".".join(parts[: j + 1]), index
     return None
 
 

@@ -112,6 +112,15 @@ def test_jax_arrays_save(tmp_path):
     )
 
 
+def test_bare_params_tree_saves_with_default_metadata(tmp_path):
+    save_model({"w": np.ones((2, 3), np.float32)}, tmp_path / "m.safetensors")
+    back = load_model(tmp_path / "m.safetensors")
+    assert back.metadata == ModelMetadata()
+    np.testing.assert_array_equal(back.params["w"], np.ones((2, 3)))
+    with pytest.raises(TypeError, match=r"Model or a params tree.*not ndarray"):
+        save_model(np.ones(3), tmp_path / "x.safetensors")
+
+
 def test_safetensors_is_readable_by_safetensors_and_torch(tmp_path):
     import safetensors.numpy
     import safetensors.torch

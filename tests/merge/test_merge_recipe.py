@@ -9,7 +9,7 @@ import pytest
 import yaml
 from merge_helpers import finetuned, make_tree
 
-from entrenar import io, lora, merge
+from entrenar import io, lora, merge, nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.nn import LlamaConfig, to_hf_names
 from entrenar.tree import assert_trees_allclose
@@ -321,3 +321,25 @@ def test_merge_files_checks_its_arguments():
         merge.merge_files(["a", "b"], "ties", base="c", density=[0.5] * 3)
     with pytest.raises(ConfigError, match="density or drop_rate"):
         merge.merge_files(["a"], "dare_ties", base="c", density=0.5, drop_rate=0.5)
+
+
+def test_recipe_over_mlp_files_equals_in_memory_ties(tmp_path):
+    """An MLP's ``layers.[i].weight`` is one layer's tensor, not a stack of rows.
+
+    (Read as stacked, TIES trimmed each row to its own density: up to 0.37 off.)
+    """
+    model = nn.MLP([6, 16, 3])
+    trees = [model.init(jax.random.key(i)) for i in range(3)]
+    files = []
+    for i, tree in enumerate(trees):
+        files.append(str(tmp_path / f"m{i}.safetensors"))
+        io.save_model(tree, files[-1])  # a bare params tree
+    doc = {
+        "merge_method": "ties",
+        "base_model": files[0],
+        "models": [{"model": f, "parameters": {"weight": 1.0}} for f in files[1:]],
+        "parameters": {"density": 0.5},
+    }
+    merge.run_recipe(doc, tmp_path / "out.safetensors")
+    got = io.load_model(tmp_path / "out.safetensors").params
+    assert_trees_allclose(got, merge.ties(trees[0], trees[1:], density=0.5), **TOL)
