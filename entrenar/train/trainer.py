@@ -238,13 +238,15 @@ class Trainer:
         total = cfg.max_steps or cfg.epochs * len(loader)
         # 2. Outputs: metrics.jsonl (+ TensorBoard) and checkpoints, in output_dir.
         if cfg.output_dir is not None:
+            self._checkpointer = Checkpointer(
+                os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep_checkpoints
+            )
+            if resume is None:
+                self._refuse_older_run(self._checkpointer)
             if jax.process_index() == 0:  # several processes: one writes the logs
                 self._writer = MetricsWriter(
                     cfg.output_dir, tensorboard=cfg.tensorboard
                 )
-            self._checkpointer = Checkpointer(
-                os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep_checkpoints
-            )
         # 3. State: fresh, or everything a checkpoint holds (and the data position).
         loader.set_epoch(self.epoch)
         self.batch_in_epoch, self.should_stop = 0, False
@@ -435,6 +437,19 @@ class Trainer:
             "best_step": self.best_step, "bad_evals": self.bad_evals,
             "window": self._window, "stopped": self.should_stop,
         }  # fmt: skip
+
+    def _refuse_older_run(self, ckpt: Checkpointer) -> None:
+        """A fresh run may not write over another run's checkpoints (found at start)."""
+        last = ckpt.latest_step()
+        if last is not None and last > self.step:
+            ckpt.close()
+            self._checkpointer = None
+            raise ConfigError(
+                f"output_dir {self.config.output_dir!r} holds checkpoints of another "
+                f"run (up to step {last}): continue it with fit(..., "
+                f"resume='latest') (`entrenar train --resume latest`), or give a new "
+                f"output_dir, or delete {ckpt.directory!r}"
+            )
 
     def _checkpoint(self, loader: Loader) -> None:
         if self._checkpointer is None:

@@ -1,5 +1,6 @@
 """Trainer: early stopping, the non-finite guard, outputs, callbacks, resume."""
 
+import dataclasses
 import json
 import os
 
@@ -217,6 +218,23 @@ def test_resume_latest_without_checkpoint_starts_fresh_and_bad_path_errors(tmp_p
         Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA, resume=tmp_path / "x")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [2]
+
+
+def test_fresh_run_into_a_used_output_dir_is_refused_before_training(tmp_path):
+    cfg = TrainConfig(max_steps=2, batch_size=4, output_dir=str(tmp_path),
+                      progress=False)  # fmt: skip
+    Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    trainer = Trainer(linear_loss, PARAMS, sgd(0.1), cfg)
+    with pytest.raises(ConfigError, match=r"up to step 2.*resume='latest'"):
+        trainer.fit(DATA)
+    assert trainer.step == 0  # refused before the first step
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    # the same Trainer going on in memory writes on past its own checkpoints
+    again = Trainer(linear_loss, PARAMS, sgd(0.1), cfg)
+    again.fit(DATA, resume="latest")
+    again.config = dataclasses.replace(cfg, max_steps=4)
+    assert again.fit(DATA).steps == 4
 
 
 def test_evaluate_weights_batches_by_loss_weight_and_train_epoch():
