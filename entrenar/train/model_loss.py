@@ -8,11 +8,14 @@
   average over tokens, not over batches).
 - Any other model with ``apply(params, x, *, key=None)`` (`entrenar.nn.MLP`): the
   ``TrainConfig.loss`` named in ``entrenar.nn.losses.LOSSES`` between
-  ``apply(params, batch["x"])`` and ``batch["y"]``, a mean over the batch.
+  ``apply(params, batch["x"])`` and ``batch["y"]``, a mean over the batch, with
+  ``loss_weight`` the number of rows (of targets not ignored, for cross-entropy),
+  so that a short last batch counts for what it holds.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -78,8 +81,13 @@ def supervised_loss_fn(model: Any, loss: str = "mse") -> LossFn:
 
     def loss_fn(params: Params, batch: PyTree, *, key: Any) -> Any:
         _need(batch, ("x", "y"), "supervised")
+        y = jnp.asarray(batch["y"])  # (B, ...)
         pred = model.apply(params, jnp.asarray(batch["x"]), key=key)
-        return fn(pred, jnp.asarray(batch["y"]))
+        if loss == "cross_entropy":  # the mean is over the targets not ignored
+            n = jnp.sum(y != IGNORE_INDEX).astype(jnp.float32)
+        else:  # the mean is over all of y's entries, B times as many as one row's
+            n = jnp.asarray(y.shape[0], jnp.float32)
+        return fn(pred, y), {"loss_weight": n}
 
     return loss_fn
 
@@ -107,8 +115,9 @@ def with_compute_dtype(loss_fn: LossFn, dtype: str | None) -> LossFn:
             return x.astype(dt)
         return x
 
-    def wrapped(params: Params, batch: PyTree, *, key: Any) -> Any:
-        return loss_fn(jax.tree_util.tree_map(cast, params), batch, key=key)
+    @functools.wraps(loss_fn)  # keeps its signature (a `step` keyword, say)
+    def wrapped(params: Params, batch: PyTree, *, key: Any, **kwargs: Any) -> Any:
+        return loss_fn(jax.tree_util.tree_map(cast, params), batch, key=key, **kwargs)
 
     return wrapped
 

@@ -2,9 +2,12 @@ r"""The jitted training and evaluation steps.
 
 A loss function has the signature ``loss_fn(params, batch, *, key) -> loss`` or
 ``-> (loss, metrics)``, with ``params`` the whole tree, ``batch`` a dict of arrays and
-``key`` the step's dropout key (``None`` at evaluation). A metric named
-``"loss_weight"`` is the number of terms the loss is a mean over (valid tokens, say);
-when present, micro-batches and evaluation batches are weighted by it, so that
+``key`` the step's dropout key (``None`` at evaluation). One that also has a ``step``
+keyword gets the optimizer step (traced; a schedule inside the loss, such as
+`entrenar.distill.ProgressiveDistiller`'s stages; at evaluation, the state's step).
+A metric named ``"loss_weight"`` is the number of terms the loss is a mean over
+(valid tokens, say); when present, micro-batches and evaluation batches are weighted
+by it, so that
 
 .. math::
     L = \frac{\sum_i w_i L_i}{\sum_i w_i},\qquad
@@ -25,6 +28,7 @@ holds one), ``tokens`` (for batches with ``attention_mask`` or ``input_ids``),
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -42,11 +46,35 @@ LossFn = Callable[..., Any]
 Metrics = dict[str, jax.Array]
 
 
+def takes_step(loss_fn: LossFn) -> bool:
+    """Whether ``loss_fn`` has a ``step`` keyword (a schedule inside the loss).
+
+    >>> takes_step(lambda p, b, *, key, step=None: 0.0), takes_step(lambda p, b: 0.0)
+    (True, False)
+    """
+    try:
+        params = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    step = params.get("step")
+    return step is not None and step.kind in (
+        step.KEYWORD_ONLY,
+        step.POSITIONAL_OR_KEYWORD,
+    )
+
+
 def call_loss(
-    loss_fn: LossFn, params: Params, batch: PyTree, key: Any
+    loss_fn: LossFn, params: Params, batch: PyTree, key: Any, step: Any = None
 ) -> tuple[jax.Array, jax.Array, Metrics]:
-    """``(loss, weight, metrics)`` from a loss function's result (weight 1 if none)."""
-    out = loss_fn(params, batch, key=key)
+    """``(loss, weight, metrics)`` from a loss function's result (weight 1 if none).
+
+    ``step`` (the optimizer step being taken) is passed only to a loss function
+    that `takes_step`, such as a progressive distiller's.
+    """
+    if step is not None and takes_step(loss_fn):
+        out = loss_fn(params, batch, key=key, step=step)
+    else:
+        out = loss_fn(params, batch, key=key)
     loss, aux = out if isinstance(out, tuple) else (out, {})
     if jnp.ndim(loss) != 0:
         raise ShapeError(
@@ -87,12 +115,18 @@ def split_microbatches(batch: PyTree, k: int) -> PyTree:
 
 
 def _value_and_grad(
-    loss_fn: LossFn, trainable: Params, frozen: Params, batch: PyTree, key: Any, k: int
+    loss_fn: LossFn,
+    trainable: Params,
+    frozen: Params,
+    batch: PyTree,
+    key: Any,
+    k: int,
+    step: Any = None,
 ) -> tuple[jax.Array, jax.Array, Metrics, Params]:
     """``(loss, weight, metrics, grads)``, accumulated over ``k`` micro-batches."""
 
     def f(t: Params, mb: PyTree, key: Any) -> tuple[jax.Array, Any]:
-        loss, w, aux = call_loss(loss_fn, combine(t, frozen), mb, key)
+        loss, w, aux = call_loss(loss_fn, combine(t, frozen), mb, key, step)
         return (loss if k == 1 else loss * w), (loss, w, aux)
 
     vg = jax.value_and_grad(f, has_aux=True)
@@ -181,7 +215,9 @@ def make_train_step(
         batch: PyTree,
     ) -> tuple[Params, Any, Any, Metrics]:  # fmt: skip
         key = jax.random.fold_in(root, count)
-        loss, _, aux, grads = _value_and_grad(loss_fn, trainable, frozen, batch, key, k)
+        loss, _, aux, grads = _value_and_grad(
+            loss_fn, trainable, frozen, batch, key, k, count
+        )
         if mesh is not None:  # FSDP: each device keeps its slice (reduce-scatter)
             layout = distributed.param_sharding(trainable, mesh, rules)
             grads = distributed.constrain(grads, layout)
@@ -246,15 +282,17 @@ def make_eval_step(
     """
 
     @jax.jit
-    def run(params: Params, batch: PyTree) -> Metrics:
-        loss, w, aux = call_loss(loss_fn, params, batch, None)
+    def run(params: Params, batch: PyTree, step: Any) -> Metrics:
+        loss, w, aux = call_loss(loss_fn, params, batch, None, step)
         return {"loss": loss, "loss_weight": w, **aux}
 
     def eval_step(state: TrainState | Params, batch: PyTree) -> Metrics:
-        params = state.params if isinstance(state, TrainState) else state
+        params, step = state, None
+        if isinstance(state, TrainState):
+            params, step = state.params, state.step
         if mesh is not None:
             batch = distributed.place_batch(batch, mesh)
-        return run(params, batch)
+        return run(params, batch, step)
 
     return eval_step
 
@@ -267,4 +305,5 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "split_microbatches",
+    "takes_step",
 ]

@@ -210,6 +210,27 @@ def test_progressive_llama_with_projection_and_schedule():
         loss_fn(params, batch)
 
 
+def test_progressive_stages_follow_the_trainers_step():
+    from entrenar.train import TrainConfig, Trainer
+
+    tp, sp = LM_T.init(jax.random.key(0)), LM_S.init(jax.random.key(1))
+    pd = {"student_layers": [1, 2], "teacher_layers": [2, 4], "stage_steps": 2,
+          "cumulative": False}  # fmt: skip
+    loss_fn = make_distill_loss_fn(LM_S, LM_T, tp, progressive=pd)
+    params = loss_fn.init(sp, key=jax.random.key(2))
+    batch = _lm_batch()
+    per = [float(loss_fn(params, batch, step=n)[1]["hidden"]) for n in (0, 2)]
+    assert abs(per[0] - per[1]) > 0.1 * per[0]  # the two stages differ
+    cfg = TrainConfig(max_steps=4, batch_size=3, log_every=1, shuffle=False,
+                      progress=False)  # fmt: skip
+    trainer = Trainer(loss_fn, params, optim.sgd(0.0), cfg, trainable=loss_fn.trainable)
+    result = trainer.fit(batch, batch)  # lr 0: the same params at every step
+    hidden = [h["hidden"] for h in result.history]  # steps 0, 1 | 2, 3
+    np.testing.assert_allclose(hidden, [per[0], per[0], per[1], per[1]], rtol=1e-5)
+    evaluated = trainer.evaluate(batch)["eval_hidden"]  # at the state's step, 4
+    np.testing.assert_allclose(evaluated, per[1], rtol=1e-5)
+
+
 def test_errors():
     tp = TEACHER.init(jax.random.key(0))
     loss_fn, params, _ = _mlp_setup()

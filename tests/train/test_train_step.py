@@ -137,7 +137,7 @@ def test_lora_trainable_has_no_gradient_or_state_for_frozen_weights():
     # whole tree has at them (so nothing else was differentiated into it)
     for a, b in zip(frozen_before, leaves(state.frozen)):
         np.testing.assert_array_equal(a, b)
-    full = jax.grad(lambda p: loss_fn(p, batch, key=None))(params)
+    full = jax.grad(lambda p: loss_fn(p, batch, key=None)[0])(params)
     g_full = full["layers"][0]["weight"]
     assert isinstance(g_full, lora.LoRAWeight)
     for new, old, g in zip(leaves(state.trainable), adapters, [g_full.a, g_full.b]):

@@ -262,6 +262,20 @@ def test_evaluate_weights_batches_by_loss_weight_and_train_epoch():
     assert t.step == 8 and t.epoch == 2 and second < first
 
 
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+def test_evaluate_of_a_model_counts_a_short_last_batch_for_its_rows(loss):
+    model = MLP((3, 4, 2))
+    p = model.init(jax.random.key(0))
+    y = np.array([0, 1, -100, 1, 0, 0, 1, -100, 1, 0])  # -100: ignored targets
+    if loss == "mse":
+        y = RNG.normal(size=(10, 2)).astype(np.float32)
+    data = {"x": X[:10], "y": y}  # batches of 4, 4 and 2 rows
+    cfg = TrainConfig(batch_size=4, loss=loss, shuffle=False, progress=False)
+    t = Trainer(model, p, sgd(0.1), cfg)
+    whole = float(t.loss_fn(p, data, key=None)[0])
+    assert t.evaluate(data)["eval_loss"] == pytest.approx(whole, rel=1e-6)
+
+
 def test_compute_dtype_casts_params_inside_the_loss_only():
     seen = []
 
