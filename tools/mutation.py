@@ -1,0 +1,110 @@
+"""Mutation testing of one part of entrenar with the tests of that part (mutmut 3).
+
+    python tools/mutation.py optim                 # entrenar/optim/* vs tests/optim
+    python tools/mutation.py nn/losses.py tests/nn/test_nn_losses.py
+
+mutmut changes one operator, constant or call at a time ("mutants") and runs the
+tests that reach the changed function; a mutant no test notices *survived*. The
+score is killed / (killed + survived) (timeouts count as killed, as mutmut does).
+Each run works in a scratch copy (``.mutation/<name>``): entrenar/, the chosen tests
+and a pyproject.toml whose ``[tool.mutmut]`` names them, so the repository is never
+touched and the parts run one at a time on a small machine. ``make mutation
+PART=optim`` calls this; the scores are recorded in QUALITY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _scratch(part: str, tests: list[str]) -> Path:
+    name = re.sub(r"[^A-Za-z0-9]+", "-", part).strip("-")
+    work = ROOT / ".mutation" / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    shutil.copytree(ROOT / "entrenar", work / "entrenar",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    (work / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "conftest.py", work / "tests" / "conftest.py")
+    for t in tests:
+        src = ROOT / t
+        dst = work / t
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+        else:
+            shutil.copy(src, dst)
+            for helper in src.parent.glob("*.py"):  # a folder's shared helpers
+                if not helper.name.startswith("test_"):
+                    shutil.copy(helper, dst.parent / helper.name)
+    target = part if part.endswith(".py") else f"{part.rstrip('/')}/*"
+    # the suite's markers block as it stands (tomllib is Python 3.11+)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    markers = re.search(r"^markers = \[.*?\]$", pyproject, re.S | re.M)
+    assert markers, "pyproject.toml: [tool.pytest.ini_options] markers not found"
+    (work / "pyproject.toml").write_text(
+        "[tool.mutmut]\n"
+        'source_paths = ["entrenar"]\n'
+        f'only_mutate = ["entrenar/{target}"]\n'
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not slow"]\n'
+        # JAX starts thread pools: fork from a clean server, not from the process
+        # that ran the suite (a fork of a multithreaded process can deadlock)
+        'process_isolation = "forkserver"\n'
+        'forkserver_warmup = "none"\n'
+        "use_git_change_detection = false\n"
+        "\n[tool.pytest.ini_options]\n"
+        'addopts = "-q --strict-markers"\n'
+        f"{markers.group(0)}\n"
+    )
+    return work
+
+
+def _score(work: Path) -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=work, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    counts: dict[str, int] = {}
+    for line in out.stdout.splitlines():
+        if ":" in line:
+            status = line.rsplit(":", 1)[1].strip()
+            counts[status] = counts.get(status, 0) + 1
+    return counts
+
+
+def main() -> None:
+    """Run mutmut on one part and print its counts and score."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", help="a package (optim) or module (nn/losses.py)")
+    parser.add_argument("tests", nargs="*", help="test paths (default tests/<package>)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    tests = args.tests or [f"tests/{args.part.split('/')[0]}"]
+    work = _scratch(args.part, tests)
+    subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)],
+        cwd=work, check=False,
+    )  # fmt: skip
+    counts = _score(work)
+    killed = counts.get("killed", 0) + counts.get("timeout", 0)
+    survived = counts.get("survived", 0)
+    total = killed + survived
+    print(json.dumps({"part": args.part, "tests": tests, **counts}))
+    if total:
+        print(f"mutation score {args.part}: {killed}/{total} = {killed / total:.1%}")
+    print(f"survivors: cd {work} && python -m mutmut results; mutmut show <name>")
+
+
+if __name__ == "__main__":
+    main()
