@@ -50,9 +50,9 @@ from entrenar.autograd.functional import (
     where,
 )
 from entrenar.autograd.gradcheck import GradientCheckResult, check_gradient
-from entrenar.autograd.ops import Op, apply, defop
+from entrenar.autograd.ops import Op, defop
 from entrenar.autograd.tape import enable_grad, get_tape, is_grad_enabled, no_grad
-from entrenar.autograd.tensor import Tensor, as_tensor
+from entrenar.autograd.tensor import Tensor, apply, as_tensor
 
 __all__ = [
     "DEFAULT_CACHE_SIZE",

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from entrenar.autograd import bucket as _bucket
 from entrenar.autograd import ops as _ops
 from entrenar.autograd.cache import programs as _programs
+from entrenar.autograd.tape import TensorBase
 from entrenar.errors import TapeError
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def build(target: Tensor, *, for_grad: bool) -> Program:
     differentiated (the gradient's variables). Slots: inputs are numbered 0, 1, ...;
     instruction outputs -1, -2, ...
     """
-    tensor_type = _ops.TENSOR_TYPE
+    tensor_type = TensorBase
     prog = Program()
     inputs, instrs, nodes = prog.inputs, prog.instrs, prog.nodes
     slot_of: dict[int, int] = {}  # id(tensor) or id(snapshot value) -> slot

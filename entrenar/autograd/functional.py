@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from entrenar.autograd import ops as _ops
-from entrenar.autograd.tensor import Tensor
+from entrenar.autograd.tensor import Tensor, apply
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn import attention as _attention
 from entrenar.nn import layers as _layers
 from entrenar.nn import losses as _losses
 
-apply, defop = _ops.apply, _ops.defop
+defop = _ops.defop
 
 
 # ---- elementwise ---------------------------------------------------------------------

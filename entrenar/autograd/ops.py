@@ -1,10 +1,11 @@
-"""Operations on tensors: how a call is recorded, and the basic math and shape ops.
+"""Operations on tensors: what an op is, its output's shape, the math and shape ops.
 
 Each operation is an `Op`: a name and a pure jnp function ``fn(*arrays, **static)``.
 Its backward rule is ``jax.vjp`` of that function; the engine applies it to the whole
-recorded graph at once (see `entrenar.autograd.engine`). Calling an op records a node
-and infers the output's shape and dtype with `jax.eval_shape` (cached per op, static
-parameters and input shapes), so shape errors surface at the line that caused them.
+recorded graph at once (see `entrenar.autograd.engine`). Calling an op
+(`entrenar.autograd.tensor.apply`) records a node whose output shape and dtype
+`infer` gives with `jax.eval_shape` (cached per op, static parameters and input
+shapes), so shape errors surface at the line that caused them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entrenar.autograd.tape import Node, get_tape, is_grad_enabled
+from entrenar.autograd.tape import TensorBase
 from entrenar.errors import ConfigError, ShapeError
 
 
@@ -59,7 +60,7 @@ _AVAL_CACHE: dict[tuple, Aval] = {}
 
 
 def _sig(a: Any) -> Any:
-    if isinstance(a, TENSOR_TYPE):
+    if isinstance(a, TensorBase):
         return a._aval
     if isinstance(a, (bool, int, float)):
         return type(a)
@@ -185,39 +186,14 @@ def _eval_shape(op: Op, static: tuple, sigs: Sequence[Any]) -> Aval:
 
 
 _INEXACT: dict[Any, bool] = {}
-TENSOR_TYPE: Any = None  # entrenar.autograd.tensor.Tensor, set when that module loads
 
 
-def _is_inexact(dtype: Any) -> bool:
+def is_inexact(dtype: Any) -> bool:
+    """Whether ``dtype`` is a float or complex dtype (cached: it is asked per op)."""
     r = _INEXACT.get(dtype)
     if r is None:
         r = _INEXACT[dtype] = bool(jnp.issubdtype(dtype, jnp.inexact))
     return r
-
-
-def apply(op: Op, *args: Any, **static: Any) -> Any:
-    """Record ``op(*args, **static)`` and return its (lazy) output tensor.
-
-    Under `no_grad` nothing is recorded: the op runs at once and the result is a
-    plain leaf that does not require grad.
-    """
-    tensor = TENSOR_TYPE
-    static_t = tuple(sorted(static.items())) if static else ()
-    aval = infer(op, static_t, args)
-    if not is_grad_enabled():
-        vals = [a.data if isinstance(a, tensor) else a for a in args]
-        return tensor._wrap(op.fn(*vals, **static), requires_grad=False)
-    requires = False
-    snaps = []
-    for a in args:
-        if isinstance(a, tensor):
-            requires = requires or a.requires_grad
-            snaps.append(a._value if a._node is None else None)
-        else:
-            snaps.append(None)
-    requires = requires and _is_inexact(aval.dtype)
-    node = Node(op, static_t, args, tuple(snaps), get_tape() if requires else None)
-    return tensor._lazy(node, aval, requires_grad=requires)
 
 
 PAD_RULES = ("elementwise", "sum", "mean", "max", "matmul", "transpose", "take")
@@ -292,7 +268,7 @@ CONCATENATE = defop("concatenate", lambda *xs, axis: jnp.concatenate(xs, axis))
 STACK = defop("stack", lambda *xs, axis: jnp.stack(xs, axis))
 
 
-def _encode_index(index: Any) -> tuple[tuple, list[Any]]:
+def encode_index(index: Any) -> tuple[tuple, list[Any]]:
     """Split an index into a hashable spec and its array parts (dynamic inputs)."""
     items = index if isinstance(index, tuple) else (index,)
     spec: list[Any] = []
@@ -302,8 +278,8 @@ def _encode_index(index: Any) -> tuple[tuple, list[Any]]:
             spec.append(("slice", it.start, it.stop, it.step))
         elif it is None or it is Ellipsis or isinstance(it, (int, np.integer)):
             spec.append(int(it) if isinstance(it, np.integer) else it)
-        elif isinstance(it, (TENSOR_TYPE, np.ndarray, jax.Array, list)):
-            arr = it if isinstance(it, TENSOR_TYPE) else np.asarray(it)
+        elif isinstance(it, (TensorBase, np.ndarray, jax.Array, list)):
+            arr = it if isinstance(it, TensorBase) else np.asarray(it)
             spec.append(("array", len(arrays)))
             arrays.append(arr)
         else:
@@ -326,9 +302,3 @@ def _decode_index(spec: tuple, arrays: Sequence[Any]) -> tuple:
 GETITEM = defop(  # padded as "take" only for x[int_array] (see bucket.plan)
     "getitem", lambda x, *arrays, spec: x[_decode_index(spec, arrays)], pad="take"
 )
-
-
-def getitem(x: Any, index: Any) -> Any:
-    """``x[index]``: ints, slices, None, Ellipsis and integer/bool arrays."""
-    spec, arrays = _encode_index(index)
-    return apply(GETITEM, x, *arrays, spec=spec)

@@ -23,6 +23,17 @@ if TYPE_CHECKING:
     from entrenar.autograd.ops import Op
 
 
+class TensorBase:
+    """The base of `entrenar.autograd.Tensor`, its only subclass.
+
+    The modules below ``tensor.py`` (``ops``, ``engine``) must tell a recorded tensor
+    from a constant array; they test ``isinstance(x, TensorBase)``, which needs no
+    import of ``tensor.py`` (which imports them).
+    """
+
+    __slots__ = ()
+
+
 class Node:
     """One recorded operation ``out = op.fn(*args, **static)``.
 

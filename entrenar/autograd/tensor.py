@@ -18,7 +18,7 @@ import numpy as np
 
 from entrenar.autograd import engine
 from entrenar.autograd import ops as _ops
-from entrenar.autograd.tape import Node
+from entrenar.autograd.tape import Node, TensorBase, get_tape, is_grad_enabled
 from entrenar.errors import ShapeError, TapeError
 
 
@@ -35,7 +35,7 @@ def _to_value(data: Any, dtype: Any = None) -> Any:
     return arr
 
 
-class Tensor:
+class Tensor(TensorBase):
     """A shaped array with an autograd tape.
 
     Args:
@@ -80,7 +80,7 @@ class Tensor:
         self._pending: Any = None
         self.requires_grad = bool(requires_grad)
         self.grad: Any = None
-        if requires_grad and not _ops._is_inexact(self.dtype):
+        if requires_grad and not _ops.is_inexact(self.dtype):
             raise TapeError(
                 f"only floating-point tensors can require grad, got {self.dtype}; "
                 "pass dtype=jnp.float32"
@@ -221,7 +221,7 @@ class Tensor:
         """A tensor with the same value, cut from the graph (no grad flows back)."""
         if self._node is None:
             return Tensor._wrap(self._value)
-        return _ops.apply(_ops.STOP_GRADIENT, self)._as_constant()
+        return apply(_ops.STOP_GRADIENT, self)._as_constant()
 
     def _as_constant(self) -> Tensor:
         self.requires_grad = False
@@ -243,7 +243,7 @@ class Tensor:
 
     def astype(self, dtype: Any) -> Tensor:
         """Convert to ``dtype`` (differentiable between float dtypes)."""
-        return _ops.apply(_ops.ASTYPE, self, dtype=np.dtype(dtype))
+        return apply(_ops.ASTYPE, self, dtype=np.dtype(dtype))
 
     def __repr__(self) -> str:
         grad = ", requires_grad=True" if self.requires_grad else ""
@@ -301,83 +301,84 @@ class Tensor:
 
     # ---- operators --------------------------------------------------------------
     def __add__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.ADD, self, o)
+        return apply(_ops.ADD, self, o)
 
     def __radd__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.ADD, o, self)
+        return apply(_ops.ADD, o, self)
 
     def __sub__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.SUB, self, o)
+        return apply(_ops.SUB, self, o)
 
     def __rsub__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.SUB, o, self)
+        return apply(_ops.SUB, o, self)
 
     def __mul__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.MUL, self, o)
+        return apply(_ops.MUL, self, o)
 
     def __rmul__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.MUL, o, self)
+        return apply(_ops.MUL, o, self)
 
     def __truediv__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.DIV, self, o)
+        return apply(_ops.DIV, self, o)
 
     def __rtruediv__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.DIV, o, self)
+        return apply(_ops.DIV, o, self)
 
     def __pow__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.POW, self, o)
+        return apply(_ops.POW, self, o)
 
     def __rpow__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.POW, o, self)
+        return apply(_ops.POW, o, self)
 
     def __matmul__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.MATMUL, self, o)
+        return apply(_ops.MATMUL, self, o)
 
     def __rmatmul__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.MATMUL, o, self)
+        return apply(_ops.MATMUL, o, self)
 
     def __neg__(self) -> Tensor:
-        return _ops.apply(_ops.NEG, self)
+        return apply(_ops.NEG, self)
 
     def __lt__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.LT, self, o)
+        return apply(_ops.LT, self, o)
 
     def __le__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.LE, self, o)
+        return apply(_ops.LE, self, o)
 
     def __gt__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.GT, self, o)
+        return apply(_ops.GT, self, o)
 
     def __ge__(self, o: Any) -> Tensor:
-        return _ops.apply(_ops.GE, self, o)
+        return apply(_ops.GE, self, o)
 
     def __getitem__(self, index: Any) -> Tensor:
-        return _ops.getitem(self, index)
+        spec, arrays = _ops.encode_index(index)
+        return apply(_ops.GETITEM, self, *arrays, spec=spec)
 
     # ---- methods mirroring the functional API -------------------------------------
     def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
         """Sum over ``axis`` (all axes by default)."""
-        return _ops.apply(_ops.SUM, self, axis=_ops._axis(axis), keepdims=keepdims)
+        return apply(_ops.SUM, self, axis=_ops._axis(axis), keepdims=keepdims)
 
     def mean(self, axis: Any = None, keepdims: bool = False) -> Tensor:
         """Mean over ``axis`` (all axes by default)."""
-        return _ops.apply(_ops.MEAN, self, axis=_ops._axis(axis), keepdims=keepdims)
+        return apply(_ops.MEAN, self, axis=_ops._axis(axis), keepdims=keepdims)
 
     def max(self, axis: Any = None, keepdims: bool = False) -> Tensor:
         """Maximum over ``axis``; ties share the gradient equally (as jax.grad)."""
-        return _ops.apply(_ops.MAX, self, axis=_ops._axis(axis), keepdims=keepdims)
+        return apply(_ops.MAX, self, axis=_ops._axis(axis), keepdims=keepdims)
 
     def reshape(self, *shape: Any) -> Tensor:
         """Reshape (one ``-1`` allowed)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        return _ops.apply(_ops.RESHAPE, self, shape=tuple(int(s) for s in shape))
+        return apply(_ops.RESHAPE, self, shape=tuple(int(s) for s in shape))
 
     def transpose(self, *axes: int) -> Tensor:
         """Permute axes (reverse them when none are given)."""
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
             axes = tuple(axes[0])
-        return _ops.apply(_ops.TRANSPOSE, self, axes=tuple(axes) or None)
+        return apply(_ops.TRANSPOSE, self, axes=tuple(axes) or None)
 
     @property
     def T(self) -> Tensor:
@@ -386,26 +387,49 @@ class Tensor:
 
     def exp(self) -> Tensor:
         """Elementwise e^x."""
-        return _ops.apply(_ops.EXP, self)
+        return apply(_ops.EXP, self)
 
     def log(self) -> Tensor:
         """Elementwise natural logarithm."""
-        return _ops.apply(_ops.LOG, self)
+        return apply(_ops.LOG, self)
 
     def sqrt(self) -> Tensor:
         """Elementwise square root."""
-        return _ops.apply(_ops.SQRT, self)
+        return apply(_ops.SQRT, self)
 
     def tanh(self) -> Tensor:
         """Elementwise tanh."""
-        return _ops.apply(_ops.TANH, self)
+        return apply(_ops.TANH, self)
 
     def abs(self) -> Tensor:
         """Elementwise absolute value."""
-        return _ops.apply(_ops.ABS, self)
+        return apply(_ops.ABS, self)
 
 
-_ops.TENSOR_TYPE = Tensor
+def apply(op: _ops.Op, *args: Any, **static: Any) -> Any:
+    """Record ``op(*args, **static)`` and return its (lazy) output tensor.
+
+    The output's shape and dtype come from `entrenar.autograd.ops.infer` (so a shape
+    error surfaces here); its value is computed when first read. Under `no_grad`
+    nothing is recorded: the op runs at once and the result is a plain leaf that does
+    not require grad.
+    """
+    static_t = tuple(sorted(static.items())) if static else ()
+    aval = _ops.infer(op, static_t, args)
+    if not is_grad_enabled():
+        vals = [a.data if isinstance(a, Tensor) else a for a in args]
+        return Tensor._wrap(op.fn(*vals, **static), requires_grad=False)
+    requires = False
+    snaps = []
+    for a in args:
+        if isinstance(a, Tensor):
+            requires = requires or a.requires_grad
+            snaps.append(a._value if a._node is None else None)
+        else:
+            snaps.append(None)
+    requires = requires and _ops.is_inexact(aval.dtype)
+    node = Node(op, static_t, args, tuple(snaps), get_tape() if requires else None)
+    return Tensor._lazy(node, aval, requires_grad=requires)
 
 
 def as_tensor(x: Any) -> Tensor:
@@ -413,4 +437,4 @@ def as_tensor(x: Any) -> Tensor:
     return x if isinstance(x, Tensor) else Tensor(x)
 
 
-__all__ = ["Tensor", "as_tensor"]
+__all__ = ["Tensor", "apply", "as_tensor"]

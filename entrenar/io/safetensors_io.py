@@ -20,6 +20,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -151,20 +152,29 @@ def save_model_safetensors(model: Model, path: str | os.PathLike[str]) -> None:
     save_safetensors(flatten_params(model.params), path, meta)
 
 
-def load_model_safetensors(path: str | os.PathLike[str]) -> Model:
-    """Read a safetensors file as a `Model` (any names; metadata if entrenar's)."""
-    tensors, meta = read_safetensors(path)
-    fields: dict[str, Any] = {}
-    for k in ("name", "architecture", "version"):
-        if k in meta:
-            fields[k] = meta[k]
+def metadata_from_header(meta: Mapping[str, str], path: str) -> ModelMetadata:
+    """The `ModelMetadata` stored in a safetensors header's ``__metadata__`` strings.
+
+    ``name``, ``architecture`` and ``version`` are strings; ``training_config`` and
+    ``custom`` are JSON (a `FormatError` naming ``path`` and the key if not). Keys a
+    file written by another library lacks stay at their defaults.
+    """
+    fields: dict[str, Any] = {
+        k: meta[k] for k in ("name", "architecture", "version") if k in meta
+    }
     for k in ("training_config", "custom"):
         if k in meta:
             try:
                 fields[k] = json.loads(meta[k])
             except (ValueError, RecursionError):
                 raise FormatError(f"{path}: metadata {k!r} is not JSON") from None
-    metadata = ModelMetadata.from_dict(fields, os.fspath(path))
+    return ModelMetadata.from_dict(fields, path)
+
+
+def load_model_safetensors(path: str | os.PathLike[str]) -> Model:
+    """Read a safetensors file as a `Model` (any names; metadata if entrenar's)."""
+    tensors, meta = read_safetensors(path)
+    metadata = metadata_from_header(meta, os.fspath(path))
     return Model(
         metadata, unflatten_params({k: np.array(v) for k, v in tensors.items()})
     )

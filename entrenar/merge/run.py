@@ -38,6 +38,7 @@ from entrenar.io import (
     unflatten_params,
 )
 from entrenar.io.model import STORAGE_DTYPES
+from entrenar.io.safetensors_io import metadata_from_header
 from entrenar.merge.engine import Plan, merge_leaf
 from entrenar.merge.leaves import (
     check_leaves,
@@ -72,19 +73,6 @@ class Source:
     metadata: ModelMetadata
     leaves: dict[str, Any]
     folder: str | None = None
-
-
-def _st_metadata(meta: Mapping[str, str], path: str) -> ModelMetadata:
-    fields: dict[str, Any] = {
-        k: meta[k] for k in ("name", "architecture", "version") if k in meta
-    }
-    for k in ("training_config", "custom"):
-        if k in meta:
-            try:
-                fields[k] = json.loads(meta[k])
-            except (ValueError, RecursionError):
-                raise FormatError(f"{path}: metadata {k!r} is not JSON") from None
-    return ModelMetadata.from_dict(fields, path)
 
 
 def _open_folder(folder: str) -> Source:
@@ -130,7 +118,7 @@ def open_model(ref: ModelRef) -> Source:
         raise FormatError(f"{path}: no such model file or folder")
     elif detect_format(path) == ModelFormat.SAFETENSORS:
         tensors, meta = read_safetensors(path)
-        src = Source(path, _st_metadata(meta, path), dict(tensors))
+        src = Source(path, metadata_from_header(meta, path), dict(tensors))
     else:
         model = load_model(path)
         src = Source(path, model.metadata, named_leaves(model.params)[0])

