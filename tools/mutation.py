@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PRELOAD = ["numpy", "jax", "jax.numpy", "hypothesis", "optax", "chex", "yaml"]
+PRELOAD = ["numpy", "jax", "jax.numpy", "hypothesis", "optax", "chex", "yaml", "torch"]
 
 
 def _scratch(part: str, tests: list[str]) -> Path:
@@ -104,9 +104,18 @@ def main() -> None:
     args = parser.parse_args()
     tests = args.tests or [f"tests/{args.part.split('/')[0]}"]
     work = _scratch(args.part, tests)
+    # Every mutant runs in a fresh process; JAX's persistent compilation cache lets it
+    # reuse the programs an earlier mutant compiled (keyed by the program itself, so a
+    # mutant that changes a traced computation compiles anew): ~4x faster here.
+    env = dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(work / "jax-cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
     subprocess.run(
         [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)],
-        cwd=work, check=False,
+        cwd=work, env=env, check=False,
     )  # fmt: skip
     counts = _score(work)
     killed = counts.get("killed", 0) + counts.get("timeout", 0)

@@ -1,4 +1,4 @@
-"""Global-norm clipping in low precision and on empty inputs (float64 numpy reference)."""
+"""Global-norm clipping in low precision and on empty inputs (float64 reference)."""
 
 from __future__ import annotations
 

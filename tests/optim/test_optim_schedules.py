@@ -14,43 +14,63 @@ from entrenar import optim as eo
 from entrenar.errors import ConfigError
 
 T = np.arange(0, 1200)
-
-SCHEDULES = {
-    "constant": (eo.constant_schedule(0.3), optax.constant_schedule(0.3)),
-    "linear": (
-        eo.linear_schedule(0.1, 0.01, 500, 100),
-        optax.linear_schedule(0.1, 0.01, 500, 100),
-    ),
-    "cosine": (
-        eo.cosine_decay_schedule(0.1, 1000, 0.01),
-        optax.cosine_decay_schedule(0.1, 1000, 0.01),
-    ),
-    "exponential": (
-        eo.exponential_decay(0.1, 50, 0.9),
-        optax.exponential_decay(0.1, 50, 0.9),
-    ),
-    "exponential_staircase_begin": (
-        eo.exponential_decay(0.1, 50, 0.9, transition_begin=30, staircase=True),
-        optax.exponential_decay(0.1, 50, 0.9, transition_begin=30, staircase=True),
-    ),
-    "step_decay": (
-        eo.step_decay(0.1, 300, 0.5),
-        optax.exponential_decay(0.1, 300, 0.5, staircase=True),
-    ),
-    "warmup_cosine": (
-        eo.warmup_cosine_decay_schedule(0.0, 0.1, 100, 1000, 0.001),
-        optax.warmup_cosine_decay_schedule(0.0, 0.1, 100, 1000, 0.001),
-    ),
-    "warmup_exponential": (
-        eo.warmup(eo.exponential_decay(0.1, 10, 0.99), 50, init_value=0.01),
-        optax.warmup_exponential_decay_schedule(0.01, 0.1, 50, 10, 0.99),
-    ),
-}
+NAMES = [
+    "constant",
+    "cosine",
+    "exponential",
+    "exponential_staircase_begin",
+    "linear",
+    "step_decay",
+    "warmup_constant_from_float",
+    "warmup_cosine",
+    "warmup_exponential",
+]
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def _schedules():  # built inside each test, so tools that trace calls see them
+    return {
+        "constant": (eo.constant_schedule(0.3), optax.constant_schedule(0.3)),
+        "linear": (
+            eo.linear_schedule(0.1, 0.01, 500, 100),
+            optax.linear_schedule(0.1, 0.01, 500, 100),
+        ),
+        "cosine": (
+            eo.cosine_decay_schedule(0.1, 1000, 0.01),
+            optax.cosine_decay_schedule(0.1, 1000, 0.01),
+        ),
+        "exponential": (
+            eo.exponential_decay(0.1, 50, 0.9),
+            optax.exponential_decay(0.1, 50, 0.9),
+        ),
+        "exponential_staircase_begin": (
+            eo.exponential_decay(0.1, 50, 0.9, transition_begin=30, staircase=True),
+            optax.exponential_decay(0.1, 50, 0.9, transition_begin=30, staircase=True),
+        ),
+        "step_decay": (
+            eo.step_decay(0.1, 300, 0.5),
+            optax.exponential_decay(0.1, 300, 0.5, staircase=True),
+        ),
+        "warmup_cosine": (
+            eo.warmup_cosine_decay_schedule(0.0, 0.1, 100, 1000, 0.001),
+            optax.warmup_cosine_decay_schedule(0.0, 0.1, 100, 1000, 0.001),
+        ),
+        "warmup_exponential": (
+            eo.warmup(eo.exponential_decay(0.1, 10, 0.99), 50, init_value=0.01),
+            optax.warmup_exponential_decay_schedule(0.01, 0.1, 50, 10, 0.99),
+        ),
+        "warmup_constant_from_float": (
+            eo.warmup(0.2, 40, init_value=0.05),
+            optax.join_schedules(
+                [optax.linear_schedule(0.05, 0.2, 40), optax.constant_schedule(0.2)],
+                [40],
+            ),
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_schedule_matches_optax_at_every_step(name):
-    ours, theirs = SCHEDULES[name]
+    ours, theirs = _schedules()[name]
     with jax.numpy_dtype_promotion("standard"):
         expected = np.array([float(theirs(int(t))) for t in T[::7]])
     actual = np.asarray(jax.jit(ours)(jnp.asarray(T[::7], jnp.int32)))
@@ -86,8 +106,15 @@ def test_bad_schedule_arguments_are_config_errors():
         eo.CosineScheduler(0.1, 0.0, 0)
     with pytest.raises(ConfigError, match="counts the warm-up"):
         eo.warmup_cosine_decay_schedule(0.0, 0.1, 10, 10)
-    with pytest.raises(ConfigError, match="warmup_steps"):
+    # the message starts with the argument's name, as the caller spelled it
+    with pytest.raises(ConfigError, match=r"^warmup_steps must be a positive number"):
         eo.warmup(eo.constant_schedule(0.1), -1)
+    with pytest.raises(ConfigError, match=r"^transition_steps must be .*, got 0$"):
+        eo.linear_schedule(0.1, 0.0, 0)
+    with pytest.raises(ConfigError, match=r"^transition_steps must be .*, got 0$"):
+        eo.exponential_decay(0.1, 0, 0.5)
+    with pytest.raises(ConfigError, match=r"^decay_steps must be"):
+        eo.cosine_decay_schedule(0.1, -2)
     with pytest.raises(ConfigError, match="boundary"):
         eo.join_schedules([eo.constant_schedule(0.1)], [3])
 
