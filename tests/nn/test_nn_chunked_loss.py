@@ -128,3 +128,28 @@ def test_weight_node_head_and_mixed_precision(matmul_dtype: str | None) -> None:
             )
         )(h)
         np.testing.assert_allclose(fast, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_parameters_get_bfloat16_gradients_close_to_float32() -> None:
+    """bfloat16 hidden states and head, float32 compute: gradients in their dtypes.
+
+    They agree with the float32 computation on the same (rounded) values.
+    """
+    h, w, labels, mask = _inputs()
+    hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+
+    def chunked(h: jax.Array, w: jax.Array) -> jax.Array:
+        out = chunked_causal_lm_loss(h, w, labels, "none", loss_mask=mask, chunk=5)
+        return _weighted(out)
+
+    loss_b = chunked(hb, wb)
+    assert loss_b.dtype == jnp.float32
+    dh, dw = jax.grad(chunked, argnums=(0, 1))(hb, wb)
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    # the float32 reference on the same (bfloat16-rounded) values
+    h32, w32 = hb.astype(jnp.float32), wb.astype(jnp.float32)
+    np.testing.assert_allclose(loss_b, chunked(h32, w32), rtol=1e-5)
+    rh, rw = jax.grad(chunked, argnums=(0, 1))(h32, w32)
+    scale_h, scale_w = float(jnp.abs(rh).max()), float(jnp.abs(rw).max())
+    np.testing.assert_allclose(dh.astype(jnp.float32), rh, atol=1e-2 * scale_h)
+    np.testing.assert_allclose(dw.astype(jnp.float32), rw, atol=1e-2 * scale_w)

@@ -164,3 +164,52 @@ def test_bad_arguments_name_the_problem():
         losses.kl_divergence(jnp.zeros(2), jnp.zeros(2), 0.0)
     with pytest.raises(ConfigError, match="delta"):
         losses.huber(jnp.zeros(2), jnp.zeros(2), -1.0)
+
+
+def test_defaults_are_the_documented_ones():
+    p = RNG.normal(size=(3, 4)).astype(np.float32) * 3
+    y = RNG.normal(size=(3, 4)).astype(np.float32)
+    # reduction="mean" by default; huber's delta 1 is smooth L1; KL at T = 1
+    assert float(losses.mse(p, y)) == pytest.approx(float(losses.mse(p, y, "mean")))
+    assert float(losses.l1(p, y)) == pytest.approx(float(F.l1_loss(_t(p), _t(y))))
+    assert float(losses.huber(p, y)) == pytest.approx(
+        float(F.smooth_l1_loss(_t(p), _t(y))), rel=1e-6
+    )
+    assert float(losses.kl_divergence(p, y)) == pytest.approx(
+        float(losses.kl_divergence(p, y, 1.0))
+    )
+    assert float(losses.kl_divergence(p, y)) != pytest.approx(
+        float(losses.kl_divergence(p, y, 2.0))
+    )
+
+
+@pytest.mark.parametrize("name", ["mse", "l1", "huber", "bce"])
+def test_where_keeps_only_the_selected_entries(name):
+    p = RNG.normal(size=(4, 5)).astype(np.float32) * 2
+    y = (RNG.normal(size=(4, 5)) > 0).astype(np.float32)
+    keep = RNG.random(size=(4, 5)) < 0.6
+    fn = {
+        "mse": losses.mse,
+        "l1": losses.l1,
+        "huber": losses.huber,
+        "bce": losses.binary_cross_entropy_with_logits,
+    }[name]
+    full = np.asarray(fn(p, y, reduction="none"))
+    # the mean over the kept entries only, and masked entries zeroed under "none"
+    assert float(fn(p, y, where=keep)) == pytest.approx(full[keep].mean(), rel=1e-5)
+    assert float(fn(p, y, reduction="sum", where=keep)) == pytest.approx(
+        full[keep].sum(), rel=1e-5
+    )
+    np.testing.assert_array_equal(
+        np.asarray(fn(p, y, reduction="none", where=keep)), np.where(keep, full, 0.0)
+    )
+
+
+def test_huber_delta_must_be_positive_and_kl_shapes_must_agree():
+    with pytest.raises(ConfigError, match=r"^huber delta must be > 0, got 0.0$"):
+        losses.huber(jnp.zeros(2), jnp.zeros(2), 0.0)
+    with pytest.raises(
+        ShapeError,
+        match=r"^student logits \(2, 3\) and teacher logits \(2, 4\) must have",
+    ):
+        losses.kl_divergence(jnp.zeros((2, 3)), jnp.zeros((2, 4)))
