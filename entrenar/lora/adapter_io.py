@@ -192,23 +192,56 @@ def load_adapter(
     if not os.path.isfile(wfile):
         raise FormatError(f"{wfile}: not found (adapter_model.bin is not read: pickle)")
     header, _ = read_safetensors(wfile)  # validated, memory-mapped
+    problems: list[str] = []
+    found = _group_by_module(header, problems)
+    flat, treedef = jax.tree_util.tree_flatten(base_params, is_leaf=is_weight_leaf)
+    names = [n for n, _ in named_weight_leaves(base_params)]
+    per_leaf = _place_modules(found, flat, names, cfg, stacked_keys, problems)
+    if problems:
+        shown = "\n  ".join(problems[:12])
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise CompatibilityError(
+            f"{folder}: adapter does not match the base model:\n  {shown}{more}"
+        )
+    out_leaves = list(flat)
+    for k, layers in per_leaf.items():
+        mods = [layers[j] for j in sorted(layers)]
+        out_leaves[k] = _lora_leaf(flat[k], names[k], mods, found, cfg, stacked_keys)
+    return jax.tree_util.tree_unflatten(treedef, out_leaves)
 
+
+def _group_by_module(
+    header: dict[str, Any], problems: list[str]
+) -> dict[str, dict[str, Any]]:
+    """``{PEFT module name: {"A": tensor, "B": tensor}}`` from the file's tensors."""
     found: dict[str, dict[str, Any]] = collections.defaultdict(dict)
-    problems = []
     for name, info in header.items():
         m = _TENSOR.fullmatch(name)
         if m is None:
             problems.append(f"tensor {name!r} is not a LoRA A/B weight")
             continue
         found[m.group(1)][m.group(2)] = info
+    return found
 
-    flat, treedef = jax.tree_util.tree_flatten(base_params, is_leaf=is_weight_leaf)
-    names = [n for n, _ in named_weight_leaves(base_params)]
-    index: dict[str, tuple[int, int]] = {}
+
+def _place_modules(
+    found: dict[str, dict[str, Any]],
+    flat: list[Any],
+    names: list[str],
+    cfg: dict[str, Any],
+    stacked_keys: tuple[str, ...],
+    problems: list[str],
+) -> dict[int, dict[int, str]]:
+    """Where each adapted module goes: ``{leaf k: {layer j: module}}``.
+
+    Appends to ``problems`` every module that is not in the base, lacks A or B, does
+    not fit the base weight's shape with its rank, or covers only some layers of a
+    stacked leaf.
+    """
+    index: dict[str, tuple[int, int]] = {}  # PEFT module name -> (leaf, layer)
     for k, (n, x) in enumerate(zip(names, flat)):
         for j, mod in enumerate(hf_modules(n, leaf_shape(x), stacked_keys)):
             index[mod] = (k, j)
-
     per_leaf: dict[int, dict[int, str]] = collections.defaultdict(dict)
     for mod, parts in sorted(found.items()):
         if mod not in index:
@@ -239,40 +272,40 @@ def load_adapter(
                 f"{names[k]!r}: the adapter covers {len(layers)} of its {len(stack)} "
                 "stacked layers; entrenar needs all of them (or none)"
             )
-    if problems:
-        shown = "\n  ".join(problems[:12])
-        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
-        raise CompatibilityError(
-            f"{folder}: adapter does not match the base model:\n  {shown}{more}"
-        )
+    return per_leaf
+
+
+def _lora_leaf(
+    base: Any,
+    name: str,
+    mods: list[str],
+    found: dict[str, dict[str, Any]],
+    cfg: dict[str, Any],
+    stacked_keys: tuple[str, ...],
+) -> LoRAWeight:
+    """The `LoRAWeight` over ``base`` from its modules' A and B (one per layer)."""
 
     def read(mod: str, part: str) -> np.ndarray:
         return np.asarray(found[mod][part], dtype=np.float32)
 
-    out_leaves = list(flat)
-    for k, layers in per_leaf.items():
-        mods = [layers[j] for j in sorted(layers)]
-        a = np.stack([read(m, "A") for m in mods])  # (L, r, in)
-        b = np.stack([read(m, "B") for m in mods])  # (L, out, r)
-        if stacked_split(names[k], stacked_keys) is None:
-            a, b = a[0], b[0]  # (r, in), (out, r)
-        alphas = {
-            _pattern(cfg.get("alpha_pattern") or {}, m, cfg["lora_alpha"]) for m in mods
-        }
-        if len(alphas) > 1:
-            raise UnsupportedError(
-                f"{names[k]!r}: layers with different alphas {alphas}"
-            )
-        out_leaves[k] = LoRAWeight(
-            flat[k],
-            jax.numpy.asarray(a),
-            jax.numpy.asarray(b),
-            alphas.pop(),
-            a.shape[-2],
-            rslora=bool(cfg.get("use_rslora", False)),
-            dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),
-        )
-    return jax.tree_util.tree_unflatten(treedef, out_leaves)
+    a = np.stack([read(m, "A") for m in mods])  # (L, r, in)
+    b = np.stack([read(m, "B") for m in mods])  # (L, out, r)
+    if stacked_split(name, stacked_keys) is None:
+        a, b = a[0], b[0]  # (r, in), (out, r)
+    alphas = {
+        _pattern(cfg.get("alpha_pattern") or {}, m, cfg["lora_alpha"]) for m in mods
+    }
+    if len(alphas) > 1:
+        raise UnsupportedError(f"{name!r}: layers with different alphas {alphas}")
+    return LoRAWeight(
+        base,
+        jax.numpy.asarray(a),
+        jax.numpy.asarray(b),
+        alphas.pop(),
+        a.shape[-2],
+        rslora=bool(cfg.get("use_rslora", False)),
+        dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),
+    )
 
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_adapter", "save_adapter"]
