@@ -237,16 +237,7 @@ class Trainer:
             )
         total = cfg.max_steps or cfg.epochs * len(loader)
         # 2. Outputs: metrics.jsonl (+ TensorBoard) and checkpoints, in output_dir.
-        if cfg.output_dir is not None:
-            self._checkpointer = Checkpointer(
-                os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep_checkpoints
-            )
-            if resume is None:
-                self._refuse_older_run(self._checkpointer)
-            if jax.process_index() == 0:  # several processes: one writes the logs
-                self._writer = MetricsWriter(
-                    cfg.output_dir, tensorboard=cfg.tensorboard
-                )
+        self._open_outputs(fresh=resume is None)
         # 3. State: fresh, or everything a checkpoint holds (and the data position).
         loader.set_epoch(self.epoch)
         self.batch_in_epoch, self.should_stop = 0, False
@@ -292,10 +283,7 @@ class Trainer:
                 self._checkpoint(loader)
         finally:
             progress.close()
-            if self._writer is not None:
-                self._writer.close()
-            if self._checkpointer is not None:
-                self._checkpointer.close()
+            self._close_outputs()
         result = TrainResult(
             self.state, list(self.history), list(self.eval_history),
             self.best_eval_loss, self.best_step,
@@ -304,6 +292,28 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_end(self, result)
         return result
+
+    def _open_outputs(self, *, fresh: bool) -> None:
+        """Open ``output_dir``'s checkpointer and (process 0) metrics writer.
+
+        A fresh run refuses a folder holding another run's checkpoints.
+        """
+        cfg = self.config
+        if cfg.output_dir is None:
+            return
+        self._checkpointer = Checkpointer(
+            os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep_checkpoints
+        )
+        if fresh:
+            self._refuse_older_run(self._checkpointer)
+        if jax.process_index() == 0:  # several processes: one writes the logs
+            self._writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard)
+
+    def _close_outputs(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
 
     def train_step(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns its metrics (device arrays)."""
