@@ -32,6 +32,10 @@ class TensorBase:
     """
 
     __slots__ = ()
+    # what ops and the engine read (declared for the type checker; Tensor's slots)
+    _aval: Any  # ops.Aval: shape, dtype, weak type
+    _value: Any  # the array, or None while not computed
+    requires_grad: bool
 
 
 class Node:

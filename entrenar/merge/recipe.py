@@ -173,6 +173,46 @@ def _model_ref(entry: Any, method: str, folder: str, where: str) -> ModelRef:
     return ModelRef(path, adapter, dict(params), tuple(rng) if rng else None)
 
 
+def _model_entries(doc: Mapping[str, Any], source: str) -> tuple[Any, Any]:
+    """The model entries and the slice's base model (``models`` or one ``slices``)."""
+    entries = doc.get("models")
+    if doc.get("slices") is None:
+        return entries, None
+    if entries is not None:
+        raise ConfigError(f"{source}: give either 'models' or 'slices', not both")
+    slices = doc["slices"]
+    if not isinstance(slices, list) or len(slices) != 1:
+        raise UnsupportedError(
+            f"{source}: only one slice spanning every layer is supported"
+        )
+    s = slices[0]
+    if not isinstance(s, Mapping) or set(s) - {"sources", "base_model"}:
+        raise ConfigError(f"{source}: slices[0] takes 'sources' (and base_model)")
+    return s.get("sources"), s.get("base_model")
+
+
+def _global_parameters(
+    doc: Mapping[str, Any], method: str, source: str
+) -> dict[str, Any]:
+    """The recipe's top-level ``parameters``, checked against what ``method`` takes."""
+    params = doc.get("parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{source}: parameters must be a mapping")
+    bad = set(params) - _GLOBAL[method]
+    if bad:
+        raise ConfigError(
+            f"{source}: parameters {sorted(bad)} not used by {method} (it takes "
+            f"{sorted(_GLOBAL[method])})"
+        )
+    for k, v in params.items():
+        if k in _FLAGS:
+            if not isinstance(v, bool):
+                raise ConfigError(f"{source}: parameters.{k} must be true or false")
+        else:
+            check_setting(v, f"{source}: parameters.{k}")
+    return dict(params)
+
+
 def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recipe:
     """Validate a recipe mapping (as read from YAML) into a `Recipe`.
 
@@ -198,19 +238,7 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
             f"{source}: tokenizer_source {doc['tokenizer_source']!r}: only the base "
             "model's tokenizer is kept"
         )
-    entries, slice_base = doc.get("models"), None
-    if doc.get("slices") is not None:
-        if entries is not None:
-            raise ConfigError(f"{source}: give either 'models' or 'slices', not both")
-        slices = doc["slices"]
-        if not isinstance(slices, list) or len(slices) != 1:
-            raise UnsupportedError(
-                f"{source}: only one slice spanning every layer is supported"
-            )
-        s = slices[0]
-        if not isinstance(s, Mapping) or set(s) - {"sources", "base_model"}:
-            raise ConfigError(f"{source}: slices[0] takes 'sources' (and base_model)")
-        entries, slice_base = s.get("sources"), s.get("base_model")
+    entries, slice_base = _model_entries(doc, source)
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{source}: 'models' must be a non-empty list")
     models = tuple(
@@ -227,21 +255,7 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
         base = ModelRef(path, adapter, {}, next(iter(ranges)))
     if METHODS[method]["kind"] != "linear" and base is None:
         raise ConfigError(f"{source}: {method} needs a base_model")
-    params = doc.get("parameters") or {}
-    if not isinstance(params, Mapping):
-        raise ConfigError(f"{source}: parameters must be a mapping")
-    bad = set(params) - _GLOBAL[method]
-    if bad:
-        raise ConfigError(
-            f"{source}: parameters {sorted(bad)} not used by {method} (it takes "
-            f"{sorted(_GLOBAL[method])})"
-        )
-    for k, v in params.items():
-        if k in _FLAGS:
-            if not isinstance(v, bool):
-                raise ConfigError(f"{source}: parameters.{k} must be true or false")
-        else:
-            check_setting(v, f"{source}: parameters.{k}")
+    params = _global_parameters(doc, method, source)
     dtypes = {}
     for k in ("dtype", "out_dtype"):
         v = doc.get(k)
@@ -255,7 +269,7 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
         method,
         models,
         base,
-        dict(params),
+        params,
         dtypes["dtype"],
         dtypes["out_dtype"],
         seed,
