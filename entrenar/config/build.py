@@ -51,6 +51,55 @@ def _split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(order[k:]), np.sort(order[:k])
 
 
+def _tabular_arrays(
+    recs: Any, where: str, features: list[str], target: str, task: str, n_out: int
+) -> dict[str, np.ndarray]:
+    """The rows as ``{"x": (N, F) float32, "y": targets}``.
+
+    Targets are ``(N, 1)`` float32 for regression, otherwise class ids ``(N,)`` int32,
+    checked to be integers in ``[0, n_out)``.
+    """
+    x = data_lib.to_arrays(recs, {"x": features})["x"]
+    if task == "regression":
+        y = data_lib.to_arrays(recs, {"y": [target]})["y"]  # (N, 1)
+        if n_out != 1:
+            raise ConfigError(
+                f"model.config.sizes: regression predicts one value; the last "
+                f"size is {n_out}"
+            )
+        return {"x": x, "y": y}
+    raw = data_lib.to_arrays(recs, {"y": target}, dtype=np.float64)["y"]
+    bad = (raw != np.round(raw)) | (raw < 0) | (raw >= n_out)
+    if np.any(bad):
+        raise ConfigError(
+            f"data.target: {where} has class {raw[bad][0]:g}; classes must be "
+            f"integers 0..{n_out - 1} (the model's last size is {n_out})"
+        )
+    return {"x": x, "y": raw.astype(np.int32)}
+
+
+def _normalize(
+    train: dict[str, np.ndarray],
+    valid: dict[str, np.ndarray] | None,
+    preset: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Standardise ``x`` in place by the preset's or the training rows' mean and std.
+
+    A constant feature (std 0) is divided by 1. Returns the statistics to store.
+    """
+    if preset is not None:
+        mean = np.asarray(preset["mean"], np.float32)
+        std = np.asarray(preset["std"], np.float32)
+    else:
+        mean = train["x"].mean(axis=0)
+        std = train["x"].std(axis=0)
+        std = np.where(std > 0, std, 1.0).astype(np.float32)
+    train["x"] = ((train["x"] - mean) / std).astype(np.float32)
+    if valid is not None:
+        valid["x"] = ((valid["x"] - mean) / std).astype(np.float32)
+    return {"mean": mean.tolist(), "std": std.tolist()}
+
+
 def _tabular(
     spec: TrainSpec, built: BuiltModel, preset: dict[str, Any] | None
 ) -> RunData:
@@ -77,23 +126,7 @@ def _tabular(
         )
 
     def arrays(recs: Any, where: str) -> dict[str, np.ndarray]:
-        x = data_lib.to_arrays(recs, {"x": features})["x"]
-        if d.task == "regression":
-            y = data_lib.to_arrays(recs, {"y": [target]})["y"]  # (N, 1)
-            if n_out != 1:
-                raise ConfigError(
-                    f"model.config.sizes: regression predicts one value; the last "
-                    f"size is {n_out}"
-                )
-            return {"x": x, "y": y}
-        raw = data_lib.to_arrays(recs, {"y": target}, dtype=np.float64)["y"]
-        if np.any(raw != np.round(raw)) or np.any(raw < 0) or np.any(raw >= n_out):
-            bad = raw[(raw != np.round(raw)) | (raw < 0) | (raw >= n_out)][0]
-            raise ConfigError(
-                f"data.target: {where} has class {bad:g}; classes must be integers "
-                f"0..{n_out - 1} (the model's last size is {n_out})"
-            )
-        return {"x": x, "y": raw.astype(np.int32)}
+        return _tabular_arrays(recs, where, features, target, d.task, n_out)
 
     train = arrays(train_recs, d.train)
     if d.validation is not None:
@@ -108,17 +141,8 @@ def _tabular(
         valid = None
     stats: dict[str, Any] = {"features": features, "target": target}
     if d.normalize:
-        if "mean" in preset and list(stored or []) == features:
-            mean = np.asarray(preset["mean"], np.float32)  # the model's own
-            std = np.asarray(preset["std"], np.float32)
-        else:
-            mean = train["x"].mean(axis=0)
-            std = train["x"].std(axis=0)
-            std = np.where(std > 0, std, 1.0).astype(np.float32)
-        train["x"] = ((train["x"] - mean) / std).astype(np.float32)
-        if valid is not None:
-            valid["x"] = ((valid["x"] - mean) / std).astype(np.float32)
-        stats |= {"mean": mean.tolist(), "std": std.tolist()}
+        own = "mean" in preset and list(stored or []) == features  # the model's own
+        stats |= _normalize(train, valid, preset if own else None)
     per_step = d.batch_size * spec.training.grad_accum
     steps = len(train["x"]) // per_step
     if steps == 0:
