@@ -52,7 +52,7 @@ from entrenar.autograd.functional import (
 from entrenar.autograd.gradcheck import GradientCheckResult, check_gradient
 from entrenar.autograd.ops import Op, defop
 from entrenar.autograd.tape import enable_grad, get_tape, is_grad_enabled, no_grad
-from entrenar.autograd.tensor import Tensor, apply, as_tensor
+from entrenar.autograd.tensor import Tensor, apply_op, as_tensor
 
 __all__ = [
     "DEFAULT_CACHE_SIZE",
@@ -60,7 +60,7 @@ __all__ = [
     "GradientCheckResult",
     "Op",
     "Tensor",
-    "apply",
+    "apply_op",
     "as_tensor",
     "backward",
     "binary_cross_entropy_with_logits",

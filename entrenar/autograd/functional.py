@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from entrenar.autograd import ops as _ops
-from entrenar.autograd.tensor import Tensor, apply
+from entrenar.autograd.tensor import Tensor, apply_op
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn import attention as _attention
 from entrenar.nn import layers as _layers
@@ -29,22 +29,22 @@ defop = _ops.defop
 # ---- elementwise ---------------------------------------------------------------------
 def exp(x: Any) -> Tensor:
     """e^x."""
-    return apply(_ops.EXP, x)
+    return apply_op(_ops.EXP, x)
 
 
 def log(x: Any) -> Tensor:
     """Natural logarithm."""
-    return apply(_ops.LOG, x)
+    return apply_op(_ops.LOG, x)
 
 
 def sqrt(x: Any) -> Tensor:
     """Square root."""
-    return apply(_ops.SQRT, x)
+    return apply_op(_ops.SQRT, x)
 
 
 def tanh(x: Any) -> Tensor:
     """Hyperbolic tangent."""
-    return apply(_ops.TANH, x)
+    return apply_op(_ops.TANH, x)
 
 
 _SIGMOID = defop("sigmoid", jax.nn.sigmoid)
@@ -55,12 +55,12 @@ _SILU = defop("silu", jax.nn.silu)
 
 def sigmoid(x: Any) -> Tensor:
     """σ(x) = 1 / (1 + e^-x)."""
-    return apply(_SIGMOID, x)
+    return apply_op(_SIGMOID, x)
 
 
 def relu(x: Any) -> Tensor:
     """max(x, 0); the gradient at 0 is 0."""
-    return apply(_RELU, x)
+    return apply_op(_RELU, x)
 
 
 def gelu(x: Any, approximate: bool = False) -> Tensor:
@@ -68,12 +68,12 @@ def gelu(x: Any, approximate: bool = False) -> Tensor:
 
     With ``approximate``, the tanh form 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³))).
     """
-    return apply(_GELU, x, approximate=bool(approximate))
+    return apply_op(_GELU, x, approximate=bool(approximate))
 
 
 def silu(x: Any) -> Tensor:
     """SiLU / swish: x·σ(x) (Ramachandran et al., 2017)."""
-    return apply(_SILU, x)
+    return apply_op(_SILU, x)
 
 
 swish = silu
@@ -81,43 +81,43 @@ swish = silu
 
 def where(cond: Any, a: Any, b: Any) -> Tensor:
     """Elementwise ``a`` where ``cond`` else ``b`` (no gradient to ``cond``)."""
-    return apply(_ops.WHERE, cond, a, b)
+    return apply_op(_ops.WHERE, cond, a, b)
 
 
 # ---- reductions and shapes -----------------------------------------------------------
 def sum(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
     """Sum over ``axis``."""
-    return apply(_ops.SUM, x, axis=_ops._axis(axis), keepdims=keepdims)
+    return apply_op(_ops.SUM, x, axis=_ops._axis(axis), keepdims=keepdims)
 
 
 def mean(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
     """Mean over ``axis``."""
-    return apply(_ops.MEAN, x, axis=_ops._axis(axis), keepdims=keepdims)
+    return apply_op(_ops.MEAN, x, axis=_ops._axis(axis), keepdims=keepdims)
 
 
 def max(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
     """Maximum over ``axis``."""
-    return apply(_ops.MAX, x, axis=_ops._axis(axis), keepdims=keepdims)
+    return apply_op(_ops.MAX, x, axis=_ops._axis(axis), keepdims=keepdims)
 
 
 def reshape(x: Any, shape: Sequence[int]) -> Tensor:
     """Reshape to ``shape``."""
-    return apply(_ops.RESHAPE, x, shape=tuple(int(s) for s in shape))
+    return apply_op(_ops.RESHAPE, x, shape=tuple(int(s) for s in shape))
 
 
 def transpose(x: Any, axes: Sequence[int] | None = None) -> Tensor:
     """Permute axes."""
-    return apply(_ops.TRANSPOSE, x, axes=None if axes is None else tuple(axes))
+    return apply_op(_ops.TRANSPOSE, x, axes=None if axes is None else tuple(axes))
 
 
 def concatenate(xs: Sequence[Any], axis: int = 0) -> Tensor:
     """Join tensors along an existing axis."""
-    return apply(_ops.CONCATENATE, *xs, axis=axis)
+    return apply_op(_ops.CONCATENATE, *xs, axis=axis)
 
 
 def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:
     """Join tensors along a new axis."""
-    return apply(_ops.STACK, *xs, axis=axis)
+    return apply_op(_ops.STACK, *xs, axis=axis)
 
 
 # ---- matmul, including the flat form (m·n outputs from flat inputs) ------------------
@@ -138,7 +138,7 @@ def matmul(
     row-major and flattened; the result is the flattened (m, n) product.
     """
     if m is None and k is None and n is None:
-        return apply(_ops.MATMUL, a, b)
+        return apply_op(_ops.MATMUL, a, b)
     if m is None or k is None or n is None:
         raise ShapeError("matmul's flat form needs all of m, k and n")
     sa, sb = _size(a), _size(b)
@@ -147,7 +147,7 @@ def matmul(
             f"matmul(a, b, m={m}, k={k}, n={n}) needs a with m*k={m * k} and b with "
             f"k*n={k * n} elements, got {sa} and {sb}"
         )
-    return apply(_FLAT_MATMUL, a, b, m=int(m), k=int(k), n=int(n))
+    return apply_op(_FLAT_MATMUL, a, b, m=int(m), k=int(k), n=int(n))
 
 
 def _size(x: Any) -> int:
@@ -161,12 +161,12 @@ _LOG_SOFTMAX = defop("log_softmax", lambda x, *, axis: jax.nn.log_softmax(x, axi
 
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """Softmax along ``axis``: e^{x_i - max x} / Σ_j e^{x_j - max x}."""
-    return apply(_SOFTMAX, x, axis=axis)
+    return apply_op(_SOFTMAX, x, axis=axis)
 
 
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
     """Log softmax(x)_i = x_i - logsumexp(x)."""
-    return apply(_LOG_SOFTMAX, x, axis=axis)
+    return apply_op(_LOG_SOFTMAX, x, axis=axis)
 
 
 def _layer_norm(x, *wb, eps, has_w, has_b):
@@ -194,14 +194,14 @@ def layer_norm(
 ) -> Tensor:
     """LayerNorm over the last axis (Ba et al., 2016): (x-μ)/√(σ²+ε)·w + b."""
     wb = [t for t in (weight, bias) if t is not None]
-    return apply(
+    return apply_op(
         _LAYER_NORM, x, *wb, eps=eps, has_w=weight is not None, has_b=bias is not None
     )
 
 
 def rms_norm(x: Any, weight: Any = None, eps: float = 1e-6) -> Tensor:
     """RMSNorm over the last axis (Zhang & Sennrich, 2019): x/√(mean(x²)+ε)·w."""
-    return apply(_RMS_NORM, x, *([] if weight is None else [weight]), eps=eps)
+    return apply_op(_RMS_NORM, x, *([] if weight is None else [weight]), eps=eps)
 
 
 # ---- embedding and dropout -----------------------------------------------------------
@@ -210,7 +210,7 @@ _EMBEDDING = defop("embedding", lambda w, ids: jnp.take(w, ids, axis=0))
 
 def embedding(weight: Any, ids: Any) -> Tensor:
     """Rows of ``weight: (V, D)`` at integer ``ids: (...)`` → ``(..., D)``."""
-    return apply(_EMBEDDING, weight, ids)
+    return apply_op(_EMBEDDING, weight, ids)
 
 
 def _dropout(x, key, *, rate):
@@ -230,10 +230,10 @@ def dropout(
     """
     _layers.check_dropout_rate(rate)
     if deterministic or rate == 0.0:
-        return apply(_ops.ADD, x, 0.0)
+        return apply_op(_ops.ADD, x, 0.0)
     if key is None:
         raise ConfigError("dropout needs key=... unless deterministic=True or rate=0")
-    return apply(_DROPOUT, x, key, rate=float(rate))
+    return apply_op(_DROPOUT, x, key, rate=float(rate))
 
 
 # ---- attention -----------------------------------------------------------------------
@@ -298,7 +298,7 @@ def scaled_dot_product_attention(
         )
     scale = 1.0 / math.sqrt(qs[-1]) if scale is None else float(scale)
     extra = [] if mask is None else [mask]
-    return apply(_SDPA, q, k, v, *extra, causal=bool(causal), scale=scale)
+    return apply_op(_SDPA, q, k, v, *extra, causal=bool(causal), scale=scale)
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -312,7 +312,7 @@ _MSE = defop("mse", lambda p, y, *, reduction: _losses.mse(p, y, reduction))
 def mse_loss(pred: Any, target: Any, reduction: str = "mean") -> Tensor:
     """Mean squared error ``(pred - target)²``: `entrenar.nn.losses.mse`, recorded."""
     _losses.check_reduction(reduction)
-    return apply(_MSE, pred, target, reduction=reduction)
+    return apply_op(_MSE, pred, target, reduction=reduction)
 
 
 def _cross_entropy(logits, targets, *, ignore_index, reduction):
@@ -337,7 +337,7 @@ def cross_entropy(
         reduction: "mean" (over valid positions), "sum" or "none".
     """
     _losses.check_reduction(reduction)
-    return apply(
+    return apply_op(
         _CROSS_ENTROPY,
         logits,
         targets,
@@ -359,4 +359,4 @@ def binary_cross_entropy_with_logits(
 ) -> Tensor:
     """-[y log σ(x) + (1-y) log(1-σ(x))], stably: `nn.losses`' version, recorded."""
     _losses.check_reduction(reduction)
-    return apply(_BCE, logits, targets, reduction=reduction)
+    return apply_op(_BCE, logits, targets, reduction=reduction)

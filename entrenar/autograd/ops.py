@@ -3,7 +3,7 @@
 Each operation is an `Op`: a name and a pure jnp function ``fn(*arrays, **static)``.
 Its backward rule is ``jax.vjp`` of that function; the engine applies it to the whole
 recorded graph at once (see `entrenar.autograd.engine`). Calling an op
-(`entrenar.autograd.tensor.apply`) records a node whose output shape and dtype
+(`entrenar.autograd.apply_op`) records a node whose output shape and dtype
 `infer` gives with `jax.eval_shape` (cached per op, static parameters and input
 shapes), so shape errors surface at the line that caused them.
 """

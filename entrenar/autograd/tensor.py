@@ -221,7 +221,7 @@ class Tensor(TensorBase):
         """A tensor with the same value, cut from the graph (no grad flows back)."""
         if self._node is None:
             return Tensor._wrap(self._value)
-        return apply(_ops.STOP_GRADIENT, self)._as_constant()
+        return apply_op(_ops.STOP_GRADIENT, self)._as_constant()
 
     def _as_constant(self) -> Tensor:
         self.requires_grad = False
@@ -243,7 +243,7 @@ class Tensor(TensorBase):
 
     def astype(self, dtype: Any) -> Tensor:
         """Convert to ``dtype`` (differentiable between float dtypes)."""
-        return apply(_ops.ASTYPE, self, dtype=np.dtype(dtype))
+        return apply_op(_ops.ASTYPE, self, dtype=np.dtype(dtype))
 
     def __repr__(self) -> str:
         grad = ", requires_grad=True" if self.requires_grad else ""
@@ -301,84 +301,84 @@ class Tensor(TensorBase):
 
     # ---- operators --------------------------------------------------------------
     def __add__(self, o: Any) -> Tensor:
-        return apply(_ops.ADD, self, o)
+        return apply_op(_ops.ADD, self, o)
 
     def __radd__(self, o: Any) -> Tensor:
-        return apply(_ops.ADD, o, self)
+        return apply_op(_ops.ADD, o, self)
 
     def __sub__(self, o: Any) -> Tensor:
-        return apply(_ops.SUB, self, o)
+        return apply_op(_ops.SUB, self, o)
 
     def __rsub__(self, o: Any) -> Tensor:
-        return apply(_ops.SUB, o, self)
+        return apply_op(_ops.SUB, o, self)
 
     def __mul__(self, o: Any) -> Tensor:
-        return apply(_ops.MUL, self, o)
+        return apply_op(_ops.MUL, self, o)
 
     def __rmul__(self, o: Any) -> Tensor:
-        return apply(_ops.MUL, o, self)
+        return apply_op(_ops.MUL, o, self)
 
     def __truediv__(self, o: Any) -> Tensor:
-        return apply(_ops.DIV, self, o)
+        return apply_op(_ops.DIV, self, o)
 
     def __rtruediv__(self, o: Any) -> Tensor:
-        return apply(_ops.DIV, o, self)
+        return apply_op(_ops.DIV, o, self)
 
     def __pow__(self, o: Any) -> Tensor:
-        return apply(_ops.POW, self, o)
+        return apply_op(_ops.POW, self, o)
 
     def __rpow__(self, o: Any) -> Tensor:
-        return apply(_ops.POW, o, self)
+        return apply_op(_ops.POW, o, self)
 
     def __matmul__(self, o: Any) -> Tensor:
-        return apply(_ops.MATMUL, self, o)
+        return apply_op(_ops.MATMUL, self, o)
 
     def __rmatmul__(self, o: Any) -> Tensor:
-        return apply(_ops.MATMUL, o, self)
+        return apply_op(_ops.MATMUL, o, self)
 
     def __neg__(self) -> Tensor:
-        return apply(_ops.NEG, self)
+        return apply_op(_ops.NEG, self)
 
     def __lt__(self, o: Any) -> Tensor:
-        return apply(_ops.LT, self, o)
+        return apply_op(_ops.LT, self, o)
 
     def __le__(self, o: Any) -> Tensor:
-        return apply(_ops.LE, self, o)
+        return apply_op(_ops.LE, self, o)
 
     def __gt__(self, o: Any) -> Tensor:
-        return apply(_ops.GT, self, o)
+        return apply_op(_ops.GT, self, o)
 
     def __ge__(self, o: Any) -> Tensor:
-        return apply(_ops.GE, self, o)
+        return apply_op(_ops.GE, self, o)
 
     def __getitem__(self, index: Any) -> Tensor:
         spec, arrays = _ops.encode_index(index)
-        return apply(_ops.GETITEM, self, *arrays, spec=spec)
+        return apply_op(_ops.GETITEM, self, *arrays, spec=spec)
 
     # ---- methods mirroring the functional API -------------------------------------
     def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
         """Sum over ``axis`` (all axes by default)."""
-        return apply(_ops.SUM, self, axis=_ops._axis(axis), keepdims=keepdims)
+        return apply_op(_ops.SUM, self, axis=_ops._axis(axis), keepdims=keepdims)
 
     def mean(self, axis: Any = None, keepdims: bool = False) -> Tensor:
         """Mean over ``axis`` (all axes by default)."""
-        return apply(_ops.MEAN, self, axis=_ops._axis(axis), keepdims=keepdims)
+        return apply_op(_ops.MEAN, self, axis=_ops._axis(axis), keepdims=keepdims)
 
     def max(self, axis: Any = None, keepdims: bool = False) -> Tensor:
         """Maximum over ``axis``; ties share the gradient equally (as jax.grad)."""
-        return apply(_ops.MAX, self, axis=_ops._axis(axis), keepdims=keepdims)
+        return apply_op(_ops.MAX, self, axis=_ops._axis(axis), keepdims=keepdims)
 
     def reshape(self, *shape: Any) -> Tensor:
         """Reshape (one ``-1`` allowed)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        return apply(_ops.RESHAPE, self, shape=tuple(int(s) for s in shape))
+        return apply_op(_ops.RESHAPE, self, shape=tuple(int(s) for s in shape))
 
     def transpose(self, *axes: int) -> Tensor:
         """Permute axes (reverse them when none are given)."""
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
             axes = tuple(axes[0])
-        return apply(_ops.TRANSPOSE, self, axes=tuple(axes) or None)
+        return apply_op(_ops.TRANSPOSE, self, axes=tuple(axes) or None)
 
     @property
     def T(self) -> Tensor:
@@ -387,26 +387,26 @@ class Tensor(TensorBase):
 
     def exp(self) -> Tensor:
         """Elementwise e^x."""
-        return apply(_ops.EXP, self)
+        return apply_op(_ops.EXP, self)
 
     def log(self) -> Tensor:
         """Elementwise natural logarithm."""
-        return apply(_ops.LOG, self)
+        return apply_op(_ops.LOG, self)
 
     def sqrt(self) -> Tensor:
         """Elementwise square root."""
-        return apply(_ops.SQRT, self)
+        return apply_op(_ops.SQRT, self)
 
     def tanh(self) -> Tensor:
         """Elementwise tanh."""
-        return apply(_ops.TANH, self)
+        return apply_op(_ops.TANH, self)
 
     def abs(self) -> Tensor:
         """Elementwise absolute value."""
-        return apply(_ops.ABS, self)
+        return apply_op(_ops.ABS, self)
 
 
-def apply(op: _ops.Op, *args: Any, **static: Any) -> Any:
+def apply_op(op: _ops.Op, *args: Any, **static: Any) -> Any:
     """Record ``op(*args, **static)`` and return its (lazy) output tensor.
 
     The output's shape and dtype come from `entrenar.autograd.ops.infer` (so a shape
@@ -437,4 +437,4 @@ def as_tensor(x: Any) -> Tensor:
     return x if isinstance(x, Tensor) else Tensor(x)
 
 
-__all__ = ["Tensor", "apply", "as_tensor"]
+__all__ = ["Tensor", "apply_op", "as_tensor"]

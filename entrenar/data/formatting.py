@@ -152,13 +152,14 @@ def special_texts(tokenizer: Tokenizer) -> dict[str, str]:
     return out
 
 
-def detect_format(
+def detect_record_format(
     records: Sequence[Mapping[str, Any]] | Records, fields: Mapping[str, str]
 ) -> Format:
     """The format the first record's fields name: messages, prompt+completion, text.
 
-    >>> detect_format([{"prompt": "2+2=", "completion": "4"}], {"prompt": "prompt",
-    ...     "completion": "completion", "messages": "messages", "text": "text"})
+    >>> fields = {"prompt": "prompt", "completion": "completion",
+    ...           "messages": "messages", "text": "text"}
+    >>> detect_record_format([{"prompt": "2+2=", "completion": "4"}], fields)
     'prompt_completion'
     """
     recs = Records.wrap(records)
@@ -217,7 +218,7 @@ def encode_records(
         records: dicts, or `Records` from a file (errors then name file, row, column).
         tokenizer: `FastTokenizer` (batched) or `BPETokenizer`.
         format: ``"text"``, ``"prompt_completion"``, ``"chat"``, or ``"auto"``
-            (`detect_format` from the first record's fields).
+            (`detect_record_format` from the first record's fields).
         fields: rename the fields, e.g. ``{"text": "body"}``.
         chat_template: Jinja template; default the tokenizer's ``chat_template``.
         add_eos: append EOS (trained) after text and completions; default True
@@ -231,7 +232,7 @@ def encode_records(
     names["messages"] = "messages"
     names.update(fields or {})
     if format == "auto":
-        format = detect_format(recs, names)
+        format = detect_record_format(recs, names)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     variables = special_texts(tokenizer)
     eos = (format != "chat") if add_eos is None else add_eos
@@ -271,7 +272,7 @@ __all__ = [
     "Format",
     "Tokenizer",
     "apply_chat_template",
-    "detect_format",
+    "detect_record_format",
     "encode_records",
     "label_segments",
     "record_segments",

@@ -56,8 +56,8 @@ def test_tensor_api_catches_a_wrong_tape_rule():
     wrong_square = ops.defop("wrong_square_sum", _scaled_grad(1.01))
     right_square = ops.defop("right_square_sum", _scaled_grad(1.0))
     x = [[0.2, 0.4], [-0.1, 0.3]]
-    assert check_gradient(lambda t: autograd.apply(right_square, t), [x])
-    result = check_gradient(lambda t: autograd.apply(wrong_square, t), [x])
+    assert check_gradient(lambda t: autograd.apply_op(right_square, t), [x])
+    result = check_gradient(lambda t: autograd.apply_op(wrong_square, t), [x])
     assert not result and result.api == "tensor"
 
 
