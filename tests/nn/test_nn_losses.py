@@ -213,3 +213,33 @@ def test_huber_delta_must_be_positive_and_kl_shapes_must_agree():
         match=r"^student logits \(2, 3\) and teacher logits \(2, 4\) must have",
     ):
         losses.kl_divergence(jnp.zeros((2, 3)), jnp.zeros((2, 4)))
+
+
+def test_mean_over_a_single_kept_entry_is_that_entry():
+    values = jnp.array([4.0, 7.0, 9.0])
+    only = jnp.array([False, True, False])
+    assert float(losses.reduce_loss(values, where=only)) == 7.0
+    assert float(losses.reduce_loss(values, where=jnp.zeros(3, bool))) == 0.0
+
+
+def test_kl_with_a_teacher_probability_that_underflows_to_zero():
+    # p = softmax([0, -1e4]) = [1, 0] exactly: the p = 0 term contributes 0, not NaN
+    student = jnp.array([[0.3, -0.2]])
+    teacher = jnp.array([[0.0, -1e4]])
+    expected = -float(jax.nn.log_softmax(student)[0, 0])
+    assert float(losses.kl_divergence(student, teacher)) == pytest.approx(expected)
+
+
+def test_label_smoothing_must_be_below_one_and_messages_name_the_shapes():
+    with pytest.raises(
+        ConfigError, match=r"^label_smoothing must be in \[0, 1\), got 1"
+    ):
+        losses.cross_entropy(
+            jnp.zeros((2, 3)), jnp.zeros((2,), jnp.int32), label_smoothing=1.0
+        )
+    with pytest.raises(
+        ShapeError,
+        match=r"^targets \(2, 5\) must equal logits' shape without its class axis "
+        r"\(2, 4\) \(logits \(2, 4, 3\)\)$",
+    ):
+        losses.cross_entropy(jnp.zeros((2, 4, 3)), jnp.zeros((2, 5), jnp.int32))
