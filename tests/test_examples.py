@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from entrenar.io import ModelFormat
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -39,6 +41,9 @@ def test_finetune_lora_example(tmp_path):
     assert (tmp_path / "a" / "adapter_model.safetensors").exists()
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", out).groups())
     assert last < first, out
+    # folding the adapter into the float32 base changes the logits by rounding only
+    diff = float(re.search(r"merged vs adapted logits: max \|diff\| = (\S+)", out)[1])
+    assert diff < 1e-4, out
     assert "reloaded logits identical: True" in out
 
 
@@ -46,10 +51,19 @@ def test_finetune_lora_example(tmp_path):
 def test_finetune_qlora_example(tmp_path):
     out = run_example("finetune_qlora.py", "--steps", "8", "--out", str(tmp_path / "q"))
     assert (tmp_path / "q" / "adapter_config.json").exists()
-    assert "loss" in out.lower()
+    assert len(re.findall(r"final loss \d+\.\d+", out)) == 2, out  # LoRA, then QLoRA
+    # the 4-bit base trains as well as the float32 one (0.9973 at the default steps)
+    ratio = float(re.search(r"QLoRA / LoRA final loss: (\S+)", out)[1])
+    assert 0.9 <= ratio <= 1.1, out
+    assert "max |err|" in out and "(PEFT layout)" in out, out
 
 
 @pytest.mark.slow
 def test_model_io_example():
     out = run_example("model_io.py")
-    assert "SmolLM2" in out or "smollm" in out.lower()
+    # every format keeps the metadata and the weights exactly
+    rows = re.findall(r"metadata kept: (\w+)  exact: (\w+)", out)
+    assert len(rows) == len(ModelFormat) and all(r == ("True", "True") for r in rows)
+    assert re.search(r"loaded SmolLM2\S*\.gguf .*30 layers, D=576, V=49152", out), out
+    # written back as Q4_1 with Q8_0 embeddings, as the source: the same bytes
+    assert re.search(r"all \d+ tensors identical to the source: True", out), out
