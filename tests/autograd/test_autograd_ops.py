@@ -281,3 +281,18 @@ def test_astype_mixed_precision_gradient():
     backward((y * y).astype(jnp.float32).sum())
     assert x.grad.dtype == np.float32
     np.testing.assert_allclose(x.grad, 2 * x.numpy(), rtol=1e-2)
+
+
+def test_max_ties_share_the_gradient_equally():
+    # row 0: three-way tie; row 1: a single maximum; row 2: all equal (four-way)
+    x = Tensor(
+        [[1.0, 5.0, 5.0, 5.0], [2.0, 9.0, 0.0, 1.0], [3.0, 3.0, 3.0, 3.0]],
+        requires_grad=True,
+    )
+    backward(x.max(axis=1).sum())
+    third, quarter = 1.0 / 3.0, 0.25
+    expected = [[0.0, third, third, third], [0.0, 1.0, 0.0, 0.0], [quarter] * 4]
+    np.testing.assert_allclose(np.asarray(x.grad), expected, rtol=1e-6)
+    # the same as jax.grad of jnp.max
+    ref = jax.grad(lambda a: jnp.max(a, axis=1).sum())(jnp.asarray(x.data))
+    np.testing.assert_allclose(np.asarray(x.grad), np.asarray(ref), rtol=1e-6)
