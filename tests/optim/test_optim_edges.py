@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from entrenar import optim as eo
+from entrenar.autograd import Tensor, backward
 from entrenar.errors import ConfigError
 
 U = {"w": jnp.array([1.0, -2.0, 4.0]), "b": jnp.array([0.5])}
@@ -69,3 +70,19 @@ def test_set_lr_on_a_schedule_says_what_to_do():
         r"optimizer with a number as learning rate to use set_lr$",
     ):
         eo.set_lr(s, 0.5)
+
+
+def test_stateful_step_updates_a_tensor_listed_twice_once():
+    w = Tensor([1.0, 2.0], requires_grad=True)
+    backward((w * w).sum() * 0.5)  # grad = w
+    eo.SGD(0.5).step([w, w])
+    np.testing.assert_allclose(np.asarray(w.data), [0.5, 1.0])  # not [0.25, 0.5]
+
+
+def test_stateful_optimizer_refuses_a_schedule_and_says_what_to_do():
+    with pytest.raises(
+        ConfigError,
+        match=r"^lr must be a number, got function; to follow a schedule call "
+        r"opt\.set_lr\(schedule\(step\)\) each step \(e\.g\. CosineScheduler\)$",
+    ):
+        eo.SGD(lambda step: 0.1)
