@@ -189,3 +189,24 @@ def test_real_gguf_tensor_round_trips():
     np.testing.assert_array_equal(to_ggml(q)[0], raw)
     expected = gguf_dequantize(np.asarray(tensor.data), GGMLQuantizationType.Q4_1)
     np.testing.assert_array_equal(np.asarray(dequantize(q)), expected)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "code_cols", "code_dtype"),
+    [("q8_0", 64, np.int8), ("q4_0", 32, np.uint8), ("q4_1", 32, np.uint8)],
+)
+def test_layout_of_a_stacked_low_precision_weight(scheme, code_cols, code_dtype):
+    """Leading axes kept, two 4-bit codes a byte, one float16 scale per 32 values."""
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 64)), jnp.bfloat16)
+    q = quantize(w, scheme)
+    assert q.codes.shape == (2, 3, code_cols) and q.codes.dtype == code_dtype
+    assert q.scales.shape == (2, 3, 2) and q.scales.dtype == np.float16
+    if scheme == "q4_1":
+        assert q.offsets.shape == (2, 3, 2) and q.offsets.dtype == np.float16
+        # the offset is each block's minimum (as float16)
+        mins = np.asarray(w, np.float32).reshape(2, 3, 2, 32).min(-1)
+        np.testing.assert_array_equal(q.offsets, mins.astype(np.float16))
+    else:
+        assert q.offsets is None
+    assert q.block_size == 32 and q.shape == (2, 3, 64)
+    assert q.dtype == jnp.bfloat16 and dequantize(q).dtype == jnp.bfloat16

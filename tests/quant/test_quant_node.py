@@ -14,7 +14,7 @@ from entrenar.quant import (
     quantize_like,
     quantize_params,
 )
-from entrenar.quant.report import memory_report
+from entrenar.quant.report import bits_per_param, memory_report
 from entrenar.tree import tree_named_leaves
 
 SCHEMES = [
@@ -145,3 +145,30 @@ def test_quantize_like_reproduces_every_option(scheme, kw):
     assert jax.tree_util.tree_structure(again) == jax.tree_util.tree_structure(q)
     for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(q)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_memory_report_kinds_table_and_bits_of_plain_leaves():
+    w = jnp.ones((4, 64))
+    tree = {
+        "a": quantize(w, "nf4", double_quant=True),
+        "b": quantize(w, "nf4"),
+        "h": jnp.zeros((3, 5), jnp.float16),
+        "s": 2.5,  # a Python float counts as one float32 value
+    }
+    r = memory_report(tree)
+    assert [(e.name, e.kind, e.params) for e in r.entries] == [
+        ("a", "nf4+dq", 256),
+        ("b", "nf4", 256),
+        ("h", "float16", 15),
+        ("s", "float32", 1),
+    ]
+    entry = {e.name: e for e in r.entries}
+    assert entry["h"].bytes == 30 and entry["s"].bytes == 4
+    assert bits_per_param(tree["h"]) == 16.0 and bits_per_param(2.5) == 32.0
+    assert bits_per_param(tree["b"]) == 4.5  # 4-bit codes + a float32 scale per 64
+    # the table: a header, one row per leaf, the total; kinds and counts as above
+    lines = str(r).splitlines()
+    assert lines[0].split() == ["name", "kind", "params", "bytes", "bits"]
+    assert lines[1].split()[:3] == ["a", "nf4+dq", "256"]
+    assert lines[3].split() == ["h", "float16", "15", "30", "16.000"]
+    assert lines[-1].split()[0] == "total" and lines[-1].split()[1] == "528"
