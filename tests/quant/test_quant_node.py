@@ -172,3 +172,33 @@ def test_memory_report_kinds_table_and_bits_of_plain_leaves():
     assert lines[1].split()[:3] == ["a", "nf4+dq", "256"]
     assert lines[3].split() == ["h", "float16", "15", "30", "16.000"]
     assert lines[-1].split()[0] == "total" and lines[-1].split()[1] == "528"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "options", "chosen"),
+    [
+        ("q8_0", {}, {"w32", "w64"}),  # blocks of 32
+        ("nf4", {}, {"w64"}),  # blocks of 64 by default
+        ("nf4", {"block_size": 16}, {"w32", "w48", "w64"}),
+        ("int8", {}, {"w64"}),  # blocks of 64 by default, as quantize()
+        ("int8", {"granularity": "channel"}, {"w32", "w48", "w64"}),  # any width
+    ],
+)
+def test_quantize_params_default_choice_follows_the_scheme_blocks(
+    scheme, options, chosen
+):
+    already = quantize(jnp.ones((2, 64)), "int4")
+    params = {
+        "w32": jnp.ones((4, 32)),
+        "w48": jnp.ones((2, 48)),
+        "w64": jnp.ones((4, 64)),
+        "b": jnp.ones(64),  # one axis: a bias
+        "ids": jnp.ones((4, 64), jnp.int32),  # not floating
+        "q": already,
+    }
+    out = quantize_params(params, scheme, **options)
+    got = {k for k, v in out.items() if isinstance(v, QuantizedWeight) and k != "q"}
+    assert got == chosen
+    assert out["q"] is already  # a quantized leaf is left as it is
+    for k in chosen:
+        assert out[k].scheme == scheme
