@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 import entrenar.nn
+from entrenar.errors import ShapeError
 from entrenar.quant import (
+    NF4_CODE,
     QuantizedWeight,
     dequantize,
     dequantize_params,
@@ -202,3 +204,27 @@ def test_quantize_params_default_choice_follows_the_scheme_blocks(
     assert out["q"] is already  # a quantized leaf is left as it is
     for k in chosen:
         assert out[k].scheme == scheme
+
+
+@pytest.mark.parametrize(
+    ("scheme", "grid"),
+    [
+        ("int4", np.arange(-7.0, 8.0)),  # d = 7 / 7 = 1 exactly
+        ("int8", np.arange(-127.0, 128.0)),  # d = 127 / 127 = 1 exactly
+        ("nf4", None),  # the NF4 code values themselves, absmax 1
+    ],
+)
+def test_values_on_the_grid_with_scale_one_round_trip_exactly(scheme, grid):
+    grid = np.asarray(NF4_CODE, np.float32) if grid is None else grid
+    rng = np.random.default_rng(0)
+    w = rng.choice(grid, size=(3, 64)).astype(np.float32)
+    w[:, 0] = grid.max()  # every block reaches the largest value: scale 1
+    w[:, 1] = grid.min()
+    q = quantize(jnp.asarray(w), scheme)
+    np.testing.assert_array_equal(np.asarray(dequantize(q)), w)
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "int4", "int8"])
+def test_block_errors_name_the_scheme(scheme):
+    with pytest.raises(ShapeError, match=rf"^'{scheme}' quantizes blocks of 64 values"):
+        quantize(jnp.ones((2, 40)), scheme)
