@@ -58,3 +58,18 @@ def test_requantize_only_quantized_bases_and_unmerge_needs_dense():
     assert isinstance(out["d"], jax.Array)
     with pytest.raises(CompatibilityError, match="dense merged weight"):
         lora.unfold({"q": out["q"]}, {"q": node})
+
+
+def test_requantization_report_is_the_error_of_the_requantized_weight():
+    node = adapted("int4")
+    out, errors = lora.fold_and_requantize({"q": node})
+    merged = np.asarray(lora.fold({"q": node})["q"], np.float64)
+    diff = np.asarray(quant.dequantize(out["q"]), np.float64) - merged
+    rms = np.sqrt(np.mean(diff**2))
+    report = errors["q"]
+    assert report.max_abs == pytest.approx(np.abs(diff).max(), rel=1e-5)
+    assert report.rms == pytest.approx(rms, rel=1e-5)
+    assert report.relative_rms == pytest.approx(
+        rms / np.sqrt(np.mean(merged**2)), rel=1e-5
+    )
+    assert 0 < report.relative_rms < 0.2  # a 4-bit copy of the merged weight

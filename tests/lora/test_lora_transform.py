@@ -242,3 +242,14 @@ def test_forward_never_forms_the_merged_matrix():
     shapes = [v.aval.shape for eqn in jaxpr.eqns for v in eqn.outvars]
     assert (out, fan_in) not in shapes, shapes  # only (3, r) and (3, out) products
     assert (3, r) in shapes
+
+
+def test_unmatched_target_lists_the_linear_weights_and_the_closest_name():
+    with pytest.raises(ConfigError) as info:
+        lora.apply(make_params(), LoRAConfig(rank=1, targets="up_prj"), key=KEY)
+    assert str(info.value) == (
+        "LoRA targets ('up_prj',) matched no weight. The linear weights here are "
+        "lm_head, embed_tokens, down_proj, up_proj (full names like "
+        "'model.layers.0.down_proj'); a target matches the last parts of a module "
+        "name, or the whole name as a regex. Did you mean 'up_proj' for 'up_prj'?"
+    )  # the stacked norm (one weight vector per layer) is not listed
