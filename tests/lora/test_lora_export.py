@@ -70,12 +70,22 @@ def test_save_folded_gguf_writes_the_folded_model_and_warns_for_q4_1(tmp_path):
         lambda x: x.replace(b=jnp.full_like(x.b, 2e-4)) if isinstance(x, LoRAWeight)
         else x, params, is_leaf=lambda x: isinstance(x, LoRAWeight),
     )  # fmt: skip
-    with pytest.warns(UserWarning, match=r"Q4_1 keeps \d+% of the LoRA update.*Q8_0"):
-        save_folded_gguf(tmp_path / "q4.gguf", cfg, params, tensor_type="Q4_1")
+    with pytest.warns(
+        UserWarning,
+        match=r"q4\.gguf: Q4_1 keeps \d+% of the LoRA update .* Q8_0 keeps \d+% "
+        r"\(tensor_type='Q8_0'\)$",
+    ) as caught:
+        save_folded_gguf(tmp_path / "q4.gguf", cfg, params, tensor_type="q4_1")
+    assert caught[0].filename == __file__  # points at the caller's line
+    q4 = io.read_gguf(tmp_path / "q4.gguf")
+    assert q4.tensors["blk.0.attn_q.weight"].type_id == io.GGML_TYPE_IDS["Q4_1"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        r = save_folded_gguf(tmp_path / "q8.gguf", cfg, params)  # default Q8_0
-    assert r.tensor_type == "Q8_0" and r.kept > 0.9
+        r = save_folded_gguf(tmp_path / "q8.gguf", cfg, params, name="tuned")
+    assert r.tensor_type == "Q8_0" and r.kept > 0.9  # the default type
+    q8 = io.read_gguf(tmp_path / "q8.gguf")
+    assert q8.tensors["blk.0.attn_q.weight"].type_id == io.GGML_TYPE_IDS["Q8_0"]
+    assert q8.metadata["general.name"] == "tuned"
     _, back, _ = io.load_llama_gguf(tmp_path / "q8.gguf")
     folded = lora.fold(params)
     for name in ("q_proj", "v_proj"):
