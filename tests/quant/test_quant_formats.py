@@ -195,3 +195,17 @@ def test_dtype_round_trip_and_jit():
         np.asarray(jax.jit(dequantize)(q)).astype(np.float32),
         np.asarray(dequantize(q)).astype(np.float32),
     )
+
+
+def test_block_checks_at_their_boundaries():
+    v = jnp.arange(64.0) / 64  # a single row (1-d) quantizes
+    np.testing.assert_allclose(dequantize(quantize(v, "int8")), v, atol=1 / 127)
+    q = quantize(jnp.ones((2, 4)), "int8", block_size=1)  # one value per block
+    np.testing.assert_array_equal(dequantize(q), np.ones((2, 4)))
+    with pytest.raises(ShapeError, match=r"^cannot quantize a scalar to 'int8'"):
+        quantize(jnp.float32(1.0), "int8")
+    with pytest.raises(
+        ShapeError, match=r"^4-bit scheme 'int4' needs an even block_size"
+    ):
+        quantize(jnp.ones((2, 6)), "int4", block_size=3)
+    quantize(jnp.ones((2, 6)), "int8", block_size=3)  # odd blocks are fine at 8 bits

@@ -133,3 +133,22 @@ def test_int8_ptq_of_trained_mlp_loses_under_one_point(method):
     acc_int8 = accuracy(qparams, ranges)
     assert acc_float > 0.8
     assert acc_int8 > acc_float - 0.01, (acc_float, acc_int8)
+
+
+def test_calibration_setting_boundaries():
+    batches = [jnp.array([0.0, 2.0]), jnp.array([-1.0, 4.0])]
+
+    def fn(b):
+        return {"h": b}
+
+    # percentile in (50, 100]: 100 averages each batch's min and max; 50 is refused
+    r = calibrate(fn, batches, method="percentile", percentile=100)
+    assert (float(r["h"].lo), float(r["h"].hi)) == (-0.5, 3.0)
+    for bad in (50, 100.5):
+        with pytest.raises(ConfigError, match="percentile"):
+            calibrate(fn, batches, method="percentile", percentile=bad)
+    # momentum in [0, 1): 0 keeps only the last batch, 1 is refused
+    r = calibrate(fn, batches, method="moving_average", momentum=0.0)
+    assert (float(r["h"].lo), float(r["h"].hi)) == (-1.0, 4.0)
+    with pytest.raises(ConfigError, match="momentum"):
+        calibrate(fn, batches, method="moving_average", momentum=1.0)
