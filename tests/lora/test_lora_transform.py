@@ -253,3 +253,27 @@ def test_unmatched_target_lists_the_linear_weights_and_the_closest_name():
         "'model.layers.0.down_proj'); a target matches the last parts of a module "
         "name, or the whole name as a regex. Did you mean 'up_proj' for 'up_prj'?"
     )  # the stacked norm (one weight vector per layer) is not listed
+
+
+def test_unfold_recovers_the_base_from_the_trainable_half_alone():
+    p = make_params()
+
+    def nonzero_b(x):  # so that folding changes the weights
+        return x.replace(b=jnp.full_like(x.b, 0.05)) if isinstance(x, LoRAWeight) else x
+
+    is_node = lambda x: isinstance(x, LoRAWeight)  # noqa: E731
+    lp = jax.tree_util.tree_map(nonzero_b, lora.apply(p, CFG, key=KEY), is_leaf=is_node)
+    trainable, _ = lora.split(lp)  # adapters with base=None: unfold must compute it
+    back = lora.unfold(lora.fold(lp), trainable)
+    node = back["model"]["layers"]["up_proj"]["weight"]
+    assert isinstance(node, LoRAWeight) and node.dropout_key is None
+    np.testing.assert_allclose(
+        node.base, p["model"]["layers"]["up_proj"]["weight"], atol=1e-6
+    )
+
+
+def test_trainable_report_prints_the_percentage():
+    r = lora.trainable_report(lora.apply(make_params(), CFG, key=KEY))
+    pct = float(str(r).split("trainable%: ")[1].split()[0])
+    assert pct == pytest.approx(100 * r.trainable_params / r.total_params, abs=1e-4)
+    assert 0 < pct < 100
