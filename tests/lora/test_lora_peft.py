@@ -290,3 +290,41 @@ def test_bfloat16_adapter_written_by_torch_loads_as_float32(base, tmp_path):
     assert node.a.dtype == jnp.float32 and node.rslora and node.scale == 2 / 2**0.5
     np.testing.assert_array_equal(node.a, np.stack([ref[0][0], ref[1][0]]))
     np.testing.assert_array_equal(node.b, np.stack([ref[0][1], ref[1][1]]))
+
+
+def test_adapter_config_written_is_peft_lora_config_in_full(base, tmp_path):
+    cfg = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"), dropout=0.1)
+    lora.save_adapter(trained(base, cfg), tmp_path, base_model_name_or_path="tiny")
+    with open(tmp_path / "adapter_config.json", encoding="utf-8") as f:
+        written = json.load(f)
+    targets = written.pop("target_modules")
+    assert written == {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "tiny",
+        "r": 4,
+        "lora_alpha": 8.0,
+        "lora_dropout": 0.1,
+        "use_rslora": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "use_dora": False,
+    }
+    assert sorted(targets) == ["q_proj", "v_proj"]  # PEFT's suffix form
+    back = lora.load_adapter(tmp_path, base)
+    node = back["model"]["layers"]["self_attn"]["q_proj"]["weight"]
+    assert node.dropout == pytest.approx(0.1) and node.rslora is False
+    # another PEFT method is refused by name; a missing peft_type means LoRA
+    written |= {"target_modules": targets, "peft_type": "IA3"}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(written))
+    with pytest.raises(UnsupportedError, match=r"peft_type 'IA3'; only LORA"):
+        lora.load_adapter(tmp_path, base)
+    del written["peft_type"]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(written))
+    lora.load_adapter(tmp_path, base)
