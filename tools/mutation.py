@@ -35,6 +35,11 @@ def _scratch(part: str, tests: list[str]) -> Path:
     work.mkdir(parents=True)
     shutil.copytree(ROOT / "entrenar", work / "entrenar",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    # some tests run the examples or import the benchmark scripts (the jit test's HLO
+    # histogram): both folders come along
+    skip = shutil.ignore_patterns("__pycache__", "results", "runs")
+    for folder in ("benchmarks", "examples"):
+        shutil.copytree(ROOT / folder, work / folder, ignore=skip)
     (work / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "conftest.py", work / "tests" / "conftest.py")
     for t in tests:
@@ -61,6 +66,7 @@ def _scratch(part: str, tests: list[str]) -> Path:
     (work / "pyproject.toml").write_text(
         "[tool.mutmut]\n"
         'source_paths = ["entrenar"]\n'
+        'also_copy = ["benchmarks", "examples"]\n'
         f"only_mutate = {json.dumps(targets)}\n"
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not slow"]\n'
