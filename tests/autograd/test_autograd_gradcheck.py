@@ -67,3 +67,33 @@ def test_api_must_match_the_function():
     with pytest.raises(ConfigError, match="api must be"):
         check_gradient(lambda t: t.sum(), [[1.0]], api="torch")  # type: ignore[arg-type]
     assert isinstance(Tensor([1.0]).sum(), Tensor)
+
+
+def test_result_locates_the_worst_element_and_measures_its_error():
+    # f(x, y) = sum(x²) + sum(y²); the rule for y is wrong at element 2 only
+    @jax.custom_vjp
+    def f(x, y):
+        return jnp.sum(x**2) + jnp.sum(y**2)
+
+    def bwd(res, g):
+        x, y = res
+        off = jnp.zeros_like(y).at[2].set(0.003)  # 0.3% too large at y[2]
+        return g * 2 * x, g * 2 * y * (1 + off)
+
+    f.defvjp(lambda x, y: (f(x, y), (x, y)), bwd)
+    x, y = np.array([0.5, -1.0]), np.array([1.0, 2.0, 3.0])
+    r = check_gradient(f, [x, y], api="jax", rtol=2e-3, atol=0.0)
+    # |a - n| / (rtol · max|a|,|n|) = 0.003·6 / (2e-3 · 6.018) ≈ 1.5: fails, not by 2x
+    assert not r and r.max_error == pytest.approx(0.003 / (2e-3 * 1.003), rel=1e-3)
+    assert r.worst == (1, 2)
+    np.testing.assert_allclose(r.analytic[1], [2.0, 4.0, 6.018])
+    np.testing.assert_allclose(r.numeric[1], [2.0, 4.0, 6.0], rtol=1e-9)
+    np.testing.assert_allclose(r.analytic[0], r.numeric[0], rtol=1e-9)
+    with pytest.raises(GradientCheckError, match=r"failed at input 1, element 2: "):
+        check_gradient(f, [x, y], api="jax", rtol=2e-3, atol=0.0, raise_on_failure=True)
+    # a purely relative or purely absolute tolerance is allowed; none at all is not
+    assert check_gradient(f, [x, y], api="jax", rtol=4e-3, atol=0.0)
+    assert check_gradient(f, [x, y], api="jax", rtol=0.0, atol=0.05)
+    for rtol, atol in ((0.0, 0.0), (-1e-3, 1e-5), (1e-3, -1e-5)):
+        with pytest.raises(ConfigError, match=r"^need rtol, atol >= 0, not both 0"):
+            check_gradient(f, [x, y], api="jax", rtol=rtol, atol=atol)
