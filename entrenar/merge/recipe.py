@@ -152,17 +152,9 @@ def _model_ref(entry: Any, method: str, folder: str, where: str) -> ModelRef:
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     path, adapter = _resolve_path(entry["model"], folder, where)
-    params = entry.get("parameters") or {}
-    if not isinstance(params, Mapping):
-        raise ConfigError(f"{where}.parameters must be a mapping")
-    bad = set(params) - _PER_MODEL[method]
-    if bad:
-        raise ConfigError(
-            f"{where}.parameters: {sorted(bad)} not used by {method} (it takes "
-            f"{sorted(_PER_MODEL[method]) or 'none'})"
-        )
-    for k, v in params.items():
-        check_setting(v, f"{where}.parameters.{k}")
+    params = _parameters(
+        entry.get("parameters"), _PER_MODEL[method], method, f"{where}.parameters"
+    )
     rng = entry.get("layer_range")
     if rng is not None and (
         not isinstance(rng, list)
@@ -170,7 +162,7 @@ def _model_ref(entry: Any, method: str, folder: str, where: str) -> ModelRef:
         or not all(type(r) is int for r in rng)
     ):
         raise ConfigError(f"{where}.layer_range must be [start, end], got {rng!r}")
-    return ModelRef(path, adapter, dict(params), tuple(rng) if rng else None)
+    return ModelRef(path, adapter, params, tuple(rng) if rng else None)
 
 
 def _model_entries(doc: Mapping[str, Any], source: str) -> tuple[Any, Any]:
@@ -191,25 +183,27 @@ def _model_entries(doc: Mapping[str, Any], source: str) -> tuple[Any, Any]:
     return s.get("sources"), s.get("base_model")
 
 
-def _global_parameters(
-    doc: Mapping[str, Any], method: str, source: str
-) -> dict[str, Any]:
-    """The recipe's top-level ``parameters``, checked against what ``method`` takes."""
-    params = doc.get("parameters") or {}
+def _parameters(raw: Any, allowed: set[str], method: str, where: str) -> dict[str, Any]:
+    """``parameters`` (a recipe's or one model's) checked against what ``method`` takes.
+
+    Flags (``normalize``, ``int8_mask``, ``rescale``) must be booleans; every other
+    value is a setting (a number, or a per-layer schedule: `check_setting`).
+    """
+    params = raw or {}
     if not isinstance(params, Mapping):
-        raise ConfigError(f"{source}: parameters must be a mapping")
-    bad = set(params) - _GLOBAL[method]
+        raise ConfigError(f"{where} must be a mapping")
+    bad = set(params) - allowed
     if bad:
         raise ConfigError(
-            f"{source}: parameters {sorted(bad)} not used by {method} (it takes "
-            f"{sorted(_GLOBAL[method])})"
+            f"{where}: {sorted(bad)} not used by {method} (it takes "
+            f"{sorted(allowed) or 'none'})"
         )
     for k, v in params.items():
         if k in _FLAGS:
             if not isinstance(v, bool):
-                raise ConfigError(f"{source}: parameters.{k} must be true or false")
+                raise ConfigError(f"{where}.{k} must be true or false")
         else:
-            check_setting(v, f"{source}: parameters.{k}")
+            check_setting(v, f"{where}.{k}")
     return dict(params)
 
 
@@ -255,7 +249,9 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
         base = ModelRef(path, adapter, {}, next(iter(ranges)))
     if METHODS[method]["kind"] != "linear" and base is None:
         raise ConfigError(f"{source}: {method} needs a base_model")
-    params = _global_parameters(doc, method, source)
+    params = _parameters(
+        doc.get("parameters"), _GLOBAL[method], method, f"{source}: parameters"
+    )
     dtypes = {}
     for k in ("dtype", "out_dtype"):
         v = doc.get(k)
