@@ -16,6 +16,7 @@ PART=optim`` calls this; the scores are recorded in QUALITY.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -33,12 +34,10 @@ def _scratch(part: str, tests: list[str]) -> Path:
     work = ROOT / ".mutation" / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    shutil.copytree(ROOT / "entrenar", work / "entrenar",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    # some tests run the examples or import the benchmark scripts (the jit test's HLO
-    # histogram): both folders come along
+    # the package, and the folders some tests use: they run the examples or import the
+    # benchmark scripts (the jit test's HLO histogram)
     skip = shutil.ignore_patterns("__pycache__", "results", "runs")
-    for folder in ("benchmarks", "examples"):
+    for folder in ("entrenar", "benchmarks", "examples"):
         shutil.copytree(ROOT / folder, work / folder, ignore=skip)
     (work / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "conftest.py", work / "tests" / "conftest.py")
@@ -47,8 +46,7 @@ def _scratch(part: str, tests: list[str]) -> Path:
         dst = work / t
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
-            shutil.copytree(src, dst, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+            shutil.copytree(src, dst, dirs_exist_ok=True, ignore=skip)
         else:
             shutil.copy(src, dst)
             for helper in src.parent.glob("*.py"):  # a folder's shared helpers
@@ -90,12 +88,13 @@ def _score(work: Path) -> dict[str, int]:
         [sys.executable, "-m", "mutmut", "results", "--all", "true"],
         cwd=work, capture_output=True, text=True, check=False,
     )  # fmt: skip
-    counts: dict[str, int] = {}
-    for line in out.stdout.splitlines():
-        if ":" in line:
-            status = line.rsplit(":", 1)[1].strip()
-            counts[status] = counts.get(status, 0) + 1
-    return counts
+    return dict(
+        collections.Counter(
+            line.rsplit(":", 1)[1].strip()
+            for line in out.stdout.splitlines()
+            if ":" in line
+        )
+    )
 
 
 def main() -> None:
