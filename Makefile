@@ -68,7 +68,7 @@ docs: $(STAMP)
 
 ## Mutation testing of one part with its tests (mutmut), e.g. `make mutation PART=optim`
 ## or `make mutation PART=nn/losses.py TESTS="tests/nn/test_nn_losses.py"`. Not in CI:
-## a package takes 20-60 minutes on 2 cores. Scores are recorded in QUALITY.md.
+## a package takes 10-40 minutes on 2 cores. Scores are recorded in QUALITY.md.
 PART  ?= optim
 TESTS ?=
 mutation: $(STAMP)
