@@ -84,9 +84,10 @@ def fold_and_requantize(params: Params) -> tuple[Params, dict[str, RequantReport
             result: Any = merged
             if _quant.is_quantized(x.base):
                 q = _quant.requantize_like(merged, x.base)
-                diff = _quant.to_dense(q).astype(jnp.float32) - merged
+                exact = merged.astype(jnp.float32)  # bfloat16 bases too
+                diff = _quant.to_dense(q).astype(jnp.float32) - exact
                 rms = float(jnp.sqrt(jnp.mean(diff**2)))
-                ref = float(jnp.sqrt(jnp.mean(merged.astype(jnp.float32) ** 2)))
+                ref = float(jnp.sqrt(jnp.mean(exact**2)))
                 errors[name] = RequantReport(
                     float(jnp.max(jnp.abs(diff))), rms, rms / ref if ref else 0.0
                 )

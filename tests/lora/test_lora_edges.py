@@ -1,0 +1,211 @@
+"""Edges of the LoRA transforms that mutation testing found unchecked.
+
+Each test names what it pins down: dtypes kept in bfloat16, the mask's structure with
+and without dropout keys, raw uint32 keys, a message with no linear weight at all,
+the warning's threshold and its suggestion, the source GGUF's name carried over.
+"""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lora_helpers import L, make_params
+
+from entrenar import io, lora, quant
+from entrenar.errors import ConfigError
+from entrenar.lora import LoRAConfig, LoRAWeight, fold_retention, save_folded_gguf
+from entrenar.nn import LlamaConfig
+
+KEY = jax.random.key(0)
+CFG = LoRAConfig(rank=2, alpha=4.0, targets=("up_proj", "down_proj"))
+DROP = LoRAConfig(rank=2, alpha=4.0, targets=("up_proj", "down_proj"), dropout=0.1)
+is_node = lambda x: isinstance(x, LoRAWeight)  # noqa: E731
+
+
+def nodes(tree):
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_node) if is_node(x)]
+
+
+def with_b(params, value):
+    """Every adapter's B set to ``value`` (as after training)."""
+    return jax.tree_util.tree_map(
+        lambda x: x.replace(b=jnp.full_like(x.b, value)) if is_node(x) else x,
+        params,
+        is_leaf=is_node,
+    )
+
+
+# --- masks and dropout keys ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dropout_keys", [False, True])
+def test_trainable_mask_marks_a_and_b_only_and_keeps_the_tree_structure(dropout_keys):
+    lp = lora.apply(make_params(), DROP, key=KEY)
+    if dropout_keys:
+        lp = lora.with_dropout_keys(lp, key=jax.random.key(3))
+    mask = lora.trainable_mask(lp)
+    assert jax.tree_util.tree_structure(mask) == jax.tree_util.tree_structure(lp)
+    for node in nodes(mask):
+        assert (node.base, node.a, node.b) == (False, True, True)
+        assert node.dropout_key is (False if dropout_keys else None)
+
+
+def test_dropout_keys_only_where_dropout_is_on_and_from_a_raw_key():
+    p = make_params()
+    lp = lora.apply(p, DROP, key=KEY)
+    plain = lora.apply(p, CFG, key=KEY)  # dropout 0: no key, even when asked
+    keyed_plain = nodes(lora.with_dropout_keys(plain, key=KEY))
+    assert all(n.dropout_key is None for n in keyed_plain)
+    typed = lora.with_dropout_keys(lp, key=jax.random.key(7))
+    raw = lora.with_dropout_keys(lp, key=jax.random.PRNGKey(7))  # uint32 (2,)
+    for t, r in zip(nodes(typed), nodes(raw)):
+        assert t.dropout_key.shape == (L, 2) and t.dropout_key.dtype == jnp.uint32
+        np.testing.assert_array_equal(t.dropout_key, r.dropout_key)
+
+
+def test_dropout_keys_of_either_half_and_of_the_whole_tree():
+    lp = lora.apply(make_params(), DROP, key=KEY)
+    trainable, frozen = lora.split(lp)
+    k = jax.random.key(1)
+    whole = nodes(lora.with_dropout_keys(lp, key=k))
+    # the frozen half has the whole tree's leaf order: the same keys
+    for f, w in zip(nodes(lora.with_dropout_keys(frozen, key=k)), whole):
+        np.testing.assert_array_equal(f.dropout_key, w.dropout_key)
+    for t in nodes(lora.with_dropout_keys(trainable, key=k)):
+        assert t.base is None and t.dropout_key.shape == (L, 2)  # lead taken from A
+        assert len({tuple(k) for k in np.asarray(t.dropout_key)}) == L
+
+
+def test_combine_takes_a_leaf_trained_beside_the_adapters_from_the_trainable_half():
+    w = jnp.arange(3.0)
+    assert lora.combine({"w": w}, {"w": None})["w"] is w
+    assert lora.combine({"w": None}, {"w": w})["w"] is w
+
+
+def test_combine_message_in_full():
+    lp = lora.apply(make_params(), CFG, key=KEY)
+    _, frozen = lora.split(lp)
+    with pytest.raises(ConfigError) as info:
+        lora.combine(jax.tree_util.tree_map(lambda x: None, frozen, is_leaf=is_node),
+                     frozen)  # fmt: skip
+    assert str(info.value) == (
+        "combine: the trainable tree has no adapter where the frozen tree has a "
+        "LoRAWeight; pass the halves of one lora.split"
+    )
+
+
+# --- messages --------------------------------------------------------------------
+
+
+def test_no_linear_weight_at_all_is_said_so():
+    with pytest.raises(ConfigError) as info:
+        lora.apply({"norm": {"weight": jnp.ones(4)}}, CFG, key=KEY)
+    assert str(info.value) == (
+        "LoRA targets ('up_proj', 'down_proj') matched no weight. The linear weights "
+        "here are none (full names like '?'); a target matches the last parts of a "
+        "module name, or the whole name as a regex."
+    )
+
+
+def test_two_typos_get_two_hints_in_one_sentence_each():
+    with pytest.raises(ConfigError) as info:
+        lora.apply(make_params(), LoRAConfig(targets=("up_prj", "dwn_proj")), key=KEY)
+    assert str(info.value).endswith(
+        "regex. Did you mean 'up_proj' for 'up_prj'? Did you mean 'down_proj' for "
+        "'dwn_proj'?"
+    )
+
+
+# --- QLoRA bases, fold, unfold ---------------------------------------------------
+
+
+def test_qlora_keeps_a_base_that_is_already_quantized():
+    p = make_params()
+    q = quant.quantize(p["model"]["layers"]["up_proj"]["weight"], "int4", block_size=8)
+    p["model"]["layers"]["up_proj"]["weight"] = q
+    p["model"]["layers"]["down_proj"]["weight"] = jnp.ones((L, 8, 64))  # out 8, in 64
+    lp = lora.apply(p, CFG, key=KEY, quantize="nf4")
+    assert lp["model"]["layers"]["up_proj"]["weight"].base is q  # not requantized
+    assert lp["model"]["layers"]["down_proj"]["weight"].base.scheme == "nf4"
+
+
+def test_unfold_keeps_bfloat16_and_drops_the_dropout_key():
+    p = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), make_params())
+    lp = with_b(lora.apply(p, DROP, key=KEY), 0.05)
+    keyed = lora.with_dropout_keys(lp, key=KEY)
+    back = lora.unfold(lora.fold(keyed), keyed)
+    for node in nodes(back):
+        assert node.base.dtype == jnp.bfloat16 and node.dropout_key is None
+
+
+def test_requantize_report_is_measured_in_float32_for_bfloat16_bases():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(L, 16, 64)), jnp.bfloat16)
+    node = LoRAWeight(quant.quantize(w, "nf4"),
+                      jnp.asarray(rng.normal(size=(L, 2, 64)), jnp.float32),
+                      jnp.asarray(rng.normal(size=(L, 16, 2)) * 0.05, jnp.float32),
+                      alpha=2.0, rank=2)  # fmt: skip
+    merged = np.asarray(lora.fold({"w": node})["w"], np.float64)  # bfloat16 values
+    out, errors = lora.fold_and_requantize({"w": node})
+    assert out["w"].dtype == jnp.bfloat16  # dequantizes to the base's dtype
+    diff = np.asarray(quant.dequantize(out["w"]), np.float64) - merged
+    rms, ref = np.sqrt(np.mean(diff**2)), np.sqrt(np.mean(merged**2))
+    np.testing.assert_allclose(errors["w"].rms, rms, rtol=1e-5)
+    np.testing.assert_allclose(errors["w"].relative_rms, rms / ref, rtol=1e-5)
+    np.testing.assert_allclose(errors["w"].max_abs, np.max(np.abs(diff)), rtol=1e-6)
+
+
+def test_requantize_report_of_an_all_zero_weight_is_zero():
+    z = quant.quantize(jnp.zeros((16, 64)), "nf4")
+    node = LoRAWeight(z, jnp.ones((1, 64)), jnp.zeros((16, 1)), alpha=1.0, rank=1)
+    _, errors = lora.fold_and_requantize({"w": node})
+    assert tuple(errors["w"]) == (0.0, 0.0, 0.0)
+
+
+def test_trainable_report_counts_no_bytes_for_the_empty_places_of_a_half():
+    lp = lora.apply(make_params(), CFG, key=KEY)
+    trainable, _ = lora.split(lp)
+    rep = lora.trainable_report(trainable)
+    a_b = [x for n in nodes(trainable) for x in (n.a, n.b)]
+    assert rep.trainable_params == sum(x.size for x in a_b)
+    assert rep.trainable_bytes == 4 * rep.trainable_params
+    assert rep.total_params == rep.trainable_params  # the None places count nothing
+
+
+# --- the folded GGUF -------------------------------------------------------------
+
+TINY = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
+                   num_heads=2, num_kv_heads=1, tie_word_embeddings=True)  # fmt: skip
+
+
+def tiny_adapted(b=2e-4):
+    dense = TINY.init(jax.random.key(0))
+    lp = lora.apply(dense, LoRAConfig(rank=2, targets=("q_proj", "v_proj")), key=KEY)
+    return dense, with_b(lp, b)
+
+
+def test_the_warning_threshold_is_strict_and_q8_0_is_told_to_use_f16(tmp_path):
+    _, params = tiny_adapted()
+    r = fold_retention(params, "Q8_0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # kept == min_kept: no warning
+        save_folded_gguf(tmp_path / "a.gguf", TINY, params, min_kept=r.kept)
+    f16 = fold_retention(params, "F16")
+    with pytest.warns(UserWarning) as caught:
+        save_folded_gguf(tmp_path / "b.gguf", TINY, params, min_kept=1.5)
+    message = str(caught[0].message)
+    assert message.endswith(f"F16 keeps {f16.kept:.0%} (tensor_type='F16')"), message
+    assert re.match(rf"^{re.escape(str(tmp_path / 'b.gguf'))}: Q8_0 keeps ", message)
+
+
+def test_the_folded_gguf_keeps_the_source_name_and_writes_the_given_one(tmp_path):
+    dense, params = tiny_adapted()
+    io.save_llama_gguf(tmp_path / "base.gguf", TINY, dense, name="tiny-base")
+    base = tmp_path / "base.gguf"
+    save_folded_gguf(tmp_path / "kept.gguf", TINY, params, source=base)
+    save_folded_gguf(tmp_path / "new.gguf", TINY, params, source=base, name="tuned")
+    assert io.read_gguf(tmp_path / "kept.gguf").metadata["general.name"] == "tiny-base"
+    assert io.read_gguf(tmp_path / "new.gguf").metadata["general.name"] == "tuned"
