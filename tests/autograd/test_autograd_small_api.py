@@ -1,0 +1,85 @@
+"""The Tensor API's small conveniences, pinned down (mutation testing found them loose).
+
+Constructors keep ``requires_grad`` and the default dtype, ``reshape`` takes a tuple,
+``repr`` summarises above 20 values, ``np.asarray(t, dtype)`` converts, ``detach``
+leaves the tape, the flat ``matmul`` checks its sizes, and ``defop`` keeps its
+padding rule.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar.autograd import Tensor, functional, ops
+from entrenar.autograd.tape import get_tape
+from entrenar.errors import ShapeError
+
+
+@pytest.mark.parametrize("make", [Tensor.zeros, Tensor.ones])
+def test_zeros_and_ones_keep_requires_grad_and_default_to_float32(make):
+    t = make((2, 3), requires_grad=True)
+    assert t.requires_grad and t.dtype == jnp.float32 and t.shape == (2, 3)
+    assert not make(4).requires_grad
+    assert make(4, dtype=jnp.bfloat16).dtype == jnp.bfloat16
+
+
+def test_randn_takes_an_int_shape_and_keeps_requires_grad():
+    key = jax.random.key(0)
+    t = Tensor.randn(5, key=key, requires_grad=True)
+    assert t.shape == (5,) and t.requires_grad
+    np.testing.assert_array_equal(t.numpy(), jax.random.normal(key, (5,)))
+    assert not Tensor.randn([2, 2], key=key).requires_grad
+
+
+def test_reshape_takes_a_tuple_or_separate_sizes():
+    t = Tensor(np.arange(6.0))
+    assert t.reshape((2, 3)).shape == (2, 3)
+    assert t.reshape([3, 2]).shape == (3, 2)
+    assert t.reshape(2, -1).shape == (2, 3)
+
+
+def test_repr_exactly_and_summarised_above_twenty_values():
+    assert repr(Tensor([1.0, 2.0])) == "Tensor([1., 2.], shape=(2,), dtype=float32)"
+    assert repr(Tensor([1.0], requires_grad=True)) == (
+        "Tensor([1.], shape=(1,), dtype=float32, requires_grad=True)"
+    )
+    assert "..." not in repr(Tensor(np.arange(20.0)))
+    assert "..." in repr(Tensor(np.arange(21.0)))
+
+
+def test_array_protocol_converts_to_the_asked_dtype():
+    t = Tensor([1.5, 2.5])
+    assert np.asarray(t).dtype == np.float32
+    assert np.asarray(t, dtype=np.float64).dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(t, dtype=np.int32), [1, 2])
+
+
+def test_detach_takes_its_node_off_the_tape():
+    x = Tensor([1.0, 2.0], requires_grad=True)
+    y = x * 2.0
+    before = len(get_tape())
+    d = y.detach()
+    assert not d.requires_grad
+    assert len(get_tape()) == before  # the stop_gradient node left the tape again
+    np.testing.assert_array_equal(d.numpy(), [2.0, 4.0])
+
+
+def test_flat_matmul_checks_its_sizes_and_the_plain_form_multiplies():
+    a, b = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
+    np.testing.assert_allclose(functional.matmul(Tensor(a), Tensor(b)).numpy(), a @ b)
+    flat = functional.matmul(a.ravel(), Tensor(b.ravel()), 2, 3, 4)
+    np.testing.assert_allclose(flat.numpy(), (a @ b).ravel())
+    with pytest.raises(ShapeError, match=r"^matmul's flat form needs all of m, k and"):
+        functional.matmul(a.ravel(), b.ravel(), 2, 3)
+    with pytest.raises(ShapeError, match=r"needs a with m\*k=6 and b with k\*n=12"):
+        functional.matmul(a.ravel(), b.ravel()[:-1], 2, 3, 4)  # only b is wrong
+    with pytest.raises(ShapeError, match=r"got 5 and 12$"):
+        functional.matmul(a.ravel()[:-1], b.ravel(), 2, 3, 4)  # only a is wrong
+
+
+def test_defop_keeps_its_padding_rule():
+    op = ops.defop("twice", lambda x: 2 * x, pad="elementwise")
+    assert (op.name, op.pad) == ("twice", "elementwise")
+    assert ops.defop("plain", jnp.sin).pad is None
+    assert ops.MUL.pad == "elementwise" and ops.MATMUL.pad == "matmul"
