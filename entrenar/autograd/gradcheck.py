@@ -93,6 +93,11 @@ def check_gradient(
     Returns:
         A `GradientCheckResult` (truthy when the check passed).
 
+    Raises:
+        ConfigError: ``api`` or the tolerances are invalid, or ``wrt`` is empty or
+            names an input that is not floating-point (or there is none to check).
+        GradientCheckError: the check failed and ``raise_on_failure`` is set.
+
     Example:
         >>> assert check_gradient(lambda x: (x * x).sum(), [[1.0, 2.0]])
         >>> import jax.numpy as jnp
@@ -107,11 +112,13 @@ def check_gradient(
     with jax.enable_x64(True):
         arrays = [np.asarray(x.numpy() if isinstance(x, Tensor) else x) for x in inputs]
         arrays = [a.astype(np.float64) if a.dtype.kind == "f" else a for a in arrays]
-        checked = (
-            list(wrt)
-            if wrt is not None
-            else [i for i, a in enumerate(arrays) if a.dtype.kind == "f"]
-        )
+        floats = [i for i, a in enumerate(arrays) if a.dtype.kind == "f"]
+        checked = floats if wrt is None else [int(i) for i in wrt]
+        if not checked or not set(checked) <= set(floats):
+            raise ConfigError(
+                f"check_gradient: wrt={checked} must name floating-point inputs, at "
+                f"least one; the floating-point inputs here are {floats}"
+            )
         if api == "tensor":
             analytic, proj = _tape_gradients(fn, arrays, checked, seed)
         else:
@@ -168,7 +175,7 @@ def _judge(
     api: API,
     raise_on_failure: bool,
 ) -> GradientCheckResult:
-    max_err, worst = 0.0, (checked[0] if checked else -1, 0)
+    max_err, worst = 0.0, (checked[0], 0)
     for k, (a, n) in enumerate(zip(analytic, numeric)):
         err = np.abs(a - n) / (atol + rtol * np.maximum(np.abs(a), np.abs(n)))
         if err.size and float(err.max()) > max_err:

@@ -97,3 +97,47 @@ def test_result_locates_the_worst_element_and_measures_its_error():
     for rtol, atol in ((0.0, 0.0), (-1e-3, 1e-5), (1e-3, -1e-5)):
         with pytest.raises(ConfigError, match=r"^need rtol, atol >= 0, not both 0"):
             check_gradient(f, [x, y], api="jax", rtol=rtol, atol=atol)
+
+
+def _half_wrong(x, y):
+    # right in x; in y the gradient is y, not 2y (a stop_gradient hides half of it)
+    return jnp.sum(x * x) + jnp.sum(y * jax.lax.stop_gradient(y))
+
+
+def test_wrt_checks_only_the_named_inputs():
+    x, y = np.array([0.5, -1.5]), np.array([1.0, 2.0])
+    assert not check_gradient(_half_wrong, [x, y], api="jax")
+    only_x = check_gradient(_half_wrong, [x, y], api="jax", wrt=[0])
+    assert only_x and len(only_x.analytic) == 1
+    for wrong in ([], [2], [0, 2]):
+        with pytest.raises(ConfigError, match=r"^check_gradient: wrt=\[.*\] must name"):
+            check_gradient(_half_wrong, [x, y, np.arange(2)], api="jax", wrt=wrong)
+    with pytest.raises(ConfigError, match=r"floating-point inputs here are \[\]$"):
+        check_gradient(lambda i: i * 2, [np.arange(2)], api="jax")
+
+
+@pytest.mark.parametrize("api", ["jax", "tensor"])
+def test_vector_outputs_are_projected_with_the_seeded_direction(api):
+    def cube(x):
+        return x * x * x  # a vector output: checked through sum(out * r)
+
+    x = np.array([0.3, -0.7, 1.1])
+    first = check_gradient(cube, [x], api=api, seed=3)
+    again = check_gradient(cube, [x], api=api, seed=3)
+    other = check_gradient(cube, [x], api=api, seed=4)
+    assert first and again and other
+    np.testing.assert_array_equal(first.analytic[0], again.analytic[0])
+    assert first.max_error == again.max_error
+    r3 = np.random.default_rng(3).standard_normal(3)
+    np.testing.assert_allclose(first.analytic[0], 3 * x**2 * r3, rtol=1e-12)
+    assert not np.allclose(first.analytic[0], other.analytic[0])
+
+
+def test_failure_message_names_the_worst_element_of_a_matrix():
+    x = np.array([[0.5, 1.0], [1.5, 2.0]])
+    y = np.array([[1.0, 1.0], [1.0, 3.0]])  # element 3 of y has the largest error
+    with pytest.raises(GradientCheckError) as info:
+        check_gradient(_half_wrong, [x, y], api="jax", raise_on_failure=True)
+    assert str(info.value).startswith(
+        "gradient check failed at input 1, element 3: analytic 3 vs numeric 6"
+    )

@@ -13,7 +13,7 @@ import pytest
 
 from entrenar.autograd import Tensor, functional, ops
 from entrenar.autograd.tape import get_tape
-from entrenar.errors import ShapeError
+from entrenar.errors import ConfigError, ShapeError
 
 
 @pytest.mark.parametrize("make", [Tensor.zeros, Tensor.ones])
@@ -83,3 +83,44 @@ def test_defop_keeps_its_padding_rule():
     assert (op.name, op.pad) == ("twice", "elementwise")
     assert ops.defop("plain", jnp.sin).pad is None
     assert ops.MUL.pad == "elementwise" and ops.MATMUL.pad == "matmul"
+
+
+def test_transpose_takes_a_tuple_or_separate_axes():
+    t = Tensor(np.zeros((2, 3, 4)))
+    assert t.transpose((2, 0, 1)).shape == (4, 2, 3)
+    assert t.transpose(1, 0, 2).shape == (3, 2, 4)
+    assert t.transpose().shape == (4, 3, 2)
+
+
+def test_layer_norm_with_a_bias_and_no_weight():
+    x = np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
+    b = np.arange(5.0, dtype=np.float32)
+    y = functional.layer_norm(Tensor(x), bias=Tensor(b)).numpy()
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    np.testing.assert_allclose(y, (x - mu) / np.sqrt(var + 1e-5) + b, atol=1e-5)
+
+
+def test_dropout_without_a_key_says_how_to_fix_it():
+    with pytest.raises(ConfigError, match=r"^dropout needs key=\.\.\. unless determ"):
+        functional.dropout(Tensor(np.ones(4)), 0.5, key=None)
+
+
+def test_attention_takes_plain_arrays():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, 2, 3, 4)).astype(np.float32) for _ in range(3))
+    y = functional.scaled_dot_product_attention(q, k, v).numpy()
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) / 2.0  # 1/sqrt(4)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(y, np.einsum("bhqk,bhkd->bhqd", p, v), atol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_cross_entropy_passes_its_reduction_on(reduction):
+    logits = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    targets = np.array([0, 2, 1, 2])
+    got = functional.cross_entropy(Tensor(logits), targets, reduction=reduction)
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    each = -lp[np.arange(4), targets]
+    want = each.sum() if reduction == "sum" else each
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
