@@ -15,7 +15,7 @@ import pytest
 from lora_helpers import L, make_params
 
 from entrenar import io, lora, quant
-from entrenar.errors import ConfigError
+from entrenar.errors import CompatibilityError, ConfigError
 from entrenar.lora import LoRAConfig, LoRAWeight, fold_retention, save_folded_gguf
 from entrenar.nn import LlamaConfig
 
@@ -209,3 +209,56 @@ def test_the_folded_gguf_keeps_the_source_name_and_writes_the_given_one(tmp_path
     save_folded_gguf(tmp_path / "new.gguf", TINY, params, source=base, name="tuned")
     assert io.read_gguf(tmp_path / "kept.gguf").metadata["general.name"] == "tiny-base"
     assert io.read_gguf(tmp_path / "new.gguf").metadata["general.name"] == "tuned"
+
+
+# --- configs, adapters on disk, retention ------------------------------------------
+
+
+def test_alpha_must_be_positive_and_messages_start_with_their_subject():
+    with pytest.raises(ConfigError, match=r"^LoRAConfig\.alpha"):
+        LoRAConfig(alpha=0.0)
+    with pytest.raises(ConfigError, match=r"^LoRAConfig\.targets is empty: name at"):
+        LoRAConfig(targets=())
+    with pytest.raises(ConfigError, match=r"^LoRAConfig\.init must be one of"):
+        LoRAConfig(init="xavier")
+
+
+def test_save_adapter_refuses_a_tree_without_adapters_or_with_mixed_rslora(tmp_path):
+    with pytest.raises(CompatibilityError, match=r"^save_adapter: the tree has no"):
+        lora.save_adapter(make_params(), tmp_path / "none")
+    p = make_params()
+    mixed = lora.apply(p, LoRAConfig(rank=2, targets="up_proj"), key=KEY)
+    mixed = lora.apply(mixed, LoRAConfig(rank=2, targets="down_proj", rslora=True),
+                       key=KEY)  # fmt: skip
+    with pytest.raises(CompatibilityError, match=r"^PEFT stores one use_rslora for"):
+        lora.save_adapter(mixed, tmp_path / "mixed")
+
+
+def test_key_paths_of_an_adapter_use_peft_names():
+    node = LoRAWeight(jnp.ones((2, 3)), jnp.ones((1, 3)), jnp.zeros((2, 1)), 1.0, 1)
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(node)[0]]  # fmt: skip
+    assert paths == [".base", ".lora_A", ".lora_B"]
+
+
+def test_retention_sums_over_every_adapter_and_is_whole_when_untrained():
+    rng = np.random.default_rng(1)
+    nodes_ = {}
+    for i, scale in enumerate([0.01, 0.3]):  # two adapters of very different sizes
+        w = rng.normal(size=(8, 64)).astype(np.float32)
+        a = rng.normal(size=(2, 64)).astype(np.float32)
+        b = (rng.normal(size=(8, 2)) * scale).astype(np.float32)
+        nodes_[f"m{i}"] = {"weight": LoRAWeight(jnp.asarray(w), jnp.asarray(a),
+                                                jnp.asarray(b), 2.0, 2)}  # fmt: skip
+    dot = sq = 0.0
+    for m in nodes_.values():
+        n = m["weight"]
+        d = np.asarray(n.b, np.float64) @ np.asarray(n.a, np.float64)
+        w = np.asarray(n.base, np.float64)
+        e = (w + d).astype(np.float16).astype(np.float64) - w
+        dot, sq = dot + np.vdot(e, d), sq + np.vdot(d, d)
+    r = fold_retention(nodes_, "F16")
+    np.testing.assert_allclose(r.kept, dot / sq, rtol=1e-4)
+    assert r.weights == 2
+    untrained = with_b(nodes_, 0.0)
+    assert tuple(fold_retention(untrained, "Q4_0")) == ("Q4_0", 1.0, 0.0, 2)
