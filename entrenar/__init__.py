@@ -16,30 +16,79 @@ Layers, each importing only the ones below it (specs/conventions.md; a test chec
 Params are pytrees, transforms never mutate, randomness is an explicit ``key``.
 """
 
-from entrenar import (
-    autograd,
-    config,
-    data,
-    distill,
-    distributed,
-    errors,
-    io,
-    lora,
-    merge,
-    nn,
-    optim,
-    quant,
-    train,
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and docs
+    from entrenar import (
+        autograd,
+        config,
+        data,
+        distill,
+        distributed,
+        errors,
+        io,
+        lora,
+        merge,
+        nn,
+        optim,
+        quant,
+        train,
+    )
+    from entrenar.autograd import Tensor, backward, check_gradient, no_grad
+    from entrenar.gradients import grad, value_and_grad
+    from entrenar.tree import (
+        assert_trees_allclose,
+        tree_bytes,
+        tree_named_leaves,
+        tree_size,
+    )
+    from entrenar.types import (
+        Array,
+        Grads,
+        OptState,
+        Params,
+        PRNGKey,
+        PyTree,
+        Updates,
+    )
+
+_SUBMODULES = frozenset(
+    "autograd config data distill distributed errors io lora merge nn optim quant "
+    "train".split()
 )
-from entrenar.autograd import Tensor, backward, check_gradient, no_grad
-from entrenar.gradients import grad, value_and_grad
-from entrenar.tree import (
-    assert_trees_allclose,
-    tree_bytes,
-    tree_named_leaves,
-    tree_size,
-)
-from entrenar.types import Array, Grads, OptState, Params, PRNGKey, PyTree, Updates
+_HOMES = {
+    **dict.fromkeys(["Tensor", "backward", "check_gradient", "no_grad"], "autograd"),
+    **dict.fromkeys(["grad", "value_and_grad"], "gradients"),
+    **dict.fromkeys(
+        ["assert_trees_allclose", "tree_bytes", "tree_named_leaves", "tree_size"],
+        "tree",
+    ),
+    **dict.fromkeys(
+        ["Array", "Grads", "OptState", "Params", "PRNGKey", "PyTree", "Updates"],
+        "types",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a subpackage or a top-level name when first used (PEP 562).
+
+    ``import entrenar`` loads no JAX, so ``entrenar --help`` starts at once; the
+    first ``entrenar.nn`` (or ``from entrenar import Tensor``) imports what it needs.
+    """
+    if name in _SUBMODULES:
+        return importlib.import_module(f"entrenar.{name}")
+    if name in _HOMES:
+        value = getattr(importlib.import_module(f"entrenar.{_HOMES[name]}"), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module 'entrenar' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

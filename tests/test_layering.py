@@ -7,6 +7,8 @@ so that ``entrenar --help`` starts without loading JAX).
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1] / "entrenar"
@@ -74,3 +76,14 @@ def test_no_upward_or_hidden_imports():
         upward
     )
     assert not hidden, "imports hidden inside functions:\n" + "\n".join(hidden)
+
+
+def test_importing_entrenar_or_its_command_line_loads_no_jax():
+    # `entrenar --help` must start at once: the top-level names are imported lazily
+    code = (
+        "import sys, entrenar, entrenar.cli; "
+        "assert 'jax' not in sys.modules, [m for m in sys.modules if 'jax' in m]; "
+        "from entrenar import Tensor, nn; assert 'jax' in sys.modules; "
+        "assert entrenar.nn is nn and Tensor.__name__ == 'Tensor'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
