@@ -243,6 +243,36 @@ def test_rule_shapes_match_eval_shape(a, b, keep):
     check(ops.TRANSPOSE, (("axes", None),), a)
 
 
+@pytest.mark.parametrize(
+    ("op", "static", "shapes", "want"),
+    [
+        (ops.ADD, (), [(3, 1), (4,)], (3, 4)),
+        (ops.MATMUL, (), [(2, 3, 4), (4, 5)], (2, 3, 5)),
+        (ops.MATMUL, (), [(3, 4), (6, 4, 5)], (6, 3, 5)),
+        (ops.SUM, (("axis", None), ("keepdims", False)), [(2, 3)], ()),
+        (ops.MEAN, (("axis", (0, 2)), ("keepdims", True)), [(2, 3, 4)], (1, 3, 1)),
+        (ops.MAX, (("axis", -1), ("keepdims", False)), [(2, 3)], (2,)),
+        (ops.GETITEM, (("spec", (("array", 0),)),), [(7, 5), (2, 3)], (2, 3, 5)),
+        (ops.TRANSPOSE, (("axes", (1, 2, 0)),), [(2, 3, 4)], (3, 4, 2)),
+    ],
+)
+def test_the_shape_rules_know_the_common_ops(op, static, shapes, want):
+    # the engine infers these shapes without tracing (no jax.eval_shape per op)
+    sigs = [ops.Aval(s, np.dtype(np.int32 if i else np.float32)) for i, s in
+            enumerate(shapes)]  # fmt: skip
+    assert ops._rule_shape(op, static, sigs) == want
+
+
+def test_the_shape_rules_leave_empty_maxima_and_bad_axes_to_jax():
+    f32 = np.dtype(np.float32)
+    for axis in (2, -3, 0.5):
+        static = (("axis", axis), ("keepdims", False))
+        assert ops._rule_shape(ops.SUM, static, [ops.Aval((2, 3), f32)]) is None
+    static = (("axis", 0), ("keepdims", False))
+    assert ops._rule_shape(ops.MAX, static, [ops.Aval((0, 3), f32)]) is None
+    assert ops._rule_shape(ops.SUM, static, [ops.Aval((0, 3), f32)]) == (3,)
+
+
 def test_buckets_differentiate_whichever_input_requires_grad():
     for grad_a in (True, False):
         for n in [3, 4, 5]:  # n = 5 runs in the bucket of 16
@@ -264,7 +294,9 @@ def test_a_loss_read_before_backward_is_right_in_a_bucket():
         w = leaf(np.linspace(-1, 1, n))
         loss = ((w * w) * 3.0).sum()
         want = 3.0 * np.sum(np.linspace(-1, 1, n, dtype=np.float32) ** 2)
+        fused = engine.stats["fused"]
         np.testing.assert_allclose(float(loss.numpy()), want, rtol=1e-6)
+        assert engine.stats["fused"] == fused + (n > 3)  # one fused call per read
         backward(loss)
         np.testing.assert_allclose(w.grad, 6.0 * np.linspace(-1, 1, n), rtol=1e-6)
     assert ag.cache_info().bucketed >= 3 and engine.stats["fused"] >= 3
