@@ -4,6 +4,7 @@
     python tools/mutation.py nn/losses.py tests/nn/test_nn_losses.py
     python tools/mutation.py quant/int4.py,quant/nf4.py tests/quant
     python tools/mutation.py autograd --sample 37   # mutants numbered *3 and *7: ~1/5
+    python tools/mutation.py lora --only survivors.txt   # names or fnmatch patterns
 
 mutmut changes one operator, constant or call at a time ("mutants") and runs the
 tests that reach the changed function; a mutant no test notices *survived*. The
@@ -113,6 +114,12 @@ def main() -> None:
         help="run only the mutants whose number ends in one of these digits (a "
         "systematic sample: '37' runs about a fifth of every function's mutants)",
     )
+    parser.add_argument(
+        "--only",
+        metavar="FILE",
+        help="run only these mutants: a file with one name or fnmatch pattern a line "
+        "(e.g. the survivors of an earlier run, against the tests added since)",
+    )
     args = parser.parse_args()
     tests = args.tests or [f"tests/{args.part.split('/')[0]}"]
     work = _scratch(args.part, tests)
@@ -128,6 +135,8 @@ def main() -> None:
     if args.sample and not args.sample.isdigit():
         parser.error(f"--sample takes digits, like 37; got {args.sample!r}")
     names = [f"*__mutmut_*[{args.sample}]"] if args.sample else []
+    if args.only:
+        names += Path(args.only).read_text().split()
     run = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)]
     subprocess.run([*run, *names], cwd=work, env=env, check=False)
     counts = _score(work)
