@@ -100,7 +100,9 @@ def save_adapter(
     alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
     suffixes = sorted({m.rsplit(".", 1)[-1] for m in ranks})
     all_modules = {
-        m for n, w in named_weight_leaves(params) for m in hf_modules(n, leaf_shape(w))
+        m
+        for n, w in named_weight_leaves(params)
+        for m in hf_modules(n, leaf_shape(w), stacked_keys)
     }
     others = {m for m in all_modules - set(ranks) if m.rsplit(".", 1)[-1] in suffixes}
     targets: list[str] | str = suffixes

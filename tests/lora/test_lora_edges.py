@@ -5,6 +5,7 @@ and without dropout keys, raw uint32 keys, a message with no linear weight at al
 the warning's threshold and its suggestion, the source GGUF's name carried over.
 """
 
+import json
 import re
 import warnings
 
@@ -17,6 +18,7 @@ from lora_helpers import L, make_params
 from entrenar import io, lora, quant
 from entrenar.errors import CompatibilityError, ConfigError
 from entrenar.lora import LoRAConfig, LoRAWeight, fold_retention, save_folded_gguf
+from entrenar.lora.names import is_weight_leaf
 from entrenar.nn import LlamaConfig
 
 KEY = jax.random.key(0)
@@ -262,3 +264,63 @@ def test_retention_sums_over_every_adapter_and_is_whole_when_untrained():
     assert r.weights == 2
     untrained = with_b(nodes_, 0.0)
     assert tuple(fold_retention(untrained, "Q4_0")) == ("Q4_0", 1.0, 0.0, 2)
+
+
+def test_adapter_files_carry_peft_metadata_and_an_indented_config(tmp_path):
+    from safetensors import safe_open
+
+    lora.save_adapter(lora.apply(make_params(), CFG, key=KEY), tmp_path)
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), "np") as f:
+        assert f.metadata() == {"format": "pt"}  # transformers refuses other formats
+    text = (tmp_path / "adapter_config.json").read_text()
+    assert text == json.dumps(json.loads(text), indent=2)  # as PEFT writes it
+
+
+def test_targets_become_an_exact_regex_when_a_suffix_would_adapt_more(tmp_path):
+    rng = np.random.default_rng(0)
+    mat = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    p = {"a": {"up_proj": {"weight": mat(6, 4)}, "down_proj": {"weight": mat(4, 6)}},
+         "b": {"up_proj": {"weight": mat(6, 4)}}}  # fmt: skip
+    lp = lora.apply(p, LoRAConfig(rank=1, targets=r"a\..*"), key=KEY)
+    lora.save_adapter(lp, tmp_path)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == r"a\.down_proj|a\.up_proj"
+    back = lora.load_adapter(tmp_path, p)
+    adapted = {k: is_node(back[k[0]][k[1:]]["weight"]) for k in ("aup_proj",
+               "adown_proj", "bup_proj")}  # fmt: skip
+    assert adapted == {"aup_proj": True, "adown_proj": True, "bup_proj": False}
+
+
+def test_a_config_without_lora_dropout_loads_without_dropout(tmp_path):
+    lora.save_adapter(lora.apply(make_params(), DROP, key=KEY), tmp_path)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert cfg.pop("lora_dropout") == 0.1
+    for value in ("missing", None):  # old PEFT configs write null for "no dropout"
+        if value is None:
+            cfg["lora_dropout"] = None
+        (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+        loaded = nodes(lora.load_adapter(tmp_path, make_params()))
+        assert {n.dropout for n in loaded} == {0.0}
+
+
+def test_weight_leaves_are_arrays_and_weight_nodes_never_containers():
+    node = LoRAWeight(jnp.ones((2, 3)), jnp.ones((1, 3)), jnp.zeros((2, 1)), 1.0, 1)
+    q = quant.quantize(jnp.ones((2, 64)), "nf4")
+    assert [is_weight_leaf(x) for x in (jnp.ones(2), node, q, 1.0)] == [True] * 4
+    assert [is_weight_leaf(x) for x in (None, {}, [], (1,))] == [False] * 4
+
+
+def test_layers_stacked_under_another_key(tmp_path):
+    rng = np.random.default_rng(0)
+    p = {"blocks": {"up_proj": {"weight": jnp.asarray(rng.normal(size=(L, 6, 4)),
+                                                      jnp.float32)}}}  # fmt: skip
+    keys = ("blocks",)
+    cfg = LoRAConfig(rank=2, targets="up_proj")
+    lp = lora.apply(p, cfg, key=KEY, stacked_keys=keys)
+    node = lp["blocks"]["up_proj"]["weight"]
+    assert node.a.shape == (L, 2, 4) and node.b.shape == (L, 6, 2)
+    lora.save_adapter(lp, tmp_path, stacked_keys=keys)
+    written = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert written["target_modules"] == ["up_proj"]  # all layers: the suffix list
+    back = lora.load_adapter(tmp_path, p, stacked_keys=keys)["blocks"]["up_proj"]
+    np.testing.assert_array_equal(back["weight"].a, node.a)
