@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entrenar.autograd import Tensor, functional, ops
+from entrenar import autograd
+from entrenar.autograd import Tensor, backward, functional, ops
 from entrenar.autograd.tape import get_tape
-from entrenar.errors import ConfigError, ShapeError
+from entrenar.errors import ConfigError, ShapeError, TapeError
 
 
 @pytest.mark.parametrize("make", [Tensor.zeros, Tensor.ones])
@@ -124,3 +125,38 @@ def test_cross_entropy_passes_its_reduction_on(reduction):
     each = -lp[np.arange(4), targets]
     want = each.sum() if reduction == "sum" else each
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
+
+
+def test_backward_messages_in_full():
+    with pytest.raises(TapeError, match=r"^backward\(\) needs a Tensor, got float$"):
+        backward(1.0)
+    with pytest.raises(TapeError) as info:
+        backward(Tensor([1.0]).sum())
+    assert str(info.value) == (
+        "backward() on a tensor that does not require grad: no leaf it depends on was "
+        "created with requires_grad=True (or it was computed under no_grad())"
+    )
+    x = Tensor([1.0, 2.0], requires_grad=True)
+    y = (x * x).sum()
+    backward(y)
+    with pytest.raises(TapeError) as info:
+        backward(y)
+    assert str(info.value) == (
+        "backward through a graph that was already freed (op 'sum', output shape ()): "
+        "a previous backward() released it; pass retain_graph=True to the first "
+        "backward() to differentiate twice"
+    )
+
+
+def test_a_cache_of_one_program_still_hits():
+    old = autograd.set_cache_size(1)
+    try:
+        autograd.engine.clear_caches()
+        for _ in range(3):
+            x = Tensor([1.0, 2.0], requires_grad=True)
+            backward((x * 3.0).sum())
+        info = autograd.cache_info()
+        assert (info.size, info.hits) == (1, 2)
+    finally:
+        autograd.set_cache_size(old)
+        autograd.engine.clear_caches()
