@@ -16,7 +16,12 @@ import pytest
 from lora_helpers import L, make_params
 
 from entrenar import io, lora, quant
-from entrenar.errors import CompatibilityError, ConfigError
+from entrenar.errors import (
+    CompatibilityError,
+    ConfigError,
+    FormatError,
+    UnsupportedError,
+)
 from entrenar.lora import LoRAConfig, LoRAWeight, fold_retention, save_folded_gguf
 from entrenar.lora.names import is_weight_leaf
 from entrenar.nn import LlamaConfig
@@ -252,15 +257,17 @@ def test_retention_sums_over_every_adapter_and_is_whole_when_untrained():
         b = (rng.normal(size=(8, 2)) * scale).astype(np.float32)
         nodes_[f"m{i}"] = {"weight": LoRAWeight(jnp.asarray(w), jnp.asarray(a),
                                                 jnp.asarray(b), 2.0, 2)}  # fmt: skip
-    dot = sq = 0.0
+    dot = sq = err = 0.0
     for m in nodes_.values():
         n = m["weight"]
         d = np.asarray(n.b, np.float64) @ np.asarray(n.a, np.float64)
         w = np.asarray(n.base, np.float64)
         e = (w + d).astype(np.float16).astype(np.float64) - w
         dot, sq = dot + np.vdot(e, d), sq + np.vdot(d, d)
+        err += np.sum((e - d) ** 2)
     r = fold_retention(nodes_, "F16")
     np.testing.assert_allclose(r.kept, dot / sq, rtol=1e-4)
+    np.testing.assert_allclose(r.residual, np.sqrt(err / sq), rtol=1e-3)
     assert r.weights == 2
     untrained = with_b(nodes_, 0.0)
     assert tuple(fold_retention(untrained, "Q4_0")) == ("Q4_0", 1.0, 0.0, 2)
@@ -324,3 +331,63 @@ def test_layers_stacked_under_another_key(tmp_path):
     assert written["target_modules"] == ["up_proj"]  # all layers: the suffix list
     back = lora.load_adapter(tmp_path, p, stacked_keys=keys)["blocks"]["up_proj"]
     np.testing.assert_array_equal(back["weight"].a, node.a)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"bias": "all"}, UnsupportedError, "bias / modules_to_save are not supported"),
+        ({"modules_to_save": ["lm_head"]}, UnsupportedError, "bias / modules_to_save"),
+        ({"fan_in_fan_out": True}, UnsupportedError, "fan_in_fan_out=True is not"),
+        ({"use_dora": True}, UnsupportedError, "use_dora=True is not supported"),
+        ({"r": 0}, FormatError, "field 'r' = 0, need > 0"),
+        ({"lora_alpha": "8"}, FormatError, "field 'lora_alpha' = '8', need > 0"),
+    ],
+)
+def test_adapter_configs_peft_features_we_do_not_read_are_refused(
+    tmp_path, change, error, message
+):
+    lora.save_adapter(lora.apply(make_params(), CFG, key=KEY), tmp_path)
+    file = tmp_path / "adapter_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **change}))
+    with pytest.raises(error, match=f"^{re.escape(str(file))}: {re.escape(message)}"):
+        lora.load_adapter(tmp_path, make_params())
+
+
+def test_an_oversized_adapter_config_is_refused_before_reading(tmp_path):
+    lora.save_adapter(lora.apply(make_params(), CFG, key=KEY), tmp_path)
+    file = tmp_path / "adapter_config.json"
+    file.write_text(file.read_text() + " " * (16 * 1024 * 1024))
+    with pytest.raises(FormatError, match="larger than 16 MiB, not an adapter config"):
+        lora.load_adapter(tmp_path, make_params())
+
+
+def test_a_long_list_of_problems_is_cut_at_twelve(tmp_path):
+    from safetensors.numpy import save_file
+
+    lora.save_adapter(lora.apply(make_params(), CFG, key=KEY), tmp_path)
+    bogus = {f"x{i:02d}": np.zeros(1, np.float32) for i in range(14)}
+    save_file(bogus, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(CompatibilityError) as info:
+        lora.load_adapter(tmp_path, make_params())
+    lines = str(info.value).splitlines()
+    assert lines[0].endswith(": adapter does not match the base model:")
+    want = [f"  tensor 'x{i:02d}' is not a LoRA A/B weight" for i in range(12)]
+    assert lines[1:13] == want
+    assert lines[13:] == ["  ... and 2 more"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 0}, "LoRAConfig.rank must be a positive int, got 0"),
+        ({"alpha": -1.0}, "LoRAConfig.alpha must be > 0, got -1.0"),
+        ({"dropout": 1.0}, "LoRAConfig.dropout must be in [0, 1), got 1.0"),
+        ({"targets": ("q_proj", 3)}, "LoRAConfig.targets holds 3; use strings"),
+        ({"targets": ("",)}, "LoRAConfig.targets holds ''; use strings"),
+        ({"targets": "q_proj("}, "LoRAConfig.targets: 'q_proj(' is not a valid regex"),
+    ],
+)
+def test_lora_config_messages(kwargs, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        LoRAConfig(**kwargs)
