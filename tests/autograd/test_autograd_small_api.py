@@ -73,6 +73,8 @@ def test_flat_matmul_checks_its_sizes_and_the_plain_form_multiplies():
     np.testing.assert_allclose(flat.numpy(), (a @ b).ravel())
     with pytest.raises(ShapeError, match=r"^matmul's flat form needs all of m, k and"):
         functional.matmul(a.ravel(), b.ravel(), 2, 3)
+    with pytest.raises(ShapeError, match=r"^matmul's flat form needs all of m, k and"):
+        functional.matmul(a.ravel(), b.ravel(), 2, None, 4)
     with pytest.raises(ShapeError, match=r"needs a with m\*k=6 and b with k\*n=12"):
         functional.matmul(a.ravel(), b.ravel()[:-1], 2, 3, 4)  # only b is wrong
     with pytest.raises(ShapeError, match=r"got 5 and 12$"):
