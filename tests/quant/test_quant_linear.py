@@ -1,0 +1,87 @@
+"""`nn.linear` on quantized weights: the few-rows path equals the whole-matrix product.
+
+With few input rows the weight is dequantized block by block of output rows
+(`entrenar.quant.linear`); its values and gradients must equal ``x @ dequantize(w).T``
+for every scheme, with and without double quantization, for any leading shape of
+``x``, and for row counts that do not divide into the block size.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar import nn, quant
+from entrenar.quant import NF4_CODE
+from entrenar.quant import linear as qlinear
+from entrenar.quant.nf4 import nf4_values
+
+RNG = np.random.default_rng(0)
+TOL = {"rtol": 1e-5, "atol": 2e-5}  # the blocks sum in another order
+CASES = [
+    ("nf4", {"double_quant": True}),
+    ("nf4", {}),
+    ("int4", {}),
+    ("int8", {}),
+    ("q8_0", {}),
+    ("q4_0", {}),
+    ("q4_1", {}),
+]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 8 rows of 64 values, so that small matrices take several blocks."""
+    monkeypatch.setattr(qlinear, "BLOCK_VALUES", 8 * 64)
+
+
+def whole(x, q):
+    return x @ quant.dequantize(q, x.dtype).T
+
+
+@pytest.mark.parametrize(("scheme", "options"), CASES)
+def test_blockwise_product_equals_the_whole_product(small_blocks, scheme, options):
+    w = jnp.asarray(RNG.normal(size=(48, 64)), jnp.float32)
+    q = quant.quantize(w, scheme, **options)
+    assert qlinear._block_rows(q, 5) == 8  # six blocks of 8 rows
+    x = jnp.asarray(RNG.normal(size=(5, 64)), jnp.float32)
+    np.testing.assert_allclose(nn.linear(x, q), whole(x, q), **TOL)
+    jaxpr = str(jax.make_jaxpr(nn.linear)(x, q))
+    assert "scan" in jaxpr  # the blocks are a loop: no (48, 64) matrix is formed
+
+
+def test_leading_axes_of_x_and_rows_that_do_not_divide(small_blocks):
+    w = jnp.asarray(RNG.normal(size=(42, 64)), jnp.float32)  # 42 = 6 blocks of 7
+    q = quant.quantize(w, "nf4", double_quant=True)
+    assert qlinear._block_rows(q, 6) == 7
+    x = jnp.asarray(RNG.normal(size=(2, 3, 64)), jnp.float32)
+    got = nn.linear(x, q)
+    assert got.shape == (2, 3, 42)
+    np.testing.assert_allclose(got, whole(x, q), **TOL)
+
+
+def test_gradients_through_the_blocks(small_blocks):
+    w = jnp.asarray(RNG.normal(size=(48, 64)), jnp.float32)
+    q = quant.quantize(w, "nf4")
+    x = jnp.asarray(RNG.normal(size=(4, 64)), jnp.float32)
+    g = jax.grad(lambda x: jnp.sum(jnp.sin(nn.linear(x, q))))(x)
+    want = jax.grad(lambda x: jnp.sum(jnp.sin(whole(x, q))))(x)
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=5e-5)  # summation order
+
+
+def test_when_the_blocks_apply():
+    q = quant.quantize(jnp.ones((4096, 4096)), "nf4")
+    assert qlinear._block_rows(q, qlinear.FEW_ROWS) == 512  # 2^21 values a block
+    assert qlinear._block_rows(q, qlinear.FEW_ROWS + 1) == 0  # many rows: plain
+    assert qlinear._block_rows(quant.quantize(jnp.ones((512, 4096)), "nf4"), 1) == 0
+    stacked = quant.quantize(jnp.ones((2, 1024, 4096)), "nf4")
+    assert qlinear._block_rows(stacked, 1) == 0  # stacked layers: one per scan step
+    per_channel = quant.quantize(jnp.ones((4096, 1024)), "int8", granularity="channel")
+    assert qlinear._block_rows(per_channel, 1) == 0
+
+
+def test_nf4_values_equal_the_table_for_every_code_and_shape():
+    codes = jnp.asarray(RNG.integers(0, 16, size=(3, 5, 7)), jnp.uint8)
+    np.testing.assert_array_equal(nf4_values(codes), NF4_CODE[np.asarray(codes)])
+    assert nf4_values(codes).dtype == jnp.float32
+    np.testing.assert_array_equal(nf4_values(jnp.arange(16, dtype=jnp.uint8)), NF4_CODE)
