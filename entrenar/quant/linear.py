@@ -12,8 +12,8 @@ With few input rows (generation, small batches) the matmul is limited by the dec
 not the arithmetic, and a whole dequantized matrix (64 MiB for 4096 x 4096 float32)
 is written to memory only to be read back once. There the weight is dequantized and
 multiplied in blocks of output rows (`BLOCK_VALUES` values at a time), each block
-used while it is in cache: NF4 at 4096 x 4096, batch 16, takes about 2x the float32
-matmul instead of 5x (``benchmarks/quant.py``).
+used while it is in cache: NF4 with double quantization at 4096 x 4096, batch 16,
+takes about 4x the float32 matmul instead of 8x (``benchmarks/quant.py``).
 """
 
 from __future__ import annotations

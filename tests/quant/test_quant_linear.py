@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 
 from entrenar import nn, quant
-from entrenar.quant import NF4_CODE
 from entrenar.quant import linear as qlinear
-from entrenar.quant.nf4 import nf4_values
 
 RNG = np.random.default_rng(0)
 TOL = {"rtol": 1e-5, "atol": 2e-5}  # the blocks sum in another order
@@ -78,10 +76,3 @@ def test_when_the_blocks_apply():
     assert qlinear._block_rows(stacked, 1) == 0  # stacked layers: one per scan step
     per_channel = quant.quantize(jnp.ones((4096, 1024)), "int8", granularity="channel")
     assert qlinear._block_rows(per_channel, 1) == 0
-
-
-def test_nf4_values_equal_the_table_for_every_code_and_shape():
-    codes = jnp.asarray(RNG.integers(0, 16, size=(3, 5, 7)), jnp.uint8)
-    np.testing.assert_array_equal(nf4_values(codes), NF4_CODE[np.asarray(codes)])
-    assert nf4_values(codes).dtype == jnp.float32
-    np.testing.assert_array_equal(nf4_values(jnp.arange(16, dtype=jnp.uint8)), NF4_CODE)
