@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from entrenar.lora import LoRAWeight
 from entrenar.nn import linear
 
 L, D, H, V = 3, 8, 16, 5
@@ -38,3 +39,16 @@ def forward(params: dict, x: jax.Array) -> jax.Array:
 
     h, _ = jax.lax.scan(layer, x, params["model"]["layers"])
     return linear(h, params["lm_head"]["weight"])  # (B, V)
+
+
+def is_adapter(x) -> bool:
+    return isinstance(x, LoRAWeight)
+
+
+def with_b(params, value):
+    """Every adapter's B set to ``value`` (as after training: folding changes W)."""
+    return jax.tree_util.tree_map(
+        lambda x: x.replace(b=jnp.full_like(x.b, value)) if is_adapter(x) else x,
+        params,
+        is_leaf=is_adapter,
+    )

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lora_helpers import with_b
 
 from entrenar import io, lora, quant
 from entrenar.errors import ConfigError
@@ -67,10 +68,7 @@ def test_save_folded_gguf_writes_the_folded_model_and_warns_for_q4_1(tmp_path):
     )
     params = lora.apply(grid, lora.LoRAConfig(rank=2, targets=("q_proj", "v_proj")),
                         key=jax.random.key(1))  # fmt: skip
-    params = jax.tree_util.tree_map(
-        lambda x: x.replace(b=jnp.full_like(x.b, 2e-4)) if isinstance(x, LoRAWeight)
-        else x, params, is_leaf=lambda x: isinstance(x, LoRAWeight),
-    )  # fmt: skip
+    params = with_b(params, 2e-4)
     with pytest.warns(
         UserWarning,
         match=r"q4\.gguf: Q4_1 keeps \d+% of the LoRA update .* Q8_0 keeps \d+% "

@@ -9,7 +9,7 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_helpers import D, H, L, forward, make_params
+from lora_helpers import D, H, L, forward, make_params, with_b
 
 from entrenar import lora
 from entrenar.errors import CompatibilityError, ConfigError, UnsupportedError
@@ -257,12 +257,7 @@ def test_unmatched_target_lists_the_linear_weights_and_the_closest_name():
 
 def test_unfold_recovers_the_base_from_the_trainable_half_alone():
     p = make_params()
-
-    def nonzero_b(x):  # so that folding changes the weights
-        return x.replace(b=jnp.full_like(x.b, 0.05)) if isinstance(x, LoRAWeight) else x
-
-    is_node = lambda x: isinstance(x, LoRAWeight)  # noqa: E731
-    lp = jax.tree_util.tree_map(nonzero_b, lora.apply(p, CFG, key=KEY), is_leaf=is_node)
+    lp = with_b(lora.apply(p, CFG, key=KEY), 0.05)  # so that folding changes W
     trainable, _ = lora.split(lp)  # adapters with base=None: unfold must compute it
     back = lora.unfold(lora.fold(lp), trainable)
     node = back["model"]["layers"]["up_proj"]["weight"]
