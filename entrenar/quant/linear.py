@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from entrenar.nn.linear import lowp_matmul, weight_matmul
 from entrenar.quant.api import dequantize
-from entrenar.quant.nf4 import double_dequantize
+from entrenar.quant.nf4 import block_scales
 from entrenar.quant.weight import QuantizedWeight
 
 FEW_ROWS = 64
@@ -73,9 +73,7 @@ def _block_rows(w: QuantizedWeight, n_inputs: int) -> int:
 def _blockwise_matmul(w: QuantizedWeight, x: jax.Array, rows: int) -> jax.Array:
     """``x Ŵᵀ`` dequantizing ``rows`` output rows of ``w: (out, in)`` at a time."""
     out, fan_in = w.shape
-    scales = w.scales
-    if w.double_quant:  # resolve once: the int8 groups span blocks
-        scales = double_dequantize(scales, w.scale_scales, w.scale_offset)
+    scales = block_scales(w)  # DQ resolved once: its int8 groups span blocks
 
     def split(a: Any) -> Any:  # (out, k) -> (out / rows, rows, k)
         return None if a is None else a.reshape(out // rows, rows, *a.shape[1:])

@@ -101,6 +101,13 @@ def double_dequantize(codes: jax.Array, a: jax.Array, mean: jax.Array) -> jax.Ar
     return jnp.maximum(s, 0).reshape(codes.shape)  # (*lead, rows, nb)
 
 
+def block_scales(q: QuantizedWeight) -> jax.Array:
+    """The first-level block scales of ``q``, double quantization undone if used."""
+    if q.double_quant:
+        return double_dequantize(q.scales, q.scale_scales, q.scale_offset)
+    return q.scales
+
+
 def quantize_nf4(
     w: Any, *, block_size: int = 64, double_quant: bool = False
 ) -> QuantizedWeight:
@@ -135,9 +142,7 @@ def quantize_nf4(
 
 def dequantize_nf4(q: QuantizedWeight, dtype: Any) -> jax.Array:
     """Values ``s · NF4[code]`` of an NF4 node, ``(*lead, cols)`` in ``dtype``."""
-    s = q.scales
-    if q.double_quant:
-        s = double_dequantize(s, q.scale_scales, q.scale_offset)
+    s = block_scales(q)
     codes = unpack_nibbles(q.codes, q.block_size)  # (*lead, nb, B)
     x = jnp.asarray(NF4_CODE)[codes] * s.astype(jnp.float32)[..., None]
     return x.reshape(*x.shape[:-2], -1).astype(dtype)
@@ -146,6 +151,7 @@ def dequantize_nf4(q: QuantizedWeight, dtype: Any) -> jax.Array:
 __all__ = [
     "DQ_GROUP",
     "NF4_CODE",
+    "block_scales",
     "dequantize_nf4",
     "double_dequantize",
     "double_quantize",
