@@ -108,19 +108,25 @@ def main() -> None:
     )
     parser.add_argument("tests", nargs="*", help="test paths (default tests/<package>)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument(
+    pick = parser.add_mutually_exclusive_group()  # mutmut would run their union
+    pick.add_argument(
         "--sample",
         metavar="DIGITS",
         help="run only the mutants whose number ends in one of these digits (a "
         "systematic sample: '37' runs about a fifth of every function's mutants)",
     )
-    parser.add_argument(
+    pick.add_argument(
         "--only",
         metavar="FILE",
         help="run only these mutants: a file with one name or fnmatch pattern a line "
         "(e.g. the survivors of an earlier run, against the tests added since)",
     )
     args = parser.parse_args()
+    if args.sample and not args.sample.isdigit():
+        parser.error(f"--sample takes digits, like 37; got {args.sample!r}")
+    names = [f"*__mutmut_*[{args.sample}]"] if args.sample else []
+    if args.only:
+        names = Path(args.only).read_text().split()
     tests = args.tests or [f"tests/{args.part.split('/')[0]}"]
     work = _scratch(args.part, tests)
     # Every mutant runs in a fresh process; JAX's persistent compilation cache lets it
@@ -132,11 +138,6 @@ def main() -> None:
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
-    if args.sample and not args.sample.isdigit():
-        parser.error(f"--sample takes digits, like 37; got {args.sample!r}")
-    names = [f"*__mutmut_*[{args.sample}]"] if args.sample else []
-    if args.only:
-        names += Path(args.only).read_text().split()
     run = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)]
     subprocess.run([*run, *names], cwd=work, env=env, check=False)
     counts = _score(work)
