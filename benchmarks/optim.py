@@ -1,7 +1,10 @@
 """One AdamW step on 1M / 10M / 100M float32 parameters: entrenar vs optax vs PyTorch.
 
-Each step is ``update`` + ``apply_updates`` jitted as one function with the parameters
-and the state donated (updated in place), fed a fixed gradient. The peers run in the
+Each step is jitted as one function with the parameters and the state donated (updated
+in place), fed a fixed gradient. entrenar's step is `optim.apply_gradients` (AdamW's
+one-pass ``apply``: the native kernel, entrenar/optim/fused.py); "chain" is the same
+optimizer's ``update`` + ``apply_updates`` (XLA's loops), optax's is its ``update`` +
+``apply_updates``. The peers run in the
 same process: optax's ``adamw`` (the same jitted, donated step), interleaved with
 entrenar repetition by repetition in a rotating order so that machine noise hits both
 alike; then, as a separate block (torch's OpenMP threads spin after each op and would
@@ -32,13 +35,19 @@ BYTES_PER_PARAM = 28
 HYPER = {"lr": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "wd": 0.01}
 
 
-def jax_stepper(tx, n: int):
-    """A no-argument function doing one donated, jitted step of ``tx`` on n params."""
+def jax_stepper(tx, n: int, one_pass: bool = False):
+    """A no-argument function doing one donated, jitted step of ``tx`` on n params.
+
+    ``one_pass``: `entrenar.optim.apply_gradients` (``tx.apply`` where it exists);
+    else ``tx.update`` + ``apply_updates``.
+    """
     params = jnp.ones(n, jnp.float32)
     grads = jnp.full(n, 1e-3, jnp.float32)
     box = {"p": params, "s": tx.init(params)}
 
     def step(p, s, g):
+        if one_pass:
+            return eo.apply_gradients(tx, g, s, p)
         u, s = tx.update(g, s, p)
         return eo.apply_updates(p, u), s
 
@@ -111,18 +120,19 @@ def main() -> None:
     if have_torch:
         print(f"torch {torch.__version__}, {torch_threads} threads")
     header = (
-        f"{'params':>7} | {'entrenar ms':>11} | {'GB/s':>5} | {'optax ms':>8} | "
-        f"{'ratio':>5} | {'torch fused':>11} | {'ratio':>5} | {'torch foreach':>13}"
+        f"{'params':>7} | {'entrenar ms':>11} | {'GB/s':>5} | {'chain ms':>8} | "
+        f"{'optax ms':>8} | {'ratio':>5} | {'torch fused':>11} | {'ratio':>5} | "
+        f"{'torch foreach':>13}"
     )
     print(header)
     print("-" * len(header))
     for size in args.sizes:
         n = int(size)
         reps = max(3, min(50, int(3e8 / n)))
+        tx = eo.adamw(h["lr"], h["b1"], h["b2"], h["eps"], h["wd"])
         steppers = {
-            "entrenar": jax_stepper(
-                eo.adamw(h["lr"], h["b1"], h["b2"], h["eps"], h["wd"]), n
-            ),
+            "entrenar": jax_stepper(tx, n, one_pass=True),
+            "chain": jax_stepper(tx, n),
             "optax": jax_stepper(
                 optax.adamw(
                     h["lr"], b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=h["wd"]
@@ -146,7 +156,8 @@ def main() -> None:
         tfe = t.get("torch_foreach", float("nan"))
         print(
             f"{n / 1e6:>6.0f}M | {t['entrenar']:>11.2f} | {gbs:>5.1f} | "
-            f"{t['optax']:>8.2f} | {t['entrenar'] / t['optax']:>5.2f} | {tf:>11.2f} | "
+            f"{t['chain']:>8.2f} | {t['optax']:>8.2f} | "
+            f"{t['entrenar'] / t['optax']:>5.2f} | {tf:>11.2f} | "
             f"{t['entrenar'] / tf:>5.2f} | {tfe:>13.2f}",
             flush=True,
         )

@@ -15,7 +15,7 @@ ROOT = Path(__file__).parents[1] / "entrenar"
 
 LAYERS = [
     {"errors", "types"},
-    {"tree", "gradients"},
+    {"tree", "gradients", "native"},
     {"nn", "optim"},
     {"autograd", "quant"},
     {"io"},

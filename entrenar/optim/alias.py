@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from entrenar.optim.base import GradientTransformation, chain
+from entrenar.optim.fused import adamw_apply
 from entrenar.optim.learning_rate import scale_by_learning_rate
 from entrenar.optim.masking import Mask
 from entrenar.optim.schedules import Schedule
@@ -133,6 +134,10 @@ def adamw(
         eps_root: added inside the square root.
         state_dtype: dtype of ``m`` and ``v``.
 
+    The result also has ``apply(grads, state, params) -> (params, state)``
+    (`apply_gradients` uses it): the same step in one pass over θ, m and v, through
+    a native kernel for float32 leaves on the CPU (`entrenar.optim.fused`).
+
     Example:
         >>> import jax.numpy as jnp
         >>> tx = adamw(0.1, weight_decay=0.5)
@@ -141,13 +146,17 @@ def adamw(
         >>> round(float(u[0]), 5)  # -η (1 + λθ) = -0.1 · (1 + 1)
         -0.2
     """
-    return chain(
+    decay = add_decayed_weights(weight_decay, mask)
+    rate = scale_by_learning_rate(learning_rate)
+    tx = chain(
         scale_by_adam(
             b1, b2, eps, eps_root, mu_dtype=state_dtype, nu_dtype=state_dtype
         ),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate),
+        decay,
+        rate,
     )
+    apply = adamw_apply(b1, b2, eps, eps_root, weight_decay, mask, decay, rate)
+    return tx._replace(apply=apply)
 
 
 __all__ = ["adam", "adamw", "sgd"]

@@ -37,6 +37,14 @@ class TransformUpdateFn(Protocol):
     ) -> tuple[Updates, OptState]: ...
 
 
+class TransformApplyFn(Protocol):
+    """``apply(grads, state, params) -> (new_params, new_state)``."""
+
+    def __call__(  # noqa: D102
+        self, grads: Updates, state: OptState, params: Params
+    ) -> tuple[Params, OptState]: ...
+
+
 class GradientTransformation(NamedTuple):
     """A pure optimizer (or a piece of one): ``(init, update)``.
 
@@ -45,6 +53,10 @@ class GradientTransformation(NamedTuple):
         update: ``update(updates, state, params=None) -> (updates, new_state)``;
             a pure function, safe under ``jax.jit``; ``params`` is needed only by
             transforms that read the parameters (weight decay).
+        apply: optional ``apply(grads, state, params) -> (new_params, new_state)``,
+            equal to ``update`` followed by `apply_updates` but done in one pass
+            (`adamw` sets it: `entrenar.optim.fused`); use it through
+            `apply_gradients`, which falls back to ``update`` + `apply_updates`.
 
     Any object with ``init`` and ``update`` of these signatures (an optax
     ``GradientTransformation`` included) can be used where one is expected.
@@ -52,6 +64,7 @@ class GradientTransformation(NamedTuple):
 
     init: TransformInitFn
     update: TransformUpdateFn
+    apply: TransformApplyFn | None = None
 
 
 class EmptyState(NamedTuple):
@@ -156,6 +169,29 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     return jax.tree_util.tree_map(add, params, updates, is_leaf=lambda x: x is None)
 
 
+def apply_gradients(
+    tx: Any, grads: Updates, state: OptState, params: Params
+) -> tuple[Params, OptState]:
+    """One optimizer step: ``(new_params, new_state)``.
+
+    ``tx.apply`` when the transformation has one (one pass over the parameters and
+    the state, `entrenar.optim.fused`), else ``tx.update`` then `apply_updates`; the
+    two give the same values.
+
+    >>> import jax.numpy as jnp
+    >>> from entrenar.optim import sgd
+    >>> tx = sgd(0.5)
+    >>> p, _ = apply_gradients(tx, jnp.ones(1), tx.init(jnp.ones(1)), jnp.ones(1))
+    >>> p.tolist()
+    [0.5]
+    """
+    fused = getattr(tx, "apply", None)
+    if fused is not None:
+        return fused(grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return apply_updates(params, updates), state
+
+
 def tree_zeros_like(tree: PyTree, dtype: Any = None) -> PyTree:
     """Zeros with the structure and shapes of ``tree`` (in ``dtype`` if given)."""
     return jax.tree_util.tree_map(lambda x: jnp.zeros_like(x, dtype=dtype), tree)
@@ -171,8 +207,10 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "MaskedNode",
+    "TransformApplyFn",
     "TransformInitFn",
     "TransformUpdateFn",
+    "apply_gradients",
     "apply_updates",
     "chain",
     "identity",

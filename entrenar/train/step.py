@@ -37,7 +37,13 @@ import jax.numpy as jnp
 
 from entrenar import distributed
 from entrenar.errors import ConfigError, ShapeError
-from entrenar.optim import apply_updates, clip_by_global_norm, get_lr, global_norm
+from entrenar.optim import (
+    apply_gradients,
+    apply_updates,
+    clip_by_global_norm,
+    get_lr,
+    global_norm,
+)
 from entrenar.optim.base import tree_zeros_like
 from entrenar.train.state import Trainable, TrainState, combine
 from entrenar.types import Params, PyTree
@@ -232,8 +238,11 @@ def make_train_step(
             metrics["tokens"] = tokens
         if clipper is not None:
             grads, _ = clipper.update(grads, clipper.init(None))
-        updates, new_opt = optimizer.update(grads, opt_state, trainable)
-        new_train = apply_updates(trainable, updates)
+        if mesh is None:  # AdamW: one pass over θ, m, v (entrenar.optim.fused)
+            new_train, new_opt = apply_gradients(optimizer, grads, opt_state, trainable)
+        else:  # sharded leaves: XLA's partitioner places the plain update
+            updates, new_opt = optimizer.update(grads, opt_state, trainable)
+            new_train = apply_updates(trainable, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         metrics["finite"] = finite
         if skip_nonfinite:

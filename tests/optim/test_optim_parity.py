@@ -130,18 +130,20 @@ def _promotion(name: str, side: str) -> str:
     return "standard" if side == "optax" or name in OPTAX_INSIDE else "strict"
 
 
-def _step(tx, grad_fn):
+def _step(tx, grad_fn, one_pass: bool = False):
     def step(params, state, t):
         grads = grad_fn(params, t)
+        if one_pass:  # tx.apply where it has one (AdamW's native kernel)
+            return eo.apply_gradients(tx, grads, state, params)
         updates, state = tx.update(grads, state, params)
         return eo.apply_updates(params, updates), state
 
     return step
 
 
-def _run(tx, steps: int, seed: int = 0):
+def _run(tx, steps: int, seed: int = 0, one_pass: bool = False):
     params0, grad_fn = problem(seed)
-    step = _step(tx, grad_fn)
+    step = _step(tx, grad_fn, one_pass)
 
     @jax.jit
     def run(params):
@@ -176,6 +178,18 @@ def test_matches_optax_over_1000_steps(name):
     with jax.numpy_dtype_promotion("standard"):
         expected = _run(theirs(), STEPS)
     jax.tree_util.tree_map(lambda x: np.testing.assert_(np.all(np.isfinite(x))), actual)
+    _assert_rel_close(actual, expected, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["adamw_warmup_cosine", "adamw_mask"])
+def test_one_pass_apply_matches_optax_over_1000_steps(name):
+    """`apply_gradients` (AdamW's fused ``apply``) keeps the optax parity."""
+    ours, theirs = CASES[name]
+    assert ours().apply is not None
+    with jax.numpy_dtype_promotion("strict"):
+        actual = _run(ours(), STEPS, one_pass=True)
+    with jax.numpy_dtype_promotion("standard"):
+        expected = _run(theirs(), STEPS)
     _assert_rel_close(actual, expected, 1e-5)
 
 

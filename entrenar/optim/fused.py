@@ -1,0 +1,168 @@
+"""AdamW's update and its application in one pass: `adamw_apply`.
+
+``tx.update`` followed by `apply_updates` is the optax protocol; for AdamW it makes
+XLA:CPU run three loops (``m``, ``v``, then ``θ``), moving 40 bytes per float32
+parameter. `adamw_apply` returns the new parameters and state directly; each float32
+leaf goes through the native kernel ``entrenar/kernels/adamw.cc`` (one loop, 28 bytes
+per parameter: read θ, g, m, v, write θ, m, v), other leaves through the same math in
+JAX. The math, per leaf (Loshchilov & Hutter, 2019; specs/optimizers.md)::
+
+    m' = (1-β1) g + β1 m            v' = (1-β2) g² + β2 v
+    u  = (m' / (1-β1^t)) / (sqrt(v' / (1-β2^t) + ε_root) + ε) + λ θ
+    θ' = θ + u · (-η_t)
+
+which is `scale_by_adam`, `add_decayed_weights`, `scale_by_learning_rate` and
+`apply_updates`, operation by operation: the pure-JAX path gives the chain's values
+bit for bit, the kernel the same to float32 rounding (it and XLA:CPU may contract
+different products into fused multiply-adds; tests/optim/test_optim_fused.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar import native
+from entrenar.optim.base import (
+    GradientTransformation,
+    TransformApplyFn,
+    safe_increment,
+)
+from entrenar.optim.masking import Mask, resolve_mask
+from entrenar.optim.transforms import ScaleByAdamState
+from entrenar.types import OptState, Params, Updates
+
+
+def _hyper(
+    b1: float, b2: float, c1: jax.Array, c2: jax.Array, eps: float, eps_root: float
+) -> list[jax.Array]:
+    f = jnp.float32
+    return [f(1 - b1), f(b1), f(1 - b2), f(b2), c1, c2, f(eps), f(eps_root)]
+
+
+def _leaf_jax(
+    p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array, h: list[Any]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The pure-JAX path; the same operations, in the same order, as the chain."""
+    dt = g.dtype
+    a1, b1, a2, b2, c1, c2, eps, eps_root = (jnp.asarray(x).astype(dt) for x in h[:8])
+    wd, neg_lr = h[8], h[9]
+    m_new = a1 * g + b1 * m.astype(dt)
+    v_new = a2 * (g * g) + b2 * v.astype(dt)
+    u = (m_new / c1) / (jnp.sqrt(v_new / c2 + eps_root) + eps)
+    if wd is not None:
+        u = u + wd * p.astype(dt)
+    u = u * neg_lr.astype(dt)
+    wide = jnp.promote_types(p.dtype, dt)
+    p_new = (p.astype(wide) + u.astype(wide)).astype(p.dtype)
+    return p_new, m_new.astype(m.dtype), v_new.astype(v.dtype)
+
+
+def _leaf_native(
+    p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array, h: list[Any]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel: θ, m and v are updated in place when the caller donates them."""
+    wd = h[8]
+    hv = jnp.stack(
+        [jnp.asarray(x, jnp.float32) for x in (*h[:8], 0.0 if wd is None else wd, h[9])]
+    )  # (10,)
+    out = jax.ShapeDtypeStruct(p.shape, jnp.float32)
+    call = jax.ffi.ffi_call(
+        "entrenar_adamw",
+        (out, out, out),
+        input_output_aliases={0: 0, 2: 1, 3: 2},
+    )
+    p_new, m_new, v_new = call(p, g, m, v, hv)
+    return p_new, m_new, v_new
+
+
+def _native_ok(p: Any, g: Any, m: Any, v: Any) -> bool:
+    f32 = np.dtype(np.float32)
+    return (
+        all(np.dtype(x.dtype) == f32 for x in (p, g, m, v))
+        and p.shape == g.shape == m.shape == v.shape
+        and p.size > 0
+    )
+
+
+def adamw_apply(
+    b1: float,
+    b2: float,
+    eps: float,
+    eps_root: float,
+    weight_decay: float,
+    mask: Mask | None,
+    decay: GradientTransformation,
+    rate: GradientTransformation,
+    *,
+    use_native: bool | None = None,
+) -> TransformApplyFn:
+    """The ``apply`` of `entrenar.optim.adamw`'s chain ``(adam, decay, rate)``.
+
+    Args:
+        b1: ``β_1``, as in `entrenar.optim.adamw`.
+        b2: ``β_2``.
+        eps: ``ε``.
+        eps_root: ``ε_root``.
+        weight_decay: ``λ``.
+        mask: the decay mask, as in `entrenar.optim.adamw`.
+        decay: the chain's `add_decayed_weights` piece (its state is carried over).
+        rate: the chain's `scale_by_learning_rate` piece (gives ``η_t`` and the
+            next rate state).
+        use_native: None: the kernel when it can be built here (`native.load`);
+            False: never (the pure-JAX path); True: require it.
+    """
+
+    def apply(
+        grads: Updates, state: OptState, params: Params
+    ) -> tuple[Params, OptState]:
+        adam_s, decay_s, rate_s = state
+        count = safe_increment(adam_s.count)
+        t = count.astype(jnp.float32)
+        c1 = 1.0 - jnp.power(jnp.float32(b1), t)  # () 1 - β1^t
+        c2 = 1.0 - jnp.power(jnp.float32(b2), t)  # () 1 - β2^t
+        neg_lr, rate_s = rate.update(jnp.ones((), jnp.float32), rate_s)  # () -η_t
+        _, decay_s = decay.update(grads, decay_s, params)  # pure: only its state
+        base = _hyper(b1, b2, c1, c2, eps, eps_root)
+        decayed = (
+            jax.tree_util.tree_map(lambda _: True, params)
+            if mask is None
+            else resolve_mask(mask, params)
+        )
+        native_on = use_native is not False and native.load("adamw")
+        if use_native and not native_on:
+            raise RuntimeError("the native AdamW kernel could not be built here")
+
+        def leaf(p: Any, g: Any, m: Any, v: Any, d: bool) -> tuple[Any, Any, Any]:
+            wd = weight_decay if (d and weight_decay) else None
+            h = [*base, wd, neg_lr]
+            if native_on and _native_ok(p, g, m, v):
+                return _leaf_native(p, g, m, v, h)
+            return _leaf_jax(jnp.asarray(p), g, m, v, h)
+
+        p_leaves, treedef = jax.tree_util.tree_flatten(params)
+        leaves = jax.tree_util.tree_leaves  # the same structure as params
+        outs = [
+            leaf(*xs)
+            for xs in zip(
+                p_leaves,
+                leaves(grads),
+                leaves(adam_s.mu),
+                leaves(adam_s.nu),
+                leaves(decayed),
+                strict=True,
+            )
+        ]
+        new_p, mu, nu = (
+            jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
+            for i in range(3)
+        )
+        return new_p, (ScaleByAdamState(count=count, mu=mu, nu=nu), decay_s, rate_s)
+
+    return apply
+
+
+__all__ = ["adamw_apply"]
