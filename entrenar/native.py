@@ -35,6 +35,7 @@ from pathlib import Path
 KERNELS: dict[str, tuple[str, dict[str, str]]] = {
     # name: (source file in entrenar/kernels, {custom-call target: C symbol})
     "adamw": ("adamw.cc", {"entrenar_adamw": "EntrenarAdamW"}),
+    "nf4_matmul": ("nf4_matmul.cc", {"entrenar_nf4_matmul": "EntrenarNf4Matmul"}),
 }
 """The kernels `load` knows."""
 

@@ -6,12 +6,14 @@ for every scheme, with and without double quantization, for any leading shape of
 ``x``, and for row counts that do not divide into the block size.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entrenar import nn, quant
+from entrenar import native, nn, quant
 from entrenar.quant import linear as qlinear
 
 RNG = np.random.default_rng(0)
@@ -29,8 +31,12 @@ CASES = [
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Blocks of 8 rows of 64 values, so that small matrices take several blocks."""
+    """Blocks of 8 rows of 64 values, so that small matrices take several blocks.
+
+    The native NF4 kernel is switched off: these tests are about the JAX block path.
+    """
     monkeypatch.setattr(qlinear, "BLOCK_VALUES", 8 * 64)
+    monkeypatch.setattr(qlinear, "_native_nf4", lambda w, x, n: False)
 
 
 def whole(x, q):
@@ -76,3 +82,55 @@ def test_when_the_blocks_apply():
     assert qlinear._block_rows(stacked, 1) == 0  # stacked layers: one per scan step
     per_channel = quant.quantize(jnp.ones((4096, 1024)), "int8", granularity="channel")
     assert qlinear._block_rows(per_channel, 1) == 0
+
+
+# ---- the native NF4 kernel (entrenar/kernels/nf4_matmul.cc) ---------------------
+
+needs_kernel = pytest.mark.skipif(
+    not native.load("nf4_matmul"), reason="no C++ compiler: the kernel is off"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("out", "fan_in", "block", "n", "dq"),
+    [
+        (48, 64, 64, 5, True),  # fewer rows than tasks x 16: one task
+        (100, 640, 64, 16, False),  # 640 = a 512 chunk and a 128 tail; 100 rows
+        (96, 192, 32, 64, True),  # block 32, sixty-four input rows (8 + 4 + 1 tiles)
+        (40, 96, 16, 3, False),  # block 16: the scalar decode
+        (64, 1024, 128, 1, True),  # block 128, one input row
+    ],
+)
+def test_native_nf4_equals_the_whole_product(out, fan_in, block, n, dq):
+    w = jnp.asarray(RNG.normal(size=(out, fan_in)), jnp.float32)
+    q = quant.quantize(w, "nf4", block_size=block, double_quant=dq)
+    x = jnp.asarray(RNG.normal(size=(n, fan_in)), jnp.float32)
+    f = jax.jit(lambda x, q: nn.linear(x, q))  # a fresh trace (jit caches by function)
+    assert "entrenar_nf4_matmul" in f.lower(x, q).as_text()
+    np.testing.assert_allclose(f(x, q), whole(x, q), **TOL)
+
+
+@needs_kernel
+def test_native_nf4_gradients_are_the_whole_products():
+    w = jnp.asarray(RNG.normal(size=(48, 128)), jnp.float32)
+    q = quant.quantize(w, "nf4", double_quant=True)
+    x = jnp.asarray(RNG.normal(size=(2, 3, 128)), jnp.float32)
+
+    c = jnp.asarray(RNG.normal(size=(2, 3, 48)), jnp.float32)
+
+    def loss(f, x, q):  # linear in the product: the gradients do not depend on its
+        return jnp.sum(c * f(x, q))  # rounding, only on the backward pass
+
+    grad = functools.partial(jax.grad, argnums=(0, 1), allow_int=True)
+    got = grad(lambda x, q: loss(nn.linear, x, q))(x, q)
+    want = grad(lambda x, q: loss(whole, x, q))(x, q)
+    np.testing.assert_allclose(got[0], want[0], **TOL)
+    np.testing.assert_allclose(got[1].scale_scales, want[1].scale_scales, **TOL)
+
+
+def test_native_nf4_is_skipped_for_other_inputs():
+    q = quant.quantize(jnp.ones((32, 64)), "nf4")
+    assert not qlinear._native_nf4(q, jnp.ones((65, 64)), 65)  # too many rows
+    assert not qlinear._native_nf4(q, jnp.ones((2, 64), jnp.bfloat16), 2)  # dtype
+    assert not qlinear._native_nf4(quant.quantize(jnp.ones((32, 64)), "int4"), q, 2)
