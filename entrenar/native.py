@@ -36,6 +36,13 @@ KERNELS: dict[str, tuple[str, dict[str, str]]] = {
     # name: (source file in entrenar/kernels, {custom-call target: C symbol})
     "adamw": ("adamw.cc", {"entrenar_adamw": "EntrenarAdamW"}),
     "nf4_matmul": ("nf4_matmul.cc", {"entrenar_nf4_matmul": "EntrenarNf4Matmul"}),
+    "nf4_dequantize": (
+        "nf4_dequantize.cc",
+        {
+            "entrenar_nf4_dequantize_f32": "EntrenarNf4DequantizeF32",
+            "entrenar_nf4_dequantize_bf16": "EntrenarNf4DequantizeBf16",
+        },
+    ),
 }
 """The kernels `load` knows."""
 
@@ -109,9 +116,11 @@ def build(name: str, compiler: str) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
+    headers = sorted(SOURCES.glob("*.h"))  # shared by the kernels (parallel.h)
     key = "\n".join(
         [
             source.read_text(),
+            *(h.read_text() for h in headers),
             compiler,
             version,
             " ".join(FLAGS),
@@ -127,7 +136,8 @@ def build(name: str, compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    include = [f"-I{jax.ffi.include_dir()}", f"-I{SOURCES}"]
+    cmd = [compiler, *FLAGS, *include, str(source), "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         os.unlink(tmp)

@@ -12,10 +12,9 @@
 // rounded as in the pure-JAX path (entrenar/optim/fused.py), in the same order.
 #include <algorithm>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -58,31 +57,17 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> g,
   if (h.element_count() != kHyper) {
     return ffi::Error::InvalidArgument("entrenar_adamw: expected 10 hyperparameters");
   }
-  // One contiguous span per intra-op thread (as many as XLA has: one per core);
-  // this thread takes the first while the pool runs the others.
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  const int64_t tasks = std::max<int64_t>(1, std::min(workers, n / kPerTask));
-  auto run = [&](int64_t t) {
-    // Split on multiples of 16 floats (64 bytes) so no two tasks share a cache line.
-    const int64_t lo = (n * t / tasks) & ~int64_t{15};
-    const int64_t hi = t + 1 == tasks ? n : (n * (t + 1) / tasks) & ~int64_t{15};
+  // Contiguous spans, a few per intra-op thread (ParallelFor balances them).
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(4 * pool.num_threads(), n / kPerTask));
+  entrenar::ParallelFor(pool, chunks, [&](int64_t t) {
+    // Split on multiples of 16 floats (64 bytes) so no two spans share a cache line.
+    const int64_t lo = (n * t / chunks) & ~int64_t{15};
+    const int64_t hi = t + 1 == chunks ? n : (n * (t + 1) / chunks) & ~int64_t{15};
     AdamWSpan(p.typed_data(), g.typed_data(), m.typed_data(), v.typed_data(),
               p_out->typed_data(), m_out->typed_data(), v_out->typed_data(), lo, hi,
               h.typed_data());
-  };
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t pending = tasks - 1;
-  for (int64_t t = 1; t < tasks; ++t) {
-    pool.Schedule([&, t] {
-      run(t);
-      std::lock_guard<std::mutex> lock(mu);
-      if (--pending == 0) cv.notify_one();
-    });
-  }
-  run(0);
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return pending == 0; });
+  });
   return ffi::Error::Success();
 }
 

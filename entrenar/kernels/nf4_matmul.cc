@@ -12,11 +12,10 @@
 // row's chunk is decoded once (with AVX-512, 16 values per vpermps) into a small
 // buffer and multiplied with eight input rows at a time.
 #include <algorithm>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -137,21 +136,12 @@ ffi::Error Nf4MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
     return ffi::Error::InvalidArgument("entrenar_nf4_matmul: unsupported block size");
   }
   p.chunk = kChunk;
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), p.o / 16));
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t pending = tasks - 1;
-  auto run = [&](int64_t t) { RunRows(p, p.o * t / tasks, p.o * (t + 1) / tasks); };
-  for (int64_t t = 1; t < tasks; ++t) {
-    pool.Schedule([&, t] {
-      run(t);
-      std::lock_guard<std::mutex> lock(mu);
-      if (--pending == 0) cv.notify_one();
-    });
-  }
-  run(0);
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return pending == 0; });
+  // Ranges of at least 16 output rows, a few per intra-op thread.
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(4 * pool.num_threads(), p.o / 16));
+  entrenar::ParallelFor(pool, chunks, [&](int64_t t) {
+    RunRows(p, p.o * t / chunks, p.o * (t + 1) / chunks);
+  });
   return ffi::Error::Success();
 }
 

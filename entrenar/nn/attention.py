@@ -87,6 +87,7 @@ def dot_product_attention(
     *,
     bias: jax.Array | None = None,
     scale: float | None = None,
+    matmul_dtype: str | None = None,
 ) -> jax.Array:
     """Grouped-query attention ``softmax(q kᵀ · scale + bias, masked) v``.
 
@@ -102,6 +103,10 @@ def dot_product_attention(
             broadcastable to ``(B, H, T, S)`` when 4-d; None attends everywhere.
         bias: optional additive float scores, broadcastable to ``(B, H, T, S)``.
         scale: score scale, ``1/√d`` by default.
+        matmul_dtype: None, or ``"bfloat16"`` / ``"float16"``: the two products
+            take ``q, k`` and ``softmax, v`` in that dtype with float32
+            accumulation (mixed precision, as `entrenar.nn.linear`); the scores,
+            mask and softmax stay in float32.
 
     Returns:
         ``(B, T, H, dv)`` in ``q``'s dtype.
@@ -115,6 +120,9 @@ def dot_product_attention(
     g = h // kv
     qg = q.reshape(b, t, kv, g, d)  # (B, T, KV, G, d)
     f = upcast_dtype(q.dtype)
+    lowp = None if matmul_dtype is None else jnp.dtype(matmul_dtype)
+    if lowp is not None:
+        qg, k = qg.astype(lowp), k.astype(lowp)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=f)
     scale = 1.0 / d**0.5 if scale is None else scale
     scores = scores * jnp.asarray(scale, f)  # (B, KV, G, T, S)
@@ -127,8 +135,13 @@ def dot_product_attention(
         else:
             m = (mask if mask.ndim == 3 else mask[None])[:, None, None]  # (B|1,1,1,T,S)
         scores = jnp.where(m, scores, jnp.asarray(_NEG, f))
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (B, KV, G, T, S)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # (B, T, KV, G, dv)
+    probs = jax.nn.softmax(scores, axis=-1)  # (B, KV, G, T, S)
+    if lowp is not None:
+        probs, v = probs.astype(lowp), v.astype(lowp)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=f)
+    else:
+        out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    # out: (B, T, KV, G, dv)
     return out.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
 
 

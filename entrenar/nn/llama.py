@@ -85,8 +85,10 @@ class LlamaConfig:
             MLP, output head). Their inputs are cast to bfloat16, products
             accumulate in float32 and the results are in ``dtype``, in the forward
             and the backward pass (`entrenar.nn.lowp_matmul`, whose backward pass
-            computes no gradient for a frozen weight); activations, norms, rotary
-            embeddings, attention softmax and logits stay in ``dtype`` (float32).
+            computes no gradient for a frozen weight); attention's two products
+            take bfloat16 inputs with float32 accumulation too; activations,
+            norms, rotary embeddings, attention scores and softmax and logits stay
+            in ``dtype`` (float32).
             Parameters, adapters and optimizer state keep their own dtypes. On
             CPUs with AMX (Intel Sapphire Rapids and later) XLA:CPU runs these
             dots several times faster than float32; elsewhere the results are the
@@ -490,7 +492,7 @@ class LlamaConfig:
         if ck is not None and cv is not None and pos is not None:
             k = ck = update_cache_layer(ck, k, pos)  # (B, S, KV, d)
             v = cv = update_cache_layer(cv, v, pos)
-        o = dot_product_attention(q, k, v, allowed)  # (B, T, H, d)
+        o = dot_product_attention(q, k, v, allowed, matmul_dtype=md)  # (B, T, H, d)
         o = linear(o.reshape(b, t, nh * hd), ap["o_proj"]["weight"], matmul_dtype=md)
         return o, (ck, cv)
 

@@ -125,7 +125,7 @@ def _native_nf4(w: QuantizedWeight, x: jax.Array, n: int) -> bool:
 def _nf4_native_product(w: QuantizedWeight, xs: jax.Array) -> jax.Array:
     """``xs Ŵᵀ``: ``(n, in) -> (n, out)`` through the native kernel."""
     out = jax.ShapeDtypeStruct((xs.shape[0], w.shape[0]), jnp.float32)
-    call = jax.ffi.ffi_call("entrenar_nf4_matmul", out)
+    call = jax.ffi.ffi_call("entrenar_nf4_matmul", out, vmap_method="sequential")
     scales = block_scales(w).astype(jnp.float32)  # (out, in / B)
     return call(xs, w.codes, scales, jnp.asarray(NF4_CODE))
 

@@ -183,3 +183,28 @@ def test_remat_policy_gives_the_same_gradients() -> None:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(ConfigError, match="remat_policy"):
         dataclasses.replace(TINY, remat_policy="save_nothing_please")
+
+
+def test_attention_products_take_bf16_inputs_and_accumulate_in_f32() -> None:
+    """``dot_product_attention(matmul_dtype="bfloat16")``: exact float64 reference."""
+    from entrenar.nn import causal_mask, dot_product_attention
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 6, 4, 8)).astype(np.float32)  # (B, T, H, d)
+    k = rng.standard_normal((2, 6, 2, 8)).astype(np.float32)  # (B, S, KV, d)
+    v = rng.standard_normal((2, 6, 2, 8)).astype(np.float32)
+    mask = causal_mask(jnp.arange(6), 6)
+    got = dot_product_attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, matmul_dtype="bfloat16"
+    )
+    # reference: scores from the rounded q, k; softmax in float64; probs rounded
+    kk = np.repeat(_bf16(k), 2, axis=2)  # each KV head serves G = 2 query heads
+    s = np.einsum("bthd,bshd->bhts", _bf16(q), kk) / np.sqrt(8)
+    s = np.where(np.asarray(mask)[None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    ref = np.einsum("bhts,bshd->bthd", _bf16(p), np.repeat(_bf16(v), 2, axis=2))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5)
+    plain = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask)
+    assert np.max(np.abs(np.asarray(plain) - ref)) > 1e-3  # the rounding is real
