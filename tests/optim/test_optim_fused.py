@@ -1,4 +1,4 @@
-"""AdamW's one-pass ``apply`` (entrenar/optim/fused.py) and the native kernel loader."""
+"""AdamW's one-pass ``apply`` (entrenar/optim/fused.py): the chain's values."""
 
 from __future__ import annotations
 
@@ -148,24 +148,6 @@ def test_kernel_splits_large_leaves_across_threads_correctly():
     got, _ = jax.jit(tx.apply)(g, s, p)
     want, _ = jax.jit(ref)(g, s, p)
     np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6, atol=1e-7)
-
-
-def test_build_reports_the_compiler_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("ENTRENAR_CACHE_DIR", str(tmp_path))
-    with pytest.raises(RuntimeError, match="building the native kernel 'adamw'"):
-        native.build("adamw", "/bin/false")
-    assert not list((tmp_path / "native").glob("*.so"))  # nothing half-written
-
-
-@pytest.mark.parametrize("value, on", [("0", False), ("no", False), ("1", True)])
-def test_enabled_reads_the_environment(monkeypatch, value, on):
-    monkeypatch.setenv("ENTRENAR_NATIVE", value)
-    assert native.enabled() is on
-
-
-def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("ENTRENAR_CACHE_DIR", str(tmp_path))
-    assert native.cache_dir() == tmp_path / "native"
 
 
 def test_without_the_kernel_adamw_still_steps():
