@@ -255,7 +255,7 @@ def main() -> None:
         help="full: causal_lm_loss of Llama.apply's logits; chunked: "
         "chunked_causal_lm_loss of Llama.features (default)",
     )
-    ap.add_argument("--chunk", type=int, default=256, help="tokens per loss chunk")
+    ap.add_argument("--chunk", type=int, default=128, help="tokens per loss chunk")
     ap.add_argument("--remat", action="store_true", help="LlamaConfig(remat=True)")
     ap.add_argument("--remat-policy", default="", help="LlamaConfig(remat_policy=...)")
     ap.add_argument(

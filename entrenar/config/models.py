@@ -176,7 +176,29 @@ def build_model(section: ModelSection, *, key: Any) -> BuiltModel:
         built = dataclasses.replace(
             built, tokenizer=load_tokenizer_file(section.tokenizer)
         )
-    return built
+    return with_precision(built, section)
+
+
+def with_precision(built: BuiltModel, section: ModelSection) -> BuiltModel:
+    """Apply ``matmul_dtype`` and ``remat_policy`` (a Llama's only) to the model."""
+    if section.matmul_dtype == "float32" and section.remat_policy is None:
+        return built
+    if built.architecture != "llama":
+        raise ConfigError(
+            f"model.matmul_dtype / model.remat_policy apply to a llama model, not "
+            f"{built.architecture}; remove them"
+        )
+    md = section.matmul_dtype
+    matmul_dtype = nn.auto_matmul_dtype() if md == "auto" else md
+    try:
+        config = dataclasses.replace(
+            built.config,
+            matmul_dtype=None if matmul_dtype == "float32" else matmul_dtype,
+            remat_policy=section.remat_policy,
+        )
+    except ConfigError as e:
+        raise ConfigError(f"model: {e}") from None
+    return dataclasses.replace(built, config=config)
 
 
 def save_built(

@@ -56,6 +56,19 @@ class ModelSection:
         "(QLoRA on the file's own blocks) instead of dequantizing them",
     )
     dtype: Dtype = option("float32", doc="dtype of the parameters as loaded or built")
+    matmul_dtype: Literal["float32", "bfloat16", "auto"] = option(
+        "float32",
+        doc="llama only: float32, or bfloat16 weight and attention matmuls with "
+        "float32 accumulation (norms, softmax and loss stay float32), or auto "
+        "(bfloat16 where the CPU has AMX or AVX512-BF16, else float32); "
+        "LlamaConfig.matmul_dtype",
+    )
+    remat_policy: str | None = option(
+        None,
+        doc="llama only: recompute each layer in the backward pass under this "
+        "jax.checkpoint_policies policy, e.g. dots_saveable (keep matmul outputs); "
+        "LlamaConfig.remat_policy",
+    )
 
     def check(self, path: str) -> None:
         """A path or an architecture; sizes only for a model built from scratch."""

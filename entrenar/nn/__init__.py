@@ -43,7 +43,13 @@ from entrenar.nn.layers import (
     rms_norm,
     silu,
 )
-from entrenar.nn.linear import MATMUL_DTYPES, linear, lowp_matmul, weight_matmul
+from entrenar.nn.linear import (
+    MATMUL_DTYPES,
+    auto_matmul_dtype,
+    linear,
+    lowp_matmul,
+    weight_matmul,
+)
 from entrenar.nn.llama import Llama, LlamaConfig
 from entrenar.nn.losses import causal_lm_loss, cross_entropy, kl_divergence
 from entrenar.nn.mlp_model import MLP
@@ -59,6 +65,7 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "apply_rope",
+    "auto_matmul_dtype",
     "causal_lm_loss",
     "causal_mask",
     "check_length",

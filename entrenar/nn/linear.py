@@ -41,6 +41,27 @@ def check_matmul_dtype(name: str | None, field: str = "matmul_dtype") -> None:
         )
 
 
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+"""CPU feature flags under which XLA:CPU runs bfloat16 dots faster than float32."""
+
+
+def auto_matmul_dtype() -> str | None:
+    """The faster matmul dtype here: ``"bfloat16"`` or None (float32).
+
+    bfloat16 on an accelerator, or on a CPU that lists one of `BF16_CPU_FLAGS` in
+    ``/proc/cpuinfo`` (Intel Sapphire Rapids and later; AMD Zen 4 and later); None
+    elsewhere, where bfloat16 dots are emulated and no faster than float32.
+    """
+    if jax.default_backend() != "cpu":
+        return "bfloat16"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+    except OSError:
+        return None
+    return "bfloat16" if any(x in flags for x in BF16_CPU_FLAGS) else None
+
+
 def dense_weight(w: Any, dtype: Any) -> jax.Array:
     """A plain weight array cast to ``dtype`` (the `lowp_matmul` materializer)."""
     return jnp.asarray(w).astype(dtype)
@@ -192,7 +213,9 @@ def linear(
 
 
 __all__ = [
+    "BF16_CPU_FLAGS",
     "MATMUL_DTYPES",
+    "auto_matmul_dtype",
     "check_matmul_dtype",
     "dense_weight",
     "linear",

@@ -146,3 +146,55 @@ def test_train_config_carries_the_training_section(wine_yaml):
     assert (cfg.patience, cfg.min_delta) == (2, 0.01)
     assert cfg.compute_dtype == "bfloat16" and cfg.loss == "cross_entropy"
     assert cfg.batch_size == 16 and cfg.output_dir == "o"
+
+
+def test_model_precision_options_reach_the_llama_config(monkeypatch):
+    """``model.matmul_dtype`` / ``remat_policy``: LlamaConfig's, "auto" by the CPU."""
+    import entrenar.config.models as models
+    from entrenar import nn
+    from entrenar.config.sections import ModelSection
+
+    cfg = nn.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+        num_heads=2, num_kv_heads=1,
+    )  # fmt: skip
+    built = models.BuiltModel("llama", cfg, {})
+    same = models.with_precision(built, ModelSection(architecture="llama"))
+    assert same is built  # the defaults change nothing
+    got = models.with_precision(
+        built,
+        ModelSection(
+            architecture="llama", matmul_dtype="bfloat16", remat_policy="dots_saveable"
+        ),
+    ).config
+    assert (got.matmul_dtype, got.remat_policy) == ("bfloat16", "dots_saveable")
+    for flag, want in (("bfloat16", "bfloat16"), (None, None)):
+        monkeypatch.setattr(nn, "auto_matmul_dtype", lambda flag=flag: flag)
+        auto = ModelSection(architecture="llama", matmul_dtype="auto")
+        assert models.with_precision(built, auto).config.matmul_dtype == want
+    with pytest.raises(ConfigError, match=r"model: LlamaConfig\.remat_policy"):
+        models.with_precision(
+            built, ModelSection(architecture="llama", remat_policy="everything")
+        )
+    mlp = models.BuiltModel("mlp", None, {})
+    with pytest.raises(ConfigError, match="apply to a llama model, not mlp"):
+        models.with_precision(
+            mlp, ModelSection(architecture="mlp", matmul_dtype="auto")
+        )
+
+
+def test_auto_matmul_dtype_reads_the_cpu_flags(monkeypatch, tmp_path):
+    import builtins
+
+    from entrenar import nn
+
+    real_open = builtins.open
+    for flags, want in (("fpu avx2 amx_bf16", "bfloat16"), ("fpu avx2", None)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor : 0\nflags\t\t: {flags}\n")
+
+        def fake_open(path, *a, info=info, **k):
+            return real_open(info if path == "/proc/cpuinfo" else path, *a, **k)
+
+        monkeypatch.setattr(builtins, "open", fake_open)
+        assert nn.auto_matmul_dtype() == want
