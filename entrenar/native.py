@@ -23,12 +23,12 @@ temporary name and renamed into place (atomic).
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -149,13 +149,25 @@ def build(name: str, compiler: str) -> Path:
     return target
 
 
-@functools.cache
+_LOADED: dict[str, bool] = {}
+_LOCK = threading.Lock()
+
+
 def load(name: str) -> bool:
     """Build (once) and register kernel ``name``; True when its targets can be called.
 
     Returns False, with one warning naming the reason, when the kernel cannot be
-    built here; never raises for a missing compiler or a failed build.
+    built here; never raises for a missing compiler or a failed build. Thread-safe:
+    XLA refuses a second registration of a target, so one thread builds and
+    registers while the others wait for its answer.
     """
+    with _LOCK:
+        if name not in _LOADED:
+            _LOADED[name] = _build_and_register(name)
+        return _LOADED[name]
+
+
+def _build_and_register(name: str) -> bool:
     import jax
 
     if not enabled() or jax.default_backend() != "cpu":
@@ -166,7 +178,7 @@ def load(name: str) -> bool:
             f"entrenar: no C++ compiler found (set CXX), so the native {name!r} "
             "kernel is off and the pure-JAX path runs instead (same results, slower)",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return False
     try:
@@ -180,7 +192,7 @@ def load(name: str) -> bool:
             f"entrenar: the native {name!r} kernel is off ({e}); the pure-JAX path "
             "runs instead (same results, slower)",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return False
     return True

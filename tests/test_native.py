@@ -69,3 +69,27 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 def test_compiler_from_cxx(monkeypatch):
     monkeypatch.setenv("CXX", sys.executable)  # any executable on the path
     assert native.find_compiler() == sys.executable
+
+
+def test_load_from_several_threads_registers_once(tmp_path):
+    """XLA refuses a second registration: threads racing to load get one answer."""
+    if native.find_compiler() is None:
+        pytest.skip("no C++ compiler")
+    code = textwrap.dedent(
+        """
+        import threading, warnings
+        warnings.simplefilter("error")
+        from entrenar import native
+        got = []
+        ts = [threading.Thread(target=lambda: got.append(native.load("adamw")))
+              for _ in range(4)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        print(got)
+        """
+    )
+    env = {**os.environ, "ENTRENAR_CACHE_DIR": str(tmp_path)}  # a fresh build
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "[True, True, True, True]", out.stderr[-2000:]
