@@ -2,7 +2,8 @@
 
 A thin shell over the pure transformations: the wrapper keeps one pure optimizer state
 per tensor and, on ``step``, runs **one** jitted function over the whole list (the
-update of every tensor plus `apply_updates`), then assigns each tensor's new ``.data``.
+update of every tensor plus `apply_updates`, or AdamW's one-pass ``apply``: see
+`apply_gradients`), then assigns each tensor's new ``.data``.
 Tensors whose ``.grad`` is None are skipped and keep their state (as in PyTorch, each
 tensor counts its own steps). The learning rate is an argument of the jitted function,
 so `set_lr` never recompiles; the states are donated to it (updated in place).
@@ -25,7 +26,7 @@ import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.optim.alias import adam, adamw, sgd
-from entrenar.optim.base import GradientTransformation, apply_updates
+from entrenar.optim.base import GradientTransformation, apply_gradients
 from entrenar.optim.learning_rate import set_lr
 from entrenar.types import OptState
 
@@ -56,8 +57,8 @@ class Optimizer:
     ) -> tuple[list[Any], list[Any]]:
         new_params, new_states = [], []
         for p, g, s in zip(params, grads, states):
-            u, s = self._tx.update(g, set_lr(s, lr), p)
-            new_params.append(apply_updates(p, u))
+            p, s = apply_gradients(self._tx, g, set_lr(s, lr), p)  # AdamW: one pass
+            new_params.append(p)
             new_states.append(s)
         return new_params, new_states
 
