@@ -4,8 +4,9 @@
 XLA:CPU run three loops (``m``, ``v``, then ``θ``), moving 40 bytes per float32
 parameter. `adamw_apply` returns the new parameters and state directly; each float32
 leaf goes through the native kernel ``entrenar/kernels/adamw.cc`` (one loop, 28 bytes
-per parameter: read θ, g, m, v, write θ, m, v), other leaves through the same math in
-JAX. The math, per leaf (Loshchilov & Hutter, 2019; specs/optimizers.md)::
+per parameter: read θ, g, m, v, write θ, m, v), other leaves through the chain's own
+pieces (`adam_rule`, the decay, the rate, `apply_updates`). The math, per leaf
+(Loshchilov & Hutter, 2019; specs/optimizers.md)::
 
     m' = (1-β1) g + β1 m            v' = (1-β2) g² + β2 v
     u  = (m' / (1-β1^t)) / (sqrt(v' / (1-β2^t) + ε_root) + ε) + λ θ
@@ -29,53 +30,33 @@ from entrenar import native
 from entrenar.optim.base import (
     GradientTransformation,
     TransformApplyFn,
+    apply_updates,
     safe_increment,
 )
 from entrenar.optim.masking import Mask, resolve_mask
-from entrenar.optim.transforms import ScaleByAdamState
+from entrenar.optim.transforms import (
+    ScaleByAdamState,
+    adam_bias_corrections,
+    adam_rule,
+    unzip_leaves,
+)
 from entrenar.types import OptState, Params, Updates
 
 
-def _hyper(
-    b1: float, b2: float, c1: jax.Array, c2: jax.Array, eps: float, eps_root: float
-) -> list[jax.Array]:
-    f = jnp.float32
-    return [f(1 - b1), f(b1), f(1 - b2), f(b2), c1, c2, f(eps), f(eps_root)]
-
-
-def _leaf_jax(
-    p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array, h: list[Any]
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The pure-JAX path; the same operations, in the same order, as the chain."""
-    dt = g.dtype
-    a1, b1, a2, b2, c1, c2, eps, eps_root = (jnp.asarray(x).astype(dt) for x in h[:8])
-    wd, neg_lr = h[8], h[9]
-    m_new = a1 * g + b1 * m.astype(dt)
-    v_new = a2 * (g * g) + b2 * v.astype(dt)
-    u = (m_new / c1) / (jnp.sqrt(v_new / c2 + eps_root) + eps)
-    if wd is not None:
-        u = u + wd * p.astype(dt)
-    u = u * neg_lr.astype(dt)
-    wide = jnp.promote_types(p.dtype, dt)
-    p_new = (p.astype(wide) + u.astype(wide)).astype(p.dtype)
-    return p_new, m_new.astype(m.dtype), v_new.astype(v.dtype)
-
-
 def _leaf_native(
-    p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array, h: list[Any]
+    p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array, h: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The kernel: θ, m and v are updated in place when the caller donates them."""
-    wd = h[8]
-    hv = jnp.stack(
-        [jnp.asarray(x, jnp.float32) for x in (*h[:8], 0.0 if wd is None else wd, h[9])]
-    )  # (10,)
+    """The kernel: θ, m and v are updated in place when the caller donates them.
+
+    ``h``: ``(1-β1, β1, 1-β2, β2, 1-β1^t, 1-β2^t, ε, ε_root, λ, -η_t)`` float32.
+    """
     out = jax.ShapeDtypeStruct(p.shape, jnp.float32)
     call = jax.ffi.ffi_call(
         "entrenar_adamw",
         (out, out, out),
         input_output_aliases={0: 0, 2: 1, 3: 2},
     )
-    p_new, m_new, v_new = call(p, g, m, v, hv)
+    p_new, m_new, v_new = call(p, g, m, v, h)
     return p_new, m_new, v_new
 
 
@@ -121,12 +102,9 @@ def adamw_apply(
     ) -> tuple[Params, OptState]:
         adam_s, decay_s, rate_s = state
         count = safe_increment(adam_s.count)
-        t = count.astype(jnp.float32)
-        c1 = 1.0 - jnp.power(jnp.float32(b1), t)  # () 1 - β1^t
-        c2 = 1.0 - jnp.power(jnp.float32(b2), t)  # () 1 - β2^t
+        c1, c2 = adam_bias_corrections(count, b1, b2)  # () 1 - β1^t, 1 - β2^t
         neg_lr, rate_s = rate.update(jnp.ones((), jnp.float32), rate_s)  # () -η_t
         _, decay_s = decay.update(grads, decay_s, params)  # pure: only its state
-        base = _hyper(b1, b2, c1, c2, eps, eps_root)
         decayed = (
             jax.tree_util.tree_map(lambda _: True, params)
             if mask is None
@@ -137,11 +115,16 @@ def adamw_apply(
             raise RuntimeError("the native AdamW kernel could not be built here")
 
         def leaf(p: Any, g: Any, m: Any, v: Any, d: bool) -> tuple[Any, Any, Any]:
-            wd = weight_decay if (d and weight_decay) else None
-            h = [*base, wd, neg_lr]
+            wd = weight_decay if d else 0.0
             if native_on and _native_ok(p, g, m, v):
-                return _leaf_native(p, g, m, v, h)
-            return _leaf_jax(jnp.asarray(p), g, m, v, h)
+                f = jnp.float32
+                h = [f(1 - b1), f(b1), f(1 - b2), f(b2), c1, c2, f(eps), f(eps_root)]
+                return _leaf_native(p, g, m, v, jnp.stack([*h, f(wd), neg_lr]))
+            # the chain's operations: scale_by_adam, add_decayed_weights, the rate
+            u, m_new, v_new = adam_rule(g, m, v, c1, c2, b1, b2, eps, eps_root)
+            if wd:
+                u = u + wd * jnp.asarray(p).astype(u.dtype)
+            return apply_updates(p, u * neg_lr.astype(u.dtype)), m_new, v_new
 
         p_leaves, treedef = jax.tree_util.tree_flatten(params)
         leaves = jax.tree_util.tree_leaves  # the same structure as params
@@ -156,10 +139,7 @@ def adamw_apply(
                 strict=True,
             )
         ]
-        new_p, mu, nu = (
-            jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
-            for i in range(3)
-        )
+        new_p, mu, nu = unzip_leaves(treedef, outs, 3)
         return new_p, (ScaleByAdamState(count=count, mu=mu, nu=nu), decay_s, rate_s)
 
     return apply

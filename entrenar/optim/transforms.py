@@ -41,10 +41,39 @@ class TraceState(NamedTuple):
     trace: Updates
 
 
-def _unzip(treedef: Any, outs: list[tuple[Any, ...]], n: int) -> list[Any]:
+def unzip_leaves(treedef: Any, outs: list[tuple[Any, ...]], n: int) -> list[Any]:
+    """``n`` trees of ``treedef`` from a list of per-leaf ``n``-tuples."""
     return [
         jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs]) for i in range(n)
     ]
+
+
+def adam_bias_corrections(
+    count: jax.Array, b1: float, b2: float
+) -> tuple[jax.Array, jax.Array]:
+    """``(1 - β1^t, 1 - β2^t)`` in float32 for the (incremented) ``count`` ``t``."""
+    t = count.astype(jnp.float32)
+    return 1.0 - jnp.power(jnp.float32(b1), t), 1.0 - jnp.power(jnp.float32(b2), t)
+
+
+def adam_rule(
+    g: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    bc1: jax.Array,
+    bc2: jax.Array,
+    b1: float,
+    b2: float,
+    eps: float,
+    eps_root: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One leaf of `scale_by_adam`: ``(u, m', v')``, the moments in their own dtypes."""
+    m_new = (1 - b1) * g + b1 * m.astype(g.dtype)
+    v_new = (1 - b2) * (g * g) + b2 * v.astype(g.dtype)
+    m_hat = m_new / bc1.astype(g.dtype)
+    v_hat = v_new / bc2.astype(g.dtype)
+    u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+    return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
 
 
 def scale_by_adam(
@@ -91,23 +120,16 @@ def scale_by_adam(
     ) -> tuple[Updates, OptState]:
         del params
         count = safe_increment(state.count)
-        t = count.astype(jnp.float32)
-        bc1 = 1.0 - jnp.power(jnp.float32(b1), t)  # () 1 - β1^t
-        bc2 = 1.0 - jnp.power(jnp.float32(b2), t)  # () 1 - β2^t
-
-        def rule(g: jax.Array, m: jax.Array, v: jax.Array) -> tuple[Any, Any, Any]:
-            m_new = (1 - b1) * g + b1 * m.astype(g.dtype)
-            v_new = (1 - b2) * (g * g) + b2 * v.astype(g.dtype)
-            m_hat = m_new / bc1.astype(g.dtype)
-            v_hat = v_new / bc2.astype(g.dtype)
-            u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-            return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
+        bc1, bc2 = adam_bias_corrections(count, b1, b2)  # () each
 
         g_leaves, treedef = jax.tree_util.tree_flatten(updates)
         m_leaves = jax.tree_util.tree_leaves(state.mu)
         v_leaves = jax.tree_util.tree_leaves(state.nu)
-        outs = [rule(g, m, v) for g, m, v in zip(g_leaves, m_leaves, v_leaves)]
-        u, mu, nu = _unzip(treedef, outs, 3)
+        outs = [
+            adam_rule(g, m, v, bc1, bc2, b1, b2, eps, eps_root)
+            for g, m, v in zip(g_leaves, m_leaves, v_leaves)
+        ]
+        u, mu, nu = unzip_leaves(treedef, outs, 3)
         return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return GradientTransformation(init, update)
@@ -155,7 +177,7 @@ def trace(
         g_leaves, treedef = jax.tree_util.tree_flatten(updates)
         b_leaves = jax.tree_util.tree_leaves(state.trace)
         outs = [rule(g, b) for g, b in zip(g_leaves, b_leaves)]
-        u, buf = _unzip(treedef, outs, 2)
+        u, buf = unzip_leaves(treedef, outs, 2)
         return u, TraceState(trace=buf)
 
     return GradientTransformation(init, update)
