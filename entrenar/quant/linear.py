@@ -62,10 +62,14 @@ def quantized_matmul(
     """
     if matmul_dtype is not None:
         return lowp_matmul(x, w, matmul_dtype, dequantized)
-    n = math.prod(x.shape[:-1])
-    if _native_nf4(w, x, n):
+    if _native_nf4(w, x, math.prod(x.shape[:-1])):
         return _native_matmul(w, x)
-    rows = _block_rows(w, n)
+    return _jax_matmul(w, x)
+
+
+def _jax_matmul(w: QuantizedWeight, x: jax.Array) -> jax.Array:
+    """``x Ŵᵀ`` in JAX: block by block with few rows, else the whole matrix."""
+    rows = _block_rows(w, math.prod(x.shape[:-1]))
     if rows:
         return _blockwise_matmul(w, x, rows)
     return jnp.einsum("...i,oi->...o", x, dequantize(w, x.dtype))  # (..., out)
@@ -136,14 +140,7 @@ def _nf4_fwd(w: QuantizedWeight, xs: jax.Array) -> tuple[jax.Array, Any]:
 
 def _nf4_bwd(res: Any, g: jax.Array) -> Any:
     w, xs = res  # the gradient of the JAX path, which computes the same product
-    rows = _block_rows(w, xs.shape[0])
-
-    def product(w: QuantizedWeight, xs: jax.Array) -> jax.Array:
-        if rows:
-            return _blockwise_matmul(w, xs, rows)
-        return xs @ dequantize(w, xs.dtype).T  # (n, out)
-
-    _, pull = jax.vjp(product, w, xs)
+    _, pull = jax.vjp(_jax_matmul, w, xs)
     return pull(g)
 
 

@@ -152,11 +152,7 @@ def dequantize_nf4(q: QuantizedWeight, dtype: Any) -> jax.Array:
     (a custom VJP through the JAX path).
     """
     dtype = np.dtype(dtype)
-    if (
-        dtype.name in NATIVE_DTYPES
-        and q.codes.ndim >= 1
-        and native.load("nf4_dequantize")
-    ):
+    if dtype.name in NATIVE_DTYPES and native.load("nf4_dequantize"):
         return _native_dequantize(q, dtype)
     return _dequantize_jax(q, dtype)
 

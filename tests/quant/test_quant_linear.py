@@ -84,11 +84,45 @@ def test_when_the_blocks_apply():
     assert qlinear._block_rows(per_channel, 1) == 0
 
 
-# ---- the native NF4 kernel (entrenar/kernels/nf4_matmul.cc) ---------------------
+# ---- the native NF4 kernels (entrenar/kernels/nf4_*.cc) -----------------------------
 
 needs_kernel = pytest.mark.skipif(
     not native.load("nf4_matmul"), reason="no C++ compiler: the kernel is off"
 )
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("shape", "block", "dq"),
+    [((3, 40, 128), 64, True), ((24, 96), 16, False), ((7, 256), 128, True)],
+)
+def test_native_nf4_dequantize_is_the_jax_path_bit_for_bit(shape, block, dq):
+    """float32 and bfloat16 (rounded to nearest-even), leading axes, scalar decode."""
+    from entrenar.quant import nf4
+
+    w = jnp.asarray(RNG.normal(size=shape), jnp.float32)
+    q = quant.quantize(w, "nf4", block_size=block, double_quant=dq)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        f = jax.jit(lambda q, dtype=dtype: nf4.dequantize_nf4(q, dtype))
+        assert "entrenar_nf4_dequantize" in f.lower(q).as_text()
+        got = np.asarray(f(q))
+        want = np.asarray(jax.jit(lambda q, d=dtype: nf4._dequantize_jax(q, d))(q))
+        assert got.dtype == want.dtype and got.shape == shape
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    c = jnp.asarray(RNG.normal(size=shape), jnp.float32)
+    grad = functools.partial(jax.grad, allow_int=True)
+    got_g = grad(lambda q: jnp.sum(c * nf4.dequantize_nf4(q, jnp.float32)))(q)
+    want_g = grad(lambda q: jnp.sum(c * nf4._dequantize_jax(q, jnp.float32)))(q)
+    floats = [  # the float leaves: scales, or with DQ the second-level scales
+        (a, b)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g)
+        )
+        if jnp.issubdtype(a.dtype, jnp.floating)
+    ]
+    assert floats
+    for a, b in floats:
+        np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 @needs_kernel
