@@ -11,14 +11,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
+#include "nf4_decode.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define ENTRENAR_AVX512 1
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -31,56 +29,36 @@ inline uint16_t ToBf16(float f) {  // round to nearest, ties to even (finite val
   return static_cast<uint16_t>(bits >> 16);
 }
 
-inline void Store(float* out, int64_t i, float v) { out[i] = v; }
-inline void Store(uint16_t* out, int64_t i, float v) { out[i] = ToBf16(v); }
-
-#if ENTRENAR_AVX512
-inline void Store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-inline void Store16(uint16_t* out, __m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
+// out[0, n) = bfloat16(in[0, n)), rounded to nearest, ties to even.
+void ToBf16Span(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+  for (; i + 16 <= n; i += 16) {
+    __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(in + i));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, bias));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
 #endif
+  for (; i < n; ++i) out[i] = ToBf16(in[i]);
+}
 
+// Rows [o0, o1): float32 straight into `out`; bfloat16 through a one-block buffer.
 template <typename T>
 void Rows(const uint8_t* codes, const float* scales, const float* table, T* out,
           int64_t o0, int64_t o1, int64_t k, int64_t block) {
   const int64_t half = block / 2, nb = k / block;
-#if ENTRENAR_AVX512
-  if (block % 32 == 0) {
-    const __m512 tab = _mm512_loadu_ps(table);
-    const __m128i low4 = _mm_set1_epi8(15);
-    for (int64_t row = o0; row < o1; ++row) {
-      const uint8_t* c = codes + row * (k / 2);
-      T* w = out + row * k;
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m512 s = _mm512_set1_ps(scales[row * nb + b]);
-        for (int64_t j = 0; j < half; j += 16) {
-          const __m128i bytes =
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * half + j));
-          const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4));
-          const __m512i hi =
-              _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-          Store16(w + b * block + j, _mm512_mul_ps(_mm512_permutexvar_ps(lo, tab), s));
-          Store16(w + b * block + half + j,
-                  _mm512_mul_ps(_mm512_permutexvar_ps(hi, tab), s));
-        }
-      }
-    }
-    return;
-  }
-#endif
+  std::vector<float> buffer(std::is_same_v<T, float> ? 0 : block);
   for (int64_t row = o0; row < o1; ++row) {
     for (int64_t b = 0; b < nb; ++b) {
-      const float s = scales[row * nb + b];
-      const uint8_t* c = codes + row * (k / 2) + b * half;
-      for (int64_t j = 0; j < half; ++j) {
-        Store(out + row * k, b * block + j, table[c[j] & 15] * s);
-        Store(out + row * k, b * block + half + j, table[c[j] >> 4] * s);
-      }
+      T* dst = out + row * k + b * block;
+      float* w = buffer.data();
+      if constexpr (std::is_same_v<T, float>) w = dst;
+      entrenar::DecodeNf4Block(codes + row * (k / 2) + b * half, block,
+                               scales[row * nb + b], table, w);
+      if constexpr (!std::is_same_v<T, float>) ToBf16Span(w, dst, block);
     }
   }
 }

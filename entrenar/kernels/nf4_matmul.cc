@@ -15,12 +15,9 @@
 #include <cstdint>
 #include <cstring>
 
+#include "nf4_decode.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -36,50 +33,16 @@ struct Problem {
   const float* scales;
   const float* table;
   float* y;
-  int64_t n, k, o, block, chunk;
+  int64_t n, k, o, block;
 };
 
-// Decode columns [c0, c0 + len) of row `row` into w (len values).
-void DecodeScalar(const Problem& p, int64_t row, int64_t c0, int64_t len, float* w) {
-  const uint8_t* codes = p.codes + row * (p.k / 2);
-  const float* scales = p.scales + row * (p.k / p.block);
-  const int64_t half = p.block / 2;
-  for (int64_t c = c0; c < c0 + len; ++c) {
-    const int64_t b = c / p.block, j = c % p.block;
-    const uint8_t byte = codes[b * half + (j % half)];
-    const int code = j < half ? (byte & 15) : (byte >> 4);
-    w[c - c0] = p.table[code] * scales[b];
-  }
-}
-
-#if defined(__AVX512F__)
-void DecodeAvx512(const Problem& p, int64_t row, int64_t c0, int64_t len, float* w) {
-  const uint8_t* codes = p.codes + row * (p.k / 2);
-  const float* scales = p.scales + row * (p.k / p.block);
-  const int64_t half = p.block / 2;
-  const __m512 table = _mm512_loadu_ps(p.table);
-  const __m128i low4 = _mm_set1_epi8(15);
-  for (int64_t b = c0 / p.block; b < (c0 + len) / p.block; ++b) {
-    const __m512 s = _mm512_set1_ps(scales[b]);
-    float* out = w + (b * p.block - c0);
-    for (int64_t j = 0; j < half; j += 16) {  // 16 bytes: 16 low and 16 high codes
-      const __m128i bytes =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * half + j));
-      const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4));
-      const __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-      _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_permutexvar_ps(lo, table), s));
-      _mm512_storeu_ps(out + half + j,
-                       _mm512_mul_ps(_mm512_permutexvar_ps(hi, table), s));
-    }
-  }
-}
-#endif
-
+// Decode columns [c0, c0 + len) of row `row` into w; c0 and len are whole blocks.
 void Decode(const Problem& p, int64_t row, int64_t c0, int64_t len, float* w) {
-#if defined(__AVX512F__)
-  if (p.block % 32 == 0) return DecodeAvx512(p, row, c0, len, w);
-#endif
-  DecodeScalar(p, row, c0, len, w);
+  const int64_t nb = p.k / p.block, half = p.block / 2;
+  for (int64_t b = c0 / p.block; b < (c0 + len) / p.block; ++b) {
+    entrenar::DecodeNf4Block(p.codes + row * (p.k / 2) + b * half, p.block,
+                             p.scales[row * nb + b], p.table, w + (b * p.block - c0));
+  }
 }
 
 // y[r, row] += Σ_c x[r, c0 + c] w[c] for rows r0..r0+R-1 (R <= 8: 8 accumulators).
@@ -89,7 +52,8 @@ void Dot(const Problem& p, int64_t row, int64_t r0, int64_t c0, int64_t len,
   float acc[R][16] = {};
   const float* xs[R];
   for (int i = 0; i < R; ++i) xs[i] = p.x + (r0 + i) * p.k + c0;
-  for (int64_t c = 0; c < len; c += 16) {
+  const int64_t whole = len / 16 * 16;
+  for (int64_t c = 0; c < whole; c += 16) {
     for (int i = 0; i < R; ++i) {
 #pragma omp simd
       for (int l = 0; l < 16; ++l) acc[i][l] += xs[i][c + l] * w[c + l];
@@ -98,6 +62,7 @@ void Dot(const Problem& p, int64_t row, int64_t r0, int64_t c0, int64_t len,
   for (int i = 0; i < R; ++i) {
     float sum = 0.0f;
     for (int l = 0; l < 16; ++l) sum += acc[i][l];
+    for (int64_t c = whole; c < len; ++c) sum += xs[i][c] * w[c];  // blocks of 2-8
     p.y[(r0 + i) * p.o + row] += sum;
   }
 }
@@ -107,8 +72,8 @@ void RunRows(const Problem& p, int64_t o0, int64_t o1) {
   for (int64_t r = 0; r < p.n; ++r) {
     std::memset(p.y + r * p.o + o0, 0, sizeof(float) * (o1 - o0));
   }
-  for (int64_t c0 = 0; c0 < p.k; c0 += p.chunk) {
-    const int64_t len = std::min(p.chunk, p.k - c0);
+  for (int64_t c0 = 0; c0 < p.k; c0 += kChunk) {
+    const int64_t len = std::min(kChunk, p.k - c0);
     for (int64_t row = o0; row < o1; ++row) {
       Decode(p, row, c0, len, w);
       int64_t r = 0;
@@ -127,7 +92,7 @@ ffi::Error Nf4MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
     return ffi::Error::InvalidArgument("entrenar_nf4_matmul: bad ranks");
   }
   Problem p{x.typed_data(), codes.typed_data(), scales.typed_data(), table.typed_data(),
-            y->typed_data(), xd[0], xd[1], cd[0], 0, 0};
+            y->typed_data(), xd[0], xd[1], cd[0], 0};
   if (sd[0] != p.o || sd[1] == 0 || p.k % sd[1] != 0 || cd[1] * 2 != p.k) {
     return ffi::Error::InvalidArgument("entrenar_nf4_matmul: shapes disagree");
   }
@@ -135,7 +100,6 @@ ffi::Error Nf4MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
   if (p.block % 2 != 0 || kChunk % p.block != 0) {
     return ffi::Error::InvalidArgument("entrenar_nf4_matmul: unsupported block size");
   }
-  p.chunk = kChunk;
   // Ranges of at least 16 output rows, a few per intra-op thread.
   const int64_t chunks =
       std::max<int64_t>(1, std::min<int64_t>(4 * pool.num_threads(), p.o / 16));

@@ -134,6 +134,7 @@ def test_native_nf4_dequantize_is_the_jax_path_bit_for_bit(shape, block, dq):
         (100, 640, 64, 16, False),  # 640 = a 512 chunk and a 128 tail; 100 rows
         (96, 192, 32, 64, True),  # block 32, sixty-four input rows (8 + 4 + 1 tiles)
         (40, 96, 16, 3, False),  # block 16: the scalar decode
+        (32, 24, 8, 9, True),  # block 8, 24 columns: sums end between 16-lane steps
         (64, 1024, 128, 1, True),  # block 128, one input row
     ],
 )
