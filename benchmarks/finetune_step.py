@@ -228,17 +228,11 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return sorted(
-                        x for x in flags if x.startswith("amx") or x == "avx512_bf16"
-                    )
-    except OSError:
-        pass
-    return []
+    """The CPU's bfloat16 matmul flags (AMX, AVX512-BF16), as the report lists them."""
+    from entrenar import native
+
+    flags = native.cpu_flags()
+    return sorted(x for x in flags if x.startswith("amx") or x == "avx512_bf16")
 
 
 def main() -> None:

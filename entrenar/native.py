@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -88,17 +89,19 @@ def find_compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags: ``/proc/cpuinfo``'s ``flags`` (Arm: ``Features``).
+
+    Without ``/proc/cpuinfo``, the machine and processor names instead.
+    """
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
+                    return line.split(":", 1)[1].split()
     except OSError:
         pass
-    import platform
-
-    return platform.machine() + platform.processor()
+    return [platform.machine(), platform.processor()]
 
 
 def build(name: str, compiler: str) -> Path:
@@ -126,7 +129,7 @@ def build(name: str, compiler: str) -> Path:
             " ".join(FLAGS),
             jax.__version__,
             jaxlib.__version__,
-            _cpu_flags(),
+            " ".join(cpu_flags()),
         ]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -198,4 +201,13 @@ def _build_and_register(name: str) -> bool:
     return True
 
 
-__all__ = ["FLAGS", "KERNELS", "build", "cache_dir", "enabled", "find_compiler", "load"]
+__all__ = [
+    "FLAGS",
+    "KERNELS",
+    "build",
+    "cache_dir",
+    "cpu_flags",
+    "enabled",
+    "find_compiler",
+    "load",
+]

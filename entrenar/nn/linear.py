@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import ConfigError
+from entrenar.native import cpu_flags
 
 MATMUL_DTYPES = ("bfloat16", "float16")
 """Low-precision input dtypes `lowp_matmul` accepts (accumulation is float32)."""
@@ -54,11 +55,7 @@ def auto_matmul_dtype() -> str | None:
     """
     if jax.default_backend() != "cpu":
         return "bfloat16"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-    except OSError:
-        return None
+    flags = cpu_flags()
     return "bfloat16" if any(x in flags for x in BF16_CPU_FLAGS) else None
 
 
