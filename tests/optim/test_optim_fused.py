@@ -45,12 +45,12 @@ def _both(tx, steps, apply_fn=None):
     """(update + apply_updates, apply) after ``steps`` steps from the same start."""
     params = _params()
     apply_fn = apply_fn or tx.apply
-    chain = jax.jit(
-        lambda p, s, g: (
-            eo.apply_updates(p, tx.update(g, s, p)[0]),
-            tx.update(g, s, p)[1],
-        )
-    )
+
+    @jax.jit
+    def chain(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return eo.apply_updates(p, updates), s
+
     fused = jax.jit(apply_fn)
     p1 = p2 = params
     s1 = s2 = tx.init(params)
