@@ -36,6 +36,13 @@ from pathlib import Path
 KERNELS: dict[str, tuple[str, dict[str, str]]] = {
     # name: (source file in entrenar/kernels, {custom-call target: C symbol})
     "adamw": ("adamw.cc", {"entrenar_adamw": "EntrenarAdamW"}),
+    "attention": (
+        "attention.cc",
+        {
+            "entrenar_attention_fwd": "EntrenarAttentionForward",
+            "entrenar_attention_bwd": "EntrenarAttentionBackward",
+        },
+    ),
     "nf4_matmul": ("nf4_matmul.cc", {"entrenar_nf4_matmul": "EntrenarNf4Matmul"}),
     "nf4_dequantize": (
         "nf4_dequantize.cc",
@@ -56,6 +63,7 @@ FLAGS = (
     "-fno-math-errno",  # lets sqrt vectorize
     "-ffp-contract=fast",  # fused multiply-adds, as XLA:CPU's own loops use
     "-fopenmp-simd",
+    "-mprefer-vector-width=512",  # AVX-512 CPUs: whole-register loops (GCC, Clang)
     "-pthread",
 )
 """Compiler flags of every kernel build."""

@@ -14,12 +14,15 @@ writes its ``T`` new entries at ``pos`` and attends causally to positions
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entrenar.errors import ShapeError
+from entrenar.native import load as load_native
 from entrenar.nn.layers import upcast_dtype
 from entrenar.types import DType
 
@@ -110,13 +113,46 @@ def dot_product_attention(
 
     Returns:
         ``(B, T, H, dv)`` in ``q``'s dtype.
+
+    On the CPU, float32 inputs with no ``bias``, a 2-d or 3-d (or no) mask and
+    ``matmul_dtype`` None or ``"bfloat16"`` run the native kernel
+    ``entrenar/kernels/attention.cc`` where it can be built (`entrenar.native`):
+    forward and backward each one pass per key/value head that keeps its keys and
+    values in cache, where XLA runs a dozen small batched products, transposes and
+    softmax loops. The forward pass agrees with the JAX path to float32 rounding
+    (with the same bfloat16 rounding of the products' inputs); the backward pass
+    rounds the products' inputs as the forward does, but keeps the cotangents in
+    float32 where the JAX path rounds them too.
     """
-    b, t, h, d = q.shape
+    _, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     if h % kv:
         raise ShapeError(
             f"query heads ({h}) must be a multiple of key/value heads ({kv})"
         )
+    scale = 1.0 / d**0.5 if scale is None else scale
+    if _native_ok(q, k, v, mask, bias, matmul_dtype):
+        if mask is None:
+            m = jnp.ones((1, t, s), jnp.uint8)
+        else:
+            m = (mask if mask.ndim == 3 else mask[None]).astype(jnp.uint8)
+        lowp = matmul_dtype is not None
+        return _native_attention(q, k, v, m, (float(scale), lowp))
+    return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype)
+
+
+def _attention_jax(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    scale: float,
+    matmul_dtype: str | None,
+) -> jax.Array:
+    """`dot_product_attention` in JAX: batched products and a float32 softmax."""
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
     g = h // kv
     qg = q.reshape(b, t, kv, g, d)  # (B, T, KV, G, d)
     f = upcast_dtype(q.dtype)
@@ -124,7 +160,6 @@ def dot_product_attention(
     if lowp is not None:
         qg, k = qg.astype(lowp), k.astype(lowp)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=f)
-    scale = 1.0 / d**0.5 if scale is None else scale
     scores = scores * jnp.asarray(scale, f)  # (B, KV, G, T, S)
     if bias is not None:
         full = jnp.broadcast_to(bias, (b, h, t, s)).reshape(b, kv, g, t, s)
@@ -143,6 +178,72 @@ def dot_product_attention(
         out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
     # out: (B, T, KV, G, dv)
     return out.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
+
+
+def _native_ok(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    bias: Any,
+    matmul_dtype: str | None = None,
+) -> bool:
+    """Whether the native kernel takes this call (else the JAX path does).
+
+    One device only: the kernel is opaque to XLA's partitioner, which would gather
+    sharded inputs to run it whole.
+    """
+    f32 = np.dtype(np.float32)
+    return (
+        bias is None
+        and matmul_dtype in (None, "bfloat16")
+        and all(np.dtype(x.dtype) == f32 for x in (q, k, v))
+        and (mask is None or mask.ndim in (2, 3))
+        and k.shape[-1] == q.shape[-1]
+        and min(q.shape) > 0
+        and min(k.shape) > 0
+        and jax.device_count() == 1
+        and load_native("attention")
+    )
+
+
+def _native_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, how: tuple[float, bool]
+) -> tuple[jax.Array, jax.Array]:
+    b, t, h, _ = q.shape
+    out = (
+        jax.ShapeDtypeStruct((b, t, h, v.shape[-1]), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("entrenar_attention_fwd", out, vmap_method="sequential")
+    o, lse = call(q, k, v, mask, jnp.asarray(how, jnp.float32))
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _native_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, how: tuple[float, bool]
+) -> jax.Array:
+    """Attention by the kernel; ``how = (scale, products' inputs in bfloat16)``."""
+    return _native_call(q, k, v, mask, how)[0]  # (B, T, H, dv)
+
+
+def _native_attention_fwd(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, how: tuple[float, bool]
+) -> tuple[jax.Array, Any]:
+    o, lse = _native_call(q, k, v, mask, how)
+    return o, (q, k, v, mask, o, lse)
+
+
+def _native_attention_bwd(how: tuple[float, bool], res: Any, g: jax.Array) -> Any:
+    q, k, v, mask, o, lse = res
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+    call = jax.ffi.ffi_call("entrenar_attention_bwd", shapes, vmap_method="sequential")
+    dq, dk, dv = call(q, k, v, mask, jnp.asarray(how, jnp.float32), o, lse, g)
+    return dq, dk, dv, None
+
+
+_native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
 
 
 __all__ = [

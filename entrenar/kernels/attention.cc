@@ -1,0 +1,434 @@
+// Grouped-query attention, forward and backward, float32, for short sequences.
+//
+//   q: (B, T, H, d)   k: (B, S, KV, d)   v: (B, S, KV, dv)   mask: (Bm, T, S) uint8,
+//   Bm = 1 or B, nonzero where allowed; params: (scale, round) float32. Query head h
+//   reads key/value head h / (H / KV). With round != 0 the products take their
+//   inputs rounded to bfloat16 (q, k, v and the probabilities; float32 accumulation),
+//   as entrenar/nn/attention.py does with matmul_dtype="bfloat16"; the softmax and
+//   its gradient stay float32.
+//
+//   z[t, s] = scale · q[t]·k[s] where allowed, -1e30 where not
+//   lse[t]  = log Σ_s exp(z[t, s])        p[t, s] = exp(z[t, s] - lse[t])
+//   o[t]    = Σ_s p[t, s] v[s]
+//
+// Backward (Dao et al., FlashAttention, 2022, Algorithm 4, with p recomputed from lse):
+//   dp = do · vᵀ      D[t] = do[t]·o[t]      ds = p (dp - D)
+//   dq = scale ds k   dk = scale dsᵀ q       dv = pᵀ do
+//
+// XLA:CPU runs attention at these sizes (d = 64, T = S = 128) as a dozen small
+// batched products, transposes and softmax loops, each overhead-bound; here one task
+// per (batch, key/value head) keeps that head's K and V in L1/L2 and walks the query
+// rows four at a time. A row only computes the columns from its first to its last
+// allowed key (half the work under a causal mask); masked columns inside get p = 0.
+// A fully masked row attends uniformly with zero score gradients, as the JAX path
+// (entrenar/nn/attention.py) does with its finite -1e30.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kRows = 4;    // query rows per block (RankUpdate spells out four)
+constexpr int kLanes = 16;  // floats per vector step (one AVX-512 register)
+
+int64_t RoundUp(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// exp(x) to within 1e-7 relative (Cephes' expf polynomial), 0 below -87.3. Written
+// so GCC and Clang vectorize the loops that call it: the rounding to an integer is
+// the 1.5 * 2^23 trick (std::floor vectorizes only under -fno-trapping-math), the
+// clamps are selects (std::min/max return references), the bit casts are memcpy.
+inline float Exp(float x) {
+  float xc = x < -87.3f ? -87.3f : x;
+  xc = xc > 88.3f ? 88.3f : xc;
+  const float t = xc * 1.44269504088896341f + 12582912.0f;  // n + 1.5 * 2^23
+  const float n = t - 12582912.0f;                           // round(x / ln 2)
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;  // exp(r), |r| <= ln 2 / 2
+  int32_t yi, ti;
+  std::memcpy(&yi, &y, 4);
+  std::memcpy(&ti, &t, 4);
+  const int32_t bits = yi + ((ti - 0x4B400000) << 23);  // y · 2^n
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return x < -87.3f ? 0.0f : out;
+}
+
+// x rounded to the nearest bfloat16 (ties to even), kept in a float.
+inline float RoundBf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  float out;
+  std::memcpy(&out, &b, 4);
+  return out;
+}
+
+void RoundAll(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = RoundBf16(x[i]);
+}
+
+struct Shape {
+  int64_t b, t, s, h, kv, d, dv, mask_b;
+  int64_t g() const { return h / kv; }
+  int64_t dp() const { return RoundUp(d); }
+  int64_t dvp() const { return RoundUp(dv); }
+  int64_t sp() const { return RoundUp(s); }
+};
+
+// The key range [lo, hi) a query row must compute; lo = hi = -1 when fully masked.
+struct Range {
+  int64_t lo, hi;
+  bool none() const { return lo < 0; }
+};
+
+std::vector<Range> RowRanges(const uint8_t* mask, int64_t t, int64_t s) {
+  std::vector<Range> out(t);
+  for (int64_t i = 0; i < t; ++i) {
+    const uint8_t* m = mask + i * s;
+    int64_t lo = 0, hi = s;
+    while (lo < s && !m[lo]) ++lo;
+    while (hi > lo && !m[hi - 1]) --hi;
+    out[i] = lo == s ? Range{-1, -1} : Range{lo, hi};
+  }
+  return out;
+}
+
+// Per-task copies of one (batch, key/value head): K and V transposed ((d, S) with
+// rows padded to a whole number of vectors) and as rows ((S, d) padded).
+struct HeadCopies {
+  std::vector<float> kt, vt, kr, vr;
+  void Fill(const Shape& sh, const float* k, const float* v, int64_t b, int64_t kvh,
+            bool need_vt, bool need_kr, bool round) {
+    const int64_t sp = sh.sp(), dp = sh.dp(), dvp = sh.dvp();
+    kt.assign(sh.d * sp, 0.0f);
+    vr.assign(sh.s * dvp, 0.0f);
+    if (need_vt) vt.assign(sh.dv * sp, 0.0f);
+    if (need_kr) kr.assign(sh.s * dp, 0.0f);
+    for (int64_t s = 0; s < sh.s; ++s) {
+      const float* ks = k + ((b * sh.s + s) * sh.kv + kvh) * sh.d;
+      const float* vs = v + ((b * sh.s + s) * sh.kv + kvh) * sh.dv;
+      for (int64_t j = 0; j < sh.d; ++j) kt[j * sp + s] = ks[j];
+      std::memcpy(&vr[s * dvp], vs, sizeof(float) * sh.dv);
+      if (need_vt) {
+        for (int64_t j = 0; j < sh.dv; ++j) vt[j * sp + s] = vs[j];
+      }
+      if (need_kr) std::memcpy(&kr[s * dp], ks, sizeof(float) * sh.d);
+    }
+    if (round) {
+      for (std::vector<float>* x : {&kt, &vt, &kr, &vr}) RoundAll(x->data(), x->size());
+    }
+  }
+};
+
+// out[r][s] = Σ_j a[r][j] mt[j][s] for s in [lo, hi) (lo a multiple of kLanes), for
+// nr <= kRows rows of a (row stride as), mt (n, sp). out rows have stride sp.
+void RowsTimesMatrix(const float* a, int64_t as, int nr, const float* mt, int64_t n,
+                     int64_t sp, int64_t lo, int64_t hi, float* out) {
+  for (int64_t s0 = lo; s0 < hi; s0 += kLanes) {
+    float acc[kRows][kLanes] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const float* m = mt + j * sp + s0;
+      for (int r = 0; r < kRows; ++r) {
+        const float x = r < nr ? a[r * as + j] : 0.0f;
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) acc[r][l] += x * m[l];
+      }
+    }
+    for (int r = 0; r < nr; ++r) std::memcpy(out + r * sp + s0, acc[r], sizeof acc[r]);
+  }
+}
+
+// out[r][:] = Σ_{s in [lo, hi)} w[r][s] rows[s][:] for nr rows; rows (S, np), np a
+// multiple of kLanes; w rows have stride sp; out rows have stride np.
+void WeightsTimesRows(const float* w, int64_t sp, int nr, const float* rows, int64_t np,
+                      int64_t lo, int64_t hi, float* out) {
+  for (int64_t c0 = 0; c0 < np; c0 += kLanes) {
+    float acc[kRows][kLanes] = {};
+    for (int64_t s = lo; s < hi; ++s) {
+      const float* x = rows + s * np + c0;
+      for (int r = 0; r < kRows; ++r) {
+        const float ws = r < nr ? w[r * sp + s] : 0.0f;
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) acc[r][l] += ws * x[l];
+      }
+    }
+    for (int r = 0; r < nr; ++r) std::memcpy(out + r * np + c0, acc[r], sizeof acc[r]);
+  }
+}
+
+// acc[s][:] += Σ_r w[r][s] x[r][:] for s in [lo, hi), nr <= kRows rows; x (kRows, np)
+// and acc (S, np) with np a multiple of kLanes; w rows have stride sp.
+void RankUpdate(const float* w, int64_t sp, int nr, const float* x, int64_t np,
+                int64_t lo, int64_t hi, float* acc) {
+  for (int64_t s = lo; s < hi; ++s) {
+    float ws[kRows];
+    for (int r = 0; r < kRows; ++r) ws[r] = r < nr ? w[r * sp + s] : 0.0f;
+    float* a = acc + s * np;
+    for (int64_t c0 = 0; c0 < np; c0 += kLanes) {
+      float v[kLanes];
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        v[l] = a[c0 + l] + ws[0] * x[c0 + l] + ws[1] * x[np + c0 + l] +
+               ws[2] * x[2 * np + c0 + l] + ws[3] * x[3 * np + c0 + l];
+      }
+      std::memcpy(a + c0, v, sizeof v);
+    }
+  }
+}
+
+// z[lo:hi] = softmax(z[lo:hi]) in place; *mx and *sum get the max and Σ exp(z - max).
+void Softmax(float* __restrict__ z, int64_t lo, int64_t hi, float* mx_out,
+             float* sum_out) {
+  float mx = -1e30f;
+#pragma omp simd reduction(max : mx)
+  for (int64_t s = lo; s < hi; ++s) mx = z[s] > mx ? z[s] : mx;
+#pragma omp simd
+  for (int64_t s = lo; s < hi; ++s) z[s] = Exp(z[s] - mx);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t s = lo; s < hi; ++s) sum += z[s];
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t s = lo; s < hi; ++s) z[s] *= inv;
+  *mx_out = mx;
+  *sum_out = sum;
+}
+
+// p[s] = exp(z[s] - lse) and ds[s] = p[s] (dp[s] - D) scale over [lo, hi); ds holds
+// dp on entry.
+void SoftmaxGrad(float* __restrict__ p, float* __restrict__ ds, int64_t lo, int64_t hi,
+                 float lse, float d, float scale) {
+#pragma omp simd
+  for (int64_t s = lo; s < hi; ++s) p[s] = Exp(p[s] - lse);
+#pragma omp simd
+  for (int64_t s = lo; s < hi; ++s) ds[s] = p[s] * (ds[s] - d) * scale;
+}
+
+// Scores of a block of rows: p[r][s] = scale · q·k where allowed, -1e30 where not,
+// for s in [lo, hi); the block's key range is the union of its rows' ranges (a fully
+// masked row counts as [0, S)).
+struct Block {
+  int64_t t0;
+  int nr;
+  int64_t lo, hi;  // lo rounded down to a whole vector
+};
+
+Block MakeBlock(const std::vector<Range>& ranges, int64_t t0, int64_t t, int64_t s) {
+  Block blk{t0, static_cast<int>(std::min<int64_t>(kRows, t - t0)), s, 0};
+  for (int r = 0; r < blk.nr; ++r) {
+    const Range rg = ranges[t0 + r];
+    blk.lo = std::min(blk.lo, rg.none() ? 0 : rg.lo);
+    blk.hi = std::max(blk.hi, rg.none() ? s : rg.hi);
+  }
+  blk.lo = blk.lo / kLanes * kLanes;
+  return blk;
+}
+
+void Scores(const Shape& sh, const Block& blk, const float* qrows, const float* kt,
+            const uint8_t* mask, float scale, float* z) {
+  const int64_t sp = sh.sp();
+  RowsTimesMatrix(qrows, sh.dp(), blk.nr, kt, sh.d, sp, blk.lo, blk.hi, z);
+  for (int r = 0; r < blk.nr; ++r) {
+    const uint8_t* m = mask + (blk.t0 + r) * sh.s;
+    float* zr = z + r * sp;
+    for (int64_t s = blk.lo; s < blk.hi; ++s) {
+      zr[s] = m[s] ? zr[s] * scale : -1e30f;
+    }
+  }
+}
+
+// Copy nr rows of x (row r at x + r * stride, n values) into a (nr, np) zero-padded
+// buffer.
+void GatherRows(const float* x, int64_t stride, int nr, int64_t n, int64_t np,
+                float* out) {
+  std::fill(out, out + kRows * np, 0.0f);
+  for (int r = 0; r < nr; ++r) std::memcpy(out + r * np, x + r * stride, sizeof(float) * n);
+}
+
+ffi::Error CheckShapes(const Shape& sh, int64_t mask_elems) {
+  if (sh.kv <= 0 || sh.h % sh.kv) {
+    return ffi::Error::InvalidArgument("entrenar_attention: H must be a multiple of KV");
+  }
+  if (mask_elems != sh.mask_b * sh.t * sh.s || (sh.mask_b != 1 && sh.mask_b != sh.b)) {
+    return ffi::Error::InvalidArgument("entrenar_attention: mask must be (1|B, T, S)");
+  }
+  return ffi::Error::Success();
+}
+
+Shape ShapeOf(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
+              const ffi::Buffer<ffi::F32>& v, const ffi::Buffer<ffi::U8>& mask) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto md = mask.dimensions();
+  return Shape{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], vd[3], md[0]};
+}
+
+ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> mask,
+                       ffi::Buffer<ffi::F32> params, ffi::ResultBuffer<ffi::F32> o,
+                       ffi::ResultBuffer<ffi::F32> lse, ffi::ThreadPool pool) {
+  const Shape sh = ShapeOf(q, k, v, mask);
+  if (ffi::Error e = CheckShapes(sh, mask.element_count()); e.failure()) return e;
+  if (params.element_count() != 2) {
+    return ffi::Error::InvalidArgument("entrenar_attention: params must be (scale, round)");
+  }
+  const float scale = params.typed_data()[0];
+  const bool round = params.typed_data()[1] != 0.0f;
+  const float* qp = q.typed_data();
+  float* op = o->typed_data();
+  float* lp = lse->typed_data();
+  entrenar::ParallelFor(pool, sh.b * sh.kv, [&](int64_t task) {
+    const int64_t b = task / sh.kv, kvh = task % sh.kv;
+    const int64_t sp = sh.sp(), dp = sh.dp(), dvp = sh.dvp();
+    const uint8_t* m = mask.typed_data() + (sh.mask_b == 1 ? 0 : b) * sh.t * sh.s;
+    const std::vector<Range> ranges = RowRanges(m, sh.t, sh.s);
+    HeadCopies hc;
+    hc.Fill(sh, k.typed_data(), v.typed_data(), b, kvh, false, false, round);
+    std::vector<float> qrows(kRows * dp), z(kRows * sp), out(kRows * dvp);
+    for (int64_t gi = 0; gi < sh.g(); ++gi) {
+      const int64_t h = kvh * sh.g() + gi;
+      for (int64_t t0 = 0; t0 < sh.t; t0 += kRows) {
+        const Block blk = MakeBlock(ranges, t0, sh.t, sh.s);
+        GatherRows(qp + ((b * sh.t + t0) * sh.h + h) * sh.d, sh.h * sh.d, blk.nr, sh.d,
+                   dp, qrows.data());
+        if (round) RoundAll(qrows.data(), qrows.size());
+        Scores(sh, blk, qrows.data(), hc.kt.data(), m, scale, z.data());
+        for (int r = 0; r < blk.nr; ++r) {
+          float* zr = z.data() + r * sp;
+          float mx = -1e30f, sum = 0.0f;
+          if (ranges[t0 + r].none()) {  // uniform over all S keys
+            std::fill(zr + blk.lo, zr + blk.hi, 1.0f / static_cast<float>(sh.s));
+            sum = static_cast<float>(sh.s);
+          } else {
+            Softmax(zr, blk.lo, blk.hi, &mx, &sum);
+          }
+          lp[(b * sh.h + h) * sh.t + t0 + r] = mx + std::log(sum);
+          if (round) RoundAll(zr + blk.lo, blk.hi - blk.lo);
+        }
+        WeightsTimesRows(z.data(), sp, blk.nr, hc.vr.data(), dvp, blk.lo, blk.hi,
+                         out.data());
+        for (int r = 0; r < blk.nr; ++r) {
+          std::memcpy(op + ((b * sh.t + t0 + r) * sh.h + h) * sh.dv, &out[r * dvp],
+                      sizeof(float) * sh.dv);
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> mask,
+                        ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::F32> o,
+                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                        ffi::ResultBuffer<ffi::F32> dv, ffi::ThreadPool pool) {
+  const Shape sh = ShapeOf(q, k, v, mask);
+  if (ffi::Error e = CheckShapes(sh, mask.element_count()); e.failure()) return e;
+  if (params.element_count() != 2) {
+    return ffi::Error::InvalidArgument("entrenar_attention: params must be (scale, round)");
+  }
+  const float scale = params.typed_data()[0];
+  const bool round = params.typed_data()[1] != 0.0f;
+  const float *qp = q.typed_data(), *opp = o.typed_data(), *dop = dout.typed_data();
+  const float* lp = lse.typed_data();
+  float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp_out = dv->typed_data();
+  entrenar::ParallelFor(pool, sh.b * sh.kv, [&](int64_t task) {
+    const int64_t b = task / sh.kv, kvh = task % sh.kv;
+    const int64_t sp = sh.sp(), dp = sh.dp(), dvp = sh.dvp();
+    const uint8_t* m = mask.typed_data() + (sh.mask_b == 1 ? 0 : b) * sh.t * sh.s;
+    const std::vector<Range> ranges = RowRanges(m, sh.t, sh.s);
+    HeadCopies hc;
+    hc.Fill(sh, k.typed_data(), v.typed_data(), b, kvh, true, true, round);
+    std::vector<float> dk_acc(sh.s * dp, 0.0f), dv_acc(sh.s * dvp, 0.0f);
+    std::vector<float> qrows(kRows * dp), dorows(kRows * dvp), p(kRows * sp),
+        ds(kRows * sp), dqrows(kRows * dp);
+    for (int64_t gi = 0; gi < sh.g(); ++gi) {
+      const int64_t h = kvh * sh.g() + gi;
+      for (int64_t t0 = 0; t0 < sh.t; t0 += kRows) {
+        const Block blk = MakeBlock(ranges, t0, sh.t, sh.s);
+        const int64_t row0 = (b * sh.t + t0) * sh.h + h;
+        GatherRows(qp + row0 * sh.d, sh.h * sh.d, blk.nr, sh.d, dp, qrows.data());
+        if (round) RoundAll(qrows.data(), qrows.size());
+        GatherRows(dop + row0 * sh.dv, sh.h * sh.dv, blk.nr, sh.dv, dvp, dorows.data());
+        Scores(sh, blk, qrows.data(), hc.kt.data(), m, scale, p.data());
+        RowsTimesMatrix(dorows.data(), dvp, blk.nr, hc.vt.data(), sh.dv, sp, blk.lo,
+                        blk.hi, ds.data());  // dp
+        for (int r = 0; r < blk.nr; ++r) {
+          float* pr = p.data() + r * sp;
+          float* dsr = ds.data() + r * sp;
+          const float* orow = opp + (row0 + r * sh.h) * sh.dv;
+          float dd = 0.0f;
+          for (int64_t j = 0; j < sh.dv; ++j) dd += dorows[r * dvp + j] * orow[j];
+          if (ranges[t0 + r].none()) {  // uniform; the scores get no gradient
+            const float u = 1.0f / static_cast<float>(sh.s);
+            for (int64_t s = blk.lo; s < blk.hi; ++s) pr[s] = u, dsr[s] = 0.0f;
+            continue;
+          }
+          const float l = lp[(b * sh.h + h) * sh.t + t0 + r];
+          SoftmaxGrad(pr, dsr, blk.lo, blk.hi, l, dd, scale);
+          if (round) RoundAll(pr + blk.lo, blk.hi - blk.lo);  // dv's input
+        }
+        // dq = (scale ds) k
+        WeightsTimesRows(ds.data(), sp, blk.nr, hc.kr.data(), dp, blk.lo, blk.hi,
+                         dqrows.data());
+        for (int r = 0; r < blk.nr; ++r) {
+          std::memcpy(dqp + (row0 + r * sh.h) * sh.d, &dqrows[r * dp],
+                      sizeof(float) * sh.d);
+        }
+        // dk[s] += Σ_r (scale ds)[r][s] q[r];  dv[s] += Σ_r p[r][s] do[r]
+        RankUpdate(ds.data(), sp, blk.nr, qrows.data(), dp, blk.lo, blk.hi,
+                   dk_acc.data());
+        RankUpdate(p.data(), sp, blk.nr, dorows.data(), dvp, blk.lo, blk.hi,
+                   dv_acc.data());
+      }
+    }
+    for (int64_t s = 0; s < sh.s; ++s) {
+      const int64_t at = (b * sh.s + s) * sh.kv + kvh;
+      std::memcpy(dkp + at * sh.d, &dk_acc[s * dp], sizeof(float) * sh.d);
+      std::memcpy(dvp_out + at * sh.dv, &dv_acc[s * dvp], sizeof(float) * sh.dv);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EntrenarAttentionForward, ForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // mask
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // (scale, round)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EntrenarAttentionBackward, BackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // mask
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // (scale, round)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // o
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // do
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dk
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dv
+                                  .Ctx<ffi::ThreadPool>());
