@@ -20,11 +20,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from entrenar.errors import ShapeError
 from entrenar.native import load as load_native
 from entrenar.nn.layers import upcast_dtype
 from entrenar.types import DType
+
+ATTENTION_NAME = "entrenar_attention"
+"""`jax.ad_checkpoint.checkpoint_name` of the native kernel's output and log-sum-exp:
+a remat policy that saves these names keeps the forward kernel from running again
+in the backward pass (`entrenar.nn.llama` saves them with the ``dots`` policies)."""
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row gives a uniform, not NaN
 
@@ -232,6 +238,7 @@ def _native_attention_fwd(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, how: tuple[float, bool]
 ) -> tuple[jax.Array, Any]:
     o, lse = _native_call(q, k, v, mask, how)
+    q, k, v, o, lse = (checkpoint_name(x, ATTENTION_NAME) for x in (q, k, v, o, lse))
     return o, (q, k, v, mask, o, lse)
 
 

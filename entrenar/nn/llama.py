@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from entrenar.errors import ConfigError, ShapeError, UnsupportedError
 from entrenar.nn.attention import (
+    ATTENTION_NAME,
     KVCache,
     causal_mask,
     dot_product_attention,
@@ -452,6 +453,11 @@ class LlamaConfig:
 
         if self.remat_policy is not None:
             policy = getattr(jax.checkpoint_policies, self.remat_policy)
+            if self.remat_policy.startswith("dots"):  # attention is a product too
+                policy = jax.checkpoint_policies.save_from_both_policies(
+                    policy,
+                    jax.checkpoint_policies.save_only_these_names(ATTENTION_NAME),
+                )
             layer = jax.checkpoint(layer, policy=policy)
         elif self.remat:
             layer = jax.checkpoint(layer)

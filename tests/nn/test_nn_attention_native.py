@@ -175,3 +175,30 @@ def test_native_attention_is_skipped_where_it_does_not_apply():
     assert attention._native_ok(q, k, v, m, None, "bfloat16")
     assert not attention._native_ok(q, k, v, m[None, None], None)  # a 4-d mask
     assert not attention._native_ok(q[:, :0], k, v, m[:0], None)  # nothing to attend
+
+
+@pytest.mark.parametrize(("policy", "forward_calls"), [("dots_saveable", 1), (None, 1)])
+def test_remat_policy_keeps_the_kernels_forward(policy, forward_calls):
+    """Under ``dots_saveable`` the kernel's output, log-sum-exp and inputs are saved
+    (`attention.ATTENTION_NAME`), so the backward pass does not run it again.
+    """
+    from entrenar.nn import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        remat_policy=policy,
+    )
+    params = cfg.init(jax.random.key(0))
+    tokens = jnp.arange(16).reshape(2, 8) % 64
+
+    def loss(p):
+        return jnp.mean(cfg.apply(p, tokens) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    assert hlo.count('custom_call_target="entrenar_attention_fwd"') == forward_calls
+    assert hlo.count('custom_call_target="entrenar_attention_bwd"') == 1
