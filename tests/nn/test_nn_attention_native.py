@@ -179,8 +179,10 @@ def test_native_attention_is_skipped_where_it_does_not_apply():
 
 @pytest.mark.parametrize(("policy", "forward_calls"), [("dots_saveable", 1), (None, 1)])
 def test_remat_policy_keeps_the_kernels_forward(policy, forward_calls):
-    """Under ``dots_saveable`` the kernel's output, log-sum-exp and inputs are saved
-    (`attention.ATTENTION_NAME`), so the backward pass does not run it again.
+    """``dots_saveable`` saves the kernel's inputs, output and log-sum-exp.
+
+    They carry `attention.ATTENTION_NAME`, so the backward pass does not run the
+    forward kernel again.
     """
     from entrenar.nn import LlamaConfig
 
