@@ -8,7 +8,9 @@ One run measures, each in its own process (so each peak resident set is its own)
   `nn.causal_lm_loss` of `Llama.apply`'s logits),
   `optim.adamw`, one jitted step with donated buffers; in float32 and with
   ``LlamaConfig(matmul_dtype="bfloat16")`` (bfloat16 matmul inputs, float32
-  accumulation, float32 everything else);
+  accumulation, float32 everything else), and that with the frozen projections
+  rounded to bfloat16 once (`nn.to_bfloat16_weights`, case
+  ``entrenar_lora_bf16_frozen_bf16``) instead of at every step;
 - entrenar QLoRA: every projection of the layers NF4 with double quantization
   (`quant.quantize_params`), the same adapters on top, bfloat16 matmuls (float32
   with ``--cases entrenar_qlora_f32``);
@@ -53,6 +55,11 @@ ENTRENAR_CASES: list[tuple[str, list[str]]] = [
     ("entrenar_lora_f32", ["--variant", "lora", "--matmul-dtype", "none"]),
     ("entrenar_lora_bf16", ["--variant", "lora", "--matmul-dtype", "bfloat16"]),
     ("entrenar_qlora_bf16", ["--variant", "qlora", "--matmul-dtype", "bfloat16"]),
+    # the frozen projections rounded to bfloat16 once (nn.to_bfloat16_weights)
+    (
+        "entrenar_lora_bf16_frozen_bf16",
+        ["--variant", "lora", "--matmul-dtype", "bfloat16", "--frozen-bf16"],
+    ),
 ]
 OPTIONAL_CASES: list[tuple[str, list[str]]] = [
     ("entrenar_qlora_f32", ["--variant", "qlora", "--matmul-dtype", "none"]),
@@ -126,7 +133,7 @@ def worker_entrenar(a: argparse.Namespace) -> dict[str, Any]:
 
     import jax
 
-    from entrenar import lora, optim, quant
+    from entrenar import lora, nn, optim, quant
     from entrenar.nn import LlamaConfig, causal_lm_loss
     from entrenar.nn import losses as nn_losses
 
@@ -151,6 +158,8 @@ def worker_entrenar(a: argparse.Namespace) -> dict[str, Any]:
         key=jax.random.key(1),
     )
     trainable, frozen = lora.split(params)
+    if a.frozen_bf16:
+        frozen = nn.to_bfloat16_weights(frozen)  # rounded once, half the memory
     tx = optim.adamw(1e-4)
     state = tx.init(trainable)
     tokens = jax.random.randint(jax.random.key(2), (a.batch, a.seq), 0, cfg.vocab_size)
@@ -267,6 +276,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="lora", help=argparse.SUPPRESS)
     ap.add_argument("--matmul-dtype", default="none", help=argparse.SUPPRESS)
+    ap.add_argument("--frozen-bf16", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
 
     if a.worker == "rate":

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from entrenar import quant
 from entrenar.errors import ShapeError
+from entrenar.nn.bf16_weight import Bfloat16Weight
 
 
 def quantize_base(w: Any, scheme: str, name: str) -> Any:
@@ -22,7 +23,9 @@ def quantize_base(w: Any, scheme: str, name: str) -> Any:
 
 
 def to_dense(w: Any) -> jax.Array:
-    """A weight as a dense array (quantized nodes are dequantized)."""
+    """A weight as a dense array (quantized nodes dequantized, bfloat16 ones read)."""
+    if isinstance(w, Bfloat16Weight):
+        return w.value()
     return quant.dequantize(w) if quant.is_quantized(w) else jnp.asarray(w)
 
 

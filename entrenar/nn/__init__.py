@@ -4,7 +4,8 @@ Protocol: a model is a frozen config dataclass with ``init(key) -> params`` and 
 ``apply(params, inputs, ...) -> outputs``; params are nested dicts named like Hugging
 Face modules, transformer layers stacked along a leading axis and run with
 `jax.lax.scan`. Every layer multiplies through `linear`, which dispatches on the
-weight's node type (array, LoRA, quantized), so model code never touches weights.
+weight's node type (array, LoRA, quantized, bfloat16-stored), so model code never
+touches weights.
 """
 
 from entrenar.nn import losses
@@ -15,6 +16,7 @@ from entrenar.nn.attention import (
     init_kv_cache,
     update_cache_layer,
 )
+from entrenar.nn.bf16_weight import Bfloat16Weight, to_bfloat16_weights
 from entrenar.nn.generate import (
     check_length,
     context_length,
@@ -60,6 +62,7 @@ __all__ = [
     "MATMUL_DTYPES",
     "MLP",
     "STACKED_KEYS",
+    "Bfloat16Weight",
     "GPT2Config",
     "KVCache",
     "Llama",
@@ -97,6 +100,7 @@ __all__ = [
     "rotate_half",
     "sample_logits",
     "silu",
+    "to_bfloat16_weights",
     "to_hf_names",
     "update_cache_layer",
     "weight_matmul",

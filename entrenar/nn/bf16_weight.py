@@ -1,0 +1,148 @@
+"""Frozen weights stored once in bfloat16, for bfloat16 matmuls.
+
+A frozen weight that only feeds bfloat16 products (``matmul_dtype="bfloat16"``, see
+`entrenar.nn.linear`) need not stay float32 and be rounded again at every step: in a
+LoRA step of SmolLM2's shape those roundings are about a tenth of the work.
+`to_bfloat16_weights(frozen)` rounds the selected matrices once (to nearest, ties to
+even), which halves their memory, and `linear` reads them as they are:
+
+    W16 = round_bf16(W)      y = (bf16(x) · W16ᵀ)_f32      dx = (bf16(g) · W16)_f32
+
+the same values the float32 weight gives under ``matmul_dtype="bfloat16"``, so the
+results do not change (only W's float32 copy is gone: a float32 product,
+``matmul_dtype=None``, uses the rounded values).
+
+The values are kept as their 16-bit patterns in a ``uint16`` array, not as a
+``bfloat16`` array, for two reasons:
+
+- XLA:CPU normalizes a ``dynamic-slice`` of a bfloat16 array inside a loop to
+  float32, and then hoists a float32 copy of the whole layer stack out of the layer
+  scan (``f32[L, out, in] convert(...)``), rounding it back layer by layer: slower
+  than keeping float32 weights. A ``uint16`` slice is taken as it is.
+- An integer leaf is never differentiated (``jax.grad`` refuses it), which is what
+  a frozen weight is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar.nn.linear import lowp_matmul, weight_matmul
+from entrenar.tree import key_path_str
+
+DEFAULT_WEIGHTS = re.compile(r"(_proj|lm_head)\.weight(\.base)?$")
+"""Names `to_bfloat16_weights` converts by default: Llama's projections (a LoRA
+weight's frozen ``base`` included) and an untied ``lm_head``; not embeddings (read by
+index, in float32) nor norms."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Bfloat16Weight:
+    """A frozen weight ``(*lead, out, in)`` held as bfloat16 bit patterns.
+
+    Attributes:
+        bits: ``uint16`` array, the bfloat16 values' bits.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> w = Bfloat16Weight.from_array(jnp.array([[1.0, 1.00390625]]))
+        >>> w.value().tolist(), w.shape
+        ([[1.0, 1.0]], (1, 2))
+    """
+
+    bits: Any
+
+    @classmethod
+    def from_array(cls, w: Any) -> Bfloat16Weight:
+        """Round ``w`` to bfloat16 (nearest, ties to even) and keep its bits."""
+        w16 = jnp.asarray(w).astype(jnp.bfloat16)
+        return cls(jax.lax.bitcast_convert_type(w16, jnp.uint16))
+
+    def value(self) -> jax.Array:
+        """The weight as a bfloat16 array."""
+        return jax.lax.bitcast_convert_type(jnp.asarray(self.bits), jnp.bfloat16)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape."""
+        return tuple(int(s) for s in self.bits.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Number of axes."""
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> Any:
+        """bfloat16, the dtype of `value`."""
+        return jnp.dtype(jnp.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored (two a value)."""
+        return int(np.prod(self.shape)) * 2
+
+
+def _materialize(w: Bfloat16Weight, dtype: Any) -> jax.Array:
+    return w.value().astype(dtype)  # (*lead, out, in)
+
+
+@weight_matmul.register(Bfloat16Weight)
+def _bf16_matmul(
+    w: Bfloat16Weight, x: jax.Array, matmul_dtype: str | None = None
+) -> jax.Array:
+    """``x Wᵀ``: bfloat16 products with float32 accumulation, or in ``x``'s dtype."""
+    if matmul_dtype is not None:
+        return lowp_matmul(x, w, matmul_dtype, _materialize)
+    return jnp.einsum("...i,oi->...o", x, _materialize(w, x.dtype))  # (..., out)
+
+
+def to_bfloat16_weights(
+    params: Any, predicate: Callable[[str, Any], bool] | None = None
+) -> Any:
+    """Replace the frozen matrices ``predicate`` selects by `Bfloat16Weight` nodes.
+
+    Meant for the frozen half of a split tree (`entrenar.lora.split`), used with
+    ``matmul_dtype="bfloat16"``: each selected weight is rounded once instead of at
+    every step, and takes half the memory.
+
+    Args:
+        params: a parameter tree (``None`` leaves are kept).
+        predicate: ``fn(dotted_name, leaf) -> bool`` over floating leaves of two or
+            more axes; by default the names `DEFAULT_WEIGHTS` matches.
+
+    Returns:
+        A new tree; the input is not modified.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> p = {"q_proj": {"weight": jnp.ones((4, 3))}, "norm": jnp.ones(3)}
+        >>> type(to_bfloat16_weights(p)["q_proj"]["weight"]).__name__
+        'Bfloat16Weight'
+    """
+
+    def convert(path: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array | np.ndarray):
+            return leaf
+        if leaf.ndim < 2 or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        name = key_path_str(path)
+        chosen = (
+            predicate(name, leaf)
+            if predicate is not None
+            else DEFAULT_WEIGHTS.search(name) is not None
+        )
+        return Bfloat16Weight.from_array(leaf) if chosen else leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
+__all__ = ["DEFAULT_WEIGHTS", "Bfloat16Weight", "to_bfloat16_weights"]

@@ -1,0 +1,148 @@
+"""Frozen weights stored in bfloat16 (entrenar/nn/bf16_weight.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from entrenar import lora, nn
+from entrenar.nn import Bfloat16Weight, linear, to_bfloat16_weights
+
+TINY = nn.LlamaConfig(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    matmul_dtype="bfloat16",
+    remat_policy="dots_saveable",
+)
+
+
+@given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=16))
+def test_values_are_bfloat16_rounding(values):
+    w = np.asarray(values, np.float32).reshape(1, -1)
+    node = Bfloat16Weight.from_array(w)
+    assert node.bits.dtype == jnp.uint16 and node.shape == w.shape
+    want = jnp.asarray(w).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(node.value()), np.asarray(want))
+    assert node.nbytes == 2 * w.size and node.ndim == 2
+
+
+@pytest.mark.parametrize("matmul_dtype", [None, "bfloat16"])
+def test_linear_equals_the_rounded_array(matmul_dtype):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 5, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    node = Bfloat16Weight.from_array(w)
+    rounded = w.astype(jnp.bfloat16).astype(jnp.float32)
+    got = linear(x, node, matmul_dtype=matmul_dtype)
+    want = linear(x, rounded, matmul_dtype=matmul_dtype)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # the input gradient too (the weight is frozen: it has none)
+    gx = jax.grad(lambda x: jnp.sum(linear(x, node, matmul_dtype=matmul_dtype)))(x)
+    gw = jax.grad(lambda x: jnp.sum(linear(x, rounded, matmul_dtype=matmul_dtype)))(x)
+    np.testing.assert_allclose(gx, gw, rtol=1e-6, atol=1e-6)
+
+
+def test_default_selection_converts_projections_and_lora_bases_only():
+    params = TINY.init(jax.random.key(0))
+    params = lora.apply(params, lora.LoRAConfig(rank=2, alpha=4), key=jax.random.key(1))
+    _, frozen = lora.split(params)
+    out = to_bfloat16_weights(frozen)
+    m = out["model"]
+    assert isinstance(m["layers"]["mlp"]["gate_proj"]["weight"], Bfloat16Weight)
+    assert isinstance(m["layers"]["self_attn"]["q_proj"]["weight"].base, Bfloat16Weight)
+    assert m["embed_tokens"]["weight"].dtype == jnp.float32  # read by index
+    assert m["norm"]["weight"].dtype == jnp.float32
+    # a predicate chooses otherwise; the input tree is unchanged
+    only_k = to_bfloat16_weights(frozen, lambda name, _: "k_proj" in name)
+    layers = only_k["model"]["layers"]
+    assert isinstance(layers["self_attn"]["k_proj"]["weight"], Bfloat16Weight)
+    assert layers["mlp"]["gate_proj"]["weight"].dtype == jnp.float32
+    assert frozen["model"]["layers"]["mlp"]["gate_proj"]["weight"].dtype == jnp.float32
+
+
+def _lora_step_parts(frozen_transform):
+    params = TINY.init(jax.random.key(0))
+    params = lora.apply(params, lora.LoRAConfig(rank=4, alpha=8), key=jax.random.key(1))
+    trainable, frozen = lora.split(params)
+    # B != 0, so the adapters' gradients flow through every path
+    trainable = jax.tree_util.tree_map(lambda a: a + 0.01, trainable)
+    frozen = frozen_transform(frozen)
+    tokens = jnp.arange(24).reshape(2, 12) % TINY.vocab_size
+
+    def loss(t, f):
+        p = lora.combine(t, f)
+        return nn.losses.chunked_causal_lm_loss(
+            TINY.features(p, tokens),
+            TINY.output_weight(p),
+            tokens,
+            chunk=8,
+            matmul_dtype="bfloat16",
+        )
+
+    step = jax.jit(jax.value_and_grad(loss))
+    return step, trainable, frozen
+
+
+def test_lora_step_is_unchanged_and_never_converts_the_stack():
+    """Weights rounded once give the loss and gradients of rounding at every step.
+
+    And the compiled step holds no float32 copy of a weight stack (what a plain
+    bfloat16 stack costs on XLA:CPU).
+    """
+    step0, t0, f0 = _lora_step_parts(lambda f: f)
+    step1, t1, f1 = _lora_step_parts(to_bfloat16_weights)
+    (l0, g0), (l1, g1) = step0(t0, f0), step1(t1, f1)
+    assert abs(float(l0) - float(l1)) < 1e-6
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    hlo = step1.lower(t1, f1).compile().as_text()
+    stack = f"f32[{TINY.num_layers},{TINY.intermediate_size},{TINY.hidden_size}]"
+    assert not [
+        line for line in hlo.splitlines() if stack in line and "convert" in line
+    ]
+
+
+def test_a_plain_bfloat16_stack_is_converted_whole():
+    """Why the bits are uint16: with a bfloat16 stack, XLA:CPU hoists a float32 copy.
+
+    If this starts failing, XLA no longer does that and a plain bfloat16 array would
+    do; the node can then hold one.
+    """
+    step, t, f = _lora_step_parts(
+        lambda f: jax.tree_util.tree_map(
+            lambda x: x.astype(jnp.bfloat16) if x.ndim == 3 else x, f
+        )
+    )
+    hlo = step.lower(t, f).compile().as_text()
+    stack = f"f32[{TINY.num_layers},{TINY.intermediate_size},{TINY.hidden_size}]"
+    assert [line for line in hlo.splitlines() if stack in line and "convert" in line]
+
+
+def test_a_bfloat16_weight_is_never_differentiated():
+    node = Bfloat16Weight.from_array(jnp.ones((2, 3)))
+    with pytest.raises(TypeError, match="uint16"):
+        jax.grad(lambda w: jnp.sum(linear(jnp.ones((1, 3)), w)))(node)
+
+
+def test_lora_fold_reads_a_bfloat16_base():
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((6, 4)), jnp.float32)
+    cfg = lora.LoRAConfig(rank=2, alpha=4, targets="q_proj")
+    params = lora.apply({"q_proj": {"weight": w}}, cfg, key=jax.random.key(0))
+    t, f = lora.split(params)
+    t = jax.tree_util.tree_map(
+        lambda x: jnp.ones_like(x) if x.shape == (6, 2) else x, t
+    )
+    node = lora.combine(t, f)["q_proj"]["weight"]  # B = 1: the update is not zero
+    folded = lora.fold(lora.combine(t, to_bfloat16_weights(f)))["q_proj"]["weight"]
+    base = w.astype(jnp.bfloat16).astype(jnp.float32)
+    want = base + node.scale * (node.b @ node.a)
+    assert folded.dtype == jnp.bfloat16  # the base's dtype, as for any base
+    np.testing.assert_allclose(np.asarray(folded, np.float32), want, rtol=1e-2)
