@@ -158,6 +158,7 @@ def worker_entrenar(a: argparse.Namespace) -> dict[str, Any]:
         key=jax.random.key(1),
     )
     trainable, frozen = lora.split(params)
+    del params  # the halves hold every array; the float32 frozen half can go below
     if a.frozen_bf16:
         frozen = nn.to_bfloat16_weights(frozen)  # rounded once, half the memory
     tx = optim.adamw(1e-4)
