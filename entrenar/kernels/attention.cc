@@ -134,39 +134,24 @@ struct HeadCopies {
   }
 };
 
-// out[r][s] = Σ_j a[r][j] mt[j][s] for s in [lo, hi) (lo a multiple of kLanes), for
-// nr <= kRows rows of a (row stride as), mt (n, sp). out rows have stride sp.
-void RowsTimesMatrix(const float* a, int64_t as, int nr, const float* mt, int64_t n,
-                     int64_t sp, int64_t lo, int64_t hi, float* out) {
-  for (int64_t s0 = lo; s0 < hi; s0 += kLanes) {
+// out[r][c] = Σ_{k in [k0, k1)} a[r][k] m[k][c] for c in [c0, c1) (c0 a multiple of
+// kLanes; whole vectors are written, so out and m rows are padded past c1), for
+// nr <= kRows rows of a; a, m and out rows have strides as, ms and os. Each vector of
+// m is loaded once for the four rows. Both the scores (q Kᵀ: k over d, c over keys)
+// and the weighted sums (p V: k over keys, c over d) are this product.
+void RowsTimes(const float* a, int64_t as, int nr, const float* m, int64_t ms,
+               int64_t k0, int64_t k1, int64_t c0, int64_t c1, float* out, int64_t os) {
+  for (int64_t c = c0; c < c1; c += kLanes) {
     float acc[kRows][kLanes] = {};
-    for (int64_t j = 0; j < n; ++j) {
-      const float* m = mt + j * sp + s0;
+    for (int64_t k = k0; k < k1; ++k) {
+      const float* mk = m + k * ms + c;
       for (int r = 0; r < kRows; ++r) {
-        const float x = r < nr ? a[r * as + j] : 0.0f;
+        const float x = r < nr ? a[r * as + k] : 0.0f;
 #pragma omp simd
-        for (int l = 0; l < kLanes; ++l) acc[r][l] += x * m[l];
+        for (int l = 0; l < kLanes; ++l) acc[r][l] += x * mk[l];
       }
     }
-    for (int r = 0; r < nr; ++r) std::memcpy(out + r * sp + s0, acc[r], sizeof acc[r]);
-  }
-}
-
-// out[r][:] = Σ_{s in [lo, hi)} w[r][s] rows[s][:] for nr rows; rows (S, np), np a
-// multiple of kLanes; w rows have stride sp; out rows have stride np.
-void WeightsTimesRows(const float* w, int64_t sp, int nr, const float* rows, int64_t np,
-                      int64_t lo, int64_t hi, float* out) {
-  for (int64_t c0 = 0; c0 < np; c0 += kLanes) {
-    float acc[kRows][kLanes] = {};
-    for (int64_t s = lo; s < hi; ++s) {
-      const float* x = rows + s * np + c0;
-      for (int r = 0; r < kRows; ++r) {
-        const float ws = r < nr ? w[r * sp + s] : 0.0f;
-#pragma omp simd
-        for (int l = 0; l < kLanes; ++l) acc[r][l] += ws * x[l];
-      }
-    }
-    for (int r = 0; r < nr; ++r) std::memcpy(out + r * np + c0, acc[r], sizeof acc[r]);
+    for (int r = 0; r < nr; ++r) std::memcpy(out + r * os + c, acc[r], sizeof acc[r]);
   }
 }
 
@@ -218,9 +203,8 @@ void SoftmaxGrad(float* __restrict__ p, float* __restrict__ ds, int64_t lo, int6
   for (int64_t s = lo; s < hi; ++s) ds[s] = p[s] * (ds[s] - d) * scale;
 }
 
-// Scores of a block of rows: p[r][s] = scale · q·k where allowed, -1e30 where not,
-// for s in [lo, hi); the block's key range is the union of its rows' ranges (a fully
-// masked row counts as [0, S)).
+// A block of up to kRows query rows; its key range is the union of its rows' ranges
+// (a fully masked row counts as [0, S)).
 struct Block {
   int64_t t0;
   int nr;
@@ -238,10 +222,12 @@ Block MakeBlock(const std::vector<Range>& ranges, int64_t t0, int64_t t, int64_t
   return blk;
 }
 
+// Scores of a block: z[r][s] = scale · q·k where allowed, -1e30 where not, s in
+// [lo, hi).
 void Scores(const Shape& sh, const Block& blk, const float* qrows, const float* kt,
             const uint8_t* mask, float scale, float* z) {
   const int64_t sp = sh.sp();
-  RowsTimesMatrix(qrows, sh.dp(), blk.nr, kt, sh.d, sp, blk.lo, blk.hi, z);
+  RowsTimes(qrows, sh.dp(), blk.nr, kt, sp, 0, sh.d, blk.lo, blk.hi, z, sp);
   for (int r = 0; r < blk.nr; ++r) {
     const uint8_t* m = mask + (blk.t0 + r) * sh.s;
     float* zr = z + r * sp;
@@ -259,7 +245,10 @@ void GatherRows(const float* x, int64_t stride, int nr, int64_t n, int64_t np,
   for (int r = 0; r < nr; ++r) std::memcpy(out + r * np, x + r * stride, sizeof(float) * n);
 }
 
-ffi::Error CheckShapes(const Shape& sh, int64_t mask_elems) {
+ffi::Error CheckInputs(const Shape& sh, int64_t mask_elems, int64_t param_elems) {
+  if (param_elems != 2) {
+    return ffi::Error::InvalidArgument("entrenar_attention: params must be (scale, round)");
+  }
   if (sh.kv <= 0 || sh.h % sh.kv) {
     return ffi::Error::InvalidArgument("entrenar_attention: H must be a multiple of KV");
   }
@@ -281,10 +270,8 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> params, ffi::ResultBuffer<ffi::F32> o,
                        ffi::ResultBuffer<ffi::F32> lse, ffi::ThreadPool pool) {
   const Shape sh = ShapeOf(q, k, v, mask);
-  if (ffi::Error e = CheckShapes(sh, mask.element_count()); e.failure()) return e;
-  if (params.element_count() != 2) {
-    return ffi::Error::InvalidArgument("entrenar_attention: params must be (scale, round)");
-  }
+  const ffi::Error e = CheckInputs(sh, mask.element_count(), params.element_count());
+  if (e.failure()) return e;
   const float scale = params.typed_data()[0];
   const bool round = params.typed_data()[1] != 0.0f;
   const float* qp = q.typed_data();
@@ -318,8 +305,8 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
           lp[(b * sh.h + h) * sh.t + t0 + r] = mx + std::log(sum);
           if (round) RoundAll(zr + blk.lo, blk.hi - blk.lo);
         }
-        WeightsTimesRows(z.data(), sp, blk.nr, hc.vr.data(), dvp, blk.lo, blk.hi,
-                         out.data());
+        RowsTimes(z.data(), sp, blk.nr, hc.vr.data(), dvp, blk.lo, blk.hi, 0, dvp,
+                  out.data(), dvp);
         for (int r = 0; r < blk.nr; ++r) {
           std::memcpy(op + ((b * sh.t + t0 + r) * sh.h + h) * sh.dv, &out[r * dvp],
                       sizeof(float) * sh.dv);
@@ -337,10 +324,8 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                         ffi::ResultBuffer<ffi::F32> dv, ffi::ThreadPool pool) {
   const Shape sh = ShapeOf(q, k, v, mask);
-  if (ffi::Error e = CheckShapes(sh, mask.element_count()); e.failure()) return e;
-  if (params.element_count() != 2) {
-    return ffi::Error::InvalidArgument("entrenar_attention: params must be (scale, round)");
-  }
+  const ffi::Error e = CheckInputs(sh, mask.element_count(), params.element_count());
+  if (e.failure()) return e;
   const float scale = params.typed_data()[0];
   const bool round = params.typed_data()[1] != 0.0f;
   const float *qp = q.typed_data(), *opp = o.typed_data(), *dop = dout.typed_data();
@@ -365,8 +350,8 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
         if (round) RoundAll(qrows.data(), qrows.size());
         GatherRows(dop + row0 * sh.dv, sh.h * sh.dv, blk.nr, sh.dv, dvp, dorows.data());
         Scores(sh, blk, qrows.data(), hc.kt.data(), m, scale, p.data());
-        RowsTimesMatrix(dorows.data(), dvp, blk.nr, hc.vt.data(), sh.dv, sp, blk.lo,
-                        blk.hi, ds.data());  // dp
+        RowsTimes(dorows.data(), dvp, blk.nr, hc.vt.data(), sp, 0, sh.dv, blk.lo, blk.hi,
+                  ds.data(), sp);  // dp
         for (int r = 0; r < blk.nr; ++r) {
           float* pr = p.data() + r * sp;
           float* dsr = ds.data() + r * sp;
@@ -383,8 +368,8 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
           if (round) RoundAll(pr + blk.lo, blk.hi - blk.lo);  // dv's input
         }
         // dq = (scale ds) k
-        WeightsTimesRows(ds.data(), sp, blk.nr, hc.kr.data(), dp, blk.lo, blk.hi,
-                         dqrows.data());
+        RowsTimes(ds.data(), sp, blk.nr, hc.kr.data(), dp, blk.lo, blk.hi, 0, dp,
+                  dqrows.data(), dp);
         for (int r = 0; r < blk.nr; ++r) {
           std::memcpy(dqp + (row0 + r * sh.h) * sh.d, &dqrows[r * dp],
                       sizeof(float) * sh.d);

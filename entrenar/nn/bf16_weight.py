@@ -102,7 +102,7 @@ def _bf16_matmul(
     """``x Wᵀ``: bfloat16 products with float32 accumulation, or in ``x``'s dtype."""
     if matmul_dtype is not None:
         return lowp_matmul(x, w, matmul_dtype, _materialize)
-    return jnp.einsum("...i,oi->...o", x, _materialize(w, x.dtype))  # (..., out)
+    return weight_matmul(w.value(), x)  # the dense rule: W cast to x's dtype
 
 
 def to_bfloat16_weights(
