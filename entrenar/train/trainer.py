@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from entrenar import distributed
+from entrenar import distributed, nn
 from entrenar.data.protocol import ArrayLoader, Loader
 from entrenar.errors import ConfigError, NonFiniteError
 from entrenar.train.callbacks import Callback
@@ -34,6 +34,19 @@ from entrenar.train.step import make_eval_step, make_train_step
 from entrenar.types import Params
 
 _NOT_AVERAGED = ("finite", "tokens", "lr")  # log records: lr is the last, tokens/s
+
+
+def _compute_frozen(model: Any, frozen: Params) -> Params:
+    """The frozen half as the train step reads it.
+
+    A model whose weight matmuls are bfloat16 (``LlamaConfig.matmul_dtype``) rounds
+    every frozen projection to bfloat16 at each step; rounding them once instead
+    (`entrenar.nn.to_bfloat16_weights`) gives the same losses and gradients, skips
+    that work and halves those weights' memory (specs/models.md).
+    """
+    if frozen is None or getattr(model, "matmul_dtype", None) != "bfloat16":
+        return frozen
+    return nn.to_bfloat16_weights(frozen)
 
 
 def _every(step: int, n: int | None) -> bool:
@@ -179,6 +192,13 @@ class Trainer:
             params, optimizer, key=jax.random.key(cfg.seed), trainable=trainable
         )
         self.mesh = distributed.resolve_mesh(mesh if mesh is not None else cfg.mesh)
+        # The tree `fit` returns keeps the frozen half as given; the step may read a
+        # bfloat16 copy of it (see `_compute_frozen`).
+        self._frozen_given: Params = self.state.frozen
+        if self.mesh is None:
+            self.state = self.state._replace(
+                frozen=_compute_frozen(self.model, self.state.frozen)
+            )
         if self.mesh is not None:  # params and optimizer state placed by the rules
             self.state = distributed.shard_state(self.state, self.mesh, sharding_rules)
         self._step_fn = make_train_step(
@@ -285,7 +305,8 @@ class Trainer:
             progress.close()
             self._close_outputs()
         result = TrainResult(
-            self.state, list(self.history), list(self.eval_history),
+            self.state._replace(frozen=self._frozen_given),
+            list(self.history), list(self.eval_history),
             self.best_eval_loss, self.best_step,
             stopped_early or self.should_stop, self.step,
         )  # fmt: skip

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from entrenar import lora
+from entrenar import lora, nn
 from entrenar.data import lm_loader
 from entrenar.io import BPETokenizer
 from entrenar.nn import LlamaConfig
@@ -82,3 +82,33 @@ def test_lora_trains_adapters_only_and_beats_the_base():
         jax.tree_util.tree_leaves(base),
     ):
         np.testing.assert_array_equal(np.asarray(path_leaf), np.asarray(base_leaf))
+
+
+def test_bfloat16_matmuls_round_the_frozen_projections_once():
+    # matmul_dtype="bfloat16": the step reads the frozen projections as bfloat16 (the
+    # same values it would round them to at every step); fit returns them as given
+    model = dataclasses.replace(MODEL, matmul_dtype="bfloat16")
+    params = lora.apply(model.init(jax.random.key(0)),
+                        lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "v_proj")),
+                        key=jax.random.key(1))  # fmt: skip
+    base = lora.split(params)[1]
+
+    def trainer():
+        cfg = TrainConfig(max_steps=4, log_every=1, progress=False)
+        return Trainer(model, params, adamw(1e-2), cfg, trainable="lora")
+
+    t, ref = trainer(), trainer()
+    ref.state = ref.state._replace(frozen=base)  # rounded at every step instead
+    is_bf16 = lambda x: isinstance(x, nn.Bfloat16Weight)  # noqa: E731
+    rounded = [x for x in jax.tree.leaves(t.state.frozen, is_leaf=is_bf16)
+               if is_bf16(x)]  # fmt: skip
+    assert len(rounded) == 8  # q, k, v, o, gate, up, down (layer stacks), lm_head
+    r, r_ref = t.fit(loader()), ref.fit(loader())
+    losses = [h["loss"] for h in r.history]
+    np.testing.assert_allclose(losses, [h["loss"] for h in r_ref.history], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(r.state.trainable),
+                    jax.tree.leaves(r_ref.state.trainable)):  # fmt: skip
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(lora.split(r.params)[1]), jax.tree.leaves(base)):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
