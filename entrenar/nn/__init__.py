@@ -55,7 +55,7 @@ from entrenar.nn.linear import (
 from entrenar.nn.llama import Llama, LlamaConfig
 from entrenar.nn.losses import causal_lm_loss, cross_entropy, kl_divergence
 from entrenar.nn.mlp_model import MLP
-from entrenar.nn.rope import apply_rope, rope_angles, rotate_half
+from entrenar.nn.rope import apply_rope, rope_angles, rope_tables, rotate, rotate_half
 
 __all__ = [
     "GPT2",
@@ -97,6 +97,8 @@ __all__ = [
     "normal",
     "rms_norm",
     "rope_angles",
+    "rope_tables",
+    "rotate",
     "rotate_half",
     "sample_logits",
     "silu",

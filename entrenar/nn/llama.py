@@ -34,7 +34,7 @@ from entrenar.nn.attention import (
 from entrenar.nn.init import normal
 from entrenar.nn.layers import embedding, gated_mlp, rms_norm, upcast_dtype
 from entrenar.nn.linear import check_matmul_dtype, linear
-from entrenar.nn.rope import apply_rope
+from entrenar.nn.rope import rope_tables, rotate
 from entrenar.types import Params, PRNGKey
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -434,10 +434,14 @@ class LlamaConfig:
         m = params["model"]
         h = embedding(m["embed_tokens"]["weight"], tokens).astype(self.dtype)
         pos = None if cache is None else cache.pos
+        # (B|1, T, 1, d) each: every layer's rotation, computed once (rope_tables)
+        rope = rope_tables(
+            positions, self.hd, self.rope_theta, upcast_dtype(self.dtype)
+        )
 
         def layer(h: jax.Array, xs: Any) -> tuple[jax.Array, Any]:
             lp, ck, cv = xs
-            a, kv = self._attention(lp, h, positions, allowed, ck, cv, pos)
+            a, kv = self._attention(lp, h, rope, allowed, ck, cv, pos)
             h = h + a  # (B, T, D)
             mp = lp["mlp"]
             x = rms_norm(h, lp["post_attention_layernorm"]["weight"], self.rms_norm_eps)
@@ -476,7 +480,7 @@ class LlamaConfig:
         self,
         lp: Params,
         h: jax.Array,
-        positions: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
         allowed: jax.Array,
         ck: jax.Array | None,
         cv: jax.Array | None,
@@ -493,8 +497,8 @@ class LlamaConfig:
         q = q.reshape(b, t, nh, hd)  # (B, T, H, d)
         k = k.reshape(b, t, nkv, hd)  # (B, T, KV, d)
         v = v.reshape(b, t, nkv, hd)
-        q = apply_rope(q, positions, self.rope_theta)
-        k = apply_rope(k, positions, self.rope_theta)
+        q = rotate(q, rope)
+        k = rotate(k, rope)
         if ck is not None and cv is not None and pos is not None:
             k = ck = update_cache_layer(ck, k, pos)  # (B, S, KV, d)
             v = cv = update_cache_layer(cv, v, pos)

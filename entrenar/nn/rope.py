@@ -48,19 +48,40 @@ def rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def rope_tables(
+    positions: jax.Array, head_dim: int, theta: float, dtype: Any = jnp.float32
+) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of the angles, each ``(B|1, T, 1, d)``, for `rotate`.
+
+    A model computes them once per forward pass and rotates every layer's queries and
+    keys with them: computed inside a layer, XLA:CPU fuses ``cos`` and ``sin`` into
+    the elementwise passes that read them and evaluates them once per element of
+    ``(B, T, H, d)`` (and again in each rematerialized pass), which cost more than
+    the rotation itself in a SmolLM2-shaped LoRA step.
+    """
+    ang = rope_angles(positions, head_dim, theta, dtype)  # (T, d/2) or (B, T, d/2)
+    ang = jnp.concatenate([ang, ang], axis=-1)  # (..., T, d)
+    if ang.ndim == 2:
+        ang = ang[None]  # (1, T, d)
+    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def rotate(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate ``x: (B, T, H, d)`` by `rope_tables`' ``(cos, sin)``, in their dtype.
+
+    Returned in ``x``'s dtype.
+    """
+    cos, sin = tables
+    return _rotate(x.astype(cos.dtype), cos, sin).astype(x.dtype)  # (B, T, H, d)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotate queries or keys ``x: (B, T, H, d)`` at ``positions: (T,)`` or ``(B, T)``.
 
     Computed in float32 (float64 for float64 ``x``), returned in ``x``'s dtype.
     """
     f = upcast_dtype(x.dtype)
-    ang = rope_angles(positions, x.shape[-1], theta, f)  # (T, d/2) or (B, T, d/2)
-    ang = jnp.concatenate([ang, ang], axis=-1)  # (..., T, d)
-    if ang.ndim == 2:
-        ang = ang[None]  # (1, T, d)
-    cos = jnp.cos(ang)[:, :, None, :]  # (B|1, T, 1, d)
-    sin = jnp.sin(ang)[:, :, None, :]
-    return _rotate(x.astype(f), cos, sin).astype(x.dtype)  # (B, T, H, d)
+    return rotate(x, rope_tables(positions, x.shape[-1], theta, f))
 
 
 @jax.custom_vjp
@@ -86,4 +107,4 @@ def _rotate_bwd(res: Any, g: jax.Array) -> Any:
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
-__all__ = ["apply_rope", "rope_angles", "rotate_half"]
+__all__ = ["apply_rope", "rope_angles", "rope_tables", "rotate", "rotate_half"]

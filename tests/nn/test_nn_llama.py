@@ -221,6 +221,17 @@ def test_program_size_does_not_grow_with_depth():
         assert size(2, remat) == size(12, remat)
 
 
+@pytest.mark.parametrize("policy", [None, "dots_saveable"])
+def test_rotary_tables_are_computed_once_not_per_layer(policy):
+    # cos/sin computed in the layer body were fused into every elementwise pass that
+    # read them, once per (B, T, H, d) element and again in each remat pass
+    c = tiny(num_layers=3, remat_policy=policy)
+    p = c.init(jax.random.key(0))
+    grad = jax.grad(lambda q: jnp.sum(c.apply(q, jnp.asarray(TOKENS))))
+    hlo = jax.jit(grad).lower(p).compile().as_text()
+    assert hlo.count(" cosine(") == 1 and hlo.count(" sine(") == 1
+
+
 @settings(max_examples=10)
 @given(st.integers(1, 6), st.lists(st.integers(0, 10), min_size=7, max_size=7))
 def test_causal_logits_ignore_later_tokens(cut, other):
