@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
+from entrenar.nn.bf16_weight import Bfloat16Weight
 from entrenar.nn.linear import linear
 
 Reduction = Literal["mean", "sum", "none"]
@@ -256,11 +257,19 @@ def _chunked_nll(
 ) -> jax.Array:
     """``logsumexp(z) - z[y]`` per token, ``z = x Wᵀ`` chunk by chunk: ``(C, chunk)``.
 
-    The custom VJP keeps only ``x`` and the per-token ``logsumexp`` and recomputes
-    each chunk's logits in the backward pass, where ``dz = softmax(z) - onehot(y)``
-    is formed in one elementwise pass (no scatter); ``dW`` is accumulated in
-    float32 only when ``W`` is differentiated. ``W`` is cast to the matmul dtype
-    once, not once per chunk.
+    With ``dz = (softmax(z) - onehot(y)) ⊙ g`` (one elementwise pass, no scatter),
+    ``dx = dz W`` and ``dW = dzᵀ x``. Two ways to differentiate:
+
+    - ``W`` frozen (a LoRA step): ``dx = g ⊙ ((softmax(z) - onehot(y)) W)`` and the
+      product does not depend on ``g``, so the forward pass computes it while each
+      chunk's logits exist, keeps it ``(C, chunk, D)`` (the size of ``x``) and the
+      backward pass only scales it: no logits are formed twice ("gradient in the
+      forward pass", as fused linear cross-entropy kernels do).
+    - ``W`` differentiated: the forward pass keeps ``x`` and the per-token
+      ``logsumexp``; the backward pass recomputes each chunk's logits and
+      accumulates ``dW`` in float32.
+
+    ``W`` is cast to the matmul dtype once, not once per chunk.
     """
     return _chunked_nll_fwd_impl(x, w, y, matmul_dtype, f)[0]
 
@@ -283,21 +292,52 @@ def _chunked_nll_fwd_impl(
 def _chunked_nll_fwd(
     x: Any, w: Any, y: Any, matmul_dtype: str | None, f: Any
 ) -> tuple[jax.Array, Any]:
+    if x.perturbed and not w.perturbed:  # W frozen: dx now, while z exists
+        nll, dx = _nll_and_dx(x.value, w.value, y.value, matmul_dtype, f)
+        return nll, (dx, None)
     nll, lse = _chunked_nll_fwd_impl(x.value, w.value, y.value, matmul_dtype, f)
     want_dw = jnp.zeros((0,)) if w.perturbed else None
-    return nll, (x.value, w.value, y.value, lse, want_dw)
+    return nll, (None, (x.value, w.value, y.value, lse, want_dw))
+
+
+def _softmax_minus_onehot(z: jax.Array, lse: jax.Array, y: jax.Array) -> jax.Array:
+    """``softmax(z) - onehot(y)`` for logits ``z: (chunk, V)``, ``lse: (chunk,)``."""
+    hit = jnp.arange(z.shape[-1])[None, :] == y[:, None]  # (chunk, V)
+    return jnp.exp(z - lse[:, None]) - hit.astype(z.dtype)
+
+
+def _nll_and_dx(
+    x: jax.Array, w: jax.Array, y: jax.Array, matmul_dtype: str | None, f: Any
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token NLL ``(C, chunk)``; ``(softmax(z) - onehot(y)) W``: ``(C, chunk, D)``."""
+    wl = w if matmul_dtype is None else w.astype(matmul_dtype)  # cast once
+    md = x.dtype if matmul_dtype is None else wl.dtype
+
+    def one(xy: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        xc, yc = xy
+        z = _head_logits(xc, wl, matmul_dtype, f)  # (chunk, V)
+        lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
+        nll = lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0]
+        dz = _softmax_minus_onehot(z, lse, yc).astype(md)  # (chunk, V)
+        dx = jnp.einsum("cv,vi->ci", dz, wl, preferred_element_type=f)  # (chunk, D)
+        return nll, dx
+
+    return jax.lax.map(one, (x, y))
 
 
 def _chunked_nll_bwd(matmul_dtype: str | None, f: Any, res: Any, g: jax.Array) -> Any:
-    x, w, y, lse, want_dw = res
+    dx, recompute = res
+    if recompute is None:  # dx = g ⊙ ((softmax - onehot) W), from the forward pass
+        y_ct = np.zeros(dx.shape[:2], jax.dtypes.float0)
+        return (dx * g[..., None].astype(f)).astype(dx.dtype), None, y_ct
+    x, w, y, lse, want_dw = recompute
     wl = w if matmul_dtype is None else w.astype(matmul_dtype)
     md = x.dtype if matmul_dtype is None else wl.dtype
 
     def one(dw: Any, xs: tuple[jax.Array, ...]) -> tuple[Any, jax.Array]:
         xc, yc, lc, gc = xs
         z = _head_logits(xc, wl, matmul_dtype, f)  # (chunk, V)
-        hit = jnp.arange(z.shape[-1])[None, :] == yc[:, None]  # (chunk, V)
-        dz = (jnp.exp(z - lc[:, None]) - hit.astype(f)) * gc[:, None].astype(f)
+        dz = _softmax_minus_onehot(z, lc, yc) * gc[:, None].astype(f)
         dzl = dz.astype(md)
         dx = jnp.einsum("cv,vi->ci", dzl, wl, preferred_element_type=f)  # (chunk, D)
         if dw is not None:
@@ -373,6 +413,8 @@ def chunked_causal_lm_loss(
     x = jnp.pad(x, ((0, pad), (0, 0))).reshape(chunks, chunk, d)  # (C, chunk, D)
     y = jnp.pad(jnp.where(valid, y, 0), (0, pad)).reshape(chunks, chunk)
     f = jnp.float64 if hidden.dtype == jnp.float64 else jnp.float32
+    if isinstance(weight, Bfloat16Weight):
+        weight = weight.value()  # (V, D) bfloat16, never differentiated
     if isinstance(weight, jax.Array | np.ndarray):
         nll = _chunked_nll(x, jnp.asarray(weight), y, matmul_dtype, np.dtype(f))
         nll = nll.reshape(-1)[:n].reshape(b, t - 1)  # (B, T-1)

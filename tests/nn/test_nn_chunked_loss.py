@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -115,19 +116,30 @@ def test_weight_node_head_and_mixed_precision(matmul_dtype: str | None) -> None:
     for x, y in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-4)
     if matmul_dtype is not None:  # plain head: fast path vs whole logits, same dtype
-        fast = jax.grad(
-            lambda h: _weighted(
-                chunked_causal_lm_loss(
-                    h, w, labels, "none", chunk=8, matmul_dtype="bfloat16"
-                )
+        # A frozen head's dx = g ⊙ (bf16(softmax - onehot) · bf16(W)) is formed in the
+        # forward pass, before g is known; the whole-logits path rounds dz ⊙ g. The
+        # same numbers for g = 1 (a plain sum), bfloat16-close for other g.
+        def grad_h(reduce, head):
+            return jax.grad(lambda h: reduce(head(h)))(h)
+
+        def fast(h):
+            return chunked_causal_lm_loss(
+                h, w, labels, "none", chunk=8, matmul_dtype="bfloat16"
             )
-        )(h)
-        ref = jax.grad(
-            lambda h: _weighted(
-                causal_lm_loss(linear(h, w, matmul_dtype="bfloat16"), labels, "none")
-            )
-        )(h)
-        np.testing.assert_allclose(fast, ref, rtol=1e-5, atol=1e-4)
+
+        def ref(h):
+            z = linear(h, w, matmul_dtype="bfloat16")
+            return causal_lm_loss(z, labels, "none")
+
+        np.testing.assert_allclose(
+            grad_h(jnp.sum, fast), grad_h(jnp.sum, ref), rtol=1e-5, atol=1e-5
+        )
+        got, exact = (
+            grad_h(_weighted, fast),
+            grad_h(_weighted, lambda h: causal_lm_loss(linear(h, w), labels, "none")),
+        )
+        err = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+        assert err < 1e-2, err
 
 
 def test_bfloat16_parameters_get_bfloat16_gradients_close_to_float32() -> None:
@@ -153,3 +165,37 @@ def test_bfloat16_parameters_get_bfloat16_gradients_close_to_float32() -> None:
     scale_h, scale_w = float(jnp.abs(rh).max()), float(jnp.abs(rw).max())
     np.testing.assert_allclose(dh.astype(jnp.float32), rh, atol=1e-2 * scale_h)
     np.testing.assert_allclose(dw.astype(jnp.float32), rw, atol=1e-2 * scale_w)
+
+
+@pytest.mark.parametrize("argnums, dots", [((0,), 2), ((0, 1), 4)])
+def test_a_frozen_head_forms_each_chunks_logits_once(argnums, dots) -> None:
+    # frozen W: logits and dx = (softmax - onehot) W in the forward pass (two dots);
+    # a trained W: logits, then logits again, dx and dW in the backward pass (four)
+    h, w, labels, _ = _inputs()
+
+    def loss(h: jax.Array, w: jax.Array) -> jax.Array:
+        return chunked_causal_lm_loss(h, w, labels, chunk=8, matmul_dtype="bfloat16")
+
+    hlo = jax.jit(jax.grad(loss, argnums)).lower(h, w).compile().as_text()
+    assert len(re.findall(r"= \S+ dot\(", hlo)) == dots
+
+
+def test_bfloat16_weight_head_equals_its_float32_weight_under_bfloat16_matmuls() -> (
+    None
+):
+    from entrenar.nn import Bfloat16Weight
+
+    h, w, labels, mask = _inputs()
+
+    def loss(h: jax.Array, head) -> jax.Array:
+        out = chunked_causal_lm_loss(
+            h, head, labels, loss_mask=mask, chunk=5, matmul_dtype="bfloat16"
+        )
+        return out
+
+    got = jax.value_and_grad(loss)(h, Bfloat16Weight.from_array(w))
+    want = jax.value_and_grad(loss)(h, w)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+    hlo = jax.jit(jax.grad(loss)).lower(h, Bfloat16Weight.from_array(w)).compile()
+    assert len(re.findall(r"= \S+ dot\(", hlo.as_text())) == 2  # the frozen path
