@@ -309,7 +309,7 @@ def _softmax_minus_onehot(z: jax.Array, lse: jax.Array, y: jax.Array) -> jax.Arr
 def _nll_and_dx(
     x: jax.Array, w: jax.Array, y: jax.Array, matmul_dtype: str | None, f: Any
 ) -> tuple[jax.Array, jax.Array]:
-    """Per-token NLL ``(C, chunk)``; ``(softmax(z) - onehot(y)) W``: ``(C, chunk, D)``."""
+    """Per-token NLL ``(C, chunk)`` and ``(softmax(z) - onehot(y)) W`` (C, chunk, D)."""
     wl = w if matmul_dtype is None else w.astype(matmul_dtype)  # cast once
     md = x.dtype if matmul_dtype is None else wl.dtype
 
@@ -382,7 +382,8 @@ def chunked_causal_lm_loss(
         reduction: "mean" over counted tokens, "sum", or "none" (``(B, T - 1)``).
         ignore_index: label value to skip.
         loss_mask: optional bool ``(B, T)``, aligned with the labels.
-        chunk: tokens per chunk (at least 1).
+        chunk: the most tokens per chunk (at least 1); the ``ceil(N / chunk)``
+            chunks are balanced to ``ceil(N / chunks)`` tokens each.
         matmul_dtype: passed to `entrenar.nn.linear` (mixed precision).
 
     >>> import jax.numpy as jnp
@@ -409,6 +410,7 @@ def chunked_causal_lm_loss(
     if loss_mask is not None:
         valid = valid & jnp.asarray(loss_mask, bool)[:, 1:].reshape(n)
     chunks = max(1, -(-n // chunk))
+    chunk = -(-n // chunks)  # balanced: the last chunk is not mostly padding
     pad = chunks * chunk - n
     x = jnp.pad(x, ((0, pad), (0, 0))).reshape(chunks, chunk, d)  # (C, chunk, D)
     y = jnp.pad(jnp.where(valid, y, 0), (0, pad)).reshape(chunks, chunk)

@@ -3,7 +3,9 @@
 - Language models (`entrenar.nn.Llama`, `entrenar.nn.GPT2`): the causal LM loss on
   ``input_ids`` with ``labels`` (default: the input ids), ``attention_mask``
   (padding: neither attended to nor counted) and, for Llama, ``segment_ids`` and
-  ``positions`` of packed rows. The loss is the mean over counted next-token targets
+  ``positions`` of packed rows (Llama's through
+  `entrenar.nn.losses.chunked_causal_lm_loss`: the ``(B, T, V)`` logits are never
+  whole). The loss is the mean over counted next-token targets
   and reports their number as ``loss_weight`` (so accumulation and evaluation
   average over tokens, not over batches).
 - Any other model with ``apply(params, x, *, key=None)`` (`entrenar.nn.MLP`): the
@@ -25,7 +27,12 @@ from entrenar import lora
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.gpt2 import GPT2Config
 from entrenar.nn.llama import LlamaConfig
-from entrenar.nn.losses import IGNORE_INDEX, LOSSES, causal_lm_loss
+from entrenar.nn.losses import (
+    IGNORE_INDEX,
+    LOSSES,
+    causal_lm_loss,
+    chunked_causal_lm_loss,
+)
 from entrenar.train.step import LossFn
 from entrenar.types import Params, PyTree
 
@@ -59,8 +66,15 @@ def causal_lm_loss_fn(model: Any) -> LossFn:
             kwargs["key"] = key
         if key is not None:
             params = lora.with_dropout_keys(params, key=key)
-        logits = model.apply(params, tokens, **kwargs)  # (B, T, V)
-        total = causal_lm_loss(logits, labels, "sum", loss_mask=mask)
+        if is_llama:  # the head's logits a chunk of tokens at a time, never whole
+            total = chunked_causal_lm_loss(
+                model.features(params, tokens, **kwargs),  # (B, T, D)
+                model.output_weight(params),  # (V, D)
+                labels, "sum", loss_mask=mask, matmul_dtype=model.matmul_dtype,
+            )  # fmt: skip
+        else:
+            logits = model.apply(params, tokens, **kwargs)  # (B, T, V)
+            total = causal_lm_loss(logits, labels, "sum", loss_mask=mask)
         counted = labels[:, 1:] != IGNORE_INDEX  # (B, T-1)
         if mask is not None:
             counted = counted & jnp.asarray(mask, bool)[:, 1:]

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -112,3 +113,45 @@ def test_bfloat16_matmuls_round_the_frozen_projections_once():
     for a, b in zip(jax.tree.leaves(lora.split(r.params)[1]), jax.tree.leaves(base)):
         assert a.dtype == np.float32
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("md", [None, "bfloat16"])
+def test_llama_loss_is_the_mean_causal_lm_loss_of_the_logits(md):
+    # the Trainer's Llama loss goes through chunked_causal_lm_loss (no whole logits);
+    # it equals the plain loss of apply's logits, with padding, packing and labels
+    from entrenar.nn import causal_lm_loss
+    from entrenar.train.model_loss import loss_for_model
+
+    model = dataclasses.replace(MODEL, matmul_dtype=md)
+    params = model.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, MODEL.vocab_size, (3, 20)).astype(np.int32)
+    labels = tokens.copy()
+    labels[0, :5] = -100  # a prompt not counted
+    mask = np.ones((3, 20), bool)
+    mask[2, 14:] = False  # padding
+    segments = np.zeros((3, 20), np.int32)
+    segments[1, 9:] = 1  # two packed documents
+    positions = np.tile(np.arange(20, dtype=np.int32), (3, 1))
+    positions[1, 9:] -= 9
+    batch = dict(input_ids=tokens, labels=labels, attention_mask=mask,
+                 segment_ids=segments, positions=positions)  # fmt: skip
+
+    def plain(p):
+        z = model.apply(p, tokens, mask=mask, segment_ids=segments,
+                        positions=positions)  # fmt: skip
+        counted = (labels[:, 1:] != -100) & mask[:, 1:]
+        n = jnp.asarray(counted.sum(), jnp.float32)
+        return causal_lm_loss(z, labels, "sum", loss_mask=mask) / n
+
+    loss_fn = loss_for_model(model)
+    (got, aux), g = jax.value_and_grad(
+        lambda p: loss_fn(p, batch, key=None), has_aux=True
+    )(params)
+    want, gw = jax.value_and_grad(plain)(params)
+    assert float(aux["loss_weight"]) == ((labels[:, 1:] != -100) & mask[:, 1:]).sum()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    tol = 1e-4 if md is None else 2e-2  # bfloat16: dz is rounded before/after g
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gw)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b) + 1e-7
