@@ -160,7 +160,9 @@ def worker_entrenar(a: argparse.Namespace) -> dict[str, Any]:
     trainable, frozen = lora.split(params)
     del params  # the halves hold every array; the float32 frozen half can go below
     if a.frozen_bf16:
-        frozen = nn.to_bfloat16_weights(frozen)  # rounded once, half the memory
+        frozen = nn.to_bfloat16_weights(  # rounded once, as the Trainer does
+            frozen, tied_embedding="model.embed_tokens.weight"
+        )
     tx = optim.adamw(1e-4)
     state = tx.init(trainable)
     tokens = jax.random.randint(jax.random.key(2), (a.batch, a.seq), 0, cfg.vocab_size)

@@ -16,7 +16,7 @@ from entrenar.nn.attention import (
     init_kv_cache,
     update_cache_layer,
 )
-from entrenar.nn.bf16_weight import Bfloat16Weight, to_bfloat16_weights
+from entrenar.nn.bf16_weight import Bfloat16Weight, TiedEmbedding, to_bfloat16_weights
 from entrenar.nn.generate import (
     check_length,
     context_length,
@@ -67,6 +67,7 @@ __all__ = [
     "KVCache",
     "Llama",
     "LlamaConfig",
+    "TiedEmbedding",
     "apply_rope",
     "auto_matmul_dtype",
     "causal_lm_loss",

@@ -31,6 +31,7 @@ from entrenar.nn.attention import (
     init_kv_cache,
     update_cache_layer,
 )
+from entrenar.nn.bf16_weight import TiedEmbedding
 from entrenar.nn.init import normal
 from entrenar.nn.layers import embedding, gated_mlp, rms_norm, upcast_dtype
 from entrenar.nn.linear import check_matmul_dtype, linear
@@ -432,7 +433,9 @@ class LlamaConfig:
     ) -> tuple[jax.Array, Any]:
         """Run the scanned layers; returns ``(h, (cache_kv, hidden or None))``."""
         m = params["model"]
-        h = embedding(m["embed_tokens"]["weight"], tokens).astype(self.dtype)
+        table = m["embed_tokens"]["weight"]  # (V, D), or a TiedEmbedding's table
+        table = table.table if isinstance(table, TiedEmbedding) else table
+        h = embedding(table, tokens).astype(self.dtype)
         pos = None if cache is None else cache.pos
         # (B|1, T, 1, d) each: every layer's rotation, computed once (rope_tables)
         rope = rope_tables(

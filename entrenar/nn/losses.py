@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
-from entrenar.nn.bf16_weight import Bfloat16Weight
+from entrenar.nn.bf16_weight import Bfloat16Weight, TiedEmbedding
 from entrenar.nn.linear import linear
 
 Reduction = Literal["mean", "sum", "none"]
@@ -240,20 +240,31 @@ def causal_lm_loss(
     )
 
 
+def _w(transposed: bool) -> str:
+    """The head's einsum axes: ``W (V, D)``, or ``Wᵀ (D, V)`` when ``transposed``."""
+    return "iv" if transposed else "vi"
+
+
 def _head_logits(
-    xc: jax.Array, w: jax.Array, matmul_dtype: str | None, f: Any
+    xc: jax.Array, w: jax.Array, matmul_dtype: str | None, f: Any, transposed: bool
 ) -> jax.Array:
     """One chunk's logits ``(chunk, V)`` in ``f``; ``w`` already in the matmul dtype."""
+    spec = f"ci,{_w(transposed)}->cv"
     if matmul_dtype is None:
-        return jnp.einsum("ci,vi->cv", xc, w.astype(xc.dtype)).astype(f)
+        return jnp.einsum(spec, xc, w.astype(xc.dtype)).astype(f)
     return jnp.einsum(
-        "ci,vi->cv", xc.astype(w.dtype), w, preferred_element_type=jnp.float32
+        spec, xc.astype(w.dtype), w, preferred_element_type=jnp.float32
     ).astype(f)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _chunked_nll(
-    x: jax.Array, w: jax.Array, y: jax.Array, matmul_dtype: str | None, f: Any
+    x: jax.Array,
+    w: jax.Array,
+    y: jax.Array,
+    matmul_dtype: str | None,
+    f: Any,
+    transposed: bool = False,
 ) -> jax.Array:
     """``logsumexp(z) - z[y]`` per token, ``z = x Wᵀ`` chunk by chunk: ``(C, chunk)``.
 
@@ -269,19 +280,25 @@ def _chunked_nll(
       ``logsumexp``; the backward pass recomputes each chunk's logits and
       accumulates ``dW`` in float32.
 
-    ``W`` is cast to the matmul dtype once, not once per chunk.
+    ``W`` is cast to the matmul dtype once, not once per chunk; ``transposed``: it is
+    given as ``Wᵀ (D, V)`` (`entrenar.nn.TiedEmbedding`'s head).
     """
-    return _chunked_nll_fwd_impl(x, w, y, matmul_dtype, f)[0]
+    return _chunked_nll_fwd_impl(x, w, y, matmul_dtype, f, transposed)[0]
 
 
 def _chunked_nll_fwd_impl(
-    x: jax.Array, w: jax.Array, y: jax.Array, matmul_dtype: str | None, f: Any
+    x: jax.Array,
+    w: jax.Array,
+    y: jax.Array,
+    matmul_dtype: str | None,
+    f: Any,
+    transposed: bool,
 ) -> tuple[jax.Array, jax.Array]:
     wl = w if matmul_dtype is None else w.astype(matmul_dtype)  # cast once
 
     def one(xy: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         xc, yc = xy
-        z = _head_logits(xc, wl, matmul_dtype, f)  # (chunk, V)
+        z = _head_logits(xc, wl, matmul_dtype, f, transposed)  # (chunk, V)
         lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
         return lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0], lse
 
@@ -290,12 +307,13 @@ def _chunked_nll_fwd_impl(
 
 
 def _chunked_nll_fwd(
-    x: Any, w: Any, y: Any, matmul_dtype: str | None, f: Any
+    x: Any, w: Any, y: Any, matmul_dtype: str | None, f: Any, transposed: bool
 ) -> tuple[jax.Array, Any]:
+    args = (x.value, w.value, y.value, matmul_dtype, f, transposed)
     if x.perturbed and not w.perturbed:  # W frozen: dx now, while z exists
-        nll, dx = _nll_and_dx(x.value, w.value, y.value, matmul_dtype, f)
+        nll, dx = _nll_and_dx(*args)
         return nll, (dx, None)
-    nll, lse = _chunked_nll_fwd_impl(x.value, w.value, y.value, matmul_dtype, f)
+    nll, lse = _chunked_nll_fwd_impl(*args)
     want_dw = jnp.zeros((0,)) if w.perturbed else None
     return nll, (None, (x.value, w.value, y.value, lse, want_dw))
 
@@ -307,7 +325,12 @@ def _softmax_minus_onehot(z: jax.Array, lse: jax.Array, y: jax.Array) -> jax.Arr
 
 
 def _nll_and_dx(
-    x: jax.Array, w: jax.Array, y: jax.Array, matmul_dtype: str | None, f: Any
+    x: jax.Array,
+    w: jax.Array,
+    y: jax.Array,
+    matmul_dtype: str | None,
+    f: Any,
+    transposed: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token NLL ``(C, chunk)`` and ``(softmax(z) - onehot(y)) W`` (C, chunk, D)."""
     wl = w if matmul_dtype is None else w.astype(matmul_dtype)  # cast once
@@ -315,17 +338,19 @@ def _nll_and_dx(
 
     def one(xy: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         xc, yc = xy
-        z = _head_logits(xc, wl, matmul_dtype, f)  # (chunk, V)
+        z = _head_logits(xc, wl, matmul_dtype, f, transposed)  # (chunk, V)
         lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
         nll = lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0]
         dz = _softmax_minus_onehot(z, lse, yc).astype(md)  # (chunk, V)
-        dx = jnp.einsum("cv,vi->ci", dz, wl, preferred_element_type=f)  # (chunk, D)
+        dx = jnp.einsum(f"cv,{_w(transposed)}->ci", dz, wl, preferred_element_type=f)
         return nll, dx
 
     return jax.lax.map(one, (x, y))
 
 
-def _chunked_nll_bwd(matmul_dtype: str | None, f: Any, res: Any, g: jax.Array) -> Any:
+def _chunked_nll_bwd(
+    matmul_dtype: str | None, f: Any, transposed: bool, res: Any, g: jax.Array
+) -> Any:
     dx, recompute = res
     if recompute is None:  # dx = g ⊙ ((softmax - onehot) W), from the forward pass
         y_ct = np.zeros(dx.shape[:2], jax.dtypes.float0)
@@ -336,13 +361,14 @@ def _chunked_nll_bwd(matmul_dtype: str | None, f: Any, res: Any, g: jax.Array) -
 
     def one(dw: Any, xs: tuple[jax.Array, ...]) -> tuple[Any, jax.Array]:
         xc, yc, lc, gc = xs
-        z = _head_logits(xc, wl, matmul_dtype, f)  # (chunk, V)
+        z = _head_logits(xc, wl, matmul_dtype, f, transposed)  # (chunk, V)
         dz = _softmax_minus_onehot(z, lc, yc) * gc[:, None].astype(f)
         dzl = dz.astype(md)
-        dx = jnp.einsum("cv,vi->ci", dzl, wl, preferred_element_type=f)  # (chunk, D)
+        ws = _w(transposed)
+        dx = jnp.einsum(f"cv,{ws}->ci", dzl, wl, preferred_element_type=f)  # (chunk, D)
         if dw is not None:
             dw = dw + jnp.einsum(
-                "cv,ci->vi", dzl, xc.astype(md), preferred_element_type=jnp.float32
+                f"cv,ci->{ws}", dzl, xc.astype(md), preferred_element_type=jnp.float32
             )
         return dw, dx.astype(x.dtype)
 
@@ -415,10 +441,15 @@ def chunked_causal_lm_loss(
     x = jnp.pad(x, ((0, pad), (0, 0))).reshape(chunks, chunk, d)  # (C, chunk, D)
     y = jnp.pad(jnp.where(valid, y, 0), (0, pad)).reshape(chunks, chunk)
     f = jnp.float64 if hidden.dtype == jnp.float64 else jnp.float32
+    transposed = False
     if isinstance(weight, Bfloat16Weight):
         weight = weight.value()  # (V, D) bfloat16, never differentiated
+    elif isinstance(weight, TiedEmbedding):  # the rounded head (D, V), or the table
+        transposed = matmul_dtype is not None
+        weight = weight.head_value() if transposed else weight.table
     if isinstance(weight, jax.Array | np.ndarray):
-        nll = _chunked_nll(x, jnp.asarray(weight), y, matmul_dtype, np.dtype(f))
+        w = jnp.asarray(weight)
+        nll = _chunked_nll(x, w, y, matmul_dtype, np.dtype(f), transposed)
         nll = nll.reshape(-1)[:n].reshape(b, t - 1)  # (B, T-1)
         return reduce_loss(nll, reduction, where=valid.reshape(b, t - 1))
 

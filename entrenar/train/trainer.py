@@ -42,11 +42,15 @@ def _compute_frozen(model: Any, frozen: Params) -> Params:
     A model whose weight matmuls are bfloat16 (``LlamaConfig.matmul_dtype``) rounds
     every frozen projection to bfloat16 at each step; rounding them once instead
     (`entrenar.nn.to_bfloat16_weights`) gives the same losses and gradients, skips
-    that work and halves those weights' memory (specs/models.md).
+    that work and halves those weights' memory (specs/models.md). A tied embedding
+    becomes a `entrenar.nn.TiedEmbedding`: float32 rows, bfloat16 head.
     """
     if frozen is None or getattr(model, "matmul_dtype", None) != "bfloat16":
         return frozen
-    return nn.to_bfloat16_weights(frozen)
+    tied = getattr(model, "tie_word_embeddings", False)
+    return nn.to_bfloat16_weights(
+        frozen, tied_embedding="model.embed_tokens.weight" if tied else None
+    )
 
 
 def _every(step: int, n: int | None) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from entrenar import lora, nn
-from entrenar.nn import Bfloat16Weight, linear, to_bfloat16_weights
+from entrenar.nn import Bfloat16Weight, TiedEmbedding, linear, to_bfloat16_weights
 
 TINY = nn.LlamaConfig(
     vocab_size=64,
@@ -146,3 +148,59 @@ def test_lora_fold_reads_a_bfloat16_base():
     want = base + node.scale * (node.b @ node.a)
     assert folded.dtype == jnp.bfloat16  # the base's dtype, as for any base
     np.testing.assert_allclose(np.asarray(folded, np.float32), want, rtol=1e-2)
+
+
+TIED = dataclasses.replace(TINY, vocab_size=96, tie_word_embeddings=True)
+
+
+def test_tied_embedding_gives_the_array_s_logits_loss_and_gradients():
+    """Rows read in float32, the head from the rounded, transposed copy: same numbers.
+
+    And the compiled step no longer rounds the (V, D) table at every step.
+    """
+    params = TIED.init(jax.random.key(0))
+    params = lora.apply(params, lora.LoRAConfig(rank=4, alpha=8), key=jax.random.key(1))
+    trainable, frozen = lora.split(params)
+    trainable = jax.tree_util.tree_map(lambda a: a + 0.01, trainable)
+    node_tree = to_bfloat16_weights(frozen, tied_embedding="model.embed_tokens.weight")
+    node = node_tree["model"]["embed_tokens"]["weight"]
+    assert isinstance(node, TiedEmbedding) and node.shape == (96, 64)
+    assert node.head_t.shape == (64, 96) and node.head_t.dtype == jnp.uint16
+    tokens = jnp.arange(24).reshape(2, 12) % TIED.vocab_size
+
+    def loss(t, f):
+        p = lora.combine(t, f)
+        return nn.losses.chunked_causal_lm_loss(
+            TIED.features(p, tokens), TIED.output_weight(p), tokens, chunk=8,
+            matmul_dtype="bfloat16",
+        )  # fmt: skip
+
+    step = jax.jit(jax.value_and_grad(loss))
+    (l0, g0), (l1, g1) = step(trainable, frozen), step(trainable, node_tree)
+    assert abs(float(l0) - float(l1)) < 1e-5
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    z0 = TIED.apply(lora.combine(trainable, frozen), tokens)
+    z1 = TIED.apply(lora.combine(trainable, node_tree), tokens)
+    np.testing.assert_allclose(z0, z1, rtol=1e-5, atol=1e-5)
+    hlo = step.lower(trainable, node_tree).compile().as_text()
+    rounding = [
+        line for line in hlo.splitlines()
+        if " convert(" in line and ("bf16[96,64]" in line or "bf16[64,96]" in line)
+    ]  # fmt: skip
+    assert not rounding  # the head's bits are read as they are
+    hlo0 = step.lower(trainable, frozen).compile().as_text()
+    assert [
+        line
+        for line in hlo0.splitlines()
+        if " convert(" in line and "bf16[96,64]" in line
+    ]  # fmt: skip  (the check can fail: the plain array is rounded at every step)
+    # float32 matmuls read the table itself (only the embedding converted here)
+    only_tied = to_bfloat16_weights(
+        frozen, lambda *_: False, tied_embedding="model.embed_tokens.weight"
+    )
+    f32 = dataclasses.replace(TIED, matmul_dtype=None)
+    np.testing.assert_array_equal(
+        f32.apply(lora.combine(trainable, only_tied), tokens),
+        f32.apply(lora.combine(trainable, frozen), tokens),
+    )

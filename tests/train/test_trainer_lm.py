@@ -85,10 +85,13 @@ def test_lora_trains_adapters_only_and_beats_the_base():
         np.testing.assert_array_equal(np.asarray(path_leaf), np.asarray(base_leaf))
 
 
-def test_bfloat16_matmuls_round_the_frozen_projections_once():
+@pytest.mark.parametrize("tied", [False, True])
+def test_bfloat16_matmuls_round_the_frozen_projections_once(tied):
     # matmul_dtype="bfloat16": the step reads the frozen projections as bfloat16 (the
     # same values it would round them to at every step); fit returns them as given
-    model = dataclasses.replace(MODEL, matmul_dtype="bfloat16")
+    model = dataclasses.replace(
+        MODEL, matmul_dtype="bfloat16", tie_word_embeddings=tied
+    )
     params = lora.apply(model.init(jax.random.key(0)),
                         lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "v_proj")),
                         key=jax.random.key(1))  # fmt: skip
@@ -103,7 +106,10 @@ def test_bfloat16_matmuls_round_the_frozen_projections_once():
     is_bf16 = lambda x: isinstance(x, nn.Bfloat16Weight)  # noqa: E731
     rounded = [x for x in jax.tree.leaves(t.state.frozen, is_leaf=is_bf16)
                if is_bf16(x)]  # fmt: skip
-    assert len(rounded) == 8  # q, k, v, o, gate, up, down (layer stacks), lm_head
+    # q, k, v, o, gate, up, down (layer stacks), and lm_head or the tied embedding
+    assert len(rounded) == 7 + (not tied)
+    embed = t.state.frozen["model"]["embed_tokens"]["weight"]
+    assert isinstance(embed, nn.TiedEmbedding) == tied
     r, r_ref = t.fit(loader()), ref.fit(loader())
     losses = [h["loss"] for h in r.history]
     np.testing.assert_allclose(losses, [h["loss"] for h in r_ref.history], rtol=1e-6)
