@@ -111,16 +111,18 @@ class TiedEmbedding:
     """A frozen embedding that is also the output head (tied), read two ways.
 
     Token lookups read ``table`` in float32, as they would the plain array; the head
-    ``x Wᵀ`` under bfloat16 matmuls reads ``head_t``, ``round_bf16(W)ᵀ`` kept once
-    (``uint16`` bits, ``(D, V)``) instead of a bfloat16 copy of the whole
-    ``(V, D)`` table made at every step. Stored transposed because XLA:CPU runs
-    ``dz · W`` over a 49,152-row ``W`` (the head's input gradient) at about 600
-    GFLOP/s from ``(V, D)`` and 1,000 from ``(D, V)``; the logits ``x · W`` run
-    alike from either (AMX, bfloat16 with float32 accumulation).
+    ``x Wᵀ`` under bfloat16 matmuls reads ``head_t = round_bf16(W)ᵀ`` ``(D, V)``,
+    kept once instead of a bfloat16 copy of the whole ``(V, D)`` table made at every
+    step. Stored transposed because XLA:CPU runs ``dz · W`` over a 49,152-row ``W``
+    (the head's input gradient) at about 600 GFLOP/s from ``(V, D)`` and 1,000 from
+    ``(D, V)``; the logits ``x · W`` run alike from either (AMX, bfloat16 with float32
+    accumulation). A plain bfloat16 array, unlike `Bfloat16Weight`'s bits: it is read
+    whole, never sliced in a loop, and XLA:CPU copies a ``uint16`` -> bfloat16
+    bitcast of it (57 MB for SmolLM2) at every step.
 
     Attributes:
         table: the embedding ``(V, D)``, float.
-        head_t: ``uint16`` ``(D, V)``, the bits of ``round_bf16(table)ᵀ``.
+        head_t: bfloat16 ``(D, V)``, ``round_bf16(table)ᵀ``.
     """
 
     table: Any
@@ -131,11 +133,11 @@ class TiedEmbedding:
         """Keep ``table`` and its rounded, transposed head."""
         table = jnp.asarray(table)
         head = jnp.asarray(table).T.astype(jnp.bfloat16)  # (D, V)
-        return cls(table, jax.lax.bitcast_convert_type(head, jnp.uint16))
+        return cls(table, head)
 
     def head_value(self) -> jax.Array:
         """``round_bf16(W)ᵀ`` ``(D, V)`` as a bfloat16 array."""
-        return jax.lax.bitcast_convert_type(jnp.asarray(self.head_t), jnp.bfloat16)
+        return jnp.asarray(self.head_t)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -165,7 +165,7 @@ def test_tied_embedding_gives_the_array_s_logits_loss_and_gradients():
     node_tree = to_bfloat16_weights(frozen, tied_embedding="model.embed_tokens.weight")
     node = node_tree["model"]["embed_tokens"]["weight"]
     assert isinstance(node, TiedEmbedding) and node.shape == (96, 64)
-    assert node.head_t.shape == (64, 96) and node.head_t.dtype == jnp.uint16
+    assert node.head_t.shape == (64, 96) and node.head_t.dtype == jnp.bfloat16
     tokens = jnp.arange(24).reshape(2, 12) % TIED.vocab_size
 
     def loss(t, f):
