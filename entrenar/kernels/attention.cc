@@ -138,21 +138,32 @@ struct HeadCopies {
 // kLanes; whole vectors are written, so out and m rows are padded past c1), for
 // nr <= kRows rows of a; a, m and out rows have strides as, ms and os. Each vector of
 // m is loaded once for the four rows. Both the scores (q Kᵀ: k over d, c over keys)
-// and the weighted sums (p V: k over keys, c over d) are this product.
+// and the weighted sums (p V: k over keys, c over d) are this product. Columns go
+// `kCols` vectors at a time: 4 rows x 2 vectors = 8 independent accumulators, what
+// two FMA units with a 4-cycle latency need to stay busy (4 leave half idle).
+template <int kCols>
+void RowsTimesCols(const float* a, int64_t as, int nr, const float* m, int64_t ms,
+                   int64_t k0, int64_t k1, int64_t c, float* out, int64_t os) {
+  constexpr int kW = kCols * kLanes;
+  float acc[kRows][kW] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* mk = m + k * ms + c;
+    for (int r = 0; r < kRows; ++r) {
+      const float x = r < nr ? a[r * as + k] : 0.0f;
+#pragma omp simd
+      for (int l = 0; l < kW; ++l) acc[r][l] += x * mk[l];
+    }
+  }
+  for (int r = 0; r < nr; ++r) std::memcpy(out + r * os + c, acc[r], sizeof acc[r]);
+}
+
 void RowsTimes(const float* a, int64_t as, int nr, const float* m, int64_t ms,
                int64_t k0, int64_t k1, int64_t c0, int64_t c1, float* out, int64_t os) {
-  for (int64_t c = c0; c < c1; c += kLanes) {
-    float acc[kRows][kLanes] = {};
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* mk = m + k * ms + c;
-      for (int r = 0; r < kRows; ++r) {
-        const float x = r < nr ? a[r * as + k] : 0.0f;
-#pragma omp simd
-        for (int l = 0; l < kLanes; ++l) acc[r][l] += x * mk[l];
-      }
-    }
-    for (int r = 0; r < nr; ++r) std::memcpy(out + r * os + c, acc[r], sizeof acc[r]);
+  int64_t c = c0;
+  for (; c + 2 * kLanes <= c1; c += 2 * kLanes) {
+    RowsTimesCols<2>(a, as, nr, m, ms, k0, k1, c, out, os);
   }
+  for (; c < c1; c += kLanes) RowsTimesCols<1>(a, as, nr, m, ms, k0, k1, c, out, os);
 }
 
 // acc[s][:] += Σ_r w[r][s] x[r][:] for s in [lo, hi), nr <= kRows rows; x (kRows, np)
