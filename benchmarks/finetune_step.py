@@ -21,7 +21,10 @@ One run measures, each in its own process (so each peak resident set is its own)
   model's MLP shape and at 2048^3, to express each step's achieved FLOP/s as a
   fraction of it (FLOPs counted: forward, plus the backward the adapters need: the
   input gradients of every matmul and of attention, and the adapters' own gradients;
-  no weight gradients of frozen matrices; recomputation is not counted).
+  no weight gradients of frozen matrices; recomputation is not counted);
+- the bfloat16 step's matmul floor (`worker_floor`): its matmuls timed alone at
+  their own shapes and summed, and the fraction of the rate a step that did nothing
+  else would reach.
 
 Step times are medians over ``--steps`` timed steps after two warm-up steps (the
 peer's protocol); entrenar's compile time (lower + compile) is reported apart. Peak
@@ -125,6 +128,78 @@ def worker_rate(dtype: str) -> dict[str, Any]:
         out[name] = round(2 * m * k * n / best / 1e9, 1)
     out["gflops"] = max(out.values())
     return out
+
+
+def worker_floor(a: argparse.Namespace) -> dict[str, Any]:
+    """Seconds the bfloat16 LoRA step's matmuls take alone: the step's floor.
+
+    Each of the step's XLA matmuls (bfloat16 inputs, float32 output, in the layout
+    the step uses) is timed in isolation and summed with its count: per layer the
+    seven projections forward (``x Wᵀ``), their input gradients (``g W``) and, under
+    a ``dots*`` remat policy, gate and up again (recomputed); the head a chunk at a
+    time (logits ``x Wᵀ`` and ``dz W`` from the transposed head
+    `nn.TiedEmbedding` keeps). Attention (a native kernel) and the rank-8 adapter
+    products are not in it. A step can be no faster than this, so
+    ``flops / floor / rate`` is the best fraction of the matmul rate it can reach.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    d, i, v, h, kv, hd = 576, 1536, 49152, 9, 3, 64
+    n = a.batch * a.seq
+    tokens = a.batch * (a.seq - 1)
+    chunks = -(-tokens // a.chunk)
+    c = -(-tokens // chunks)  # balanced chunks, as chunked_causal_lm_loss makes them
+    nt = (((1,), (1,)), ((), ()))  # a (m, k) . b (n, k)
+    nn_ = (((1,), (0,)), ((), ()))  # a (m, k) . b (k, n)
+    seen: dict[tuple[int, int, int, bool], float] = {}
+
+    def secs(m: int, k: int, cols: int, transposed_b: bool) -> float:
+        key = (m, k, cols, transposed_b)
+        if key not in seen:
+            x = jnp.ones((m, k), jnp.bfloat16)
+            w = jnp.ones((cols, k) if transposed_b else (k, cols), jnp.bfloat16)
+            dims = nt if transposed_b else nn_
+            f = jax.jit(
+                lambda x, w, dims=dims: jax.lax.dot_general(
+                    x, w, dims, preferred_element_type=jnp.float32
+                )
+            )
+            f(x, w).block_until_ready()
+            reps = max(3, int(5e9 // (2 * m * k * cols)))
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    r = f(x, w)
+                r.block_until_ready()
+                best = min(best, (time.perf_counter() - t0) / reps)
+            seen[key] = best
+        return seen[key]
+
+    proj = [
+        (h * hd, d),
+        (kv * hd, d),
+        (kv * hd, d),
+        (d, h * hd),
+        (i, d),
+        (i, d),
+        (d, i),
+    ]
+    fwd = sum(secs(n, fan_in, out, True) for out, fan_in in proj)
+    bwd = sum(secs(n, out, fan_in, False) for out, fan_in in proj)
+    remat = 2 * secs(n, d, i, True) if a.remat_policy.startswith("dots") else 0.0
+    head = chunks * (secs(c, d, v, False) + secs(c, v, d, True))
+    parts = {
+        "layers_forward": a.layers * fwd,
+        "layers_input_gradients": a.layers * bwd,
+        "layers_recomputed": a.layers * remat,
+        "head": head,
+    }
+    return {
+        "floor_s": round(sum(parts.values()), 4),
+        "parts_s": {k: round(x, 4) for k, x in parts.items()},
+    }
 
 
 def worker_entrenar(a: argparse.Namespace) -> dict[str, Any]:
@@ -275,7 +350,9 @@ def main() -> None:
         default="",
         help="comma-separated entrenar cases (default: all but entrenar_qlora_f32)",
     )
-    ap.add_argument("--worker", choices=["rate", "entrenar"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--worker", choices=["rate", "floor", "entrenar"], help=argparse.SUPPRESS
+    )
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="lora", help=argparse.SUPPRESS)
     ap.add_argument("--matmul-dtype", default="none", help=argparse.SUPPRESS)
@@ -284,6 +361,9 @@ def main() -> None:
 
     if a.worker == "rate":
         print(json.dumps(worker_rate(a.dtype)))
+        return
+    if a.worker == "floor":
+        print(json.dumps(worker_floor(a)))
         return
     if a.worker == "entrenar":
         print(json.dumps(worker_entrenar(a)))
@@ -334,6 +414,13 @@ def main() -> None:
         rates[dt], _ = run_child([*me, "--worker", "rate", "--dtype", dt])
         print(f"matmul rate {dt}: {rates[dt]}", file=log, flush=True)
     result["matmul_rate_gflops"] = rates
+    floor, _ = run_child([*me, "--worker", "floor", *common])
+    bf16 = rates["bfloat16"]["gflops"]
+    floor["best_fraction_of_bf16_rate"] = round(
+        flops["total"] / floor["floor_s"] / 1e9 / bf16, 3
+    )
+    result["bf16_matmul_floor"] = floor
+    print(f"bfloat16 matmul floor: {floor}", file=log, flush=True)
     runs: dict[str, Any] = {}
     wanted = {c for c in a.cases.split(",") if c}
     if a.only in ("all", "entrenar"):
