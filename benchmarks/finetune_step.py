@@ -9,11 +9,13 @@ One run measures, each in its own process (so each peak resident set is its own)
   `optim.adamw`, one jitted step with donated buffers; in float32 and with
   ``LlamaConfig(matmul_dtype="bfloat16")`` (bfloat16 matmul inputs, float32
   accumulation, float32 everything else), and that with the frozen projections
-  rounded to bfloat16 once (`nn.to_bfloat16_weights`, case
+  rounded to bfloat16 once (`nn.to_bfloat16_weights`, with the tied embedding's head
+  as `nn.TiedEmbedding`: what the Trainer does; case
   ``entrenar_lora_bf16_frozen_bf16``) instead of at every step;
 - entrenar QLoRA: every projection of the layers NF4 with double quantization
   (`quant.quantize_params`), the same adapters on top, bfloat16 matmuls (float32
-  with ``--cases entrenar_qlora_f32``);
+  with ``--cases entrenar_qlora_f32``), and that with the head rounded once
+  (``entrenar_qlora_bf16_frozen_bf16``);
 - the peer, ``../shared/bench/peers/torch_llama_lora.py`` (transformers + PEFT +
   torch.optim.AdamW, same shape, rank, targets), in float32 and with ``--bf16``
   (``torch.autocast("cpu", bfloat16)``);
@@ -62,6 +64,11 @@ ENTRENAR_CASES: list[tuple[str, list[str]]] = [
     (
         "entrenar_lora_bf16_frozen_bf16",
         ["--variant", "lora", "--matmul-dtype", "bfloat16", "--frozen-bf16"],
+    ),
+    # what the Trainer runs for QLoRA: the tied embedding's head rounded once too
+    (
+        "entrenar_qlora_bf16_frozen_bf16",
+        ["--variant", "qlora", "--matmul-dtype", "bfloat16", "--frozen-bf16"],
     ),
 ]
 OPTIONAL_CASES: list[tuple[str, list[str]]] = [
@@ -468,12 +475,13 @@ def main() -> None:
                 for k, v in runs.items()
                 if k.startswith("entrenar")
             }
-    lora = runs.get("entrenar_lora_bf16")
-    qlora = runs.get("entrenar_qlora_bf16")
-    if lora and qlora:
-        result["qlora_over_lora_bf16"] = round(
-            qlora["step_s_median"] / lora["step_s_median"], 3
-        )
+    for suffix in ("", "_frozen_bf16"):
+        lora = runs.get(f"entrenar_lora_bf16{suffix}")
+        qlora = runs.get(f"entrenar_qlora_bf16{suffix}")
+        if lora and qlora:
+            result[f"qlora_over_lora_bf16{suffix}"] = round(
+                qlora["step_s_median"] / lora["step_s_median"], 3
+            )
     result["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result, indent=1))
 
