@@ -196,15 +196,15 @@ class Trainer:
             params, optimizer, key=jax.random.key(cfg.seed), trainable=trainable
         )
         self.mesh = distributed.resolve_mesh(mesh if mesh is not None else cfg.mesh)
-        # The tree `fit` returns keeps the frozen half as given; the step may read a
-        # bfloat16 copy of it (see `_compute_frozen`).
+        if self.mesh is not None:  # params and optimizer state placed by the rules
+            self.state = distributed.shard_state(self.state, self.mesh, sharding_rules)
+        # On one device the step may read a bfloat16 copy of the frozen half (see
+        # `_compute_frozen`); the tree `fit` returns keeps the half as given.
         self._frozen_given: Params = self.state.frozen
         if self.mesh is None:
             self.state = self.state._replace(
                 frozen=_compute_frozen(self.model, self.state.frozen)
             )
-        if self.mesh is not None:  # params and optimizer state placed by the rules
-            self.state = distributed.shard_state(self.state, self.mesh, sharding_rules)
         self._step_fn = make_train_step(
             self.loss_fn, optimizer, grad_accum=cfg.grad_accum, clip=cfg.grad_clip,
             skip_nonfinite=True, mesh=self.mesh, rules=sharding_rules,
