@@ -370,7 +370,8 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
           float dd = 0.0f;
           for (int64_t j = 0; j < sh.dv; ++j) dd += dorows[r * dvp + j] * orow[j];
           if (ranges[t0 + r].none()) {  // uniform; the scores get no gradient
-            const float u = 1.0f / static_cast<float>(sh.s);
+            const float u0 = 1.0f / static_cast<float>(sh.s);
+            const float u = round ? RoundBf16(u0) : u0;  // the forward's p
             for (int64_t s = blk.lo; s < blk.hi; ++s) pr[s] = u, dsr[s] = 0.0f;
             continue;
           }

@@ -156,6 +156,23 @@ def test_native_attention_with_bfloat16_products_matches_the_jax_path(case):
         np.testing.assert_allclose(a / scale_g, b / scale_g, atol=2e-2)
 
 
+@pytest.mark.parametrize(
+    "md, p", [(None, 1 / 6), ("bfloat16", float(jnp.bfloat16(1 / 6)))]
+)
+def test_a_query_with_no_allowed_key_gives_dv_from_the_forward_s_weights(md, p):
+    # such a query attends uniformly to all S keys; with bfloat16 products the forward
+    # multiplies V by bf16(1/S), so dv = bf16(1/S) Σ_t do[t] (1/6 is not a bfloat16)
+    q, k, v, _, w = _inputs(5, 1, 3, 6, 2, 1, 8, 8, None)
+    mask = jnp.zeros((3, 6), bool)
+
+    def loss(v):
+        return jnp.sum(dot_product_attention(q, k, v, mask, matmul_dtype=md) * w)
+
+    dv = jax.grad(loss)(v)  # (1, S, 1, d)
+    want = p * np.sum(w, axis=(1, 2))  # (1, d): every key gets the same
+    np.testing.assert_allclose(dv[0, :, 0], np.repeat(want, 6, 0), rtol=1e-6)
+
+
 def test_native_attention_under_vmap():
     q, k, v, mask, _ = _inputs(4, 3, 5, 5, 2, 1, 8, 8, "causal")
     got = jax.vmap(lambda q, k, v: dot_product_attention(q, k, v, mask))(
