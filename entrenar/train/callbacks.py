@@ -1,8 +1,9 @@
 """Callbacks: hooks the Trainer calls at fixed points of a run.
 
 Subclass `Callback` and override what you need; every method receives the Trainer
-(read ``trainer.state``, ``trainer.step``, set ``trainer.should_stop = True`` to end
-the run after the current step). ``on_step`` gets the step's metrics as device arrays
+(read ``trainer.params``, the whole tree to save or evaluate, ``trainer.state``,
+``trainer.step``; set ``trainer.should_stop = True`` to end the run after the current
+step). ``on_step`` gets the step's metrics as device arrays
 (converting them to floats waits for the step to finish, so keep it cheap).
 """
 

@@ -29,7 +29,7 @@ from entrenar.train.checkpoint import Checkpointer, resolve_resume
 from entrenar.train.config import TrainConfig
 from entrenar.train.metrics import MetricsWriter, Progress
 from entrenar.train.model_loss import loss_for_model, with_compute_dtype
-from entrenar.train.state import Trainable, TrainState
+from entrenar.train.state import Trainable, TrainState, combine
 from entrenar.train.step import make_eval_step, make_train_step
 from entrenar.types import Params
 
@@ -224,6 +224,16 @@ class Trainer:
         self._t_log = time.perf_counter()
         self._checkpointer: Checkpointer | None = None
         self._writer: MetricsWriter | None = None
+
+    @property
+    def params(self) -> Params:
+        """The whole tree now: the trained half and the frozen half as given.
+
+        ``trainer.state.frozen`` may hold the step's bfloat16 copy of the frozen
+        weights (`nn.Bfloat16Weight`, `nn.TiedEmbedding`); this tree never does,
+        so it can be saved, merged or exported as it is.
+        """
+        return combine(self.state.trainable, self._frozen_given)
 
     @property
     def step(self) -> int:

@@ -116,6 +116,10 @@ def test_bfloat16_matmuls_round_the_frozen_projections_once(tied):
     for a, b in zip(jax.tree.leaves(r.state.trainable),
                     jax.tree.leaves(r_ref.state.trainable)):  # fmt: skip
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert all(  # trainer.params: the trained half with the frozen half as given
+        a is b for a, b in zip(jax.tree.leaves(lora.split(t.params)[1]),
+                               jax.tree.leaves(base))
+    )  # fmt: skip
     for a, b in zip(jax.tree.leaves(lora.split(r.params)[1]), jax.tree.leaves(base)):
         assert a.dtype == np.float32
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
