@@ -182,8 +182,28 @@ def _lora_matmul(
     if w.dropout > 0.0 and w.dropout_key is not None:
         x = dropout(x, w.dropout, key=jax.random.wrap_key_data(w.dropout_key))
     h = jnp.einsum("...i,ri->...r", x, jnp.asarray(w.a).astype(x.dtype))  # (..., r)
-    delta = jnp.einsum("...r,or->...o", h, jnp.asarray(w.b).astype(x.dtype))
+    delta = _times_bt(h, jnp.asarray(w.b).astype(x.dtype))
     return y + (w.scale * delta).astype(y.dtype)  # (..., out)
+
+
+@jax.custom_vjp
+def _times_bt(h: jax.Array, b: jax.Array) -> jax.Array:
+    """``h Bᵀ`` for ``h: (..., r)``, ``B: (out, r)``."""
+    return jnp.einsum("...r,or->...o", h, b)
+
+
+def _times_bt_fwd(h: jax.Array, b: jax.Array) -> Any:
+    return _times_bt(h, b), (h, b)
+
+
+def _times_bt_bwd(res: Any, g: jax.Array) -> Any:
+    h, b = res
+    dh = jnp.einsum("...o,or->...r", g, b)
+    dbt = jnp.einsum("...r,...o->ro", h, g)  # (r, out): h transposed, not g
+    return dh, jax.lax.optimization_barrier(dbt).T
+
+
+_times_bt.defvjp(_times_bt_fwd, _times_bt_bwd)
 
 
 __all__ = ["LoRAWeight"]
