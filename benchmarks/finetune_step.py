@@ -107,6 +107,19 @@ def _rss_self_mib(field: str) -> float:
     return float("nan")
 
 
+def _best_seconds(f: Any, args: tuple[Any, ...], reps: int) -> float:
+    """Seconds per call of ``f(*args)``: the best of 5 rounds of ``reps`` calls."""
+    f(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            r = f(*args)
+        r.block_until_ready()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
 def worker_rate(dtype: str) -> dict[str, Any]:
     """GFLOP/s of ``jnp.dot`` at the model's MLP shape and at 2048^3."""
     import jax
@@ -123,15 +136,7 @@ def worker_rate(dtype: str) -> dict[str, Any]:
         else:
             a, b = jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16)
             f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-        f(a, b).block_until_ready()
-        reps = max(1, int(2e10 // (2 * m * k * n)))
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                r = f(a, b)
-            r.block_until_ready()
-            best = min(best, (time.perf_counter() - t0) / reps)
+        best = _best_seconds(f, (a, b), max(1, int(2e10 // (2 * m * k * n))))
         out[name] = round(2 * m * k * n / best / 1e9, 1)
     out["gflops"] = max(out.values())
     return out
@@ -172,16 +177,8 @@ def worker_floor(a: argparse.Namespace) -> dict[str, Any]:
                     x, w, dims, preferred_element_type=jnp.float32
                 )
             )
-            f(x, w).block_until_ready()
             reps = max(3, int(5e9 // (2 * m * k * cols)))
-            best = float("inf")
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    r = f(x, w)
-                r.block_until_ready()
-                best = min(best, (time.perf_counter() - t0) / reps)
-            seen[key] = best
+            seen[key] = _best_seconds(f, (x, w), reps)
         return seen[key]
 
     proj = [

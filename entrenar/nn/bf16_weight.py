@@ -132,7 +132,7 @@ class TiedEmbedding:
     def from_array(cls, table: Any) -> TiedEmbedding:
         """Keep ``table`` and its rounded, transposed head."""
         table = jnp.asarray(table)
-        head = jnp.asarray(table).T.astype(jnp.bfloat16)  # (D, V)
+        head = table.T.astype(jnp.bfloat16)  # (D, V)
         return cls(table, head)
 
     def head_value(self) -> jax.Array:

@@ -293,17 +293,28 @@ def _chunked_nll_fwd_impl(
     matmul_dtype: str | None,
     f: Any,
     transposed: bool,
+    with_dx: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
+    """Per-token NLL and ``logsumexp``, each ``(C, chunk)``.
+
+    With ``with_dx``, ``(softmax(z) - onehot(y)) W`` ``(C, chunk, D)`` replaces the
+    ``logsumexp``.
+    """
     wl = w if matmul_dtype is None else w.astype(matmul_dtype)  # cast once
+    md = x.dtype if matmul_dtype is None else wl.dtype
 
     def one(xy: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         xc, yc = xy
         z = _head_logits(xc, wl, matmul_dtype, f, transposed)  # (chunk, V)
         lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
-        return lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0], lse
+        nll = lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0]
+        if not with_dx:
+            return nll, lse
+        dz = _softmax_minus_onehot(z, lse, yc).astype(md)  # (chunk, V)
+        dx = jnp.einsum(f"cv,{_w(transposed)}->ci", dz, wl, preferred_element_type=f)
+        return nll, dx
 
-    nll, lse = jax.lax.map(one, (x, y))  # (C, chunk) each
-    return nll, lse
+    return jax.lax.map(one, (x, y))
 
 
 def _chunked_nll_fwd(
@@ -311,7 +322,7 @@ def _chunked_nll_fwd(
 ) -> tuple[jax.Array, Any]:
     args = (x.value, w.value, y.value, matmul_dtype, f, transposed)
     if x.perturbed and not w.perturbed:  # W frozen: dx now, while z exists
-        nll, dx = _nll_and_dx(*args)
+        nll, dx = _chunked_nll_fwd_impl(*args, with_dx=True)
         return nll, (dx, None)
     nll, lse = _chunked_nll_fwd_impl(*args)
     want_dw = jnp.zeros((0,)) if w.perturbed else None
@@ -322,30 +333,6 @@ def _softmax_minus_onehot(z: jax.Array, lse: jax.Array, y: jax.Array) -> jax.Arr
     """``softmax(z) - onehot(y)`` for logits ``z: (chunk, V)``, ``lse: (chunk,)``."""
     hit = jnp.arange(z.shape[-1])[None, :] == y[:, None]  # (chunk, V)
     return jnp.exp(z - lse[:, None]) - hit.astype(z.dtype)
-
-
-def _nll_and_dx(
-    x: jax.Array,
-    w: jax.Array,
-    y: jax.Array,
-    matmul_dtype: str | None,
-    f: Any,
-    transposed: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """Per-token NLL ``(C, chunk)`` and ``(softmax(z) - onehot(y)) W`` (C, chunk, D)."""
-    wl = w if matmul_dtype is None else w.astype(matmul_dtype)  # cast once
-    md = x.dtype if matmul_dtype is None else wl.dtype
-
-    def one(xy: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        xc, yc = xy
-        z = _head_logits(xc, wl, matmul_dtype, f, transposed)  # (chunk, V)
-        lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
-        nll = lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0]
-        dz = _softmax_minus_onehot(z, lse, yc).astype(md)  # (chunk, V)
-        dx = jnp.einsum(f"cv,{_w(transposed)}->ci", dz, wl, preferred_element_type=f)
-        return nll, dx
-
-    return jax.lax.map(one, (x, y))
 
 
 def _chunked_nll_bwd(
