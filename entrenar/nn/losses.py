@@ -26,6 +26,7 @@ import numpy as np
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.bf16_weight import Bfloat16Weight, TiedEmbedding
 from entrenar.nn.linear import linear
+from entrenar.nn.softmax_xent import softmax_minus_onehot, softmax_xent
 
 Reduction = Literal["mean", "sum", "none"]
 IGNORE_INDEX = -100
@@ -306,11 +307,10 @@ def _chunked_nll_fwd_impl(
     def one(xy: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         xc, yc = xy
         z = _head_logits(xc, wl, matmul_dtype, f, transposed)  # (chunk, V)
-        lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
-        nll = lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0]
         if not with_dx:
-            return nll, lse
-        dz = _softmax_minus_onehot(z, lse, yc).astype(md)  # (chunk, V)
+            lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
+            return lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0], lse
+        nll, _, dz = softmax_xent(z, yc, md)  # dz: (chunk, V), one pass (native)
         dx = jnp.einsum(f"cv,{_w(transposed)}->ci", dz, wl, preferred_element_type=f)
         return nll, dx
 
@@ -329,12 +329,6 @@ def _chunked_nll_fwd(
     return nll, (None, (x.value, w.value, y.value, lse, want_dw))
 
 
-def _softmax_minus_onehot(z: jax.Array, lse: jax.Array, y: jax.Array) -> jax.Array:
-    """``softmax(z) - onehot(y)`` for logits ``z: (chunk, V)``, ``lse: (chunk,)``."""
-    hit = jnp.arange(z.shape[-1])[None, :] == y[:, None]  # (chunk, V)
-    return jnp.exp(z - lse[:, None]) - hit.astype(z.dtype)
-
-
 def _chunked_nll_bwd(
     matmul_dtype: str | None, f: Any, transposed: bool, res: Any, g: jax.Array
 ) -> Any:
@@ -349,7 +343,7 @@ def _chunked_nll_bwd(
     def one(dw: Any, xs: tuple[jax.Array, ...]) -> tuple[Any, jax.Array]:
         xc, yc, lc, gc = xs
         z = _head_logits(xc, wl, matmul_dtype, f, transposed)  # (chunk, V)
-        dz = _softmax_minus_onehot(z, lc, yc) * gc[:, None].astype(f)
+        dz = softmax_minus_onehot(z, lc, yc) * gc[:, None].astype(f)
         dzl = dz.astype(md)
         ws = _w(transposed)
         dx = jnp.einsum(f"cv,{ws}->ci", dzl, wl, preferred_element_type=f)  # (chunk, D)
