@@ -43,7 +43,10 @@ KERNELS: dict[str, tuple[str, dict[str, str]]] = {
             "entrenar_attention_bwd": "EntrenarAttentionBackward",
         },
     ),
-    "softmax_xent": ("softmax_xent.cc", {"entrenar_softmax_xent": "EntrenarSoftmaxXent"}),
+    "softmax_xent": (
+        "softmax_xent.cc",
+        {"entrenar_softmax_xent": "EntrenarSoftmaxXent"},
+    ),
     "nf4_matmul": ("nf4_matmul.cc", {"entrenar_nf4_matmul": "EntrenarNf4Matmul"}),
     "nf4_dequantize": (
         "nf4_dequantize.cc",

@@ -47,7 +47,8 @@ def softmax_xent(
             jax.ShapeDtypeStruct(z.shape, jnp.bfloat16),
         )
         call = jax.ffi.ffi_call("entrenar_softmax_xent", out, vmap_method="sequential")
-        return call(z, y.astype(jnp.int32))
+        nll, lse, dz = call(z, y.astype(jnp.int32))
+        return nll, lse, dz
     lse = jax.nn.logsumexp(z, axis=-1)  # (N,)
     inside = (y >= 0) & (y < z.shape[-1])  # (N,)
     zy = jnp.take_along_axis(z, jnp.where(inside, y, 0)[:, None], axis=-1)[:, 0]

@@ -92,6 +92,7 @@ def test_jax_path_matches_float64():
     nll, lse, dz = sx.softmax_xent(jnp.asarray(z), jnp.asarray(y), jnp.float32)
     ref_nll, ref_lse, ref_dz = _reference(z, y)
     np.testing.assert_allclose(nll, ref_nll, rtol=2e-6, atol=5e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-6, atol=5e-6)
     np.testing.assert_allclose(dz, ref_dz, rtol=1e-5, atol=1e-7)
 
 
