@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "fastmath.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -40,41 +41,8 @@ constexpr int kLanes = 16;  // floats per vector step (one AVX-512 register)
 
 int64_t RoundUp(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// exp(x) to within 1e-7 relative (Cephes' expf polynomial), 0 below -87.3. Written
-// so GCC and Clang vectorize the loops that call it: the rounding to an integer is
-// the 1.5 * 2^23 trick (std::floor vectorizes only under -fno-trapping-math), the
-// clamps are selects (std::min/max return references), the bit casts are memcpy.
-inline float Exp(float x) {
-  float xc = x < -87.3f ? -87.3f : x;
-  xc = xc > 88.3f ? 88.3f : xc;
-  const float t = xc * 1.44269504088896341f + 12582912.0f;  // n + 1.5 * 2^23
-  const float n = t - 12582912.0f;                           // round(x / ln 2)
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;  // exp(r), |r| <= ln 2 / 2
-  int32_t yi, ti;
-  std::memcpy(&yi, &y, 4);
-  std::memcpy(&ti, &t, 4);
-  const int32_t bits = yi + ((ti - 0x4B400000) << 23);  // y · 2^n
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return x < -87.3f ? 0.0f : out;
-}
-
-// x rounded to the nearest bfloat16 (ties to even), kept in a float.
-inline float RoundBf16(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-  float out;
-  std::memcpy(&out, &b, 4);
-  return out;
-}
+using entrenar::Exp;
+using entrenar::RoundBf16;
 
 void RoundAll(float* x, int64_t n) {
 #pragma omp simd

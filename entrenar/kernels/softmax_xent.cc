@@ -19,6 +19,7 @@
 #include <limits>
 #include <vector>
 
+#include "fastmath.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -28,36 +29,11 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 8;
 
-// exp(x) to within 1e-7 relative (Cephes' expf polynomial), 0 below -87.3; as in
-// attention.cc, written so that the loops calling it vectorize.
-inline float Exp(float x) {
-  float xc = x < -87.3f ? -87.3f : x;
-  xc = xc > 88.3f ? 88.3f : xc;
-  const float t = xc * 1.44269504088896341f + 12582912.0f;  // n + 1.5 * 2^23
-  const float n = t - 12582912.0f;                           // round(x / ln 2)
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;  // exp(r), |r| <= ln 2 / 2
-  int32_t yi, ti;
-  std::memcpy(&yi, &y, 4);
-  std::memcpy(&ti, &t, 4);
-  const int32_t bits = yi + ((ti - 0x4B400000) << 23);  // y · 2^n
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return x < -87.3f ? 0.0f : out;
-}
+using entrenar::Exp;
 
-// The bfloat16 bits of x, rounded to nearest with ties to even; NaN stays NaN.
+// The bfloat16 bits of x (nearest, ties to even); NaN stays NaN.
 inline uint16_t Bf16Bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
+  return x != x ? uint16_t{0x7FC0} : entrenar::Bf16Bits(x);
 }
 
 // One row: returns lse, fills dz (V bfloat16 bits); e is a V-float scratch row.
