@@ -104,25 +104,31 @@ struct HeadCopies {
 
 // out[r][c] = Σ_{k in [k0, k1)} a[r][k] m[k][c] for c in [c0, c1) (c0 a multiple of
 // kLanes; whole vectors are written, so out and m rows are padded past c1), for
-// nr <= kRows rows of a; a, m and out rows have strides as, ms and os. Each vector of
-// m is loaded once for the four rows. Both the scores (q Kᵀ: k over d, c over keys)
-// and the weighted sums (p V: k over keys, c over d) are this product. Columns go
-// `kCols` vectors at a time: 4 rows x 2 vectors = 8 independent accumulators, what
-// two FMA units with a 4-cycle latency need to stay busy (4 leave half idle).
+// nr <= kRows rows of a; a, m and out rows have strides as, ms and os. `a` always has
+// kRows rows in memory (the rows past nr are computed and dropped: no branch in the
+// loop). Each vector of m is loaded once for the four rows. Both the scores (q Kᵀ: k
+// over d, c over keys) and the weighted sums (p V: k over keys, c over d) are this
+// product. Columns go `kCols` vectors at a time: 4 rows x 2 vectors = 8 independent
+// accumulators, what two FMA units with a 4-cycle latency need to stay busy.
 template <int kCols>
-void RowsTimesCols(const float* a, int64_t as, int nr, const float* m, int64_t ms,
-                   int64_t k0, int64_t k1, int64_t c, float* out, int64_t os) {
+void RowsTimesCols(const float* __restrict__ a, int64_t as, int nr,
+                   const float* __restrict__ m, int64_t ms, int64_t k0, int64_t k1,
+                   int64_t c, float* __restrict__ out, int64_t os) {
   constexpr int kW = kCols * kLanes;
   float acc[kRows][kW] = {};
   for (int64_t k = k0; k < k1; ++k) {
     const float* mk = m + k * ms + c;
     for (int r = 0; r < kRows; ++r) {
-      const float x = r < nr ? a[r * as + k] : 0.0f;
+      const float x = a[r * as + k];
 #pragma omp simd
       for (int l = 0; l < kW; ++l) acc[r][l] += x * mk[l];
     }
   }
-  for (int r = 0; r < nr; ++r) std::memcpy(out + r * os + c, acc[r], sizeof acc[r]);
+  for (int r = 0; r < nr; ++r) {
+    float* o = out + r * os + c;
+#pragma omp simd
+    for (int l = 0; l < kW; ++l) o[l] = acc[r][l];
+  }
 }
 
 void RowsTimes(const float* a, int64_t as, int nr, const float* m, int64_t ms,
@@ -135,23 +141,30 @@ void RowsTimes(const float* a, int64_t as, int nr, const float* m, int64_t ms,
 }
 
 // acc[s][:] += Σ_r w[r][s] x[r][:] for s in [lo, hi), nr <= kRows rows; x (kRows, np)
-// and acc (S, np) with np a multiple of kLanes; w rows have stride sp.
-void RankUpdate(const float* w, int64_t sp, int nr, const float* x, int64_t np,
-                int64_t lo, int64_t hi, float* acc) {
+// and acc (S, np) with np a multiple of kLanes; w rows have stride sp. The sums are
+// written straight into acc (a copy through a stack vector made the compiler store
+// 64 bytes and reload them as two halves: a store-forwarding stall per vector).
+template <int64_t kNp>  // kNp = np when it is known at compile time, else 0
+void RankUpdateN(const float* __restrict__ w, int64_t sp, int nr,
+                 const float* __restrict__ x, int64_t np_rt, int64_t lo, int64_t hi,
+                 float* __restrict__ acc) {
+  const int64_t np = kNp ? kNp : np_rt;
+  const float *x0 = x, *x1 = x + np, *x2 = x + 2 * np, *x3 = x + 3 * np;
   for (int64_t s = lo; s < hi; ++s) {
     float ws[kRows];
     for (int r = 0; r < kRows; ++r) ws[r] = r < nr ? w[r * sp + s] : 0.0f;
-    float* a = acc + s * np;
-    for (int64_t c0 = 0; c0 < np; c0 += kLanes) {
-      float v[kLanes];
+    float* __restrict__ a = acc + s * np;
 #pragma omp simd
-      for (int l = 0; l < kLanes; ++l) {
-        v[l] = a[c0 + l] + ws[0] * x[c0 + l] + ws[1] * x[np + c0 + l] +
-               ws[2] * x[2 * np + c0 + l] + ws[3] * x[3 * np + c0 + l];
-      }
-      std::memcpy(a + c0, v, sizeof v);
+    for (int64_t c = 0; c < np; ++c) {
+      a[c] += ws[0] * x0[c] + ws[1] * x1[c] + ws[2] * x2[c] + ws[3] * x3[c];
     }
   }
+}
+
+void RankUpdate(const float* w, int64_t sp, int nr, const float* x, int64_t np,
+                int64_t lo, int64_t hi, float* acc) {
+  if (np == 64) return RankUpdateN<64>(w, sp, nr, x, np, lo, hi, acc);  // d = 64
+  RankUpdateN<0>(w, sp, nr, x, np, lo, hi, acc);
 }
 
 // z[lo:hi] = softmax(z[lo:hi]) in place; *mx and *sum get the max and Σ exp(z - max).
