@@ -18,7 +18,7 @@
 // XLA:CPU runs attention at these sizes (d = 64, T = S = 128) as a dozen small
 // batched products, transposes and softmax loops, each overhead-bound; here one task
 // per (batch, key/value head) keeps that head's K and V in L1/L2 and walks the query
-// rows four at a time. A row only computes the columns from its first to its last
+// rows eight at a time. A row only computes the columns from its first to its last
 // allowed key (half the work under a causal mask); masked columns inside get p = 0.
 // A fully masked row attends uniformly with zero score gradients, as the JAX path
 // (entrenar/nn/attention.py) does with its finite -1e30.
@@ -36,7 +36,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kRows = 4;    // query rows per block (RankUpdate spells out four)
+constexpr int kRows = 8;    // query rows per block
 constexpr int kLanes = 16;  // floats per vector step (one AVX-512 register)
 
 int64_t RoundUp(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
@@ -106,10 +106,11 @@ struct HeadCopies {
 // kLanes; whole vectors are written, so out and m rows are padded past c1), for
 // nr <= kRows rows of a; a, m and out rows have strides as, ms and os. `a` always has
 // kRows rows in memory (the rows past nr are computed and dropped: no branch in the
-// loop). Each vector of m is loaded once for the four rows. Both the scores (q Kᵀ: k
+// loop). Each vector of m is loaded once for the kRows rows. Both the scores (q Kᵀ: k
 // over d, c over keys) and the weighted sums (p V: k over keys, c over d) are this
-// product. Columns go `kCols` vectors at a time: 4 rows x 2 vectors = 8 independent
-// accumulators, what two FMA units with a 4-cycle latency need to stay busy.
+// product. Columns go `kCols` vectors at a time: 8 rows x 2 vectors = 16 independent
+// accumulators (two FMA units with a 4-cycle latency need at least 8), 2 vector
+// loads and 8 broadcasts for 16 FMAs.
 template <int kCols>
 void RowsTimesCols(const float* __restrict__ a, int64_t as, int nr,
                    const float* __restrict__ m, int64_t ms, int64_t k0, int64_t k1,
@@ -141,22 +142,24 @@ void RowsTimes(const float* a, int64_t as, int nr, const float* m, int64_t ms,
 }
 
 // acc[s][:] += Σ_r w[r][s] x[r][:] for s in [lo, hi), nr <= kRows rows; x (kRows, np)
-// and acc (S, np) with np a multiple of kLanes; w rows have stride sp. The sums are
-// written straight into acc (a copy through a stack vector made the compiler store
-// 64 bytes and reload them as two halves: a store-forwarding stall per vector).
+// and acc (S, np) with np a multiple of kLanes; w rows have stride sp. Each vector of
+// acc is loaded and stored once for kRows FMAs (with 4 rows the loads bound it). The
+// sums are written straight into acc (a copy through a stack vector made the
+// compiler store 64 bytes and reload them as two halves: a store-forwarding stall).
 template <int64_t kNp>  // kNp = np when it is known at compile time, else 0
 void RankUpdateN(const float* __restrict__ w, int64_t sp, int nr,
                  const float* __restrict__ x, int64_t np_rt, int64_t lo, int64_t hi,
                  float* __restrict__ acc) {
   const int64_t np = kNp ? kNp : np_rt;
-  const float *x0 = x, *x1 = x + np, *x2 = x + 2 * np, *x3 = x + 3 * np;
   for (int64_t s = lo; s < hi; ++s) {
     float ws[kRows];
     for (int r = 0; r < kRows; ++r) ws[r] = r < nr ? w[r * sp + s] : 0.0f;
     float* __restrict__ a = acc + s * np;
 #pragma omp simd
     for (int64_t c = 0; c < np; ++c) {
-      a[c] += ws[0] * x0[c] + ws[1] * x1[c] + ws[2] * x2[c] + ws[3] * x3[c];
+      float sum = a[c];
+      for (int r = 0; r < kRows; ++r) sum += ws[r] * x[r * np + c];
+      a[c] = sum;
     }
   }
 }
