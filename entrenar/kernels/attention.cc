@@ -351,7 +351,8 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
           float* pr = p.data() + r * sp;
           float* dsr = ds.data() + r * sp;
           const float* orow = opp + (row0 + r * sh.h) * sh.dv;
-          float dd = 0.0f;
+          float dd = 0.0f;  // D = do·o (a vector reduction, not a chain of scalar adds)
+#pragma omp simd reduction(+ : dd)
           for (int64_t j = 0; j < sh.dv; ++j) dd += dorows[r * dvp + j] * orow[j];
           if (ranges[t0 + r].none()) {  // uniform; the scores get no gradient
             const float u0 = 1.0f / static_cast<float>(sh.s);
