@@ -33,12 +33,13 @@ inline float Exp(float x) {
   return x < -87.3f ? 0.0f : out;
 }
 
-// The bfloat16 bits of x, rounded to nearest with ties to even (NaN not kept: the
-// callers that can meet NaN check for it).
+// The bfloat16 bits of x, rounded to nearest with ties to even; a NaN stays a NaN
+// (rounding alone would carry a NaN whose payload sits in the low 16 bits into inf).
 inline uint16_t Bf16Bits(float x) {
   uint32_t b;
   std::memcpy(&b, &x, 4);
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
 }
 
 // x rounded to the nearest bfloat16 (ties to even), kept in a float.

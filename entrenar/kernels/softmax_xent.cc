@@ -29,12 +29,8 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 8;
 
+using entrenar::Bf16Bits;
 using entrenar::Exp;
-
-// The bfloat16 bits of x (nearest, ties to even); NaN stays NaN.
-inline uint16_t Bf16Bits(float x) {
-  return x != x ? uint16_t{0x7FC0} : entrenar::Bf16Bits(x);
-}
 
 // One row: returns lse, fills dz (V bfloat16 bits); e is a V-float scratch row.
 float Row(const float* __restrict__ z, int32_t y, int64_t v, float* __restrict__ e,

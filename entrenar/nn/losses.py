@@ -26,7 +26,7 @@ import numpy as np
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.bf16_weight import Bfloat16Weight, TiedEmbedding
 from entrenar.nn.linear import linear
-from entrenar.nn.softmax_xent import softmax_minus_onehot, softmax_xent
+from entrenar.nn.softmax_xent import nll_and_lse, softmax_minus_onehot, softmax_xent
 
 Reduction = Literal["mean", "sum", "none"]
 IGNORE_INDEX = -100
@@ -308,8 +308,7 @@ def _chunked_nll_fwd_impl(
         xc, yc = xy
         z = _head_logits(xc, wl, matmul_dtype, f, transposed)  # (chunk, V)
         if not with_dx:
-            lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
-            return lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0], lse
+            return nll_and_lse(z, yc)  # (chunk,) each
         nll, _, dz = softmax_xent(z, yc, md)  # dz: (chunk, V), one pass (native)
         dx = jnp.einsum(f"cv,{_w(transposed)}->ci", dz, wl, preferred_element_type=f)
         return nll, dx

@@ -49,11 +49,16 @@ def softmax_xent(
         call = jax.ffi.ffi_call("entrenar_softmax_xent", out, vmap_method="sequential")
         nll, lse, dz = call(z, y.astype(jnp.int32))
         return nll, lse, dz
+    nll, lse = nll_and_lse(z, y)
+    return nll, lse, softmax_minus_onehot(z, lse, y).astype(dz_dtype)
+
+
+def nll_and_lse(z: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(nll (N,), lse (N,))`` for logits ``z: (N, V)`` in JAX (NaN off ``[0, V)``)."""
     lse = jax.nn.logsumexp(z, axis=-1)  # (N,)
     inside = (y >= 0) & (y < z.shape[-1])  # (N,)
     zy = jnp.take_along_axis(z, jnp.where(inside, y, 0)[:, None], axis=-1)[:, 0]
-    nll = jnp.where(inside, lse - zy, jnp.nan)
-    return nll, lse, softmax_minus_onehot(z, lse, y).astype(dz_dtype)
+    return jnp.where(inside, lse - zy, jnp.nan), lse
 
 
 def softmax_minus_onehot(z: jax.Array, lse: jax.Array, y: jax.Array) -> jax.Array:
@@ -75,4 +80,4 @@ def _native_ok(z: jax.Array, y: jax.Array, dz_dtype: Any) -> bool:
     )
 
 
-__all__ = ["softmax_minus_onehot", "softmax_xent"]
+__all__ = ["nll_and_lse", "softmax_minus_onehot", "softmax_xent"]
