@@ -65,7 +65,29 @@ class NonFiniteError(EntrenarError, FloatingPointError):
     """
 
 
+class CheckpointError(EntrenarError, RuntimeError):
+    """A checkpoint that cannot be written or restored.
+
+    Writing: the disk is full or read-only (the message says which folder; orbax's
+    temporary folder has been removed). Restoring: the checkpoint on disk is corrupt
+    or incomplete (``corrupt`` is True; the message names its step and the newest
+    good one), which the command line reports as bad input (exit 2).
+    """
+
+    def __init__(self, message: str, *, corrupt: bool = False) -> None:
+        super().__init__(message)
+        self.corrupt = corrupt
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_checkpoint_error, (str(self), self.corrupt))
+
+
+def _checkpoint_error(message: str, corrupt: bool) -> CheckpointError:
+    return CheckpointError(message, corrupt=corrupt)
+
+
 __all__ = [
+    "CheckpointError",
     "CompatibilityError",
     "ConfigError",
     "DTypeError",
