@@ -106,6 +106,28 @@ def _require(recs: Records, columns: Sequence[str] | None) -> Records:
     return recs
 
 
+def parse_json_line(line: str, path: str, n: int) -> Any:
+    r"""The JSON value of line ``n`` of ``path`` (its line end is ignored).
+
+    An invalid line is a `FormatError` ``"<path> line <n>, column <c>: invalid JSON
+    (<reason>, near '<text>')"``. The line is parsed without its line end, so an
+    error at its end (a line cut short) is at the column after its last character,
+    not at column 1 of a next line.
+
+    >>> parse_json_line('{"a": 1}\n', "d.jsonl", 1)
+    {'a': 1}
+    """
+    line = line.rstrip("\r\n")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        near = line[max(e.pos - 20, 0) : e.pos + 10]
+        where = "at the end of the line" if e.pos >= len(line) else f"near {near!r}"
+        raise FormatError(
+            f"{path} line {n}, column {e.colno}: invalid JSON ({e.msg}, {where})"
+        ) from None
+
+
 def read_jsonl(
     path: str | os.PathLike[str],
     *,
@@ -122,16 +144,12 @@ def read_jsonl(
     path = os.fspath(path)
     _check_size(path, max_bytes)
     rows, numbers = [], []
-    with open(path, encoding="utf-8") as f:
+    # Lines end at "\n" only (a "\r" is JSON whitespace); a leading BOM is skipped.
+    with open(path, encoding="utf-8-sig", newline="\n") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise FormatError(
-                    f"{path} line {n}, column {e.colno}: invalid JSON ({e.msg})"
-                ) from None
+            row = parse_json_line(line, path, n)
             if not isinstance(row, dict):
                 raise FormatError(
                     f"{path} line {n}: expected a JSON object, got {type(row).__name__}"
@@ -314,6 +332,7 @@ __all__ = [
     "READERS",
     "Records",
     "load_records",
+    "parse_json_line",
     "read_csv",
     "read_jsonl",
     "read_parquet",

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from entrenar.data.readers import parse_json_line
 from entrenar.errors import FormatError, UnsupportedError
 
 
@@ -15,14 +15,10 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         raise FormatError(f"{path} does not exist: is {run_dir} a Trainer output_dir?")
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", newline="\n") as f:
         for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise FormatError(f"{path} line {i} is not JSON: {e}") from e
+            if line.strip():
+                records.append(parse_json_line(line, path, i))
     return records
 
 

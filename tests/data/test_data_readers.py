@@ -89,6 +89,30 @@ def test_jsonl_bad_rows_name_file_and_line(tmp_path):
         read_jsonl(p, columns=["text"])
 
 
+def test_jsonl_error_gives_the_true_column(tmp_path):
+    # A line cut short at column 89 (88 characters), and an error mid-line.
+    good = '{"messages": [{"role": "user", "content": "Write this date: the 13th"}]}'
+    cut = good[:-2] + ", "  # the rest of the line is lost
+    cut = cut.replace("the 13th", "the 13th" + "!" * (88 - len(cut)))
+    assert len(cut) == 88
+    p = tmp_path / "cut.jsonl"
+    p.write_text(good + "\n" + cut + "\n")
+    with pytest.raises(FormatError, match=r"cut\.jsonl line 2, column 89: invalid"):
+        read_jsonl(p)
+    p.write_text(good + "\r\n" + '{"text": "x" "y"}\r\n')  # CRLF line ends
+    with pytest.raises(FormatError, match=r"line 2, column 14: invalid JSON"):
+        read_jsonl(p)
+
+
+def test_jsonl_lines_end_only_at_newlines(tmp_path):
+    # A carriage return is JSON whitespace, not a line end; a BOM is skipped.
+    p = tmp_path / "cr.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"text": "a",\r"label": 1}\n{"text": "b"}\n')
+    recs = read_jsonl(p)
+    assert recs.rows == [{"text": "a", "label": 1}, {"text": "b"}]
+    assert recs.row_numbers == [1, 2]
+
+
 def test_csv_bad_rows_name_file_row_column(tmp_path):
     p = tmp_path / "bad.csv"
     p.write_text("text,label,score\na,1,0.5\nb,0\n")
