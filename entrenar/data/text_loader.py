@@ -69,6 +69,7 @@ class TextLoader:
     ) -> None:
         if isinstance(records, (str, os.PathLike)):
             records = load_records(records)
+        records = Records.wrap(records)
         docs = encode_records(records, tokenizer, format=format, **format_options)
         if pad_id is None:
             pad_id = getattr(tokenizer, "pad_id", None)
@@ -78,7 +79,7 @@ class TextLoader:
         self.arrays = layout(docs, seq_len, pad_id=pad_id, overflow=overflow)
         self.documents = sum(len(ids) > 0 for ids, _ in docs)
         if not len(self.arrays["input_ids"]):
-            raise ConfigError("the records hold no tokens to train on")
+            raise no_tokens_error(records)
         self.seq_len, self.packing, self.pad_id = int(seq_len), packing, pad_id
         pads = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": False}
         self._rows = ArrayLoader(
@@ -129,6 +130,21 @@ class TextLoader:
         return int(np.sum(self.arrays["attention_mask"]))
 
 
+def no_tokens_error(records: Records) -> ConfigError:
+    """The error for records that give no token: an empty file, or empty texts."""
+    n = len(records)
+    if not n:
+        return ConfigError(
+            f"{records.source}: holds no records (an empty file?), so no tokens to "
+            "train on; give it at least one row, or name another file"
+        )
+    return ConfigError(
+        f"{records.source}: its {n} record{'s' if n > 1 else ''} hold"
+        f"{'' if n > 1 else 's'} no tokens to train on; check that the format's "
+        "fields hold text"
+    )
+
+
 def lm_loader(
     records: Sequence[Mapping[str, Any]] | Records | str | os.PathLike[str],
     tokenizer: Tokenizer,
@@ -163,4 +179,4 @@ def lm_loader(
     )
 
 
-__all__ = ["TextLoader", "lm_loader"]
+__all__ = ["TextLoader", "lm_loader", "no_tokens_error"]

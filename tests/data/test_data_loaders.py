@@ -105,6 +105,16 @@ def test_text_loader_from_a_file(tmp_path):
         lm_loader([], TOK, seq_len=8, batch_size=2)
 
 
+def test_an_empty_file_is_named(tmp_path):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("\n")
+    with pytest.raises(ConfigError, match=r"empty\.jsonl: holds no records"):
+        lm_loader(str(p), TOK, seq_len=8, batch_size=2)
+    p.write_text('{"text": ""}\n')
+    with pytest.raises(ConfigError, match=r"empty\.jsonl: its 1 record holds no"):
+        lm_loader(str(p), TOK, seq_len=8, batch_size=2, add_eos=False)
+
+
 def test_auto_format_from_fields():
     pc = [{"q": "a", "a": "b"}]
     fields = {"prompt": "q", "completion": "a"}
