@@ -25,6 +25,7 @@ blocks, so quantized tensors are permuted in their raw bytes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -84,32 +85,99 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.swapaxes(w, -2, -3).reshape(*lead, rows, x)
 
 
+INT_LIMITS = {
+    "llama.vocab_size": 1 << 24,
+    "llama.embedding_length": 1 << 20,
+    "llama.feed_forward_length": 1 << 22,
+    "llama.block_count": 1 << 12,
+    "llama.attention.head_count": 1 << 12,
+    "llama.attention.head_count_kv": 1 << 12,
+    "llama.attention.key_length": 1 << 16,
+    "llama.context_length": 1 << 27,
+}
+"""Largest value entrenar accepts for each integer ``llama.*`` hyperparameter."""
+FLOAT_RANGES = {
+    "llama.rope.freq_base": (1.0, 1e12),
+    "llama.attention.layer_norm_rms_epsilon": (0.0, 1.0),
+}
+"""Open interval ``(low, high)`` a float ``llama.*`` hyperparameter must lie in."""
+
+
 def _meta_int(g: GGUFFile, key: str, default: int | None = None) -> int:
+    """An integer hyperparameter: present (or defaulted), ``0 < value <= limit``."""
     f = g.fields.get(key)
     if f is None:
         if default is None:
             raise FormatError(f"{g.path}: metadata {key!r} is missing")
         return default
+    limit = INT_LIMITS.get(key, 1 << 31)
     if isinstance(f.value, bool) or not isinstance(f.value, int) or f.value <= 0:
         raise FormatError(f"{g.path}: metadata {key!r} = {f.value!r}, want an int > 0")
+    if f.value > limit:
+        raise FormatError(
+            f"{g.path}: metadata {key!r} = {f.value} is over the limit of {limit}; "
+            "the file is corrupt or not a model entrenar can load"
+        )
     return int(f.value)
 
 
 def _meta_float(g: GGUFFile, key: str, default: float) -> float:
+    """A float hyperparameter: a finite number inside `FLOAT_RANGES`' interval."""
     f = g.fields.get(key)
     if f is None:
         return default
     if f.type not in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
         raise FormatError(f"{g.path}: metadata {key!r} = {f.value!r} is not a float")
-    return float(f.value)
+    low, high = FLOAT_RANGES[key]
+    value = float(f.value)
+    if not (math.isfinite(value) and low < value < high):
+        raise FormatError(
+            f"{g.path}: metadata {key!r} = {value!r}, want a finite number in "
+            f"({low:g}, {high:g}); the file is corrupt"
+        )
+    return value
+
+
+def _head_dim(g: GGUFFile, hidden: int, heads: int) -> int:
+    """``attention.key_length`` (default ``hidden / heads``), checked for consistency.
+
+    ``rope.dimension_count`` and ``attention.value_length``, when given, must equal it.
+
+    Raises:
+        FormatError: no key length and a width that ``heads`` does not divide.
+        UnsupportedError: rotary embeddings over part of a head, or values of another
+            width than keys (entrenar's Llama rotates and projects whole heads).
+    """
+    if "llama.attention.key_length" in g.fields:
+        head_dim = _meta_int(g, "llama.attention.key_length")
+    elif hidden % heads:
+        raise FormatError(
+            f"{g.path}: metadata 'llama.embedding_length' = {hidden} is not a "
+            f"multiple of 'llama.attention.head_count' = {heads} and "
+            "'llama.attention.key_length' is missing"
+        )
+    else:
+        head_dim = hidden // heads
+    for key in ("llama.rope.dimension_count", "llama.attention.value_length"):
+        if key in g.fields and _meta_int(g, key) != head_dim:
+            raise UnsupportedError(
+                f"{g.path}: metadata {key!r} = {g.fields[key].value} differs from "
+                f"the head dimension {head_dim}; entrenar's Llama needs them equal"
+            )
+    return head_dim
 
 
 def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     """The `LlamaConfig` described by a GGUF file's ``llama.*`` metadata.
 
+    Every integer is checked against `INT_LIMITS`, every float against
+    `FLOAT_RANGES`, and the shapes against each other (heads divide the width, KV
+    heads divide the heads, an even head dimension).
+
     Raises:
-        FormatError: missing or invalid fields (named in the message).
-        UnsupportedError: another architecture, or rope scaling.
+        FormatError: missing, out-of-range or inconsistent fields (named in the
+            message).
+        UnsupportedError: another architecture, rope scaling or partial rotary.
     """
     arch = g.fields.get("general.architecture")
     if arch is None or arch.value != "llama":
@@ -126,6 +194,7 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     hidden = _meta_int(g, "llama.embedding_length")
     emb = g.tensors.get("token_embd.weight")
     n_vocab = emb.shape[0] if emb is not None and len(emb.shape) == 2 else None
+    head_dim = _head_dim(g, hidden, heads)
     try:
         return LlamaConfig(
             vocab_size=_meta_int(g, "llama.vocab_size", n_vocab),
@@ -134,7 +203,7 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
             num_layers=_meta_int(g, "llama.block_count"),
             num_heads=heads,
             num_kv_heads=_meta_int(g, "llama.attention.head_count_kv", heads),
-            head_dim=_meta_int(g, "llama.attention.key_length", hidden // heads),
+            head_dim=head_dim,
             rope_theta=_meta_float(g, "llama.rope.freq_base", 10000.0),
             rms_norm_eps=_meta_float(g, "llama.attention.layer_norm_rms_epsilon", 1e-5),
             tie_word_embeddings="output.weight" not in g.tensors,
@@ -228,17 +297,21 @@ def load_llama_gguf(
     for stem, path_ in LAYER_NAMES.items():
         names = [f"blk.{i}.{stem}.weight" for i in range(config.num_layers)]
         types = {g.tensors[n].type_name for n in names}
-        raw = _stack_rows(g, names, perm.get(stem))  # (L, rows, row_bytes)
         shape = (config.num_layers, *g.tensors[names[0]].shape)
         (t,) = types if len(types) == 1 else (None,)
         if keep_quantized and t in KEEP_QUANTIZED and len(shape) == 3:
+            raw = _stack_rows(g, names, perm.get(stem))  # (L, rows, row_bytes)
             value: Any = from_ggml(raw.reshape(-1), t, shape)
-        else:
+        else:  # layer by layer: llama.cpp's mixes (Q4_K_M) differ in row bytes
             layers = [
-                dequantize_ggml(raw[i], g.tensors[n].type_id, shape[1:])
-                for i, n in enumerate(names)
+                dequantize_ggml(
+                    _stack_rows(g, [n], perm.get(stem))[0],  # (rows, row_bytes)
+                    g.tensors[n].type_id,
+                    shape[1:],
+                )
+                for n in names
             ]
-            value = jnp.asarray(np.stack(layers), dtype=dtype)
+            value = jnp.asarray(np.stack(layers), dtype=dtype)  # (L, *shape)
         put(path_, value, params["model"]["layers"])
     info = {k: v for k, v in g.metadata.items() if k.startswith("tokenizer.")}
     return config, params, info

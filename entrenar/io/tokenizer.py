@@ -123,6 +123,73 @@ def pre_tokenize(text: str, pre: str) -> list[str]:
     return out + gpt2_split(run)
 
 
+def _array_of(md: dict[str, Any], key: str, kind: type, path: str) -> list[Any]:
+    """``md[key]``, checked to be a list whose items are all of ``kind``."""
+    value = md.get(key)
+    if not isinstance(value, list):
+        got = "missing" if value is None else f"of type {type(value).__name__}"
+        raise FormatError(f"{path}: {key} is {got}, want an array")
+    for i, x in enumerate(value):
+        if isinstance(x, bool) or not isinstance(x, kind):
+            raise FormatError(
+                f"{path}: {key}[{i}] = {str(x)[:40]!r} has type "
+                f"{type(x).__name__}, want {kind.__name__}"
+            )
+    return value
+
+
+def check_tokenizer_metadata(md: dict[str, Any], path: str = "<gguf>") -> None:
+    """Check the ``tokenizer.ggml.*`` fields a `BPETokenizer` is built from.
+
+    ``tokens`` and ``merges`` are arrays of strings; ``token_type`` (if present) an
+    array of integers, one per token; ``pre`` a string; ``add_bos_token`` a boolean;
+    every special id (``bos``, ``eos``, ``padding``, ``unknown``, ... any
+    ``tokenizer.ggml.*_token_id``) an integer inside the vocabulary.
+
+    Raises:
+        FormatError: the first field that fails, naming ``path`` and the key.
+
+    >>> md = {"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": [],
+    ...       "tokenizer.ggml.eos_token_id": 1}
+    >>> check_tokenizer_metadata(md, "m.gguf")
+    Traceback (most recent call last):
+    entrenar.errors.FormatError: m.gguf: tokenizer.ggml.eos_token_id = 1 is outside the vocabulary of 1 tokens
+    """  # noqa: E501
+    tokens = _array_of(md, "tokenizer.ggml.tokens", str, path)
+    _array_of(md, "tokenizer.ggml.merges", str, path)
+    if "tokenizer.ggml.token_type" in md:
+        types = _array_of(md, "tokenizer.ggml.token_type", int, path)
+        if len(types) != len(tokens):
+            raise FormatError(
+                f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                f"{len(tokens)} tokens"
+            )
+    pre = md.get("tokenizer.ggml.pre", "gpt2")
+    if not isinstance(pre, str):
+        raise FormatError(f"{path}: tokenizer.ggml.pre = {pre!r} is not a string")
+    add_bos = md.get("tokenizer.ggml.add_bos_token", False)
+    if add_bos not in (True, False) or not isinstance(add_bos, (bool, int)):
+        raise FormatError(
+            f"{path}: tokenizer.ggml.add_bos_token = {add_bos!r} is not a boolean"
+        )
+    for key, value in md.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            _check_special_id(key, value, len(tokens), path)
+
+
+def _check_special_id(key: str, value: Any, n_tokens: int, path: str) -> None:
+    """A special token id: an integer in ``[0, n_tokens)``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(
+            f"{path}: {key} = {str(value)[:40]!r} has type {type(value).__name__}, "
+            "want an integer token id"
+        )
+    if not 0 <= value < n_tokens:
+        raise FormatError(
+            f"{path}: {key} = {value} is outside the vocabulary of {n_tokens} tokens"
+        )
+
+
 @dataclass(frozen=True)
 class BPETokenizer:
     """Byte-level BPE over a GGUF vocabulary.
@@ -148,23 +215,22 @@ class BPETokenizer:
     def from_gguf_metadata(
         cls, md: dict[str, Any], path: str = "<gguf>"
     ) -> BPETokenizer:
-        """Build from GGUF metadata (``tokenizer.ggml.model`` must be ``"gpt2"``)."""
+        """Build from GGUF metadata (``tokenizer.ggml.model`` must be ``"gpt2"``).
+
+        Raises:
+            FormatError: a field of the wrong type or out of range (see
+                `check_tokenizer_metadata`), naming ``path`` and the key.
+            UnsupportedError: another tokenizer model.
+        """
         model = md.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise UnsupportedError(
                 f"{path}: tokenizer.ggml.model {model!r} is not supported "
                 "(only 'gpt2', byte-level BPE)"
             )
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            if not isinstance(md.get(key), list):
-                raise FormatError(f"{path}: {key} is missing or not an array")
+        check_tokenizer_metadata(md, path)
         tokens = md["tokenizer.ggml.tokens"]
         types = md.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        if len(types) != len(tokens):
-            raise FormatError(
-                f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
-                f"{len(tokens)} tokens"
-            )
         return cls(
             tokens=tuple(tokens),
             merges=tuple(md["tokenizer.ggml.merges"]),
@@ -287,4 +353,10 @@ class BPETokenizer:
         return out.decode("utf-8", errors="replace")
 
 
-__all__ = ["BPETokenizer", "bytes_to_unicode", "gpt2_split", "pre_tokenize"]
+__all__ = [
+    "BPETokenizer",
+    "bytes_to_unicode",
+    "check_tokenizer_metadata",
+    "gpt2_split",
+    "pre_tokenize",
+]
