@@ -39,7 +39,7 @@ def test_kernels_running_at_once_do_not_deadlock():
 
 def test_build_reports_the_compiler_error(tmp_path, monkeypatch):
     monkeypatch.setenv("ENTRENAR_CACHE_DIR", str(tmp_path))
-    with pytest.raises(RuntimeError, match="building the native kernel 'adamw'"):
+    with pytest.raises(native.BuildError, match="building the native kernel 'adamw'"):
         native.build("adamw", "/bin/false")
     assert not list((tmp_path / "native").glob("*.so"))  # nothing half-written
 
@@ -93,3 +93,176 @@ def test_load_from_several_threads_registers_once(tmp_path):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
     )
     assert out.stdout.strip() == "[True, True, True, True]", out.stderr[-2000:]
+
+
+# --- portability: flags per machine, the fallback without a compiler ---------------
+
+
+@pytest.mark.parametrize(
+    ("machine", "system", "extra"),
+    [
+        ("x86_64", "Linux", ("-march=native", "-mprefer-vector-width=512")),
+        ("AMD64", "Windows", ("-march=native", "-mprefer-vector-width=512")),
+        ("aarch64", "Linux", ("-mcpu=native",)),
+        ("arm64", "Darwin", ()),  # Apple Clang targets the CPU by default
+        ("riscv64", "Linux", ()),
+    ],
+)
+def test_build_flags_fit_the_machine(machine, system, extra):
+    flags = native.build_flags(machine, system)
+    assert flags == (*native.BASE_FLAGS, *extra)
+    if machine not in ("x86_64", "AMD64"):  # x86-only options never reach other CPUs
+        assert not any("vector-width" in f or "march" in f for f in flags)
+
+
+def _run(code: str, tmp_path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter with a fresh kernel cache and ``env`` added."""
+    full = {**os.environ, "ENTRENAR_CACHE_DIR": str(tmp_path / "cache"), **env}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+FALLBACK = """
+    import warnings
+    warnings.simplefilter("error", RuntimeWarning)  # as pytest's filterwarnings does
+    import jax.numpy as jnp
+    from entrenar import native, quant
+    from entrenar.quant.linear import quantized_matmul
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        on = [native.load(k) for k in ("adamw", "nf4_matmul", "attention")]
+        w = jnp.linspace(-1.0, 1.0, 64 * 128).reshape(64, 128)
+        y = quantized_matmul(quant.quantize(w, "nf4"), jnp.ones((2, 128)))
+    print(on, [type(w.message).__name__ for w in seen], y.shape)
+    print(*[str(w.message) for w in seen], sep="\\n")
+"""
+
+
+def test_no_compiler_is_one_warning_and_the_jax_path(tmp_path):
+    """No compiler anywhere: every kernel off, one NativeKernelWarning, same API."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    out = _run(FALLBACK, tmp_path, CXX="", PATH=str(empty))
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, message = out.stdout.splitlines()[:2]
+    assert first == "[False, False, False] ['NativeKernelWarning'] (2, 64)"
+    assert "no C++ compiler found" in message
+
+
+def test_an_invalid_cxx_is_not_replaced_by_another_compiler(tmp_path):
+    out = _run(FALLBACK, tmp_path, CXX=str(tmp_path / "no-such-compiler"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, message = out.stdout.splitlines()[:2]
+    assert first.startswith("[False, False, False] ['NativeKernelWarning']")
+    assert "no-such-compiler" in message and "names no executable" in message
+
+
+def _fake_compiler(tmp_path, body: str) -> str:
+    """A script standing in for a compiler: ``--version`` answers, ``body`` runs."""
+    path = tmp_path / "fake-c++"
+    path.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then printf "fake \\377\\376 1.0\\n"; exit 0; fi\n'
+        f"{body}\n"
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_compiler_that_hangs_times_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTRENAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ENTRENAR_NATIVE_TIMEOUT", "1")
+    hang = _fake_compiler(tmp_path, "exec sleep 60")
+    with pytest.raises(native.BuildError, match="did not finish in 1 s"):
+        native.build("adamw", hang)
+
+
+def test_a_compiler_writing_no_library_leaves_nothing_cached(tmp_path, monkeypatch):
+    """``CXX=/bin/true`` exits 0 and writes nothing: refused, the cache stays empty."""
+    monkeypatch.setenv("ENTRENAR_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(native.BuildError, match="wrote no shared library"):
+        native.build("adamw", _fake_compiler(tmp_path, "exit 0"))
+    assert not list((tmp_path / "cache" / "native").glob("*.so*"))
+
+
+def test_load_never_raises_for_a_strange_compiler(tmp_path):
+    """Non-UTF-8 ``--version`` and a failing build: False and one warning, no error."""
+    fake = _fake_compiler(tmp_path, "echo 'error: \\377' >&2; exit 1")
+    out = _run(FALLBACK, tmp_path, CXX=fake)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("[False, False, False] ['NativeKernelWarning']")
+
+
+needs_compiler = pytest.mark.skipif(
+    native.find_compiler() is None, reason="no C++ compiler"
+)
+
+
+@needs_compiler
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path):
+    """Half a library used to kill every later run with SIGBUS; now it is rebuilt."""
+    code = "from entrenar import native; print(native.load('adamw'))"
+    assert _run(code, tmp_path).stdout.strip() == "True"
+    (library,) = (tmp_path / "cache" / "native").glob("adamw-*.so")
+    size = library.stat().st_size
+    library.write_bytes(library.read_bytes()[: size // 2])
+    assert not native.verified(library)
+    out = _run(code, tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+    assert library.stat().st_size == size and native.verified(library)
+
+
+PLANT = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+  FILE* f = fopen("MARKER", "w"); if (f) { fputs("ran", f); fclose(f); }
+}
+"""
+
+
+@needs_compiler
+@pytest.mark.parametrize("shared_folder", [True, False])
+def test_a_planted_library_never_runs(tmp_path, shared_folder):
+    """A library planted under the predictable name: not loaded, its code never runs.
+
+    In a world-writable cache folder the folder itself is refused; in the user's own
+    folder the planted file has no matching digest and is rebuilt over.
+    """
+    code = "from entrenar import native; print(native.load('adamw'))"
+    assert _run(code, tmp_path).stdout.strip() == "True"  # learn the name
+    cache = tmp_path / "cache" / "native"
+    (library,) = cache.glob("adamw-*.so")
+    library.unlink()
+    native.verified(library)  # no library: False, no error
+    marker = tmp_path / "ran"
+    source = tmp_path / "plant.c"
+    source.write_text(PLANT.replace("MARKER", str(marker)))
+    compiler = native.find_compiler()
+    assert compiler is not None
+    subprocess.run(
+        [compiler, "-x", "c", "-shared", "-fPIC", str(source), "-o", str(library)],
+        check=True,
+    )
+    if shared_folder:
+        cache.chmod(0o777)
+    out = _run(code, tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+    assert not marker.exists()
+    if shared_folder:
+        assert "is not owned by you or is writable by others" in out.stderr
+
+
+def test_the_cache_folder_is_private_under_any_umask(tmp_path):
+    code = """
+        import os, stat
+        os.umask(0)
+        from entrenar import native
+        print(oct(stat.S_IMODE(native.trusted_cache_dir().stat().st_mode)))
+    """
+    out = _run(code, tmp_path)
+    assert out.stdout.strip() == "0o700", out.stderr[-2000:]
