@@ -26,6 +26,7 @@ from entrenar.config.models import (
     save_built,
 )
 from entrenar.errors import ConfigError, FormatError
+from entrenar.io.lock import OutputLock
 from entrenar.tree import key_path_str
 from entrenar.types import Params
 
@@ -203,7 +204,24 @@ def write_outputs(
     A LoRA run's GGUF goes through `entrenar.lora.save_folded_gguf`, which measures
     the share of the update ``export.gguf_type`` keeps (put in ``report`` as
     ``gguf_update_kept``) and warns when it is low.
+
+    Raises:
+        ConfigError: another run is writing ``out_dir`` (`entrenar.io.lock`).
     """
+    # One writer per output folder (re-entrant: train_from_yaml holds it already;
+    # process 0 holds it for every process of a multi-process run).
+    with OutputLock(out_dir, enabled=jax.process_index() == 0):
+        return _write_exports(spec, built, params, out_dir, extra, report)
+
+
+def _write_exports(
+    spec: Any,
+    built: BuiltModel,
+    params: Params,
+    out_dir: str,
+    extra: Mapping[str, Any] | None,
+    report: dict[str, Any] | None,
+) -> dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     written: dict[str, str] = {}
     ex = spec.export

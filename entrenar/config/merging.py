@@ -13,6 +13,7 @@ from typing import Any
 from entrenar import io, merge
 from entrenar.config.spec import TrainSpec, read_yaml
 from entrenar.errors import ConfigError
+from entrenar.io.lock import OutputLock
 
 
 def check_recipe_files(recipe: merge.Recipe, where: str) -> merge.Recipe:
@@ -64,14 +65,15 @@ def run_merge(spec: TrainSpec) -> dict[str, str]:
             "export.formats: a merge writes safetensors, json or gguf model files; "
             f"got {list(spec.export.formats)}"
         )
-    os.makedirs(out_dir, exist_ok=True)
-    first = os.path.join(out_dir, f"model.{formats[0]}")
-    model = merge.run_recipe(recipe, first)
-    files = {"merged": first}
-    for fmt in formats[1:]:
-        path = os.path.join(out_dir, f"model.{fmt}")
-        io.save_model(model, path, io.SaveConfig(io.ModelFormat(fmt)))
-        files[f"merged_{fmt}"] = path
+    with OutputLock(out_dir):  # one writer per output folder
+        os.makedirs(out_dir, exist_ok=True)
+        first = os.path.join(out_dir, f"model.{formats[0]}")
+        model = merge.run_recipe(recipe, first)
+        files = {"merged": first}
+        for fmt in formats[1:]:
+            path = os.path.join(out_dir, f"model.{fmt}")
+            io.save_model(model, path, io.SaveConfig(io.ModelFormat(fmt)))
+            files[f"merged_{fmt}"] = path
     return files
 
 

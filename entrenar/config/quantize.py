@@ -16,6 +16,7 @@ from typing import Any
 from entrenar import io
 from entrenar.config.export import write_quantized, write_quantized_model
 from entrenar.config.models import load_built
+from entrenar.io.lock import OutputLock
 
 
 def _is_llama_file(path: str) -> bool:
@@ -41,7 +42,29 @@ def quantize_file(
     Returns:
         ``{"bytes_before", "bytes_after", "ratio"}`` and, with ``calibration_data``,
         ``"before"`` / ``"after"``: the metrics of both models on it.
+
+    Raises:
+        ConfigError: another run is writing ``output`` (`entrenar.io.lock`).
     """
+    with OutputLock(output, folder=False):  # one writer per output file
+        _quantize(model, output, scheme, block_size, per_channel, symmetric)
+        report = _report(model, output)
+        if calibration_data is not None:
+            from entrenar.config.evaluate import evaluate_model
+
+            report["before"] = evaluate_model(model, calibration_data)
+            report["after"] = evaluate_model(output, calibration_data)
+    return report
+
+
+def _quantize(
+    model: str,
+    output: str,
+    scheme: str,
+    block_size: int,
+    per_channel: bool,
+    symmetric: bool,
+) -> None:
     if _is_llama_file(model):
         built = load_built(model)
         name = os.path.splitext(os.path.basename(output))[0]
@@ -54,18 +77,15 @@ def quantize_file(
             io.load_model(model), output, scheme, block_size=block_size,
             per_channel=per_channel, symmetric=symmetric,
         )  # fmt: skip
+
+
+def _report(model: str, output: str) -> dict[str, Any]:
     before, after = _size(model), _size(output)
-    report: dict[str, Any] = {
+    return {
         "bytes_before": before,
         "bytes_after": after,
         "ratio": round(before / after, 2) if after else None,
     }
-    if calibration_data is not None:
-        from entrenar.config.evaluate import evaluate_model
-
-        report["before"] = evaluate_model(model, calibration_data)
-        report["after"] = evaluate_model(output, calibration_data)
-    return report
 
 
 def _size(path: str) -> int:

@@ -43,6 +43,7 @@ from entrenar.config.summary import as_dict, validate
 from entrenar.distill import make_distill_loss_fn
 from entrenar.errors import CompatibilityError, UnsupportedError
 from entrenar.io import atomic_write
+from entrenar.io.lock import OutputLock
 from entrenar.train import Trainer, TrainResult
 from entrenar.train.plot import plot
 
@@ -179,7 +180,8 @@ def train_from_yaml(
         A `RunResult` with the files written and the final metrics.
 
     Raises:
-        ConfigError: an invalid config (before anything runs), naming the key.
+        ConfigError: an invalid config (before anything runs), naming the key, or
+            an ``output_dir`` another run is writing (`entrenar.io.lock`).
     """
     spec = validate(path, overrides)
     out_dir = spec.training.output_dir
@@ -187,9 +189,19 @@ def train_from_yaml(
         if dry_run:
             return RunResult(spec, out_dir, {})
         return RunResult(spec, out_dir, run_merge(spec))
-    prep = prepare(spec)
     if dry_run:
-        return RunResult(spec, out_dir, {}, metrics=_plan(prep))
+        return RunResult(spec, out_dir, {}, metrics=_plan(prepare(spec)))
+    # One writer per output folder, checked before the model loads (process 0 of a
+    # multi-process run holds it for all).
+    with OutputLock(out_dir, enabled=jax.process_index() == 0):
+        return _train(spec, prepare(spec), resume=resume, progress=progress)
+
+
+def _train(
+    spec: TrainSpec, prep: Prepared, *, resume: str | None, progress: bool
+) -> RunResult:
+    """Steps 5 and 6: train, then write the exports, metrics and result.json."""
+    out_dir = spec.training.output_dir
     cfg = train_config(spec, progress=progress)
     trainer = Trainer(
         prep.loss, prep.params, prep.optimizer, cfg, trainable=prep.trainable

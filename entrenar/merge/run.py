@@ -37,6 +37,7 @@ from entrenar.io import (
     save_safetensors,
     unflatten_params,
 )
+from entrenar.io.lock import OutputLock
 from entrenar.io.model import STORAGE_DTYPES
 from entrenar.io.safetensors_io import metadata_from_header
 from entrenar.merge.engine import Plan, merge_leaf
@@ -159,18 +160,24 @@ def build_plan(recipe: Recipe, refs: Sequence[ModelRef]) -> Plan:
     )
 
 
+_FILE_FORMATS = {
+    ".safetensors": ModelFormat.SAFETENSORS,
+    ".gguf": ModelFormat.GGUF,
+    ".json": ModelFormat.JSON,
+    ".yaml": ModelFormat.YAML,
+    ".yml": ModelFormat.YAML,
+}  # output extensions written as one model file; any other output is a folder
+
+
+def _output_format(output: str) -> ModelFormat | None:
+    return _FILE_FORMATS.get(os.path.splitext(output)[1].lower())
+
+
 def _write(model: Model, output: str, base: Source, out_dtype: str | None) -> None:
-    ext = os.path.splitext(output)[1].lower()
-    formats = {
-        ".safetensors": ModelFormat.SAFETENSORS,
-        ".gguf": ModelFormat.GGUF,
-        ".json": ModelFormat.JSON,
-        ".yaml": ModelFormat.YAML,
-        ".yml": ModelFormat.YAML,
-    }
-    if ext in formats:
+    fmt = _output_format(output)
+    if fmt is not None:
         kind = {"float16": "F16", "bfloat16": "BF16"}.get(out_dtype or "", "F32")
-        save_model(model, output, SaveConfig(formats[ext], gguf_tensor_type=kind))
+        save_model(model, output, SaveConfig(fmt, gguf_tensor_type=kind))
         return
     if base.folder is None:
         raise ConfigError(
@@ -214,9 +221,19 @@ def run_recipe(
     Raises:
         EntrenarError: a bad recipe or models that cannot be merged (`ConfigError`,
             `FormatError`, `UnsupportedError`, `CompatibilityError`, `ShapeError`,
-            `DTypeError`), each naming the key, file or leaf.
+            `DTypeError`), each naming the key, file or leaf; a `ConfigError` when
+            another run is writing ``output`` (`entrenar.io.lock`).
     """
     recipe = _as_recipe(recipe)
+    if output is None:
+        return _merge(recipe, None)
+    output = os.fspath(output)
+    with OutputLock(output, folder=_output_format(output) is None):
+        return _merge(recipe, output)
+
+
+def _merge(recipe: Recipe, output: str | None) -> Model:
+    """`run_recipe` once its output is locked."""
     kind = METHODS[recipe.merge_method]["kind"]
     base_ref = recipe.base_model if kind != "linear" else None
     refs = [
@@ -263,7 +280,7 @@ def run_recipe(
         out[name] = np.asarray(merge_leaf(plan, name, lay[name], head, rest, out_dt))
     model = Model(lead.metadata, unflatten_params(out))
     if output is not None:
-        _write(model, os.fspath(output), lead, recipe.out_dtype or recipe.dtype)
+        _write(model, output, lead, recipe.out_dtype or recipe.dtype)
     return model
 
 

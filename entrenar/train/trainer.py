@@ -24,6 +24,7 @@ import numpy as np
 from entrenar import distributed, nn
 from entrenar.data.protocol import ArrayLoader, Loader
 from entrenar.errors import ConfigError, NonFiniteError
+from entrenar.io.lock import OutputLock
 from entrenar.train.callbacks import Callback
 from entrenar.train.checkpoint import Checkpointer, resolve_resume
 from entrenar.train.config import TrainConfig
@@ -224,6 +225,7 @@ class Trainer:
         self._t_log = time.perf_counter()
         self._checkpointer: Checkpointer | None = None
         self._writer: MetricsWriter | None = None
+        self._lock: OutputLock | None = None
 
     @property
     def params(self) -> Params:
@@ -270,13 +272,9 @@ class Trainer:
                 "batch_size × grad_accum"
             )
         total = cfg.max_steps or cfg.epochs * len(loader)
-        # 2. Outputs: metrics.jsonl (+ TensorBoard) and checkpoints, in output_dir.
-        self._open_outputs(fresh=resume is None)
+        # 2. Outputs: output_dir's lock, metrics.jsonl (+ TensorBoard), checkpoints.
         # 3. State: fresh, or everything a checkpoint holds (and the data position).
-        loader.set_epoch(self.epoch)
-        self.batch_in_epoch, self.should_stop = 0, False
-        if resume is not None:
-            self._resume(resume, loader)
+        self._start(loader, resume)
         stopped_early = self.should_stop
         last_ckpt = self.step
         progress = Progress(total, self.step, cfg.progress)
@@ -328,14 +326,29 @@ class Trainer:
             cb.on_end(self, result)
         return result
 
-    def _open_outputs(self, *, fresh: bool) -> None:
-        """Open ``output_dir``'s checkpointer and (process 0) metrics writer.
+    def _start(self, loader: Loader, resume: str | os.PathLike[str] | None) -> None:
+        """Phases 2 and 3 of `fit`; the outputs are closed again if they fail."""
+        try:
+            self._open_outputs(fresh=resume is None)
+            loader.set_epoch(self.epoch)
+            self.batch_in_epoch, self.should_stop = 0, False
+            if resume is not None:
+                self._resume(resume, loader)
+        except BaseException:
+            self._close_outputs()
+            raise
 
-        A fresh run refuses a folder holding another run's checkpoints.
+    def _open_outputs(self, *, fresh: bool) -> None:
+        """Lock ``output_dir``; open its checkpointer and (process 0) metrics writer.
+
+        Only process 0 takes the lock (all processes of a run write the folder). A
+        fresh run refuses a folder holding another run's checkpoints.
         """
         cfg = self.config
         if cfg.output_dir is None:
             return
+        lock = OutputLock(cfg.output_dir, enabled=jax.process_index() == 0)
+        self._lock = lock.acquire()  # before orbax cleans the folder's temporaries
         self._checkpointer = Checkpointer(
             os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep_checkpoints
         )
@@ -349,6 +362,9 @@ class Trainer:
             self._writer.close()
         if self._checkpointer is not None:
             self._checkpointer.close()
+        if self._lock is not None:
+            self._lock.release()
+        self._writer, self._checkpointer, self._lock = None, None, None
 
     def train_step(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns its metrics (device arrays)."""
