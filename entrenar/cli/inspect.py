@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any
 
 import click
@@ -82,7 +83,7 @@ def _text(data: Any, depth: int) -> None:
 @click.option("--tensors", is_flag=True, help="List every tensor of a model file.")
 def info_cmd(path: str, fmt: str, tensors: bool) -> None:
     """Describe PATH: a run's YAML config or a model file/folder."""
-    if path.lower().endswith(CONFIG_EXTENSIONS) and not _is_model_yaml(path):
+    if path.lower().endswith(CONFIG_EXTENSIONS) and not is_model_yaml(path):
         from entrenar.config import summary
 
         spec = summary.validate(path)
@@ -92,12 +93,22 @@ def info_cmd(path: str, fmt: str, tensors: bool) -> None:
     _emit(data, fmt)
 
 
-def _is_model_yaml(path: str) -> bool:
-    """A YAML file entrenar.io wrote (``metadata`` + ``params``), not a config."""
-    from entrenar.config.spec import read_yaml
+_MODEL_YAML_LINE = re.compile(
+    rb"""^(\{\s*)?["']?format["']?\s*:\s*["']?entrenar\.model["']?\s*([,}#].*)?$"""
+)
+"""A line that opens an `entrenar.io` model document: top-level ``format:``."""
 
-    raw = read_yaml(path)
-    return isinstance(raw, dict) and "params" in raw and "metadata" in raw
+
+def is_model_yaml(path: str) -> bool:
+    """Whether the YAML file ``path`` is a model `entrenar.io` wrote, not a run config.
+
+    A model document has the top-level key ``format: entrenar.model`` (`save_yaml`
+    writes it on the first line, with ``tensors`` and ``metadata``); a run config has
+    no top-level ``format``. The file is scanned line by line, unparsed, so a large
+    model costs no YAML parse here.
+    """
+    with open(path, "rb") as f:
+        return any(_MODEL_YAML_LINE.match(line.rstrip()) for line in f)
 
 
 def _tensor_rows(items: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
@@ -197,4 +208,4 @@ def _size(path: str) -> int:
     return os.path.getsize(path)
 
 
-__all__ = ["info_cmd", "model_info", "plain", "validate_cmd"]
+__all__ = ["info_cmd", "is_model_yaml", "model_info", "plain", "validate_cmd"]

@@ -166,9 +166,10 @@ def eval_cmd(
     (the model file stores its features, target and normalisation) and text for a
     language model.
     """
+    from entrenar.cli.inspect import CONFIG_EXTENSIONS, is_model_yaml
     from entrenar.config.evaluate import evaluate_config, evaluate_model
 
-    if target.lower().endswith((".yaml", ".yml")):
+    if target.lower().endswith(CONFIG_EXTENSIONS) and not is_model_yaml(target):
         out = evaluate_config(target, data=data_path, model=model_path)
     else:
         if data_path is None:

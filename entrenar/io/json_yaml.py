@@ -80,8 +80,12 @@ def save_yaml(model: Model, path: str | os.PathLike[str], pretty: bool = False) 
         yaml.safe_dump(doc, f, sort_keys=False, default_flow_style=None, width=120)
 
 
-def _check_nested(data: Any, shape: list[int], where: str) -> None:
-    """Check nested lists have exactly ``shape``, level by level (no recursion)."""
+def _check_nested(data: Any, shape: list[int], where: str) -> list[Any]:
+    """Check nested lists have exactly ``shape``, level by level (no recursion).
+
+    Returns:
+        The ``prod(shape)`` values, flat, in row-major order.
+    """
     level = [data]
     for depth, n in enumerate(shape):
         nxt: list[Any] = []
@@ -94,6 +98,42 @@ def _check_nested(data: Any, shape: list[int], where: str) -> None:
     for x in level:
         if isinstance(x, (list, dict)):
             raise FormatError(f"{where}: data nests deeper than shape {shape}")
+    return level
+
+
+NON_FINITE = frozenset({"nan", "inf", "-inf"})
+"""Strings that stand for non-finite floats (JSON has no literal for them)."""
+
+
+def _allowed(kind: str) -> tuple[set[type], str]:
+    """Python types a tensor of dtype kind ``kind`` may hold, and their description."""
+    if kind == "b":
+        return {bool}, "true or false"
+    if kind in "iu":
+        return {int}, "integers"
+    return {int, float, str}, 'numbers (or "nan", "inf", "-inf")'
+
+
+def _check_values(values: list[Any], dtype: str, where: str) -> None:
+    """Each value is of a Python type ``dtype`` takes: no null, no bool as a number.
+
+    ``true`` or ``2.7`` in an integer tensor, ``null`` in a float one (numpy would
+    make them 1, 2 and NaN) are `FormatError`s naming the value's flat index.
+    """
+    allowed, want = _allowed(STORAGE_DTYPES[dtype].kind)
+    kinds = set(map(type, values))
+    strings = {x for x in values if type(x) is str} if str in kinds else set()
+    if kinds <= allowed and strings <= NON_FINITE:
+        return
+    i, x = next(
+        (i, x)
+        for i, x in enumerate(values)
+        if type(x) not in allowed or (type(x) is str and x not in NON_FINITE)
+    )
+    got = "null" if x is None else f"{str(x)[:40]!r} ({type(x).__name__})"
+    raise FormatError(
+        f"{where}: value {i} (row-major) is {got}; dtype {dtype} holds only {want}"
+    )
 
 
 def _tensor(name: str, t: Any, path: str, budget: int) -> np.ndarray:
@@ -101,7 +141,7 @@ def _tensor(name: str, t: Any, path: str, budget: int) -> np.ndarray:
     if not isinstance(t, Mapping) or set(t) != {"dtype", "shape", "data"}:
         raise FormatError(f"{where} must be a mapping with dtype, shape and data")
     dtype, shape = t["dtype"], t["shape"]
-    if dtype not in STORAGE_DTYPES:
+    if not isinstance(dtype, str) or dtype not in STORAGE_DTYPES:
         raise FormatError(
             f"{where}: dtype {dtype!r} is not one of {sorted(STORAGE_DTYPES)}"
         )
@@ -113,7 +153,7 @@ def _tensor(name: str, t: Any, path: str, budget: int) -> np.ndarray:
         raise FormatError(f"{where}: shape {shape!r} must be a list of ints >= 0")
     if math.prod(shape) > budget:
         raise FormatError(f"{where}: shape {shape} has more values than the file")
-    _check_nested(t["data"], shape, where)
+    _check_values(_check_nested(t["data"], shape, where), dtype, where)
     try:
         with np.errstate(over="raise", invalid="raise"):  # 1e10 as float16: error
             return np.array(t["data"], dtype=STORAGE_DTYPES[dtype]).reshape(shape)
