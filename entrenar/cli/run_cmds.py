@@ -124,8 +124,13 @@ def _fmt(v: Any) -> str:
 
 
 def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
-    """``("lora.rank=16", ...)`` as overrides; each value is parsed as YAML."""
-    import yaml
+    """``("lora.rank=16", ...)`` as overrides; each value is parsed as YAML.
+
+    Values are read within `entrenar.io.bounded`'s limits (nesting, aliases), as
+    config files are.
+    """
+    from entrenar.errors import ConfigError
+    from entrenar.io.bounded import parse_yaml
 
     out: dict[str, Any] = {}
     for item in sets:
@@ -133,11 +138,9 @@ def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
         if not eq or not key:
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
         try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise click.BadParameter(
-                f"{item!r}: bad value", param_hint="--set"
-            ) from None
+            out[key.strip()] = parse_yaml(value, key.strip(), error=ConfigError)
+        except ConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--set") from None
     return out
 
 

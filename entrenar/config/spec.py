@@ -1,6 +1,7 @@
 """`TrainSpec`, the whole YAML file, and `load_config` / `validate`.
 
-``load_config(path, overrides)`` reads the file with ``yaml.safe_load``, applies the
+``load_config(path, overrides)`` reads the file with ``yaml.safe_load`` within the
+limits of `entrenar.io.bounded` (size, depth, aliases), applies the
 dotted-key overrides (``{"training.max_steps": 5}``) to the mapping, checks every key
 and value (`entrenar.config.fields.parse`), resolves input paths against the config
 file's folder and checks that they exist. Every failure is a `ConfigError` whose
@@ -17,8 +18,6 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
 from entrenar.config.fields import hints, key_names, option, parse, unknown_key
 from entrenar.config.models import arch_config
 from entrenar.config.sections import (
@@ -33,7 +32,8 @@ from entrenar.config.sections import (
     TrainingSection,
 )
 from entrenar.errors import ConfigError, EntrenarError
-from entrenar.io import read_gguf, smollm2_path
+from entrenar.io import bounded, read_gguf, smollm2_path
+from entrenar.io.bounded import MAX_CONFIG_BYTES
 
 DATA_EXTENSIONS = (".jsonl", ".csv", ".parquet")
 
@@ -267,21 +267,21 @@ def _copy(x: Any) -> Any:
     return x
 
 
-def read_yaml(path: str | os.PathLike[str]) -> Any:
-    """``yaml.safe_load`` of a file, with missing files and bad YAML as ConfigError."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path}: no such config file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+def read_yaml(
+    path: str | os.PathLike[str], *, max_bytes: int = MAX_CONFIG_BYTES
+) -> Any:
+    """A YAML config file read within `entrenar.io.bounded`'s limits.
+
+    Aliases may stand for at most `MAX_ALIAS_NODES` nodes in all and nesting is at
+    most `MAX_DEPTH` deep, so the copy `load_config` makes stays small.
+
+    Raises:
+        ConfigError: a missing, too large, non-UTF-8 or invalid file, or a limit
+            exceeded, naming the file (and the line and column).
+    """
+    return bounded.read_yaml(
+        path, error=ConfigError, max_bytes=max_bytes, what="config file"
+    )
 
 
 def load_config(

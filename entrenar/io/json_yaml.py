@@ -13,7 +13,9 @@ Floats are written with Python's shortest round-trip ``repr`` of their float64 v
 which is exact for float16/bfloat16/float32/float64, so loading gives back the same
 bits (NaN payloads aside). JSON has no NaN or infinity: they are written as the
 strings ``"nan"``, ``"inf"``, ``"-inf"``; YAML writes ``.nan``, ``.inf``, ``-.inf``.
-YAML is read with ``yaml.safe_load``.
+YAML is read with ``yaml.safe_load`` within the limits of `entrenar.io.bounded`
+(nesting depth, aliases); the files' sizes are checked first (`MAX_JSON_BYTES`,
+`MAX_YAML_BYTES`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import yaml
 
 from entrenar.errors import FormatError
 from entrenar.io.atomic import atomic_write
+from entrenar.io.bounded import read_json, read_yaml
 from entrenar.io.model import (
     STORAGE_DTYPES,
     Model,
@@ -40,6 +43,10 @@ from entrenar.io.model import (
 FORMAT_NAME = "entrenar.model"
 FORMAT_VERSION = 1
 _MAX_RANK = 8
+MAX_JSON_BYTES = 1 << 30
+"""Size limit of a JSON model file (1 GiB; larger models belong in safetensors)."""
+MAX_YAML_BYTES = 64 << 20
+"""Size limit of a YAML model file (64 MiB: the YAML parser is pure Python)."""
 
 
 def _json_safe(x: Any) -> Any:
@@ -179,32 +186,28 @@ def model_from_document(doc: Any, path: str, budget: int) -> Model:
 
 
 def load_json(path: str | os.PathLike[str]) -> Model:
-    """Read a model written by `save_json`.
+    """Read a model written by `save_json` (at most `MAX_JSON_BYTES`).
 
     Raises:
-        FormatError: invalid JSON or a document that does not validate.
+        FormatError: a file too large, not UTF-8, invalid JSON (naming the line and
+            column), or a document that does not validate.
     """
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-        raise FormatError(f"{path}: invalid JSON: {e}") from None
+    doc = read_json(path, max_bytes=MAX_JSON_BYTES, max_depth=None, what="model file")
     return model_from_document(doc, path, os.path.getsize(path))
 
 
 def load_yaml(path: str | os.PathLike[str]) -> Model:
-    """Read a model written by `save_yaml` (with ``yaml.safe_load``).
+    """Read a model written by `save_yaml` (at most `MAX_YAML_BYTES`).
+
+    The YAML is read within `entrenar.io.bounded`'s limits (nesting, aliases).
 
     Raises:
-        FormatError: invalid YAML or a document that does not validate.
+        FormatError: a file too large, not UTF-8, invalid YAML (naming the line and
+            column), a limit exceeded, or a document that does not validate.
     """
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except (yaml.YAMLError, ValueError, RecursionError) as e:
-        raise FormatError(f"{path}: invalid YAML: {e}") from None
+    doc = read_yaml(path, max_bytes=MAX_YAML_BYTES, what="model file")
     return model_from_document(doc, path, os.path.getsize(path))
 
 

@@ -28,9 +28,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
-from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.io.bounded import read_yaml
 from entrenar.merge.schedule import Setting, check_setting
 
 METHODS: dict[str, dict[str, Any]] = {
@@ -89,12 +88,17 @@ _TOP = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelRef:
-    """One input model: its path (resolved), optional adapter, per-model settings."""
+    """One input model: its path (resolved), optional adapter, per-model settings.
+
+    ``key`` names where the recipe gave it (``"recipe.yaml: models[1].model"``), so
+    an error opening the model points at the recipe line to fix.
+    """
 
     path: str
     adapter: str | None = None
     parameters: Mapping[str, Setting] = dataclasses.field(default_factory=dict)
     layer_range: tuple[int, int] | None = None
+    key: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +166,9 @@ def _model_ref(entry: Any, method: str, folder: str, where: str) -> ModelRef:
         or not all(type(r) is int for r in rng)
     ):
         raise ConfigError(f"{where}.layer_range must be [start, end], got {rng!r}")
-    return ModelRef(path, adapter, params, tuple(rng) if rng else None)
+    return ModelRef(
+        path, adapter, params, tuple(rng) if rng else None, f"{where}.model"
+    )
 
 
 def _model_entries(doc: Mapping[str, Any], source: str) -> tuple[Any, Any]:
@@ -223,7 +229,7 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
             raise UnsupportedError(f"{source}: 'modules' recipes are not supported")
         raise ConfigError(f"{source}: unknown keys {sorted(unknown)}")
     method = doc.get("merge_method")
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ConfigError(
             f"{source}: merge_method {method!r} is not one of {sorted(METHODS)}"
         )
@@ -246,7 +252,7 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
     base = None
     if base_spec is not None:
         path, adapter = _resolve_path(base_spec, folder, f"{source}: base_model")
-        base = ModelRef(path, adapter, {}, next(iter(ranges)))
+        base = ModelRef(path, adapter, {}, next(iter(ranges)), f"{source}: base_model")
     if METHODS[method]["kind"] != "linear" and base is None:
         raise ConfigError(f"{source}: {method} needs a base_model")
     params = _parameters(
@@ -255,7 +261,7 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
     dtypes = {}
     for k in ("dtype", "out_dtype"):
         v = doc.get(k)
-        if v is not None and v not in DTYPES:
+        if v is not None and (not isinstance(v, str) or v not in DTYPES):
             raise ConfigError(f"{source}: {k} {v!r} is not one of {sorted(DTYPES)}")
         dtypes[k] = DTYPES[v] if v is not None else None
     seed = doc.get("random_seed", 0)
@@ -273,20 +279,18 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
 
 
 def load_recipe(path: str | os.PathLike[str]) -> Recipe:
-    """Read and validate a recipe YAML file (``yaml.safe_load``).
+    """Read and validate a recipe YAML file (`entrenar.io.bounded.read_yaml`).
+
+    The file is read within the limits of `entrenar.io.bounded`: at most 1 MiB,
+    nesting at most 100 deep, aliases standing for at most 10,000 nodes in all.
 
     Raises:
-        FormatError: the file is missing or not YAML.
+        FormatError: the file is missing, too large, not UTF-8 or not YAML, or
+            exceeds a limit.
         ConfigError: see `parse_recipe`.
     """
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: no such recipe file") from None
-    except yaml.YAMLError as e:
-        raise FormatError(f"{path}: not valid YAML: {e}") from None
+    doc = read_yaml(path, what="recipe file")
     return parse_recipe(doc, os.path.dirname(os.path.abspath(path)), path)
 
 

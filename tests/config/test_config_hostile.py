@@ -1,0 +1,106 @@
+"""Hostile run configs, recipes and --set values: a ConfigError at once, exit code 2."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from entrenar import merge
+from entrenar.cli import cli
+from entrenar.cli.run_cmds import parse_sets
+from entrenar.config import load_config
+from entrenar.errors import ConfigError, FormatError
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail (instead of hanging) when the body runs longer than ``seconds``."""
+
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+BOMB = "".join(
+    [f"a: &a [{', '.join(['x'] * 9)}]\n"]
+    + [
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n"
+        for p, c in zip("abcdefgh", "bcdefghi")
+    ]
+)
+"""Nine levels of nine aliases: 9**9 = 387,420,489 leaves from 342 bytes."""
+
+
+def test_an_alias_bomb_config_is_refused_in_well_under_a_second(tmp_path):
+    p = tmp_path / "bomb.yaml"
+    p.write_text(BOMB)
+    start = time.perf_counter()
+    with deadline(10), pytest.raises(ConfigError, match=r"bomb\.yaml.*alias bomb"):
+        load_config(p)
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("model: &a {path: *a}\n", r"line 1, column 18\): alias \*a is inside"),
+        ("training: " + "[" * 200 + "]" * 200 + "\n", "nests deeper than 100"),
+        ("training: {max_steps: " + "7" * 5000 + "}\n", "an integer of 5000"),
+    ],
+)
+def test_cyclic_deep_and_huge_configs_are_config_errors(tmp_path, text, match):
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    with deadline(10), pytest.raises(ConfigError, match=r"run\.yaml.*" + match):
+        load_config(p)
+
+
+def test_a_config_that_is_not_utf8_names_the_line(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_bytes(b"model:\n  path: m\xff.gguf\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml line 2, column 10: not UTF-8"):
+        load_config(p)
+
+
+def test_set_values_are_bounded_as_files_are():
+    assert parse_sets(("training.max_steps=5",)) == {"training.max_steps": 5}
+    with deadline(10), pytest.raises(click.BadParameter, match="alias bomb"):
+        parse_sets(("model.config=" + BOMB.replace("\n", ", ").join("{}"),))
+    with pytest.raises(click.BadParameter, match=r"lora\.rank.*a cycle"):
+        parse_sets(("lora.rank=&a [*a]",))
+
+
+def test_a_recipe_bomb_is_a_format_error(tmp_path):
+    p = tmp_path / "recipe.yaml"
+    p.write_text("merge_method: linear\n" + BOMB)
+    with deadline(10), pytest.raises(FormatError, match=r"recipe\.yaml.*alias bomb"):
+        merge.load_recipe(p)
+    p.write_bytes(b"merge_method: lin\xc3ear\n")
+    with pytest.raises(FormatError, match=r"recipe\.yaml line 1, column 18: not UTF"):
+        merge.load_recipe(p)
+
+
+@pytest.mark.parametrize("command", ["validate", "info", "merge"])
+def test_the_command_line_exits_2_with_one_line(tmp_path, command):
+    p = tmp_path / "bomb.yaml"
+    p.write_text(BOMB)
+    args = [command, str(p)]
+    if command == "merge":
+        args = [command, "--config", str(p), "-o", str(tmp_path / "out")]
+    with deadline(30):
+        result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert "alias bomb" in result.output
+    assert "Traceback" not in result.output
