@@ -20,12 +20,29 @@ CONFIG_EXTENSIONS = (".yaml", ".yml")
 @command("validate")
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--detailed", is_flag=True, help="Also print what the run will do.")
-def validate_cmd(config: str, detailed: bool) -> None:
-    """Check CONFIG (keys, types, ranges, files, model sizes) without training."""
-    from entrenar.config import summary
+@click.option(
+    "--sample",
+    type=click.IntRange(min=0),
+    help="Rows of each text data file to tokenize, evenly spaced (default 1000; "
+    "0: all). Every row is parsed whatever the sample.",
+)
+def validate_cmd(config: str, detailed: bool, sample: int | None) -> None:
+    """Check CONFIG as `train` would, in seconds, without training.
+
+    Keys, types, ranges and model sizes; the model file's header (not its
+    weights) and the tokenizer; every row of the data files parsed and checked,
+    a sample tokenized; then the predicted rows, tokens, sequences and steps.
+    """
+    from entrenar.config import preflight, summary
 
     spec = summary.validate(config)
+    lines = []
+    if not spec.is_merge:
+        options = {} if sample is None else {"sample": sample}
+        lines = preflight.format_preflight(preflight.preflight(spec, **options))
     click.echo(f"✓ Configuration is valid: {config}")
+    for line in lines:
+        click.echo(line)
     if detailed:
         for line in summary.format_summary(summary.summarize(spec)):
             click.echo(line)

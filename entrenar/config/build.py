@@ -153,7 +153,8 @@ def _tabular(
     return RunData(train, valid, steps, len(train["x"]), stats)
 
 
-def _text(spec: TrainSpec, built: BuiltModel) -> RunData:
+def check_lm(spec: TrainSpec, built: BuiltModel) -> None:
+    """What text data needs of the model: a tokenizer that fits its vocabulary."""
     d = spec.data
     assert d is not None
     if built.tokenizer is None:
@@ -169,36 +170,68 @@ def _text(spec: TrainSpec, built: BuiltModel) -> RunData:
         )
     if d.packing and built.architecture == "gpt2":
         raise ConfigError("data.packing: GPT-2 does not take packed rows; use llama")
-    fmt: Any = "text" if d.format == "auto" else d.format
+    if d.validation is None and d.validation_split > 0:
+        raise ConfigError(
+            "data.validation_split: for text data give a `validation` file instead"
+        )
+
+
+def text_loader(
+    spec: TrainSpec,
+    built: BuiltModel,
+    path: str,
+    *,
+    train: bool = True,
+    records: data_lib.Records | None = None,
+) -> data_lib.TextLoader:
+    """The loader of text file ``path`` as the run reads it (``records``: its rows).
+
+    Training batches hold ``batch_size × grad_accum`` rows, shuffled, the last
+    incomplete one dropped; evaluation batches ``batch_size`` rows in order.
+    """
+    d = spec.data
+    assert d is not None
     fields = {
         "text": d.text_field,
         "prompt": d.prompt_field,
         "completion": d.completion_field,
         "messages": d.messages_field,
     }
-    rows = d.batch_size * spec.training.grad_accum
+    fmt: Any = "text" if d.format == "auto" else d.format
     common: dict[str, Any] = dict(
         format=fmt, seq_len=d.seq_len, packing=d.packing, fields=fields
     )
-    train = data_lib.lm_loader(
-        d.train, built.tokenizer, batch_size=rows, shuffle=d.shuffle,
-        seed=spec.training.seed, drop_last=True, **common,
-    )  # fmt: skip
-    valid = None
-    if d.validation is not None:
-        valid = data_lib.lm_loader(
-            d.validation, built.tokenizer, batch_size=d.batch_size, shuffle=False,
-            **common,
-        )  # fmt: skip
-    elif d.validation_split > 0:
-        raise ConfigError(
-            "data.validation_split: for text data give a `validation` file instead"
+    source = path if records is None else records
+    if not train:
+        return data_lib.lm_loader(
+            source, built.tokenizer, batch_size=d.batch_size, shuffle=False, **common
         )
-    if len(train) == 0:
+    return data_lib.lm_loader(
+        source, built.tokenizer, batch_size=d.batch_size * spec.training.grad_accum,
+        shuffle=d.shuffle, seed=spec.training.seed, drop_last=True, **common,
+    )  # fmt: skip
+
+
+def check_steps(spec: TrainSpec, loader: data_lib.TextLoader) -> None:
+    """A training loader that makes no full step is a `ConfigError`."""
+    d = spec.data
+    assert d is not None
+    if len(loader) == 0:
         raise ConfigError(
             f"data.batch_size: {d.train} has fewer rows than batch_size × grad_accum "
-            f"= {rows}"
+            f"= {d.batch_size * spec.training.grad_accum}"
         )
+
+
+def _text(spec: TrainSpec, built: BuiltModel) -> RunData:
+    d = spec.data
+    assert d is not None
+    check_lm(spec, built)
+    train = text_loader(spec, built, d.train)
+    valid = None
+    if d.validation is not None:
+        valid = text_loader(spec, built, d.validation, train=False)
+    check_steps(spec, train)
     return RunData(train, valid, len(train), train.documents, {})
 
 
@@ -308,6 +341,9 @@ __all__ = [
     "build_data",
     "build_optimizer",
     "build_schedule",
+    "check_lm",
+    "check_steps",
+    "text_loader",
     "total_steps",
     "train_config",
 ]

@@ -21,6 +21,7 @@ from entrenar import data, io, nn
 from entrenar.config.fields import convert, unknown_key
 from entrenar.config.sections import ModelSection
 from entrenar.errors import ConfigError, EntrenarError, FormatError
+from entrenar.io.safetensors_io import metadata_from_header
 from entrenar.types import Params
 
 ARCH_CLASSES: dict[str, type] = {
@@ -87,13 +88,19 @@ def config_dict(config: Any) -> dict[str, Any]:
     }
 
 
-def from_scratch(section: ModelSection, *, key: Any) -> BuiltModel:
-    """Initialise ``section.architecture`` with the sizes in ``section.config``."""
+def from_scratch(
+    section: ModelSection, *, key: Any, shapes_only: bool = False
+) -> BuiltModel:
+    """Initialise ``section.architecture`` with the sizes in ``section.config``.
+
+    ``shapes_only``: the params are `jax.ShapeDtypeStruct` leaves (nothing allocated).
+    """
     assert section.architecture is not None  # ModelSection.check guarantees it
     sizes = dict(section.config)
     sizes.setdefault("param_dtype", section.dtype)
     config = arch_config(section.architecture, sizes, "model.config")
-    return BuiltModel(section.architecture, config, config.init(key))
+    params = jax.eval_shape(config.init, key) if shapes_only else config.init(key)
+    return BuiltModel(section.architecture, config, params)
 
 
 def load_built(
@@ -122,7 +129,7 @@ def load_built(
                 g, keep_quantized=keep_quantized, dtype=dtype
             )
             has_tok = "tokenizer.ggml.tokens" in g.metadata
-            tok = load_tokenizer_file(path) if has_tok else None
+            tok = load_tokenizer_file(g) if has_tok else None
             return BuiltModel("llama", config, params, tok, path)
     model = io.load_model(path)
     custom = model.metadata.custom
@@ -131,7 +138,15 @@ def load_built(
         from entrenar.config.export import restore_quantized
 
         tree = restore_quantized(tree, custom["quantization"], path)
-    arch = model.metadata.architecture
+    arch, config = _stored_config(path, model.metadata)
+    params = jax.tree_util.tree_map(jax.numpy.asarray, tree)
+    tokenizer = _stored_tokenizer(path, custom)
+    return BuiltModel(arch, config, params, tokenizer, path, dict(custom))
+
+
+def _stored_config(path: str, meta: io.ModelMetadata) -> tuple[str, Any]:
+    """The architecture and model config an entrenar file's metadata names."""
+    custom, arch = meta.custom, meta.architecture
     if "llama_config" in custom:
         arch, fields = "llama", custom["llama_config"]
     elif isinstance(custom.get("model_config"), Mapping) and arch in ARCH_CLASSES:
@@ -142,29 +157,80 @@ def load_built(
             f"{arch!r}, no custom.model_config); save models with "
             "entrenar.config.save_built or give model.architecture and model.config"
         )
-    config = arch_config(arch, fields, f"{path}: model_config")
-    params = jax.tree_util.tree_map(jax.numpy.asarray, tree)
-    tok = custom.get("tokenizer")  # relative to the model file's folder
+    return arch, arch_config(arch, fields, f"{path}: model_config")
+
+
+def _stored_tokenizer(path: str, custom: Mapping[str, Any]) -> Any:
+    """The tokenizer ``custom["tokenizer"]`` names (relative to the file), or None."""
+    tok = custom.get("tokenizer")
     if isinstance(tok, str):
         tok = os.path.join(os.path.dirname(os.path.abspath(path)), tok)
-    tokenizer = load_tokenizer_file(tok) if tok and os.path.isfile(tok) else None
-    return BuiltModel(arch, config, params, tokenizer, path, dict(custom))
+    return load_tokenizer_file(tok) if tok and os.path.isfile(tok) else None
 
 
-def load_tokenizer_file(path: str) -> Any:
+def read_header(path: str) -> BuiltModel:
+    """What `load_built` reads from ``path``, from the file's header alone.
+
+    The params are shapes (`jax.ShapeDtypeStruct`, from ``config.init``), so a
+    100 MB GGUF is checked in a fraction of a second: a llama.cpp GGUF's magic,
+    version, metadata and tensor table (`entrenar.io.read_llama_header`), a Hugging
+    Face folder's ``config.json`` and safetensors headers, an entrenar safetensors
+    file's header. Other entrenar files (JSON, YAML, GGUF) are loaded whole. The
+    tokenizer is loaded as `load_built` loads it.
+
+    Raises:
+        FormatError: a file `load_built` would refuse for its header.
+    """
+    if os.path.isdir(path):
+        config: Any = io.read_hf_llama_header(path)
+        return BuiltModel("llama", config, _shapes(config), None, path)
+    fmt = io.detect_format(path)
+    if fmt == io.ModelFormat.GGUF:
+        g = io.read_gguf(path)
+        if "entrenar.version" not in g.fields:
+            _, config = io.read_llama_header(g)
+            has_tok = "tokenizer.ggml.tokens" in g.metadata
+            tok = load_tokenizer_file(g) if has_tok else None
+            return BuiltModel("llama", config, _shapes(config), tok, path)
+    if fmt != io.ModelFormat.SAFETENSORS:
+        return load_built(path)
+    _, header = io.read_safetensors(path)
+    meta = metadata_from_header(header, path)
+    arch, config = _stored_config(path, meta)
+    tok = _stored_tokenizer(path, meta.custom)
+    return BuiltModel(arch, config, _shapes(config), tok, path, dict(meta.custom))
+
+
+def _shapes(config: Any) -> Any:
+    """The params ``config.init`` makes, as `jax.ShapeDtypeStruct` leaves."""
+    return jax.eval_shape(config.init, jax.random.key(0))
+
+
+def load_tokenizer_file(path: str | io.GGUFFile) -> Any:
     """The fast tokenizer of a ``.gguf`` file (`entrenar.data.load_fast_tokenizer`)."""
     return data.load_fast_tokenizer(path)
 
 
-def build_model(section: ModelSection, *, key: Any) -> BuiltModel:
-    """The model a ``model:`` section names: loaded from its path or from scratch."""
+def build_model(
+    section: ModelSection, *, key: Any, header_only: bool = False
+) -> BuiltModel:
+    """The model a ``model:`` section names: loaded from its path or from scratch.
+
+    ``header_only``: read only the file's header (`read_header`), the params as
+    shapes; every check but those of the tensors' bytes is the same.
+    """
     if section.path is None:
-        built = from_scratch(section, key=key)
+        built = from_scratch(section, key=key, shapes_only=header_only)
     else:
         try:
-            built = load_built(
-                section.path, keep_quantized=section.keep_quantized, dtype=section.dtype
-            )
+            if header_only:
+                built = read_header(section.path)
+            else:
+                built = load_built(
+                    section.path,
+                    keep_quantized=section.keep_quantized,
+                    dtype=section.dtype,
+                )
         except EntrenarError as e:
             raise type(e)(f"model.path: {e}") from None
         if section.architecture not in (None, built.architecture):
@@ -266,5 +332,6 @@ __all__ = [
     "lists_from_dicts",
     "load_built",
     "load_tokenizer_file",
+    "read_header",
     "save_built",
 ]

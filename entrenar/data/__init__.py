@@ -36,6 +36,7 @@ from entrenar.data.formatting import (
     detect_record_format,
     encode_records,
     label_segments,
+    record_fields,
     special_texts,
 )
 from entrenar.data.protocol import ArrayLoader, Batch, Loader, epoch_permutation
@@ -77,6 +78,7 @@ __all__ = [
     "read_csv",
     "read_jsonl",
     "read_parquet",
+    "record_fields",
     "render_chat",
     "special_texts",
     "to_arrays",

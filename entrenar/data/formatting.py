@@ -110,6 +110,25 @@ def label_segments(
     return labels
 
 
+FORMAT_FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
+    "text": (("text", str),),
+    "prompt_completion": (("prompt", str), ("completion", str)),
+    "chat": (("messages", (list, tuple)),),
+}
+"""The fields each format reads (by their default names) and their types."""
+
+
+def record_fields(
+    recs: Records, i: int, format: Format, fields: Mapping[str, str]
+) -> list[Any]:
+    """Record ``i``'s values of the fields ``format`` reads (`FORMAT_FIELDS`).
+
+    ``fields`` renames them (``{"text": "body"}``). A missing field or one of the
+    wrong type is a `FormatError` naming the file, the row and the column.
+    """
+    return [recs.value(i, fields[k], kind) for k, kind in FORMAT_FIELDS[format]]
+
+
 def record_segments(
     recs: Records,
     i: int,
@@ -120,17 +139,17 @@ def record_segments(
     chat_variables: dict[str, Any],
 ) -> list[tuple[str, bool]]:
     """The ``(text, trained)`` segments of record ``i`` in ``format``."""
+    values = record_fields(recs, i, format, fields)
     if format == "text":
-        return [(recs.value(i, fields["text"], str), True)]
+        return [(values[0], True)]
     if format == "prompt_completion":
-        prompt = recs.value(i, fields["prompt"], str)
-        return [(prompt, False), (recs.value(i, fields["completion"], str), True)]
+        return [(values[0], False), (values[1], True)]
     if chat_template is None:
         raise ConfigError(
             "format='chat' needs a chat template: pass chat_template= or a tokenizer "
             "loaded from a GGUF that has tokenizer.chat_template"
         )
-    messages = recs.value(i, fields["messages"], (list, tuple))
+    messages = values[0]
     try:
         text, spans = assistant_spans(messages, chat_template, **chat_variables)
     except FormatError as e:
@@ -268,6 +287,7 @@ def encode_records(
 
 __all__ = [
     "FORMATS",
+    "FORMAT_FIELDS",
     "IGNORE_INDEX",
     "Format",
     "Tokenizer",
@@ -275,6 +295,7 @@ __all__ = [
     "detect_record_format",
     "encode_records",
     "label_segments",
+    "record_fields",
     "record_segments",
     "special_texts",
     "token_lengths",

@@ -49,6 +49,8 @@ class TextLoader:
     Attributes:
         arrays: all rows, ``{key: (N, seq_len)}``.
         documents: how many documents the rows hold.
+        document_tokens: the documents' tokens before they were fitted to
+            ``seq_len`` (`tokens_per_epoch` counts those the rows keep).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class TextLoader:
         layout = pack_rows if packing else pad_rows
         self.arrays = layout(docs, seq_len, pad_id=pad_id, overflow=overflow)
         self.documents = sum(len(ids) > 0 for ids, _ in docs)
+        self.document_tokens = sum(len(ids) for ids, _ in docs)
         if not len(self.arrays["input_ids"]):
             raise no_tokens_error(records)
         self.seq_len, self.packing, self.pad_id = int(seq_len), packing, pad_id

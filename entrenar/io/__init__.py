@@ -26,13 +26,14 @@ from entrenar.io.gguf_reader import (
     read_gguf,
 )
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
-from entrenar.io.hf_llama import load_hf_llama
+from entrenar.io.hf_llama import load_hf_llama, read_hf_llama_header
 from entrenar.io.json_yaml import load_json, load_yaml, save_json, save_yaml
 from entrenar.io.llama_gguf import (
     llama_config_from_gguf,
     load_llama_gguf,
     load_tokenizer,
     permute_qk,
+    read_llama_header,
     unpermute_qk,
 )
 from entrenar.io.llama_gguf_write import save_llama_gguf
@@ -76,6 +77,8 @@ __all__ = [
     "load_yaml",
     "permute_qk",
     "read_gguf",
+    "read_hf_llama_header",
+    "read_llama_header",
     "read_safetensors",
     "save_json",
     "save_llama_gguf",

@@ -29,6 +29,41 @@ def _json(path: str) -> Any:
         raise FormatError(f"{path}: invalid JSON: {e}") from None
 
 
+def _config_and_files(folder: str) -> tuple[LlamaConfig, list[str]]:
+    """The folder's `LlamaConfig` and its safetensors files (checked names)."""
+    hf = _json(os.path.join(folder, "config.json"))
+    if not isinstance(hf, dict):
+        raise FormatError(f"{folder}/config.json is not a JSON object")
+    config = LlamaConfig.from_hf_config(hf)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = _json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise FormatError(f"{index}: 'weight_map' must map names to files")
+        files = sorted({str(v) for v in weight_map.values()})
+    else:
+        files = ["model.safetensors"]
+    for name in files:
+        if os.path.basename(name) != name:
+            raise FormatError(f"{index}: shard name {name!r} must be a plain file name")
+    return config, [os.path.join(folder, name) for name in files]
+
+
+def read_hf_llama_header(folder: str | os.PathLike[str]) -> LlamaConfig:
+    """The `LlamaConfig` of a checkpoint folder, its files checked, no tensor read.
+
+    ``config.json``, the shard index and each safetensors file's header are
+    validated (`read_safetensors` maps the data without reading it).
+
+    Raises:
+        FormatError: missing or invalid files.
+    """
+    config, files = _config_and_files(os.fspath(folder))
+    for file in files:
+        read_safetensors(file)
+    return config
+
+
 def load_hf_llama(
     folder: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[LlamaConfig, Params]:
@@ -45,26 +80,12 @@ def load_hf_llama(
     Raises:
         FormatError: missing or invalid files, or tensors that do not fit the config.
     """
-    folder = os.fspath(folder)
-    hf = _json(os.path.join(folder, "config.json"))
-    if not isinstance(hf, dict):
-        raise FormatError(f"{folder}/config.json is not a JSON object")
-    config = LlamaConfig.from_hf_config(hf)
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        weight_map = _json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise FormatError(f"{index}: 'weight_map' must map names to files")
-        files = sorted({str(v) for v in weight_map.values()})
-    else:
-        files = ["model.safetensors"]
+    config, files = _config_and_files(os.fspath(folder))
     flat: dict[str, Any] = {}
-    for name in files:
-        if os.path.basename(name) != name:
-            raise FormatError(f"{index}: shard name {name!r} must be a plain file name")
-        tensors, _ = read_safetensors(os.path.join(folder, name))
+    for file in files:
+        tensors, _ = read_safetensors(file)
         flat.update(tensors)
     return config, from_hf_names(flat, config, dtype=dtype)  # type: ignore[arg-type]
 
 
-__all__ = ["load_hf_llama"]
+__all__ = ["load_hf_llama", "read_hf_llama_header"]

@@ -248,6 +248,26 @@ def _check_tensors(g: GGUFFile, config: LlamaConfig) -> None:
         raise FormatError(f"{g.path}: unexpected tensors {extra[:5]} for a Llama")
 
 
+def read_llama_header(
+    path: str | os.PathLike[str] | GGUFFile,
+) -> tuple[GGUFFile, LlamaConfig]:
+    """A llama.cpp Llama GGUF's header, checked without reading any tensor data.
+
+    The magic, version and metadata (`read_gguf`), the hyperparameters
+    (`llama_config_from_gguf`) and the tensor table: every tensor the config
+    implies is there with its shape, and no other. `load_llama_gguf` starts with it.
+
+    Raises:
+        FormatError: not a GGUF, a corrupt header, or a tensor table that does not
+            fit the metadata.
+        UnsupportedError: not a Llama, or a GGUF version other than 2 and 3.
+    """
+    g = path if isinstance(path, GGUFFile) else read_gguf(path)
+    config = llama_config_from_gguf(g)
+    _check_tensors(g, config)
+    return g, config
+
+
 def _stack_rows(g: GGUFFile, names: list[str], n_perm: int | None) -> np.ndarray:
     """Raw bytes of ``names`` as ``(L, rows, row_bytes)``, q/k rows un-permuted."""
     rows = np.stack([g.raw(n).reshape(g.tensors[n].shape[0], -1) for n in names])
@@ -278,10 +298,8 @@ def load_llama_gguf(
         FormatError: a corrupt file or tensors that do not fit the metadata.
         UnsupportedError: not a Llama, rope scaling, or an undecodable tensor type.
     """
-    g = path if isinstance(path, GGUFFile) else read_gguf(path)
-    config = llama_config_from_gguf(g)
+    g, config = read_llama_header(path)
     config = dataclasses.replace(config, param_dtype=dtype)
-    _check_tensors(g, config)
     perm = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     params: dict[str, Any] = {"model": {"layers": {}}}
 
@@ -331,5 +349,6 @@ __all__ = [
     "load_llama_gguf",
     "load_tokenizer",
     "permute_qk",
+    "read_llama_header",
     "unpermute_qk",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,42 @@ def test_validate_a_shipped_config():
     assert result.exit_code == 0, result.output
     assert "Configuration is valid" in result.output
     assert "Optimizer: name=adamw, lr=0.01" in result.output
+
+
+def _words_config(tmp_path, train_text, model=None):
+    """A from-scratch GPT-2 number-words run over ``train_text`` (or ``model``)."""
+    (tmp_path / "train.jsonl").write_text(train_text)
+    doc = yaml.safe_load((CONFIGS / "number-words-gpt2.yaml").read_text())
+    doc["model"]["tokenizer"] = str(WORDS / "tokenizer.gguf")
+    if model is not None:
+        doc["model"] = {"path": str(model)}
+    doc["data"] |= {"train": "train.jsonl", "validation": None}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_validate_refuses_what_train_would(tmp_path):
+    rows = (WORDS / "train.jsonl").read_text().splitlines(keepends=True)[:100]
+    good = run("validate", _words_config(tmp_path, "".join(rows)))
+    assert good.exit_code == 0, good.output
+    assert re.search(
+        r"Data train: 100 rows, [\d,]+ tokens, .* 100 sequences", good.output
+    )
+    assert "Steps: 300 (3 per epoch)" in good.output
+    fake = tmp_path / "model.gguf"
+    fake.write_text("a text file named like a model\n")
+    cut = rows[50].index('"completion"')  # the line ends after '"prompt": "...", '
+    cases = [
+        ("".join(rows[:50]) + rows[50][:cut] + "\n", f"line 51, column {cut + 1}:"),
+        ("", "train.jsonl: holds no records"),
+        (rows[0].replace("completion", "answer"), "line 1, column 'completion'"),
+    ]
+    for text, message in cases:
+        result = run("validate", _words_config(tmp_path, text))
+        assert result.exit_code == 2 and message in result.stderr, result.output
+    result = run("validate", _words_config(tmp_path, "".join(rows), model=fake))
+    assert result.exit_code == 2 and "model.gguf: magic" in result.stderr
 
 
 BROKEN = [

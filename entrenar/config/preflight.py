@@ -1,0 +1,249 @@
+"""`preflight`: what `train` would refuse, found in seconds, and the size of the run.
+
+``entrenar validate`` runs it after `validate` (the config's keys, values and files).
+It runs what `train_from_yaml` runs, without the weights and without training:
+
+1. the model from its header alone (`build_model` with ``header_only``): a GGUF's
+   magic, version, metadata and tensor table, never its tensors; the tokenizer; the
+   rules that depend on the architecture and on the precision settings;
+2. tabular data: `build_data` itself (every row read and converted);
+3. text data: every row of every file parsed (`entrenar.data.load_records`) and the
+   fields its format reads checked (`entrenar.data.record_fields`); an evenly
+   spaced sample of rows (every row, up to ``sample``) tokenized and laid out by the
+   loader training builds (`text_loader`), its counts scaled to the whole file.
+
+A problem is the error `train` would raise (naming the file, line and column for
+data); the report predicts the rows, tokens, sequences and steps of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from entrenar import data as data_lib
+from entrenar.config.build import (
+    build_data,
+    check_lm,
+    check_steps,
+    text_loader,
+    total_steps,
+)
+from entrenar.config.models import BuiltModel, build_model, read_header
+from entrenar.config.spec import TrainSpec
+
+SAMPLE_ROWS = 1000
+"""Rows of a text file tokenized by default (evenly spaced; all of a smaller file)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TextPlan:
+    """The predicted size of one text data file in the run.
+
+    Attributes:
+        path: the file.
+        rows: its records (every row was parsed).
+        sampled: rows tokenized (``rows`` when the counts are exact).
+        tokens: tokens of the documents, before fitting them to ``seq_len``.
+        kept: tokens the rows of ``seq_len`` keep (after truncation or packing).
+        trained: tokens with a loss (the completion, the assistant's replies).
+        sequences: rows of ``seq_len`` tokens.
+        steps: optimizer steps in one epoch (training file), else batches.
+    """
+
+    path: str
+    rows: int
+    sampled: int
+    tokens: int
+    kept: int
+    trained: int
+    sequences: int
+    steps: int
+
+    @property
+    def exact(self) -> bool:
+        """Whether every row was tokenized (else the counts are estimates)."""
+        return self.sampled == self.rows
+
+
+def sample_records(records: data_lib.Records, n: int) -> data_lib.Records:
+    """At most ``n`` evenly spaced records, the first and last included.
+
+    They keep their file and row numbers, so an error names the file's own line.
+    """
+    if len(records) <= n:
+        return records
+    picks = np.unique(np.linspace(0, len(records) - 1, n).round().astype(int))
+    numbers = records.row_numbers or list(range(1, len(records) + 1))
+    return data_lib.Records(
+        [records.rows[i] for i in picks],
+        records.source,
+        [numbers[i] for i in picks],
+        records.unit,
+    )
+
+
+def _check_fields(spec: TrainSpec, records: data_lib.Records) -> None:
+    """Every record has the fields the format reads, of the right type."""
+    d = spec.data
+    assert d is not None
+    fmt = "text" if d.format == "auto" else d.format
+    names = {"text": d.text_field, "prompt": d.prompt_field}
+    names |= {"completion": d.completion_field, "messages": d.messages_field}
+    for i in range(len(records)):
+        data_lib.record_fields(records, i, fmt, names)
+
+
+def plan_text(
+    spec: TrainSpec,
+    built: BuiltModel,
+    path: str,
+    *,
+    train: bool = True,
+    sample: int = SAMPLE_ROWS,
+) -> TextPlan:
+    """Parse every row of ``path``, tokenize a sample, predict the file's counts.
+
+    Raises:
+        FormatError: a row that does not parse, or lacks a field (file, line,
+            column).
+        ConfigError: an empty file.
+        ShapeError: (every row sampled) too few rows for one step.
+    """
+    d = spec.data
+    assert d is not None
+    records = data_lib.load_records(path)
+    _check_fields(spec, records)
+    part = sample_records(records, max(sample, 1))
+    exact = len(part) == len(records)
+    # The whole file: the loader train builds. A sample: its rows, batched later.
+    loader = text_loader(spec, built, path, train=train and exact, records=part)
+    scale = len(records) / len(part)
+
+    def scaled(n: float) -> int:
+        return int(n) if exact else round(n * scale)
+
+    labels = loader.arrays["labels"]
+    sequences = scaled(len(loader.arrays["input_ids"]))
+    if exact:
+        if train:
+            check_steps(spec, loader)
+        steps = len(loader)
+    elif train:
+        steps = sequences // (d.batch_size * spec.training.grad_accum)
+    else:
+        steps = math.ceil(sequences / d.batch_size)
+    return TextPlan(
+        path=path,
+        rows=len(records),
+        sampled=len(part),
+        tokens=scaled(loader.document_tokens),
+        kept=scaled(loader.tokens_per_epoch()),
+        trained=scaled(int(np.sum(labels != data_lib.IGNORE_INDEX))),
+        sequences=sequences,
+        steps=steps,
+    )
+
+
+def _model_facts(built: BuiltModel) -> dict[str, Any]:
+    shapes = jax.tree_util.tree_leaves(built.params)
+    out: dict[str, Any] = {
+        "architecture": built.architecture,
+        "source": built.source or "from scratch",
+        "parameters": sum(math.prod(x.shape) for x in shapes),
+    }
+    if built.tokenizer is not None:
+        out["tokenizer"] = f"{len(built.tokenizer.tokens)} tokens"
+    context = getattr(built.config, "max_position_embeddings", None)
+    context = context or getattr(built.config, "n_positions", None)
+    if context:
+        out["context"] = context
+    return out
+
+
+def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
+    """Check a validated training run as `train` would, without loading weights.
+
+    Args:
+        spec: a `TrainSpec` from `entrenar.config.validate`.
+        sample: rows of each text file to tokenize (``0``: all of them).
+
+    Returns:
+        ``{"model": {...}, "data": {...}}``: the model's architecture, parameters,
+        tokenizer and context; per data file its rows and (text) the predicted
+        tokens, sequences and steps (`TextPlan`), and the run's steps.
+
+    Raises:
+        EntrenarError: the error `train` would raise, naming the key or the file.
+    """
+    assert spec.model is not None and spec.data is not None
+    d = spec.data
+    built = build_model(spec.model, key=jax.random.key(0), header_only=True)
+    spec.check_architecture(built.architecture)
+    report: dict[str, Any] = {"model": _model_facts(built), "data": {}}
+    if not built.is_lm:
+        teacher = None
+        if spec.distillation is not None:
+            teacher = read_header(spec.distillation.teacher)
+        run = build_data(spec, built, teacher)
+        report["data"]["train"] = {"file": d.train, "rows": run.examples}
+        if run.eval is not None:
+            report["data"]["validation"] = {"rows": len(run.eval["x"])}
+        report["steps_per_epoch"] = run.steps_per_epoch
+        report["steps"] = total_steps(spec, run.steps_per_epoch)
+        return report
+    check_lm(spec, built)
+    rows = sample if sample > 0 else 2**62
+    plan = plan_text(spec, built, d.train, sample=rows)
+    report["data"]["train"] = plan
+    if d.validation is not None:
+        report["data"]["validation"] = plan_text(
+            spec, built, d.validation, train=False, sample=rows
+        )
+    report["steps_per_epoch"] = plan.steps
+    report["steps"] = total_steps(spec, plan.steps)
+    return report
+
+
+def format_preflight(report: dict[str, Any]) -> list[str]:
+    """The report of `preflight` as indented lines (``~``: an estimate)."""
+    m = report["model"]
+    model = f"  Model: {m['architecture']}, {m['parameters']:,} parameters"
+    for key in ("tokenizer", "context"):
+        if key in m:
+            model += f", {key} {m[key]}"
+    lines = [model + f" ({m['source']})"]
+    for name, plan in report["data"].items():
+        if isinstance(plan, TextPlan):
+            lines.append(f"  Data {name}: {_text_line(plan)}")
+        else:
+            lines.append(f"  Data {name}: {plan['rows']:,} rows")
+    lines.append(
+        f"  Steps: {report['steps']:,} ({report['steps_per_epoch']:,} per epoch)"
+    )
+    return lines
+
+
+def _text_line(p: TextPlan) -> str:
+    about = "" if p.exact else "~"
+    sampled = "" if p.exact else f" (estimated from {p.sampled:,} rows)"
+    lost = p.tokens - p.kept
+    cut = f", {about}{lost:,} cut by seq_len" if lost else ""
+    return (
+        f"{p.rows:,} rows, {about}{p.tokens:,} tokens{cut}, {about}{p.trained:,} "
+        f"with a loss, in {about}{p.sequences:,} sequences{sampled}"
+    )
+
+
+__all__ = [
+    "SAMPLE_ROWS",
+    "TextPlan",
+    "format_preflight",
+    "plan_text",
+    "preflight",
+    "sample_records",
+]

@@ -1,0 +1,136 @@
+"""`preflight` (`entrenar validate`) refuses what `train` would, weights unread."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+from config_cases import REPO, WORDS, write
+
+from entrenar import data, io, nn
+from entrenar.config import load_built, validate
+from entrenar.config.export import write_hf_folder
+from entrenar.config.models import read_header
+from entrenar.config.preflight import preflight
+from entrenar.config.summary import count_params
+from entrenar.errors import ConfigError, FormatError, ShapeError
+
+ROWS = [json.loads(x) for x in (WORDS / "train.jsonl").read_text().splitlines()[:40]]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A 1-layer Llama GGUF of the number-words vocabulary (no tokenizer inside)."""
+    cfg = nn.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1,
+        num_heads=2, num_kv_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("model") / "model.gguf"
+    io.save_llama_gguf(path, cfg, cfg.init(jax.random.key(0)))
+    return path
+
+
+def _run(tmp_path, model, rows=ROWS, **data_keys):
+    train = tmp_path / "train.jsonl"
+    if isinstance(rows, str):
+        train.write_text(rows)
+    else:
+        train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doc = {
+        "model": {"path": str(model), "tokenizer": str(WORDS / "tokenizer.gguf")},
+        "data": {"train": "train.jsonl", "format": "prompt_completion",
+                 "batch_size": 4, "seq_len": 12, **data_keys},
+        "training": {"max_steps": 3, "output_dir": str(tmp_path / "out")},
+    }  # fmt: skip
+    return validate(write(tmp_path / "run.yaml", doc))
+
+
+def test_counts_are_those_of_the_loader_train_builds(tmp_path, tiny_gguf):
+    report = preflight(_run(tmp_path, tiny_gguf))
+    tok = data.load_fast_tokenizer(WORDS / "tokenizer.gguf")
+    fields = {"prompt": "prompt", "completion": "completion"}
+    loader = data.lm_loader(
+        ROWS, tok, format="prompt_completion", seq_len=12, batch_size=4,
+        fields=fields, drop_last=True,
+    )  # fmt: skip
+    plan = report["data"]["train"]
+    assert plan.exact and plan.rows == 40
+    assert plan.sequences == 40 and plan.steps == len(loader) == 10
+    assert plan.kept == loader.tokens_per_epoch() < plan.tokens  # some cut at 12
+    assert plan.tokens == sum(len(i) for i, _ in data.encode_records(
+        ROWS, tok, format="prompt_completion"))  # fmt: skip
+    config = io.read_llama_header(tiny_gguf)[1]
+    assert report["model"]["parameters"] == count_params(config)
+    assert report["steps"] == 3
+
+
+def test_a_sample_estimates_the_counts(tmp_path, tiny_gguf):
+    plan = preflight(_run(tmp_path, tiny_gguf), sample=10)["data"]["train"]
+    assert not plan.exact and plan.sampled == 10 and plan.rows == 40
+    exact = preflight(_run(tmp_path, tiny_gguf))["data"]["train"]
+    assert abs(plan.tokens - exact.tokens) < 0.2 * exact.tokens
+
+
+def test_the_model_header_is_read_not_its_tensors(tmp_path, tiny_gguf, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("preflight read tensor data")
+
+    monkeypatch.setattr(io.GGUFFile, "raw", refuse)
+    monkeypatch.setattr(io.GGUFFile, "tensor", refuse)
+    assert preflight(_run(tmp_path, tiny_gguf))["model"]["architecture"] == "llama"
+
+
+def test_a_text_file_named_model_gguf_is_refused(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("this is a text file, not a model\n")
+    with pytest.raises(FormatError, match=r"model\.path: .*model\.gguf: magic"):
+        preflight(_run(tmp_path, fake))
+
+
+def test_a_truncated_tensor_table_is_refused(tmp_path, tiny_gguf):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:-100])
+    with pytest.raises(FormatError, match=r"cut\.gguf: tensor .* truncated"):
+        preflight(_run(tmp_path, cut))
+
+
+def test_a_malformed_line_names_file_line_and_column(tmp_path, tiny_gguf):
+    text = "".join(json.dumps(r) + "\n" for r in ROWS[:5]) + '{"prompt": "1 in'
+    with pytest.raises(FormatError, match=r"train\.jsonl line 6, column 12: invalid"):
+        preflight(_run(tmp_path, tiny_gguf, text))
+
+
+def test_an_empty_file_is_named(tmp_path, tiny_gguf):
+    with pytest.raises(ConfigError, match=r"train\.jsonl: holds no records"):
+        preflight(_run(tmp_path, tiny_gguf, ""))
+
+
+def test_every_row_is_checked_not_only_the_sample(tmp_path, tiny_gguf):
+    rows = [*ROWS[:30], {"prompt": "7 in words:"}, *ROWS[30:]]
+    spec = _run(tmp_path, tiny_gguf, rows)
+    with pytest.raises(FormatError, match=r"line 31, column 'completion': missing"):
+        preflight(spec, sample=5)
+
+
+def test_too_few_rows_for_a_step(tmp_path, tiny_gguf):
+    with pytest.raises(ShapeError, match=r"3 examples make no full batch of 4"):
+        preflight(_run(tmp_path, tiny_gguf, ROWS[:3]))
+    plan = preflight(_run(tmp_path, tiny_gguf, ROWS[:6]), sample=3)["data"]["train"]
+    assert plan.sampled == 3 and plan.steps == 1  # a sample smaller than a batch
+
+
+def test_headers_of_hf_folders_and_entrenar_files(tmp_path, tiny_gguf):
+    built = load_built(str(tiny_gguf))
+    folder = write_hf_folder(built, built.params, str(tmp_path / "hf"))
+    head = read_header(folder)
+    assert head.config == built.config and head.architecture == "llama"
+    assert jax.tree_util.tree_structure(head.params) == jax.tree_util.tree_structure(
+        built.params
+    )
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{")
+    with pytest.raises(FormatError, match=r"model\.safetensors"):
+        read_header(folder)
+    gpt2 = REPO / "examples" / "models" / "number-words-gpt2.safetensors"
+    head = read_header(str(gpt2))
+    assert head.config == load_built(str(gpt2)).config and head.tokenizer is not None
