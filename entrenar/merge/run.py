@@ -76,32 +76,46 @@ class Source:
     folder: str | None = None
 
 
-def _open_folder(folder: str) -> Source:
+def _open_folder(folder: str, where: str) -> Source:
+    """A Hugging Face folder: ``model.safetensors`` or the shards of its index.
+
+    Raises:
+        FormatError: no weights file, a missing shard or an unreadable index or
+            ``config.json``, naming ``where`` (the recipe key) and the file.
+    """
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f).get("weight_map")
-        except (ValueError, AttributeError):
-            raise FormatError(f"{index}: not a safetensors index") from None
+        except (ValueError, AttributeError, RecursionError):
+            raise FormatError(f"{where}{index}: not a safetensors index") from None
         if not isinstance(weight_map, dict):
             raise FormatError(f"{index}: 'weight_map' must map names to files")
         files = sorted({str(v) for v in weight_map.values()})
-    else:
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
         files = ["model.safetensors"]
+    else:
+        raise FormatError(
+            f"{where}{folder}: a model folder needs model.safetensors (or "
+            "model.safetensors.index.json and its shards); it has neither"
+        )
     leaves: dict[str, Any] = {}
     for name in files:
         if os.path.basename(name) != name:
             raise FormatError(f"{index}: shard name {name!r} must be a plain file name")
-        leaves.update(read_safetensors(os.path.join(folder, name))[0])
+        shard = os.path.join(folder, name)
+        if not os.path.isfile(shard):
+            raise FormatError(f"{where}{index}: shard {name!r} is missing")
+        leaves.update(read_safetensors(shard)[0])
     arch = "custom"
     cfg = os.path.join(folder, "config.json")
     if os.path.exists(cfg):
         try:
             with open(cfg, encoding="utf-8") as f:
                 arch = str(json.load(f).get("model_type", arch))
-        except (ValueError, AttributeError):
-            raise FormatError(f"{cfg}: not a JSON object") from None
+        except (ValueError, AttributeError, RecursionError):
+            raise FormatError(f"{where}{cfg}: not a JSON object") from None
     meta = ModelMetadata(os.path.basename(os.path.normpath(folder)), arch)
     return Source(folder, meta, leaves, folder)
 
@@ -110,13 +124,15 @@ def open_model(ref: ModelRef) -> Source:
     """Open ``ref``'s model (and fold its adapter) for reading leaf by leaf.
 
     Raises:
-        FormatError: a missing or unreadable model (the message names the file).
+        FormatError: a missing or unreadable model (the message names the recipe
+            key, when the recipe gave one, and the file).
     """
     path = ref.path
+    where = f"{ref.key}: " if ref.key else ""
     if os.path.isdir(path):
-        src = _open_folder(path)
+        src = _open_folder(path, where)
     elif not os.path.exists(path):
-        raise FormatError(f"{path}: no such model file or folder")
+        raise FormatError(f"{where}{path}: no such model file or folder")
     elif detect_format(path) == ModelFormat.SAFETENSORS:
         tensors, meta = read_safetensors(path)
         src = Source(path, metadata_from_header(meta, path), dict(tensors))
