@@ -13,7 +13,6 @@ expand into memory.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io.bounded import parse_json
 
 MAX_BYTES = 4 << 30
 """Default size limit of a data file (4 GiB)."""
@@ -112,20 +112,28 @@ def parse_json_line(line: str, path: str, n: int) -> Any:
     An invalid line is a `FormatError` ``"<path> line <n>, column <c>: invalid JSON
     (<reason>, near '<text>')"``. The line is parsed without its line end, so an
     error at its end (a line cut short) is at the column after its last character,
-    not at column 1 of a next line.
+    not at column 1 of a next line. The limits of `entrenar.io.bounded.parse_json`
+    apply: nesting at most `MAX_DEPTH` deep, integers of at most `MAX_INT_DIGITS`
+    digits.
 
     >>> parse_json_line('{"a": 1}\n', "d.jsonl", 1)
     {'a': 1}
     """
-    line = line.rstrip("\r\n")
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as e:
-        near = line[max(e.pos - 20, 0) : e.pos + 10]
-        where = "at the end of the line" if e.pos >= len(line) else f"near {near!r}"
-        raise FormatError(
-            f"{path} line {n}, column {e.colno}: invalid JSON ({e.msg}, {where})"
-        ) from None
+    return parse_json(line.rstrip("\r\n"), path, first_line=n)
+
+
+def _not_utf8(path: str) -> FormatError:
+    """The error for a text file that is not UTF-8: its first bad line and column."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return FormatError(
+                    f"{path} line {n}, column {e.start + 1}: not UTF-8 text (byte "
+                    f"0x{line[e.start]:02x}); save the file as UTF-8"
+                )
+    return FormatError(f"{path}: not UTF-8 text; save the file as UTF-8")
 
 
 def read_jsonl(
@@ -145,17 +153,21 @@ def read_jsonl(
     _check_size(path, max_bytes)
     rows, numbers = [], []
     # Lines end at "\n" only (a "\r" is JSON whitespace); a leading BOM is skipped.
-    with open(path, encoding="utf-8-sig", newline="\n") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            row = parse_json_line(line, path, n)
-            if not isinstance(row, dict):
-                raise FormatError(
-                    f"{path} line {n}: expected a JSON object, got {type(row).__name__}"
-                )
-            rows.append(row)
-            numbers.append(n)
+    try:
+        with open(path, encoding="utf-8-sig", newline="\n") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                row = parse_json_line(line, path, n)
+                if not isinstance(row, dict):
+                    raise FormatError(
+                        f"{path} line {n}: expected a JSON object, got "
+                        f"{type(row).__name__}"
+                    )
+                rows.append(row)
+                numbers.append(n)
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
     return _require(Records(rows, path, numbers, "line"), columns)
 
 
@@ -178,6 +190,8 @@ def read_csv(
     old = csv.field_size_limit(min(max(max_bytes, 1 << 17), 2**31 - 1))
     try:
         return _csv_records(path, columns, delimiter)
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
     finally:
         csv.field_size_limit(old)
 

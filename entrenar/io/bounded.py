@@ -222,6 +222,15 @@ def _line_col(text: str, offset: int) -> tuple[int, int]:
     return line, offset - (text.rfind("\n", 0, offset) + 1) + 1
 
 
+def _near(text: str, offset: int) -> str:
+    """Where an error is: ``"near '<text>'"`` or at the end of the line."""
+    if offset >= len(text) or text[offset] in "\r\n":
+        return "at the end of the line"
+    start = max(text.rfind("\n", 0, offset) + 1, offset - 20)
+    end = text.find("\n", offset, offset + 10)
+    return f"near {text[start : end if end >= 0 else offset + 10]!r}"
+
+
 def _too_deep(text: str, max_depth: int) -> int | None:
     """The offset of the first bracket nested deeper than ``max_depth``, or None.
 
@@ -281,7 +290,7 @@ def parse_json(
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise fail(e.pos, f"invalid JSON ({e.msg})") from None
+        raise fail(e.pos, f"invalid JSON ({e.msg}, {_near(text, e.pos)})") from None
     except RecursionError:
         deepest = _too_deep(text, -1) or 0
         raise fail(

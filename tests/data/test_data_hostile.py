@@ -1,0 +1,57 @@
+"""Hostile data files: a FormatError naming the file, line and column, never a crash."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from entrenar.data import load_records, read_csv, read_jsonl
+from entrenar.errors import FormatError
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('{"x": ' + "7" * 5000 + "}", r"column 7: invalid JSON \(an integer of 5000"),
+        ('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}", r"column \d+: invalid JSON"),
+        ('{"x": ' + "[" * 150 + "]" * 150 + "}", r"column 106: .*deeper than 100"),
+        ('{"x": tru}', r"column 7: invalid JSON \(Expecting value, near"),
+    ],
+)
+def test_jsonl_limits_name_the_true_line_and_column(tmp_path, line, match):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"x": 1}\n\n' + line + "\n")
+    with pytest.raises(FormatError, match=r"d\.jsonl line 3, " + match):
+        read_jsonl(p)
+
+
+def test_brackets_in_strings_are_not_nesting(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"x": "' + "[{" * 200 + '"}\n')
+    assert read_jsonl(p).rows == [{"x": "[{" * 200}]
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "match"),
+    [
+        ("d.jsonl", b'{"x": 1}\n{"x": "caf\xe9"}\n', r"line 2, column 11: not UTF-8"),
+        ("d.csv", b"x,y\n1,2\n3,\xff\xfe\n", r"line 3, column 3: not UTF-8"),
+        (
+            "d.json",
+            b'\xef\xbb\xbf{"x": 1}\n{"x": \xc3}\n',
+            "line 2, column 7",
+        ),
+    ],
+)
+def test_invalid_utf8_names_the_line_and_column(tmp_path, name, data, match):
+    p = tmp_path / name
+    p.write_bytes(data)
+    with pytest.raises(FormatError, match=re.escape(name) + " " + match):
+        load_records(p)
+
+
+def test_a_valid_csv_with_a_bom_and_non_ascii_still_reads(tmp_path):
+    p = tmp_path / "d.csv"
+    p.write_text("x,y\ncafé,2\n", encoding="utf-8")
+    assert read_csv(p).rows == [{"x": "café", "y": "2"}]
