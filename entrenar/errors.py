@@ -49,6 +49,14 @@ class FormatError(EntrenarError, ValueError):
     """
 
 
+class TemplateError(EntrenarError, ValueError):
+    """A chat template that does not render: invalid, failing, or over its budget.
+
+    The message says which (a syntax error and its line, the template's own error,
+    or the limit it exceeded: output size, ``range`` length, render time).
+    """
+
+
 class UnsupportedError(EntrenarError, NotImplementedError):
     """A valid request for something entrenar does not support (yet)."""
 
@@ -98,5 +106,6 @@ __all__ = [
     "QuantizationError",
     "ShapeError",
     "TapeError",
+    "TemplateError",
     "UnsupportedError",
 ]
