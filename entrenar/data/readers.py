@@ -313,32 +313,57 @@ def to_arrays(
     columns: Mapping[str, str | Sequence[str]],
     *,
     dtype: Any = np.float32,
+    finite: bool = True,
 ) -> dict[str, np.ndarray]:
     """Numeric arrays from records, e.g. ``{"x": ["f1", "f2"], "y": "label"}``.
 
     A column name gives an ``(N,)`` array; a list of names an ``(N, k)`` array. A value
-    that does not convert to ``dtype`` is a `FormatError` naming file, row and column.
+    that does not convert to ``dtype`` is a `FormatError` naming file, row and column;
+    so is, with ``finite`` (the default), a NaN or infinite value, or one too large
+    for ``dtype`` (``"nan"``, ``"inf"``, ``1e39`` in float32): it would only surface
+    later as a NaN loss.
 
     >>> to_arrays([{"a": "1", "b": 2}], {"x": ["a", "b"], "y": "b"})["x"].tolist()
     [[1.0, 2.0]]
-    """
+    >>> to_arrays([{"a": "nan"}], {"x": ["a"]})
+    Traceback (most recent call last):
+    entrenar.errors.FormatError: <records> record 1, column 'a': 'nan' is not a finite number (NaN, infinite or too large for float32); fix or drop the row
+    """  # noqa: E501
     recs = Records.wrap(records)
     out = {}
     for key, cols in columns.items():
         names = [cols] if isinstance(cols, str) else list(cols)
-        arr = np.empty((len(recs), len(names)), dtype)
+        arr = np.empty((len(recs), len(names)), dtype)  # (N, k)
         for i in range(len(recs)):
             for j, c in enumerate(names):
                 v = recs.value(i, c, object)
                 try:
-                    arr[i, j] = v
-                except (TypeError, ValueError):
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        arr[i, j] = v  # too large: inf, refused below
+                except (TypeError, ValueError, OverflowError):
                     raise FormatError(
                         f"{recs.where(i, c)}: {str(v)[:40]!r} is not a "
                         f"{np.dtype(dtype).name} number"
                     ) from None
+        if finite:
+            _check_finite(arr, recs, names)
         out[key] = arr[:, 0] if isinstance(cols, str) else arr
     return out
+
+
+def _check_finite(arr: np.ndarray, recs: Records, names: list[str]) -> None:
+    """Refuse the first NaN or infinite value of ``arr: (N, k)``, by row and column."""
+    if arr.dtype.kind not in "fc":
+        return
+    bad = ~np.isfinite(arr)
+    if not bad.any():
+        return
+    i, j = (int(k) for k in np.argwhere(bad)[0])
+    v = recs.rows[i][names[j]]
+    raise FormatError(
+        f"{recs.where(i, names[j])}: {str(v)[:40]!r} is not a finite number (NaN, "
+        f"infinite or too large for {arr.dtype.name}); fix or drop the row"
+    )
 
 
 __all__ = [
