@@ -1,9 +1,10 @@
 """The ``entrenar`` command group, its error handling and its exit codes.
 
 Exit codes: 0 success; 1 the run failed (an error while training, merging, writing
-...); 2 a usage or configuration error (bad option, invalid config key or value,
-missing or unreadable input file). An error prints one line, ``error: <message>``, on
-stderr; ``--verbose`` (before or after the subcommand) adds the traceback.
+..., a checkpoint that cannot be written); 2 a usage or configuration error (bad
+option, invalid config key or value, missing, unreadable or corrupt input file or
+checkpoint). An error prints one line, ``error: <message>``, on stderr; ``--verbose``
+(before or after the subcommand) adds the traceback.
 
 Shell completion (click's): ``entrenar --completion bash > ~/.entrenar-complete.bash``
 then ``source`` it (``zsh`` and ``fish`` likewise), or
@@ -21,6 +22,7 @@ from typing import Any
 import click
 
 from entrenar.errors import (
+    CheckpointError,
     CompatibilityError,
     ConfigError,
     EntrenarError,
@@ -45,6 +47,8 @@ def exit_code(error: BaseException) -> int:
     usage = (*USAGE_ERRORS, click.UsageError, FileNotFoundError, IsADirectoryError)
     if isinstance(error, usage):
         return EXIT_USAGE
+    if isinstance(error, CheckpointError):  # a corrupt input, or a failed write
+        return EXIT_USAGE if error.corrupt else EXIT_FAILED
     return EXIT_FAILED
 
 

@@ -6,10 +6,18 @@ Layout (orbax's ``CheckpointManager``)::
                                              key data (orbax's array format)
     <output_dir>/checkpoints/<step>/meta/    JSON: config, epoch, loader position,
                                              history, early-stopping counters
+    <output_dir>/checkpoints/<step>/checksums.json   sha256 of every file above
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete,
 so a process killed mid-write leaves the previous checkpoints intact (the stray
-temporary directory is removed when the next manager opens the folder). The frozen
+temporary directory is removed when the next manager opens the folder). A write that
+fails (disk full, read-only folder) removes its temporary directory and raises one
+`CheckpointError`. Once orbax has finished, the sha256 of every file of the checkpoint
+goes into its ``checksums.json``; restoring checks them first, and a checkpoint whose
+files do not match is refused with a `CheckpointError` naming its step and the newest
+intact one (never restored silently different). A checkpoint without the file
+(written by an older entrenar, or the process was killed between orbax's rename and
+the checksums) is restored unverified. The frozen
 half of the params (a LoRA base model, say) is not saved: it never changes, and the
 caller passes it again when resuming. Restoring needs a template state with the same
 structure (the one the run starts from); arrays come back bit for bit.
@@ -17,14 +25,20 @@ structure (the one the run starts from); arrays come back bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 
-from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.errors import CheckpointError, ConfigError, FormatError, UnsupportedError
 from entrenar.train.state import TrainState
+from entrenar.train.verify import checkpoint_problem, write_checksums
 
 
 def _ocp() -> Any:
@@ -47,21 +61,62 @@ def _saveable(state: TrainState) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Silence orbax's thread tracebacks (absl): its errors are raised here."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _join_new_threads(before: set[threading.Thread], timeout: float = 60.0) -> None:
+    """Wait for the threads a failed save left writing (so its files can go)."""
+    deadline = time.monotonic() + timeout
+    for t in threading.enumerate():
+        if t not in before and t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _reason(error: BaseException) -> str:
+    """The root cause of a failed write, on one line."""
+    e: BaseException | None = error
+    while e is not None:
+        if isinstance(e, OSError) and e.strerror:
+            where = f": {e.filename}" if e.filename else ""
+            return f"{e.strerror}{where}"
+        e = e.__cause__ or e.__context__
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 class Checkpointer:
     """Save and restore `TrainState` + JSON metadata under ``directory``.
 
     Args:
-        directory: the checkpoints folder (created if missing).
+        directory: the checkpoints folder (created if missing, unless read-only).
         keep: how many of the most recent checkpoints to keep.
+        read_only: only restore (another run's folder: its temporary folders,
+            maybe a save in progress, are left alone).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 3) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        keep: int = 3,
+        *,
+        read_only: bool = False,
+    ) -> None:
         ocp = _ocp()
         self.directory = os.path.abspath(os.fspath(directory))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=int(keep),
-            create=True,
-            cleanup_tmp_directories=True,
+            create=not read_only,
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
             enable_async_checkpointing=False,
         )
         self._ocp = ocp
@@ -81,19 +136,73 @@ class Checkpointer:
         return os.path.join(self.directory, str(int(step)))
 
     def save(self, state: TrainState, meta: dict[str, Any]) -> str:
-        """Write checkpoint ``int(state.step)`` atomically; return its folder."""
+        """Write checkpoint ``int(state.step)`` atomically; return its folder.
+
+        Raises:
+            CheckpointError: the write failed (disk full, read-only folder); the
+                temporary folder is removed, older checkpoints are intact.
+        """
         ocp = self._ocp
         step = int(state.step)
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_saveable(state)),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
-        self._manager.wait_until_finished()
+        before = set(threading.enumerate())
+        with _quiet_orbax():
+            try:
+                self._manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(_saveable(state)),
+                        meta=ocp.args.JsonSave(meta),
+                    ),
+                    force=True,
+                )
+                self._manager.wait_until_finished()
+                if jax.process_index() == 0:
+                    write_checksums(self.path(step))
+            except Exception as e:
+                _join_new_threads(before)
+                self._remove_temporaries(step)
+                good = [s for s in self.steps() if s != step]
+                raise CheckpointError(
+                    f"could not write checkpoint step {step} in {self.directory}: "
+                    f"{_reason(e)} (the newest complete checkpoint is "
+                    f"{f'step {good[-1]}' if good else 'none'}); free disk space or "
+                    "make the folder writable, then continue with --resume latest"
+                ) from e
         return self.path(step)
+
+    def _remove_temporaries(self, step: int) -> None:
+        prefix = f"{step}.orbax-checkpoint-tmp"
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.directory):
+                if name.startswith(prefix):
+                    shutil.rmtree(os.path.join(self.directory, name), True)
+
+    def verify(self, step: int) -> None:
+        """Check checkpoint ``step``'s files against its checksums.
+
+        Raises:
+            CheckpointError: it is corrupt (``corrupt=True``); the message names the
+                newest intact older checkpoint.
+        """
+        problem = checkpoint_problem(self.path(step))
+        if problem is None:
+            return
+        older = [s for s in self.steps() if s < step]
+        good = next(
+            (s for s in reversed(older) if checkpoint_problem(self.path(s)) is None),
+            None,
+        )
+        offer = (
+            "no older checkpoint is intact: start a fresh run"
+            if good is None
+            else f"the newest intact one is step {good}: move {self.path(step)} "
+            "out of the folder and continue with --resume latest"
+        )
+        raise CheckpointError(
+            f"checkpoint step {step} ({self.path(step)}) is corrupt: {problem}; "
+            f"{offer}",
+            corrupt=True,
+        )
 
     def restore(
         self, template: TrainState, step: int | None = None
@@ -104,6 +213,7 @@ class Checkpointer:
 
         Raises:
             FormatError: no checkpoint, or one that does not fit the template.
+            CheckpointError: a corrupt checkpoint (see `verify`).
         """
         ocp = self._ocp
         step = self.latest_step() if step is None else int(step)
@@ -112,6 +222,7 @@ class Checkpointer:
                 f"no complete checkpoint {'' if step is None else step} in "
                 f"{self.directory} (found steps {self.steps()})"
             )
+        self.verify(step)
         abstract = jax.tree_util.tree_map(
             ocp.utils.to_shape_dtype_struct, _saveable(template)
         )

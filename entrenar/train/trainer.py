@@ -32,6 +32,7 @@ from entrenar.train.metrics import MetricsWriter, Progress
 from entrenar.train.model_loss import loss_for_model, with_compute_dtype
 from entrenar.train.state import Trainable, TrainState, combine
 from entrenar.train.step import make_eval_step, make_train_step
+from entrenar.train.verify import check_meta
 from entrenar.types import Params
 
 _NOT_AVERAGED = ("finite", "tokens", "lr")  # log records: lr is the last, tokens/s
@@ -523,12 +524,18 @@ class Trainer:
     def _resume(self, resume: str | os.PathLike[str], loader: Loader) -> None:
         folder, step = resolve_resume(resume, self.config.output_dir)
         ckpt = self._checkpointer
-        if ckpt is None or ckpt.directory != os.path.abspath(folder):
-            ckpt = Checkpointer(folder, keep=self.config.keep_checkpoints)
-        if resume == "latest" and ckpt.latest_step() is None:
-            return  # nothing saved yet: a fresh start
-        self.state, meta = ckpt.restore(self.state, step)
-        self._step = int(self.state.step)
+        own = ckpt is not None and ckpt.directory == os.path.abspath(folder)
+        if ckpt is None or not own:  # another run's: read it, whatever it is doing
+            ckpt = Checkpointer(folder, read_only=True)
+        try:
+            if resume == "latest" and ckpt.latest_step() is None:
+                return  # nothing saved yet: a fresh start
+            state, meta = ckpt.restore(self.state, step)
+            meta = check_meta(meta, ckpt.path(int(state.step)))
+        finally:
+            if not own:
+                ckpt.close()
+        self.state, self._step = state, int(state.step)
         changed = {
             k: (v, getattr(self.config, k)) for k, v in meta["config"].items()
             if k in ("seed", "batch_size", "grad_accum", "shuffle")
@@ -538,7 +545,7 @@ class Trainer:
             warnings.warn(
                 f"resuming with a config that differs from the checkpoint's in "
                 f"{changed} (saved, now): the run will not match an uninterrupted one",
-                stacklevel=3,
+                stacklevel=4,
             )
         self.epoch, self.batch_in_epoch = (
             int(meta["epoch"]),
