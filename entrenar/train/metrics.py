@@ -4,7 +4,8 @@
 "grad_norm", "tokens_per_s", ...}`` for each log step and ``{"step", "epoch",
 "eval_loss", ...}`` for each evaluation. On resume, lines past the checkpoint's step
 (written by the interrupted run after its last checkpoint) are dropped, so the file
-reads as one uninterrupted run.
+reads as one uninterrupted run; so is a last line cut short by a crash mid-write.
+A ``metrics.jsonl`` that is a symbolic link is refused, never written through.
 """
 
 from __future__ import annotations
@@ -14,16 +15,22 @@ import math
 import os
 from typing import Any
 
-from entrenar.errors import UnsupportedError
-from entrenar.io.atomic import atomic_write
+from entrenar.data.readers import parse_json_line
+from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io.atomic import append_text, atomic_write, refuse_symlink
 
 
 class MetricsWriter:
-    """Append records to ``<run_dir>/metrics.jsonl`` (and TensorBoard if asked)."""
+    """Append records to ``<run_dir>/metrics.jsonl`` (and TensorBoard if asked).
+
+    Raises:
+        ConfigError: ``metrics.jsonl`` is a symbolic link.
+    """
 
     def __init__(self, run_dir: str, *, tensorboard: bool = False) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        refuse_symlink(self.path)
         self._tb = None
         if tensorboard:
             try:
@@ -36,11 +43,31 @@ class MetricsWriter:
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
-        """Drop records with ``step`` greater than ``step`` (resuming)."""
+        """Drop records with ``step`` greater than ``step`` (resuming).
+
+        A last line cut short (no line end, not JSON: the run died writing it) is
+        dropped too.
+
+        Raises:
+            FormatError: any other line is not a record (naming the line).
+        """
+        refuse_symlink(self.path)
         if not os.path.exists(self.path):
             return
-        with open(self.path, encoding="utf-8") as f:
-            keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+        with open(self.path, encoding="utf-8", errors="replace", newline="\n") as f:
+            lines = f.readlines()
+        keep = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip() or _cut_short(line, n == len(lines)):
+                continue
+            record = parse_json_line(line, self.path, n)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise FormatError(
+                    f"{self.path} line {n}: not a metrics record (a JSON object "
+                    "with an integer 'step'); delete the line"
+                )
+            if record["step"] <= step:
+                keep.append(line.rstrip("\r\n") + "\n")
         with atomic_write(self.path, "w") as f:
             f.writelines(keep)
 
@@ -50,7 +77,7 @@ class MetricsWriter:
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()
         }
-        with open(self.path, "a", encoding="utf-8") as f:
+        with append_text(self.path) as f:  # a link is refused, not followed
             f.write(json.dumps(clean) + "\n")
         if self._tb is not None:
             for k, v in record.items():
@@ -63,6 +90,17 @@ class MetricsWriter:
         """Close the TensorBoard writer."""
         if self._tb is not None:
             self._tb.close()
+
+
+def _cut_short(line: str, last: bool) -> bool:
+    """Whether ``line`` is a last line a crash left half-written."""
+    if not last or line.endswith("\n"):
+        return False
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return True
+    return False
 
 
 class Progress:

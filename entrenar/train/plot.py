@@ -7,6 +7,7 @@ from typing import Any
 
 from entrenar.data.readers import parse_json_line
 from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io.atomic import atomic_write
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -70,7 +71,9 @@ def plot(
     ax.legend(handles, labels, loc="upper right")
     fig.tight_layout()
     out = out or os.path.join(os.fspath(run_dir), "loss.png")
-    fig.savefig(out, dpi=100)
+    kind = os.path.splitext(out)[1].lstrip(".").lower() or "png"
+    with atomic_write(out) as f:  # a link at ``out`` is replaced, not followed
+        fig.savefig(f, format=kind, dpi=100)
     if show:
         _show_inline(out)
     return out
