@@ -4,7 +4,8 @@ Exit codes: 0 success; 1 the run failed (an error while training, merging, writi
 ..., a checkpoint that cannot be written); 2 a usage or configuration error (bad
 option, invalid config key or value, missing, unreadable or corrupt input file or
 checkpoint). An error prints one line, ``error: <message>``, on stderr; ``--verbose``
-(before or after the subcommand) adds the traceback.
+(before or after the subcommand) adds the traceback. entrenar's log lines (INFO and
+up, such as ``resuming from step N (checkpoint PATH)``) go to stderr too.
 
 Shell completion (click's): ``entrenar --completion bash > ~/.entrenar-complete.bash``
 then ``source`` it (``zsh`` and ``fish`` likewise), or
@@ -13,10 +14,12 @@ then ``source`` it (``zsh`` and ``fish`` likewise), or
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -85,13 +88,33 @@ def is_verbose(ctx: click.Context | None = None) -> bool:
     return bool(ctx and ctx.find_root().meta.get("entrenar.verbose"))
 
 
+class _Echo(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(record.getMessage(), err=True)
+
+
+@contextlib.contextmanager
+def echo_logs() -> Iterator[None]:
+    """Show entrenar's log lines (INFO and up) on stderr while a command runs."""
+    logger, handler = logging.getLogger("entrenar"), _Echo()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 class Group(click.Group):
     """A click group that turns every error into one line and an exit code."""
 
     def invoke(self, ctx: click.Context) -> Any:
         """Run the subcommand; errors become ``error: ...`` and exit 1 or 2."""
         try:
-            return super().invoke(ctx)
+            with echo_logs():
+                return super().invoke(ctx)
         except (click.exceptions.Exit, click.Abort, click.ClickException):
             raise
         except BrokenPipeError:  # the reader left (`entrenar info ... | head`)
@@ -181,6 +204,7 @@ __all__ = [
     "ModelPath",
     "cli",
     "command",
+    "echo_logs",
     "exit_code",
     "is_verbose",
     "main",

@@ -12,6 +12,7 @@ function of ``(seed, epoch)``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import warnings
@@ -36,6 +37,7 @@ from entrenar.train.verify import check_meta
 from entrenar.types import Params
 
 _NOT_AVERAGED = ("finite", "tokens", "lr")  # log records: lr is the last, tokens/s
+_LOG = logging.getLogger(__name__)  # the command line shows entrenar's INFO lines
 
 
 def _compute_frozen(model: Any, frozen: Params) -> Params:
@@ -531,11 +533,13 @@ class Trainer:
             if resume == "latest" and ckpt.latest_step() is None:
                 return  # nothing saved yet: a fresh start
             state, meta = ckpt.restore(self.state, step)
-            meta = check_meta(meta, ckpt.path(int(state.step)))
+            where = ckpt.path(int(state.step))
+            meta = check_meta(meta, where)
         finally:
             if not own:
                 ckpt.close()
         self.state, self._step = state, int(state.step)
+        _LOG.info("resuming from step %d (checkpoint %s)", self.step, where)
         changed = {
             k: (v, getattr(self.config, k)) for k, v in meta["config"].items()
             if k in ("seed", "batch_size", "grad_accum", "shuffle")

@@ -215,6 +215,9 @@ def test_resume_continues(tiny_config, tmp_path):
         if "loss" in json.loads(x)
     ]
     assert steps == [1, 2, 3, 4]
+    resumed = f"resuming from step 2 (checkpoint {out / 'checkpoints' / '2'})"
+    assert again.stderr.splitlines().count(resumed) == 1
+    assert "resuming" not in first.stderr
 
 
 def test_quantize_writes_a_file_info_and_load_model_read(tmp_path):
