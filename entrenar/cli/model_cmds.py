@@ -71,7 +71,7 @@ def _scheme(scheme: str | None, bits: int | None, method: str | None) -> str:
     "--calibration-data",
     type=click.Path(exists=True, dir_okay=False),
     help="Data to compare the quantized model with the original on "
-    "(loss, accuracy or perplexity, before and after).",
+    "(loss, accuracy or perplexity, before and after; progress on stderr).",
 )
 def quantize_cmd(
     model: str,
@@ -102,6 +102,7 @@ def quantize_cmd(
         per_channel=per_channel,
         symmetric=method != "asymmetric",
         calibration_data=calibration_data,
+        log=lambda line: click.echo(line, err=True),
     )
     click.echo(f"✓ {model} -> {output} ({chosen})")
     for k, v in report.items():

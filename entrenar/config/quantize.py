@@ -14,8 +14,9 @@ import os
 from typing import Any
 
 from entrenar import io
+from entrenar.config.evaluate import Log, evaluate_built, evaluate_model
 from entrenar.config.export import write_quantized, write_quantized_model
-from entrenar.config.models import load_built
+from entrenar.config.models import BuiltModel, load_built
 from entrenar.io.lock import OutputLock
 
 
@@ -36,8 +37,13 @@ def quantize_file(
     per_channel: bool = False,
     symmetric: bool = True,
     calibration_data: str | None = None,
+    log: Log | None = None,
 ) -> dict[str, Any]:
     """Quantize ``model`` to ``output`` with ``scheme``; a report of what it did.
+
+    ``log`` takes one line per stage (load, quantize, write, each evaluation) and
+    turns on the evaluations' progress bars: the calibration runs both models over
+    the data after the file is written, which takes minutes for an LLM on a CPU.
 
     Returns:
         ``{"bytes_before", "bytes_after", "ratio"}`` and, with ``calibration_data``,
@@ -46,14 +52,21 @@ def quantize_file(
     Raises:
         ConfigError: another run is writing ``output`` (`entrenar.io.lock`).
     """
+    say = log or (lambda line: None)
     with OutputLock(output, folder=False):  # one writer per output file
-        _quantize(model, output, scheme, block_size, per_channel, symmetric)
+        say(f"quantizing {model} to {scheme}")
+        built = _quantize(model, output, scheme, block_size, per_channel, symmetric)
         report = _report(model, output)
+        say(f"wrote {output} ({report['bytes_after']:,} bytes)")
         if calibration_data is not None:
-            from entrenar.config.evaluate import evaluate_model
-
-            report["before"] = evaluate_model(model, calibration_data)
-            report["after"] = evaluate_model(output, calibration_data)
+            say(f"calibration on {calibration_data}: the original, then the quantized")
+            report["before"] = (
+                evaluate_model(model, calibration_data, log=log)
+                if built is None  # the original is loaded once, not twice
+                else evaluate_built(built, calibration_data, log=log)
+            )
+            del built  # one model in memory at a time
+            report["after"] = evaluate_model(output, calibration_data, log=log)
     return report
 
 
@@ -64,7 +77,8 @@ def _quantize(
     block_size: int,
     per_channel: bool,
     symmetric: bool,
-) -> None:
+) -> BuiltModel | None:
+    """Write the quantized file; the original as a `BuiltModel` when it was built."""
     if _is_llama_file(model):
         built = load_built(model)
         name = os.path.splitext(os.path.basename(output))[0]
@@ -72,11 +86,12 @@ def _quantize(
             built, built.params, output, scheme, block_size=block_size,
             per_channel=per_channel, name=name,
         )  # fmt: skip
-    else:
-        write_quantized_model(
-            io.load_model(model), output, scheme, block_size=block_size,
-            per_channel=per_channel, symmetric=symmetric,
-        )  # fmt: skip
+        return built
+    write_quantized_model(
+        io.load_model(model), output, scheme, block_size=block_size,
+        per_channel=per_channel, symmetric=symmetric,
+    )  # fmt: skip
+    return None
 
 
 def _report(model: str, output: str) -> dict[str, Any]:

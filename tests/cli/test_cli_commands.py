@@ -273,6 +273,35 @@ def test_quantize_a_llama_to_gguf(tmp_path):
     )
 
 
+def test_quantize_calibration_shows_progress_and_loads_the_original_once(
+    tmp_path, monkeypatch
+):
+    from entrenar.config import evaluate, quantize
+
+    cfg = nn.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1,
+        num_heads=2, num_kv_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    src, out = tmp_path / "l.gguf", tmp_path / "q.gguf"
+    params = cfg.init(jax.random.key(0))
+    io.save_llama_gguf(src, cfg, params, source=WORDS / "tokenizer.gguf")
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join((WORDS / "validation.jsonl").open().readlines()[:12]))
+    loads = []
+    for module in (evaluate, quantize):
+        monkeypatch.setattr(
+            module, "load_built", lambda p: loads.append(p) or load_built(p)
+        )
+    result = run("quantize", src, "-o", out, "--bits", "8", "--calibration-data", calib)
+    assert result.exit_code == 0, result.output
+    stages = result.stderr.splitlines()
+    assert stages[0] == f"quantizing {src} to q8_0"
+    assert any(s.startswith(f"wrote {out} (") for s in stages)
+    assert any(s.startswith(f"evaluating {out} on ") for s in stages)
+    assert loads == [str(src), str(out)]  # the original is loaded once, not twice
+    assert "before: {'tokens'" in result.output and "after: {'tokens'" in result.output
+
+
 def test_merge_writes_a_file_info_and_load_model_read(tmp_path):
     out = tmp_path / "m.safetensors"
     a, b = MODELS / "wine-mlp-ft-a.safetensors", MODELS / "wine-mlp-ft-b.safetensors"

@@ -1,0 +1,97 @@
+"""``entrenar eval`` of chat data without a config: exact match, loss, --compare."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from config_cases import WORDS
+
+from entrenar import chat, data, io, nn
+from entrenar.config import evaluate, load_built
+
+TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+CONFIG = nn.LlamaConfig(
+    vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1,
+    num_heads=2, num_kv_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def _conversation(n: int) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": f"{n} in words?"},
+            {"role": "assistant", "content": f"{n}"},
+        ]
+    }
+
+
+@pytest.fixture(scope="module")
+def chat_models(tmp_path_factory):
+    """Two tiny random Llama GGUFs (base, tuned) with a chat template, and chat data."""
+    folder = tmp_path_factory.mktemp("chat")
+    g = io.read_gguf(WORDS / "tokenizer.gguf")
+    fields = dict(g.fields)
+    fields["tokenizer.chat_template"] = io.GGUFField(TEMPLATE, io.GGUFValueType.STRING)
+    io.write_gguf(folder / "tok.gguf", fields, {})
+    for name, seed in (("base", 0), ("tuned", 1)):
+        params = CONFIG.init(jax.random.key(seed))
+        io.save_llama_gguf(
+            folder / f"{name}.gguf", CONFIG, params, source=folder / "tok.gguf"
+        )
+    with open(folder / "chat.jsonl", "w") as f:
+        for n in (3, 14, 159):
+            f.write(json.dumps(_conversation(n)) + "\n")
+    return folder
+
+
+def _loss_on_replies(path, data_path) -> tuple[float, int]:
+    """Mean loss over the assistant's tokens, computed one conversation at a time."""
+    built = load_built(str(path))
+    recs = data.load_records(data_path)
+    total, count = 0.0, 0
+    for ids, labels in data.encode_records(recs, built.tokenizer, format="chat"):
+        logits = built.config.apply(built.params, jnp.asarray(ids)[None])[0]  # (T, V)
+        logp = jax.nn.log_softmax(logits[:-1], axis=-1)  # predicts tokens 1..T-1
+        at = np.nonzero(labels[1:] != data.IGNORE_INDEX)[0]
+        total -= float(jnp.sum(logp[at, labels[1:][at]]))
+        count += len(at)
+    return total / count, count
+
+
+def test_chat_eval_scores_the_replies(chat_models):
+    model, path = chat_models / "tuned.gguf", str(chat_models / "chat.jsonl")
+    out = evaluate.evaluate_model(str(model), path, fmt="chat")
+    loss, tokens = _loss_on_replies(model, path)
+    assert out["tokens"] == tokens and out["eval_loss"] == pytest.approx(loss, 1e-4)
+    built = load_built(str(model))
+    session = chat.ChatModel(built.config, built.params, built.tokenizer)
+    em = chat.exact_match(session, data.load_records(path))
+    assert (out["exact_match"], out["examples"]) == (em.accuracy, 3)
+
+
+def test_rows_are_as_long_as_the_longest_conversation(chat_models, monkeypatch):
+    lengths = []
+    real = data.lm_loader
+
+    def spy(*args, **kwargs):
+        lengths.append(kwargs["seq_len"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "lm_loader", spy)
+    path = str(chat_models / "chat.jsonl")
+    built = load_built(str(chat_models / "base.gguf"))
+    longest = max(
+        len(ids)
+        for ids, _ in data.encode_records(
+            data.load_records(path), built.tokenizer, format="chat"
+        )
+    )
+    evaluate.evaluate_built(built, path, fmt="chat")
+    assert lengths == [-(-longest // 8) * 8] and lengths[0] < 64
