@@ -144,6 +144,9 @@ def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
+
+
 @command("eval")
 @click.argument("target", type=ModelPath())
 @click.option(
@@ -159,30 +162,76 @@ def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
     help="With a CONFIG: the trained model to evaluate (default: "
     "the run's model.safetensors, model.gguf, hf/ or model.json).",
 )
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice([*DATA_FORMATS, "json"]),
+    default="auto",
+    show_default=True,
+    help="A language model's data format: chat gives the exact match of greedy "
+    "replies and the loss on the replies (auto: from the first record's fields). "
+    "'json' is the old spelling of --json.",
+)
+@click.option(
+    "--compare",
+    "base",
+    type=ModelPath(),
+    help="A base MODEL to evaluate on the same data: both printed side by side "
+    "(before and after a fine-tune).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
 def eval_cmd(
-    target: str, data_path: str | None, model_path: str | None, fmt: str
+    target: str,
+    data_path: str | None,
+    model_path: str | None,
+    fmt: str,
+    base: str | None,
+    as_json: bool,
 ) -> None:
     """Evaluate a trained model: TARGET is a run's CONFIG or a MODEL file.
 
-    With a MODEL, --data names the data; its format is read as tabular for an mlp
-    (the model file stores its features, target and normalisation) and text for a
-    language model.
+    With a MODEL, --data names the data: tabular for an mlp (the model file stores
+    its features, target and normalisation), text, prompt-completion or chat for a
+    language model. Progress goes to stderr.
     """
     from entrenar.cli.inspect import CONFIG_EXTENSIONS, is_model_yaml
-    from entrenar.config.evaluate import evaluate_config, evaluate_model
+    from entrenar.config import evaluate
 
+    as_json, fmt = as_json or fmt == "json", "auto" if fmt == "json" else fmt
+    log = None if as_json else (lambda line: click.echo(line, err=True))
     if target.lower().endswith(CONFIG_EXTENSIONS) and not is_model_yaml(target):
-        out = evaluate_config(target, data=data_path, model=model_path)
+        if base is not None:
+            raise click.UsageError("--compare takes a MODEL, not a CONFIG")
+        out = evaluate.evaluate_config(target, data=data_path, model=model_path)
+    elif data_path is None:
+        raise click.UsageError("evaluating a MODEL needs --data FILE")
+    elif base is not None:
+        both = evaluate.compare_models(base, target, data_path, fmt=fmt, log=log)
+        _print_side_by_side(both, as_json)
+        return
     else:
-        if data_path is None:
-            raise click.UsageError("evaluating a MODEL needs --data FILE")
-        out = evaluate_model(target, data_path)
-    if fmt == "json":
+        out = evaluate.evaluate_model(target, data_path, fmt=fmt, log=log)
+    if as_json:
         click.echo(json.dumps(out, indent=2))
     else:
         for k, v in out.items():
             click.echo(f"{k}: {_fmt(v)}")
+
+
+def _print_side_by_side(both: dict[str, dict[str, Any]], as_json: bool) -> None:
+    """``metric  base  model`` rows (or the JSON of both)."""
+    if as_json:
+        click.echo(json.dumps(both, indent=2))
+        return
+    base, model = both["base"], both["model"]
+    keys = [*base, *(k for k in model if k not in base)]
+    rows = [("metric", "base", "model")]
+    rows += [(k, _fmt(base.get(k, "-")), _fmt(model.get(k, "-"))) for k in keys]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        click.echo(
+            f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}".rstrip()
+        )
 
 
 @command("plot")

@@ -97,8 +97,9 @@ def _text(
     loader.set_epoch(0)
     total = weight = 0.0
     if log is not None:
+        n = len(loader)
         log(
-            f"  loss of {len(recs)} records ({len(loader)} batches, {row} tokens a row)"
+            f"  loss of {len(recs)} records ({n} batch{'es' * (n != 1)}, rows of {row})"
         )
     # A bar on a terminal only (None: tqdm's own test), none without a log.
     bar = True if log is None else None

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from config_cases import WORDS
 
 from entrenar import chat, data, io, nn
+from entrenar.cli import cli
 from entrenar.config import evaluate, load_built
 
 TEMPLATE = (
@@ -95,3 +98,27 @@ def test_rows_are_as_long_as_the_longest_conversation(chat_models, monkeypatch):
     )
     evaluate.evaluate_built(built, path, fmt="chat")
     assert lengths == [-(-longest // 8) * 8] and lengths[0] < 64
+
+
+def test_eval_format_chat_and_compare_on_the_command_line(chat_models):
+    base, tuned = chat_models / "base.gguf", chat_models / "tuned.gguf"
+    path = chat_models / "chat.jsonl"
+    runner = CliRunner()
+    alone = runner.invoke(cli, ["eval", str(tuned), "--data", str(path), "--format",
+                                "chat", "--json"])  # fmt: skip
+    assert alone.exit_code == 0, alone.output
+    got = json.loads(alone.stdout)
+    assert {"exact_match", "eval_loss", "tokens", "examples"} <= set(got)
+    both = runner.invoke(cli, ["eval", str(tuned), "--data", str(path), "--format",
+                               "chat", "--compare", str(base)])  # fmt: skip
+    assert both.exit_code == 0, both.output
+    lines = both.stdout.splitlines()
+    assert lines[0].split() == ["metric", "base", "model"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    before = evaluate.evaluate_model(str(base), str(path), fmt="chat")
+    assert rows["eval_loss"] == [
+        f"{before['eval_loss']:.4g}",
+        f"{got['eval_loss']:.4g}",
+    ]
+    assert rows["exact_match"][1] == f"{got['exact_match']:.4g}"
+    assert re.search(r"evaluating .*base\.gguf on", both.stderr)
