@@ -245,7 +245,9 @@ class ChatModel:
 
         Raises:
             ShapeError: prompt + ``max_new_tokens`` exceeds the model's context.
-            FormatError: malformed messages or a template that fails to render.
+            FormatError: malformed messages.
+            TemplateError: a chat template that fails to render or exceeds its
+                budget (`entrenar.data.sandbox`).
         """
         prompt, steps = self._steps(
             messages, system, max_new_tokens, temperature, top_k, top_p, key, chat

@@ -31,6 +31,7 @@ from entrenar.errors import (
     EntrenarError,
     FormatError,
     QuantizationError,
+    TemplateError,
     UnsupportedError,
 )
 
@@ -41,6 +42,7 @@ USAGE_ERRORS = (
     UnsupportedError,
     CompatibilityError,
     QuantizationError,
+    TemplateError,
 )
 """Errors in what the user asked for: exit code 2."""
 

@@ -7,6 +7,9 @@ lstrip_blocks=True)`` with the ``loopcontrols`` extension, a ``{% generation %}`
 a ``tojson`` filter that does not escape HTML, and ``raise_exception`` /
 ``strftime_now``. The variables are ``messages``, ``add_generation_prompt``, the
 special tokens' texts (``bos_token``, ``eos_token``, ...) and any extra keywords.
+The template is untrusted code: it renders within the budget of
+`entrenar.data.sandbox` (steps, time, ``range`` length, output size), and any failure
+is a `TemplateError`.
 
 `assistant_spans` finds which characters of a rendered conversation belong to the
 assistant turns (the text the model must learn to produce): for each assistant
@@ -20,32 +23,16 @@ it raises, naming the message.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from entrenar.errors import FormatError
+from entrenar.data.sandbox import BoundedEnvironment, render
+from entrenar.errors import FormatError, TemplateError
 from entrenar.io.gguf_reader import GGUFFile, read_gguf
 
 Message = Mapping[str, Any]
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x,
-        ensure_ascii=ensure_ascii,
-        indent=indent,
-        separators=separators,
-        sort_keys=sort_keys,
-    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,7 +40,6 @@ def chat_environment() -> Any:
     """The sandboxed Jinja environment chat templates render in (module docstring)."""
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}``: renders its body."""
@@ -75,12 +61,11 @@ def chat_environment() -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
+    env = BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[Generation, jinja2.ext.loopcontrols],
     )
-    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env
@@ -93,7 +78,9 @@ def _compile(template: str) -> Any:
     try:
         return chat_environment().from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise FormatError(f"chat template line {e.lineno}: {e.message}") from None
+        raise TemplateError(f"chat template line {e.lineno}: {e.message}") from None
+    except (ValueError, OverflowError, RecursionError, MemoryError) as e:
+        raise TemplateError(f"chat template: cannot compile it ({e})") from None
 
 
 def check_messages(messages: Any, where: str = "messages") -> list[dict[str, Any]]:
@@ -129,21 +116,22 @@ def render_chat(
             inference.
         **variables: more template variables (``bos_token``, ``eos_token``, ``tools``).
 
+    Raises:
+        FormatError: malformed ``messages``.
+        TemplateError: a template that does not compile, fails while rendering or
+            exceeds its budget (`entrenar.data.sandbox`: steps, time, ``range``
+            length, output size).
+
     >>> t = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     >>> render_chat([{"role": "user", "content": "Hi"}], t)
     '<user>Hi'
     """
-    import jinja2
-
     msgs = check_messages(messages)
-    try:
-        return str(
-            _compile(template).render(
-                messages=msgs, add_generation_prompt=add_generation_prompt, **variables
-            )
-        )
-    except jinja2.TemplateError as e:
-        raise FormatError(f"chat template: {e}") from None
+    compiled = _compile(template)
+    return render(
+        compiled,
+        {"messages": msgs, "add_generation_prompt": add_generation_prompt, **variables},
+    )
 
 
 def assistant_spans(

@@ -27,7 +27,7 @@ import numpy as np
 from entrenar.data.chat import assistant_spans, render_chat
 from entrenar.data.fast_tokenizer import token_bytes
 from entrenar.data.readers import Records
-from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.errors import ConfigError, FormatError, TemplateError, UnsupportedError
 from entrenar.nn.losses import IGNORE_INDEX
 
 Format = Literal["text", "prompt_completion", "chat", "auto"]
@@ -152,8 +152,8 @@ def record_segments(
     messages = values[0]
     try:
         text, spans = assistant_spans(messages, chat_template, **chat_variables)
-    except FormatError as e:
-        raise FormatError(f"{recs.where(i, fields['messages'])}: {e}") from None
+    except (FormatError, TemplateError) as e:
+        raise type(e)(f"{recs.where(i, fields['messages'])}: {e}") from None
     segs, pos = [], 0
     for a, b in spans:
         segs += [(text[pos:a], False), (text[a:b], True)]

@@ -79,7 +79,7 @@ class _BoundedLoader(yaml.SafeLoader):
             self._sizes[event.anchor] = self._nodes - before
         return node
 
-    def _count_alias(self, event: yaml.AliasEvent) -> None:
+    def _count_alias(self, event: Any) -> None:
         anchor = event.anchor
         if anchor not in self.anchors:
             return  # the composer reports the undefined alias

@@ -11,7 +11,7 @@ from entrenar.data import (
     load_chat_template,
     render_chat,
 )
-from entrenar.errors import FormatError
+from entrenar.errors import FormatError, TemplateError
 from entrenar.io import smollm2_path
 
 CHAT = [
@@ -90,12 +90,12 @@ def test_matches_transformers_apply_chat_template(tok, template, messages, gen):
 
 
 def test_template_errors_and_sandbox():
-    with pytest.raises(FormatError, match="unknown role tool"):
+    with pytest.raises(TemplateError, match="unknown role tool"):
         render_chat([{"role": "tool", "content": "x"}], FANCY)
-    with pytest.raises(FormatError, match="line 1"):
+    with pytest.raises(TemplateError, match="line 1"):
         render_chat(CHAT, "{% for m in messages %}")
     escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
-    with pytest.raises(FormatError, match=r"unsafe|access"):
+    with pytest.raises(TemplateError, match=r"unsafe|access"):
         render_chat(CHAT, escape)
     with pytest.raises(FormatError, match=r"messages\[1\]: 'content' must be a string"):
         render_chat([CHAT[0], {"role": "assistant"}], FANCY)
