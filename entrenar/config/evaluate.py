@@ -83,6 +83,23 @@ def _row_length(
     return min(limit, -(-longest // 8) * 8)
 
 
+def _loss_sums(
+    built: BuiltModel, loader: data_lib.TextLoader, *, bar: bool
+) -> tuple[float, float]:
+    """The loss summed over the loader's labelled tokens, and their number.
+
+    ``bar``: a progress bar over the batches on a terminal (tqdm's own test).
+    """
+    loader.set_epoch(0)
+    total = weight = 0.0
+    batches = tqdm(loader, desc="loss", unit="batch", leave=False,
+                   disable=None if bar else True)  # fmt: skip
+    for batch in batches:
+        loss, w = _batch_loss(built.config, built.params, batch)
+        total, weight = total + float(loss), weight + float(w)
+    return total, weight
+
+
 def _text(
     built: BuiltModel, path: str, fmt: Any, seq_len: int, log: Log | None
 ) -> dict[str, Any]:
@@ -94,19 +111,13 @@ def _text(
     loader = data_lib.lm_loader(
         recs, built.tokenizer, format=fmt, seq_len=row, batch_size=8, shuffle=False
     )
-    loader.set_epoch(0)
-    total = weight = 0.0
-    if log is not None:
+    if log is not None:  # the model and the data read: the long part begins
+        log(f"evaluating {built.source or 'the model'} on {path}")
         n = len(loader)
         log(
             f"  loss of {len(recs)} records ({n} batch{'es' * (n != 1)}, rows of {row})"
         )
-    # A bar on a terminal only (None: tqdm's own test), none without a log.
-    bar = True if log is None else None
-    batches = tqdm(loader, desc="loss", unit="batch", disable=bar, leave=False)
-    for batch in batches:
-        loss, w = _batch_loss(built.config, built.params, batch)
-        total, weight = total + float(loss), weight + float(w)
+    total, weight = _loss_sums(built, loader, bar=log is not None)
     if weight == 0:
         raise ConfigError(f"{path}: no token to evaluate on")
     mean = total / weight
@@ -140,11 +151,10 @@ def evaluate_built(
 ) -> dict[str, Any]:  # fmt: skip
     """Metrics of a loaded model on a data file (see `evaluate_model`).
 
-    ``log``: a function that takes one line per stage (and turns on a progress bar
-    over the batches, on stderr).
+    ``log``: a function that takes one line per stage of a language model's
+    evaluation, once its data is read (and turns on a progress bar over the batches,
+    on a terminal); a tabular model takes a moment and says nothing.
     """
-    if log is not None:
-        log(f"evaluating {built.source or 'the model'} on {data}")
     if built.is_lm:
         return _text(built, data, fmt, seq_len, log)
     return _tabular(built, data, task)
@@ -161,8 +171,6 @@ def evaluate_model(
     language model's rows are as long as the longest document (at most ``seq_len``
     and the model's context).
     """
-    if log is not None:
-        log(f"loading {model}")
     built = load_built(model)
     return evaluate_built(built, data, fmt=fmt, seq_len=seq_len, task=task, log=log)
 

@@ -91,7 +91,7 @@ def _check_fields(spec: TrainSpec, records: data_lib.Records) -> None:
     """Every record has the fields the format reads, of the right type."""
     d = spec.data
     assert d is not None
-    fmt = "text" if d.format == "auto" else d.format
+    fmt: Any = "text" if d.format == "auto" else d.format  # text data: not tabular
     names = {"text": d.text_field, "prompt": d.prompt_field}
     names |= {"completion": d.completion_field, "messages": d.messages_field}
     for i in range(len(records)):
@@ -157,7 +157,7 @@ def _model_facts(built: BuiltModel) -> dict[str, Any]:
         "parameters": sum(math.prod(x.shape) for x in shapes),
     }
     if built.tokenizer is not None:
-        out["tokenizer"] = f"{len(built.tokenizer.tokens)} tokens"
+        out["vocabulary"] = len(built.tokenizer.tokens)
     context = getattr(built.config, "max_position_embeddings", None)
     context = context or getattr(built.config, "n_positions", None)
     if context:
@@ -213,9 +213,10 @@ def format_preflight(report: dict[str, Any]) -> list[str]:
     """The report of `preflight` as indented lines (``~``: an estimate)."""
     m = report["model"]
     model = f"  Model: {m['architecture']}, {m['parameters']:,} parameters"
-    for key in ("tokenizer", "context"):
-        if key in m:
-            model += f", {key} {m[key]}"
+    if "vocabulary" in m:
+        model += f", a {m['vocabulary']:,}-token tokenizer"
+    if "context" in m:
+        model += f", context {m['context']:,}"
     lines = [model + f" ({m['source']})"]
     for name, plan in report["data"].items():
         if isinstance(plan, TextPlan):
