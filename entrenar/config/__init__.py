@@ -5,8 +5,11 @@ into a `TrainSpec` (sections ``model``, ``data``, ``optimizer``, ``scheduler``,
 ``lora``, ``quantization``, ``distillation``, ``training``, ``merge``, ``export``),
 checking every key, type, range and input file; any problem is a `ConfigError` whose
 message starts with the key path and, for a likely typo, names the closest valid key.
-``validate(path)`` also checks model sizes and merge recipes; ``train_from_yaml(path,
-overrides)`` runs the whole workflow (`entrenar.config.run`) and returns a `RunResult`.
+``validate(path)`` also checks model sizes and merge recipes, and
+`entrenar.config.preflight` (``entrenar validate``) what ``train`` would refuse without
+loading weights: the model file's header, every data row, a tokenized sample and the
+predicted token counts. ``train_from_yaml(path, overrides)`` runs the whole workflow
+(`entrenar.config.run`) and returns a `RunResult`.
 Every key, its default and its range: specs/config.md.
 """
 

@@ -137,7 +137,25 @@ recipe or a bare recipe file.
 ## The `entrenar` command
 
 `entrenar train | validate | info | quantize | merge | generate | eval | plot`;
-`entrenar COMMAND --help` lists each one's options.
+`entrenar COMMAND --help` lists each one's options. Three of them in more words:
+
+- `validate CONFIG [--sample N]` checks what `train` would refuse, in seconds
+  (`entrenar.config.preflight`), without loading weights: keys, values and files; the
+  model file's header (a GGUF's magic, version, metadata and tensor table; a Hugging
+  Face folder's `config.json` and safetensors headers) and the tokenizer; every row of
+  every data file parsed and the fields its format reads checked (an invalid JSON line,
+  an empty file, a missing field: an error naming file, line and column); `N` evenly
+  spaced rows (1000 by default, 0 for all) through the loader `train` builds. It
+  prints the predicted rows, tokens, tokens cut by `seq_len`, tokens with a loss,
+  sequences and steps (`~`: estimated from the sample).
+- `eval CONFIG` or `eval MODEL --data FILE [--format auto|text|prompt_completion|chat]
+  [--compare BASE] [--json]`: loss and accuracy (tabular) or loss and perplexity (text);
+  chat data adds the exact match of greedy replies (`entrenar.chat.exact_match`) and its
+  loss is the loss on the replies. `--compare BASE` scores BASE on the same rows and
+  prints `metric, base, model` side by side (before and after a fine-tune).
+- `quantize MODEL -o OUT [--calibration-data FILE]`: with calibration data, the
+  original and the quantized model are evaluated on it (as `eval` does) after the file
+  is written; each stage is printed on stderr, with a progress bar on a terminal.
 
 | exit code | meaning |
 | --- | --- |
