@@ -135,14 +135,31 @@ def _array_of(md: dict[str, Any], key: str, kind: type, path: str) -> list[Any]:
                 f"{path}: {key}[{i}] = {str(x)[:40]!r} has type "
                 f"{type(x).__name__}, want {kind.__name__}"
             )
+    if kind is str and not _is_utf8("".join(value)):
+        i = next(i for i, x in enumerate(value) if not _is_utf8(x))
+        raise FormatError(f"{path}: {key}[{i}] = {value[i]!r} is not valid UTF-8")
     return value
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` came from valid UTF-8.
+
+    The GGUF reader keeps invalid bytes as lone surrogates, which no tokenizer can
+    encode.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_tokenizer_metadata(md: dict[str, Any], path: str = "<gguf>") -> None:
     """Check the ``tokenizer.ggml.*`` fields a `BPETokenizer` is built from.
 
-    ``tokens`` and ``merges`` are arrays of strings; ``token_type`` (if present) an
-    array of integers, one per token; ``pre`` a string; ``add_bos_token`` a boolean;
+    ``tokens`` and ``merges`` are arrays of UTF-8 strings; ``token_type`` (if present)
+    an array of integers, one per token; ``pre`` and ``tokenizer.chat_template`` (if
+    present) UTF-8 strings; ``add_bos_token`` a boolean;
     every special id (``bos``, ``eos``, ``padding``, ``unknown``, ... any
     ``tokenizer.ggml.*_token_id``) an integer inside the vocabulary.
 
@@ -164,9 +181,12 @@ def check_tokenizer_metadata(md: dict[str, Any], path: str = "<gguf>") -> None:
                 f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
                 f"{len(tokens)} tokens"
             )
-    pre = md.get("tokenizer.ggml.pre", "gpt2")
-    if not isinstance(pre, str):
-        raise FormatError(f"{path}: tokenizer.ggml.pre = {pre!r} is not a string")
+    for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
+        text = md.get(key, "")
+        if not isinstance(text, str) or not _is_utf8(text):
+            raise FormatError(
+                f"{path}: {key} = {str(text)[:40]!r} is not a UTF-8 string"
+            )
     add_bos = md.get("tokenizer.ggml.add_bos_token", False)
     if add_bos not in (True, False) or not isinstance(add_bos, (bool, int)):
         raise FormatError(

@@ -129,8 +129,21 @@ TOKEN_FIELDS = [
     ),
     ("tokenizer.ggml.merges", GGUFField([1, 2], T.ARRAY, T.INT32), "want str"),
     ("tokenizer.ggml.tokens", GGUFField(3, U32), "want an array"),
-    ("tokenizer.ggml.pre", GGUFField(["gpt2"], T.ARRAY, T.STRING), "not a string"),
+    (
+        "tokenizer.ggml.pre",
+        GGUFField(["gpt2"], T.ARRAY, T.STRING),
+        "not a UTF-8 string",
+    ),
     ("tokenizer.ggml.add_bos_token", GGUFField("yes", T.STRING), "not a boolean"),
+    (  # invalid UTF-8 bytes, which the reader keeps as lone surrogates
+        "tokenizer.ggml.tokens",
+        GGUFField(
+            ["<s>", "</s>", "a", "b", "ab", "\u0120", "c", "\udcff"], T.ARRAY, T.STRING
+        ),
+        "[7] = '\\udcff' is not valid UTF-8",
+    ),
+    ("tokenizer.ggml.merges", GGUFField(["a \udcff"], T.ARRAY, T.STRING), "UTF-8"),
+    ("tokenizer.chat_template", GGUFField("\udcff", T.STRING), "not a UTF-8 string"),
 ]
 
 
