@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import jax
 import pytest
@@ -134,3 +135,15 @@ def test_headers_of_hf_folders_and_entrenar_files(tmp_path, tiny_gguf):
     gpt2 = REPO / "examples" / "models" / "number-words-gpt2.safetensors"
     head = read_header(str(gpt2))
     assert head.config == load_built(str(gpt2)).config and head.tokenizer is not None
+
+
+def test_the_shipped_smollm2_config_in_seconds_weights_unread(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("preflight read tensor data")
+
+    monkeypatch.setattr(io.GGUFFile, "raw", refuse)
+    start = time.perf_counter()
+    report = preflight(validate(REPO / "examples" / "configs" / "smollm2-qlora.yaml"))
+    assert time.perf_counter() - start < 30  # ~2 s alone; the machine may be busy
+    assert report["model"]["vocabulary"] == 49152
+    assert report["data"]["train"].rows == 320 and report["steps"] == 40
