@@ -141,8 +141,8 @@ def read_text(
     size = os.path.getsize(path)
     if size > max_bytes:
         raise error(
-            f"{path}: {size} bytes is over the limit of {max_bytes} for a {what}; "
-            "is it the right file?"
+            f"{path}: {size:,} bytes is over the {what} limit of {max_bytes:,} "
+            "bytes; is it the right file?"
         )
     with open(path, "rb") as f:
         data = f.read(size + 1)  # not max_bytes + 1: read(n) allocates n bytes

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import difflib
 import json
+import math
 import os
 import re
 from typing import Any
@@ -25,8 +26,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from entrenar.errors import CompatibilityError, FormatError, UnsupportedError
+from entrenar.errors import (
+    CompatibilityError,
+    ConfigError,
+    FormatError,
+    UnsupportedError,
+)
 from entrenar.io.atomic import atomic_write
+from entrenar.io.bounded import read_json
 from entrenar.io.safetensors_io import read_safetensors, save_safetensors
 from entrenar.lora.names import (
     STACKED_KEYS,
@@ -36,6 +43,7 @@ from entrenar.lora.names import (
     named_weight_leaves,
     stacked_split,
 )
+from entrenar.lora.patterns import check_pattern, check_peft_key, peft_key_matches
 from entrenar.lora.weight import LoRAWeight
 from entrenar.types import Params
 
@@ -133,34 +141,115 @@ def save_adapter(
         f.write(json.dumps(config, indent=2))
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""Size limit of an ``adapter_config.json`` (16 MiB)."""
+
+
 def _read_config(folder: str) -> dict[str, Any]:
+    """The validated ``adapter_config.json`` of ``folder`` (`check_adapter_config`)."""
     file = os.path.join(folder, CONFIG_NAME)
     if not os.path.isfile(file):
         raise FormatError(f"{file}: not found; an adapter folder needs {CONFIG_NAME}")
-    if os.path.getsize(file) > 16 * 1024 * 1024:
-        raise FormatError(f"{file}: larger than 16 MiB, not an adapter config")
-    try:
-        with open(file, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{file}: not valid JSON ({e})") from e
-    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
-        raise UnsupportedError(f"{file}: peft_type {cfg.get('peft_type')!r}; only LORA")
-    for field, typ in (("r", int), ("lora_alpha", (int, float))):
-        if not isinstance(cfg.get(field), typ) or cfg[field] <= 0:
-            raise FormatError(f"{file}: field {field!r} = {cfg.get(field)!r}, need > 0")
+    cfg = read_json(file, max_bytes=MAX_CONFIG_BYTES, what="adapter config")
+    check_adapter_config(cfg, file)
+    return cfg
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _field(cfg: dict[str, Any], file: str, key: str, ok: bool, want: str) -> None:
+    if not ok:
+        raise FormatError(f"{file}: {key!r} = {cfg.get(key)!r:.60} must be {want}")
+
+
+def check_adapter_config(cfg: Any, file: str) -> None:
+    """Check a parsed ``adapter_config.json``: types, ranges and patterns.
+
+    Raises:
+        FormatError: not an object, or a field of the wrong type or out of range
+            (``r`` a positive int, ``lora_alpha`` a finite number > 0,
+            ``lora_dropout`` in [0, 1), patterns safe to run, see
+            `entrenar.lora.patterns`); the message names the file and the key.
+        UnsupportedError: another PEFT method, DoRA, biases, ``fan_in_fan_out`` or
+            ``modules_to_save``.
+    """
+    if not isinstance(cfg, dict):
+        raise FormatError(
+            f"{file}: must be a JSON object of PEFT settings, got {type(cfg).__name__}"
+        )
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise UnsupportedError(
+            f"{file}: peft_type {cfg['peft_type']!r:.40}; only LORA is supported"
+        )
+    r, alpha, dropout = cfg.get("r"), cfg.get("lora_alpha"), cfg.get("lora_dropout")
+    _field(cfg, file, "r", type(r) is int and r > 0, "an integer > 0")
+    _field(cfg, file, "lora_alpha", _positive(alpha), "a finite number > 0")
+    _field(
+        cfg,
+        file,
+        "lora_dropout",
+        dropout is None or (_number(dropout) and 0 <= dropout < 1),
+        "a number in [0, 1)",
+    )
+    use_rslora = cfg.get("use_rslora")
+    _field(cfg, file, "use_rslora", use_rslora in (None, True, False), "true or false")
     for field, ok in (("use_dora", False), ("fan_in_fan_out", False)):
-        if cfg.get(field, ok) != ok:
-            raise UnsupportedError(f"{file}: {field}={cfg[field]!r} is not supported")
+        if cfg.get(field, ok) not in (ok, None):
+            raise UnsupportedError(
+                f"{file}: {field}={cfg[field]!r:.40} is not supported"
+            )
     if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
         raise UnsupportedError(f"{file}: bias / modules_to_save are not supported")
-    return cfg
+    _check_patterns(cfg, file, "rank_pattern", lambda v: type(v) is int and v > 0)
+    _check_patterns(cfg, file, "alpha_pattern", _positive)
+    _check_targets(cfg, file)
+
+
+def _positive(x: Any) -> bool:
+    return _number(x) and math.isfinite(x) and x > 0
+
+
+def _check_patterns(cfg: dict[str, Any], file: str, key: str, valid: Any) -> None:
+    """``rank_pattern`` / ``alpha_pattern``: ``{pattern: value}``, both checked."""
+    patterns = cfg.get(key)
+    if patterns is None:
+        return
+    _field(cfg, file, key, isinstance(patterns, dict), "an object {pattern: value}")
+    for pattern, value in patterns.items():
+        if not valid(value):
+            want = "an integer > 0" if key == "rank_pattern" else "a number > 0"
+            raise FormatError(
+                f"{file}: {key}[{pattern!r:.60}] = {value!r:.40} must be {want}"
+            )
+        if not pattern:
+            raise FormatError(f"{file}: {key} has an empty pattern")
+        try:
+            check_peft_key(pattern)
+        except ConfigError as e:
+            raise FormatError(f"{file}: {key}: {e}") from None
+
+
+def _check_targets(cfg: dict[str, Any], file: str) -> None:
+    """``target_modules``: a regex PEFT full-matches, or a list of name suffixes."""
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        try:
+            check_pattern(targets)
+        except ConfigError as e:
+            raise FormatError(f"{file}: target_modules: {e}") from None
+        return
+    ok = targets is None or (
+        isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+    )
+    _field(cfg, file, "target_modules", ok, "a regex or a list of module names")
 
 
 def _pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``get_pattern_key``)."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if peft_key_matches(key, module):
             return value
     return default
 
@@ -310,4 +399,10 @@ def _lora_leaf(
     )
 
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_adapter", "save_adapter"]
+__all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "check_adapter_config",
+    "load_adapter",
+    "save_adapter",
+]

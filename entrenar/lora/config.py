@@ -10,16 +10,19 @@ when it matches every one of those names:
 - a dotted name made of ``[A-Za-z0-9_.]`` only (``"q_proj"``, ``"self_attn.v_proj"``):
   the module name equals it or ends with ``"." + target`` (PEFT's list semantics);
 - anything else is a regular expression searched in the module name
-  (``r"layers\.\d+\.mlp\..*"``).
+  (``r"layers\.\d+\.mlp\..*"``), checked first by `entrenar.lora.patterns`
+  (length, no lookarounds, a bounded number of ways to match: no ``(a*)*``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 
 from entrenar.errors import ConfigError
+from entrenar.lora.patterns import SEARCH, check_pattern, search_pattern
 
 ALL_LINEAR = "all-linear"
 """Target every linear weight except embeddings and the output head."""
@@ -59,12 +62,20 @@ class LoRAConfig:
     rslora: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank < 1:
+        if type(self.rank) is not int or self.rank < 1:
             raise ConfigError(
                 f"LoRAConfig.rank must be a positive int, got {self.rank!r}"
             )
+        if not _finite_number(self.alpha):
+            raise ConfigError(
+                f"LoRAConfig.alpha must be a finite number, got {self.alpha!r}"
+            )
         if not self.alpha > 0:
             raise ConfigError(f"LoRAConfig.alpha must be > 0, got {self.alpha!r}")
+        if not _finite_number(self.dropout):
+            raise ConfigError(
+                f"LoRAConfig.dropout must be a number in [0, 1), got {self.dropout!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(
                 f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}"
@@ -81,11 +92,9 @@ class LoRAConfig:
                 raise ConfigError(f"LoRAConfig.targets holds {t!r}; use strings")
             if t != ALL_LINEAR and not _PLAIN.fullmatch(t):
                 try:
-                    re.compile(t)
-                except re.error as e:
-                    raise ConfigError(
-                        f"LoRAConfig.targets: {t!r} is not a valid regex ({e})"
-                    ) from e
+                    check_pattern(t, runs_as=SEARCH)
+                except ConfigError as e:
+                    raise ConfigError(f"LoRAConfig.targets: {e}") from None
         object.__setattr__(self, "targets", tuple(targets))
 
     @property
@@ -115,7 +124,11 @@ def target_matches(target: str, module: str, per_layer_ndim: int) -> bool:
         return per_layer_ndim == 2 and not _NOT_LINEAR.search(module)
     if _PLAIN.fullmatch(target):
         return module == target or module.endswith("." + target)
-    return re.search(target, module) is not None
+    return search_pattern(target, module)
+
+
+def _finite_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 __all__ = ["ALL_LINEAR", "LoRAConfig", "target_matches"]
