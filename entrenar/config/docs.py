@@ -54,7 +54,10 @@ a test keeps it in step.
 
 ## Reading rules
 
-- The file is read with `yaml.safe_load`. Every key is checked: an unknown key, a
+- The file is read with `yaml.safe_load` within the limits of
+  specs/conventions.md (at most 1 MiB, nesting 100 deep, aliases standing for at
+  most 10,000 nodes in all, UTF-8), so a hostile file is a `ConfigError` at once.
+  Every key is checked: an unknown key, a
   value of the wrong type, a number out of range or a missing input file is a
   `ConfigError` whose message starts with the key path, e.g.
   `optimizer.lr: must be > 0, got -1` or
