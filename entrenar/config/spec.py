@@ -208,9 +208,10 @@ def file_architecture(path: str) -> str | None:
             (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
             if not 0 < n <= min(os.path.getsize(path) - 8, 1 << 26):
                 return None
-            meta = json.loads(f.read(n)).get("__metadata__") or {}
-    except (OSError, ValueError, struct.error):
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, RecursionError, struct.error):
         return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
     arch = meta.get("architecture") if isinstance(meta, dict) else None
     return arch if arch in ("llama", "gpt2", "mlp") else None
 

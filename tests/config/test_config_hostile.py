@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import struct
 import time
 
 import click
@@ -14,6 +15,7 @@ from entrenar import merge
 from entrenar.cli import cli
 from entrenar.cli.run_cmds import parse_sets
 from entrenar.config import load_config
+from entrenar.config.spec import file_architecture
 from entrenar.errors import ConfigError, FormatError
 
 
@@ -104,3 +106,12 @@ def test_the_command_line_exits_2_with_one_line(tmp_path, command):
     assert result.exit_code == 2, result.output
     assert "alias bomb" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "header", [b"[1, 2]", b"[" * 100_000 + b"]" * 100_000, b'{"__metadata__": [1]}']
+)
+def test_a_hostile_safetensors_header_tells_no_architecture(tmp_path, header):
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header)
+    assert file_architecture(str(p)) is None
