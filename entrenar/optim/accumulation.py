@@ -9,7 +9,8 @@ examples, the loss and the update do not depend on how a batch is split:
   updates and leave ``inner``'s state unchanged (optax's ``MultiSteps``).
 - `microbatched_value_and_grad(fn, k)`: splits one batch into ``k`` micro-batches inside
   a single jitted computation (``lax.scan``), so only one micro-batch's activations are
-  alive at a time, and returns the mean loss and mean gradient.
+  alive at a time, and returns the mean loss and mean gradient (weighted by each
+  micro-batch's ``loss_weight`` when ``fn`` reports one). The Trainer's step uses it.
 """
 
 from __future__ import annotations
@@ -96,26 +97,43 @@ def accumulate(inner: Any, every_k: int) -> GradientTransformation:
 
 
 def _split(batch: PyTree, k: int) -> PyTree:
-    def leaf(x: jax.Array) -> jax.Array:
-        b = x.shape[0] if x.ndim else 0
-        if b == 0 or b % k:
+    """Every leaf ``(B, ...)`` of ``batch`` reshaped to ``(k, B/k, ...)``."""
+
+    def leaf(x: Any) -> jax.Array:
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[0] % k:
             raise ShapeError(
-                f"cannot split a batch leaf of shape {x.shape} into {k} micro-batches: "
-                f"its leading axis must be a positive multiple of {k}"
+                f"cannot split a batch array of shape {tuple(x.shape)} into {k} "
+                f"micro-batches (grad_accum): its leading axis must be a multiple "
+                f"of {k}"
             )
-        return x.reshape(k, b // k, *x.shape[1:])  # (k, B/k, ...)
+        return x.reshape(k, x.shape[0] // k, *x.shape[1:])  # (k, B/k, ...)
 
     return jax.tree_util.tree_map(leaf, batch)
 
 
 def microbatched_value_and_grad(
-    fn: Callable[..., jax.Array], num_microbatches: int
-) -> Callable[[Params, PyTree], tuple[jax.Array, Updates]]:
-    """``f(params, batch) -> (mean loss, mean grads)`` over ``k`` micro-batches.
+    fn: Callable[..., Any], num_microbatches: int, *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Updates]]:
+    r"""``f(params, batch, key=None) -> (loss, grads)`` over ``k`` micro-batches.
 
-    ``fn(params, micro_batch)`` must return the *mean* loss of its micro-batch; every
-    leaf of ``batch`` is split along its leading axis (``B`` divisible by ``k``). The
-    result equals ``jax.value_and_grad(fn)(params, batch)`` up to rounding.
+    ``fn(params, micro_batch)`` returns the mean loss of its micro-batch or, with
+    ``has_aux``, ``(loss, metrics)`` (a dict of scalars). A metric ``"loss_weight"``
+    is the number of terms the loss is a mean over (1 if absent) and weights the
+    micro-batches:
+
+    .. math::
+        L = \frac{\sum_i w_i L_i}{\sum_i w_i},\qquad
+        g = \frac{\sum_i w_i \nabla L_i}{\sum_i w_i}
+
+    (``Σw = 0`` gives ``L = g = 0``); the other metrics are weighted like the loss
+    and ``loss_weight`` becomes ``Σ w_i``. Every leaf of ``batch`` is split along its
+    leading axis (a multiple of ``k``) and a ``lax.scan`` runs the micro-batches one
+    after another, so one micro-batch's activations are alive at a time. For a loss
+    that is a mean over examples (or over its ``loss_weight`` terms) the result
+    equals ``jax.value_and_grad(fn, has_aux=has_aux)(params, batch)`` up to rounding.
+    Given a ``key``, micro-batch ``i`` gets ``key=fold_in(key, i)``. With ``k = 1``
+    ``fn`` runs once on the whole batch (with ``key`` itself), unweighted.
 
     Example:
         >>> import jax.numpy as jnp
@@ -128,22 +146,56 @@ def microbatched_value_and_grad(
     k = int(num_microbatches)
     if k < 1:
         raise ConfigError(f"num_microbatches must be at least 1, got {k}")
-    vg = jax.value_and_grad(fn)
 
-    def run(params: Params, batch: PyTree) -> tuple[jax.Array, Updates]:
-        micro = _split(batch, k)
-        zero = (jnp.zeros([], jnp.float32), tree_zeros_like(params))
+    def weighted(params: Params, mb: PyTree, kw: dict[str, Any]) -> tuple[Any, Any]:
+        out = fn(params, mb, **kw)
+        loss, aux = out if has_aux else (out, {})
+        aux = {n: jnp.asarray(v, jnp.float32) for n, v in aux.items()}
+        w = jax.lax.stop_gradient(aux.pop("loss_weight", jnp.float32(1.0)))
+        wloss = loss if k == 1 else loss * w.astype(loss.dtype)
+        return wloss, (loss, w, aux)
 
-        def body(carry: Any, mb: PyTree) -> tuple[Any, None]:
-            loss, grads = vg(params, mb)
-            tot_loss, tot = carry
-            tot = jax.tree_util.tree_map(jnp.add, tot, grads)
-            return (tot_loss + loss.astype(jnp.float32), tot), None
-
-        (loss, grads), _ = jax.lax.scan(body, zero, micro)
-        return loss / k, jax.tree_util.tree_map(lambda g: g / k, grads)
+    def run(params: Params, batch: PyTree, key: Any = None) -> tuple[Any, Updates]:
+        if k == 1:
+            kw = {} if key is None else {"key": key}
+            vg = jax.value_and_grad(weighted, has_aux=True)
+            (_, (loss, w, aux)), grads = vg(params, batch, kw)
+        else:
+            loss, w, aux, grads = _scan(weighted, params, _split(batch, k), key)
+        return ((loss, {**aux, "loss_weight": w}) if has_aux else loss), grads
 
     return run
+
+
+def _scan(
+    weighted: Callable[..., Any], params: Params, micro: PyTree, key: Any
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], Updates]:
+    """Weighted means of ``weighted``'s loss, metrics and gradient over ``micro``."""
+    k = jax.tree_util.tree_leaves(micro)[0].shape[0]
+
+    def kw(i: Any) -> dict[str, Any]:
+        return {} if key is None else {"key": jax.random.fold_in(key, i)}
+
+    first = jax.tree_util.tree_map(lambda x: x[0], micro)
+    aux_shape = jax.eval_shape(weighted, params, first, kw(0))[1][2]
+    zero_aux = {n: jnp.zeros([], jnp.float32) for n in aux_shape}
+    carry0 = (jnp.float32(0), jnp.float32(0), zero_aux, tree_zeros_like(params))
+    vg = jax.value_and_grad(weighted, has_aux=True)
+
+    def body(carry: Any, xs: Any) -> tuple[Any, None]:
+        i, mb = xs
+        (wloss, (_, w, aux)), g = vg(params, mb, kw(i))
+        s_loss, s_w, s_aux, s_g = carry
+        s_aux = {n: s_aux[n] + w * aux[n] for n in s_aux}
+        s_g = jax.tree_util.tree_map(jnp.add, s_g, g)
+        return (s_loss + wloss.astype(jnp.float32), s_w + w, s_aux, s_g), None
+
+    (s_loss, s_w, s_aux, s_g), _ = jax.lax.scan(
+        body, carry0, (jnp.arange(k, dtype=jnp.int32), micro)
+    )
+    inv = 1.0 / jnp.maximum(s_w, jnp.float32(1e-30))  # W = 0: loss and grads are 0
+    grads = jax.tree_util.tree_map(lambda g: g * inv.astype(g.dtype), s_g)
+    return s_loss * inv, s_w, {n: v * inv for n, v in s_aux.items()}, grads
 
 
 __all__ = ["AccumulateState", "accumulate", "microbatched_value_and_grad"]

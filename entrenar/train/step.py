@@ -1,4 +1,4 @@
-r"""The jitted training and evaluation steps.
+"""The jitted training and evaluation steps.
 
 A loss function has the signature ``loss_fn(params, batch, *, key) -> loss`` or
 ``-> (loss, metrics)``, with ``params`` the whole tree, ``batch`` a dict of arrays and
@@ -6,21 +6,15 @@ A loss function has the signature ``loss_fn(params, batch, *, key) -> loss`` or
 keyword gets the optimizer step (traced; a schedule inside the loss, such as
 `entrenar.distill.ProgressiveDistiller`'s stages; at evaluation, the state's step).
 A metric named ``"loss_weight"`` is the number of terms the loss is a mean over
-(valid tokens, say); when present, micro-batches and evaluation batches are weighted
-by it, so that
-
-.. math::
-    L = \frac{\sum_i w_i L_i}{\sum_i w_i},\qquad
-    g = \frac{\sum_i w_i \nabla L_i}{\sum_i w_i}
-
-equals the loss and gradient of the concatenated batch (a token-level mean stays a
-token-level mean however the batch is split). Without it every micro-batch weighs 1.
+(valid tokens, say); micro-batches and evaluation batches are weighted by it (1 if
+none), so a token-level mean stays a token-level mean however the batch is split.
 
 ``train_step(state, batch) -> (state, metrics)`` runs, in one jitted computation
 whose trainable parameters and optimizer state are donated: the per-step key
 ``fold_in(state.key, state.step)``; value and gradient w.r.t. the trainable half only,
-over ``grad_accum`` micro-batches (``lax.scan`` over the batch split along its
-leading axis); the global gradient norm; optional clipping; the optimizer update.
+over ``grad_accum`` micro-batches (`entrenar.optim.microbatched_value_and_grad`, a
+``lax.scan`` over the batch split along its leading axis); the global gradient norm;
+optional clipping; the optimizer update.
 Metrics: ``loss``, ``grad_norm`` (before clipping), ``lr`` (when the optimizer state
 holds one), ``tokens`` (for batches with ``attention_mask`` or ``input_ids``),
 ``finite`` and the loss function's own metrics.
@@ -43,8 +37,8 @@ from entrenar.optim import (
     clip_by_global_norm,
     get_lr,
     global_norm,
+    microbatched_value_and_grad,
 )
-from entrenar.optim.base import tree_zeros_like
 from entrenar.train.state import Trainable, TrainState, combine
 from entrenar.types import Params, PyTree
 
@@ -71,8 +65,11 @@ def takes_step(loss_fn: LossFn) -> bool:
 
 def call_loss(
     loss_fn: LossFn, params: Params, batch: PyTree, key: Any, step: Any = None
-) -> tuple[jax.Array, jax.Array, Metrics]:
-    """``(loss, weight, metrics)`` from a loss function's result (weight 1 if none).
+) -> tuple[jax.Array, Metrics]:
+    """``(loss, metrics)`` from a loss function's result, float32.
+
+    ``metrics["loss_weight"]`` is the loss function's weight (1 if it reports none),
+    not differentiated.
 
     ``step`` (the optimizer step being taken) is passed only to a loss function
     that `takes_step`, such as a progressive distiller's.
@@ -87,11 +84,10 @@ def call_loss(
             f"loss_fn must return a scalar loss (or (loss, metrics)); got shape "
             f"{tuple(jnp.shape(loss))}: reduce it, e.g. with jnp.mean"
         )
-    aux = dict(aux)
-    weight = aux.pop("loss_weight", None)
-    w = jnp.float32(1.0) if weight is None else jnp.asarray(weight, jnp.float32)
-    aux = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}
-    return jnp.asarray(loss, jnp.float32), jax.lax.stop_gradient(w), aux
+    aux = {k: jnp.asarray(v, jnp.float32) for k, v in dict(aux).items()}
+    w = aux.get("loss_weight", jnp.float32(1.0))
+    aux["loss_weight"] = jax.lax.stop_gradient(w)
+    return jnp.asarray(loss, jnp.float32), aux
 
 
 def batch_tokens(batch: PyTree) -> jax.Array | None:
@@ -103,63 +99,6 @@ def batch_tokens(batch: PyTree) -> jax.Array | None:
     if "input_ids" in batch:
         return jnp.int32(jnp.size(batch["input_ids"]))
     return None
-
-
-def split_microbatches(batch: PyTree, k: int) -> PyTree:
-    """Every leaf ``(B, ...)`` reshaped to ``(k, B/k, ...)``."""
-
-    def leaf(x: Any) -> jax.Array:
-        x = jnp.asarray(x)
-        if x.ndim == 0 or x.shape[0] % k:
-            raise ShapeError(
-                f"grad_accum={k} needs every batch array's leading axis to be a "
-                f"multiple of {k}; got an array of shape {tuple(x.shape)}"
-            )
-        return x.reshape(k, x.shape[0] // k, *x.shape[1:])  # (k, B/k, ...)
-
-    return jax.tree_util.tree_map(leaf, batch)
-
-
-def _value_and_grad(
-    loss_fn: LossFn,
-    trainable: Params,
-    frozen: Params,
-    batch: PyTree,
-    key: Any,
-    k: int,
-    step: Any = None,
-) -> tuple[jax.Array, jax.Array, Metrics, Params]:
-    """``(loss, weight, metrics, grads)``, accumulated over ``k`` micro-batches."""
-
-    def f(t: Params, mb: PyTree, key: Any) -> tuple[jax.Array, Any]:
-        loss, w, aux = call_loss(loss_fn, combine(t, frozen), mb, key, step)
-        return (loss if k == 1 else loss * w), (loss, w, aux)
-
-    vg = jax.value_and_grad(f, has_aux=True)
-    if k == 1:
-        (_, (loss, w, aux)), grads = vg(trainable, batch, key)
-        return loss, w, aux, grads
-
-    micro = split_microbatches(batch, k)  # leaves (k, B/k, ...)
-    first = jax.tree_util.tree_map(lambda x: x[0], micro)
-    aux_shape = jax.eval_shape(f, trainable, first, key)[1][2]
-    zero_aux = {n: jnp.zeros([], jnp.float32) for n in aux_shape}
-    carry0 = (jnp.float32(0), jnp.float32(0), zero_aux, tree_zeros_like(trainable))
-
-    def body(carry: Any, xs: Any) -> tuple[Any, None]:
-        i, mb = xs
-        (wloss, (_, w, aux)), g = vg(trainable, mb, jax.random.fold_in(key, i))
-        s_loss, s_w, s_aux, s_g = carry
-        s_aux = {n: s_aux[n] + w * aux[n] for n in s_aux}
-        s_g = jax.tree_util.tree_map(jnp.add, s_g, g)
-        return (s_loss + wloss, s_w + w, s_aux, s_g), None
-
-    (s_loss, s_w, s_aux, s_g), _ = jax.lax.scan(
-        body, carry0, (jnp.arange(k, dtype=jnp.int32), micro)
-    )
-    inv = 1.0 / jnp.maximum(s_w, jnp.float32(1e-30))  # W = 0: loss and grads are 0
-    grads = jax.tree_util.tree_map(lambda g: g * inv.astype(g.dtype), s_g)
-    return s_loss * inv, s_w, {n: v * inv for n, v in s_aux.items()}, grads
 
 
 def make_train_step(
@@ -221,9 +160,13 @@ def make_train_step(
         batch: PyTree,
     ) -> tuple[Params, Any, Any, Metrics]:  # fmt: skip
         key = jax.random.fold_in(root, count)
-        loss, _, aux, grads = _value_and_grad(
-            loss_fn, trainable, frozen, batch, key, k, count
-        )
+
+        def f(t: Params, mb: PyTree, *, key: Any) -> tuple[jax.Array, Metrics]:
+            return call_loss(loss_fn, combine(t, frozen), mb, key, count)
+
+        vg = microbatched_value_and_grad(f, k, has_aux=True)
+        (loss, aux), grads = vg(trainable, batch, key=key)
+        del aux["loss_weight"]
         if mesh is not None:  # FSDP: each device keeps its slice (reduce-scatter)
             layout = distributed.param_sharding(trainable, mesh, rules)
             grads = distributed.constrain(grads, layout)
@@ -292,8 +235,8 @@ def make_eval_step(
 
     @jax.jit
     def run(params: Params, batch: PyTree, step: Any) -> Metrics:
-        loss, w, aux = call_loss(loss_fn, params, batch, None, step)
-        return {"loss": loss, "loss_weight": w, **aux}
+        loss, aux = call_loss(loss_fn, params, batch, None, step)
+        return {"loss": loss, **aux}
 
     def eval_step(state: TrainState | Params, batch: PyTree) -> Metrics:
         params, step = state, None
@@ -313,6 +256,5 @@ __all__ = [
     "call_loss",
     "make_eval_step",
     "make_train_step",
-    "split_microbatches",
     "takes_step",
 ]

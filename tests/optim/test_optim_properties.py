@@ -169,6 +169,26 @@ def test_accumulated_update_equals_one_big_batch_update():
     )
 
 
+def test_microbatches_weighted_by_loss_weight_equal_the_whole_batch():
+    """Unequal micro-batches: weighted loss, gradient and metrics; a key for each."""
+    x = jnp.asarray([1.0, 2.0, 0.0, 0.0, 3.0, 4.0, 5.0, 0.0])  # 0 = padding
+
+    def f(w, b, *, key=None):
+        n = jnp.sum(b != 0).astype(jnp.float32)
+        loss = jnp.sum((b * w) ** 2) / jnp.maximum(n, 1.0)
+        u = jnp.float32(0) if key is None else jax.random.uniform(key)
+        return loss, {"loss_weight": n, "u": u}
+
+    key = jax.random.key(3)
+    vg = eo.microbatched_value_and_grad(f, 4, has_aux=True)
+    (loss, aux), g = vg(jnp.float32(0.5), x, key=key)
+    (want, _), want_g = jax.value_and_grad(f, has_aux=True)(0.5, x)
+    us = [jax.random.uniform(jax.random.fold_in(key, i)) for i in range(4)]
+    want_u = (2 * us[0] + 2 * us[2] + us[3]) / 5  # weights 2, 0, 2, 1
+    np.testing.assert_allclose([loss, g, aux["u"]], [want, want_g, want_u], rtol=1e-6)
+    assert float(aux["loss_weight"]) == 5.0
+
+
 def test_microbatches_must_divide_the_batch():
     f = eo.microbatched_value_and_grad(_linear_loss, 3)
     with pytest.raises(ShapeError, match="multiple of 3"):

@@ -76,6 +76,25 @@ def test_grad_accum_equals_one_big_batch_token_weighted():
     assert abs(np.mean(per_micro) - float(m1["loss"])) > 1e-3
 
 
+def test_the_step_accumulates_through_optim_microbatched_value_and_grad(monkeypatch):
+    """One micro-batching implementation: the step has none of its own."""
+    from entrenar.optim import microbatched_value_and_grad
+    from entrenar.train import step as step_mod
+
+    seen = []
+
+    def spy(fn, k, **kw):
+        seen.append(k)
+        return microbatched_value_and_grad(fn, k, **kw)
+
+    monkeypatch.setattr(step_mod, "microbatched_value_and_grad", spy)
+    state = TrainState.create(jnp.ones(2), sgd(0.1), key=jax.random.key(0))
+    step = make_train_step(lambda p, b, *, key: jnp.sum(p * b["x"]), sgd(0.1),
+                           grad_accum=2)  # fmt: skip
+    step(state, {"x": jnp.ones((4, 2))})
+    assert seen == [2]
+
+
 def test_grad_accum_mean_loss_without_weight_and_adamw_state():
     """Example-mean losses: equal micro-batches average; the whole state matches."""
 
