@@ -39,7 +39,7 @@ from entrenar.optim import (
     global_norm,
     microbatched_value_and_grad,
 )
-from entrenar.train.state import Trainable, TrainState, combine
+from entrenar.train.state import TrainState, combine
 from entrenar.types import Params, PyTree
 
 LossFn = Callable[..., Any]
@@ -105,7 +105,6 @@ def make_train_step(
     loss_fn: LossFn,
     optimizer: Any,
     *,
-    trainable: Trainable = None,
     grad_accum: int = 1,
     clip: float | None = None,
     skip_nonfinite: bool = False,
@@ -117,10 +116,8 @@ def make_train_step(
     Args:
         loss_fn: ``loss_fn(params, batch, *, key) -> loss | (loss, metrics)``.
         optimizer: an ``(init, update)`` pair (entrenar.optim or optax) over the
-            trainable half; the state must come from ``TrainState.create`` with the
-            same ``trainable``.
-        trainable: documents how the state was partitioned (`TrainState.create`
-            does the partition; the step only differentiates ``state.trainable``).
+            trainable half of a state from ``TrainState.create`` (which does the
+            partition; the step only differentiates ``state.trainable``).
         grad_accum: micro-batches per step; the batch's leading axis is split in
             ``grad_accum`` equal parts, run one after another (``lax.scan``).
         clip: clip the gradient to this global norm before the optimizer.
@@ -147,7 +144,6 @@ def make_train_step(
         >>> float(m["loss"]), float(s.trainable["w"]), int(s.step)
         (4.0, 0.4000000059604645, 1)
     """
-    del trainable  # the partition lives in the state
     k = int(grad_accum)
     if k < 1:
         raise ConfigError(f"grad_accum must be at least 1, got {grad_accum}")

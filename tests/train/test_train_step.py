@@ -1,5 +1,7 @@
 """make_train_step: accumulation equivalence, trainable halves, guard, donation."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +120,11 @@ def test_grad_accum_mean_loss_without_weight_and_adamw_state():
     assert abs(float(out[1][1]["loss"]) - float(out[0][1]["loss"])) < 1e-6
 
 
+def test_make_train_step_takes_no_dead_trainable_argument():
+    """The partition lives in the state (`TrainState.create`), not in the step."""
+    assert "trainable" not in inspect.signature(make_train_step).parameters
+
+
 def test_grad_accum_needs_divisible_batch():
     step = make_train_step(lambda p, b, *, key: jnp.sum(p * b["x"]), sgd(0.1),
                            grad_accum=3)  # fmt: skip
@@ -147,7 +154,7 @@ def test_lora_trainable_has_no_gradient_or_state_for_frozen_weights():
     lr = 0.5
     state = TrainState.create(params, sgd(lr), key=jax.random.key(2), trainable="lora")
     frozen_before = leaves(state.frozen)
-    step = make_train_step(loss_fn, sgd(lr), trainable="lora")
+    step = make_train_step(loss_fn, sgd(lr))
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(6, 4)).astype(np.float32),
              "y": rng.normal(size=(6, 3)).astype(np.float32)}  # fmt: skip
