@@ -41,7 +41,7 @@ from entrenar.config.models import BuiltModel, build_model, load_built
 from entrenar.config.spec import TrainSpec
 from entrenar.config.summary import as_dict, validate
 from entrenar.distill import make_distill_loss_fn
-from entrenar.errors import CompatibilityError, UnsupportedError
+from entrenar.errors import CompatibilityError, ConfigError, UnsupportedError
 from entrenar.io import atomic_write
 from entrenar.io.lock import OutputLock
 from entrenar.train import Trainer, TrainResult
@@ -139,10 +139,8 @@ def _apply_lora(spec: TrainSpec, params: Any, key: Any) -> Any:
     quantize = None if s.quantize_base == "none" else s.quantize_base
     try:
         return lora.apply(params, config, key=key, quantize=quantize)
-    except Exception as e:
-        if type(e).__name__ in ("ConfigError", "UnsupportedError"):
-            raise type(e)(f"lora.targets: {e}") from None
-        raise
+    except (ConfigError, UnsupportedError) as e:
+        raise type(e)(f"lora.targets: {e}") from None
 
 
 def _check_teacher(student: BuiltModel, teacher: BuiltModel, path: str) -> None:

@@ -15,6 +15,7 @@ from config_cases import CONFIGS, WINE, WORDS, wine_yaml_factory, write
 from entrenar import io, lora, nn, quant
 from entrenar.config import load_built, train_from_yaml
 from entrenar.config.evaluate import evaluate_model
+from entrenar.errors import ConfigError
 from entrenar.tree import assert_trees_allclose
 
 
@@ -260,3 +261,10 @@ def test_shipped_lora_config_teaches_the_gpt2_ordinals(tmp_path):
     )
     tuned = evaluate_model(result.files["safetensors"], val, fmt="prompt_completion")
     assert tuned["eval_loss"] < 0.5 * base["eval_loss"], (base, tuned)
+
+
+def test_lora_errors_name_the_targets_key_and_keep_their_type(wine_yaml):
+    """`lora.apply`'s ConfigError is caught by its class and prefixed with the key."""
+    path = wine_yaml(lora={"rank": 2, "alpha": 4, "targets": ["no_such_layer"]})
+    with pytest.raises(ConfigError, match=r"^lora\.targets: "):
+        train_from_yaml(path, dry_run=True, progress=False)
