@@ -8,8 +8,8 @@
 //   u  = (m'/c1) / (sqrt(v'/c2 + ε_root) + ε) + λ θ        c1 = 1-β1^t, c2 = 1-β2^t
 //   θ' = θ + u · (-η)
 //
-// Built by entrenar/native.py with -ffp-contract=off, so every product and sum is
-// rounded as in the pure-JAX path (entrenar/optim/fused.py), in the same order.
+// The pure-JAX path's operations in its order (entrenar/optim/fused.py), equal to it to
+// float32 rounding: the build's -ffp-contract=fast and XLA:CPU place FMAs differently.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

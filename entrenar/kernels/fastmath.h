@@ -1,7 +1,8 @@
 // Elementwise float helpers shared by attention.cc and softmax_xent.cc, written so
 // that GCC and Clang vectorize the loops that call them: the rounding to an integer
-// is the 1.5 * 2^23 trick (std::floor vectorizes only under -fno-trapping-math), the
-// clamps are selects (std::min/max return references), the bit casts are memcpy.
+// is the 1.5 * 2^23 trick (std::floor vectorizes only under -fno-trapping-math, which
+// the build does not pass), the clamps are selects (std::min/max return references),
+// the bit casts are memcpy.
 #ifndef ENTRENAR_KERNELS_FASTMATH_H_
 #define ENTRENAR_KERNELS_FASTMATH_H_
 

@@ -3,9 +3,10 @@
 //
 // A block of B values is B/2 bytes (entrenar.quant.weight.pack_nibbles): byte j holds
 // value j in its low nibble and value j + B/2 in its high nibble. Value i decodes to
-// table[code_i] · scale. With AVX-512 (and B a multiple of 32) 16 bytes are widened to
-// two vectors of 16 codes, each looked up with one vpermps against the table held in
-// a register; otherwise a scalar loop.
+// table[code_i] · scale. When the build targets AVX-512 (entrenar.native's
+// build_flags: -march=native on a CPU that has it) and B is a multiple of 32, 16 bytes
+// are widened to two vectors of 16 codes, each looked up with one vpermps against the
+// table held in a register; otherwise a scalar loop.
 #ifndef ENTRENAR_KERNELS_NF4_DECODE_H_
 #define ENTRENAR_KERNELS_NF4_DECODE_H_
 
