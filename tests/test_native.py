@@ -1,4 +1,4 @@
-"""Native kernels (entrenar/native.py): several at once on XLA's pool; the loader."""
+"""Native kernels (entrenar/native/): several at once on XLA's pool; the loader."""
 
 from __future__ import annotations
 

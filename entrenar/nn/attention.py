@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from entrenar import native
 from entrenar.errors import ShapeError
-from entrenar.native import load as load_native
 from entrenar.nn.layers import upcast_dtype
 from entrenar.types import DType
 
@@ -142,7 +142,7 @@ def dot_product_attention(
             m = jnp.ones((1, t, s), jnp.uint8)
         else:
             m = (mask if mask.ndim == 3 else mask[None]).astype(jnp.uint8)
-        lowp = matmul_dtype is not None
+        lowp = np.dtype(matmul_dtype or np.float32) != np.float32  # bfloat16
         return _native_attention(q, k, v, m, (float(scale), lowp))
     return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype)
 
@@ -196,20 +196,16 @@ def _native_ok(
 ) -> bool:
     """Whether the native kernel takes this call (else the JAX path does).
 
-    One device only: the kernel is opaque to XLA's partitioner, which would gather
-    sharded inputs to run it whole.
+    The kernel's own rules (no bias, a 2-d or 3-d mask, equal head sizes of ``q``
+    and ``k``, no empty axis), then `entrenar.native.use`.
     """
-    f32 = np.dtype(np.float32)
     return (
         bias is None
-        and matmul_dtype in (None, "bfloat16")
-        and all(np.dtype(x.dtype) == f32 for x in (q, k, v))
         and (mask is None or mask.ndim in (2, 3))
         and k.shape[-1] == q.shape[-1]
         and min(q.shape) > 0
         and min(k.shape) > 0
-        and jax.device_count() == 1
-        and load_native("attention")
+        and native.use("attention", q, k, v, matmul_dtype or "float32")
     )
 
 

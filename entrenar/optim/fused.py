@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from entrenar import native
 from entrenar.optim.base import (
@@ -61,11 +60,11 @@ def _leaf_native(
 
 
 def _native_ok(p: Any, g: Any, m: Any, v: Any) -> bool:
-    f32 = np.dtype(np.float32)
+    """The kernel takes this leaf: equal, non-empty shapes, and `native.use`."""
     return (
-        all(np.dtype(x.dtype) == f32 for x in (p, g, m, v))
-        and p.shape == g.shape == m.shape == v.shape
+        p.shape == g.shape == m.shape == v.shape
         and p.size > 0
+        and native.use("adamw", p, g, m, v)
     )
 
 
@@ -78,8 +77,6 @@ def adamw_apply(
     mask: Mask | None,
     decay: GradientTransformation,
     rate: GradientTransformation,
-    *,
-    use_native: bool | None = None,
 ) -> TransformApplyFn:
     """The ``apply`` of `entrenar.optim.adamw`'s chain ``(adam, decay, rate)``.
 
@@ -93,8 +90,10 @@ def adamw_apply(
         decay: the chain's `add_decayed_weights` piece (its state is carried over).
         rate: the chain's `scale_by_learning_rate` piece (gives ``η_t`` and the
             next rate state).
-        use_native: None: the kernel when it can be built here (`native.load`);
-            False: never (the pure-JAX path); True: require it.
+
+    Whether a leaf takes the kernel is `entrenar.native.use`'s decision (the
+    policy, backend, devices and dtypes); ``native.policy("jax")`` forces the
+    JAX path.
     """
 
     def apply(
@@ -110,13 +109,10 @@ def adamw_apply(
             if mask is None
             else resolve_mask(mask, params)
         )
-        native_on = use_native is not False and native.load("adamw")
-        if use_native and not native_on:
-            raise RuntimeError("the native AdamW kernel could not be built here")
 
         def leaf(p: Any, g: Any, m: Any, v: Any, d: bool) -> tuple[Any, Any, Any]:
             wd = weight_decay if d else 0.0
-            if native_on and _native_ok(p, g, m, v):
+            if _native_ok(p, g, m, v):
                 f = jnp.float32
                 h = [f(1 - b1), f(b1), f(1 - b2), f(b2), c1, c2, f(eps), f(eps_root)]
                 return _leaf_native(p, g, m, v, jnp.stack([*h, f(wd), neg_lr]))

@@ -31,7 +31,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from entrenar import native
 from entrenar.nn.linear import lowp_matmul, weight_matmul
@@ -112,7 +111,7 @@ def _blockwise_matmul(w: QuantizedWeight, x: jax.Array, rows: int) -> jax.Array:
 
 
 def _native_nf4(w: QuantizedWeight, x: jax.Array, n: int) -> bool:
-    """The native kernel applies: few rows, 2-d NF4 blocks dividing 512, float32."""
+    """The kernel applies: few rows, 2-d NF4 blocks dividing 512, then `native.use`."""
     return (
         n <= FEW_ROWS
         and w.ndim == 2
@@ -120,8 +119,7 @@ def _native_nf4(w: QuantizedWeight, x: jax.Array, n: int) -> bool:
         and w.scheme == "nf4"
         and w.block_size % 2 == 0
         and 512 % w.block_size == 0
-        and np.dtype(x.dtype) == np.dtype(np.float32)
-        and native.load("nf4_matmul")
+        and native.use("nf4_matmul", x)
     )
 
 

@@ -152,7 +152,7 @@ def dequantize_nf4(q: QuantizedWeight, dtype: Any) -> jax.Array:
     (a custom VJP through the JAX path).
     """
     dtype = np.dtype(dtype)
-    if dtype.name in NATIVE_DTYPES and native.load("nf4_dequantize"):
+    if native.use("nf4_dequantize", dtype):
         return _native_dequantize(q, dtype)
     return _dequantize_jax(q, dtype)
 

@@ -1,19 +1,9 @@
-"""Native CPU kernels: C++ compiled on first use, called through XLA's FFI.
+"""Building a native kernel: the compiler, its flags, and a cache that is checked.
 
-Some updates are bound by memory traffic that XLA:CPU cannot bring down, because it
-does not fuse a loop with several outputs: AdamW writes θ, m and v, so XLA runs three
-loops and moves 40 bytes per parameter where one pass moves 28. For those, entrenar
-ships C++ sources (``entrenar/kernels/*.cc``) written against XLA's FFI headers (which
-jaxlib ships: `jax.ffi.include_dir`). `load` compiles one with the system C++ compiler
-(``$CXX``, else ``c++``, ``g++`` or ``clang++``) the first time it is needed, keeps the
-library in a cache folder and registers its handlers as XLA custom-call targets.
-
-Where no compiler is found, the build fails or times out, the backend is not the CPU,
-or ``ENTRENAR_NATIVE=0`` is set, `load` returns False and the callers use their
-pure-JAX path: the same results to float32 rounding (a kernel and XLA may place fused
-multiply-adds differently), only slower. The first such fallback in a process is one
-`NativeKernelWarning` (a ``UserWarning``) naming the reason; later ones are logged on
-the ``entrenar.native`` logger. `load` never raises.
+`build` compiles one of `KERNELS` (``entrenar/kernels/*.cc``, written against XLA's
+FFI headers, which jaxlib ships: `jax.ffi.include_dir`) with the system C++ compiler
+(`find_compiler`: ``$CXX``, else ``c++``, ``g++`` or ``clang++``) and returns the
+library's path; `entrenar.native.load` registers it and decides when it runs.
 
 Flags: `build_flags` tunes for the machine (x86-64: ``-march=native`` and 512-bit
 vectors; aarch64: ``-mcpu=native``) for GCC and Clang alike; when that build fails
@@ -33,16 +23,13 @@ replaced or half-written library is rebuilt, never loaded.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
-import logging
 import os
 import platform
 import shutil
 import stat
 import subprocess
 import tempfile
-import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,13 +75,12 @@ COMPILER_TIMEOUT_S = 300.0
 """Seconds a compiler may run (``ENTRENAR_NATIVE_TIMEOUT`` overrides) before the
 build counts as failed; ``--version`` gets 30 s."""
 
-SOURCES = Path(__file__).resolve().parent / "kernels"
+SOURCES = Path(__file__).resolve().parents[1] / "kernels"
 _ELF, _MACHO, _MACHO_FAT = (
     b"\x7fELF",
     (b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe"),
     b"\xca\xfe\xba\xbe",
 )
-_log = logging.getLogger("entrenar.native")
 
 
 class NativeKernelWarning(UserWarning):
@@ -110,15 +96,6 @@ def cache_dir() -> Path:
     root = os.environ.get("ENTRENAR_CACHE_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "entrenar"
     return base / "native"
-
-
-def enabled() -> bool:
-    """False when ``ENTRENAR_NATIVE`` is ``0``, ``false`` or ``no``."""
-    return os.environ.get("ENTRENAR_NATIVE", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-    )
 
 
 def find_compiler() -> str | None:
@@ -379,78 +356,11 @@ def build(name: str, compiler: str) -> Path:
         )
 
 
-_LOADED: dict[str, bool] = {}
-_LOCK = threading.Lock()
-_WARNED = False
-
-
-def _warn_once(message: str) -> None:
-    """The first fallback of the process is a warning; the rest go to the log."""
-    global _WARNED
-    if _WARNED:
-        _log.info(message)
-        return
-    _WARNED = True
-    warnings.warn(message, NativeKernelWarning, stacklevel=4)
-
-
-def load(name: str) -> bool:
-    """Build (once) and register kernel ``name``; True when its targets can be called.
-
-    Returns False, with one warning per process naming the reason, when the kernel
-    cannot be built or loaded here; never raises for a missing, failing or hanging
-    compiler or a damaged cache. Thread-safe: XLA refuses a second registration of a
-    target, so one thread builds and registers while the others wait for its answer.
-
-    Raises:
-        KeyError: ``name`` is not one of `KERNELS` (a programming error).
-    """
-    if name not in KERNELS:
-        raise KeyError(f"unknown native kernel {name!r}; known: {sorted(KERNELS)}")
-    with _LOCK:
-        if name not in _LOADED:
-            _LOADED[name] = _build_and_register(name)
-        return _LOADED[name]
-
-
-def _build_and_register(name: str) -> bool:
-    import jax
-
-    if not enabled() or jax.default_backend() != "cpu":
-        return False
-    compiler = find_compiler()
-    if compiler is None:
-        wanted = os.environ.get("CXX", "").strip()
-        reason = (
-            f"CXX={wanted!r} names no executable"
-            if wanted
-            else "no C++ compiler found (set CXX)"
-        )
-        _warn_once(
-            f"entrenar: {reason}, so the native {name!r} kernel is off and the "
-            "pure-JAX path runs instead (same results, slower)"
-        )
-        return False
-    try:
-        path = build(name, compiler)
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        for target, symbol in KERNELS[name][1].items():
-            capsule = jax.ffi.pycapsule(getattr(lib, symbol))
-            jax.ffi.register_ffi_target(target, capsule, platform="cpu")
-    except (
-        Exception
-    ) as e:  # any build or load problem: the pure-JAX path, never a crash
-        _warn_once(
-            f"entrenar: the native {name!r} kernel is off ({e}); the pure-JAX path "
-            "runs instead (same results, slower)"
-        )
-        return False
-    return True
-
-
 __all__ = [
     "BASE_FLAGS",
+    "COMPILER_TIMEOUT_S",
     "KERNELS",
+    "SOURCES",
     "BuildError",
     "NativeKernelWarning",
     "build",
@@ -458,9 +368,7 @@ __all__ = [
     "cache_dir",
     "compiler_version",
     "cpu_flags",
-    "enabled",
     "find_compiler",
-    "load",
     "private_to_user",
     "trusted_cache_dir",
     "verified",
