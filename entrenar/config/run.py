@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from entrenar import lora, quant
+from entrenar import lora, native, quant
 from entrenar.config.build import (
     RunData,
     build_data,
@@ -180,6 +180,8 @@ def train_from_yaml(
     Raises:
         ConfigError: an invalid config (before anything runs), naming the key, or
             an ``output_dir`` another run is writing (`entrenar.io.lock`).
+        UnsupportedError: ``model.kernels: native`` where the native kernels
+            cannot run (`entrenar.native.check`, before the model loads).
     """
     spec = validate(path, overrides)
     out_dir = spec.training.output_dir
@@ -187,12 +189,15 @@ def train_from_yaml(
         if dry_run:
             return RunResult(spec, out_dir, {})
         return RunResult(spec, out_dir, run_merge(spec))
-    if dry_run:
-        return RunResult(spec, out_dir, {}, metrics=_plan(prepare(spec)))
-    # One writer per output folder, checked before the model loads (process 0 of a
-    # multi-process run holds it for all).
-    with OutputLock(out_dir, enabled=jax.process_index() == 0):
-        return _train(spec, prepare(spec), resume=resume, progress=progress)
+    assert spec.model is not None  # validate: every run but a merge has one
+    with native.policy(spec.model.kernels):  # model.kernels, for this run only
+        native.check()
+        if dry_run:
+            return RunResult(spec, out_dir, {}, metrics=_plan(prepare(spec)))
+        # One writer per output folder, checked before the model loads (process 0
+        # of a multi-process run holds it for all).
+        with OutputLock(out_dir, enabled=jax.process_index() == 0):
+            return _train(spec, prepare(spec), resume=resume, progress=progress)
 
 
 def _train(

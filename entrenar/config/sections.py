@@ -13,6 +13,7 @@ from typing import Any, Literal
 from entrenar.config.fields import option
 from entrenar.distributed import check_mesh_spec
 from entrenar.errors import ConfigError
+from entrenar.native import Policy
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 ARCHITECTURES = ("llama", "gpt2", "mlp")
@@ -68,6 +69,13 @@ class ModelSection:
         doc="llama only: recompute each layer in the backward pass under this "
         "jax.checkpoint_policies policy, e.g. dots_saveable (keep matmul outputs); "
         "LlamaConfig.remat_policy",
+    )
+    kernels: Policy = option(
+        "auto",
+        doc="native C++ kernels (entrenar.native): auto (each where it builds here "
+        "and its rules allow, else the pure-JAX path), native (the run stops with an "
+        "error where one cannot run: no compiler, ENTRENAR_NATIVE=0, a GPU, several "
+        "devices) or jax (never); `entrenar info` says which run and why",
     )
 
     def check(self, path: str) -> None:
