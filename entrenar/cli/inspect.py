@@ -88,7 +88,7 @@ def _text(data: Any, depth: int) -> None:
 
 
 @command("info")
-@click.argument("path", type=ModelPath())
+@click.argument("path", type=ModelPath(), required=False)
 @click.option(
     "--format",
     "fmt",
@@ -98,16 +98,66 @@ def _text(data: Any, depth: int) -> None:
     help="Output format.",
 )
 @click.option("--tensors", is_flag=True, help="List every tensor of a model file.")
-def info_cmd(path: str, fmt: str, tensors: bool) -> None:
-    """Describe PATH: a run's YAML config or a model file/folder."""
-    if path.lower().endswith(CONFIG_EXTENSIONS) and not is_model_yaml(path):
+def info_cmd(path: str | None, fmt: str, tensors: bool) -> None:
+    """Describe PATH: a run's YAML config or a model file/folder.
+
+    Without PATH: this machine (versions, backend, devices) and, one line each,
+    the native kernels that run, or why one does not; a config adds the kernels
+    its ``model.kernels`` policy would run.
+    """
+    if path is None:
+        data = machine_info()
+    elif path.lower().endswith(CONFIG_EXTENSIONS) and not is_model_yaml(path):
         from entrenar.config import summary
 
         spec = summary.validate(path)
         data = {"summary": summary.summarize(spec), "config": summary.as_dict(spec)}
+        if spec.model is not None:
+            data["kernels"] = kernel_report(spec.model.kernels)
     else:
         data = model_info(path, tensors=tensors)
     _emit(data, fmt)
+
+
+def machine_info() -> dict[str, Any]:
+    """Versions, JAX's backend and devices, and `kernel_report` for this process."""
+    import importlib.metadata
+
+    import jax
+
+    from entrenar import native
+
+    return {
+        "entrenar": importlib.metadata.version("entrenar"),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "kernel_policy": native.current_policy(),
+        "kernels": kernel_report(native.current_policy()),
+    }
+
+
+def kernel_report(policy: str) -> dict[str, str]:
+    """Each native kernel under ``policy``: ``on``, or ``off: <why>``.
+
+    The reasons are `entrenar.native.reason`'s; kernels are built (once, cached)
+    to find out, without the fallback warnings and log lines this report replaces.
+    """
+    import logging
+    import warnings
+
+    from entrenar import native
+
+    log = logging.getLogger("entrenar.native")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        with native.policy(policy), warnings.catch_warnings():
+            warnings.simplefilter("ignore", native.NativeKernelWarning)
+            whys = {name: native.reason(name) for name in native.KERNELS}
+    finally:
+        log.setLevel(level)
+    return {name: "on" if why is None else f"off: {why}" for name, why in whys.items()}
 
 
 _MODEL_YAML_LINE = re.compile(

@@ -47,6 +47,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import threading
 import typing
 import warnings
@@ -316,9 +317,19 @@ def _build_and_register(name: str) -> str | None:
             f"entrenar: the native {name!r} kernel is off ({e}); the pure-JAX path "
             "runs instead (same results, slower)"
         )
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return first if len(first) <= 200 else first[:199] + "…"
+        return _short(e)
     return None
+
+
+def _short(error: Exception) -> str:
+    """One line for `reason`: the build error without its command line."""
+    text = (str(error).splitlines() or [type(error).__name__])[0]
+    if isinstance(error, BuildError):
+        text = re.sub(r" \([^()]* -o [^()]*\)", "", text.split(" failed: ", 1)[-1])
+        text = "build failed: " + text.rstrip(":")
+    else:
+        text = f"load failed: {text}"
+    return text if len(text) <= 200 else text[:199] + "…"
 
 
 __all__ = [
