@@ -3,9 +3,9 @@
 Some updates are bound by memory traffic that XLA:CPU cannot bring down, because it
 does not fuse a loop with several outputs: AdamW writes θ, m and v, so XLA runs three
 loops and moves 40 bytes per parameter where one pass moves 28. For those, entrenar
-ships C++ sources (``entrenar/kernels/*.cc``); `load` builds one
-(`entrenar.native.build`: the compiler, its flags, a verified cache) the first time it
-is needed and registers its handlers as XLA custom-call targets. Each kernel has a
+ships C++ sources (``entrenar/kernels/*.cc``); `load` builds one (the compiler, its
+flags and a verified cache are `entrenar.native.toolchain`'s) the first time it is
+needed and registers its handlers as XLA custom-call targets. Each kernel has a
 pure-JAX twin that gives the same results to float32 rounding (a kernel and XLA may
 place fused multiply-adds differently), only slower.
 
@@ -57,7 +57,7 @@ from typing import Any, Literal
 import numpy as np
 
 from entrenar.errors import ConfigError, UnsupportedError
-from entrenar.native.build import (
+from entrenar.native.toolchain import (
     BASE_FLAGS,
     KERNELS,
     BuildError,
