@@ -21,10 +21,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 ## Run the whole test suite (slow real-model tests included), with line coverage of the
-## package: CI fails below 90% (measured 94%; code run only in subprocesses, the CLI and
-## the multi-device tests, is not counted, so the true figure is higher).
+## package: CI fails below 90% (code run only in subprocesses, the CLI and the
+## multi-device tests, is not counted, so the true figure is higher). One pytest-xdist
+## worker per core (JOBS=0 for one process); compiled programs are shared through JAX's
+## persistent cache in .jax_cache/ (tests/conftest.py).
+JOBS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --cov=entrenar --cov-report=term:skip-covered --cov-fail-under=90
+	$(BIN)/python -m pytest -q -n $(JOBS) --durations=15 \
+		--cov=entrenar --cov-report=term:skip-covered --cov-fail-under=90
 
 ## The native kernels' tests with Clang and with no compiler at all (CI runs both after
 ## `make test`, which runs them with the default compiler): each with a fresh cache;
@@ -40,7 +44,7 @@ test-kernels: $(STAMP)
 
 ## Skip the tests marked slow.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check entrenar tests examples benchmarks tools
@@ -89,4 +93,4 @@ mutation: $(STAMP)
 	$(BIN)/python tools/mutation.py $(PART) $(TESTS) $(if $(SAMPLE),--sample $(SAMPLE))
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis .mutation
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis .mutation .jax_cache

@@ -1,18 +1,43 @@
-"""Test configuration: JAX on the CPU with strict dtype promotion.
+"""Test configuration: JAX on the CPU with strict dtype promotion, compiled once.
 
 Strict promotion makes silent float64/int mixing an error, so dtype bugs fail loudly
 (equinox's tests do the same). Hypothesis keeps a small, deterministic budget so the
 suite stays fast on a 2-core machine.
+
+Compilation is most of the suite's time, and many tests (the examples, the command
+line, the notebooks, each in a subprocess, and the xdist workers of `make test`)
+compile the same programs. JAX's persistent compilation cache, set here through the
+environment so that every subprocess inherits it, keeps each compiled program once in
+``.jax_cache/`` at the repository's root (git ignores it; bounded to 2 GiB, least
+recently used entries evicted, locked between processes). Set
+``JAX_COMPILATION_CACHE_DIR`` yourself to move it, or to an empty string to turn it
+off. The cache key holds the program, the jax/jaxlib versions, the backend and
+``XLA_FLAGS``, so a test that compares two ISAs still compiles twice.
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".jax_cache")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import jax
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# in case jax was imported before this file ran (the environment is read at import)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
+jax.config.update(
+    "jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"])
+)
 
 settings.register_profile(
     "entrenar",
