@@ -15,7 +15,10 @@ off. The cache key holds the program, the jax/jaxlib versions, the backend and
 ``XLA_FLAGS``, so a test that compares two ISAs still compiles twice.
 """
 
+import contextlib
 import os
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -26,6 +29,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -47,3 +51,25 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("entrenar")
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Fail (instead of hanging) when the body runs past ``seconds`` (SIGALRM)."""
+
+    def expire(*_: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture
+def deadline() -> Callable[[float], contextlib.AbstractContextManager[None]]:
+    """The context manager that fails a hanging test body in time (SIGALRM)."""
+    return _deadline

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import struct
 import time
 
@@ -18,23 +16,6 @@ from entrenar.config import load_config
 from entrenar.config.spec import file_architecture
 from entrenar.errors import ConfigError, FormatError
 
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Fail (instead of hanging) when the body runs longer than ``seconds``."""
-
-    def expire(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 BOMB = "".join(
     [f"a: &a [{', '.join(['x'] * 9)}]\n"]
     + [
@@ -45,7 +26,7 @@ BOMB = "".join(
 """Nine levels of nine aliases: 9**9 = 387,420,489 leaves from 342 bytes."""
 
 
-def test_an_alias_bomb_config_is_refused_in_well_under_a_second(tmp_path):
+def test_an_alias_bomb_config_is_refused_in_well_under_a_second(tmp_path, deadline):
     p = tmp_path / "bomb.yaml"
     p.write_text(BOMB)
     start = time.perf_counter()
@@ -62,7 +43,9 @@ def test_an_alias_bomb_config_is_refused_in_well_under_a_second(tmp_path):
         ("training: {max_steps: " + "7" * 5000 + "}\n", "an integer of 5000"),
     ],
 )
-def test_cyclic_deep_and_huge_configs_are_config_errors(tmp_path, text, match):
+def test_cyclic_deep_and_huge_configs_are_config_errors(
+    tmp_path, text, match, deadline
+):
     p = tmp_path / "run.yaml"
     p.write_text(text)
     with deadline(10), pytest.raises(ConfigError, match=r"run\.yaml.*" + match):
@@ -76,7 +59,7 @@ def test_a_config_that_is_not_utf8_names_the_line(tmp_path):
         load_config(p)
 
 
-def test_set_values_are_bounded_as_files_are():
+def test_set_values_are_bounded_as_files_are(deadline):
     assert parse_sets(("training.max_steps=5",)) == {"training.max_steps": 5}
     with deadline(10), pytest.raises(click.BadParameter, match="alias bomb"):
         parse_sets(("model.config=" + BOMB.replace("\n", ", ").join("{}"),))
@@ -84,7 +67,7 @@ def test_set_values_are_bounded_as_files_are():
         parse_sets(("lora.rank=&a [*a]",))
 
 
-def test_a_recipe_bomb_is_a_format_error(tmp_path):
+def test_a_recipe_bomb_is_a_format_error(tmp_path, deadline):
     p = tmp_path / "recipe.yaml"
     p.write_text("merge_method: linear\n" + BOMB)
     with deadline(10), pytest.raises(FormatError, match=r"recipe\.yaml.*alias bomb"):
@@ -95,7 +78,7 @@ def test_a_recipe_bomb_is_a_format_error(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["validate", "info", "merge"])
-def test_the_command_line_exits_2_with_one_line(tmp_path, command):
+def test_the_command_line_exits_2_with_one_line(tmp_path, command, deadline):
     p = tmp_path / "bomb.yaml"
     p.write_text(BOMB)
     args = [command, str(p)]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import time
 
 import jinja2.ext
@@ -22,29 +20,13 @@ CHAT = [
 ]
 
 
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Fail (instead of hanging) when the body runs longer than ``seconds``."""
-
-    def expire(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def test_nested_loops_stop_at_the_step_budget():
+def test_nested_loops_stop_at_the_step_budget(deadline):
     t = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"
     with deadline(20), pytest.raises(TemplateError, match="more than 1,000,000"):
         render_chat(CHAT, t)
 
 
-def test_a_slow_template_stops_at_the_time_budget(monkeypatch):
+def test_a_slow_template_stops_at_the_time_budget(monkeypatch, deadline):
     monkeypatch.setattr(sandbox, "MAX_SECONDS", 0.2)
     fib = (
         "{% macro f(n) %}{% if n > 1 %}{{ f(n - 1) }}{{ f(n - 2) }}{% endif %}"
@@ -87,7 +69,9 @@ def test_a_slow_template_stops_at_the_time_budget(monkeypatch):
         ),
     ],
 )
-def test_templates_that_would_exhaust_memory_are_refused_first(template, match):
+def test_templates_that_would_exhaust_memory_are_refused_first(
+    template, match, deadline
+):
     with deadline(20), pytest.raises(TemplateError, match=match):
         render_chat(CHAT, template)
 
@@ -108,7 +92,7 @@ def test_loading_other_templates_is_refused_with_its_line(tag):
         ("{{ " + "9" * 5000 + " }}", "cannot compile"),
     ],
 )
-def test_failing_templates_are_template_errors(template, match):
+def test_failing_templates_are_template_errors(template, match, deadline):
     with deadline(20), pytest.raises(TemplateError, match=match):
         render_chat(CHAT, template)
 

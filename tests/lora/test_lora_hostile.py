@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import signal
 
 import jax
 import pytest
@@ -21,22 +19,6 @@ from entrenar.lora.patterns import PEFT_KEY, check_pattern, peft_key_matches
 
 CFG = LoRAConfig(rank=2, alpha=4.0, targets=("up_proj", "down_proj"))
 EVIL = r"(.*.*.*.*.*.*.*.*.*.*)*\$x"
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Fail (instead of hanging) when the body runs longer than ``seconds``."""
-
-    def expire(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +37,7 @@ def _load_with(adapter, text: str):
 
 
 @pytest.mark.parametrize("key", ["rank_pattern", "alpha_pattern"])
-def test_a_catastrophic_pattern_key_is_refused_at_once(adapter, key):
+def test_a_catastrophic_pattern_key_is_refused_at_once(adapter, key, deadline):
     cfg = {**adapter[2], key: {EVIL: 2}}
     with (
         deadline(10),
@@ -88,7 +70,9 @@ def test_a_catastrophic_pattern_key_is_refused_at_once(adapter, key):
         ({"target_modules": "(a*)*b"}, r"target_modules: '\(a\*\)\*b': could match"),
     ],
 )
-def test_bad_adapter_fields_are_format_errors_naming_the_key(adapter, change, match):
+def test_bad_adapter_fields_are_format_errors_naming_the_key(
+    adapter, change, match, deadline
+):
     cfg = {**adapter[2], **change}
     with deadline(10), pytest.raises(FormatError, match=match):
         _load_with(adapter, json.dumps(cfg))
@@ -130,7 +114,7 @@ def test_saved_rank_patterns_still_load(tmp_path):
     assert back["up_proj"]["weight"].rank != back["down_proj"]["weight"].rank
 
 
-def test_lora_config_targets_are_checked_like_adapter_patterns():
+def test_lora_config_targets_are_checked_like_adapter_patterns(deadline):
     with deadline(10), pytest.raises(ConfigError, match=r"LoRAConfig\.targets: .*ways"):
         LoRAConfig(targets=EVIL)
     with pytest.raises(ConfigError, match=r"alpha must be a finite number, got nan"):
@@ -144,7 +128,7 @@ def test_lora_config_targets_are_checked_like_adapter_patterns():
     assert target_matches(cfg.targets[0], "model.layers.3.self_attn.q_proj", 2)
 
 
-def test_a_long_module_name_is_checked_at_its_own_length():
+def test_a_long_module_name_is_checked_at_its_own_length(deadline):
     pattern = r".*a.*b.*c.*d"  # fine for 48-character names, not for 4,000
     check_pattern(pattern)
     with deadline(10), pytest.raises(ConfigError, match="4000-character module name"):
