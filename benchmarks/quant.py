@@ -65,8 +65,9 @@ def linear_4096(batch: int, repeats: int) -> list[str]:
                 continue
             t = median_time(fn, x, q, repeats=repeats)
             err = float(jnp.max(jnp.abs(fn(x, q) - f(x, w))))
+            stored = entrenar.nn.nbytes(q)
             rows.append(
-                f"| {label} | {q.nbytes / KB / KB:.2f} | {q.nbytes / b_dense:.3f} | "
+                f"| {label} | {stored / KB / KB:.2f} | {stored / b_dense:.3f} | "
                 f"{t * 1e3:.2f} | {t / t_dense:.2f} | {err:.3g} |"
             )
     head = [

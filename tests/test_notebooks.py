@@ -17,7 +17,7 @@ import nbformat
 import numpy as np
 import pytest
 
-from entrenar import Tensor, backward, lora, quant
+from entrenar import Tensor, backward, lora, nn, quant
 from entrenar.config import load_config
 from entrenar.train import TrainConfig, Trainer, plot
 from entrenar.train.metrics import Progress
@@ -91,7 +91,7 @@ def test_tensor_shows_values_and_gradient():
 def test_quantized_and_lora_weights_show_their_format():
     q = quant.quantize(jnp.ones((64, 64)), "nf4")
     page = html.unescape(q._repr_html_())
-    bits = 8 * q.nbytes / 64**2
+    bits = 8 * nn.nbytes(q) / 64**2
     assert "nf4" in page and "(64, 64)" in page and f"{bits:.2f} bits/param" in page
     params = lora.apply(
         {"q_proj": {"weight": jnp.ones((8, 16))}},

@@ -25,9 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
-from entrenar import lora, native, quant
+from entrenar import lora, native
 from entrenar.config.build import (
     RunData,
     build_data,
@@ -244,32 +243,11 @@ def _plan(prep: Prepared) -> dict[str, Any]:
         "steps": prep.total,
         "steps_per_epoch": prep.data.steps_per_epoch,
         "examples": prep.data.examples,
-        "parameters": logical_size(prep.params),
+        "parameters": lora.trainable_report(prep.params).total_params,
     }
     if trainable is not None:
-        out["trainable_parameters"] = logical_size(trainable)
+        out["trainable_parameters"] = lora.trainable_report(trainable).total_params
     return out
-
-
-def logical_size(params: Any) -> int:
-    """Values the model stands for (not the bytes it is stored in).
-
-    A quantized weight counts its logical shape, a LoRA weight its base plus ``A``
-    and ``B``.
-    """
-
-    def node(x: Any) -> bool:
-        return isinstance(x, lora.LoRAWeight) or quant.is_quantized(x)
-
-    total = 0
-    for x in jax.tree_util.tree_leaves(params, is_leaf=node):
-        if isinstance(x, lora.LoRAWeight):
-            total += logical_size(x.base) + int(x.a.size) + int(x.b.size)
-        elif quant.is_quantized(x):
-            total += int(x.size)
-        else:
-            total += int(np.size(x))
-    return total
 
 
 def _plot(out_dir: str) -> dict[str, str]:

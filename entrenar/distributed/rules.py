@@ -159,11 +159,11 @@ def _node_specs(name: str, x: Any, mesh: Mesh, rules: ShardingRules) -> Any:
         )  # fmt: skip
     if isinstance(x, QuantizedWeight):
         return _quantized_specs(name, x, mesh, rules)
+    if nn.is_weight_node(x):  # any other node: each array by its own dotted name
+        return jax.tree_util.tree_map_with_path(
+            lambda p, c: _array_spec(f"{name}.{key_path_str(p)}", c, mesh, rules), x
+        )
     return _array_spec(name, x, mesh, rules)
-
-
-def _is_node(x: Any) -> bool:
-    return isinstance(x, LoRAWeight | QuantizedWeight)
 
 
 def param_specs(
@@ -171,7 +171,9 @@ def param_specs(
 ) -> PyTree:
     """A tree like ``tree`` with a `PartitionSpec` at each array leaf."""
     rules = rules or ShardingRules()
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=nn.is_weight_node
+    )
     out = []
     for path, x in flat:
         name = ".".join(p for p in (prefix, key_path_str(path)) if p)
@@ -227,7 +229,7 @@ def opt_state_sharding(
         )
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(
-        opt_state, is_leaf=lambda x: like_params(x) or _is_node(x)
+        opt_state, is_leaf=lambda x: like_params(x) or nn.is_weight_node(x)
     )
     out = []
     for path, x in flat:

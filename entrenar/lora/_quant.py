@@ -1,15 +1,11 @@
-"""The bridge from LoRA to `entrenar.quant`: quantize bases, dequantize for merges."""
+"""The bridge from LoRA to `entrenar.quant`: quantize bases, requantize merges."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
 from entrenar import quant
 from entrenar.errors import ShapeError
-from entrenar.nn.bf16_weight import Bfloat16Weight
 
 
 def quantize_base(w: Any, scheme: str, name: str) -> Any:
@@ -22,14 +18,7 @@ def quantize_base(w: Any, scheme: str, name: str) -> Any:
         raise ShapeError(f"QLoRA cannot quantize the base of {name!r}: {e}") from e
 
 
-def to_dense(w: Any) -> jax.Array:
-    """A weight as a dense array (quantized nodes dequantized, bfloat16 ones read)."""
-    if isinstance(w, Bfloat16Weight):
-        return w.value()
-    return quant.dequantize(w) if quant.is_quantized(w) else jnp.asarray(w)
-
-
 is_quantized = quant.is_quantized
 requantize_like = quant.quantize_like  # every option of the node, int8 modes included
 
-__all__ = ["is_quantized", "quantize_base", "requantize_like", "to_dense"]
+__all__ = ["is_quantized", "quantize_base", "requantize_like"]

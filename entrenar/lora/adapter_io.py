@@ -38,13 +38,12 @@ from entrenar.io.safetensors_io import read_safetensors, save_safetensors
 from entrenar.lora.names import (
     STACKED_KEYS,
     hf_modules,
-    is_weight_leaf,
-    leaf_shape,
     named_weight_leaves,
     stacked_split,
 )
 from entrenar.lora.patterns import check_pattern, check_peft_key, peft_key_matches
 from entrenar.lora.weight import LoRAWeight
+from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params
 
 CONFIG_NAME = "adapter_config.json"
@@ -60,8 +59,7 @@ def _adapted(params: Params, stacked_keys: tuple[str, ...]):
     out = []
     for name, x in named_weight_leaves(params):
         if isinstance(x, LoRAWeight):
-            shape = (*x.a.shape[:-2], x.b.shape[-2], x.a.shape[-1])
-            out.append((name, x, hf_modules(name, shape, stacked_keys)))
+            out.append((name, x, hf_modules(name, logical_shape(x), stacked_keys)))
     return out
 
 
@@ -110,7 +108,7 @@ def save_adapter(
     all_modules = {
         m
         for n, w in named_weight_leaves(params)
-        for m in hf_modules(n, leaf_shape(w), stacked_keys)
+        for m in hf_modules(n, logical_shape(w), stacked_keys)
     }
     others = {m for m in all_modules - set(ranks) if m.rsplit(".", 1)[-1] in suffixes}
     targets: list[str] | str = suffixes
@@ -285,7 +283,7 @@ def load_adapter(
     header, _ = read_safetensors(wfile)  # validated, memory-mapped
     problems: list[str] = []
     found = _group_by_module(header, problems)
-    flat, treedef = jax.tree_util.tree_flatten(base_params, is_leaf=is_weight_leaf)
+    flat, treedef = jax.tree_util.tree_flatten(base_params, is_leaf=is_weight_node)
     names = [n for n, _ in named_weight_leaves(base_params)]
     per_leaf = _place_modules(found, flat, names, cfg, stacked_keys, problems)
     if problems:
@@ -331,7 +329,7 @@ def _place_modules(
     """
     index: dict[str, tuple[int, int]] = {}  # PEFT module name -> (leaf, layer)
     for k, (n, x) in enumerate(zip(names, flat)):
-        for j, mod in enumerate(hf_modules(n, leaf_shape(x), stacked_keys)):
+        for j, mod in enumerate(hf_modules(n, logical_shape(x), stacked_keys)):
             index[mod] = (k, j)
     per_leaf: dict[int, dict[int, str]] = collections.defaultdict(dict)
     for mod, parts in sorted(found.items()):
@@ -344,7 +342,7 @@ def _place_modules(
             problems.append(f"module {mod!r} has lora_{next(iter(parts))} only")
             continue
         k, j = index[mod]
-        out, fan_in = leaf_shape(flat[k])[-2:]
+        out, fan_in = logical_shape(flat[k])[-2:]
         if isinstance(flat[k], LoRAWeight):
             problems.append(f"module {mod!r} already has an adapter in the base tree")
         a_shape, b_shape = parts["A"].shape, parts["B"].shape
@@ -357,7 +355,7 @@ def _place_modules(
             )
         per_leaf[k][j] = mod
     for k, layers in per_leaf.items():
-        stack = hf_modules(names[k], leaf_shape(flat[k]), stacked_keys)
+        stack = hf_modules(names[k], logical_shape(flat[k]), stacked_keys)
         if len(stack) > 1 and len(layers) != len(stack):
             problems.append(
                 f"{names[k]!r}: the adapter covers {len(layers)} of its {len(stack)} "

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 
 from entrenar import io, quant
 from entrenar.errors import ConfigError
-from entrenar.lora import _quant
 from entrenar.lora.fold import delta, fold
 from entrenar.lora.names import named_weight_leaves
 from entrenar.lora.weight import LoRAWeight
+from entrenar.nn.weight_node import to_dense
 from entrenar.types import Params
 
 _CASTS = {"F32": jnp.float32, "F16": jnp.float16, "BF16": jnp.bfloat16}
@@ -84,7 +84,7 @@ def fold_retention(params: Params, tensor_type: str) -> Retention:
     for _, x in named_weight_leaves(params):
         if not isinstance(x, LoRAWeight):
             continue
-        base = _quant.to_dense(x.base).astype(jnp.float32)  # (*lead, out, in)
+        base = to_dense(x.base).astype(jnp.float32)  # (*lead, out, in)
         d = delta(x)
         e = stored(base + d, tensor_type) - base  # what the file adds to W
         dot += float(jnp.vdot(e, d))

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 
 from entrenar.errors import CompatibilityError
 from entrenar.lora import _quant
-from entrenar.lora.names import is_weight_leaf, named_weight_leaves
+from entrenar.lora.names import named_weight_leaves
 from entrenar.lora.weight import LoRAWeight
+from entrenar.nn.weight_node import is_weight_node, logical_shape, to_dense
 from entrenar.types import Params
 
 
@@ -31,9 +32,10 @@ def delta(w: LoRAWeight) -> jax.Array:
     return w.scale * jnp.einsum("...or,...ri->...oi", b, a)
 
 
+@to_dense.register
 def folded_weight(w: LoRAWeight) -> jax.Array:
-    """``W + s · B A`` in the base's (dequantized) dtype."""
-    base = _quant.to_dense(w.base)
+    """``W + s · B A`` in the base's (dequantized) dtype (`to_dense` of the node)."""
+    base = to_dense(w.base)
     return (base.astype(jnp.float32) + delta(w)).astype(base.dtype)
 
 
@@ -50,7 +52,7 @@ def fold(params: Params) -> Params:
     return jax.tree_util.tree_map(
         lambda x: folded_weight(x) if isinstance(x, LoRAWeight) else x,
         params,
-        is_leaf=is_weight_leaf,
+        is_leaf=is_weight_node,
     )
 
 
@@ -76,7 +78,7 @@ def fold_and_requantize(params: Params) -> tuple[Params, dict[str, RequantReport
         elsewhere) and, per dotted path of a requantized weight, its `RequantReport`.
     """
     errors: dict[str, RequantReport] = {}
-    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_leaf)
+    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_node)
     out = []
     for (name, _), x in zip(named_weight_leaves(params), flat):
         if isinstance(x, LoRAWeight):
@@ -85,7 +87,7 @@ def fold_and_requantize(params: Params) -> tuple[Params, dict[str, RequantReport
             if _quant.is_quantized(x.base):
                 q = _quant.requantize_like(merged, x.base)
                 exact = merged.astype(jnp.float32)  # bfloat16 bases too
-                diff = _quant.to_dense(q).astype(jnp.float32) - exact
+                diff = to_dense(q).astype(jnp.float32) - exact
                 rms = float(jnp.sqrt(jnp.mean(diff**2)))
                 ref = float(jnp.sqrt(jnp.mean(exact**2)))
                 errors[name] = RequantReport(
@@ -114,11 +116,11 @@ def unfold(merged: Params, adapters: Params) -> Params:
     def undo(ad: Any, m: Any) -> Any:
         if not isinstance(ad, LoRAWeight):
             return m
-        if _quant.is_quantized(m) or isinstance(m, LoRAWeight):
+        if is_weight_node(m):
             raise CompatibilityError(
                 f"unfold needs a dense merged weight where the adapter is, got {m!r}"
             )
-        if tuple(m.shape) != (*ad.a.shape[:-2], ad.b.shape[-2], ad.a.shape[-1]):
+        if logical_shape(m) != logical_shape(ad):
             raise CompatibilityError(
                 f"unfold: merged weight {tuple(m.shape)} does not fit the adapter "
                 f"A {tuple(ad.a.shape)}, B {tuple(ad.b.shape)}"
@@ -127,7 +129,7 @@ def unfold(merged: Params, adapters: Params) -> Params:
         return ad.replace(base=base, dropout_key=None)
 
     return jax.tree_util.tree_map(
-        undo, adapters, merged, is_leaf=lambda x: x is None or is_weight_leaf(x)
+        undo, adapters, merged, is_leaf=lambda x: x is None or is_weight_node(x)
     )
 
 

@@ -11,25 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 from entrenar import nn
-from entrenar.lora.weight import LoRAWeight
-from entrenar.tree import key_path_str, list_index
+from entrenar.nn.weight_node import is_weight_node
+from entrenar.tree import list_index, tree_named_leaves
 
 STACKED_KEYS: tuple[str, ...] = nn.STACKED_KEYS
 """Dict keys under which transformer layers are stacked along axis 0."""
-
-
-def is_weight_leaf(x: Any) -> bool:
-    """Leaves of LoRA's traversals: arrays and weight nodes, never containers.
-
-    Dicts, lists and tuples (NamedTuples included) are walked; any other registered
-    node (``LoRAWeight``, ``QuantizedWeight``) is one weight, treated as a whole.
-    """
-    if isinstance(x, LoRAWeight):
-        return True
-    return x is not None and not isinstance(x, dict | list | tuple)
 
 
 def stacked_split(
@@ -77,23 +64,14 @@ def hf_modules(
     return [f"{head}.{i}.{tail}" for i in range(shape[0])]
 
 
-def leaf_shape(x: Any) -> tuple[int, ...]:
-    """Logical shape of an array, a ``jax.ShapeDtypeStruct`` or a weight node."""
-    shape = getattr(x, "shape", None)
-    return tuple(int(s) for s in shape) if shape is not None else ()
-
-
 def named_weight_leaves(params: Any) -> list[tuple[str, Any]]:
     """``(dotted_path, leaf)`` pairs with weight nodes kept whole."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_weight_leaf)
-    return [(key_path_str(p), leaf) for p, leaf in flat]
+    return tree_named_leaves(params, is_leaf=is_weight_node)
 
 
 __all__ = [
     "STACKED_KEYS",
     "hf_modules",
-    "is_weight_leaf",
-    "leaf_shape",
     "named_weight_leaves",
     "stacked_split",
 ]

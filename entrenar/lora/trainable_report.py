@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
-import numpy as np
 
-from entrenar.lora.names import is_weight_leaf, leaf_shape
 from entrenar.lora.weight import LoRAWeight
+from entrenar.nn.weight_node import is_weight_node, logical_shape, nbytes
 from entrenar.types import Params
 
 
@@ -21,11 +21,7 @@ def _count(x: Any) -> tuple[int, int]:
     """
     if x is None:
         return 0, 0
-    leaves = jax.tree_util.tree_leaves(x)
-    stored = sum(
-        int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in leaves
-    )
-    return int(np.prod(leaf_shape(x))), stored
+    return math.prod(logical_shape(x)), nbytes(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +86,7 @@ def trainable_report(params: Params) -> TrainableReport:
         (14, 16, 56, 64)
     """
     tp = fp = tb = fb = 0
-    for x in jax.tree_util.tree_leaves(params, is_leaf=is_weight_leaf):
+    for x in jax.tree_util.tree_leaves(params, is_leaf=is_weight_node):
         if isinstance(x, LoRAWeight):
             for part in (x.a, x.b):
                 n, b = _count(part)

@@ -28,12 +28,11 @@ from entrenar.lora.config import LoRAConfig, target_matches
 from entrenar.lora.names import (
     STACKED_KEYS,
     hf_modules,
-    is_weight_leaf,
-    leaf_shape,
     named_weight_leaves,
     stacked_split,
 )
 from entrenar.lora.weight import LoRAWeight
+from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params, PRNGKey
 
 
@@ -111,11 +110,11 @@ def apply(
     """
     if quantize not in (None, "nf4", "int4"):
         raise ConfigError(f"quantize must be None, 'nf4' or 'int4', got {quantize!r}")
-    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_leaf)
+    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_node)
     names = [n for n, _ in named_weight_leaves(params)]
     out = []
     for i, (name, leaf) in enumerate(zip(names, flat)):
-        shape = leaf_shape(leaf)
+        shape = logical_shape(leaf)
         if not _selected(name, shape, config, stacked_keys):
             out.append(leaf)
             continue
@@ -140,7 +139,7 @@ def _no_match_message(targets: Any, names: list[str], flat: list[Any]) -> str:
     """Name the linear weights a target could match, and the closest to a typo."""
     examples: dict[str, str] = {}  # last module part -> one full module name
     for name, leaf in zip(names, flat):
-        shape = leaf_shape(leaf)
+        shape = logical_shape(leaf)
         stacked = stacked_split(name) is not None
         modules = hf_modules(name, shape)
         if modules and len(shape) - int(stacked) >= 2:  # a matrix per module
@@ -193,8 +192,8 @@ def split(params: Params) -> tuple[Params, Params]:
         return x.replace(a=None, b=None) if isinstance(x, LoRAWeight) else x
 
     return (
-        jax.tree_util.tree_map(trainable, params, is_leaf=is_weight_leaf),
-        jax.tree_util.tree_map(frozen, params, is_leaf=is_weight_leaf),
+        jax.tree_util.tree_map(trainable, params, is_leaf=is_weight_node),
+        jax.tree_util.tree_map(frozen, params, is_leaf=is_weight_node),
     )
 
 
@@ -212,7 +211,7 @@ def combine(trainable: Params, frozen: Params) -> Params:
         return f if t is None else t
 
     return jax.tree_util.tree_map(
-        pick, trainable, frozen, is_leaf=lambda x: x is None or is_weight_leaf(x)
+        pick, trainable, frozen, is_leaf=lambda x: x is None or is_weight_node(x)
     )
 
 
@@ -229,7 +228,7 @@ def trainable_mask(params: Params) -> Params:
             return x.replace(base=False, a=True, b=True, dropout_key=key)
         return False
 
-    return jax.tree_util.tree_map(mask, params, is_leaf=is_weight_leaf)
+    return jax.tree_util.tree_map(mask, params, is_leaf=is_weight_node)
 
 
 def with_dropout_keys(params: Params, *, key: PRNGKey) -> Params:
@@ -241,12 +240,12 @@ def with_dropout_keys(params: Params, *, key: PRNGKey) -> Params:
     """
     if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
-    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_leaf)
+    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_node)
     out = []
     for i, x in enumerate(flat):
         if isinstance(x, LoRAWeight) and x.dropout > 0.0:
             ref = x.base if x.base is not None else x.a
-            lead = leaf_shape(ref)[:-2]
+            lead = logical_shape(ref)[:-2]
             keys = jax.random.split(jax.random.fold_in(key, i), int(np.prod(lead)))
             data = jax.random.key_data(keys)  # (n, k) uint32
             x = x.replace(dropout_key=data.reshape(*lead, data.shape[-1]))

@@ -19,25 +19,36 @@ are static (auxiliary data): changing them recompiles, they are never traced.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entrenar.nn.layers import dropout
 from entrenar.nn.linear import weight_matmul
+from entrenar.nn.weight_node import (
+    STATIC,
+    logical_dtype,
+    logical_shape,
+    register_weight_node,
+)
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@register_weight_node
+@dataclasses.dataclass(frozen=True, eq=False)
 class LoRAWeight:
     """A frozen ``base`` weight with a low-rank adapter ``s · B A``.
 
     Attributes:
         base: the frozen weight ``(*lead, out, in)``: an array or any weight node
             registered on `entrenar.nn.weight_matmul` (e.g. ``QuantizedWeight``).
-        a: ``(*lead, r, in)`` down-projection (PEFT's ``lora_A.weight``).
-        b: ``(*lead, out, r)`` up-projection (PEFT's ``lora_B.weight``), zero at init.
+        a: ``(*lead, r, in)`` down-projection (PEFT's ``lora_A.weight``; pytree key
+            ``lora_A``).
+        b: ``(*lead, out, r)`` up-projection (PEFT's ``lora_B.weight``; pytree key
+            ``lora_B``), zero at init.
         alpha: LoRA alpha (static).
         rank: r (static).
         rslora: scale ``alpha / sqrt(r)`` instead of ``alpha / r`` (static).
@@ -50,28 +61,19 @@ class LoRAWeight:
     also the container of `entrenar.lora.split`'s halves and of gradient trees.
     """
 
-    __slots__ = ("a", "alpha", "b", "base", "dropout", "dropout_key", "rank", "rslora")
+    base: Any
+    a: Any = dataclasses.field(metadata={"key": "lora_A"})
+    b: Any = dataclasses.field(metadata={"key": "lora_B"})
+    alpha: float = dataclasses.field(metadata=STATIC)
+    rank: int = dataclasses.field(metadata=STATIC)
+    rslora: bool = dataclasses.field(default=False, kw_only=True, metadata=STATIC)
+    dropout: float = dataclasses.field(default=0.0, kw_only=True, metadata=STATIC)
+    dropout_key: Any = dataclasses.field(default=None, kw_only=True)
 
-    def __init__(
-        self,
-        base: Any,
-        a: Any,
-        b: Any,
-        alpha: float,
-        rank: int,
-        *,
-        rslora: bool = False,
-        dropout: float = 0.0,
-        dropout_key: Any = None,
-    ) -> None:
-        self.base = base
-        self.a = a
-        self.b = b
-        self.alpha = float(alpha)
-        self.rank = int(rank)
-        self.rslora = bool(rslora)
-        self.dropout = float(dropout)
-        self.dropout_key = dropout_key
+    def __post_init__(self) -> None:
+        casts = {"alpha": float, "rank": int, "rslora": bool, "dropout": float}
+        for name, cast in casts.items():
+            object.__setattr__(self, name, cast(getattr(self, name)))
 
     @property
     def scale(self) -> float:
@@ -87,35 +89,7 @@ class LoRAWeight:
 
     def replace(self, **changes: Any) -> LoRAWeight:
         """A copy with the given fields changed (nothing is mutated)."""
-        fields = {
-            "base": self.base,
-            "a": self.a,
-            "b": self.b,
-            "alpha": self.alpha,
-            "rank": self.rank,
-            "rslora": self.rslora,
-            "dropout": self.dropout,
-            "dropout_key": self.dropout_key,
-        }
-        fields.update(changes)
-        return LoRAWeight(**fields)
-
-    def tree_flatten_with_keys(self):  # noqa: D102 - pytree protocol
-        children = (
-            (jax.tree_util.GetAttrKey("base"), self.base),
-            (jax.tree_util.GetAttrKey("lora_A"), self.a),
-            (jax.tree_util.GetAttrKey("lora_B"), self.b),
-            (jax.tree_util.GetAttrKey("dropout_key"), self.dropout_key),
-        )
-        return children, (self.alpha, self.rank, self.rslora, self.dropout)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):  # noqa: D102 - pytree protocol
-        base, a, b, key = children
-        alpha, rank, rslora, dropout = aux
-        return cls(
-            base, a, b, alpha, rank, rslora=rslora, dropout=dropout, dropout_key=key
-        )
+        return dataclasses.replace(self, **changes)
 
     def __repr__(self) -> str:
         def desc(x: Any) -> str:
@@ -164,6 +138,15 @@ class LoRAWeight:
             for k, v in rows
         )
         return f"<b>LoRAWeight</b> W + {scale}·B·A<table>{cells}</table>"
+
+
+logical_shape.register(LoRAWeight, lambda w: w.shape)
+
+
+@logical_dtype.register
+def _lora_dtype(w: LoRAWeight) -> np.dtype:
+    """The base's logical dtype (the factors' for a trainable half, base None)."""
+    return logical_dtype(w.a if w.base is None else w.base)
 
 
 @weight_matmul.register(LoRAWeight)

@@ -24,15 +24,13 @@ from entrenar.merge import kernels
 from entrenar.merge.leaves import (
     Layout,
     check_leaves,
-    dense,
     is_floating,
     layouts,
-    logical_dtype,
-    logical_shape,
     named_leaves,
     same_values,
 )
 from entrenar.merge.schedule import Setting, evaluate
+from entrenar.nn.weight_node import logical_dtype, logical_shape, to_dense
 from entrenar.types import PRNGKey, PyTree
 
 Kind = Literal["task_vectors", "linear", "slerp"]
@@ -274,10 +272,9 @@ def merge_trees(
         if lora == "adapters" and any(isinstance(x, LoRAWeight) for x in xs):
             out.append(_merge_adapters(plan, name, lay[name], head, rest))
             continue
-        dense_head = None if head is None else dense(head)
-        out.append(
-            merge_leaf(plan, name, lay[name], dense_head, [dense(x) for x in rest], dt)
-        )
+        dense = [to_dense(x) for x in rest]
+        dense_head = None if head is None else to_dense(head)
+        out.append(merge_leaf(plan, name, lay[name], dense_head, dense, dt))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

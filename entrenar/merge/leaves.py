@@ -1,11 +1,12 @@
 """The leaves being merged: their names, layer layout, weight nodes and checks.
 
-A tree is flattened to ``{dotted name: leaf}`` with `LoRAWeight` and
-`QuantizedWeight` nodes kept whole. A leaf under a stacked key (``layers``, ``h``
-not followed by an index) has a leading layer axis ``L`` (specs/conventions.md) and
-is merged layer by layer; a leaf named ``...layers.{i}...`` (Hugging Face's flat
-names) is layer ``i`` of ``N``, ``N`` counted over the tree. `Layout` records both,
-with each layer's Hugging Face name and depth fraction for parameter schedules.
+A tree is flattened to ``{dotted name: leaf}`` with weight nodes (`LoRAWeight`,
+`QuantizedWeight`, ...) kept whole and sized by `entrenar.nn`'s weight-node
+protocol. A leaf under a stacked key (``layers``, ``h`` not followed by an index)
+has a leading layer axis ``L`` (specs/conventions.md) and is merged layer by layer;
+a leaf named ``...layers.{i}...`` (Hugging Face's flat names) is layer ``i`` of
+``N``, ``N`` counted over the tree. `Layout` records both, with each layer's Hugging
+Face name and depth fraction for parameter schedules.
 """
 
 from __future__ import annotations
@@ -17,12 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from entrenar import lora
 from entrenar.errors import CompatibilityError, DTypeError, ShapeError
 from entrenar.lora.names import stacked_split
-from entrenar.lora.weight import LoRAWeight
-from entrenar.nn import STACKED_KEYS
-from entrenar.quant import QuantizedWeight, dequantize
+from entrenar.nn import STACKED_KEYS, is_weight_node, logical_dtype, logical_shape
 from entrenar.tree import key_path_str, list_index
 from entrenar.types import PyTree
 
@@ -102,53 +100,10 @@ def num_layers(shapes: Mapping[str, tuple[int, ...]]) -> int:
     return depth
 
 
-def is_node(x: Any) -> bool:
-    """`LoRAWeight` and `QuantizedWeight` are merged as one leaf each."""
-    return isinstance(x, LoRAWeight | QuantizedWeight)
-
-
 def named_leaves(tree: PyTree) -> tuple[dict[str, Any], Any]:
     """``({dotted name: leaf}, treedef)`` with weight nodes kept whole."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_weight_node)
     return {key_path_str(p): x for p, x in flat}, treedef
-
-
-def logical_shape(x: Any) -> tuple[int, ...]:
-    """The shape a leaf stands for (a node's logical shape)."""
-    return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
-
-
-def logical_dtype(x: Any) -> np.dtype:
-    """The dtype a leaf stands for (a quantized node's original dtype)."""
-    if isinstance(x, LoRAWeight):
-        return logical_dtype(x.base)
-    if isinstance(x, QuantizedWeight):
-        return np.dtype(x.dtype)
-    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
-
-
-def fold_tree(params: PyTree) -> PyTree:
-    """Every `LoRAWeight` folded into ``W + s B A`` by the lora package's fold.
-
-    The lora package names that function ``fold`` (``merge`` before the rename
-    that gave "merge" to model merging); the name is looked up at call time.
-    """
-    fold = getattr(lora, "fold", None) or lora.merge  # type: ignore[attr-defined]
-    return fold(params)
-
-
-def fold_adapter(w: LoRAWeight) -> jax.Array:
-    """``W + s B A`` of one adapted weight (see `fold_tree`)."""
-    return fold_tree({"w": w})["w"]
-
-
-def dense(x: Any) -> Any:
-    """A leaf's values as an array: quantized nodes dequantized, adapters folded."""
-    if isinstance(x, LoRAWeight):
-        return fold_adapter(x)
-    if isinstance(x, QuantizedWeight):
-        return dequantize(x)
-    return x
 
 
 def is_floating(dtype: np.dtype) -> bool:
@@ -210,14 +165,8 @@ def same_values(name: str, values: Iterable[Any]) -> Any:
 __all__ = [
     "Layout",
     "check_leaves",
-    "dense",
-    "fold_adapter",
-    "fold_tree",
     "is_floating",
-    "is_node",
     "layouts",
-    "logical_dtype",
-    "logical_shape",
     "named_leaves",
     "num_layers",
     "same_values",

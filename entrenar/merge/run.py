@@ -43,17 +43,15 @@ from entrenar.io.safetensors_io import metadata_from_header
 from entrenar.merge.engine import Plan, merge_leaf
 from entrenar.merge.leaves import (
     check_leaves,
-    fold_tree,
     is_floating,
     layouts,
-    logical_dtype,
-    logical_shape,
     named_leaves,
     num_layers,
     same_values,
 )
 from entrenar.merge.recipe import METHODS, ModelRef, Recipe, load_recipe, parse_recipe
 from entrenar.merge.schedule import map_setting
+from entrenar.nn.weight_node import logical_dtype, logical_shape
 
 HF_FILES = (
     "config.json",
@@ -141,7 +139,7 @@ def open_model(ref: ModelRef) -> Source:
         src = Source(path, model.metadata, named_leaves(model.params)[0])
     if ref.adapter:
         params = lora.load_adapter(ref.adapter, unflatten_params(src.leaves))
-        src.leaves = named_leaves(fold_tree(params))[0]
+        src.leaves = named_leaves(lora.fold(params))[0]
     return src
 
 

@@ -5,7 +5,9 @@ Protocol: a model is a frozen config dataclass with ``init(key) -> params`` and 
 Face modules, transformer layers stacked along a leading axis and run with
 `jax.lax.scan`. Every layer multiplies through `linear`, which dispatches on the
 weight's node type (array, LoRA, quantized, bfloat16-stored), so model code never
-touches weights.
+touches weights. Every weight answers the weight-node protocol (`logical_shape`,
+`logical_dtype`, `to_dense`, `nbytes`, `is_weight_node`), which each node type
+registers in its own package.
 """
 
 from entrenar.nn import losses
@@ -56,6 +58,14 @@ from entrenar.nn.llama import Llama, LlamaConfig
 from entrenar.nn.losses import causal_lm_loss, cross_entropy, kl_divergence
 from entrenar.nn.mlp_model import MLP
 from entrenar.nn.rope import apply_rope, rope_angles, rope_tables, rotate, rotate_half
+from entrenar.nn.weight_node import (
+    is_weight_node,
+    logical_dtype,
+    logical_shape,
+    nbytes,
+    register_weight_node,
+    to_dense,
+)
 
 __all__ = [
     "GPT2",
@@ -87,15 +97,20 @@ __all__ = [
     "generate",
     "generate_stream",
     "init_kv_cache",
+    "is_weight_node",
     "kaiming_normal",
     "kaiming_uniform",
     "kl_divergence",
     "layer_norm",
     "linear",
+    "logical_dtype",
+    "logical_shape",
     "losses",
     "lowp_matmul",
     "mlp",
+    "nbytes",
     "normal",
+    "register_weight_node",
     "rms_norm",
     "rope_angles",
     "rope_tables",
@@ -104,6 +119,7 @@ __all__ = [
     "sample_logits",
     "silu",
     "to_bfloat16_weights",
+    "to_dense",
     "to_hf_names",
     "update_cache_layer",
     "weight_matmul",

@@ -35,6 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.nn.linear import lowp_matmul, weight_matmul
+from entrenar.nn.weight_node import (
+    logical_dtype,
+    logical_shape,
+    register_weight_node,
+    to_dense,
+)
 from entrenar.tree import key_path_str
 
 DEFAULT_WEIGHTS = re.compile(r"(_proj|lm_head)\.weight(\.base)?$")
@@ -43,7 +49,7 @@ weight's frozen ``base`` included) and an untied ``lm_head``; not embeddings (re
 index, in float32) nor norms."""
 
 
-@jax.tree_util.register_dataclass
+@register_weight_node
 @dataclasses.dataclass(frozen=True)
 class Bfloat16Weight:
     """A frozen weight ``(*lead, out, in)`` held as bfloat16 bit patterns.
@@ -85,15 +91,6 @@ class Bfloat16Weight:
         """bfloat16, the dtype of `value`."""
         return jnp.dtype(jnp.bfloat16)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes stored (two a value)."""
-        return int(np.prod(self.shape)) * 2
-
-
-def _materialize(w: Bfloat16Weight, dtype: Any) -> jax.Array:
-    return w.value().astype(dtype)  # (*lead, out, in)
-
 
 @weight_matmul.register(Bfloat16Weight)
 def _bf16_matmul(
@@ -101,11 +98,11 @@ def _bf16_matmul(
 ) -> jax.Array:
     """``x Wᵀ``: bfloat16 products with float32 accumulation, or in ``x``'s dtype."""
     if matmul_dtype is not None:
-        return lowp_matmul(x, w, matmul_dtype, _materialize)
+        return lowp_matmul(x, w, matmul_dtype)  # W = to_dense(w), bfloat16
     return weight_matmul(w.value(), x)  # the dense rule: W cast to x's dtype
 
 
-@jax.tree_util.register_dataclass
+@register_weight_node
 @dataclasses.dataclass(frozen=True)
 class TiedEmbedding:
     """A frozen embedding that is also the output head (tied), read two ways.
@@ -153,6 +150,14 @@ class TiedEmbedding:
     def dtype(self) -> Any:
         """The table's dtype."""
         return self.table.dtype
+
+
+logical_shape.register(Bfloat16Weight, lambda w: w.shape)
+logical_shape.register(TiedEmbedding, lambda w: w.shape)
+logical_dtype.register(Bfloat16Weight, lambda w: w.dtype)
+logical_dtype.register(TiedEmbedding, lambda w: w.dtype)
+to_dense.register(Bfloat16Weight, Bfloat16Weight.value)
+to_dense.register(TiedEmbedding, lambda w: w.table)
 
 
 def _tied_head(w: TiedEmbedding, dtype: Any) -> jax.Array:

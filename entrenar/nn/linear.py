@@ -27,6 +27,7 @@ import numpy as np
 
 from entrenar.errors import ConfigError
 from entrenar.native import cpu_flags
+from entrenar.nn.weight_node import to_dense
 
 MATMUL_DTYPES = ("bfloat16", "float16")
 """Low-precision input dtypes `lowp_matmul` accepts (accumulation is float32)."""
@@ -60,8 +61,8 @@ def auto_matmul_dtype() -> str | None:
 
 
 def dense_weight(w: Any, dtype: Any) -> jax.Array:
-    """A plain weight array cast to ``dtype`` (the `lowp_matmul` materializer)."""
-    return jnp.asarray(w).astype(dtype)
+    """``to_dense(w)`` cast to ``dtype`` (the default `lowp_matmul` materializer)."""
+    return jnp.asarray(to_dense(w)).astype(dtype)
 
 
 def _dot_lowp(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:

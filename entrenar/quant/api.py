@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import QuantizationError
+from entrenar.nn.weight_node import to_dense
 from entrenar.quant.ggml import check_float16, dequantize_ggml, quantize_ggml
 from entrenar.quant.int4 import dequantize_int4, quantize_int4
 from entrenar.quant.int8 import dequantize_int8, quantize_int8
@@ -123,6 +124,9 @@ def dequantize(q: QuantizedWeight, dtype: Any = None) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def _dequantize(q: QuantizedWeight, dtype: np.dtype) -> jax.Array:
     return _DEQUANTIZE[q.scheme](q, dtype)
+
+
+to_dense.register(QuantizedWeight, dequantize)
 
 
 def quantize_like(w: Any, like: QuantizedWeight) -> QuantizedWeight:

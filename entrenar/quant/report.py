@@ -8,21 +8,13 @@ its parameter count is the size of the tensor it stands for. Any other leaf coun
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-import numpy as np
-
+from entrenar.nn.weight_node import logical_dtype, logical_shape, nbytes
 from entrenar.quant.weight import QuantizedWeight
 from entrenar.tree import tree_named_leaves
 from entrenar.types import PyTree
-
-
-def _leaf_bytes(x: Any) -> int:
-    if isinstance(x, QuantizedWeight):
-        return x.nbytes
-    return (
-        int(np.prod(np.shape(x))) * np.dtype(getattr(x, "dtype", np.float32)).itemsize
-    )
 
 
 def bits_per_param(x: Any) -> float:
@@ -32,8 +24,7 @@ def bits_per_param(x: Any) -> float:
     >>> bits_per_param(jnp.zeros((2, 64), jnp.bfloat16))
     16.0
     """
-    n = x.size if isinstance(x, QuantizedWeight) else int(np.prod(np.shape(x)))
-    return 8 * _leaf_bytes(x) / n
+    return 8 * nbytes(x) / math.prod(logical_shape(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +91,10 @@ def memory_report(params: PyTree) -> MemoryReport:
     ):
         if isinstance(x, QuantizedWeight):
             kind = x.scheme + ("+dq" if x.double_quant else "")
-            n = x.size
         else:
-            kind = np.dtype(getattr(x, "dtype", np.float32)).name
-            n = int(np.prod(np.shape(x)))
-        entries.append(MemoryEntry(name, kind, n, _leaf_bytes(x)))
+            kind = logical_dtype(x).name
+        n = math.prod(logical_shape(x))
+        entries.append(MemoryEntry(name, kind, n, nbytes(x)))
     return MemoryReport(tuple(entries))
 
 

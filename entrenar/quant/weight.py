@@ -18,6 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import QuantizationError, ShapeError
+from entrenar.nn.weight_node import (
+    STATIC,
+    logical_dtype,
+    logical_shape,
+    nbytes,
+    register_weight_node,
+)
 
 FOUR_BIT = frozenset({"int4", "nf4", "q4_0", "q4_1"})
 """Schemes that pack two 4-bit codes into each byte."""
@@ -29,6 +36,7 @@ SCHEMES = ("int4", "nf4", "int8", "q8_0", "q4_0", "q4_1")
 _FLOAT32 = np.dtype(np.float32)
 
 
+@register_weight_node
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A quantized tensor: codes, scales and (where needed) offsets.
@@ -62,10 +70,13 @@ class QuantizedWeight:
     offsets: Any = None
     scale_scales: Any = None
     scale_offset: Any = None
-    scheme: str = "nf4"
-    block_size: int = 64
-    dtype: Any = _FLOAT32
-    granularity: str = "block"
+    scheme: str = dataclasses.field(default="nf4", metadata=STATIC)
+    block_size: int = dataclasses.field(default=64, metadata=STATIC)
+    dtype: Any = dataclasses.field(default=_FLOAT32, metadata=STATIC)
+    granularity: str = dataclasses.field(default="block", metadata=STATIC)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -88,14 +99,6 @@ class QuantizedWeight:
         """Whether the block scales are themselves quantized (NF4 + DQ)."""
         return self.scale_scales is not None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every stored array (codes, scales, offsets, second level)."""
-        return sum(
-            int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-            for a in jax.tree_util.tree_leaves(self)
-        )
-
     def __getitem__(self, index: Any) -> QuantizedWeight:
         """Index the leading axes (e.g. one layer of a stacked weight)."""
         return jax.tree_util.tree_map(lambda a: a[index], self)
@@ -111,15 +114,15 @@ class QuantizedWeight:
         """Jupyter's view: format, shape, and bytes against the same float32 array."""
         import html
 
-        n = int(np.prod(self.shape))
+        n, stored = int(np.prod(self.shape)), nbytes(self)
         f32 = 4 * n
         rows = [
             ("scheme", self.scheme + (" + double quant" if self.double_quant else "")),
             ("shape", str(self.shape)),
             ("block size", str(self.block_size)),
             ("dtype (dequantized)", np.dtype(self.dtype).name),
-            ("stored", f"{self.nbytes:,} bytes = {8 * self.nbytes / max(n, 1):.2f} "
-             f"bits/param ({self.nbytes / max(f32, 1):.3f}x float32)"),
+            ("stored", f"{stored:,} bytes = {8 * stored / max(n, 1):.2f} "
+             f"bits/param ({stored / max(f32, 1):.3f}x float32)"),
         ]  # fmt: skip
         cells = "".join(
             f"<tr><th style='text-align:left'>{k}</th>"
@@ -129,35 +132,8 @@ class QuantizedWeight:
         return f"<b>QuantizedWeight</b><table>{cells}</table>"
 
 
-_CHILDREN = ("codes", "scales", "offsets", "scale_scales", "scale_offset")
-
-
-def _flatten_with_keys(q: QuantizedWeight):
-    children = [(jax.tree_util.GetAttrKey(n), getattr(q, n)) for n in _CHILDREN]
-    aux = (q.scheme, q.block_size, np.dtype(q.dtype), q.granularity)
-    return children, aux
-
-
-def _unflatten(aux: tuple, children: Any) -> QuantizedWeight:
-    scheme, block_size, dtype, granularity = aux
-    return QuantizedWeight(
-        **dict(zip(_CHILDREN, children)),
-        scheme=scheme,
-        block_size=block_size,
-        dtype=dtype,
-        granularity=granularity,
-    )
-
-
-jax.tree_util.register_pytree_with_keys(
-    QuantizedWeight,
-    _flatten_with_keys,
-    _unflatten,
-    flatten_func=lambda q: (
-        [getattr(q, n) for n in _CHILDREN],
-        _flatten_with_keys(q)[1],
-    ),
-)
+logical_shape.register(QuantizedWeight, lambda q: q.shape)
+logical_dtype.register(QuantizedWeight, lambda q: q.dtype)
 
 
 def check_finite(w: Any, scheme: str) -> None:

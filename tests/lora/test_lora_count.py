@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entrenar import lora, quant
+from entrenar import lora, nn, quant
 from entrenar.lora import LoRAConfig
 from entrenar.nn import LlamaConfig
 
@@ -63,7 +63,7 @@ def test_qlora_nf4_double_quant_bits_per_param():
             is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))[0]
         if isinstance(s, quant.QuantizedWeight)
     ]  # fmt: skip
-    q_bits = 8 * sum(q.nbytes for q in linear) / sum(q.size for q in linear)
+    q_bits = 8 * sum(nn.nbytes(q) for q in linear) / sum(q.size for q in linear)
     assert 4.0 < q_bits <= 4.13, q_bits
     assert rep.frozen_bits_per_param < 32
     # And on real arrays: SmolLM2's stacked v_proj (30, 192, 576), measured.

@@ -23,8 +23,7 @@ from entrenar.errors import (
     UnsupportedError,
 )
 from entrenar.lora import LoRAConfig, LoRAWeight, fold_retention, save_folded_gguf
-from entrenar.lora.names import is_weight_leaf
-from entrenar.nn import LlamaConfig
+from entrenar.nn import LlamaConfig, is_weight_node
 
 KEY = jax.random.key(0)
 CFG = LoRAConfig(rank=2, alpha=4.0, targets=("up_proj", "down_proj"))
@@ -301,11 +300,11 @@ def test_a_config_without_lora_dropout_loads_without_dropout(tmp_path):
         assert {n.dropout for n in loaded} == {0.0}
 
 
-def test_weight_leaves_are_arrays_and_weight_nodes_never_containers():
+def test_weight_nodes_are_kept_whole_and_containers_walked():
     node = LoRAWeight(jnp.ones((2, 3)), jnp.ones((1, 3)), jnp.zeros((2, 1)), 1.0, 1)
     q = quant.quantize(jnp.ones((2, 64)), "nf4")
-    assert [is_weight_leaf(x) for x in (jnp.ones(2), node, q, 1.0)] == [True] * 4
-    assert [is_weight_leaf(x) for x in (None, {}, [], (1,))] == [False] * 4
+    assert is_weight_node(node) and is_weight_node(q)
+    assert not any(is_weight_node(x) for x in (jnp.ones(2), 1.0, None, {}, [], (1,)))
 
 
 def test_layers_stacked_under_another_key(tmp_path):

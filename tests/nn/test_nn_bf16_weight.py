@@ -33,7 +33,7 @@ def test_values_are_bfloat16_rounding(values):
     assert node.bits.dtype == jnp.uint16 and node.shape == w.shape
     want = jnp.asarray(w).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(node.value()), np.asarray(want))
-    assert node.nbytes == 2 * w.size and node.ndim == 2
+    assert nn.nbytes(node) == 2 * w.size and node.ndim == 2
 
 
 @pytest.mark.parametrize("matmul_dtype", [None, "bfloat16"])
