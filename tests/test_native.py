@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -266,3 +268,42 @@ def test_the_cache_folder_is_private_under_any_umask(tmp_path):
     """
     out = _run(code, tmp_path)
     assert out.stdout.strip() == "0o700", out.stderr[-2000:]
+
+
+AVX2_ONLY = """
+    import subprocess
+    import jax, jax.numpy as jnp
+    import numpy as np
+    from entrenar import native, quant
+    from entrenar.native import toolchain
+    from entrenar.quant.linear import quantized_matmul
+
+    # an x86-64 CPU without AVX-512 (AMD Zen 2/3, older Intel): what -march=native
+    # gives there, forced here
+    toolchain.build_flags = lambda *_: (*toolchain.BASE_FLAGS, "-march=x86-64-v3")
+    w = quant.quantize(jax.random.normal(jax.random.key(0), (96, 512)), "nf4")
+    x = jax.random.normal(jax.random.key(1), (3, 512))
+    out = {}
+    for p in ("native", "jax"):
+        with native.policy(p):
+            out[p] = (quantized_matmul(w, x), quant.dequantize(w, jnp.bfloat16))
+    (y, d), (y_ref, d_ref) = out["native"], out["jax"]
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert bool(jnp.all(d == d_ref))
+    libs = sorted((toolchain.cache_dir()).glob("nf4_*.so"))
+    dis = subprocess.run(["objdump", "-d", *map(str, libs)], capture_output=True,
+                         text=True, check=True).stdout
+    print(len(libs), "zmm" in dis, "ymm" in dis)
+"""
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None,
+    reason="x86-64 with objdump only",
+)
+def test_kernels_built_without_avx512_run_and_agree(tmp_path):
+    """AVX-512 paths are optional: an AVX2-only build has none and gives the same."""
+    out = _run(AVX2_ONLY, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["2", "False", "True"]
