@@ -248,7 +248,6 @@ def _stored_items(
 ) -> list[tuple[str, tuple[int, ...], str]]:
     """``(name, logical shape, type)`` of each tensor; quantized weights as one."""
     from entrenar import io, quant
-    from entrenar.config.export import restore_quantized
     from entrenar.tree import key_path_str
 
     if not isinstance(quantized, dict):
@@ -256,7 +255,7 @@ def _stored_items(
         return [(n, tuple(a.shape), str(a.dtype)) for n, a in flat.items()]
     import jax
 
-    tree = restore_quantized(params, quantized, path)
+    tree = io.restore_quantized(params, quantized, path)
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=quant.is_quantized)[0]
     return [
         (key_path_str(p), tuple(x.shape), x.scheme if quant.is_quantized(x) else

@@ -1,11 +1,7 @@
 """The files a run writes after training, and quantized model files.
 
 A quantized model that is not a llama.cpp GGUF is stored as an `entrenar.io` model
-file whose quantized weights are split into their arrays (``<name>.codes``,
-``<name>.scales``, ``<name>.offsets``, ...), with ``custom["quantization"]`` mapping
-each weight name to its static fields (scheme, block size, dtype, granularity);
-`restore_quantized` rebuilds the `entrenar.quant.QuantizedWeight` nodes.
-`entrenar.io.load_model` reads such a file as its plain arrays.
+file in the layout of `entrenar.io.split_quantized`.
 """
 
 from __future__ import annotations
@@ -25,64 +21,11 @@ from entrenar.config.models import (
     dicts_from_lists,
     save_built,
 )
-from entrenar.errors import ConfigError, FormatError
+from entrenar.errors import ConfigError
 from entrenar.io.lock import OutputLock
-from entrenar.tree import key_path_str
 from entrenar.types import Params
 
 GGML_SCHEMES = ("q8_0", "q4_0", "q4_1")
-_FIELDS = ("codes", "scales", "offsets", "scale_scales", "scale_offset")
-
-
-def split_quantized(params: Params) -> tuple[Params, dict[str, Any]]:
-    """Params with each `QuantizedWeight` replaced by a dict of its arrays, + its info.
-
-    Returns:
-        ``(tree, info)``: ``info[name] = {"scheme", "block_size", "dtype",
-        "granularity"}`` for each quantized weight's dotted ``name``.
-    """
-    info: dict[str, Any] = {}
-
-    def rule(path: Any, x: Any) -> Any:
-        if not quant.is_quantized(x):
-            return x
-        info[key_path_str(path)] = {
-            "scheme": x.scheme,
-            "block_size": int(x.block_size),
-            "dtype": np.dtype(x.dtype).name,
-            "granularity": x.granularity,
-        }
-        return {f: getattr(x, f) for f in _FIELDS if getattr(x, f) is not None}
-
-    tree = jax.tree_util.tree_map_with_path(rule, params, is_leaf=quant.is_quantized)
-    return tree, info
-
-
-def restore_quantized(params: Params, info: Mapping[str, Any], path: str) -> Params:
-    """Rebuild the `QuantizedWeight` nodes `split_quantized` took apart."""
-    out = params
-    for name, fields in info.items():
-        parts = name.split(".")
-        node: Any = out
-        for p in parts[:-1]:
-            node = node[int(p)] if isinstance(node, list) else node.get(p)
-            if node is None:
-                raise FormatError(f"{path}: quantized weight {name!r} is missing")
-        arrays = node.get(parts[-1]) if isinstance(node, dict) else None
-        if not isinstance(arrays, dict) or "codes" not in arrays:
-            raise FormatError(f"{path}: quantized weight {name!r} has no codes")
-        try:
-            q = quant.QuantizedWeight(
-                **{f: arrays.get(f) for f in _FIELDS},
-                scheme=str(fields["scheme"]),
-                block_size=int(fields["block_size"]),
-                dtype=np.dtype(str(fields["dtype"])),
-                granularity=str(fields["granularity"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"{path}: quantization of {name!r}: {e}") from None
-        node[parts[-1]] = q
-    return out
 
 
 def quantize_options(
@@ -167,7 +110,7 @@ def write_quantized_model(
         quant.dequantize_params(model.params), scheme,
         **quantize_options(scheme, block_size, per_channel, symmetric),
     )  # fmt: skip
-    tree, info = split_quantized(qparams)
+    tree, info = io.split_quantized(qparams)
     if not info:
         block = 32 if scheme in GGML_SCHEMES else block_size
         raise ConfigError(
@@ -302,8 +245,6 @@ __all__ = [
     "GGML_SCHEMES",
     "has_adapters",
     "quantize_options",
-    "restore_quantized",
-    "split_quantized",
     "write_hf_folder",
     "write_outputs",
     "write_quantized",

@@ -135,9 +135,7 @@ def load_built(
     custom = model.metadata.custom
     tree = lists_from_dicts(model.params)
     if isinstance(custom.get("quantization"), Mapping):
-        from entrenar.config.export import restore_quantized
-
-        tree = restore_quantized(tree, custom["quantization"], path)
+        tree = io.restore_quantized(tree, custom["quantization"], path)
     arch, config = _stored_config(path, model.metadata)
     params = jax.tree_util.tree_map(jax.numpy.asarray, tree)
     tokenizer = _stored_tokenizer(path, custom)

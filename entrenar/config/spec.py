@@ -11,13 +11,12 @@ message starts with the key path.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import struct
 import typing
 from collections.abc import Mapping
 from typing import Any
 
+from entrenar import io
 from entrenar.config.fields import hints, key_names, option, parse, unknown_key
 from entrenar.config.models import arch_config
 from entrenar.config.sections import (
@@ -32,7 +31,7 @@ from entrenar.config.sections import (
     TrainingSection,
 )
 from entrenar.errors import ConfigError, EntrenarError
-from entrenar.io import bounded, read_gguf, smollm2_path
+from entrenar.io import bounded, smollm2_path
 from entrenar.io.bounded import MAX_CONFIG_BYTES
 
 DATA_EXTENSIONS = (".jsonl", ".csv", ".parquet")
@@ -146,7 +145,7 @@ class TrainSpec:
             return None
         if self.model.architecture is not None:
             return self.model.architecture
-        return file_architecture(self.model.path) if self.model.path else None
+        return io.file_architecture(self.model.path) if self.model.path else None
 
     @property
     def is_merge(self) -> bool:
@@ -187,33 +186,6 @@ def _dataclass_html(obj: Any) -> str:
             f"<td style='text-align:left'>{text}</td></tr>"
         )
     return f"<table>{''.join(rows)}</table>"
-
-
-def file_architecture(path: str) -> str | None:
-    """The architecture a model file declares, read from its header only.
-
-    A Hugging Face folder or a llama.cpp GGUF is ``"llama"``; an entrenar
-    safetensors file says so in its metadata. None when it cannot be told cheaply
-    (the model is then checked once it is loaded).
-    """
-    if os.path.isdir(path):
-        return "llama"
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if head[:4] == b"GGUF":
-                g = read_gguf(path)
-                arch = g.metadata.get("general.architecture")
-                return str(arch) if "entrenar.version" in g.fields else "llama"
-            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-            if not 0 < n <= min(os.path.getsize(path) - 8, 1 << 26):
-                return None
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, RecursionError, struct.error):
-        return None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    arch = meta.get("architecture") if isinstance(meta, dict) else None
-    return arch if arch in ("llama", "gpt2", "mlp") else None
 
 
 def apply_overrides(raw: Any, overrides: Mapping[str, Any] | None) -> dict[str, Any]:

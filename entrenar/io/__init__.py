@@ -10,7 +10,12 @@ llama.cpp does. specs/io.md documents each format.
 """
 
 from entrenar.io.atomic import atomic_write
-from entrenar.io.formats import detect_format, load_model, save_model
+from entrenar.io.formats import (
+    detect_format,
+    file_architecture,
+    load_model,
+    save_model,
+)
 from entrenar.io.ggml_dequant import (
     DEQUANTIZABLE,
     GGML_TYPE_IDS,
@@ -46,6 +51,7 @@ from entrenar.io.model import (
     unflatten_params,
 )
 from entrenar.io.models_pkg import smollm2_path
+from entrenar.io.quantized import restore_quantized, split_quantized
 from entrenar.io.safetensors_io import read_safetensors, save_safetensors
 from entrenar.io.tokenizer import BPETokenizer
 
@@ -67,6 +73,7 @@ __all__ = [
     "atomic_write",
     "dequantize_ggml",
     "detect_format",
+    "file_architecture",
     "flatten_params",
     "llama_config_from_gguf",
     "load_hf_llama",
@@ -80,12 +87,14 @@ __all__ = [
     "read_hf_llama_header",
     "read_llama_header",
     "read_safetensors",
+    "restore_quantized",
     "save_json",
     "save_llama_gguf",
     "save_model",
     "save_safetensors",
     "save_yaml",
     "smollm2_path",
+    "split_quantized",
     "tensor_from_array",
     "unflatten_params",
     "unpermute_qk",

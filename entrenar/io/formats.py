@@ -85,6 +85,33 @@ def detect_format(path: str | os.PathLike[str]) -> ModelFormat:
     )
 
 
+def file_architecture(path: str) -> str | None:
+    """The architecture a model file declares, read from its header only.
+
+    A Hugging Face folder or a llama.cpp GGUF is ``"llama"``; an entrenar
+    safetensors file says so in its metadata. None when it cannot be told cheaply
+    (the model is then checked once it is loaded).
+    """
+    if os.path.isdir(path):
+        return "llama"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if head[:4] == b"GGUF":
+                g = read_gguf(path)
+                arch = g.metadata.get("general.architecture")
+                return str(arch) if "entrenar.version" in g.fields else "llama"
+            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+            if not 0 < n <= min(os.path.getsize(path) - 8, 1 << 26):
+                return None
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, RecursionError, struct.error):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    arch = meta.get("architecture") if isinstance(meta, dict) else None
+    return arch if arch in ("llama", "gpt2", "mlp") else None
+
+
 def _save_generic_gguf(model: Model, path: str | os.PathLike[str]) -> None:
     md, s = model.metadata, GGUFValueType.STRING
     fields = {
@@ -209,4 +236,4 @@ def load_model(path: str | os.PathLike[str]) -> Model:
     return load_json(path)
 
 
-__all__ = ["detect_format", "load_model", "save_model"]
+__all__ = ["detect_format", "file_architecture", "load_model", "save_model"]

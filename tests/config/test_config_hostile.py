@@ -13,8 +13,8 @@ from entrenar import merge
 from entrenar.cli import cli
 from entrenar.cli.run_cmds import parse_sets
 from entrenar.config import load_config
-from entrenar.config.spec import file_architecture
 from entrenar.errors import ConfigError, FormatError
+from entrenar.io import file_architecture
 
 BOMB = "".join(
     [f"a: &a [{', '.join(['x'] * 9)}]\n"]
