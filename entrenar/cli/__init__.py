@@ -1,4 +1,4 @@
-"""The ``entrenar`` command: a thin click layer over `entrenar.config` and the library.
+"""The ``entrenar`` command: a thin click layer over `entrenar.runs` and the library.
 
 Subcommands: ``train``, ``validate``, ``info``, ``quantize``, ``merge``, ``generate``,
 ``eval``, ``plot`` (``entrenar COMMAND --help`` for each). Exit codes: 0 ok, 1 the run

@@ -33,7 +33,8 @@ def validate_cmd(config: str, detailed: bool, sample: int | None) -> None:
     weights) and the tokenizer; every row of the data files parsed and checked,
     a sample tokenized; then the predicted rows, tokens, sequences and steps.
     """
-    from entrenar.config import preflight, summary
+    from entrenar.config import summary
+    from entrenar.runs import preflight
 
     spec = summary.validate(config)
     lines = []
@@ -195,7 +196,7 @@ def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
 
     size = _size(path)
     if os.path.isdir(path):
-        from entrenar.config.models import load_built
+        from entrenar.runs.models import load_built
 
         built = load_built(path)
         flat = io.flatten_params(built.params)

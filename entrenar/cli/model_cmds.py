@@ -84,7 +84,7 @@ def quantize_cmd(
     calibration_data: str | None,
 ) -> None:
     """Quantize MODEL's weights and write them to OUTPUT."""
-    from entrenar.config.quantize import quantize_file
+    from entrenar.runs.quantize import quantize_file
 
     chosen = _scheme(scheme, int(bits) if bits else None, method)
     if per_channel and chosen != "int8":
@@ -221,8 +221,8 @@ def merge_cmd(
 
 def _merge_recipe(path: str, output: str | None) -> str:
     from entrenar import merge
-    from entrenar.config.merging import is_bare_recipe, load_recipe_file, run_merge
     from entrenar.config.summary import validate
+    from entrenar.runs.merging import is_bare_recipe, load_recipe_file, run_merge
 
     if is_bare_recipe(path):
         if output is None:
@@ -292,7 +292,7 @@ def generate_cmd(
     stream: bool,
 ) -> None:
     """Continue PROMPT with MODEL (a GGUF, HF folder or entrenar model file)."""
-    from entrenar.config.inference import generate_text
+    from entrenar.runs.inference import generate_text
 
     def emit(piece: str) -> None:
         click.echo(piece, nl=False)

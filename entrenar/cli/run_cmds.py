@@ -87,7 +87,7 @@ def train_cmd(
     **flags: Any,
 ) -> None:
     """Train the run CONFIG describes (a YAML file; see specs/config.md)."""
-    from entrenar.config.run import train_from_yaml
+    from entrenar.runs.run import train_from_yaml
 
     overrides = _overrides(**flags) | parse_sets(sets)
     result = train_from_yaml(
@@ -195,7 +195,7 @@ def eval_cmd(
     language model. Progress goes to stderr.
     """
     from entrenar.cli.inspect import CONFIG_EXTENSIONS, is_model_yaml
-    from entrenar.config import evaluate
+    from entrenar.runs import evaluate
 
     as_json, fmt = as_json or fmt == "json", "auto" if fmt == "json" else fmt
     log = None if as_json else (lambda line: click.echo(line, err=True))

@@ -14,7 +14,6 @@ import typing
 from typing import Any
 
 from entrenar.config.fields import MISSING, describe_fields, type_name
-from entrenar.config.models import ARCH_CLASSES
 from entrenar.config.sections import (
     DataSection,
     DistillationSection,
@@ -27,7 +26,7 @@ from entrenar.config.sections import (
     SchedulerSection,
     TrainingSection,
 )
-from entrenar.config.spec import NAMED_MODELS, TrainSpec
+from entrenar.config.spec import ARCH_CLASSES, NAMED_MODELS, TrainSpec
 
 SECTIONS: list[tuple[str, type]] = [
     ("(top level)", TrainSpec),
@@ -47,7 +46,7 @@ INTRO = """\
 # Run configuration (YAML)
 
 One YAML file describes a run; `entrenar train FILE` (or
-`entrenar.config.train_from_yaml(FILE, overrides)`) runs it, `entrenar validate FILE`
+`entrenar.runs.train_from_yaml(FILE, overrides)`) runs it, `entrenar validate FILE`
 checks it without running. This page is generated from the schema in
 `entrenar/config/sections.py` (`python -m entrenar.config.docs > specs/config.md`);
 a test keeps it in step.
@@ -143,7 +142,7 @@ recipe or a bare recipe file.
 `entrenar COMMAND --help` lists each one's options. Three of them in more words:
 
 - `validate CONFIG [--sample N]` checks what `train` would refuse, in seconds
-  (`entrenar.config.preflight`), without loading weights: keys, values and files; the
+  (`entrenar.runs.preflight`), without loading weights: keys, values and files; the
   model file's header (a GGUF's magic, version, metadata and tensor table; a Hugging
   Face folder's `config.json` and safetensors headers) and the tokenizer; every row of
   every data file parsed and the fields its format reads checked (an invalid JSON line,

@@ -16,9 +16,15 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from entrenar import io
-from entrenar.config.fields import hints, key_names, option, parse, unknown_key
-from entrenar.config.models import arch_config
+from entrenar import io, nn
+from entrenar.config.fields import (
+    convert,
+    hints,
+    key_names,
+    option,
+    parse,
+    unknown_key,
+)
 from entrenar.config.sections import (
     DataSection,
     DistillationSection,
@@ -35,6 +41,33 @@ from entrenar.io import bounded, smollm2_path
 from entrenar.io.bounded import MAX_CONFIG_BYTES
 
 DATA_EXTENSIONS = (".jsonl", ".csv", ".parquet")
+ARCH_CLASSES: dict[str, type] = {
+    "mlp": nn.MLP,
+    "gpt2": nn.GPT2Config,
+    "llama": nn.LlamaConfig,
+}
+
+
+def arch_config(architecture: str, sizes: Mapping[str, Any], path: str) -> Any:
+    """The model config of ``architecture`` from a mapping of its fields, checked.
+
+    Unknown keys get the closest field; wrong types and the model's own rules
+    (`entrenar.nn` raises ConfigError) are reported under ``path``.
+    """
+    cls = ARCH_CLASSES[architecture]
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in sizes.items():
+        if key not in names:
+            raise unknown_key(key, path, names)
+        kwargs[key] = convert(hints[key], value, f"{path}.{key}", {})
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,9 @@ from typing import Any
 
 import jax
 
-from entrenar.config.models import ARCH_CLASSES, arch_config
-from entrenar.config.spec import TrainSpec, load_config
+from entrenar import merge
+from entrenar.config.spec import ARCH_CLASSES, TrainSpec, arch_config, load_config
+from entrenar.errors import ConfigError
 
 
 def check_model_sizes(spec: TrainSpec) -> Any:
@@ -45,10 +46,28 @@ def validate(
     spec = config if isinstance(config, TrainSpec) else load_config(config, overrides)
     check_model_sizes(spec)
     if spec.merge is not None:
-        from entrenar.config.merging import spec_recipe
-
         spec_recipe(spec)
     return spec
+
+
+def check_recipe_files(recipe: merge.Recipe, where: str) -> merge.Recipe:
+    """Every model and adapter of ``recipe`` exists (else a ConfigError)."""
+    refs = [("base_model", recipe.base_model)] if recipe.base_model else []
+    refs += [(f"models[{i}].model", r) for i, r in enumerate(recipe.models)]
+    for key, ref in refs:
+        assert ref is not None
+        for p in (ref.path, ref.adapter):
+            if p is not None and not os.path.exists(p):
+                raise ConfigError(f"{where}.{key}: file not found: {p}")
+    return recipe
+
+
+def spec_recipe(spec: TrainSpec) -> merge.Recipe:
+    """The validated `Recipe` of a config's ``merge:`` section."""
+    assert spec.merge is not None
+    folder = os.path.dirname(spec.source) if spec.source else os.getcwd()
+    recipe = merge.parse_recipe(spec.merge, folder, "merge")
+    return check_recipe_files(recipe, "merge")
 
 
 def count_params(config: Any) -> int:
@@ -152,8 +171,10 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
 __all__ = [
     "as_dict",
     "check_model_sizes",
+    "check_recipe_files",
     "count_params",
     "format_summary",
+    "spec_recipe",
     "summarize",
     "validate",
 ]

@@ -48,6 +48,7 @@ from entrenar.data.readers import (
     read_parquet,
     to_arrays,
 )
+from entrenar.data.tabular import split_rows, standardize, tabular_arrays
 from entrenar.data.text_loader import TextLoader, lm_loader
 
 __all__ = [
@@ -81,6 +82,9 @@ __all__ = [
     "record_fields",
     "render_chat",
     "special_texts",
+    "split_rows",
+    "standardize",
+    "tabular_arrays",
     "to_arrays",
     "token_bytes",
 ]

@@ -13,7 +13,7 @@ import os
 import tempfile
 
 from entrenar import io
-from entrenar.config import train_from_yaml
+from entrenar.runs import train_from_yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "..", "configs", "number-words-gpt2.yaml")

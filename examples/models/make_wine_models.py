@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 
-from entrenar.config import train_from_yaml
+from entrenar.runs import train_from_yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "..", "configs", "wine-mlp.yaml")

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from entrenar import io, nn, quant
 from entrenar.cli import cli
-from entrenar.config import load_built
+from entrenar.runs import load_built
 
 
 @pytest.fixture
@@ -276,7 +276,7 @@ def test_quantize_a_llama_to_gguf(tmp_path):
 def test_quantize_calibration_shows_progress_and_loads_the_original_once(
     tmp_path, monkeypatch
 ):
-    from entrenar.config import evaluate, quantize
+    from entrenar.runs import evaluate, quantize
 
     cfg = nn.LlamaConfig(
         vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1,

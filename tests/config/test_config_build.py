@@ -10,8 +10,8 @@ import pytest
 from config_cases import wine_yaml_factory
 
 from entrenar.config import load_config
-from entrenar.config.build import build_optimizer, build_schedule, train_config
 from entrenar.errors import ConfigError
+from entrenar.runs.build import build_optimizer, build_schedule, train_config
 
 
 @pytest.fixture
@@ -150,7 +150,7 @@ def test_train_config_carries_the_training_section(wine_yaml):
 
 def test_model_precision_options_reach_the_llama_config(monkeypatch):
     """``model.matmul_dtype`` / ``remat_policy``: LlamaConfig's, "auto" by the CPU."""
-    import entrenar.config.models as models
+    import entrenar.runs.models as models
     from entrenar import nn
     from entrenar.config.sections import ModelSection
 

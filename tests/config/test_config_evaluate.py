@@ -14,7 +14,7 @@ from config_cases import WORDS
 
 from entrenar import chat, data, io, nn
 from entrenar.cli import cli
-from entrenar.config import evaluate, load_built
+from entrenar.runs import evaluate, load_built
 
 TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"

@@ -16,13 +16,13 @@ import pytest
 from config_cases import wine_doc, write
 
 from entrenar import io, merge
-from entrenar.config import train_from_yaml
-from entrenar.config.export import write_outputs
-from entrenar.config.quantize import quantize_file
-from entrenar.config.run import prepare
 from entrenar.config.summary import validate
 from entrenar.errors import ConfigError
 from entrenar.optim import sgd
+from entrenar.runs import train_from_yaml
+from entrenar.runs.export import write_outputs
+from entrenar.runs.quantize import quantize_file
+from entrenar.runs.run import prepare
 from entrenar.train import TrainConfig, Trainer
 
 REPO = Path(__file__).parents[2]
@@ -30,7 +30,7 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 UMASK_RUNS = """
 import os, sys
-from entrenar.config import train_from_yaml
+from entrenar.runs import train_from_yaml
 from entrenar.io import atomic_write
 for mask, config in zip((0o022, 0o077), sys.argv[1:]):
     os.umask(mask)

@@ -10,12 +10,13 @@ import pytest
 from config_cases import REPO, WORDS, write
 
 from entrenar import data, io, nn
-from entrenar.config import load_built, validate
-from entrenar.config.export import write_hf_folder
-from entrenar.config.models import read_header
-from entrenar.config.preflight import preflight
+from entrenar.config import validate
 from entrenar.config.summary import count_params
 from entrenar.errors import ConfigError, FormatError, ShapeError
+from entrenar.runs import load_built
+from entrenar.runs.export import write_hf_folder
+from entrenar.runs.models import read_header
+from entrenar.runs.preflight import preflight
 
 ROWS = [json.loads(x) for x in (WORDS / "train.jsonl").read_text().splitlines()[:40]]
 

@@ -13,9 +13,9 @@ import pytest
 from config_cases import CONFIGS, WINE, WORDS, wine_yaml_factory, write
 
 from entrenar import io, lora, nn, quant
-from entrenar.config import load_built, train_from_yaml
-from entrenar.config.evaluate import evaluate_model
 from entrenar.errors import ConfigError
+from entrenar.runs import load_built, train_from_yaml
+from entrenar.runs.evaluate import evaluate_model
 from entrenar.tree import assert_trees_allclose
 
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from entrenar.config import load_config, validate
 from entrenar.config.docs import render
-from entrenar.config.models import dicts_from_lists, lists_from_dicts
 from entrenar.errors import ConfigError
+from entrenar.runs.models import dicts_from_lists, lists_from_dicts
 
 
 @pytest.fixture

@@ -11,25 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 from entrenar import data, io, nn
-from entrenar.config.fields import convert, unknown_key
 from entrenar.config.sections import ModelSection
+from entrenar.config.spec import ARCH_CLASSES, arch_config
 from entrenar.errors import ConfigError, EntrenarError, FormatError
 from entrenar.io.safetensors_io import metadata_from_header
 from entrenar.types import Params
-
-ARCH_CLASSES: dict[str, type] = {
-    "mlp": nn.MLP,
-    "gpt2": nn.GPT2Config,
-    "llama": nn.LlamaConfig,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class BuiltModel:
@@ -56,28 +48,6 @@ class BuiltModel:
     def is_lm(self) -> bool:
         """Whether this is a language model (tokens in, logits out)."""
         return self.architecture != "mlp"
-
-
-def arch_config(architecture: str, sizes: Mapping[str, Any], path: str) -> Any:
-    """The model config of ``architecture`` from a mapping of its fields, checked.
-
-    Unknown keys get the closest field; wrong types and the model's own rules
-    (`entrenar.nn` raises ConfigError) are reported under ``path``.
-    """
-    cls = ARCH_CLASSES[architecture]
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in sizes.items():
-        if key not in names:
-            raise unknown_key(key, path, names)
-        kwargs[key] = convert(hints[key], value, f"{path}.{key}", {})
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: {e}") from None
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -153,7 +123,7 @@ def _stored_config(path: str, meta: io.ModelMetadata) -> tuple[str, Any]:
         raise FormatError(
             f"{path}: its metadata does not say which model it holds (architecture "
             f"{arch!r}, no custom.model_config); save models with "
-            "entrenar.config.save_built or give model.architecture and model.config"
+            "entrenar.runs.save_built or give model.architecture and model.config"
         )
     return arch, arch_config(arch, fields, f"{path}: model_config")
 
@@ -320,9 +290,7 @@ def lists_from_dicts(tree: Any) -> Any:
 
 
 __all__ = [
-    "ARCH_CLASSES",
     "BuiltModel",
-    "arch_config",
     "build_model",
     "config_dict",
     "dicts_from_lists",

@@ -4,7 +4,7 @@ The workflow, top to bottom (each step in its own function below):
 
 1. load and validate the config (with overrides);
 2. build the model: read a GGUF / safetensors / HF folder, or initialise an
-   architecture from scratch (`entrenar.config.models`);
+   architecture from scratch (`entrenar.runs.models`);
 3. wrap the targeted weights in LoRA adapters, the bases 4-bit for QLoRA
    (`entrenar.lora.apply`);
 4. build the data (`entrenar.data`), the schedule and the optimizer
@@ -27,16 +27,16 @@ from typing import Any
 import jax
 
 from entrenar import lora, native
-from entrenar.config.build import (
+from entrenar.runs.build import (
     RunData,
     build_data,
     build_optimizer,
     total_steps,
     train_config,
 )
-from entrenar.config.export import write_outputs
-from entrenar.config.merging import run_merge
-from entrenar.config.models import BuiltModel, build_model, load_built
+from entrenar.runs.export import write_outputs
+from entrenar.runs.merging import run_merge
+from entrenar.runs.models import BuiltModel, build_model, load_built
 from entrenar.config.spec import TrainSpec
 from entrenar.config.summary import as_dict, validate
 from entrenar.distill import make_distill_loss_fn

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from entrenar import chat, nn
 from entrenar import data as data_lib
-from entrenar.config.models import BuiltModel, load_built
+from entrenar.runs.models import BuiltModel, load_built
 from entrenar.config.summary import validate
 from entrenar.errors import ConfigError
 from entrenar.nn import losses

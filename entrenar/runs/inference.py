@@ -1,6 +1,6 @@
 """`generate_text`: text in, text out, for ``entrenar generate``.
 
-The model file is read with `entrenar.config.models.load_built` (a GGUF brings its
+The model file is read with `entrenar.runs.models.load_built` (a GGUF brings its
 own tokenizer and chat template; an entrenar model file names its tokenizer), an
 adapter folder is attached with `entrenar.lora.load_adapter`, and the reply comes
 from `entrenar.chat.ChatModel`: the chat template rendered with control tokens
@@ -16,7 +16,7 @@ import jax
 
 from entrenar import chat as chat_lib
 from entrenar import lora
-from entrenar.config.models import load_built, load_tokenizer_file
+from entrenar.runs.models import load_built, load_tokenizer_file
 from entrenar.errors import ConfigError, ShapeError
 
 

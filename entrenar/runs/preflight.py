@@ -26,14 +26,14 @@ import jax
 import numpy as np
 
 from entrenar import data as data_lib
-from entrenar.config.build import (
+from entrenar.runs.build import (
     build_data,
     check_lm,
     check_steps,
     text_loader,
     total_steps,
 )
-from entrenar.config.models import BuiltModel, build_model, read_header
+from entrenar.runs.models import BuiltModel, build_model, read_header
 from entrenar.config.spec import TrainSpec
 
 SAMPLE_ROWS = 1000

@@ -3,8 +3,8 @@
 A llama.cpp GGUF or Hugging Face Llama folder becomes a llama.cpp GGUF (q8_0, q4_0,
 q4_1 to a ``.gguf`` path) or an entrenar model file; any `entrenar.io` model file
 becomes an entrenar model file with its quantized weights split into their arrays
-(`entrenar.config.export`). With calibration data the original and the quantized
-model are evaluated on it (`entrenar.config.evaluate`), so the cost of the
+(`entrenar.runs.export`). With calibration data the original and the quantized
+model are evaluated on it (`entrenar.runs.evaluate`), so the cost of the
 quantization is a measured number, not a guess.
 """
 
@@ -14,9 +14,9 @@ import os
 from typing import Any
 
 from entrenar import io
-from entrenar.config.evaluate import Log, evaluate_built, evaluate_model
-from entrenar.config.export import write_quantized, write_quantized_model
-from entrenar.config.models import BuiltModel, load_built
+from entrenar.runs.evaluate import Log, evaluate_built, evaluate_model
+from entrenar.runs.export import write_quantized, write_quantized_model
+from entrenar.runs.models import BuiltModel, load_built
 from entrenar.io.lock import OutputLock
 
 

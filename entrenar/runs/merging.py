@@ -12,28 +12,9 @@ from typing import Any
 
 from entrenar import io, merge
 from entrenar.config.spec import TrainSpec, read_yaml
+from entrenar.config.summary import check_recipe_files, spec_recipe
 from entrenar.errors import ConfigError
 from entrenar.io.lock import OutputLock
-
-
-def check_recipe_files(recipe: merge.Recipe, where: str) -> merge.Recipe:
-    """Every model and adapter of ``recipe`` exists (else a ConfigError)."""
-    refs = [("base_model", recipe.base_model)] if recipe.base_model else []
-    refs += [(f"models[{i}].model", r) for i, r in enumerate(recipe.models)]
-    for key, ref in refs:
-        assert ref is not None
-        for p in (ref.path, ref.adapter):
-            if p is not None and not os.path.exists(p):
-                raise ConfigError(f"{where}.{key}: file not found: {p}")
-    return recipe
-
-
-def spec_recipe(spec: TrainSpec) -> merge.Recipe:
-    """The validated `Recipe` of a config's ``merge:`` section."""
-    assert spec.merge is not None
-    folder = os.path.dirname(spec.source) if spec.source else os.getcwd()
-    recipe = merge.parse_recipe(spec.merge, folder, "merge")
-    return check_recipe_files(recipe, "merge")
 
 
 def load_recipe_file(path: str) -> merge.Recipe:
@@ -77,10 +58,4 @@ def run_merge(spec: TrainSpec) -> dict[str, str]:
     return files
 
 
-__all__ = [
-    "check_recipe_files",
-    "is_bare_recipe",
-    "load_recipe_file",
-    "run_merge",
-    "spec_recipe",
-]
+__all__ = ["is_bare_recipe", "load_recipe_file", "run_merge"]

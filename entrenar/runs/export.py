@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from entrenar import io, lora, nn, quant
-from entrenar.config.models import (
+from entrenar.runs.models import (
     BuiltModel,
     config_dict,
     dicts_from_lists,

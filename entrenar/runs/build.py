@@ -1,7 +1,7 @@
 """The pieces of a run built from its sections: data, schedule, optimizer, TrainConfig.
 
-Tabular data becomes in-memory arrays ``{"x": (N, F) float32, "y": (N,) int32 or
-(N, 1) float32}`` (the Trainer batches them); text becomes an `entrenar.data`
+Tabular data becomes in-memory arrays (`entrenar.data.tabular_arrays`, the Trainer
+batches them); text becomes an `entrenar.data`
 `TextLoader` whose batches hold ``batch_size × grad_accum`` rows (the Trainer splits
 each into ``grad_accum`` micro-batches).
 """
@@ -15,7 +15,7 @@ import numpy as np
 
 from entrenar import data as data_lib
 from entrenar import optim
-from entrenar.config.models import BuiltModel
+from entrenar.runs.models import BuiltModel
 from entrenar.config.spec import TrainSpec
 from entrenar.errors import ConfigError
 from entrenar.train import TrainConfig
@@ -39,65 +39,6 @@ class RunData:
     steps_per_epoch: int
     examples: int
     stats: dict[str, Any]
-
-
-def _split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    order = np.random.default_rng([int(seed), 7]).permutation(n)
-    k = round(n * fraction)
-    if fraction > 0 and not 0 < k < n:
-        raise ConfigError(
-            f"data.validation_split: {fraction} of {n} examples leaves an empty split"
-        )
-    return np.sort(order[k:]), np.sort(order[:k])
-
-
-def _tabular_arrays(
-    recs: Any, where: str, features: list[str], target: str, task: str, n_out: int
-) -> dict[str, np.ndarray]:
-    """The rows as ``{"x": (N, F) float32, "y": targets}``.
-
-    Targets are ``(N, 1)`` float32 for regression, otherwise class ids ``(N,)`` int32,
-    checked to be integers in ``[0, n_out)``.
-    """
-    x = data_lib.to_arrays(recs, {"x": features})["x"]
-    if task == "regression":
-        y = data_lib.to_arrays(recs, {"y": [target]})["y"]  # (N, 1)
-        if n_out != 1:
-            raise ConfigError(
-                f"model.config.sizes: regression predicts one value; the last "
-                f"size is {n_out}"
-            )
-        return {"x": x, "y": y}
-    raw = data_lib.to_arrays(recs, {"y": target}, dtype=np.float64)["y"]
-    bad = (raw != np.round(raw)) | (raw < 0) | (raw >= n_out)
-    if np.any(bad):
-        raise ConfigError(
-            f"data.target: {where} has class {raw[bad][0]:g}; classes must be "
-            f"integers 0..{n_out - 1} (the model's last size is {n_out})"
-        )
-    return {"x": x, "y": raw.astype(np.int32)}
-
-
-def _normalize(
-    train: dict[str, np.ndarray],
-    valid: dict[str, np.ndarray] | None,
-    preset: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """Standardise ``x`` in place by the preset's or the training rows' mean and std.
-
-    A constant feature (std 0) is divided by 1. Returns the statistics to store.
-    """
-    if preset is not None:
-        mean = np.asarray(preset["mean"], np.float32)
-        std = np.asarray(preset["std"], np.float32)
-    else:
-        mean = train["x"].mean(axis=0)
-        std = train["x"].std(axis=0)
-        std = np.where(std > 0, std, 1.0).astype(np.float32)
-    train["x"] = ((train["x"] - mean) / std).astype(np.float32)
-    if valid is not None:
-        valid["x"] = ((valid["x"] - mean) / std).astype(np.float32)
-    return {"mean": mean.tolist(), "std": std.tolist()}
 
 
 def _tabular(
@@ -126,7 +67,7 @@ def _tabular(
         )
 
     def arrays(recs: Any, where: str) -> dict[str, np.ndarray]:
-        return _tabular_arrays(recs, where, features, target, d.task, n_out)
+        return data_lib.tabular_arrays(recs, where, features, target, d.task, n_out)
 
     train = arrays(train_recs, d.train)
     if d.validation is not None:
@@ -134,7 +75,7 @@ def _tabular(
             data_lib.load_records(d.validation), d.validation
         )
     elif d.validation_split > 0:
-        keep, held = _split(len(train["x"]), d.validation_split, spec.training.seed)
+        keep, held = data_lib.split_rows(len(train["x"]), d.validation_split, spec.training.seed)
         valid = {k: v[held] for k, v in train.items()}
         train = {k: v[keep] for k, v in train.items()}
     else:
@@ -142,7 +83,7 @@ def _tabular(
     stats: dict[str, Any] = {"features": features, "target": target}
     if d.normalize:
         own = "mean" in preset and list(stored or []) == features  # the model's own
-        stats |= _normalize(train, valid, preset if own else None)
+        stats |= data_lib.standardize(train, valid, preset if own else None)
     per_step = d.batch_size * spec.training.grad_accum
     steps = len(train["x"]) // per_step
     if steps == 0:
