@@ -3,13 +3,19 @@
 Reads every module's imports with `ast` (function-level imports included, so a
 hidden upward import is caught too) and checks them against `LAYERS`, the diagram
 of specs/conventions.md. Only the command line imports lazily (inside its commands,
-so that ``entrenar --help`` starts without loading JAX).
+so that ``entrenar --help`` starts without loading JAX). The graph of imports
+between modules has no circle, but for autograd's: its tape and ops, engine and
+tensor name each other's types under ``TYPE_CHECKING`` only, and
+``Tensor.backward`` imports `entrenar.autograd.backward` when called.
 """
 
 import ast
+import graphlib
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1] / "entrenar"
 
@@ -77,6 +83,68 @@ def test_no_upward_or_hidden_imports():
         upward
     )
     assert not hidden, "imports hidden inside functions:\n" + "\n".join(hidden)
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(p): p for p in ROOT.rglob("*.py")}
+
+
+def _module_edges(path: Path):
+    """Yield ``(module imported, at module level, under TYPE_CHECKING)``."""
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    typing_only = {
+        id(inner)
+        for node in tree.body
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "entrenar"
+        ):
+            for a in node.names:  # a submodule by name, else the package itself
+                sub = f"{node.module}.{a.name}"
+                targets.append(sub if sub in MODULES else str(node.module))
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names if a.name.startswith("entrenar.")]
+        for target in targets:
+            yield (
+                target,
+                id(node) in top or id(node) in typing_only,
+                (id(node) in typing_only),
+            )
+
+
+def _import_graph(*, lazy: bool) -> dict[str, set[str]]:
+    """Module -> the modules it imports (``lazy``: those inside functions too).
+
+    autograd's own type-only and lazy imports of its modules are left out; every
+    other import counts, those under ``TYPE_CHECKING`` included.
+    """
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name, path in MODULES.items():
+        for target, at_top, type_only in _module_edges(path):
+            exempt = name.startswith("entrenar.autograd") and target.startswith(
+                "entrenar.autograd"
+            )
+            if target in MODULES and target != name and (at_top or lazy):
+                if not (exempt and (type_only or not at_top)):
+                    graph[name].add(target)
+    return graph
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "all"])
+def test_the_import_graph_has_no_circle(lazy):
+    try:
+        graphlib.TopologicalSorter(_import_graph(lazy=lazy)).prepare()
+    except graphlib.CycleError as e:
+        pytest.fail("an import circle: " + " -> ".join(e.args[1]))
 
 
 def test_importing_entrenar_or_its_command_line_loads_no_jax():
