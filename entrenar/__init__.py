@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         quant,
         train,
     )
-    from entrenar.autograd import Tensor, backward, check_gradient, no_grad
+    from entrenar.autograd import Tensor, check_gradient, no_grad
+    from entrenar.autograd.backward import backward
     from entrenar.gradients import grad, value_and_grad
     from entrenar.tree import (
         assert_trees_allclose,
