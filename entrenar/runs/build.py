@@ -15,9 +15,9 @@ import numpy as np
 
 from entrenar import data as data_lib
 from entrenar import optim
-from entrenar.runs.models import BuiltModel
 from entrenar.config.spec import TrainSpec
 from entrenar.errors import ConfigError
+from entrenar.runs.models import BuiltModel
 from entrenar.train import TrainConfig
 
 
@@ -75,7 +75,9 @@ def _tabular(
             data_lib.load_records(d.validation), d.validation
         )
     elif d.validation_split > 0:
-        keep, held = data_lib.split_rows(len(train["x"]), d.validation_split, spec.training.seed)
+        keep, held = data_lib.split_rows(
+            len(train["x"]), d.validation_split, spec.training.seed
+        )
         valid = {k: v[held] for k, v in train.items()}
         train = {k: v[keep] for k, v in train.items()}
     else:

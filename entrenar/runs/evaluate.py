@@ -24,10 +24,10 @@ from tqdm.auto import tqdm
 
 from entrenar import chat, nn
 from entrenar import data as data_lib
-from entrenar.runs.models import BuiltModel, load_built
 from entrenar.config.summary import validate
 from entrenar.errors import ConfigError
 from entrenar.nn import losses
+from entrenar.runs.models import BuiltModel, load_built
 from entrenar.train import causal_lm_loss_fn
 
 Log = Callable[[str], None]

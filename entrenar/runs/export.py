@@ -15,14 +15,14 @@ import jax
 import numpy as np
 
 from entrenar import io, lora, nn, quant
+from entrenar.errors import ConfigError
+from entrenar.io.lock import OutputLock
 from entrenar.runs.models import (
     BuiltModel,
     config_dict,
     dicts_from_lists,
     save_built,
 )
-from entrenar.errors import ConfigError
-from entrenar.io.lock import OutputLock
 from entrenar.types import Params
 
 GGML_SCHEMES = ("q8_0", "q4_0", "q4_1")

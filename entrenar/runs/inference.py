@@ -16,8 +16,8 @@ import jax
 
 from entrenar import chat as chat_lib
 from entrenar import lora
-from entrenar.runs.models import load_built, load_tokenizer_file
 from entrenar.errors import ConfigError, ShapeError
+from entrenar.runs.models import load_built, load_tokenizer_file
 
 
 def generate_text(

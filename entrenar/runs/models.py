@@ -23,6 +23,7 @@ from entrenar.errors import ConfigError, EntrenarError, FormatError
 from entrenar.io.safetensors_io import metadata_from_header
 from entrenar.types import Params
 
+
 @dataclasses.dataclass(frozen=True)
 class BuiltModel:
     """A model ready to train or run.

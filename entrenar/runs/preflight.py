@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from entrenar import data as data_lib
+from entrenar.config.spec import TrainSpec
 from entrenar.runs.build import (
     build_data,
     check_lm,
@@ -34,7 +35,6 @@ from entrenar.runs.build import (
     total_steps,
 )
 from entrenar.runs.models import BuiltModel, build_model, read_header
-from entrenar.config.spec import TrainSpec
 
 SAMPLE_ROWS = 1000
 """Rows of a text file tokenized by default (evenly spaced; all of a smaller file)."""

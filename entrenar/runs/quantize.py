@@ -14,10 +14,10 @@ import os
 from typing import Any
 
 from entrenar import io
+from entrenar.io.lock import OutputLock
 from entrenar.runs.evaluate import Log, evaluate_built, evaluate_model
 from entrenar.runs.export import write_quantized, write_quantized_model
 from entrenar.runs.models import BuiltModel, load_built
-from entrenar.io.lock import OutputLock
 
 
 def _is_llama_file(path: str) -> bool:

@@ -27,6 +27,12 @@ from typing import Any
 import jax
 
 from entrenar import lora, native
+from entrenar.config.spec import TrainSpec
+from entrenar.config.summary import as_dict, validate
+from entrenar.distill import make_distill_loss_fn
+from entrenar.errors import CompatibilityError, ConfigError, UnsupportedError
+from entrenar.io import atomic_write
+from entrenar.io.lock import OutputLock
 from entrenar.runs.build import (
     RunData,
     build_data,
@@ -37,12 +43,6 @@ from entrenar.runs.build import (
 from entrenar.runs.export import write_outputs
 from entrenar.runs.merging import run_merge
 from entrenar.runs.models import BuiltModel, build_model, load_built
-from entrenar.config.spec import TrainSpec
-from entrenar.config.summary import as_dict, validate
-from entrenar.distill import make_distill_loss_fn
-from entrenar.errors import CompatibilityError, ConfigError, UnsupportedError
-from entrenar.io import atomic_write
-from entrenar.io.lock import OutputLock
 from entrenar.train import Trainer, TrainResult
 from entrenar.train.plot import plot
 
