@@ -131,13 +131,15 @@ def guide_page(spec: str) -> str:
     """A chapter: the spec itself, then a pointer to the matching API page."""
     name = spec[: -len(".md")]
     lines = [GENERATED, "", f'--8<-- "specs/{spec}"', ""]
-    if os.path.exists(os.path.join(ROOT, "entrenar", name, "__init__.py")):
-        lines += [
-            "---",
-            "",
-            f"API reference: [`entrenar.{name}`](../api/{name}.md).",
-            "",
-        ]
+    # the run configuration's schema is entrenar.config; what runs it, entrenar.runs
+    packages = [name, "runs"] if name == "config" else [name]
+    refs = [
+        f"[`entrenar.{p}`](../api/{p}.md)"
+        for p in packages
+        if os.path.exists(os.path.join(ROOT, "entrenar", p, "__init__.py"))
+    ]
+    if refs:
+        lines += ["---", "", f"API reference: {', '.join(refs)}.", ""]
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 Layers, each importing only the ones below it (specs/conventions.md; a test checks)::
 
     cli            the `entrenar` command (not imported here: ``python -m entrenar``)
-    config         YAML -> frozen dataclasses -> train_from_yaml()
+    runs           workflows: train_from_yaml, evaluate, generate, merge, quantize
+    config         the YAML schema: YAML -> frozen dataclasses, checked
     train  chat    Trainer, jitted steps, checkpoints; chat inference
     data  merge    loaders, tokenizers, packing; TIES/DARE/SLERP model merging
     distributed    meshes, FSDP / data-parallel sharding rules, multi-host start-up
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         nn,
         optim,
         quant,
+        runs,
         train,
     )
     from entrenar.autograd import Tensor, check_gradient, no_grad
@@ -56,7 +58,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
 
 _SUBMODULES = frozenset(
     "autograd config data distill distributed errors io lora merge nn optim quant "
-    "train".split()
+    "runs train".split()
 )
 _HOMES = {
     **dict.fromkeys(["Tensor", "backward", "check_gradient", "no_grad"], "autograd"),
@@ -120,6 +122,7 @@ __all__ = [
     "no_grad",
     "optim",
     "quant",
+    "runs",
     "train",
     "tree_bytes",
     "tree_named_leaves",
