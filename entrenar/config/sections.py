@@ -157,6 +157,14 @@ class DataSection:
     )
     shuffle: bool = option(True, doc="shuffle the training examples every epoch")
 
+    @property
+    def fields(self) -> dict[str, str]:
+        """The record field of each role (`entrenar.data.lm_loader`'s ``fields``)."""
+        return {
+            "text": self.text_field, "prompt": self.prompt_field,
+            "completion": self.completion_field, "messages": self.messages_field,
+        }  # fmt: skip
+
     def check(self, path: str) -> None:
         """Tabular fields only with the tabular format."""
         if self.format == "tabular" and self.target is None:

@@ -17,14 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from entrenar import io, nn
-from entrenar.config.fields import (
-    convert,
-    hints,
-    key_names,
-    option,
-    parse,
-    unknown_key,
-)
+from entrenar.config.fields import convert, hints, key_names, option, parse, unknown_key
 from entrenar.config.sections import (
     DataSection,
     DistillationSection,

@@ -10,12 +10,7 @@ llama.cpp does. specs/io.md documents each format.
 """
 
 from entrenar.io.atomic import atomic_write
-from entrenar.io.formats import (
-    detect_format,
-    file_architecture,
-    load_model,
-    save_model,
-)
+from entrenar.io.formats import detect_format, file_architecture, load_model, save_model
 from entrenar.io.ggml_dequant import (
     DEQUANTIZABLE,
     GGML_TYPE_IDS,

@@ -134,15 +134,9 @@ def text_loader(
     """
     d = spec.data
     assert d is not None
-    fields = {
-        "text": d.text_field,
-        "prompt": d.prompt_field,
-        "completion": d.completion_field,
-        "messages": d.messages_field,
-    }
     fmt: Any = "text" if d.format == "auto" else d.format
     common: dict[str, Any] = dict(
-        format=fmt, seq_len=d.seq_len, packing=d.packing, fields=fields
+        format=fmt, seq_len=d.seq_len, packing=d.packing, fields=d.fields
     )
     source = path if records is None else records
     if not train:

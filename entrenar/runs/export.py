@@ -17,12 +17,7 @@ import numpy as np
 from entrenar import io, lora, nn, quant
 from entrenar.errors import ConfigError
 from entrenar.io.lock import OutputLock
-from entrenar.runs.models import (
-    BuiltModel,
-    config_dict,
-    dicts_from_lists,
-    save_built,
-)
+from entrenar.runs.models import BuiltModel, dicts_from_lists, save_built
 from entrenar.types import Params
 
 GGML_SCHEMES = ("q8_0", "q4_0", "q4_1")
@@ -71,18 +66,13 @@ def write_quantized(
                 f"{path}: a .gguf output holds a Llama in q8_0, q4_0 or q4_1; this is "
                 f"a {built.architecture} in {scheme} (write .safetensors instead)"
             )
-        source = (
-            built.source if built.source and built.source.endswith(".gguf") else None
-        )
         io.save_llama_gguf(
-            path, built.config, params, source=source, tensor_type=scheme.upper(),
-            name=name,
+            path, built.config, params, source=built.gguf_source,
+            tensor_type=scheme.upper(), name=name,
         )  # fmt: skip
         return path
-    custom: dict[str, Any] = {"model_config": config_dict(built.config)}
-    if built.architecture == "llama":
-        custom = {"llama_config": config_dict(built.config)}
-    meta = io.ModelMetadata(name, built.architecture, custom=custom | dict(extra or {}))
+    custom = built.stored_config() | dict(extra or {})
+    meta = io.ModelMetadata(name, built.architecture, custom=custom)
     return write_quantized_model(
         io.Model(meta, dicts_from_lists(params)), path, scheme,
         block_size=block_size, per_channel=per_channel,
@@ -191,9 +181,7 @@ def _write_exports(
             written[fmt] = path
     if "gguf" in ex.formats:
         path = os.path.join(out_dir, "model.gguf")
-        source = (
-            built.source if built.source and built.source.endswith(".gguf") else None
-        )
+        source = built.gguf_source
         if adapted:  # measures how much of the update the type keeps; warns if little
             kept = lora.save_folded_gguf(
                 path, built.config, params, source=source, tensor_type=ex.gguf_type,

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import jax
 
 from entrenar import chat as chat_lib
-from entrenar import lora
+from entrenar import data, lora
 from entrenar.errors import ConfigError, ShapeError
-from entrenar.runs.models import load_built, load_tokenizer_file
+from entrenar.runs.models import load_built
 
 
 def generate_text(
@@ -56,7 +56,7 @@ def generate_text(
     built = load_built(model)
     if not built.is_lm:
         raise ConfigError(f"{model}: generate needs a language model, not an mlp")
-    tok = load_tokenizer_file(tokenizer) if tokenizer else built.tokenizer
+    tok = data.load_fast_tokenizer(tokenizer) if tokenizer else built.tokenizer
     if tok is None:
         raise ConfigError(f"{model}: no tokenizer; pass --tokenizer FILE.gguf")
     params = built.params

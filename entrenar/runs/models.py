@@ -50,13 +50,16 @@ class BuiltModel:
         """Whether this is a language model (tokens in, logits out)."""
         return self.architecture != "mlp"
 
+    @property
+    def gguf_source(self) -> str | None:
+        """The llama.cpp GGUF it was read from (its tokenizer and metadata), or None."""
+        return self.source if self.source and self.source.endswith(".gguf") else None
 
-def config_dict(config: Any) -> dict[str, Any]:
-    """A model config as JSON data (tuples become lists)."""
-    return {
-        k: list(v) if isinstance(v, tuple) else v
-        for k, v in dataclasses.asdict(config).items()
-    }
+    def stored_config(self) -> dict[str, Any]:
+        """``{"model_config" or, a Llama's, "llama_config": fields}`` (JSON data)."""
+        key = "llama_config" if self.architecture == "llama" else "model_config"
+        fields = dataclasses.asdict(self.config).items()
+        return {key: {k: list(v) if isinstance(v, tuple) else v for k, v in fields}}
 
 
 def from_scratch(
@@ -99,9 +102,7 @@ def load_built(
             config, params, _ = io.load_llama_gguf(
                 g, keep_quantized=keep_quantized, dtype=dtype
             )
-            has_tok = "tokenizer.ggml.tokens" in g.metadata
-            tok = load_tokenizer_file(g) if has_tok else None
-            return BuiltModel("llama", config, params, tok, path)
+            return BuiltModel("llama", config, params, _gguf_tokenizer(g), path)
     model = io.load_model(path)
     custom = model.metadata.custom
     tree = lists_from_dicts(model.params)
@@ -134,7 +135,7 @@ def _stored_tokenizer(path: str, custom: Mapping[str, Any]) -> Any:
     tok = custom.get("tokenizer")
     if isinstance(tok, str):
         tok = os.path.join(os.path.dirname(os.path.abspath(path)), tok)
-    return load_tokenizer_file(tok) if tok and os.path.isfile(tok) else None
+    return data.load_fast_tokenizer(tok) if tok and os.path.isfile(tok) else None
 
 
 def read_header(path: str) -> BuiltModel:
@@ -158,8 +159,7 @@ def read_header(path: str) -> BuiltModel:
         g = io.read_gguf(path)
         if "entrenar.version" not in g.fields:
             _, config = io.read_llama_header(g)
-            has_tok = "tokenizer.ggml.tokens" in g.metadata
-            tok = load_tokenizer_file(g) if has_tok else None
+            tok = _gguf_tokenizer(g)
             return BuiltModel("llama", config, _shapes(config), tok, path)
     if fmt != io.ModelFormat.SAFETENSORS:
         return load_built(path)
@@ -175,9 +175,10 @@ def _shapes(config: Any) -> Any:
     return jax.eval_shape(config.init, jax.random.key(0))
 
 
-def load_tokenizer_file(path: str | io.GGUFFile) -> Any:
-    """The fast tokenizer of a ``.gguf`` file (`entrenar.data.load_fast_tokenizer`)."""
-    return data.load_fast_tokenizer(path)
+def _gguf_tokenizer(g: io.GGUFFile) -> Any:
+    """A llama.cpp GGUF's own tokenizer (`entrenar.data.FastTokenizer`), or None."""
+    has_tok = "tokenizer.ggml.tokens" in g.metadata
+    return data.load_fast_tokenizer(g) if has_tok else None
 
 
 def build_model(
@@ -209,7 +210,7 @@ def build_model(
             )
     if section.tokenizer is not None:
         built = dataclasses.replace(
-            built, tokenizer=load_tokenizer_file(section.tokenizer)
+            built, tokenizer=data.load_fast_tokenizer(section.tokenizer)
         )
     return with_precision(built, section)
 
@@ -251,11 +252,9 @@ def save_built(
     Lists in the tree (an mlp's layers) are stored as dicts keyed ``"0"``, ``"1"``...
     (names ``layers.0.weight``); ``extra`` goes into the metadata's ``custom``.
     """
-    custom: dict[str, Any] = {"model_config": config_dict(built.config)}
-    if built.architecture == "llama":
-        custom = {"llama_config": config_dict(built.config)}
-        if built.source and built.source.endswith(".gguf"):
-            custom["gguf_source"] = built.source
+    custom = built.stored_config()
+    if built.architecture == "llama" and built.gguf_source:
+        custom["gguf_source"] = built.gguf_source
     custom.update(extra or {})
     meta = io.ModelMetadata(
         name=name,
@@ -293,12 +292,10 @@ def lists_from_dicts(tree: Any) -> Any:
 __all__ = [
     "BuiltModel",
     "build_model",
-    "config_dict",
     "dicts_from_lists",
     "from_scratch",
     "lists_from_dicts",
     "load_built",
-    "load_tokenizer_file",
     "read_header",
     "save_built",
 ]

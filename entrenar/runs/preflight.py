@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from entrenar import data as data_lib
+from entrenar import nn
 from entrenar.config.spec import TrainSpec
 from entrenar.runs.build import (
     build_data,
@@ -92,10 +93,8 @@ def _check_fields(spec: TrainSpec, records: data_lib.Records) -> None:
     d = spec.data
     assert d is not None
     fmt: Any = "text" if d.format == "auto" else d.format  # text data: not tabular
-    names = {"text": d.text_field, "prompt": d.prompt_field}
-    names |= {"completion": d.completion_field, "messages": d.messages_field}
     for i in range(len(records)):
-        data_lib.record_fields(records, i, fmt, names)
+        data_lib.record_fields(records, i, fmt, d.fields)
 
 
 def plan_text(
@@ -158,8 +157,7 @@ def _model_facts(built: BuiltModel) -> dict[str, Any]:
     }
     if built.tokenizer is not None:
         out["vocabulary"] = len(built.tokenizer.tokens)
-    context = getattr(built.config, "max_position_embeddings", None)
-    context = context or getattr(built.config, "n_positions", None)
+    context = nn.context_length(built.config)
     if context:
         out["context"] = context
     return out

@@ -215,9 +215,7 @@ def _train(
     if spec.distillation is not None:
         params = params["student"]
     extra: dict[str, Any] = {"tabular": prep.data.stats} if prep.data.stats else {}
-    tokenizer = spec.model.tokenizer if spec.model else None
-    if tokenizer is None and prep.built.source and prep.built.source.endswith(".gguf"):
-        tokenizer = prep.built.source
+    tokenizer = (spec.model.tokenizer if spec.model else None) or prep.built.gguf_source
     if prep.built.is_lm and tokenizer:
         extra["tokenizer"] = os.path.relpath(tokenizer, os.path.abspath(out_dir))
     metrics = _final_metrics(result)
