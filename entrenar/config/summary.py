@@ -7,7 +7,6 @@ bad sizes in ``model.config`` fail at validation, not minutes into a run.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +16,7 @@ import jax
 from entrenar import merge
 from entrenar.config.spec import ARCH_CLASSES, TrainSpec, arch_config, load_config
 from entrenar.errors import ConfigError
+from entrenar.tree import tree_size
 
 
 def check_model_sizes(spec: TrainSpec) -> Any:
@@ -72,8 +72,7 @@ def spec_recipe(spec: TrainSpec) -> merge.Recipe:
 
 def count_params(config: Any) -> int:
     """Number of parameters ``config.init`` creates (shapes only, nothing allocated)."""
-    shapes = jax.eval_shape(config.init, jax.random.key(0))
-    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
+    return tree_size(jax.eval_shape(config.init, jax.random.key(0)))
 
 
 def _section(obj: Any) -> Any:

@@ -43,10 +43,11 @@ from entrenar.io.model import (
     ModelMetadata,
     SaveConfig,
     flatten_params,
+    restore_quantized,
+    split_quantized,
     unflatten_params,
 )
 from entrenar.io.models_pkg import smollm2_path
-from entrenar.io.quantized import restore_quantized, split_quantized
 from entrenar.io.safetensors_io import read_safetensors, save_safetensors
 from entrenar.io.tokenizer import BPETokenizer
 

@@ -42,13 +42,12 @@ def _tabular(built: BuiltModel, path: str, task: str | None) -> dict[str, Any]:
             "(custom.tabular); evaluate it through its training config"
         )
     recs = data_lib.load_records(path)
-    x = data_lib.to_arrays(recs, {"x": list(tab["features"])})["x"]
+    arrays = data_lib.to_arrays(recs, {"x": list(tab["features"])})
     if "mean" in tab:
-        x = (x - np.asarray(tab["mean"], np.float32)) / np.asarray(
-            tab["std"], np.float32
-        )
+        data_lib.standardize(arrays, None, tab)  # as in training
     y = data_lib.to_arrays(recs, {"y": tab["target"]}, dtype=np.float64)["y"]
-    out = np.asarray(jax.jit(built.config.apply)(built.params, jnp.asarray(x)))
+    x = jnp.asarray(arrays["x"])
+    out = np.asarray(jax.jit(built.config.apply)(built.params, x))
     n_out = out.shape[-1]
     regression = task == "regression" or (task is None and n_out == 1)
     if regression:

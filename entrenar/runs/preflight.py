@@ -36,6 +36,7 @@ from entrenar.runs.build import (
     total_steps,
 )
 from entrenar.runs.models import BuiltModel, build_model, read_header
+from entrenar.tree import tree_size
 
 SAMPLE_ROWS = 1000
 """Rows of a text file tokenized by default (evenly spaced; all of a smaller file)."""
@@ -149,11 +150,10 @@ def plan_text(
 
 
 def _model_facts(built: BuiltModel) -> dict[str, Any]:
-    shapes = jax.tree_util.tree_leaves(built.params)
     out: dict[str, Any] = {
         "architecture": built.architecture,
         "source": built.source or "from scratch",
-        "parameters": sum(math.prod(x.shape) for x in shapes),
+        "parameters": tree_size(built.params),
     }
     if built.tokenizer is not None:
         out["vocabulary"] = len(built.tokenizer.tokens)
