@@ -1,0 +1,139 @@
+"""What ``entrenar info`` reports: this machine, its native kernels, a model file.
+
+Plain data (dicts of numbers and strings) that the command line prints as text,
+JSON or YAML.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import math
+import os
+import warnings
+from typing import Any
+
+import jax
+
+from entrenar import io, native, quant
+from entrenar.errors import FormatError
+from entrenar.runs.models import load_built
+from entrenar.tree import key_path_str
+
+
+def machine_info() -> dict[str, Any]:
+    """Versions, JAX's backend and devices, and `kernel_report` for this process."""
+    return {
+        "entrenar": importlib.metadata.version("entrenar"),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "kernel_policy": native.current_policy(),
+        "kernels": kernel_report(native.current_policy()),
+    }
+
+
+def kernel_report(policy: str) -> dict[str, str]:
+    """Each native kernel under ``policy``: ``on``, or ``off: <why>``.
+
+    The reasons are `entrenar.native.reason`'s; kernels are built (once, cached)
+    to find out, without the fallback warnings and log lines this report replaces.
+    """
+    log = logging.getLogger("entrenar.native")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        with native.policy(policy), warnings.catch_warnings():
+            warnings.simplefilter("ignore", native.NativeKernelWarning)
+            whys = {name: native.reason(name) for name in native.KERNELS}
+    finally:
+        log.setLevel(level)
+    return {name: "on" if why is None else f"off: {why}" for name, why in whys.items()}
+
+
+def _tensor_rows(items: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
+    types: dict[str, int] = {}
+    for _, shape, kind in items:
+        types[kind] = types.get(kind, 0) + math.prod(shape)
+    return {
+        "tensors": len(items),
+        "parameters": sum(math.prod(s) for _, s, _ in items),
+        "types": types,
+    }
+
+
+def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
+    """Format, architecture, parameter count and tensor types of a model file."""
+    size = _size(path)
+    if os.path.isdir(path):
+        built = load_built(path)
+        flat = io.flatten_params(built.params)
+        items = [(n, tuple(a.shape), str(a.dtype)) for n, a in flat.items()]
+        out: dict[str, Any] = {"path": path, "format": "hf-folder"}
+        out["architecture"] = "llama"
+    elif io.detect_format(path) == io.ModelFormat.GGUF:
+        g = io.read_gguf(path)
+        items = [(n, t.shape, t.type_name) for n, t in g.tensors.items()]
+        md = g.metadata
+        out = {"path": path, "format": "gguf", "gguf_version": g.version}
+        out["architecture"] = md.get("general.architecture")
+        out["name"] = md.get("general.name")
+        arch = out["architecture"]
+        for k in ("context_length", "embedding_length", "block_count"):
+            if f"{arch}.{k}" in md:
+                out[k] = md[f"{arch}.{k}"]
+        if "tokenizer.ggml.tokens" in md:
+            out["vocab_size"] = len(md["tokenizer.ggml.tokens"])
+        if "tokenizer.chat_template" in md:
+            out["chat_template"] = True
+    else:
+        model = io.load_model(path)
+        meta = model.metadata
+        items = _stored_items(model.params, meta.custom.get("quantization"), path)
+        out = {"path": path, "format": io.detect_format(path).value}
+        out |= {"name": meta.name, "architecture": meta.architecture}
+        out["version"] = meta.version
+        if meta.custom.get("model_config"):
+            out["model_config"] = meta.custom["model_config"]
+        if meta.custom.get("quantization"):
+            out["quantization"] = meta.custom["quantization"]
+        if meta.custom.get("merge"):
+            out["merge"] = meta.custom["merge"]
+    if not items:
+        raise FormatError(f"{path}: holds no tensors")
+    out |= _tensor_rows(items)
+    out["file_bytes"] = size
+    if tensors:
+        out["tensor_list"] = [
+            {"name": n, "shape": list(s), "type": k} for n, s, k in items
+        ]
+    return out
+
+
+def _stored_items(
+    params: Any, quantized: Any, path: str
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, logical shape, type)`` of each tensor; quantized weights as one."""
+    if not isinstance(quantized, dict):
+        flat = io.flatten_params(params)
+        return [(n, tuple(a.shape), str(a.dtype)) for n, a in flat.items()]
+    tree = io.restore_quantized(params, quantized, path)
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=quant.is_quantized)[0]
+    return [
+        (key_path_str(p), tuple(x.shape), x.scheme if quant.is_quantized(x) else
+         str(x.dtype))
+        for p, x in leaves
+    ]  # fmt: skip
+
+
+def _size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(
+            os.path.getsize(os.path.join(root, f))
+            for root, _, files in os.walk(path)
+            for f in files
+        )
+    return os.path.getsize(path)
+
+
+__all__ = ["kernel_report", "machine_info", "model_info"]
