@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).parents[2]
+REPO = Path(__file__).parents[1]
 WINE = REPO / "examples" / "data" / "wine"
 WORDS = REPO / "examples" / "data" / "number_words"
 CONFIGS = REPO / "examples" / "configs"
