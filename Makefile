@@ -24,7 +24,7 @@ install: $(STAMP)
 ## package: CI fails below 90% (code run only in subprocesses, the CLI and the
 ## multi-device tests, is not counted, so the true figure is higher). One pytest-xdist
 ## worker per core (JOBS=0 for one process); compiled programs are shared through JAX's
-## persistent cache in .jax_cache/ (tests/conftest.py).
+## persistent cache in ~/.cache/entrenar/jax-compilation (tests/conftest.py).
 JOBS ?= auto
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(JOBS) --durations=15 \
@@ -93,4 +93,4 @@ mutation: $(STAMP)
 	$(BIN)/python tools/mutation.py $(PART) $(TESTS) $(if $(SAMPLE),--sample $(SAMPLE))
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis .mutation .jax_cache
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis .mutation

@@ -8,8 +8,9 @@ Compilation is most of the suite's time, and many tests (the examples, the comma
 line, the notebooks, each in a subprocess, and the xdist workers of `make test`)
 compile the same programs. JAX's persistent compilation cache, set here through the
 environment so that every subprocess inherits it, keeps each compiled program once in
-``.jax_cache/`` at the repository's root (git ignores it; bounded to 2 GiB, least
-recently used entries evicted, locked between processes). Set
+``~/.cache/entrenar/jax-compilation`` (under ``$ENTRENAR_CACHE_DIR`` when that is set;
+bounded to 2 GiB, least recently used entries evicted, locked between processes), so
+a second run, from this clone or another, compiles only what changed. Set
 ``JAX_COMPILATION_CACHE_DIR`` yourself to move it, or to an empty string to turn it
 off. The cache key holds the program, the jax/jaxlib versions, the backend and
 ``XLA_FLAGS``, so a test that compares two ISAs still compiles twice.
@@ -19,11 +20,15 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".jax_cache")
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(
+        os.environ.get("ENTRENAR_CACHE_DIR")
+        or os.path.join(os.path.expanduser("~"), ".cache", "entrenar"),
+        "jax-compilation",
+    ),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
