@@ -33,7 +33,7 @@ test: $(STAMP)
 ## The native kernels' tests with Clang and with no compiler at all (CI runs both after
 ## `make test`, which runs them with the default compiler): each with a fresh cache;
 ## with Clang a kernel that fails to build is an error, not a quiet fallback.
-KERNEL_TESTS := tests/test_native.py tests/optim/test_optim_fused.py \
+KERNEL_TESTS := tests/test_native.py tests/test_native_policy.py tests/optim/test_optim_fused.py \
 	tests/quant/test_quant_linear.py tests/quant/test_quant_node.py \
 	tests/nn/test_nn_softmax_xent.py tests/nn/test_nn_attention_native.py
 test-kernels: $(STAMP)
