@@ -78,3 +78,12 @@ def _deadline(seconds: float) -> Iterator[None]:
 def deadline() -> Callable[[float], contextlib.AbstractContextManager[None]]:
     """The context manager that fails a hanging test body in time (SIGALRM)."""
     return _deadline
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests marked slow first (stable order otherwise).
+
+    With xdist workers, a minute-long test collected last leaves the other workers
+    idle at the end; started first, the short tests fill in around it.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
