@@ -57,6 +57,17 @@ _EXT = {
 }
 
 
+def disk_bytes(path: str) -> int:
+    """Bytes ``path`` takes: a file's size, or the sum of a folder's files' sizes."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(path)
+        for name in names
+    )
+
+
 def detect_format(path: str | os.PathLike[str]) -> ModelFormat:
     """The `ModelFormat` of an existing file, by magic bytes, then by extension.
 

@@ -17,6 +17,7 @@ import jax
 
 from entrenar import io, native, quant
 from entrenar.errors import FormatError
+from entrenar.io.formats import disk_bytes
 from entrenar.runs.models import load_built
 from entrenar.tree import key_path_str
 
@@ -64,7 +65,7 @@ def _tensor_rows(items: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any
 
 def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
     """Format, architecture, parameter count and tensor types of a model file."""
-    size = _size(path)
+    size = disk_bytes(path)
     if os.path.isdir(path):
         built = load_built(path)
         flat = io.flatten_params(built.params)
@@ -124,16 +125,6 @@ def _stored_items(
          str(x.dtype))
         for p, x in leaves
     ]  # fmt: skip
-
-
-def _size(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(
-            os.path.getsize(os.path.join(root, f))
-            for root, _, files in os.walk(path)
-            for f in files
-        )
-    return os.path.getsize(path)
 
 
 __all__ = ["kernel_report", "machine_info", "model_info"]

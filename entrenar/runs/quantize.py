@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from entrenar import io
+from entrenar.io.formats import disk_bytes
 from entrenar.io.lock import OutputLock
 from entrenar.runs.evaluate import Log, evaluate_built, evaluate_model
 from entrenar.runs.export import write_quantized, write_quantized_model
@@ -95,22 +96,12 @@ def _quantize(
 
 
 def _report(model: str, output: str) -> dict[str, Any]:
-    before, after = _size(model), _size(output)
+    before, after = disk_bytes(model), disk_bytes(output)
     return {
         "bytes_before": before,
         "bytes_after": after,
         "ratio": round(before / after, 2) if after else None,
     }
-
-
-def _size(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(
-            os.path.getsize(os.path.join(r, f))
-            for r, _, fs in os.walk(path)
-            for f in fs
-        )
-    return os.path.getsize(path)
 
 
 __all__ = ["quantize_file"]

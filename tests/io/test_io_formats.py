@@ -321,3 +321,13 @@ def test_library_param_trees_save_or_say_what_to_do(tmp_path):
     state = optim.adam(1e-3).init(params)
     with pytest.raises(FormatError, match="Trainer's checkpoints"):
         save_model(Model(ModelMetadata("m", "x"), {"s": state}), tmp_path / "s.json")
+
+
+def test_disk_bytes_of_a_file_and_of_a_folder(tmp_path):
+    from entrenar.io.formats import disk_bytes
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(b"x" * 3)
+    (tmp_path / "sub" / "b.bin").write_bytes(b"y" * 5)
+    assert disk_bytes(str(tmp_path / "a.bin")) == 3
+    assert disk_bytes(str(tmp_path)) == 8
