@@ -45,28 +45,27 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 # ---------------------------------------------------------------- loaders (worker)
+def corpus_script() -> Any:
+    """``tools/make_hostile_corpus.py`` as a module (its `CONFIG`, its `build`)."""
+    spec = importlib.util.spec_from_file_location(
+        "make_hostile_corpus", REPO / "tools" / "make_hostile_corpus.py"
+    )
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def _base_params() -> Any:
     """Zero weights of the corpus's tiny Llama (what the adapters attach to)."""
     import numpy as np
-
-    from entrenar.nn import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=8,
-        hidden_size=8,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        tie_word_embeddings=True,
-    )
 
     def walk(node: Any) -> Any:
         if isinstance(node, tuple):
             return np.zeros(node, np.float32)
         return {k: walk(v) for k, v in node.items()}
 
-    return walk(config.param_shapes())
+    return walk(corpus_script().CONFIG.param_shapes())
 
 
 def _chat_template(path: str) -> None:
@@ -237,13 +236,7 @@ def test_each_hostile_file_is_an_entrenar_error_naming_the_file(results, case_id
 
 
 def test_the_corpus_is_what_the_script_writes(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "make_hostile_corpus", REPO / "tools" / "make_hostile_corpus.py"
-    )
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.build(tmp_path / "hostile")
+    corpus_script().build(tmp_path / "hostile")
 
     def files(root: Path) -> dict[str, bytes]:
         return {
