@@ -19,6 +19,8 @@ off. The cache key holds the program, the jax/jaxlib versions, the backend and
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -87,3 +89,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     idle at the end; started first, the short tests fill in around it.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+_HOLD = """
+import sys
+from entrenar.io.lock import OutputLock
+locks = [OutputLock(p, folder=p.endswith("/")).acquire() for p in sys.argv[1:]]
+print("ready", flush=True)
+sys.stdin.read()
+for lock in locks:
+    lock.release()
+"""
+
+
+def _hold_locks(*targets: object) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, *map(str, targets)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.fixture
+def hold_locks() -> Callable[..., subprocess.Popen[str]]:
+    """Another process holding `OutputLock`s of targets (a folder ends with ``/``).
+
+    It holds them until its stdin is closed; the test closes it and waits.
+    """
+    return _hold_locks

@@ -4,39 +4,17 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from entrenar.errors import ConfigError
 from entrenar.io.lock import FOLDER_LOCK, OutputLock, lock_file, read_holder
 
-HOLD = """
-import sys
-from entrenar.io.lock import OutputLock
-locks = [OutputLock(p, folder=p.endswith("/")).acquire() for p in sys.argv[1:]]
-print("ready", flush=True)
-sys.stdin.read()
-for lock in locks:
-    lock.release()
-"""
 
-
-def hold(*targets):
-    """A process holding the locks of ``targets`` (a folder ends with ``/``)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, *map(str, targets)], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )  # fmt: skip
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
-def test_a_second_process_is_refused_naming_the_output_and_the_holder(tmp_path):
-    proc = hold(f"{tmp_path}/", tmp_path / "model.gguf")
+def test_a_second_process_is_refused_naming_the_output_and_the_holder(
+    tmp_path, hold_locks
+):
+    proc = hold_locks(f"{tmp_path}/", tmp_path / "model.gguf")
     try:
         holder = read_holder(str(tmp_path / FOLDER_LOCK))
         assert holder["pid"] == proc.pid and holder["host"] == socket.gethostname()
@@ -55,8 +33,8 @@ def test_a_second_process_is_refused_naming_the_output_and_the_holder(tmp_path):
     assert os.listdir(tmp_path) == []  # lock files are removed when released
 
 
-def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path):
-    proc = hold(f"{tmp_path}/")
+def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path, hold_locks):
+    proc = hold_locks(f"{tmp_path}/")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     path = tmp_path / FOLDER_LOCK

@@ -70,22 +70,11 @@ def test_files_and_folders_get_the_modes_the_umask_allows(tmp_path):
         assert json.loads((folder / "result.json").read_text())["metrics"]["steps"]
 
 
-HOLD = """
-import sys
-from entrenar.io.lock import OutputLock
-locks = [OutputLock(p, folder=p.endswith("/")).acquire() for p in sys.argv[1:]]
-print("ready", flush=True)
-sys.stdin.read()
-for lock in locks:
-    lock.release()
-"""
-
-
 def _linear(p, b, *, key):
     return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
 
 
-def test_every_workflow_refuses_an_output_another_process_writes(tmp_path):
+def test_every_workflow_refuses_an_output_another_process_writes(tmp_path, hold_locks):
     model = tmp_path / "m.safetensors"
     leaves = {"w": np.ones((4, 64), np.float32)}
     io.save_model(io.Model(io.ModelMetadata("m", "mlp"), leaves), str(model))
@@ -94,14 +83,10 @@ def test_every_workflow_refuses_an_output_another_process_writes(tmp_path):
     stale.mkdir(parents=True)  # a checkpoint being written by the holder
     held = [f"{trainer_dir}/", f"{run_dir}/", f"{export_dir}/",
             tmp_path / "q.safetensors", tmp_path / "merged.safetensors"]  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, *map(str, held)], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, cwd=REPO, env=ENV,
-    )  # fmt: skip
+    proc = hold_locks(*held)
     holder = f"pid {proc.pid} on host {socket.gethostname()}"
     config = write(tmp_path / "run.yaml", wine_doc(run_dir))
     try:
-        assert proc.stdout.readline().strip() == "ready"
         cfg = TrainConfig(max_steps=2, batch_size=2, output_dir=str(trainer_dir),
                           progress=False)  # fmt: skip
         data = {"x": np.ones((4, 4), np.float32), "y": np.ones((4, 1), np.float32)}
