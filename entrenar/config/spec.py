@@ -34,11 +34,6 @@ from entrenar.io import bounded, smollm2_path
 from entrenar.io.bounded import MAX_CONFIG_BYTES
 
 DATA_EXTENSIONS = (".jsonl", ".csv", ".parquet")
-ARCH_CLASSES: dict[str, type] = {
-    "mlp": nn.MLP,
-    "gpt2": nn.GPT2Config,
-    "llama": nn.LlamaConfig,
-}
 
 
 def arch_config(architecture: str, sizes: Mapping[str, Any], path: str) -> Any:
@@ -47,7 +42,8 @@ def arch_config(architecture: str, sizes: Mapping[str, Any], path: str) -> Any:
     Unknown keys get the closest field; wrong types and the model's own rules
     (`entrenar.nn` raises ConfigError) are reported under ``path``.
     """
-    cls = ARCH_CLASSES[architecture]
+    arch = nn.architecture(architecture)
+    cls = arch.config_class
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -56,7 +52,7 @@ def arch_config(architecture: str, sizes: Mapping[str, Any], path: str) -> Any:
             raise unknown_key(key, path, names)
         kwargs[key] = convert(hints[key], value, f"{path}.{key}", {})
     try:
-        return cls(**kwargs)
+        return arch.make_config(**kwargs)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     except (TypeError, ValueError) as e:

@@ -57,6 +57,16 @@ from entrenar.nn.linear import (
 from entrenar.nn.llama import Llama, LlamaConfig
 from entrenar.nn.losses import causal_lm_loss, cross_entropy, kl_divergence
 from entrenar.nn.mlp_model import MLP
+from entrenar.nn.registry import (
+    Architecture,
+    architecture,
+    architecture_for_gguf,
+    architecture_for_hf,
+    architecture_names,
+    architecture_of,
+    architectures,
+    register_architecture,
+)
 from entrenar.nn.rope import apply_rope, rope_angles, rope_tables, rotate, rotate_half
 from entrenar.nn.weight_node import (
     is_weight_node,
@@ -72,6 +82,7 @@ __all__ = [
     "MATMUL_DTYPES",
     "MLP",
     "STACKED_KEYS",
+    "Architecture",
     "Bfloat16Weight",
     "GPT2Config",
     "KVCache",
@@ -79,6 +90,12 @@ __all__ = [
     "LlamaConfig",
     "TiedEmbedding",
     "apply_rope",
+    "architecture",
+    "architecture_for_gguf",
+    "architecture_for_hf",
+    "architecture_names",
+    "architecture_of",
+    "architectures",
     "auto_matmul_dtype",
     "causal_lm_loss",
     "causal_mask",
@@ -110,6 +127,7 @@ __all__ = [
     "mlp",
     "nbytes",
     "normal",
+    "register_architecture",
     "register_weight_node",
     "rms_norm",
     "rope_angles",

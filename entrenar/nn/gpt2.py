@@ -40,6 +40,7 @@ from entrenar.nn.layers import (
 )
 from entrenar.nn.linear import linear
 from entrenar.nn.llama import check_dtype
+from entrenar.nn.registry import Architecture, register_architecture
 from entrenar.types import Params, PRNGKey
 
 CONV1D_SUFFIXES = (
@@ -303,3 +304,13 @@ GPT2 = GPT2Config
 """The model is its config: ``GPT2(...)`` is a `GPT2Config`."""
 
 __all__ = ["CONV1D_SUFFIXES", "GPT2", "GPT2Config", "conv1d_transpose"]
+
+
+register_architecture(
+    Architecture(
+        name="gpt2",
+        config_class=GPT2Config,
+        summary="GPT-2: learned positions, pre-LayerNorm blocks, GELU MLP, tied head",
+        hf_class="GPT2LMHeadModel",
+    )
+)

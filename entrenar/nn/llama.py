@@ -35,6 +35,7 @@ from entrenar.nn.bf16_weight import TiedEmbedding
 from entrenar.nn.init import normal
 from entrenar.nn.layers import embedding, gated_mlp, rms_norm, upcast_dtype
 from entrenar.nn.linear import check_matmul_dtype, linear
+from entrenar.nn.registry import Architecture, register_architecture
 from entrenar.nn.rope import rope_tables, rotate
 from entrenar.types import Params, PRNGKey
 
@@ -523,5 +524,27 @@ def _check_tokens(tokens: jax.Array) -> None:
 
 Llama = LlamaConfig
 """The model is its config: ``Llama(...)`` is a `LlamaConfig`."""
+
+register_architecture(
+    Architecture(
+        name="llama",
+        config_class=LlamaConfig,
+        summary="Llama 1-3: RMSNorm, rotary embeddings, grouped-query attention, "
+        "SwiGLU",
+        hf_model_types=("llama",),
+        hf_class="LlamaForCausalLM",
+        gguf_name="llama",
+        from_hf=LlamaConfig.from_hf_config,
+        to_hf=LlamaConfig.to_hf_config,
+        tiny=lambda: LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+        ),
+    )
+)
 
 __all__ = ["COMPUTE_DTYPES", "REMAT_POLICIES", "Llama", "LlamaConfig", "check_dtype"]

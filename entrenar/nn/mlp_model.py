@@ -20,6 +20,7 @@ from entrenar.nn import init as initializers
 from entrenar.nn.layers import dropout, gelu_tanh, silu
 from entrenar.nn.linear import linear
 from entrenar.nn.llama import check_dtype
+from entrenar.nn.registry import Architecture, register_architecture
 from entrenar.types import Params, PRNGKey
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -126,3 +127,12 @@ class MLP:
 
 
 __all__ = ["ACTIVATIONS", "INITIALIZERS", "MLP"]
+
+
+register_architecture(
+    Architecture(
+        name="mlp",
+        config_class=MLP,
+        summary="a multilayer perceptron for tabular data (features in, outputs out)",
+    )
+)

@@ -18,7 +18,7 @@ import jax
 
 from entrenar import data, io, nn
 from entrenar.config.sections import ModelSection
-from entrenar.config.spec import ARCH_CLASSES, arch_config
+from entrenar.config.spec import arch_config
 from entrenar.errors import ConfigError, EntrenarError, FormatError
 from entrenar.io.safetensors_io import metadata_from_header
 from entrenar.types import Params
@@ -119,7 +119,9 @@ def _stored_config(path: str, meta: io.ModelMetadata) -> tuple[str, Any]:
     custom, arch = meta.custom, meta.architecture
     if "llama_config" in custom:
         arch, fields = "llama", custom["llama_config"]
-    elif isinstance(custom.get("model_config"), Mapping) and arch in ARCH_CLASSES:
+    elif isinstance(custom.get("model_config"), Mapping) and arch in (
+        nn.architecture_names()
+    ):
         fields = custom["model_config"]
     else:
         raise FormatError(
