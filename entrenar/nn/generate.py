@@ -1,17 +1,28 @@
-"""Autoregressive generation with a KV cache: greedy, temperature, top-k, top-p.
+"""Autoregressive generation with a KV cache: batched, ragged, sampled, with stops.
 
 Works with any model exposing ``init_cache(batch, max_len)`` and
 ``apply_cached(params, tokens, cache) -> (logits, cache)`` (`entrenar.nn.LlamaConfig`,
-`entrenar.nn.GPT2Config`). The prompt is run once (prefill); every new token then costs
-one jitted, cached forward step of a single position. Sampling keys are
-``fold_in(key, step)``, so a run is reproducible from its key.
+`entrenar.nn.GPT2Config`). The prompts are run once, as one batched forward pass
+(`prefill`); every new token then costs one jitted, cached step (`decode_step`) of
+one position per row, compiled once per (batch, prompt bucket, cache length bucket)
+and sampling structure: prompts are padded on the right to a multiple of
+`PROMPT_BUCKET` tokens and the cache to a multiple of `CACHE_BUCKET` (within the
+context), and the cache position is rewound to each prompt's true length.
 
-A request longer than the model's context (`context_length`: prompt plus
-``max_new_tokens``) is refused before any work, since positions past the context were
-never trained and the cache would grow with it. `generate_stream` yields each step's
-tokens as they come; `generate` collects them. Neither knows a tokenizer: stopping at
-the end of a turn is the caller's ``stop_tokens`` (`entrenar.chat` passes the
-model's end-of-turn ids by default).
+Prompts of different lengths (a list of token lists) are decoded together with
+per-row positions: each row runs ``apply_cached`` on its own batch-1 cache under
+`jax.vmap`, so row ``i`` sees positions ``0 .. len_i - 1`` exactly as it would
+alone, and the padding behind it is overwritten before any query can reach it (the
+causal mask allows keys up to the query's own position). This needs a cache with a
+``pos`` field (`entrenar.nn.KVCache`).
+
+The next token is chosen by `entrenar.nn.sampling` (greedy, temperature, top-k,
+top-p, min-p, repetition penalty) inside the jitted step; row ``r`` at step ``s``
+draws with ``fold_in(fold_in(key, s), r)``, so a run is reproducible from its key
+and a row draws the same in any batch at the same index. A row ends at a stop token
+(kept, then ``pad_token``), at a stop string (with a ``tokenizer``: the decoded text
+of the row contains it), or after ``max_new_tokens``; the loop ends when every row
+has. A request longer than the model's context is refused before any work.
 """
 
 from __future__ import annotations
@@ -25,55 +36,83 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
+from entrenar.nn.sampling import Sampling, Structure, choose, sample_logits, seen_tokens
 from entrenar.types import Params, PRNGKey
 
+PROMPT_BUCKET = 32
+"""Prompts are padded (on the right) to a multiple of this many tokens."""
 
-def sample_logits(
-    logits: jax.Array,
-    *,
-    key: PRNGKey | None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-) -> jax.Array:
-    """Draw one token per row of ``logits: (B, V)`` -> ``(B,)`` int32.
+CACHE_BUCKET = 128
+"""The cache length is a multiple of this (capped by the model's context)."""
 
-    ``temperature == 0`` is greedy (argmax, no key needed). Otherwise the logits are
-    divided by the temperature, restricted to the ``top_k`` largest and then to the
-    smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus
-    sampling, Holtzman et al., 2020), and sampled from the softmax of the rest.
+Prompt = jax.Array | np.ndarray | Sequence[Sequence[int]]
+"""``(B, T)`` token ids, or a list of token lists of different lengths."""
 
-    >>> sample_logits(jnp.array([[0.0, 2.0, 1.0]]), key=None, temperature=0).tolist()
-    [1]
-    """
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if key is None:
-        raise ConfigError("sampling with temperature > 0 needs key=...")
-    z = logits.astype(jnp.float32) / jnp.float32(temperature)  # (B, V)
-    neg = jnp.float32(-jnp.inf)
-    if top_k is not None:
-        if top_k <= 0:
-            raise ConfigError(f"top_k must be positive, got {top_k}")
-        kth = jax.lax.top_k(z, min(top_k, z.shape[-1]))[0][:, -1:]  # (B, 1)
-        z = jnp.where(z < kth, neg, z)
-    if top_p is not None:
-        if not 0.0 < top_p <= 1.0:
-            raise ConfigError(f"top_p must lie in (0, 1], got {top_p}")
-        srt = jnp.sort(z, axis=-1)[:, ::-1]  # (B, V) descending
-        probs = jax.nn.softmax(srt, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-        kept = jnp.where(before < jnp.float32(top_p), srt, jnp.float32(jnp.inf))
-        cutoff = jnp.min(kept, axis=-1, keepdims=True)  # (B, 1) smallest kept logit
-        z = jnp.where(z < cutoff, neg, z)
-    return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
+
+def _forward(
+    model: Any, params: Params, tokens: jax.Array, cache: Any, ragged: bool
+) -> tuple[jax.Array, Any]:
+    """``apply_cached`` on ``tokens: (B, T)``; ``ragged``: one batch-1 cache a row."""
+    if not ragged:
+        return model.apply_cached(params, tokens, cache)  # type: ignore[no-any-return]
+
+    def row(c: Any, t: jax.Array) -> tuple[jax.Array, Any]:
+        logits, c = model.apply_cached(params, t[None], c)  # (1, T, V)
+        return logits[0], c
+
+    return jax.vmap(row)(cache, tokens)  # type: ignore[no-any-return]
+
+
+def _is_stop(tokens: jax.Array, stops: jax.Array) -> jax.Array:
+    return (tokens[:, None] == stops[None, :]).any(axis=-1)  # (B,)
+
+
+def _see(seen: jax.Array | None, tokens: jax.Array) -> jax.Array | None:
+    if seen is None:
+        return None
+    return seen.at[jnp.arange(tokens.shape[0]), tokens].set(True)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "temperature", "top_k", "top_p"),
+    static_argnames=("model", "structure", "ragged", "rewind"),
+    donate_argnames=("cache",),
+)
+def prefill(
+    model: Any,
+    params: Params,
+    ids: jax.Array,
+    lens: jax.Array,
+    cache: Any,
+    key: PRNGKey | None,
+    values: jax.Array,
+    stops: jax.Array,
+    *,
+    structure: Structure,
+    ragged: bool,
+    rewind: bool,
+) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
+    """Run the right-padded prompts ``ids: (B, Tb)`` of lengths ``lens: (B,)``.
+
+    Returns the first new token ``(B,)``, the cache (its ``pos`` rewound to ``lens``
+    when ``rewind``), the seen-token mask (with a repetition penalty) and ``done``.
+    """
+    logits, cache = _forward(model, params, ids, cache, ragged)  # (B, Tb, V)
+    if rewind:
+        cache = cache._replace(pos=lens if ragged else lens[0])
+    last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
+    seen = None
+    if structure[4]:
+        valid = jnp.arange(ids.shape[1])[None, :] < lens[:, None]  # (B, Tb)
+        seen = seen_tokens(ids, valid, last.shape[-1])
+    k = None if key is None else jax.random.fold_in(key, 0)
+    nxt = choose(last, seen, k, values, structure)  # (B,)
+    return nxt, cache, _see(seen, nxt), _is_stop(nxt, stops)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "structure", "ragged"),
     donate_argnames=("cache",),
 )
 def decode_step(
@@ -81,18 +120,25 @@ def decode_step(
     params: Params,
     tokens: jax.Array,
     cache: Any,
+    seen: jax.Array | None,
+    done: jax.Array,
     key: PRNGKey | None,
+    step: jax.Array,
+    values: jax.Array,
+    stops: jax.Array,
+    pad: jax.Array,
     *,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-) -> tuple[jax.Array, Any]:
-    """Run ``tokens: (B, T)`` through the cache and sample the next token ``(B,)``."""
-    logits, cache = model.apply_cached(params, tokens, cache)  # (B, T, V)
-    nxt = sample_logits(
-        logits[:, -1], key=key, temperature=temperature, top_k=top_k, top_p=top_p
-    )
-    return nxt, cache
+    structure: Structure,
+    ragged: bool,
+) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
+    """Feed ``tokens: (B,)``, choose the next ones; rows already ``done`` get ``pad``.
+
+    Returns ``(next (B,), cache, seen, done)`` as `prefill` does.
+    """
+    logits, cache = _forward(model, params, tokens[:, None], cache, ragged)
+    k = None if key is None else jax.random.fold_in(key, step)
+    nxt = jnp.where(done, pad, choose(logits[:, -1], seen, k, values, structure))
+    return nxt, cache, _see(seen, nxt), done | _is_stop(nxt, stops)
 
 
 def context_length(model: Any) -> int | None:
@@ -126,17 +172,71 @@ def check_length(model: Any, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
+def find_stop(text: str, stop_strings: Sequence[str], start: int = 0) -> int | None:
+    r"""Index of the first occurrence of any stop string in ``text[start:]``, or None.
+
+    >>> find_stop("a date: 2024-01-02\nmore", ["\n", "Q:"])
+    18
+    """
+    hits = [i for s in stop_strings if s and (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
+
+
+def partial_stop(text: str, stop_strings: Sequence[str]) -> int:
+    r"""Length of the longest end of ``text`` that begins some stop string.
+
+    A stream holds these characters back: the next token may complete the stop.
+
+    >>> partial_stop("answer: 12\nQ", ["\nQ:"])
+    2
+    """
+    best = 0
+    for s in stop_strings:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def _rows(prompt: Prompt) -> list[np.ndarray]:
+    """The prompt as one int array per row."""
+    if isinstance(prompt, jax.Array | np.ndarray):
+        arr = np.asarray(prompt)
+        if arr.ndim != 2 or arr.shape[1] == 0:
+            raise ShapeError(f"prompt must be (batch, time>=1), got {arr.shape}")
+        return list(arr.astype(np.int32))
+    rows = [np.asarray(r, np.int32).reshape(-1) for r in prompt]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ShapeError("every prompt needs at least one token")
+    return rows
+
+
+def _has_pos(model: Any) -> bool:
+    """Whether the model's cache is a NamedTuple with a ``pos`` (it can be rewound)."""
+    cache = jax.eval_shape(lambda: model.init_cache(1, 1))
+    return hasattr(cache, "pos") and hasattr(cache, "_replace")
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
 def generate_stream(
     model: Any,
     params: Params,
-    prompt: jax.Array,
+    prompt: Prompt,
     *,
     max_new_tokens: int,
     key: PRNGKey | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
     stop_tokens: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    tokenizer: Any = None,
     pad_token: int = 0,
     max_len: int | None = None,
 ) -> Iterator[np.ndarray]:
@@ -146,107 +246,201 @@ def generate_stream(
     run when the generator is created, before the first ``next``: a request beyond
     the model's context raises there.
     """
-    prompt = jnp.asarray(prompt)
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ShapeError(f"prompt must be (batch, time>=1), got {prompt.shape}")
-    if temperature > 0 and key is None:
+    rows = _rows(prompt)
+    sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+    if not sampling.greedy and key is None:
         raise ConfigError("sampling with temperature > 0 needs key=...")
-    t0 = prompt.shape[1]
+    if stop_strings and tokenizer is None:
+        raise ConfigError("stop_strings need tokenizer=... to decode the rows")
+    t0 = max(len(r) for r in rows)
     check_length(model, t0, max_new_tokens)
-    max_len = t0 + max_new_tokens if max_len is None else max_len
-    if t0 + max_new_tokens > max_len:
+    if max_len is not None and t0 + max_new_tokens > max_len:
         raise ShapeError(
             f"prompt ({t0}) + max_new_tokens ({max_new_tokens}) exceeds the cache "
             f"length max_len={max_len}"
         )
-    sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
-    stops = np.asarray(list(stop_tokens), dtype=np.int64)
-    return _steps(
-        model, params, prompt, max_new_tokens, key, sampling, stops, pad_token, max_len
-    )
+    has_pos = _has_pos(model)
+    ragged = any(len(r) != t0 for r in rows)
+    if ragged and not has_pos:
+        raise ConfigError(
+            "prompts of different lengths need a model whose cache has a pos "
+            "field (entrenar.nn.KVCache); pass prompts of one length"
+        )
+    if max_len is None:
+        max_len = _round_up(t0 + max_new_tokens, CACHE_BUCKET)
+        max_len = min(max_len, context_length(model) or max_len)
+    tb = min(_round_up(t0, PROMPT_BUCKET), max_len) if has_pos else t0
+    ids = np.zeros((len(rows), tb), np.int32)  # (B, Tb) right-padded
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    lens = np.asarray([len(r) for r in rows], np.int32)
+    stops = np.asarray(list(stop_tokens), np.int32)
+    run = _Run(model, params, key, sampling, stops, pad_token, ragged, max_len)
+    texts = _Texts(tokenizer, tuple(stop_strings), set(stops.tolist()), len(rows))
+    return run.steps(ids, lens, max_new_tokens, texts)
 
 
-def _steps(
-    model: Any,
-    params: Params,
-    prompt: jax.Array,
-    max_new_tokens: int,
-    key: PRNGKey | None,
-    sampling: dict[str, Any],
-    stops: np.ndarray,
-    pad_token: int,
-    max_len: int,
-) -> Iterator[np.ndarray]:
-    """The decoding loop of `generate_stream` (after its checks)."""
-    b = prompt.shape[0]
-    cache = model.init_cache(b, max_len)
-    done = np.zeros(b, dtype=bool)
-    tokens = prompt
-    for step in range(max_new_tokens):
-        k = None if key is None else jax.random.fold_in(key, step)
-        nxt, cache = decode_step(model, params, tokens, cache, k, **sampling)
-        row = np.where(done, pad_token, np.asarray(nxt))  # (B,)
-        done |= np.isin(row, stops)
-        yield row
-        if done.all():
+class _Texts:
+    """Each row's decoded text, to stop rows at a stop string (host side)."""
+
+    def __init__(
+        self, tokenizer: Any, stop_strings: tuple[str, ...], stops: set[int], b: int
+    ) -> None:
+        self.tokenizer, self.stop_strings, self.stops = tokenizer, stop_strings, stops
+        self.ids: list[list[int]] = [[] for _ in range(b)]
+        self.seen = [0] * b  # characters already searched
+        self.width = max((len(s) for s in stop_strings), default=0)
+
+    def stopped(self, row: np.ndarray, live: np.ndarray) -> np.ndarray:
+        """Rows (among ``live``) whose text now holds a stop string."""
+        out = np.zeros(len(row), bool)
+        if not self.stop_strings:
+            return out
+        for r in np.nonzero(live)[0]:
+            tok = int(row[r])
+            if tok in self.stops:
+                continue
+            self.ids[r].append(tok)
+            text = self.tokenizer.decode(self.ids[r])
+            start = max(0, self.seen[r] - self.width + 1)
+            out[r] = find_stop(text, self.stop_strings, start) is not None
+            self.seen[r] = len(text)
+        return out
+
+
+class _Run:
+    """One generation request after its checks: the device state and its loop."""
+
+    def __init__(
+        self,
+        model: Any,
+        params: Params,
+        key: PRNGKey | None,
+        sampling: Sampling,
+        stops: np.ndarray,
+        pad: int,
+        ragged: bool,
+        max_len: int,
+    ) -> None:
+        self.model, self.params, self.key = model, params, key
+        self.structure, self.values = sampling.structure(), sampling.values()
+        self.stops, self.pad = jnp.asarray(stops), jnp.int32(pad)
+        self.ragged, self.max_len = ragged, max_len
+
+    def cache(self, b: int) -> Any:
+        if not self.ragged:
+            return self.model.init_cache(b, self.max_len)
+        one = functools.partial(self.model.init_cache, 1, self.max_len)
+        return jax.vmap(lambda _: one())(jnp.arange(b))  # leaves (B, ...): a row each
+
+    def steps(
+        self, ids: np.ndarray, lens: np.ndarray, max_new: int, texts: _Texts
+    ) -> Iterator[np.ndarray]:
+        """The decoding loop of `generate_stream`."""
+        if max_new == 0:
             return
-        tokens = jnp.asarray(row, jnp.int32)[:, None]  # (B, 1)
+        b, tb = ids.shape
+        rewind = self.ragged or tb != int(lens.max())
+        nxt, cache, seen, done = prefill(
+            self.model, self.params, jnp.asarray(ids), jnp.asarray(lens),
+            self.cache(b), self.key, self.values, self.stops,
+            structure=self.structure, ragged=self.ragged, rewind=rewind,
+        )  # fmt: skip
+        was_done = np.zeros(b, bool)
+        for step in range(max_new):
+            if step:
+                nxt, cache, seen, done = decode_step(
+                    self.model, self.params, nxt, cache, seen, done, self.key,
+                    jnp.int32(step), self.values, self.stops, self.pad,
+                    structure=self.structure, ragged=self.ragged,
+                )  # fmt: skip
+            row = np.where(was_done, int(self.pad), np.asarray(nxt))  # (B,)
+            by_text = texts.stopped(row, ~was_done)
+            was_done = was_done | np.asarray(done) | by_text
+            yield row
+            if was_done.all():
+                return
+            if by_text.any():
+                done = done | jnp.asarray(by_text)
 
 
 def generate(
     model: Any,
     params: Params,
-    prompt: jax.Array,
+    prompt: Prompt,
     *,
     max_new_tokens: int,
     key: PRNGKey | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
     stop_tokens: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    tokenizer: Any = None,
     pad_token: int = 0,
     max_len: int | None = None,
 ) -> jax.Array:
-    """Continue ``prompt: (B, T0)``; return the new tokens ``(B, N)``, ``N <= max_new``.
+    """Continue each prompt; return the new tokens ``(B, N)``, ``N <= max_new_tokens``.
 
     A row that emits a stop token keeps it and is padded with ``pad_token`` afterwards;
-    generation ends early once every row has stopped. Without ``stop_tokens`` it runs
-    all ``max_new_tokens`` steps (`entrenar.chat` stops at the end of a turn).
+    a row whose decoded text comes to hold a stop string keeps the token that
+    completed it and is padded after it (cutting the text at the stop string is the
+    caller's: `entrenar.chat` does). Generation ends early once every row has
+    stopped. Without stops it runs all ``max_new_tokens`` steps.
 
     Args:
         model: a model config with ``init_cache`` and ``apply_cached``.
         params: its parameters.
-        prompt: int token ids ``(B, T0)``, ``T0 >= 1``; all rows have the same length.
+        prompt: int token ids ``(B, T0)``, ``T0 >= 1``, or a list of token lists of
+            different lengths (each row then decodes as it would alone).
         max_new_tokens: at most this many tokens per row.
         key: sampling key; required unless ``temperature == 0`` (greedy).
         temperature: softmax temperature; 0 is greedy argmax.
         top_k: keep only the k most likely tokens.
         top_p: nucleus sampling mass.
+        min_p: drop tokens less likely than ``min_p`` times the most likely one.
+        repetition_penalty: divide positive (multiply negative) logits of tokens
+            already in the row, prompt included; 1 or None is off.
         stop_tokens: token ids that end a row.
+        stop_strings: texts that end a row (they need ``tokenizer``).
+        tokenizer: anything with ``decode(ids) -> str``, for ``stop_strings``.
         pad_token: filler after a row has stopped.
-        max_len: cache length; defaults to ``T0 + max_new_tokens``.
+        max_len: cache length; defaults to ``T0 + max_new_tokens`` rounded up to
+            `CACHE_BUCKET` (within the context).
 
     Raises:
         ShapeError: ``T0 + max_new_tokens`` exceeds the model's `context_length`
             (checked before any computation) or ``max_len``.
-        ConfigError: sampling without a key, or a negative ``max_new_tokens``.
+        ConfigError: sampling without a key, an option out of range, or a negative
+            ``max_new_tokens``.
     """
     steps = generate_stream(
         model, params, prompt, max_new_tokens=max_new_tokens, key=key,
-        temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens,
-        pad_token=pad_token, max_len=max_len,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repetition_penalty=repetition_penalty, stop_tokens=stop_tokens,
+        stop_strings=stop_strings, tokenizer=tokenizer, pad_token=pad_token,
+        max_len=max_len,
     )  # fmt: skip
     out = list(steps)
     if not out:
-        return jnp.zeros((jnp.shape(prompt)[0], 0), jnp.int32)
+        return jnp.zeros((len(_rows(prompt)), 0), jnp.int32)
     return jnp.asarray(np.stack(out, axis=1), jnp.int32)  # (B, N)
 
 
 __all__ = [
+    "CACHE_BUCKET",
+    "PROMPT_BUCKET",
+    "Prompt",
+    "Sampling",
     "check_length",
     "context_length",
     "decode_step",
+    "find_stop",
     "generate",
     "generate_stream",
+    "partial_stop",
+    "prefill",
     "sample_logits",
 ]

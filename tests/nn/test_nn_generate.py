@@ -9,6 +9,7 @@ import pytest
 
 from entrenar.errors import ConfigError
 from entrenar.nn import decode_step, generate, sample_logits
+from entrenar.nn.generate import prefill
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 LOGITS = jnp.asarray(np.tile(np.log(PROBS), (4000, 1)), jnp.float32)  # (N, V)
@@ -93,9 +94,10 @@ def test_sampled_generation_is_reproducible_from_its_key():
 
 def test_one_compiled_step_per_token():
     table = jnp.asarray(np.random.default_rng(1).normal(size=(7, 7)), jnp.float32)
-    before = decode_step._cache_size()
+    before = decode_step._cache_size(), prefill._cache_size()
     out = generate(
         Bigram(vocab=7), table, jnp.zeros((2, 3), jnp.int32), max_new_tokens=9
     )
     assert out.shape == (2, 9)
-    assert decode_step._cache_size() - before == 2  # the prompt shape and (B, 1)
+    after = decode_step._cache_size(), prefill._cache_size()
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)  # prompt, (B, 1)

@@ -13,6 +13,7 @@ from entrenar.nn import (
     generate,
     generate_stream,
 )
+from entrenar.nn.generate import prefill
 
 TINY = LlamaConfig(
     vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
@@ -24,12 +25,12 @@ PROMPT = jnp.arange(1, 11, dtype=jnp.int32)[None]  # (1, 10)
 
 def test_beyond_the_context_is_refused_before_any_computation():
     assert context_length(TINY) == 16
-    before = decode_step._cache_size()
+    before = decode_step._cache_size(), prefill._cache_size()
     with pytest.raises(ShapeError, match=r"10 tokens.*= 17 exceeds.*context of 16.*6"):
         generate(TINY, PARAMS, PROMPT, max_new_tokens=7)
     with pytest.raises(ShapeError, match="context of 16"):
         generate_stream(TINY, PARAMS, PROMPT, max_new_tokens=9000)  # not iterated
-    assert decode_step._cache_size() == before  # nothing was compiled or run
+    assert (decode_step._cache_size(), prefill._cache_size()) == before  # no work
     assert generate(TINY, PARAMS, PROMPT, max_new_tokens=6).shape == (1, 6)
 
 

@@ -1,0 +1,170 @@
+"""The next-token choice: repetition penalty, temperature, top-k, top-p, min-p.
+
+`Sampling` holds the options; `process_logits` turns raw logits into the filtered
+scores whose softmax is the sampling distribution, in Hugging Face's order and with
+its formulas (`RepetitionPenaltyLogitsProcessor`, then `TemperatureLogitsWarper`,
+`TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`); `choose` draws one
+token per row inside ``jit`` (row ``r`` with key ``fold_in(key, r)``), or takes the
+argmax when greedy. Everything is array code over the whole vocabulary: no Python
+loop per token. The exact math is in ``specs/generation.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from entrenar.errors import ConfigError
+from entrenar.types import PRNGKey
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen; the defaults are greedy decoding.
+
+    Attributes:
+        temperature: softmax temperature; 0 is greedy (argmax).
+        top_k: keep the k highest scores.
+        top_p: keep the smallest set of most likely tokens whose mass reaches p.
+        min_p: keep tokens whose probability is at least ``min_p`` times the top one's.
+        repetition_penalty: ``θ``; scores of tokens already seen (prompt included)
+            are divided by ``θ`` when positive, multiplied when negative.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def __post_init__(self) -> None:
+        """Check the ranges (`ConfigError` naming the option)."""
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k <= 0:
+            raise ConfigError(f"top_k must be positive, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p must lie in [0, 1], got {self.min_p}")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise ConfigError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True when the choice is the argmax (``temperature == 0``)."""
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """True when a repetition penalty applies (it needs the seen tokens)."""
+        return self.repetition_penalty is not None and self.repetition_penalty != 1.0
+
+    def structure(self) -> tuple[bool, int | None, bool, bool, bool]:
+        """The static part (what is computed): one compilation per structure."""
+        return (self.greedy, self.top_k, self.top_p is not None,
+                self.min_p is not None, self.penalized)  # fmt: skip
+
+    def values(self) -> jax.Array:
+        """The traced part: ``[temperature, top_p, min_p, penalty]`` float32."""
+        return jnp.asarray(
+            [self.temperature or 1.0, self.top_p or 1.0, self.min_p or 0.0,
+             self.repetition_penalty or 1.0], jnp.float32,
+        )  # fmt: skip
+
+
+Structure = tuple[bool, int | None, bool, bool, bool]
+
+
+def process_logits(
+    logits: jax.Array, seen: jax.Array | None, values: jax.Array, structure: Structure
+) -> jax.Array:
+    """Filtered scores ``(B, V)`` float32: removed tokens at ``-inf``.
+
+    ``logits: (B, V)``; ``seen: (B, V)`` bool, the tokens already in each row (for
+    the penalty); ``values`` and ``structure`` from `Sampling`. Greedy structures
+    apply only the penalty (the filters keep the argmax).
+    """
+    greedy, top_k, use_top_p, use_min_p, penalized = structure
+    temperature, top_p, min_p, penalty = values[0], values[1], values[2], values[3]
+    z = logits.astype(jnp.float32)  # (B, V)
+    neg = jnp.float32(-jnp.inf)
+    if penalized and seen is not None:
+        z = jnp.where(seen, jnp.where(z < 0, z * penalty, z / penalty), z)
+    if greedy:
+        return z
+    z = z / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(z, min(top_k, z.shape[-1]))[0][:, -1:]  # (B, 1)
+        z = jnp.where(z < kth, neg, z)
+    if use_top_p:  # HF: ascending sort, drop while the cumulated mass <= 1 - p
+        srt = jnp.sort(z, axis=-1)  # (B, V) ascending
+        cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+        drop = (cum <= 1 - top_p).at[:, -1].set(False)  # the top token stays
+        kept = jnp.where(drop, jnp.float32(jnp.inf), srt)
+        cutoff = jnp.min(kept, axis=-1, keepdims=True)  # (B, 1) smallest kept score
+        z = jnp.where(z < cutoff, neg, z)
+    if use_min_p:
+        probs = jax.nn.softmax(z, axis=-1)
+        top = jnp.max(probs, axis=-1, keepdims=True)
+        z = jnp.where(probs < min_p * top, neg, z)
+    return z
+
+
+def choose(
+    logits: jax.Array,
+    seen: jax.Array | None,
+    key: PRNGKey | None,
+    values: jax.Array,
+    structure: Structure,
+) -> jax.Array:
+    """The next token of each row ``(B,)``; row ``r`` draws with ``fold_in(key, r)``."""
+    z = process_logits(logits, seen, values, structure)
+    if structure[0] or key is None:
+        return jnp.argmax(z, axis=-1).astype(jnp.int32)
+    rows = jnp.arange(z.shape[0], dtype=jnp.uint32)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
+    draw = jax.vmap(jax.random.categorical)(keys, z)  # (B,)
+    return draw.astype(jnp.int32)
+
+
+def sample_logits(
+    logits: jax.Array,
+    *,
+    key: PRNGKey | None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seen: jax.Array | None = None,
+) -> jax.Array:
+    """Draw one token per row of ``logits: (B, V)`` -> ``(B,)`` int32.
+
+    ``temperature == 0`` is greedy (argmax, no key needed). Otherwise the scores of
+    `process_logits` are sampled: repetition penalty on the ``seen: (B, V)`` tokens,
+    division by the temperature, the ``top_k`` largest, the nucleus ``top_p``
+    (Holtzman et al., 2020), and the ``min_p`` floor relative to the top token.
+
+    >>> sample_logits(jnp.array([[0.0, 2.0, 1.0]]), key=None, temperature=0).tolist()
+    [1]
+    """
+    s = Sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+    if not s.greedy and key is None:
+        raise ConfigError("sampling with temperature > 0 needs key=...")
+    return choose(logits, seen, key, s.values(), s.structure())
+
+
+def seen_tokens(ids: jax.Array, valid: jax.Array, vocab: int) -> jax.Array:
+    """``(B, V)`` bool: which tokens occur among ``ids: (B, T)`` where ``valid``."""
+    b = ids.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    seen = jnp.zeros((b, vocab), bool)
+    return seen.at[rows, jnp.clip(ids, 0, vocab - 1)].max(valid)
+
+
+__all__ = ["Sampling", "choose", "process_logits", "sample_logits", "seen_tokens"]
