@@ -56,10 +56,8 @@ def test_ragged_rows_stop_each_on_their_own():
         n = hits[0] + 1 if len(hits) else 12
         np.testing.assert_array_equal(out[i, :n], free[i, :n])
         assert (out[i, n:] == -1).all()
-    assert (
-        out.shape[1]
-        == max((np.nonzero(f == stop)[0][:1] + 1).tolist() or [12] for f in free)[0]
-    )
+    ends = [np.nonzero(f == stop)[0][:1] + 1 for f in free]
+    assert out.shape[1] == max(int(e[0]) if len(e) else 12 for e in ends)
 
 
 def test_sampled_rows_draw_as_alone_and_reproduce():
