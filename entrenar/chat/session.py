@@ -31,6 +31,7 @@ import numpy as np
 from entrenar import data, io, lora
 from entrenar.errors import ConfigError
 from entrenar.nn import check_length, context_length, generate_stream
+from entrenar.nn.generate import find_stop, partial_stop
 from entrenar.types import Params, PRNGKey
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -73,30 +74,65 @@ def as_messages(prompt: Messages, system: str | None = None) -> list[dict[str, A
 
 
 def stream_text(
-    tokenizer: Any, steps: Iterable[np.ndarray], stops: Sequence[int] = ()
+    tokenizer: Any,
+    steps: Iterable[np.ndarray],
+    stops: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
 ) -> Iterator[str]:
-    """Text pieces of generated tokens (row 0 of each step) until a stop token.
+    """Text pieces of generated tokens (row 0 of each step) until a stop.
 
     A piece is held back while the text ends inside a multi-byte UTF-8 character
-    (the tokenizer decodes it as U+FFFD), so every piece is whole characters and the
-    pieces join to the decoded text.
+    (the tokenizer decodes it as U+FFFD) or with the beginning of a stop string
+    (`entrenar.nn.generate.partial_stop`), so every piece is whole characters, no
+    part of a stop string is ever shown, and the pieces join to the decoded text cut
+    before its first stop string.
     """
     ids: list[int] = []
-    sent = ""
+    sent = 0
     for row in steps:
         tok = int(row[0])
         if tok in stops:
             break
         ids.append(tok)
         text = tokenizer.decode(ids)
+        cut = find_stop(text, stop_strings)
+        if cut is not None:
+            if cut > sent:
+                yield text[sent:cut]
+            return
         if text.endswith("\ufffd"):  # inside a multi-byte character: wait
             continue
-        if len(text) > len(sent):
-            yield text[len(sent) :]
-            sent = text
+        end = len(text) - partial_stop(text, stop_strings)
+        if end > sent:
+            yield text[sent:end]
+            sent = end
     text = tokenizer.decode(ids)
-    if len(text) > len(sent):
-        yield text[len(sent) :]
+    if len(text) > sent:
+        yield text[sent:]
+
+
+def _reply(
+    tokenizer: Any,
+    out: Sequence[int],
+    stops: Sequence[int],
+    stop_strings: Sequence[str],
+    prompt_tokens: int,
+) -> Reply:
+    """The `Reply` of one row's generated ids (cut at a stop token or string)."""
+    out = list(out)
+    for i, t in enumerate(out):
+        if t in stops:
+            out = out[: i + 1]
+            break
+    stopped = bool(out) and out[-1] in stops
+    text = tokenizer.decode(out[:-1] if stopped else out)
+    cut = find_stop(text, stop_strings)
+    return Reply(
+        text=text if cut is None else text[:cut],
+        token_ids=tuple(out),
+        finish_reason="stop" if stopped or cut is not None else "length",
+        prompt_tokens=prompt_tokens,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +140,12 @@ class Reply:
     """One generated reply.
 
     Attributes:
-        text: the reply, without the end-of-turn token.
-        token_ids: the generated ids, the end-of-turn token included when one came.
-        finish_reason: ``"stop"`` (an end-of-turn token) or ``"length"``
-            (``max_new_tokens`` reached first).
+        text: the reply, without the end-of-turn token, cut before the first stop
+            string.
+        token_ids: the generated ids, the end-of-turn token (or the token that
+            completed a stop string) included when one came.
+        finish_reason: ``"stop"`` (an end-of-turn token or a stop string) or
+            ``"length"`` (``max_new_tokens`` reached first).
         prompt_tokens: length of the rendered, tokenized prompt.
     """
 
@@ -201,28 +239,36 @@ class ChatModel:
             )
         return list(self.tokenizer.encode(messages))
 
-    def _steps(
-        self,
-        messages: Messages,
-        system: str | None,
-        max_new_tokens: int | None,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        key: PRNGKey | None,
-        chat: bool,
-    ) -> tuple[list[int], Iterator[np.ndarray]]:
-        ids = self.encode(messages, system=system, chat=chat)
+    def _limit(self, longest: int, max_new_tokens: int | None) -> int:
+        """``max_new_tokens``, or the default capped by the context; checked."""
         if max_new_tokens is None:
-            room = (context_length(self.model) or 1 << 62) - len(ids)
+            room = (context_length(self.model) or 1 << 62) - longest
             max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, max(room, 1))
-        check_length(self.model, len(ids), max_new_tokens)
-        steps = generate_stream(
-            self.model, self.params, jnp.asarray([ids], jnp.int32),
-            max_new_tokens=max_new_tokens, key=key, temperature=temperature,
-            top_k=top_k, top_p=top_p, stop_tokens=self.stops,
+        check_length(self.model, longest, max_new_tokens)
+        return max_new_tokens
+
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | None,
+        options: Mapping[str, Any],
+    ) -> Iterator[np.ndarray]:
+        """The steps of `entrenar.nn.generate_stream` for these prompts (checked)."""
+        unknown = set(options) - set(SAMPLING_OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"unknown generation option(s) {sorted(unknown)}; the options are "
+                f"{', '.join(SAMPLING_OPTIONS)}"
+            )
+        n = self._limit(max(len(p) for p in prompts), max_new_tokens)
+        opts = dict(options)
+        stop = tuple(opts.pop("stop", ()) or ())
+        return generate_stream(
+            self.model, self.params, prompts if len(prompts) > 1 else
+            jnp.asarray(prompts, jnp.int32), max_new_tokens=n,
+            stop_tokens=self.stops, stop_strings=stop,
+            tokenizer=self.tokenizer if stop else None, **opts,
         )  # fmt: skip
-        return ids, steps
 
     def reply(
         self,
@@ -233,15 +279,34 @@ class ChatModel:
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        stop: Sequence[str] = (),
         key: PRNGKey | None = None,
         chat: bool = True,
     ) -> Reply:
         """Generate the assistant's reply to ``messages`` (a string is one user turn).
 
-        Greedy unless ``temperature > 0`` (then ``key`` is required). Stops at an
-        end-of-turn token (EOS included) or after ``max_new_tokens`` (None:
-        `DEFAULT_MAX_NEW_TOKENS` or what is left of the context, whichever is less).
-        ``chat=False`` continues ``messages`` as plain text instead (see `encode`).
+        Greedy unless ``temperature > 0`` (then ``key`` is required; the same key
+        gives the same reply). Stops at an end-of-turn token (EOS included), at the
+        first of the ``stop`` strings (cut before it, however the tokens split it),
+        or after ``max_new_tokens`` (None: `DEFAULT_MAX_NEW_TOKENS` or what is left
+        of the context, whichever is less). ``chat=False`` continues ``messages`` as
+        plain text instead (see `encode`).
+
+        Args:
+            messages: the conversation, or one user message.
+            system: a system message to put first.
+            max_new_tokens: at most this many tokens.
+            temperature: 0 is greedy.
+            top_k: keep the k most likely tokens.
+            top_p: nucleus sampling mass.
+            min_p: drop tokens below ``min_p`` times the top token's probability.
+            repetition_penalty: penalise tokens already seen, prompt included
+                (Hugging Face's rule; 1 or None is off).
+            stop: strings that end the reply.
+            key: the sampling key.
+            chat: render through the chat template (else continue plain text).
 
         Raises:
             ShapeError: prompt + ``max_new_tokens`` exceeds the model's context.
@@ -249,18 +314,44 @@ class ChatModel:
             TemplateError: a chat template that fails to render or exceeds its
                 budget (`entrenar.data.sandbox`).
         """
-        prompt, steps = self._steps(
-            messages, system, max_new_tokens, temperature, top_k, top_p, key, chat
-        )
-        out = [int(row[0]) for row in steps]
-        stopped = bool(out) and out[-1] in self.stops
-        text_ids = out[:-1] if stopped else out
-        return Reply(
-            text=self.tokenizer.decode(text_ids),
-            token_ids=tuple(out),
-            finish_reason="stop" if stopped else "length",
-            prompt_tokens=len(prompt),
-        )
+        options = dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                       min_p=min_p, repetition_penalty=repetition_penalty,
+                       stop=stop, key=key)  # fmt: skip
+        return self.replies(
+            [messages], system=system, max_new_tokens=max_new_tokens, chat=chat,
+            batch_size=1, **options,
+        )[0]  # fmt: skip
+
+    def replies(
+        self,
+        conversations: Sequence[Messages],
+        *,
+        system: str | None = None,
+        max_new_tokens: int | None = None,
+        chat: bool = True,
+        batch_size: int = 16,
+        **options: Any,
+    ) -> list[Reply]:
+        """`reply` to each conversation, ``batch_size`` prompts decoded at once.
+
+        Prompts of different lengths share a batch (`entrenar.nn.generate`'s per-row
+        positions); each greedy reply equals `reply` to the same conversation (the
+        default ``max_new_tokens`` is capped by the longest prompt of its batch).
+        ``options``: the sampling and ``stop`` arguments of `reply`; with sampling,
+        row ``r`` of a batch draws with ``fold_in(step_key, r)``.
+        """
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        prompts = [self.encode(m, system=system, chat=chat) for m in conversations]
+        stop = tuple(options.get("stop", ()) or ())
+        out: list[Reply] = []
+        for s in range(0, len(prompts), batch_size):
+            chunk = prompts[s : s + batch_size]
+            steps = list(self._decode(chunk, max_new_tokens, options))
+            ids = np.stack(steps, axis=1) if steps else np.zeros((len(chunk), 0))
+            out += [_reply(self.tokenizer, [int(t) for t in ids[i]], self.stops,
+                           stop, len(p)) for i, p in enumerate(chunk)]  # fmt: skip
+        return out
 
     def __call__(self, messages: Messages, **kwargs: Any) -> str:
         """The text of `reply` (same arguments)."""
@@ -272,27 +363,39 @@ class ChatModel:
         *,
         system: str | None = None,
         max_new_tokens: int | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        key: PRNGKey | None = None,
         chat: bool = True,
+        **options: Any,
     ) -> Iterator[str]:
         """Yield the reply's text piece by piece as tokens come (same arguments).
 
-        The checks (messages, template, length) run before this returns, so a bad
-        request raises here, not at the first ``next``. ``"".join(stream(...))``
-        equals ``reply(...).text``.
+        ``options``: the sampling and ``stop`` arguments of `reply`. The checks
+        (messages, template, length) run before this returns, so a bad request
+        raises here, not at the first ``next``. ``"".join(stream(...))`` equals
+        ``reply(...).text``: a piece that may be the start of a stop string is held
+        back until the next tokens decide.
         """
-        _, steps = self._steps(
-            messages, system, max_new_tokens, temperature, top_k, top_p, key, chat
-        )
-        return stream_text(self.tokenizer, steps, self.stops)
+        prompt = self.encode(messages, system=system, chat=chat)
+        steps = self._decode([prompt], max_new_tokens, options)
+        stop = tuple(options.get("stop", ()) or ())
+        return stream_text(self.tokenizer, steps, self.stops, stop)
+
+
+SAMPLING_OPTIONS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "stop",
+    "key",
+)
+"""The generation options `ChatModel.reply`, `replies` and `stream` take."""
 
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "END_OF_TURN",
+    "SAMPLING_OPTIONS",
     "ChatModel",
     "Reply",
     "as_messages",
