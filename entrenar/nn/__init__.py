@@ -10,7 +10,7 @@ touches weights. Every weight answers the weight-node protocol (`logical_shape`,
 registers in its own package.
 """
 
-from entrenar.nn import losses
+from entrenar.nn import losses, mistral, qwen  # families register themselves
 from entrenar.nn.attention import (
     KVCache,
     causal_mask,
@@ -124,9 +124,11 @@ __all__ = [
     "logical_shape",
     "losses",
     "lowp_matmul",
+    "mistral",
     "mlp",
     "nbytes",
     "normal",
+    "qwen",
     "register_architecture",
     "register_weight_node",
     "rms_norm",

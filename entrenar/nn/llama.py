@@ -32,10 +32,22 @@ from entrenar.nn.attention import (
     update_cache_layer,
 )
 from entrenar.nn.bf16_weight import TiedEmbedding
+from entrenar.nn.decoder_config import (
+    check_hidden_act,
+    check_switches,
+    common_from_hf,
+    common_to_hf,
+    refuse_switches,
+)
 from entrenar.nn.init import normal
 from entrenar.nn.layers import embedding, gated_mlp, rms_norm, upcast_dtype
 from entrenar.nn.linear import check_matmul_dtype, linear
-from entrenar.nn.registry import Architecture, register_architecture
+from entrenar.nn.registry import (
+    Architecture,
+    architecture,
+    architecture_for_hf,
+    register_architecture,
+)
 from entrenar.nn.rope import rope_tables, rotate
 from entrenar.types import Params, PRNGKey
 
@@ -96,6 +108,49 @@ class LlamaConfig:
             CPUs with AMX (Intel Sapphire Rapids and later) XLA:CPU runs these
             dots several times faster than float32; elsewhere the results are the
             same, only not faster.
+        architecture: the registry name of the family (``"llama"``, ``"qwen2"``,
+            ...); `to_hf_config` writes that family's ``config.json``.
+        rope_type: rotary scaling (Hugging Face's ``rope_type``): ``"default"``,
+            ``"linear"``, ``"dynamic"`` (NTK: the base grows with the sequence
+            length), ``"llama3"``, ``"yarn"`` or ``"longrope"`` (specs/models.md).
+        rope_factor: the scaling ``factor``.
+        rope_low_freq_factor: ``llama3``'s ``low_freq_factor``.
+        rope_high_freq_factor: ``llama3``'s ``high_freq_factor``.
+        rope_original_max_position_embeddings: the pre-training context of
+            ``llama3``, ``yarn`` and ``longrope``.
+        rope_beta_fast: ``yarn``'s ``beta_fast``.
+        rope_beta_slow: ``yarn``'s ``beta_slow``.
+        rope_attention_factor: ``yarn`` / ``longrope`` scale of ``cos`` and
+            ``sin``; None: derived from the factor as Hugging Face does.
+        rope_short_factor: ``longrope``'s per-frequency divisors up to the original
+            context (``d/2`` values).
+        rope_long_factor: ``longrope``'s divisors beyond it.
+        rope_freq_divisors: explicit per-frequency divisors of the inverse
+            frequencies (``d/2`` values, llama.cpp's ``rope_freqs`` tensor), with
+            ``rope_type="default"``.
+        rope_local_theta: rotary base of the sliding-window layers (Gemma 3's
+            ``rope_local_base_freq``; no scaling there); None: ``rope_theta``.
+        attention_bias: biases on the q, k and v projections.
+        attention_out_bias: a bias on o_proj (Llama's ``attention_bias`` sets both).
+        mlp_bias: biases on gate, up and down projections.
+        qk_norm: per-head RMSNorm of queries and keys before rotary (``q_norm``,
+            ``k_norm``, weights ``(L, d)``: Qwen3, Gemma 3).
+        sliding_window: a sliding layer's query at ``p`` attends to keys at
+            ``p - sliding_window < s <= p``; None: no sliding layer.
+        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``;
+            None: every layer slides when ``sliding_window`` is set (Mistral).
+        hidden_act: the gate's activation, ``"silu"`` (SwiGLU) or
+            ``"gelu_pytorch_tanh"`` (GeGLU, tanh GELU: Gemma).
+        norm_unit_offset: RMSNorm gains are ``1 + w`` (Gemma; ``init`` makes w 0).
+        sandwich_norms: Gemma 2/3 norms: ``post_attention_layernorm`` on the
+            attention output, ``pre_feedforward_layernorm`` before and
+            ``post_feedforward_layernorm`` after the MLP.
+        scale_embeddings: multiply the embeddings by ``sqrt(D)`` (in ``dtype``).
+        query_pre_attn_scalar: attention scores scale ``s^-1/2``; None: ``d^-1/2``.
+        attn_logit_softcapping: scores become ``c tanh(scores / c)`` (Gemma 2).
+        final_logit_softcapping: logits become ``c tanh(logits / c)`` (Gemma 2).
+        fused_qkv: one ``qkv_proj`` weight ``(L, (H + 2 KV) d, D)`` (Phi-3).
+        fused_gate_up: one ``gate_up_proj`` weight ``(L, 2 I, D)`` (Phi-3).
     """
 
     vocab_size: int = 32000
@@ -115,6 +170,34 @@ class LlamaConfig:
     remat: bool = False
     matmul_dtype: str | None = None
     remat_policy: str | None = None
+    architecture: str = "llama"
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None
+    rope_short_factor: tuple[float, ...] | None = None
+    rope_long_factor: tuple[float, ...] | None = None
+    rope_freq_divisors: tuple[float, ...] | None = None
+    rope_local_theta: float | None = None
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -141,6 +224,12 @@ class LlamaConfig:
             raise ConfigError(
                 f"LlamaConfig.remat_policy must be None or one of {REMAT_POLICIES} "
                 f"(jax.checkpoint_policies), got {self.remat_policy!r}"
+            )
+        check_switches(self)
+        if architecture(self.architecture).config_class is not LlamaConfig:
+            raise ConfigError(
+                f"LlamaConfig.architecture {self.architecture!r} is not a LlamaConfig "
+                "family"
             )
 
     # ----------------------------------------------------------------- presets
@@ -171,58 +260,37 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> LlamaConfig:
-        """Build from a Hugging Face ``config.json`` dict (``model_type: llama``).
+        """Build from a Hugging Face ``config.json`` dict of any LlamaConfig family.
+
+        The family is found by ``model_type`` (``llama`` when absent) in the
+        registry; ``overrides`` replace fields afterwards.
 
         Raises:
-            UnsupportedError: rope scaling, biases or an activation other than SiLU.
+            UnsupportedError: a ``model_type`` or a field the family cannot honour
+                (an unknown rope type, an activation, ...), named in the message.
         """
-        rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling") or rope
-        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise UnsupportedError(f"rope scaling {scaling!r} is not supported")
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise UnsupportedError("Llama with attention_bias/mlp_bias is unsupported")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedError(f"hidden_act {hf['hidden_act']!r} is unsupported")
-        heads = int(hf["num_attention_heads"])
-        fields: dict[str, Any] = dict(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=hf.get("head_dim"),
-            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            initializer_range=float(hf.get("initializer_range", 0.02)),
+        arch = (
+            architecture_for_hf(hf, "config.json")
+            if "model_type" in hf
+            else architecture("llama")
         )
-        fields.update(overrides)
-        return cls(**fields)
+        if arch.config_class is not cls or arch.from_hf is None:
+            raise UnsupportedError(
+                f"config.json: model_type {hf.get('model_type')!r} is a "
+                f"{arch.config_class.__name__}, not a {cls.__name__}"
+            )
+        config = arch.from_hf(hf)
+        return dataclasses.replace(config, **overrides) if overrides else config
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The Hugging Face ``config.json`` dict of this architecture."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.hd,
-            "hidden_act": "silu",
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
+        """The Hugging Face ``config.json`` dict of this architecture's family.
+
+        Raises:
+            UnsupportedError: a switch the family's ``config.json`` cannot hold.
+        """
+        to_hf = architecture(self.architecture).to_hf
+        assert to_hf is not None  # every LlamaConfig family registers one
+        return to_hf(self)
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -231,28 +299,54 @@ class LlamaConfig:
         return self.head_dim or self.hidden_size // self.num_heads
 
     def param_shapes(self) -> dict[str, Any]:
-        """Nested dict of parameter shapes, the tree of specs/conventions.md."""
+        """Nested dict of parameter shapes, the tree of specs/conventions.md.
+
+        The family switches add leaves under Hugging Face's names: ``bias`` next
+        to the weights, ``self_attn.{q,k}_norm``, Gemma's
+        ``{pre,post}_feedforward_layernorm``; Phi-3's fused ``qkv_proj`` and
+        ``gate_up_proj`` replace q/k/v and gate/up.
+        """
         v, d, i, n = self.vocab_size, self.hidden_size, self.intermediate_size, 0
         n = self.num_layers
         qd, kvd = self.num_heads * self.hd, self.num_kv_heads * self.hd
+
+        def lin(out: int, fan_in: int, bias: bool) -> dict[str, Any]:
+            w: dict[str, Any] = {"weight": (n, out, fan_in)}
+            if bias:
+                w["bias"] = (n, out)
+            return w
+
+        ab, mb = self.attention_bias, self.mlp_bias
+        attn: dict[str, Any] = (
+            {"qkv_proj": lin(qd + 2 * kvd, d, ab)}
+            if self.fused_qkv
+            else {"q_proj": lin(qd, d, ab), "k_proj": lin(kvd, d, ab)}
+        )
+        if not self.fused_qkv:
+            attn["v_proj"] = lin(kvd, d, ab)
+        attn["o_proj"] = lin(d, qd, self.attention_out_bias)
+        if self.qk_norm:
+            attn["q_norm"] = {"weight": (n, self.hd)}
+            attn["k_norm"] = {"weight": (n, self.hd)}
+        mlp: dict[str, Any] = (
+            {"gate_up_proj": lin(2 * i, d, mb)}
+            if self.fused_gate_up
+            else {"gate_proj": lin(i, d, mb), "up_proj": lin(i, d, mb)}
+        )
+        mlp["down_proj"] = lin(d, i, mb)
+        layers: dict[str, Any] = {
+            "input_layernorm": {"weight": (n, d)},
+            "self_attn": attn,
+            "post_attention_layernorm": {"weight": (n, d)},
+            "mlp": mlp,
+        }
+        if self.sandwich_norms:
+            layers["pre_feedforward_layernorm"] = {"weight": (n, d)}
+            layers["post_feedforward_layernorm"] = {"weight": (n, d)}
         shapes: dict[str, Any] = {
             "model": {
                 "embed_tokens": {"weight": (v, d)},
-                "layers": {
-                    "input_layernorm": {"weight": (n, d)},
-                    "self_attn": {
-                        "q_proj": {"weight": (n, qd, d)},
-                        "k_proj": {"weight": (n, kvd, d)},
-                        "v_proj": {"weight": (n, kvd, d)},
-                        "o_proj": {"weight": (n, d, qd)},
-                    },
-                    "post_attention_layernorm": {"weight": (n, d)},
-                    "mlp": {
-                        "gate_proj": {"weight": (n, i, d)},
-                        "up_proj": {"weight": (n, i, d)},
-                        "down_proj": {"weight": (n, d, i)},
-                    },
-                },
+                "layers": layers,
                 "norm": {"weight": (d,)},
             }
         }
@@ -287,8 +381,11 @@ class LlamaConfig:
         leaves = []
         for idx, (path, shape) in enumerate(flat):
             name = jax.tree_util.keystr(path)
-            if "norm" in name:
-                leaves.append(jnp.ones(shape, self.param_dtype))
+            if "norm" in name:  # gains 1: w = 1, or 1 + w with w = 0
+                fill = jnp.zeros if self.norm_unit_offset else jnp.ones
+                leaves.append(fill(shape, self.param_dtype))
+            elif name.endswith("['bias']"):
+                leaves.append(jnp.zeros(shape, self.param_dtype))
             else:
                 k = jax.random.fold_in(key, idx)
                 leaves.append(
@@ -525,25 +622,70 @@ def _check_tokens(tokens: jax.Array) -> None:
 Llama = LlamaConfig
 """The model is its config: ``Llama(...)`` is a `LlamaConfig`."""
 
+
+_LLAMA_SWITCHES = ("rope_type", "attention_bias", "attention_out_bias", "mlp_bias")
+
+
+def llama_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
+    """A Llama 1-3.x ``config.json`` (``model_type: llama``) as a `LlamaConfig`."""
+    check_hidden_act(hf, "config.json", "silu")
+    bias = bool(hf.get("attention_bias", False))
+    return LlamaConfig(
+        **common_from_hf(hf, "config.json"),
+        attention_bias=bias,
+        attention_out_bias=bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+    )
+
+
+def llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
+    """The ``config.json`` of a Llama `LlamaConfig`."""
+    refuse_switches(c, "Llama", _LLAMA_SWITCHES)
+    if c.attention_bias != c.attention_out_bias:
+        raise UnsupportedError(
+            "Llama's config.json has one attention_bias for q, k, v and o_proj; "
+            "LlamaConfig.attention_bias and attention_out_bias must be equal"
+        )
+    hf = common_to_hf(c, "LlamaForCausalLM", "llama")
+    hf["attention_bias"] = c.attention_bias
+    hf["mlp_bias"] = c.mlp_bias
+    return hf
+
+
+def _tiny_llama() -> LlamaConfig:
+    """Llama 3.1-style: llama3 rope scaling, biases everywhere, untied head."""
+    return LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rope_type="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position_embeddings=64,
+        attention_bias=True,
+        attention_out_bias=True,
+        mlp_bias=True,
+    )
+
+
 register_architecture(
     Architecture(
         name="llama",
         config_class=LlamaConfig,
-        summary="Llama 1-3: RMSNorm, rotary embeddings, grouped-query attention, "
-        "SwiGLU",
+        summary="Llama 1-3.x: RMSNorm, rotary embeddings (llama3, linear, dynamic "
+        "scaling), grouped-query attention, SwiGLU",
         hf_model_types=("llama",),
         hf_class="LlamaForCausalLM",
         gguf_name="llama",
-        from_hf=LlamaConfig.from_hf_config,
-        to_hf=LlamaConfig.to_hf_config,
-        tiny=lambda: LlamaConfig(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-        ),
+        from_hf=llama_from_hf,
+        to_hf=llama_to_hf,
+        tiny=_tiny_llama,
     )
 )
 

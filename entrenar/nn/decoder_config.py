@@ -1,0 +1,317 @@
+"""The family switches of `LlamaConfig`: their checks and their ``config.json`` form.
+
+Every decoder family (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3) is a
+`LlamaConfig` whose switches say how it differs from Llama (specs/models.md). This
+module checks the switches (`check_switches`) and converts the fields all families
+share to and from Hugging Face ``config.json`` dicts, in both of its styles: the old
+``rope_theta`` / ``rope_scaling`` and transformers 5's ``rope_parameters``. A family
+module reads its own fields on top (`entrenar.nn.qwen`, `entrenar.nn.gemma`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from entrenar.errors import ConfigError, UnsupportedError
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+"""Rotary scalings `LlamaConfig.rope_type` accepts (Hugging Face's names)."""
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Values of `LlamaConfig.layer_types` (Hugging Face's own)."""
+
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+"""Gate activations of the gated MLP: SwiGLU and GeGLU (tanh GELU)."""
+
+_TUPLES = ("rope_short_factor", "rope_long_factor", "rope_freq_divisors", "layer_types")
+
+
+def check_switches(c: Any) -> None:
+    """Raise `ConfigError` for family switches of ``c`` that do not fit together."""
+    for name in _TUPLES:  # lists from Python or JSON become tuples: hashable
+        value = getattr(c, name)
+        if value is not None and not isinstance(value, tuple):
+            object.__setattr__(c, name, tuple(value))
+    half = c.hd // 2
+    if c.rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"LlamaConfig.rope_type must be one of {ROPE_TYPES}, got {c.rope_type!r}"
+        )
+    if not c.rope_factor > 0:
+        raise ConfigError(f"LlamaConfig.rope_factor must be > 0, got {c.rope_factor}")
+    needs_original = c.rope_type in ("llama3", "yarn", "longrope")
+    if needs_original and not c.rope_original_max_position_embeddings:
+        raise ConfigError(
+            f"LlamaConfig.rope_type {c.rope_type!r} needs "
+            "rope_original_max_position_embeddings (the pre-training context)"
+        )
+    if c.rope_type == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:
+        raise ConfigError(
+            "LlamaConfig.rope_high_freq_factor must exceed rope_low_freq_factor"
+        )
+    for name in ("rope_short_factor", "rope_long_factor", "rope_freq_divisors"):
+        value = getattr(c, name)
+        if value is not None and (len(value) != half or min(value) <= 0):
+            raise ConfigError(
+                f"LlamaConfig.{name} must hold head_dim / 2 = {half} positive "
+                f"numbers, got {value!r}"
+            )
+    if c.rope_type == "longrope" and (
+        c.rope_short_factor is None or c.rope_long_factor is None
+    ):
+        raise ConfigError(
+            "LlamaConfig.rope_type 'longrope' needs rope_short_factor and "
+            "rope_long_factor"
+        )
+    if c.rope_freq_divisors is not None and c.rope_type != "default":
+        raise ConfigError(
+            "LlamaConfig.rope_freq_divisors are the scaling themselves: use them "
+            f"with rope_type 'default', not {c.rope_type!r}"
+        )
+    if c.sliding_window is not None and c.sliding_window <= 0:
+        raise ConfigError(
+            f"LlamaConfig.sliding_window must be positive, got {c.sliding_window}"
+        )
+    if c.layer_types is not None:
+        if len(c.layer_types) != c.num_layers:
+            raise ConfigError(
+                f"LlamaConfig.layer_types has {len(c.layer_types)} entries for "
+                f"{c.num_layers} layers"
+            )
+        bad = sorted(set(c.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ConfigError(
+                f"LlamaConfig.layer_types holds {bad}; each is one of {LAYER_TYPES}"
+            )
+        if "sliding_attention" in c.layer_types and c.sliding_window is None:
+            raise ConfigError(
+                "LlamaConfig.layer_types has sliding layers but sliding_window is None"
+            )
+    if c.hidden_act not in HIDDEN_ACTS:
+        raise ConfigError(
+            f"LlamaConfig.hidden_act must be one of {HIDDEN_ACTS}, got {c.hidden_act!r}"
+        )
+    for name in (
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "rope_local_theta",
+        "rope_attention_factor",
+    ):
+        value = getattr(c, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"LlamaConfig.{name} must be > 0 or None, got {value}")
+
+
+def sliding_layers(c: Any) -> tuple[bool, ...]:
+    """Per layer, whether it attends through the sliding window."""
+    if c.sliding_window is None:
+        return (False,) * c.num_layers
+    if c.layer_types is None:
+        return (True,) * c.num_layers
+    return tuple(t == "sliding_attention" for t in c.layer_types)
+
+
+# ------------------------------------------------------------ config.json <-> fields
+def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """`LlamaConfig` rope fields from a ``rope_scaling`` / ``rope_parameters`` dict.
+
+    Raises:
+        UnsupportedError: a rope type or option entrenar does not implement.
+    """
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind
+    if kind not in ROPE_TYPES:
+        raise UnsupportedError(
+            f"{source}: rope_scaling.rope_type {kind!r} is not supported; entrenar "
+            f"implements {ROPE_TYPES}"
+        )
+    partial = scaling.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedError(
+            f"{source}: rope_scaling.partial_rotary_factor {partial} is not "
+            "supported (rotary on the whole head only)"
+        )
+    if (
+        kind == "yarn" and (scaling.get("mscale") or scaling.get("mscale_all_dim"))
+    ) or scaling.get("truncate", True) is False:
+        raise UnsupportedError(
+            f"{source}: yarn's mscale, mscale_all_dim and truncate=false are not "
+            "supported"
+        )
+    out: dict[str, Any] = {"rope_type": kind}
+    if kind == "default":
+        return out
+    keys = {
+        "factor": "rope_factor",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+        "original_max_position_embeddings": "rope_original_max_position_embeddings",
+        "beta_fast": "rope_beta_fast",
+        "beta_slow": "rope_beta_slow",
+        "attention_factor": "rope_attention_factor",
+        "short_factor": "rope_short_factor",
+        "long_factor": "rope_long_factor",
+    }
+    for key, field in keys.items():
+        value = scaling.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            out[field] = tuple(float(v) for v in value)
+        elif field == "rope_original_max_position_embeddings":
+            out[field] = int(value)
+        else:
+            out[field] = float(value)
+    return out
+
+
+def rope_to_hf(c: Any) -> dict[str, Any] | None:
+    """The ``rope_scaling`` dict of ``c`` (None without scaling).
+
+    Raises:
+        UnsupportedError: explicit ``rope_freq_divisors`` (no Hugging Face form).
+    """
+    if c.rope_freq_divisors is not None:
+        raise UnsupportedError(
+            "LlamaConfig.rope_freq_divisors (llama.cpp's rope_freqs) have no "
+            "Hugging Face config.json form; set rope_type and its factors instead"
+        )
+    if c.rope_type == "default":
+        return None
+    out: dict[str, Any] = {"rope_type": c.rope_type, "factor": c.rope_factor}
+    if c.rope_type == "llama3":
+        out["low_freq_factor"] = c.rope_low_freq_factor
+        out["high_freq_factor"] = c.rope_high_freq_factor
+    if c.rope_type == "yarn":
+        out["beta_fast"] = c.rope_beta_fast
+        out["beta_slow"] = c.rope_beta_slow
+    if c.rope_type == "longrope":
+        out["short_factor"] = list(c.rope_short_factor)
+        out["long_factor"] = list(c.rope_long_factor)
+    if c.rope_original_max_position_embeddings is not None:
+        out["original_max_position_embeddings"] = (
+            c.rope_original_max_position_embeddings
+        )
+    if c.rope_attention_factor is not None:
+        out["attention_factor"] = c.rope_attention_factor
+    return out
+
+
+def common_from_hf(
+    hf: Mapping[str, Any], source: str, default_theta: float = 10000.0
+) -> dict[str, Any]:
+    """The fields every decoder family shares, from a ``config.json`` dict.
+
+    Reads ``rope_theta`` and ``rope_scaling`` (old style) or ``rope_parameters``
+    (transformers 5). A family with per-layer ``rope_parameters`` (Gemma 3) reads
+    its rope fields itself.
+    """
+    heads = int(hf["num_attention_heads"])
+    rope = hf.get("rope_parameters") or {}
+    layered = isinstance(rope, Mapping) and any(t in rope for t in LAYER_TYPES)
+    scaling = {} if layered else (hf.get("rope_scaling") or rope)
+    theta = hf.get("rope_theta", None if layered else rope.get("rope_theta"))
+    fields: dict[str, Any] = dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=hf.get("head_dim"),
+        rope_theta=float(default_theta if theta is None else theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )
+    fields.update(rope_from_hf(scaling, source))
+    return fields
+
+
+def common_to_hf(c: Any, hf_class: str, model_type: str) -> dict[str, Any]:
+    """The ``config.json`` entries every decoder family shares."""
+    return {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.hd,
+        "hidden_act": c.hidden_act,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": rope_to_hf(c),
+        "rms_norm_eps": c.rms_norm_eps,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "max_position_embeddings": c.max_position_embeddings,
+        "initializer_range": c.initializer_range,
+    }
+
+
+def check_hidden_act(hf: Mapping[str, Any], source: str, want: str) -> None:
+    """Raise `UnsupportedError` unless the config's activation is ``want``."""
+    key = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
+    act = hf.get(key) or want
+    if act != want:
+        raise UnsupportedError(
+            f"{source}: {key} {act!r} is not supported for {hf.get('model_type')}; "
+            f"entrenar implements {want!r}"
+        )
+
+
+def refuse_switches(c: Any, family: str, allowed: tuple[str, ...]) -> None:
+    """Raise `UnsupportedError` for a switch ``family``'s ``config.json`` cannot hold.
+
+    Every field of `SWITCHES` not in ``allowed`` must be at its default.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(c)}
+    for name in SWITCHES:
+        if name not in allowed and getattr(c, name) != defaults[name]:
+            raise UnsupportedError(
+                f"LlamaConfig.{name}={getattr(c, name)!r} has no {family} "
+                f"config.json form; {family} sets {sorted(allowed)}"
+            )
+
+
+SWITCHES = (
+    "rope_type",
+    "rope_local_theta",
+    "attention_bias",
+    "attention_out_bias",
+    "mlp_bias",
+    "qk_norm",
+    "sliding_window",
+    "layer_types",
+    "hidden_act",
+    "norm_unit_offset",
+    "sandwich_norms",
+    "scale_embeddings",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "fused_qkv",
+    "fused_gate_up",
+)
+"""`LlamaConfig` fields that make a family differ from Llama."""
+
+
+__all__ = [
+    "HIDDEN_ACTS",
+    "LAYER_TYPES",
+    "ROPE_TYPES",
+    "SWITCHES",
+    "check_hidden_act",
+    "check_switches",
+    "common_from_hf",
+    "common_to_hf",
+    "refuse_switches",
+    "rope_from_hf",
+    "rope_to_hf",
+    "sliding_layers",
+]
