@@ -32,6 +32,7 @@ import numpy as np
 
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_reader import GGUFFile, read_gguf
+from entrenar.io.hf_tokenizer import HFTokenizer
 from entrenar.io.tokenizer import (
     _DIGIT_SPLIT_PRE,
     _GPT2_PRE,
@@ -237,10 +238,43 @@ class FastTokenizer:
                 raise FormatError(f"token id {i} is outside the vocabulary")
         return str(self._hf[0].decode(ids, skip_special_tokens=not special))
 
+    def hf_json(self) -> str:
+        """This tokenizer as a Hugging Face ``tokenizer.json`` (the same ids).
 
-def load_fast_tokenizer(path: str | os.PathLike[str] | GGUFFile) -> FastTokenizer:
-    """`FastTokenizer.from_gguf`: the fast tokenizer of a GGUF file."""
-    return FastTokenizer.from_gguf(path)
+        Control tokens are special added tokens, so ``transformers`` parses them in
+        text as ``encode(special=True)`` does; with ``add_bos`` the post-processor
+        puts BOS first.
+        """
+        import tokenizers as hf
+
+        t = hf.Tokenizer.from_str(self._hf[1].to_str())
+        if self.add_bos and self.bos_id is not None:
+            bos = self.tokens[self.bos_id]
+            t.post_processor = hf.processors.TemplateProcessing(
+                single=f"{bos} $A",
+                pair=f"{bos} $A {bos} $B",
+                special_tokens=[(bos, int(self.bos_id))],
+            )
+        return str(t.to_str())
+
+
+def load_fast_tokenizer(
+    path: str | os.PathLike[str] | GGUFFile,
+) -> FastTokenizer | HFTokenizer:
+    """The tokenizer of a GGUF file, or of a Hugging Face folder.
+
+    A ``.gguf`` (or a `GGUFFile`) gives `FastTokenizer.from_gguf`; a folder, or a
+    ``tokenizer.json`` in one, gives `entrenar.io.HFTokenizer.from_folder` (its
+    ``tokenizer_config.json``, chat template and generation config with it).
+    """
+    if isinstance(path, GGUFFile):
+        return FastTokenizer.from_gguf(path)
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        return HFTokenizer.from_folder(p)
+    if os.path.basename(p) == "tokenizer.json":
+        return HFTokenizer.from_folder(os.path.dirname(p) or ".")
+    return FastTokenizer.from_gguf(p)
 
 
 __all__ = ["FastTokenizer", "gpt2_pattern", "load_fast_tokenizer", "token_bytes"]

@@ -1,9 +1,11 @@
-"""Model I/O: JSON, YAML, safetensors and GGUF files, and llama.cpp's Llama models.
+"""Model I/O: JSON, YAML, safetensors and GGUF files, Hugging Face folders, llama.cpp.
 
 Protocol: ``save_model(Model(metadata, params), path, SaveConfig(format))`` writes
 atomically; ``load_model(path)`` detects the format from magic bytes and extension and
 validates every size before allocating, raising `entrenar.errors.FormatError` naming
 the file and field. Params are nested dicts of arrays stored by dotted name.
+``load_hf_folder(folder)`` reads a Hugging Face folder of any registered family
+(`HFTokenizer` its tokenizer files) and ``save_hf_folder`` writes one;
 ``load_llama_gguf(path)`` maps a llama.cpp GGUF to ``(LlamaConfig, params,
 tokenizer_info)``; ``save_llama_gguf`` writes one back; `BPETokenizer` tokenizes as
 llama.cpp does. specs/io.md documents each format.
@@ -26,7 +28,15 @@ from entrenar.io.gguf_reader import (
     read_gguf,
 )
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
-from entrenar.io.hf_llama import load_hf_llama, read_hf_llama_header
+from entrenar.io.hf_folder import (
+    HFFolder,
+    load_hf_folder,
+    load_hf_llama,
+    read_hf_folder,
+    read_hf_llama_header,
+    save_hf_folder,
+)
+from entrenar.io.hf_tokenizer import HFTokenizer, tokenizer_files
 from entrenar.io.json_yaml import load_json, load_yaml, save_json, save_yaml
 from entrenar.io.llama_gguf import (
     llama_config_from_gguf,
@@ -62,6 +72,8 @@ __all__ = [
     "GGUFTensor",
     "GGUFTensorInfo",
     "GGUFValueType",
+    "HFFolder",
+    "HFTokenizer",
     "Model",
     "ModelFormat",
     "ModelMetadata",
@@ -72,6 +84,7 @@ __all__ = [
     "file_architecture",
     "flatten_params",
     "llama_config_from_gguf",
+    "load_hf_folder",
     "load_hf_llama",
     "load_json",
     "load_llama_gguf",
@@ -80,10 +93,12 @@ __all__ = [
     "load_yaml",
     "permute_qk",
     "read_gguf",
+    "read_hf_folder",
     "read_hf_llama_header",
     "read_llama_header",
     "read_safetensors",
     "restore_quantized",
+    "save_hf_folder",
     "save_json",
     "save_llama_gguf",
     "save_model",
@@ -92,6 +107,7 @@ __all__ = [
     "smollm2_path",
     "split_quantized",
     "tensor_from_array",
+    "tokenizer_files",
     "unflatten_params",
     "unpermute_qk",
     "write_gguf",

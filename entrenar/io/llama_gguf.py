@@ -1,6 +1,10 @@
-"""Llama models in GGUF: llama.cpp's names, q/k row permutation, load and save.
+"""llama.cpp GGUF files of every `LlamaConfig` family: metadata, names, load.
 
-Names (``N`` = layer)::
+``general.architecture`` names the family (`entrenar.nn.architecture_for_gguf`:
+``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``phi3``, ...); its
+``{arch}.*`` keys give the sizes, and the tensor table the switches (biases
+``blk.N.attn_q.bias``, q/k norms, Gemma's post norms, Phi-3's fused ``attn_qkv``);
+`entrenar.io.gguf_families` holds the per-family conventions. Names (``N`` = layer)::
 
     token_embd.weight          model.embed_tokens.weight
     blk.N.attn_norm.weight     model.layers.N.input_layernorm.weight
@@ -10,21 +14,25 @@ Names (``N`` = layer)::
     blk.N.ffn_gate/up/down     model.layers.N.mlp.gate_proj/up_proj/down_proj.weight
     output_norm.weight         model.norm.weight
     output.weight              lm_head.weight   (absent: tied to token_embd)
+    rope_freqs.weight          LlamaConfig.rope_freq_divisors (Llama 3.x scaling)
 
-llama.cpp applies rotary embeddings to interleaved pairs ``(x[2i], x[2i+1])``; Hugging
-Face to halves ``(x[i], x[i + d/2])``. Its converter therefore permutes the rows of
-``q_proj`` (``n = H`` heads) and ``k_proj`` (``n = KV``) of each head::
+llama.cpp applies rotary embeddings to interleaved pairs ``(x[2i], x[2i+1])`` in the
+``llama`` family; Hugging Face to halves ``(x[i], x[i + d/2])``. Its converter
+therefore permutes the rows (and biases) of ``q_proj`` (``n = H`` heads) and
+``k_proj`` (``n = KV``) of each head::
 
     gguf = hf.reshape(n, 2, d/2, D).swapaxes(1, 2).reshape(n·d, D)
 
 so GGUF row ``h·d + 2i + j`` is Hugging Face row ``h·d + j·d/2 + i``. The loader
 applies the inverse, the writer the permutation itself. Rows are whole quantization
-blocks, so quantized tensors are permuted in their raw bytes.
+blocks, so quantized tensors are permuted in their raw bytes. The other families use
+half-split (NEOX) rotary in llama.cpp too and are not permuted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Any
@@ -32,32 +40,25 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from entrenar import nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io.ggml_dequant import dequantize_ggml
+from entrenar.io.gguf_families import (
+    FAMILY_KEY,
+    IMPLIED,
+    NORM_SHIFT,
+    PERMUTED,
+    SWITCH_FIELDS,
+    default_layer_types,
+    gguf_names,
+    written_name,
+)
 from entrenar.io.gguf_reader import GGUFFile, GGUFValueType, read_gguf
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
 from entrenar.quant import from_ggml
 from entrenar.types import Params
 
-LAYER_NAMES = {
-    "attn_norm": ("input_layernorm",),
-    "attn_q": ("self_attn", "q_proj"),
-    "attn_k": ("self_attn", "k_proj"),
-    "attn_v": ("self_attn", "v_proj"),
-    "attn_output": ("self_attn", "o_proj"),
-    "ffn_norm": ("post_attention_layernorm",),
-    "ffn_gate": ("mlp", "gate_proj"),
-    "ffn_up": ("mlp", "up_proj"),
-    "ffn_down": ("mlp", "down_proj"),
-}
-"""GGUF per-layer tensor stem -> path under ``params["model"]["layers"]``."""
-GLOBAL_NAMES = {
-    "token_embd": ("model", "embed_tokens"),
-    "output_norm": ("model", "norm"),
-    "output": ("lm_head",),
-}
-"""GGUF global tensor stem -> path in the param tree (``.weight`` follows)."""
 KEEP_QUANTIZED = ("Q8_0", "Q4_0", "Q4_1")
 """ggml types `load_llama_gguf(keep_quantized=True)` keeps as `QuantizedWeight`."""
 
@@ -86,21 +87,39 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 INT_LIMITS = {
-    "llama.vocab_size": 1 << 24,
-    "llama.embedding_length": 1 << 20,
-    "llama.feed_forward_length": 1 << 22,
-    "llama.block_count": 1 << 12,
-    "llama.attention.head_count": 1 << 12,
-    "llama.attention.head_count_kv": 1 << 12,
-    "llama.attention.key_length": 1 << 16,
-    "llama.context_length": 1 << 27,
+    "vocab_size": 1 << 24,
+    "embedding_length": 1 << 20,
+    "feed_forward_length": 1 << 22,
+    "block_count": 1 << 12,
+    "attention.head_count": 1 << 12,
+    "attention.head_count_kv": 1 << 12,
+    "attention.key_length": 1 << 16,
+    "attention.sliding_window": 1 << 27,
+    "context_length": 1 << 27,
+    "rope.scaling.original_context_length": 1 << 27,
 }
-"""Largest value entrenar accepts for each integer ``llama.*`` hyperparameter."""
+"""Largest value entrenar accepts for each integer ``{arch}.*`` hyperparameter."""
 FLOAT_RANGES = {
-    "llama.rope.freq_base": (1.0, 1e12),
-    "llama.attention.layer_norm_rms_epsilon": (0.0, 1.0),
+    "rope.freq_base": (1.0, 1e12),
+    "rope.freq_base_swa": (1.0, 1e12),
+    "attention.layer_norm_rms_epsilon": (0.0, 1.0),
+    "rope.scaling.factor": (0.0, 1e6),
+    "rope.scaling.attn_factor": (0.0, 1e3),
+    "rope.scaling.yarn_beta_fast": (0.0, 1e6),
+    "rope.scaling.yarn_beta_slow": (0.0, 1e6),
+    "attn_logit_softcapping": (0.0, 1e6),
+    "final_logit_softcapping": (0.0, 1e6),
 }
-"""Open interval ``(low, high)`` a float ``llama.*`` hyperparameter must lie in."""
+"""Open interval ``(low, high)`` a float ``{arch}.*`` hyperparameter must lie in."""
+ROPE_SCALINGS = ("none", "", "linear", "yarn", "longrope")
+"""``{arch}.rope.scaling.type`` values entrenar reads."""
+
+
+def _arch_name(g: GGUFFile) -> str:
+    f = g.fields.get("general.architecture")
+    if f is None or not isinstance(f.value, str):
+        raise FormatError(f"{g.path}: metadata 'general.architecture' is missing")
+    return f.value
 
 
 def _meta_int(g: GGUFFile, key: str, default: int | None = None) -> int:
@@ -110,7 +129,7 @@ def _meta_int(g: GGUFFile, key: str, default: int | None = None) -> int:
         if default is None:
             raise FormatError(f"{g.path}: metadata {key!r} is missing")
         return default
-    limit = INT_LIMITS.get(key, 1 << 31)
+    limit = INT_LIMITS.get(key.split(".", 1)[1], 1 << 31)
     if isinstance(f.value, bool) or not isinstance(f.value, int) or f.value <= 0:
         raise FormatError(f"{g.path}: metadata {key!r} = {f.value!r}, want an int > 0")
     if f.value > limit:
@@ -121,15 +140,17 @@ def _meta_int(g: GGUFFile, key: str, default: int | None = None) -> int:
     return int(f.value)
 
 
-def _meta_float(g: GGUFFile, key: str, default: float) -> float:
+def _meta_float(g: GGUFFile, key: str, default: Any) -> Any:
     """A float hyperparameter: a finite number inside `FLOAT_RANGES`' interval."""
     f = g.fields.get(key)
     if f is None:
         return default
     if f.type not in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
         raise FormatError(f"{g.path}: metadata {key!r} = {f.value!r} is not a float")
-    low, high = FLOAT_RANGES[key]
+    low, high = FLOAT_RANGES[key.split(".", 1)[1]]
     value = float(f.value)
+    if f.type == GGUFValueType.FLOAT32 and math.isfinite(value):
+        value = float(str(np.float32(value)))  # 1e-06, not 9.99999997e-07
     if not (math.isfinite(value) and low < value < high):
         raise FormatError(
             f"{g.path}: metadata {key!r} = {value!r}, want a finite number in "
@@ -138,7 +159,7 @@ def _meta_float(g: GGUFFile, key: str, default: float) -> float:
     return value
 
 
-def _head_dim(g: GGUFFile, hidden: int, heads: int) -> int:
+def _head_dim(g: GGUFFile, p: str, hidden: int, heads: int) -> int:
     """``attention.key_length`` (default ``hidden / heads``), checked for consistency.
 
     ``rope.dimension_count`` and ``attention.value_length``, when given, must equal it.
@@ -146,29 +167,131 @@ def _head_dim(g: GGUFFile, hidden: int, heads: int) -> int:
     Raises:
         FormatError: no key length and a width that ``heads`` does not divide.
         UnsupportedError: rotary embeddings over part of a head, or values of another
-            width than keys (entrenar's Llama rotates and projects whole heads).
+            width than keys (entrenar rotates and projects whole heads).
     """
-    if "llama.attention.key_length" in g.fields:
-        head_dim = _meta_int(g, "llama.attention.key_length")
+    if f"{p}attention.key_length" in g.fields:
+        head_dim = _meta_int(g, f"{p}attention.key_length")
     elif hidden % heads:
         raise FormatError(
-            f"{g.path}: metadata 'llama.embedding_length' = {hidden} is not a "
-            f"multiple of 'llama.attention.head_count' = {heads} and "
-            "'llama.attention.key_length' is missing"
+            f"{g.path}: metadata '{p}embedding_length' = {hidden} is not a "
+            f"multiple of '{p}attention.head_count' = {heads} and "
+            f"'{p}attention.key_length' is missing"
         )
     else:
         head_dim = hidden // heads
-    for key in ("llama.rope.dimension_count", "llama.attention.value_length"):
+    for key in (f"{p}rope.dimension_count", f"{p}attention.value_length"):
         if key in g.fields and _meta_int(g, key) != head_dim:
             raise UnsupportedError(
                 f"{g.path}: metadata {key!r} = {g.fields[key].value} differs from "
-                f"the head dimension {head_dim}; entrenar's Llama needs them equal"
+                f"the head dimension {head_dim}; entrenar needs them equal"
             )
     return head_dim
 
 
+def _vector(g: GGUFFile, name: str, n: int) -> tuple[float, ...]:
+    """A small float tensor (``rope_freqs``, ``rope_factors_*``) of ``n`` values."""
+    t = g.tensors[name]
+    if t.shape != (n,):
+        raise FormatError(f"{g.path}: tensor {name!r} has shape {t.shape}, want ({n},)")
+    values = g.tensor(name).astype(np.float64)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise FormatError(f"{g.path}: tensor {name!r} holds values that are not > 0")
+    return tuple(float(v) for v in values)
+
+
+def _rope_fields(g: GGUFFile, p: str, head_dim: int) -> dict[str, Any]:
+    """Rotary scaling from ``{arch}.rope.scaling.*`` and ``rope_freqs``/factors."""
+    kind_f = g.fields.get(f"{p}rope.scaling.type")
+    kind = "none" if kind_f is None else kind_f.value
+    if kind not in ROPE_SCALINGS:
+        raise UnsupportedError(
+            f"{g.path}: metadata '{p}rope.scaling.type' = {kind!r}; entrenar reads "
+            f"{ROPE_SCALINGS[2:]} (or none)"
+        )
+    out: dict[str, Any] = {}
+    half = head_dim // 2
+    if "rope_freqs.weight" in g.tensors:
+        out["rope_freq_divisors"] = _vector(g, "rope_freqs.weight", half)
+    long, short = "rope_factors_long.weight", "rope_factors_short.weight"
+    if long in g.tensors or short in g.tensors or kind == "longrope":
+        if long not in g.tensors or short not in g.tensors:
+            raise FormatError(f"{g.path}: longrope needs tensors {long} and {short}")
+        kind = "longrope"
+        out["rope_long_factor"] = _vector(g, long, half)
+        out["rope_short_factor"] = _vector(g, short, half)
+    if kind in ("none", ""):
+        return out
+    out["rope_type"] = kind
+    out["rope_factor"] = _meta_float(g, f"{p}rope.scaling.factor", 1.0)
+    orig = f"{p}rope.scaling.original_context_length"
+    if orig in g.fields or kind != "linear":
+        out["rope_original_max_position_embeddings"] = _meta_int(g, orig)
+    attn = _meta_float(g, f"{p}rope.scaling.attn_factor", None)
+    if attn is not None:
+        out["rope_attention_factor"] = attn
+    if kind == "yarn":
+        out["rope_beta_fast"] = _meta_float(g, f"{p}rope.scaling.yarn_beta_fast", 32.0)
+        out["rope_beta_slow"] = _meta_float(g, f"{p}rope.scaling.yarn_beta_slow", 1.0)
+    return out
+
+
+def _window_fields(g: GGUFFile, name: str, p: str, n_layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` from ``attention.sliding_window*``."""
+    key = f"{p}attention.sliding_window"
+    default = 4096 if name == "gemma2" else None  # llama.cpp's default for Gemma 2
+    window = _meta_int(g, key) if key in g.fields else default
+    if window is None:
+        return {}
+    types = default_layer_types(name, n_layers)
+    pattern = g.fields.get(f"{p}attention.sliding_window_pattern")
+    if pattern is not None:
+        v = pattern.value
+        if (
+            isinstance(v, list)
+            and len(v) == n_layers
+            and all(isinstance(b, bool) for b in v)
+        ):
+            types = tuple("sliding_attention" if b else "full_attention" for b in v)
+        elif isinstance(v, int) and not isinstance(v, bool) and 0 < v <= n_layers:
+            types = tuple(
+                "full_attention" if (i + 1) % v == 0 else "sliding_attention"
+                for i in range(n_layers)
+            )
+        else:
+            raise FormatError(
+                f"{g.path}: metadata '{p}attention.sliding_window_pattern' must be "
+                f"{n_layers} booleans or a period"
+            )
+    return {"sliding_window": window, "layer_types": types}
+
+
+def _family_fields(g: GGUFFile, name: str) -> dict[str, Any]:
+    """The ``entrenar.family`` JSON object (`gguf_families.SWITCH_FIELDS` only)."""
+    f = g.fields.get(FAMILY_KEY)
+    if f is None:
+        return {}
+    try:
+        value = json.loads(f.value) if isinstance(f.value, str) else None
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict) or set(value) - set(SWITCH_FIELDS):
+        raise FormatError(
+            f"{g.path}: metadata {FAMILY_KEY!r} must be a JSON object of "
+            f"{list(SWITCH_FIELDS)}"
+        )
+    family = value.get("architecture")
+    if family is not None:
+        arch = nn.architecture(str(family))
+        if written_name(arch.name, arch.gguf_name) != name:
+            raise FormatError(
+                f"{g.path}: metadata {FAMILY_KEY!r} names family {family!r}, which is "
+                f"not written as general.architecture {name!r}"
+            )
+    return value
+
+
 def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
-    """The `LlamaConfig` described by a GGUF file's ``llama.*`` metadata.
+    """The `LlamaConfig` (of its family) a GGUF file's metadata and tensors describe.
 
     Every integer is checked against `INT_LIMITS`, every float against
     `FLOAT_RANGES`, and the shapes against each other (heads divide the width, KV
@@ -177,81 +300,118 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     Raises:
         FormatError: missing, out-of-range or inconsistent fields (named in the
             message).
-        UnsupportedError: another architecture, rope scaling or partial rotary.
+        UnsupportedError: an architecture entrenar does not implement, a rope
+            scaling or partial rotary.
     """
-    arch = g.fields.get("general.architecture")
-    if arch is None or arch.value != "llama":
+    name = _arch_name(g)
+    arch = nn.architecture_for_gguf(name, g.path)
+    if arch.config_class is not LlamaConfig:
         raise UnsupportedError(
-            f"{g.path}: general.architecture is {arch and arch.value!r}; only 'llama' "
-            "GGUF files load into entrenar.nn.Llama"
+            f"{g.path}: general.architecture {name!r} is not a decoder entrenar loads "
+            "from llama.cpp files"
         )
-    scaling = g.fields.get("llama.rope.scaling.type")
-    if scaling is not None and scaling.value not in ("none", ""):
-        raise UnsupportedError(f"{g.path}: rope scaling {scaling.value!r}")
-    if "rope_freqs.weight" in g.tensors:
-        raise UnsupportedError(f"{g.path}: rope_freqs.weight (rope scaling)")
-    heads = _meta_int(g, "llama.attention.head_count")
-    hidden = _meta_int(g, "llama.embedding_length")
+    p = f"{name}."
+    heads = _meta_int(g, f"{p}attention.head_count")
+    hidden = _meta_int(g, f"{p}embedding_length")
+    n_layers = _meta_int(g, f"{p}block_count")
     emb = g.tensors.get("token_embd.weight")
     n_vocab = emb.shape[0] if emb is not None and len(emb.shape) == 2 else None
-    head_dim = _head_dim(g, hidden, heads)
+    head_dim = _head_dim(g, p, hidden, heads)
+    has = set(g.tensors)
+    fields: dict[str, Any] = dict(
+        vocab_size=_meta_int(g, f"{p}vocab_size", n_vocab),
+        hidden_size=hidden,
+        intermediate_size=_meta_int(g, f"{p}feed_forward_length"),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=_meta_int(g, f"{p}attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rope_theta=_meta_float(g, f"{p}rope.freq_base", 10000.0),
+        rms_norm_eps=_meta_float(g, f"{p}attention.layer_norm_rms_epsilon", 1e-5),
+        tie_word_embeddings="output.weight" not in has,
+        max_position_embeddings=_meta_int(g, f"{p}context_length", 2048),
+        attention_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & has),
+        attention_out_bias="blk.0.attn_output.bias" in has,
+        mlp_bias="blk.0.ffn_down.bias" in has,
+        qk_norm="blk.0.attn_q_norm.weight" in has,
+        fused_qkv="blk.0.attn_qkv.weight" in has,
+        fused_gate_up="blk.0.ffn_up.weight" in has
+        and "blk.0.ffn_gate.weight" not in has,
+        **IMPLIED.get(name, {}),
+    )
+    fields |= _rope_fields(g, p, head_dim)
+    fields |= _window_fields(g, name, p, n_layers)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _meta_float(g, f"{p}{key}", None)
+        if value is not None:
+            fields[key] = value
+    if name == "gemma3" or f"{p}rope.freq_base_swa" in g.fields:
+        local = _meta_float(g, f"{p}rope.freq_base_swa", 10000.0)
+        if fields.get("sliding_window") and local != fields["rope_theta"]:
+            fields["rope_local_theta"] = local
+    if (name, n_layers) in (("gemma2", 46), ("gemma3", 62)):  # llama.cpp's 27B rule
+        fields["query_pre_attn_scalar"] = float(hidden // heads)
+    family = _family_fields(g, name)
+    if family.get("rope_type", "default") != "default":
+        fields.pop("rope_freq_divisors", None)  # rope_freqs was derived from them
+    fields |= family
+    family_arch = nn.architecture(family.get("architecture", arch.name))
     try:
-        return LlamaConfig(
-            vocab_size=_meta_int(g, "llama.vocab_size", n_vocab),
-            hidden_size=hidden,
-            intermediate_size=_meta_int(g, "llama.feed_forward_length"),
-            num_layers=_meta_int(g, "llama.block_count"),
-            num_heads=heads,
-            num_kv_heads=_meta_int(g, "llama.attention.head_count_kv", heads),
-            head_dim=head_dim,
-            rope_theta=_meta_float(g, "llama.rope.freq_base", 10000.0),
-            rms_norm_eps=_meta_float(g, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-            tie_word_embeddings="output.weight" not in g.tensors,
-            max_position_embeddings=_meta_int(g, "llama.context_length", 2048),
-        )
-    except ConfigError as e:
-        raise FormatError(f"{g.path}: inconsistent llama.* metadata: {e}") from None
+        return family_arch.make_config(**fields)
+    except (ConfigError, TypeError, ValueError) as e:
+        raise FormatError(f"{g.path}: inconsistent {name}.* metadata: {e}") from None
 
 
-def _expected(config: LlamaConfig) -> dict[str, tuple[tuple[str, ...], tuple]]:
-    """GGUF name -> (param path, numpy shape of one tensor) for every tensor."""
-    shapes = config.param_shapes()
-    out: dict[str, tuple[tuple[str, ...], tuple]] = {}
-    for stem, path in GLOBAL_NAMES.items():
-        node: Any = shapes
-        for k in path:
-            node = node.get(k) if isinstance(node, dict) else None
-        if node is not None:
-            out[f"{stem}.weight"] = (path, tuple(node["weight"]))
-    layers = shapes["model"]["layers"]
-    for stem, path in LAYER_NAMES.items():
-        node = layers
-        for k in path:
-            node = node[k]
-        for i in range(config.num_layers):
-            out[f"blk.{i}.{stem}.weight"] = (path, tuple(node["weight"][1:]))
+def _expected(
+    g: GGUFFile, config: LlamaConfig
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """GGUF name -> (Hugging Face name, shape of one tensor) for every tensor."""
+    flat: dict[str, tuple[int, ...]] = {}
+
+    def walk(tree: dict[str, Any], prefix: str) -> None:
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif prefix.startswith("model.layers."):
+                rest = f"{prefix}{k}".removeprefix("model.layers.")
+                for i in range(config.num_layers):
+                    flat[f"model.layers.{i}.{rest}"] = tuple(v[1:])
+            else:
+                flat[f"{prefix}{k}"] = tuple(v)
+
+    walk(config.param_shapes(), "")
+    names = gguf_names(config)
+    out = {names[hf]: (hf, shape) for hf, shape in flat.items()}
+    half = config.hd // 2
+    if "rope_freqs.weight" in g.tensors:
+        out["rope_freqs.weight"] = ("", (half,))
+    if config.rope_type == "longrope" and "rope_factors_long.weight" in g.tensors:
+        out["rope_factors_long.weight"] = ("", (half,))
+        out["rope_factors_short.weight"] = ("", (half,))
     return out
 
 
 def _check_tensors(g: GGUFFile, config: LlamaConfig) -> None:
-    want = _expected(config)
+    want = _expected(g, config)
+    p = f"{_arch_name(g)}.*"
     for name, (_, shape) in want.items():
         if name not in g.tensors:
             raise FormatError(f"{g.path}: tensor {name!r} is missing")
         if g.tensors[name].shape != shape:
             raise FormatError(
                 f"{g.path}: tensor {name!r} has shape {g.tensors[name].shape}, the "
-                f"llama.* metadata implies {shape}"
+                f"{p} metadata implies {shape}"
             )
     extra = sorted(set(g.tensors) - set(want))
     if extra:
-        raise FormatError(f"{g.path}: unexpected tensors {extra[:5]} for a Llama")
+        family = nn.architecture_of(config).name
+        raise FormatError(f"{g.path}: unexpected tensors {extra[:5]} for a {family}")
 
 
 def read_llama_header(
     path: str | os.PathLike[str] | GGUFFile,
 ) -> tuple[GGUFFile, LlamaConfig]:
-    """A llama.cpp Llama GGUF's header, checked without reading any tensor data.
+    """A llama.cpp GGUF's header, checked without reading the weights' data.
 
     The magic, version and metadata (`read_gguf`), the hyperparameters
     (`llama_config_from_gguf`) and the tensor table: every tensor the config
@@ -260,7 +420,8 @@ def read_llama_header(
     Raises:
         FormatError: not a GGUF, a corrupt header, or a tensor table that does not
             fit the metadata.
-        UnsupportedError: not a Llama, or a GGUF version other than 2 and 3.
+        UnsupportedError: an architecture entrenar does not read, or a GGUF version
+            other than 2 and 3.
     """
     g = path if isinstance(path, GGUFFile) else read_gguf(path)
     config = llama_config_from_gguf(g)
@@ -268,10 +429,10 @@ def read_llama_header(
     return g, config
 
 
-def _stack_rows(g: GGUFFile, names: list[str], n_perm: int | None) -> np.ndarray:
-    """Raw bytes of ``names`` as ``(L, rows, row_bytes)``, q/k rows un-permuted."""
-    rows = np.stack([g.raw(n).reshape(g.tensors[n].shape[0], -1) for n in names])
-    return unpermute_qk(rows, n_perm) if n_perm else rows
+def _rows(g: GGUFFile, name: str) -> np.ndarray:
+    """Raw bytes of ``name`` as ``(rows, row_bytes)`` (a vector: ``(n, item)``)."""
+    raw, n = g.raw(name), g.tensors[name].shape[0]
+    return raw.reshape(n, -1) if raw.size % n == 0 else raw
 
 
 def load_llama_gguf(
@@ -280,57 +441,70 @@ def load_llama_gguf(
     *,
     dtype: str = "float32",
 ) -> tuple[LlamaConfig, Params, dict[str, Any]]:
-    """Load a llama.cpp Llama GGUF into entrenar's stacked param tree.
+    """Load a llama.cpp GGUF of any `LlamaConfig` family into entrenar's tree.
 
     Args:
         path: the ``.gguf`` file (or a `GGUFFile` already read).
         keep_quantized: keep the layers' projection weights stored as Q8_0, Q4_0 or
             Q4_1 as `entrenar.quant.QuantizedWeight` nodes (for QLoRA); everything
-            else (norms, embeddings, other types) is dequantized.
+            else (norms, embeddings, biases, other types) is dequantized.
         dtype: dtype of the dequantized leaves.
 
     Returns:
         ``(config, params, tokenizer_info)``: the tree of ``config.param_shapes()``
-        (q/k rows in Hugging Face order) and the ``tokenizer.*`` metadata (build a
-        tokenizer with `BPETokenizer.from_gguf_metadata`).
+        (q/k rows in Hugging Face order, Gemma's norms as Hugging Face stores them)
+        and the ``tokenizer.*`` metadata (build a tokenizer with
+        `BPETokenizer.from_gguf_metadata`).
 
     Raises:
         FormatError: a corrupt file or tensors that do not fit the metadata.
-        UnsupportedError: not a Llama, rope scaling, or an undecodable tensor type.
+        UnsupportedError: an architecture or rope scaling entrenar does not read, or
+            an undecodable tensor type.
     """
     g, config = read_llama_header(path)
     config = dataclasses.replace(config, param_dtype=dtype)
-    perm = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
-    params: dict[str, Any] = {"model": {"layers": {}}}
+    name = _arch_name(g)
+    want = _expected(g, config)
+    by_hf = {hf: gguf for gguf, (hf, _) in want.items() if hf}
+    permute = name in PERMUTED
+    shift = NORM_SHIFT.get(name, 0.0)
+    perm_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
 
-    def put(path: tuple[str, ...], value: Any, root: dict[str, Any]) -> None:
-        for k in path:
-            root = root.setdefault(k, {})
-        root["weight"] = value
+    def one(gname: str, shape: tuple[int, ...]) -> np.ndarray:
+        """One tensor dequantized, un-permuted and un-shifted: (shape) float32."""
+        rows = _rows(g, gname)
+        stem = gname.split(".")[-2]
+        if permute and stem in perm_heads:
+            rows = unpermute_qk(rows, perm_heads[stem])
+        a = dequantize_ggml(rows, g.tensors[gname].type_id, shape)
+        return a - np.float32(shift) if shift and stem.endswith("norm") else a
 
-    for stem, path_ in GLOBAL_NAMES.items():
-        name = f"{stem}.weight"
-        if name in g.tensors:
-            put(path_, jnp.asarray(g.tensor(name), dtype=dtype), params)
-    for stem, path_ in LAYER_NAMES.items():
-        names = [f"blk.{i}.{stem}.weight" for i in range(config.num_layers)]
+    def stacked(hf_stem: str, shape: tuple[int, ...]) -> Any:
+        names = [by_hf[f"model.layers.{i}.{hf_stem}"] for i in range(shape[0])]
         types = {g.tensors[n].type_name for n in names}
-        shape = (config.num_layers, *g.tensors[names[0]].shape)
         (t,) = types if len(types) == 1 else (None,)
         if keep_quantized and t in KEEP_QUANTIZED and len(shape) == 3:
-            raw = _stack_rows(g, names, perm.get(stem))  # (L, rows, row_bytes)
-            value: Any = from_ggml(raw.reshape(-1), t, shape)
-        else:  # layer by layer: llama.cpp's mixes (Q4_K_M) differ in row bytes
-            layers = [
-                dequantize_ggml(
-                    _stack_rows(g, [n], perm.get(stem))[0],  # (rows, row_bytes)
-                    g.tensors[n].type_id,
-                    shape[1:],
-                )
-                for n in names
-            ]
-            value = jnp.asarray(np.stack(layers), dtype=dtype)  # (L, *shape)
-        put(path_, value, params["model"]["layers"])
+            raw = np.stack([_rows(g, n) for n in names])  # (L, rows, row_bytes)
+            stem = names[0].split(".")[-2]
+            if permute and stem in perm_heads:
+                raw = unpermute_qk(raw, perm_heads[stem])
+            return from_ggml(raw.reshape(-1), t, shape)
+        # layer by layer: llama.cpp's mixes (Q4_K_M) differ in row bytes
+        return jnp.asarray(np.stack([one(n, shape[1:]) for n in names]), dtype=dtype)
+
+    def build(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            path_ = f"{prefix}{k}"
+            if isinstance(v, dict):
+                out[k] = build(v, f"{path_}.")
+            elif prefix.startswith("model.layers."):
+                out[k] = stacked(path_.removeprefix("model.layers."), tuple(v))
+            else:
+                out[k] = jnp.asarray(one(by_hf[path_], tuple(v)), dtype=dtype)
+        return out
+
+    params = build(config.param_shapes(), "")
     info = {k: v for k, v in g.metadata.items() if k.startswith("tokenizer.")}
     return config, params, info
 
@@ -342,9 +516,7 @@ def load_tokenizer(path: str | os.PathLike[str] | GGUFFile) -> BPETokenizer:
 
 
 __all__ = [
-    "GLOBAL_NAMES",
     "KEEP_QUANTIZED",
-    "LAYER_NAMES",
     "llama_config_from_gguf",
     "load_llama_gguf",
     "load_tokenizer",

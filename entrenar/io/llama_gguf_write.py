@@ -1,29 +1,56 @@
-"""Write an entrenar Llama (e.g. merged after fine-tuning) as a llama.cpp GGUF.
+"""Write an entrenar decoder (any `LlamaConfig` family) as a llama.cpp GGUF.
 
-Metadata: every field of the ``source`` GGUF (tokenizer, chat template, general.*)
-is copied with its type; the ``llama.*`` shape fields are rewritten from the config
-and ``general.file_type`` from the tensor type. Tensors: norms are F32 (as llama.cpp
-writes them); matrices are stored in ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0,
-Q4_1), quantized by `entrenar.quant` (bit-exact with llama.cpp's reference
-quantizers). A weight already held as a `QuantizedWeight` of that scheme is written
-as is. q/k rows are permuted to llama.cpp's order (see `entrenar.io.llama_gguf`).
+The file is written under the family's llama.cpp name
+(`entrenar.io.gguf_families.written_name`: ``llama``, ``qwen2``, ``qwen3``,
+``gemma2``, ``gemma3``, ``phi3``; Mistral as ``llama``), with the family's tensor
+names and conventions (q/k rows permuted only for ``llama``, Gemma's norms stored as
+``1 + w``). Metadata: every field of the ``source`` GGUF (tokenizer, chat template,
+general.*) is copied with its type, except its ``{arch}.*`` hyperparameters, which are
+written from the config (sizes, ``rope.*``, ``attention.sliding_window(_pattern)``,
+soft-caps), with ``general.file_type`` from the tensor type and the switches in
+``entrenar.family`` (`entrenar.io.gguf_families`). Llama 3.x rotary scaling is written
+as llama.cpp's converter writes it, a ``rope_freqs`` tensor of per-frequency
+divisors. Tensors: norms, biases and vectors are F32 (as llama.cpp writes them);
+matrices are stored in ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1), quantized
+by `entrenar.quant` (bit-exact with llama.cpp's reference quantizers). A weight
+already held as a `QuantizedWeight` of that scheme is written as is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import math
 import os
 from typing import Any
 
 import jax
 import numpy as np
 
-from entrenar.errors import ConfigError, FormatError, QuantizationError
+from entrenar import nn
+from entrenar.errors import (
+    ConfigError,
+    FormatError,
+    QuantizationError,
+    UnsupportedError,
+)
 from entrenar.io.ggml_dequant import GGML_TYPE_IDS
+from entrenar.io.gguf_families import (
+    FAMILY_KEY,
+    IMPLIED,
+    NORM_SHIFT,
+    PERMUTED,
+    SWA_PATTERN,
+    SWITCH_FIELDS,
+    gguf_names,
+    written_name,
+)
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_gguf
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
-from entrenar.io.llama_gguf import GLOBAL_NAMES, LAYER_NAMES, permute_qk
+from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig
+from entrenar.nn.decoder_config import sliding_layers
 from entrenar.quant import QuantizedWeight, dequantize, quantize, to_ggml
 from entrenar.types import Params
 
@@ -31,14 +58,7 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 """Tensor types `save_llama_gguf` writes."""
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
 """llama.cpp's ``general.file_type`` (``llama_ftype``) of each tensor type."""
-
-
-def _leaf(tree: Any, path: tuple[str, ...]) -> Any:
-    for k in path:
-        if not isinstance(tree, dict) or k not in tree:
-            return None
-        tree = tree[k]
-    return tree["weight"]
+U32, F32, STR = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
 
 
 @functools.cache
@@ -65,37 +85,138 @@ def _to_bytes(w: Any, kind: str, name: str) -> np.ndarray:
 
 
 def _order_key(name: str) -> tuple[int, int, str]:
-    """token_embd, blk.0.*, blk.1.*, ..., output_norm, output."""
+    """token_embd, rope tensors, blk.0.*, blk.1.*, ..., output_norm, output."""
     if name.startswith("blk."):
         return (1, int(name.split(".")[1]), name)
-    return (0 if name.startswith("token_embd") else 2, 0, name)
+    return (0 if name.startswith(("token_embd", "rope_")) else 2, 0, name)
 
 
-def _metadata(source: GGUFFile | None, config: LlamaConfig, kind: str, name: str):
+def llama3_divisors(c: LlamaConfig) -> tuple[float, ...]:
+    """llama.cpp's ``rope_freqs`` for ``rope_type="llama3"``: each frequency's divisor.
+
+    As llama.cpp's converter computes them: with wavelength ``λ = 2π / f``, 1 for
+    ``λ < L / high``, ``factor`` for ``λ > L / low``, else ``1 / ((1 - s) / factor +
+    s)`` with ``s = (L / λ - low) / (high - low)`` (``L`` the original context).
+    """
+    d, factor = c.hd, c.rope_factor
+    low, high = c.rope_low_freq_factor, c.rope_high_freq_factor
+    ctx = float(c.rope_original_max_position_embeddings or 8192)
+    freqs = 1.0 / (c.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    out = []
+    for f in freqs.astype(np.float64):
+        wavelen = 2 * math.pi / f
+        if wavelen < ctx / high:
+            out.append(1.0)
+        elif wavelen > ctx / low:
+            out.append(factor)
+        else:
+            smooth = (ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
+
+
+def _switches(c: LlamaConfig, family: str, gname: str) -> dict[str, Any]:
+    """``entrenar.family``: what the metadata and tensor table do not say already.
+
+    The family when it is written under another's name (Mistral as ``llama``),
+    every `SWITCH_FIELDS` field off its default, and the sliding window of the
+    families llama.cpp gives a default one (Gemma 2). Empty for a plain Llama.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(c)}
+    out: dict[str, Any] = {}
+    if family != gname:
+        out["architecture"] = family
+    for name in SWITCH_FIELDS:
+        value = getattr(c, name)
+        always = gname in SWA_PATTERN and name in ("sliding_window", "layer_types")
+        if name != "architecture" and (always or value != defaults[name]):
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _metadata(
+    source: GGUFFile | None, c: LlamaConfig, gname: str, kind: str, name: str
+) -> dict[str, GGUFField]:
+    """The file's metadata: the source's, its hyperparameters rewritten from ``c``.
+
+    Source keys keep their places (so a Llama rewritten from its own file keeps
+    the order); its ``{arch}.*`` keys that ``c`` does not set are dropped.
+    """
     fields: dict[str, GGUFField] = dict(source.fields) if source else {}
-    u32, f32, s = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
-    fields["general.architecture"] = GGUFField("llama", s)
+    old = fields.get("general.architecture")
+    family = nn.architecture_of(c).name
+    fields["general.architecture"] = GGUFField(gname, STR)
     if name or "general.name" not in fields:
-        fields["general.name"] = GGUFField(name or "entrenar-llama", s)
-    new = {
-        "llama.vocab_size": (config.vocab_size, u32),
-        "llama.context_length": (config.max_position_embeddings, u32),
-        "llama.embedding_length": (config.hidden_size, u32),
-        "llama.feed_forward_length": (config.intermediate_size, u32),
-        "llama.block_count": (config.num_layers, u32),
-        "llama.attention.head_count": (config.num_heads, u32),
-        "llama.attention.head_count_kv": (config.num_kv_heads, u32),
-        "llama.rope.dimension_count": (config.hd, u32),
-        "llama.rope.freq_base": (config.rope_theta, f32),
-        "llama.attention.layer_norm_rms_epsilon": (config.rms_norm_eps, f32),
-        "general.file_type": (FILE_TYPES[kind], u32),
+        fields["general.name"] = GGUFField(name or f"entrenar-{family}", STR)
+    p = f"{gname}."
+    new: dict[str, tuple[Any, GGUFValueType]] = {
+        p + "vocab_size": (c.vocab_size, U32),
+        p + "context_length": (c.max_position_embeddings, U32),
+        p + "embedding_length": (c.hidden_size, U32),
+        p + "feed_forward_length": (c.intermediate_size, U32),
+        p + "block_count": (c.num_layers, U32),
+        p + "attention.head_count": (c.num_heads, U32),
+        p + "attention.head_count_kv": (c.num_kv_heads, U32),
+        p + "rope.dimension_count": (c.hd, U32),
+        p + "rope.freq_base": (c.rope_theta, F32),
+        p + "attention.layer_norm_rms_epsilon": (c.rms_norm_eps, F32),
+        "general.file_type": (FILE_TYPES[kind], U32),
     }
-    for k in ("llama.attention.key_length", "llama.attention.value_length"):
-        if k in fields or config.hd != config.hidden_size // config.num_heads:
-            new[k] = (config.hd, u32)  # llama.cpp's default is D / H
+    for k in ("attention.key_length", "attention.value_length"):
+        if p + k in fields or c.hd != c.hidden_size // c.num_heads:
+            new[p + k] = (c.hd, U32)  # llama.cpp's default is D / H
+    if c.rope_type in ("linear", "yarn"):
+        new[p + "rope.scaling.type"] = (c.rope_type, STR)
+        new[p + "rope.scaling.factor"] = (c.rope_factor, F32)
+    if c.rope_type in ("yarn", "longrope"):
+        orig = c.rope_original_max_position_embeddings
+        new[p + "rope.scaling.original_context_length"] = (orig, U32)
+        if c.rope_attention_factor is not None:
+            new[p + "rope.scaling.attn_factor"] = (c.rope_attention_factor, F32)
+    if c.rope_type == "yarn":
+        new[p + "rope.scaling.yarn_beta_fast"] = (c.rope_beta_fast, F32)
+        new[p + "rope.scaling.yarn_beta_slow"] = (c.rope_beta_slow, F32)
+    if c.sliding_window is not None:
+        new[p + "attention.sliding_window"] = (c.sliding_window, U32)
+        if gname in SWA_PATTERN:
+            new[p + "rope.freq_base_swa"] = (c.rope_local_theta or c.rope_theta, F32)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(c, key) is not None:
+            new[p + key] = (getattr(c, key), F32)
+    stale = tuple(f"{a}." for a in {gname, getattr(old, "value", gname)})
+    for k in [k for k in fields if k.startswith(stale) or k == FAMILY_KEY]:
+        if k not in new:
+            del fields[k]
     for k, (v, t) in new.items():
         fields[k] = GGUFField(v, t)
+    if c.sliding_window is not None and gname in SWA_PATTERN:
+        fields[p + "attention.sliding_window_pattern"] = GGUFField(
+            list(sliding_layers(c)), GGUFValueType.ARRAY, GGUFValueType.BOOL
+        )
+    switches = _switches(c, family, gname)
+    if switches:
+        fields[FAMILY_KEY] = GGUFField(json.dumps(switches), STR)
     return fields
+
+
+def _gguf_name(config: Any) -> str:
+    """The llama.cpp name ``config`` is written under, its implied switches checked."""
+    if not isinstance(config, LlamaConfig):
+        raise UnsupportedError(
+            f"{type(config).__name__} has no llama.cpp GGUF form (LlamaConfig "
+            "families do)"
+        )
+    arch = nn.architecture_of(config)
+    gname = written_name(arch.name, arch.gguf_name)
+    if gname is None:
+        raise UnsupportedError(f"{arch.name} models have no llama.cpp GGUF form")
+    for field, value in IMPLIED.get(gname, {}).items():
+        if getattr(config, field) != value:
+            raise UnsupportedError(
+                f"llama.cpp's {gname} has {field}={value!r}; this {arch.name} config "
+                f"has {getattr(config, field)!r}"
+            )
+    return gname
 
 
 def save_llama_gguf(
@@ -112,7 +233,7 @@ def save_llama_gguf(
 
     Args:
         path: destination ``.gguf``.
-        config: the model's `LlamaConfig`.
+        config: the model's `LlamaConfig` (any family, module docstring).
         params: its stacked param tree (arrays or `QuantizedWeight` nodes; merge LoRA
             adapters first).
         source: the GGUF the model came from: its metadata and tokenizer are copied
@@ -131,7 +252,9 @@ def save_llama_gguf(
         ConfigError: an unknown ``tensor_type``, or a row length that does not split
             into 32-value blocks for a quantized type.
         FormatError: ``params`` lacks a tensor of ``config``.
+        UnsupportedError: a family with no llama.cpp form.
     """
+    gname = _gguf_name(config)
     kind = tensor_type.upper()
     emb_kind = (embedding_type or tensor_type).upper()
     for k in (kind, emb_kind):
@@ -146,40 +269,66 @@ def save_llama_gguf(
         )
     src = read_gguf(source) if isinstance(source, (str, os.PathLike)) else source
     params = jax.device_get(params)
+    names = gguf_names(config)
+    permute = gname in PERMUTED
+    shift = NORM_SHIFT.get(gname, 0.0)
+    perm_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     tensors: dict[str, GGUFTensor] = {}
-    perm = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
 
-    def weight(tree: Any, p: tuple[str, ...]) -> Any:
-        w = _leaf(tree, p)
-        if w is None:
-            raise FormatError(f"params lack {'.'.join(p)}.weight (config {config})")
-        return w
-
-    for stem, p in GLOBAL_NAMES.items():
-        if stem == "output" and config.tie_word_embeddings:
-            continue
-        k = "F32" if stem.endswith("norm") else emb_kind
-        w = weight(params, p)
-        tensors[f"{stem}.weight"] = GGUFTensor(
-            _to_bytes(w, k, stem).reshape(-1), tuple(np.shape(w)), GGML_TYPE_IDS[k]
+    def put(gguf_name: str, raw: np.ndarray, shape: tuple[int, ...], k: str) -> None:
+        tensors[gguf_name] = GGUFTensor(
+            np.ascontiguousarray(raw).reshape(-1), shape, GGML_TYPE_IDS[k]
         )
-    layers = params["model"]["layers"]
-    for stem, p in LAYER_NAMES.items():
-        k = "F32" if stem.endswith("norm") else kind
-        w = weight(layers, p)
-        raw = _to_bytes(w, k, stem)  # (L, rows, row_bytes) or (L, D, 4)
-        if stem in perm:
-            raw = permute_qk(raw, perm[stem])
-        shape = tuple(w.shape[1:])
-        for i in range(config.num_layers):
-            tensors[f"blk.{i}.{stem}.weight"] = GGUFTensor(
-                np.ascontiguousarray(raw[i]).reshape(-1), shape, GGML_TYPE_IDS[k]
-            )
+
+    def walk(tree: dict[str, Any], shapes: dict[str, Any], prefix: str) -> None:
+        for key, sub in shapes.items():
+            hf = f"{prefix}{key}"
+            if isinstance(sub, dict):
+                node = tree.get(key) if isinstance(tree, dict) else None
+                if not isinstance(node, dict):
+                    raise FormatError(f"params lack {hf} (config {config})")
+                walk(node, sub, f"{hf}.")
+                continue
+            if key not in tree:
+                raise FormatError(f"params lack {hf} (config {config})")
+            w = tree[key]
+            stacked = prefix.startswith("model.layers.")
+            matrix = len(sub) == (3 if stacked else 2)
+            k = (emb_kind if not stacked else kind) if matrix else "F32"
+            layer0 = hf.replace("model.layers.", "model.layers.0.", 1)
+            stem = names[layer0 if stacked else hf].split(".")[-2]
+            if shift and stem.endswith("norm"):
+                w = np.asarray(w, np.float32) + np.float32(shift)
+            raw = _to_bytes(w, k, hf)  # (L?, rows, row_bytes) or flat vectors
+            if not matrix:  # vectors: one row per value
+                raw = raw.reshape(*sub, -1)
+            if permute and stem in perm_heads:
+                raw = permute_qk(raw, perm_heads[stem])
+            if not stacked:
+                put(names[hf], raw, tuple(sub), k)
+                continue
+            for i in range(config.num_layers):
+                hf_i = hf.replace("model.layers.", f"model.layers.{i}.", 1)
+                put(names[hf_i], raw[i], tuple(sub[1:]), k)
+
+    walk(params, config.param_shapes(), "")
+    rope = None
+    if config.rope_type == "llama3":
+        rope = llama3_divisors(config)
+    elif config.rope_freq_divisors is not None:
+        rope = config.rope_freq_divisors
+    if rope is not None:
+        vec = np.asarray(rope, np.float32)
+        put("rope_freqs.weight", vec.view(np.uint8), vec.shape, "F32")
+    if config.rope_type == "longrope":
+        for which in ("long", "short"):
+            vec = np.asarray(getattr(config, f"rope_{which}_factor"), np.float32)
+            put(f"rope_factors_{which}.weight", vec.view(np.uint8), vec.shape, "F32")
     # The source's order when it has the same tensors, else layer by layer.
     same = src is not None and set(src.tensors) == set(tensors)
     order = list(src.tensors) if same and src else sorted(tensors, key=_order_key)
     tensors = {n: tensors[n] for n in order}
-    write_gguf(path, _metadata(src, config, kind, name), tensors)
+    write_gguf(path, _metadata(src, config, gname, kind, name), tensors)
 
 
-__all__ = ["FILE_TYPES", "TENSOR_TYPES", "save_llama_gguf"]
+__all__ = ["FILE_TYPES", "TENSOR_TYPES", "llama3_divisors", "save_llama_gguf"]

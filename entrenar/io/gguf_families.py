@@ -1,0 +1,179 @@
+"""How each `LlamaConfig` family is laid out in a llama.cpp GGUF file.
+
+llama.cpp names a model's family in ``general.architecture`` (`entrenar.nn`'s
+registry maps it to a family: `entrenar.nn.architecture_for_gguf`) and its
+hyperparameters ``{arch}.*``. The families differ in:
+
+- **the name written**: a family's ``gguf_name``; Mistral, which llama.cpp converts
+  as a Llama, is written as ``llama`` (`WRITTEN_AS`) and told apart on reading by
+  the ``entrenar.family`` key (below);
+- **q/k rows**: permuted for llama.cpp's interleaved rotary only in the families
+  llama.cpp converts with the permutation (`PERMUTED`: ``llama``); Qwen2/3, Gemma
+  and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
+- **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
+  weight (`NORM_SHIFT`), entrenar keeps Hugging Face's ``w``;
+- **what is implied** by the name (`IMPLIED`): Gemma's GeGLU, ``(1 + w)`` norms,
+  sandwich norms, ``√D`` embedding scale and tied head;
+- **tensor names** (`LAYER_STEMS`): Hugging Face module -> ``blk.N.<stem>``, with
+  Gemma's four norms (`SANDWICH_STEMS`) and Phi-3's fused ``attn_qkv``/``ffn_up``.
+
+The writer also stores every switch that differs from Llama's default in
+``entrenar.family``, a JSON object of `LlamaConfig` fields (`SWITCH_FIELDS`) that
+llama.cpp ignores and the reader applies last: it carries what llama.cpp's metadata
+cannot state (dynamic NTK rotary, llama3's parameters behind ``rope_freqs``, the
+layer types of Qwen2 and Mistral, Gemma's query scale where llama.cpp derives
+another), so a file entrenar wrote reads back as the same config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GLOBAL_STEMS = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+"""Hugging Face module outside the layers -> GGUF tensor stem."""
+LAYER_STEMS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+"""Hugging Face module of a layer -> GGUF stem (``blk.N.<stem>.weight``/``.bias``)."""
+SANDWICH_STEMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+"""Gemma 2/3's norms (``sandwich_norms``), replacing `LAYER_STEMS`' entries."""
+
+WRITTEN_AS = {"mistral": "llama"}
+"""Families without a llama.cpp name of their own, and the name they are written as."""
+PERMUTED = frozenset({"llama"})
+"""llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
+NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+"""llama.cpp names whose norm weights are stored plus this."""
+IMPLIED: dict[str, dict[str, Any]] = {
+    name: {
+        "hidden_act": "gelu_pytorch_tanh",
+        "norm_unit_offset": True,
+        "sandwich_norms": True,
+        "scale_embeddings": True,
+    }
+    for name in ("gemma2", "gemma3")
+}
+"""`LlamaConfig` fields a llama.cpp name implies."""
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+"""llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
+== 0`` (as Hugging Face's Gemma configs lay them out)."""
+FAMILY_KEY = "entrenar.family"
+"""GGUF key of the JSON object of fields llama.cpp's keys cannot state."""
+SWITCH_FIELDS = (
+    "architecture",
+    "rope_type",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_attention_factor",
+    "rope_short_factor",
+    "rope_long_factor",
+    "rope_local_theta",
+    "sliding_window",
+    "layer_types",
+    "hidden_act",
+    "norm_unit_offset",
+    "sandwich_norms",
+    "scale_embeddings",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+)
+"""`LlamaConfig` fields ``entrenar.family`` may hold (nothing else is read from it):
+the switches not told by the tensor table (biases, q/k norms and fused weights are)."""
+
+
+def written_name(family: str, gguf_name: str | None) -> str | None:
+    """The ``general.architecture`` a family is written under (None: no GGUF form)."""
+    return gguf_name or WRITTEN_AS.get(family)
+
+
+def layer_stems(config: Any) -> dict[str, str]:
+    """`LAYER_STEMS` for ``config`` (with Gemma's `SANDWICH_STEMS` when it has them)."""
+    stems = dict(LAYER_STEMS)
+    if getattr(config, "sandwich_norms", False):
+        stems |= SANDWICH_STEMS
+    return stems
+
+
+def gguf_names(config: Any) -> dict[str, str]:
+    """Hugging Face tensor name (layer ``N`` as ``layers.N``) -> GGUF tensor name.
+
+    Every leaf of ``config.param_shapes()`` gets a name; the layer names are given
+    for every layer.
+
+    Raises:
+        KeyError: a module with no GGUF name (a family this table lacks).
+    """
+    stems = layer_stems(config)
+    out: dict[str, str] = {}
+
+    def walk(tree: dict[str, Any], prefix: str) -> None:
+        for key, sub in tree.items():
+            path = f"{prefix}{key}"
+            if isinstance(sub, dict):
+                walk(sub, f"{path}.")
+                continue
+            module, _, kind = path.rpartition(".")
+            if module.startswith("model.layers."):
+                stem = stems[module.removeprefix("model.layers.")]
+                for i in range(config.num_layers):
+                    hf = f"model.layers.{i}.{module.removeprefix('model.layers.')}"
+                    out[f"{hf}.{kind}"] = f"blk.{i}.{stem}.{kind}"
+            else:
+                out[path] = f"{GLOBAL_STEMS[module]}.{kind}"
+
+    walk(config.param_shapes(), "")
+    return out
+
+
+def default_layer_types(name: str, n_layers: int) -> tuple[str, ...] | None:
+    """The layer types llama.cpp assumes for ``name`` (None: no sliding layers)."""
+    n = SWA_PATTERN.get(name)
+    if n is None:
+        return None
+    return tuple(
+        "full_attention" if (i + 1) % n == 0 else "sliding_attention"
+        for i in range(n_layers)
+    )
+
+
+__all__ = [
+    "FAMILY_KEY",
+    "GLOBAL_STEMS",
+    "IMPLIED",
+    "LAYER_STEMS",
+    "NORM_SHIFT",
+    "PERMUTED",
+    "SANDWICH_STEMS",
+    "SWA_PATTERN",
+    "SWITCH_FIELDS",
+    "WRITTEN_AS",
+    "default_layer_types",
+    "gguf_names",
+    "layer_stems",
+    "written_name",
+]

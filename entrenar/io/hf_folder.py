@@ -1,0 +1,332 @@
+"""Hugging Face model folders, as users have them, into and out of `entrenar.nn`.
+
+A folder holds ``config.json`` (its ``model_type`` names the family:
+`entrenar.nn.architecture_for_hf`, then the family's ``from_hf``), the weights in
+``model.safetensors`` or in shards listed by ``model.safetensors.index.json``
+(``{"weight_map": {tensor name: shard file}}``), and optionally
+``generation_config.json`` (EOS ids) and the tokenizer files
+(`entrenar.io.hf_tokenizer`). Tensor names are entrenar's flattened names
+(``model.layers.3.self_attn.q_proj.weight``, `entrenar.nn.from_hf_names`); Hugging
+Face already uses the half-split rotary layout, so nothing is permuted.
+
+Reading checks everything before any tensor is read: the JSON files within
+`entrenar.io.bounded`'s limits, shard names (plain file names that exist), the index
+against each shard's header (every tensor in the shard the index names, none twice),
+and each safetensors header (`read_safetensors` maps the data without reading it).
+
+`save_hf_folder` writes the same layout (``config.json`` by the family's ``to_hf``,
+shards of at most ``max_shard_bytes`` with the index when there are several,
+``generation_config.json`` and the tokenizer files), which
+``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from entrenar import nn
+from entrenar.errors import FormatError, ShapeError, UnsupportedError
+from entrenar.io.atomic import atomic_write
+from entrenar.io.bounded import MAX_CONFIG_BYTES, read_json
+from entrenar.io.hf_tokenizer import HFTokenizer, eos_ids_of, tokenizer_files
+from entrenar.io.safetensors_io import read_safetensors, save_safetensors
+from entrenar.types import Params
+
+MAX_INDEX_BYTES = 16 << 20
+"""Largest ``model.safetensors.index.json`` read (a 405B model's is about 2 MB)."""
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DEFAULT_SHARD_BYTES = 4 << 30
+"""`save_hf_folder`'s shard size (transformers' ``max_shard_size`` default: 5 GB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFolder:
+    """What a Hugging Face folder's small files say, checked (module docstring).
+
+    Attributes:
+        path: the folder.
+        architecture: the registered family (`entrenar.nn.Architecture`).
+        config: the family's model config.
+        files: the safetensors files (full paths), in name order.
+        generation: ``generation_config.json`` (``{}`` when absent).
+    """
+
+    path: str
+    architecture: Any
+    config: Any
+    files: tuple[str, ...]
+    generation: dict[str, Any]
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """``generation_config.json``'s ``eos_token_id``(s)."""
+        return eos_ids_of(
+            self.generation, os.path.join(self.path, "generation_config.json")
+        )
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the folder holds a ``tokenizer.json``."""
+        return os.path.isfile(os.path.join(self.path, "tokenizer.json"))
+
+    def tokenizer(self) -> HFTokenizer | None:
+        """The folder's own tokenizer (`HFTokenizer`), or None without one."""
+        return HFTokenizer.from_folder(self.path) if self.has_tokenizer else None
+
+
+def _json_object(path: str, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
+    value = read_json(path, max_bytes=max_bytes, max_depth=None)
+    if not isinstance(value, dict):
+        raise FormatError(f"{path}: want a JSON object")
+    return value
+
+
+def read_hf_config(folder: str | os.PathLike[str]) -> tuple[Any, Any]:
+    """``(architecture, config)`` of a folder's ``config.json``.
+
+    Raises:
+        FormatError: no or an invalid ``config.json``, or fields of the wrong type.
+        UnsupportedError: a ``model_type`` no family reads, or a feature the family
+            does not implement (named by the family's ``from_hf``).
+    """
+    path = os.path.join(os.fspath(folder), "config.json")
+    if not os.path.isfile(path):
+        raise FormatError(
+            f"{folder}: no config.json; is it a Hugging Face model folder?"
+        )
+    hf = _json_object(path)
+    arch = nn.architecture_for_hf(hf, path)
+    assert arch.from_hf is not None  # architecture_for_hf returns readers only
+    try:
+        config = arch.from_hf(hf)
+    except (UnsupportedError, FormatError) as e:
+        raise type(e)(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:  # a field missing or mistyped
+        raise FormatError(
+            f"{path}: cannot read it as a {arch.name} config ({type(e).__name__}: {e})"
+        ) from None
+    return arch, config
+
+
+def _weight_files(folder: str) -> tuple[str, ...]:
+    """The safetensors files of ``folder``, checked against the index."""
+    index = os.path.join(folder, INDEX)
+    if not os.path.isfile(index):
+        single = os.path.join(folder, SINGLE)
+        if not os.path.isfile(single):
+            raise FormatError(f"{folder}: neither {SINGLE} nor {INDEX} is there")
+        read_safetensors(single)
+        return (single,)
+    weight_map = _json_object(index, MAX_INDEX_BYTES).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) for v in weight_map.values()
+    ):
+        raise FormatError(f"{index}: 'weight_map' must map tensor names to files")
+    by_file: dict[str, set[str]] = {}
+    for tensor, name in weight_map.items():
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise FormatError(f"{index}: shard {name!r} must be a plain file name")
+        by_file.setdefault(name, set()).add(tensor)
+    seen: set[str] = set()
+    for name in sorted(by_file):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise FormatError(f"{index}: names shard {name!r}, which is missing")
+        tensors, _ = read_safetensors(path)
+        missing = sorted(by_file[name] - set(tensors))
+        if missing:
+            raise FormatError(
+                f"{index}: puts {missing[:3]} in {name}, which does not hold them"
+            )
+        twice = sorted(seen & set(tensors))
+        if twice:
+            raise FormatError(f"{folder}: tensors {twice[:3]} are in two shards")
+        seen |= set(tensors)
+    return tuple(os.path.join(folder, name) for name in sorted(by_file))
+
+
+def read_hf_folder(folder: str | os.PathLike[str]) -> HFFolder:
+    """A folder's config, shards and generation config, checked; no tensor read.
+
+    Raises:
+        FormatError: missing or invalid files (named).
+        UnsupportedError: a family or feature entrenar does not implement.
+    """
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise FormatError(f"{folder}: not a folder")
+    arch, config = read_hf_config(folder)
+    files = _weight_files(folder)
+    gen_path = os.path.join(folder, "generation_config.json")
+    generation = _json_object(gen_path) if os.path.isfile(gen_path) else {}
+    eos_ids_of(generation, gen_path)
+    return HFFolder(folder, arch, config, files, generation)
+
+
+def load_hf_folder(
+    folder: str | os.PathLike[str], *, dtype: str | None = None
+) -> tuple[HFFolder, Params]:
+    """Load a Hugging Face model folder of any registered family.
+
+    Args:
+        folder: holds ``config.json`` and the safetensors (module docstring).
+        dtype: cast every parameter to this dtype; None keeps the stored dtypes.
+
+    Returns:
+        ``(folder info, params)``: the stacked param tree of ``info.config``.
+
+    Raises:
+        FormatError: missing or invalid files, or tensors that do not fit the config
+            (missing, extra, of another shape), naming the folder.
+        UnsupportedError: a family or feature entrenar does not implement.
+    """
+    info = read_hf_folder(folder)
+    flat: dict[str, Any] = {}
+    for file in info.files:
+        tensors, _ = read_safetensors(file)
+        flat.update(tensors)
+    convert = getattr(info.architecture, "from_hf_tensors", None)
+    if convert is not None:  # a family whose checkpoint names differ from its tree
+        flat = convert(flat, info.config)
+    try:
+        params = nn.from_hf_names(flat, info.config, dtype=dtype)
+    except (FormatError, ShapeError) as e:
+        raise FormatError(f"{info.path}: {e}") from None
+    if dtype is not None and hasattr(info.config, "param_dtype"):
+        config = dataclasses.replace(info.config, param_dtype=dtype)
+        info = dataclasses.replace(info, config=config)
+    return info, params
+
+
+def load_hf_llama(
+    folder: str | os.PathLike[str], *, dtype: str | None = None
+) -> tuple[Any, Params]:
+    """``(config, params)`` of a Hugging Face folder (any family; `load_hf_folder`)."""
+    info, params = load_hf_folder(folder, dtype=dtype)
+    return info.config, params
+
+
+def read_hf_llama_header(folder: str | os.PathLike[str]) -> Any:
+    """The config of a Hugging Face folder, its files checked (`read_hf_folder`)."""
+    return read_hf_folder(folder).config
+
+
+def _shards(
+    tensors: dict[str, np.ndarray], max_bytes: int
+) -> list[dict[str, np.ndarray]]:
+    """``tensors`` in name order, cut into groups of at most ``max_bytes``."""
+    groups: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, a in tensors.items():
+        if groups[-1] and size + a.nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = a
+        size += a.nbytes
+    return groups
+
+
+def save_hf_folder(
+    folder: str | os.PathLike[str],
+    config: Any,
+    params: Params,
+    *,
+    tokenizer: Any = None,
+    generation: dict[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> str:
+    """Write a Hugging Face folder that ``transformers`` loads (module docstring).
+
+    Args:
+        folder: created if needed; the files are written atomically one by one.
+        config: a registered family's config (`entrenar.nn.architecture_of`).
+        params: its dense param tree (fold LoRA and dequantize first).
+        tokenizer: an `HFTokenizer` or a GGUF's ``FastTokenizer``, or None.
+        generation: ``generation_config.json`` fields; default: the tokenizer's BOS
+            and EOS ids (its `stop_ids` too).
+        max_shard_bytes: bytes per safetensors shard; more than one shard writes
+            ``model.safetensors.index.json``.
+
+    Raises:
+        UnsupportedError: the family has no Hugging Face form.
+    """
+    folder = os.fspath(folder)
+    arch = nn.architecture_of(config)
+    if arch.to_hf is None:
+        raise UnsupportedError(f"{arch.name} models have no Hugging Face form")
+    os.makedirs(folder, exist_ok=True)
+    flat = nn.to_hf_names(jax.device_get(params))
+    convert = getattr(arch, "to_hf_tensors", None)
+    if convert is not None:
+        flat = convert(flat, config)
+    tensors = {k: np.ascontiguousarray(np.asarray(flat[k])) for k in sorted(flat)}
+    groups = _shards(tensors, max_shard_bytes)
+    meta = {"format": "pt"}
+    if len(groups) == 1:
+        save_safetensors(groups[0], os.path.join(folder, SINGLE), meta)
+    else:
+        weight_map: dict[str, str] = {}
+        for i, group in enumerate(groups):
+            name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            save_safetensors(group, os.path.join(folder, name), meta)
+            weight_map |= {k: name for k in group}
+        total = sum(a.nbytes for a in tensors.values())
+        _write_json(
+            os.path.join(folder, INDEX),
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+    hf = arch.to_hf(config)
+    hf.setdefault("architectures", [arch.hf_class] if arch.hf_class else [])
+    dtypes = {a.dtype.name for a in tensors.values() if a.dtype.kind == "f"}
+    if len(dtypes) == 1:
+        hf.setdefault("torch_dtype", dtypes.pop())
+    _write_json(os.path.join(folder, "config.json"), hf)
+    gen = dict(generation) if generation is not None else _generation(tokenizer)
+    _write_json(os.path.join(folder, "generation_config.json"), gen)
+    if tokenizer is not None:
+        length = getattr(config, "max_position_embeddings", None)
+        for name, text in tokenizer_files(tokenizer, max_length=length).items():
+            with atomic_write(os.path.join(folder, name), "w") as f:
+                f.write(text)
+    return folder
+
+
+def _generation(tokenizer: Any) -> dict[str, Any]:
+    """``generation_config.json`` from a tokenizer's special ids."""
+    gen: dict[str, Any] = {}
+    if tokenizer is None:
+        return gen
+    if tokenizer.bos_id is not None:
+        gen["bos_token_id"] = int(tokenizer.bos_id)
+    eos = [int(tokenizer.eos_id)] if tokenizer.eos_id is not None else []
+    eos += [i for i in getattr(tokenizer, "stop_ids", ()) if i not in eos]
+    if eos:
+        gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if getattr(tokenizer, "pad_id", None) is not None:
+        gen["pad_token_id"] = int(tokenizer.pad_id)
+    return gen
+
+
+def _write_json(path: str, value: Any) -> None:
+    with atomic_write(path, "w") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")
+
+
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "HFFolder",
+    "load_hf_folder",
+    "load_hf_llama",
+    "read_hf_config",
+    "read_hf_folder",
+    "read_hf_llama_header",
+    "save_hf_folder",
+]

@@ -1,0 +1,307 @@
+"""A Hugging Face folder's tokenizer: ``tokenizer.json`` and ``tokenizer_config.json``.
+
+`HFTokenizer` answers the tokenizer protocol the rest of entrenar uses
+(`entrenar.data.FastTokenizer`'s: ``tokens``, ``token_types``, ``bos_id``,
+``eos_id``, ``pad_id``, ``add_bos``, ``chat_template``, ``encode``,
+``encode_batch``, ``decode``, ``token_bytes``) for any tokenizer the Hugging Face
+``tokenizers`` library runs (byte-level BPE as in Llama 3 and Qwen, SentencePiece-style
+BPE with byte fallback as in Mistral, Gemma and Phi-3), with the ids
+``transformers.AutoTokenizer`` gives:
+
+- **Files.** ``tokenizer.json`` (at most `MAX_TOKENIZER_BYTES`) is the tokenizer;
+  ``tokenizer_config.json`` (optional) names the special tokens (``bos_token``,
+  ``eos_token``, ``pad_token``: a string or ``{"content": ...}``), ``add_bos_token``
+  and the ``chat_template`` (a string, or a list of ``{"name", "template"}`` whose
+  ``default`` is taken); a ``chat_template.jinja`` file, as newer ``transformers``
+  writes, wins over it. ``special_tokens_map.json`` fills in special tokens the config
+  lacks; ``generation_config.json``'s ``eos_token_id`` (an id or a list) gives
+  `stop_ids`.
+- **Token types** (llama.cpp's numbering): special added tokens are control (3),
+  other added tokens user-defined (4), ``<0xNN>`` byte-fallback tokens byte (6), the
+  rest normal (1).
+- **BOS.** ``add_bos`` is ``add_bos_token`` when the config says, else whether the
+  tokenizer's post-processor puts the BOS token first. `encode` adds it itself and
+  never runs the post-processor (EOS is added by the data pipeline).
+- **Specials in text** parse only with ``special=True``, as in `FastTokenizer`
+  (``encode_special_tokens`` underneath); ``AutoTokenizer`` always parses them.
+
+`tokenizer_files` gives the files of any entrenar tokenizer (this one, or a GGUF's
+`FastTokenizer`) for a Hugging Face folder that ``AutoTokenizer.from_pretrained``
+loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io.bounded import MAX_CONFIG_BYTES, parse_json, read_json, read_text
+from entrenar.io.tokenizer import CONTROL, USER_DEFINED, bytes_to_unicode
+
+MAX_TOKENIZER_BYTES = 64 << 20
+"""Largest ``tokenizer.json`` read (Gemma 3's is 33 MB)."""
+MAX_TEMPLATE_BYTES = 1 << 20
+"""Largest ``chat_template.jinja`` read."""
+NORMAL, BYTE = 1, 6
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+SPECIAL_NAMES = ("bos", "eos", "pad", "unk")
+
+
+def _token_text(value: Any, where: str) -> str | None:
+    """A special token as tokenizer_config has it: a string, ``{"content"}``, null."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    raise FormatError(f"{where}: want a token string or {{'content': str}}")
+
+
+def _template(value: Any, where: str) -> str | None:
+    """``chat_template``: a string, or the ``default`` of a list of named ones."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {
+            t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)
+        }
+        chosen = named.get("default")
+        if isinstance(chosen, str):
+            return chosen
+    raise FormatError(
+        f"{where}: want a template string or a list of {{'name', 'template'}} with "
+        "a 'default'"
+    )
+
+
+def _optional_json(path: str) -> dict[str, Any]:
+    """A small JSON object file, or ``{}`` when the file is absent."""
+    if not os.path.isfile(path):
+        return {}
+    value = read_json(path, max_bytes=MAX_CONFIG_BYTES)
+    if not isinstance(value, dict):
+        raise FormatError(f"{path}: want a JSON object")
+    return value
+
+
+def eos_ids_of(generation: Mapping[str, Any], where: str) -> tuple[int, ...]:
+    """``eos_token_id`` of a ``generation_config.json`` dict: an id or a list."""
+    value = generation.get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(type(v) is int and v >= 0 for v in values):
+        raise FormatError(
+            f"{where}: 'eos_token_id' = {value!r:.60}, want an id or a list of ids"
+        )
+    return tuple(values)
+
+
+class HFTokenizer:
+    """A ``tokenizers`` tokenizer with entrenar's tokenizer protocol (module doc).
+
+    Args:
+        text: the ``tokenizer.json`` text.
+        config: the ``tokenizer_config.json`` dict (``{}`` when there is none).
+        source: the file the errors name.
+        chat_template: overrides the config's template.
+        stop_ids: extra ids that end a reply (``generation_config.json``).
+
+    Raises:
+        FormatError: a tokenizer.json ``tokenizers`` cannot load, or a special token
+            the vocabulary lacks.
+    """
+
+    def __init__(
+        self,
+        text: str,
+        config: Mapping[str, Any] | None = None,
+        *,
+        source: str = "tokenizer.json",
+        chat_template: str | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> None:
+        try:
+            import tokenizers as hf
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise UnsupportedError(
+                "a Hugging Face tokenizer.json needs tokenizers: pip install "
+                "'entrenar[data]'"
+            ) from e
+        doc = parse_json(text, source, max_depth=None)
+        if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
+            raise FormatError(f"{source}: not a tokenizers file (no 'model' object)")
+        try:
+            self._hf = [hf.Tokenizer.from_str(text) for _ in range(2)]
+        except Exception as e:  # tokenizers raises plain Exceptions
+            raise FormatError(f"{source}: tokenizers cannot load it ({e})") from None
+        for parse_special, t in enumerate(self._hf):
+            t.encode_special_tokens = not parse_special
+        self.source, self.text = source, text
+        self.config = dict(config or {})
+        cfg_where = f"{os.path.dirname(source) or '.'}/tokenizer_config.json"
+        t = self._hf[0]
+        n = t.get_vocab_size(with_added_tokens=True)
+        added = t.get_added_tokens_decoder()
+        n = max([n, *(i + 1 for i in added)])
+        self.tokens: list[str] = [t.id_to_token(i) or "" for i in range(n)]
+        self.byte_level = "ByteLevel" in json.dumps(doc.get("decoder"))
+        types = [NORMAL] * n
+        for i, tok in enumerate(self.tokens):
+            if not self.byte_level and _BYTE_TOKEN.fullmatch(tok):
+                types[i] = BYTE
+        for i, a in added.items():
+            types[i] = CONTROL if a.special else USER_DEFINED
+        self.token_types = types
+        ids: dict[str, int | None] = {}
+        for name in SPECIAL_NAMES:
+            text_ = _token_text(self.config.get(f"{name}_token"), cfg_where)
+            ids[name] = None if text_ is None else t.token_to_id(text_)
+            if text_ is not None and ids[name] is None:
+                raise FormatError(
+                    f"{cfg_where}: {name}_token {text_!r} is not in the vocabulary "
+                    f"of {source}"
+                )
+        self.bos_id, self.eos_id, self.pad_id = ids["bos"], ids["eos"], ids["pad"]
+        add_bos = self.config.get("add_bos_token")
+        if not isinstance(add_bos, bool):
+            add_bos = self._post_processor_adds_bos()
+        self.add_bos = add_bos
+        template = _template(self.config.get("chat_template"), cfg_where)
+        self.chat_template = chat_template or template
+        self.stop_ids = tuple(int(i) for i in stop_ids if 0 <= int(i) < n)
+        self.pre = "hf"
+
+    def _post_processor_adds_bos(self) -> bool:
+        if self.bos_id is None:
+            return False
+        with_specials = self._hf[1].encode("a", add_special_tokens=True).ids
+        return bool(with_specials) and with_specials[0] == self.bos_id
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike[str]) -> HFTokenizer:
+        """The tokenizer of a Hugging Face folder (its files: module docstring).
+
+        Raises:
+            FormatError: no ``tokenizer.json``, or a file that does not parse.
+        """
+        folder = os.fspath(folder)
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FormatError(
+                f"{folder}: no tokenizer.json; entrenar reads Hugging Face fast "
+                "tokenizers (tokenizer.json), or give model.tokenizer"
+            )
+        text = read_text(path, max_bytes=MAX_TOKENIZER_BYTES, what="tokenizer file")
+        config = _optional_json(os.path.join(folder, "special_tokens_map.json"))
+        config |= _optional_json(os.path.join(folder, "tokenizer_config.json"))
+        jinja = os.path.join(folder, "chat_template.jinja")
+        template = None
+        if os.path.isfile(jinja):
+            template = read_text(jinja, max_bytes=MAX_TEMPLATE_BYTES, what="template")
+        gen_path = os.path.join(folder, "generation_config.json")
+        stop = eos_ids_of(_optional_json(gen_path), gen_path)
+        return cls(text, config, source=path, chat_template=template, stop_ids=stop)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (holes included)."""
+        return len(self.tokens)
+
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes]:
+        """Bytes each token id stands for (``▁`` a space, ``<0xNN>`` the byte)."""
+        if self.byte_level:
+            u2b = {u: b for b, u in bytes_to_unicode().items()}
+        out = []
+        for tok, kind in zip(self.tokens, self.token_types):
+            if kind == BYTE:
+                out.append(bytes([int(tok[3:5], 16)]))
+            elif kind in (CONTROL, USER_DEFINED):
+                out.append(tok.encode("utf-8"))
+            elif self.byte_level and all(ch in u2b for ch in tok):
+                out.append(bytes(u2b[ch] for ch in tok))
+            else:
+                out.append(tok.replace("\u2581", " ").encode("utf-8"))
+        return out
+
+    def _bos(self, add_bos: bool | None) -> list[int]:
+        add = self.add_bos if add_bos is None else add_bos
+        return [int(self.bos_id)] if add and self.bos_id is not None else []
+
+    def encode(
+        self, text: str, *, add_bos: bool | None = None, special: bool = False
+    ) -> list[int]:
+        """Token ids of ``text`` (BOS by ``add_bos``, default `add_bos`)."""
+        ids = self._hf[bool(special)].encode(text, add_special_tokens=False).ids
+        return self._bos(add_bos) + list(ids)
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        *,
+        add_bos: bool | None = None,
+        special: bool = False,
+    ) -> list[list[int]]:
+        """`encode` of each text, in parallel threads (Rust's rayon)."""
+        t = self._hf[bool(special)]
+        run = getattr(t, "encode_batch_fast", t.encode_batch)
+        bos = self._bos(add_bos)
+        return [bos + list(e.ids) for e in run(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
+        """Text of ``ids`` (special tokens dropped unless ``special``)."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < len(self.tokens):
+                raise FormatError(f"token id {i} is outside the vocabulary")
+        return str(self._hf[0].decode(ids, skip_special_tokens=not special))
+
+    def hf_json(self) -> str:
+        """The ``tokenizer.json`` text it was read from."""
+        return self.text
+
+
+def tokenizer_files(tok: Any, *, max_length: int | None = None) -> dict[str, str]:
+    """``{file name: text}`` of a Hugging Face folder's tokenizer for ``tok``.
+
+    ``tok`` is an `HFTokenizer` or a GGUF's `entrenar.data.FastTokenizer`:
+    ``tokenizer.json``, and ``tokenizer_config.json`` with the special tokens,
+    ``add_bos_token`` and the chat template (also in ``chat_template.jinja``), so
+    that ``transformers.AutoTokenizer.from_pretrained`` gives its ids.
+    """
+    text = tok.hf_json()
+    config: dict[str, Any] = {}
+    base = getattr(tok, "config", {})
+    for key in ("clean_up_tokenization_spaces", "model_max_length", "padding_side"):
+        if key in base:
+            config[key] = base[key]
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for name in ("bos", "eos", "pad"):
+        i = getattr(tok, f"{name}_id", None)
+        config[f"{name}_token"] = None if i is None else tok.tokens[int(i)]
+    unk = base.get("unk_token")
+    if unk is not None:
+        config["unk_token"] = unk
+    config["add_bos_token"] = bool(tok.add_bos and tok.bos_id is not None)
+    config["add_eos_token"] = False
+    if max_length is not None and "model_max_length" not in config:
+        config["model_max_length"] = max_length
+    files = {"tokenizer.json": text}
+    if tok.chat_template:
+        config["chat_template"] = tok.chat_template
+        files["chat_template.jinja"] = tok.chat_template
+    files["tokenizer_config.json"] = json.dumps(config, indent=2, ensure_ascii=False)
+    return files
+
+
+__all__ = [
+    "MAX_TOKENIZER_BYTES",
+    "HFTokenizer",
+    "eos_ids_of",
+    "tokenizer_files",
+]
