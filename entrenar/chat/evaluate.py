@@ -14,6 +14,12 @@ counts when the argmax at every position before a labelled token equals that tok
 up to and including the first end-of-turn token of each reply (the template's text
 after it, such as a newline, is never generated and is not compared). The two
 computations can differ only where two logits tie to float rounding.
+
+``generate=True`` decodes instead: each reply's prompt (the tokens before its
+labelled run) is continued greedily by `entrenar.nn.generate`, ``batch_size`` prompts
+of different lengths at a time, until the end-of-turn token or as many tokens as the
+longest reply has; a reply counts when the generated tokens begin with its tokens.
+The two modes agree (same ties aside); decoding also returns the replies' text.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entrenar import data
+from entrenar import data, nn
 from entrenar.chat.session import ChatModel
 from entrenar.errors import ConfigError
 
@@ -41,12 +47,15 @@ class ExactMatch:
         correct: records whose every reply greedy decoding reproduces exactly.
         total: records evaluated.
         hits: per record, whether it counted.
+        replies: with ``generate=True``, per record the decoded text of each of
+            its replies (cut at the end-of-turn token); empty otherwise.
     """
 
     accuracy: float
     correct: int
     total: int
     hits: tuple[bool, ...]
+    replies: tuple[tuple[str, ...], ...] = ()
 
 
 def reply_targets(labels: np.ndarray, stops: Sequence[int]) -> np.ndarray:
@@ -72,11 +81,58 @@ def _argmax(model: Any, params: Any, ids: jax.Array) -> jax.Array:
     return jnp.argmax(model.apply(params, ids), axis=-1).astype(jnp.int32)  # (B, T)
 
 
+def _runs(y: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, end)`` of each labelled run of ``y``."""
+    at = np.nonzero(y != data.IGNORE_INDEX)[0]
+    if not len(at):
+        return []
+    breaks = np.nonzero(np.diff(at) > 1)[0]
+    starts = [int(at[0]), *(int(at[i + 1]) for i in breaks)]
+    ends = [*(int(at[i]) + 1 for i in breaks), int(at[-1]) + 1]
+    return list(zip(starts, ends, strict=True))
+
+
+def _decoded(
+    chat: ChatModel,
+    enc: Sequence[tuple[np.ndarray, np.ndarray]],
+    targets: Sequence[np.ndarray],
+    batch_size: int,
+) -> tuple[list[bool], list[tuple[str, ...]]]:
+    """Hits and reply texts of greedy decoding (the ``generate=True`` mode)."""
+    items = [(i, enc[i][0][:a], targets[i][a:b])
+             for i in range(len(enc)) for a, b in _runs(targets[i])]  # fmt: skip
+    n = max(len(y) for _, _, y in items)  # one decode length: one compile per batch
+    stops = chat.stops
+    ok = [True] * len(enc)
+    texts: list[list[str]] = [[] for _ in enc]
+    for s in range(0, len(items), batch_size):
+        chunk = items[s : s + batch_size]
+        prompts = [list(p) for _, p, _ in chunk]
+        if len(items) > batch_size:  # a short last batch: fill it, one shape
+            prompts += prompts[:1] * (batch_size - len(chunk))
+        out = np.asarray(
+            nn.generate(
+                chat.model,
+                chat.params,
+                prompts,
+                max_new_tokens=n,
+                stop_tokens=stops,
+                pad_token=-1,
+            )
+        )
+        for row, (i, _, y) in zip(out[: len(chunk)], chunk, strict=True):
+            got = [int(t) for t in row if t >= 0]
+            ok[i] &= got[: len(y)] == [int(t) for t in y]
+            texts[i].append(chat.tokenizer.decode([t for t in got if t not in stops]))
+    return ok, [tuple(t) for t in texts]
+
+
 def exact_match(
     chat: ChatModel,
     records: Sequence[Mapping[str, Any]] | data.Records,
     *,
     batch_size: int = 16,
+    generate: bool = False,
 ) -> ExactMatch:
     """Fraction of chat records whose replies greedy decoding reproduces exactly.
 
@@ -85,11 +141,15 @@ def exact_match(
         records: chat records (``{"messages": [...]}``), e.g. from
             `entrenar.data.load_records` of a JSONL file.
         batch_size: records per forward pass (rows are padded to one length, so
-            the forward pass compiles once).
+            the forward pass compiles once), or replies decoded at once.
+        generate: decode the replies (see the module docstring) instead of one
+            teacher-forced pass; slower, and it returns the replies' text.
 
     Raises:
         ConfigError: a record without an assistant reply.
     """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     enc = data.encode_records(
         records, chat.tokenizer, format="chat", chat_template=chat.template
     )
@@ -100,6 +160,11 @@ def exact_match(
     for i, y in enumerate(targets):
         if (y == data.IGNORE_INDEX).all():
             raise ConfigError(f"record {i} has no assistant reply to compare")
+    if generate:
+        decoded, replies = _decoded(chat, enc, targets, batch_size)
+        correct = sum(decoded)
+        n = len(decoded)
+        return ExactMatch(correct / n, correct, n, tuple(decoded), tuple(replies))
     t_max = -(-max(len(ids) for ids, _ in enc) // 8) * 8  # one shape: one compile
     pad = int(getattr(chat.tokenizer, "pad_id", None) or stops[0])
     hits: list[bool] = []
