@@ -29,7 +29,11 @@ def generate_text(
     system: str | None = None,
     max_new_tokens: int | None = None,
     temperature: float = 0.0,
+    top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    stop: tuple[str, ...] = (),
     seed: int = 0,
     tokenizer: str | None = None,
     on_text: Callable[[str], None] | None = None,
@@ -44,8 +48,12 @@ def generate_text(
         system: a system message (with ``chat``).
         max_new_tokens: at most this many tokens (None: what `entrenar.chat` allows).
         temperature: 0 is greedy.
+        top_k: keep the k most likely tokens.
         top_p: nucleus sampling mass.
-        seed: the sampling seed.
+        min_p: drop tokens below ``min_p`` times the top token's probability.
+        repetition_penalty: penalise tokens already seen (1 or None: off).
+        stop: strings that end the text (cut before the first).
+        seed: the sampling seed (the same seed gives the same text).
         tokenizer: a ``.gguf`` whose tokenizer to use instead of the model's.
         on_text: called with each piece of text as it is generated.
 
@@ -67,7 +75,8 @@ def generate_text(
     try:
         pieces = session.stream(
             prompt, system=system, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, key=key, chat=chat,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, stop=stop, key=key, chat=chat,
         )  # fmt: skip
     except ShapeError as e:  # the request does not fit the context
         raise ConfigError(str(e)) from None
