@@ -270,8 +270,36 @@ def _merge_recipe(path: str, output: str | None) -> str:
     show_default=True,
     help="0 is greedy.",
 )
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True))
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--top-k", type=click.IntRange(min=1), help="Keep the k most likely tokens."
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Nucleus sampling: the smallest set of tokens with this much mass.",
+)
+@click.option(
+    "--min-p",
+    type=click.FloatRange(0, 1),
+    help="Drop tokens below this fraction of the top token's probability.",
+)
+@click.option(
+    "--repetition-penalty",
+    type=click.FloatRange(0, min_open=True),
+    help="Penalise tokens already seen, prompt included (1: off; 1.1-1.3 usual).",
+)
+@click.option(
+    "--stop",
+    multiple=True,
+    help="A string that ends the text (not printed); repeat for several.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Sampling seed: the same seed gives the same text.",
+)
 @click.option(
     "--tokenizer",
     type=click.Path(exists=True, dir_okay=False),
@@ -286,7 +314,11 @@ def generate_cmd(
     system: str | None,
     max_new_tokens: int | None,
     temperature: float,
+    top_k: int | None,
     top_p: float | None,
+    min_p: float | None,
+    repetition_penalty: float | None,
+    stop: tuple[str, ...],
     seed: int,
     tokenizer: str | None,
     stream: bool,
@@ -305,7 +337,11 @@ def generate_cmd(
         system=system,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        stop=stop,
         seed=seed,
         tokenizer=tokenizer,
         on_text=emit if stream else None,
