@@ -100,12 +100,15 @@ def _loss_sums(
 
 
 def _text(
-    built: BuiltModel, path: str, fmt: Any, seq_len: int, log: Log | None
-) -> dict[str, Any]:
+    built: BuiltModel, path: str, fmt: Any, seq_len: int, log: Log | None,
+    generate: bool = False, batch_size: int = 16,
+) -> dict[str, Any]:  # fmt: skip
     if built.tokenizer is None:
         raise ConfigError(f"{built.source}: no tokenizer to read {path} with")
     recs = data_lib.load_records(path)
     fmt = record_format(recs) if fmt == "auto" else fmt
+    if generate and fmt != "chat":
+        raise ConfigError(f"{path}: --generate scores chat data, not {fmt}")
     row = _row_length(recs, built, fmt, seq_len)
     loader = data_lib.lm_loader(
         recs, built.tokenizer, format=fmt, seq_len=row, batch_size=8, shuffle=False
@@ -127,9 +130,11 @@ def _text(
     }
     if fmt == "chat":  # the task metric: greedy replies reproduced exactly
         if log is not None:
-            log(f"  exact match of the greedy replies to {len(recs)} conversations")
+            how = f"decoded, batches of {batch_size}" if generate else "one pass"
+            log(f"  exact match of the greedy replies to {len(recs)} conversations "
+                f"({how})")  # fmt: skip
         session = chat.ChatModel(built.config, built.params, built.tokenizer)
-        em = chat.exact_match(session, recs)
+        em = chat.exact_match(session, recs, batch_size=batch_size, generate=generate)
         out |= {"exact_match": em.accuracy, "examples": em.total}
     return out
 
@@ -146,7 +151,8 @@ def record_format(recs: data_lib.Records) -> str:
 
 def evaluate_built(
     built: BuiltModel, data: str, *, fmt: str = "auto", seq_len: int = 512,
-    task: str | None = None, log: Log | None = None,
+    task: str | None = None, log: Log | None = None, generate: bool = False,
+    batch_size: int = 16,
 ) -> dict[str, Any]:  # fmt: skip
     """Metrics of a loaded model on a data file (see `evaluate_model`).
 
@@ -155,23 +161,27 @@ def evaluate_built(
     on a terminal); a tabular model takes a moment and says nothing.
     """
     if built.is_lm:
-        return _text(built, data, fmt, seq_len, log)
+        return _text(built, data, fmt, seq_len, log, generate, batch_size)
     return _tabular(built, data, task)
 
 
 def evaluate_model(
     model: str, data: str, *, fmt: str = "auto", seq_len: int = 512,
-    task: str | None = None, log: Log | None = None,
+    task: str | None = None, log: Log | None = None, generate: bool = False,
+    batch_size: int = 16,
 ) -> dict[str, Any]:  # fmt: skip
     """Metrics of a model file on a data file (see the module docstring).
 
     ``fmt`` ``"auto"`` reads a language model's data as chat (records with
     ``messages``), prompt-completion (``prompt`` and ``completion``) or text. A
     language model's rows are as long as the longest document (at most ``seq_len``
-    and the model's context).
+    and the model's context). Chat data's exact match comes from one teacher-forced
+    pass, or with ``generate`` from decoding the replies, ``batch_size`` at a time
+    (`entrenar.chat.exact_match`).
     """
     built = load_built(model)
-    return evaluate_built(built, data, fmt=fmt, seq_len=seq_len, task=task, log=log)
+    return evaluate_built(built, data, fmt=fmt, seq_len=seq_len, task=task, log=log,
+                          generate=generate, batch_size=batch_size)  # fmt: skip
 
 
 def compare_models(
