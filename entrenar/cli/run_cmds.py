@@ -180,6 +180,19 @@ DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
     "(before and after a fine-tune).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
+@click.option(
+    "--generate",
+    is_flag=True,
+    help="Chat data: score the exact match by decoding the replies (batched) "
+    "instead of one teacher-forced pass.",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Conversations per forward pass, or replies decoded at once.",
+)
 def eval_cmd(
     target: str,
     data_path: str | None,
@@ -187,6 +200,8 @@ def eval_cmd(
     fmt: str,
     base: str | None,
     as_json: bool,
+    generate: bool,
+    batch_size: int,
 ) -> None:
     """Evaluate a trained model: TARGET is a run's CONFIG or a MODEL file.
 
@@ -200,17 +215,24 @@ def eval_cmd(
     as_json, fmt = as_json or fmt == "json", "auto" if fmt == "json" else fmt
     log = None if as_json else (lambda line: click.echo(line, err=True))
     if target.lower().endswith(CONFIG_EXTENSIONS) and not is_model_yaml(target):
-        if base is not None:
-            raise click.UsageError("--compare takes a MODEL, not a CONFIG")
+        if base is not None or generate:
+            raise click.UsageError(
+                "--compare and --generate take a MODEL and --data, not a CONFIG"
+            )
         out = evaluate.evaluate_config(target, data=data_path, model=model_path)
     elif data_path is None:
         raise click.UsageError("evaluating a MODEL needs --data FILE")
     elif base is not None:
+        if generate:
+            raise click.UsageError("--generate does not combine with --compare")
         both = evaluate.compare_models(base, target, data_path, fmt=fmt, log=log)
         _print_side_by_side(both, as_json)
         return
     else:
-        out = evaluate.evaluate_model(target, data_path, fmt=fmt, log=log)
+        out = evaluate.evaluate_model(
+            target, data_path, fmt=fmt, log=log, generate=generate,
+            batch_size=batch_size,
+        )  # fmt: skip
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:
