@@ -1,13 +1,20 @@
-"""Typed config fields and the one parser that turns YAML mappings into dataclasses.
+"""Config classes declared once: typed fields, checked when built in code or from YAML.
 
-A section of the schema is a frozen dataclass whose fields are declared with `option`:
-the type hint says what a value may be (``int``, ``float``, ``bool``, ``str``, a
-``Literal`` of choices, ``tuple[str, ...]``, ``dict[str, Any]``, a nested section, or
-any of these ``| None``), and the metadata says the range, the accepted aliases (the
-book's spellings) and one line of documentation. `parse` checks a mapping against it:
-every unknown key, wrong type and out-of-range value is a `ConfigError` that names the
-key path (``optimizer.lr: must be > 0, got -1``) and, for a likely typo, the closest
-valid key. specs/config.md is generated from the same declarations (`describe`).
+A config is a frozen dataclass deriving from `Config` whose fields are declared with
+`option`: the type hint says what a value may be (``int``, ``float``, ``bool``, ``str``,
+a ``Literal`` of choices, ``tuple[str, ...]``, ``dict[str, Any]``, a nested config, or
+any of these ``| None``); the metadata says the range, the other spellings users type
+(the book's, Hugging Face's), whether it is a file, and one line of documentation.
+Building one checks every field (``TrainConfig(batch_size=0)`` is a `ConfigError`);
+`parse` builds one from a YAML mapping, and every unknown key, wrong type and
+out-of-range value is a `ConfigError` that names the key path (``optimizer.lr: must be
+> 0, got -1``) and, for a likely typo, the closest valid key. The library's configs
+(`entrenar.train.TrainConfig`, `entrenar.lora.LoRAConfig`, `entrenar.optim`'s
+`OptimizerConfig` and `ScheduleConfig`) are the sections of a run's YAML file as they
+are; specs/config.md is generated from their declarations (`describe_fields`).
+
+A choice among builders (optimizer, schedule, data file type) is a `Registry` of
+``name -> builder``: adding one is one registration beside its component.
 """
 
 from __future__ import annotations
@@ -15,15 +22,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import html
+import math
 import types
 import typing
-from collections.abc import Mapping
-from typing import Any, Literal, TypeVar, Union
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, Literal, TypeVar, Union
 
-from entrenar.errors import ConfigError
+from entrenar.errors import ConfigError, UnsupportedError
 
 T = TypeVar("T")
-MISSING = dataclasses.MISSING
+C = TypeVar("C", bound="Config")
+MISSING: Any = dataclasses.MISSING
 
 
 def option(
@@ -38,8 +48,11 @@ def option(
     path: str | None = None,
     normalize: Any = None,
     factory: Any = MISSING,
+    yaml: bool = True,
+    yaml_default: Any = MISSING,
+    group: str | None = None,
 ) -> Any:
-    """A dataclass field of a config section.
+    """A dataclass field of a config.
 
     Args:
         default: the value when the key is absent (none: the key is required).
@@ -48,17 +61,131 @@ def option(
         ge: lower bound, inclusive.
         lt: upper bound, exclusive.
         le: upper bound, inclusive.
-        aliases: other accepted spellings of the key (the book's ``save_interval``).
+        aliases: other spellings of the key that users type (the book's
+            ``save_interval``, Hugging Face's ``target_modules``).
         path: ``"input"`` (a file or folder that must exist, relative to the config
             file's folder) or ``"output"`` (relative to the working directory).
         normalize: ``fn(raw) -> raw`` applied before the checks (accepted spellings).
         factory: default factory for mutable defaults.
+        yaml: False: not a key of the YAML section (a run sets it from another
+            section, e.g. `TrainConfig.batch_size` from ``data.batch_size``).
+        yaml_default: the default in a YAML file when it differs from the library's
+            (within ``group`` when the group is given).
+        group: the YAML key of a nested mapping that holds this key
+            (``training.early_stopping.patience`` is `TrainConfig.patience`).
     """
     meta: dict[str, Any] = {"doc": doc, "gt": gt, "ge": ge, "lt": lt, "le": le}
-    meta |= {"aliases": aliases, "path": path, "normalize": normalize}
+    meta |= {"aliases": aliases, "path": path, "normalize": normalize, "yaml": yaml}
+    meta |= {"yaml_default": yaml_default, "group": group}
     if factory is not MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+class Config:
+    """The base of config classes: every field is checked when one is built.
+
+    Subclasses are frozen dataclasses declared with `option` fields; a ``check(path)``
+    method holds the rules that tie fields together.
+    """
+
+    def __post_init__(self) -> None:
+        validate(self, type(self).__name__)
+
+    @classmethod
+    def from_dict(cls: type[C], d: Mapping[str, Any]) -> C:
+        """Build from a mapping of field names; an unknown key is a `ConfigError`."""
+        names = [f.name for f in _fields(cls)]
+        for key in d:
+            if key not in names:
+                raise unknown_key(key, cls.__name__, names)
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (JSON data)."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the fields, those changed from their default in bold."""
+        return f"<b>{type(self).__name__}</b>{_html(self)}"
+
+
+def _fields(cls: Any) -> tuple[dataclasses.Field[Any], ...]:
+    return dataclasses.fields(cls)
+
+
+def default_of(f: dataclasses.Field[Any], *, yaml: bool = False) -> Any:
+    """A field's default (``yaml``: its YAML default), or `MISSING` when required."""
+    if yaml and f.metadata.get("yaml_default", MISSING) is not MISSING:
+        return f.metadata["yaml_default"]
+    factory: Any = f.default_factory
+    return f.default if factory is MISSING else factory()
+
+
+def _html(obj: Any) -> str:
+    """A config as an HTML table: changed fields bold, absent sections left out."""
+    rows = []
+    for f in _fields(obj):
+        value = getattr(obj, f.name)
+        if value is None and f.default is None:
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            text = _html(value)
+        else:
+            text = html.escape(repr(value))
+            text = f"<b>{text}</b>" if value != default_of(f) else text
+        rows.append(
+            f"<tr><th style='text-align:left;vertical-align:top'>{f.name}</th>"
+            f"<td style='text-align:left'>{text}</td></tr>"
+        )
+    return f"<table>{''.join(rows)}</table>"
+
+
+class Registry(Generic[T]):
+    """Choices by name: ``name -> builder``, one `register` call per entry.
+
+    >>> shapes: Registry[int] = Registry("shape")
+    >>> _ = shapes.register("square")(4)
+    >>> shapes["square"], shapes.names()
+    (4, ('square',))
+    >>> shapes["circle"]
+    Traceback (most recent call last):
+    ...
+    entrenar.errors.UnsupportedError: unknown shape 'circle'; entrenar knows ['square']
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """A decorator that adds its argument as ``name`` (each name once)."""
+
+        def add(entry: T) -> T:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._entries[name] = entry
+            return entry
+
+        return add
+
+    def __getitem__(self, name: str) -> T:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise UnsupportedError(
+                f"unknown {self.kind} {name!r}; entrenar knows {sorted(self._entries)}"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def names(self) -> tuple[str, ...]:
+        """The registered names, in registration order."""
+        return tuple(self._entries)
 
 
 def hints(cls: Any) -> dict[str, Any]:
@@ -116,13 +243,18 @@ def convert(hint: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
     """Check ``value`` against the type ``hint`` and the range in ``meta``."""
     optional, hint = _is_optional(hint)
     if meta.get("normalize") is not None and value is not None:
-        value = meta["normalize"](value)
+        try:
+            value = meta["normalize"](value)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
     if value is None:
         if optional:
             return None
         raise ConfigError(f"{path}: must be set (expected {type_name(hint)})")
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):  # type: ignore[arg-type]
+            return value  # checked when it was built
         return parse(hint, value, path)  # type: ignore[arg-type]
     if origin is Literal:
         choices = typing.get_args(hint)
@@ -199,8 +331,8 @@ _BOUNDS = (
 def _check_range(value: Any, path: str, meta: Mapping[str, Any]) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
-    if value != value:  # NaN
-        raise ConfigError(f"{path}: must be a number, got nan")
+    if not math.isfinite(value):
+        raise ConfigError(f"{path}: must be a finite number, got {value}")
     for key, sym, ok in _BOUNDS:
         bound = meta.get(key)
         if bound is not None and not ok(value, bound):
@@ -220,14 +352,30 @@ def range_text(meta: Mapping[str, Any]) -> str:
     return ""
 
 
-def key_names(cls: type) -> dict[str, str]:
-    """Every accepted key of a section, aliases included, -> its field name."""
+def yaml_key(f: dataclasses.Field[Any]) -> str:
+    """The key of a field in YAML: its name, under its group if it has one."""
+    group = f.metadata.get("group")
+    return f"{group}.{f.name}" if group else f.name
+
+
+def yaml_fields(cls: Any) -> list[dataclasses.Field[Any]]:
+    """The fields of a config that are YAML keys."""
+    return [f for f in _fields(cls) if f.metadata.get("yaml", True)]
+
+
+def key_names(cls: Any) -> dict[str, str]:
+    """Every accepted YAML key of a config, aliases included, -> its field name."""
     names: dict[str, str] = {}
-    for f in dataclasses.fields(cls):
-        names[f.name] = f.name
-        for alias in f.metadata.get("aliases", ()):
-            names[alias] = f.name
+    for f in yaml_fields(cls):
+        group = f.metadata.get("group")
+        for key in (f.name, *f.metadata.get("aliases", ())):
+            names[f"{group}.{key}" if group else key] = f.name
     return names
+
+
+def groups(cls: Any) -> set[str]:
+    """The YAML keys of a config's nested mappings (`option`'s ``group``)."""
+    return {g for f in yaml_fields(cls) if (g := f.metadata.get("group"))}
 
 
 def unknown_key(
@@ -242,14 +390,32 @@ def unknown_key(
         listed: the keys to list in the message (default ``valid``).
     """
     close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-    where = f"{path}.{key}" if path else str(key)
+    where = _join(path, key)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     keys = ", ".join(sorted(listed if listed is not None else valid))
     return ConfigError(f"{where}: unknown key{hint} (valid keys: {keys})")
 
 
+def validate(obj: Any, path: str) -> None:
+    """Check every field of config ``obj`` (normalizing it), then ``obj.check(path)``.
+
+    Raises:
+        ConfigError: a wrong type or a value out of range, named ``path.field``.
+    """
+    for f in _fields(obj):
+        value = convert(hints(type(obj))[f.name], getattr(obj, f.name),
+                        _join(path, f.name), f.metadata)  # fmt: skip
+        object.__setattr__(obj, f.name, value)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        check(path)
+
+
 def parse(cls: type[T], raw: Any, path: str = "") -> T:
-    """Build section ``cls`` from a YAML mapping, checking every key and value.
+    """Build config ``cls`` from a YAML mapping, checking every key and value.
+
+    Keys absent from the mapping take their YAML default (`option`'s
+    ``yaml_default``, else the field's default).
 
     Args:
         cls: a frozen dataclass declared with `option` fields.
@@ -263,30 +429,37 @@ def parse(cls: type[T], raw: Any, path: str = "") -> T:
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise _fail(path or "config", "a mapping of keys", raw)
-    names = key_names(cls)
-    given: dict[str, tuple[str, Any]] = {}
+    names, nested = key_names(cls), groups(cls)
+    flat: dict[Any, Any] = {}
     for key, value in raw.items():
+        if key in nested and (value is None or isinstance(value, Mapping)):
+            flat |= {f"{key}.{k}": v for k, v in (value or {}).items()}
+        else:
+            flat[key] = value
+    given: dict[str, tuple[str, Any]] = {}
+    for key, value in flat.items():
         if key not in names:
-            raise unknown_key(key, path, list(names), sorted(set(names.values())))
+            listed = [yaml_key(f) for f in yaml_fields(cls)]
+            raise unknown_key(key, path, list(names), listed)
         field = names[key]
         if field in given:
             raise ConfigError(
                 f"{_join(path, key)}: given twice (also as {given[field][0]!r})"
             )
         given[field] = (key, value)
-    kwargs = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        sub = _join(path, f.name)
+    obj = object.__new__(cls)  # built field by field: `validate` names the key path
+    for f in _fields(cls):
+        group = f.metadata.get("group")
+        default = default_of(f, yaml=group is None or raw.get(group) is not None)
         if f.name in given:
-            kwargs[f.name] = convert(
-                hints(cls)[f.name], given[f.name][1], sub, f.metadata
-            )
-        elif f.default is MISSING and f.default_factory is MISSING:
+            value = given[f.name][1]
+        elif default is MISSING:
+            sub = _join(path, yaml_key(f))
             raise ConfigError(f"{sub}: required key is missing ({f.metadata['doc']})")
-    obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if check is not None:
-        check(path)
+        else:  # an absent section takes its YAML defaults
+            value = {} if isinstance(default, Config) else default
+        object.__setattr__(obj, f.name, value)
+    validate(obj, path)
     return obj
 
 
@@ -294,36 +467,39 @@ def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-__all__ = [
-    "convert",
-    "describe_fields",
-    "key_names",
-    "option",
-    "parse",
-    "range_text",
-    "type_name",
-    "unknown_key",
-]
-
-
 def describe_fields(cls: type) -> list[dict[str, Any]]:
-    """One dict per field of a section: name, type, default, range, aliases, doc."""
+    """One dict per YAML key of a config: key, type, default, range, aliases, doc."""
     rows = []
-    for f in dataclasses.fields(cls):
-        if f.default is not MISSING:
-            default: Any = f.default
-        elif f.default_factory is not MISSING:
-            default = f.default_factory()
-        else:
-            default = MISSING
+    for f in yaml_fields(cls):
         rows.append({
-            "name": f.name,
+            "name": yaml_key(f),
             "type": type_name(hints(cls)[f.name]),
             "hint": hints(cls)[f.name],
-            "default": default,
+            "default": default_of(f, yaml=True),
             "range": range_text(f.metadata),
             "aliases": tuple(f.metadata.get("aliases", ())),
             "path": f.metadata.get("path"),
             "doc": f.metadata["doc"],
         })  # fmt: skip
     return rows
+
+
+__all__ = [
+    "MISSING",
+    "Config",
+    "Registry",
+    "convert",
+    "default_of",
+    "describe_fields",
+    "groups",
+    "hints",
+    "key_names",
+    "option",
+    "parse",
+    "range_text",
+    "type_name",
+    "unknown_key",
+    "validate",
+    "yaml_fields",
+    "yaml_key",
+]

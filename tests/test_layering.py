@@ -21,7 +21,7 @@ ROOT = Path(__file__).parents[1] / "entrenar"
 
 LAYERS = [
     {"errors", "types"},
-    {"tree", "gradients", "native"},
+    {"tree", "gradients", "native", "schema"},
     {"nn", "optim"},
     {"autograd", "quant"},
     {"io"},

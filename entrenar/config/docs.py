@@ -14,42 +14,31 @@ import typing
 from typing import Any
 
 from entrenar import nn
-from entrenar.config.fields import MISSING, describe_fields, type_name
-from entrenar.config.sections import (
-    DataSection,
-    DistillationSection,
-    EarlyStoppingSection,
-    ExportSection,
-    LoRASection,
-    ModelSection,
-    OptimizerSection,
-    QuantizationSection,
-    SchedulerSection,
-    TrainingSection,
-)
 from entrenar.config.spec import NAMED_MODELS, TrainSpec
+from entrenar.schema import MISSING, describe_fields, hints, type_name
 
-SECTIONS: list[tuple[str, type]] = [
-    ("(top level)", TrainSpec),
-    ("model", ModelSection),
-    ("data", DataSection),
-    ("optimizer", OptimizerSection),
-    ("scheduler", SchedulerSection),
-    ("lora", LoRASection),
-    ("quantization", QuantizationSection),
-    ("distillation", DistillationSection),
-    ("training", TrainingSection),
-    ("training.early_stopping", EarlyStoppingSection),
-    ("export", ExportSection),
-]
+
+def sections() -> list[tuple[str, type]]:
+    """``(key, class)`` of the top level and of each section, in the file's order."""
+    out: list[tuple[str, type]] = [("(top level)", TrainSpec)]
+    for f in dataclasses.fields(TrainSpec):
+        hint = hints(TrainSpec)[f.name]
+        for cls in (hint, *typing.get_args(hint)):
+            if dataclasses.is_dataclass(cls):
+                out.append((f.name, cls))  # type: ignore[arg-type]
+    return out
+
 
 INTRO = """\
 # Run configuration (YAML)
 
 One YAML file describes a run; `entrenar train FILE` (or
 `entrenar.runs.train_from_yaml(FILE, overrides)`) runs it, `entrenar validate FILE`
-checks it without running. This page is generated from the schema in
-`entrenar/config/sections.py` (`python -m entrenar.config.docs > specs/config.md`);
+checks it without running. This page is generated from the config classes, each
+declared once beside its component (`training` is `entrenar.train.TrainConfig`,
+`lora` is `entrenar.lora.LoRAConfig`, `optimizer` and `scheduler` are
+`entrenar.optim.OptimizerConfig` and `ScheduleConfig`; the rest are in
+`entrenar/config/sections.py`): `python -m entrenar.config.docs > specs/config.md`;
 a test keeps it in step.
 
 ## Reading rules
@@ -221,13 +210,12 @@ def arch_tables() -> str:
     out = []
     for arch in nn.architectures():
         cls = arch.config_class
-        hints = typing.get_type_hints(cls)
         out.append(f"### `{arch.name}` ({cls.__module__}.{cls.__name__})\n")
         out.append("| key | type | default |\n| --- | --- | --- |")
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else MISSING
             out.append(
-                f"| `{f.name}` | {_cell(type_name(hints[f.name]))} | "
+                f"| `{f.name}` | {_cell(type_name(hints(cls)[f.name]))} | "
                 f"{_cell(_value(default))} |"
             )
         out.append("")
@@ -238,7 +226,7 @@ def render() -> str:
     """The whole of specs/config.md."""
     parts = [INTRO.replace("NAMED_MODELS", ", ".join(f"`{n}`" for n in NAMED_MODELS))]
     parts.append("## Keys\n")
-    for name, cls in SECTIONS:
+    for name, cls in sections():
         title = name if name.startswith("(") else f"`{name}`"
         doc = (cls.__doc__ or "").strip().splitlines()[0]
         parts.append(f"### {title}\n\n{doc}\n\n{section_table(cls)}\n")
@@ -255,4 +243,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["arch_tables", "render", "section_table"]
+__all__ = ["arch_tables", "render", "section_table", "sections"]

@@ -3,7 +3,7 @@
 ``load_config(path, overrides)`` reads the file with ``yaml.safe_load`` within the
 limits of `entrenar.io.bounded` (size, depth, aliases), applies the
 dotted-key overrides (``{"training.max_steps": 5}``) to the mapping, checks every key
-and value (`entrenar.config.fields.parse`), resolves input paths against the config
+and value (`entrenar.schema.parse`), resolves input paths against the config
 file's folder and checks that they exist. Every failure is a `ConfigError` whose
 message starts with the key path.
 """
@@ -16,24 +16,30 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from entrenar import io, nn
-from entrenar.config.fields import convert, hints, key_names, option, parse, unknown_key
+from entrenar import data, io, nn
 from entrenar.config.sections import (
     DataSection,
     DistillationSection,
     ExportSection,
-    LoRASection,
     ModelSection,
-    OptimizerSection,
     QuantizationSection,
-    SchedulerSection,
-    TrainingSection,
 )
 from entrenar.errors import ConfigError, EntrenarError
 from entrenar.io import bounded, smollm2_path
 from entrenar.io.bounded import MAX_CONFIG_BYTES
-
-DATA_EXTENSIONS = (".jsonl", ".csv", ".parquet")
+from entrenar.lora import LoRAConfig
+from entrenar.optim import OptimizerConfig, ScheduleConfig
+from entrenar.schema import (
+    Config,
+    convert,
+    groups,
+    hints,
+    key_names,
+    option,
+    parse,
+    unknown_key,
+)
+from entrenar.train import TrainConfig
 
 
 def arch_config(architecture: str, sizes: Mapping[str, Any], path: str) -> Any:
@@ -60,7 +66,7 @@ def arch_config(architecture: str, sizes: Mapping[str, Any], path: str) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainSpec:
+class TrainSpec(Config):
     """One run: every section of the YAML file (absent optional sections are None).
 
     A training run needs ``model`` and ``data``; a file with only ``merge`` (and
@@ -70,22 +76,18 @@ class TrainSpec:
     name: str | None = option(None, doc="name of the run (default: the file's stem)")
     model: ModelSection | None = option(None, doc="the model (see `model`)")
     data: DataSection | None = option(None, doc="the data (see `data`)")
-    optimizer: OptimizerSection = option(
-        factory=OptimizerSection, doc="the optimizer (see `optimizer`)"
+    optimizer: OptimizerConfig = option(
+        factory=OptimizerConfig, doc="the optimizer (see `optimizer`)"
     )
-    scheduler: SchedulerSection | None = option(
-        None, aliases=("schedule", "lr_scheduler"), doc="learning-rate schedule"
-    )
-    lora: LoRASection | None = option(None, doc="LoRA / QLoRA adapters")
+    scheduler: ScheduleConfig | None = option(None, doc="learning-rate schedule")
+    lora: LoRAConfig | None = option(None, doc="LoRA / QLoRA adapters")
     quantization: QuantizationSection | None = option(
-        None, aliases=("quantize",), doc="post-training quantization of the model"
+        None, doc="post-training quantization of the model"
     )
     distillation: DistillationSection | None = option(
-        None, aliases=("distill",), doc="knowledge distillation from a teacher"
+        None, doc="knowledge distillation from a teacher"
     )
-    training: TrainingSection = option(
-        factory=TrainingSection, aliases=("train", "trainer"), doc="the run itself"
-    )
+    training: TrainConfig = option(factory=TrainConfig, doc="the run itself")
     merge: dict[str, Any] | None = option(
         None,
         doc="a mergekit-shaped merge recipe (entrenar.merge): merge_method, base_model,"
@@ -117,6 +119,8 @@ class TrainSpec:
                     "distillation: distilling into LoRA adapters is not supported; "
                     "train the whole student (remove `lora`)"
                 )
+        if self.training.output_dir is None:
+            raise ConfigError("training.output_dir: a run writes its files there")
         if self.model is not None:  # a file's own architecture: after resolve_paths
             self.check_architecture(self.model.architecture)
 
@@ -170,44 +174,15 @@ class TrainSpec:
         return io.file_architecture(self.model.path) if self.model.path else None
 
     @property
+    def output_dir(self) -> str:
+        """``training.output_dir``: where the run writes (`check` requires one)."""
+        assert self.training.output_dir is not None
+        return self.training.output_dir
+
+    @property
     def is_merge(self) -> bool:
         """Whether this file describes a merge rather than a training run."""
         return self.merge is not None
-
-    def _repr_html_(self) -> str:
-        """Jupyter's view: each section present, its changed fields in bold."""
-        return f"<b>TrainSpec</b>{_dataclass_html(self)}"
-
-
-def _dataclass_html(obj: Any) -> str:
-    """An HTML table of a config dataclass (Jupyter's view of the sections).
-
-    Fields changed from their default are bold, sections (nested dataclasses) are
-    nested tables, and absent (None) sections are left out.
-    """
-    import html
-
-    rows = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if value is None and f.default is None:
-            continue
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            text = _dataclass_html(value)
-        else:
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
-            else:
-                default = dataclasses.MISSING
-            text = html.escape(repr(value))
-            text = f"<b>{text}</b>" if value != default else text
-        rows.append(
-            f"<tr><th style='text-align:left;vertical-align:top'>{f.name}</th>"
-            f"<td style='text-align:left'>{text}</td></tr>"
-        )
-    return f"<table>{''.join(rows)}</table>"
 
 
 def apply_overrides(raw: Any, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -224,10 +199,10 @@ def apply_overrides(raw: Any, overrides: Mapping[str, Any] | None) -> dict[str, 
         for i, part in enumerate(parts):
             here = ".".join(parts[:i])
             names = key_names(cls) if cls is not None else None
-            if names is not None and part not in names:
+            if names is not None and part not in names and part not in groups(cls):
                 raise unknown_key(part, here, list(names), sorted(set(names.values())))
-            field = names[part] if names is not None else part
-            cls = _section_class(cls, field) if cls is not None else None
+            field = names.get(part) if names is not None else None
+            cls = _section_class(cls, field) if cls is not None and field else None
             if i == len(parts) - 1:
                 if value is None:
                     node.pop(part, None)
@@ -349,38 +324,39 @@ def named_model(name: str, key: str) -> str | None:
 
 
 def resolve_paths(spec: TrainSpec, base: str) -> TrainSpec:
-    """Input paths relative to ``base`` made absolute (a new spec).
+    """A new spec whose input paths (``path="input"`` fields) are absolute.
 
-    ``~`` and ``$VARIABLES`` are expanded; a named model (`NAMED_MODELS`) becomes
-    its file.
+    Relative paths are relative to ``base``; ``~`` and ``$VARIABLES`` are expanded;
+    a named model (`NAMED_MODELS`) becomes its file.
     """
 
-    def fix(p: Any, key: str = "") -> Any:
+    def fix(p: str | None, key: str) -> str | None:
         if p is None:
             return None
-        named = named_model(p, key) if key else None
+        named = named_model(p, key)
         if named is not None:
             return named
         p = os.path.expandvars(os.path.expanduser(p))
         return p if os.path.isabs(p) else os.path.normpath(os.path.join(base, p))
 
     changes: dict[str, Any] = {}
-    if spec.model is not None:
-        changes["model"] = dataclasses.replace(
-            spec.model,
-            path=fix(spec.model.path, "model.path"),
-            tokenizer=fix(spec.model.tokenizer, "model.tokenizer"),
-        )
-    if spec.data is not None:
-        changes["data"] = dataclasses.replace(
-            spec.data, train=fix(spec.data.train), validation=fix(spec.data.validation)
-        )
-    if spec.distillation is not None:
-        changes["distillation"] = dataclasses.replace(
-            spec.distillation,
-            teacher=fix(spec.distillation.teacher, "distillation.teacher"),
-        )
+    for name, section, fields in _sections(spec):
+        paths = {f: fix(getattr(section, f), f"{name}.{f}") for f in fields}
+        if paths:
+            changes[name] = dataclasses.replace(section, **paths)
     return dataclasses.replace(spec, **changes)
+
+
+def _sections(spec: TrainSpec) -> list[tuple[str, Any, list[str]]]:
+    """``(key, section, its input path fields)`` for each section of ``spec``."""
+    out = []
+    for f in dataclasses.fields(spec):
+        section = getattr(spec, f.name)
+        if isinstance(section, Config):
+            inputs = dataclasses.fields(section)  # type: ignore[arg-type]
+            paths = [g.name for g in inputs if g.metadata.get("path") == "input"]
+            out.append((f.name, section, paths))
+    return out
 
 
 def _exists(key: str, p: str | None, *, folder_ok: bool = False) -> None:
@@ -407,17 +383,16 @@ def check_inputs(spec: TrainSpec) -> None:
         for key, p in (("data.train", spec.data.train),
                        ("data.validation", spec.data.validation)):  # fmt: skip
             _exists(key, p)
-            if p is not None and not p.lower().endswith(DATA_EXTENSIONS):
+            if p is not None and not p.lower().endswith(data.READERS.names()):
                 raise ConfigError(
                     f"{key}: {os.path.basename(p)!r} is not one of "
-                    f"{', '.join(DATA_EXTENSIONS)}"
+                    f"{', '.join(data.READERS)}"
                 )
     if spec.distillation is not None:
         _exists("distillation.teacher", spec.distillation.teacher, folder_ok=True)
 
 
 __all__ = [
-    "DATA_EXTENSIONS",
     "TrainSpec",
     "apply_overrides",
     "check_inputs",

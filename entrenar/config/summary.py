@@ -16,6 +16,7 @@ import jax
 from entrenar import merge
 from entrenar.config.spec import TrainSpec, arch_config, load_config
 from entrenar.errors import ConfigError
+from entrenar.schema import yaml_fields
 from entrenar.tree import tree_size
 
 
@@ -78,8 +79,14 @@ def count_params(config: Any) -> int:
 def _section(obj: Any) -> Any:
     if obj is None:
         return None
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _section(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if dataclasses.is_dataclass(obj):  # its YAML keys, grouped as in the file
+        out: dict[str, Any] = {}
+        for f in yaml_fields(obj):
+            group = f.metadata.get("group")
+            (out.setdefault(group, {}) if group else out)[f.name] = _section(
+                getattr(obj, f.name)
+            )
+        return out
     if isinstance(obj, tuple):
         return [_section(v) for v in obj]
     if isinstance(obj, dict):
@@ -125,7 +132,7 @@ def summarize(spec: TrainSpec) -> dict[str, Any]:
         out["scheduler"] = spec.scheduler.name
     t = spec.training
     out["training"] = {
-        "epochs": t.epochs if t.epochs is not None or t.max_steps else 1,
+        "epochs": t.epochs,
         "max_steps": t.max_steps,
         "grad_accum": t.grad_accum,
         "seed": t.seed,

@@ -8,7 +8,8 @@ epoch, which checkpoints save. `ArrayLoader` serves in-memory arrays (``x``/``y`
 ``input_ids``, ``labels`` (-100 where no loss), ``attention_mask`` and, when packing,
 ``segment_ids`` and ``positions`` (what `entrenar.nn.LlamaConfig.apply` takes).
 
-Records come from JSONL, CSV and Parquet files (`load_records`); text is tokenized by
+Records come from JSONL, CSV and Parquet files (`load_records`, one reader per
+extension in the registry `READERS`); text is tokenized by
 `FastTokenizer` (Hugging Face ``tokenizers``, ids equal to the reference
 `entrenar.io.BPETokenizer`) and formatted as plain text, prompt-completion or chat
 (`render_chat` with the model's own template), the loss masked to the completion.
@@ -41,6 +42,7 @@ from entrenar.data.formatting import (
 )
 from entrenar.data.protocol import ArrayLoader, Batch, Loader, epoch_permutation
 from entrenar.data.readers import (
+    READERS,
     Records,
     load_records,
     read_csv,
@@ -54,6 +56,7 @@ from entrenar.data.text_loader import TextLoader, lm_loader
 __all__ = [
     "FORMATS",
     "IGNORE_INDEX",
+    "READERS",
     "ArrayLoader",
     "Batch",
     "FastTokenizer",

@@ -7,14 +7,15 @@ row (after the header) for CSV and Parquet.
 
 Every reader checks the file's size against ``max_bytes`` before reading it; Parquet
 also checks the uncompressed size its footer declares, so a small hostile file cannot
-expand into memory.
+expand into memory. `READERS` holds the reader of each file extension: adding a file
+type is one ``@READERS.register(".ext")``.
 """
 
 from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +23,14 @@ import numpy as np
 
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.bounded import parse_json
+from entrenar.schema import Registry
 
 MAX_BYTES = 4 << 30
 """Default size limit of a data file (4 GiB)."""
+
+READERS: Registry[Callable[..., Records]] = Registry("data file type")
+"""File extension -> ``reader(path, *, columns, max_bytes) -> Records`` (``.json``
+and ``.ndjson`` lines files are read as ``.jsonl``)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,7 @@ def _not_utf8(path: str) -> FormatError:
     return FormatError(f"{path}: not UTF-8 text; save the file as UTF-8")
 
 
+@READERS.register(".jsonl")
 def read_jsonl(
     path: str | os.PathLike[str],
     *,
@@ -171,6 +178,7 @@ def read_jsonl(
     return _require(Records(rows, path, numbers, "line"), columns)
 
 
+@READERS.register(".csv")
 def read_csv(
     path: str | os.PathLike[str],
     *,
@@ -232,6 +240,7 @@ def _csv_records(path: str, columns: Sequence[str] | None, delimiter: str) -> Re
     return Records(rows, path, numbers, "row")
 
 
+@READERS.register(".parquet")
 def read_parquet(
     path: str | os.PathLike[str],
     *,
@@ -280,10 +289,6 @@ def read_parquet(
     return Records(rows, path, list(range(1, len(rows) + 1)), "row")
 
 
-READERS = {".jsonl": read_jsonl, ".csv": read_csv, ".parquet": read_parquet}
-"""The reader of each file extension (``.json`` lines files count as JSONL too)."""
-
-
 def load_records(
     path: str | os.PathLike[str],
     *,
@@ -303,7 +308,7 @@ def load_records(
     if ext not in READERS:
         raise UnsupportedError(
             f"{os.fspath(path)}: unknown data file type {ext!r}; use one of "
-            ".jsonl, .csv, .parquet"
+            f"{', '.join(READERS)}"
         )
     return READERS[ext](path, columns=columns, max_bytes=max_bytes)
 

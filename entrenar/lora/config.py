@@ -17,85 +17,75 @@ when it matches every one of those names:
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from collections.abc import Sequence
+from typing import Literal
 
 from entrenar.errors import ConfigError
 from entrenar.lora.patterns import SEARCH, check_pattern, search_pattern
+from entrenar.schema import Config, option
 
 ALL_LINEAR = "all-linear"
 """Target every linear weight except embeddings and the output head."""
 
-_INITS = ("kaiming", "gaussian")
 _PLAIN = re.compile(r"[A-Za-z0-9_.]+")
 _NOT_LINEAR = re.compile(r"(^|\.)(embed_tokens|embed|wte|wpe|lm_head|output)(\.|$)")
 
 
 @dataclasses.dataclass(frozen=True)
-class LoRAConfig:
-    """Settings of a LoRA transform.
+class LoRAConfig(Config):
+    """Settings of a LoRA transform: the ``lora:`` section of a run's YAML file.
 
-    Attributes:
-        rank: r, the inner dimension of the adapter (``A: (r, in)``, ``B: (out, r)``).
-        alpha: scaling numerator; the update is ``(alpha / r) · B A``.
-        targets: which weights to adapt (see the module docstring): a name, a regex,
-            ``"all-linear"``, or a sequence of those (any may match).
-        dropout: dropout rate on the adapter input ``x`` (PEFT's ``lora_dropout``);
-            it acts only when keys are supplied with `entrenar.lora.with_dropout_keys`.
-        init: ``"kaiming"``: ``A ~ U(-1/sqrt(in), 1/sqrt(in))`` (PEFT's default,
-            PyTorch's ``kaiming_uniform_(a=sqrt(5))``); ``"gaussian"``:
-            ``A ~ N(0, 1/r²)``. ``B = 0`` in both, so the adapted model starts equal
-            to the base model.
-        rslora: scale by ``alpha / sqrt(r)`` (rank-stabilised LoRA) instead.
+    ``init``: ``"kaiming"`` draws ``A ~ U(-1/sqrt(in), 1/sqrt(in))`` (PEFT's default,
+    PyTorch's ``kaiming_uniform_(a=sqrt(5))``), ``"gaussian"`` ``A ~ N(0, 1/r²)``;
+    ``B = 0`` in both, so the adapted model starts equal to the base model.
+    ``dropout`` acts only when keys are supplied with
+    `entrenar.lora.with_dropout_keys`. Every field is checked when a config is built.
 
     Example:
         >>> LoRAConfig(rank=8, alpha=16, targets=("q_proj", "v_proj")).scale
         2.0
     """
 
-    rank: int = 8
-    alpha: float = 16.0
-    targets: str | Sequence[str] = ("q_proj", "v_proj")
-    dropout: float = 0.0
-    init: str = "kaiming"
-    rslora: bool = False
+    enabled: bool = option(True, doc="train LoRA adapters (the section's presence)")
+    rank: int = option(
+        8, ge=1, aliases=("r",), doc="r, inner dimension of A (r, in) and B (out, r)"
+    )
+    alpha: float = option(
+        16.0, gt=0.0, aliases=("lora_alpha",), doc="scale numerator: update = α/r·BA"
+    )
+    targets: tuple[str, ...] = option(
+        ("q_proj", "v_proj"),
+        aliases=("target_modules",),
+        doc="module names, regexes or all-linear (PEFT's target_modules; see "
+        "entrenar.lora.config)",
+    )
+    dropout: float = option(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        aliases=("lora_dropout",),
+        doc="dropout on the adapter input",
+    )
+    quantize_base: Literal["none", "nf4", "int4"] = option(
+        "none",
+        doc="store the adapted base weights 4-bit while training (QLoRA: nf4; a "
+        "run passes it to lora.apply as quantize)",
+    )
+    init: Literal["kaiming", "gaussian"] = option(
+        "kaiming", doc="initialisation of A (B starts at zero)"
+    )
+    rslora: bool = option(False, doc="scale by α/√r (rank-stabilised LoRA)")
 
-    def __post_init__(self) -> None:
-        if type(self.rank) is not int or self.rank < 1:
-            raise ConfigError(
-                f"LoRAConfig.rank must be a positive int, got {self.rank!r}"
-            )
-        if not _finite_number(self.alpha):
-            raise ConfigError(
-                f"LoRAConfig.alpha must be a finite number, got {self.alpha!r}"
-            )
-        if not self.alpha > 0:
-            raise ConfigError(f"LoRAConfig.alpha must be > 0, got {self.alpha!r}")
-        if not _finite_number(self.dropout):
-            raise ConfigError(
-                f"LoRAConfig.dropout must be a number in [0, 1), got {self.dropout!r}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(
-                f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}"
-            )
-        if self.init not in _INITS:
-            raise ConfigError(
-                f"LoRAConfig.init must be one of {_INITS}, got {self.init!r}"
-            )
-        targets = (self.targets,) if isinstance(self.targets, str) else self.targets
-        if not targets:
-            raise ConfigError("LoRAConfig.targets is empty: name at least one module")
-        for t in targets:
-            if not isinstance(t, str) or not t:
-                raise ConfigError(f"LoRAConfig.targets holds {t!r}; use strings")
+    def check(self, path: str) -> None:
+        """At least one target; a regular expression is checked before it runs."""
+        if not self.targets:
+            raise ConfigError(f"{path}.targets: empty; name at least one module")
+        for t in self.targets:
             if t != ALL_LINEAR and not _PLAIN.fullmatch(t):
                 try:
                     check_pattern(t, runs_as=SEARCH)
                 except ConfigError as e:
-                    raise ConfigError(f"LoRAConfig.targets: {e}") from None
-        object.__setattr__(self, "targets", tuple(targets))
+                    raise ConfigError(f"{path}.targets: {e}") from None
 
     @property
     def scale(self) -> float:
@@ -125,10 +115,6 @@ def target_matches(target: str, module: str, per_layer_ndim: int) -> bool:
     if _PLAIN.fullmatch(target):
         return module == target or module.endswith("." + target)
     return search_pattern(target, module)
-
-
-def _finite_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 __all__ = ["ALL_LINEAR", "LoRAConfig", "target_matches"]

@@ -11,7 +11,9 @@ Optimizers are `chain`s of small pieces (`scale_by_adam`, `trace`,
 `add_decayed_weights`, `scale_by_learning_rate`, `clip_by_global_norm`); the learning
 rate lives in the state (`get_lr`, `set_lr`). `freeze` gives frozen leaves no update and
 no state; `accumulate` averages ``k`` micro-batch gradients per step. `SGD`, `Adam`,
-`AdamW` wrap them for the Tensor API (``opt.step(tensors)``). Math: specs/optimizers.md.
+`AdamW` wrap them for the Tensor API (``opt.step(tensors)``). `OptimizerConfig` and
+`ScheduleConfig` (a run's ``optimizer:`` and ``scheduler:``) build them by name from
+the registries `OPTIMIZERS` and `SCHEDULES`. Math: specs/optimizers.md.
 """
 
 from entrenar.optim.accumulation import (
@@ -19,7 +21,7 @@ from entrenar.optim.accumulation import (
     accumulate,
     microbatched_value_and_grad,
 )
-from entrenar.optim.alias import adam, adamw, sgd
+from entrenar.optim.alias import OPTIMIZERS, OptimizerConfig, adam, adamw, sgd
 from entrenar.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -41,8 +43,10 @@ from entrenar.optim.learning_rate import (
 )
 from entrenar.optim.masking import Mask, MaskedState, freeze, masked, resolve_mask
 from entrenar.optim.schedules import (
+    SCHEDULES,
     CosineScheduler,
     Schedule,
+    ScheduleConfig,
     constant_schedule,
     cosine_decay_schedule,
     exponential_decay,
@@ -64,6 +68,8 @@ from entrenar.optim.transforms import (
 )
 
 __all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
     "SGD",
     "AccumulateState",
     "Adam",
@@ -76,8 +82,10 @@ __all__ = [
     "MaskedNode",
     "MaskedState",
     "Optimizer",
+    "OptimizerConfig",
     "ScaleByAdamState",
     "Schedule",
+    "ScheduleConfig",
     "ScheduleState",
     "TraceState",
     "accumulate",

@@ -3,20 +3,34 @@
 Every ``learning_rate`` is a number or a schedule; the rate sits in the state (read it
 with `get_lr`, change it with `set_lr`). ``state_dtype`` stores the moment buffers in a
 narrower dtype (e.g. ``jnp.bfloat16``) to halve their memory.
+
+`OPTIMIZERS` names them for a run's YAML file (``optimizer: {name: adamw}``), whose
+section is `OptimizerConfig`; adding one is one ``@OPTIMIZERS.register(name)``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal
 
+from entrenar.errors import ConfigError
 from entrenar.optim.base import GradientTransformation, chain
 from entrenar.optim.fused import adamw_apply
 from entrenar.optim.learning_rate import scale_by_learning_rate
 from entrenar.optim.masking import Mask
 from entrenar.optim.schedules import Schedule
 from entrenar.optim.transforms import add_decayed_weights, scale_by_adam, trace
+from entrenar.schema import Config, Registry, option
+
+OPTIMIZERS: Registry[Callable[..., GradientTransformation]] = Registry("optimizer")
+"""``optimizer.name`` -> the optimizer function; `OptimizerConfig` passes it the
+hyperparameters it sets by name, so the function's signature says which it reads and
+their defaults."""
 
 
+@OPTIMIZERS.register("sgd")
 def sgd(
     learning_rate: float | Schedule,
     momentum: float = 0.0,
@@ -59,6 +73,7 @@ def sgd(
     return chain(*pieces)
 
 
+@OPTIMIZERS.register("adam")
 def adam(
     learning_rate: float | Schedule,
     b1: float = 0.9,
@@ -101,6 +116,7 @@ def adam(
     )
 
 
+@OPTIMIZERS.register("adamw")
 def adamw(
     learning_rate: float | Schedule,
     b1: float = 0.9,
@@ -159,4 +175,79 @@ def adamw(
     return tx._replace(apply=apply)
 
 
-__all__ = ["adam", "adamw", "sgd"]
+_ARGS = {"beta1": "b1", "beta2": "b2"}
+"""The YAML keys (the book's) of arguments named otherwise in the functions."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(Config):
+    """An optimizer and its hyperparameters: the ``optimizer:`` section of a run.
+
+    Hyperparameters left unset (None) take the defaults of the optimizer's function.
+
+    Example:
+        >>> OptimizerConfig("sgd", lr=0.1, momentum=0.9).arguments()
+        {'momentum': 0.9}
+        >>> OptimizerConfig("adam", momentum=0.9)
+        Traceback (most recent call last):
+        ...
+        entrenar.errors.ConfigError: OptimizerConfig.momentum: adam does not use momentum (only sgd); remove it
+    """  # noqa: E501
+
+    name: Literal["sgd", "adam", "adamw"] = option("adamw", doc="sgd, adam or adamw")
+    lr: float = option(
+        1e-3,
+        gt=0.0,
+        aliases=("learning_rate",),
+        doc="learning rate (the peak of the `scheduler`)",
+    )
+    momentum: float | None = option(
+        None, ge=0.0, lt=1.0, doc="sgd: momentum (default 0: none)"
+    )
+    nesterov: bool | None = option(None, doc="sgd: Nesterov momentum (default false)")
+    beta1: float | None = option(
+        None, ge=0.0, lt=1.0, doc="adam/adamw: β₁ (default 0.9)"
+    )
+    beta2: float | None = option(
+        None, ge=0.0, lt=1.0, doc="adam/adamw: β₂ (default 0.999)"
+    )
+    eps: float | None = option(
+        None, gt=0.0, aliases=("epsilon",), doc="adam/adamw: ε (default 1e-8)"
+    )
+    weight_decay: float | None = option(
+        None,
+        ge=0.0,
+        doc="decoupled decay for adamw (default 0.01), L2 gradient term for sgd "
+        "(default 0); adam has none",
+    )
+
+    def arguments(self) -> dict[str, Any]:
+        """The hyperparameters set, by the optimizer function's argument names."""
+        fields = dataclasses.fields(self)[2:]  # after name and lr
+        values = {_ARGS.get(f.name, f.name): getattr(self, f.name) for f in fields}
+        return {k: v for k, v in values.items() if v is not None}
+
+    def check(self, path: str) -> None:
+        """Each hyperparameter only with an optimizer that reads it."""
+        for arg in self.arguments():
+            users = [n for n in OPTIMIZERS if arg in _reads(OPTIMIZERS[n])]
+            if self.name not in users:
+                key = next((k for k, a in _ARGS.items() if a == arg), arg)
+                raise ConfigError(
+                    f"{path}.{key}: {self.name} does not use {key} (only "
+                    f"{' and '.join(users)}); remove it"
+                )
+
+    def build(
+        self, learning_rate: float | Schedule | None = None
+    ) -> GradientTransformation:
+        """The optimizer at ``learning_rate`` (a number or a schedule; default `lr`)."""
+        rate = self.lr if learning_rate is None else learning_rate
+        return OPTIMIZERS[self.name](rate, **self.arguments())
+
+
+def _reads(fn: Callable[..., Any]) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+__all__ = ["OPTIMIZERS", "OptimizerConfig", "adam", "adamw", "sgd"]

@@ -1,4 +1,4 @@
-"""The pieces of a run built from its sections: data, schedule, optimizer, TrainConfig.
+"""The pieces of a run built from its sections: data, optimizer, TrainConfig.
 
 Tabular data becomes in-memory arrays (`entrenar.data.tabular_arrays`, the Trainer
 batches them); text becomes an `entrenar.data`
@@ -192,84 +192,36 @@ def build_data(
 def total_steps(spec: TrainSpec, steps_per_epoch: int) -> int:
     """Optimizer steps of the run: ``max_steps``, else ``epochs × steps_per_epoch``."""
     t = spec.training
-    return t.max_steps or (t.epochs or 1) * steps_per_epoch
+    return t.max_steps or t.epochs * steps_per_epoch
 
 
 def build_schedule(spec: TrainSpec, total: int) -> Any:
-    """The learning rate: ``optimizer.lr`` or a schedule over ``total`` steps."""
+    """The learning rate: ``optimizer.lr`` or the ``scheduler`` over ``total`` steps."""
     lr, s = spec.optimizer.lr, spec.scheduler
     if s is None:
         return lr
-    w = s.warmup_steps
-    if w and w >= total:
+    if s.warmup_steps and s.warmup_steps >= total:
         raise ConfigError(
-            f"scheduler.warmup_steps: {w} is not below the run's {total} steps"
+            f"scheduler.warmup_steps: {s.warmup_steps} is not below the run's "
+            f"{total} steps"
         )
-    if s.name == "warmup_cosine_decay":  # optax's: decay_steps counts the warm-up
-        return optim.warmup_cosine_decay_schedule(
-            s.init_value, lr, w, s.decay_steps or total, s.end_value
-        )
-    decay = s.decay_steps or max(total - w, 1)
-    if s.name == "constant":
-        sched: Any = optim.constant_schedule(lr)
-    elif s.name == "linear":
-        sched = optim.linear_schedule(lr, s.end_value, decay)
-    elif s.name == "cosine_decay":
-        sched = optim.cosine_decay_schedule(lr, decay, s.end_value / lr)
-    else:
-        assert s.decay_rate is not None
-        sched = optim.exponential_decay(
-            lr, s.decay_steps or 1, s.decay_rate, staircase=s.staircase
-        )
-    return optim.warmup(sched, w, s.init_value) if w else sched
+    return s.build(lr, total)
 
 
 def build_optimizer(spec: TrainSpec, total: int) -> optim.GradientTransformation:
-    """``optimizer.name`` with its hyperparameters and the schedule."""
-    o = spec.optimizer
-    lr = build_schedule(spec, total)
-    if o.name == "sgd":
-        return optim.sgd(
-            lr, o.momentum or 0.0, bool(o.nesterov), weight_decay=o.weight_decay or 0.0
-        )
-    betas = dict(b1=_or(o.beta1, 0.9), b2=_or(o.beta2, 0.999), eps=_or(o.eps, 1e-8))
-    if o.name == "adam":
-        return optim.adam(lr, **betas)
-    return optim.adamw(lr, **betas, weight_decay=_or(o.weight_decay, 0.01))
-
-
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
+    """The ``optimizer`` at the rate of `build_schedule`."""
+    return spec.optimizer.build(build_schedule(spec, total))
 
 
 def train_config(spec: TrainSpec, *, progress: bool = True) -> TrainConfig:
-    """The `entrenar.train.TrainConfig` of the ``training`` and ``data`` sections."""
+    """The ``training`` section completed from ``data`` (batches) and the run."""
     t, d = spec.training, spec.data
     assert d is not None
     loss = t.loss
     if loss == "auto":
         loss = "mse" if d.task == "regression" else "cross_entropy"
-    es = t.early_stopping
-    return TrainConfig(
-        epochs=t.epochs or 1,
-        max_steps=t.max_steps,
-        batch_size=d.batch_size,
-        grad_accum=t.grad_accum,
-        grad_clip=t.grad_clip,
-        log_every=t.log_every,
-        eval_every=t.eval_every,
-        checkpoint_every=t.checkpoint_every,
-        keep_checkpoints=t.keep_checkpoints,
-        patience=es.patience if es is not None else None,
-        min_delta=es.min_delta if es is not None else 0.0,
-        seed=t.seed,
-        output_dir=t.output_dir,
-        compute_dtype=None if t.compute_dtype == "float32" else t.compute_dtype,
-        progress=progress,
-        loss=loss,
-        shuffle=d.shuffle,
-        drop_last=True,
-        mesh=t.mesh,
+    return dataclasses.replace(
+        t, batch_size=d.batch_size, shuffle=d.shuffle, loss=loss, progress=progress
     )
 
 

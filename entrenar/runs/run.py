@@ -129,15 +129,11 @@ def prepare(spec: TrainSpec) -> Prepared:
 
 
 def _apply_lora(spec: TrainSpec, params: Any, key: Any) -> Any:
-    s = spec.lora
-    assert s is not None
-    config = lora.LoRAConfig(
-        rank=s.rank, alpha=s.alpha, targets=s.targets, dropout=s.dropout,
-        init=s.init, rslora=s.rslora,
-    )  # fmt: skip
-    quantize = None if s.quantize_base == "none" else s.quantize_base
+    c = spec.lora
+    assert c is not None
+    quantize = None if c.quantize_base == "none" else c.quantize_base
     try:
-        return lora.apply(params, config, key=key, quantize=quantize)
+        return lora.apply(params, c, key=key, quantize=quantize)
     except (ConfigError, UnsupportedError) as e:
         raise type(e)(f"lora.targets: {e}") from None
 
@@ -183,7 +179,7 @@ def train_from_yaml(
             cannot run (`entrenar.native.check`, before the model loads).
     """
     spec = validate(path, overrides)
-    out_dir = spec.training.output_dir
+    out_dir = spec.output_dir
     if spec.is_merge:
         if dry_run:
             return RunResult(spec, out_dir, {})
@@ -203,7 +199,7 @@ def _train(
     spec: TrainSpec, prep: Prepared, *, resume: str | None, progress: bool
 ) -> RunResult:
     """Steps 5 and 6: train, then write the exports, metrics and result.json."""
-    out_dir = spec.training.output_dir
+    out_dir = spec.output_dir
     cfg = train_config(spec, progress=progress)
     trainer = Trainer(
         prep.loss, prep.params, prep.optimizer, cfg, trainable=prep.trainable

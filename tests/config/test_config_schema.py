@@ -248,7 +248,7 @@ def test_every_section_key_is_documented():
         "temperature",
         "seq_len",
         "warmup_steps",
-        "patience",
+        "early_stopping.patience",
         "keep_quantized",
     ):
         assert f"`{key}`" in doc
