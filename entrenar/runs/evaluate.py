@@ -212,7 +212,7 @@ def evaluate_config(
             "data.validation: the config names no validation file; pass --data FILE"
         )
     if model is None:
-        out = spec.training.output_dir
+        out = spec.output_dir
         found = [
             os.path.join(out, name)
             for name in ("model.safetensors", "model.gguf", "hf", "model.json")

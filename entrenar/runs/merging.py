@@ -39,7 +39,7 @@ MODEL_FORMATS = {"safetensors": "safetensors", "json": "json", "gguf": "gguf"}
 def run_merge(spec: TrainSpec) -> dict[str, str]:
     """Run a config's merge: ``model.<format>`` per export format in output_dir."""
     recipe = spec_recipe(spec)
-    out_dir = spec.training.output_dir
+    out_dir = spec.output_dir
     formats = [f for f in spec.export.formats if f in MODEL_FORMATS]
     if not formats:
         raise ConfigError(

@@ -179,7 +179,10 @@ def test_model_precision_options_reach_the_llama_config(monkeypatch):
     mlp = models.BuiltModel("mlp", None, {})
     with pytest.raises(ConfigError, match="apply to a llama model, not mlp"):
         models.with_precision(
-            mlp, ModelSection(architecture="mlp", matmul_dtype="auto")
+            mlp,
+            ModelSection(
+                architecture="mlp", config={"sizes": [1]}, matmul_dtype="auto"
+            ),
         )
 
 
