@@ -18,8 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from entrenar.errors import FormatError, UnsupportedError
-from entrenar.io.gguf_reader import GGUFField, GGUFValueType, read_gguf
+from entrenar import nn
+from entrenar.errors import EntrenarError, FormatError, UnsupportedError
+from entrenar.io.bounded import read_json
+from entrenar.io.gguf_families import FAMILY_KEY
+from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_gguf
 from entrenar.io.gguf_writer import GGUFTensor, write_gguf
 from entrenar.io.json_yaml import load_json, load_yaml, save_json, save_yaml
 from entrenar.io.llama_gguf_write import save_llama_gguf
@@ -96,22 +99,42 @@ def detect_format(path: str | os.PathLike[str]) -> ModelFormat:
     )
 
 
+def _gguf_family(g: GGUFFile) -> str | None:
+    """The registered family of a llama.cpp GGUF (None: not one entrenar reads)."""
+    name = g.metadata.get("general.architecture")
+    try:
+        arch = nn.architecture_for_gguf(str(name), g.path)
+        family = json.loads(str(g.metadata.get(FAMILY_KEY, "{}"))).get("architecture")
+    except (EntrenarError, ValueError, AttributeError, RecursionError):
+        return None
+    if isinstance(family, str) and family in nn.architecture_names():
+        return family
+    return arch.name
+
+
 def file_architecture(path: str) -> str | None:
     """The architecture a model file declares, read from its header only.
 
-    A Hugging Face folder or a llama.cpp GGUF is ``"llama"``; an entrenar
-    safetensors file says so in its metadata. None when it cannot be told cheaply
+    A Hugging Face folder's ``config.json`` ``model_type`` and a llama.cpp GGUF's
+    ``general.architecture`` name a registered family (`entrenar.nn`'s registry);
+    an entrenar file says so in its metadata. None when it cannot be told cheaply
     (the model is then checked once it is loaded).
     """
     if os.path.isdir(path):
-        return "llama"
+        try:
+            hf = read_json(os.path.join(path, "config.json"))
+            return (
+                nn.architecture_for_hf(hf, path).name if isinstance(hf, dict) else None
+            )
+        except EntrenarError:
+            return None
     try:
         with open(path, "rb") as f:
             head = f.read(8)
             if head[:4] == b"GGUF":
                 g = read_gguf(path)
                 arch = g.metadata.get("general.architecture")
-                return str(arch) if "entrenar.version" in g.fields else "llama"
+                return str(arch) if "entrenar.version" in g.fields else _gguf_family(g)
             (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
             if not 0 < n <= min(os.path.getsize(path) - 8, 1 << 26):
                 return None
@@ -120,7 +143,7 @@ def file_architecture(path: str) -> str | None:
         return None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     arch = meta.get("architecture") if isinstance(meta, dict) else None
-    return arch if arch in ("llama", "gpt2", "mlp") else None
+    return arch if arch in nn.architecture_names() else None
 
 
 def _save_generic_gguf(model: Model, path: str | os.PathLike[str]) -> None:
@@ -146,15 +169,14 @@ def _save_generic_gguf(model: Model, path: str | os.PathLike[str]) -> None:
 
 def _load_gguf(path: str) -> Model:
     g = read_gguf(path)
-    if "entrenar.version" not in g.fields and g.metadata.get(
-        "general.architecture"
-    ) == ("llama"):
+    family = None if "entrenar.version" in g.fields else _gguf_family(g)
+    if family is not None and nn.architecture(family).config_class is LlamaConfig:
         from entrenar.io.llama_gguf import load_llama_gguf
 
         config, params, _ = load_llama_gguf(g)
         meta = ModelMetadata(
-            name=str(g.metadata.get("general.name", "llama")),
-            architecture="llama",
+            name=str(g.metadata.get("general.name", family)),
+            architecture=family,
             custom={"llama_config": dataclasses.asdict(config), "gguf_source": path},
         )
         return Model(meta, params)
@@ -192,8 +214,8 @@ def save_model(
     ``model`` is a `Model` or a bare params tree (nested dicts and lists of arrays),
     saved with the default `ModelMetadata`.
 
-    A model with architecture ``"llama"`` and ``custom["llama_config"]`` (as
-    `load_model` returns for a Llama GGUF) is written to GGUF as a llama.cpp model
+    A model with ``custom["llama_config"]`` (as `load_model` returns for a llama.cpp
+    GGUF of any `LlamaConfig` family) is written to GGUF as a llama.cpp model
     (`entrenar.io.save_llama_gguf`, tensors in ``config.gguf_tensor_type``, metadata
     and tokenizer from ``config.gguf_source`` or ``custom["gguf_source"]``); any
     other model as a generic GGUF.
@@ -213,9 +235,7 @@ def save_model(
         save_yaml(model, path, config.pretty)
     elif fmt == ModelFormat.SAFETENSORS:
         save_model_safetensors(model, path)
-    elif model.metadata.architecture == "llama" and "llama_config" in (
-        model.metadata.custom
-    ):
+    elif isinstance(model.metadata.custom.get("llama_config"), dict):
         custom = model.metadata.custom
         save_llama_gguf(
             path,

@@ -6,13 +6,11 @@ file in the layout of `entrenar.io.split_quantized`.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from entrenar import io, lora, nn, quant
 from entrenar.errors import ConfigError
@@ -56,15 +54,16 @@ def write_quantized(
 ) -> str:
     """Write ``params`` of ``built`` quantized with ``scheme``; returns the path.
 
-    A Llama in a GGML scheme (q8_0, q4_0, q4_1) to a ``.gguf`` path is written as a
-    llama.cpp model; anything else as an entrenar model file (see the module
-    docstring) in the format of the path's extension.
+    A `LlamaConfig` family (llama, qwen2, ...) in a GGML scheme (q8_0, q4_0, q4_1) to
+    a ``.gguf`` path is written as a llama.cpp model; anything else as an entrenar
+    model file (see the module docstring) in the format of the path's extension.
     """
     if path.endswith(".gguf"):
-        if built.architecture != "llama" or scheme not in GGML_SCHEMES:
+        if not built.is_decoder or scheme not in GGML_SCHEMES:
             raise ConfigError(
-                f"{path}: a .gguf output holds a Llama in q8_0, q4_0 or q4_1; this is "
-                f"a {built.architecture} in {scheme} (write .safetensors instead)"
+                f"{path}: a .gguf output holds a Llama-style decoder in q8_0, q4_0 or "
+                f"q4_1; this is a {built.architecture} in {scheme} (write "
+                ".safetensors instead)"
             )
         io.save_llama_gguf(
             path, built.config, params, source=built.gguf_source,
@@ -202,8 +201,7 @@ def _write_exports(
     q = spec.quantization
     if q is not None and q.enabled:
         scheme = q.resolved_scheme
-        ext = "gguf" if built.architecture == "llama" and scheme in GGML_SCHEMES else (
-            "safetensors")  # fmt: skip
+        ext = "gguf" if built.is_decoder and scheme in GGML_SCHEMES else "safetensors"
         path = os.path.join(out_dir, f"model-{scheme}.{ext}")
         write_quantized(
             built, model_params, path, scheme, block_size=q.block_size,
@@ -214,19 +212,24 @@ def _write_exports(
 
 
 def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
-    """A Hugging Face ``LlamaForCausalLM`` folder (config.json + model.safetensors)."""
-    if built.architecture != "llama":
-        raise ConfigError("export.formats: 'hf' writes Llama models only")
-    os.makedirs(folder, exist_ok=True)
+    """A Hugging Face folder of the model's family (`entrenar.io.save_hf_folder`).
+
+    ``config.json`` by the family's ``to_hf``, the weights (dequantized), the
+    ``generation_config.json`` and, when the model has a tokenizer, its
+    ``tokenizer.json``, ``tokenizer_config.json`` and chat template, so that
+    ``transformers``' ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it.
+
+    Raises:
+        ConfigError: a family with no Hugging Face form (an mlp).
+    """
+    arch = nn.architecture(built.architecture)
+    if arch.to_hf is None:
+        raise ConfigError(
+            f"export.formats: 'hf' writes language models of a Hugging Face family; "
+            f"a {built.architecture} has no such form"
+        )
     dense = quant.dequantize_params(params)
-    flat = nn.to_hf_names(dense)
-    tensors = {k: np.asarray(v) for k, v in flat.items()}
-    io.save_safetensors(
-        tensors, os.path.join(folder, "model.safetensors"), {"format": "pt"}
-    )
-    with io.atomic_write(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(built.config.to_hf_config(), f, indent=2)
-    return folder
+    return io.save_hf_folder(folder, built.config, dense, tokenizer=built.tokenizer)
 
 
 __all__ = [

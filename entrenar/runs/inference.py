@@ -1,7 +1,8 @@
 """`generate_text`: text in, text out, for ``entrenar generate``.
 
-The model file is read with `entrenar.runs.models.load_built` (a GGUF brings its
-own tokenizer and chat template; an entrenar model file names its tokenizer), an
+The model file is read with `entrenar.runs.models.load_built` (a GGUF or a Hugging
+Face folder brings its own tokenizer and chat template, a folder's
+``generation_config.json`` its EOS ids; an entrenar model file names its tokenizer), an
 adapter folder is attached with `entrenar.lora.load_adapter`, and the reply comes
 from `entrenar.chat.ChatModel`: the chat template rendered with control tokens
 parsed, the length checked against the context before anything runs, greedy or
@@ -54,7 +55,8 @@ def generate_text(
         repetition_penalty: penalise tokens already seen (1 or None: off).
         stop: strings that end the text (cut before the first).
         seed: the sampling seed (the same seed gives the same text).
-        tokenizer: a ``.gguf`` whose tokenizer to use instead of the model's.
+        tokenizer: a ``.gguf`` or Hugging Face folder whose tokenizer to use instead
+            of the model's.
         on_text: called with each piece of text as it is generated.
 
     Raises:
@@ -66,11 +68,16 @@ def generate_text(
         raise ConfigError(f"{model}: generate needs a language model, not an mlp")
     tok = data.load_fast_tokenizer(tokenizer) if tokenizer else built.tokenizer
     if tok is None:
-        raise ConfigError(f"{model}: no tokenizer; pass --tokenizer FILE.gguf")
+        raise ConfigError(
+            f"{model}: no tokenizer; pass --tokenizer FILE.gguf (or a Hugging Face "
+            "folder with tokenizer.json)"
+        )
     params = built.params
     if adapter is not None:
         params = lora.load_adapter(adapter, params)
-    session = chat_lib.ChatModel(built.config, params, tok)
+    stops = chat_lib.end_of_turn_ids(tok)
+    stops += tuple(i for i in getattr(tok, "stop_ids", ()) if i not in stops)
+    session = chat_lib.ChatModel(built.config, params, tok, stop_ids=stops)
     key = jax.random.key(seed) if temperature > 0 else None
     try:
         pieces = session.stream(

@@ -18,7 +18,7 @@ import jax
 from entrenar import io, native, quant
 from entrenar.errors import FormatError
 from entrenar.io.formats import disk_bytes
-from entrenar.runs.models import load_built
+from entrenar.runs.models import read_header
 from entrenar.tree import key_path_str
 
 
@@ -63,30 +63,62 @@ def _tensor_rows(items: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any
     }
 
 
+def _first_line(template: Any) -> str | None:
+    """A chat template's first non-empty line (None without a template)."""
+    if not isinstance(template, str):
+        return None
+    lines = [line.strip() for line in template.splitlines() if line.strip()]
+    return lines[0][:120] if lines else ""
+
+
+def _tokenizer_rows(tok: Any) -> dict[str, Any]:
+    """``tokenizer`` (kind and size) and ``chat_template`` (first line) of a model."""
+    if tok is None:
+        return {"tokenizer": None, "chat_template": None}
+    kind = "tokenizer.json" if isinstance(tok, io.HFTokenizer) else "gguf"
+    return {
+        "tokenizer": f"{kind}, {len(tok.tokens)} tokens",
+        "chat_template": _first_line(getattr(tok, "chat_template", None)),
+    }
+
+
 def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
-    """Format, architecture, parameter count and tensor types of a model file."""
+    """Format, family, size, context, tokenizer and tensor types of a model file.
+
+    A Hugging Face folder and a llama.cpp GGUF are read from their headers (no
+    tensor data): the family is the registered one (`entrenar.nn` registry),
+    ``context_length`` the model's, ``tokenizer`` its kind and vocabulary size and
+    ``chat_template`` the template's first line.
+    """
     size = disk_bytes(path)
     if os.path.isdir(path):
-        built = load_built(path)
-        flat = io.flatten_params(built.params)
-        items = [(n, tuple(a.shape), str(a.dtype)) for n, a in flat.items()]
+        built = read_header(path)
+        items = []
+        for file in io.read_hf_folder(path).files:
+            for n, a in io.read_safetensors(file)[0].items():
+                items.append((n, tuple(a.shape), str(a.dtype)))
         out: dict[str, Any] = {"path": path, "format": "hf-folder"}
-        out["architecture"] = "llama"
+        out["architecture"] = built.architecture
+        out["context_length"] = built.config.max_position_embeddings
+        out |= _tokenizer_rows(built.tokenizer)
     elif io.detect_format(path) == io.ModelFormat.GGUF:
         g = io.read_gguf(path)
         items = [(n, t.shape, t.type_name) for n, t in g.tensors.items()]
         md = g.metadata
         out = {"path": path, "format": "gguf", "gguf_version": g.version}
-        out["architecture"] = md.get("general.architecture")
+        out["architecture"] = io.file_architecture(path) or md.get(
+            "general.architecture"
+        )
         out["name"] = md.get("general.name")
-        arch = out["architecture"]
+        arch = md.get("general.architecture")
         for k in ("context_length", "embedding_length", "block_count"):
             if f"{arch}.{k}" in md:
                 out[k] = md[f"{arch}.{k}"]
         if "tokenizer.ggml.tokens" in md:
             out["vocab_size"] = len(md["tokenizer.ggml.tokens"])
-        if "tokenizer.chat_template" in md:
-            out["chat_template"] = True
+            model = md.get("tokenizer.ggml.model", "?")
+            out["tokenizer"] = f"gguf {model}, {out['vocab_size']} tokens"
+        out["chat_template"] = _first_line(md.get("tokenizer.chat_template"))
     else:
         model = io.load_model(path)
         meta = model.metadata

@@ -2,9 +2,12 @@
 
 A `BuiltModel` is the model config object (`entrenar.nn.MLP`, `GPT2Config` or
 `LlamaConfig`, which is also the model: ``apply(params, x)``), its params, and for a
-language model the tokenizer. Files written by `save_built` keep the architecture in
-the metadata (``custom["model_config"]``, or ``custom["llama_config"]`` for a Llama as
-`entrenar.io` writes it), so `load_built` rebuilds the same model.
+language model the tokenizer. A Hugging Face folder or a llama.cpp GGUF of any
+registered family is read with its own tokenizer (``tokenizer.json`` or the GGUF's
+``tokenizer.ggml.*``). Files written by `save_built` keep the architecture in the
+metadata (``custom["model_config"]``, or ``custom["llama_config"]`` for a
+`LlamaConfig` family, its ``architecture`` field naming the family, as `entrenar.io`
+writes it), so `load_built` rebuilds the same model.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ class BuiltModel:
     """A model ready to train or run.
 
     Attributes:
-        architecture: ``"mlp"``, ``"gpt2"`` or ``"llama"``.
+        architecture: the registered family (``"mlp"``, ``"gpt2"``, ``"llama"``,
+            ``"qwen2"``, ...).
         config: the model (``config.apply(params, inputs)``).
         params: its parameter tree.
         tokenizer: a language model's tokenizer (None for an mlp).
@@ -51,13 +55,18 @@ class BuiltModel:
         return self.architecture != "mlp"
 
     @property
+    def is_decoder(self) -> bool:
+        """Whether the config is a `LlamaConfig` family (llama.cpp's kind of model)."""
+        return isinstance(self.config, nn.LlamaConfig)
+
+    @property
     def gguf_source(self) -> str | None:
         """The llama.cpp GGUF it was read from (its tokenizer and metadata), or None."""
         return self.source if self.source and self.source.endswith(".gguf") else None
 
     def stored_config(self) -> dict[str, Any]:
-        """``{"model_config" or, a Llama's, "llama_config": fields}`` (JSON data)."""
-        key = "llama_config" if self.architecture == "llama" else "model_config"
+        """``{"model_config" or, a `LlamaConfig`'s, "llama_config": fields}``."""
+        key = "llama_config" if self.is_decoder else "model_config"
         fields = dataclasses.asdict(self.config).items()
         return {key: {k: list(v) if isinstance(v, tuple) else v for k, v in fields}}
 
@@ -83,10 +92,11 @@ def load_built(
     """Read a model file or folder into a `BuiltModel`.
 
     Args:
-        path: a llama.cpp ``.gguf``, a Hugging Face Llama folder, or a file written
-            by `save_built` / `entrenar.io.save_model` with the architecture in its
-            metadata (and, for a language model, ``custom["tokenizer"]``: a GGUF
-            path relative to the model file's folder, loaded when it exists).
+        path: a llama.cpp ``.gguf`` or a Hugging Face folder of any registered
+            family (with its tokenizer), or a file written by `save_built` /
+            `entrenar.io.save_model` with the architecture in its metadata (and, for
+            a language model, ``custom["tokenizer"]``: a GGUF or tokenizer folder
+            relative to the model file's folder, loaded when it exists).
         keep_quantized: keep a GGUF's quantized projection weights as they are.
         dtype: dtype of the loaded (dequantized) parameters.
 
@@ -94,15 +104,17 @@ def load_built(
         FormatError: a file whose architecture cannot be told, or a bad file.
     """
     if os.path.isdir(path):
-        config, params = io.load_hf_llama(path, dtype=dtype)
-        return BuiltModel("llama", config, params, None, path)
+        info, params = io.load_hf_folder(path, dtype=dtype)
+        name = info.architecture.name
+        return BuiltModel(name, info.config, params, info.tokenizer(), path)
     if io.detect_format(path) == io.ModelFormat.GGUF:
         g = io.read_gguf(path)
         if "entrenar.version" not in g.fields:
             config, params, _ = io.load_llama_gguf(
                 g, keep_quantized=keep_quantized, dtype=dtype
             )
-            return BuiltModel("llama", config, params, _gguf_tokenizer(g), path)
+            name = nn.architecture_of(config).name
+            return BuiltModel(name, config, params, _gguf_tokenizer(g), path)
     model = io.load_model(path)
     custom = model.metadata.custom
     tree = lists_from_dicts(model.params)
@@ -117,8 +129,9 @@ def load_built(
 def _stored_config(path: str, meta: io.ModelMetadata) -> tuple[str, Any]:
     """The architecture and model config an entrenar file's metadata names."""
     custom, arch = meta.custom, meta.architecture
-    if "llama_config" in custom:
-        arch, fields = "llama", custom["llama_config"]
+    if isinstance(custom.get("llama_config"), Mapping):
+        fields = custom["llama_config"]
+        arch = str(fields.get("architecture", "llama"))
     elif isinstance(custom.get("model_config"), Mapping) and arch in (
         nn.architecture_names()
     ):
@@ -137,7 +150,7 @@ def _stored_tokenizer(path: str, custom: Mapping[str, Any]) -> Any:
     tok = custom.get("tokenizer")
     if isinstance(tok, str):
         tok = os.path.join(os.path.dirname(os.path.abspath(path)), tok)
-    return data.load_fast_tokenizer(tok) if tok and os.path.isfile(tok) else None
+    return data.load_fast_tokenizer(tok) if tok and os.path.exists(tok) else None
 
 
 def read_header(path: str) -> BuiltModel:
@@ -146,7 +159,8 @@ def read_header(path: str) -> BuiltModel:
     The params are shapes (`jax.ShapeDtypeStruct`, from ``config.init``), so a
     100 MB GGUF is checked in a fraction of a second: a llama.cpp GGUF's magic,
     version, metadata and tensor table (`entrenar.io.read_llama_header`), a Hugging
-    Face folder's ``config.json`` and safetensors headers, an entrenar safetensors
+    Face folder's ``config.json``, shard index and safetensors headers (and its
+    tokenizer), an entrenar safetensors
     file's header. Other entrenar files (JSON, YAML, GGUF) are loaded whole. The
     tokenizer is loaded as `load_built` loads it.
 
@@ -154,15 +168,18 @@ def read_header(path: str) -> BuiltModel:
         FormatError: a file `load_built` would refuse for its header.
     """
     if os.path.isdir(path):
-        config: Any = io.read_hf_llama_header(path)
-        return BuiltModel("llama", config, _shapes(config), None, path)
+        info = io.read_hf_folder(path)
+        config: Any = info.config
+        tok = info.tokenizer()
+        return BuiltModel(info.architecture.name, config, _shapes(config), tok, path)
     fmt = io.detect_format(path)
     if fmt == io.ModelFormat.GGUF:
         g = io.read_gguf(path)
         if "entrenar.version" not in g.fields:
             _, config = io.read_llama_header(g)
             tok = _gguf_tokenizer(g)
-            return BuiltModel("llama", config, _shapes(config), tok, path)
+            name = nn.architecture_of(config).name
+            return BuiltModel(name, config, _shapes(config), tok, path)
     if fmt != io.ModelFormat.SAFETENSORS:
         return load_built(path)
     _, header = io.read_safetensors(path)
@@ -218,13 +235,13 @@ def build_model(
 
 
 def with_precision(built: BuiltModel, section: ModelSection) -> BuiltModel:
-    """Apply ``matmul_dtype`` and ``remat_policy`` (a Llama's only) to the model."""
+    """Apply ``matmul_dtype`` and ``remat_policy`` (a `LlamaConfig` family's)."""
     if section.matmul_dtype == "float32" and section.remat_policy is None:
         return built
-    if built.architecture != "llama":
+    if not built.is_decoder:
         raise ConfigError(
-            f"model.matmul_dtype / model.remat_policy apply to a llama model, not "
-            f"{built.architecture}; remove them"
+            f"model.matmul_dtype / model.remat_policy apply to a Llama-style decoder "
+            f"(llama, qwen2, ...), not {built.architecture}; remove them"
         )
     md = section.matmul_dtype
     matmul_dtype = nn.auto_matmul_dtype() if md == "auto" else md
@@ -255,7 +272,7 @@ def save_built(
     (names ``layers.0.weight``); ``extra`` goes into the metadata's ``custom``.
     """
     custom = built.stored_config()
-    if built.architecture == "llama" and built.gguf_source:
+    if built.is_decoder and built.gguf_source:
         custom["gguf_source"] = built.gguf_source
     custom.update(extra or {})
     meta = io.ModelMetadata(

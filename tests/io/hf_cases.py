@@ -1,0 +1,186 @@
+"""Tiny Hugging Face tokenizers and chat templates of each family, built in the test.
+
+`write_tokenizer(folder, family)` writes a ``tokenizer.json`` trained with
+``tokenizers`` on a few sentences (vocabulary of about 300), in the family's style,
+with its special tokens, ``tokenizer_config.json`` and chat template:
+
+- byte-level BPE (GPT-2 bytes, no normalizer) for Llama 3 and Qwen2/3;
+- SentencePiece-style BPE (``▁`` for spaces, ``<0xNN>`` byte fallback) for Mistral,
+  Phi-3 (a ``▁`` prepended, as Llama 2's tokenizer does) and Gemma (none prepended).
+
+The templates are shortened copies of the families' own (same tokens and layout).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CORPUS = [
+    "Hello world, how are you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Ünïcödé text: café, naïve, 日本語, emoji 😀.",
+    "Numbers 12345 and 3.14159 in a sentence.",
+] * 8
+TEXTS = [
+    "Hello world",
+    "  leading and trailing spaces  ",
+    "café 😀 日本語 unseen words zqxj",
+    "line one\nline two\ttab",
+    "",
+]
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+    "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% endif %}"
+)
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}"
+    "{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == "
+    "'assistant' else m['role'] %}{{ '<start_of_turn>' + role + '\n' + "
+    "m['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+PHI3_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + '\n' + m['content'] + "
+    "'<|end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+STYLES: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        kind="byte",
+        specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eot_id|>"],
+        bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None,
+        template=LLAMA3_TEMPLATE, cls="PreTrainedTokenizerFast",
+        generation_eos=["<|end_of_text|>", "<|eot_id|>"],
+    ),
+    "qwen": dict(
+        kind="byte", specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos=None, eos="<|im_end|>", pad="<|endoftext|>", template=CHATML_TEMPLATE,
+        cls="Qwen2Tokenizer", generation_eos=["<|im_end|>", "<|endoftext|>"],
+    ),
+    "mistral": dict(
+        kind="sp", prepend=True, specials=["<unk>", "<s>", "</s>"], bos="<s>",
+        eos="</s>", pad=None, unk="<unk>", template=MISTRAL_TEMPLATE,
+        cls="LlamaTokenizer", generation_eos=["</s>"],
+    ),
+    "phi3": dict(
+        kind="sp", prepend=True,
+        specials=["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>",
+                  "<|user|>", "<|system|>", "<|end|>"],
+        bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>", unk="<unk>",
+        template=PHI3_TEMPLATE, cls="LlamaTokenizer",
+        generation_eos=["<|endoftext|>", "<|end|>"],
+    ),
+    "gemma": dict(
+        kind="sp", prepend=False,
+        specials=["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>",
+                  "<end_of_turn>"],
+        bos="<bos>", eos="<eos>", pad="<pad>", unk="<unk>", template=GEMMA_TEMPLATE,
+        cls="GemmaTokenizer", generation_eos=["<eos>", "<end_of_turn>"],
+    ),
+}  # fmt: skip
+FAMILY_STYLE = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen",
+    "qwen3": "qwen",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "phi3": "phi3",
+}
+
+
+def tokenizer_json(style: dict[str, Any]) -> str:
+    """A trained ``tokenizer.json`` text in ``style``."""
+    import tokenizers as hf
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+
+    specials = list(style["specials"])
+    if style["kind"] == "byte":
+        t = hf.Tokenizer(models.BPE())
+        t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        t.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        extra: list[str] = []
+    else:
+        t = hf.Tokenizer(models.BPE(byte_fallback=True, unk_token=style["unk"]))
+        steps = [normalizers.Replace(" ", "\u2581")]
+        if style["prepend"]:
+            steps.insert(0, normalizers.Prepend("\u2581"))
+        t.normalizer = normalizers.Sequence(steps)
+        dec = [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+        ]
+        if style["prepend"]:
+            dec.append(decoders.Strip(" ", 1, 0))
+        t.decoder = decoders.Sequence(dec)
+        alphabet = ["\u2581"]
+        extra = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = hf.trainers.BpeTrainer(
+        vocab_size=300 + len(extra),
+        special_tokens=specials + extra,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    t.train_from_iterator(CORPUS, trainer)
+    if style["bos"] is not None:
+        bos = style["bos"]
+        t.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, t.token_to_id(bos))]
+        )
+    doc = json.loads(t.to_str())
+    # Byte tokens belong to the vocabulary, not to the added (special) tokens.
+    doc["added_tokens"] = [
+        a for a in doc["added_tokens"] if not a["content"].startswith("<0x")
+    ]
+    return json.dumps(doc, ensure_ascii=False)
+
+
+def write_tokenizer(folder: Path, family: str) -> dict[str, Any]:
+    """Write the family's tiny tokenizer files into ``folder``; returns its style."""
+    style = STYLES[FAMILY_STYLE.get(family, "qwen")]
+    folder.mkdir(parents=True, exist_ok=True)
+    text = tokenizer_json(style)
+    (folder / "tokenizer.json").write_text(text, encoding="utf-8")
+    vocab = json.loads(text)["model"]["vocab"]
+    config: dict[str, Any] = {
+        "tokenizer_class": style["cls"],
+        "bos_token": style["bos"],
+        "eos_token": style["eos"],
+        "pad_token": style["pad"],
+        "chat_template": style["template"],
+        "add_bos_token": style["bos"] is not None,
+        "add_eos_token": False,
+    }
+    if "unk" in style:
+        config["unk_token"] = style["unk"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), "utf-8")
+    eos = [vocab[t] for t in style["generation_eos"]]
+    gen = {"eos_token_id": eos if len(eos) > 1 else eos[0]}
+    (folder / "generation_config.json").write_text(json.dumps(gen), "utf-8")
+    return style
+
+
+MESSAGES = [
+    {"role": "user", "content": "Hello world"},
+    {"role": "assistant", "content": "Hi, how are you?"},
+    {"role": "user", "content": "The quick brown fox."},
+]
