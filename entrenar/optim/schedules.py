@@ -278,10 +278,7 @@ class ScheduleConfig(Config):
     )
     init_value: float = option(0.0, ge=0.0, doc="learning rate at step 0 of warm-up")
     end_value: float = option(
-        0.0,
-        ge=0.0,
-        aliases=("min_lr",),
-        doc="learning rate at the end of a linear or cosine decay",
+        0.0, ge=0.0, aliases=("min_lr",), doc="rate at the end of a linear/cosine decay"
     )
     decay_rate: float | None = option(
         None, gt=0.0, le=1.0, doc="exponential_decay: factor per `decay_steps`"
