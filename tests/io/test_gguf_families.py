@@ -1,0 +1,219 @@
+"""llama.cpp GGUF files of every `LlamaConfig` family: names, metadata, round trips.
+
+The names and keys are checked against the ``gguf`` package (llama.cpp's own Python
+constants: ``MODEL_ARCH_NAMES``, ``MODEL_TENSORS``, ``TENSOR_NAMES``, ``Keys`` and
+the Hugging Face -> GGUF ``TensorNameMap``), so a typo in entrenar's tables cannot
+pass; each registered family's tiny model written and read back has the same config,
+weights and logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from entrenar import io, nn
+from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io.gguf_families import FAMILY_KEY, gguf_names, written_name
+
+gguf = pytest.importorskip("gguf")
+
+FAMILIES = [
+    a.name
+    for a in nn.architectures()
+    if a.config_class is nn.LlamaConfig
+    and a.tiny is not None
+    and written_name(a.name, a.gguf_name)
+]
+TOKENS = np.arange(11).reshape(1, 11) * 7 % 90  # (1, 11)
+ARCH_BY_NAME = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+
+
+def _tiny(family: str) -> tuple[nn.LlamaConfig, dict]:
+    config = nn.architecture(family).tiny()
+    return config, config.init(jax.random.key(3))
+
+
+def _known_keys(name: str) -> set[str]:
+    """Every ``{arch}.*`` key the gguf package defines, for llama.cpp name ``name``."""
+    keys = set()
+    for group in (gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope):
+        for value in vars(group).values():
+            if isinstance(value, str) and value.startswith("{arch}."):
+                keys.add(value.replace("{arch}", name, 1))
+    return keys
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_names_and_keys_are_llama_cpps(family, tmp_path):
+    config, params = _tiny(family)
+    path = tmp_path / "m.gguf"
+    io.save_llama_gguf(path, config, params)
+    g = io.read_gguf(path)
+    name = g.metadata["general.architecture"]
+    assert name in ARCH_BY_NAME  # a llama.cpp architecture
+    arch = ARCH_BY_NAME[name]
+    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}
+    tmap = gguf.get_tensor_name_map(arch, config.num_layers)
+    for hf, ours in gguf_names(config).items():
+        assert tmap.get_name(hf, try_suffixes=(".weight", ".bias")) == ours, hf
+    for tensor in g.tensors:
+        stem = tensor.rsplit(".", 1)[0]
+        generic = stem.split(".", 2)
+        if generic[0] == "blk":
+            stem = f"blk.{{bid}}.{generic[2]}"
+        assert stem in allowed, tensor
+    known = _known_keys(name)
+    for key in g.metadata:
+        if not key.startswith(("general.", "tokenizer.", "entrenar.")):
+            assert key in known, key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+def test_a_family_round_trips_through_gguf(family, kind, tmp_path):
+    config, params = _tiny(family)
+    path = tmp_path / "m.gguf"
+    io.save_llama_gguf(path, config, params, tensor_type=kind)
+    back, loaded, _ = io.load_llama_gguf(path)
+    assert back == config
+    want = config.apply(params, TOKENS)
+    got = back.apply(loaded, TOKENS)
+    if kind == "F32":
+        jax.tree.map(np.testing.assert_array_equal, loaded, params)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    else:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05)
+    assert io.file_architecture(str(path)) == family
+
+
+def test_the_switch_names_match_llama_cpps_for_gemma_and_phi3():
+    """Families not registered yet still map their modules as llama.cpp does."""
+    base = nn.architecture("qwen3").tiny()
+    gemma = dataclasses.replace(base, sandwich_norms=True, tie_word_embeddings=False)
+    phi3 = dataclasses.replace(
+        base, qk_norm=False, fused_qkv=True, fused_gate_up=True, attention_bias=False,
+        attention_out_bias=False,
+    )  # fmt: skip
+    for config, arch in ((gemma, "GEMMA3"), (phi3, "PHI3")):
+        tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch), 2)
+        for hf, ours in gguf_names(config).items():
+            if ".bias" in hf and arch == "GEMMA3":
+                continue  # Gemma has no biases; the map has no names for them
+            assert tmap.get_name(hf, try_suffixes=(".weight", ".bias")) == ours, hf
+
+
+def test_qk_rows_are_permuted_for_llama_only(tmp_path):
+    for family in ("llama", "qwen2"):
+        config, params = _tiny(family)
+        path = tmp_path / f"{family}.gguf"
+        io.save_llama_gguf(path, config, params)
+        g = io.read_gguf(path)
+        q = np.asarray(params["model"]["layers"]["self_attn"]["q_proj"]["weight"][0])
+        qb = np.asarray(params["model"]["layers"]["self_attn"]["q_proj"]["bias"][0])
+        stored, stored_b = (
+            g.tensor("blk.0.attn_q.weight"),
+            g.tensor("blk.0.attn_q.bias"),
+        )
+        if family == "llama":
+            q = io.permute_qk(q, config.num_heads)
+            qb = io.permute_qk(qb[:, None], config.num_heads)[:, 0]
+        np.testing.assert_array_equal(stored, q)
+        np.testing.assert_array_equal(stored_b, qb)
+
+
+def test_llama3_scaling_is_written_as_rope_freqs(tmp_path):
+    config, params = _tiny("llama")
+    assert config.rope_type == "llama3"
+    path = tmp_path / "m.gguf"
+    io.save_llama_gguf(path, config, params)
+    g = io.read_gguf(path)
+    divisors = g.tensor("rope_freqs.weight")
+    assert divisors.shape == (config.hd // 2,)
+    assert divisors[0] == 1.0 and divisors[-1] == pytest.approx(config.rope_factor)
+    # Read without entrenar's own key, as a file llama.cpp's converter wrote: the
+    # divisors stand for the scaling and give the same logits.
+    fields = {k: f for k, f in g.fields.items() if k != FAMILY_KEY}
+    plain = tmp_path / "plain.gguf"
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    io.write_gguf(plain, fields, tensors)
+    back, loaded, _ = io.load_llama_gguf(plain)
+    assert back.rope_type == "default" and back.rope_freq_divisors is not None
+    np.testing.assert_allclose(
+        np.asarray(back.apply(loaded, TOKENS)),
+        np.asarray(config.apply(params, TOKENS)),
+        atol=1e-4,
+    )
+
+
+def test_mistral_is_written_as_llama_and_read_back_as_mistral(tmp_path):
+    config, params = _tiny("mistral")
+    path = tmp_path / "m.gguf"
+    io.save_llama_gguf(path, config, params)
+    g = io.read_gguf(path)
+    assert g.metadata["general.architecture"] == "llama"
+    assert json.loads(g.metadata[FAMILY_KEY])["architecture"] == "mistral"
+    assert io.load_llama_gguf(path)[0].architecture == "mistral"
+
+
+# ------------------------------------------------------------------ hostile files
+def _rewrite(src, dst, fields=None, drop=()):
+    g = io.read_gguf(src)
+    out = {k: f for k, f in g.fields.items() if k not in drop} | (fields or {})
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    io.write_gguf(dst, out, tensors)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def qwen_file(tmp_path_factory):
+    config, params = _tiny("qwen2")
+    path = tmp_path_factory.mktemp("gguf") / "q.gguf"
+    io.save_llama_gguf(path, config, params)
+    return path
+
+
+S = io.GGUFValueType.STRING
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"general.architecture": io.GGUFField("mamba", S)}, UnsupportedError,
+         r"q\.gguf: general\.architecture 'mamba' is not supported.*qwen2"),
+        ({"qwen2.rope.scaling.type": io.GGUFField("mrope", S)}, UnsupportedError,
+         r"'qwen2\.rope\.scaling\.type' = 'mrope'"),
+        ({FAMILY_KEY: io.GGUFField('{"vocab_size": 3}', S)}, FormatError,
+         r"entrenar\.family"),
+        ({FAMILY_KEY: io.GGUFField('{"architecture": "qwen3"}', S)}, FormatError,
+         r"family 'qwen3'.*'qwen2'"),
+        ({"qwen2.attention.sliding_window": io.GGUFField(0, io.GGUFValueType.UINT32)},
+         FormatError, r"sliding_window.*want an int > 0"),
+    ],
+)  # fmt: skip
+def test_bad_metadata_names_the_file_and_the_key(
+    qwen_file, tmp_path, fields, error, match
+):
+    path = _rewrite(qwen_file, tmp_path / "q.gguf", fields)
+    with pytest.raises(error, match=match):
+        io.load_llama_gguf(path)
+
+
+def test_a_tensor_of_another_family_is_refused(qwen_file, tmp_path):
+    g = io.read_gguf(qwen_file)
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    raw = g.raw("output_norm.weight")
+    tensors["blk.0.post_ffw_norm.weight"] = io.GGUFTensor(raw, (32,), 0)
+    io.write_gguf(tmp_path / "x.gguf", dict(g.fields), tensors)
+    with pytest.raises(FormatError, match=r"unexpected tensors.*post_ffw_norm.*qwen2"):
+        io.load_llama_gguf(tmp_path / "x.gguf")
