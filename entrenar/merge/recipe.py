@@ -13,6 +13,9 @@
     dtype: float32                # inputs rounded to it; the output too unless
     out_dtype: bfloat16           # out_dtype says otherwise
     random_seed: 0                # entrenar's addition: DARE's key
+    quantized: correct            # entrenar's addition: task vectors that are
+                                  #   mostly re-quantization noise (merge.noise):
+                                  #   correct | refuse | keep
 
 mergekit's single ``slices`` entry whose sources all span the whole depth is read
 as ``models``. A model is a GGUF, safetensors, JSON or YAML file, a Hugging Face
@@ -31,6 +34,10 @@ from typing import Any
 from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.io.bounded import read_yaml
 from entrenar.merge.schedule import Setting, check_setting
+
+POLICIES = ("correct", "refuse", "keep")
+"""``quantized``: what a merge does with a task vector that is mostly the noise of
+re-quantizing the base (`entrenar.merge.noise`)."""
 
 METHODS: dict[str, dict[str, Any]] = {
     "linear": {"kind": "linear", "normalize": True},
@@ -83,6 +90,7 @@ _TOP = {
     "out_dtype",
     "random_seed",
     "tokenizer_source",
+    "quantized",
 }
 
 
@@ -112,6 +120,7 @@ class Recipe:
     dtype: str | None = None
     out_dtype: str | None = None
     random_seed: int = 0
+    quantized: str = "correct"
 
     def setting(self, ref: ModelRef, name: str, default: Any = None) -> Setting:
         """A per-model setting, falling back to the global one, then ``default``.
@@ -267,6 +276,11 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
     seed = doc.get("random_seed", 0)
     if type(seed) is not int:
         raise ConfigError(f"{source}: random_seed must be an integer")
+    quantized = doc.get("quantized", "correct")
+    if quantized not in POLICIES:
+        raise ConfigError(
+            f"{source}: quantized {quantized!r} is not one of {list(POLICIES)}"
+        )
     return Recipe(
         method,
         models,
@@ -275,6 +289,7 @@ def parse_recipe(doc: Any, folder: str = ".", source: str = "<recipe>") -> Recip
         dtypes["dtype"],
         dtypes["out_dtype"],
         seed,
+        quantized,
     )
 
 

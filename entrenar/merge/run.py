@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from entrenar.io import (
 from entrenar.io.lock import OutputLock
 from entrenar.io.model import STORAGE_DTYPES
 from entrenar.io.safetensors_io import metadata_from_header
+from entrenar.merge import noise
 from entrenar.merge.engine import Plan, merge_leaf
 from entrenar.merge.leaves import (
     check_leaves,
@@ -268,6 +270,12 @@ def _merge(recipe: Recipe, output: str | None) -> Model:
         [s.leaves for s in sources],
         same_dtype=not recipe.dtype,
     )
+    grids: list[Mapping[str, str]] = [{} for _ in sources]
+    if base_ref is not None and kind == "task_vectors" and recipe.quantized != "keep":
+        grids = [{}] + [
+            _requantized(recipe, base_ref, r, sources, i + 1)
+            for i, r in enumerate(refs)
+        ]
     shapes = {k: logical_shape(v) for k, v in lead.leaves.items()}
     lay = layouts(shapes)
     span = recipe.models[0].layer_range
@@ -287,6 +295,10 @@ def _merge(recipe: Recipe, output: str | None) -> Model:
         if not is_floating(dt):
             out[name] = np.asarray(same_values(name, xs))
             continue
+        xs = [xs[0]] + [
+            noise.correct_leaf(xs[0], x, g.get(name))
+            for x, g in zip(xs[1:], grids[1:], strict=True)
+        ]
         if cast is not None:
             xs = [np.asarray(x).astype(cast) for x in xs]
         out_dt = STORAGE_DTYPES[recipe.out_dtype or recipe.dtype or dt.name]
@@ -296,6 +308,44 @@ def _merge(recipe: Recipe, output: str | None) -> Model:
     if output is not None:
         _write(model, output, lead, recipe.out_dtype or recipe.dtype)
     return model
+
+
+def _requantized(
+    recipe: Recipe, base: ModelRef, ref: ModelRef, sources: list[Source], i: int
+) -> Mapping[str, str]:
+    """Check model ``i``'s task vector for re-quantization noise (`merge.noise`).
+
+    Returns the leaves to correct (name -> the file's grid); may replace
+    ``sources[i]`` by the base plus the adapter found beside the file.
+
+    Raises:
+        ConfigError: the task vector is mostly noise and ``recipe.quantized`` is
+            ``"refuse"``; the message names the better path.
+    """
+    src = sources[i]
+    report = noise.requantization_noise(src.path, sources[0].leaves, src.leaves)
+    if not report.flagged:
+        return {}
+    if recipe.quantized == "refuse":
+        raise ConfigError(noise.better_path(report))
+    adapter = noise.adapter_beside(src.path) if ref.adapter is None else None
+    if adapter is not None:
+        sources[i] = open_model(ModelRef(base.path, adapter, key=ref.key))
+        warnings.warn(
+            f"{report.describe()}; merging the base plus the adapter beside it "
+            f"({adapter}) instead",
+            UserWarning,
+            stacklevel=4,
+        )
+        return {}
+    warnings.warn(
+        f"{report.describe()}; corrected: its task vector is taken against the "
+        "base rounded onto that grid (quantized: correct). Merging the adapters or "
+        "the folded float models keeps more of each fine-tune",
+        UserWarning,
+        stacklevel=4,
+    )
+    return report.grids
 
 
 def merge_files(
@@ -312,6 +362,7 @@ def merge_files(
     normalize: bool | None = None,
     dtype: str | None = None,
     seed: int = 0,
+    quantized: str = "correct",
 ) -> Model:
     """Merge model files without writing a recipe (what ``entrenar merge`` calls).
 
@@ -328,6 +379,8 @@ def merge_files(
         normalize: override the method's default.
         dtype: ``float32``, ``float16`` or ``bfloat16``.
         seed: DARE's random seed.
+        quantized: ``"correct"``, ``"refuse"`` or ``"keep"`` a task vector that is
+            mostly re-quantization noise (`entrenar.merge.noise`).
     """
     if drop_rate is not None:
         if density is not None:
@@ -351,6 +404,7 @@ def merge_files(
         "merge_method": method,
         "models": entries,
         "random_seed": seed,
+        "quantized": quantized,
     }
     if base is not None:
         doc["base_model"] = os.fspath(base)
