@@ -1,0 +1,77 @@
+"""The adapter path: merging LoRA fine-tunes through their adapters.
+
+Where the method is linear in the weights, the merged adapter (the concatenation of
+the scaled adapters) folds to exactly what folding each adapter and merging the
+float models gives; other methods merge the updates densely, with the same result.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar import lora, merge
+from entrenar.lora import LoRAWeight
+from entrenar.merge.adapters import linear_coefficients, merge_adapters
+
+L, OUT, IN = 2, 8, 16
+
+
+def frozen():
+    rng = np.random.default_rng(0)
+    return {
+        "layers": {
+            "q_proj": {
+                "weight": jnp.asarray(rng.normal(size=(L, OUT, IN)), jnp.float32)
+            }
+        },
+        "norm": {"weight": jnp.ones((IN,), jnp.float32)},
+    }
+
+
+def adapted(seed, rank, alpha):
+    rng = np.random.default_rng(seed)
+    base = frozen()
+    w = base["layers"]["q_proj"]["weight"]
+    a = jnp.asarray(rng.normal(size=(L, rank, IN)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(L, OUT, rank)) * 0.1, jnp.float32)
+    base["layers"]["q_proj"]["weight"] = LoRAWeight(w, a, b, alpha=alpha, rank=rank)
+    return base
+
+
+PLANS = {
+    "task_arithmetic": merge.Plan("task_vectors", weights=(0.7, 1.3), lam=0.8),
+    "linear": merge.Plan("linear", weights=(1.0, 3.0), normalize=True),
+    "ties": merge.Plan(
+        "task_vectors",
+        weights=(1.0, 1.0),
+        density=(0.5, 0.5),
+        elect=True,
+        normalize=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("method", sorted(PLANS))
+def test_adapter_merge_equals_merging_the_folded_float_models(method):
+    plan = PLANS[method]
+    fts = [adapted(1, 2, 4.0), adapted(2, 3, 3.0)]
+    got = merge_adapters(plan, fts)
+    base = None if plan.kind == "linear" else frozen()
+    want = merge.merge_trees(plan, base, [lora.fold(t) for t in fts])
+    node = got["layers"]["q_proj"]["weight"]
+    assert isinstance(node, LoRAWeight) == (method != "ties")
+    if method != "ties":
+        assert node.rank == 5  # the two adapters side by side
+    jax.tree_util.tree_map(
+        lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+        lora.fold(got),
+        want,
+    )
+
+
+def test_linear_coefficients_only_for_linear_plans():
+    assert linear_coefficients(PLANS["task_arithmetic"]) == pytest.approx((0.56, 1.04))
+    assert linear_coefficients(PLANS["linear"]) == pytest.approx((0.25, 0.75))
+    assert linear_coefficients(PLANS["ties"]) is None
+    assert linear_coefficients(merge.Plan("linear", weights=(1.0, 1.0))) is None
