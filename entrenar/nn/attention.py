@@ -97,6 +97,7 @@ def dot_product_attention(
     bias: jax.Array | None = None,
     scale: float | None = None,
     matmul_dtype: str | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Grouped-query attention ``softmax(q kᵀ · scale + bias, masked) v``.
 
@@ -116,6 +117,8 @@ def dot_product_attention(
             take ``q, k`` and ``softmax, v`` in that dtype with float32
             accumulation (mixed precision, as `entrenar.nn.linear`); the scores,
             mask and softmax stay in float32.
+        softcap: None, or ``c``: scores become ``c tanh(scores / c)`` before the
+            bias and mask (Gemma 2's ``attn_logit_softcapping``; the JAX path).
 
     Returns:
         ``(B, T, H, dv)`` in ``q``'s dtype.
@@ -137,14 +140,14 @@ def dot_product_attention(
             f"query heads ({h}) must be a multiple of key/value heads ({kv})"
         )
     scale = 1.0 / d**0.5 if scale is None else scale
-    if _native_ok(q, k, v, mask, bias, matmul_dtype):
+    if softcap is None and _native_ok(q, k, v, mask, bias, matmul_dtype):
         if mask is None:
             m = jnp.ones((1, t, s), jnp.uint8)
         else:
             m = (mask if mask.ndim == 3 else mask[None]).astype(jnp.uint8)
         lowp = np.dtype(matmul_dtype or np.float32) != np.float32  # bfloat16
         return _native_attention(q, k, v, m, (float(scale), lowp))
-    return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype)
+    return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype, softcap)
 
 
 def _attention_jax(
@@ -155,6 +158,7 @@ def _attention_jax(
     bias: jax.Array | None,
     scale: float,
     matmul_dtype: str | None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """`dot_product_attention` in JAX: batched products and a float32 softmax."""
     b, t, h, d = q.shape
@@ -167,6 +171,9 @@ def _attention_jax(
         qg, k = qg.astype(lowp), k.astype(lowp)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=f)
     scores = scores * jnp.asarray(scale, f)  # (B, KV, G, T, S)
+    if softcap is not None:
+        c = jnp.asarray(softcap, f)
+        scores = jnp.tanh(scores / c) * c
     if bias is not None:
         full = jnp.broadcast_to(bias, (b, h, t, s)).reshape(b, kv, g, t, s)
         scores = scores + full.astype(f)

@@ -66,10 +66,13 @@ def layer_norm(
     return y.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+def rms_norm(
+    x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, unit_offset: bool = False
+) -> jax.Array:
     """RMSNorm over the last axis (Zhang & Sennrich, 2019), in float32 (or 64).
 
-    ``y = x / sqrt(mean(x²) + eps) · weight``.
+    ``y = x / sqrt(mean(x²) + eps) · weight``; with ``unit_offset`` the gain is
+    ``1 + weight`` (Gemma, whose stored weights are zero-centred).
 
     >>> [round(v, 4) for v in rms_norm(jnp.array([3.0, 4.0]), jnp.ones(2))[:].tolist()]
     [0.8485, 1.1314]
@@ -77,7 +80,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
     f = upcast_dtype(x.dtype)
     xf = x.astype(f)
     ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-    y = xf * jax.lax.rsqrt(ms + eps) * weight.astype(f)
+    gain = weight.astype(f)
+    if unit_offset:
+        gain = 1.0 + gain
+    y = xf * jax.lax.rsqrt(ms + eps) * gain
     return y.astype(x.dtype)
 
 
@@ -155,16 +161,20 @@ def gated_mlp(
     activation: Activation = silu,
     *,
     matmul_dtype: str | None = None,
+    biases: tuple[Any, Any, Any] | None = None,
 ) -> jax.Array:
     """Gated feed-forward block, SwiGLU with ``silu`` (Shazeer, 2020).
 
-    ``y = (act(x W_gateᵀ) ⊙ x W_upᵀ) W_downᵀ`` with ``W_gate, W_up: (F, D)`` and
-    ``W_down: (D, F)``; no biases (as in Llama). ``matmul_dtype`` is passed to
-    `linear` (mixed precision).
+    ``y = (act(x W_gateᵀ + b_gate) ⊙ (x W_upᵀ + b_up)) W_downᵀ + b_down`` with
+    ``W_gate, W_up: (F, D)`` and ``W_down: (D, F)``; ``biases`` is
+    ``(b_gate, b_up, b_down)`` or None (as in Llama). ``gelu_tanh`` for
+    ``activation`` makes it GeGLU (Gemma). ``matmul_dtype`` is passed to `linear`
+    (mixed precision).
     """
-    g = activation(linear(x, w_gate, matmul_dtype=matmul_dtype))  # (..., F)
-    u = linear(x, w_up, matmul_dtype=matmul_dtype)  # (..., F)
-    return linear(g * u, w_down, matmul_dtype=matmul_dtype)  # (..., D)
+    bg, bu, bd = biases or (None, None, None)
+    g = activation(linear(x, w_gate, bg, matmul_dtype=matmul_dtype))  # (..., F)
+    u = linear(x, w_up, bu, matmul_dtype=matmul_dtype)  # (..., F)
+    return linear(g * u, w_down, bd, matmul_dtype=matmul_dtype)  # (..., D)
 
 
 __all__ = [

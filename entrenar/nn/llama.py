@@ -38,9 +38,17 @@ from entrenar.nn.decoder_config import (
     common_from_hf,
     common_to_hf,
     refuse_switches,
+    sliding_layers,
 )
 from entrenar.nn.init import normal
-from entrenar.nn.layers import embedding, gated_mlp, rms_norm, upcast_dtype
+from entrenar.nn.layers import (
+    embedding,
+    gated_mlp,
+    gelu_tanh,
+    rms_norm,
+    silu,
+    upcast_dtype,
+)
 from entrenar.nn.linear import check_matmul_dtype, linear
 from entrenar.nn.registry import (
     Architecture,
@@ -49,6 +57,7 @@ from entrenar.nn.registry import (
     register_architecture,
 )
 from entrenar.nn.rope import rope_tables, rotate
+from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
 from entrenar.types import Params, PRNGKey
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -450,7 +459,7 @@ class LlamaConfig:
         Arguments as in `apply`.
         """
         h, _ = self._trunk(params, tokens, mask, segment_ids, positions, False)
-        return rms_norm(h, params["model"]["norm"]["weight"], self.rms_norm_eps)
+        return self._norm(h, params["model"]["norm"])
 
     def output_weight(self, params: Params) -> Any:
         """The output head's weight ``(V, D)``: ``embed_tokens`` when tied."""
@@ -529,30 +538,56 @@ class LlamaConfig:
         cache: KVCache | None,
         return_hidden: bool = False,
     ) -> tuple[jax.Array, Any]:
-        """Run the scanned layers; returns ``(h, (cache_kv, hidden or None))``."""
+        """Run the scanned layers; returns ``(h, (cache_kv, hidden or None))``.
+
+        Per-layer switches (sliding or full attention, local or global rotary
+        base) travel in the scan's ``xs`` when the layers differ.
+        """
         m = params["model"]
         table = m["embed_tokens"]["weight"]  # (V, D), or a TiedEmbedding's table
         table = table.table if isinstance(table, TiedEmbedding) else table
         h = embedding(table, tokens).astype(self.dtype)
+        if self.scale_embeddings:  # Gemma: × sqrt(D), rounded to the compute dtype
+            h = h * jnp.asarray(self.hidden_size**0.5, self.dtype)
         pos = None if cache is None else cache.pos
         # (B|1, T, 1, d) each: every layer's rotation, computed once (rope_tables)
-        rope = rope_tables(
-            positions, self.hd, self.rope_theta, upcast_dtype(self.dtype)
-        )
+        rope = self._rope(positions, self.rope_theta, scaled=True)
+        sliding = sliding_layers(self)
+        mixed = any(sliding) and not all(sliding)
+        masks = (allowed, allowed)  # (full, sliding)
+        ropes = (rope, rope)
+        if any(sliding):
+            # a query at index p sees keys at p - W < s <= p (cache: p = position)
+            q_index = jnp.arange(tokens.shape[1]) if cache is None else positions
+            k_index = jnp.arange(allowed.shape[-1])  # (S,)
+            window = self.sliding_window or 0  # set: some layer slides
+            near = (q_index[:, None] - k_index[None, :]) < window  # (T, S)
+            masks = (allowed, allowed & near)  # (T, S) or (B, T, S)
+            if self.rope_local_theta is not None:
+                ropes = (rope, self._rope(positions, self.rope_local_theta, False))
+        flags = jnp.asarray(sliding) if mixed else None  # (L,) bool
+        every = int(all(sliding))  # 1: every layer slides (Mistral)
 
         def layer(h: jax.Array, xs: Any) -> tuple[jax.Array, Any]:
-            lp, ck, cv = xs
-            a, kv = self._attention(lp, h, rope, allowed, ck, cv, pos)
+            lp, ck, cv, slide = xs
+            mask, tables = masks[every], ropes[every]
+            if mixed:  # this layer's mask and rotary tables
+                mask = jnp.where(slide, masks[1], masks[0])
+                if ropes[1] is not ropes[0]:
+                    cos, sin = (
+                        jnp.where(slide, local, full) for full, local in zip(*ropes)
+                    )
+                    tables = (cos, sin)
+            a, kv = self._attention(lp, h, tables, mask, ck, cv, pos)
+            if self.sandwich_norms:
+                a = self._norm(a, lp["post_attention_layernorm"])
             h = h + a  # (B, T, D)
-            mp = lp["mlp"]
-            x = rms_norm(h, lp["post_attention_layernorm"]["weight"], self.rms_norm_eps)
-            x = gated_mlp(
-                x,
-                mp["gate_proj"]["weight"],
-                mp["up_proj"]["weight"],
-                mp["down_proj"]["weight"],
-                matmul_dtype=self.matmul_dtype,
-            )
+            pre = "pre_feedforward_layernorm" if self.sandwich_norms else (
+                "post_attention_layernorm"
+            )  # fmt: skip
+            x = self._mlp(lp["mlp"], self._norm(h, lp[pre]))
+            if self.sandwich_norms:
+                x = self._norm(x, lp["post_feedforward_layernorm"])
             h = h + x
             return h, (kv, h if return_hidden else None)
 
@@ -567,15 +602,66 @@ class LlamaConfig:
         elif self.remat:
             layer = jax.checkpoint(layer)
         xs = (
-            (m["layers"], None, None)
+            (m["layers"], None, None, flags)
             if cache is None
-            else (m["layers"], cache.k, cache.v)
+            else (m["layers"], cache.k, cache.v, flags)
         )
         h0 = h
         h, (kv, hidden) = jax.lax.scan(layer, h, xs)
         if return_hidden:
             hidden = jnp.concatenate([h0[None], hidden], axis=0)  # (L+1, B, T, D)
         return h, (kv, hidden)
+
+    def _rope(
+        self, positions: jax.Array, theta: float, scaled: bool
+    ) -> tuple[jax.Array, jax.Array]:
+        """Rotary tables at ``positions``; ``scaled``: with ``rope_type``'s scaling."""
+        f = upcast_dtype(self.dtype)
+        if not scaled or (self.rope_type == "default" and not self.rope_freq_divisors):
+            return rope_tables(positions, self.hd, theta, f)
+        inv = rope_inv_freq(self, positions, f)
+        return rope_tables(
+            positions, self.hd, theta, f, inv_freq=inv, scale=attention_factor(self)
+        )
+
+    def _norm(self, x: jax.Array, p: Params) -> jax.Array:
+        """RMSNorm with the gain ``p["weight"]`` (``1 + w`` for Gemma)."""
+        return rms_norm(
+            x, p["weight"], self.rms_norm_eps, unit_offset=self.norm_unit_offset
+        )
+
+    def _mlp(self, mp: Params, x: jax.Array) -> jax.Array:
+        """The gated MLP: SwiGLU or GeGLU, biases and a fused gate_up as set."""
+        md = self.matmul_dtype
+        act = silu if self.hidden_act == "silu" else gelu_tanh
+        if self.fused_gate_up:  # Phi-3: gate_up_proj = [gate; up]
+            gu = linear(x, mp["gate_up_proj"]["weight"], _bias(mp["gate_up_proj"]),
+                        matmul_dtype=md)  # fmt: skip
+            g, u = jnp.split(gu, 2, axis=-1)  # (..., I) each
+            down = mp["down_proj"]
+            return linear(act(g) * u, down["weight"], _bias(down), matmul_dtype=md)
+        biases = None
+        if self.mlp_bias:
+            biases = (
+                _bias(mp["gate_proj"]), _bias(mp["up_proj"]), _bias(mp["down_proj"])
+            )  # fmt: skip
+        if act is silu and biases is None:  # Llama's call, unchanged
+            return gated_mlp(
+                x,
+                mp["gate_proj"]["weight"],
+                mp["up_proj"]["weight"],
+                mp["down_proj"]["weight"],
+                matmul_dtype=md,
+            )
+        return gated_mlp(
+            x,
+            mp["gate_proj"]["weight"],
+            mp["up_proj"]["weight"],
+            mp["down_proj"]["weight"],
+            act,
+            matmul_dtype=md,
+            biases=biases,
+        )
 
     def _attention(
         self,
@@ -590,28 +676,52 @@ class LlamaConfig:
         b, t, _ = h.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
         ap = lp["self_attn"]
-        x = rms_norm(h, lp["input_layernorm"]["weight"], self.rms_norm_eps)
+        x = self._norm(h, lp["input_layernorm"])
         md = self.matmul_dtype
-        q = linear(x, ap["q_proj"]["weight"], matmul_dtype=md)
-        k = linear(x, ap["k_proj"]["weight"], matmul_dtype=md)
-        v = linear(x, ap["v_proj"]["weight"], matmul_dtype=md)
+        if self.fused_qkv:  # Phi-3: qkv_proj = [q; k; v]
+            qkv = linear(x, ap["qkv_proj"]["weight"], _bias(ap["qkv_proj"]),
+                         matmul_dtype=md)  # fmt: skip
+            q, k, v = jnp.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+        else:
+            q = linear(x, ap["q_proj"]["weight"], _bias(ap["q_proj"]), matmul_dtype=md)
+            k = linear(x, ap["k_proj"]["weight"], _bias(ap["k_proj"]), matmul_dtype=md)
+            v = linear(x, ap["v_proj"]["weight"], _bias(ap["v_proj"]), matmul_dtype=md)
         q = q.reshape(b, t, nh, hd)  # (B, T, H, d)
         k = k.reshape(b, t, nkv, hd)  # (B, T, KV, d)
         v = v.reshape(b, t, nkv, hd)
+        if self.qk_norm:  # per head, before rotary
+            q = self._norm(q, ap["q_norm"])
+            k = self._norm(k, ap["k_norm"])
         q = rotate(q, rope)
         k = rotate(k, rope)
         if ck is not None and cv is not None and pos is not None:
             k = ck = update_cache_layer(ck, k, pos)  # (B, S, KV, d)
             v = cv = update_cache_layer(cv, v, pos)
-        o = dot_product_attention(q, k, v, allowed, matmul_dtype=md)  # (B, T, H, d)
-        o = linear(o.reshape(b, t, nh * hd), ap["o_proj"]["weight"], matmul_dtype=md)
+        scale = None
+        if self.query_pre_attn_scalar is not None:
+            scale = self.query_pre_attn_scalar**-0.5
+        o = dot_product_attention(
+            q, k, v, allowed, matmul_dtype=md, scale=scale,
+            softcap=self.attn_logit_softcapping,
+        )  # (B, T, H, d)  # fmt: skip
+        o = linear(o.reshape(b, t, nh * hd), ap["o_proj"]["weight"],
+                   _bias(ap["o_proj"]), matmul_dtype=md)  # fmt: skip
         return o, (ck, cv)
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
-        h = rms_norm(h, params["model"]["norm"]["weight"], self.rms_norm_eps)
+        h = self._norm(h, params["model"]["norm"])
         w = self.output_weight(params)
         logits = linear(h, w, matmul_dtype=self.matmul_dtype)  # (B, T, V)
-        return logits.astype(upcast_dtype(h.dtype))
+        logits = logits.astype(upcast_dtype(h.dtype))
+        if self.final_logit_softcapping is not None:  # Gemma 2
+            c = jnp.asarray(self.final_logit_softcapping, logits.dtype)
+            logits = jnp.tanh(logits / c) * c
+        return logits
+
+
+def _bias(p: Params) -> Any:
+    """A linear layer's bias, None when it has none."""
+    return p.get("bias")
 
 
 def _check_tokens(tokens: jax.Array) -> None:

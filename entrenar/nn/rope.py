@@ -49,9 +49,19 @@ def rotate_half(x: jax.Array) -> jax.Array:
 
 
 def rope_tables(
-    positions: jax.Array, head_dim: int, theta: float, dtype: Any = jnp.float32
+    positions: jax.Array,
+    head_dim: int,
+    theta: float,
+    dtype: Any = jnp.float32,
+    *,
+    inv_freq: jax.Array | None = None,
+    scale: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """``(cos, sin)`` of the angles, each ``(B|1, T, 1, d)``, for `rotate`.
+
+    ``inv_freq`` (``(d/2,)``, from `entrenar.nn.rope_scaling.rope_inv_freq`)
+    replaces ``θ^(-2i/d)`` for scaled rotary embeddings, whose ``cos`` and ``sin``
+    some scalings multiply by ``scale`` (Hugging Face's ``attention_scaling``).
 
     A model computes them once per forward pass and rotates every layer's queries and
     keys with them: computed inside a layer, XLA:CPU fuses ``cos`` and ``sin`` into
@@ -59,11 +69,17 @@ def rope_tables(
     ``(B, T, H, d)`` (and again in each rematerialized pass), which cost more than
     the rotation itself in a SmolLM2-shaped LoRA step.
     """
-    ang = rope_angles(positions, head_dim, theta, dtype)  # (T, d/2) or (B, T, d/2)
+    if inv_freq is None:
+        ang = rope_angles(positions, head_dim, theta, dtype)  # (T, d/2) | (B, T, d/2)
+    else:
+        ang = positions.astype(dtype)[..., None] * inv_freq.astype(dtype)
     ang = jnp.concatenate([ang, ang], axis=-1)  # (..., T, d)
     if ang.ndim == 2:
         ang = ang[None]  # (1, T, d)
-    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * jnp.asarray(scale, dtype), sin * jnp.asarray(scale, dtype)
+    return cos, sin
 
 
 def rotate(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:

@@ -1,0 +1,223 @@
+"""Conformance of every registered decoder family against transformers and PEFT.
+
+For each language-model entry of the registry with a ``tiny`` config (every feature
+of its family switched on), the transformers model of ``arch.to_hf(tiny)`` is built
+with random weights (float32, eager attention) and its state dict taken into
+entrenar with `from_hf_names`. Then: (1) equal logits on a left-padded batch longer
+than the sliding windows; (2) equal logits under KV-cached generation; (3) equal
+gradients of a LoRA loss on every linear layer, against PEFT; (4) an adapter written
+by `entrenar.lora.save_adapter` loads with ``PeftModel.from_pretrained`` and gives
+the same logits. Each model compiles once per check (module-scoped fixtures).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar import lora, nn
+from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.lora import LoRAWeight
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+T = 12  # longer than every tiny sliding window (4)
+TOL = 1e-4
+KNOWN_GAPS = {"gpt2": "GPT-2 registers no tiny/from_hf/to_hf yet (entrenar/nn/gpt2.py)"}
+LANGUAGE_MODELS = [a for a in nn.architectures() if a.hf_class is not None]
+FAMILIES = [a for a in LANGUAGE_MODELS if a.name not in KNOWN_GAPS]
+
+
+def test_every_language_model_entry_is_checkable():
+    """A registered language model without a conformance handle fails here."""
+    for arch in LANGUAGE_MODELS:
+        missing = [
+            k for k in ("tiny", "from_hf", "to_hf", "hf_class")
+            if getattr(arch, k) is None
+        ]  # fmt: skip
+        if arch.name in KNOWN_GAPS:
+            assert missing, f"{arch.name} is complete: drop it from KNOWN_GAPS"
+            continue
+        assert not missing, f"architecture {arch.name!r} lacks {missing}"
+        tiny = arch.tiny()
+        assert arch.from_hf(arch.to_hf(tiny)) == tiny
+        assert arch.to_hf(tiny)["architectures"] == [arch.hf_class]
+
+
+# --------------------------------------------------------------------- fixtures
+def _hf_model(config_dict, state=None):
+    """A float32 eager transformers model of ``config_dict`` (random or ``state``)."""
+    hf_cfg = transformers.AutoConfig.for_model(**config_dict)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    if state is None:
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():  # biases and norm gains away from 0 / 1
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    else:
+        model.load_state_dict(state)
+    return model
+
+
+@pytest.fixture(scope="module", params=[a.name for a in FAMILIES])
+def family(request):
+    """``(config, params, hf_dict, state)`` of one family's tiny model."""
+    arch = nn.architecture(request.param)
+    config = arch.tiny()
+    hf_dict = arch.to_hf(config)
+    model = _hf_model(hf_dict)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    flat = {k: v.numpy() for k, v in state.items()}
+    params = nn.from_hf_names(flat, config)
+    return config, params, hf_dict, state
+
+
+def _batch(vocab):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, size=(2, T)).astype(np.int64)
+    mask = np.ones((2, T), bool)
+    mask[1, :3] = False  # left padding
+    return tokens, mask
+
+
+def _torch_logits(model, tokens, mask=None):
+    kw = {} if mask is None else {"attention_mask": torch.from_numpy(mask.astype(int))}
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens), **kw).logits.numpy()
+
+
+# ----------------------------------------------------------------------- checks
+def test_logits_equal_transformers(family):
+    config, params, hf_dict, state = family
+    tokens, mask = _batch(config.vocab_size)
+    want = _torch_logits(_hf_model(hf_dict, state), tokens, mask)
+    got = jax.jit(config.apply)(params, jnp.asarray(tokens), mask=jnp.asarray(mask))
+    got = np.asarray(got)
+    assert np.abs(want[mask]).max() > 0.5  # not a degenerate model
+    np.testing.assert_allclose(got[mask], want[mask], atol=TOL, rtol=TOL)
+
+
+def test_cached_generation_equals_transformers(family):
+    config, params, hf_dict, state = family
+    tokens, _ = _batch(config.vocab_size)
+    model = _hf_model(hf_dict, state)  # fresh: dynamic rope keeps no state
+    cache_hf = transformers.DynamicCache(config=model.config)
+    step = jax.jit(config.apply_cached)
+    cache = config.init_cache(2, T)
+    got, want = [], []
+    for t0, t1 in [(0, 5), *((t, t + 1) for t in range(5, T))]:  # prefill, steps
+        with torch.no_grad():
+            out = model(torch.from_numpy(tokens[:, t0:t1]), cache=cache_hf)
+        cache_hf = out.cache
+        want.append(out.logits.numpy())
+        logits, cache = step(params, jnp.asarray(tokens[:, t0:t1]), cache)
+        got.append(np.asarray(logits))
+    np.testing.assert_allclose(
+        np.concatenate(got, 1), np.concatenate(want, 1), atol=TOL, rtol=TOL
+    )
+
+
+@pytest.fixture(scope="module")
+def adapted(family, tmp_path_factory):
+    """A LoRA tree on every linear layer (B non-zero) and PEFT's twin of it."""
+    config, params, hf_dict, state = family
+    cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets="all-linear")
+    lp = lora.apply(params, cfg, key=jax.random.key(3))
+    rng = np.random.default_rng(5)
+
+    def fill(x):
+        if isinstance(x, LoRAWeight):
+            b = (rng.normal(size=x.b.shape) * 0.1).astype(np.float32)
+            return x.replace(b=jnp.asarray(b))
+        return x
+
+    lp = jax.tree_util.tree_map(fill, lp, is_leaf=lambda x: isinstance(x, LoRAWeight))
+    folder = tmp_path_factory.mktemp("adapter")
+    lora.save_adapter(lp, folder, base_model_name_or_path="tiny")
+    model = _hf_model(hf_dict, state)
+    peft_model = peft.PeftModel.from_pretrained(model, str(folder), is_trainable=True)
+    return config, lp, peft_model.eval()
+
+
+def _loss_jax(config, trainable, frozen, tokens, mask):
+    logits = config.apply(lora.combine(trainable, frozen), tokens, mask=mask)
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)  # (B, T-1, V)
+    picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    w = (mask[:, 1:] & mask[:, :-1]).astype(logp.dtype)  # no padded position
+    return -jnp.sum(picked * w) / jnp.sum(w), logits
+
+
+def test_peft_adapter_gives_the_same_logits(adapted):
+    config, lp, peft_model = adapted
+    tokens, mask = _batch(config.vocab_size)
+    assert {n for n, _ in peft_model.named_modules() if n.endswith(".lora_A")}
+    want = _torch_logits(peft_model, tokens, mask)
+    got = np.asarray(jax.jit(config.apply)(lp, jnp.asarray(tokens), mask=mask))
+    np.testing.assert_allclose(got[mask], want[mask], atol=TOL, rtol=TOL)
+
+
+def test_lora_gradients_equal_peft(adapted):
+    config, lp, peft_model = adapted
+    tokens, mask = _batch(config.vocab_size)
+    trainable, frozen = lora.split(lp)
+    grad_fn = jax.jit(jax.grad(_loss_jax, argnums=1, has_aux=True), static_argnums=0)
+    grads, _ = grad_fn(config, trainable, frozen, jnp.asarray(tokens), mask)
+    peft_model.zero_grad()
+    logits = peft_model(
+        torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask.astype(int))
+    ).logits
+    logp = torch.log_softmax(logits[:, :-1], -1)
+    picked = logp.gather(-1, torch.from_numpy(tokens[:, 1:, None]))[..., 0]
+    w = torch.from_numpy((mask[:, 1:] & mask[:, :-1]).astype(np.float32))
+    (-(picked * w).sum() / w.sum()).backward()
+    ours = nn.to_hf_names(grads)
+    checked = 0
+    for name, p in peft_model.named_parameters():
+        if ".lora_" not in name:
+            continue
+        module, _, rest = name.removeprefix("base_model.model.").partition(".lora_")
+        node = ours[f"{module}.weight"]
+        g = node.a if rest.startswith("A") else node.b
+        np.testing.assert_allclose(
+            np.asarray(g), p.grad.numpy(), atol=TOL, rtol=1e-3, err_msg=name
+        )
+        checked += 1
+    adapted = [k for k, v in ours.items() if isinstance(v, LoRAWeight)]
+    assert checked == 2 * len(adapted)  # every adapted weight, A and B
+
+
+# ------------------------------------------------------------------ bad input
+def test_unknown_rope_type_names_the_field():
+    hf = nn.architecture("llama").to_hf(nn.architecture("llama").tiny())
+    hf["rope_scaling"] = {"rope_type": "mrope", "factor": 2.0}
+    with pytest.raises(UnsupportedError, match="rope_type 'mrope'"):
+        nn.LlamaConfig.from_hf_config(hf)
+
+
+def test_unknown_model_type_is_named():
+    with pytest.raises(UnsupportedError, match="model_type 'falcon'"):
+        nn.LlamaConfig.from_hf_config({"model_type": "falcon"})
+
+
+def test_switch_without_config_json_form_is_refused():
+    tiny = nn.architecture("llama").tiny()
+    with pytest.raises(UnsupportedError, match="qk_norm"):
+        nn.architecture("llama").to_hf(dataclasses.replace(tiny, qk_norm=True))
+
+
+def test_bad_switches_are_config_errors():
+    base = nn.LlamaConfig(hidden_size=32, num_heads=4, num_kv_heads=4, num_layers=2)
+    with pytest.raises(ConfigError, match="layer_types"):
+        dataclasses.replace(base, layer_types=("full_attention",))
+    with pytest.raises(ConfigError, match="sliding_window"):
+        dataclasses.replace(base, layer_types=("sliding_attention",) * 2)
+    with pytest.raises(ConfigError, match="rope_original_max_position_embeddings"):
+        dataclasses.replace(base, rope_type="llama3", rope_factor=8.0)
+    with pytest.raises(ConfigError, match="rope_freq_divisors"):
+        dataclasses.replace(base, rope_freq_divisors=(1.0, 2.0))
