@@ -15,6 +15,7 @@ the tiny Llama models whose GGUF files entrenar writes for llama.cpp to run.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import json
 import os
@@ -26,17 +27,20 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from entrenar.nn import LlamaConfig
+from entrenar.nn import LlamaConfig, architecture
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "tests" / "data"
 SCRIPT = ROOT / "tests" / "oracles" / "make_llama_cpp_reference.py"
 REFERENCE_JSON = "llama_cpp_reference.json"
 REFERENCE_NPZ = "llama_cpp_logits.npz"
+FAMILIES_JSON = "llama_cpp_families.json"
+FAMILIES_NPZ = "llama_cpp_families.npz"
 NOT_IMPORTABLE = 77  # the script's exit status when `import llama_cpp` fails
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a"]
@@ -44,6 +48,7 @@ GREEDY_STEPS = 6
 TINY_KINDS = ("F32", "Q4_0")
 TINY_IDS = [504, 3575, 282, 4649, 314, 17, 9]
 TINY_SEED = 0
+TINY_COLUMN_STEP = 16  # the script keeps every 16th logit column
 
 WORDS = """the of and to in is was for on that with as by at from his an were are which
 this be has had it not or have one they first its after new who but two been their
@@ -148,6 +153,68 @@ def tiny_params(config: LlamaConfig, seed: int = TINY_SEED) -> dict:
         }
 
     return build(config.param_shapes(), "")
+
+
+FAMILY_LIMITS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": None},  # llama.cpp's llama has no sliding window
+    "qwen2": {"sliding_window": None, "layer_types": None},  # nor its qwen2
+    "qwen3": {"sliding_window": None, "layer_types": None, "attention_out_bias": False},
+}
+"""What each family's tiny config drops for llama.cpp: features its graph lacks."""
+
+
+def family_config(family: str) -> LlamaConfig:
+    """The family's tiny model (``arch.tiny()``) at SmolLM2's vocabulary, for llama.cpp.
+
+    Widths grow to multiples of 32 and the vocabulary is SmolLM2's (the tokenizer the
+    file carries); `FAMILY_LIMITS` drops what llama.cpp does not implement.
+    """
+    tiny = architecture(family).tiny()
+    return dataclasses.replace(
+        tiny, vocab_size=49152, hidden_size=64, intermediate_size=128,
+        **FAMILY_LIMITS.get(family, {}),
+    )  # fmt: skip
+
+
+def family_params(config: LlamaConfig, seed: int = TINY_SEED) -> dict:
+    """`seeded_weight` for every leaf (short vectors cut from a longer one)."""
+
+    def weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        wide = (*shape[:-1], -(-shape[-1] // 32) * 32)
+        return seeded_weight(name, wide, seed)[..., : shape[-1]]
+
+    def build(tree: dict, prefix: str) -> dict:
+        return {
+            k: build(v, f"{prefix}{k}.")
+            if isinstance(v, dict)
+            else weight(prefix + k, tuple(v))
+            for k, v in tree.items()
+        }
+
+    return build(config.param_shapes(), "")
+
+
+def gguf_families() -> list[str]:
+    """The registered families entrenar writes as llama.cpp GGUF files."""
+    from entrenar.io.gguf_families import written_name
+    from entrenar.nn import architectures
+
+    return [
+        a.name
+        for a in architectures()
+        if a.config_class is LlamaConfig
+        and a.tiny is not None
+        and written_name(a.name, a.gguf_name)
+    ]
+
+
+def load_families(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """The per-family record and arrays the script wrote into ``folder``."""
+    with open(folder / FAMILIES_JSON, encoding="utf-8") as f:
+        record = json.load(f)
+    with np.load(folder / FAMILIES_NPZ, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    return record, arrays
 
 
 def load_reference(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:

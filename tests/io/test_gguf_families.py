@@ -10,9 +10,13 @@ weights and logits.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import shutil
+import tempfile
 
 import jax
+import llama_cpp_cases as cases
 import numpy as np
 import pytest
 
@@ -217,3 +221,48 @@ def test_a_tensor_of_another_family_is_refused(qwen_file, tmp_path):
     io.write_gguf(tmp_path / "x.gguf", dict(g.fields), tensors)
     with pytest.raises(FormatError, match=r"unexpected tensors.*post_ffw_norm.*qwen2"):
         io.load_llama_gguf(tmp_path / "x.gguf")
+
+
+# ------------------------------------------------------------------ llama.cpp
+@pytest.fixture(scope="module", params=["recorded", "live"])
+def families_cpp(request):
+    """llama.cpp's logits for each family's file: recorded, or computed now."""
+    if request.param == "recorded":
+        return cases.load_families(cases.RECORDED)
+    out = cases.Path(tempfile.mkdtemp(prefix="llama_cpp_families_"))
+    try:
+        cases.run_script(out, "--only-families")
+        return cases.load_families(out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.parametrize("family", cases.gguf_families())
+def test_each_family_written_runs_in_llama_cpp(family, families_cpp, tmp_path):
+    record, arrays = families_cpp
+    if family not in record["families"]:
+        pytest.skip(
+            f"no llama.cpp reference for {family}: rerun tests/oracles/"
+            "make_llama_cpp_reference.py --only-families"
+        )
+    config = cases.family_config(family)
+    path = tmp_path / f"{family}.gguf"
+    io.save_llama_gguf(
+        path, config, cases.family_params(config), source=io.smollm2_path(),
+        tensor_type="F32",
+    )  # fmt: skip
+    back, params, _ = io.load_llama_gguf(path)
+    assert back == config
+    ours = np.asarray(back.apply(params, np.asarray([cases.TINY_IDS]))[0])  # (T, V)
+    tol = 1e-3  # llama.cpp's own tolerance for F32 (as for the tiny Llama)
+    np.testing.assert_allclose(
+        ours[:, :: cases.TINY_COLUMN_STEP], arrays[f"{family}_logits"], atol=tol
+    )
+    top = arrays[f"{family}_top_ids"]  # (T, 8): llama.cpp's best tokens
+    mine = np.take_along_axis(ours, top, axis=-1)
+    np.testing.assert_allclose(mine, arrays[f"{family}_top_logits"], atol=tol)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == record["families"][family]["sha256"], (
+        f"{path.name} differs from the file llama.cpp ran; if the writer changed on "
+        "purpose, rerun tests/oracles/make_llama_cpp_reference.py --only-families"
+    )

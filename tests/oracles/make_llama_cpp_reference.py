@@ -13,7 +13,12 @@ that tests/io/test_io_llama_gguf.py and tests/io/test_io_tokenizer.py compare ag
   SHA-256 of each tiny GGUF file entrenar wrote for it to run;
 - ``llama_cpp_logits.npz``: SmolLM2's logits for the first prompt (float16, every
   position), the top-8 ids and logits at each greedy step, and the tiny models' logits
-  (every 16th vocabulary column, and the top-8 of each position).
+  (every 16th vocabulary column, and the top-8 of each position);
+- ``llama_cpp_families.json`` / ``.npz`` (tests/io/test_gguf_families.py): for each
+  registered family entrenar writes as GGUF, its tiny model
+  (``llama_cpp_cases.family_config``) written by entrenar under the family's
+  llama.cpp architecture, and llama.cpp's logits for it. ``--only-families`` writes
+  only these two files.
 
 The tiny models' weights come from integer hashing of a seed (see
 ``tests/io/llama_cpp_cases.py``) and are exact in F16 and Q4_0, so the file entrenar
@@ -155,6 +160,43 @@ def _tiny(llama_cpp, path: str, cases, arrays: dict) -> dict:
     return out
 
 
+def _families(llama_cpp, path: str, cases) -> tuple[dict, dict]:
+    """Each registered family's tiny model, written by entrenar, run by llama.cpp.
+
+    ``cases.family_config`` (the family's ``tiny()`` at SmolLM2's vocabulary, less
+    what llama.cpp does not implement) with ``cases.family_params``, written as F32
+    under the family's llama.cpp architecture with SmolLM2's tokenizer; its logits at
+    ``cases.TINY_IDS`` (every ``TINY_COLUMN_STEP``-th column and the top-8 of each
+    position) and the file's SHA-256.
+    """
+    import numpy as np
+
+    from entrenar.io import read_gguf, save_llama_gguf
+
+    source, record, arrays = read_gguf(path), {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in cases.gguf_families():
+            config = cases.family_config(family)
+            f = Path(tmp) / f"{family}.gguf"
+            save_llama_gguf(
+                f, config, cases.family_params(config), source=source,
+                tensor_type="F32",
+            )  # fmt: skip
+            ll = llama_cpp.Llama(str(f), logits_all=True, n_ctx=32, verbose=False)
+            ll.eval(cases.TINY_IDS)
+            logits = np.array(ll.scores[: len(cases.TINY_IDS)], np.float32)  # (T, V)
+            arrays[f"{family}_logits"] = logits[:, ::TINY_COLUMN_STEP]
+            tops = [_top(r) for r in logits]
+            arrays[f"{family}_top_ids"] = np.stack([t for t, _ in tops])
+            arrays[f"{family}_top_logits"] = np.stack([v for _, v in tops])
+            record[family] = {
+                "sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+                "architecture": read_gguf(f).metadata["general.architecture"],
+            }
+            del ll
+    return record, arrays
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write the reference files; see the module docstring."""
     die = os.environ.get("ENTRENAR_LLAMA_CPP_DIE")
@@ -162,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         os.kill(os.getpid(), getattr(signal, "SIG" + die.upper()))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write to")
+    parser.add_argument(
+        "--only-families",
+        action="store_true",
+        help="write only the per-family files (llama_cpp_families.json/.npz)",
+    )
     parser.add_argument(
         "--cmake-args",
         default="",
@@ -183,22 +230,30 @@ def main(argv: list[str] | None = None) -> int:
     from entrenar.io import smollm2_path
 
     path = smollm2_path()
+    how = {
+        "llama_cpp_python": llama_cpp.__version__,
+        "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+        "cmake_args": args.cmake_args,
+        "cpu": _cpu(),
+        "command": "python tests/oracles/make_llama_cpp_reference.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": os.path.basename(path),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    families, family_arrays = _families(llama_cpp, path, cases)
+    with open(args.out / cases.FAMILIES_JSON, "w", encoding="utf-8") as f:
+        json.dump({"how": how, "families": families}, f, indent=0)
+        f.write("\n")
+    np.savez_compressed(args.out / cases.FAMILIES_NPZ, **family_arrays)
+    if args.only_families:
+        return 0
     arrays: dict = {}
     record = {
-        "how": {
-            "llama_cpp_python": llama_cpp.__version__,
-            "system_info": llama_cpp.llama_print_system_info().decode().strip(),
-            "cmake_args": args.cmake_args,
-            "cpu": _cpu(),
-            "command": "python tests/oracles/make_llama_cpp_reference.py "
-            + " ".join(sys.argv[1:] if argv is None else argv),
-            "model": os.path.basename(path),
-        },
+        "how": how,
         "prompts": _smollm2(llama_cpp, path, cases, arrays),
         "tiny": _tiny(llama_cpp, path, cases, arrays),
         "tokens": _tokens(llama_cpp, path, cases),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / cases.REFERENCE_JSON, "w", encoding="utf-8") as f:
         json.dump(record, f, ensure_ascii=False, indent=0)
         f.write("\n")
