@@ -1,0 +1,97 @@
+"""Runs read and write every family's files: Hugging Face folders and GGUFs.
+
+`load_built` / `read_header` on a folder or GGUF of each registered family give the
+family's name, its config and its own tokenizer; `model_info` (``entrenar info``)
+reports family, context, tokenizer and the chat template's first line; the run's
+exports of such a model (hf folder, GGUF, quantized GGUF) read back as the same model.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from entrenar import io, nn
+from entrenar.io.gguf_families import written_name
+from entrenar.runs import load_built
+from entrenar.runs.export import write_hf_folder, write_quantized
+from entrenar.runs.info import model_info
+from entrenar.runs.models import read_header
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "io"))
+import hf_cases
+
+FAMILIES = [
+    a.name
+    for a in nn.architectures()
+    if a.tiny is not None and a.to_hf is not None and a.from_hf is not None
+]
+TOKENS = np.arange(9).reshape(1, 9) * 5 % 90
+
+
+def _folder(family: str, path: Path) -> tuple[nn.LlamaConfig, dict]:
+    """An entrenar-written Hugging Face folder of ``family`` with its tokenizer."""
+    config = nn.architecture(family).tiny()
+    params = config.init(jax.random.key(0))
+    hf_cases.write_tokenizer(path / "tok", family)
+    tok = io.HFTokenizer.from_folder(path / "tok")
+    io.save_hf_folder(path / "hf", config, params, tokenizer=tok)
+    return config, params
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_folder_loads_as_its_family_with_its_tokenizer(family, tmp_path):
+    config, params = _folder(family, tmp_path)
+    built = load_built(str(tmp_path / "hf"))
+    assert built.architecture == family and built.config == config
+    assert isinstance(built.tokenizer, io.HFTokenizer)
+    assert built.tokenizer.chat_template and built.tokenizer.stop_ids
+    head = read_header(str(tmp_path / "hf"))
+    assert head.architecture == family and head.config == config
+    assert io.file_architecture(str(tmp_path / "hf")) == family
+    info = model_info(str(tmp_path / "hf"))
+    assert info["architecture"] == family and info["format"] == "hf-folder"
+    assert info["context_length"] == config.max_position_embeddings
+    assert info["tokenizer"].startswith("tokenizer.json, ")
+    assert info["chat_template"] and "\n" not in info["chat_template"]
+    assert info["parameters"] == sum(
+        int(np.prod(a.shape)) for a in jax.tree.leaves(params)
+    )
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        a
+        for a in FAMILIES
+        if written_name(a, nn.architecture(a).gguf_name)
+        and nn.architecture(a).config_class is nn.LlamaConfig
+    ],
+)
+def test_a_folder_exports_to_hf_and_gguf_of_its_family(family, tmp_path):
+    config, params = _folder(family, tmp_path)
+    built = load_built(str(tmp_path / "hf"))
+    out = write_hf_folder(built, built.params, str(tmp_path / "out"))
+    again = load_built(out)
+    assert again.config == config and again.tokenizer.encode("Hello") == (
+        built.tokenizer.encode("Hello")
+    )
+    gguf = write_quantized(built, built.params, str(tmp_path / "m.gguf"), "q8_0")
+    back = load_built(gguf)
+    assert back.architecture == family and back.config.architecture == family
+    info = model_info(gguf)
+    assert info["architecture"] == family and info["format"] == "gguf"
+    want = np.asarray(config.apply(params, TOKENS))
+    got = np.asarray(back.config.apply(back.params, TOKENS))
+    np.testing.assert_allclose(got, want, atol=0.05)
+
+
+def test_a_gguf_reports_its_tokenizer_and_template(tmp_path):
+    info = model_info(str(io.smollm2_path()))
+    assert info["architecture"] == "llama"
+    assert info["tokenizer"].startswith("gguf gpt2, 49152 tokens")
+    assert info["chat_template"].startswith("{%")
