@@ -250,13 +250,30 @@ def run_recipe(
 
 def _merge(recipe: Recipe, output: str | None) -> Model:
     """`run_recipe` once its output is locked."""
-    kind = METHODS[recipe.merge_method]["kind"]
-    base_ref = recipe.base_model if kind != "linear" else None
-    refs = [
+    return merge_inputs(recipe, open_inputs(recipe), output)
+
+
+def merged_refs(recipe: Recipe) -> list[ModelRef]:
+    """The models merged onto the base (the recipe's models less the base)."""
+    base = (
+        recipe.base_model if METHODS[recipe.merge_method]["kind"] != "linear" else None
+    )
+    return [
         r
         for r in recipe.models
-        if base_ref is None or (r.path, r.adapter) != (base_ref.path, base_ref.adapter)
+        if base is None or (r.path, r.adapter) != (base.path, base.adapter)
     ]
+
+
+def open_inputs(recipe: Recipe) -> list[Source]:
+    """Open a recipe's models (the base first when its method has one), checked.
+
+    Task vectors that are mostly re-quantization noise are corrected here, or
+    refused, as ``recipe.quantized`` says (`entrenar.merge.noise`).
+    """
+    kind = METHODS[recipe.merge_method]["kind"]
+    base_ref = recipe.base_model if kind != "linear" else None
+    refs = merged_refs(recipe)
     if kind == "slerp" and len(refs) != 1:
         raise ConfigError("slerp merges base_model with exactly one other model")
     if not refs:
@@ -264,20 +281,15 @@ def _merge(recipe: Recipe, output: str | None) -> Model:
     sources = ([open_model(base_ref)] if base_ref else []) + [
         open_model(r) for r in refs
     ]
-    lead = sources[0]
     check_leaves(
         [s.path for s in sources],
         [s.leaves for s in sources],
         same_dtype=not recipe.dtype,
     )
-    grids: list[Mapping[str, str]] = [{} for _ in sources]
     if base_ref is not None and kind == "task_vectors" and recipe.quantized != "keep":
-        grids = [{}] + [
+        for i, r in enumerate(refs):
             _requantized(recipe, base_ref, r, sources, i + 1)
-            for i, r in enumerate(refs)
-        ]
-    shapes = {k: logical_shape(v) for k, v in lead.leaves.items()}
-    lay = layouts(shapes)
+    shapes = {k: logical_shape(v) for k, v in sources[0].leaves.items()}
     span = recipe.models[0].layer_range
     if span is not None:
         depth = num_layers(shapes)
@@ -286,23 +298,42 @@ def _merge(recipe: Recipe, output: str | None) -> Model:
                 f"layer_range {list(span)}: only a slice over all {depth} layers is "
                 "supported"
             )
-    plan = build_plan(recipe, refs)
+    return sources
+
+
+def merge_inputs(
+    recipe: Recipe,
+    sources: Sequence[Source],
+    output: str | None = None,
+    *,
+    keep_inputs: bool = False,
+) -> Model:
+    """Merge the models `open_inputs` opened, as ``recipe`` says.
+
+    Args:
+        recipe: the method and settings (its models must be those opened).
+        sources: `open_inputs` of a recipe with the same models.
+        output: where to write (see `run_recipe`; not locked here); None: nowhere.
+        keep_inputs: leave ``sources`` whole, to merge them again with other
+            settings (`entrenar.merge.search`); by default each input leaf is
+            released once merged.
+    """
+    has_base = METHODS[recipe.merge_method]["kind"] != "linear"
+    lead = sources[0]
+    lay = layouts({k: logical_shape(v) for k, v in lead.leaves.items()})
+    plan = build_plan(recipe, merged_refs(recipe))
     cast = STORAGE_DTYPES[recipe.dtype] if recipe.dtype else None
     out: dict[str, Any] = {}
     for name in list(lead.leaves):
-        xs = [s.leaves.pop(name) for s in sources]  # each input released after use
+        xs = [s.leaves[name] if keep_inputs else s.leaves.pop(name) for s in sources]
         dt = logical_dtype(xs[0])
         if not is_floating(dt):
             out[name] = np.asarray(same_values(name, xs))
             continue
-        xs = [xs[0]] + [
-            noise.correct_leaf(xs[0], x, g.get(name))
-            for x, g in zip(xs[1:], grids[1:], strict=True)
-        ]
         if cast is not None:
             xs = [np.asarray(x).astype(cast) for x in xs]
         out_dt = STORAGE_DTYPES[recipe.out_dtype or recipe.dtype or dt.name]
-        head, rest = (None, xs) if base_ref is None else (xs[0], xs[1:])
+        head, rest = (xs[0], xs[1:]) if has_base else (None, xs)
         out[name] = np.asarray(merge_leaf(plan, name, lay[name], head, rest, out_dt))
     model = Model(lead.metadata, unflatten_params(out))
     if output is not None:
@@ -312,11 +343,11 @@ def _merge(recipe: Recipe, output: str | None) -> Model:
 
 def _requantized(
     recipe: Recipe, base: ModelRef, ref: ModelRef, sources: list[Source], i: int
-) -> Mapping[str, str]:
+) -> None:
     """Check model ``i``'s task vector for re-quantization noise (`merge.noise`).
 
-    Returns the leaves to correct (name -> the file's grid); may replace
-    ``sources[i]`` by the base plus the adapter found beside the file.
+    A flagged model is replaced in ``sources`` by the base plus the adapter found
+    beside its file, or its noisy leaves are corrected in place.
 
     Raises:
         ConfigError: the task vector is mostly noise and ``recipe.quantized`` is
@@ -325,7 +356,7 @@ def _requantized(
     src = sources[i]
     report = noise.requantization_noise(src.path, sources[0].leaves, src.leaves)
     if not report.flagged:
-        return {}
+        return
     if recipe.quantized == "refuse":
         raise ConfigError(noise.better_path(report))
     adapter = noise.adapter_beside(src.path) if ref.adapter is None else None
@@ -337,7 +368,7 @@ def _requantized(
             UserWarning,
             stacklevel=4,
         )
-        return {}
+        return
     warnings.warn(
         f"{report.describe()}; corrected: its task vector is taken against the "
         "base rounded onto that grid (quantized: correct). Merging the adapters or "
@@ -345,7 +376,9 @@ def _requantized(
         UserWarning,
         stacklevel=4,
     )
-    return report.grids
+    w = sources[0].leaves
+    for name, grid in report.grids.items():
+        src.leaves[name] = noise.correct_leaf(w[name], src.leaves[name], grid)
 
 
 def merge_files(
@@ -424,6 +457,9 @@ __all__ = [
     "Source",
     "build_plan",
     "merge_files",
+    "merge_inputs",
+    "merged_refs",
+    "open_inputs",
     "open_model",
     "run_recipe",
 ]
