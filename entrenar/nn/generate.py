@@ -45,6 +45,9 @@ PROMPT_BUCKET = 32
 CACHE_BUCKET = 128
 """The cache length is a multiple of this (capped by the model's context)."""
 
+PREFIX_BUCKET = 16
+"""A prefix all prompts share is run once, in whole multiples of this many tokens."""
+
 Prompt = jax.Array | np.ndarray | Sequence[Sequence[int]]
 """``(B, T)`` token ids, or a list of token lists of different lengths."""
 
@@ -60,7 +63,19 @@ def _forward(
         logits, c = model.apply_cached(params, t[None], c)  # (1, T, V)
         return logits[0], c
 
-    return jax.vmap(row)(cache, tokens)  # type: ignore[no-any-return]
+    axes = _row_axes(cache, extra=1)
+    return jax.vmap(row, (axes, 0), (0, axes))(cache, tokens)  # type: ignore[no-any-return]
+
+
+def _row_axes(cache: Any, extra: int = 0) -> Any:
+    """The axis of the rows in each leaf of a ragged cache: 1, or 0 for scalars.
+
+    A row's cache arrays are stacked over layers first (``(L, 1, S, KV, d)``),
+    which the model's layer scan slices; keeping the rows on axis 1 keeps that
+    layout, where rows first would be transposed twice a step. ``extra``: 1 when
+    ``cache`` already holds the rows.
+    """
+    return jax.tree_util.tree_map(lambda x: 1 if jnp.ndim(x) - extra >= 2 else 0, cache)
 
 
 def _is_stop(tokens: jax.Array, stops: jax.Array) -> jax.Array:
@@ -87,6 +102,7 @@ def prefill(
     key: PRNGKey | None,
     values: jax.Array,
     stops: jax.Array,
+    prefix: jax.Array,
     *,
     structure: Structure,
     ragged: bool,
@@ -94,20 +110,44 @@ def prefill(
 ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
     """Run the right-padded prompts ``ids: (B, Tb)`` of lengths ``lens: (B,)``.
 
-    Returns the first new token ``(B,)``, the cache (its ``pos`` rewound to ``lens``
-    when ``rewind``), the seen-token mask (with a repetition penalty) and ``done``.
+    ``prefix: (P,)``: tokens every row shares, already in ``cache`` (`share_prefix`;
+    ``(0,)`` when none): ``ids`` are what follows them. Returns the first new token
+    ``(B,)``, the cache (its ``pos`` rewound to ``P + lens`` when ``rewind``), the
+    seen-token mask (with a repetition penalty) and ``done``.
     """
     logits, cache = _forward(model, params, ids, cache, ragged)  # (B, Tb, V)
     if rewind:
-        cache = cache._replace(pos=lens if ragged else lens[0])
+        pos = prefix.shape[0] + lens
+        cache = cache._replace(pos=pos if ragged else pos[0])
     last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
     seen = None
     if structure[4]:
         valid = jnp.arange(ids.shape[1])[None, :] < lens[:, None]  # (B, Tb)
         seen = seen_tokens(ids, valid, last.shape[-1])
+        seen = seen | seen_tokens(prefix[None], jnp.ones((1, prefix.shape[0]), bool),
+                                  last.shape[-1])  # fmt: skip
     k = None if key is None else jax.random.fold_in(key, 0)
     nxt = choose(last, seen, k, values, structure)  # (B,)
     return nxt, cache, _see(seen, nxt), _is_stop(nxt, stops)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "rows"))
+def share_prefix(
+    model: Any, params: Params, prefix: jax.Array, cache: Any, *, rows: int
+) -> Any:
+    """Run ``prefix: (P,)`` once in a batch-1 ``cache``; return it as ``rows`` rows.
+
+    The rows' cache of a ragged batch (rows on `_row_axes`), each at ``pos = P``:
+    prompts that begin alike (a system prompt, a chat template's opening) compute
+    those positions once instead of once a row.
+    """
+    _, cache = model.apply_cached(params, prefix[None], cache)  # (1, P, V) unused
+
+    def tile(x: jax.Array, axis: int) -> jax.Array:
+        x = jnp.expand_dims(x, axis)
+        return jnp.broadcast_to(x, (*x.shape[:axis], rows, *x.shape[axis + 1 :]))
+
+    return jax.tree_util.tree_map(tile, cache, _row_axes(cache))
 
 
 @functools.partial(
@@ -269,7 +309,11 @@ def generate_stream(
     if max_len is None:
         max_len = _round_up(t0 + max_new_tokens, CACHE_BUCKET)
         max_len = min(max_len, context_length(model) or max_len)
-    tb = min(_round_up(t0, PROMPT_BUCKET), max_len) if has_pos else t0
+    p = _shared_prefix(rows) if has_pos and len(rows) > 1 else 0
+    ragged = ragged or p > 0
+    prefix, rows = np.asarray(rows[0][:p], np.int32), [r[p:] for r in rows]
+    t1 = max(len(r) for r in rows)
+    tb = min(_round_up(t1, PROMPT_BUCKET), max_len - p) if has_pos else t1
     ids = np.zeros((len(rows), tb), np.int32)  # (B, Tb) right-padded
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
@@ -277,7 +321,20 @@ def generate_stream(
     stops = np.asarray(list(stop_tokens), np.int32)
     run = _Run(model, params, key, sampling, stops, pad_token, ragged, max_len)
     texts = _Texts(tokenizer, tuple(stop_strings), set(stops.tolist()), len(rows))
-    return run.steps(ids, lens, max_new_tokens, texts)
+    return run.steps(prefix, ids, lens, max_new_tokens, texts)
+
+
+def _shared_prefix(rows: Sequence[np.ndarray]) -> int:
+    """Tokens all rows begin with, in whole `PREFIX_BUCKET`s, leaving each row one.
+
+    0 when shorter than one bucket (sharing would not pay for its compilation).
+    """
+    n = min(len(r) for r in rows) - 1
+    first = rows[0][:n]
+    for r in rows[1:]:
+        diff = np.nonzero(r[:n] != first[:n])[0]
+        n = int(diff[0]) if len(diff) else n
+    return n // PREFIX_BUCKET * PREFIX_BUCKET
 
 
 class _Texts:
@@ -331,19 +388,32 @@ class _Run:
         if not self.ragged:
             return self.model.init_cache(b, self.max_len)
         one = functools.partial(self.model.init_cache, 1, self.max_len)
-        return jax.vmap(lambda _: one())(jnp.arange(b))  # leaves (B, ...): a row each
+        axes = _row_axes(jax.eval_shape(one))
+        return jax.vmap(lambda _: one(), out_axes=axes)(jnp.arange(b))
 
     def steps(
-        self, ids: np.ndarray, lens: np.ndarray, max_new: int, texts: _Texts
+        self,
+        prefix: np.ndarray,
+        ids: np.ndarray,
+        lens: np.ndarray,
+        max_new: int,
+        texts: _Texts,
     ) -> Iterator[np.ndarray]:
         """The decoding loop of `generate_stream`."""
         if max_new == 0:
             return
         b, tb = ids.shape
         rewind = self.ragged or tb != int(lens.max())
+        if len(prefix):
+            one = self.model.init_cache(1, self.max_len)
+            cache = share_prefix(
+                self.model, self.params, jnp.asarray(prefix), one, rows=b
+            )
+        else:
+            cache = self.cache(b)
         nxt, cache, seen, done = prefill(
             self.model, self.params, jnp.asarray(ids), jnp.asarray(lens),
-            self.cache(b), self.key, self.values, self.stops,
+            cache, self.key, self.values, self.stops, jnp.asarray(prefix),
             structure=self.structure, ragged=self.ragged, rewind=rewind,
         )  # fmt: skip
         was_done = np.zeros(b, bool)
@@ -431,6 +501,7 @@ def generate(
 
 __all__ = [
     "CACHE_BUCKET",
+    "PREFIX_BUCKET",
     "PROMPT_BUCKET",
     "Prompt",
     "Sampling",
@@ -443,4 +514,5 @@ __all__ = [
     "partial_stop",
     "prefill",
     "sample_logits",
+    "share_prefix",
 ]

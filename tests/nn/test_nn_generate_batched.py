@@ -6,7 +6,13 @@ import pytest
 
 from entrenar.errors import ConfigError
 from entrenar.nn import GPT2Config, LlamaConfig, decode_step, generate
-from entrenar.nn.generate import find_stop, partial_stop, prefill
+from entrenar.nn.generate import (
+    PREFIX_BUCKET,
+    find_stop,
+    partial_stop,
+    prefill,
+    share_prefix,
+)
 
 LLAMA = LlamaConfig(
     vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -129,3 +135,22 @@ def test_find_and_partial_stop():
     assert partial_stop("2024-01<", ["<|im_end|>", "<b"]) == 1
     assert partial_stop("ok <|im", ["<|im_end|>"]) == 4
     assert partial_stop("done", ["\n\n"]) == 0
+
+
+@pytest.mark.parametrize("model", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_a_shared_prefix_is_run_once_and_changes_nothing(model):
+    params = noisy_params(model)
+    rng = np.random.default_rng(6)
+    head = rng.integers(1, 50, size=PREFIX_BUCKET + 3).tolist()
+    rows = [head + rng.integers(1, 50, size=n).tolist() for n in (3, 9, 1, 6)]
+    before = share_prefix._cache_size()
+    together = np.asarray(generate(model, params, rows, max_new_tokens=8))
+    assert share_prefix._cache_size() == before + 1  # the prefix went this way
+    for i, r in enumerate(rows):
+        alone = np.asarray(generate(model, params, [r], max_new_tokens=8))
+        np.testing.assert_array_equal(together[i], alone[0], err_msg=f"row {i}")
+    pen = np.asarray(
+        generate(model, params, rows, max_new_tokens=8, repetition_penalty=1e6)
+    )
+    for r, p in zip(rows, pen):  # the shared tokens count as seen too
+        assert not set(p.tolist()) & set(r)
