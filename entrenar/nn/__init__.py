@@ -10,7 +10,7 @@ touches weights. Every weight answers the weight-node protocol (`logical_shape`,
 registers in its own package.
 """
 
-from entrenar.nn import losses, mistral, qwen  # families register themselves
+from entrenar.nn import gemma, losses, mistral, qwen  # families register themselves
 from entrenar.nn.attention import (
     KVCache,
     causal_mask,
@@ -111,6 +111,7 @@ __all__ = [
     "from_hf_names",
     "gated_mlp",
     "gelu_tanh",
+    "gemma",
     "generate",
     "generate_stream",
     "init_kv_cache",
