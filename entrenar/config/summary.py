@@ -132,7 +132,7 @@ def summarize(spec: TrainSpec) -> dict[str, Any]:
         out["scheduler"] = spec.scheduler.name
     t = spec.training
     out["training"] = {
-        "epochs": t.epochs,
+        "epochs": None if t.max_steps else t.epochs,  # max_steps ends the run
         "max_steps": t.max_steps,
         "grad_accum": t.grad_accum,
         "seed": t.seed,
