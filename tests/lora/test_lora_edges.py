@@ -214,9 +214,9 @@ def test_the_folded_gguf_keeps_the_source_name_and_writes_the_given_one(tmp_path
 def test_alpha_must_be_positive_and_messages_start_with_their_subject():
     with pytest.raises(ConfigError, match=r"^LoRAConfig\.alpha"):
         LoRAConfig(alpha=0.0)
-    with pytest.raises(ConfigError, match=r"^LoRAConfig\.targets is empty: name at"):
+    with pytest.raises(ConfigError, match=r"^LoRAConfig\.targets: empty; name at"):
         LoRAConfig(targets=())
-    with pytest.raises(ConfigError, match=r"^LoRAConfig\.init must be one of"):
+    with pytest.raises(ConfigError, match=r"^LoRAConfig\.init: must be one of"):
         LoRAConfig(init="xavier")
 
 
@@ -370,11 +370,11 @@ def test_a_long_list_of_problems_is_cut_at_twelve(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"rank": 0}, "LoRAConfig.rank must be a positive int, got 0"),
-        ({"alpha": -1.0}, "LoRAConfig.alpha must be > 0, got -1.0"),
-        ({"dropout": 1.0}, "LoRAConfig.dropout must be in [0, 1), got 1.0"),
-        ({"targets": ("q_proj", 3)}, "LoRAConfig.targets holds 3; use strings"),
-        ({"targets": ("",)}, "LoRAConfig.targets holds ''; use strings"),
+        ({"rank": 0}, "LoRAConfig.rank: must be >= 1, got 0"),
+        ({"alpha": -1.0}, "LoRAConfig.alpha: must be > 0, got -1"),
+        ({"dropout": 1.0}, "LoRAConfig.dropout: must be < 1, got 1"),
+        ({"targets": ("q_proj", 3)}, "LoRAConfig.targets[1]: expected a string, got 3"),
+        ({"targets": ("",)}, "LoRAConfig.targets[0]: must not be empty"),
         ({"targets": "q_proj("}, "LoRAConfig.targets: 'q_proj(' is not a valid regex"),
     ],
 )

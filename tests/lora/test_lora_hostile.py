@@ -117,9 +117,9 @@ def test_saved_rank_patterns_still_load(tmp_path):
 def test_lora_config_targets_are_checked_like_adapter_patterns(deadline):
     with deadline(10), pytest.raises(ConfigError, match=r"LoRAConfig\.targets: .*ways"):
         LoRAConfig(targets=EVIL)
-    with pytest.raises(ConfigError, match=r"alpha must be a finite number, got nan"):
+    with pytest.raises(ConfigError, match=r"alpha: must be a finite number, got nan"):
         LoRAConfig(alpha=float("nan"))
-    with pytest.raises(ConfigError, match=r"rank must be a positive int, got True"):
+    with pytest.raises(ConfigError, match=r"rank: expected an integer, got True"):
         LoRAConfig(rank=True)
     # what people write still works
     cfg = LoRAConfig(
