@@ -1,0 +1,107 @@
+"""Rotary scaling against transformers' inverse frequencies (ROPE_INIT_FUNCTIONS)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar import nn
+from entrenar.errors import UnsupportedError
+from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq, scaling_divisors
+
+transformers = pytest.importorskip("transformers")
+rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+
+BASE = nn.LlamaConfig(
+    vocab_size=64,
+    hidden_size=128,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=64,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+)  # 32 frequencies, wavelengths from 6 to 7e4 positions
+HALF = BASE.hd // 2
+CASES = {
+    "linear": dict(rope_type="linear", rope_factor=4.0),
+    "dynamic": dict(rope_type="dynamic", rope_factor=2.0),
+    "llama3": dict(
+        rope_type="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position_embeddings=256,
+    ),
+    "yarn": dict(
+        rope_type="yarn",
+        rope_factor=4.0,
+        rope_original_max_position_embeddings=32,
+        rope_beta_fast=32.0,
+        rope_beta_slow=1.0,
+    ),
+    "longrope": dict(
+        rope_type="longrope",
+        rope_factor=2.0,
+        rope_original_max_position_embeddings=32,
+        rope_short_factor=tuple(1.0 + 0.05 * i for i in range(HALF)),
+        rope_long_factor=tuple(1.0 + 0.5 * i for i in range(HALF)),
+    ),
+}
+
+
+def _hf(config):
+    return transformers.AutoConfig.for_model(**nn.architecture("llama").to_hf(config))
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+@pytest.mark.parametrize("seq_len", [16, 200])  # inside and beyond the contexts
+def test_inverse_frequencies_equal_transformers(kind, seq_len):
+    config = dataclasses.replace(BASE, **CASES[kind])
+    fn = rope_utils.ROPE_INIT_FUNCTIONS[kind]
+    # transformers picks longrope's long factors, and grows the dynamic base, only
+    # past the original context (its forward's update); the init function takes
+    # the sequence length directly
+    want, want_scale = fn(_hf(config), None, seq_len=seq_len)
+    positions = jnp.arange(seq_len, dtype=jnp.int32)
+    got = rope_inv_freq(config, positions, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=2e-6)
+    assert attention_factor(config) == pytest.approx(want_scale, rel=1e-12)
+
+
+def test_default_rope_has_no_scaling_and_divisors_are_llama_cpp_freqs():
+    assert rope_inv_freq(BASE, jnp.arange(4), jnp.float32) is None
+    assert scaling_divisors(BASE) is None
+    llama3 = dataclasses.replace(BASE, **CASES["llama3"])
+    div = scaling_divisors(llama3)
+    assert div is not None and div.shape == (HALF,)
+    assert div[0] == 1.0 and div[-1] == 8.0  # high frequencies kept, low divided
+    explicit = dataclasses.replace(BASE, rope_freq_divisors=tuple(div))
+    np.testing.assert_array_equal(
+        np.asarray(rope_inv_freq(explicit, jnp.arange(4), jnp.float32)),
+        np.asarray(rope_inv_freq(llama3, jnp.arange(4), jnp.float32)),
+    )
+    with pytest.raises(UnsupportedError, match="rope_freq_divisors"):
+        nn.architecture("llama").to_hf(explicit)
+
+
+@pytest.mark.parametrize("style", ["rope_scaling", "rope_parameters"])
+def test_both_config_json_styles_read_the_same(style):
+    config = dataclasses.replace(BASE, **CASES["llama3"])
+    hf = nn.architecture("llama").to_hf(config)
+    if style == "rope_parameters":  # transformers 5 writes this
+        hf = _hf(config).to_dict()
+        assert "rope_scaling" not in hf or not hf["rope_scaling"]
+    assert nn.LlamaConfig.from_hf_config(hf) == config
+
+
+def test_su_is_longrope_and_unknown_types_name_the_field():
+    hf = nn.architecture("llama").to_hf(dataclasses.replace(BASE, **CASES["longrope"]))
+    hf["rope_scaling"]["type"] = "su"
+    del hf["rope_scaling"]["rope_type"]
+    assert nn.LlamaConfig.from_hf_config(hf).rope_type == "longrope"
+    hf["rope_scaling"]["type"] = "ntk-by-parts"
+    with pytest.raises(UnsupportedError, match=r"rope_scaling\.rope_type"):
+        nn.LlamaConfig.from_hf_config(hf)
