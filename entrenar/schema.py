@@ -95,7 +95,7 @@ class Config:
     @classmethod
     def from_dict(cls: type[C], d: Mapping[str, Any]) -> C:
         """Build from a mapping of field names; an unknown key is a `ConfigError`."""
-        names = [f.name for f in _fields(cls)]
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         for key in d:
             if key not in names:
                 raise unknown_key(key, cls.__name__, names)
@@ -110,10 +110,6 @@ class Config:
         return f"<b>{type(self).__name__}</b>{_html(self)}"
 
 
-def _fields(cls: Any) -> tuple[dataclasses.Field[Any], ...]:
-    return dataclasses.fields(cls)
-
-
 def default_of(f: dataclasses.Field[Any], *, yaml: bool = False) -> Any:
     """A field's default (``yaml``: its YAML default), or `MISSING` when required."""
     if yaml and f.metadata.get("yaml_default", MISSING) is not MISSING:
@@ -125,7 +121,7 @@ def default_of(f: dataclasses.Field[Any], *, yaml: bool = False) -> Any:
 def _html(obj: Any) -> str:
     """A config as an HTML table: changed fields bold, absent sections left out."""
     rows = []
-    for f in _fields(obj):
+    for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if value is None and f.default is None:
             continue
@@ -145,13 +141,8 @@ class Registry(Generic[T]):
     """Choices by name: ``name -> builder``, one `register` call per entry.
 
     >>> shapes: Registry[int] = Registry("shape")
-    >>> _ = shapes.register("square")(4)
-    >>> shapes["square"], shapes.names()
-    (4, ('square',))
-    >>> shapes["circle"]
-    Traceback (most recent call last):
-    ...
-    entrenar.errors.UnsupportedError: unknown shape 'circle'; entrenar knows ['square']
+    >>> shapes.register("square")(4), shapes["square"], shapes.names()
+    (4, 4, ('square',))
     """
 
     def __init__(self, kind: str) -> None:
@@ -177,9 +168,6 @@ class Registry(Generic[T]):
                 f"unknown {self.kind} {name!r}; entrenar knows {sorted(self._entries)}"
             ) from None
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 
@@ -188,14 +176,8 @@ class Registry(Generic[T]):
         return tuple(self._entries)
 
 
-def hints(cls: Any) -> dict[str, Any]:
-    """The resolved type hints of a section class."""
-    return _hints(cls)
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+hints: Callable[[Any], dict[str, Any]] = functools.cache(typing.get_type_hints)
+"""The resolved type hints of a config class (cached)."""
 
 
 def _is_optional(hint: Any) -> tuple[bool, Any]:
@@ -360,7 +342,7 @@ def yaml_key(f: dataclasses.Field[Any]) -> str:
 
 def yaml_fields(cls: Any) -> list[dataclasses.Field[Any]]:
     """The fields of a config that are YAML keys."""
-    return [f for f in _fields(cls) if f.metadata.get("yaml", True)]
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("yaml", True)]
 
 
 def key_names(cls: Any) -> dict[str, str]:
@@ -402,7 +384,7 @@ def validate(obj: Any, path: str) -> None:
     Raises:
         ConfigError: a wrong type or a value out of range, named ``path.field``.
     """
-    for f in _fields(obj):
+    for f in dataclasses.fields(obj):
         value = convert(hints(type(obj))[f.name], getattr(obj, f.name),
                         _join(path, f.name), f.metadata)  # fmt: skip
         object.__setattr__(obj, f.name, value)
@@ -448,7 +430,7 @@ def parse(cls: type[T], raw: Any, path: str = "") -> T:
             )
         given[field] = (key, value)
     obj = object.__new__(cls)  # built field by field: `validate` names the key path
-    for f in _fields(cls):
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         group = f.metadata.get("group")
         default = default_of(f, yaml=group is None or raw.get(group) is not None)
         if f.name in given:
@@ -474,11 +456,9 @@ def describe_fields(cls: type) -> list[dict[str, Any]]:
         rows.append({
             "name": yaml_key(f),
             "type": type_name(hints(cls)[f.name]),
-            "hint": hints(cls)[f.name],
             "default": default_of(f, yaml=True),
             "range": range_text(f.metadata),
             "aliases": tuple(f.metadata.get("aliases", ())),
-            "path": f.metadata.get("path"),
             "doc": f.metadata["doc"],
         })  # fmt: skip
     return rows
