@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import click
 
 from entrenar.cli.app import ModelPath, command
+
+if TYPE_CHECKING:
+    from entrenar.merge import Recipe
 
 SCHEMES = ("nf4", "int4", "int8", "q4_0", "q4_1", "q8_0")
 MERGE_METHODS = (
@@ -166,6 +170,28 @@ def _floats(text: str | None, name: str) -> list[float] | None:
     help="Compute and output dtype.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="DARE's seed.")
+@click.option(
+    "--quantized",
+    type=click.Choice(["correct", "refuse", "keep"]),
+    default="correct",
+    show_default=True,
+    help="A task vector that is mostly the noise of re-quantizing the base onto a "
+    "quantized file's grid: correct it, refuse the merge, or keep it.",
+)
+@click.option(
+    "--eval",
+    "evals",
+    multiple=True,
+    metavar="TASK=FILE",
+    help="Score the merged model on a held-out chat JSONL (exact match of greedy "
+    "replies); repeat for each task.",
+)
+@click.option(
+    "--search",
+    is_flag=True,
+    help="With --eval: try a small grid of the method's settings (density, λ, "
+    "weights, t) and keep the best worst-task score.",
+)
 def merge_cmd(
     models: tuple[str, ...],
     output: str | None,
@@ -178,13 +204,24 @@ def merge_cmd(
     lam: float | None,
     dtype: str | None,
     seed: int,
+    quantized: str,
+    evals: tuple[str, ...],
+    search: bool,
 ) -> None:
     """Merge MODELS (or the recipe given with --config) into one model."""
-    from entrenar import merge
+    import warnings
 
+    from entrenar import merge
+    from entrenar.merge.run import files_recipe
+
+    tasks = _eval_tasks(evals)
+    if search and not tasks:
+        raise click.UsageError("--search scores merges on held-out sets: add --eval")
     if recipe is not None:
         if models:
             raise click.UsageError("give MODELS or --config RECIPE, not both")
+        if tasks:
+            raise click.UsageError("--eval and --search take MODELS, not --config")
         written = _merge_recipe(recipe, output)
         click.echo(f"✓ merged ({recipe}) -> {written}")
         return
@@ -194,7 +231,7 @@ def merge_cmd(
     if method == "slerp":
         if len(models) == 2 and base is None:
             base, models = models[0], models[1:]
-        if t is None:
+        if t is None and not search:
             raise click.UsageError("slerp needs --weight/--t")
     elif method not in ("linear",) and base is None:
         if len(models) < 2:
@@ -202,21 +239,64 @@ def merge_cmd(
         base, models = models[0], models[1:]
     if not models:
         raise click.UsageError("name at least one model to merge")
-    merge.merge_files(
-        list(models),
-        method,
-        output,
-        base=base,
-        weights=_floats(weights, "--weights"),
-        density=density,
-        t=t,
-        lam=lam,
-        dtype=dtype,
-        seed=seed,
-    )
-    click.echo(
-        f"✓ merged {len(models) + (base is not None)} models ({method}) -> {output}"
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        plan = files_recipe(
+            list(models),
+            method,
+            base=base,
+            weights=_floats(weights, "--weights"),
+            density=density,
+            t=0.5 if method == "slerp" and t is None else t,
+            lam=lam,
+            dtype=dtype,
+            seed=seed,
+            quantized=quantized,
+        )
+        if tasks:
+            _scored_merge(plan, tasks, base or models[0], search, output)
+        else:
+            merge.run_recipe(plan, output)
+    for w in caught:
+        click.echo(f"! {w.message}", err=True)
+    onto = f" onto base {base}" if base is not None else ""
+    count = f"{len(models)} model{'s' if len(models) != 1 else ''}"
+    click.echo(f"✓ merged {count}{onto} ({method}) -> {output}")
+
+
+def _eval_tasks(evals: tuple[str, ...]) -> dict[str, str]:
+    """``{task: file}`` of the --eval options."""
+    tasks = {}
+    for e in evals:
+        name, sep, path = e.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"{e!r}: expected TASK=FILE", param_hint="--eval")
+        if not os.path.isfile(path):
+            raise click.BadParameter(f"{path}: no such file", param_hint="--eval")
+        tasks[name] = path
+    return tasks
+
+
+def _scored_merge(
+    recipe: Recipe, tasks: dict[str, str], model_file: str, search: bool, output: str
+) -> None:
+    """Merge (searching the grid with --search), write the best, print the scores."""
+    from entrenar import merge
+    from entrenar.merge.search import format_table, with_setting
+    from entrenar.runs.merging import chat_scorer
+
+    score = chat_scorer(model_file, tasks)
+    if search:
+        result = merge.search(recipe, score)
+        click.echo(result.table())
+        best = result.best
+        recipe = with_setting(recipe, best.setting)
+        shown = ", ".join(f"{k}={v}" for k, v in best.setting.items())
+        click.echo(f"best worst-task score {best.worst:.3f} with {shown}")
+        merge.run_recipe(recipe, output)
+        return
+    model = merge.run_recipe(recipe, output)
+    click.echo(format_table([merge.Trial({}, score(model))]))
 
 
 def _merge_recipe(path: str, output: str | None) -> str:

@@ -7,10 +7,16 @@ path is a `ConfigError` naming the recipe entry.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from entrenar import io, merge
+import jax
+import jax.numpy as jnp
+
+from entrenar import data, io, merge
+from entrenar.chat import ChatModel, exact_match
 from entrenar.config.spec import TrainSpec, read_yaml
 from entrenar.config.summary import check_recipe_files, spec_recipe
 from entrenar.errors import ConfigError
@@ -58,4 +64,42 @@ def run_merge(spec: TrainSpec) -> dict[str, str]:
     return files
 
 
-__all__ = ["is_bare_recipe", "load_recipe_file", "run_merge"]
+def chat_scorer(
+    model_file: str, tasks: Mapping[str, str], *, batch_size: int = 16
+) -> Callable[[io.Model], dict[str, float]]:
+    """Exact match of greedy replies on each task's chat JSONL, for `merge.search`.
+
+    Args:
+        model_file: a Llama GGUF of the merged models' architecture (the base):
+            its config, tokenizer and chat template score every merged model.
+        tasks: task name -> held-out chat JSONL (``{"messages": [...]}``).
+        batch_size: records per forward pass (`entrenar.chat.exact_match`).
+
+    Raises:
+        ConfigError: ``model_file`` is not a GGUF, or a task file has no records.
+    """
+    if io.detect_format(model_file) != io.ModelFormat.GGUF:
+        raise ConfigError(
+            f"--eval scores merges through a GGUF's tokenizer and chat template; "
+            f"{model_file} is not a GGUF (merge GGUF files, or evaluate the written "
+            "model with `entrenar eval`)"
+        )
+    chat = ChatModel.from_gguf(model_file)
+    records = {}
+    for name, path in tasks.items():
+        records[name] = list(data.load_records(path))
+        if not records[name]:
+            raise ConfigError(f"--eval {name}={path}: no records")
+
+    def score(model: io.Model) -> dict[str, float]:
+        params = jax.tree_util.tree_map(jnp.asarray, model.params)
+        merged = dataclasses.replace(chat, params=params)
+        return {
+            name: exact_match(merged, recs, batch_size=batch_size).accuracy
+            for name, recs in records.items()
+        }
+
+    return score
+
+
+__all__ = ["chat_scorer", "is_bare_recipe", "load_recipe_file", "run_merge"]

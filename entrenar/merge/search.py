@@ -1,0 +1,202 @@
+"""Merges that search: score each setting of a small grid on held-out tasks.
+
+A merge's settings (TIES/DARE density, λ, the models' weights, SLERP's t) decide
+which skills survive, and the best ones depend on the fine-tunes. `search` opens
+the inputs once (`entrenar.merge.run.open_inputs`), merges them with each setting
+of a grid, scores every task on the merged model with a caller's ``score``
+function (exact match of greedy replies, in ``entrenar merge --eval``), and keeps
+the setting with the best *worst-task* score (ties: the better mean, then the
+fewer values changed from the grid's first setting, the recipe's own, then the
+earlier one):
+
+    best = argmax_s  (min_task score(s, task),  mean_task score(s, task))
+
+`default_grid` is the small grid searched when none is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from entrenar.errors import ConfigError
+from entrenar.io import Model
+from entrenar.merge.recipe import METHODS, Recipe
+from entrenar.merge.run import merge_inputs, merged_refs, open_inputs
+
+Setting = Mapping[str, Any]
+"""One point of a grid: ``density``, ``lambda``, ``t`` (numbers) or ``weights``
+(one number per merged model)."""
+Score = Callable[[Model], Mapping[str, float]]
+"""Scores of a merged model, per task name."""
+
+DENSITIES = (0.3, 0.5, 0.7, 1.0)
+LAMBDAS = (0.5, 1.0, 1.5, 2.0)
+TS = (0.25, 0.5, 0.75)
+
+
+class Trial(NamedTuple):
+    """One setting and the merged model's score on each task."""
+
+    setting: Setting
+    scores: Mapping[str, float]
+
+    @property
+    def worst(self) -> float:
+        """The lowest task score."""
+        return min(self.scores.values())
+
+    @property
+    def mean(self) -> float:
+        """The mean task score."""
+        return sum(self.scores.values()) / len(self.scores)
+
+
+class SearchResult(NamedTuple):
+    """Every trial in grid order, and the best one (module docstring)."""
+
+    trials: tuple[Trial, ...]
+    best: Trial
+
+    def table(self) -> str:
+        """The trials as a Markdown table, the best marked with ``*``."""
+        return format_table(self.trials, self.best)
+
+
+def current_setting(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's own values of the keys a grid varies (its defaults)."""
+    kind = METHODS[recipe.merge_method]
+    refs = merged_refs(recipe)
+    if kind["kind"] == "slerp":
+        return {"t": recipe.parameters.get("t")}
+    out: dict[str, Any] = {}
+    if kind.get("trim") or kind.get("drop"):
+        out["density"] = recipe.setting(refs[0], "density", 1.0)
+    if kind["kind"] == "task_vectors":
+        out["lambda"] = recipe.parameters.get("lambda", 1.0)
+    out["weights"] = tuple(recipe.setting(r, "weight", 1.0) for r in refs)
+    return out
+
+
+def default_grid(recipe: Recipe) -> list[dict[str, Any]]:
+    """The small grid `search` tries by default, the recipe's setting first.
+
+    TIES/DARE: density x λ (16 settings); task arithmetic: λ x weights; linear:
+    weights (equal, and each model's weight doubled); SLERP: t.
+    """
+    spec = METHODS[recipe.merge_method]
+    n = len(merged_refs(recipe))
+    weights: list[tuple[float, ...]] = [(1.0,) * n]
+    weights += [tuple(2.0 if j == i else 1.0 for j in range(n)) for i in range(n)]
+    grid: list[dict[str, Any]]
+    if spec["kind"] == "slerp":
+        grid = [{"t": t} for t in TS]
+    elif spec.get("trim") or spec.get("drop"):
+        grid = [{"density": d, "lambda": lam}
+                for d, lam in itertools.product(DENSITIES, LAMBDAS)]  # fmt: skip
+    elif spec["kind"] == "task_vectors":
+        grid = [{"lambda": lam, "weights": w}
+                for w, lam in itertools.product(weights, LAMBDAS)]  # fmt: skip
+    else:
+        grid = [{"weights": w} for w in weights]
+    first = {k: v for k, v in current_setting(recipe).items() if k in grid[0]}
+    return [first] + [g for g in grid if g != first]
+
+
+def with_setting(recipe: Recipe, setting: Setting) -> Recipe:
+    """``recipe`` with a grid setting (global values replace per-model ones)."""
+    unknown = set(setting) - {"density", "lambda", "t", "weights"}
+    if unknown:
+        raise ConfigError(f"unknown search keys {sorted(unknown)}")
+    params = dict(recipe.parameters)
+    per_model = {"density"} & set(setting)
+    for k in ("density", "lambda", "t"):
+        if k in setting:
+            params[k] = setting[k]
+    weights = setting.get("weights")
+    refs = merged_refs(recipe)
+    if weights is not None and len(weights) != len(refs):
+        raise ConfigError(f"{len(weights)} weights for {len(refs)} models")
+    models = []
+    for r in recipe.models:
+        p = {k: v for k, v in r.parameters.items() if k not in per_model}
+        if weights is not None and r in refs:
+            p["weight"] = weights[refs.index(r)]
+        models.append(dataclasses.replace(r, parameters=p))
+    return dataclasses.replace(recipe, models=tuple(models), parameters=params)
+
+
+def search(
+    recipe: Recipe,
+    score: Score,
+    grid: Sequence[Setting] | None = None,
+    *,
+    progress: Callable[[Trial], None] | None = None,
+) -> SearchResult:
+    """Merge with each setting of ``grid`` and keep the best worst-task score.
+
+    Args:
+        recipe: what to merge; its settings are the grid's first point when
+            ``grid`` is None (`default_grid`).
+        score: the merged model's score per task (higher is better).
+        grid: the settings to try, in order.
+        progress: called with each trial as it is scored.
+
+    Returns:
+        The trials and the best (module docstring); merge the best again with
+        ``run_recipe(with_setting(recipe, result.best.setting), output)``.
+    """
+    points = list(grid) if grid is not None else default_grid(recipe)
+    if not points:
+        raise ConfigError("the search grid is empty")
+    sources = open_inputs(recipe)
+    trials = []
+    for point in points:
+        model = merge_inputs(with_setting(recipe, point), sources, keep_inputs=True)
+        scores = dict(score(model))
+        if not scores:
+            raise ConfigError("the score function returned no task")
+        trials.append(Trial(dict(point), scores))
+        if progress is not None:
+            progress(trials[-1])
+    first = trials[0].setting
+
+    def rank(t: Trial) -> tuple[float, float, int, int]:
+        changed = sum(t.setting.get(k) != v for k, v in first.items())
+        return (t.worst, t.mean, -changed, -trials.index(t))
+
+    best = max(trials, key=rank)
+    return SearchResult(tuple(trials), best)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, tuple | list):
+        return "/".join(_value(x) for x in v)
+    return f"{v:g}" if isinstance(v, float | int) else str(v)
+
+
+def format_table(trials: Sequence[Trial], best: Trial | None = None) -> str:
+    """A Markdown table: one row per trial, its setting and each task's score."""
+    keys = list(dict.fromkeys(k for t in trials for k in t.setting))
+    tasks = list(dict.fromkeys(k for t in trials for k in t.scores))
+    head = ["", *keys, *tasks, "worst"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in trials:
+        cells = ["*" if t is best else ""]
+        cells += [_value(t.setting.get(k, "")) for k in keys]
+        cells += [f"{t.scores.get(k, float('nan')):.3f}" for k in tasks]
+        rows.append("| " + " | ".join([*cells, f"{t.worst:.3f}"]) + " |")
+    return "\n".join(rows)
+
+
+__all__ = [
+    "SearchResult",
+    "Trial",
+    "current_setting",
+    "default_grid",
+    "format_table",
+    "search",
+    "with_setting",
+]
