@@ -34,11 +34,8 @@ INTRO = """\
 
 One YAML file describes a run; `entrenar train FILE` (or
 `entrenar.runs.train_from_yaml(FILE, overrides)`) runs it, `entrenar validate FILE`
-checks it without running. This page is generated from the config classes, each
-declared once beside its component (`training` is `entrenar.train.TrainConfig`,
-`lora` is `entrenar.lora.LoRAConfig`, `optimizer` and `scheduler` are
-`entrenar.optim.OptimizerConfig` and `ScheduleConfig`; the rest are in
-`entrenar/config/sections.py`): `python -m entrenar.config.docs > specs/config.md`;
+checks it without running. This page is generated from the config class of each
+section, named in its heading (`python -m entrenar.config.docs > specs/config.md`);
 a test keeps it in step.
 
 ## Reading rules
@@ -228,6 +225,7 @@ def render() -> str:
     parts.append("## Keys\n")
     for name, cls in sections():
         title = name if name.startswith("(") else f"`{name}`"
+        title += f" ({cls.__module__}.{cls.__name__})"
         doc = (cls.__doc__ or "").strip().splitlines()[0]
         parts.append(f"### {title}\n\n{doc}\n\n{section_table(cls)}\n")
     parts.append(OUTRO.replace("ARCH_TABLES", arch_tables()))

@@ -49,14 +49,13 @@ def arch_config(architecture: str, sizes: Mapping[str, Any], path: str) -> Any:
     (`entrenar.nn` raises ConfigError) are reported under ``path``.
     """
     arch = nn.architecture(architecture)
-    cls = arch.config_class
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(arch.config_class)]
     kwargs = {}
     for key, value in sizes.items():
         if key not in names:
             raise unknown_key(key, path, names)
-        kwargs[key] = convert(hints[key], value, f"{path}.{key}", {})
+        hint = hints(arch.config_class)[key]
+        kwargs[key] = convert(hint, value, f"{path}.{key}", {})
     try:
         return arch.make_config(**kwargs)
     except ConfigError as e:
@@ -359,37 +358,26 @@ def _sections(spec: TrainSpec) -> list[tuple[str, Any, list[str]]]:
     return out
 
 
-def _exists(key: str, p: str | None, *, folder_ok: bool = False) -> None:
-    if p is None:
-        return
-    if folder_ok and os.path.isdir(p):
-        return
-    if not os.path.isfile(p):
-        raise ConfigError(f"{key}: file not found: {p}")
-
-
 def check_inputs(spec: TrainSpec) -> None:
-    """Every input file exists and has a format entrenar reads."""
-    if spec.model is not None:
-        _exists("model.path", spec.model.path, folder_ok=True)
-        _exists("model.tokenizer", spec.model.tokenizer)
-        tok = spec.model.tokenizer
-        if tok is not None and not tok.lower().endswith(".gguf"):
+    """Every input file (``path="input"`` fields) exists, in a format entrenar reads."""
+    for name, section, fields in _sections(spec):
+        for f in fields:
+            p = getattr(section, f)
+            if p is not None and not os.path.exists(p):
+                raise ConfigError(f"{name}.{f}: file not found: {p}")
+    tok = spec.model.tokenizer if spec.model is not None else None
+    if tok is not None and not tok.lower().endswith(".gguf"):
+        raise ConfigError(
+            f"model.tokenizer: {os.path.basename(tok)!r} is not a .gguf file (the "
+            "tokenizer is read from a GGUF's tokenizer.ggml.* fields)"
+        )
+    for key in ("train", "validation") if spec.data is not None else ():
+        p = getattr(spec.data, key)
+        if p is not None and not p.lower().endswith(data.READERS.names()):
             raise ConfigError(
-                f"model.tokenizer: {os.path.basename(tok)!r} is not a .gguf file (the "
-                "tokenizer is read from a GGUF's tokenizer.ggml.* fields)"
+                f"data.{key}: {os.path.basename(p)!r} is not one of "
+                f"{', '.join(data.READERS)}"
             )
-    if spec.data is not None:
-        for key, p in (("data.train", spec.data.train),
-                       ("data.validation", spec.data.validation)):  # fmt: skip
-            _exists(key, p)
-            if p is not None and not p.lower().endswith(data.READERS.names()):
-                raise ConfigError(
-                    f"{key}: {os.path.basename(p)!r} is not one of "
-                    f"{', '.join(data.READERS)}"
-                )
-    if spec.distillation is not None:
-        _exists("distillation.teacher", spec.distillation.teacher, folder_ok=True)
 
 
 __all__ = [
