@@ -106,3 +106,37 @@ def test_refuse_names_the_better_path(files):
     with pytest.raises(ConfigError, match="quantized"):
         merge.parse_recipe({"merge_method": "linear", "models": [{"model": "a"}],
                             "quantized": "maybe"})  # fmt: skip
+
+
+def test_the_adapter_beside_a_noisy_file_is_merged_instead(tmp_path):
+    import jax
+
+    from entrenar import lora, nn
+    from entrenar.lora import LoRAWeight
+
+    cfg = nn.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
+        num_heads=2, num_kv_heads=2, max_position_embeddings=16,
+    )  # fmt: skip
+    base = tmp_path / "base.gguf"  # a 4-bit base, as the main job's
+    io.save_llama_gguf(base, cfg, cfg.init(jax.random.key(0)), tensor_type="Q4_1")
+    _, w, _ = io.load_llama_gguf(base)
+    adapted = lora.apply(
+        w, lora.LoRAConfig(rank=2, alpha=4, targets=("q_proj",)), key=jax.random.key(1)
+    )
+    adapted = jax.tree_util.tree_map(  # a trained adapter: B is no longer 0
+        lambda x: x.replace(b=x.b + 0.05) if isinstance(x, LoRAWeight) else x,
+        adapted,
+        is_leaf=lambda x: isinstance(x, LoRAWeight),
+    )
+    run = tmp_path / "run"  # a run's folder: model.gguf with adapter/ beside it
+    lora.save_adapter(adapted, run / "adapter")
+    io.save_llama_gguf(run / "model.gguf", cfg, w, tensor_type="Q8_0")  # all noise
+    with pytest.warns(UserWarning, match="adapter beside"):
+        got = merge.merge_files([run / "model.gguf"], "task_arithmetic", base=base)
+    want = lora.fold(adapted)
+    jax.tree_util.tree_map(
+        lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+        got.params,
+        want,
+    )
