@@ -51,6 +51,7 @@ from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
 from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig
 from entrenar.nn.decoder_config import sliding_layers
+from entrenar.nn.rope_scaling import attention_factor
 from entrenar.quant import QuantizedWeight, dequantize, quantize, to_ggml
 from entrenar.types import Params
 
@@ -128,7 +129,11 @@ def _switches(c: LlamaConfig, family: str, gname: str) -> dict[str, Any]:
         out["architecture"] = family
     for name in SWITCH_FIELDS:
         value = getattr(c, name)
-        always = gname in SWA_PATTERN and name in ("sliding_window", "layer_types")
+        always = (
+            gname in SWA_PATTERN and name in ("sliding_window", "layer_types")
+        ) or (
+            c.rope_type == "longrope" and name == "rope_attention_factor"
+        )  # llama.cpp's key holds the derived factor, entrenar's None derives it
         if name != "architecture" and (always or value != defaults[name]):
             out[name] = list(value) if isinstance(value, tuple) else value
     return out
@@ -171,8 +176,10 @@ def _metadata(
     if c.rope_type in ("yarn", "longrope"):
         orig = c.rope_original_max_position_embeddings
         new[p + "rope.scaling.original_context_length"] = (orig, U32)
-        if c.rope_attention_factor is not None:
-            new[p + "rope.scaling.attn_factor"] = (c.rope_attention_factor, F32)
+    if c.rope_type == "yarn" and c.rope_attention_factor is not None:
+        new[p + "rope.scaling.attn_factor"] = (c.rope_attention_factor, F32)
+    if c.rope_type == "longrope":  # llama.cpp's converter writes Phi-3's always
+        new[p + "rope.scaling.attn_factor"] = (attention_factor(c), F32)
     if c.rope_type == "yarn":
         new[p + "rope.scaling.yarn_beta_fast"] = (c.rope_beta_fast, F32)
         new[p + "rope.scaling.yarn_beta_slow"] = (c.rope_beta_slow, F32)

@@ -159,6 +159,16 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},  # llama.cpp's llama has no sliding window
     "qwen2": {"sliding_window": None, "layer_types": None},  # nor its qwen2
     "qwen3": {"sliding_window": None, "layer_types": None, "attention_out_bias": False},
+    # llama.cpp's Gemma has no o_proj bias and derives the query scale from d
+    "gemma2": {"attention_out_bias": False, "query_pre_attn_scalar": None},
+    "gemma3": {"attention_out_bias": False, "query_pre_attn_scalar": None},
+    # llama.cpp turns Phi-3's sliding window off, and takes the long factors when
+    # its context (256 at least) passes the original one
+    "phi3": {
+        "sliding_window": None,
+        "rope_original_max_position_embeddings": 256,
+        "max_position_embeddings": 1024,
+    },
 }
 """What each family's tiny config drops for llama.cpp: features its graph lacks."""
 

@@ -254,7 +254,10 @@ def test_each_family_written_runs_in_llama_cpp(family, families_cpp, tmp_path):
     back, params, _ = io.load_llama_gguf(path)
     assert back == config
     ours = np.asarray(back.apply(params, np.asarray([cases.TINY_IDS]))[0])  # (T, V)
-    tol = 1e-3  # llama.cpp's own tolerance for F32 (as for the tiny Llama)
+    # F32 weights and KV cache: llama.cpp agrees to rounding, but for GeGLU, which
+    # ggml computes through a float16 table of GELU (about 1e-3 of the logits).
+    scale = max(1.0, float(np.abs(arrays[f"{family}_top_logits"]).max()))
+    tol = (1e-5 if config.hidden_act == "silu" else 2e-3) * scale
     np.testing.assert_allclose(
         ours[:, :: cases.TINY_COLUMN_STEP], arrays[f"{family}_logits"], atol=tol
     )

@@ -53,6 +53,7 @@ from pathlib import Path
 NOT_IMPORTABLE = 77
 TOP_K = 8
 TINY_COLUMN_STEP = 16
+F32_CACHE = 0  # GGML_TYPE_F32: the families' KV cache (llama.cpp's default is F16)
 N_RANDOM_TEXTS = 200
 
 
@@ -167,7 +168,7 @@ def _families(llama_cpp, path: str, cases) -> tuple[dict, dict]:
     what llama.cpp does not implement) with ``cases.family_params``, written as F32
     under the family's llama.cpp architecture with SmolLM2's tokenizer; its logits at
     ``cases.TINY_IDS`` (every ``TINY_COLUMN_STEP``-th column and the top-8 of each
-    position) and the file's SHA-256.
+    position), computed with a float32 KV cache, and the file's SHA-256.
     """
     import numpy as np
 
@@ -182,7 +183,10 @@ def _families(llama_cpp, path: str, cases) -> tuple[dict, dict]:
                 f, config, cases.family_params(config), source=source,
                 tensor_type="F32",
             )  # fmt: skip
-            ll = llama_cpp.Llama(str(f), logits_all=True, n_ctx=32, verbose=False)
+            ll = llama_cpp.Llama(
+                str(f), logits_all=True, n_ctx=32, verbose=False,
+                type_k=F32_CACHE, type_v=F32_CACHE,
+            )  # fmt: skip
             ll.eval(cases.TINY_IDS)
             logits = np.array(ll.scores[: len(cases.TINY_IDS)], np.float32)  # (T, V)
             arrays[f"{family}_logits"] = logits[:, ::TINY_COLUMN_STEP]
