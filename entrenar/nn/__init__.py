@@ -10,7 +10,7 @@ touches weights. Every weight answers the weight-node protocol (`logical_shape`,
 registers in its own package.
 """
 
-from entrenar.nn import gemma, losses, mistral, qwen  # families register themselves
+from entrenar.nn import gemma, losses, mistral, phi3, qwen  # families register
 from entrenar.nn.attention import (
     KVCache,
     causal_mask,
@@ -129,6 +129,7 @@ __all__ = [
     "mlp",
     "nbytes",
     "normal",
+    "phi3",
     "qwen",
     "register_architecture",
     "register_weight_node",

@@ -49,6 +49,15 @@ def test_every_language_model_entry_is_checkable():
 
 
 # --------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module", autouse=True)
+def _quick_compiles():
+    """XLA without most optimizations: half the compile time of these tiny models."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 def _hf_model(config_dict, state=None):
     """A float32 eager transformers model of ``config_dict`` (random or ``state``)."""
     hf_cfg = transformers.AutoConfig.for_model(**config_dict)
@@ -142,7 +151,11 @@ def adapted(family, tmp_path_factory):
     lora.save_adapter(lp, folder, base_model_name_or_path="tiny")
     model = _hf_model(hf_dict, state)
     peft_model = peft.PeftModel.from_pretrained(model, str(folder), is_trainable=True)
-    return config, lp, peft_model.eval()
+    tokens, mask = _batch(config.vocab_size)
+    trainable, frozen = lora.split(lp)
+    grad_fn = jax.jit(jax.grad(_loss_jax, argnums=1, has_aux=True), static_argnums=0)
+    grads, logits = grad_fn(config, trainable, frozen, jnp.asarray(tokens), mask)
+    return config, grads, np.asarray(logits), peft_model.eval()
 
 
 def _loss_jax(config, trainable, frozen, tokens, mask):
@@ -154,20 +167,16 @@ def _loss_jax(config, trainable, frozen, tokens, mask):
 
 
 def test_peft_adapter_gives_the_same_logits(adapted):
-    config, lp, peft_model = adapted
+    config, _, got, peft_model = adapted
     tokens, mask = _batch(config.vocab_size)
     assert {n for n, _ in peft_model.named_modules() if n.endswith(".lora_A")}
     want = _torch_logits(peft_model, tokens, mask)
-    got = np.asarray(jax.jit(config.apply)(lp, jnp.asarray(tokens), mask=mask))
     np.testing.assert_allclose(got[mask], want[mask], atol=TOL, rtol=TOL)
 
 
 def test_lora_gradients_equal_peft(adapted):
-    config, lp, peft_model = adapted
+    config, grads, _, peft_model = adapted
     tokens, mask = _batch(config.vocab_size)
-    trainable, frozen = lora.split(lp)
-    grad_fn = jax.jit(jax.grad(_loss_jax, argnums=1, has_aux=True), static_argnums=0)
-    grads, _ = grad_fn(config, trainable, frozen, jnp.asarray(tokens), mask)
     peft_model.zero_grad()
     logits = peft_model(
         torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask.astype(int))

@@ -1,0 +1,113 @@
+"""Phi-3 / Phi-3.5-mini: Llama with fused projections and LongRoPE.
+
+Abdin et al., "Phi-3 Technical Report", 2024. A `LlamaConfig` with
+``architecture="phi3"``: one ``qkv_proj`` weight ``[W_q; W_k; W_v]`` and one
+``gate_up_proj`` weight ``[W_gate; W_up]`` per layer (Hugging Face's fused names,
+so PEFT adapters name Phi-3's modules), ``longrope`` scaling (``su`` and ``yarn``
+in older files mean the same in transformers' Phi-3) and an optional sliding window
+in every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from entrenar.errors import UnsupportedError
+from entrenar.nn.decoder_config import (
+    check_hidden_act,
+    common_from_hf,
+    common_to_hf,
+    refuse_switches,
+)
+from entrenar.nn.llama import LlamaConfig
+from entrenar.nn.registry import Architecture, register_architecture
+
+_SWITCHES = ("rope_type", "sliding_window", "fused_qkv", "fused_gate_up")
+
+
+def phi3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
+    """A ``model_type: phi3`` ``config.json`` as a `LlamaConfig`."""
+    check_hidden_act(hf, "config.json", "silu")
+    hf = dict(hf)
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    scaling = dict(hf.get(key) or {})
+    if scaling.get("rope_type", scaling.get("type")) in ("su", "yarn"):
+        scaling.pop("type", None)
+        scaling["rope_type"] = "longrope"
+    if scaling.get("rope_type") == "longrope":
+        scaling.setdefault(
+            "original_max_position_embeddings",
+            hf.get("original_max_position_embeddings", 4096),
+        )
+    hf[key] = scaling
+    window = hf.get("sliding_window")
+    return LlamaConfig(
+        **common_from_hf(hf, "config.json"),
+        architecture="phi3",
+        fused_qkv=True,
+        fused_gate_up=True,
+        sliding_window=None if window is None else int(window),
+    )
+
+
+def phi3_to_hf(c: LlamaConfig) -> dict[str, Any]:
+    """The ``config.json`` of a Phi-3 `LlamaConfig`."""
+    refuse_switches(c, "Phi3", _SWITCHES)
+    if c.hd * c.num_heads != c.hidden_size:
+        raise UnsupportedError(
+            "Phi-3's config.json has no head_dim (transformers checks its rope "
+            f"factors against hidden_size / heads): head_dim {c.hd} must be "
+            f"{c.hidden_size // c.num_heads}"
+        )
+    hf = common_to_hf(c, "Phi3ForCausalLM", "phi3")
+    hf["sliding_window"] = c.sliding_window
+    # transformers' Phi-3 defaults (32000 and 32064's neighbours) lie outside a
+    # small vocabulary; the token ids are the tokenizer's, written by entrenar.io
+    hf.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if c.rope_original_max_position_embeddings is not None:
+        hf["original_max_position_embeddings"] = c.rope_original_max_position_embeddings
+    return hf
+
+
+def _tiny() -> LlamaConfig:
+    """Fused weights, LongRoPE past a context of 8, sliding window 4, untied."""
+    half = 8  # head_dim 16
+    return LlamaConfig(
+        architecture="phi3",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        fused_qkv=True,
+        fused_gate_up=True,
+        sliding_window=4,
+        rope_type="longrope",
+        rope_factor=4.0,
+        max_position_embeddings=32,
+        rope_original_max_position_embeddings=8,
+        rope_short_factor=tuple(1.0 + 0.1 * i for i in range(half)),
+        rope_long_factor=tuple(1.0 + 0.7 * i for i in range(half)),
+    )
+
+
+register_architecture(
+    Architecture(
+        name="phi3",
+        config_class=LlamaConfig,
+        summary="Phi-3 / Phi-3.5-mini: fused qkv and gate_up weights, LongRoPE",
+        hf_model_types=("phi3",),
+        hf_class="Phi3ForCausalLM",
+        gguf_name="phi3",
+        from_hf=phi3_from_hf,
+        to_hf=phi3_to_hf,
+        defaults={"architecture": "phi3", "fused_qkv": True, "fused_gate_up": True},
+        tiny=_tiny,
+    )
+)
+
+__all__ = ["phi3_from_hf", "phi3_to_hf"]
