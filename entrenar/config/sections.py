@@ -48,9 +48,10 @@ class ModelSection(Config):
     tokenizer: str | None = option(
         None,
         path="input",
-        doc="tokenizer of a language model: a .gguf whose tokenizer to use (default: "
-        "the model's own GGUF); required for a language model from scratch or a "
-        "Hugging Face folder",
+        doc="tokenizer of a language model: a .gguf whose tokenizer to use, or a "
+        "Hugging Face tokenizer.json (or the folder holding it, with its "
+        "tokenizer_config.json and chat template); default: the model's own (a "
+        "GGUF's, or a Hugging Face folder's); required for a model from scratch",
     )
     keep_quantized: bool = option(
         False,

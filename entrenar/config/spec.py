@@ -25,7 +25,7 @@ from entrenar.config.sections import (
     QuantizationSection,
 )
 from entrenar.errors import ConfigError, EntrenarError
-from entrenar.io import bounded, smollm2_path
+from entrenar.io import bounded, gguf_families, smollm2_path
 from entrenar.io.bounded import MAX_CONFIG_BYTES
 from entrenar.lora import LoRAConfig
 from entrenar.optim import OptimizerConfig, ScheduleConfig
@@ -156,11 +156,19 @@ class TrainSpec(Config):
                 raise ConfigError(
                     "distillation: needs class probabilities; data.task is regression"
                 )
-        gguf_only = {"gguf", "hf"} & set(self.export.formats)
-        if gguf_only and arch != "llama":
+        family = nn.architecture(arch) if arch in nn.architecture_names() else None
+        forms = {
+            "hf": family is not None and family.to_hf is not None,
+            "gguf": family is not None
+            and gguf_families.written_name(family.name, family.gguf_name) is not None,
+        }
+        missing = [f for f in self.export.formats if not forms.get(f, True)]
+        if missing:
             raise ConfigError(
-                f"export.formats: {sorted(gguf_only)} write Llama models only; "
-                f"this model is {arch}"
+                f"export.formats: this model ({arch}) has no {' or '.join(missing)} "
+                "form; the Hugging Face folder needs an architecture with a "
+                "config.json form, GGUF one that llama.cpp runs "
+                f"({', '.join(a.name for a in nn.architectures() if a.gguf_name)})"
             )
 
     @property
@@ -366,10 +374,15 @@ def check_inputs(spec: TrainSpec) -> None:
             if p is not None and not os.path.exists(p):
                 raise ConfigError(f"{name}.{f}: file not found: {p}")
     tok = spec.model.tokenizer if spec.model is not None else None
-    if tok is not None and not tok.lower().endswith(".gguf"):
+    if tok is not None and not (
+        tok.lower().endswith(".gguf")
+        or os.path.basename(tok) == "tokenizer.json"
+        or os.path.isfile(os.path.join(tok, "tokenizer.json"))
+    ):
         raise ConfigError(
-            f"model.tokenizer: {os.path.basename(tok)!r} is not a .gguf file (the "
-            "tokenizer is read from a GGUF's tokenizer.ggml.* fields)"
+            f"model.tokenizer: {os.path.basename(tok)!r} is neither a .gguf file (its "
+            "tokenizer.ggml.* fields) nor a Hugging Face tokenizer.json or a folder "
+            "holding one"
         )
     for key in ("train", "validation") if spec.data is not None else ():
         p = getattr(spec.data, key)

@@ -287,3 +287,36 @@ def test_yaml_is_read_safely(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(p)
     assert yaml.safe_load("a: 1") == {"a": 1}
+
+
+def test_export_formats_follow_the_family(tmp_path):
+    """Exports in the forms the family has: a qwen2 has hf and gguf, a gpt2 no GGUF."""
+    doc = yaml.safe_load((CONFIGS / "number-words-gpt2.yaml").read_text())
+    doc["model"]["tokenizer"] = str(CONFIGS / doc["model"]["tokenizer"])
+    for key in ("train", "validation"):
+        doc["data"][key] = str(CONFIGS / doc["data"][key])
+    doc["export"] = {"formats": ["gguf"]}
+    with pytest.raises(ConfigError, match=r"^export\.formats: .*\(gpt2\) has no gguf"):
+        validate(write(tmp_path / "g.yaml", doc))
+    doc["model"] = {
+        "architecture": "qwen2",
+        "tokenizer": doc["model"]["tokenizer"],
+        "config": {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
+                   "num_layers": 1, "num_heads": 4, "num_kv_heads": 2},
+    }  # fmt: skip
+    doc["export"] = {"formats": ["hf", "gguf"]}
+    assert validate(write(tmp_path / "q.yaml", doc)).model_architecture == "qwen2"
+
+
+def test_the_tokenizer_may_be_a_hugging_face_tokenizer_json(tmp_path):
+    doc = wine_doc(tmp_path / "run")
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "vocab.txt").write_text("not a tokenizer")
+    doc["model"]["tokenizer"] = str(folder)
+    with pytest.raises(ConfigError, match=r"^model\.tokenizer: 'tok' is neither"):
+        validate(write(tmp_path / "a.yaml", doc))
+    (folder / "tokenizer.json").write_text("{}")
+    doc["model"]["tokenizer"] = str(folder / "tokenizer.json")
+    spec = load_config(write(tmp_path / "b.yaml", doc))
+    assert spec.model.tokenizer.endswith("tokenizer.json")

@@ -117,19 +117,19 @@ def test_a_lora_run_on_a_qwen2_folder_uses_its_tokenizer_and_template(tmp_path):
         "lora": {"rank": 2, "alpha": 4, "targets": ["q_proj", "v_proj"]},
         "optimizer": {"name": "adamw", "lr": 0.01},
         "training": {"max_steps": 2, "output_dir": str(tmp_path / "out")},
+        "export": {"formats": ["hf", "gguf"], "gguf_type": "f32"},
     }  # fmt: skip
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
     result = train_from_yaml(tmp_path / "run.yaml", progress=False)
-    # export.formats [hf, gguf] wait on config/spec.py accepting every family.
-    built = load_built(str(tmp_path / "hf"))
-    trained = lora.fold(result.train.params)
-    hf = load_built(write_hf_folder(built, trained, str(tmp_path / "out" / "hf")))
+    hf = load_built(result.files["hf"])
     assert hf.architecture == "qwen2" and hf.tokenizer.chat_template == (
         tok.chat_template
     )
-    path = str(tmp_path / "out" / "m.gguf")
-    io.save_llama_gguf(path, built.config, trained)
-    gguf = load_built(path)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+        hf.params, lora.fold(result.train.params),
+    )  # fmt: skip
+    gguf = load_built(result.files["gguf"])
     assert gguf.architecture == "qwen2" and gguf.config == hf.config
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
