@@ -257,8 +257,8 @@ def merge_cmd(
             _scored_merge(plan, tasks, base or models[0], search, output)
         else:
             merge.run_recipe(plan, output)
-    for w in caught:
-        click.echo(f"! {w.message}", err=True)
+    for message in dict.fromkeys(str(w.message) for w in caught):  # once each
+        click.echo(f"! {message}", err=True)
     onto = f" onto base {base}" if base is not None else ""
     count = f"{len(models)} model{'s' if len(models) != 1 else ''}"
     click.echo(f"✓ merged {count}{onto} ({method}) -> {output}")
