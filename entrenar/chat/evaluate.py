@@ -36,6 +36,7 @@ import numpy as np
 from entrenar import data, nn
 from entrenar.chat.session import ChatModel
 from entrenar.errors import ConfigError
+from entrenar.nn.generate import CACHE_BUCKET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,10 @@ def _decoded(
     """Hits and reply texts of greedy decoding (the ``generate=True`` mode)."""
     items = [(i, enc[i][0][:a], targets[i][a:b])
              for i in range(len(enc)) for a, b in _runs(targets[i])]  # fmt: skip
-    n = max(len(y) for _, _, y in items)  # one decode length: one compile per batch
+    n = max(len(y) for _, _, y in items)  # one decode length and one cache length:
+    longest = max(len(p) for _, p, _ in items) + n  # one compile for all batches
+    cache = -(-longest // CACHE_BUCKET) * CACHE_BUCKET
+    cache = min(cache, nn.context_length(chat.model) or cache)
     stops = chat.stops
     ok = [True] * len(enc)
     texts: list[list[str]] = [[] for _ in enc]
@@ -118,6 +122,7 @@ def _decoded(
                 max_new_tokens=n,
                 stop_tokens=stops,
                 pad_token=-1,
+                max_len=cache,
             )
         )
         for row, (i, _, y) in zip(out[: len(chunk)], chunk, strict=True):

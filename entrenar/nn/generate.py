@@ -42,8 +42,11 @@ from entrenar.types import Params, PRNGKey
 PROMPT_BUCKET = 32
 """Prompts are padded (on the right) to a multiple of this many tokens."""
 
-CACHE_BUCKET = 128
-"""The cache length is a multiple of this (capped by the model's context)."""
+CACHE_BUCKET = 32
+"""The cache length is a multiple of this (capped by the model's context).
+
+Small, because a step costs in proportion to the cache: the models' ``apply_cached``
+rewrites every layer's cache each step, and attention reads every slot."""
 
 PREFIX_BUCKET = 16
 """A prefix all prompts share is run once, in whole multiples of this many tokens."""
