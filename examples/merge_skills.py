@@ -12,8 +12,10 @@
    each method, through (a) their adapters (`entrenar.merge.merge_adapters`),
    (b) the folded float models (``W + Δ_i`` against the dequantized base), and
    (c) their exported Q8_0 GGUFs against the Q4_1 base GGUF, as they are
-   (``quantized="keep"``), with the task vector taken on the file's grid
-   (``"correct"``, the default), and asking for a refusal (``"refuse"``).
+   (``quantized="keep"``) and with the task vector taken on the file's grid
+   (``"correct"``, the default); ``"refuse"`` refuses files whose difference from
+   the base is mostly re-quantization noise (each file's figures are in the table's
+   notes).
 3. Write the table of held-out exact match per task, method and path, with each
    task's share of its single-task score, to ``--out``
    (default ``benchmarks/results/merge_skills.md``).
@@ -38,8 +40,7 @@ import jax
 
 from entrenar import data, io, lora, merge, nn, quant
 from entrenar.chat import ChatModel, exact_match
-from entrenar.errors import ConfigError
-from entrenar.merge.run import build_plan, files_recipe, merged_refs
+from entrenar.merge.run import build_plan, files_recipe, merged_refs, open_model
 from entrenar.runs import train_from_yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -114,6 +115,7 @@ def merges(
     base_gguf: str,
     params_q: Any,
     work: str,
+    reports: Mapping[str, merge.NoiseReport],
 ) -> dict[str, Any]:
     """The merged params of every path (or the refusal's message)."""
     plan = plan_of(method, len(combo))
@@ -135,14 +137,17 @@ def merges(
         if not os.path.exists(f):
             shutil.copyfile(tuned[t]["gguf"], f)
         files.append(f)
-    for policy in ("keep", "correct", "refuse"):
-        try:
-            model = merge.merge_files(
-                files, method, base=base_gguf, quantized=policy, **METHODS[method]
-            )
-            out[f"GGUF ({policy})"] = model.params
-        except ConfigError as e:
-            out[f"GGUF ({policy})"] = e
+    for policy in ("keep", "correct"):
+        model = merge.merge_files(
+            files, method, base=base_gguf, quantized=policy, **METHODS[method]
+        )
+        out[f"GGUF ({policy})"] = model.params
+    flagged = [reports[t] for t in combo if reports[t].flagged]
+    out["GGUF (refuse)"] = (
+        f"refused: {merge.noise.better_path(flagged[0])}"
+        if flagged
+        else "not flagged: merged as with keep"
+    )
     return out
 
 
@@ -184,14 +189,23 @@ def main() -> None:
         single[t] = s[t]
         rows.append(("-", f"{t} alone", "adapter", s))
         print(f"  {t} alone: {s}")
+    base_leaves = open_model(merge.ModelRef(base_gguf)).leaves
+    reports = {}
+    for t in tasks:
+        f = tuned[t]["gguf"]
+        reports[t] = merge.requantization_noise(
+            f, base_leaves, open_model(merge.ModelRef(f)).leaves
+        )
+        print(f"  {reports[t].describe()}: flagged {reports[t].flagged}")
+    del base_leaves
     combos = [tasks[:2]] + ([tasks] if len(tasks) > 2 else [])
     for combo in combos:
         print(f"== merging {' + '.join(combo)}")
         for method in METHODS:
             for path, got in merges(
-                method, combo, tuned, base_gguf, params_q, args.work
+                method, combo, tuned, base_gguf, params_q, args.work, reports
             ).items():
-                result = str(got) if isinstance(got, Exception) else scores(
+                result = got if isinstance(got, str) else scores(
                     chat, got, {t: held[t] for t in combo})  # fmt: skip
                 rows.append((" + ".join(combo), method, path, result))
                 print(f"  {method:16s} {path:16s} {result}")
@@ -212,7 +226,7 @@ def main() -> None:
     ]
     for combo, method, path, result in rows:
         if isinstance(result, str):
-            cells = [f"refused: {result[:120]}…"] + [""] * (len(tasks) - 1)
+            cells = [result] + [""] * (len(tasks) - 1)
         else:
             merged = combo != "-"
             cells = [
@@ -223,9 +237,12 @@ def main() -> None:
                 for t in tasks
             ]
         lines.append(f"| {combo} | {method} | {path} | " + " | ".join(cells) + " |")
+    lines += ["", "Re-quantization noise of each exported GGUF against the base "
+              "(`entrenar.merge.requantization_noise`):", ""]  # fmt: skip
+    lines += [f"- {r.describe()}; flagged: {r.flagged}" for r in reports.values()]
     os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
-    with io.atomic_write(out_md, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    with io.atomic_write(out_md, "w") as md:
+        md.write("\n".join(lines) + "\n")
     print(f"== table: {out_md} ({time.perf_counter() - t_start:.0f} s)")
 
 
