@@ -190,7 +190,10 @@ def _metadata(
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(c, key) is not None:
             new[p + key] = (getattr(c, key), F32)
-    stale = tuple(f"{a}." for a in {gname, getattr(old, "value", gname)})
+    # The old architecture's keys go; never the tokenizer's or general ones (a
+    # tokenizer-only GGUF says general.architecture = "tokenizer").
+    archs = {gname, getattr(old, "value", gname)} - {"tokenizer", "general"}
+    stale = tuple(f"{a}." for a in archs)
     for k in [k for k in fields if k.startswith(stale) or k == FAMILY_KEY]:
         if k not in new:
             del fields[k]

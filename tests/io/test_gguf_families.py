@@ -269,3 +269,17 @@ def test_each_family_written_runs_in_llama_cpp(family, families_cpp, tmp_path):
         f"{path.name} differs from the file llama.cpp ran; if the writer changed on "
         "purpose, rerun tests/oracles/make_llama_cpp_reference.py --only-families"
     )
+
+
+def test_a_tokenizer_only_source_gives_the_file_its_tokenizer(tmp_path):
+    """A source GGUF whose general.architecture is "tokenizer" keeps tokenizer.*."""
+    tok = io.read_gguf(cases.ROOT / "examples/data/number_words/tokenizer.gguf")
+    assert tok.fields["general.architecture"].value == "tokenizer"
+    config = dataclasses.replace(nn.architecture("qwen2").tiny(), vocab_size=320)
+    path = tmp_path / "m.gguf"
+    io.save_llama_gguf(path, config, config.init(jax.random.key(0)), source=tok)
+    fields = io.read_gguf(path).fields
+    assert fields["general.architecture"].value == "qwen2"
+    for key, field in tok.fields.items():
+        if key.startswith("tokenizer."):
+            assert fields[key].value == field.value, key
