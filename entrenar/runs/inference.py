@@ -63,21 +63,7 @@ def generate_text(
         ConfigError: no tokenizer, no chat template, or a request longer than the
             model's context (checked before generating).
     """
-    built = load_built(model)
-    if not built.is_lm:
-        raise ConfigError(f"{model}: generate needs a language model, not an mlp")
-    tok = data.load_fast_tokenizer(tokenizer) if tokenizer else built.tokenizer
-    if tok is None:
-        raise ConfigError(
-            f"{model}: no tokenizer; pass --tokenizer FILE.gguf (or a Hugging Face "
-            "folder with tokenizer.json)"
-        )
-    params = built.params
-    if adapter is not None:
-        params = lora.load_adapter(adapter, params)
-    stops = chat_lib.end_of_turn_ids(tok)
-    stops += tuple(i for i in getattr(tok, "stop_ids", ()) if i not in stops)
-    session = chat_lib.ChatModel(built.config, params, tok, stop_ids=stops)
+    session = load_chat(model, adapter=adapter, tokenizer=tokenizer)
     key = jax.random.key(seed) if temperature > 0 else None
     try:
         pieces = session.stream(
@@ -95,4 +81,29 @@ def generate_text(
     return "".join(out)
 
 
-__all__ = ["generate_text"]
+def load_chat(
+    model: str, *, adapter: str | None = None, tokenizer: str | None = None
+) -> chat_lib.ChatModel:
+    """A `entrenar.chat.ChatModel` of a model file (``generate_text``'s arguments).
+
+    Raises:
+        ConfigError: not a language model, or no tokenizer.
+    """
+    built = load_built(model)
+    if not built.is_lm:
+        raise ConfigError(f"{model}: generate needs a language model, not an mlp")
+    tok = data.load_fast_tokenizer(tokenizer) if tokenizer else built.tokenizer
+    if tok is None:
+        raise ConfigError(
+            f"{model}: no tokenizer; pass --tokenizer FILE.gguf (or a Hugging Face "
+            "folder with tokenizer.json)"
+        )
+    params = built.params
+    if adapter is not None:
+        params = lora.load_adapter(adapter, params)
+    stops = chat_lib.end_of_turn_ids(tok)
+    stops += tuple(i for i in getattr(tok, "stop_ids", ()) if i not in stops)
+    return chat_lib.ChatModel(built.config, params, tok, stop_ids=stops)
+
+
+__all__ = ["generate_text", "load_chat"]
