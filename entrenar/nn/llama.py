@@ -235,7 +235,11 @@ class LlamaConfig:
                 f"(jax.checkpoint_policies), got {self.remat_policy!r}"
             )
         check_switches(self)
-        if architecture(self.architecture).config_class is not LlamaConfig:
+        try:
+            family = architecture(self.architecture)
+        except UnsupportedError as e:
+            raise ConfigError(f"LlamaConfig.architecture: {e}") from None
+        if family.config_class is not LlamaConfig:
             raise ConfigError(
                 f"LlamaConfig.architecture {self.architecture!r} is not a LlamaConfig "
                 "family"

@@ -46,6 +46,9 @@ def test_every_language_model_entry_is_checkable():
         tiny = arch.tiny()
         assert arch.from_hf(arch.to_hf(tiny)) == tiny
         assert arch.to_hf(tiny)["architectures"] == [arch.hf_class]
+        # transformers 5 writes rope_parameters (per layer type for Gemma 3)
+        written = transformers.AutoConfig.for_model(**arch.to_hf(tiny)).to_dict()
+        assert arch.from_hf(written) == tiny
 
 
 # --------------------------------------------------------------------- fixtures
@@ -222,6 +225,10 @@ def test_switch_without_config_json_form_is_refused():
 
 def test_bad_switches_are_config_errors():
     base = nn.LlamaConfig(hidden_size=32, num_heads=4, num_kv_heads=4, num_layers=2)
+    with pytest.raises(ConfigError, match="unknown architecture 'falcon'"):
+        dataclasses.replace(base, architecture="falcon")
+    with pytest.raises(ConfigError, match="not a LlamaConfig family"):
+        dataclasses.replace(base, architecture="gpt2")
     with pytest.raises(ConfigError, match="layer_types"):
         dataclasses.replace(base, layer_types=("full_attention",))
     with pytest.raises(ConfigError, match="sliding_window"):
