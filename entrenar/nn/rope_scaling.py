@@ -46,7 +46,8 @@ def scaling_divisors(c: Any) -> np.ndarray | None:
     context). llama.cpp stores these as a GGUF's ``rope_freqs`` tensor.
 
     >>> from entrenar.nn import LlamaConfig
-    >>> c = LlamaConfig(hidden_size=8, num_heads=1, rope_type="linear", rope_factor=2)
+    >>> c = LlamaConfig(hidden_size=8, num_heads=1, num_kv_heads=1,
+    ...                 rope_type="linear", rope_factor=2)
     >>> scaling_divisors(c).tolist()
     [2.0, 2.0, 2.0, 2.0]
     """
