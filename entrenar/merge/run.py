@@ -334,6 +334,9 @@ def merge_inputs(
             xs = [np.asarray(x).astype(cast) for x in xs]
         out_dt = STORAGE_DTYPES[recipe.out_dtype or recipe.dtype or dt.name]
         head, rest = (xs[0], xs[1:]) if has_base else (None, xs)
+        if head is not None and all(np.array_equal(x, head) for x in rest):
+            out[name] = np.asarray(head).astype(out_dt)  # zero task vectors: the base
+            continue
         out[name] = np.asarray(merge_leaf(plan, name, lay[name], head, rest, out_dt))
     model = Model(lead.metadata, unflatten_params(out))
     if output is not None:

@@ -11,7 +11,7 @@ Task ``one``: a question ending in ``a`` is answered ``1``; task ``two``: ending
 turn after ``1`` and ``2`` (logit 14). Each fine-tune adds 8 to its own answer
 (``a -> 1``) and, drifting, 8 to ``y`` after the other task's answer (``2 -> y``).
 Merged with λ (TIES on these disjoint edits is task arithmetic), a task is right
-iff ``8λ > 10`` and ``8λ < 14``: of λ in {0.5, 1, 1.5, 2} only 1.5 keeps both.
+iff ``8λ > 10`` and ``8λ < 14``: of λ in {1, 1.5, 2} only 1.5 keeps both.
 """
 
 from __future__ import annotations
@@ -127,14 +127,14 @@ def test_eval_scores_each_task_of_the_merged_model(case, tmp_path):
 
 def test_search_picks_the_known_best_setting(case, tmp_path):
     out = tmp_path / "merged.gguf"
-    r = merge(case, out, "--method", "ties", "--density", "0.5", "--search")
+    r = merge(case, out, "--method", "ties", "--density", "0.6", "--search")
     assert r.exit_code == 0, r.output
     rows = [line for line in r.output.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 16  # header + density x λ
-    assert rows[1].split("|")[2:4] == [" 0.5 ", " 1 "]  # the given setting first
-    assert "best worst-task score 1.000 with density=0.5, lambda=1.5" in r.output
+    assert len(rows) == 1 + 9  # header, density x λ
+    assert rows[1].split("|")[2:4] == [" 0.6 ", " 1 "]  # the given setting first
+    assert "best worst-task score 1.000 with density=0.6, lambda=1.5" in r.output
     best = [row for row in rows if row.startswith("| * |")]
-    assert len(best) == 1 and "| 0.5 | 1.5 | 1.000 | 1.000 | 1.000 |" in best[0]
+    assert len(best) == 1 and "| 0.6 | 1.5 | 1.000 | 1.000 | 1.000 |" in best[0]
     for row in rows[1:]:  # only λ = 1.5 keeps both tasks, whatever the density
         worst = float(row.split("|")[-2])
         assert (worst == 1.0) == (row.split("|")[3].strip() == "1.5"), row

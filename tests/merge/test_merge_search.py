@@ -25,8 +25,8 @@ def recipe(tmp_path):
 def test_default_grid_starts_with_the_recipe_setting(recipe):
     grid = merge.default_grid(recipe)
     assert grid[0] == {"lambda": 1.0, "weights": (1.0, 1.0)}
-    assert len(grid) == len({repr(g) for g in grid}) == 3 * 4  # weights x λ
-    assert {"weights": (2.0, 1.0), "lambda": 0.5} in grid
+    assert len(grid) == len({repr(g) for g in grid}) == 3 * 3  # weights x λ
+    assert {"weights": (2.0, 1.0), "lambda": 1.5} in grid
 
 
 def test_search_keeps_the_best_worst_task_score(recipe):
