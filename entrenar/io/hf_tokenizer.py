@@ -43,7 +43,13 @@ import numpy as np
 
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.bounded import MAX_CONFIG_BYTES, parse_json, read_json, read_text
-from entrenar.io.tokenizer import CONTROL, USER_DEFINED, bytes_to_unicode
+from entrenar.io.gguf_reader import GGUFFile, read_gguf
+from entrenar.io.tokenizer import (
+    CONTROL,
+    USER_DEFINED,
+    bytes_to_unicode,
+    check_tokenizer_metadata,
+)
 
 MAX_TOKENIZER_BYTES = 64 << 20
 """Largest ``tokenizer.json`` read (Gemma 3's is 33 MB)."""
@@ -167,20 +173,27 @@ class HFTokenizer:
                     f"of {source}"
                 )
         self.bos_id, self.eos_id, self.pad_id = ids["bos"], ids["eos"], ids["pad"]
+        self.unk_id = ids["unk"]
+        if self.unk_id is None and isinstance(doc["model"].get("unk_token"), str):
+            self.unk_id = t.token_to_id(doc["model"]["unk_token"])
         add_bos = self.config.get("add_bos_token")
         if not isinstance(add_bos, bool):
-            add_bos = self._post_processor_adds_bos()
+            add_bos = self._post_processor_adds("bos")
         self.add_bos = add_bos
+        add_eos = self.config.get("add_eos_token")
+        if not isinstance(add_eos, bool):
+            add_eos = self._post_processor_adds("eos")
+        self.add_eos = add_eos and self.eos_id is not None
         template = _template(self.config.get("chat_template"), cfg_where)
         self.chat_template = chat_template or template
         self.stop_ids = tuple(int(i) for i in stop_ids if 0 <= int(i) < n)
         self.pre = "hf"
 
-    def _post_processor_adds_bos(self) -> bool:
-        if self.bos_id is None:
-            return False
-        with_specials = self._hf[1].encode("a", add_special_tokens=True).ids
-        return bool(with_specials) and with_specials[0] == self.bos_id
+    def _post_processor_adds(self, which: str) -> bool:
+        """Whether the post-processor puts BOS first (``"bos"``) or EOS last."""
+        i = getattr(self, f"{which}_id")
+        ids = self._hf[1].encode("a", add_special_tokens=True).ids
+        return i is not None and bool(ids) and ids[0 if which == "bos" else -1] == i
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike[str]) -> HFTokenizer:
@@ -206,6 +219,28 @@ class HFTokenizer:
         gen_path = os.path.join(folder, "generation_config.json")
         stop = eos_ids_of(_optional_json(gen_path), gen_path)
         return cls(text, config, source=path, chat_template=template, stop_ids=stop)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str] | GGUFFile) -> HFTokenizer:
+        """The tokenizer of a GGUF's ``tokenizer.*`` fields, with llama.cpp's ids.
+
+        For the fields `FastTokenizer` does not read: ``tokenizer.ggml.model``
+        ``llama`` (SentencePiece-style) and the ``pre`` names of
+        `entrenar.io.gguf_tokenizer.PRE_TOKENIZERS` (``llama-bpe``, ``qwen2``).
+
+        Raises:
+            UnsupportedError: another tokenizer model or pre-tokenizer.
+        """
+        from entrenar.io.gguf_tokenizer import hf_config_from_gguf, hf_json_from_gguf
+
+        g = path if isinstance(path, GGUFFile) else read_gguf(path)
+        md = g.metadata
+        merges = md.get("tokenizer.ggml.merges", [])  # SentencePiece has none
+        check_tokenizer_metadata({**md, "tokenizer.ggml.merges": merges}, g.path)
+        text = hf_json_from_gguf(g.metadata, g.path)
+        tok = cls(text, hf_config_from_gguf(g.metadata), source=g.path)
+        tok.pre = str(g.metadata.get("tokenizer.ggml.pre", "default"))
+        return tok
 
     @property
     def vocab_size(self) -> int:

@@ -47,6 +47,7 @@ from entrenar.io.gguf_families import (
     written_name,
 )
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_gguf
+from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
 from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig
@@ -60,6 +61,7 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
 """llama.cpp's ``general.file_type`` (``llama_ftype``) of each tensor type."""
 U32, F32, STR = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
+TOKENS = "tokenizer.ggml.tokens"
 
 
 @functools.cache
@@ -238,6 +240,7 @@ def save_llama_gguf(
     tensor_type: str = "F32",
     embedding_type: str | None = None,
     name: str = "",
+    tokenizer: Any = None,
 ) -> None:
     """Write ``params`` of ``config`` as a llama.cpp-readable GGUF file, atomically.
 
@@ -246,8 +249,12 @@ def save_llama_gguf(
         config: the model's `LlamaConfig` (any family, module docstring).
         params: its stacked param tree (arrays or `QuantizedWeight` nodes; merge LoRA
             adapters first).
-        source: the GGUF the model came from: its metadata and tokenizer are copied
-            (without one the file has no tokenizer, and llama.cpp cannot run it).
+        source: the GGUF the model came from: its metadata and tokenizer are copied.
+        tokenizer: the model's tokenizer when ``source`` has none (an
+            `entrenar.io.HFTokenizer` of a Hugging Face folder, or a GGUF's
+            `entrenar.data.FastTokenizer`), written as llama.cpp's converter writes
+            it (`entrenar.io.gguf_tokenizer`). With neither, the file has no
+            tokenizer and llama.cpp cannot run it.
         tensor_type: one of `TENSOR_TYPES` for the matrices. The default, F32, is
             lossless and large: 4 bytes a value, 538 MB for SmolLM2-135M (F16 271 MB,
             Q8_0 145 MB, Q4_1 86 MB). To export a LoRA fine-tune use
@@ -261,8 +268,10 @@ def save_llama_gguf(
     Raises:
         ConfigError: an unknown ``tensor_type``, or a row length that does not split
             into 32-value blocks for a quantized type.
-        FormatError: ``params`` lacks a tensor of ``config``.
-        UnsupportedError: a family with no llama.cpp form.
+        FormatError: ``params`` lacks a tensor of ``config``, or ``tokenizer`` has
+            more tokens than ``config.vocab_size``.
+        UnsupportedError: a family with no llama.cpp form, or a tokenizer llama.cpp
+            has no form for.
     """
     gname = _gguf_name(config)
     kind = tensor_type.upper()
@@ -278,6 +287,9 @@ def save_llama_gguf(
             "write F16 or F32 instead"
         )
     src = read_gguf(source) if isinstance(source, (str, os.PathLike)) else source
+    tok_fields = {}
+    if tokenizer is not None and (src is None or TOKENS not in src.fields):
+        tok_fields = gguf_tokenizer_fields(tokenizer, vocab_size=config.vocab_size)
     params = jax.device_get(params)
     names = gguf_names(config)
     permute = gname in PERMUTED
@@ -338,7 +350,8 @@ def save_llama_gguf(
     same = src is not None and set(src.tensors) == set(tensors)
     order = list(src.tensors) if same and src else sorted(tensors, key=_order_key)
     tensors = {n: tensors[n] for n in order}
-    write_gguf(path, _metadata(src, config, gname, kind, name), tensors)
+    fields = _metadata(src, config, gname, kind, name) | tok_fields
+    write_gguf(path, fields, tensors)
 
 
 __all__ = ["FILE_TYPES", "TENSOR_TYPES", "llama3_divisors", "save_llama_gguf"]

@@ -107,6 +107,7 @@ def save_folded_gguf(
     tensor_type: str = "Q8_0",
     min_kept: float = 0.9,
     name: str = "",
+    tokenizer: Any = None,
 ) -> Retention:
     """Fold the adapters of ``params`` and write a llama.cpp GGUF that keeps them.
 
@@ -119,6 +120,8 @@ def save_folded_gguf(
             145 MB for SmolLM2-135M, and it keeps a fine-tune of a 4-bit base).
         min_kept: warn (`UserWarning`) when `fold_retention` ``.kept`` is lower.
         name: ``general.name`` (default: keep the source's).
+        tokenizer: the tokenizer to write when ``source`` has none (see
+            `entrenar.io.save_llama_gguf`).
 
     Returns:
         The `Retention` of ``tensor_type``, measured before writing.
@@ -136,8 +139,9 @@ def save_folded_gguf(
             stacklevel=2,
         )
     io.save_llama_gguf(
-        path, config, fold(params), source=source, tensor_type=kind, name=name
-    )
+        path, config, fold(params), source=source, tensor_type=kind, name=name,
+        tokenizer=tokenizer,
+    )  # fmt: skip
     return r
 
 

@@ -7,13 +7,15 @@ file in the layout of `entrenar.io.split_quantized`.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 from entrenar import io, lora, nn, quant
-from entrenar.errors import ConfigError
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.lock import OutputLock
 from entrenar.runs.models import BuiltModel, dicts_from_lists, save_built
 from entrenar.types import Params
@@ -39,6 +41,30 @@ def quantize_options(
     if scheme == "int8" and not symmetric:
         opts["symmetric"] = False
     return opts
+
+
+def gguf_tokenizer(built: BuiltModel) -> Any:
+    """The tokenizer a GGUF of ``built`` is written with, when no source GGUF has one.
+
+    The model's own (a Hugging Face folder's `entrenar.io.HFTokenizer`, or the GGUF
+    tokenizer a stored model names), so that llama.cpp can run the file. None, with
+    a `UserWarning` saying why the file will have no tokenizer, when it has more
+    tokens than the model's ``vocab_size`` or llama.cpp has no form for it.
+    """
+    tok = built.tokenizer
+    if built.gguf_source is not None or tok is None or not built.is_decoder:
+        return None
+    try:
+        gguf_tokenizer_fields(tok, vocab_size=built.config.vocab_size)
+    except (FormatError, UnsupportedError) as e:
+        warnings.warn(
+            f"the GGUF is written without a tokenizer, so llama.cpp cannot run it "
+            f"as is: {e}",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+    return tok
 
 
 def write_quantized(
@@ -67,7 +93,7 @@ def write_quantized(
             )
         io.save_llama_gguf(
             path, built.config, params, source=built.gguf_source,
-            tensor_type=scheme.upper(), name=name,
+            tensor_type=scheme.upper(), name=name, tokenizer=gguf_tokenizer(built),
         )  # fmt: skip
         return path
     custom = built.stored_config() | dict(extra or {})
@@ -180,18 +206,18 @@ def _write_exports(
             written[fmt] = path
     if "gguf" in ex.formats:
         path = os.path.join(out_dir, "model.gguf")
-        source = built.gguf_source
+        source, tok = built.gguf_source, gguf_tokenizer(built)
         if adapted:  # measures how much of the update the type keeps; warns if little
             kept = lora.save_folded_gguf(
                 path, built.config, params, source=source, tensor_type=ex.gguf_type,
-                name=name,
+                name=name, tokenizer=tok,
             )  # fmt: skip
             if report is not None:
                 report["gguf_update_kept"] = round(float(kept.kept), 4)
         else:
             io.save_llama_gguf(
                 path, built.config, model_params, source=source,
-                tensor_type=ex.gguf_type, name=name,
+                tensor_type=ex.gguf_type, name=name, tokenizer=tok,
             )  # fmt: skip
         written["gguf"] = path
     if "hf" in ex.formats:
@@ -234,6 +260,7 @@ def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
 
 __all__ = [
     "GGML_SCHEMES",
+    "gguf_tokenizer",
     "has_adapters",
     "quantize_options",
     "write_hf_folder",

@@ -4,9 +4,13 @@
 ``tokenizers`` on a few sentences (vocabulary of about 300), in the family's style,
 with its special tokens, ``tokenizer_config.json`` and chat template:
 
-- byte-level BPE (GPT-2 bytes, no normalizer) for Llama 3 and Qwen2/3;
+- byte-level BPE (GPT-2 bytes, no normalizer) for Llama 3 and Qwen2/3, split by the
+  GPT-2 regex; the ``llama3_split`` and ``qwen2_split`` styles split by those
+  families' own regexes (with Llama 3's ``ignore_merges``, Qwen2's NFC normalizer),
+  as their files do;
 - SentencePiece-style BPE (``▁`` for spaces, ``<0xNN>`` byte fallback) for Mistral,
-  Phi-3 (a ``▁`` prepended, as Llama 2's tokenizer does) and Gemma (none prepended).
+  Phi-3 (a ``▁`` prepended, as Llama 2's tokenizer does; its chat tokens ``rstrip``
+  as in Phi-3's file) and Gemma (none prepended).
 
 The templates are shortened copies of the families' own (same tokens and layout).
 """
@@ -60,6 +64,14 @@ PHI3_TEMPLATE = (
     "{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
+_WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+SPLIT_REGEX = {
+    "llama3": _WORDS + r"\p{N}{1,3}" + _REST,
+    "qwen2": _WORDS + r"\p{N}" + _REST,
+}
+"""The split regexes of Llama 3's and Qwen2's ``tokenizer.json``, as they spell them."""
+
 STYLES: dict[str, dict[str, Any]] = {
     "llama": dict(
         kind="byte",
@@ -74,6 +86,20 @@ STYLES: dict[str, dict[str, Any]] = {
         bos=None, eos="<|im_end|>", pad="<|endoftext|>", template=CHATML_TEMPLATE,
         cls="Qwen2Tokenizer", generation_eos=["<|im_end|>", "<|endoftext|>"],
     ),
+    "llama3_split": dict(
+        kind="byte", pre="llama3", ignore_merges=True,
+        specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eot_id|>"],
+        bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None,
+        template=LLAMA3_TEMPLATE, cls="PreTrainedTokenizerFast",
+        generation_eos=["<|end_of_text|>", "<|eot_id|>"],
+    ),
+    "qwen2_split": dict(
+        kind="byte", pre="qwen2", nfc=True,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos=None, eos="<|im_end|>", pad="<|endoftext|>", template=CHATML_TEMPLATE,
+        cls="Qwen2Tokenizer", generation_eos=["<|im_end|>", "<|endoftext|>"],
+    ),
     "mistral": dict(
         kind="sp", prepend=True, specials=["<unk>", "<s>", "</s>"], bos="<s>",
         eos="</s>", pad=None, unk="<unk>", template=MISTRAL_TEMPLATE,
@@ -84,6 +110,7 @@ STYLES: dict[str, dict[str, Any]] = {
         specials=["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>",
                   "<|user|>", "<|system|>", "<|end|>"],
         bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>", unk="<unk>",
+        rstrip=["</s>", "<|assistant|>", "<|user|>", "<|system|>", "<|end|>"],
         template=PHI3_TEMPLATE, cls="LlamaTokenizer",
         generation_eos=["<|endoftext|>", "<|end|>"],
     ),
@@ -113,8 +140,16 @@ def tokenizer_json(style: dict[str, Any]) -> str:
 
     specials = list(style["specials"])
     if style["kind"] == "byte":
-        t = hf.Tokenizer(models.BPE())
+        regex = SPLIT_REGEX.get(style.get("pre", "gpt2"))
+        t = hf.Tokenizer(models.BPE(ignore_merges=style.get("ignore_merges", False)))
         t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if regex is not None:  # Llama 3's and Qwen2's: a Split, then bytes
+            split = pre_tokenizers.Split(hf.Regex(regex), behavior="isolated")
+            t.pre_tokenizer = pre_tokenizers.Sequence(
+                [split, pre_tokenizers.ByteLevel(False, use_regex=False)]
+            )
+        if style.get("nfc"):
+            t.normalizer = normalizers.NFC()
         t.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         extra: list[str] = []
@@ -151,12 +186,17 @@ def tokenizer_json(style: dict[str, Any]) -> str:
     doc["added_tokens"] = [
         a for a in doc["added_tokens"] if not a["content"].startswith("<0x")
     ]
+    for a in doc["added_tokens"]:  # Phi-3's file: whitespace after these is eaten
+        a["rstrip"] = a["content"] in style.get("rstrip", ())
     return json.dumps(doc, ensure_ascii=False)
 
 
 def write_tokenizer(folder: Path, family: str) -> dict[str, Any]:
-    """Write the family's tiny tokenizer files into ``folder``; returns its style."""
-    style = STYLES[FAMILY_STYLE.get(family, "qwen")]
+    """Write the family's tiny tokenizer files into ``folder``; returns its style.
+
+    ``family`` is a model family (`FAMILY_STYLE`) or a style name (`STYLES`).
+    """
+    style = STYLES[FAMILY_STYLE.get(family, family if family in STYLES else "qwen")]
     folder.mkdir(parents=True, exist_ok=True)
     text = tokenizer_json(style)
     (folder / "tokenizer.json").write_text(text, encoding="utf-8")
@@ -184,3 +224,28 @@ MESSAGES = [
     {"role": "assistant", "content": "Hi, how are you?"},
     {"role": "user", "content": "The quick brown fox."},
 ]
+
+GGUF_TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading and trailing spaces  ",
+    "café naïve Ünïcödé résumé",
+    "cafe\u0301 (decomposed accent)",
+    "日本語のテキスト 中文",
+    "emoji 😀🎉 and 👍🏽 ok",
+    "12345 3.14159 in 2024, 1000000",
+    "a\n\nb\n \n  c\t\td\r\ne",
+    "   ",
+    "\n",
+    "",
+    "don't you'll I'M we've",
+    "def add(a, b):\n    return a + b\n",
+    "zqxj unseen wörds",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>",
+    "<s>[INST] hi [/INST] yo</s>",
+    "<start_of_turn>model\nhey<end_of_turn>",
+    "<|user|>\nquestion<|end|>\n<|assistant|>",
+]
+"""Test strings for a tokenizer written to GGUF: ASCII, accents (one decomposed), CJK,
+emoji, digits, runs of spaces and newlines, every style's special tokens."""
