@@ -371,6 +371,7 @@ def chunked_causal_lm_loss(
     loss_mask: jax.Array | None = None,
     chunk: int = 128,
     matmul_dtype: str | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """`causal_lm_loss` of the logits ``hidden Wᵀ``, never forming them whole.
 
@@ -391,6 +392,8 @@ def chunked_causal_lm_loss(
         chunk: the most tokens per chunk (at least 1); the ``ceil(N / chunk)``
             chunks are balanced to ``ceil(N / chunks)`` tokens each.
         matmul_dtype: passed to `entrenar.nn.linear` (mixed precision).
+        softcap: the logits are ``c tanh(z / c)`` with ``c = softcap`` (Gemma 2's
+            ``final_logit_softcapping``); None: ``z`` as they are.
 
     >>> import jax.numpy as jnp
     >>> h, w = jnp.zeros((1, 3, 2)), jnp.ones((4, 2))
@@ -427,7 +430,7 @@ def chunked_causal_lm_loss(
     elif isinstance(weight, TiedEmbedding):  # the rounded head (D, V), or the table
         transposed = matmul_dtype is not None
         weight = weight.head_value() if transposed else weight.table
-    if isinstance(weight, jax.Array | np.ndarray):
+    if softcap is None and isinstance(weight, jax.Array | np.ndarray):
         w = jnp.asarray(weight)
         nll = _chunked_nll(x, w, y, matmul_dtype, np.dtype(f), transposed)
         nll = nll.reshape(-1)[:n].reshape(b, t - 1)  # (B, T-1)
@@ -437,6 +440,8 @@ def chunked_causal_lm_loss(
     def one(xy: tuple[jax.Array, jax.Array]) -> jax.Array:
         xc, yc = xy
         z = linear(xc, weight, matmul_dtype=matmul_dtype).astype(f)  # (chunk, V)
+        if softcap is not None:
+            z = softcap * jnp.tanh(z / softcap)
         lse = jax.nn.logsumexp(z, axis=-1)  # (chunk,)
         return lse - jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0]
 

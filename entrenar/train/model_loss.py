@@ -71,6 +71,7 @@ def causal_lm_loss_fn(model: Any) -> LossFn:
                 model.features(params, tokens, **kwargs),  # (B, T, D)
                 model.output_weight(params),  # (V, D)
                 labels, "sum", loss_mask=mask, matmul_dtype=model.matmul_dtype,
+                softcap=model.final_logit_softcapping,
             )  # fmt: skip
         else:
             logits = model.apply(params, tokens, **kwargs)  # (B, T, V)

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entrenar import lora
+from entrenar import lora, nn
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn import LlamaConfig, causal_lm_loss, linear
 from entrenar.nn.losses import chunked_causal_lm_loss
+from entrenar.train.model_loss import causal_lm_loss_fn
 
 
 def _inputs() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -199,3 +200,26 @@ def test_bfloat16_weight_head_equals_its_float32_weight_under_bfloat16_matmuls()
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
     hlo = jax.jit(jax.grad(loss)).lower(h, Bfloat16Weight.from_array(w)).compile()
     assert len(re.findall(r"= \S+ dot\(", hlo.as_text())) == 2  # the frozen path
+
+
+def test_soft_capped_logits_give_gemma2s_apply_loss_and_gradients() -> None:
+    """Gemma 2's final soft-cap reaches the Trainer's chunked loss."""
+    cfg = nn.architecture("gemma2").tiny()
+    assert cfg.final_logit_softcapping is not None
+    params = cfg.init(jax.random.key(0))
+    params = jax.tree.map(lambda a: a * 8, params)  # logits large enough to be capped
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+
+    def whole(p):  # the mean over the 2 x 8 predicted tokens
+        return causal_lm_loss(cfg.apply(p, tokens), tokens)
+
+    def trainer(p):
+        loss, _ = causal_lm_loss_fn(cfg)(p, {"input_ids": tokens}, key=None)
+        return loss
+
+    np.testing.assert_allclose(trainer(params), whole(params), rtol=1e-6)
+    uncapped = dataclasses.replace(cfg, final_logit_softcapping=None)
+    assert abs(float(causal_lm_loss(uncapped.apply(params, tokens), tokens))
+               - float(whole(params))) > 1e-2  # fmt: skip
+    ga, gb = jax.grad(trainer)(params), jax.grad(whole)(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), ga, gb)
