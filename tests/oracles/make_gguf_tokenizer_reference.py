@@ -7,8 +7,9 @@ prepended ``▁``), entrenar writes the family's tiny model with that tokenizer
 ``hf_cases.GGUF_TEXTS`` from the file, with and without special tokens, and
 ``"Hello"`` with BOS. The answers go to ``llama_cpp_gguf_tokenizer.json``, which
 tests/io/test_gguf_tokenizer.py compares entrenar's ids against. Each style records
-the SHA-256 of the tokenizer fields entrenar wrote, so that a test can tell a changed
-tiny tokenizer (re-record) from a changed conversion.
+the SHA-256 of the tiny tokenizer's vocabulary and merges and of the tokenizer fields
+entrenar wrote, so that a test can tell a tiny tokenizer trained differently (by
+another ``tokenizers`` version: re-record) from a changed conversion.
 
 The script runs in entrenar's environment and tokenizes in a subprocess of the Python
 that has llama-cpp-python (``--llama-python``, default this one), which needs only
@@ -51,6 +52,14 @@ def fields_digest(fields: dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def vocab_digest(tokenizer_json: str) -> str:
+    """SHA-256 of a ``tokenizer.json``'s vocabulary, merges and added tokens."""
+    doc = json.loads(tokenizer_json)
+    parts = [doc["model"].get("vocab"), doc["model"].get("merges"), doc["added_tokens"]]
+    text = json.dumps(parts, ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def write_files(work: Path, styles: list[str]) -> dict:
     """Write each style's tokenizer folder and GGUF under ``work``; the manifest."""
     here = Path(__file__).resolve().parents[1] / "io"
@@ -80,6 +89,7 @@ def write_files(work: Path, styles: list[str]) -> dict:
             "gguf": str(path),
             "model": fields["tokenizer.ggml.model"].value,
             "pre": fields["tokenizer.ggml.pre"].value,
+            "vocab_sha256": vocab_digest(tok.text),
             "fields_sha256": fields_digest(fields),
         }
     return manifest
