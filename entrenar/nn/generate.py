@@ -14,7 +14,9 @@ per-row positions: each row runs ``apply_cached`` on its own batch-1 cache under
 `jax.vmap`, so row ``i`` sees positions ``0 .. len_i - 1`` exactly as it would
 alone, and the padding behind it is overwritten before any query can reach it (the
 causal mask allows keys up to the query's own position). This needs a cache with a
-``pos`` field (`entrenar.nn.KVCache`).
+``pos`` field (`entrenar.nn.KVCache`). Tokens that every prompt of a batch begins
+with (a system prompt, the chat template's opening) run once (`share_prefix`), in
+whole `PREFIX_BUCKET`s, and their cache is copied to every row.
 
 The next token is chosen by `entrenar.nn.sampling` (greedy, temperature, top-k,
 top-p, min-p, repetition penalty) inside the jitted step; row ``r`` at step ``s``
