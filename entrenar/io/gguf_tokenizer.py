@@ -85,6 +85,27 @@ def _regex_of(step: Mapping[str, Any]) -> str | None:
     return regex.replace(_HF_CONTRACTIONS, _CONTRACTIONS)
 
 
+def _isolates(step: Mapping[str, Any]) -> bool:
+    """A ``Split`` step that keeps each match as a piece."""
+    isolated = step.get("behavior") == "Isolated" and not step.get("invert")
+    return step.get("type") == "Split" and isolated
+
+
+def _entrenar_split(regexes: list[str | None]) -> str | None:
+    """``gpt-2`` or ``smollm`` for the splits of `FastTokenizer.hf_json`, else None.
+
+    `entrenar.data.FastTokenizer` spells GPT-2's regex (and the digits) with their
+    character classes listed.
+    """
+    from entrenar.data.fast_tokenizer import _classes, gpt2_pattern
+
+    if regexes == [gpt2_pattern()]:
+        return "gpt-2"
+    if regexes == [f"[{_classes()['N']}]", gpt2_pattern()]:
+        return "smollm"
+    return None
+
+
 def pre_tokenizer_name(doc: Mapping[str, Any], where: str = "tokenizer.json") -> str:
     """llama.cpp's name for a byte-level ``tokenizer.json``'s pre-tokenizer.
 
@@ -102,12 +123,11 @@ def pre_tokenizer_name(doc: Mapping[str, Any], where: str = "tokenizer.json") ->
             name = "gpt-2"
         elif kinds == ["Digits", "ByteLevel"] and regex:
             name = "smollm" if steps[0].get("individual_digits") else None
-        elif kinds == ["Split", "ByteLevel"] and not regex:
-            split = steps[0]
-            if split.get("behavior") == "Isolated" and not split.get("invert"):
-                found = _regex_of(split)
-                for n, p in PRE_TOKENIZERS.items():
-                    name = n if p.regex is not None and p.regex == found else name
+        elif kinds[-2:] == ["Split", "ByteLevel"] and not regex:
+            found = [_regex_of(s) for s in steps[:-1] if _isolates(s)]
+            for n, p in PRE_TOKENIZERS.items():
+                name = n if found == [p.regex] else name
+            name = name or _entrenar_split(found)
     if name is None or norm not in ([], ["NFC"]):
         raise UnsupportedError(
             f"{where}: pre-tokenizer {json.dumps(doc.get('pre_tokenizer'))[:300]} "

@@ -269,3 +269,16 @@ def test_a_tokenizer_only_gguf_reads_back(tmp_path):
     back = io.HFTokenizer.from_gguf(tmp_path / "t.gguf")
     for text in hf_cases.GGUF_TEXTS:
         assert back.encode(text, special=True) == tok.encode(text, special=True)
+
+
+def test_a_gguf_tokenizer_saved_as_a_folder_writes_the_same_fields(tmp_path):
+    """SmolLM2's GGUF tokenizer -> tokenizer.json (entrenar's) -> the same fields."""
+    fast = load_fast_tokenizer(io.smollm2_path())
+    for name, text in io.tokenizer_files(fast).items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    again = gguf_tokenizer_fields(io.HFTokenizer.from_folder(tmp_path))
+    md = read_gguf(io.smollm2_path()).metadata
+    assert again["tokenizer.ggml.pre"].value == md["tokenizer.ggml.pre"] == "smollm"
+    for key in ("tokens", "token_type", "merges", "bos_token_id", "eos_token_id"):
+        assert again[f"tokenizer.ggml.{key}"].value == md[f"tokenizer.ggml.{key}"]
+    assert again["tokenizer.chat_template"].value == md["tokenizer.chat_template"]
