@@ -35,7 +35,12 @@ from entrenar.errors import FormatError, ShapeError, UnsupportedError
 from entrenar.io.atomic import atomic_write
 from entrenar.io.bounded import MAX_CONFIG_BYTES, read_json
 from entrenar.io.hf_tokenizer import HFTokenizer, eos_ids_of, tokenizer_files
-from entrenar.io.safetensors_io import read_safetensors, save_safetensors
+from entrenar.io.safetensors_io import (
+    read_safetensors,
+    release_pages,
+    save_safetensors,
+)
+from entrenar.nn.hf_names import Quantize, quantize_leaves, stream_hf_names
 from entrenar.types import Params
 
 MAX_INDEX_BYTES = 16 << 20
@@ -171,13 +176,27 @@ def read_hf_folder(folder: str | os.PathLike[str]) -> HFFolder:
 
 
 def load_hf_folder(
-    folder: str | os.PathLike[str], *, dtype: str | None = None
+    folder: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    quantize: Quantize | None = None,
+    stream: bool = True,
 ) -> tuple[HFFolder, Params]:
     """Load a Hugging Face model folder of any registered family.
+
+    The shards are memory-mapped and read tensor by tensor: each stacked leaf is
+    filled layer by layer in its final dtype (or quantized layer by layer) and the
+    file's pages given back before the next is read, so the load holds the final
+    tree plus about one layer (`entrenar.nn.hf_names.stream_hf_names`).
 
     Args:
         folder: holds ``config.json`` and the safetensors (module docstring).
         dtype: cast every parameter to this dtype; None keeps the stored dtypes.
+        quantize: which leaves to quantize as they are read, and how
+            (`entrenar.nn.hf_names.Quantize`, e.g. a QLoRA run's frozen bases).
+        stream: False reads the way entrenar did before streaming (every tensor
+            stacked, then cast, then quantized): the same tree, the whole model in
+            memory; the reference the streaming load is tested against.
 
     Returns:
         ``(folder info, params)``: the stacked param tree of ``info.config``.
@@ -196,7 +215,13 @@ def load_hf_folder(
     if convert is not None:  # a family whose checkpoint names differ from its tree
         flat = convert(flat, info.config)
     try:
-        params = nn.from_hf_names(flat, info.config, dtype=dtype)
+        if stream:
+            params = stream_hf_names(
+                flat, info.config, dtype=dtype, quantize=quantize, release=release_pages
+            )
+        else:
+            params = nn.from_hf_names(flat, info.config, dtype=dtype)
+            params = quantize_leaves(params, quantize)
     except (FormatError, ShapeError) as e:
         raise FormatError(f"{info.path}: {e}") from None
     if dtype is not None and hasattr(info.config, "param_dtype"):

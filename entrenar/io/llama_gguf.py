@@ -37,6 +37,7 @@ import math
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -54,8 +55,16 @@ from entrenar.io.gguf_families import (
     written_name,
 )
 from entrenar.io.gguf_reader import GGUFFile, GGUFValueType, read_gguf
+from entrenar.io.safetensors_io import release_pages
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
+from entrenar.nn.hf_names import (
+    Quantize,
+    Reader,
+    quantize_leaves,
+    stream_one,
+    stream_stacked,
+)
 from entrenar.quant import from_ggml
 from entrenar.types import Params
 
@@ -440,8 +449,15 @@ def load_llama_gguf(
     keep_quantized: bool = False,
     *,
     dtype: str = "float32",
+    quantize: Quantize | None = None,
+    stream: bool = True,
 ) -> tuple[LlamaConfig, Params, dict[str, Any]]:
     """Load a llama.cpp GGUF of any `LlamaConfig` family into entrenar's tree.
+
+    The file is memory-mapped and read tensor by tensor: each stacked leaf is filled
+    layer by layer in ``dtype`` (or quantized layer by layer) and the file's pages
+    given back before the next is read, so the load holds the final tree plus about
+    one layer (`entrenar.nn.hf_names.stream_stacked`).
 
     Args:
         path: the ``.gguf`` file (or a `GGUFFile` already read).
@@ -449,6 +465,11 @@ def load_llama_gguf(
             Q4_1 as `entrenar.quant.QuantizedWeight` nodes (for QLoRA); everything
             else (norms, embeddings, biases, other types) is dequantized.
         dtype: dtype of the dequantized leaves.
+        quantize: which dequantized leaves to quantize as they are read, and how
+            (`entrenar.nn.hf_names.Quantize`); leaves kept quantized stay as stored.
+        stream: False reads the way entrenar did before streaming (each stacked
+            leaf dequantized whole, then quantized): the same tree; the reference
+            the streaming load is tested against.
 
     Returns:
         ``(config, params, tokenizer_info)``: the tree of ``config.param_shapes()``
@@ -469,6 +490,7 @@ def load_llama_gguf(
     permute = name in PERMUTED
     shift = NORM_SHIFT.get(name, 0.0)
     perm_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+    final = jax.dtypes.canonicalize_dtype(dtype)
 
     def one(gname: str, shape: tuple[int, ...]) -> np.ndarray:
         """One tensor dequantized, un-permuted and un-shifted: (shape) float32."""
@@ -477,19 +499,27 @@ def load_llama_gguf(
         if permute and stem in perm_heads:
             rows = unpermute_qk(rows, perm_heads[stem])
         a = dequantize_ggml(rows, g.tensors[gname].type_id, shape)
+        release_pages(g.raw(gname))
         return a - np.float32(shift) if shift and stem.endswith("norm") else a
 
-    def stacked(hf_stem: str, shape: tuple[int, ...]) -> Any:
+    def reader(gname: str, shape: tuple[int, ...]) -> Reader:
+        return lambda: jnp.asarray(one(gname, shape), dtype=dtype)
+
+    def stacked(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Any:
         names = [by_hf[f"model.layers.{i}.{hf_stem}"] for i in range(shape[0])]
         types = {g.tensors[n].type_name for n in names}
         (t,) = types if len(types) == 1 else (None,)
         if keep_quantized and t in KEEP_QUANTIZED and len(shape) == 3:
             raw = np.stack([_rows(g, n) for n in names])  # (L, rows, row_bytes)
+            for n in names:
+                release_pages(g.raw(n))
             stem = names[0].split(".")[-2]
             if permute and stem in perm_heads:
                 raw = unpermute_qk(raw, perm_heads[stem])
             return from_ggml(raw.reshape(-1), t, shape)
-        # layer by layer: llama.cpp's mixes (Q4_K_M) differ in row bytes
+        if stream:  # layer by layer: llama.cpp's mixes (Q4_K_M) differ in row bytes
+            layers = [reader(n, shape[1:]) for n in names]
+            return stream_stacked(path_, shape, final, layers, quantize)
         return jnp.asarray(np.stack([one(n, shape[1:]) for n in names]), dtype=dtype)
 
     def build(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -499,12 +529,17 @@ def load_llama_gguf(
             if isinstance(v, dict):
                 out[k] = build(v, f"{path_}.")
             elif prefix.startswith("model.layers."):
-                out[k] = stacked(path_.removeprefix("model.layers."), tuple(v))
+                stem = path_.removeprefix("model.layers.")
+                out[k] = stacked(path_, stem, tuple(v))
+            elif stream:
+                out[k] = stream_one(path_, reader(by_hf[path_], tuple(v)), quantize)
             else:
                 out[k] = jnp.asarray(one(by_hf[path_], tuple(v)), dtype=dtype)
         return out
 
     params = build(config.param_shapes(), "")
+    if not stream:
+        params = quantize_leaves(params, quantize)
     info = {k: v for k, v in g.metadata.items() if k.startswith("tokenizer.")}
     return config, params, info
 

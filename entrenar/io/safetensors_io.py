@@ -11,6 +11,8 @@ entrenar writes with the ``safetensors`` package (numpy backend; bfloat16 as
 ``entrenar.model``, ``name``, ``architecture``, ``version`` and ``training_config`` /
 ``custom`` as JSON strings. Reading parses and validates the header first (length,
 JSON, dtypes, shapes, offsets inside the file, no overlaps) and then maps the data.
+A mapped tensor costs no memory until it is read; `release_pages` gives back the pages
+a streaming load has copied out (specs/io.md, "Streaming loads").
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import mmap
 import os
 import struct
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -138,6 +142,29 @@ def read_safetensors(
     return out, meta
 
 
+def release_pages(view: np.ndarray) -> None:
+    """Drop the pages of ``view``, a view of a memory-mapped file, from this process.
+
+    A mapped file's pages count in the resident set once read; a streaming load that
+    has copied a tensor out calls this so that the file's pages do not add up to the
+    model's size. The pages stay in the page cache and are read back if ``view`` is
+    used again, so the values never change. A no-op for an array that is not a view of
+    an `mmap.mmap` (or on a system without ``MADV_DONTNEED``).
+    """
+    base: Any = view
+    while isinstance(base, np.ndarray) or isinstance(base, memoryview):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    if not isinstance(base, mmap.mmap) or not view.nbytes:
+        return
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = view.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
+    if start < 0 or start + view.nbytes > len(base):
+        return
+    lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+    base.madvise(mmap.MADV_DONTNEED, lo, start + view.nbytes - lo)
+
+
 def save_model_safetensors(model: Model, path: str | os.PathLike[str]) -> None:
     """Write a `Model` as safetensors (metadata in the header)."""
     md = model.metadata
@@ -183,6 +210,7 @@ def load_model_safetensors(path: str | os.PathLike[str]) -> Model:
 __all__ = [
     "load_model_safetensors",
     "read_safetensors",
+    "release_pages",
     "save_model_safetensors",
     "save_safetensors",
 ]

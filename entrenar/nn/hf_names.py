@@ -9,11 +9,17 @@ after that key::
 
 A weight may be a registered node (LoRA, quantized) instead of an array: it is sliced
 per layer with `jax.tree_util.tree_map`, so each flat entry is a node of one layer.
+
+`stream_hf_names` builds the same tree one leaf at a time: each stacked leaf is filled
+layer by layer into an array of its final dtype (or quantized layer by layer into its
+final node, `Quantize`) before the next is read, so a load from memory-mapped files
+holds the final tree plus about one layer (specs/io.md, "Streaming loads").
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -21,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import FormatError, ShapeError
+from entrenar.nn.weight_node import is_weight_node
+from entrenar.tree import key_path_str
 from entrenar.types import DType, Params
 
 STACKED_KEYS = ("layers", "h")
@@ -28,6 +36,16 @@ STACKED_KEYS = ("layers", "h")
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 """Buffers some checkpoints store that are derived, not parameters."""
+
+Quantize = Callable[[str, tuple[int, ...]], Callable[[jax.Array], Any] | None]
+"""What a load does with a leaf: ``quantize(path, shape)`` is None to keep the leaf an
+array, or the function that turns it into its final node (e.g. NF4). ``path`` is the
+leaf's dotted tree path (``model.layers.self_attn.q_proj.weight``) and ``shape`` its
+whole shape (``(L, out, in)`` when stacked). A streaming load applies the function to
+each layer as a ``(1, out, in)`` slice and stacks the nodes, so it must treat leading
+axes independently (`entrenar.quant.quantize` does: blocks along the last axis, NF4's
+double quantization per matrix); one that does not (its node's arrays lack the leading
+``L``) is applied to the whole stacked leaf instead."""
 
 
 class HasParamShapes(Protocol):
@@ -151,6 +169,199 @@ def from_hf_names(
     return params
 
 
+Reader = Callable[[], jax.Array]
+"""Reads one tensor (a layer of a stacked leaf) in its final dtype, releasing its
+source (the mapped file's pages) once copied."""
+
+
+def stream_hf_names(
+    flat: Mapping[str, Any],
+    config: HasParamShapes,
+    *,
+    dtype: DType | None = None,
+    quantize: Quantize | None = None,
+    strict: bool = True,
+    release: Callable[[Any], None] | None = None,
+) -> Params:
+    """`from_hf_names`, one leaf at a time (module docstring); the same tree.
+
+    Every name and shape is checked before any tensor is read. Each tensor is read
+    once, cast as `from_hf_names` casts it (``jnp.asarray(a).astype(dtype)``), copied
+    into its stacked leaf (or quantized, one layer at a time) and ``release``d.
+
+    Args:
+        flat: arrays by Hugging Face name that cost nothing until read, e.g. the
+            memory-mapped views of `entrenar.io.read_safetensors`.
+        config: the model config.
+        dtype: the leaves' dtype; None keeps the stored dtypes.
+        quantize: which leaves to quantize, and how (`Quantize`); None: none.
+        strict: raise on names the config does not expect.
+        release: called with each array of ``flat`` once it is copied out (e.g.
+            `entrenar.io.release_pages`).
+
+    Raises:
+        FormatError: a name is missing (or unexpected with ``strict``).
+        ShapeError: an array's shape differs from the config's.
+    """
+    marked = _mark_stacked(config.param_shapes())
+    tree: dict[str, Any] = {}
+    leaves: list[tuple[dict[str, Any], str, str, list[str], tuple[int, ...]]] = []
+
+    def check(name: str, shape: tuple[int, ...]) -> str:
+        if name not in flat:
+            raise FormatError(
+                f"missing parameter {name!r}; the checkpoint does not match the config "
+                f"(expected shape {shape})"
+            )
+        if tuple(np.shape(flat[name])) != tuple(shape):
+            raise ShapeError(
+                f"parameter {name!r} has shape {tuple(np.shape(flat[name]))}, the "
+                f"config expects {tuple(shape)}; check the config against the "
+                "checkpoint"
+            )
+        return name
+
+    def walk(shapes: Mapping[str, Any], node: dict, prefix: str, stacked: bool) -> None:
+        for name, sub in shapes.items():
+            path = f"{prefix}{name}"
+            if isinstance(sub, Mapping):
+                node[name] = {}
+                walk(sub, node[name], f"{path}.", stacked or name.endswith(".__L__"))
+            elif stacked:
+                head, _, rest = path.partition(".__L__.")
+                names = [
+                    check(f"{head}.{i}.{rest}", tuple(sub[1:])) for i in range(sub[0])
+                ]
+                leaves.append((node, name, path, names, tuple(sub)))
+            else:
+                leaves.append((node, name, path, [check(path, tuple(sub))], ()))
+
+    walk(marked, tree, "", False)  # every name and shape checked before any read
+    used = {n for *_, names, _ in leaves for n in names}
+    tied = "lm_head" not in marked
+    extra = [
+        k
+        for k in flat
+        if k not in used
+        and not (tied and k == "lm_head.weight")
+        and not k.endswith(IGNORED_SUFFIXES)
+    ]
+    if strict and extra:
+        raise FormatError(
+            f"unexpected parameters {sorted(extra)[:5]} (of {len(extra)}); the "
+            "checkpoint has tensors the config does not describe (pass strict=False "
+            "to ignore them)"
+        )
+
+    def reader(name: str, final: Any) -> Reader:
+        def read() -> jax.Array:
+            a = jnp.asarray(flat[name]).astype(final)
+            if release is not None:
+                a.block_until_ready()  # copied out (device_put may copy later)
+                release(flat[name])
+            return a
+
+        return read
+
+    for node, name, path, names, shape in leaves:
+        final = dtype or jnp.result_type(*(flat[n].dtype for n in names))
+        final = jax.dtypes.canonicalize_dtype(final)
+        readers = [reader(n, final) for n in names]
+        plain = path.replace(".__L__", "")
+        if shape:
+            node[name] = stream_stacked(plain, shape, final, readers, quantize)
+        else:
+            node[name] = stream_one(plain, readers[0], quantize)
+    return _unmark(tree)
+
+
+def quantize_leaves(params: Params, quantize: Quantize | None) -> Params:
+    """Each array leaf of a loaded tree as ``quantize`` says (stacked leaves whole).
+
+    What a load without streaming does; weight nodes (bases kept quantized from the
+    file) stay as they are.
+    """
+    if quantize is None:
+        return params
+
+    def one(path: Any, leaf: Any) -> Any:
+        if is_weight_node(leaf):
+            return leaf
+        fn = quantize(key_path_str(path), tuple(np.shape(leaf)))
+        return leaf if fn is None else fn(leaf)
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_weight_node)
+
+
+def stream_one(path: str, read: Reader, quantize: Quantize | None) -> Any:
+    """A leaf that is not stacked: read, then quantized whole if ``quantize`` says."""
+    a = read()
+    fn = None if quantize is None else quantize(path, tuple(a.shape))
+    return a if fn is None else fn(a)
+
+
+def stream_stacked(
+    path: str,
+    shape: tuple[int, ...],
+    dtype: DType,
+    layers: Sequence[Reader],
+    quantize: Quantize | None = None,
+) -> Any:
+    """The stacked leaf ``path`` of ``shape = (L, ...)`` from its ``L`` layers.
+
+    The leaf (or each array of its quantized node) is allocated once in its final
+    dtype and filled layer by layer in place (a donated ``dynamic_update_slice``),
+    so the load holds the final leaf plus one layer.
+
+    Args:
+        path: the leaf's dotted tree path (what ``quantize`` is asked about).
+        shape: ``(L, *layer_shape)``.
+        dtype: the dtype the readers return.
+        layers: ``L`` readers, layer ``i`` in order.
+        quantize: `Quantize`, or None.
+    """
+    target = jax.ShapeDtypeStruct(shape, dtype)
+    fn = None if quantize is None else quantize(path, shape)
+    if fn is None:
+        fn, plan = _identity, target
+    else:
+        plan = jax.eval_shape(fn, target)
+        if not _per_layer(fn, plan, shape, dtype):
+            return fn(stream_stacked(path, shape, dtype, layers))
+    bufs, treedef = jax.tree_util.tree_flatten(plan)
+    out = [jnp.zeros(b.shape, b.dtype) for b in bufs]
+    for i, read in enumerate(layers):
+        part = jax.tree_util.tree_leaves(fn(read()[None]))  # arrays of (1, ...)
+        out = [_put(o, p, jnp.int32(i)) for o, p in zip(out, part)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _identity(a: jax.Array) -> jax.Array:
+    return a
+
+
+def _per_layer(
+    fn: Callable[[jax.Array], Any], plan: Any, shape: tuple[int, ...], dtype: DType
+) -> bool:
+    """Whether ``fn`` of one ``(1, ...)`` layer gives the plan's arrays' ``[i:i+1]``."""
+    one = jax.eval_shape(fn, jax.ShapeDtypeStruct((1, *shape[1:]), dtype))
+    whole, treedef = jax.tree_util.tree_flatten(plan)
+    part, part_def = jax.tree_util.tree_flatten(one)
+    same = part_def == treedef  # type: ignore[operator]
+    return bool(same) and all(
+        w.shape[:1] == (shape[0],)
+        and p.shape == (1, *w.shape[1:])
+        and w.dtype == p.dtype
+        for w, p in zip(whole, part)
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put(buf: jax.Array, part: jax.Array, i: jax.Array) -> jax.Array:
+    """``buf`` with ``part: (1, ...)`` written at index ``i`` of axis 0, in place."""
+    return jax.lax.dynamic_update_slice_in_dim(buf, part, i, axis=0)
+
+
 def _cast(a: jax.Array, dtype: DType | None) -> jax.Array:
     return a if dtype is None else a.astype(dtype)
 
@@ -174,4 +385,15 @@ def _unmark(tree: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["IGNORED_SUFFIXES", "STACKED_KEYS", "from_hf_names", "to_hf_names"]
+__all__ = [
+    "IGNORED_SUFFIXES",
+    "STACKED_KEYS",
+    "Quantize",
+    "Reader",
+    "from_hf_names",
+    "quantize_leaves",
+    "stream_hf_names",
+    "stream_one",
+    "stream_stacked",
+    "to_hf_names",
+]

@@ -13,17 +13,19 @@ writes it), so `load_built` rebuilds the same model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
-from entrenar import data, io, nn
+from entrenar import data, io, lora, nn, quant
 from entrenar.config.sections import ModelSection
 from entrenar.config.spec import arch_config
 from entrenar.errors import ConfigError, EntrenarError, FormatError
 from entrenar.io.safetensors_io import metadata_from_header
+from entrenar.nn.hf_names import Quantize, quantize_leaves
 from entrenar.types import Params
 
 
@@ -87,7 +89,11 @@ def from_scratch(
 
 
 def load_built(
-    path: str, *, keep_quantized: bool = False, dtype: str = "float32"
+    path: str,
+    *,
+    keep_quantized: bool = False,
+    dtype: str = "float32",
+    quantize: Quantize | None = None,
 ) -> BuiltModel:
     """Read a model file or folder into a `BuiltModel`.
 
@@ -99,19 +105,22 @@ def load_built(
             relative to the model file's folder, loaded when it exists).
         keep_quantized: keep a GGUF's quantized projection weights as they are.
         dtype: dtype of the loaded (dequantized) parameters.
+        quantize: the leaves to quantize, and how (`base_quantizer` for a QLoRA
+            run); a GGUF or Hugging Face folder quantizes them as it streams them
+            in (`entrenar.io.load_hf_folder`), never holding a float copy.
 
     Raises:
         FormatError: a file whose architecture cannot be told, or a bad file.
     """
     if os.path.isdir(path):
-        info, params = io.load_hf_folder(path, dtype=dtype)
+        info, params = io.load_hf_folder(path, dtype=dtype, quantize=quantize)
         name = info.architecture.name
         return BuiltModel(name, info.config, params, info.tokenizer(), path)
     if io.detect_format(path) == io.ModelFormat.GGUF:
         g = io.read_gguf(path)
         if "entrenar.version" not in g.fields:
             config, params, _ = io.load_llama_gguf(
-                g, keep_quantized=keep_quantized, dtype=dtype
+                g, keep_quantized=keep_quantized, dtype=dtype, quantize=quantize
             )
             name = nn.architecture_of(config).name
             return BuiltModel(name, config, params, _gguf_tokenizer(g), path)
@@ -121,9 +130,53 @@ def load_built(
     if isinstance(custom.get("quantization"), Mapping):
         tree = io.restore_quantized(tree, custom["quantization"], path)
     arch, config = _stored_config(path, model.metadata)
-    params = jax.tree_util.tree_map(jax.numpy.asarray, tree)
+    params = quantize_leaves(jax.tree_util.tree_map(jax.numpy.asarray, tree), quantize)
     tokenizer = _stored_tokenizer(path, custom)
     return BuiltModel(arch, config, params, tokenizer, path, dict(custom))
+
+
+def base_quantizer(config: lora.LoRAConfig | None) -> Quantize | None:
+    """The bases a QLoRA run quantizes, for the load to quantize as it reads them.
+
+    A leaf is quantized when `lora.apply` with ``config`` would wrap and quantize it,
+    by the same call (`entrenar.quant.quantize`, NF4 with double quantization), so
+    `lora.apply` then finds those bases quantized and keeps them: the tree equals
+    quantizing after the load, bit for bit, without a float copy of the model. A
+    leaf `lora.apply` would refuse is left to it (its error, as before). None when
+    ``config`` quantizes nothing.
+    """
+    if config is None or not config.enabled or config.quantize_base == "none":
+        return None
+    scheme: str = config.quantize_base
+
+    def selects(path: str, shape: tuple[int, ...]) -> bool:
+        tree: Any = jax.ShapeDtypeStruct(shape, "float32")
+        for key in reversed(path.split(".")):
+            tree = {key: tree}
+
+        def wrap(t: Any) -> Any:
+            return lora.apply(t, config, key=jax.random.key(0), quantize=scheme)
+
+        try:
+            out = jax.eval_shape(wrap, tree)
+        except EntrenarError:  # no target, or one lora.apply refuses
+            return False
+        return any(isinstance(x, lora.LoRAWeight) for x in _leaves(out))
+
+    def quantize(path: str, shape: tuple[int, ...]) -> Callable[[Any], Any] | None:
+        if not selects(path, shape):
+            return None
+        return functools.partial(
+            quant.quantize, scheme=scheme, double_quant=scheme == "nf4"
+        )
+
+    return quantize
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, lora.LoRAWeight)
+    )
 
 
 def _stored_config(path: str, meta: io.ModelMetadata) -> tuple[str, Any]:
@@ -201,12 +254,18 @@ def _gguf_tokenizer(g: io.GGUFFile) -> Any:
 
 
 def build_model(
-    section: ModelSection, *, key: Any, header_only: bool = False
+    section: ModelSection,
+    *,
+    key: Any,
+    header_only: bool = False,
+    quantize: Quantize | None = None,
 ) -> BuiltModel:
     """The model a ``model:`` section names: loaded from its path or from scratch.
 
     ``header_only``: read only the file's header (`read_header`), the params as
-    shapes; every check but those of the tensors' bytes is the same.
+    shapes; every check but those of the tensors' bytes is the same. ``quantize``:
+    the leaves a file's load quantizes as it reads them (`base_quantizer`); a model
+    built from scratch is not quantized here.
     """
     if section.path is None:
         built = from_scratch(section, key=key, shapes_only=header_only)
@@ -219,6 +278,7 @@ def build_model(
                     section.path,
                     keep_quantized=section.keep_quantized,
                     dtype=section.dtype,
+                    quantize=quantize,
                 )
         except EntrenarError as e:
             raise type(e)(f"model.path: {e}") from None
@@ -310,6 +370,7 @@ def lists_from_dicts(tree: Any) -> Any:
 
 __all__ = [
     "BuiltModel",
+    "base_quantizer",
     "build_model",
     "dicts_from_lists",
     "from_scratch",

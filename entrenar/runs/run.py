@@ -42,7 +42,12 @@ from entrenar.runs.build import (
 )
 from entrenar.runs.export import write_outputs
 from entrenar.runs.merging import run_merge
-from entrenar.runs.models import BuiltModel, build_model, load_built
+from entrenar.runs.models import (
+    BuiltModel,
+    base_quantizer,
+    build_model,
+    load_built,
+)
 from entrenar.train import Trainer, TrainResult
 from entrenar.train.plot import plot
 
@@ -101,7 +106,11 @@ def prepare(spec: TrainSpec) -> Prepared:
     """Steps 2-4: model, adapters, data, optimizer and loss, ready for `Trainer`."""
     assert spec.model is not None
     key = jax.random.key(spec.training.seed)
-    built = build_model(spec.model, key=jax.random.fold_in(key, 0))
+    built = build_model(
+        spec.model,
+        key=jax.random.fold_in(key, 0),
+        quantize=base_quantizer(spec.lora),  # QLoRA bases quantized as they load
+    )
     spec.check_architecture(built.architecture)
     params, trainable = built.params, None
     if spec.lora is not None and spec.lora.enabled:
