@@ -29,6 +29,7 @@ from entrenar.io.gguf_tokenizer import (
     gguf_tokenizer_fields,
     hf_json_from_gguf,
     pre_tokenizer_name,
+    space_prefix,
 )
 from entrenar.io.gguf_writer import write_gguf
 from entrenar.runs.export import gguf_tokenizer
@@ -282,3 +283,21 @@ def test_a_gguf_tokenizer_saved_as_a_folder_writes_the_same_fields(tmp_path):
     for key in ("tokens", "token_type", "merges", "bos_token_id", "eos_token_id"):
         assert again[f"tokenizer.ggml.{key}"].value == md[f"tokenizer.ggml.{key}"]
     assert again["tokenizer.chat_template"].value == md["tokenizer.chat_template"]
+
+
+@pytest.mark.parametrize(
+    ("normalizer", "pre", "prefix"),
+    [
+        (None, {"type": "Metaspace", "prepend_scheme": "first"}, True),
+        (None, {"type": "Metaspace", "prepend_scheme": "never"}, False),
+        ({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}, None,
+         False),
+    ],
+)  # fmt: skip
+def test_space_prefix_of_each_spelling(normalizer, pre, prefix):
+    if pre is not None:
+        pre = pre | {"replacement": "\u2581", "split": False}
+    doc = {"normalizer": normalizer, "pre_tokenizer": pre}
+    assert space_prefix(doc) is prefix
+    with pytest.raises(UnsupportedError, match="spaces are not written"):
+        space_prefix({"normalizer": None, "pre_tokenizer": None})
