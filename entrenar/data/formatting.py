@@ -110,6 +110,28 @@ def label_segments(
     return labels
 
 
+def label_spans(
+    ids: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    segments: Sequence[tuple[str, bool]],
+) -> np.ndarray:
+    """`label_segments` by each token's character span in the joined ``segments``.
+
+    A token is trained where its span ``[start, end)`` overlaps a trained segment;
+    an empty span (a BOS the tokenizer adds) never is.
+    """
+    ids_arr = np.asarray(ids, np.int64)
+    span = np.asarray(spans, np.int64).reshape(-1, 2)  # (n, 2)
+    starts, ends = span[:, 0], span[:, 1]
+    trained = np.zeros(len(ids_arr), bool)
+    pos = 0
+    for text, train in segments:
+        if train and text:
+            trained |= (starts < pos + len(text)) & (ends > pos) & (ends > starts)
+        pos += len(text)
+    return np.where(trained, ids_arr, IGNORE_INDEX).astype(np.int32)
+
+
 FORMAT_FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     "text": (("text", str),),
     "prompt_completion": (("prompt", str), ("completion", str)),
@@ -269,12 +291,18 @@ def encode_records(
         for i in range(len(recs))
     ]
     parse = (format == "chat") if special is None else special
-    all_ids = _encode_all(
-        tokenizer, ["".join(s for s, _ in seg) for seg in segs], parse
-    )
+    texts = ["".join(s for s, _ in seg) for seg in segs]
+    with_spans = getattr(tokenizer, "encode_offsets_batch", None)
+    if with_spans is not None:  # a Hugging Face tokenizer: align by its spans
+        encoded = with_spans(texts, special=parse)
+        all_ids = [ids for ids, _ in encoded]
+        labelled = [label_spans(ids, spans, seg) for (ids, spans), seg in zip(
+            encoded, segs)]  # fmt: skip
+    else:
+        all_ids = _encode_all(tokenizer, texts, parse)
+        labelled = [label_segments(tokenizer, i, g) for i, g in zip(all_ids, segs)]
     out = []
-    for seg, ids in zip(segs, all_ids):
-        labels = label_segments(tokenizer, ids, seg)
+    for seg, ids, labels in zip(segs, all_ids, labelled):
         ids_a = np.asarray(ids, np.int32)
         if eos:
             last = seg[-1][1]  # the EOS is trained when the text's end is
@@ -295,6 +323,7 @@ __all__ = [
     "detect_record_format",
     "encode_records",
     "label_segments",
+    "label_spans",
     "record_fields",
     "record_segments",
     "special_texts",

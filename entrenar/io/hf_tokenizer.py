@@ -288,6 +288,24 @@ class HFTokenizer:
         bos = self._bos(add_bos)
         return [bos + list(e.ids) for e in run(list(texts), add_special_tokens=False)]
 
+    def encode_offsets_batch(
+        self, texts: Sequence[str], *, special: bool = False
+    ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """`encode_batch` with each token's ``(start, end)`` character span.
+
+        The spans index the text as given (``tokenizers`` maps them back through
+        its normalizer), so labels can be aligned for tokenizers whose tokens do not
+        spell the text byte for byte (SentencePiece's ``▁``, a prepended space, byte
+        fallback). A BOS added here spans ``(0, 0)``.
+        """
+        t = self._hf[bool(special)]
+        bos = self._bos(None)
+        out = []
+        for e in t.encode_batch(list(texts), add_special_tokens=False):
+            spans = [(int(a), int(b)) for a, b in e.offsets]
+            out.append((bos + list(e.ids), [(0, 0)] * len(bos) + spans))
+        return out
+
     def decode(self, ids: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
         """Text of ``ids`` (special tokens dropped unless ``special``)."""
         ids = [int(i) for i in ids]

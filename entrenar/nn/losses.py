@@ -428,7 +428,7 @@ def chunked_causal_lm_loss(
     if isinstance(weight, Bfloat16Weight):
         weight = weight.value()  # (V, D) bfloat16, never differentiated
     elif isinstance(weight, TiedEmbedding):  # the rounded head (D, V), or the table
-        transposed = matmul_dtype is not None
+        transposed = matmul_dtype is not None and softcap is None
         weight = weight.head_value() if transposed else weight.table
     if softcap is None and isinstance(weight, jax.Array | np.ndarray):
         w = jnp.asarray(weight)
