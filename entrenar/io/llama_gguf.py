@@ -61,6 +61,7 @@ from entrenar.nn import LlamaConfig
 from entrenar.nn.hf_names import (
     Quantize,
     Reader,
+    RowReader,
     quantize_leaves,
     stream_one,
     stream_stacked,
@@ -505,6 +506,22 @@ def load_llama_gguf(
     def reader(gname: str, shape: tuple[int, ...]) -> Reader:
         return lambda: jnp.asarray(one(gname, shape), dtype=dtype)
 
+    def rows(gname: str, shape: tuple[int, ...]) -> RowReader:
+        """Rows of an unstacked tensor (never permuted; a vector read whole)."""
+
+        def read(start: int | None, stop: int | None) -> jax.Array:
+            if start is None or stop is None:
+                return reader(gname, shape)()
+            raw = _rows(g, gname)[start:stop]  # whole rows of blocks
+            a = dequantize_ggml(
+                raw, g.tensors[gname].type_id, (stop - start, *shape[1:])
+            )
+            out = jnp.asarray(a, dtype=dtype).block_until_ready()
+            release_pages(raw)
+            return out
+
+        return read
+
     def stacked(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Any:
         names = [by_hf[f"model.layers.{i}.{hf_stem}"] for i in range(shape[0])]
         types = {g.tensors[n].type_name for n in names}
@@ -532,7 +549,8 @@ def load_llama_gguf(
                 stem = path_.removeprefix("model.layers.")
                 out[k] = stacked(path_, stem, tuple(v))
             elif stream:
-                out[k] = stream_one(path_, reader(by_hf[path_], tuple(v)), quantize)
+                read = rows(by_hf[path_], tuple(v))
+                out[k] = stream_one(path_, tuple(v), final, read, quantize)
             else:
                 out[k] = jnp.asarray(one(by_hf[path_], tuple(v)), dtype=dtype)
         return out

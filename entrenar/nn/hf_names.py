@@ -19,6 +19,7 @@ holds the final tree plus about one layer (specs/io.md, "Streaming loads").
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -173,6 +174,13 @@ Reader = Callable[[], jax.Array]
 """Reads one tensor (a layer of a stacked leaf) in its final dtype, releasing its
 source (the mapped file's pages) once copied."""
 
+RowReader = Callable[[int | None, int | None], jax.Array]
+"""``read(start, stop)``: rows ``start:stop`` of one tensor in its final dtype (its
+source released once copied); ``read(None, None)``: the whole tensor."""
+
+CHUNK_BYTES = 16 << 20
+"""Bytes of an unstacked leaf (an embedding) `stream_one` reads at a time."""
+
 
 def stream_hf_names(
     flat: Mapping[str, Any],
@@ -253,12 +261,14 @@ def stream_hf_names(
             "to ignore them)"
         )
 
-    def reader(name: str, final: Any) -> Reader:
-        def read() -> jax.Array:
-            a = jnp.asarray(flat[name]).astype(final)
+    def rows(name: str, final: Any) -> RowReader:
+        def read(start: int | None = None, stop: int | None = None) -> jax.Array:
+            view = flat[name] if start is None else flat[name][start:stop]
+            a = jnp.asarray(view)
+            a = a if a.dtype == final else a.astype(final)
             if release is not None:
                 a.block_until_ready()  # copied out (device_put may copy later)
-                release(flat[name])
+                release(view)
             return a
 
         return read
@@ -266,12 +276,14 @@ def stream_hf_names(
     for node, name, path, names, shape in leaves:
         final = dtype or jnp.result_type(*(flat[n].dtype for n in names))
         final = jax.dtypes.canonicalize_dtype(final)
-        readers = [reader(n, final) for n in names]
         plain = path.replace(".__L__", "")
         if shape:
-            node[name] = stream_stacked(plain, shape, final, readers, quantize)
+            layers = [functools.partial(rows(n, final), None, None) for n in names]
+            node[name] = stream_stacked(plain, shape, final, layers, quantize)
         else:
-            node[name] = stream_one(plain, readers[0], quantize)
+            leaf_shape = tuple(np.shape(flat[names[0]]))
+            read = rows(names[0], final)
+            node[name] = stream_one(plain, leaf_shape, final, read, quantize)
     return _unmark(tree)
 
 
@@ -293,10 +305,39 @@ def quantize_leaves(params: Params, quantize: Quantize | None) -> Params:
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_weight_node)
 
 
-def stream_one(path: str, read: Reader, quantize: Quantize | None) -> Any:
-    """A leaf that is not stacked: read, then quantized whole if ``quantize`` says."""
-    a = read()
-    fn = None if quantize is None else quantize(path, tuple(a.shape))
+def stream_one(
+    path: str,
+    shape: tuple[int, ...],
+    dtype: DType,
+    read_rows: RowReader,
+    quantize: Quantize | None = None,
+    chunk_bytes: int | None = None,
+) -> Any:
+    """A leaf that is not stacked (an embedding), read in chunks of rows.
+
+    A matrix is allocated once and filled ``chunk_bytes`` of rows at a time, so its
+    load holds the leaf plus one chunk; a leaf ``quantize`` names is then quantized
+    whole (as before streaming: NF4's double quantization spans the matrix).
+
+    Args:
+        path: the leaf's dotted tree path (what ``quantize`` is asked about).
+        shape: its shape.
+        dtype: the dtype ``read_rows`` returns.
+        read_rows: ``read_rows(start, stop)``, rows ``start:stop`` in ``dtype``;
+            ``read_rows(None, None)`` the whole tensor.
+        quantize: `Quantize`, or None.
+        chunk_bytes: bytes of rows read at a time (default `CHUNK_BYTES`).
+    """
+    if len(shape) < 2:
+        a = read_rows(None, None)
+    else:
+        a = jnp.zeros(shape, dtype)
+        row_bytes = math.prod(shape[1:]) * np.dtype(dtype).itemsize
+        step = max(1, (chunk_bytes or CHUNK_BYTES) // max(1, row_bytes))
+        for start in range(0, shape[0], step):
+            part = read_rows(start, min(start + step, shape[0]))
+            a = _put(a, part, jnp.int32(start))
+    fn = None if quantize is None else quantize(path, shape)
     return a if fn is None else fn(a)
 
 
@@ -358,7 +399,7 @@ def _per_layer(
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _put(buf: jax.Array, part: jax.Array, i: jax.Array) -> jax.Array:
-    """``buf`` with ``part: (1, ...)`` written at index ``i`` of axis 0, in place."""
+    """``buf`` with ``part: (n, ...)`` written from index ``i`` of axis 0, in place."""
     return jax.lax.dynamic_update_slice_in_dim(buf, part, i, axis=0)
 
 
@@ -390,6 +431,7 @@ __all__ = [
     "STACKED_KEYS",
     "Quantize",
     "Reader",
+    "RowReader",
     "from_hf_names",
     "quantize_leaves",
     "stream_hf_names",

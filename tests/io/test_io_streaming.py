@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from entrenar import io, lora, nn, quant
+from entrenar.nn import hf_names
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.runs.models import base_quantizer, load_built
 from entrenar.tree import tree_named_leaves
@@ -138,6 +139,20 @@ def test_gguf_stream_equals_whole_load(gguf, dtype, keep_quantized, qlora):
     )
     _, streamed, _ = io.load_llama_gguf(gguf, **kw)
     _, whole, _ = io.load_llama_gguf(gguf, stream=False, **kw)
+    assert_identical(streamed, whole)
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_embeddings_read_in_chunks_of_rows_are_the_same(
+    folder, gguf, source, monkeypatch
+):
+    monkeypatch.setattr(hf_names, "CHUNK_BYTES", 1000)  # 7 or 3 rows a chunk
+    if source == "folder":
+        _, streamed = io.load_hf_folder(folder, dtype="float32")
+        _, whole = io.load_hf_folder(folder, dtype="float32", stream=False)
+    else:
+        _, streamed, _ = io.load_llama_gguf(gguf, dtype="bfloat16")
+        _, whole, _ = io.load_llama_gguf(gguf, dtype="bfloat16", stream=False)
     assert_identical(streamed, whole)
 
 

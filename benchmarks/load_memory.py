@@ -1,0 +1,228 @@
+"""Peak memory and time of loading a 1.1B model: the whole-file load vs streaming.
+
+Writes (once) a randomly initialised Hugging Face folder of TinyLlama-1.1B's shape
+(22 layers, width 2048, MLP 5632, 32 heads, 4 KV heads) with SmolLM2's vocabulary
+(49152, as issue 31 measured), bfloat16 safetensors in 2 shards, then loads it in a
+fresh subprocess per case and reports the wall time and the peak resident memory
+(``VmHWM`` of ``/proc/self/status``: JAX's CPU buffers and the mapped files' pages
+included):
+
+- ``whole``: ``load_hf_folder(..., stream=False)``, the load before streaming: every
+  tensor stacked, cast, then (NF4) quantized;
+- ``stream``: ``load_hf_folder(...)``, tensor by tensor into the final tree.
+
+Targets: float32 and bfloat16 leaves, and a QLoRA run's NF4 bases
+(`entrenar.runs.models.base_quantizer`; rank 16 on q/k/v/o as in the issue, and on
+every linear layer). Each case hashes its tree, so the table also says whether the two
+loads gave the same bytes. The file read alone (``readinto`` of every shard, from the
+page cache) is the floor of the time.
+
+Usage: ``python benchmarks/load_memory.py [--dir /tmp/entrenar-load-memory]
+[--cases float32,bfloat16,nf4-qkvo,nf4-all] [--write-md benchmarks/results/scale.md]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+CASES = {
+    "float32": ("float32", None),
+    "bfloat16": ("bfloat16", None),
+    "nf4-qkvo": ("float32", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "nf4-all": ("float32", "all-linear"),
+}
+"""Case -> (the load's dtype, the LoRA targets whose bases are NF4, or None)."""
+
+TINYLLAMA = dict(
+    vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_layers=22,
+    num_heads=32, num_kv_heads=4, max_position_embeddings=2048, rope_theta=10000.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def write_folder(folder: str, layers: int, shard_bytes: int = 1_300_000_000) -> None:
+    """The random bfloat16 folder, written shard by shard (never the whole model)."""
+    import ml_dtypes
+
+    from entrenar import nn
+    from entrenar.io.safetensors_io import save_safetensors
+
+    config = nn.LlamaConfig(**(TINYLLAMA | {"num_layers": layers}))
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def walk(tree: dict[str, Any], prefix: str) -> None:
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif prefix.startswith("model.layers."):
+                rest = f"{prefix}{k}".removeprefix("model.layers.")
+                for i in range(config.num_layers):
+                    shapes[f"model.layers.{i}.{rest}"] = tuple(v[1:])
+            else:
+                shapes[f"{prefix}{k}"] = tuple(v)
+
+    walk(config.param_shapes(), "")
+    rng = np.random.default_rng(0)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(shapes):
+        n = int(np.prod(shapes[name])) * 2
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    os.makedirs(folder, exist_ok=True)
+    weight_map = {}
+    for i, group in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for name in group:
+            scale = 1.0 if name.endswith("norm.weight") else 0.02
+            a = rng.standard_normal(shapes[name], np.float32) * scale
+            tensors[name] = a.astype(ml_dtypes.bfloat16)
+        save_safetensors(tensors, os.path.join(folder, file), {"format": "pt"})
+        weight_map |= {name: file for name in group}
+        del tensors
+    arch = nn.architecture_of(config)
+    hf = arch.to_hf(config) | {"torch_dtype": "bfloat16"}
+    index = {"metadata": {}, "weight_map": weight_map}
+    for name, value in (("config.json", hf), ("model.safetensors.index.json", index)):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(value, f, indent=2)
+
+
+def measure(folder: str, case: str, stream: bool) -> dict[str, Any]:
+    """One load in this process: seconds, peak and growth of RSS, tree bytes, hash."""
+    import jax
+
+    from entrenar import io, lora
+    from entrenar.runs.models import base_quantizer
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    dtype, targets = CASES[case]
+    quantize = None
+    if targets is not None:
+        config = lora.LoRAConfig(rank=16, targets=targets, quantize_base="nf4")
+        quantize = base_quantizer(config)
+    before = status("VmRSS")
+    t0 = time.perf_counter()
+    _, params = io.load_hf_folder(folder, dtype=dtype, quantize=quantize, stream=stream)
+    jax.block_until_ready(params)
+    seconds = time.perf_counter() - t0
+    peak = status("VmHWM")
+    digest = hashlib.sha256()
+    leaves = jax.tree_util.tree_leaves(params)
+    for leaf in leaves:
+        digest.update(np.ascontiguousarray(leaf).view(np.uint8).data)
+    return {
+        "seconds": seconds,
+        "peak": peak,
+        "growth": peak - before,
+        "before": before,
+        "tree": sum(x.nbytes for x in leaves),
+        "sha256": digest.hexdigest()[:16],
+    }
+
+
+def read_seconds(folder: str) -> tuple[float, int]:
+    """Seconds to read every shard's bytes (``readinto`` one reused buffer)."""
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    buf = bytearray(64 << 20)
+    total = 0
+    t0 = time.perf_counter()
+    for name in files:
+        with open(os.path.join(folder, name), "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return time.perf_counter() - t0, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp/entrenar-load-memory")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--layers", type=int, default=22, help="fewer for a quick check")
+    ap.add_argument("--write-md", default=None, help="append the table to this file")
+    ap.add_argument("--measure", nargs=2, metavar=("CASE", "STREAM"), default=None)
+    args = ap.parse_args()
+    folder = os.path.join(args.dir, f"tinyllama-shape-{args.layers}-layers-bf16")
+    if args.measure:  # the child: one load
+        case, stream = args.measure
+        print(json.dumps(measure(folder, case, stream == "stream")))
+        return
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        t0 = time.perf_counter()
+        write_folder(folder, args.layers)
+        print(f"wrote {folder} in {time.perf_counter() - t0:.0f} s", flush=True)
+    read_s, nbytes = read_seconds(folder)
+    read_s, nbytes = read_seconds(folder)  # the second from the page cache
+    load = os.getloadavg()
+    rows = []
+    for case in args.cases.split(","):
+        got = {}
+        for how in ("whole", "stream"):
+            res = subprocess.run(
+                [sys.executable, __file__, "--dir", args.dir,
+                 "--layers", str(args.layers), "--measure", case, how],
+                capture_output=True, text=True, check=True,
+                env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            )  # fmt: skip
+            got[how] = json.loads(res.stdout.strip().splitlines()[-1])
+            print(case, how, got[how], flush=True)
+        rows.append((case, got))
+    load_after = os.getloadavg()
+    lines = [
+        f"Files: {nbytes / 1e9:.2f} GB of bfloat16 in 2 shards, read in {read_s:.1f} s "
+        f"(page cache). CPU: {cpu_name()}, {os.cpu_count()} cores; load average "
+        f"{load[0]:.1f} before, {load_after[0]:.1f} after.",
+        "",
+        "| target | load | time (s) | peak RSS (GB) | growth (GB) | final tree (GB) "
+        "| same tree |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case, got in rows:
+        same = got["whole"]["sha256"] == got["stream"]["sha256"]
+        for how in ("whole", "stream"):
+            r = got[how]
+            lines.append(
+                f"| {case} | {how} | {r['seconds']:.1f} | {r['peak'] / 1e9:.2f} | "
+                f"{r['growth'] / 1e9:.2f} | {r['tree'] / 1e9:.2f} | "
+                f"{'yes' if same else 'NO'} |"
+            )
+    table = "\n".join(lines)
+    print(table)
+    if args.write_md:
+        with open(args.write_md, "a") as f:
+            f.write(table + "\n")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    main()
