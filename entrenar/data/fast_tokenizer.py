@@ -263,18 +263,23 @@ def load_fast_tokenizer(
 ) -> FastTokenizer | HFTokenizer:
     """The tokenizer of a GGUF file, or of a Hugging Face folder.
 
-    A ``.gguf`` (or a `GGUFFile`) gives `FastTokenizer.from_gguf`; a folder, or a
+    A ``.gguf`` (or a `GGUFFile`) gives `FastTokenizer.from_gguf`, or
+    `entrenar.io.HFTokenizer.from_gguf` for the fields FastTokenizer does not read
+    (SentencePiece-style ``llama``, ``pre`` ``llama-bpe``/``qwen2``); a folder, or a
     ``tokenizer.json`` in one, gives `entrenar.io.HFTokenizer.from_folder` (its
     ``tokenizer_config.json``, chat template and generation config with it).
     """
-    if isinstance(path, GGUFFile):
-        return FastTokenizer.from_gguf(path)
-    p = os.fspath(path)
-    if os.path.isdir(p):
-        return HFTokenizer.from_folder(p)
-    if os.path.basename(p) == "tokenizer.json":
-        return HFTokenizer.from_folder(os.path.dirname(p) or ".")
-    return FastTokenizer.from_gguf(p)
+    if not isinstance(path, GGUFFile):
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            return HFTokenizer.from_folder(p)
+        if os.path.basename(p) == "tokenizer.json":
+            return HFTokenizer.from_folder(os.path.dirname(p) or ".")
+        path = read_gguf(p)
+    model, pre = (path.metadata.get(f"tokenizer.ggml.{k}") for k in ("model", "pre"))
+    if model == "llama" or (model == "gpt2" and pre in ("llama-bpe", "qwen2")):
+        return HFTokenizer.from_gguf(path)
+    return FastTokenizer.from_gguf(path)
 
 
 __all__ = ["FastTokenizer", "gpt2_pattern", "load_fast_tokenizer", "token_bytes"]

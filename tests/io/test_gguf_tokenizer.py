@@ -62,11 +62,16 @@ def _write(tmp: Path, style: str) -> tuple[io.HFTokenizer, Path]:
 
 
 def _read_back(path: Path):
-    """A GGUF's tokenizer in entrenar: `load_fast_tokenizer`, else `from_gguf`."""
-    try:
-        return load_fast_tokenizer(path)
-    except UnsupportedError:  # model 'llama', pre 'llama-bpe'/'qwen2'
-        return io.HFTokenizer.from_gguf(path)
+    """A GGUF's tokenizer by `load_fast_tokenizer`, of the class that reads it.
+
+    `HFTokenizer.from_gguf` where `FastTokenizer` does not read the fields: model
+    'llama', pre 'llama-bpe' and 'qwen2'.
+    """
+    tok = load_fast_tokenizer(path)
+    md = read_gguf(path).metadata
+    fast = md["tokenizer.ggml.pre"] in ("gpt-2", "smollm")
+    assert isinstance(tok, FastTokenizer if fast else io.HFTokenizer)
+    return tok
 
 
 def _check(record: dict, tmp: Path) -> None:
