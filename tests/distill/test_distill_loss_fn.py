@@ -17,12 +17,25 @@ from entrenar.nn import MLP, LlamaConfig
 TEACHER, STUDENT = MLP((64, 64, 10)), MLP((64, 16, 10))
 
 
-def _mlp_setup(**kw):
-    tp = TEACHER.init(jax.random.key(0))
+@pytest.fixture(scope="module")
+def inits():
+    """Each model's ``init``, once per module (arrays are immutable: shared safely).
+
+    Every weight shape compiles its own ``random.normal``, about half a second apiece
+    on a cold compilation cache. ``teacher``, ``student``: `TEACHER`, `STUDENT` with
+    keys 0 and 1; ``lm_t``, ``lm_s``: `LM_T`, `LM_S` with keys 0 and 1.
+    """
+    models = {"teacher": (TEACHER, 0), "student": (STUDENT, 1),
+              "lm_t": (LM_T, 0), "lm_s": (LM_S, 1)}  # fmt: skip
+    return {k: m.init(jax.random.key(seed)) for k, (m, seed) in models.items()}
+
+
+def _mlp_setup(inits, **kw):
+    tp = inits["teacher"]
     loss_fn = make_distill_loss_fn(
         STUDENT, TEACHER, tp, temperature=3.0, alpha=0.7, **kw
     )
-    params = loss_fn.init(STUDENT.init(jax.random.key(1)), key=jax.random.key(2))
+    params = loss_fn.init(inits["student"], key=jax.random.key(2))
     rng = np.random.default_rng(0)
     batch = {
         "x": rng.normal(size=(8, 64)).astype(np.float32),
@@ -31,8 +44,8 @@ def _mlp_setup(**kw):
     return loss_fn, params, batch
 
 
-def test_classification_loss_equals_distillation_loss_of_the_two_models():
-    loss_fn, params, batch = _mlp_setup()
+def test_classification_loss_equals_distillation_loss_of_the_two_models(inits):
+    loss_fn, params, batch = _mlp_setup(inits)
     loss, metrics = jax.jit(loss_fn)(params, batch)
 
     @jax.jit
@@ -48,8 +61,8 @@ def test_classification_loss_equals_distillation_loss_of_the_two_models():
     )
 
 
-def test_teacher_is_frozen_and_the_step_trains_the_student():
-    loss_fn, params, batch = _mlp_setup()
+def test_teacher_is_frozen_and_the_step_trains_the_student(inits):
+    loss_fn, params, batch = _mlp_setup(inits)
     grads = jax.jit(jax.grad(lambda p: loss_fn(p, batch)[0]))(params)
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads["teacher"]))
     assert any(np.any(np.asarray(g)) for g in jax.tree.leaves(grads["student"]))
@@ -80,8 +93,8 @@ def test_teacher_is_frozen_and_the_step_trains_the_student():
 
 
 @pytest.mark.parametrize("kind", ["nf4", "lora"])
-def test_quantized_or_lora_teacher_runs_in_the_jitted_step(kind):
-    tp = TEACHER.init(jax.random.key(0))
+def test_quantized_or_lora_teacher_runs_in_the_jitted_step(kind, inits):
+    tp = inits["teacher"]
     if kind == "nf4":
         frozen_tp = quant.quantize_params(tp, "nf4")
         dense_tp = quant.dequantize_params(frozen_tp)
@@ -100,8 +113,8 @@ def test_quantized_or_lora_teacher_runs_in_the_jitted_step(kind):
             dense = w.base + w.scale * (w.b @ w.a)  # W + s B A
             frozen_tp["layers"].append({**layer, "weight": w})
             dense_tp["layers"].append({**layer, "weight": dense})
-    sp = STUDENT.init(jax.random.key(1))
-    batch = _mlp_setup()[2]
+    sp = inits["student"]
+    batch = _mlp_setup(inits)[2]
     got = make_distill_loss_fn(STUDENT, TEACHER, frozen_tp)
     want = make_distill_loss_fn(STUDENT, TEACHER, dense_tp)
     k = jax.random.key(3)
@@ -110,10 +123,10 @@ def test_quantized_or_lora_teacher_runs_in_the_jitted_step(kind):
     np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-5)
 
 
-def test_ensemble_of_identical_teachers_equals_one_teacher():
-    tp = TEACHER.init(jax.random.key(0))
-    sp = STUDENT.init(jax.random.key(1))
-    batch = _mlp_setup()[2]
+def test_ensemble_of_identical_teachers_equals_one_teacher(inits):
+    tp = inits["teacher"]
+    sp = inits["student"]
+    batch = _mlp_setup(inits)[2]
     one = make_distill_loss_fn(STUDENT, TEACHER, tp, temperature=2.0)
     ens = make_distill_loss_fn(STUDENT, [TEACHER] * 3, [tp] * 3, temperature=2.0)
     k = jax.random.key(0)
@@ -152,8 +165,8 @@ def _lm_batch():
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def test_causal_lm_shifts_and_masks():
-    tp, sp = LM_T.init(jax.random.key(0)), LM_S.init(jax.random.key(1))
+def test_causal_lm_shifts_and_masks(inits):
+    tp, sp = inits["lm_t"], inits["lm_s"]
     loss_fn = make_distill_loss_fn(LM_S, LM_T, tp, temperature=2.0, alpha=0.5)
     params = loss_fn.init(sp, key=jax.random.key(2))
     batch = _lm_batch()
@@ -176,8 +189,8 @@ def test_causal_lm_shifts_and_masks():
     np.testing.assert_allclose(float(f(params, other)[0]), float(loss), rtol=1e-6)
 
 
-def test_progressive_llama_with_projection_and_schedule():
-    tp, sp = LM_T.init(jax.random.key(0)), LM_S.init(jax.random.key(1))
+def test_progressive_llama_with_projection_and_schedule(inits):
+    tp, sp = inits["lm_t"], inits["lm_s"]
     pd = {"student_layers": [1, 2], "teacher_layers": [2, 4], "stage_steps": 5}
     loss_fn = make_distill_loss_fn(LM_S, LM_T, tp, progressive=pd)
     assert isinstance(loss_fn.progressive, ProgressiveDistiller)
@@ -210,16 +223,17 @@ def test_progressive_llama_with_projection_and_schedule():
         loss_fn(params, batch)
 
 
-def test_progressive_stages_follow_the_trainers_step():
+def test_progressive_stages_follow_the_trainers_step(inits):
     from entrenar.train import TrainConfig, Trainer
 
-    tp, sp = LM_T.init(jax.random.key(0)), LM_S.init(jax.random.key(1))
+    tp, sp = inits["lm_t"], inits["lm_s"]
     pd = {"student_layers": [1, 2], "teacher_layers": [2, 4], "stage_steps": 2,
           "cumulative": False}  # fmt: skip
     loss_fn = make_distill_loss_fn(LM_S, LM_T, tp, progressive=pd)
     params = loss_fn.init(sp, key=jax.random.key(2))
     batch = _lm_batch()
-    per = [float(loss_fn(params, batch, step=n)[1]["hidden"]) for n in (0, 2)]
+    f = jax.jit(loss_fn)  # one compile for both steps (the step is traced)
+    per = [float(f(params, batch, step=n)[1]["hidden"]) for n in (0, 2)]
     assert abs(per[0] - per[1]) > 0.1 * per[0]  # the two stages differ
     cfg = TrainConfig(max_steps=4, batch_size=3, log_every=1, shuffle=False,
                       progress=False)  # fmt: skip
@@ -231,9 +245,9 @@ def test_progressive_stages_follow_the_trainers_step():
     np.testing.assert_allclose(evaluated, per[1], rtol=1e-5)
 
 
-def test_errors():
-    tp = TEACHER.init(jax.random.key(0))
-    loss_fn, params, _ = _mlp_setup()
+def test_errors(inits):
+    tp = inits["teacher"]
+    loss_fn, params, _ = _mlp_setup(inits)
     with pytest.raises(ConfigError, match="'x' and 'y'"):
         loss_fn(params, {"inputs": np.zeros((1, 64))})
     with pytest.raises(ConfigError, match="list of as many"):
@@ -249,10 +263,10 @@ def test_errors():
         make_distill_loss_fn(STUDENT, TEACHER, tp, alpha=-0.1)
 
 
-def test_runs_on_the_trainer_with_the_teacher_frozen():
+def test_runs_on_the_trainer_with_the_teacher_frozen(inits):
     from entrenar.train import TrainConfig, Trainer
 
-    loss_fn, params, _ = _mlp_setup()
+    loss_fn, params, _ = _mlp_setup(inits)
     rng = np.random.default_rng(3)
     data = {
         "x": rng.normal(size=(64, 64)).astype(np.float32),

@@ -44,17 +44,23 @@ def _inputs(seed, b, t, s, h, kv, d, dv, mask_kind):
 def _reference(q, k, v, mask, w):
     """Output and gradients of ``Σ w · attention`` by the JAX path in float64."""
     with jax.enable_x64():
-        args = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
-        w64 = jnp.asarray(w, jnp.float64)
+        args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, w)]
         m = None if mask is None else jnp.asarray(mask)
-        scale = 1.0 / q.shape[-1] ** 0.5
-
-        def f(q, k, v):
-            return attention._attention_jax(q, k, v, m, None, scale, None)
-
-        out = f(*args)
-        grads = jax.grad(lambda *a: jnp.sum(f(*a) * w64), (0, 1, 2))(*args)
+        out, grads = _reference64(*args, m)
         return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+@jax.jit
+def _reference64(q, k, v, w, mask):
+    # one compiled program per shape: run op by op, float64 compiled each of its
+    # dozens of operations apart (about 2 s a case on 2 cores, cold cache)
+    scale = 1.0 / q.shape[-1] ** 0.5
+
+    def f(q, k, v):
+        return attention._attention_jax(q, k, v, mask, None, scale, None)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(w)
 
 
 def _native(q, k, v, mask, w):
@@ -149,8 +155,8 @@ def test_native_attention_with_bfloat16_products_matches_the_jax_path(case):
     assert np.max(np.abs(np.asarray(plain) - np.asarray(want))) > 1e-3  # rounded
     # gradients: the JAX path also rounds the cotangents to bfloat16; the kernel
     # keeps them float32, so the two agree to bfloat16's precision
-    ga = jax.grad(lambda *a: jnp.sum(native_f(*a) * w), (0, 1, 2))(q, k, v)
-    gb = jax.grad(lambda *a: jnp.sum(jax_f(*a) * w), (0, 1, 2))(q, k, v)
+    ga = jax.jit(jax.grad(lambda *a: jnp.sum(native_f(*a) * w), (0, 1, 2)))(q, k, v)
+    gb = jax.jit(jax.grad(lambda *a: jnp.sum(jax_f(*a) * w), (0, 1, 2)))(q, k, v)
     for a, b in zip(ga, gb, strict=True):
         scale_g = float(jnp.abs(b).max())
         np.testing.assert_allclose(a / scale_g, b / scale_g, atol=2e-2)
