@@ -34,7 +34,7 @@ from typing import Any
 
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_reader import GGUFField, GGUFValueType
-from entrenar.io.tokenizer import CONTROL, USER_DEFINED
+from entrenar.io.tokenizer import CONTROL, USER_DEFINED, _classes, gpt2_pattern
 
 NORMAL, UNUSED, BYTE = 1, 5, 6
 SPACE = "\u2581"
@@ -97,8 +97,6 @@ def _entrenar_split(regexes: list[str | None]) -> str | None:
     `entrenar.data.FastTokenizer` spells GPT-2's regex (and the digits) with their
     character classes listed.
     """
-    from entrenar.data.fast_tokenizer import _classes, gpt2_pattern
-
     if regexes == [gpt2_pattern()]:
         return "gpt-2"
     if regexes == [f"[{_classes()['N']}]", gpt2_pattern()]:

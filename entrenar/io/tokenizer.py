@@ -373,6 +373,50 @@ class BPETokenizer:
         return out.decode("utf-8", errors="replace")
 
 
+def _ranges(codes: Sequence[int]) -> str:
+    r"""Bracket-free regex class body for sorted code points (``\x{a}-\x{b}...``)."""
+    out, i = [], 0
+    while i < len(codes):
+        j = i
+        while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
+            j += 1
+        a, b = codes[i], codes[j]
+        out.append(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else ""))
+        i = j + 1
+    return "".join(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _classes() -> dict[str, str]:
+    """Regex class bodies of the reference's character kinds (see `_kind`)."""
+    kinds: dict[str, list[int]] = {"S": [], "L": [], "N": [], "U": []}
+    for c in range(0x110000):
+        if 0xD800 <= c <= 0xDFFF:
+            continue
+        if c in _WHITESPACE:
+            kinds["S"].append(c)
+            continue
+        cat = unicodedata.category(chr(c))
+        if cat == "Cn":
+            kinds["U"].append(c)
+        elif cat[0] in "LN":
+            kinds[cat[0]].append(c)
+    return {k: _ranges(v) for k, v in kinds.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def gpt2_pattern() -> str:
+    """The reference's GPT-2 pre-tokenizer as one Oniguruma regex (module docstring)."""
+    c = _classes()
+    s, letters, nums, u = f"[{c['S']}]", f"[{c['L']}]", f"[{c['N']}]", f"[{c['U']}]"
+    other = f"[^{c['S']}{c['L']}{c['N']}{c['U']}]"
+    not_s = f"[^{c['S']}]"
+    return (
+        f"'s|'t|'re|'ve|'m|'ll|'d| ?{letters}+| ?{nums}+| ?{other}+"
+        f"|{s}+(?!{not_s})|{s}+|{u}"
+    )
+
+
 __all__ = [
     "BPETokenizer",
     "bytes_to_unicode",
