@@ -142,7 +142,7 @@ def test_mesh_specs_and_errors():
         distributed.check_mesh_spec({"data": 0})
     with pytest.raises(ConfigError, match=r"TrainConfig.mesh: mesh axis 'tp'"):
         TrainConfig(mesh={"tp": 2})
-    assert TrainConfig.from_dict({"mesh": {"fsdp": 8}}).mesh == {"fsdp": 8}
+    assert TrainConfig.from_dict({"mesh": {"fsdp": 8}}).mesh == {"data": 1, "fsdp": 8}
 
 
 def test_process_config_from_arguments_and_environment():
