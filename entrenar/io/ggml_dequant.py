@@ -10,13 +10,9 @@ as ``ne[0] / block_size`` blocks of ``type_size`` bytes. The formats, as in ggml
 - ``Q4_1`` (32, 20 B): ``d, m, qs[16]`` as Q4_0; ``x = d·q + m``.
 - ``Q5_0``/``Q5_1`` (32, 22/24 B): as Q4_0/Q4_1 plus ``qh`` (uint32) holding bit 4 of
   value ``j`` in bit ``j``; ``x = d·(q − 16)`` / ``x = d·q + m``.
-- ``Q4_K`` (256, 144 B): ``d, dmin, scales[12], qs[128]``: 8 sub-blocks of 32 with 6-bit
-  scale ``sc`` and min ``mn`` packed in ``scales``; ``x = d·sc·q − dmin·mn``. Each
-  32-byte chunk of ``qs`` holds two sub-blocks (low nibbles, then high nibbles).
-- ``Q5_K`` (256, 176 B): ``d, dmin, scales[12], qh[32], qs[128]``: Q4_K plus a
-  fifth bit, bit ``s`` of ``qh[l]`` for sub-block ``s``.
-- ``Q6_K`` (256, 210 B): ``ql[128], qh[64], scales[16] int8, d``: 16 sub-blocks of 16,
-  ``x = d·scale·(q − 32)`` with ``q`` = 4 low bits from ``ql`` and 2 high from ``qh``.
+- ``Q2_K`` ... ``Q6_K`` (256 values a super-block), ``BF16``, ``F16``: the decoders
+  of `entrenar.quant.kquant` (formats documented there), which the in-graph
+  dequantization of a kept `entrenar.quant.GGMLWeight` shares.
 
 All functions take the raw bytes of whole rows and return float32 values.
 """
@@ -28,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from entrenar.errors import FormatError, UnsupportedError
+from entrenar.quant import kquant
 
 
 class GGMLType(NamedTuple):
@@ -138,58 +135,6 @@ def _q5_1(b: np.ndarray) -> np.ndarray:
     return d * q.astype(np.float32) + m
 
 
-def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unpack Q4_K/Q5_K's 12 bytes into 8 six-bit scales and 8 mins, ``(n, 8)`` each.
-
-    Sub-block ``j < 4``: ``sc = s[j] & 63``, ``mn = s[j+4] & 63``. For ``j >= 4``:
-    ``sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4``,
-    ``mn = (s[j+4] >> 4) | (s[j] >> 6) << 4``.
-    """
-    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
-    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
-
-
-def _q4_k(b: np.ndarray) -> np.ndarray:
-    n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-    sc, mn = _k_scales(b[:, 4:16])  # (n, 8)
-    qs = b[:, 16:].reshape(n, 4, 32)  # chunk c holds sub-blocks 2c (low), 2c+1 (high)
-    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32).astype(np.float32)
-    x = (d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]  # (n, 8, 32)
-    return x.reshape(n, 256)
-
-
-def _q5_k(b: np.ndarray) -> np.ndarray:
-    n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-    sc, mn = _k_scales(b[:, 4:16])
-    qh = b[:, 16:48]  # (n, 32): bit s of qh[l] is bit 4 of value l of sub-block s
-    qs = b[:, 48:].reshape(n, 4, 32)
-    low = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32)
-    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-    q = (low | (high << 4)).astype(np.float32)  # (n, 8, 32)
-    x = (d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]
-    return x.reshape(n, 256)
-
-
-def _q6_k(b: np.ndarray) -> np.ndarray:
-    n = b.shape[0]
-    ql = b[:, 0:128].reshape(n, 2, 2, 32)  # (half, 32-byte chunk, l)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32)  # (half, l)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(n, 2, 8)
-    d = _f16(b[:, 208:210])[:, None, None]
-    # Within a half of 128 values: quarter k uses nibble k // 2 of chunk k % 2 and
-    # bits 2k..2k+1 of qh.
-    lo0, lo1 = ql[:, :, 0], ql[:, :, 1]  # (n, 2, 32) each
-    low = np.stack([lo0 & 15, lo1 & 15, lo0 >> 4, lo1 >> 4], axis=2)  # (n, 2, 4, 32)
-    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
-    q = (low | (high << 4)).astype(np.float32) - 32.0  # (n, 2, 4, 32)
-    scale = (d * sc).reshape(n, 2, 4, 2, 1)  # one scale per 16 values
-    return (scale * q.reshape(n, 2, 4, 2, 16)).reshape(n, 256)
-
-
 def _plain(dtype: str):
     def f(b: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(b).view(dtype).astype(np.float32)
@@ -197,23 +142,20 @@ def _plain(dtype: str):
     return f
 
 
-def _bf16(b: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(b).view("<u2").astype(np.uint32) << 16
-    return u.view(np.float32)
-
-
 _DEQUANT = {
     0: _plain("<f4"),
-    1: _plain("<f2"),
-    30: _bf16,
+    1: kquant.f16,
+    30: kquant.bf16,
     8: _q8_0,
     2: _q4_0,
     3: _q4_1,
     6: _q5_0,
     7: _q5_1,
-    12: _q4_k,
-    13: _q5_k,
-    14: _q6_k,
+    10: kquant.q2_k,
+    11: kquant.q3_k,
+    12: kquant.q4_k,
+    13: kquant.q5_k,
+    14: kquant.q6_k,
 }
 DEQUANTIZABLE: tuple[str, ...] = tuple(GGML_TYPES[i].name for i in _DEQUANT)
 """Names of the ggml types `dequantize_ggml` supports."""

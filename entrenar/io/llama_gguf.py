@@ -69,8 +69,12 @@ from entrenar.nn.hf_names import (
 from entrenar.quant import from_ggml
 from entrenar.types import Params
 
-KEEP_QUANTIZED = ("Q8_0", "Q4_0", "Q4_1")
-"""ggml types `load_llama_gguf(keep_quantized=True)` keeps as `QuantizedWeight`."""
+KEEP_QUANTIZED = (
+    *("Q8_0", "Q4_0", "Q4_1"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "BF16", "F16"),
+)
+"""ggml types `load_llama_gguf(keep_quantized=True)` keeps as stored: Q8_0/Q4_0/Q4_1
+as `QuantizedWeight`, the K-quants, BF16 and F16 as `entrenar.quant.GGMLWeight`."""
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -456,9 +460,9 @@ def load_llama_gguf(
     """Load a llama.cpp GGUF of any `LlamaConfig` family into entrenar's tree.
 
     The file is memory-mapped and read tensor by tensor: each stacked leaf is filled
-    layer by layer in ``dtype`` (or quantized layer by layer) and the file's pages
+    layer by layer in ``dtype`` (then quantized, if asked) and the file's pages
     given back before the next is read, so the load holds the final tree plus about
-    one layer (`entrenar.nn.hf_names.stream_stacked`).
+    one stacked leaf (`entrenar.nn.hf_names.stream_stacked`).
 
     Args:
         path: the ``.gguf`` file (or a `GGUFFile` already read).

@@ -4,7 +4,8 @@ Protocol: ``quantize(w, scheme) -> QuantizedWeight`` and ``dequantize(q) -> arra
 pure and jittable; a `QuantizedWeight` is a pytree node holding packed codes and
 scales with blocks along the last axis, so it stacks, slices and scans like an array,
 and `entrenar.nn.linear` multiplies by it directly. ``from_ggml`` / ``to_ggml``
-convert the llama.cpp formats (Q8_0, Q4_0, Q4_1) to and from GGUF bytes bit for bit.
+convert the llama.cpp formats (Q8_0, Q4_0, Q4_1) to and from GGUF bytes bit for bit;
+GGUF's K-quants, BF16 and F16 stay as stored in a `GGMLWeight` (frozen bases).
 ``fake_quant`` (straight-through gradients) serves QAT; ``calibrate`` / ``ptq`` serve
 post-training quantization; ``memory_report`` counts bytes as stored.
 """
@@ -19,6 +20,7 @@ from entrenar.quant.api import (
     quantize_params,
 )
 from entrenar.quant.ggml import from_ggml, to_ggml
+from entrenar.quant.kquant import GGMLWeight
 from entrenar.quant.nf4 import NF4_CODE
 from entrenar.quant.ptq import Range, calibrate, ptq
 from entrenar.quant.qat import fake_quant, fake_quant_range, round_ste
@@ -30,6 +32,7 @@ del _linear
 __all__ = [
     "NF4_CODE",
     "SCHEMES",
+    "GGMLWeight",
     "MemoryReport",
     "QuantizedWeight",
     "Range",

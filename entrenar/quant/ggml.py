@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import FormatError, QuantizationError
+from entrenar.quant.kquant import FORMATS, GGMLWeight, ggml_weight
 from entrenar.quant.weight import (
     QuantizedWeight,
     pack_nibbles,
@@ -119,12 +120,16 @@ def dequantize_ggml(q: QuantizedWeight, dtype: Any) -> jax.Array:
 
 def from_ggml(
     raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]
-) -> QuantizedWeight:
-    """A `QuantizedWeight` from a tensor's bytes as stored in GGUF, bit for bit.
+) -> QuantizedWeight | GGMLWeight:
+    """A weight node from a tensor's bytes as stored in GGUF, bit for bit.
+
+    Q8_0, Q4_0 and Q4_1 become a `QuantizedWeight`; the K-quants (Q2_K ... Q6_K),
+    BF16 and F16 a `GGMLWeight` holding the bytes as they are.
 
     Args:
         raw: the tensor's bytes (uint8, any shape; read as a flat buffer).
-        ggml_type: ``"Q8_0"``, ``"Q4_0"`` or ``"Q4_1"`` (case-insensitive).
+        ggml_type: ``"Q8_0"``, ``"Q4_0"``, ``"Q4_1"`` or a key of
+            `entrenar.quant.kquant.FORMATS` (case-insensitive).
         shape: the tensor's shape in row-major numpy order, ``(*lead, cols)`` with
             ``cols`` = GGUF ``ne[0]``.
 
@@ -141,10 +146,13 @@ def from_ggml(
         ((1, 32), 1.5)
     """
     kind = str(ggml_type).upper()
+    if kind in FORMATS:
+        return ggml_weight(raw, kind, shape)
     if kind not in BLOCK_BYTES:
         raise FormatError(
             f"GGML type {ggml_type!r} is not one entrenar.quant keeps quantized; "
-            f"expected one of {sorted(BLOCK_BYTES)} (dequantize other types on load)"
+            f"expected one of {sorted([*BLOCK_BYTES, *FORMATS])} (dequantize other "
+            f"types on load)"
         )
     shape = tuple(int(s) for s in shape)
     if len(shape) < 1 or any(s <= 0 for s in shape) or shape[-1] % QK:
@@ -187,15 +195,17 @@ def from_ggml(
     )
 
 
-def to_ggml(q: QuantizedWeight) -> tuple[np.ndarray, str]:
-    """GGUF bytes of a Q8_0 / Q4_0 / Q4_1 node: ``(raw uint8 (n_bytes,), ggml_type)``.
+def to_ggml(q: QuantizedWeight | GGMLWeight) -> tuple[np.ndarray, str]:
+    """GGUF bytes of a Q8_0 / Q4_0 / Q4_1 node or a `GGMLWeight`.
 
-    The exact inverse of `from_ggml`.
+    Returns ``(raw uint8 (n_bytes,), ggml_type)``: the exact inverse of `from_ggml`.
 
     Raises:
         QuantizationError: the node uses another scheme (quantize to one of the
             llama.cpp formats first, or write it dequantized).
     """
+    if isinstance(q, GGMLWeight):
+        return np.asarray(q.data, np.uint8).reshape(-1), q.ggml_type
     if q.scheme not in ("q8_0", "q4_0", "q4_1"):
         raise QuantizationError(
             f"to_ggml writes q8_0/q4_0/q4_1 nodes, got scheme {q.scheme!r}: "

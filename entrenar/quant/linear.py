@@ -21,20 +21,30 @@ decodes each row's codes in registers (AVX-512: 16 values per table permute) and
 multiplies them at once, so the dense matrix is never written: about 1.2-1.3x the
 float32 matmul at 4096 x 4096, batch 16. Its gradient is the block path's
 (a custom VJP), so training through it is unchanged.
+
+A `GGMLWeight` (a GGUF K-quant, BF16 or F16 tensor kept as stored) is always
+multiplied block by block: `GGML_BLOCK_VALUES` values of whole rows are decoded and
+used while in cache, in the forward pass (``y = x Ŵᵀ`` one block of output columns at
+a time) and in the backward pass (``dx = g Ŵ`` summed over the blocks); the frozen
+base gets no gradient, and no dense matrix is kept between the passes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entrenar import native
+from entrenar.errors import ShapeError
 from entrenar.nn.linear import lowp_matmul, weight_matmul
 from entrenar.quant.api import dequantize
+from entrenar.quant.kquant import GGMLWeight, decode_rows
 from entrenar.quant.nf4 import NF4_CODE, block_scales
 from entrenar.quant.weight import QuantizedWeight
 
@@ -150,4 +160,94 @@ def _native_matmul(w: QuantizedWeight, x: jax.Array) -> jax.Array:
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-__all__ = ["BLOCK_VALUES", "FEW_ROWS", "dequantized", "quantized_matmul"]
+GGML_BLOCK_VALUES = 1 << 18
+"""Values of a `GGMLWeight` decoded at a time (1 MiB in float32, about L2-sized)."""
+
+
+@weight_matmul.register(GGMLWeight)
+def ggml_matmul(
+    w: GGMLWeight, x: jax.Array, matmul_dtype: str | None = None
+) -> jax.Array:
+    """``x Ŵᵀ`` for ``w: (out, in)``, ``x: (..., in)``, decoding blocks of rows.
+
+    ``Ŵ`` is decoded in ``x``'s dtype, or in ``matmul_dtype`` (then float32
+    accumulation). The result has ``x``'s dtype.
+
+    Raises:
+        ShapeError: ``w`` is not a matrix (index a stacked weight per layer first).
+    """
+    if w.ndim != 2:
+        raise ShapeError(
+            f"a GGMLWeight multiplies as a matrix (out, in), got {w.shape}: index "
+            f"a stacked weight per layer (scan over layers) first"
+        )
+    out, fan_in = w.shape
+    dtype = jnp.dtype(matmul_dtype or x.dtype)
+    xs = x.reshape(-1, fan_in)  # (n, in)
+    y = _ggml_product(w, xs, _ggml_rows(out, fan_in), dtype)  # (n, out)
+    return y.reshape(*x.shape[:-1], out)
+
+
+def _ggml_rows(out: int, fan_in: int) -> int:
+    """Rows per block: the largest divisor of ``out`` within `GGML_BLOCK_VALUES`."""
+    rows = max(1, min(out, GGML_BLOCK_VALUES // fan_in))
+    while out % rows:
+        rows -= 1
+    return rows
+
+
+def _row_blocks(w: GGMLWeight, rows: int) -> jax.Array:
+    """``w.data (out, row_bytes)`` -> ``(out / rows, rows, row_bytes)``."""
+    return w.data.reshape(-1, rows, w.data.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _ggml_product(w: GGMLWeight, xs: jax.Array, rows: int, dtype: Any) -> jax.Array:
+    """``xs Ŵᵀ``: ``(n, in) -> (n, out)`` in ``xs``'s dtype, ``rows`` rows at a time.
+
+    ``Ŵ`` and ``xs`` enter the products in ``dtype``, accumulated in float32.
+    """
+    xd = xs.astype(dtype)
+
+    def block(data: jax.Array) -> jax.Array:  # (rows, row_bytes) -> (n, rows)
+        wb = decode_rows(data, w.ggml_type).astype(dtype)  # (rows, in)
+        return jnp.einsum("ni,ri->nr", xd, wb, preferred_element_type=jnp.float32)
+
+    y = jax.lax.map(block, _row_blocks(w, rows))  # (out / rows, n, rows)
+    return jnp.moveaxis(y, 0, 1).reshape(xs.shape[0], -1).astype(xs.dtype)
+
+
+def _ggml_fwd(w: GGMLWeight, xs: jax.Array, rows: int, dtype: Any) -> Any:
+    return _ggml_product(w, xs, rows, dtype), w
+
+
+def _ggml_bwd(rows: int, dtype: Any, res: Any, g: jax.Array) -> Any:
+    w = res
+    n, fan_in = g.shape[0], w.shape[1]
+    gb = jnp.moveaxis(g.reshape(n, -1, rows), 1, 0).astype(dtype)  # (out/rows, n, rows)
+
+    def step(dx: jax.Array, pair: tuple[jax.Array, jax.Array]) -> Any:
+        data, gk = pair  # (rows, row_bytes), (n, rows)
+        wb = decode_rows(data, w.ggml_type).astype(dtype)  # (rows, in)
+        dx = dx + jnp.einsum("nr,ri->ni", gk, wb, preferred_element_type=jnp.float32)
+        return dx, None
+
+    dx0 = jnp.zeros((n, fan_in), jnp.float32)
+    dx, _ = jax.lax.scan(step, dx0, (_row_blocks(w, rows), gb))  # (n, in)
+    frozen = jax.tree_util.tree_map(
+        lambda a: np.zeros(a.shape, jax.dtypes.float0), w
+    )  # the base is frozen: no gradient
+    return frozen, dx.astype(g.dtype)  # g has the dtype of y, which is x's
+
+
+_ggml_product.defvjp(_ggml_fwd, _ggml_bwd)
+
+
+__all__ = [
+    "BLOCK_VALUES",
+    "FEW_ROWS",
+    "GGML_BLOCK_VALUES",
+    "dequantized",
+    "ggml_matmul",
+    "quantized_matmul",
+]

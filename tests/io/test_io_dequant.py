@@ -76,5 +76,5 @@ def test_size_and_type_errors():
         row_bytes(8, 31)
     with pytest.raises(FormatError, match="unknown ggml"):
         dequantize_ggml(np.zeros(4, np.uint8), 99, (1,))
-    with pytest.raises(UnsupportedError, match="Q2_K"):
-        dequantize_ggml(np.zeros(84, np.uint8), 10, (256,))
+    with pytest.raises(UnsupportedError, match="Q8_K"):
+        dequantize_ggml(np.zeros(292, np.uint8), 15, (256,))
