@@ -185,9 +185,9 @@ def load_hf_folder(
     """Load a Hugging Face model folder of any registered family.
 
     The shards are memory-mapped and read tensor by tensor: each stacked leaf is
-    filled layer by layer in its final dtype (or quantized layer by layer) and the
+    filled layer by layer in its final dtype (then quantized, if asked) and the
     file's pages given back before the next is read, so the load holds the final
-    tree plus about one layer (`entrenar.nn.hf_names.stream_hf_names`).
+    tree plus about one stacked leaf (`entrenar.nn.hf_names.stream_hf_names`).
 
     Args:
         folder: holds ``config.json`` and the safetensors (module docstring).

@@ -11,9 +11,9 @@ A weight may be a registered node (LoRA, quantized) instead of an array: it is s
 per layer with `jax.tree_util.tree_map`, so each flat entry is a node of one layer.
 
 `stream_hf_names` builds the same tree one leaf at a time: each stacked leaf is filled
-layer by layer into an array of its final dtype (or quantized layer by layer into its
-final node, `Quantize`) before the next is read, so a load from memory-mapped files
-holds the final tree plus about one layer (specs/io.md, "Streaming loads").
+layer by layer into an array of its final dtype (then quantized into its final node
+if `Quantize` says so) before the next is read, so a load from memory-mapped files
+holds the final tree plus about one stacked leaf (specs/io.md, "Streaming loads").
 """
 
 from __future__ import annotations
@@ -40,13 +40,10 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 Quantize = Callable[[str, tuple[int, ...]], Callable[[jax.Array], Any] | None]
 """What a load does with a leaf: ``quantize(path, shape)`` is None to keep the leaf an
-array, or the function that turns it into its final node (e.g. NF4). ``path`` is the
-leaf's dotted tree path (``model.layers.self_attn.q_proj.weight``) and ``shape`` its
-whole shape (``(L, out, in)`` when stacked). A streaming load applies the function to
-each layer as a ``(1, out, in)`` slice and stacks the nodes, so it must treat leading
-axes independently (`entrenar.quant.quantize` does: blocks along the last axis, NF4's
-double quantization per matrix); one that does not (its node's arrays lack the leading
-``L``) is applied to the whole stacked leaf instead."""
+array, or the function that turns it into its final node (e.g. NF4), applied to the
+whole leaf once it is read. ``path`` is the leaf's dotted tree path
+(``model.layers.self_attn.q_proj.weight``) and ``shape`` its whole shape
+(``(L, out, in)`` when stacked)."""
 
 
 class HasParamShapes(Protocol):
@@ -195,7 +192,8 @@ def stream_hf_names(
 
     Every name and shape is checked before any tensor is read. Each tensor is read
     once, cast as `from_hf_names` casts it (``jnp.asarray(a).astype(dtype)``), copied
-    into its stacked leaf (or quantized, one layer at a time) and ``release``d.
+    into its leaf and ``release``d; a leaf ``quantize`` names is quantized whole once
+    read.
 
     Args:
         flat: arrays by Hugging Face name that cost nothing until read, e.g. the
@@ -350,9 +348,14 @@ def stream_stacked(
 ) -> Any:
     """The stacked leaf ``path`` of ``shape = (L, ...)`` from its ``L`` layers.
 
-    The leaf (or each array of its quantized node) is allocated once in its final
-    dtype and filled layer by layer in place (a donated ``dynamic_update_slice``),
-    so the load holds the final leaf plus one layer.
+    The leaf is allocated once in its final dtype and filled layer by layer in place
+    (a donated ``dynamic_update_slice``), then quantized whole if ``quantize`` names
+    it, so the load holds the final tree plus this one leaf.
+
+    Quantizing whole, not layer by layer, keeps the node bit for bit what quantizing
+    the loaded tree gives: NF4's double quantization takes a mean per layer whose
+    last bit depends on XLA's reduction order, which differs between ``(L, n)`` and
+    ``(1, n)`` (TinyLlama's MLP: 7 of 22 means one ulp apart).
 
     Args:
         path: the leaf's dotted tree path (what ``quantize`` is asked about).
@@ -361,40 +364,11 @@ def stream_stacked(
         layers: ``L`` readers, layer ``i`` in order.
         quantize: `Quantize`, or None.
     """
-    target = jax.ShapeDtypeStruct(shape, dtype)
-    fn = None if quantize is None else quantize(path, shape)
-    if fn is None:
-        fn, plan = _identity, target
-    else:
-        plan = jax.eval_shape(fn, target)
-        if not _per_layer(fn, plan, shape, dtype):
-            return fn(stream_stacked(path, shape, dtype, layers))
-    bufs, treedef = jax.tree_util.tree_flatten(plan)
-    out = [jnp.zeros(b.shape, b.dtype) for b in bufs]
+    a = jnp.zeros(shape, dtype)
     for i, read in enumerate(layers):
-        part = jax.tree_util.tree_leaves(fn(read()[None]))  # arrays of (1, ...)
-        out = [_put(o, p, jnp.int32(i)) for o, p in zip(out, part)]
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _identity(a: jax.Array) -> jax.Array:
-    return a
-
-
-def _per_layer(
-    fn: Callable[[jax.Array], Any], plan: Any, shape: tuple[int, ...], dtype: DType
-) -> bool:
-    """Whether ``fn`` of one ``(1, ...)`` layer gives the plan's arrays' ``[i:i+1]``."""
-    one = jax.eval_shape(fn, jax.ShapeDtypeStruct((1, *shape[1:]), dtype))
-    whole, treedef = jax.tree_util.tree_flatten(plan)
-    part, part_def = jax.tree_util.tree_flatten(one)
-    same = part_def == treedef  # type: ignore[operator]
-    return bool(same) and all(
-        w.shape[:1] == (shape[0],)
-        and p.shape == (1, *w.shape[1:])
-        and w.dtype == p.dtype
-        for w, p in zip(whole, part)
-    )
+        a = _put(a, read()[None], jnp.int32(i))  # (1, *layer_shape) at i
+    fn = None if quantize is None else quantize(path, shape)
+    return a if fn is None else fn(a)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
