@@ -373,8 +373,17 @@ def stream_stacked(
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _put(buf: jax.Array, part: jax.Array, i: jax.Array) -> jax.Array:
-    """``buf`` with ``part: (n, ...)`` written from index ``i`` of axis 0, in place."""
-    return jax.lax.dynamic_update_slice_in_dim(buf, part, i, axis=0)
+    """``buf`` with ``part: (n, ...)`` written from index ``i`` of axis 0, in place.
+
+    16-bit floats are written as their bits (XLA's CPU backend updates a bfloat16
+    buffer by a copy of the whole buffer: 10x slower at TinyLlama's MLP).
+    """
+    if buf.dtype.itemsize != 2:
+        return jax.lax.dynamic_update_slice_in_dim(buf, part, i, axis=0)
+    bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
+    new = jax.lax.bitcast_convert_type(part, jnp.uint16)
+    bits = jax.lax.dynamic_update_slice_in_dim(bits, new, i, axis=0)
+    return jax.lax.bitcast_convert_type(bits, buf.dtype)
 
 
 def _cast(a: jax.Array, dtype: DType | None) -> jax.Array:
