@@ -11,10 +11,11 @@ module reads its own fields on top (`entrenar.nn.qwen`, `entrenar.nn.gemma`, ...
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.nn.registry import Architecture, register_architecture
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 """Rotary scalings `LlamaConfig.rope_type` accepts (Hugging Face's names)."""
@@ -115,6 +116,21 @@ def sliding_layers(c: Any) -> tuple[bool, ...]:
 
 
 # ------------------------------------------------------------ config.json <-> fields
+ROPE_KEYS = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_position_embeddings",
+    "beta_fast": "rope_beta_fast",
+    "beta_slow": "rope_beta_slow",
+    "attention_factor": "rope_attention_factor",
+    "short_factor": "rope_short_factor",
+    "long_factor": "rope_long_factor",
+}
+"""A ``rope_scaling`` dict's keys -> the `LlamaConfig` fields of the rope type's
+parameters."""
+
+
 def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
     """`LlamaConfig` rope fields from a ``rope_scaling`` / ``rope_parameters`` dict.
 
@@ -144,18 +160,7 @@ def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_type": kind}
     if kind == "default":
         return out
-    keys = {
-        "factor": "rope_factor",
-        "low_freq_factor": "rope_low_freq_factor",
-        "high_freq_factor": "rope_high_freq_factor",
-        "original_max_position_embeddings": "rope_original_max_position_embeddings",
-        "beta_fast": "rope_beta_fast",
-        "beta_slow": "rope_beta_slow",
-        "attention_factor": "rope_attention_factor",
-        "short_factor": "rope_short_factor",
-        "long_factor": "rope_long_factor",
-    }
-    for key, field in keys.items():
+    for key, field in ROPE_KEYS.items():
         value = scaling.get(key)
         if value is None:
             continue
@@ -201,14 +206,19 @@ def rope_to_hf(c: Any) -> dict[str, Any] | None:
 
 
 def common_from_hf(
-    hf: Mapping[str, Any], source: str, default_theta: float = 10000.0
+    hf: Mapping[str, Any],
+    source: str,
+    default_theta: float = 10000.0,
+    act: str = "silu",
 ) -> dict[str, Any]:
     """The fields every decoder family shares, from a ``config.json`` dict.
 
-    Reads ``rope_theta`` and ``rope_scaling`` (old style) or ``rope_parameters``
+    Checks that the activation is the family's ``act`` (`check_hidden_act`); reads
+    ``rope_theta`` and ``rope_scaling`` (old style) or ``rope_parameters``
     (transformers 5). A family with per-layer ``rope_parameters`` (Gemma 3) reads
     its rope fields itself.
     """
+    check_hidden_act(hf, source, act)
     heads = int(hf["num_attention_heads"])
     rope = hf.get("rope_parameters") or {}
     layered = isinstance(rope, Mapping) and any(t in rope for t in LAYER_TYPES)
@@ -232,9 +242,21 @@ def common_from_hf(
     return fields
 
 
-def common_to_hf(c: Any, hf_class: str, model_type: str) -> dict[str, Any]:
-    """The ``config.json`` entries every decoder family shares."""
-    return {
+def common_to_hf(
+    c: Any, hf_class: str, model_type: str, allowed: tuple[str, ...]
+) -> dict[str, Any]:
+    """The ``config.json`` entries every decoder family shares.
+
+    ``allowed``: the switches the family's file holds (`refuse_switches`). A family
+    that allows ``attention_out_bias`` has one ``attention_bias`` entry for q, k, v
+    and o_proj, written here.
+
+    Raises:
+        UnsupportedError: a switch off its default that the file cannot hold.
+    """
+    family = hf_class.removesuffix("ForCausalLM")
+    refuse_switches(c, family, allowed)
+    hf: dict[str, Any] = {
         "architectures": [hf_class],
         "model_type": model_type,
         "vocab_size": c.vocab_size,
@@ -252,6 +274,15 @@ def common_to_hf(c: Any, hf_class: str, model_type: str) -> dict[str, Any]:
         "max_position_embeddings": c.max_position_embeddings,
         "initializer_range": c.initializer_range,
     }
+    if "attention_out_bias" in allowed:
+        if c.attention_bias != c.attention_out_bias:
+            raise UnsupportedError(
+                f"{family}'s config.json has one attention_bias for q, k, v and "
+                "o_proj; LlamaConfig.attention_bias and attention_out_bias must be "
+                "equal"
+            )
+        hf["attention_bias"] = c.attention_bias
+    return hf
 
 
 def check_hidden_act(hf: Mapping[str, Any], source: str, want: str) -> None:
@@ -279,6 +310,54 @@ def refuse_switches(c: Any, family: str, allowed: tuple[str, ...]) -> None:
             )
 
 
+TINY_SIZES: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+}
+"""The sizes of the families' tiny conformance configs (`Architecture.tiny`)."""
+
+
+def register_family(
+    config_class: type,
+    name: str,
+    summary: str,
+    *,
+    hf_class: str,
+    from_hf: Callable[[Mapping[str, Any]], Any],
+    to_hf: Callable[[Any], dict[str, Any]],
+    tiny: Callable[[], Any],
+    model_type: str | None = None,
+    in_gguf: bool = True,
+    defaults: Mapping[str, Any] | None = None,
+) -> Architecture:
+    """Register the decoder family ``name`` (a ``config_class`` with its switches).
+
+    Its Hugging Face ``model_type`` and GGUF name are ``name`` unless ``model_type``
+    says otherwise or ``in_gguf`` is False (llama.cpp writes it as another
+    family); `Architecture.make_config` sets ``architecture=name`` and
+    ``defaults``.
+    """
+    return register_architecture(
+        Architecture(
+            name=name,
+            config_class=config_class,
+            summary=summary,
+            hf_model_types=(model_type or name,),
+            hf_class=hf_class,
+            gguf_name=name if in_gguf else None,
+            from_hf=from_hf,
+            to_hf=to_hf,
+            defaults={"architecture": name, **(defaults or {})},
+            tiny=tiny,
+        )
+    )
+
+
 SWITCHES = (
     "rope_type",
     "rope_local_theta",
@@ -304,13 +383,16 @@ SWITCHES = (
 __all__ = [
     "HIDDEN_ACTS",
     "LAYER_TYPES",
+    "ROPE_KEYS",
     "ROPE_TYPES",
     "SWITCHES",
+    "TINY_SIZES",
     "check_hidden_act",
     "check_switches",
     "common_from_hf",
     "common_to_hf",
     "refuse_switches",
+    "register_family",
     "rope_from_hf",
     "rope_to_hf",
     "sliding_layers",

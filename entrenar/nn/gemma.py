@@ -22,14 +22,13 @@ from typing import Any
 
 from entrenar.errors import UnsupportedError
 from entrenar.nn.decoder_config import (
-    check_hidden_act,
+    TINY_SIZES,
     common_from_hf,
     common_to_hf,
-    refuse_switches,
+    register_family,
     rope_from_hf,
 )
 from entrenar.nn.llama import LlamaConfig
-from entrenar.nn.registry import Architecture, register_architecture
 
 _GELU = "gelu_pytorch_tanh"
 _GEMMA = {
@@ -59,7 +58,6 @@ def _gemma_fields(hf: Mapping[str, Any], pattern: int) -> dict[str, Any]:
             "config.json: use_bidirectional_attention is not supported (causal "
             "attention only)"
         )
-    check_hidden_act(hf, "config.json", _GELU)
     n = int(hf["num_hidden_layers"])
     pattern = int(hf.get("sliding_window_pattern", pattern))
     types = hf.get("layer_types") or [
@@ -82,22 +80,15 @@ def _gemma_fields(hf: Mapping[str, Any], pattern: int) -> dict[str, Any]:
 
 
 def _gemma_to_hf(c: LlamaConfig, hf_class: str, model_type: str) -> dict[str, Any]:
-    gemma3 = ("qk_norm", "rope_local_theta") if model_type != "gemma2" else ()
-    refuse_switches(c, hf_class, (*_SWITCHES, *gemma3))
     for name, want in _GEMMA.items():
         if name != "tie_word_embeddings" and getattr(c, name) != want:
             raise UnsupportedError(
                 f"LlamaConfig.{name} must be {want!r} in a Gemma config"
             )
-    if c.attention_bias != c.attention_out_bias:
-        raise UnsupportedError(
-            "Gemma's config.json has one attention_bias for q, k, v and o_proj; "
-            "LlamaConfig.attention_bias and attention_out_bias must be equal"
-        )
-    hf = common_to_hf(c, hf_class, model_type)
+    gemma3 = ("qk_norm", "rope_local_theta") if model_type != "gemma2" else ()
+    hf = common_to_hf(c, hf_class, model_type, (*_SWITCHES, *gemma3))
     hf["hidden_activation"] = hf.pop("hidden_act")
     hf.update(
-        attention_bias=c.attention_bias,
         query_pre_attn_scalar=_number(c.query_pre_attn_scalar or c.hd),
         sliding_window=c.sliding_window,
         layer_types=None if c.layer_types is None else list(c.layer_types),
@@ -114,7 +105,7 @@ def _number(x: float) -> float | int:
 
 def gemma2_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: gemma2`` ``config.json`` as a `LlamaConfig`."""
-    fields = {**common_from_hf(hf, "config.json"), **_gemma_fields(hf, 2)}
+    fields = {**common_from_hf(hf, "config.json", act=_GELU), **_gemma_fields(hf, 2)}
     return LlamaConfig(**fields, architecture="gemma2")
 
 
@@ -130,7 +121,10 @@ def gemma3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     layers' ``rope_local_base_freq``, or transformers 5's per-layer-type
     ``rope_parameters``.
     """
-    fields = {**common_from_hf(hf, "config.json", 1_000_000.0), **_gemma_fields(hf, 6)}
+    fields = {
+        **common_from_hf(hf, "config.json", 1_000_000.0, _GELU),
+        **_gemma_fields(hf, 6),
+    }
     local = hf.get("rope_local_base_freq", 10_000.0)
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
@@ -160,13 +154,7 @@ def gemma3_to_hf(c: LlamaConfig) -> dict[str, Any]:
 
 _TINY: dict[str, Any] = dict(
     **_GEMMA,
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
+    **TINY_SIZES,
     attention_bias=True,
     attention_out_bias=True,
     sliding_window=4,
@@ -198,34 +186,26 @@ def _tiny_gemma3() -> LlamaConfig:
     )
 
 
-register_architecture(
-    Architecture(
-        name="gemma2",
-        config_class=LlamaConfig,
-        summary="Gemma 2: sandwich norms, GeGLU, soft-capping, local/global layers",
-        hf_model_types=("gemma2",),
-        hf_class="Gemma2ForCausalLM",
-        gguf_name="gemma2",
-        from_hf=gemma2_from_hf,
-        to_hf=gemma2_to_hf,
-        defaults={**_GEMMA, "architecture": "gemma2"},
-        tiny=_tiny_gemma2,
-    )
+register_family(
+    LlamaConfig,
+    "gemma2",
+    "Gemma 2: sandwich norms, GeGLU, soft-capping, local/global layers",
+    hf_class="Gemma2ForCausalLM",
+    from_hf=gemma2_from_hf,
+    to_hf=gemma2_to_hf,
+    tiny=_tiny_gemma2,
+    defaults=_GEMMA,
 )
-
-register_architecture(
-    Architecture(
-        name="gemma3",
-        config_class=LlamaConfig,
-        summary="Gemma 3 (text): Gemma 2 with q/k norms and local rotary bases",
-        hf_model_types=("gemma3_text",),
-        hf_class="Gemma3ForCausalLM",
-        gguf_name="gemma3",
-        from_hf=gemma3_from_hf,
-        to_hf=gemma3_to_hf,
-        defaults={**_GEMMA, "architecture": "gemma3", "qk_norm": True},
-        tiny=_tiny_gemma3,
-    )
+register_family(
+    LlamaConfig,
+    "gemma3",
+    "Gemma 3 (text): Gemma 2 with q/k norms and local rotary bases",
+    hf_class="Gemma3ForCausalLM",
+    from_hf=gemma3_from_hf,
+    to_hf=gemma3_to_hf,
+    tiny=_tiny_gemma3,
+    model_type="gemma3_text",
+    defaults={**_GEMMA, "qk_norm": True},
 )
 
 __all__ = ["gemma2_from_hf", "gemma2_to_hf", "gemma3_from_hf", "gemma3_to_hf"]

@@ -33,11 +33,11 @@ from entrenar.nn.attention import (
 )
 from entrenar.nn.bf16_weight import TiedEmbedding
 from entrenar.nn.decoder_config import (
-    check_hidden_act,
+    TINY_SIZES,
     check_switches,
     common_from_hf,
     common_to_hf,
-    refuse_switches,
+    register_family,
     sliding_layers,
 )
 from entrenar.nn.init import normal
@@ -50,12 +50,7 @@ from entrenar.nn.layers import (
     upcast_dtype,
 )
 from entrenar.nn.linear import check_matmul_dtype, linear
-from entrenar.nn.registry import (
-    Architecture,
-    architecture,
-    architecture_for_hf,
-    register_architecture,
-)
+from entrenar.nn.registry import architecture, architecture_for_hf
 from entrenar.nn.rope import rope_tables, rotate
 from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
 from entrenar.types import Params, PRNGKey
@@ -742,7 +737,6 @@ _LLAMA_SWITCHES = ("rope_type", "attention_bias", "attention_out_bias", "mlp_bia
 
 def llama_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A Llama 1-3.x ``config.json`` (``model_type: llama``) as a `LlamaConfig`."""
-    check_hidden_act(hf, "config.json", "silu")
     bias = bool(hf.get("attention_bias", False))
     return LlamaConfig(
         **common_from_hf(hf, "config.json"),
@@ -754,14 +748,7 @@ def llama_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
 
 def llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
     """The ``config.json`` of a Llama `LlamaConfig`."""
-    refuse_switches(c, "Llama", _LLAMA_SWITCHES)
-    if c.attention_bias != c.attention_out_bias:
-        raise UnsupportedError(
-            "Llama's config.json has one attention_bias for q, k, v and o_proj; "
-            "LlamaConfig.attention_bias and attention_out_bias must be equal"
-        )
-    hf = common_to_hf(c, "LlamaForCausalLM", "llama")
-    hf["attention_bias"] = c.attention_bias
+    hf = common_to_hf(c, "LlamaForCausalLM", "llama", _LLAMA_SWITCHES)
     hf["mlp_bias"] = c.mlp_bias
     return hf
 
@@ -769,14 +756,7 @@ def llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
 def _tiny_llama() -> LlamaConfig:
     """Llama 3.1-style: llama3 rope scaling, biases everywhere, untied head."""
     return LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
+        **TINY_SIZES,
         rope_type="llama3",
         rope_factor=8.0,
         rope_low_freq_factor=1.0,
@@ -788,19 +768,15 @@ def _tiny_llama() -> LlamaConfig:
     )
 
 
-register_architecture(
-    Architecture(
-        name="llama",
-        config_class=LlamaConfig,
-        summary="Llama 1-3.x: RMSNorm, rotary embeddings (llama3, linear, dynamic "
-        "scaling), grouped-query attention, SwiGLU",
-        hf_model_types=("llama",),
-        hf_class="LlamaForCausalLM",
-        gguf_name="llama",
-        from_hf=llama_from_hf,
-        to_hf=llama_to_hf,
-        tiny=_tiny_llama,
-    )
+register_family(
+    LlamaConfig,
+    "llama",
+    "Llama 1-3.x: RMSNorm, rotary embeddings (llama3, linear, dynamic scaling), "
+    "grouped-query attention, SwiGLU",
+    hf_class="LlamaForCausalLM",
+    from_hf=llama_from_hf,
+    to_hf=llama_to_hf,
+    tiny=_tiny_llama,
 )
 
 __all__ = ["COMPUTE_DTYPES", "REMAT_POLICIES", "Llama", "LlamaConfig", "check_dtype"]

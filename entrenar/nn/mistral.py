@@ -11,18 +11,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from entrenar.nn.decoder_config import (
-    check_hidden_act,
+    TINY_SIZES,
     common_from_hf,
     common_to_hf,
-    refuse_switches,
+    register_family,
 )
 from entrenar.nn.llama import LlamaConfig
-from entrenar.nn.registry import Architecture, register_architecture
 
 
 def mistral_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: mistral`` ``config.json`` as a `LlamaConfig`."""
-    check_hidden_act(hf, "config.json", "silu")
     window = hf.get("sliding_window")
     return LlamaConfig(
         **common_from_hf(hf, "config.json"),
@@ -33,8 +31,9 @@ def mistral_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
 
 def mistral_to_hf(c: LlamaConfig) -> dict[str, Any]:
     """The ``config.json`` of a Mistral `LlamaConfig`."""
-    refuse_switches(c, "Mistral", ("rope_type", "sliding_window"))
-    hf = common_to_hf(c, "MistralForCausalLM", "mistral")
+    hf = common_to_hf(
+        c, "MistralForCausalLM", "mistral", ("rope_type", "sliding_window")
+    )
     hf["sliding_window"] = c.sliding_window
     return hf
 
@@ -42,14 +41,8 @@ def mistral_to_hf(c: LlamaConfig) -> dict[str, Any]:
 def _tiny() -> LlamaConfig:
     """Sliding window 4 (shorter than the tests' sequences), dynamic NTK rope."""
     return LlamaConfig(
+        **TINY_SIZES,
         architecture="mistral",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
         rope_type="dynamic",
         rope_factor=2.0,
         max_position_embeddings=8,
@@ -57,19 +50,15 @@ def _tiny() -> LlamaConfig:
     )
 
 
-register_architecture(
-    Architecture(
-        name="mistral",
-        config_class=LlamaConfig,
-        summary="Mistral: Llama with sliding-window attention",
-        hf_model_types=("mistral",),
-        hf_class="MistralForCausalLM",
-        gguf_name=None,  # llama.cpp writes Mistral as general.architecture "llama"
-        from_hf=mistral_from_hf,
-        to_hf=mistral_to_hf,
-        defaults={"architecture": "mistral"},
-        tiny=_tiny,
-    )
+register_family(
+    LlamaConfig,
+    "mistral",
+    "Mistral: Llama with sliding-window attention",
+    hf_class="MistralForCausalLM",
+    from_hf=mistral_from_hf,
+    to_hf=mistral_to_hf,
+    tiny=_tiny,
+    in_gguf=False,  # llama.cpp writes Mistral as general.architecture "llama"
 )
 
 __all__ = ["mistral_from_hf", "mistral_to_hf"]

@@ -15,20 +15,18 @@ from typing import Any
 
 from entrenar.errors import UnsupportedError
 from entrenar.nn.decoder_config import (
-    check_hidden_act,
+    TINY_SIZES,
     common_from_hf,
     common_to_hf,
-    refuse_switches,
+    register_family,
 )
 from entrenar.nn.llama import LlamaConfig
-from entrenar.nn.registry import Architecture, register_architecture
 
 _SWITCHES = ("rope_type", "sliding_window", "fused_qkv", "fused_gate_up")
 
 
 def phi3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: phi3`` ``config.json`` as a `LlamaConfig`."""
-    check_hidden_act(hf, "config.json", "silu")
     hf = dict(hf)
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     scaling = dict(hf.get(key) or {})
@@ -53,14 +51,13 @@ def phi3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
 
 def phi3_to_hf(c: LlamaConfig) -> dict[str, Any]:
     """The ``config.json`` of a Phi-3 `LlamaConfig`."""
-    refuse_switches(c, "Phi3", _SWITCHES)
     if c.hd * c.num_heads != c.hidden_size:
         raise UnsupportedError(
             "Phi-3's config.json has no head_dim (transformers checks its rope "
             f"factors against hidden_size / heads): head_dim {c.hd} must be "
             f"{c.hidden_size // c.num_heads}"
         )
-    hf = common_to_hf(c, "Phi3ForCausalLM", "phi3")
+    hf = common_to_hf(c, "Phi3ForCausalLM", "phi3", _SWITCHES)
     hf["sliding_window"] = c.sliding_window
     # transformers' Phi-3 defaults (32000 and 32064's neighbours) lie outside a
     # small vocabulary; the token ids are the tokenizer's, written by entrenar.io
@@ -74,14 +71,8 @@ def _tiny() -> LlamaConfig:
     """Fused weights, LongRoPE past a context of 8, sliding window 4, untied."""
     half = 8  # head_dim 16
     return LlamaConfig(
+        **{**TINY_SIZES, "hidden_size": 64},
         architecture="phi3",
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
         rms_norm_eps=1e-5,
         fused_qkv=True,
         fused_gate_up=True,
@@ -95,19 +86,15 @@ def _tiny() -> LlamaConfig:
     )
 
 
-register_architecture(
-    Architecture(
-        name="phi3",
-        config_class=LlamaConfig,
-        summary="Phi-3 / Phi-3.5-mini: fused qkv and gate_up weights, LongRoPE",
-        hf_model_types=("phi3",),
-        hf_class="Phi3ForCausalLM",
-        gguf_name="phi3",
-        from_hf=phi3_from_hf,
-        to_hf=phi3_to_hf,
-        defaults={"architecture": "phi3", "fused_qkv": True, "fused_gate_up": True},
-        tiny=_tiny,
-    )
+register_family(
+    LlamaConfig,
+    "phi3",
+    "Phi-3 / Phi-3.5-mini: fused qkv and gate_up weights, LongRoPE",
+    hf_class="Phi3ForCausalLM",
+    from_hf=phi3_from_hf,
+    to_hf=phi3_to_hf,
+    tiny=_tiny,
+    defaults={"fused_qkv": True, "fused_gate_up": True},
 )
 
 __all__ = ["phi3_from_hf", "phi3_to_hf"]

@@ -12,15 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from entrenar.errors import UnsupportedError
 from entrenar.nn.decoder_config import (
-    check_hidden_act,
+    TINY_SIZES,
     common_from_hf,
     common_to_hf,
-    refuse_switches,
+    register_family,
 )
 from entrenar.nn.llama import LlamaConfig
-from entrenar.nn.registry import Architecture, register_architecture
 
 _QWEN2_SWITCHES = ("rope_type", "attention_bias", "sliding_window", "layer_types")
 _QWEN3_SWITCHES = (*_QWEN2_SWITCHES, "attention_out_bias", "qk_norm")
@@ -55,7 +53,6 @@ def _windows_to_hf(c: LlamaConfig) -> dict[str, Any]:
 
 def qwen2_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: qwen2`` ``config.json`` (Qwen2, Qwen2.5) as a `LlamaConfig`."""
-    check_hidden_act(hf, "config.json", "silu")
     return LlamaConfig(
         **common_from_hf(hf, "config.json"),
         architecture="qwen2",
@@ -66,15 +63,13 @@ def qwen2_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
 
 def qwen2_to_hf(c: LlamaConfig) -> dict[str, Any]:
     """The ``config.json`` of a Qwen2 `LlamaConfig`."""
-    refuse_switches(c, "Qwen2", _QWEN2_SWITCHES)
-    hf = common_to_hf(c, "Qwen2ForCausalLM", "qwen2")
+    hf = common_to_hf(c, "Qwen2ForCausalLM", "qwen2", _QWEN2_SWITCHES)
     hf.update(_windows_to_hf(c))
     return hf
 
 
 def qwen3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: qwen3`` ``config.json`` as a `LlamaConfig`."""
-    check_hidden_act(hf, "config.json", "silu")
     bias = bool(hf.get("attention_bias", False))
     return LlamaConfig(
         **common_from_hf(hf, "config.json"),
@@ -88,29 +83,17 @@ def qwen3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
 
 def qwen3_to_hf(c: LlamaConfig) -> dict[str, Any]:
     """The ``config.json`` of a Qwen3 `LlamaConfig`."""
-    refuse_switches(c, "Qwen3", _QWEN3_SWITCHES)
-    if c.attention_bias != c.attention_out_bias:
-        raise UnsupportedError(
-            "Qwen3's config.json has one attention_bias for q, k, v and o_proj; "
-            "LlamaConfig.attention_bias and attention_out_bias must be equal"
-        )
-    hf = common_to_hf(c, "Qwen3ForCausalLM", "qwen3")
-    hf["attention_bias"] = c.attention_bias
+    hf = common_to_hf(c, "Qwen3ForCausalLM", "qwen3", _QWEN3_SWITCHES)
     hf.update(_windows_to_hf(c))
     return hf
 
 
 _TINY: dict[str, Any] = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
+    **TINY_SIZES,
     sliding_window=4,
     layer_types=("full_attention", "sliding_attention"),
+    tie_word_embeddings=True,
+    attention_bias=True,
 )
 
 
@@ -119,8 +102,6 @@ def _tiny_qwen2() -> LlamaConfig:
     return LlamaConfig(
         **_TINY,
         architecture="qwen2",
-        attention_bias=True,
-        tie_word_embeddings=True,
         rope_type="yarn",
         rope_factor=4.0,
         rope_original_max_position_embeddings=32,
@@ -134,42 +115,31 @@ def _tiny_qwen3() -> LlamaConfig:
         **_TINY,
         architecture="qwen3",
         qk_norm=True,
-        attention_bias=True,
         attention_out_bias=True,
-        tie_word_embeddings=True,
         rope_type="linear",
         rope_factor=2.0,
     )
 
 
-register_architecture(
-    Architecture(
-        name="qwen2",
-        config_class=LlamaConfig,
-        summary="Qwen2 / Qwen2.5: Llama with q/k/v biases",
-        hf_model_types=("qwen2",),
-        hf_class="Qwen2ForCausalLM",
-        gguf_name="qwen2",
-        from_hf=qwen2_from_hf,
-        to_hf=qwen2_to_hf,
-        defaults={"architecture": "qwen2", "attention_bias": True},
-        tiny=_tiny_qwen2,
-    )
+register_family(
+    LlamaConfig,
+    "qwen2",
+    "Qwen2 / Qwen2.5: Llama with q/k/v biases",
+    hf_class="Qwen2ForCausalLM",
+    from_hf=qwen2_from_hf,
+    to_hf=qwen2_to_hf,
+    tiny=_tiny_qwen2,
+    defaults={"attention_bias": True},
 )
-
-register_architecture(
-    Architecture(
-        name="qwen3",
-        config_class=LlamaConfig,
-        summary="Qwen3: Llama with per-head q/k RMSNorm",
-        hf_model_types=("qwen3",),
-        hf_class="Qwen3ForCausalLM",
-        gguf_name="qwen3",
-        from_hf=qwen3_from_hf,
-        to_hf=qwen3_to_hf,
-        defaults={"architecture": "qwen3", "qk_norm": True},
-        tiny=_tiny_qwen3,
-    )
+register_family(
+    LlamaConfig,
+    "qwen3",
+    "Qwen3: Llama with per-head q/k RMSNorm",
+    hf_class="Qwen3ForCausalLM",
+    from_hf=qwen3_from_hf,
+    to_hf=qwen3_to_hf,
+    tiny=_tiny_qwen3,
+    defaults={"qk_norm": True},
 )
 
 __all__ = ["qwen2_from_hf", "qwen2_to_hf", "qwen3_from_hf", "qwen3_to_hf"]
