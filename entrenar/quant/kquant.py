@@ -71,8 +71,18 @@ def _i8(b: Array) -> Array:
     return jax.lax.bitcast_convert_type(b, jnp.int8)
 
 
-def _shifts(xp: Any, values: list[int], shape: tuple[int, ...]) -> Array:
-    return xp.asarray(np.array(values, np.uint8).reshape(shape))
+def _wide(b: Array, shape: tuple[int, ...]) -> Array:
+    """Bytes as int32 (the same integers) of ``shape``."""
+    return b.astype(np.int32).reshape(shape)
+
+
+def _fields(x: Array, shifts: list[int], mask: int, axis: int) -> Array:
+    """``(x >> s) & mask`` for each shift, laid along ``axis`` (size 1 in ``x``).
+
+    Scalar shifts of int32, joined: XLA's CPU code vectorizes these, where shifts
+    of uint8 or by a broadcast array of amounts run 3-5x slower.
+    """
+    return _xp(x).concatenate([(x >> s) & mask for s in shifts], axis=axis)
 
 
 def _k_scales(s: Array) -> tuple[Array, Array]:
@@ -89,72 +99,72 @@ def _k_scales(s: Array) -> tuple[Array, Array]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+# The decoders keep each value's position as axes, (n, ..., 16 or 32), and give
+# the per-sub-block factors size-1 axes, so nothing is reshaped before the last
+# step: value i of a block sits at the row-major index of its axes.
+
+
 def q2_k(b: Array) -> Array:
     """Q2_K blocks ``(n, 84)`` -> float32 ``(n, 256)``."""
-    xp, n = _xp(b), b.shape[0]
-    sc = b[:, 0:16]
+    n = b.shape[0]
+    sc = _wide(b[:, 0:16], (n, 16))  # sub-block 8h + 2k + s: half h, field k, s
     d, dmin = _f16(b[:, 80:82])[:, None], _f16(b[:, 82:84])[:, None]
-    dl = (d * (sc & 15).astype(np.float32)).reshape(n, 16, 1)
-    ml = (dmin * (sc >> 4).astype(np.float32)).reshape(n, 16, 1)
-    qs = b[:, 16:80].reshape(n, 2, 1, 32) >> _shifts(xp, [0, 2, 4, 6], (1, 1, 4, 1))
-    q = (qs & 3).reshape(n, 16, 16).astype(np.float32)  # (n, 16 sub-blocks, 16)
+    dl = (d * (sc & 15).astype(np.float32)).reshape(n, 2, 4, 2, 1)
+    ml = (dmin * (sc >> 4).astype(np.float32)).reshape(n, 2, 4, 2, 1)
+    qs = _wide(b[:, 16:80], (n, 2, 1, 2, 16))
+    q = _fields(qs, [0, 2, 4, 6], 3, axis=2).astype(np.float32)  # (n, 2, 4, 2, 16)
     return (dl * q - ml).reshape(n, 256)
 
 
 def q3_k(b: Array) -> Array:
     """Q3_K blocks ``(n, 110)`` -> float32 ``(n, 256)``."""
-    xp, n = _xp(b), b.shape[0]
-    hmask, qs, s = b[:, 0:32], b[:, 32:96], b[:, 96:108]
+    n = b.shape[0]
     d = _f16(b[:, 108:110])[:, None]
-    low = s[:, 0:8].reshape(n, 1, 8) >> _shifts(xp, [0, 4], (1, 2, 1))
-    high = s[:, 8:12].reshape(n, 1, 4) >> _shifts(xp, [0, 2, 4, 6], (1, 4, 1))
-    sc6 = (low.reshape(n, 16) & 15) | ((high.reshape(n, 16) & 3) << 4)
-    sc = (_i8(sc6) - np.int8(32)).astype(np.float32)  # (n, 16)
-    dl = (d * sc).reshape(n, 16, 1)
-    ql = qs.reshape(n, 2, 1, 32) >> _shifts(xp, [0, 2, 4, 6], (1, 1, 4, 1))
-    qh = hmask.reshape(n, 1, 1, 32) >> _shifts(xp, list(range(8)), (1, 1, 8, 1))
-    ql = ql.reshape(n, 16, 16) & 3
-    qh = (qh.reshape(n, 16, 16) & 1) ^ 1  # a clear bit subtracts 4
-    q = (_i8(ql) - _i8(qh << 2)).astype(np.float32)
-    return (dl * q).reshape(n, 256)
+    low = _fields(_wide(b[:, 96:104], (n, 1, 8)), [0, 4], 15, axis=1)  # (n, 2, 8)
+    high = _fields(_wide(b[:, 104:108], (n, 1, 4)), [0, 2, 4, 6], 3, axis=1)
+    sc = low.reshape(n, 16) | (high.reshape(n, 16) << 4)  # 6 bits
+    dl = (d * (sc - 32).astype(np.float32)).reshape(n, 2, 4, 2, 1)
+    ql = _fields(_wide(b[:, 32:96], (n, 2, 1, 2, 16)), [0, 2, 4, 6], 3, axis=2)
+    qh = _fields(_wide(b[:, 0:32], (n, 1, 2, 16)), list(range(8)), 1, axis=1)
+    q = ql - ((qh.reshape(n, 2, 4, 2, 16) ^ 1) << 2)  # a clear mask bit: -4
+    return (dl * q.astype(np.float32)).reshape(n, 256)
 
 
 def q4_k(b: Array) -> Array:
     """Q4_K blocks ``(n, 144)`` -> float32 ``(n, 256)``."""
-    xp, n = _xp(b), b.shape[0]
+    n = b.shape[0]
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-    sc, mn = _k_scales(b[:, 4:16])  # (n, 8)
-    qs = b[:, 16:144].reshape(n, 4, 1, 32) >> _shifts(xp, [0, 4], (1, 1, 2, 1))
-    q = (qs & 15).reshape(n, 8, 32).astype(np.float32)  # chunk c: sub-blocks 2c, 2c+1
-    x = (d * sc).reshape(n, 8, 1) * q - (dmin * mn).reshape(n, 8, 1)
+    sc, mn = _k_scales(_wide(b[:, 4:16], (n, 12)))  # (n, 8): sub-block 2c + j
+    qs = _wide(b[:, 16:144], (n, 4, 1, 32))
+    q = _fields(qs, [0, 4], 15, axis=2).astype(np.float32)  # (n, 4, 2, 32): c, j
+    x = (d * sc).reshape(n, 4, 2, 1) * q - (dmin * mn).reshape(n, 4, 2, 1)
     return x.reshape(n, 256)
 
 
 def q5_k(b: Array) -> Array:
     """Q5_K blocks ``(n, 176)`` -> float32 ``(n, 256)``."""
-    xp, n = _xp(b), b.shape[0]
+    n = b.shape[0]
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-    sc, mn = _k_scales(b[:, 4:16])
-    ql = b[:, 48:176].reshape(n, 4, 1, 32) >> _shifts(xp, [0, 4], (1, 1, 2, 1))
-    qh = b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(xp, list(range(8)), (1, 1, 8, 1))
-    q = (ql & 15).reshape(n, 8, 32) | ((qh & 1).reshape(n, 8, 32) << 4)
-    x = (d * sc).reshape(n, 8, 1) * q.astype(np.float32) - (dmin * mn).reshape(n, 8, 1)
+    sc, mn = _k_scales(_wide(b[:, 4:16], (n, 12)))
+    ql = _fields(_wide(b[:, 48:176], (n, 4, 1, 32)), [0, 4], 15, axis=2)
+    qh = _fields(_wide(b[:, 16:48], (n, 1, 32)), list(range(8)), 1, axis=1)
+    q = (ql | (qh.reshape(n, 4, 2, 32) << 4)).astype(np.float32)  # (n, 4, 2, 32)
+    x = (d * sc).reshape(n, 4, 2, 1) * q - (dmin * mn).reshape(n, 4, 2, 1)
     return x.reshape(n, 256)
 
 
 def q6_k(b: Array) -> Array:
     """Q6_K blocks ``(n, 210)`` -> float32 ``(n, 256)``."""
-    xp, n = _xp(b), b.shape[0]
+    n = b.shape[0]
     sc = _i8(b[:, 192:208]).astype(np.float32)  # (n, 16)
     d = _f16(b[:, 208:210])[:, None]
-    dl = (d * sc).reshape(n, 16, 1)
-    # Each half of 128 values: quarter k takes nibble k // 2 of 64 ql bytes (chunk
-    # k % 2) and bits 2k..2k+1 of 32 qh bytes.
-    ql = b[:, 0:128].reshape(n, 2, 1, 64) >> _shifts(xp, [0, 4], (1, 1, 2, 1))
-    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts(xp, [0, 2, 4, 6], (1, 1, 4, 1))
-    q = (ql & 15).reshape(n, 8, 32) | ((qh & 3).reshape(n, 8, 32) << 4)
-    q = (_i8(q) - np.int8(32)).reshape(n, 16, 16).astype(np.float32)
-    return (dl * q).reshape(n, 256)
+    dl = (d * sc).reshape(n, 2, 2, 2, 2, 1)
+    # Value 128h + 32k + 16s + l, quarter k = 2k2 + c: nibble k2 of ql byte
+    # 64h + 32c + 16s + l, bits 2k..2k+1 of qh byte 32h + 16s + l.
+    ql = _fields(_wide(b[:, 0:128], (n, 2, 1, 2, 2, 16)), [0, 4], 15, axis=2)
+    qh = _fields(_wide(b[:, 128:192], (n, 2, 1, 2, 16)), [0, 2, 4, 6], 3, axis=2)
+    q = (ql | (qh.reshape(n, 2, 2, 2, 2, 16) << 4)) - 32  # (n, h, k2, c, s, l)
+    return (dl * q.astype(np.float32)).reshape(n, 256)
 
 
 def bf16(b: Array) -> Array:
