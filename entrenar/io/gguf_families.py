@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from entrenar.nn.decoder_config import ROPE_KEYS, SWITCHES
+
 GLOBAL_STEMS = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -79,28 +81,14 @@ SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
 FAMILY_KEY = "entrenar.family"
 """GGUF key of the JSON object of fields llama.cpp's keys cannot state."""
+_TOLD_BY_TENSORS = frozenset(
+    "attention_bias attention_out_bias mlp_bias qk_norm fused_qkv fused_gate_up".split()
+)
 SWITCH_FIELDS = (
     "architecture",
     "rope_type",
-    "rope_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_position_embeddings",
-    "rope_beta_fast",
-    "rope_beta_slow",
-    "rope_attention_factor",
-    "rope_short_factor",
-    "rope_long_factor",
-    "rope_local_theta",
-    "sliding_window",
-    "layer_types",
-    "hidden_act",
-    "norm_unit_offset",
-    "sandwich_norms",
-    "scale_embeddings",
-    "query_pre_attn_scalar",
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
+    *ROPE_KEYS.values(),  # the rope type's parameters
+    *(s for s in SWITCHES if s != "rope_type" and s not in _TOLD_BY_TENSORS),
 )
 """`LlamaConfig` fields ``entrenar.family`` may hold (nothing else is read from it):
 the switches not told by the tensor table (biases, q/k norms and fused weights are)."""
