@@ -27,11 +27,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_reader import GGUFFile, read_gguf
-from entrenar.io.hf_tokenizer import HFTokenizer
+from entrenar.io.hf_tokenizer import HFTokenizer, RustTokenizer
 from entrenar.io.tokenizer import (
     _DIGIT_SPLIT_PRE,
     _GPT2_PRE,
@@ -61,7 +59,7 @@ def token_bytes(tokens: Sequence[str], token_types: Sequence[int]) -> list[bytes
     return out
 
 
-class FastTokenizer:
+class FastTokenizer(RustTokenizer):
     """`BPETokenizer`'s ids at Rust speed (Hugging Face ``tokenizers``).
 
     Args:
@@ -150,49 +148,10 @@ class FastTokenizer:
             pad_id=None if pad is None else int(pad),
         )
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of tokens."""
-        return len(self.tokens)
-
     @functools.cached_property
     def token_bytes(self) -> list[bytes]:
         """Bytes of each token id (see `token_bytes`)."""
         return token_bytes(self.tokens, self.token_types)
-
-    def _bos(self, add_bos: bool | None) -> list[int]:
-        add = self.add_bos if add_bos is None else add_bos
-        return [int(self.bos_id)] if add and self.bos_id is not None else []
-
-    def encode(
-        self, text: str, *, add_bos: bool | None = None, special: bool = False
-    ) -> list[int]:
-        """Token ids of ``text`` (same arguments and ids as `BPETokenizer.encode`)."""
-        ids = self._hf[bool(special)].encode(text, add_special_tokens=False).ids
-        return self._bos(add_bos) + list(ids)
-
-    def encode_batch(
-        self,
-        texts: Sequence[str],
-        *,
-        add_bos: bool | None = None,
-        special: bool = False,
-    ) -> list[list[int]]:
-        """`encode` of each text, in parallel threads (Rust's rayon)."""
-        t = self._hf[bool(special)]
-        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets.
-        run = getattr(t, "encode_batch_fast", t.encode_batch)
-        encs = run(list(texts), add_special_tokens=False)
-        bos = self._bos(add_bos)
-        return [bos + list(e.ids) for e in encs]
-
-    def decode(self, ids: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
-        """Text of ``ids`` (control tokens dropped unless ``special``)."""
-        ids = [int(i) for i in ids]
-        for i in ids:
-            if not 0 <= i < len(self.tokens):
-                raise FormatError(f"token id {i} is outside the vocabulary")
-        return str(self._hf[0].decode(ids, skip_special_tokens=not special))
 
     def hf_json(self) -> str:
         """This tokenizer as a Hugging Face ``tokenizer.json`` (the same ids).

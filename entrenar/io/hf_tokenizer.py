@@ -107,7 +107,61 @@ def eos_ids_of(generation: Mapping[str, Any], where: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-class HFTokenizer:
+class RustTokenizer:
+    """Encoding and decoding through Hugging Face ``tokenizers`` (in Rust).
+
+    The part of the tokenizer protocol `HFTokenizer` and
+    `entrenar.data.FastTokenizer` share. A subclass sets ``tokens``, ``bos_id``,
+    ``add_bos`` and ``_hf``: two ``tokenizers.Tokenizer``, the first with
+    ``encode_special_tokens`` (special tokens in text stay text), the second
+    parsing them (``special=True``).
+    """
+
+    tokens: Sequence[str]
+    bos_id: int | None
+    add_bos: bool
+    _hf: list[Any]
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (holes included)."""
+        return len(self.tokens)
+
+    def _bos(self, add_bos: bool | None) -> list[int]:
+        add = self.add_bos if add_bos is None else add_bos
+        return [int(self.bos_id)] if add and self.bos_id is not None else []
+
+    def encode(
+        self, text: str, *, add_bos: bool | None = None, special: bool = False
+    ) -> list[int]:
+        """Token ids of ``text`` (BOS by ``add_bos``, default `add_bos`)."""
+        ids = self._hf[bool(special)].encode(text, add_special_tokens=False).ids
+        return self._bos(add_bos) + list(ids)
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        *,
+        add_bos: bool | None = None,
+        special: bool = False,
+    ) -> list[list[int]]:
+        """`encode` of each text, in parallel threads (Rust's rayon)."""
+        t = self._hf[bool(special)]
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets.
+        run = getattr(t, "encode_batch_fast", t.encode_batch)
+        bos = self._bos(add_bos)
+        return [bos + list(e.ids) for e in run(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
+        """Text of ``ids`` (special tokens dropped unless ``special``)."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < len(self.tokens):
+                raise FormatError(f"token id {i} is outside the vocabulary")
+        return str(self._hf[0].decode(ids, skip_special_tokens=not special))
+
+
+class HFTokenizer(RustTokenizer):
     """A ``tokenizers`` tokenizer with entrenar's tokenizer protocol (module doc).
 
     Args:
@@ -242,11 +296,6 @@ class HFTokenizer:
         tok.pre = str(g.metadata.get("tokenizer.ggml.pre", "default"))
         return tok
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids (holes included)."""
-        return len(self.tokens)
-
     @functools.cached_property
     def token_bytes(self) -> list[bytes]:
         """Bytes each token id stands for (``▁`` a space, ``<0xNN>`` the byte)."""
@@ -263,30 +312,6 @@ class HFTokenizer:
             else:
                 out.append(tok.replace("\u2581", " ").encode("utf-8"))
         return out
-
-    def _bos(self, add_bos: bool | None) -> list[int]:
-        add = self.add_bos if add_bos is None else add_bos
-        return [int(self.bos_id)] if add and self.bos_id is not None else []
-
-    def encode(
-        self, text: str, *, add_bos: bool | None = None, special: bool = False
-    ) -> list[int]:
-        """Token ids of ``text`` (BOS by ``add_bos``, default `add_bos`)."""
-        ids = self._hf[bool(special)].encode(text, add_special_tokens=False).ids
-        return self._bos(add_bos) + list(ids)
-
-    def encode_batch(
-        self,
-        texts: Sequence[str],
-        *,
-        add_bos: bool | None = None,
-        special: bool = False,
-    ) -> list[list[int]]:
-        """`encode` of each text, in parallel threads (Rust's rayon)."""
-        t = self._hf[bool(special)]
-        run = getattr(t, "encode_batch_fast", t.encode_batch)
-        bos = self._bos(add_bos)
-        return [bos + list(e.ids) for e in run(list(texts), add_special_tokens=False)]
 
     def encode_offsets_batch(
         self, texts: Sequence[str], *, special: bool = False
@@ -305,14 +330,6 @@ class HFTokenizer:
             spans = [(int(a), int(b)) for a, b in e.offsets]
             out.append((bos + list(e.ids), [(0, 0)] * len(bos) + spans))
         return out
-
-    def decode(self, ids: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
-        """Text of ``ids`` (special tokens dropped unless ``special``)."""
-        ids = [int(i) for i in ids]
-        for i in ids:
-            if not 0 <= i < len(self.tokens):
-                raise FormatError(f"token id {i} is outside the vocabulary")
-        return str(self._hf[0].decode(ids, skip_special_tokens=not special))
 
     def hf_json(self) -> str:
         """The ``tokenizer.json`` text it was read from."""
@@ -355,6 +372,7 @@ def tokenizer_files(tok: Any, *, max_length: int | None = None) -> dict[str, str
 __all__ = [
     "MAX_TOKENIZER_BYTES",
     "HFTokenizer",
+    "RustTokenizer",
     "eos_ids_of",
     "tokenizer_files",
 ]
