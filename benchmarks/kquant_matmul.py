@@ -3,7 +3,8 @@
 A (2048 x 2048) weight in each ggml type `entrenar.quant.GGMLWeight` keeps (random
 valid blocks), ``y = x Wᵀ`` with ``x: (batch, 2048)`` through `entrenar.nn.linear`,
 jitted: the forward alone and the forward plus the input-gradient (``dx = g W``, as
-a QLoRA step needs), each as a ratio to the same on the dense float32 matrix. The
+a QLoRA step needs), each as a ratio to the same on the dense float32 matrix of the
+same values (timed alternately with it, medians). The
 blocked path decodes `GGML_BLOCK_VALUES` values of whole rows at a time, never the
 whole matrix. The load average is printed with the results: on shared cores it
 moves the ratios.
@@ -49,14 +50,20 @@ def node(kind: str, rng: np.random.Generator):
     return from_ggml(raw, kind, (N, N))
 
 
-def median_time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
+def paired_times(f, args_f, h, args_h, repeats: int) -> tuple[float, float]:
+    """Median times of ``f(*args_f)`` and ``h(*args_h)``, run alternately.
+
+    Alternating keeps both in the same window of the shared machine's load.
+    """
+    jax.block_until_ready(f(*args_f))  # compile + warm up
+    jax.block_until_ready(h(*args_h))
+    tf, th = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        for fn, args, out in ((f, args_f, tf), (h, args_h, th)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            out.append(time.perf_counter() - t0)
+    return float(np.median(tf)), float(np.median(th))
 
 
 def forward(x, w):
@@ -84,24 +91,23 @@ def main() -> None:
         f"jax {jax.__version__}, weight {N}x{N}, block {args.block_values} values, "
         f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
     )
-    print("| type | MiB | batch | fwd ms | fwd / f32 | fwd+dx ms | fwd+dx / f32 |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| type | MiB (f32 16.0) | batch | fwd f32 ms | fwd ms | fwd / f32 | "
+        "fwd+dx f32 ms | fwd+dx ms | fwd+dx / f32 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     nodes = {kind: node(kind, rng) for kind in args.types}
     for batch in args.batch:
         x = jnp.asarray(rng.standard_normal((batch, N)), jnp.float32)
         g = jnp.asarray(rng.standard_normal((batch, N)), jnp.float32)
-        dense = to_dense(nodes[args.types[0]])
-        t_f = median_time(f_fwd, x, dense, repeats=args.repeats)
-        t_b = median_time(f_bwd, x, dense, g, repeats=args.repeats)
-        mib = N * N * 4 / 2**20
-        print(f"| float32 | {mib:.1f} | {batch} | {t_f * 1e3:.2f} | 1.00 | "
-              f"{t_b * 1e3:.2f} | 1.00 |")  # fmt: skip
         for kind, w in nodes.items():
-            tf = median_time(f_fwd, x, w, repeats=args.repeats)
-            tb = median_time(f_bwd, x, w, g, repeats=args.repeats)
+            dense = to_dense(w)  # the peer: the same values as a float32 matrix
+            t_f, tf = paired_times(f_fwd, (x, dense), f_fwd, (x, w), args.repeats)
+            t_b, tb = paired_times(f_bwd, (x, dense, g), f_bwd, (x, w, g), args.repeats)
             print(
-                f"| {kind} | {nbytes(w) / 2**20:.1f} | {batch} | {tf * 1e3:.2f} | "
-                f"{tf / t_f:.2f} | {tb * 1e3:.2f} | {tb / t_b:.2f} |"
+                f"| {kind} | {nbytes(w) / 2**20:.1f} | {batch} | {t_f * 1e3:.2f} | "
+                f"{tf * 1e3:.2f} | **{tf / t_f:.2f}** | {t_b * 1e3:.2f} | "
+                f"{tb * 1e3:.2f} | **{tb / t_b:.2f}** |"
             )
     load = os.getloadavg()
     print(f"load after: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
