@@ -13,12 +13,14 @@ included):
 
 Targets: float32 and bfloat16 leaves, and a QLoRA run's NF4 bases
 (`entrenar.runs.models.base_quantizer`; rank 16 on q/k/v/o as in the issue, and on
-every linear layer). Each case hashes its tree, so the table also says whether the two
-loads gave the same bytes. The file read alone (``readinto`` of every shard, from the
-page cache) is the floor of the time.
+every linear layer); with ``--cases gguf-float32,gguf-keep-q8_0``, a Q8_0 GGUF of the
+same model (`load_llama_gguf`, dequantized or kept). Each case hashes its tree, so the
+table also says whether the two loads gave the same bytes. The file read alone
+(``readinto`` of every shard, from the page cache) is the floor of the time.
 
 Usage: ``python benchmarks/load_memory.py [--dir /tmp/entrenar-load-memory]
 [--cases float32,bfloat16,nf4-qkvo,nf4-all] [--write-md benchmarks/results/scale.md]``
+(``--layers 2`` for a quick check).
 """
 
 from __future__ import annotations
@@ -40,8 +42,13 @@ CASES = {
     "bfloat16": ("bfloat16", None),
     "nf4-qkvo": ("float32", ["q_proj", "k_proj", "v_proj", "o_proj"]),
     "nf4-all": ("float32", "all-linear"),
+    "gguf-float32": ("float32", None),
+    "gguf-keep-q8_0": ("float32", None),
 }
-"""Case -> (the load's dtype, the LoRA targets whose bases are NF4, or None)."""
+"""Case -> (the load's dtype, the LoRA targets whose bases are NF4, or None). The
+``gguf-`` cases load a Q8_0 GGUF of the same model (written from the folder once):
+dequantized to float32, or its projections kept as Q8_0 (``keep_quantized``)."""
+DEFAULT_CASES = "float32,bfloat16,nf4-qkvo,nf4-all"
 
 TINYLLAMA = dict(
     vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_layers=22,
@@ -102,6 +109,18 @@ def write_folder(folder: str, layers: int, shard_bytes: int = 1_300_000_000) -> 
             json.dump(value, f, indent=2)
 
 
+def gguf_path(folder: str) -> str:
+    return folder.rstrip("/") + "-q8_0.gguf"
+
+
+def write_gguf(folder: str) -> None:
+    """The folder as a Q8_0 GGUF (embeddings too), as llama.cpp's converter writes."""
+    from entrenar import io
+
+    config, params = io.load_hf_llama(folder, dtype="float32")
+    io.save_llama_gguf(gguf_path(folder), config, params, tensor_type="Q8_0")
+
+
 def measure(folder: str, case: str, stream: bool) -> dict[str, Any]:
     """One load in this process: seconds, peak and growth of RSS, tree bytes, hash."""
     import jax
@@ -123,7 +142,14 @@ def measure(folder: str, case: str, stream: bool) -> dict[str, Any]:
         quantize = base_quantizer(config)
     before = status("VmRSS")
     t0 = time.perf_counter()
-    _, params = io.load_hf_folder(folder, dtype=dtype, quantize=quantize, stream=stream)
+    if case.startswith("gguf-"):
+        _, params, _ = io.load_llama_gguf(
+            gguf_path(folder), keep_quantized=case.endswith("keep-q8_0"), stream=stream
+        )
+    else:
+        _, params = io.load_hf_folder(
+            folder, dtype=dtype, quantize=quantize, stream=stream
+        )
     jax.block_until_ready(params)
     seconds = time.perf_counter() - t0
     peak = status("VmHWM")
@@ -157,13 +183,17 @@ def read_seconds(folder: str) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/entrenar-load-memory")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=DEFAULT_CASES, help=f"of {', '.join(CASES)}")
     ap.add_argument("--layers", type=int, default=22, help="fewer for a quick check")
     ap.add_argument("--write-md", default=None, help="append the table to this file")
+    ap.add_argument("--write-gguf", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--measure", nargs=2, metavar=("CASE", "STREAM"), default=None)
     args = ap.parse_args()
     folder = os.path.join(args.dir, f"tinyllama-shape-{args.layers}-layers-bf16")
-    if args.measure:  # the child: one load
+    if args.write_gguf:  # a child: the GGUF, without the parent holding the model
+        write_gguf(folder)
+        return
+    if args.measure:  # a child: one load
         case, stream = args.measure
         print(json.dumps(measure(folder, case, stream == "stream")))
         return
@@ -171,6 +201,14 @@ def main() -> None:
         t0 = time.perf_counter()
         write_folder(folder, args.layers)
         print(f"wrote {folder} in {time.perf_counter() - t0:.0f} s", flush=True)
+    if "gguf-" in args.cases and not os.path.exists(gguf_path(folder)):
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, __file__, "--dir", args.dir,
+             "--layers", str(args.layers), "--write-gguf"],
+            check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )  # fmt: skip
+        print(f"wrote {gguf_path(folder)} in {time.perf_counter() - t0:.0f} s")
     read_s, nbytes = read_seconds(folder)
     read_s, nbytes = read_seconds(folder)  # the second from the page cache
     load = os.getloadavg()
