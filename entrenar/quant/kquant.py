@@ -271,6 +271,11 @@ def ggml_weight(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> GGML
     Raises:
         FormatError: not a type of `FORMATS`, a row that is not whole blocks, or
             ``raw`` of the wrong size or dtype.
+
+    Example:
+        >>> w = ggml_weight(np.array([0, 63, 0, 192], np.uint8), "BF16", (1, 2))
+        >>> w.shape, to_dense(w).tolist()  # bits 0x3f00, 0xc000
+        ((1, 2), [[0.5, -2.0]])
     """
     kind = str(ggml_type).upper()
     fmt = FORMATS.get(kind)
