@@ -129,6 +129,29 @@ def test_matmul_never_decodes_more_than_a_block_of_rows(monkeypatch):
     assert "f32[8,256]" in jaxpr and "f32[32,256]" not in jaxpr
 
 
+def test_compiled_product_and_gradient_hold_less_than_the_dense_matrix(monkeypatch):
+    monkeypatch.setattr(qlinear, "GGML_BLOCK_VALUES", 8 * 1024)  # 8 of 128 rows
+    node = random_node("Q6_K", 128, 1024)
+    x = jnp.ones((4, 1024))
+
+    def loss(x, w):  # w an argument: a closed-over node would be constant-folded
+        return jnp.sum(nn.linear(x, w))
+
+    def whole(x, w):
+        return jnp.sum(x @ to_dense(w).T)
+
+    def temp_bytes(f):
+        memory = jax.jit(f).lower(x, node).compile().memory_analysis()
+        if memory is None:  # a backend that does not report it
+            pytest.skip("no memory analysis on this backend")
+        return memory.temp_size_in_bytes
+
+    dense_bytes = 128 * 1024 * 4
+    assert temp_bytes(whole) >= dense_bytes  # the measure sees a dense matrix
+    assert temp_bytes(loss) < dense_bytes / 4
+    assert temp_bytes(jax.grad(loss)) < dense_bytes / 4
+
+
 PROJECTION_TYPES = {
     "q_proj": "Q4_K",  # q/k rows are permuted on load: whole super-blocks move
     "k_proj": "Q5_K",
