@@ -399,7 +399,27 @@ def files_recipe(
     seed: int = 0,
     quantized: str = "correct",
 ) -> Recipe:
-    """The `Recipe` of a merge given by arguments, as `merge_files` takes them."""
+    """The `Recipe` of a merge given by arguments (`merge_files` runs it).
+
+    Args:
+        models: the models to merge (the base is given separately).
+        method: a `entrenar.merge.recipe.METHODS` name.
+        base: the base model (SLERP's ``t = 0`` end).
+        weights: one weight per model (default 1 each).
+        density: TIES/DARE density, one for all or one per model.
+        drop_rate: DARE's drop probability (sets ``density = 1 - drop_rate``).
+        t: SLERP's ``t``, a number or a per-layer schedule.
+        lam: λ.
+        normalize: override the method's default.
+        dtype: ``float32``, ``float16`` or ``bfloat16``.
+        seed: DARE's random seed.
+        quantized: ``"correct"``, ``"refuse"`` or ``"keep"`` a task vector that is
+            mostly re-quantization noise (`entrenar.merge.noise`).
+
+    Raises:
+        ConfigError: conflicting or miscounted arguments, or a recipe they make
+            that `parse_recipe` refuses.
+    """
     if drop_rate is not None:
         if density is not None:
             raise ConfigError("give density or drop_rate, not both")
@@ -441,17 +461,7 @@ def merge_files(
     models: Sequence[str | os.PathLike[str]],
     method: str,
     output: str | os.PathLike[str] | None = None,
-    *,
-    base: str | os.PathLike[str] | None = None,
-    weights: Sequence[float] | None = None,
-    density: float | Sequence[float] | None = None,
-    drop_rate: float | None = None,
-    t: float | Sequence[float] | None = None,
-    lam: float | None = None,
-    normalize: bool | None = None,
-    dtype: str | None = None,
-    seed: int = 0,
-    quantized: str = "correct",
+    **options: Any,
 ) -> Model:
     """Merge model files without writing a recipe (what ``entrenar merge`` calls).
 
@@ -459,33 +469,11 @@ def merge_files(
         models: the models to merge (the base is given separately).
         method: a `entrenar.merge.recipe.METHODS` name.
         output: where to write (see `run_recipe`); None writes nothing.
-        base: the base model (SLERP's ``t = 0`` end).
-        weights: one weight per model (default 1 each).
-        density: TIES/DARE density, one for all or one per model.
-        drop_rate: DARE's drop probability (sets ``density = 1 - drop_rate``).
-        t: SLERP's ``t``, a number or a per-layer schedule.
-        lam: λ.
-        normalize: override the method's default.
-        dtype: ``float32``, ``float16`` or ``bfloat16``.
-        seed: DARE's random seed.
-        quantized: ``"correct"``, ``"refuse"`` or ``"keep"`` a task vector that is
-            mostly re-quantization noise (`entrenar.merge.noise`).
+        **options: `files_recipe`'s keywords (``base``, ``weights``, ``density``,
+            ``drop_rate``, ``t``, ``lam``, ``normalize``, ``dtype``, ``seed``,
+            ``quantized``).
     """
-    recipe = files_recipe(
-        models,
-        method,
-        base=base,
-        weights=weights,
-        density=density,
-        drop_rate=drop_rate,
-        t=t,
-        lam=lam,
-        normalize=normalize,
-        dtype=dtype,
-        seed=seed,
-        quantized=quantized,
-    )
-    return run_recipe(recipe, output)
+    return run_recipe(files_recipe(models, method, **options), output)
 
 
 __all__ = [
