@@ -72,15 +72,22 @@ def _i8(b: Array) -> Array:
 
 
 def _wide(b: Array, shape: tuple[int, ...]) -> Array:
-    """Bytes as int32 (the same integers) of ``shape``."""
+    """Bytes of ``shape`` for cutting bit fields: int32 in JAX, uint8 in numpy.
+
+    The same integers: XLA's CPU code vectorizes int32 shifts (uint8 ones run 3-5x
+    slower), numpy's uint8 ones are fastest. Signed steps happen in float32, where
+    these small integers are exact.
+    """
+    if isinstance(b, np.ndarray):
+        return b.reshape(shape)
     return b.astype(np.int32).reshape(shape)
 
 
 def _fields(x: Array, shifts: list[int], mask: int, axis: int) -> Array:
     """``(x >> s) & mask`` for each shift, laid along ``axis`` (size 1 in ``x``).
 
-    Scalar shifts of int32, joined: XLA's CPU code vectorizes these, where shifts
-    of uint8 or by a broadcast array of amounts run 3-5x slower.
+    Scalar shifts, joined: XLA's CPU code vectorizes these, where shifts by a
+    broadcast array of amounts run 3-5x slower.
     """
     return _xp(x).concatenate([(x >> s) & mask for s in shifts], axis=axis)
 
@@ -123,11 +130,11 @@ def q3_k(b: Array) -> Array:
     low = _fields(_wide(b[:, 96:104], (n, 1, 8)), [0, 4], 15, axis=1)  # (n, 2, 8)
     high = _fields(_wide(b[:, 104:108], (n, 1, 4)), [0, 2, 4, 6], 3, axis=1)
     sc = low.reshape(n, 16) | (high.reshape(n, 16) << 4)  # 6 bits
-    dl = (d * (sc - 32).astype(np.float32)).reshape(n, 2, 4, 2, 1)
+    dl = (d * (sc.astype(np.float32) - 32)).reshape(n, 2, 4, 2, 1)
     ql = _fields(_wide(b[:, 32:96], (n, 2, 1, 2, 16)), [0, 2, 4, 6], 3, axis=2)
     qh = _fields(_wide(b[:, 0:32], (n, 1, 2, 16)), list(range(8)), 1, axis=1)
-    q = ql - ((qh.reshape(n, 2, 4, 2, 16) ^ 1) << 2)  # a clear mask bit: -4
-    return (dl * q.astype(np.float32)).reshape(n, 256)
+    minus = ((qh.reshape(n, 2, 4, 2, 16) ^ 1) << 2).astype(np.float32)  # bit 0: 4
+    return (dl * (ql.astype(np.float32) - minus)).reshape(n, 256)
 
 
 def q4_k(b: Array) -> Array:
@@ -163,8 +170,8 @@ def q6_k(b: Array) -> Array:
     # 64h + 32c + 16s + l, bits 2k..2k+1 of qh byte 32h + 16s + l.
     ql = _fields(_wide(b[:, 0:128], (n, 2, 1, 2, 2, 16)), [0, 4], 15, axis=2)
     qh = _fields(_wide(b[:, 128:192], (n, 2, 1, 2, 16)), [0, 2, 4, 6], 3, axis=2)
-    q = (ql | (qh.reshape(n, 2, 2, 2, 2, 16) << 4)) - 32  # (n, h, k2, c, s, l)
-    return (dl * q.astype(np.float32)).reshape(n, 256)
+    q = (ql | (qh.reshape(n, 2, 2, 2, 2, 16) << 4)).astype(np.float32) - 32
+    return (dl * q).reshape(n, 256)  # q: (n, h, k2, c, s, l)
 
 
 def bf16(b: Array) -> Array:
