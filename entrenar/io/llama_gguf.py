@@ -466,9 +466,10 @@ def load_llama_gguf(
 
     Args:
         path: the ``.gguf`` file (or a `GGUFFile` already read).
-        keep_quantized: keep the layers' projection weights stored as Q8_0, Q4_0 or
-            Q4_1 as `entrenar.quant.QuantizedWeight` nodes (for QLoRA); everything
-            else (norms, embeddings, biases, other types) is dequantized.
+        keep_quantized: keep the layers' projection weights as stored (for QLoRA):
+            Q8_0, Q4_0 and Q4_1 as `entrenar.quant.QuantizedWeight` nodes, the
+            K-quants (Q2_K-Q6_K), BF16 and F16 as `entrenar.quant.GGMLWeight`;
+            everything else (norms, embeddings, biases, F32) is dequantized.
         dtype: dtype of the dequantized leaves.
         quantize: which dequantized leaves to quantize as they are read, and how
             (`entrenar.nn.hf_names.Quantize`); leaves kept quantized stay as stored.

@@ -50,10 +50,10 @@ from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_ggu
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
 from entrenar.io.llama_gguf import permute_qk
-from entrenar.nn import LlamaConfig
+from entrenar.nn import LlamaConfig, to_dense
 from entrenar.nn.decoder_config import sliding_layers
 from entrenar.nn.rope_scaling import attention_factor
-from entrenar.quant import QuantizedWeight, dequantize, quantize, to_ggml
+from entrenar.quant import GGMLWeight, QuantizedWeight, dequantize, quantize, to_ggml
 from entrenar.types import Params
 
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -72,6 +72,8 @@ def _quantize_jit() -> Any:
 
 def _to_bytes(w: Any, kind: str, name: str) -> np.ndarray:
     """Stored bytes of ``w: (..., rows, cols)`` in ``kind``, as ``(..., rows, nb)``."""
+    if isinstance(w, GGMLWeight):  # a base kept in its file's type: rewritten in kind
+        w = np.asarray(to_dense(w), np.float32)
     if kind in ("Q8_0", "Q4_0", "Q4_1"):
         if not (isinstance(w, QuantizedWeight) and w.scheme == kind.lower()):
             a = dequantize(w, np.float32) if isinstance(w, QuantizedWeight) else w

@@ -9,8 +9,12 @@ from entrenar.errors import ShapeError
 
 
 def quantize_base(w: Any, scheme: str, name: str) -> Any:
-    """``w`` as a `QuantizedWeight` (NF4 with double quantization); kept if already."""
-    if quant.is_quantized(w):
+    """``w`` as a `QuantizedWeight` (NF4 with double quantization).
+
+    Kept as it is when already quantized: a `QuantizedWeight`, or a GGUF base kept in
+    its file's type (`entrenar.quant.GGMLWeight`: Q4_K, Q6_K, BF16, ...).
+    """
+    if quant.is_quantized(w) or isinstance(w, quant.GGMLWeight):
         return w
     try:
         return quant.quantize(w, scheme, double_quant=scheme == "nf4")

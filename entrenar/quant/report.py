@@ -11,7 +11,8 @@ import dataclasses
 import math
 from typing import Any
 
-from entrenar.nn.weight_node import logical_dtype, logical_shape, nbytes
+from entrenar.nn.weight_node import is_weight_node, logical_dtype, logical_shape, nbytes
+from entrenar.quant.kquant import GGMLWeight
 from entrenar.quant.weight import QuantizedWeight
 from entrenar.tree import tree_named_leaves
 from entrenar.types import PyTree
@@ -86,11 +87,11 @@ def memory_report(params: PyTree) -> MemoryReport:
         (160, 260, ['float32', 'nf4'])
     """
     entries = []
-    for name, x in tree_named_leaves(
-        params, is_leaf=lambda v: isinstance(v, QuantizedWeight)
-    ):
+    for name, x in tree_named_leaves(params, is_leaf=is_weight_node):
         if isinstance(x, QuantizedWeight):
             kind = x.scheme + ("+dq" if x.double_quant else "")
+        elif isinstance(x, GGMLWeight):  # a GGUF base kept as stored (Q4_K, BF16, ...)
+            kind = x.ggml_type
         else:
             kind = logical_dtype(x).name
         n = math.prod(logical_shape(x))

@@ -250,3 +250,25 @@ def test_qlora_step_on_kquant_bases_equals_the_dequantized_model(kquant_gguf):
     assert_trees_allclose(grads_k, grads_d, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(after_k, after_d, rtol=1e-6)
     assert float(after_k) != float(loss_k)
+
+
+def test_kquant_bases_pass_through_qlora_export_and_memory_report(
+    kquant_gguf, tmp_path
+):
+    """QLoRA keeps them, the GGUF writer rewrites them, the report reads them."""
+    from entrenar.quant import memory_report
+
+    config, kept, _ = load_llama_gguf(kquant_gguf, keep_quantized=True)
+    cfg = LoRAConfig(rank=4, alpha=8, targets=tuple(PROJECTION_TYPES))
+    params = lora.apply(kept, cfg, key=jax.random.key(0), quantize="nf4")
+    q = params["model"]["layers"]["self_attn"]["q_proj"]["weight"]
+    assert isinstance(q.base, GGMLWeight) and q.base.ggml_type == "Q4_K"
+    save_llama_gguf(tmp_path / "out.gguf", config, lora.fold(params))
+    _, again, _ = load_llama_gguf(tmp_path / "out.gguf")
+    ref = to_dense(kept["model"]["layers"]["mlp"]["up_proj"]["weight"])  # BF16
+    np.testing.assert_array_equal(
+        again["model"]["layers"]["mlp"]["up_proj"]["weight"], ref
+    )
+    kinds = {e.name: (e.kind, e.bits_per_param) for e in memory_report(kept).entries}
+    kind, bits_q = kinds["model.layers.self_attn.q_proj.weight"]
+    assert kind == "Q4_K" and bits_q == pytest.approx(4.5)
