@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -34,6 +35,12 @@ NODES = {
     ),
     "bfloat16": (Bfloat16Weight.from_array(W), ["bits"]),
     "tied": (TiedEmbedding.from_array(W), ["table", "head_t"]),
+    "ggml": (  # a GGUF base kept as stored: here BF16 rows, 2 bytes per value
+        quant.GGMLWeight(
+            jnp.asarray(np.asarray(W, ml_dtypes.bfloat16).view(np.uint8)), "BF16"
+        ),
+        ["data"],
+    ),
 }
 
 
