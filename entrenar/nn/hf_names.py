@@ -335,8 +335,7 @@ def stream_one(
         for start in range(0, shape[0], step):
             part = read_rows(start, min(start + step, shape[0]))
             a = _put(a, part, jnp.int32(start))
-    fn = None if quantize is None else quantize(path, shape)
-    return a if fn is None else fn(a)
+    return _quantized(path, a, quantize)
 
 
 def stream_stacked(
@@ -367,8 +366,13 @@ def stream_stacked(
     a = jnp.zeros(shape, dtype)
     for i, read in enumerate(layers):
         a = _put(a, read()[None], jnp.int32(i))  # (1, *layer_shape) at i
-    fn = None if quantize is None else quantize(path, shape)
-    return a if fn is None else fn(a)
+    return _quantized(path, a, quantize)
+
+
+def _quantized(path: str, a: jax.Array, quantize: Quantize | None) -> Any:
+    """``a`` or its node; done (temporaries freed) before the next leaf is read."""
+    fn = None if quantize is None else quantize(path, tuple(a.shape))
+    return a if fn is None else jax.block_until_ready(fn(a))
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -181,8 +181,10 @@ TARGETS = {
     "float32": ("float32", {}),
     "bfloat16": ("bfloat16", {}),
     "nf4": ("float32", {"rank": 4, "targets": "all-linear", "quantize_base": "nf4"}),
+    "gguf": ("float32", {}),
 }
-"""What the peak is measured for: the load's dtype and the run's LoRA section."""
+"""What the peak is measured for: the load's dtype and the run's LoRA section;
+``gguf`` loads an F16 GGUF of the same model."""
 
 MEASURE = textwrap.dedent(
     """
@@ -198,22 +200,25 @@ MEASURE = textwrap.dedent(
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
 
-    def load(stream, dtype, cfg):
+    def load(name, stream, dtype, cfg):
         quantize = base_quantizer(lora.LoRAConfig(**cfg)) if cfg else None
-        _, p = io.load_hf_folder(folder, dtype=dtype, quantize=quantize,
-                                 stream=stream)
+        if name == "gguf":
+            _, p, _ = io.load_llama_gguf(folder + ".gguf", dtype=dtype, stream=stream)
+        else:
+            _, p = io.load_hf_folder(folder, dtype=dtype, quantize=quantize,
+                                     stream=stream)
         return jax.block_until_ready(p)
 
     out = {}
     for name, (dtype, cfg) in targets.items():
         for stream in (True, False):
-            del_ = load(stream, dtype, cfg)  # compile first: measure no compiler
+            del_ = load(name, stream, dtype, cfg)  # compile first: measure no compiler
             del del_
             gc.collect()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
             before = status("VmRSS")
-            params = load(stream, dtype, cfg)
+            params = load(name, stream, dtype, cfg)
             peak = status("VmHWM") - before
             tree = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
             out[f"{name} {stream}"] = {"peak": peak, "tree": tree}
@@ -228,7 +233,8 @@ MEASURE = textwrap.dedent(
 def peaks(tmp_path_factory):
     """Peak RSS growth and final tree bytes of each load of `TARGETS`.
 
-    The model: 40 MB of bfloat16 in shards of 8 MB, 18.6M parameters in 16 layers.
+    The model: 40 MB of bfloat16 in shards of 8 MB, 18.6M parameters in 16 layers,
+    and the same as an F16 GGUF.
     Large allocations are mapped (``MALLOC_MMAP_THRESHOLD_``) so that what a load
     frees goes back to the system before the next is measured.
     """
@@ -237,6 +243,9 @@ def peaks(tmp_path_factory):
         num_heads=4, num_kv_heads=4,
     )  # fmt: skip
     folder = write_folder(tmp_path_factory.mktemp("big") / "m", config, shard_bytes=8e6)
+    _, params = io.load_hf_llama(folder, dtype="float32")
+    io.save_llama_gguf(folder + ".gguf", config, params, tensor_type="F16")
+    del params
     env = dict(os.environ, JAX_PLATFORMS="cpu", MALLOC_MMAP_THRESHOLD_="65536")
     res = subprocess.run(
         [sys.executable, "-c", MEASURE, folder, json.dumps(TARGETS)],
@@ -256,5 +265,9 @@ def test_streaming_load_peak_is_the_tree_plus_one_leaf(peaks, target):
     leaves = 2 if TARGETS[target][1] else 1  # quantized: the leaf and XLA's temporaries
     bound = new["tree"] + leaves * leaf + (8 << 20)  # 8 MB of the interpreter's noise
     assert new["tree"] == old["tree"]
-    assert new["peak"] < bound, peaks
-    assert old["peak"] > bound, peaks  # the model is big enough to tell them apart
+    assert new["peak"] < bound, (new, old, bound)
+    assert old["peak"] > bound, (
+        new,
+        old,
+        bound,
+    )  # the model is big enough to tell them apart
