@@ -262,12 +262,11 @@ def test_streaming_load_peak_is_the_tree_plus_one_leaf(peaks, target):
     new, old = peaks[f"{target} True"], peaks[f"{target} False"]
     dtype = TARGETS[target][0]
     leaf = 16 * 1024 * 256 * np.dtype(dtype).itemsize  # the largest stacked leaf
-    leaves = 2 if TARGETS[target][1] else 1  # quantized: the leaf and XLA's temporaries
+    # quantized: the float32 leaf, then quantize's temporaries (int32 codes before
+    # packing, ...): about 2 leaves, up to 3 at times
+    leaves = 3 if TARGETS[target][1] else 1
     bound = new["tree"] + leaves * leaf + (8 << 20)  # 8 MB of the interpreter's noise
     assert new["tree"] == old["tree"]
     assert new["peak"] < bound, (new, old, bound)
-    assert old["peak"] > bound, (
-        new,
-        old,
-        bound,
-    )  # the model is big enough to tell them apart
+    # the model is big enough to tell the loads apart:
+    assert old["peak"] > bound, (new, old, bound)
