@@ -8,8 +8,10 @@ Ainslie et al., 2023. With ``H`` query heads and ``KV`` key/value heads (``H % K
 
 Scores and the softmax are computed in float32 (float64 for float64 inputs). A
 `KVCache` keeps the keys and values of every layer for ``max_len`` positions; a step
-writes its ``T`` new entries at ``pos`` and attends causally to positions
-``<= pos + t``.
+writes its ``T`` new entries at ``pos`` (one position for all rows, or one per row)
+and attends causally to positions ``<= pos + t``. A model's layer loop carries the
+whole ``(L, B, S, KV, d)`` buffers and writes only the new entries into them
+(`write_cache`), so that a compiled step that donates the cache updates it in place.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class KVCache(NamedTuple):
     Attributes:
         k: ``(L, B, S, KV, d)`` keys (rotary already applied where the model uses it).
         v: ``(L, B, S, KV, d)`` values.
-        pos: int32 scalar, the number of positions already written.
+        pos: int32, the number of positions already written: a scalar (every row
+            alike) or ``(B,)``, one per row (prompts of different lengths).
     """
 
     k: jax.Array
@@ -69,23 +72,71 @@ def init_kv_cache(
 
 
 def causal_mask(q_positions: jax.Array, k_len: int) -> jax.Array:
-    """``(T, S)`` boolean mask, True where key index ``s <= q_positions[t]``.
+    """``(..., T, S)`` boolean mask, True where key index ``s <= q_positions[..., t]``.
+
+    ``q_positions`` is ``(T,)`` (a ``(T, S)`` mask) or ``(B, T)`` (``(B, T, S)``).
 
     >>> causal_mask(jnp.arange(2), 3).tolist()
     [[True, False, False], [True, True, False]]
     """
-    return jnp.arange(k_len, dtype=q_positions.dtype)[None, :] <= q_positions[:, None]
+    if q_positions.ndim == 1:
+        return (
+            jnp.arange(k_len, dtype=q_positions.dtype)[None, :] <= q_positions[:, None]
+        )
+    keys = jnp.arange(k_len, dtype=q_positions.dtype)  # (S,)
+    return keys <= q_positions[..., None]  # (B, T, S)
+
+
+def cache_positions(pos: jax.Array, t: int) -> jax.Array:
+    """Positions of ``t`` new tokens after ``pos``: ``(T,)``, or ``(B, T)`` per row.
+
+    >>> cache_positions(jnp.asarray([2, 0]), 2).tolist()
+    [[2, 3], [0, 1]]
+    """
+    pos = jnp.asarray(pos, jnp.int32)
+    if pos.ndim > 1:
+        raise ShapeError(f"cache pos must be a scalar or (batch,), got {pos.shape}")
+    return pos[..., None] + jnp.arange(t, dtype=jnp.int32)  # (T,) or (B, T)
 
 
 def update_cache_layer(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
     """Write ``new: (B, T, KV, d)`` into a layer's ``cache: (B, S, KV, d)`` at ``pos``.
 
     Like `jax.lax.dynamic_update_slice`, a write past ``S`` is clamped; callers check
-    ``pos + T <= S`` on the host (`entrenar.nn.generate` does).
+    ``pos + T <= S`` on the host (`entrenar.nn.generate` does). ``pos`` is a scalar;
+    `write_cache` also takes one position per row.
     """
     zero = jnp.zeros((), jnp.int32)
     start = (zero, pos.astype(jnp.int32), zero, zero)
     return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
+
+
+def write_cache(
+    buf: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array
+) -> jax.Array:
+    """Write ``new: (B, T, KV, d)`` into layer ``layer`` of ``buf: (L, B, S, KV, d)``.
+
+    Row ``b``'s entries go to positions ``pos + t`` (scalar ``pos``: one
+    `jax.lax.dynamic_update_slice`, clamped like `update_cache_layer`) or
+    ``pos[b] + t`` (``(B,)``: a scatter; entries past ``S`` are dropped). Only the
+    ``B T`` new entries are written: under `jax.jit` with ``buf`` donated (or carried
+    through a loop), XLA updates the buffer in place instead of copying it.
+    """
+    new = new.astype(buf.dtype)
+    layer = jnp.asarray(layer, jnp.int32)
+    if jnp.ndim(pos) == 0:
+        zero = jnp.zeros((), jnp.int32)
+        start = (layer, zero, jnp.asarray(pos, jnp.int32), zero, zero)
+        return jax.lax.dynamic_update_slice(buf, new[None], start)
+    b, t = new.shape[:2]
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]  # (B, 1)
+    cols = cache_positions(pos, t)  # (B, T)
+    return buf.at[layer, rows, cols].set(new, mode="drop", unique_indices=True)
+
+
+def read_cache(buf: jax.Array, layer: jax.Array) -> jax.Array:
+    """Layer ``layer`` of ``buf: (L, B, S, KV, d)``: ``(B, S, KV, d)``."""
+    return jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False)
 
 
 def dot_product_attention(
@@ -258,8 +309,11 @@ _native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
 
 __all__ = [
     "KVCache",
+    "cache_positions",
     "causal_mask",
     "dot_product_attention",
     "init_kv_cache",
+    "read_cache",
     "update_cache_layer",
+    "write_cache",
 ]

@@ -24,10 +24,12 @@ import jax.numpy as jnp
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.attention import (
     KVCache,
+    cache_positions,
     causal_mask,
     dot_product_attention,
     init_kv_cache,
-    update_cache_layer,
+    read_cache,
+    write_cache,
 )
 from entrenar.nn.init import normal
 from entrenar.nn.layers import (
@@ -206,10 +208,14 @@ class GPT2Config:
     def apply_cached(
         self, params: Params, tokens: jax.Array, cache: KVCache
     ) -> tuple[jax.Array, KVCache]:
-        """One cached step: logits ``(B, T, V)`` of ``tokens`` at ``cache.pos + t``."""
+        """One cached step: logits ``(B, T, V)`` of ``tokens`` at ``cache.pos + t``.
+
+        ``cache.pos`` is a scalar or ``(B,)`` (one position per row); only the new
+        entries are written into the cache (`entrenar.nn.attention.write_cache`).
+        """
         t = _check_tokens(tokens, self.n_positions)
-        positions = cache.pos + jnp.arange(t, dtype=jnp.int32)  # (T,)
-        allowed = causal_mask(positions, cache.k.shape[2])  # (T, S)
+        positions = cache_positions(cache.pos, t)  # (T,) or (B, T)
+        allowed = causal_mask(positions, cache.k.shape[2])  # (T, S) or (B, T, S)
         h, (k, v) = self._blocks(params, tokens, positions, allowed, cache, None)
         return self._head(params, h), KVCache(k, v, cache.pos + t)
 
@@ -236,16 +242,18 @@ class GPT2Config:
         keys = None if key is None else jax.random.split(key, self.n_layer)
         pos = None if cache is None else cache.pos
 
-        def block(h: jax.Array, xs: Any) -> tuple[jax.Array, Any]:
-            lp, ck, cv, k = xs
+        def block(carry: Any, xs: Any) -> tuple[Any, Any]:
+            lp, index, k = xs
+            h, ck, cv = (carry, None, None) if cache is None else carry
             ap, mp = lp["attn"], lp["mlp"]
             x = layer_norm(h, lp["ln_1"]["weight"], lp["ln_1"]["bias"], eps)
             qkv = linear(x, ap["c_attn"]["weight"], ap["c_attn"]["bias"])  # (B,T,3D)
             q, kk, v = jnp.split(qkv.reshape(b, t, 3, nh, hd), 3, axis=2)
             q, kk, v = q[:, :, 0], kk[:, :, 0], v[:, :, 0]  # (B, T, H, d)
-            if ck is not None and pos is not None:
-                kk = ck = update_cache_layer(ck, kk, pos)  # (B, S, H, d)
-                v = cv = update_cache_layer(cv, v, pos)
+            if ck is not None and cv is not None and pos is not None:
+                ck = write_cache(ck, kk, index, pos)  # (L, B, S, H, d)
+                cv = write_cache(cv, v, index, pos)
+                kk, v = read_cache(ck, index), read_cache(cv, index)  # (B, S, H, d)
             o = dot_product_attention(q, kk, v, allowed).reshape(b, t, nh * hd)
             o = linear(o, ap["c_proj"]["weight"], ap["c_proj"]["bias"])
             k1 = k2 = None
@@ -261,12 +269,20 @@ class GPT2Config:
                 mp["c_proj"]["bias"],
                 gelu_tanh,
             )
-            return h + dropout(x, rate, key=k2, deterministic=k is None), (ck, cv)
+            h = h + dropout(x, rate, key=k2, deterministic=k is None)
+            return (h if cache is None else (h, ck, cv)), None
 
-        if self.remat:
-            block = jax.checkpoint(block)
-        ck, cv = (None, None) if cache is None else (cache.k, cache.v)
-        return jax.lax.scan(block, h, (tp["h"], ck, cv, keys))
+        if cache is None:
+            if self.remat:
+                block = jax.checkpoint(block)
+            h, _ = jax.lax.scan(block, h, (tp["h"], None, keys))
+            return h, None
+        # the whole (L, B, S, H, d) buffers ride in the carry, written in place
+        index = jnp.arange(self.n_layer, dtype=jnp.int32)  # (L,)
+        (h, k, v), _ = jax.lax.scan(
+            block, (h, cache.k, cache.v), (tp["h"], index, keys)
+        )
+        return h, (k, v)
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
         tp = params["transformer"]

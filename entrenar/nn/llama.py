@@ -26,10 +26,12 @@ from entrenar.errors import ConfigError, ShapeError, UnsupportedError
 from entrenar.nn.attention import (
     ATTENTION_NAME,
     KVCache,
+    cache_positions,
     causal_mask,
     dot_product_attention,
     init_kv_cache,
-    update_cache_layer,
+    read_cache,
+    write_cache,
 )
 from entrenar.nn.bf16_weight import TiedEmbedding
 from entrenar.nn.decoder_config import (
@@ -482,13 +484,17 @@ class LlamaConfig:
     ) -> tuple[jax.Array, KVCache]:
         """One cached step: logits ``(B, T, V)`` of ``tokens`` at ``cache.pos + t``.
 
-        Keys and values of the new tokens are written into the cache; the new tokens
-        attend to every cached position and causally among themselves.
+        Keys and values of the new tokens are written into the cache (only those
+        ``B T`` entries: `entrenar.nn.attention.write_cache`); the new tokens attend
+        to every cached position and causally among themselves. ``cache.pos`` is a
+        scalar or ``(B,)``, one position per row (each row then decodes as it would
+        alone; with ``dynamic`` or ``longrope`` rotary scaling the sequence length
+        that picks the frequencies is the batch's longest, as in transformers).
         """
         _check_tokens(tokens)
         t, s = tokens.shape[1], cache.k.shape[2]
-        positions = cache.pos + jnp.arange(t, dtype=jnp.int32)  # (T,)
-        allowed = causal_mask(positions, s)  # (T, S)
+        positions = cache_positions(cache.pos, t)  # (T,) or (B, T)
+        allowed = causal_mask(positions, s)  # (T, S) or (B, T, S)
         h, ((k, v), _) = self._layers(params, tokens, positions, allowed, cache)
         return self._head(params, h), KVCache(k, v, cache.pos + t)
 
@@ -540,7 +546,10 @@ class LlamaConfig:
         """Run the scanned layers; returns ``(h, (cache_kv, hidden or None))``.
 
         Per-layer switches (sliding or full attention, local or global rotary
-        base) travel in the scan's ``xs`` when the layers differ.
+        base) travel in the scan's ``xs`` when the layers differ. With a ``cache``
+        the scan carries its whole ``(L, B, S, KV, d)`` buffers beside ``h`` and
+        each layer writes its new entries into them at its index, so no layer's
+        cache is copied (it would be, as the scan's ``xs`` and ``ys``).
         """
         m = params["model"]
         table = m["embed_tokens"]["weight"]  # (V, D), or a TiedEmbedding's table
@@ -560,15 +569,19 @@ class LlamaConfig:
             q_index = jnp.arange(tokens.shape[1]) if cache is None else positions
             k_index = jnp.arange(allowed.shape[-1])  # (S,)
             window = self.sliding_window or 0  # set: some layer slides
-            near = (q_index[:, None] - k_index[None, :]) < window  # (T, S)
+            if q_index.ndim == 1:
+                near = (q_index[:, None] - k_index[None, :]) < window  # (T, S)
+            else:  # per-row cache positions
+                near = (q_index[..., None] - k_index) < window  # (B, T, S)
             masks = (allowed, allowed & near)  # (T, S) or (B, T, S)
             if self.rope_local_theta is not None:
                 ropes = (rope, self._rope(positions, self.rope_local_theta, False))
         flags = jnp.asarray(sliding) if mixed else None  # (L,) bool
         every = int(all(sliding))  # 1: every layer slides (Mistral)
 
-        def layer(h: jax.Array, xs: Any) -> tuple[jax.Array, Any]:
-            lp, ck, cv, slide = xs
+        def layer(carry: Any, xs: Any) -> tuple[Any, Any]:
+            lp, index, slide = xs
+            h, kv = (carry, None) if cache is None else (carry[0], carry[1:])
             mask, tables = masks[every], ropes[every]
             if mixed:  # this layer's mask and rotary tables
                 mask = jnp.where(slide, masks[1], masks[0])
@@ -577,7 +590,7 @@ class LlamaConfig:
                         jnp.where(slide, local, full) for full, local in zip(*ropes)
                     )
                     tables = (cos, sin)
-            a, kv = self._attention(lp, h, tables, mask, ck, cv, pos)
+            a, kv = self._attention(lp, h, tables, mask, kv, index, pos)
             if self.sandwich_norms:
                 a = self._norm(a, lp["post_attention_layernorm"])
             h = h + a  # (B, T, D)
@@ -588,9 +601,9 @@ class LlamaConfig:
             if self.sandwich_norms:
                 x = self._norm(x, lp["post_feedforward_layernorm"])
             h = h + x
-            return h, (kv, h if return_hidden else None)
+            return (h if kv is None else (h, *kv)), h if return_hidden else None
 
-        if self.remat_policy is not None:
+        if cache is None and self.remat_policy is not None:  # (decoding: no remat)
             policy = getattr(jax.checkpoint_policies, self.remat_policy)
             if self.remat_policy.startswith("dots"):  # attention is a product too
                 policy = jax.checkpoint_policies.save_from_both_policies(
@@ -598,15 +611,17 @@ class LlamaConfig:
                     jax.checkpoint_policies.save_only_these_names(ATTENTION_NAME),
                 )
             layer = jax.checkpoint(layer, policy=policy)
-        elif self.remat:
+        elif cache is None and self.remat:
             layer = jax.checkpoint(layer)
-        xs = (
-            (m["layers"], None, None, flags)
-            if cache is None
-            else (m["layers"], cache.k, cache.v, flags)
-        )
         h0 = h
-        h, (kv, hidden) = jax.lax.scan(layer, h, xs)
+        if cache is None:
+            h, hidden = jax.lax.scan(layer, h, (m["layers"], None, flags))
+            kv = None
+        else:
+            index = jnp.arange(self.num_layers, dtype=jnp.int32)  # (L,)
+            carry = (h, cache.k, cache.v)  # (B, T, D), (L, B, S, KV, d) x 2
+            (h, k, v), hidden = jax.lax.scan(layer, carry, (m["layers"], index, flags))
+            kv = (k, v)
         if return_hidden:
             hidden = jnp.concatenate([h0[None], hidden], axis=0)  # (L+1, B, T, D)
         return h, (kv, hidden)
@@ -668,10 +683,15 @@ class LlamaConfig:
         h: jax.Array,
         rope: tuple[jax.Array, jax.Array],
         allowed: jax.Array,
-        ck: jax.Array | None,
-        cv: jax.Array | None,
+        cache_kv: tuple[jax.Array, jax.Array] | None,
+        index: jax.Array | None,
         pos: jax.Array | None,
     ) -> tuple[jax.Array, Any]:
+        """Self-attention of ``h: (B, T, D)``; returns ``(output, cache_kv)``.
+
+        ``cache_kv``: None, or the whole ``(L, B, S, KV, d)`` key and value buffers,
+        into which the new entries are written at layer ``index`` and ``pos``.
+        """
         b, t, _ = h.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
         ap = lp["self_attn"]
@@ -693,9 +713,11 @@ class LlamaConfig:
             k = self._norm(k, ap["k_norm"])
         q = rotate(q, rope)
         k = rotate(k, rope)
-        if ck is not None and cv is not None and pos is not None:
-            k = ck = update_cache_layer(ck, k, pos)  # (B, S, KV, d)
-            v = cv = update_cache_layer(cv, v, pos)
+        if cache_kv is not None and index is not None and pos is not None:
+            ck = write_cache(cache_kv[0], k, index, pos)  # (L, B, S, KV, d)
+            cv = write_cache(cache_kv[1], v, index, pos)
+            cache_kv = (ck, cv)
+            k, v = read_cache(ck, index), read_cache(cv, index)  # (B, S, KV, d)
         scale = None
         if self.query_pre_attn_scalar is not None:
             scale = self.query_pre_attn_scalar**-0.5
@@ -705,7 +727,7 @@ class LlamaConfig:
         )  # (B, T, H, d)  # fmt: skip
         o = linear(o.reshape(b, t, nh * hd), ap["o_proj"]["weight"],
                    _bias(ap["o_proj"]), matmul_dtype=md)  # fmt: skip
-        return o, (ck, cv)
+        return o, cache_kv
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
         h = self._norm(h, params["model"]["norm"])
