@@ -167,6 +167,69 @@ def measure(folder: str, case: str, stream: bool) -> dict[str, Any]:
     }
 
 
+RUN_YAML = """\
+name: tinyllama-shape-qlora
+model: {{path: {folder}, tokenizer: {tokenizer}}}
+data: {{train: {data}, format: chat, batch_size: 8, seq_len: 72}}
+lora:
+  {{rank: 16, alpha: 32, targets: [q_proj, k_proj, v_proj, o_proj], quantize_base: nf4}}
+optimizer: {{name: adamw, lr: 0.002}}
+training: {{max_steps: {steps}, log_every: 1, seed: 0, output_dir: {out}}}
+export: {{formats: [adapter]}}
+"""
+"""The issue's measured run: QLoRA rank 16 on q/k/v/o, batch 8 x 72, SmolLM2's
+tokenizer, the ISO-dates chat data (``examples/data/iso_dates``)."""
+
+
+def measure_run(folder: str, steps: int, how: str) -> dict[str, Any]:
+    """A QLoRA run of ``steps`` in this process: its peak RSS, after and before.
+
+    Peaks after `prepare` (load, adapters, data) and after training and the
+    adapter's save. ``whole`` runs as before streaming: the whole-file load, the
+    bases quantized by `lora.apply` afterwards.
+    """
+    import functools
+
+    from entrenar import io
+    from entrenar.config.summary import validate
+    from entrenar.runs import models
+    from entrenar.runs import run as run_mod
+
+    if how == "whole":
+        models.io.load_hf_folder = functools.partial(io.load_hf_folder, stream=False)
+        run_mod.base_quantizer = lambda lora: None  # type: ignore[assignment]
+    data = os.path.join(os.path.dirname(__file__), "..", "examples", "data")
+    out = os.path.join(os.path.dirname(folder), f"run-{how}")
+    yaml = os.path.join(os.path.dirname(folder), f"run-{how}.yaml")
+    with open(yaml, "w") as f:
+        f.write(
+            RUN_YAML.format(
+                folder=folder, tokenizer=io.smollm2_path(), steps=steps, out=out,
+                data=os.path.abspath(os.path.join(data, "iso_dates", "train.jsonl")),
+            )
+        )  # fmt: skip
+    t0 = time.perf_counter()
+    spec = validate(yaml)
+    prep = run_mod.prepare(spec)
+    prepared, prepare_s = _hwm(), time.perf_counter() - t0
+    res = run_mod._train(spec, prep, resume=None, progress=False)
+    return {
+        "prepare_s": prepare_s,
+        "prepare_peak": prepared,
+        "run_s": time.perf_counter() - t0,
+        "run_peak": _hwm(),
+        "loss": res.metrics.get("train_loss"),
+    }
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def read_seconds(folder: str) -> tuple[float, int]:
     """Seconds to read every shard's bytes (``readinto`` one reused buffer)."""
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
@@ -187,11 +250,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=22, help="fewer for a quick check")
     ap.add_argument("--write-md", default=None, help="append the table to this file")
     ap.add_argument("--write-gguf", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--run-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--qlora-steps", type=int, default=0,
+        help="also time a QLoRA run of this many steps (RUN_YAML), whole vs stream",
+    )  # fmt: skip
     ap.add_argument("--measure", nargs=2, metavar=("CASE", "STREAM"), default=None)
     args = ap.parse_args()
     folder = os.path.join(args.dir, f"tinyllama-shape-{args.layers}-layers-bf16")
     if args.write_gguf:  # a child: the GGUF, without the parent holding the model
         write_gguf(folder)
+        return
+    if args.run_child:  # a child: one QLoRA run
+        print(json.dumps(measure_run(folder, args.qlora_steps, args.run_child)))
         return
     if args.measure:  # a child: one load
         case, stream = args.measure
@@ -225,6 +296,16 @@ def main() -> None:
             got[how] = json.loads(res.stdout.strip().splitlines()[-1])
             print(case, how, got[how], flush=True)
         rows.append((case, got))
+    runs = {}
+    for how in ("whole", "stream") if args.qlora_steps else ():
+        res = subprocess.run(
+            [sys.executable, __file__, "--dir", args.dir, "--layers", str(args.layers),
+             "--qlora-steps", str(args.qlora_steps), "--run-child", how],
+            capture_output=True, text=True, check=True,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )  # fmt: skip
+        runs[how] = json.loads(res.stdout.strip().splitlines()[-1])
+        print("qlora run", how, runs[how], flush=True)
     load_after = os.getloadavg()
     lines = [
         f"Files: {nbytes / 1e9:.2f} GB of bfloat16 in 2 shards, read in {read_s:.1f} s "
@@ -243,6 +324,20 @@ def main() -> None:
                 f"| {case} | {how} | {r['seconds']:.1f} | {r['peak'] / 1e9:.2f} | "
                 f"{r['growth'] / 1e9:.2f} | {r['tree'] / 1e9:.2f} | "
                 f"{'yes' if same else 'NO'} |"
+            )
+    if runs:
+        lines += [
+            "",
+            f"QLoRA run of {args.qlora_steps} steps (`RUN_YAML`):",
+            "",
+            "| load | prepare (s) | peak after prepare (GB) | run (s) "
+            "| peak of the run (GB) | loss |",
+            "|---|---|---|---|---|---|",
+        ]
+        for how, r in runs.items():
+            lines.append(
+                f"| {how} | {r['prepare_s']:.1f} | {r['prepare_peak'] / 1e9:.2f} | "
+                f"{r['run_s']:.1f} | {r['run_peak'] / 1e9:.2f} | {r['loss']:.6f} |"
             )
     table = "\n".join(lines)
     print(table)
