@@ -84,7 +84,7 @@ def causal_mask(q_positions: jax.Array, k_len: int) -> jax.Array:
             jnp.arange(k_len, dtype=q_positions.dtype)[None, :] <= q_positions[:, None]
         )
     keys = jnp.arange(k_len, dtype=q_positions.dtype)  # (S,)
-    return keys <= q_positions[..., None]  # (B, T, S)
+    return keys[None, None, :] <= q_positions[:, :, None]  # (B, T, S)
 
 
 def cache_positions(pos: jax.Array, t: int) -> jax.Array:
@@ -93,10 +93,12 @@ def cache_positions(pos: jax.Array, t: int) -> jax.Array:
     >>> cache_positions(jnp.asarray([2, 0]), 2).tolist()
     [[2, 3], [0, 1]]
     """
-    pos = jnp.asarray(pos, jnp.int32)
-    if pos.ndim > 1:
-        raise ShapeError(f"cache pos must be a scalar or (batch,), got {pos.shape}")
-    return pos[..., None] + jnp.arange(t, dtype=jnp.int32)  # (T,) or (B, T)
+    pos, steps = jnp.asarray(pos, jnp.int32), jnp.arange(t, dtype=jnp.int32)
+    if pos.ndim == 0:
+        return pos + steps  # (T,)
+    if pos.ndim == 1:
+        return pos[:, None] + steps[None, :]  # (B, T)
+    raise ShapeError(f"cache pos must be a scalar or (batch,), got {pos.shape}")
 
 
 def update_cache_layer(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:

@@ -10,13 +10,13 @@ and sampling structure: prompts are padded on the right to a multiple of
 context), and the cache position is rewound to each prompt's true length.
 
 Prompts of different lengths (a list of token lists) are decoded together with
-per-row positions: each row runs ``apply_cached`` on its own batch-1 cache under
-`jax.vmap`, so row ``i`` sees positions ``0 .. len_i - 1`` exactly as it would
-alone, and the padding behind it is overwritten before any query can reach it (the
-causal mask allows keys up to the query's own position). This needs a cache with a
-``pos`` field (`entrenar.nn.KVCache`). Tokens that every prompt of a batch begins
-with (a system prompt, the chat template's opening) run once (`share_prefix`), in
-whole `PREFIX_BUCKET`s, and their cache is copied to every row.
+per-row positions: the cache's ``pos`` is ``(B,)``, one position per row, so row
+``i`` sees positions ``0 .. len_i - 1`` exactly as it would alone, and the padding
+behind it is overwritten before any query can reach it (the causal mask allows keys
+up to the query's own position). This needs a cache with a ``pos`` field whose
+model takes one position per row (`entrenar.nn.KVCache`). Tokens that every prompt
+of a batch begins with (a system prompt, the chat template's opening) run once
+(`share_prefix`), in whole `PREFIX_BUCKET`s, and their cache is copied to every row.
 
 The next token is chosen by `entrenar.nn.sampling` (greedy, temperature, top-k,
 top-p, min-p, repetition penalty) inside the jitted step; row ``r`` at step ``s``
@@ -47,8 +47,9 @@ PROMPT_BUCKET = 32
 CACHE_BUCKET = 32
 """The cache length is a multiple of this (capped by the model's context).
 
-Small, because a step costs in proportion to the cache: the models' ``apply_cached``
-rewrites every layer's cache each step, and attention reads every slot."""
+Small, because a step costs in proportion to the cache: attention reads every slot
+(``apply_cached`` writes only the new entries, in place: `prefill` and
+`decode_step` donate the cache)."""
 
 PREFIX_BUCKET = 16
 """A prefix all prompts share is run once, in whole multiples of this many tokens."""
@@ -57,30 +58,19 @@ Prompt = jax.Array | np.ndarray | Sequence[Sequence[int]]
 """``(B, T)`` token ids, or a list of token lists of different lengths."""
 
 
-def _forward(
-    model: Any, params: Params, tokens: jax.Array, cache: Any, ragged: bool
-) -> tuple[jax.Array, Any]:
-    """``apply_cached`` on ``tokens: (B, T)``; ``ragged``: one batch-1 cache a row."""
-    if not ragged:
-        return model.apply_cached(params, tokens, cache)  # type: ignore[no-any-return]
+def _rows_cache(cache: Any, rows: int, pos: jax.Array) -> Any:
+    """``cache``'s one row as ``rows`` rows, each at its ``pos: (rows,)``.
 
-    def row(c: Any, t: jax.Array) -> tuple[jax.Array, Any]:
-        logits, c = model.apply_cached(params, t[None], c)  # (1, T, V)
-        return logits[0], c
-
-    axes = _row_axes(cache, extra=1)
-    return jax.vmap(row, (axes, 0), (0, axes))(cache, tokens)  # type: ignore[no-any-return]
-
-
-def _row_axes(cache: Any, extra: int = 0) -> Any:
-    """The axis of the rows in each leaf of a ragged cache: 1, or 0 for scalars.
-
-    A row's cache arrays are stacked over layers first (``(L, 1, S, KV, d)``),
-    which the model's layer scan slices; keeping the rows on axis 1 keeps that
-    layout, where rows first would be transposed twice a step. ``extra``: 1 when
-    ``cache`` already holds the rows.
+    Arrays broadcast along their batch axis (axis 1, after the layers); the scalar
+    position becomes ``pos``.
     """
-    return jax.tree_util.tree_map(lambda x: 1 if jnp.ndim(x) - extra >= 2 else 0, cache)
+
+    def tile(x: jax.Array) -> jax.Array:
+        if jnp.ndim(x) < 2:
+            return pos
+        return jnp.broadcast_to(x, (x.shape[0], rows, *x.shape[2:]))
+
+    return jax.tree_util.tree_map(tile, cache)
 
 
 def _is_stop(tokens: jax.Array, stops: jax.Array) -> jax.Array:
@@ -95,7 +85,7 @@ def _see(seen: jax.Array | None, tokens: jax.Array) -> jax.Array | None:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "structure", "ragged", "rewind"),
+    static_argnames=("model", "structure", "rewind"),
     donate_argnames=("cache",),
 )
 def prefill(
@@ -110,20 +100,20 @@ def prefill(
     prefix: jax.Array,
     *,
     structure: Structure,
-    ragged: bool,
     rewind: bool,
 ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
     """Run the right-padded prompts ``ids: (B, Tb)`` of lengths ``lens: (B,)``.
 
     ``prefix: (P,)``: tokens every row shares, already in ``cache`` (`share_prefix`;
     ``(0,)`` when none): ``ids`` are what follows them. Returns the first new token
-    ``(B,)``, the cache (its ``pos`` rewound to ``P + lens`` when ``rewind``), the
-    seen-token mask (with a repetition penalty) and ``done``.
+    ``(B,)``, the cache (its ``pos`` rewound to ``P + lens`` when ``rewind``: per
+    row when ``pos`` is ``(B,)``, else all rows to the first's), the seen-token
+    mask (with a repetition penalty) and ``done``.
     """
-    logits, cache = _forward(model, params, ids, cache, ragged)  # (B, Tb, V)
+    logits, cache = model.apply_cached(params, ids, cache)  # (B, Tb, V)
     if rewind:
         pos = prefix.shape[0] + lens
-        cache = cache._replace(pos=pos if ragged else pos[0])
+        cache = cache._replace(pos=pos if jnp.ndim(cache.pos) else pos[0])
     last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
     seen = None
     if structure[4]:
@@ -142,22 +132,18 @@ def share_prefix(
 ) -> Any:
     """Run ``prefix: (P,)`` once in a batch-1 ``cache``; return it as ``rows`` rows.
 
-    The rows' cache of a ragged batch (rows on `_row_axes`), each at ``pos = P``:
-    prompts that begin alike (a system prompt, a chat template's opening) compute
-    those positions once instead of once a row.
+    The cache of a ragged batch, every row at ``pos = P`` (``(rows,)``): prompts
+    that begin alike (a system prompt, a chat template's opening) compute those
+    positions once instead of once a row.
     """
     _, cache = model.apply_cached(params, prefix[None], cache)  # (1, P, V) unused
-
-    def tile(x: jax.Array, axis: int) -> jax.Array:
-        x = jnp.expand_dims(x, axis)
-        return jnp.broadcast_to(x, (*x.shape[:axis], rows, *x.shape[axis + 1 :]))
-
-    return jax.tree_util.tree_map(tile, cache, _row_axes(cache))
+    pos = jnp.full((rows,), prefix.shape[0], jnp.int32)
+    return _rows_cache(cache, rows, pos)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "structure", "ragged"),
+    static_argnames=("model", "structure"),
     donate_argnames=("cache",),
 )
 def decode_step(
@@ -174,13 +160,12 @@ def decode_step(
     pad: jax.Array,
     *,
     structure: Structure,
-    ragged: bool,
 ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
     """Feed ``tokens: (B,)``, choose the next ones; rows already ``done`` get ``pad``.
 
     Returns ``(next (B,), cache, seen, done)`` as `prefill` does.
     """
-    logits, cache = _forward(model, params, tokens[:, None], cache, ragged)
+    logits, cache = model.apply_cached(params, tokens[:, None], cache)  # (B, 1, V)
     k = None if key is None else jax.random.fold_in(key, step)
     nxt = jnp.where(done, pad, choose(logits[:, -1], seen, k, values, structure))
     return nxt, cache, _see(seen, nxt), done | _is_stop(nxt, stops)
@@ -390,11 +375,11 @@ class _Run:
         self.ragged, self.max_len = ragged, max_len
 
     def cache(self, b: int) -> Any:
-        if not self.ragged:
-            return self.model.init_cache(b, self.max_len)
-        one = functools.partial(self.model.init_cache, 1, self.max_len)
-        axes = _row_axes(jax.eval_shape(one))
-        return jax.vmap(lambda _: one(), out_axes=axes)(jnp.arange(b))
+        """An empty cache of ``b`` rows; ragged: with a position per row."""
+        cache = self.model.init_cache(b, self.max_len)
+        if self.ragged:
+            cache = cache._replace(pos=jnp.zeros((b,), jnp.int32))
+        return cache
 
     def steps(
         self,
@@ -419,7 +404,7 @@ class _Run:
         nxt, cache, seen, done = prefill(
             self.model, self.params, jnp.asarray(ids), jnp.asarray(lens),
             cache, self.key, self.values, self.stops, jnp.asarray(prefix),
-            structure=self.structure, ragged=self.ragged, rewind=rewind,
+            structure=self.structure, rewind=rewind,
         )  # fmt: skip
         was_done = np.zeros(b, bool)
         for step in range(max_new):
@@ -427,7 +412,7 @@ class _Run:
                 nxt, cache, seen, done = decode_step(
                     self.model, self.params, nxt, cache, seen, done, self.key,
                     jnp.int32(step), self.values, self.stops, self.pad,
-                    structure=self.structure, ragged=self.ragged,
+                    structure=self.structure,
                 )  # fmt: skip
             row = np.where(was_done, int(self.pad), np.asarray(nxt))  # (B,)
             by_text = texts.stopped(row, ~was_done)

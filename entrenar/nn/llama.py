@@ -571,8 +571,8 @@ class LlamaConfig:
             window = self.sliding_window or 0  # set: some layer slides
             if q_index.ndim == 1:
                 near = (q_index[:, None] - k_index[None, :]) < window  # (T, S)
-            else:  # per-row cache positions
-                near = (q_index[..., None] - k_index) < window  # (B, T, S)
+            else:  # per-row cache positions: (B, T, S)
+                near = (q_index[:, :, None] - k_index[None, None, :]) < window
             masks = (allowed, allowed & near)  # (T, S) or (B, T, S)
             if self.rope_local_theta is not None:
                 ropes = (rope, self._rope(positions, self.rope_local_theta, False))
