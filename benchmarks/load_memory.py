@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -199,8 +200,8 @@ def measure_run(folder: str, steps: int, how: str) -> dict[str, Any]:
         models.io.load_hf_folder = functools.partial(io.load_hf_folder, stream=False)
         run_mod.base_quantizer = lambda lora: None  # type: ignore[assignment]
     data = os.path.join(os.path.dirname(__file__), "..", "examples", "data")
-    out = os.path.join(os.path.dirname(folder), f"run-{how}")
-    yaml = os.path.join(os.path.dirname(folder), f"run-{how}.yaml")
+    out, yaml = f"{folder}-run-{how}", f"{folder}-run-{how}.yaml"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run, not a resumed one
     with open(yaml, "w") as f:
         f.write(
             RUN_YAML.format(
