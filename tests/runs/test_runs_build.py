@@ -177,7 +177,7 @@ def test_model_precision_options_reach_the_llama_config(monkeypatch):
             built, ModelSection(architecture="llama", remat_policy="everything")
         )
     mlp = models.BuiltModel("mlp", None, {})
-    with pytest.raises(ConfigError, match="apply to a Llama-style decoder .*, not mlp"):
+    with pytest.raises(ConfigError, match=r"a Llama-style decoder .*, not mlp"):
         models.with_precision(
             mlp,
             ModelSection(
