@@ -150,20 +150,8 @@ def from_hf_names(
     marked = _mark_stacked(config.param_shapes())
     params = build(marked, "", False)
     params = _unmark(params)
-    tied = "lm_head" not in marked
-    extra = [
-        k
-        for k in flat
-        if k not in used
-        and not (tied and k == "lm_head.weight")
-        and not k.endswith(IGNORED_SUFFIXES)
-    ]
-    if strict and extra:
-        raise FormatError(
-            f"unexpected parameters {sorted(extra)[:5]} (of {len(extra)}); the "
-            "checkpoint has tensors the config does not describe (pass strict=False "
-            "to ignore them)"
-        )
+    if strict:
+        _check_no_extra(flat, used, tied="lm_head" not in marked)
     return params
 
 
@@ -244,20 +232,8 @@ def stream_hf_names(
 
     walk(marked, tree, "", False)  # every name and shape checked before any read
     used = {n for *_, names, _ in leaves for n in names}
-    tied = "lm_head" not in marked
-    extra = [
-        k
-        for k in flat
-        if k not in used
-        and not (tied and k == "lm_head.weight")
-        and not k.endswith(IGNORED_SUFFIXES)
-    ]
-    if strict and extra:
-        raise FormatError(
-            f"unexpected parameters {sorted(extra)[:5]} (of {len(extra)}); the "
-            "checkpoint has tensors the config does not describe (pass strict=False "
-            "to ignore them)"
-        )
+    if strict:
+        _check_no_extra(flat, used, tied="lm_head" not in marked)
 
     def rows(name: str, final: Any) -> RowReader:
         def read(start: int | None = None, stop: int | None = None) -> jax.Array:
@@ -388,6 +364,27 @@ def _put(buf: jax.Array, part: jax.Array, i: jax.Array) -> jax.Array:
     new = jax.lax.bitcast_convert_type(part, jnp.uint16)
     bits = jax.lax.dynamic_update_slice_in_dim(bits, new, i, axis=0)
     return jax.lax.bitcast_convert_type(bits, buf.dtype)
+
+
+def _check_no_extra(flat: Mapping[str, Any], used: set[str], *, tied: bool) -> None:
+    """`FormatError` for names of ``flat`` the config does not describe.
+
+    A tied model's stored ``lm_head.weight`` and derived buffers
+    (`IGNORED_SUFFIXES`) are not extra.
+    """
+    extra = [
+        k
+        for k in flat
+        if k not in used
+        and not (tied and k == "lm_head.weight")
+        and not k.endswith(IGNORED_SUFFIXES)
+    ]
+    if extra:
+        raise FormatError(
+            f"unexpected parameters {sorted(extra)[:5]} (of {len(extra)}); the "
+            "checkpoint has tensors the config does not describe (pass strict=False "
+            "to ignore them)"
+        )
 
 
 def _cast(a: jax.Array, dtype: DType | None) -> jax.Array:
