@@ -64,22 +64,10 @@ def write_folder(folder: str, layers: int, shard_bytes: int = 1_300_000_000) -> 
 
     from entrenar import nn
     from entrenar.io.safetensors_io import save_safetensors
+    from entrenar.nn.hf_names import per_layer_shapes
 
     config = nn.LlamaConfig(**(TINYLLAMA | {"num_layers": layers}))
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def walk(tree: dict[str, Any], prefix: str) -> None:
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            elif prefix.startswith("model.layers."):
-                rest = f"{prefix}{k}".removeprefix("model.layers.")
-                for i in range(config.num_layers):
-                    shapes[f"model.layers.{i}.{rest}"] = tuple(v[1:])
-            else:
-                shapes[f"{prefix}{k}"] = tuple(v)
-
-    walk(config.param_shapes(), "")
+    shapes = per_layer_shapes(config)
     rng = np.random.default_rng(0)
     groups: list[list[str]] = [[]]
     size = 0

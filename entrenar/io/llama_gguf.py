@@ -62,6 +62,7 @@ from entrenar.nn.hf_names import (
     Quantize,
     Reader,
     RowReader,
+    per_layer_shapes,
     quantize_leaves,
     stream_one,
     stream_stacked,
@@ -380,20 +381,7 @@ def _expected(
     g: GGUFFile, config: LlamaConfig
 ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """GGUF name -> (Hugging Face name, shape of one tensor) for every tensor."""
-    flat: dict[str, tuple[int, ...]] = {}
-
-    def walk(tree: dict[str, Any], prefix: str) -> None:
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            elif prefix.startswith("model.layers."):
-                rest = f"{prefix}{k}".removeprefix("model.layers.")
-                for i in range(config.num_layers):
-                    flat[f"model.layers.{i}.{rest}"] = tuple(v[1:])
-            else:
-                flat[f"{prefix}{k}"] = tuple(v)
-
-    walk(config.param_shapes(), "")
+    flat = per_layer_shapes(config)
     names = gguf_names(config)
     out = {names[hf]: (hf, shape) for hf, shape in flat.items()}
     half = config.hd // 2

@@ -49,7 +49,10 @@ whole leaf once it is read. ``path`` is the leaf's dotted tree path
 class HasParamShapes(Protocol):
     """A model config that can list its parameter shapes as a nested dict."""
 
-    num_layers: int
+    @property
+    def num_layers(self) -> int:
+        """``L``, the number of stacked layers."""
+        ...
 
     def param_shapes(self) -> dict[str, Any]:
         """Nested dict of shape tuples, stacked leaves with their leading ``L``."""
@@ -366,6 +369,32 @@ def _put(buf: jax.Array, part: jax.Array, i: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, buf.dtype)
 
 
+def per_layer_shapes(config: HasParamShapes) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of one tensor, every layer of ``config`` spelt out.
+
+    >>> from entrenar.nn import LlamaConfig
+    >>> c = LlamaConfig(vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                 num_layers=2, num_heads=2, num_kv_heads=1)
+    >>> per_layer_shapes(c)["model.layers.1.self_attn.k_proj.weight"]
+    (2, 4)
+    """
+    flat: dict[str, tuple[int, ...]] = {}
+
+    def walk(tree: Mapping[str, Any], prefix: str) -> None:
+        for k, v in tree.items():
+            if isinstance(v, Mapping):
+                walk(v, f"{prefix}{k}.")
+            elif prefix.startswith("model.layers."):
+                rest = f"{prefix}{k}".removeprefix("model.layers.")
+                for i in range(config.num_layers):
+                    flat[f"model.layers.{i}.{rest}"] = tuple(v[1:])
+            else:
+                flat[f"{prefix}{k}"] = tuple(v)
+
+    walk(config.param_shapes(), "")
+    return flat
+
+
 def _check_no_extra(flat: Mapping[str, Any], used: set[str], *, tied: bool) -> None:
     """`FormatError` for names of ``flat`` the config does not describe.
 
@@ -417,6 +446,7 @@ __all__ = [
     "Reader",
     "RowReader",
     "from_hf_names",
+    "per_layer_shapes",
     "quantize_leaves",
     "stream_hf_names",
     "stream_one",
