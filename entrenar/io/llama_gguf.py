@@ -67,7 +67,15 @@ from entrenar.nn.hf_names import (
     stream_one,
     stream_stacked,
 )
-from entrenar.quant import from_ggml
+from entrenar.quant import GGMLWeight, from_ggml
+from entrenar.quant.ggml_mixed import (
+    ROW_FORMATS,
+    MixedGGMLWeight,
+    check_types,
+    row_bytes,
+)
+from entrenar.quant.kquant import FORMATS as KQUANT_FORMATS
+from entrenar.quant.kquant import ggml_weight
 from entrenar.types import Params
 
 KEEP_QUANTIZED = (
@@ -456,8 +464,12 @@ def load_llama_gguf(
         path: the ``.gguf`` file (or a `GGUFFile` already read).
         keep_quantized: keep the layers' projection weights as stored (for QLoRA):
             Q8_0, Q4_0 and Q4_1 as `entrenar.quant.QuantizedWeight` nodes, the
-            K-quants (Q2_K-Q6_K), BF16 and F16 as `entrenar.quant.GGMLWeight`;
-            everything else (norms, embeddings, biases, F32) is dequantized.
+            K-quants (Q2_K-Q6_K), BF16 and F16 as `entrenar.quant.GGMLWeight`, a
+            projection whose layers have different types (llama.cpp's Q4_K_M:
+            Q4_K and Q6_K) as a `entrenar.quant.ggml_mixed.MixedGGMLWeight`; the
+            embeddings and ``lm_head`` too when they are K-quants, BF16 or F16
+            (looked up and multiplied from their rows); everything else (norms,
+            biases, F32, other embeddings) is dequantized.
         dtype: dtype of the dequantized leaves.
         quantize: which dequantized leaves to quantize as they are read, and how
             (`entrenar.nn.hf_names.Quantize`); leaves kept quantized stay as stored.
@@ -485,6 +497,9 @@ def load_llama_gguf(
     shift = NORM_SHIFT.get(name, 0.0)
     perm_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     final = jax.dtypes.canonicalize_dtype(dtype)
+
+    def _type(gname: str) -> str:
+        return g.tensors[gname].type_name
 
     def one(gname: str, shape: tuple[int, ...]) -> np.ndarray:
         """One tensor dequantized, un-permuted and un-shifted: (shape) float32."""
@@ -515,11 +530,44 @@ def load_llama_gguf(
 
         return read
 
+    def layer_bytes(gname: str, width: int) -> Reader:
+        """One layer's rows as stored, un-permuted, zero-padded to ``width`` bytes."""
+
+        def read() -> jax.Array:
+            raw = _rows(g, gname)  # (rows, row_bytes)
+            stem = gname.split(".")[-2]
+            if permute and stem in perm_heads:
+                raw = unpermute_qk(raw, perm_heads[stem])
+            if raw.shape[-1] < width:
+                raw = np.pad(raw, ((0, 0), (0, width - raw.shape[-1])))
+            out = jnp.asarray(raw).block_until_ready()
+            release_pages(g.raw(gname))
+            return out
+
+        return read
+
+    def kept_bytes(path_: str, names: list[str], types: list[str], shape: Any) -> Any:
+        """A stacked K-quant leaf as stored: `GGMLWeight`, or `MixedGGMLWeight`
+        when the layers' types differ (llama.cpp's mixes), filled layer by layer."""
+        kinds = tuple(sorted(set(types)))
+        cols = shape[-1]
+        width = max(row_bytes(t, cols) for t in check_types(kinds, cols))
+        layers = [layer_bytes(n, width) for n in names]
+        data = stream_stacked(path_, (*shape[:-1], width), jnp.uint8, layers)
+        if len(kinds) == 1:
+            return GGMLWeight(data, kinds[0])
+        kind = jnp.asarray([kinds.index(t) for t in types], jnp.int32)  # (L,)
+        return MixedGGMLWeight(data, kind, kinds, cols)
+
     def stacked(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Any:
         names = [by_hf[f"model.layers.{i}.{hf_stem}"] for i in range(shape[0])]
-        types = {g.tensors[n].type_name for n in names}
+        layer_types = [g.tensors[n].type_name for n in names]
+        types = set(layer_types)
         (t,) = types if len(types) == 1 else (None,)
-        if keep_quantized and t in KEEP_QUANTIZED and len(shape) == 3:
+        kept = keep_quantized and len(shape) == 3
+        if kept and types <= set(ROW_FORMATS) and (t is None or t in KQUANT_FORMATS):
+            return kept_bytes(path_, names, layer_types, shape)
+        if kept and t in KEEP_QUANTIZED:
             raw = np.stack([_rows(g, n) for n in names])  # (L, rows, row_bytes)
             for n in names:
                 release_pages(g.raw(n))
@@ -541,6 +589,11 @@ def load_llama_gguf(
             elif prefix.startswith("model.layers."):
                 stem = path_.removeprefix("model.layers.")
                 out[k] = stacked(path_, stem, tuple(v))
+            elif keep_quantized and len(v) == 2 and _type(by_hf[path_]) in KQUANT_FORMATS:
+                # embeddings, lm_head: looked up / multiplied from their rows
+                gname = by_hf[path_]
+                out[k] = ggml_weight(g.raw(gname), _type(gname), tuple(v))
+                release_pages(g.raw(gname))
             elif stream:
                 read = rows(by_hf[path_], tuple(v))
                 out[k] = stream_one(path_, tuple(v), final, read, quantize)

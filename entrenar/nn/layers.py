@@ -7,6 +7,7 @@ embedding tables are plain arrays.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,17 @@ def embedding(table: jax.Array, tokens: jax.Array) -> jax.Array:
     tokens = jnp.asarray(tokens)
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise DTypeError(f"token ids must be integers, got dtype {tokens.dtype}")
+    return embedding_rows(table, tokens)  # (..., D)
+
+
+@functools.singledispatch
+def embedding_rows(table: Any, tokens: jax.Array) -> jax.Array:
+    """Rows ``tokens: (...)`` of ``table: (V, D)`` -> ``(..., D)``: `embedding`'s rule.
+
+    A plain array is ``jnp.take``; a weight node stored by rows registers its own
+    rule (``@embedding_rows.register(NodeType)``), e.g. a GGUF K-quant table
+    (`entrenar.quant.GGMLWeight`) decodes only the rows it looks up.
+    """
     return jnp.take(table, tokens, axis=0)  # (..., D)
 
 
@@ -181,6 +193,7 @@ __all__ = [
     "Activation",
     "dropout",
     "embedding",
+    "embedding_rows",
     "gated_mlp",
     "gelu_tanh",
     "layer_norm",
