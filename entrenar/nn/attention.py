@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from entrenar import native
 from entrenar.errors import ShapeError
+from entrenar.nn.fused_attention import fused_attention, use_fused
 from entrenar.nn.layers import upcast_dtype
 from entrenar.types import DType
 
@@ -151,6 +152,7 @@ def dot_product_attention(
     scale: float | None = None,
     matmul_dtype: str | None = None,
     softcap: float | None = None,
+    impl: str = "auto",
 ) -> jax.Array:
     """Grouped-query attention ``softmax(q kᵀ · scale + bias, masked) v``.
 
@@ -172,6 +174,11 @@ def dot_product_attention(
             mask and softmax stay in float32.
         softcap: None, or ``c``: scores become ``c tanh(scores / c)`` before the
             bias and mask (Gemma 2's ``attn_logit_softcapping``; the JAX path).
+        impl: ``"reference"`` (this module's paths below), ``"fused"``
+            (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
+            cuDNN's kernel on GPUs) or ``"auto"``: fused off the CPU, reference on
+            it. A call the fused path cannot take (soft-capping, float64, value
+            heads of another size than the keys') runs the reference path.
 
     Returns:
         ``(B, T, H, dv)`` in ``q``'s dtype.
@@ -193,6 +200,15 @@ def dot_product_attention(
             f"query heads ({h}) must be a multiple of key/value heads ({kv})"
         )
     scale = 1.0 / d**0.5 if scale is None else scale
+    if (
+        use_fused(impl, q.dtype, softcap)
+        and v.shape[-1] == d == k.shape[-1]
+        and min(q.shape) > 0
+        and min(k.shape) > 0
+    ):
+        return fused_attention(
+            q, k, v, mask, bias=bias, scale=scale, matmul_dtype=matmul_dtype
+        )
     if softcap is None and _native_ok(q, k, v, mask, bias, matmul_dtype):
         if mask is None:
             m = jnp.ones((1, t, s), jnp.uint8)

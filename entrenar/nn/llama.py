@@ -42,6 +42,11 @@ from entrenar.nn.decoder_config import (
     register_family,
     sliding_layers,
 )
+from entrenar.nn.fused_attention import (
+    check_attention_impl,
+    fused_attention,
+    use_fused,
+)
 from entrenar.nn.init import normal
 from entrenar.nn.layers import (
     embedding,
@@ -65,6 +70,9 @@ REMAT_POLICIES = (
     "dots_with_no_batch_dims_saveable",
 )
 """`jax.checkpoint_policies` names `LlamaConfig.remat_policy` accepts."""
+
+_DENSE: Any = object()
+"""`LlamaConfig._layers`' default ``fused``: every layer's mask is dense."""
 
 
 def check_dtype(name: str, field: str) -> None:
@@ -157,6 +165,13 @@ class LlamaConfig:
         final_logit_softcapping: logits become ``c tanh(logits / c)`` (Gemma 2).
         fused_qkv: one ``qkv_proj`` weight ``(L, (H + 2 KV) d, D)`` (Phi-3).
         fused_gate_up: one ``gate_up_proj`` weight ``(L, 2 I, D)`` (Phi-3).
+        attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
+            own paths: the native kernel on CPUs), ``"fused"``
+            (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
+            cuDNN's flash-attention kernel on NVIDIA GPUs, with the causal mask
+            and a uniform sliding window as the kernel's own flags) or ``"auto"``
+            (fused off the CPU). Soft-capped attention (Gemma 2) and float64
+            always take the reference path.
     """
 
     vocab_size: int = 32000
@@ -204,6 +219,7 @@ class LlamaConfig:
     final_logit_softcapping: float | None = None
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    attention_impl: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -226,6 +242,7 @@ class LlamaConfig:
         check_dtype(self.dtype, "LlamaConfig.dtype")
         check_dtype(self.param_dtype, "LlamaConfig.param_dtype")
         check_matmul_dtype(self.matmul_dtype, "LlamaConfig.matmul_dtype")
+        check_attention_impl(self.attention_impl, "LlamaConfig.attention_impl")
         if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(
                 f"LlamaConfig.remat_policy must be None or one of {REMAT_POLICIES} "
@@ -529,10 +546,21 @@ class LlamaConfig:
                 f"positions must have shape {(t,)} or {(b, t)}, got "
                 f"{tuple(positions.shape)}"
             )
+        fused: Any = _DENSE
+        if self.uses_fused_attention():  # the kernel applies causality; the rest:
+            fused = _extra_mask(mask, segment_ids, b, t)  # (B, T, T) or None
         h, (_, hidden) = self._layers(
-            params, tokens, positions, allowed, None, return_hidden
+            params, tokens, positions, allowed, None, return_hidden, fused=fused
         )
         return h, hidden
+
+    def uses_fused_attention(self) -> bool:
+        """Whether attention runs `entrenar.nn.fused_attention` here and now.
+
+        ``attention_impl`` resolved on the current backend, no soft-capping and a
+        compute dtype the fused path takes (`entrenar.nn.fused_attention.use_fused`).
+        """
+        return use_fused(self.attention_impl, self.dtype, self.attn_logit_softcapping)
 
     def _layers(
         self,
@@ -542,8 +570,14 @@ class LlamaConfig:
         allowed: jax.Array,
         cache: KVCache | None,
         return_hidden: bool = False,
+        *,
+        fused: Any = _DENSE,
     ) -> tuple[jax.Array, Any]:
         """Run the scanned layers; returns ``(h, (cache_kv, hidden or None))``.
+
+        ``fused``: on the training path with fused attention, the mask beyond
+        causality (padding and segments, ``(B, T, T)``, or None); the kernel then
+        applies the causal mask (and a sliding window every layer shares) itself.
 
         Per-layer switches (sliding or full attention, local or global rotary
         base) travel in the scan's ``xs`` when the layers differ. With a ``cache``
@@ -579,6 +613,10 @@ class LlamaConfig:
         flags = jnp.asarray(sliding) if mixed else None  # (L,) bool
         every = int(all(sliding))  # 1: every layer slides (Mistral)
 
+        kernel_mask: tuple[bool, int | None] = (False, None)  # (causal, window)
+        if fused is not _DENSE and cache is None:
+            kernel_mask = (True, self.sliding_window if every and not mixed else None)
+
         def layer(carry: Any, xs: Any) -> tuple[Any, Any]:
             lp, index, slide = xs
             h, kv = (carry, None) if cache is None else (carry[0], carry[1:])
@@ -590,7 +628,11 @@ class LlamaConfig:
                         jnp.where(slide, local, full) for full, local in zip(*ropes)
                     )
                     tables = (cos, sin)
-            a, kv = self._attention(lp, h, tables, mask, kv, index, pos)
+            if kernel_mask[0] and not mixed:  # the kernel's causal mask and window
+                mask = fused
+            a, kv = self._attention(
+                lp, h, tables, mask, kv, index, pos, kernel_mask=kernel_mask
+            )
             if self.sandwich_norms:
                 a = self._norm(a, lp["post_attention_layernorm"])
             h = h + a  # (B, T, D)
@@ -686,11 +728,14 @@ class LlamaConfig:
         cache_kv: tuple[jax.Array, jax.Array] | None,
         index: jax.Array | None,
         pos: jax.Array | None,
+        kernel_mask: tuple[bool, int | None] = (False, None),
     ) -> tuple[jax.Array, Any]:
         """Self-attention of ``h: (B, T, D)``; returns ``(output, cache_kv)``.
 
         ``cache_kv``: None, or the whole ``(L, B, S, KV, d)`` key and value buffers,
         into which the new entries are written at layer ``index`` and ``pos``.
+        ``kernel_mask``: ``(causal, window)`` that fused attention applies on top
+        of ``allowed`` (the reference path gets them inside ``allowed``).
         """
         b, t, _ = h.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
@@ -721,10 +766,17 @@ class LlamaConfig:
         scale = None
         if self.query_pre_attn_scalar is not None:
             scale = self.query_pre_attn_scalar**-0.5
-        o = dot_product_attention(
-            q, k, v, allowed, matmul_dtype=md, scale=scale,
-            softcap=self.attn_logit_softcapping,
-        )  # (B, T, H, d)  # fmt: skip
+        if self.uses_fused_attention():
+            causal, window = kernel_mask
+            o = fused_attention(
+                q, k, v, allowed, causal=causal, window=window, scale=scale,
+                matmul_dtype=md, implementation=None if cache_kv is None else "xla",
+            )  # (B, T, H, d)  # fmt: skip
+        else:
+            o = dot_product_attention(
+                q, k, v, allowed, matmul_dtype=md, scale=scale,
+                softcap=self.attn_logit_softcapping, impl="reference",
+            )  # (B, T, H, d)  # fmt: skip
         o = linear(o.reshape(b, t, nh * hd), ap["o_proj"]["weight"],
                    _bias(ap["o_proj"]), matmul_dtype=md)  # fmt: skip
         return o, cache_kv
@@ -738,6 +790,19 @@ class LlamaConfig:
             c = jnp.asarray(self.final_logit_softcapping, logits.dtype)
             logits = jnp.tanh(logits / c) * c
         return logits
+
+
+def _extra_mask(
+    mask: jax.Array | None, segment_ids: jax.Array | None, b: int, t: int
+) -> jax.Array | None:
+    """The mask beyond causality, ``(B, T, T)``: padded keys and other segments."""
+    extra = None
+    if mask is not None:
+        extra = jnp.broadcast_to(mask.astype(bool)[:, None, :], (b, t, t))
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+        extra = same if extra is None else extra & same
+    return extra
 
 
 def _bias(p: Params) -> Any:
