@@ -283,11 +283,11 @@ def _scored_merge(
     """Merge (searching the grid with --search), write the best, print the scores."""
     from entrenar import merge
     from entrenar.merge.search import format_table, with_setting
-    from entrenar.runs.merging import chat_scorer
+    from entrenar.runs.merging import chat_scorer, search_merge
 
     score = chat_scorer(model_file, tasks)
     if search:
-        result = merge.search(recipe, score)
+        result = search_merge(recipe, score)
         click.echo(result.table())
         best = result.best
         recipe = with_setting(recipe, best.setting)

@@ -12,7 +12,8 @@ arguments. LoRA fine-tunes of one base merge through their adapters with
 `merge_adapters` (exact task vectors; a linear merge stays an adapter); a file's
 task vector that is mostly re-quantization noise is measured by
 `requantization_noise` and corrected or refused (``quantized:``). `search` scores
-merges on held-out chat tasks over a grid of settings. The math is in
+merges on held-out chat tasks over a grid of settings (pruned and screened within a
+`Budget`). The math is in
 specs/merging.md.
 """
 
@@ -23,10 +24,11 @@ from entrenar.merge.noise import NoiseReport, requantization_noise
 from entrenar.merge.recipe import METHODS, ModelRef, Recipe, load_recipe, parse_recipe
 from entrenar.merge.run import merge_files, open_model, run_recipe
 from entrenar.merge.schedule import Setting, evaluate
-from entrenar.merge.search import SearchResult, Trial, default_grid, search
+from entrenar.merge.search import Budget, SearchResult, Trial, default_grid, search
 
 __all__ = [
     "METHODS",
+    "Budget",
     "ModelRef",
     "NoiseReport",
     "Plan",

@@ -11,6 +11,21 @@ earlier one):
 
     best = argmax_s  (min_task score(s, task),  mean_task score(s, task))
 
+Scoring dominates the cost (a merge of SmolLM2-135M takes seconds, scoring two
+80-record tasks most of a minute), so two things keep it short; neither changes
+which setting wins among those scored in full:
+
+- **Pruning.** A score is told the best worst-task score so far (`Budget.floor`)
+  and may stop as soon as some task cannot reach it: with ``c`` of ``n`` records
+  right after ``k`` scored, the task ends at most at ``(c + n - k) / n``; when
+  that is below the floor the setting cannot win (its worst task is below the
+  best's) and the score returns those upper bounds (the trial is *pruned*).
+- **Screening** (``screen=N``). Every setting is first scored on each task's first
+  ``N`` records; the recipe's own setting and the ``finalists`` best screened
+  others are then scored on every record, and only those compete. The recipe's
+  own setting is scored in full first, so the result is never a setting that
+  lost to it on the worst task over the full sets.
+
 `default_grid` is the small grid searched when none is given.
 """
 
@@ -29,8 +44,24 @@ from entrenar.merge.run import merge_inputs, merged_refs, open_inputs
 Setting = Mapping[str, Any]
 """One point of a grid: ``density``, ``lambda``, ``t`` (numbers) or ``weights``
 (one number per merged model)."""
-Score = Callable[[Model], Mapping[str, float]]
-"""Scores of a merged model, per task name."""
+
+
+class Budget(NamedTuple):
+    """How much scoring a setting gets (module docstring).
+
+    Attributes:
+        items: score each task's first ``items`` records; None: every record.
+        floor: the best worst-task score so far: a score may stop once some task
+            cannot reach it, returning each task's upper bound (``-inf``: never).
+    """
+
+    items: int | None = None
+    floor: float = float("-inf")
+
+
+Score = Callable[[Model, Budget], Mapping[str, float]]
+"""Scores of a merged model per task name, within a `Budget` (upper bounds when it
+stopped early)."""
 
 DENSITIES = (0.3, 0.6, 1.0)
 LAMBDAS = (1.0, 1.5, 2.0)
@@ -38,10 +69,19 @@ TS = (0.25, 0.5, 0.75)
 
 
 class Trial(NamedTuple):
-    """One setting and the merged model's score on each task."""
+    """One setting and the merged model's score on each task.
+
+    Attributes:
+        setting: the grid point.
+        scores: per task; upper bounds when ``pruned``.
+        items: records scored per task (None: all of them).
+        pruned: the score stopped early (a task could not reach the best).
+    """
 
     setting: Setting
     scores: Mapping[str, float]
+    items: int | None = None
+    pruned: bool = False
 
     @property
     def worst(self) -> float:
@@ -137,6 +177,8 @@ def search(
     score: Score,
     grid: Sequence[Setting] | None = None,
     *,
+    screen: int | None = None,
+    finalists: int = 2,
     progress: Callable[[Trial], None] | None = None,
 ) -> SearchResult:
     """Merge with each setting of ``grid`` and keep the best worst-task score.
@@ -144,35 +186,58 @@ def search(
     Args:
         recipe: what to merge; its settings are the grid's first point when
             ``grid`` is None (`default_grid`).
-        score: the merged model's score per task (higher is better).
-        grid: the settings to try, in order.
+        score: the merged model's score per task (higher is better) within a
+            `Budget`.
+        grid: the settings to try, in order; the first is scored in full first.
+        screen: score every setting on each task's first ``screen`` records, then
+            only the first setting and the ``finalists`` best others in full
+            (module docstring); None: every setting in full.
+        finalists: with ``screen``, how many screened settings besides the first
+            are scored in full.
         progress: called with each trial as it is scored.
 
     Returns:
-        The trials and the best (module docstring); merge the best again with
+        Every setting's trial in grid order (the full one where a setting was
+        scored twice) and the best of those scored in full; merge it again with
         ``run_recipe(with_setting(recipe, result.best.setting), output)``.
     """
-    points = list(grid) if grid is not None else default_grid(recipe)
+    points = [dict(p) for p in (grid if grid is not None else default_grid(recipe))]
     if not points:
         raise ConfigError("the search grid is empty")
+    if screen is not None and screen < 1:
+        raise ConfigError(f"screen must be >= 1 records, got {screen}")
     sources = open_inputs(recipe)
-    trials = []
-    for point in points:
-        model = merge_inputs(with_setting(recipe, point), sources, keep_inputs=True)
-        scores = dict(score(model))
+
+    def trial(i: int, items: int | None, floor: float) -> Trial:
+        model = merge_inputs(with_setting(recipe, points[i]), sources, keep_inputs=True)
+        scores = dict(score(model, Budget(items, floor)))
         if not scores:
             raise ConfigError("the score function returned no task")
-        trials.append(Trial(dict(point), scores))
+        t = Trial(points[i], scores, items, min(scores.values()) < floor)
         if progress is not None:
-            progress(trials[-1])
-    first = trials[0].setting
+            progress(t)
+        return t
 
-    def rank(t: Trial) -> tuple[float, float, int, int]:
-        changed = sum(t.setting.get(k) != v for k, v in first.items())
-        return (t.worst, t.mean, -changed, -trials.index(t))
+    def rank(i: int, t: Trial) -> tuple[float, float, int, int]:
+        changed = sum(t.setting.get(k) != v for k, v in points[0].items())
+        return (t.worst, t.mean, -changed, -i)
 
-    best = max(trials, key=rank)
-    return SearchResult(tuple(trials), best)
+    full: dict[int, Trial] = {0: trial(0, None, float("-inf"))}
+    order = range(1, len(points))
+    if screen is not None:
+        screened: dict[int, Trial] = {}
+        floor = float("-inf")
+        for i in order:
+            screened[i] = trial(i, screen, floor)
+            floor = max(floor, screened[i].worst)
+        alive = [i for i in order if not screened[i].pruned]
+        order = sorted(alive, key=lambda i: rank(i, screened[i]), reverse=True)
+        order = order[:finalists]
+    for i in order:
+        full[i] = trial(i, None, max(t.worst for t in full.values()))
+    best = max(full.items(), key=lambda it: rank(*it))[1]
+    trials = tuple(full.get(i) or screened[i] for i in range(len(points)))
+    return SearchResult(trials, best)
 
 
 def _value(v: Any) -> str:
@@ -182,20 +247,29 @@ def _value(v: Any) -> str:
 
 
 def format_table(trials: Sequence[Trial], best: Trial | None = None) -> str:
-    """A Markdown table: one row per trial, its setting and each task's score."""
+    """A Markdown table: one row per trial, its setting and each task's score.
+
+    The last column says what was scored: ``all`` records, the ``first N``
+    (screening), or ``pruned`` (the scores are upper bounds, written ``<=``).
+    """
     keys = list(dict.fromkeys(k for t in trials for k in t.setting))
     tasks = list(dict.fromkeys(k for t in trials for k in t.scores))
-    head = ["", *keys, *tasks, "worst"]
+    head = ["", *keys, *tasks, "worst", "scored"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in trials:
+        bound = "<=" if t.pruned else ""
         cells = ["*" if t is best else ""]
         cells += [_value(t.setting.get(k, "")) for k in keys]
-        cells += [f"{t.scores.get(k, float('nan')):.3f}" for k in tasks]
-        rows.append("| " + " | ".join([*cells, f"{t.worst:.3f}"]) + " |")
+        cells += [f"{bound}{t.scores.get(k, float('nan')):.3f}" for k in tasks]
+        cells.append(f"{bound}{t.worst:.3f}")
+        what = "all" if t.items is None else f"first {t.items}"
+        cells.append(f"{what}, pruned" if t.pruned else what)
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 __all__ = [
+    "Budget",
     "SearchResult",
     "Trial",
     "current_setting",

@@ -21,6 +21,7 @@ from entrenar.config.spec import TrainSpec, read_yaml
 from entrenar.config.summary import check_recipe_files, spec_recipe
 from entrenar.errors import ConfigError
 from entrenar.io.lock import OutputLock
+from entrenar.nn import auto_matmul_dtype
 
 
 def load_recipe_file(path: str) -> merge.Recipe:
@@ -64,42 +65,121 @@ def run_merge(spec: TrainSpec) -> dict[str, str]:
     return files
 
 
-def chat_scorer(
-    model_file: str, tasks: Mapping[str, str], *, batch_size: int = 16
-) -> Callable[[io.Model], dict[str, float]]:
+class ChatScorer:
     """Exact match of greedy replies on each task's chat JSONL, for `merge.search`.
+
+    ``scorer(model, budget)`` scores a merged `io.Model` (params in the base's
+    layout) on every task, ``batch_size`` records per teacher-forced forward pass
+    (`entrenar.chat.exact_match`; greedy decoding gives the same hits, at more
+    cost). Batches of the tasks alternate so that a task that cannot reach
+    ``budget.floor`` is seen early; it then stops and returns each task's upper
+    bound ``(correct + n - scored) / n`` (`merge.search` prunes the setting).
 
     Args:
         model_file: a Llama GGUF of the merged models' architecture (the base):
             its config, tokenizer and chat template score every merged model.
         tasks: task name -> held-out chat JSONL (``{"messages": [...]}``).
-        batch_size: records per forward pass (`entrenar.chat.exact_match`).
+        batch_size: records per forward pass.
+        matmul_dtype: ``"auto"`` (bfloat16 matmuls with float32 accumulation where
+            the CPU has AMX or AVX512-BF16, as training's ``matmul_dtype: auto``;
+            `entrenar.nn.auto_matmul_dtype`), ``"bfloat16"``, or None (float32).
 
     Raises:
         ConfigError: ``model_file`` is not a GGUF, or a task file has no records.
     """
-    if io.detect_format(model_file) != io.ModelFormat.GGUF:
-        raise ConfigError(
-            f"--eval scores merges through a GGUF's tokenizer and chat template; "
-            f"{model_file} is not a GGUF (merge GGUF files, or evaluate the written "
-            "model with `entrenar eval`)"
+
+    def __init__(
+        self,
+        model_file: str,
+        tasks: Mapping[str, str],
+        *,
+        batch_size: int = 16,
+        matmul_dtype: str | None = "auto",
+    ) -> None:
+        if io.detect_format(model_file) != io.ModelFormat.GGUF:
+            raise ConfigError(
+                f"--eval scores merges through a GGUF's tokenizer and chat template; "
+                f"{model_file} is not a GGUF (merge GGUF files, or evaluate the "
+                "written model with `entrenar eval`)"
+            )
+        chat = ChatModel.from_gguf(model_file)
+        md = auto_matmul_dtype() if matmul_dtype == "auto" else matmul_dtype
+        self.chat = dataclasses.replace(
+            chat, model=dataclasses.replace(chat.model, matmul_dtype=md)
         )
-    chat = ChatModel.from_gguf(model_file)
-    records = {}
-    for name, path in tasks.items():
-        records[name] = list(data.load_records(path))
-        if not records[name]:
-            raise ConfigError(f"--eval {name}={path}: no records")
+        self.batch_size = batch_size
+        self.records: dict[str, list[Any]] = {}
+        for name, path in tasks.items():
+            self.records[name] = list(data.load_records(path))
+            if not self.records[name]:
+                raise ConfigError(f"--eval {name}={path}: no records")
 
-    def score(model: io.Model) -> dict[str, float]:
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Records per task."""
+        return {name: len(recs) for name, recs in self.records.items()}
+
+    def __call__(
+        self, model: io.Model, budget: merge.Budget | None = None
+    ) -> dict[str, float]:
+        """Each task's exact match (upper bounds when it stopped early: class doc)."""
+        budget = budget or merge.Budget()
         params = jax.tree_util.tree_map(jnp.asarray, model.params)
-        merged = dataclasses.replace(chat, params=params)
-        return {
-            name: exact_match(merged, recs, batch_size=batch_size).accuracy
-            for name, recs in records.items()
-        }
+        chat = dataclasses.replace(self.chat, params=params)
+        recs = {t: r[: budget.items] for t, r in self.records.items()}
+        n = {t: len(r) for t, r in recs.items()}
+        right = dict.fromkeys(recs, 0)  # records right so far, per task
+        seen = dict.fromkeys(recs, 0)  # records scored so far, per task
+        bs = self.batch_size
+        turns = [(t, s) for s in range(0, max(n.values()), bs) for t in recs
+                 if s < n[t]]  # batch k of every task in turn  # fmt: skip
+        for task, s in turns:
+            chunk = recs[task][s : s + bs]
+            right[task] += exact_match(chat, chunk, batch_size=bs).correct
+            seen[task] += len(chunk)
+            if (right[task] + n[task] - seen[task]) / n[task] < budget.floor:
+                break  # this task cannot reach the floor: the setting cannot win
+        return {t: (right[t] + n[t] - seen[t]) / n[t] for t in recs}
 
-    return score
+
+def chat_scorer(
+    model_file: str, tasks: Mapping[str, str], *, batch_size: int = 16
+) -> ChatScorer:
+    """A `ChatScorer` of ``tasks`` through ``model_file`` (its arguments)."""
+    return ChatScorer(model_file, tasks, batch_size=batch_size)
 
 
-__all__ = ["chat_scorer", "is_bare_recipe", "load_recipe_file", "run_merge"]
+SCREEN = 16
+"""Records per task that screen every setting of ``entrenar merge --search``."""
+FINALISTS = 2
+"""Screened settings scored in full besides the command's own."""
+
+
+def search_merge(
+    recipe: merge.Recipe,
+    scorer: ChatScorer,
+    *,
+    progress: Callable[[merge.Trial], None] | None = None,
+) -> merge.SearchResult:
+    """`merge.search` over the default grid as ``entrenar merge --search`` runs it.
+
+    Settings are screened on each task's first `SCREEN` records when some task has
+    more than twice as many, and the command's own plus `FINALISTS` others scored
+    in full; otherwise every setting is scored in full (pruned either way).
+    """
+    screen = SCREEN if max(scorer.sizes.values()) > 2 * SCREEN else None
+    return merge.search(
+        recipe, scorer, screen=screen, finalists=FINALISTS, progress=progress
+    )
+
+
+__all__ = [
+    "FINALISTS",
+    "SCREEN",
+    "ChatScorer",
+    "chat_scorer",
+    "is_bare_recipe",
+    "load_recipe_file",
+    "run_merge",
+    "search_merge",
+]

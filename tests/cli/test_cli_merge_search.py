@@ -119,10 +119,10 @@ def test_eval_scores_each_task_of_the_merged_model(case, tmp_path):
     out = tmp_path / "merged.gguf"
     r = merge(case, out, "--method", "task_arithmetic", "--lambda", "1.5")
     assert r.exit_code == 0, r.output
-    assert "| 1.000 | 1.000 | 1.000 |" in r.output  # one, two, worst
+    assert "| 1.000 | 1.000 | 1.000 | all |" in r.output  # one, two, worst
     assert f"merged 2 models onto base {case['base']} (task_arithmetic)" in r.output
     r = merge(case, out, "--method", "task_arithmetic", tasks=("one",))
-    assert "| 0.000 | 0.000 |" in r.output  # λ = 1: 8 < 10, the answer is lost
+    assert "| 0.000 | 0.000 | all |" in r.output  # λ = 1: 8 < 10, the answer is lost
 
 
 def test_search_picks_the_known_best_setting(case, tmp_path):
@@ -134,10 +134,10 @@ def test_search_picks_the_known_best_setting(case, tmp_path):
     assert rows[1].split("|")[2:4] == [" 0.6 ", " 1 "]  # the given setting first
     assert "best worst-task score 1.000 with density=0.6, lambda=1.5" in r.output
     best = [row for row in rows if row.startswith("| * |")]
-    assert len(best) == 1 and "| 0.6 | 1.5 | 1.000 | 1.000 | 1.000 |" in best[0]
+    assert len(best) == 1 and "| 0.6 | 1.5 | 1.000 | 1.000 | 1.000 | all |" in best[0]
     for row in rows[1:]:  # only λ = 1.5 keeps both tasks, whatever the density
-        worst = float(row.split("|")[-2])
-        assert (worst == 1.0) == (row.split("|")[3].strip() == "1.5"), row
+        worst = row.split("|")[-3].strip()  # "<=" marks a pruned setting's bound
+        assert (worst == "1.000") == (row.split("|")[3].strip() == "1.5"), row
     from entrenar.chat import ChatModel
 
     chat = ChatModel.from_gguf(out)  # the written model is the best one
