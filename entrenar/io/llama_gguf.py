@@ -68,6 +68,7 @@ from entrenar.nn.hf_names import (
     stream_stacked,
 )
 from entrenar.quant import GGMLWeight, from_ggml
+from entrenar.quant import ggml_head as _ggml_head  # noqa: F401  (registers head_nll)
 from entrenar.quant.ggml_mixed import (
     ROW_FORMATS,
     MixedGGMLWeight,

@@ -6,15 +6,17 @@ from typing import Any
 
 from entrenar import quant
 from entrenar.errors import ShapeError
+from entrenar.quant.ggml_mixed import MixedGGMLWeight
 
 
 def quantize_base(w: Any, scheme: str, name: str) -> Any:
     """``w`` as a `QuantizedWeight` (NF4 with double quantization).
 
     Kept as it is when already quantized: a `QuantizedWeight`, or a GGUF base kept in
-    its file's type (`entrenar.quant.GGMLWeight`: Q4_K, Q6_K, BF16, ...).
+    its file's type (`entrenar.quant.GGMLWeight`: Q4_K, Q6_K, BF16, ...; a
+    `MixedGGMLWeight`: layers of different types, as llama.cpp's Q4_K_M).
     """
-    if quant.is_quantized(w) or isinstance(w, quant.GGMLWeight):
+    if quant.is_quantized(w) or isinstance(w, (quant.GGMLWeight, MixedGGMLWeight)):
         return w
     try:
         return quant.quantize(w, scheme, double_quant=scheme == "nf4")

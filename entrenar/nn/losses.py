@@ -361,6 +361,20 @@ def _chunked_nll_bwd(
 _chunked_nll.defvjp(_chunked_nll_fwd, _chunked_nll_bwd, symbolic_zeros=True)
 
 
+@functools.singledispatch
+def head_nll(
+    weight: Any, x: jax.Array, y: jax.Array, matmul_dtype: str | None = None
+) -> jax.Array:
+    """``logsumexp(x Wᵀ) - (x Wᵀ)[y]`` per token, ``x: (N, D)``, ``y: (N,)`` -> ``(N,)``.
+
+    A weight node registers a rule (``@head_nll.register(NodeType)``) when it has a
+    better way than `chunked_causal_lm_loss`'s chunks of tokens, e.g. a GGUF head
+    decoded once for all tokens (`entrenar.quant.ggml_head`); without one the loss
+    takes its chunks (this default is never called).
+    """
+    raise NotImplementedError(f"no head_nll rule for {type(weight).__name__}")
+
+
 def chunked_causal_lm_loss(
     hidden: jax.Array,
     weight: Any,
@@ -436,6 +450,12 @@ def chunked_causal_lm_loss(
         nll = nll.reshape(-1)[:n].reshape(b, t - 1)  # (B, T-1)
         return reduce_loss(nll, reduction, where=valid.reshape(b, t - 1))
 
+    rule = None if softcap is not None else head_nll.dispatch(type(weight))
+    if rule is not head_nll.dispatch(object):  # a node's own rule: all tokens at once
+        nll = head_nll(weight, x.reshape(-1, d), y.reshape(-1), matmul_dtype)
+        nll = nll[:n].reshape(b, t - 1)  # (B, T-1)
+        return reduce_loss(nll, reduction, where=valid.reshape(b, t - 1))
+
     @jax.checkpoint
     def one(xy: tuple[jax.Array, jax.Array]) -> jax.Array:
         xc, yc = xy
@@ -504,6 +524,7 @@ __all__ = [
     "causal_lm_loss",
     "check_reduction",
     "chunked_causal_lm_loss",
+    "head_nll",
     "cross_entropy",
     "huber",
     "kl_divergence",
