@@ -43,6 +43,7 @@ import numpy as np
 from entrenar import native
 from entrenar.errors import ShapeError
 from entrenar.nn.linear import lowp_matmul, weight_matmul
+from entrenar.quant import blocked
 from entrenar.quant.api import dequantize
 from entrenar.quant.kquant import GGMLWeight, decode_rows
 from entrenar.quant.nf4 import NF4_CODE, block_scales
@@ -67,8 +68,11 @@ def quantized_matmul(
     """``x Ŵᵀ`` with ``Ŵ = dequantize(w)``; ``x: (..., in)``.
 
     ``Ŵ`` is in ``x``'s dtype, or in ``matmul_dtype`` (then float32 accumulation,
-    result in ``x``'s dtype).
+    result in ``x``'s dtype). Off the CPU a matrix is multiplied block by block
+    (`entrenar.quant.blocked`: no dense copy of the weight in the step).
     """
+    if blocked.use_blocked(w):
+        return blocked.blocked_matmul(w, x, matmul_dtype)
     if matmul_dtype is not None:
         return lowp_matmul(x, w, matmul_dtype, dequantized)
     if _native_nf4(w, x, math.prod(x.shape[:-1])):

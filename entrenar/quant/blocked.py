@@ -1,0 +1,201 @@
+"""A quantized matmul that never holds the dense weight: blocks of rows in a loop.
+
+For ``w: (out, in)`` quantized (NF4 with or without double quantization, int8, int4,
+llama.cpp's Q8_0 / Q4_0 / Q4_1) and inputs ``x: (n, in)``, the product is taken
+``R`` output rows at a time:
+
+    ``y[:, bR:(b+1)R] = x Ŵ_bᵀ``,   ``Ŵ_b = dequantize(w[bR:(b+1)R])``  (``R × in``)
+
+in a `jax.lax.map` over the ``out / R`` blocks, and its input gradient as a sum in a
+`jax.lax.scan`,
+
+    ``dx = Σ_b g[:, bR:(b+1)R] Ŵ_b``,
+
+decoding each block again rather than keeping it. So a compiled step holds one
+block, ``R × in`` values, where the dense path (`entrenar.quant.linear`'s whole
+dequantization) holds the matrix: on a GPU, with batches of thousands of rows,
+that is the transient dense copy of every projection in every step. Inputs enter
+the products in ``matmul_dtype`` (bfloat16: the blocks are decoded straight to it)
+with float32 accumulation, as `entrenar.nn.lowp_matmul` does; the result is in
+``x``'s dtype. A frozen base (QLoRA) gets no gradient; a differentiated one gets
+``dŴ = gᵀ x`` pulled back through the dequantization, as the dense path computes.
+
+`entrenar.quant.linear.quantized_matmul` takes this path off the CPU (`use_blocked`);
+on the CPU the dense path and the native NF4 kernel stay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar.errors import ShapeError
+from entrenar.quant.api import dequantize
+from entrenar.quant.nf4 import block_scales
+from entrenar.quant.weight import QuantizedWeight
+
+BLOCK_VALUES = 1 << 23
+"""Most weight values decoded at a time (16 MiB in bfloat16)."""
+
+MIN_BLOCKS = 4
+"""Fewest blocks a matrix is cut into (so at most a quarter of it is ever decoded)."""
+
+
+def block_rows(out: int, fan_in: int, max_values: int = BLOCK_VALUES) -> int:
+    """Rows per block ``R``, the largest divisor of ``out`` that fits.
+
+    Fits: ``R · in <= max_values`` and ``R <= out / MIN_BLOCKS`` (1 at least).
+
+    >>> block_rows(4096, 14336)
+    512
+    >>> block_rows(14336, 4096)
+    2048
+    """
+    rows = max(1, min(max_values // fan_in, out // MIN_BLOCKS))
+    while out % rows:  # a divisor of ``out``: every block has the same shape
+        rows -= 1
+    return rows
+
+
+def use_blocked(w: Any) -> bool:
+    """Whether `quantized_matmul` takes the blocked path for ``w`` here.
+
+    Off the CPU, for a matrix (a layer's slice of a stacked weight) quantized in
+    blocks along its rows.
+    """
+    return (
+        jax.default_backend() != "cpu"
+        and isinstance(w, QuantizedWeight)
+        and w.ndim == 2
+        and w.granularity == "block"
+    )
+
+
+def blocked_matmul(
+    w: QuantizedWeight,
+    x: jax.Array,
+    matmul_dtype: str | None = None,
+    *,
+    rows: int | None = None,
+) -> jax.Array:
+    """``x Ŵᵀ`` for ``w: (out, in)``, ``x: (..., in)``, ``rows`` rows decoded at a time.
+
+    Args:
+        w: a 2-d block-quantized weight.
+        x: inputs; the result has their dtype.
+        matmul_dtype: None (products in ``x``'s dtype) or ``"bfloat16"`` /
+            ``"float16"`` (float32 accumulation).
+        rows: rows per block; default `block_rows`. Must divide ``out``.
+
+    Returns:
+        ``(..., out)``.
+
+    Raises:
+        ShapeError: ``w`` is not a 2-d block-quantized matrix, its input size is
+            not ``x``'s, or ``rows`` does not divide its rows.
+    """
+    if w.ndim != 2 or w.granularity != "block":
+        raise ShapeError(
+            f"blocked_matmul takes a block-quantized matrix (out, in), got shape "
+            f"{w.shape} ({w.granularity}); index a stacked weight per layer first"
+        )
+    out, fan_in = w.shape
+    if x.shape[-1] != fan_in:
+        raise ShapeError(f"x has {x.shape[-1]} features, the weight takes {fan_in}")
+    rows = block_rows(out, fan_in) if rows is None else int(rows)
+    if rows < 1 or out % rows:
+        raise ShapeError(f"rows={rows} must divide the weight's {out} rows")
+    dtype = np.dtype(jnp.dtype(matmul_dtype or x.dtype))
+    xs = x.reshape(-1, fan_in)  # (n, in)
+    y = _product(_resolved(w), xs, rows, dtype)  # (n, out)
+    return y.reshape(*x.shape[:-1], out)
+
+
+def _resolved(w: QuantizedWeight) -> QuantizedWeight:
+    """``w`` with double quantization undone (its int8 groups span row blocks)."""
+    if not w.double_quant:
+        return w
+    return dataclasses.replace(
+        w, scales=block_scales(w), scale_scales=None, scale_offset=None
+    )
+
+
+def _split(w: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """``(out, k)`` leaves -> ``(out / rows, rows, k)``: a stack of row blocks."""
+
+    def split(a: Any) -> Any:
+        return None if a is None else a.reshape(-1, rows, *a.shape[1:])
+
+    return dataclasses.replace(
+        w, codes=split(w.codes), scales=split(w.scales), offsets=split(w.offsets)
+    )
+
+
+def _forward(w: QuantizedWeight, xs: jax.Array, rows: int, dtype: Any) -> jax.Array:
+    xd = xs.astype(dtype)
+
+    def block(b: QuantizedWeight) -> jax.Array:  # -> (n, rows)
+        wb = dequantize(b, dtype)  # (rows, in)
+        return jnp.einsum("ni,ri->nr", xd, wb, preferred_element_type=jnp.float32)
+
+    y = jax.lax.map(block, _split(w, rows))  # (out / rows, n, rows)
+    return jnp.moveaxis(y, 0, 1).reshape(xs.shape[0], -1).astype(xs.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _product(w: QuantizedWeight, xs: jax.Array, rows: int, dtype: Any) -> jax.Array:
+    """``xs Ŵᵀ``: ``(n, in) -> (n, out)``, ``rows`` rows of ``Ŵ`` at a time."""
+    return _forward(w, xs, rows, dtype)
+
+
+def _primal(tree: Any) -> tuple[Any, bool]:
+    """The values of a tree of `CustomVJPPrimal` and whether any is perturbed."""
+    is_primal = lambda v: isinstance(v, jax.custom_derivatives.CustomVJPPrimal)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_primal)
+    perturbed = any(getattr(v, "perturbed", False) for v in leaves)
+    values = jax.tree_util.tree_map(lambda v: v.value, tree, is_leaf=is_primal)
+    return values, perturbed
+
+
+def _product_fwd(w: Any, xs: Any, rows: int, dtype: Any) -> tuple[jax.Array, Any]:
+    wv, w_perturbed = _primal(w)
+    xv = xs.value
+    # the residual is the packed weight; x only when the weight needs dŴ
+    return _forward(wv, xv, rows, dtype), (wv, xv if w_perturbed else None)
+
+
+def _product_bwd(rows: int, dtype: Any, res: Any, g: jax.Array) -> Any:
+    w, xs = res
+    n, fan_in = g.shape[0], w.shape[1]
+    gl = g.astype(dtype)
+    gb = jnp.moveaxis(gl.reshape(n, -1, rows), 1, 0)  # (out / rows, n, rows)
+
+    def step(dx: jax.Array, pair: tuple[QuantizedWeight, jax.Array]) -> Any:
+        b, gk = pair
+        wb = dequantize(b, dtype)  # (rows, in)
+        return dx + jnp.einsum(
+            "nr,ri->ni", gk, wb, preferred_element_type=jnp.float32
+        ), None
+
+    dx0 = jnp.zeros((n, fan_in), jnp.float32)
+    dx, _ = jax.lax.scan(step, dx0, (_split(w, rows), gb))  # (n, in)
+    dx = dx.astype(g.dtype)  # g has y's dtype, which is x's
+    if xs is None:  # a frozen base: no gradient
+        return None, dx
+    dwd = jnp.einsum(
+        "no,ni->oi", gl, xs.astype(dtype), preferred_element_type=jnp.float32
+    )  # (out, in): the dense gradient only when the weight is trained
+    _, pull = jax.vjp(lambda v: dequantize(v, jnp.float32), w)
+    (dw,) = pull(dwd)
+    return dw, dx
+
+
+_product.defvjp(_product_fwd, _product_bwd, symbolic_zeros=True)
+
+
+__all__ = ["BLOCK_VALUES", "MIN_BLOCKS", "block_rows", "blocked_matmul", "use_blocked"]
