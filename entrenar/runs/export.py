@@ -194,13 +194,23 @@ def _write_exports(
             task_type="CAUSAL_LM" if built.is_lm else None,
         )  # fmt: skip
         written["adapter"] = folder
-    model_params = lora.fold(params) if adapted else params  # plain weights
+    folded: list[Params] = []
+
+    def model_params() -> Params:
+        """The plain weights, folded once when a format writes them.
+
+        A fold is a float copy of every adapted weight: not made for an adapter.
+        """
+        if not folded:
+            folded.append(lora.fold(params) if adapted else params)
+        return folded[0]
+
     train_cfg = {"config": os.path.basename(spec.source or ""), "name": spec.name}
     for fmt in ("safetensors", "json"):
         if fmt in ex.formats:
             path = os.path.join(out_dir, f"model.{fmt}")
             save_built(
-                built, quant.dequantize_params(model_params), path, fmt=fmt,
+                built, quant.dequantize_params(model_params()), path, fmt=fmt,
                 name=name, training_config=train_cfg, extra=extra,
             )  # fmt: skip
             written[fmt] = path
@@ -216,13 +226,13 @@ def _write_exports(
                 report["gguf_update_kept"] = round(float(kept.kept), 4)
         else:
             io.save_llama_gguf(
-                path, built.config, model_params, source=source,
+                path, built.config, model_params(), source=source,
                 tensor_type=ex.gguf_type, name=name, tokenizer=tok,
             )  # fmt: skip
         written["gguf"] = path
     if "hf" in ex.formats:
         written["hf"] = write_hf_folder(
-            built, model_params, os.path.join(out_dir, "hf")
+            built, model_params(), os.path.join(out_dir, "hf")
         )
     q = spec.quantization
     if q is not None and q.enabled:
@@ -230,7 +240,7 @@ def _write_exports(
         ext = "gguf" if built.is_decoder and scheme in GGML_SCHEMES else "safetensors"
         path = os.path.join(out_dir, f"model-{scheme}.{ext}")
         write_quantized(
-            built, model_params, path, scheme, block_size=q.block_size,
+            built, model_params(), path, scheme, block_size=q.block_size,
             per_channel=q.per_channel, name=name, extra=extra,
         )  # fmt: skip
         written["quantized"] = path
