@@ -1,7 +1,8 @@
 """Randomly initialised models of named real shapes, as a user would download them.
 
-For each shape of `SHAPES` (the presets of ``../shared/bench/peers/torch_llama_lora.py``:
-SmolLM2-135M, SmolLM2-360M, TinyLlama-1.1B, Llama-2-7B, Llama-3-8B) this writes
+For each shape of `SHAPES` (the presets of the peer script
+``../shared/bench/peers/torch_llama_lora.py``: SmolLM2-135M, SmolLM2-360M,
+TinyLlama-1.1B, Llama-2-7B, Llama-3-8B) this writes
 
 - a Hugging Face folder: ``config.json``, bfloat16 safetensors in shards of at most
   `SHARD_BYTES` with ``model.safetensors.index.json``, and SmolLM2's tokenizer
@@ -58,7 +59,7 @@ STD = 0.02
 """Standard deviation of the random weights (Llama's ``initializer_range``)."""
 
 Q4_K_M = 15
-"""llama.cpp's ``general.file_type`` of a Q4_K_M file (``LLAMA_FTYPE_MOSTLY_Q4_K_M``)."""
+"""``general.file_type`` of a Q4_K_M file (``LLAMA_FTYPE_MOSTLY_Q4_K_M``)."""
 
 
 def config(shape: str, layers: int | None = None) -> Any:
@@ -75,7 +76,7 @@ def config(shape: str, layers: int | None = None) -> Any:
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:
-    """llama.cpp's ``use_more_bits``: the layers Q4_K_M gives Q6_K ``attn_v``/``ffn_down``.
+    """llama.cpp's ``use_more_bits``: where Q4_K_M's ``attn_v``, ``ffn_down`` are Q6_K.
 
     >>> [i for i in range(32) if use_more_bits(i, 32)][:8]
     [0, 1, 2, 3, 6, 9, 12, 15]
@@ -126,8 +127,8 @@ def q4_k_blocks(n: int, rng: np.random.Generator) -> np.ndarray:
     b = rng.integers(0, 256, (n, 144), dtype=np.uint8)
     d = (STD / (47.5 * 4.61) * rng.uniform(0.8, 1.2, n)).astype(np.float16)
     b[:, 0:2] = d.reshape(n, 1).view(np.uint8)
-    b[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).reshape(n, 1).view(
-        np.uint8
+    b[:, 2:4] = (
+        (d.astype(np.float32) * 7.5).astype(np.float16).reshape(n, 1).view(np.uint8)
     )
     sc = rng.integers(32, 64, (n, 8), dtype=np.uint8)  # 6 bits; mn = sc
     lo, hi = sc[:, :4], sc[:, 4:]
@@ -151,8 +152,11 @@ def q6_k_blocks(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def q8_0_blocks(n: int, rng: np.random.Generator) -> np.ndarray:
-    """``n`` random Q8_0 blocks ``(n, 34)``: int8 codes uniform on -127..127 (std
-    73.3), ``d = STD / 73.3`` (times a uniform 0.8-1.2)."""
+    """``n`` random Q8_0 blocks ``(n, 34)``, std about `STD`.
+
+    int8 codes uniform on -127..127 (std 73.3), ``d = STD / 73.3`` (times a uniform
+    0.8-1.2).
+    """
     b = np.empty((n, 34), np.uint8)
     b[:, 2:] = rng.integers(-127, 128, (n, 32), dtype=np.int8).view(np.uint8)
     d = (STD / 73.3 * rng.uniform(0.8, 1.2, n)).astype(np.float16)
@@ -161,8 +165,11 @@ def q8_0_blocks(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def q4_0_blocks(n: int, rng: np.random.Generator) -> np.ndarray:
-    """``n`` random Q4_0 blocks ``(n, 18)``: codes ``q - 8`` uniform on -8..7 (std
-    4.61, mean -0.5), ``d = STD / 4.61`` (times a uniform 0.8-1.2)."""
+    """``n`` random Q4_0 blocks ``(n, 18)``, std about `STD`.
+
+    Codes ``q - 8`` uniform on -8..7 (std 4.61, mean -0.5), ``d = STD / 4.61``
+    (times a uniform 0.8-1.2).
+    """
     b = rng.integers(0, 256, (n, 18), dtype=np.uint8)
     d = (STD / 4.61 * rng.uniform(0.8, 1.2, n)).astype(np.float16)
     b[:, 0:2] = d.reshape(n, 1).view(np.uint8)
@@ -239,10 +246,10 @@ def write_gguf(path: str, cfg: Any, seed: int = 0) -> None:
     The header (`entrenar.io.gguf_writer`'s layout: GGUF v3, 32-byte alignment)
     first, then each tensor's random bytes as they are made.
     """
+    from entrenar.io.ggml_dequant import GGML_TYPE_IDS, row_bytes
     from entrenar.io.gguf_reader import GGUF_MAGIC, GGUFField, GGUFValueType
     from entrenar.io.gguf_writer import _value
     from entrenar.io.llama_gguf_write import _metadata
-    from entrenar.io.ggml_dequant import GGML_TYPE_IDS, row_bytes
 
     fields = _metadata(None, cfg, "llama", "F32", os.path.basename(path))
     fields["general.file_type"] = GGUFField(Q4_K_M, GGUFValueType.UINT32)
@@ -264,9 +271,11 @@ def write_gguf(path: str, cfg: Any, seed: int = 0) -> None:
         for (name, shape, kind), off in zip(specs, offsets):
             _value(f, GGUFValueType.STRING, name, None, name)
             ne = tuple(reversed(shape))
-            f.write(struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, GGML_TYPE_IDS[kind], off))
+            f.write(
+                struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, GGML_TYPE_IDS[kind], off)
+            )
         f.write(b"\0" * (-f.tell() % align))
-        for name, shape, kind in specs:
+        for _, shape, kind in specs:
             raw = _tensor_bytes(kind, shape, rng)
             f.write(raw.tobytes())
             f.write(b"\0" * (-raw.size % align))

@@ -548,8 +548,11 @@ def load_llama_gguf(
         return read
 
     def kept_bytes(path_: str, names: list[str], types: list[str], shape: Any) -> Any:
-        """A stacked K-quant leaf as stored: `GGMLWeight`, or `MixedGGMLWeight`
-        when the layers' types differ (llama.cpp's mixes), filled layer by layer."""
+        """A stacked leaf as stored, filled layer by layer.
+
+        A `GGMLWeight`, or a `MixedGGMLWeight` when the layers' types differ
+        (llama.cpp's mixes).
+        """
         kinds = tuple(sorted(set(types)))
         cols = shape[-1]
         width = max(row_bytes(t, cols) for t in check_types(kinds, cols))
@@ -590,7 +593,9 @@ def load_llama_gguf(
             elif prefix.startswith("model.layers."):
                 stem = path_.removeprefix("model.layers.")
                 out[k] = stacked(path_, stem, tuple(v))
-            elif keep_quantized and len(v) == 2 and _type(by_hf[path_]) in KQUANT_FORMATS:
+            elif (
+                keep_quantized and len(v) == 2 and _type(by_hf[path_]) in KQUANT_FORMATS
+            ):
                 # embeddings, lm_head: looked up / multiplied from their rows
                 gname = by_hf[path_]
                 out[k] = ggml_weight(g.raw(gname), _type(gname), tuple(v))

@@ -365,7 +365,7 @@ _chunked_nll.defvjp(_chunked_nll_fwd, _chunked_nll_bwd, symbolic_zeros=True)
 def head_nll(
     weight: Any, x: jax.Array, y: jax.Array, matmul_dtype: str | None = None
 ) -> jax.Array:
-    """``logsumexp(x Wᵀ) - (x Wᵀ)[y]`` per token, ``x: (N, D)``, ``y: (N,)`` -> ``(N,)``.
+    """``logsumexp(x Wᵀ) - (x Wᵀ)[y]`` per token, ``x: (N, D)``, ``y: (N,)``: ``(N,)``.
 
     A weight node registers a rule (``@head_nll.register(NodeType)``) when it has a
     better way than `chunked_causal_lm_loss`'s chunks of tokens, e.g. a GGUF head
@@ -524,8 +524,8 @@ __all__ = [
     "causal_lm_loss",
     "check_reduction",
     "chunked_causal_lm_loss",
-    "head_nll",
     "cross_entropy",
+    "head_nll",
     "huber",
     "kl_divergence",
     "l1",

@@ -39,7 +39,7 @@ BLOCK_VALUES = 1 << 20
 def ggml_head_nll(
     w: GGMLWeight, x: jax.Array, y: jax.Array, matmul_dtype: str | None = None
 ) -> jax.Array:
-    """``logsumexp(x Ŵᵀ) - (x Ŵᵀ)[y]`` per token: ``x: (N, D)``, ``y: (N,)`` -> ``(N,)``.
+    """``logsumexp(x Ŵᵀ) - (x Ŵᵀ)[y]`` per token, ``x: (N, D)``, ``y: (N,)``: ``(N,)``.
 
     ``Ŵ`` is decoded in ``x``'s dtype, or in ``matmul_dtype`` (then float32
     accumulation); the logits and the sums are float32.

@@ -83,7 +83,7 @@ def row_bytes(ggml_type: str, cols: int) -> int:
 def decode_layer(
     data: Array, kind: Array, types: tuple[str, ...], cols: int
 ) -> jax.Array:
-    """Padded rows ``(rows, row_bytes_max)`` of type ``types[kind]`` -> ``(rows, cols)``.
+    """Padded rows ``(rows, row_bytes_max)`` of ``types[kind]`` -> ``(rows, cols)``.
 
     ``kind`` is a traced int32 scalar: `jax.lax.switch` runs its type's decoder.
     """
