@@ -56,9 +56,21 @@ TINYLLAMA = dict(
     num_heads=32, num_kv_heads=4, max_position_embeddings=2048, rope_theta=10000.0,
     rms_norm_eps=1e-5, tie_word_embeddings=False,
 )  # fmt: skip
+LLAMA2_7B = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+    num_heads=32, num_kv_heads=32, max_position_embeddings=4096, rope_theta=10000.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
+SHAPES = {"tinyllama": TINYLLAMA, "llama2-7b": LLAMA2_7B}
+"""``--shape`` -> the model's sizes (Llama-2-7B: 6.74B parameters, 13.5 GB of bf16)."""
 
 
-def write_folder(folder: str, layers: int, shard_bytes: int = 1_300_000_000) -> None:
+def write_folder(
+    folder: str,
+    layers: int,
+    shard_bytes: int = 1_300_000_000,
+    shape: dict[str, Any] = TINYLLAMA,
+) -> None:
     """The random bfloat16 folder, written shard by shard (never the whole model)."""
     import ml_dtypes
 
@@ -66,7 +78,7 @@ def write_folder(folder: str, layers: int, shard_bytes: int = 1_300_000_000) -> 
     from entrenar.io.safetensors_io import save_safetensors
     from entrenar.nn.hf_names import per_layer_shapes
 
-    config = nn.LlamaConfig(**(TINYLLAMA | {"num_layers": layers}))
+    config = nn.LlamaConfig(**(shape | {"num_layers": layers}))
     shapes = per_layer_shapes(config)
     rng = np.random.default_rng(0)
     groups: list[list[str]] = [[]]
@@ -239,6 +251,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=22, help="fewer for a quick check")
     ap.add_argument("--write-md", default=None, help="append the table to this file")
     ap.add_argument("--write-gguf", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--write-only", default=None, choices=sorted(SHAPES),
+        help="write DIR/<shape>-bf16 (every layer of that shape) and stop",
+    )  # fmt: skip
     ap.add_argument("--run-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument(
         "--qlora-steps", type=int, default=0,
@@ -246,6 +262,13 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--measure", nargs=2, metavar=("CASE", "STREAM"), default=None)
     args = ap.parse_args()
+    if args.write_only:
+        shape = SHAPES[args.write_only]
+        out = os.path.join(args.dir, f"{args.write_only}-bf16")
+        if not os.path.exists(os.path.join(out, "config.json")):
+            write_folder(out, shape["num_layers"], shape=shape)
+        print(out)
+        return
     folder = os.path.join(args.dir, f"tinyllama-shape-{args.layers}-layers-bf16")
     if args.write_gguf:  # a child: the GGUF, without the parent holding the model
         write_gguf(folder)

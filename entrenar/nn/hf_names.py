@@ -11,9 +11,10 @@ A weight may be a registered node (LoRA, quantized) instead of an array: it is s
 per layer with `jax.tree_util.tree_map`, so each flat entry is a node of one layer.
 
 `stream_hf_names` builds the same tree one leaf at a time: each stacked leaf is filled
-layer by layer into an array of its final dtype (then quantized into its final node
-if `Quantize` says so) before the next is read, so a load from memory-mapped files
-holds the final tree plus about one stacked leaf (specs/io.md, "Streaming loads").
+layer by layer into an array of its final dtype (or, if `Quantize` says so, each
+layer quantized as it is read into its final node's arrays) before the next is read,
+so a load from memory-mapped files holds the final tree plus about one stacked leaf,
+or one layer of a quantized one (specs/io.md, "Streaming loads").
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 Quantize = Callable[[str, tuple[int, ...]], Callable[[jax.Array], Any] | None]
 """What a load does with a leaf: ``quantize(path, shape)`` is None to keep the leaf an
-array, or the function that turns it into its final node (e.g. NF4), applied to the
-whole leaf once it is read. ``path`` is the leaf's dotted tree path
-(``model.layers.self_attn.q_proj.weight``) and ``shape`` its whole shape
-(``(L, out, in)`` when stacked)."""
+array, or the function that turns it into its final node (e.g. NF4). ``path`` is the
+leaf's dotted tree path (``model.layers.self_attn.q_proj.weight``) and ``shape`` its
+whole shape (``(L, out, in)`` when stacked). A stacked leaf is quantized layer by
+layer (`stream_stacked`), so the function must treat a stack layer by layer: ``fn(w)``
+has arrays ``(L, ...)`` whose index ``i`` is ``fn(w[i:i+1])``'s, bit for bit (block
+formats do; NF4's double quantization does by definition); an unstacked leaf is
+passed whole."""
 
 
 class HasParamShapes(Protocol):
@@ -183,8 +187,8 @@ def stream_hf_names(
 
     Every name and shape is checked before any tensor is read. Each tensor is read
     once, cast as `from_hf_names` casts it (``jnp.asarray(a).astype(dtype)``), copied
-    into its leaf and ``release``d; a leaf ``quantize`` names is quantized whole once
-    read.
+    into its leaf and ``release``d; a stacked leaf ``quantize`` names is quantized
+    layer by layer as read (`stream_stacked`), an unstacked one whole.
 
     Args:
         flat: arrays by Hugging Face name that cost nothing until read, e.g. the
@@ -326,14 +330,15 @@ def stream_stacked(
 ) -> Any:
     """The stacked leaf ``path`` of ``shape = (L, ...)`` from its ``L`` layers.
 
-    The leaf is allocated once in its final dtype and filled layer by layer in place
-    (a donated ``dynamic_update_slice``), then quantized whole if ``quantize`` names
-    it, so the load holds the final tree plus this one leaf.
-
-    Quantizing whole, not layer by layer, keeps the node bit for bit what quantizing
-    the loaded tree gives: NF4's double quantization takes a mean per layer whose
-    last bit depends on XLA's reduction order, which differs between ``(L, n)`` and
-    ``(1, n)`` (TinyLlama's MLP: 7 of 22 means one ulp apart).
+    An array leaf is allocated once in its final dtype and filled layer by layer in
+    place (a donated ``dynamic_update_slice``), so the load holds the final tree plus
+    this one leaf. A leaf ``quantize`` names is quantized layer by layer instead:
+    layer ``i`` is read, quantized as ``fn(layer[None])`` (a ``(1, ...)`` stack),
+    and each array of its node written at index ``i`` of the node's stacked arrays
+    (allocated from layer 0's), so the load holds the final tree plus one layer in
+    the load's dtype and its quantization's temporaries. This is the node
+    ``fn(leaf)`` gives because `Quantize` functions treat a stack layer by layer
+    (NF4 by definition: `entrenar.quant.nf4.quantize_nf4`).
 
     Args:
         path: the leaf's dotted tree path (what ``quantize`` is asked about).
@@ -342,10 +347,22 @@ def stream_stacked(
         layers: ``L`` readers, layer ``i`` in order.
         quantize: `Quantize`, or None.
     """
-    a = jnp.zeros(shape, dtype)
+    fn = None if quantize is None else quantize(path, tuple(shape))
+    if fn is None:
+        a = jnp.zeros(shape, dtype)
+        for i, read in enumerate(layers):
+            a = _put(a, read()[None], jnp.int32(i))  # (1, *layer_shape) at i
+        return a
+    out: Any = None
     for i, read in enumerate(layers):
-        a = _put(a, read()[None], jnp.int32(i))  # (1, *layer_shape) at i
-    return _quantized(path, a, quantize)
+        node = jax.block_until_ready(fn(read()[None]))  # arrays (1, ...)
+        if out is None:
+            out = jax.tree_util.tree_map(
+                lambda x: jnp.zeros((shape[0], *x.shape[1:]), x.dtype), node
+            )  # each array (L, ...)
+        put = functools.partial(_put, i=jnp.int32(i))
+        out = jax.tree_util.tree_map(put, out, node)  # layer i's arrays at i
+    return jax.block_until_ready(out)
 
 
 def _quantized(path: str, a: jax.Array, quantize: Quantize | None) -> Any:

@@ -115,12 +115,53 @@ def quantize_nf4(
 ) -> QuantizedWeight:
     """Quantize ``w: (*lead, cols)`` to NF4 blocks along the last axis.
 
+    A stack of matrices ``w: (*stack, rows, cols)`` (a layer-stacked leaf ``(L, out,
+    in)``) is quantized one matrix at a time (`jax.lax.map` over the flattened stack
+    axes): each matrix goes through the same computation as on its own, so quantizing
+    the stack equals quantizing each layer ``w[i]`` and stacking the nodes, bit for
+    bit. (Double quantization's per-matrix mean ``μ`` is a float32 sum whose last bit
+    depends on the reduction's order, which XLA chooses per shape: one reduction over
+    ``(L, n)`` and ``L`` over ``(n,)`` differ. Defining the stack per matrix makes a
+    load that quantizes layer by layer give the node that quantizing the whole leaf
+    gives, and holds one matrix's temporaries at a time.)
+
     Raises:
         ShapeError: ``cols`` is not a multiple of ``block_size``.
         QuantizationError: ``w`` holds NaN or Inf (checked when ``w`` is concrete).
     """
     dtype = np.dtype(jnp.asarray(w).dtype)
     x = validated_blocks(w, block_size, "nf4")  # (*lead, nb, B)
+    if x.ndim > 3:  # (*stack, rows, nb, B): one matrix at a time
+        stack = x.shape[:-3]
+        flat = x.reshape(-1, *x.shape[-3:])  # (S, rows, nb, B)
+        parts = jax.lax.map(lambda m: _nf4_blocks(m, double_quant), flat)
+        codes, scales, a, mean = jax.tree_util.tree_map(
+            lambda p: p.reshape(*stack, *p.shape[1:]), parts
+        )
+    else:
+        codes, scales, a, mean = _nf4_blocks(x, double_quant)
+    return QuantizedWeight(
+        codes,
+        scales,
+        None,
+        a,
+        mean,
+        scheme="nf4",
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+def _nf4_blocks(
+    x: jax.Array, double_quant: bool
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """NF4 of float32 blocks ``x: (*lead, nb, B)`` (one matrix, or a vector).
+
+    Returns:
+        ``(packed codes uint8 (*lead, nb·B/2), scales, DQ absmax or None, DQ mean or
+        None)``; scales are float32 ``(*lead, nb)``, or `double_quantize`'s int8
+        codes with its absmax ``(G,)`` and mean ``()`` (a matrix).
+    """
     s = jnp.max(jnp.abs(x), axis=-1)  # (*lead, nb)
     if double_quant:
         scales, a, mean = double_quantize(s)
@@ -130,16 +171,7 @@ def quantize_nf4(
     inv = jnp.where(s == 0, jnp.float32(0), 1 / jnp.where(s == 0, 1, s))
     y = x * inv[..., None]  # in [-1, 1] (slightly beyond with DQ)
     q = jnp.sum(y[..., None] > jnp.asarray(_MIDPOINTS), axis=-1)  # (*lead, nb, B)
-    return QuantizedWeight(
-        pack_nibbles(q),
-        scales,
-        None,
-        a,
-        mean,
-        scheme="nf4",
-        block_size=block_size,
-        dtype=dtype,
-    )
+    return pack_nibbles(q), scales, a, mean
 
 
 def dequantize_nf4(q: QuantizedWeight, dtype: Any) -> jax.Array:
