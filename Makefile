@@ -94,3 +94,12 @@ mutation: $(STAMP)
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis .mutation
+
+## The GPU check of issue 32 (run it on a machine with a GPU and JAX's CUDA build:
+## `pip install -e '.[cuda]'`): numerics against the CPU, a checkpoint saved on the GPU
+## and restored on the CPU, LoRA/QLoRA steps at SmolLM2-135M, TinyLlama-1.1B and
+## Llama-3-8B shapes against PyTorch + PEFT; at most 8 minutes; writes
+## benchmarks/results/gpu.md. tests/test_gpu_check.py runs its --cpu-smoke mode.
+.PHONY: gpu-check
+gpu-check:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,python3) benchmarks/gpu_check.py
