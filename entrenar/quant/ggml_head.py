@@ -52,7 +52,9 @@ def ggml_head_nll(
     return _nll(w, x, y, rows, dtype)
 
 
-def _scan(w: GGMLWeight, x: jax.Array, y: jax.Array, rows: int, dtype: Any, dx: bool):
+def _scan(
+    w: GGMLWeight, x: jax.Array, y: jax.Array, rows: int, dtype: Any, dx: bool
+) -> tuple[jax.Array, Any]:
     """One pass over the head: ``(nll (N,), a / s - Ŵ_y (N, D) or None)``."""
     n = x.shape[0]
     xd = x.astype(dtype)
@@ -79,7 +81,8 @@ def _scan(w: GGMLWeight, x: jax.Array, y: jax.Array, rows: int, dtype: Any, dx: 
     starts = jnp.arange(0, w.shape[0], rows, dtype=y.dtype)  # (V / rows,)
     acc0 = jnp.zeros((n, x.shape[1]), jnp.float32) if dx else None
     init = (jnp.full((n,), -jnp.inf), jnp.zeros((n,)), jnp.zeros((n,)), acc0)
-    (m, s, zy, acc), _ = jax.lax.scan(step, init, (blocks, starts))
+    final: Any = jax.lax.scan(step, init, (blocks, starts))[0]
+    m, s, zy, acc = final
     nll = m + jnp.log(s) - zy  # (N,)
     if not dx:
         return nll, None
