@@ -97,24 +97,45 @@ def _text(data: Any, depth: int) -> None:
     help="Output format.",
 )
 @click.option("--tensors", is_flag=True, help="List every tensor of a model file.")
-def info_cmd(path: str | None, fmt: str, tensors: bool) -> None:
+@click.option(
+    "--memory",
+    is_flag=True,
+    help="A run config's predicted peak memory, part by part (headers only, "
+    "nothing loaded; compiles the train step on shapes).",
+)
+def info_cmd(path: str | None, fmt: str, tensors: bool, memory: bool) -> None:
     """Describe PATH: a run's YAML config or a model file/folder.
 
     Without PATH: this machine (versions, backend, devices) and, one line each,
     the native kernels that run, or why one does not; a config adds the kernels
-    its ``model.kernels`` policy would run.
+    its ``model.kernels`` policy would run. ``--memory CONFIG``: the run's
+    predicted peak resident memory (weights, adapters, optimizer state, the
+    step's activations and temporaries, the load) against ``training.max_memory``.
     """
     from entrenar.runs import info
 
+    is_config = path is not None and path.lower().endswith(CONFIG_EXTENSIONS)
+    is_config = is_config and not is_model_yaml(str(path))
+    if memory and not is_config:
+        raise click.UsageError("--memory takes a run's YAML config")
     if path is None:
         data = info.machine_info()
-    elif path.lower().endswith(CONFIG_EXTENSIONS) and not is_model_yaml(path):
+    elif is_config:
         from entrenar.config import summary
 
         spec = summary.validate(path)
-        data = {"summary": summary.summarize(spec), "config": summary.as_dict(spec)}
-        if spec.model is not None:
-            data["kernels"] = info.kernel_report(spec.model.kernels)
+        if memory:
+            data = info.memory_info(spec)
+            if fmt == "text":
+                for line in data["table"]:
+                    click.echo(line)
+                return
+            data.pop("table")
+        else:
+            data = {"summary": summary.summarize(spec)}
+            data["config"] = summary.as_dict(spec)
+            if spec.model is not None:
+                data["kernels"] = info.kernel_report(spec.model.kernels)
     else:
         data = info.model_info(path, tensors=tensors)
     _emit(data, fmt)

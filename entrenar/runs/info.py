@@ -1,4 +1,4 @@
-"""What ``entrenar info`` reports: this machine, its native kernels, a model file.
+"""What ``entrenar info`` reports: this machine, kernels, a model, a run's memory.
 
 Plain data (dicts of numbers and strings) that the command line prints as text,
 JSON or YAML.
@@ -159,4 +159,24 @@ def _stored_items(
     ]  # fmt: skip
 
 
-__all__ = ["kernel_report", "machine_info", "model_info"]
+def memory_info(spec: Any) -> dict[str, Any]:
+    """A run's predicted peak memory (`entrenar.runs.memory_plan.plan_memory`).
+
+    ``{"parts": {name: {"bytes", "what"}}, "load_peak", "train_peak", "peak",
+    "max_memory", "fits", "table"}``; ``table`` is the text `format_plan` prints.
+    """
+    from entrenar.runs.memory_plan import format_plan, plan_memory
+
+    plan = plan_memory(spec)
+    return {
+        "parts": {n: {"bytes": b, "what": w} for n, b, w in plan.rows()},
+        "load_peak": plan.load_peak,
+        "train_peak": plan.train_peak,
+        "peak": plan.peak,
+        "max_memory": plan.budget,
+        "fits": plan.fits,
+        "table": format_plan(plan),
+    }
+
+
+__all__ = ["kernel_report", "machine_info", "memory_info", "model_info"]

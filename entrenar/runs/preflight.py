@@ -6,8 +6,10 @@ It runs what `train_from_yaml` runs, without the weights and without training:
 1. the model from its header alone (`build_model` with ``header_only``): a GGUF's
    magic, version, metadata and tensor table, never its tensors; the tokenizer; the
    rules that depend on the architecture and on the precision settings;
-2. tabular data: `build_data` itself (every row read and converted);
-3. text data: every row of every file parsed (`entrenar.data.load_records`) and the
+2. ``training.max_memory``: the predicted peak memory of the run
+   (`entrenar.runs.memory_plan`), over the budget a `ConfigError` with its parts;
+3. tabular data: `build_data` itself (every row read and converted);
+4. text data: every row of every file parsed (`entrenar.data.load_records`) and the
    fields its format reads checked (`entrenar.data.record_fields`); an evenly
    spaced sample of rows (every row, up to ``sample``) tokenized and laid out by the
    loader training builds (`text_loader`), its counts scaled to the whole file.
@@ -35,6 +37,7 @@ from entrenar.runs.build import (
     text_loader,
     total_steps,
 )
+from entrenar.runs.memory_plan import MemoryPlan, check_memory, gb
 from entrenar.runs.models import BuiltModel, build_model, read_header
 from entrenar.tree import tree_size
 
@@ -163,6 +166,13 @@ def _model_facts(built: BuiltModel) -> dict[str, Any]:
     return out
 
 
+def _check_memory(spec: TrainSpec, report: dict[str, Any]) -> None:
+    """``training.max_memory``: the predicted peak, or the run's refusal."""
+    plan = check_memory(spec)
+    if plan is not None:
+        report["memory"] = plan
+
+
 def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
     """Check a validated training run as `train` would, without loading weights.
 
@@ -173,7 +183,8 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
     Returns:
         ``{"model": {...}, "data": {...}}``: the model's architecture, parameters,
         tokenizer and context; per data file its rows and (text) the predicted
-        tokens, sequences and steps (`TextPlan`), and the run's steps.
+        tokens, sequences and steps (`TextPlan`), and the run's steps; with
+        ``training.max_memory``, ``"memory"``: the `MemoryPlan`.
 
     Raises:
         EntrenarError: the error `train` would raise, naming the key or the file.
@@ -184,6 +195,7 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
     spec.check_architecture(built.architecture)
     report: dict[str, Any] = {"model": _model_facts(built), "data": {}}
     if not built.is_lm:
+        _check_memory(spec, report)
         teacher = None
         if spec.distillation is not None:
             teacher = read_header(spec.distillation.teacher)
@@ -195,6 +207,7 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
         report["steps"] = total_steps(spec, run.steps_per_epoch)
         return report
     check_lm(spec, built)
+    _check_memory(spec, report)
     rows = sample if sample > 0 else 2**62
     plan = plan_text(spec, built, d.train, sample=rows)
     report["data"]["train"] = plan
@@ -224,6 +237,13 @@ def format_preflight(report: dict[str, Any]) -> list[str]:
     lines.append(
         f"  Steps: {report['steps']:,} ({report['steps_per_epoch']:,} per epoch)"
     )
+    plan = report.get("memory")
+    if isinstance(plan, MemoryPlan) and plan.budget is not None:
+        lines.append(
+            f"  Memory: peak ~{gb(plan.peak)} of max_memory {gb(plan.budget)} "
+            f"(weights {gb(plan.weights)}, step {gb(plan.step)}; entrenar info "
+            "--memory CONFIG for every part)"
+        )
     return lines
 
 

@@ -41,6 +41,7 @@ from entrenar.runs.build import (
     train_config,
 )
 from entrenar.runs.export import write_outputs
+from entrenar.runs.memory_plan import check_memory
 from entrenar.runs.merging import run_merge
 from entrenar.runs.models import (
     BuiltModel,
@@ -186,6 +187,8 @@ def train_from_yaml(
             an ``output_dir`` another run is writing (`entrenar.io.lock`).
         UnsupportedError: ``model.kernels: native`` where the native kernels
             cannot run (`entrenar.native.check`, before the model loads).
+        ConfigError: a predicted peak over ``training.max_memory``
+            (`entrenar.runs.memory_plan.check_memory`, before the model loads).
     """
     spec = validate(path, overrides)
     out_dir = spec.output_dir
@@ -196,6 +199,7 @@ def train_from_yaml(
     assert spec.model is not None  # validate: every run but a merge has one
     with native.policy(spec.model.kernels):  # model.kernels, for this run only
         native.check()
+        check_memory(spec)  # training.max_memory: refused before anything loads
         if dry_run:
             return RunResult(spec, out_dir, {}, metrics=_plan(prepare(spec)))
         # One writer per output folder, checked before the model loads (process 0

@@ -9,8 +9,9 @@ part of the optimizer (``adamw(learning_rate=cosine(...))``), whose state holds 
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
-from typing import Literal
+from typing import Any, Literal
 
 from entrenar.distributed import check_mesh_spec
 from entrenar.errors import ConfigError
@@ -21,6 +22,43 @@ COMPUTE_DTYPES: tuple[str, ...] = typing.get_args(ComputeDtype)
 Loss = Literal["auto", "cross_entropy", "mse", "l1", "huber",
                "binary_cross_entropy_with_logits"]  # fmt: skip
 """``auto`` and the `entrenar.nn.losses.LOSSES` between ``apply(x)`` and ``y``."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: Any) -> int:
+    """A size in bytes: an integer, or ``"8GB"``, ``"7.5 GiB"``, ``"512MB"``.
+
+    ``KB/MB/GB/TB`` are powers of 1000, ``KiB/MiB/GiB/TiB`` of 1024.
+
+    >>> parse_bytes("8GB"), parse_bytes("1 GiB"), parse_bytes(4096)
+    (8000000000, 1073741824, 4096)
+    """
+    if isinstance(value, bool):
+        raise ConfigError(
+            f"expected a size like '8GB' or a number of bytes, got {value!r}"
+        )
+    if isinstance(value, (int, float)) and value > 0:
+        return int(value)
+    m = _SIZE.match(str(value)) if isinstance(value, str) else None
+    if m is None or float(m.group(1)) <= 0:
+        raise ConfigError(
+            f"expected a positive size like '8GB', '7.5GiB' or a number of bytes, or "
+            f"'auto' (the memory available now), got {value!r}"
+        )
+    number, prefix, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
+    unit = 1024 ** " kmgt".index(prefix) if binary and prefix else _UNITS[prefix]
+    return int(number * unit)
+
+
+def check_budget(value: Any) -> Any:
+    """``training.max_memory`` as given: ``"auto"`` or a size `parse_bytes` reads."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    parse_bytes(value)
+    return str(value).strip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +156,14 @@ class TrainConfig(Config):
         doc="on a non-finite loss or gradient: stop (raise NonFiniteError) or skip "
         "(drop the update)",
     )
+    max_memory: str | None = option(
+        None,
+        normalize=check_budget,
+        doc="refuse the run before loading when its predicted peak resident memory "
+        "(weights, adapters, optimizer, activations; `entrenar info --memory "
+        "CONFIG`) exceeds this: a size ('8GB', '7.5GiB', bytes) or auto (the "
+        "memory available when the run starts); null: no check",
+    )
     tensorboard: bool = option(
         False, doc="also write TensorBoard events (needs entrenar[tensorboard])"
     )
@@ -138,4 +184,10 @@ class TrainConfig(Config):
             raise ConfigError(f"{path}.tensorboard: needs an output_dir")
 
 
-__all__ = ["COMPUTE_DTYPES", "ComputeDtype", "TrainConfig"]
+__all__ = [
+    "COMPUTE_DTYPES",
+    "ComputeDtype",
+    "TrainConfig",
+    "check_budget",
+    "parse_bytes",
+]

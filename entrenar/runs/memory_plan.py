@@ -1,0 +1,601 @@
+"""`plan_memory`: a training run's peak resident memory, predicted before loading.
+
+Everything comes from the model file's header (shapes, dtypes, a GGUF's tensor
+types) and the config; no weight is read and nothing the size of the model is
+allocated. The run's two phases each have a peak, and the run's is the larger::
+
+    load  = runtime + weights + load_transient
+    train = runtime + compiler + weights + adapters + bf16_copy + state_copy
+            + optimizer + step
+
+- ``runtime``: the interpreter, JAX, entrenar and the data (`RUNTIME_BYTES`,
+  measured), the tokenizer (`TOKEN_BYTES` per token); ``compiler``: what compiling
+  the step holds, XLA's compiler and the executable (`COMPILER_BYTES`, measured);
+- ``weights``: the model's tree as the run holds it: each leaf in ``model.dtype``,
+  or NF4 (`quantize_base`, `entrenar.runs.models.base_quantizer`), or as the GGUF
+  stores it (``keep_quantized``: `entrenar.quant.from_ggml`'s node of its bytes);
+- ``adapters``: the LoRA factors ``A``, ``B`` in that tree (or, without LoRA, 0: the
+  whole tree trains);
+- ``bf16_copy``: with ``matmul_dtype: bfloat16`` the Trainer rounds the frozen
+  projections to bfloat16 once and keeps them beside the tree it returns
+  (`entrenar.nn.to_bfloat16_weights`);
+- ``state_copy``: `TrainState.create` copies the trainable half (the step donates
+  it); ``optimizer``: the optimizer's state over it (``optimizer.init`` traced);
+- ``step``: what the jitted train step allocates beyond its arguments: gradients,
+  the activations the remat policy keeps, XLA's temporaries, the batch, outputs not
+  aliased to donated inputs. It is XLA's own buffer assignment of the real step
+  (`make_train_step` on the run's loss, optimizer and state, lowered and compiled on
+  `jax.ShapeDtypeStruct` arguments): ``temp + argument(batch) + output - alias``;
+- ``load_transient``: the streaming load holds the final tree plus the leaf being
+  read: a stacked leaf in ``model.dtype`` and, for a leaf quantized as it loads,
+  the quantizer's temporaries (its compiled ``temp``); the maximum over leaves.
+
+What is not counted: the exports after training (a merged model written by
+``export.formats`` is folded from the tree: about one float copy of the projections),
+evaluation (a forward step, smaller than the train step), distillation teachers and
+multi-device meshes (`plan_memory` refuses them: `UnsupportedError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from entrenar import io, lora, quant
+from entrenar.config.spec import TrainSpec
+from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.nn.hf_names import Quantize
+from entrenar.runs.build import build_optimizer, train_config
+from entrenar.runs.models import BuiltModel, base_quantizer, build_model
+from entrenar.train.config import check_budget, parse_bytes
+from entrenar.tree import key_path_str, tree_bytes
+
+RUNTIME_BYTES = 270_000_000
+"""The interpreter, JAX's CPU client, entrenar's modules, the data and the small
+programs compiled while the run is prepared (0.22 GB after the imports; the rest
+measured in runs of SmolLM2-135M and a 1.1B model, benchmarks/results/scale.md)."""
+
+TOKEN_BYTES = 1_000
+"""A tokenizer's memory per token of its vocabulary (SmolLM2's 49,152: 0.046 GB)."""
+
+COMPILER_BYTES = 200_000_000
+"""What compiling the train step holds: XLA's compiler and the executable
+(measured in fresh processes: 0.19-0.20 GB for SmolLM2-135M's step and a 2-layer
+Llama's alike; the layers are one scanned program whatever their number)."""
+
+
+def available_memory() -> int:
+    """Bytes this process may still use: ``MemAvailable``, or a lower cgroup limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:  # not Linux: the physical memory
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+         "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):  # fmt: skip
+        try:
+            with open(limit) as f, open(usage) as g:
+                cap = f.read().strip()
+                if cap.isdigit():
+                    avail = min(avail, int(cap) - int(g.read().strip()))
+        except OSError:
+            continue
+    return avail
+
+
+def budget_bytes(value: str | None) -> int | None:
+    """The byte budget of ``training.max_memory`` (None: no check)."""
+    if value is None:
+        return None
+    return available_memory() if value == "auto" else parse_bytes(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """A run's predicted memory, in bytes (the module docstring gives the sums).
+
+    Attributes:
+        runtime, compiler, weights, adapters, bf16_copy, state_copy, optimizer,
+        step, load_transient: the parts of the module docstring.
+        weights_detail: how the weights are held (``"60 leaves NF4, ..."``).
+        step_detail: batch shape, remat policy and matmul dtype of the step.
+        budget: ``training.max_memory`` in bytes (None: no check).
+        notes: what the plan does not count for this run (merged exports).
+    """
+
+    runtime: int
+    compiler: int
+    weights: int
+    adapters: int
+    bf16_copy: int
+    state_copy: int
+    optimizer: int
+    step: int
+    load_transient: int
+    weights_detail: str = ""
+    step_detail: str = ""
+    budget: int | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def load_peak(self) -> int:
+        """The load's peak: runtime, the final tree and the leaf being read."""
+        return self.runtime + self.weights + self.load_transient
+
+    @property
+    def train_peak(self) -> int:
+        """The training steps' peak."""
+        return (
+            self.runtime + self.compiler + self.weights + self.adapters + self.bf16_copy
+            + self.state_copy + self.optimizer + self.step
+        )  # fmt: skip
+
+    @property
+    def peak(self) -> int:
+        """The run's peak resident memory: the larger of the two phases."""
+        return max(self.load_peak, self.train_peak)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the peak is within the budget (True without one)."""
+        return self.budget is None or self.peak <= self.budget
+
+    def rows(self) -> list[tuple[str, int, str]]:
+        """``(part, bytes, what it is)`` for the table, in the order of the sums."""
+        return [
+            ("runtime", self.runtime, "Python, JAX, entrenar, tokenizer, data"),
+            ("compiler", self.compiler, "XLA compiling the step, its executable"),
+            ("weights", self.weights, self.weights_detail),
+            ("adapters", self.adapters, "LoRA A and B in the run's tree"),
+            ("bf16 copy", self.bf16_copy, "frozen projections rounded once "
+             "(matmul_dtype: bfloat16)"),
+            ("state copy", self.state_copy, "the step's copy of the trainable "
+             "half"),
+            ("optimizer", self.optimizer, "optimizer state"),
+            ("step", self.step, self.step_detail),
+            ("load transient", self.load_transient, "the leaf being loaded "
+             "(and quantized)"),
+        ]  # fmt: skip
+
+
+def gb(n: int) -> str:
+    """Bytes as gigabytes, two decimals (``"1.23 GB"``)."""
+    return f"{n / 1e9:.2f} GB"
+
+
+def format_plan(plan: MemoryPlan) -> list[str]:
+    """The plan as a table of lines: each part, then the phases' peaks."""
+    lines = [f"  {'part':<15} {'GB':>8}  what"]
+    for name, n, what in plan.rows():
+        lines.append(f"  {name:<15} {n / 1e9:>8.3f}  {what}")
+    lines.append(f"  {'load peak':<15} {plan.load_peak / 1e9:>8.3f}  runtime + "
+                 "weights + load transient")  # fmt: skip
+    lines.append(f"  {'train peak':<15} {plan.train_peak / 1e9:>8.3f}  runtime + "
+                 "compiler + weights + ... + step")  # fmt: skip
+    phase = "training" if plan.train_peak >= plan.load_peak else "loading"
+    budget = "no max_memory" if plan.budget is None else (
+        f"max_memory {gb(plan.budget)}: " + ("fits" if plan.fits else "DOES NOT FIT")
+    )  # fmt: skip
+    lines.append(f"  {'peak':<15} {plan.peak / 1e9:>8.3f}  {phase}; {budget}")
+    lines += [f"  note: {note}" for note in plan.notes]
+    return lines
+
+
+def refusal(plan: MemoryPlan) -> str:
+    """The message of a run that does not fit: the numbers and the knobs."""
+    assert plan.budget is not None
+    parts = ", ".join(f"{name} {gb(n)}" for name, n, _ in plan.rows() if n)
+    phase = "training" if plan.train_peak >= plan.load_peak else "loading"
+    return (
+        f"training.max_memory: this run needs about {gb(plan.peak)} at its peak "
+        f"({phase}), over the budget of {gb(plan.budget)}. Parts: {parts}. To fit, "
+        "lower data.batch_size or data.seq_len (activations), set "
+        "model.remat_policy (e.g. nothing_saveable: keep fewer activations), "
+        "lora.quantize_base: nf4 or model.keep_quantized: true (4-bit bases), fewer "
+        "lora.targets or a lower lora.rank (adapters, optimizer), "
+        "model.matmul_dtype: bfloat16 or model.dtype: bfloat16 (halve the weights); "
+        "or raise training.max_memory"
+    )
+
+
+# ---------------------------------------------------------------- the model's tree
+def _gguf_tree(
+    path: str, dtype: str, keep: bool, quantize: Quantize | None
+) -> tuple[Any, list[tuple[int, int]]]:
+    """A GGUF's tree as `load_llama_gguf` leaves it, as shapes; leaf load costs."""
+    from entrenar.io.llama_gguf import KEEP_QUANTIZED, _expected  # its own rules
+
+    g, config = io.read_llama_header(path)
+    want = _expected(g, config)
+    by_hf = {hf: name for name, (hf, _) in want.items() if hf}
+    itemsize = np.dtype(dtype).itemsize
+
+    def leaf(path_: str, shape: tuple[int, ...]) -> Any:
+        if path_.startswith("model.layers.") and keep and len(shape) == 3:
+            stem = path_.removeprefix("model.layers.")
+            names = [by_hf[f"model.layers.{i}.{stem}"] for i in range(shape[0])]
+            types = {g.tensors[n].type_name for n in names}
+            if len(types) == 1 and (t := types.pop()) in KEEP_QUANTIZED:
+                return _ggml_node(t, shape)
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    return _build(config.param_shapes(), leaf, quantize, itemsize)
+
+
+def _ggml_node(ggml_type: str, shape: tuple[int, ...]) -> Any:
+    """`from_ggml`'s node of a ``(L, rows, cols)`` tensor, as shapes (one row built)."""
+    from entrenar.quant.ggml import BLOCK_BYTES, FORMATS
+
+    cols = shape[-1]
+    block = FORMATS[ggml_type] if ggml_type in FORMATS else None
+    if block is not None:
+        row_bytes = cols // block.block_size * block.block_bytes
+    else:
+        row_bytes = cols // 32 * BLOCK_BYTES[ggml_type]
+    one = quant.from_ggml(np.zeros(row_bytes, np.uint8), ggml_type, (1, 1, cols))
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct((*shape[:2], *a.shape[2:]), a.dtype), one
+    )
+
+
+def _build(
+    shapes: dict[str, Any],
+    make: Callable[[str, tuple[int, ...]], Any],
+    quantize: Quantize | None,
+    itemsize: int,
+) -> tuple[Any, list[tuple[int, int]]]:
+    """The tree of ``make(path, shape)`` leaves, each quantized as ``quantize`` says.
+
+    Also ``(final bytes, transient bytes)`` of each leaf in load order: a float leaf
+    holds itself; a quantized one its float fill, the quantizer's temporaries and
+    its node (`_quantize_cost`).
+    """
+    costs: list[tuple[int, int]] = []
+
+    def walk(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            path = f"{prefix}{k}"
+            if isinstance(v, dict):
+                out[k] = walk(v, f"{path}.")
+                continue
+            shape = tuple(int(s) for s in v)
+            node = make(path, shape)
+            fn = None
+            if isinstance(node, jax.ShapeDtypeStruct) and quantize is not None:
+                fn = quantize(path, shape)
+            if fn is None:
+                costs.append((tree_bytes(node), 0))
+            else:
+                node, temp = _quantize_cost(fn, node)
+                costs.append((tree_bytes(node), math.prod(shape) * itemsize + temp))
+            out[k] = node
+        return out
+
+    return walk(shapes, ""), costs
+
+
+@functools.lru_cache(maxsize=64)
+def _quantize_temp(
+    func: Any, kw: tuple[tuple[str, Any], ...], shape: tuple[int, ...], dtype: str
+) -> tuple[Any, int]:
+    """The node (shapes) and XLA's temporaries of ``func(leaf, **kw)``, compiled."""
+    fn = functools.partial(func, **dict(kw))
+    arg = jax.ShapeDtypeStruct(shape, dtype)
+    compiled = jax.jit(fn).lower(arg).compile()
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    return jax.eval_shape(fn, arg), temp
+
+
+def _quantize_cost(fn: Any, leaf: jax.ShapeDtypeStruct) -> tuple[Any, int]:
+    """The quantized node of ``leaf`` (shapes) and the quantizer's temporaries."""
+    if isinstance(fn, functools.partial) and not fn.args:
+        kw = tuple(sorted(fn.keywords.items()))
+        return _quantize_temp(fn.func, kw, tuple(leaf.shape), str(leaf.dtype))
+    return _quantize_temp(fn, (), tuple(leaf.shape), str(leaf.dtype))
+
+
+def _loaded(
+    spec: TrainSpec, built: BuiltModel, quantize: Quantize | None
+) -> tuple[Any, bool, int]:
+    """``(tree, kept, transient)``: the tree the load leaves (shapes).
+
+    ``kept``: whether the run keeps that tree beside the one `lora.apply` makes (a
+    model built from scratch: `BuiltModel` holds its float leaves, which LoRA then
+    quantizes); ``transient``: the most the leaf being read adds (`_build`).
+    """
+    section = spec.model
+    assert section is not None
+    dtype = section.dtype
+    itemsize = np.dtype(dtype).itemsize
+    path = section.path
+
+    def plain(path_: str, shape: tuple[int, ...]) -> Any:
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    if path is not None and os.path.isdir(path):
+        shapes = io.read_hf_folder(path).config.param_shapes()
+        tree, costs = _build(shapes, plain, quantize, itemsize)
+        return tree, False, max((t for _, t in costs), default=0)
+    if path is not None and built.gguf_source and built.is_decoder:
+        tree, costs = _gguf_tree(path, dtype, section.keep_quantized, quantize)
+        return tree, False, max((t for _, t in costs), default=0)
+    # From scratch (`lora.apply` quantizes later), or an entrenar file (read whole,
+    # then quantized: the float tree is the transient).
+    tree = built.params
+    if path is None or quantize is None:
+        return tree, path is None and quantize is not None, 0
+    from entrenar.nn.hf_names import quantize_leaves
+
+    return (
+        jax.eval_shape(lambda t: quantize_leaves(t, quantize), tree),
+        False,
+        (tree_bytes(tree)),
+    )
+
+
+def _run_tree(
+    spec: TrainSpec, built: BuiltModel, c: lora.LoRAConfig | None
+) -> tuple[Any, int, int, int]:
+    """``(params, weights, adapters, load transient)`` of `prepare`'s tree.
+
+    ``params`` as shapes; the bytes of its weights and of its LoRA factors; the
+    most the load adds while it reads (and quantizes) a leaf.
+    """
+    quantize = base_quantizer(c)
+    tree, kept, transient = _loaded(spec, built, quantize)
+    if c is None:
+        return tree, tree_bytes(tree), 0, transient
+    scheme = None if c.quantize_base == "none" else c.quantize_base
+    params = jax.eval_shape(
+        lambda t: lora.apply(t, c, key=jax.random.key(1), quantize=scheme), tree
+    )
+    adapters = tree_bytes(lora.split(params)[0])
+    if not kept:
+        return params, tree_bytes(params) - adapters, adapters, transient
+    # from scratch: `BuiltModel` keeps the float tree, LoRA quantizes its bases
+    assert quantize is not None
+    temps = [
+        _quantize_cost(fn, x)[1]
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if (fn := quantize(key_path_str(p), tuple(x.shape))) is not None
+    ]
+    weights = tree_bytes(tree) + _quantized_bytes(params)
+    return params, weights, adapters, max(temps, default=0)
+
+
+def _batch(spec: TrainSpec, built: BuiltModel) -> dict[str, jax.ShapeDtypeStruct]:
+    """One step's batch as `build_data`'s loaders give it (shapes)."""
+    d = spec.data
+    assert d is not None
+    rows = d.batch_size * spec.training.grad_accum
+    if built.is_lm:
+        keys = ["input_ids", "labels"] + (
+            ["segment_ids", "positions"] if d.packing else []
+        )
+        out = {k: jax.ShapeDtypeStruct((rows, d.seq_len), np.int32) for k in keys}
+        out["attention_mask"] = jax.ShapeDtypeStruct((rows, d.seq_len), np.bool_)
+        return out
+    n_in, n_out = built.config.sizes[0], built.config.sizes[-1]
+    y = (
+        jax.ShapeDtypeStruct((rows, 1), np.float32)
+        if d.task == "regression"
+        else jax.ShapeDtypeStruct((rows,), np.int32)
+    )
+    del n_out
+    return {"x": jax.ShapeDtypeStruct((rows, n_in), np.float32), "y": y}
+
+
+def _new_bf16_bytes(tree: Any) -> int:
+    """Bytes of the leaves `to_bfloat16_weights` adds (``bits``, ``head_t``)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return sum(
+        tree_bytes(x) for p, x in leaves if key_path_str(p).endswith(("bits", "head_t"))
+    )
+
+
+def _describe(tree: Any) -> str:
+    """``"1.2B parameters: 154 leaves NF4, 28 float32"``: how the tree is held."""
+    kinds: dict[str, int] = {}
+    params = 0
+
+    def kind(x: Any) -> str:
+        if isinstance(x, quant.QuantizedWeight):
+            return x.scheme.upper()
+        if isinstance(x, quant.GGMLWeight):
+            return x.ggml_type
+        return str(x.dtype)
+
+    is_node = lambda x: isinstance(x, (quant.QuantizedWeight, quant.GGMLWeight))  # noqa: E731
+    for x in jax.tree_util.tree_leaves(tree, is_leaf=is_node):
+        kinds[kind(x)] = kinds.get(kind(x), 0) + 1
+        params += math.prod(x.shape)
+    held = ", ".join(
+        f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])
+    )
+    return f"{params / 1e6:,.1f}M parameters as leaves: {held}"
+
+
+def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
+    """Predict the peak resident memory of ``spec``'s run, reading headers only.
+
+    Args:
+        spec: a validated training run (`entrenar.config.validate`).
+        compile_step: compile the train step on shapes for its memory (seconds);
+            False leaves ``step`` at 0 (the weights' parts alone).
+
+    Returns:
+        A `MemoryPlan` (the module docstring gives its parts); ``budget`` is
+        ``training.max_memory`` in bytes (None when unset).
+
+    Raises:
+        UnsupportedError: a distillation run or a multi-device mesh.
+        EntrenarError: what `entrenar validate` raises for the model's header.
+    """
+    from entrenar.train.model_loss import loss_for_model, with_compute_dtype
+    from entrenar.train.state import TrainState
+    from entrenar.train.step import make_train_step
+    from entrenar.train.trainer import _compute_frozen  # the step reads this half
+
+    if spec.model is None or spec.data is None or spec.is_merge:
+        raise UnsupportedError("the memory plan is of a training run (model and data)")
+    if spec.distillation is not None:
+        raise UnsupportedError(
+            "training.max_memory: the memory predictor does not cover distillation "
+            "runs yet (the teacher's weights and step); remove max_memory"
+        )
+    if spec.training.mesh is not None:
+        raise UnsupportedError(
+            "training.max_memory: the memory predictor covers one device; remove "
+            "max_memory or training.mesh"
+        )
+    key = jax.random.key(spec.training.seed)
+    built = build_model(spec.model, key=key, header_only=True)
+    c = spec.lora if spec.lora is not None and spec.lora.enabled else None
+    params, weights, adapters, transient = _run_tree(spec, built, c)
+    trainable = "lora" if c is not None else None
+    optimizer = build_optimizer(spec, spec.training.max_steps or 1_000_000)
+    state = jax.eval_shape(
+        lambda p: TrainState.create(p, optimizer, key=key, trainable=trainable), params
+    )
+    model = built.config
+    frozen = state.frozen
+    if frozen is not None:
+        frozen = jax.eval_shape(lambda f: _compute_frozen(model, f), frozen)
+    bf16 = _new_bf16_bytes(frozen) if frozen is not None else 0
+    step, detail = 0, "not compiled"
+    if compile_step:
+        step, detail = _step_bytes(
+            spec, built, optimizer, state, frozen,
+            make_train_step, loss_for_model, with_compute_dtype,
+        )  # fmt: skip
+    merged = [f for f in spec.export.formats if f != "adapter"]
+    if spec.quantization is not None and spec.quantization.enabled:
+        merged.append("quantization")
+    notes = ()
+    if merged:
+        dense = 4 * sum(math.prod(x.shape) for x in _nodes(params))
+        notes = (
+            f"not counted: after training, {', '.join(merged)} write the model "
+            f"with the adapters folded in, from float copies of its weights "
+            f"({gb(dense)} each in float32)",
+        )
+    return MemoryPlan(
+        runtime=RUNTIME_BYTES
+        + TOKEN_BYTES * len(getattr(built.tokenizer, "tokens", ())),
+        compiler=COMPILER_BYTES,
+        weights=weights,
+        adapters=adapters,
+        bf16_copy=bf16,
+        state_copy=tree_bytes(state.trainable),
+        optimizer=tree_bytes(state.opt_state),
+        step=step,
+        load_transient=transient,
+        weights_detail=_describe(lora.split(params)[1] if c is not None else params),
+        step_detail=detail,
+        budget=budget_bytes(spec.training.max_memory),
+        notes=notes,
+    )
+
+
+def _nodes(tree: Any) -> list[Any]:
+    """The weights of a tree: arrays, quantized nodes, LoRA factors."""
+    is_node = lambda x: isinstance(x, (quant.QuantizedWeight, quant.GGMLWeight))  # noqa: E731
+    return jax.tree_util.tree_leaves(tree, is_leaf=is_node)
+
+
+def _quantized_bytes(tree: Any) -> int:
+    is_q = lambda x: isinstance(x, quant.QuantizedWeight)  # noqa: E731
+    return sum(
+        tree_bytes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_q) if is_q(x)
+    )
+
+
+def _step_bytes(
+    spec: TrainSpec, built: BuiltModel, optimizer: Any, state: Any, frozen: Any,
+    make_train_step: Any, loss_for_model: Any, with_compute_dtype: Any,
+) -> tuple[int, str]:  # fmt: skip
+    """``(bytes, description)`` of the run's train step.
+
+    ``bytes``: XLA's temporaries, the batch and the outputs not aliased to donated
+    inputs (XLA's buffer assignment of the compiled step).
+    """
+    cfg = train_config(spec, progress=False)
+    loss_fn = with_compute_dtype(
+        loss_for_model(built.config, cfg.loss), cfg.compute_dtype
+    )
+    step = make_train_step(
+        loss_fn, optimizer, grad_accum=cfg.grad_accum, clip=cfg.grad_clip,
+        skip_nonfinite=True,
+    )  # fmt: skip
+    batch = _batch(spec, built)
+    compiled = step.jitted.lower(
+        state.trainable, state.opt_state, frozen, state.step, state.key, batch
+    ).compile()
+    m = compiled.memory_analysis()
+    temp, out, alias = (
+        int(m.temp_size_in_bytes),
+        int(m.output_size_in_bytes),
+        int(m.alias_size_in_bytes),
+    )
+    n = temp + tree_bytes(batch) + max(out - alias, 0)
+    d = spec.data
+    assert d is not None
+    config = built.config
+    what = f"batch {d.batch_size * spec.training.grad_accum} x "
+    what += f"{d.seq_len}" if built.is_lm else "rows"
+    if built.is_decoder:
+        what += f", remat {config.remat_policy or 'none'}, matmul "
+        what += f"{config.matmul_dtype or 'float32'}"
+    if cfg.compute_dtype:
+        what += f", compute {cfg.compute_dtype}"
+    return n, f"gradients, activations, temporaries ({what})"
+
+
+def check_memory(spec: TrainSpec) -> MemoryPlan | None:
+    """Refuse a run whose predicted peak exceeds ``training.max_memory``.
+
+    Returns:
+        The plan (None when ``max_memory`` is unset: nothing is checked).
+
+    Raises:
+        ConfigError: the predicted peak is over the budget; the message gives each
+            part and the settings that lower it (`refusal`).
+    """
+    if spec.training.max_memory is None or spec.is_merge:
+        return None
+    plan = plan_memory(spec)
+    if not plan.fits:
+        raise ConfigError(refusal(plan))
+    return plan
+
+
+__all__ = [
+    "COMPILER_BYTES",
+    "RUNTIME_BYTES",
+    "TOKEN_BYTES",
+    "MemoryPlan",
+    "available_memory",
+    "budget_bytes",
+    "check_budget",
+    "check_memory",
+    "format_plan",
+    "parse_bytes",
+    "plan_memory",
+    "refusal",
+]

@@ -1,0 +1,221 @@
+"""`plan_memory` (``training.max_memory``, ``entrenar info --memory``).
+
+The parts are checked against the run's real objects (`prepare`, the Trainer's
+state and its compiled step, built from the weights) and against byte counts
+written out by hand; the whole prediction against the peak resident memory of the
+same run in a fresh process; a run over its budget is refused before loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from click.testing import CliRunner
+from config_cases import WORDS, write
+
+from entrenar import io, lora, nn, quant
+from entrenar.cli import cli
+from entrenar.config import validate
+from entrenar.errors import ConfigError
+from entrenar.runs import run as run_mod
+from entrenar.runs.build import train_config
+from entrenar.runs.memory_plan import (
+    COMPILER_BYTES,
+    RUNTIME_BYTES,
+    TOKEN_BYTES,
+    format_plan,
+    plan_memory,
+)
+from entrenar.train import Trainer
+from entrenar.train.config import parse_bytes
+from entrenar.tree import tree_bytes
+
+CFG = dict(
+    vocab_size=320, hidden_size=128, intermediate_size=384, num_layers=2,
+    num_heads=4, num_kv_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+ROWS = [json.loads(x) for x in (WORDS / "train.jsonl").read_text().splitlines()[:64]]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A 2-layer float32 Llama GGUF of the number-words vocabulary."""
+    cfg = nn.LlamaConfig(**CFG)
+    path = tmp_path_factory.mktemp("model") / "model.gguf"
+    io.save_llama_gguf(path, cfg, cfg.init(jax.random.key(0)))
+    return path
+
+
+def _doc(tmp_path, path, **sections):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    doc = {
+        "model": {"path": str(path), "tokenizer": str(WORDS / "tokenizer.gguf")},
+        "data": {"train": str(train), "format": "prompt_completion",
+                 "batch_size": 4, "seq_len": 16},
+        "lora": {"rank": 4, "targets": ["q_proj", "v_proj"], "quantize_base": "nf4"},
+        "optimizer": {"name": "adamw", "lr": 0.01},
+        "training": {"max_steps": 2, "output_dir": str(tmp_path / "out"),
+                     "log_every": 1},
+        "export": {"formats": ["adapter"]},
+    }  # fmt: skip
+    for key, value in sections.items():
+        doc[key] = doc.get(key, {}) | value
+    return write(tmp_path / "run.yaml", doc)
+
+
+def test_sizes_parse():
+    assert parse_bytes("8GB") == 8 * 10**9
+    assert parse_bytes("7.5 GiB") == int(7.5 * 2**30)
+    assert parse_bytes("512mb") == 512 * 10**6 and parse_bytes(1234) == 1234
+    for bad in ("eight GB", "-1GB", "0", True, "8 GBs"):
+        with pytest.raises(ConfigError):
+            parse_bytes(bad)
+
+
+def test_parts_are_the_run_s_own_bytes(tmp_path, tiny_gguf):
+    """Each part equals the bytes of the object the run builds from the weights."""
+    spec = validate(_doc(tmp_path, tiny_gguf, model={"matmul_dtype": "bfloat16"}))
+    plan = plan_memory(spec)
+    prep = run_mod.prepare(spec)  # the weights, loaded and quantized
+    trainer = Trainer(
+        prep.loss, prep.params, prep.optimizer, train_config(spec, progress=False),
+        trainable=prep.trainable,
+    )  # fmt: skip
+    state = trainer.state
+    adapters, frozen = lora.split(prep.params)
+    assert plan.weights == tree_bytes(frozen)
+    assert plan.adapters == tree_bytes(adapters)
+    assert plan.state_copy == tree_bytes(state.trainable)
+    assert plan.optimizer == tree_bytes(state.opt_state)
+    # bfloat16 matmuls: the frozen half the step reads adds a bfloat16 copy of
+    # the float projections (k, o, gate, up, down: not the NF4 q and v)
+    r, d, kv, f, layers = 4, 128, 2 * 32, 384, 2
+    # (and the untied lm_head, 320 x 128); the state holds them in place of their
+    # float32 values, which the run's tree keeps: 4 - 2 bytes = 2 bytes each less
+    assert plan.bf16_copy == tree_bytes(frozen) - tree_bytes(state.frozen)
+    assert plan.bf16_copy == 2 * (layers * (d * kv + d * d + 3 * d * f) + 320 * d)
+    # by hand: rank 4 on q (128 -> 128) and v (128 -> 64), 2 layers, float32
+    assert plan.adapters == 4 * layers * r * ((d + d) + (d + kv))
+    # AdamW keeps m and v like the adapters, and a few scalars
+    assert 2 * plan.adapters <= plan.optimizer < 2 * plan.adapters + 64
+
+    # NF4 bases of q and v: 4 bits per weight; one 8-bit scale per 64 weights
+    # (double quantization); per layer a float32 scale per 256 blocks and a
+    # float32 mean; everything else float32 as loaded
+    def nf4_bytes(n: int) -> int:  # n weights per layer
+        return layers * (n // 2 + n // 64 + 4 * -(-(n // 64) // 256) + 4)
+
+    nf4 = nf4_bytes(d * d) + nf4_bytes(d * kv)
+    is_q = lambda x: isinstance(x, quant.QuantizedWeight)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(frozen, is_leaf=is_q)
+    assert sum(map(is_q, leaves)) == 2  # q and v
+    floats = sum(4 * int(x.size) for x in leaves if not is_q(x))
+    assert plan.weights == nf4 + floats
+    # the step: XLA's assignment of the Trainer's own step on the real batch
+    batch = next(iter(prep.data.train))
+    compiled = trainer._step_fn.jitted.lower(
+        state.trainable, state.opt_state, state.frozen, state.step, state.key, batch
+    ).compile()
+    m = compiled.memory_analysis()
+    step = m.temp_size_in_bytes + tree_bytes(batch)
+    step += m.output_size_in_bytes - m.alias_size_in_bytes
+    assert plan.step == step
+    assert plan.runtime == RUNTIME_BYTES + TOKEN_BYTES * 320  # a 320-token tokenizer
+    assert plan.train_peak == (
+        plan.runtime + COMPILER_BYTES + plan.weights + plan.adapters
+        + plan.bf16_copy + plan.state_copy + plan.optimizer + plan.step
+    )  # fmt: skip
+
+
+PEAK = """
+import json, sys
+from entrenar.config import validate
+from entrenar.runs import run
+spec = validate(sys.argv[1])
+res = run._train(spec, run.prepare(spec), resume=None, progress=False)
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+        print(json.dumps({"peak": int(line.split()[1]) * 1024}))
+"""
+
+TOLERANCE = 0.20
+"""A tiny run's peak is mostly the fixed parts (`RUNTIME_BYTES`, `COMPILER_BYTES`,
+0.6 GB, measured for SmolLM2-135M and a 1.1B model): within 20% here means those
+constants hold for a small program as well (a compiler that kept 0.3 GB less, or
+a step that allocated its arguments again, fails); the 15% of issue 31 is checked
+on the large shapes of benchmarks/memory_plan.py, where the weights and the step
+dominate."""
+
+
+def test_a_tiny_run_peaks_where_predicted(tmp_path, tiny_gguf):
+    doc = _doc(
+        tmp_path, tiny_gguf, lora={"targets": "all-linear"},
+        data={"batch_size": 8, "seq_len": 64},
+    )  # fmt: skip
+    plan = plan_memory(validate(doc))
+    res = subprocess.run(
+        [sys.executable, "-c", PEAK, str(doc)], capture_output=True, text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=tmp_path, check=True,
+    )  # fmt: skip
+    peak = json.loads(res.stdout.strip().splitlines()[-1])["peak"]
+    assert abs(plan.peak - peak) <= TOLERANCE * peak, (
+        f"predicted {plan.peak / 1e9:.3f} GB, measured {peak / 1e9:.3f} GB:\n"
+        + "\n".join(format_plan(plan))
+    )
+
+
+def _refused_before_loading(monkeypatch):
+    """Loading a model raises: a refusal must come first."""
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the memory check")
+
+    monkeypatch.setattr(run_mod, "build_model", no_load)
+    monkeypatch.setattr(io, "load_llama_gguf", no_load)
+
+
+def test_train_refuses_a_run_over_max_memory(tmp_path, tiny_gguf, monkeypatch):
+    doc = _doc(tmp_path, tiny_gguf, training={"max_memory": "100MB"})
+    _refused_before_loading(monkeypatch)
+    with pytest.raises(ConfigError) as e:
+        run_mod.train_from_yaml(doc, progress=False)
+    msg = str(e.value)
+    assert "training.max_memory" in msg and "over the budget of 0.10 GB" in msg
+    for knob in ("data.batch_size", "data.seq_len", "model.remat_policy",
+                 "lora.quantize_base", "model.keep_quantized", "lora.rank",
+                 "model.matmul_dtype", "weights ", "step "):  # fmt: skip
+        assert knob in msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_validate_refuses_and_a_fitting_run_passes(tmp_path, tiny_gguf, monkeypatch):
+    runner = CliRunner()
+    doc = _doc(tmp_path, tiny_gguf, training={"max_memory": "0.1GB"})
+    _refused_before_loading(monkeypatch)
+    res = runner.invoke(cli, ["validate", str(doc)])
+    assert res.exit_code != 0
+    assert "max_memory" in res.output and "GB" in res.output
+    doc = _doc(tmp_path, tiny_gguf, training={"max_memory": "64GB"})
+    res = runner.invoke(cli, ["validate", str(doc)])
+    assert res.exit_code == 0, res.output
+    assert "Memory: peak ~" in res.output and "of max_memory 64.00 GB" in res.output
+
+
+def test_info_memory_prints_the_table(tmp_path, tiny_gguf):
+    doc = _doc(tmp_path, tiny_gguf, export={"formats": ["adapter", "hf"]})
+    res = CliRunner().invoke(cli, ["info", "--memory", str(doc)])
+    assert res.exit_code == 0, res.output
+    for part in ("runtime", "weights", "adapters", "optimizer", "step",
+                 "load transient", "train peak", "peak", "not counted: "):  # fmt: skip
+        assert part in res.output
+    res = CliRunner().invoke(cli, ["info", "--memory", "--format", "json", str(doc)])
+    data = json.loads(res.output)
+    assert data["peak"] == max(data["load_peak"], data["train_peak"])
+    assert sum(p["bytes"] for k, p in data["parts"].items()
+               if k != "load transient") == data["train_peak"]  # fmt: skip
