@@ -28,7 +28,7 @@ Not here: logit soft-capping (Gemma 2's ``c tanh(scores / c)``) has no form in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -87,11 +87,14 @@ def _mask4(mask: jax.Array | None) -> jax.Array | None:
     return mask
 
 
-def _cudnn_candidate(q: jax.Array, lowp: Any) -> bool:
+def _cudnn_candidate(q: jax.Array, dtype: Any) -> bool:
     """The cuDNN rules that are cheap to see: a GPU, 16-bit inputs, head size."""
     d = q.shape[-1]
     return (
-        jax.default_backend() == "gpu" and lowp is not None and d % 8 == 0 and d <= 256
+        jax.default_backend() == "gpu"
+        and jnp.dtype(dtype).name in ("bfloat16", "float16")
+        and d % 8 == 0
+        and d <= 256
     )
 
 
@@ -106,7 +109,7 @@ def fused_attention(
     bias: jax.Array | None = None,
     scale: float | None = None,
     matmul_dtype: str | None = None,
-    implementation: str | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
 ) -> jax.Array:
     """Grouped-query attention by `jax.nn.dot_product_attention`.
 
@@ -128,14 +131,15 @@ def fused_attention(
             second product is in that dtype, where the reference path keeps it
             in float32).
         implementation: ``"xla"``, ``"cudnn"`` or None: cuDNN where it is a
-            candidate (a GPU, ``matmul_dtype`` set, ``d`` a multiple of 8 up to
-            256) and takes the call when traced, else XLA.
+            candidate (a GPU, bfloat16 or float16 products, ``d`` a multiple of 8
+            up to 256) and takes the call when traced, else XLA.
 
     Returns:
         ``(B, T, H, d)`` in ``q``'s dtype.
 
     Raises:
         ShapeError: heads that do not divide, or ``causal`` with ``T != S``.
+        ConfigError: an unknown ``implementation``.
     """
     _, t, h, _ = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -148,34 +152,35 @@ def fused_attention(
             f"causal fused attention needs as many queries as keys, got T={t}, "
             f"S={s}; pass the cache's positions as a mask instead"
         )
-    lowp = None if matmul_dtype is None else jnp.dtype(matmul_dtype)
-    dtype = lowp or q.dtype
+    if implementation not in (None, "xla", "cudnn"):
+        raise ConfigError(
+            f"implementation must be None, 'xla' or 'cudnn', got {implementation!r}"
+        )
+    dtype = jnp.dtype(matmul_dtype or q.dtype)
     qi, ki, vi = (x.astype(dtype) for x in (q, k, v))  # one dtype: JAX requires it
     m4 = _mask4(mask)
     # (left, right): t - s <= W - 1, and no bound on the right unless causal
     local = None if window is None else (int(window) - 1, 0 if causal else s)
-    impl = implementation
-    if impl is None:
-        impl = "cudnn" if _cudnn_candidate(q, lowp) else "xla"
-    kwargs: dict[str, Any] = dict(
-        bias=bias, mask=m4, scale=scale, is_causal=causal, local_window_size=local
-    )
+
+    def call(impl: Literal["xla", "cudnn"]) -> jax.Array:
+        return jax.nn.dot_product_attention(
+            qi, ki, vi, bias, m4, scale=scale, is_causal=causal,
+            local_window_size=local, implementation=impl,
+        )  # fmt: skip
+
     # JAX's function promotes bfloat16 with float32 inside: allowed under strict
     with jax.numpy_dtype_promotion("standard"):
-        out = None
-        if impl == "cudnn" and implementation is None:
+        if implementation is not None:
+            out = call(implementation)
+        elif _cudnn_candidate(q, dtype):
             try:
-                out = jax.nn.dot_product_attention(
-                    qi, ki, vi, implementation="cudnn", **kwargs
-                )
+                out = call("cudnn")
             except (NotImplementedError, ValueError, RuntimeError):
                 # cuDNN refused the call while tracing (its shape, dtype and mask
                 # rules); XLA's form computes the same function
-                impl = "xla"
-        if out is None:
-            out = jax.nn.dot_product_attention(
-                qi, ki, vi, implementation=impl, **kwargs
-            )
+                out = call("xla")
+        else:
+            out = call("xla")
     return out.astype(q.dtype)  # (B, T, H, d)
 
 
