@@ -188,6 +188,12 @@ SITES = {  # kernel: (its custom-call target, a function that should call it)
         "entrenar_nf4_dequantize_f32",
         lambda: quant.dequantize(_nf4(), jnp.float32),
     ),
+    "ggml_matvec": (
+        "entrenar_q_matvec",
+        lambda: quantized_matmul(
+            quant.quantize(jnp.ones((4, 64)), scheme="q8_0"), jnp.ones((2, 64))
+        ),
+    ),
 }
 
 

@@ -83,6 +83,7 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], ...]] = {
     "softmax_xent": (("float32",), ("integer",), ("bfloat16",)),  # z, y, dz
     "nf4_matmul": (("float32",),),  # x (the weight is NF4 codes)
     "nf4_dequantize": (("float32", "bfloat16"),),  # the output
+    "ggml_matvec": (("float32",),),  # x (the weight is llama.cpp blocks or bytes)
 }
 """The dtypes each kernel takes: one tuple per operand of `use` (``"integer"``: any
 integer dtype)."""

@@ -49,6 +49,13 @@ KERNELS: dict[str, tuple[str, dict[str, str]]] = {
         {"entrenar_softmax_xent": "EntrenarSoftmaxXent"},
     ),
     "nf4_matmul": ("nf4_matmul.cc", {"entrenar_nf4_matmul": "EntrenarNf4Matmul"}),
+    "ggml_matvec": (
+        "ggml_matvec.cc",
+        {
+            "entrenar_q_matvec": "EntrenarQMatvec",
+            "entrenar_ggml_matvec": "EntrenarGgmlMatvec",
+        },
+    ),
     "nf4_dequantize": (
         "nf4_dequantize.cc",
         {

@@ -99,7 +99,16 @@ def _bf16_matmul(
     """``x Wᵀ``: bfloat16 products with float32 accumulation, or in ``x``'s dtype."""
     if matmul_dtype is not None:
         return lowp_matmul(x, w, matmul_dtype)  # W = to_dense(w), bfloat16
-    return weight_matmul(w.value(), x)  # the dense rule: W cast to x's dtype
+    from entrenar.quant import matvec  # (it imports this module)
+
+    if matvec.applies(w, x):  # few float32 rows: read the bfloat16 bits as stored
+        return matvec.matvec(w, x, _bf16_dense_matmul)
+    return _bf16_dense_matmul(w, x)
+
+
+def _bf16_dense_matmul(w: Bfloat16Weight, x: jax.Array) -> jax.Array:
+    """``x Wᵀ`` by the dense rule: ``W`` cast to ``x``'s dtype."""
+    return weight_matmul(w.value(), x)
 
 
 @register_weight_node

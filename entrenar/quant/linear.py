@@ -43,7 +43,7 @@ import numpy as np
 from entrenar import native
 from entrenar.errors import ShapeError
 from entrenar.nn.linear import lowp_matmul, weight_matmul
-from entrenar.quant import blocked
+from entrenar.quant import blocked, matvec
 from entrenar.quant.api import dequantize
 from entrenar.quant.kquant import GGMLWeight, decode_rows
 from entrenar.quant.nf4 import NF4_CODE, block_scales
@@ -75,6 +75,8 @@ def quantized_matmul(
         return blocked.blocked_matmul(w, x, matmul_dtype)
     if matmul_dtype is not None:
         return lowp_matmul(x, w, matmul_dtype, dequantized)
+    if matvec.applies(w, x):  # Q8_0 / Q4_0 / Q4_1, few rows: the native kernel
+        return matvec.matvec(w, x, _jax_matmul)
     if _native_nf4(w, x, math.prod(x.shape[:-1])):
         return _native_matmul(w, x)
     return _jax_matmul(w, x)
@@ -185,11 +187,19 @@ def ggml_matmul(
             f"a GGMLWeight multiplies as a matrix (out, in), got {w.shape}: index "
             f"a stacked weight per layer (scan over layers) first"
         )
+    if matmul_dtype is None and matvec.applies(w, x):  # few rows: the native kernel
+        return matvec.matvec(w, x, _ggml_jax)
     out, fan_in = w.shape
     dtype = jnp.dtype(matmul_dtype or x.dtype)
     xs = x.reshape(-1, fan_in)  # (n, in)
     y = _ggml_product(w, xs, _ggml_rows(out, fan_in), dtype)  # (n, out)
     return y.reshape(*x.shape[:-1], out)
+
+
+def _ggml_jax(w: GGMLWeight, xs: jax.Array) -> jax.Array:
+    """``xs Ŵᵀ`` ``(n, in) -> (n, out)`` by the blocked JAX path, in ``xs``'s dtype."""
+    out, fan_in = w.shape
+    return _ggml_product(w, xs, _ggml_rows(out, fan_in), jnp.dtype(xs.dtype))
 
 
 def _ggml_rows(out: int, fan_in: int) -> int:

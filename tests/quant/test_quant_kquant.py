@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from entrenar import lora, nn
+from entrenar import lora, native, nn
 from entrenar.errors import FormatError, ShapeError
 from entrenar.io import load_llama_gguf, read_gguf, save_llama_gguf
 from entrenar.io.ggml_dequant import GGML_TYPE_IDS, dequantize_ggml
@@ -125,7 +125,8 @@ def test_blocked_matmul_and_input_gradient_equal_the_dense_path(
 def test_matmul_never_decodes_more_than_a_block_of_rows(monkeypatch):
     monkeypatch.setattr(qlinear, "GGML_BLOCK_VALUES", 8 * 256)
     node = random_node("Q4_K", 32, 256)
-    jaxpr = str(jax.make_jaxpr(lambda x: nn.linear(x, node))(jnp.ones((2, 256))))
+    with native.policy("jax"):  # the JAX path (few rows: a native kernel)
+        jaxpr = str(jax.make_jaxpr(lambda x: nn.linear(x, node))(jnp.ones((2, 256))))
     assert "f32[8,256]" in jaxpr and "f32[32,256]" not in jaxpr
 
 
@@ -221,7 +222,14 @@ def test_load_keeps_kquant_bases_equal_to_the_dequantized_load(kquant_gguf):
         np.testing.assert_array_equal(bits(to_dense(w)), bits(ref), err_msg=hf)
 
 
-def test_qlora_step_on_kquant_bases_equals_the_dequantized_model(kquant_gguf):
+@pytest.mark.parametrize("policy", ["jax", "auto"])
+def test_qlora_step_on_kquant_bases_equals_the_dequantized_model(kquant_gguf, policy):
+    """One QLoRA step through the kept bases equals the dequantized model's.
+
+    ``auto``: 24 rows take the native decoding kernel (quant.matvec), whose sums
+    run in another order; the gradients then differ by float32 rounding amplified
+    through attention (measured up to 2e-5 on entries up to 0.2).
+    """
     config, kept, _ = load_llama_gguf(kquant_gguf, keep_quantized=True)
     _, dense, _ = load_llama_gguf(kquant_gguf)
     cfg = LoRAConfig(rank=4, alpha=8, targets=tuple(PROJECTION_TYPES))
@@ -244,10 +252,12 @@ def test_qlora_step_on_kquant_bases_equals_the_dequantized_model(kquant_gguf):
         updated = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, trainable, grads)
         return value, grads, jax.jit(loss)(updated)
 
-    loss_k, grads_k, after_k = step(kept)
+    with native.policy(policy):
+        loss_k, grads_k, after_k = step(kept)
     loss_d, grads_d, after_d = step(dense)
     np.testing.assert_allclose(loss_k, loss_d, rtol=1e-6)
-    assert_trees_allclose(grads_k, grads_d, rtol=1e-4, atol=1e-6)
+    atol = 1e-6 if policy == "jax" else 5e-5
+    assert_trees_allclose(grads_k, grads_d, rtol=1e-4, atol=atol)
     np.testing.assert_allclose(after_k, after_d, rtol=1e-6)
     assert float(after_k) != float(loss_k)
 

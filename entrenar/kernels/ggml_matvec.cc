@@ -1,0 +1,442 @@
+// y = x · Ŵᵀ for a weight in one of llama.cpp's storage formats, decoding the weight
+// inside the product: the dense matrix is never written. For decoding (one to a few
+// dozen input rows) a product is bound by reading the weight, so it should read the
+// bytes as stored: 4.5-8.5 bits a value here against 32 for float32.
+//
+//   x: (n, K) float32, y: (n, O) float32, Ŵ[o, k] decoded from row o's bytes.
+//
+// Two handlers share one loop (RunRows) and differ in how a row's chunk is decoded:
+//
+// entrenar_q_matvec: Q8_0 / Q4_0 / Q4_1 as entrenar.quant.QuantizedWeight holds them
+//   (codes, scales, offsets apart); blocks of 32 values, float16 scale d (and min m):
+//     type 0 Q8_0: codes (O, K) int8,    Ŵ = d·q
+//     type 1 Q4_0: codes (O, K/2) uint8, Ŵ = d·(q − 8)
+//     type 2 Q4_1: codes (O, K/2) uint8, Ŵ = d·q + m      (offsets: (O, K/32) float16)
+//   4-bit byte j of a block holds value j (low nibble) and j + 16 (high nibble).
+//   scales, offsets: (O, K/32) float16 (offsets unused but present for types 0, 1).
+//
+// entrenar_ggml_matvec: rows of bytes as GGUF stores them (entrenar.quant.GGMLWeight,
+//   data (O, row_bytes) uint8), decoded as ggml's dequantize_row_* does:
+//     type 0 Q4_K (144 B / 256), 1 Q5_K (176 B / 256), 2 Q6_K (210 B / 256),
+//     3 BF16 (2 B / 1), 4 F16 (2 B / 1).
+//
+// Each task takes a range of output rows; the columns are walked in chunks of kChunk
+// whose slice of x stays in L1; each row's chunk is decoded once into a small buffer
+// and multiplied with up to eight input rows at a time (nf4_matmul.cc's scheme).
+// The decoded values are the dequantizers' to the last bit (d·q + m may be one fused
+// multiply-add: -ffp-contract=fast); the sums are in another order than XLA's dot,
+// so results agree with the dequantized float32 product to float32 rounding.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Columns per chunk: a multiple of 256 (K-quant super-blocks) and of 32.
+constexpr int64_t kChunk = 512;
+
+// IEEE half -> float, exact (subnormals, infinities and NaN included).
+inline float HalfToFloat(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400) == 0);
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | man << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t Load16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | p[1] << 8); }
+
+// ---------------------------------------------------------------- Q8_0 / Q4_0 / Q4_1
+struct QWeight {
+  int type;  // 0 Q8_0, 1 Q4_0, 2 Q4_1
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const uint16_t* offsets;
+  int64_t k;
+
+  // Decode columns [c0, c0 + len) (whole 32-blocks) of row `row` into w.
+  void Decode(int64_t row, int64_t c0, int64_t len, float* w) const {
+    const int64_t nb = k / 32;
+    const int64_t row_bytes = type == 0 ? k : k / 2;
+    for (int64_t b = c0 / 32; b < (c0 + len) / 32; ++b) {
+      const float d = HalfToFloat(scales[row * nb + b]);
+      const float m = type == 2 ? HalfToFloat(offsets[row * nb + b]) : 0.0f;
+      float* out = w + (b * 32 - c0);
+      if (type == 0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(codes + row * row_bytes) + b * 32;
+#if defined(__AVX512F__)
+        const __m512 vd = _mm512_set1_ps(d);
+        for (int j = 0; j < 32; j += 16) {
+          const __m128i b8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j));
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b8));
+          _mm512_storeu_ps(out + j, _mm512_mul_ps(vd, v));
+        }
+#else
+        for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(q[j]);
+#endif
+      } else {
+        const uint8_t* q = codes + row * row_bytes + b * 16;
+        const float shift = type == 1 ? 8.0f : 0.0f;
+#if defined(__AVX512F__)
+        const __m128i b8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+        const __m128i low4 = _mm_set1_epi8(15);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b8, low4)));
+        const __m512 hi = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b8, 4), low4)));
+        const __m512 vd = _mm512_set1_ps(d), vs = _mm512_set1_ps(shift);
+        if (type == 1) {
+          _mm512_storeu_ps(out, _mm512_mul_ps(vd, _mm512_sub_ps(lo, vs)));
+          _mm512_storeu_ps(out + 16, _mm512_mul_ps(vd, _mm512_sub_ps(hi, vs)));
+        } else {
+          const __m512 vm = _mm512_set1_ps(m);
+          _mm512_storeu_ps(out, _mm512_fmadd_ps(vd, lo, vm));
+          _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(vd, hi, vm));
+        }
+#else
+        for (int j = 0; j < 16; ++j) {
+          const float lo = static_cast<float>(q[j] & 15), hi = static_cast<float>(q[j] >> 4);
+          if (type == 1) {
+            out[j] = d * (lo - shift);
+            out[j + 16] = d * (hi - shift);
+          } else {
+            out[j] = d * lo + m;
+            out[j + 16] = d * hi + m;
+          }
+        }
+#endif
+      }
+    }
+  }
+};
+
+#if defined(__AVX512F__)
+// Block b (32 values) of row `row` decoded into two registers, values 0-15 and 16-31.
+inline void DecodeQBlock(const QWeight& w, int64_t row, int64_t b, __m512* lo,
+                         __m512* hi) {
+  const int64_t nb = w.k / 32;
+  const __m512 vd = _mm512_set1_ps(HalfToFloat(w.scales[row * nb + b]));
+  if (w.type == 0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.codes + row * w.k) + b * 32;
+    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+    *lo = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b0)));
+    *hi = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b1)));
+    return;
+  }
+  const uint8_t* q = w.codes + row * (w.k / 2) + b * 16;
+  const __m128i b8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i low4 = _mm_set1_epi8(15);
+  const __m512 l = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b8, low4)));
+  const __m512 h = _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b8, 4), low4)));
+  if (w.type == 1) {
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    *lo = _mm512_mul_ps(vd, _mm512_sub_ps(l, eight));
+    *hi = _mm512_mul_ps(vd, _mm512_sub_ps(h, eight));
+  } else {
+    const __m512 vm = _mm512_set1_ps(HalfToFloat(w.offsets[row * nb + b]));
+    *lo = _mm512_fmadd_ps(vd, l, vm);
+    *hi = _mm512_fmadd_ps(vd, h, vm);
+  }
+}
+
+// y[r0..r0+R, row] = x[r0..r0+R] · Ŵ[row]: each block decoded once, in registers,
+// and multiplied with R input rows (R accumulators).
+template <int R>
+void QDot(const float* x, float* y, int64_t k, int64_t o, const QWeight& w,
+          int64_t row, int64_t r0) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const float* xs = x + r0 * k;
+  for (int64_t b = 0; b < k / 32; ++b) {
+    __m512 lo, hi;
+    DecodeQBlock(w, row, b, &lo, &hi);
+    for (int i = 0; i < R; ++i) {
+      acc[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs + i * k + b * 32), acc[i]);
+      acc[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs + i * k + b * 32 + 16), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) y[(r0 + i) * o + row] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif
+
+// ------------------------------------------------------------- K-quants, BF16, F16
+// 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.
+inline void KScaleMin(int j, const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+void DecodeQ4K(const uint8_t* b, float* y) {  // 144 bytes -> 256 values
+  const float d = HalfToFloat(Load16(b)), dmin = HalfToFloat(Load16(b + 2));
+  const uint8_t* s = b + 4;
+  const uint8_t* q = b + 16;
+  for (int c = 0; c < 4; ++c) {  // 64 values: sub-blocks 2c (low nibbles), 2c+1 (high)
+    uint8_t sc, mn;
+    KScaleMin(2 * c, s, &sc, &mn);
+    const float d1 = d * sc, m1 = dmin * mn;
+    KScaleMin(2 * c + 1, s, &sc, &mn);
+    const float d2 = d * sc, m2 = dmin * mn;
+    for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>(q[l] & 15) - m1;
+    for (int l = 0; l < 32; ++l) y[32 + l] = d2 * static_cast<float>(q[l] >> 4) - m2;
+    q += 32;
+    y += 64;
+  }
+}
+
+void DecodeQ5K(const uint8_t* b, float* y) {  // 176 bytes -> 256 values
+  const float d = HalfToFloat(Load16(b)), dmin = HalfToFloat(Load16(b + 2));
+  const uint8_t* s = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* ql = b + 48;
+  for (int c = 0; c < 4; ++c) {
+    uint8_t sc, mn;
+    KScaleMin(2 * c, s, &sc, &mn);
+    const float d1 = d * sc, m1 = dmin * mn;
+    KScaleMin(2 * c + 1, s, &sc, &mn);
+    const float d2 = d * sc, m2 = dmin * mn;
+    const int u1 = 2 * c, u2 = 2 * c + 1;  // the bit of qh each sub-block reads
+    for (int l = 0; l < 32; ++l) {
+      y[l] = d1 * static_cast<float>((ql[l] & 15) | (((qh[l] >> u1) & 1) << 4)) - m1;
+    }
+    for (int l = 0; l < 32; ++l) {
+      y[32 + l] = d2 * static_cast<float>((ql[l] >> 4) | (((qh[l] >> u2) & 1) << 4)) - m2;
+    }
+    ql += 32;
+    y += 64;
+  }
+}
+
+void DecodeQ6K(const uint8_t* b, float* y) {  // 210 bytes -> 256 values
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = HalfToFloat(Load16(b + 208));
+  for (int h = 0; h < 2; ++h) {  // 128 values each
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = static_cast<int>((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+      const int q2 = static_cast<int>((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = static_cast<int>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = static_cast<int>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = (d * sc[is]) * static_cast<float>(q1);
+      y[l + 32] = (d * sc[is + 2]) * static_cast<float>(q2);
+      y[l + 64] = (d * sc[is + 4]) * static_cast<float>(q3);
+      y[l + 96] = (d * sc[is + 6]) * static_cast<float>(q4);
+    }
+    y += 128;
+    ql += 64;
+    qh += 32;
+    sc += 8;
+  }
+}
+
+struct GgmlWeight {
+  int type;  // 0 Q4_K, 1 Q5_K, 2 Q6_K, 3 BF16, 4 F16
+  const uint8_t* data;
+  int64_t row_bytes;
+
+  static int64_t BlockValues(int type) { return type <= 2 ? 256 : 1; }
+  static int64_t BlockBytes(int type) {
+    constexpr int64_t bytes[] = {144, 176, 210, 2, 2};
+    return bytes[type];
+  }
+
+  void Decode(int64_t row, int64_t c0, int64_t len, float* w) const {
+    const uint8_t* r = data + row * row_bytes;
+    if (type == 3) {  // BF16: the high half of a float32
+      const uint8_t* p = r + 2 * c0;
+      for (int64_t j = 0; j < len; ++j) {
+        const uint32_t bits = static_cast<uint32_t>(Load16(p + 2 * j)) << 16;
+        std::memcpy(w + j, &bits, 4);
+      }
+      return;
+    }
+    if (type == 4) {
+      const uint8_t* p = r + 2 * c0;
+#if defined(__AVX512F__)
+      int64_t j = 0;
+      for (; j + 16 <= len; j += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * j));
+        _mm512_storeu_ps(w + j, _mm512_cvtph_ps(h));
+      }
+      for (; j < len; ++j) w[j] = HalfToFloat(Load16(p + 2 * j));
+#else
+      for (int64_t j = 0; j < len; ++j) w[j] = HalfToFloat(Load16(p + 2 * j));
+#endif
+      return;
+    }
+    const int64_t bytes = BlockBytes(type);
+    for (int64_t b = c0 / 256; b < (c0 + len) / 256; ++b) {
+      float* out = w + (b * 256 - c0);
+      const uint8_t* blk = r + b * bytes;
+      if (type == 0) {
+        DecodeQ4K(blk, out);
+      } else if (type == 1) {
+        DecodeQ5K(blk, out);
+      } else {
+        DecodeQ6K(blk, out);
+      }
+    }
+  }
+};
+
+// ------------------------------------------------------------------- the product
+struct Io {
+  const float* x;
+  float* y;
+  int64_t n, k, o;
+};
+
+// y[r, row] = Σ_c x[r, c0 + c] w[c] (+=) for rows r0..r0+R-1 (R <= 8 accumulators).
+template <int R>
+void Dot(const Io& p, int64_t row, int64_t r0, int64_t c0, int64_t len, const float* w) {
+  float acc[R][16] = {};
+  const float* xs[R];
+  for (int i = 0; i < R; ++i) xs[i] = p.x + (r0 + i) * p.k + c0;
+  const int64_t whole = len / 16 * 16;
+  for (int64_t c = 0; c < whole; c += 16) {
+    for (int i = 0; i < R; ++i) {
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) acc[i][l] += xs[i][c + l] * w[c + l];
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float sum = 0.0f;
+    for (int l = 0; l < 16; ++l) sum += acc[i][l];
+    for (int64_t c = whole; c < len; ++c) sum += xs[i][c] * w[c];
+    p.y[(r0 + i) * p.o + row] += sum;
+  }
+}
+
+template <typename W>
+void RunRows(const Io& p, const W& weight, int64_t o0, int64_t o1) {
+  alignas(64) float w[kChunk];
+  for (int64_t r = 0; r < p.n; ++r) {
+    std::memset(p.y + r * p.o + o0, 0, sizeof(float) * (o1 - o0));
+  }
+  for (int64_t c0 = 0; c0 < p.k; c0 += kChunk) {
+    const int64_t len = std::min(kChunk, p.k - c0);
+    for (int64_t row = o0; row < o1; ++row) {
+      weight.Decode(row, c0, len, w);
+      int64_t r = 0;
+      for (; r + 8 <= p.n; r += 8) Dot<8>(p, row, r, c0, len, w);
+      for (; r + 4 <= p.n; r += 4) Dot<4>(p, row, r, c0, len, w);
+      for (; r < p.n; ++r) Dot<1>(p, row, r, c0, len, w);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// The Q formats with AVX-512: decoded in registers, no buffer.
+template <>
+void RunRows<QWeight>(const Io& p, const QWeight& w, int64_t o0, int64_t o1) {
+  for (int64_t row = o0; row < o1; ++row) {
+    int64_t r = 0;
+    for (; r + 8 <= p.n; r += 8) QDot<8>(p.x, p.y, p.k, p.o, w, row, r);
+    for (; r + 4 <= p.n; r += 4) QDot<4>(p.x, p.y, p.k, p.o, w, row, r);
+    for (; r < p.n; ++r) QDot<1>(p.x, p.y, p.k, p.o, w, row, r);
+  }
+}
+#endif
+
+template <typename W>
+void Run(ffi::ThreadPool& pool, const Io& p, const W& weight) {
+  // Ranges of at least 16 output rows, a few per intra-op thread.
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(4 * pool.num_threads(), p.o / 16));
+  entrenar::ParallelFor(pool, chunks, [&](int64_t t) {
+    RunRows(p, weight, p.o * t / chunks, p.o * (t + 1) / chunks);
+  });
+}
+
+ffi::Error QMatvecImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                       ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
+                       ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool,
+                       int32_t type) {
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || type < 0 || type > 2) {
+    return ffi::Error::InvalidArgument("entrenar_q_matvec: bad ranks or type");
+  }
+  Io p{x.typed_data(), y->typed_data(), xd[0], xd[1], cd[0]};
+  const int64_t want = type == 0 ? p.k : p.k / 2;
+  if (p.k % 32 != 0 || cd[1] != want || sd[0] != p.o || sd[1] != p.k / 32 ||
+      (type == 2 && offsets.element_count() != scales.element_count())) {
+    return ffi::Error::InvalidArgument("entrenar_q_matvec: shapes disagree");
+  }
+  QWeight w{type, static_cast<const uint8_t*>(codes.untyped_data()),
+            reinterpret_cast<const uint16_t*>(scales.untyped_data()),
+            reinterpret_cast<const uint16_t*>(offsets.untyped_data()), p.k};
+  Run(pool, p, w);
+  return ffi::Error::Success();
+}
+
+ffi::Error GgmlMatvecImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> data,
+                          ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool,
+                          int32_t type) {
+  const auto xd = x.dimensions(), dd = data.dimensions();
+  if (xd.size() != 2 || dd.size() != 2 || type < 0 || type > 4) {
+    return ffi::Error::InvalidArgument("entrenar_ggml_matvec: bad ranks or type");
+  }
+  Io p{x.typed_data(), y->typed_data(), xd[0], xd[1], dd[0]};
+  const int64_t bv = GgmlWeight::BlockValues(type), bb = GgmlWeight::BlockBytes(type);
+  if (p.k % bv != 0 || dd[1] != p.k / bv * bb || kChunk % bv != 0) {
+    return ffi::Error::InvalidArgument("entrenar_ggml_matvec: shapes disagree");
+  }
+  GgmlWeight w{type, data.typed_data(), dd[1]};
+  Run(pool, p, w);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EntrenarQMatvec, QMatvecImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (n, K)
+                                  .Arg<ffi::AnyBuffer>()         // codes (O, K or K/2)
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales (O, K/32)
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // offsets (O, K/32)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y (n, O)
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<int32_t>("type"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EntrenarGgmlMatvec, GgmlMatvecImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (n, K)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // data (O, row_bytes)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y (n, O)
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<int32_t>("type"));
