@@ -217,37 +217,57 @@ def refusal(plan: MemoryPlan) -> str:
 def _gguf_tree(
     path: str, dtype: str, keep: bool, quantize: Quantize | None
 ) -> tuple[Any, list[tuple[int, int]]]:
-    """A GGUF's tree as `load_llama_gguf` leaves it, as shapes; leaf load costs."""
+    """A GGUF's tree as `load_llama_gguf` leaves it, as shapes; leaf load costs.
+
+    With ``keep``, the rules of `load_llama_gguf`: a stacked projection whose
+    layers are all K-quant/BF16/F16 (or a mix of row types) stays as its rows'
+    bytes (`GGMLWeight`, `MixedGGMLWeight`: ``(L, rows, widest row)`` uint8 and a
+    type per layer), one of Q8_0/Q4_0/Q4_1 as `from_ggml`'s node; a K-quant
+    embedding or ``lm_head`` as its bytes; everything else in ``dtype``.
+    """
     from entrenar.io.llama_gguf import KEEP_QUANTIZED, _expected  # its own rules
+    from entrenar.quant.ggml_mixed import ROW_FORMATS, MixedGGMLWeight, row_bytes
+    from entrenar.quant.kquant import FORMATS
 
     g, config = io.read_llama_header(path)
-    want = _expected(g, config)
-    by_hf = {hf: name for name, (hf, _) in want.items() if hf}
+    by_hf = {hf: name for name, (hf, _) in _expected(g, config).items() if hf}
     itemsize = np.dtype(dtype).itemsize
 
+    def kept(types: list[str], shape: tuple[int, ...]) -> Any:
+        kinds = tuple(sorted(set(types)))
+        cols = shape[-1]
+        if set(kinds) <= set(ROW_FORMATS) and (len(kinds) > 1 or kinds[0] in FORMATS):
+            width = max(row_bytes(t, cols) for t in kinds)
+            data = jax.ShapeDtypeStruct((*shape[:-1], width), np.uint8)
+            if len(kinds) == 1:
+                return quant.GGMLWeight(data, kinds[0])
+            layer_kind = jax.ShapeDtypeStruct(shape[:1], np.int32)
+            return MixedGGMLWeight(data, layer_kind, kinds, cols)
+        if len(kinds) == 1 and kinds[0] in KEEP_QUANTIZED and len(shape) == 3:
+            return _ggml_node(kinds[0], shape)
+        return None
+
     def leaf(path_: str, shape: tuple[int, ...]) -> Any:
-        if path_.startswith("model.layers.") and keep and len(shape) == 3:
+        node = None
+        if keep and path_.startswith("model.layers.") and len(shape) == 3:
             stem = path_.removeprefix("model.layers.")
             names = [by_hf[f"model.layers.{i}.{stem}"] for i in range(shape[0])]
-            types = {g.tensors[n].type_name for n in names}
-            if len(types) == 1 and (t := types.pop()) in KEEP_QUANTIZED:
-                return _ggml_node(t, shape)
-        return jax.ShapeDtypeStruct(shape, dtype)
+            node = kept([g.tensors[n].type_name for n in names], shape)
+        elif keep and len(shape) == 2 and path_ in by_hf:
+            t = g.tensors[by_hf[path_]].type_name
+            node = kept([t], shape) if t in FORMATS else None
+        return jax.ShapeDtypeStruct(shape, dtype) if node is None else node
 
     return _build(config.param_shapes(), leaf, quantize, itemsize)
 
 
 def _ggml_node(ggml_type: str, shape: tuple[int, ...]) -> Any:
     """`from_ggml`'s node of a ``(L, rows, cols)`` tensor, as shapes (one row built)."""
-    from entrenar.quant.ggml import BLOCK_BYTES, FORMATS
+    from entrenar.quant.ggml import BLOCK_BYTES
 
     cols = shape[-1]
-    block = FORMATS[ggml_type] if ggml_type in FORMATS else None
-    if block is not None:
-        row_bytes = cols // block.block_size * block.block_bytes
-    else:
-        row_bytes = cols // 32 * BLOCK_BYTES[ggml_type]
-    one = quant.from_ggml(np.zeros(row_bytes, np.uint8), ggml_type, (1, 1, cols))
+    raw = np.zeros(cols // 32 * BLOCK_BYTES[ggml_type], np.uint8)
+    one = quant.from_ggml(raw, ggml_type, (1, 1, cols))
     return jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct((*shape[:2], *a.shape[2:]), a.dtype), one
     )
@@ -297,8 +317,8 @@ def _quantize_temp(
     """The node (shapes) and XLA's temporaries of ``func(leaf, **kw)``, compiled."""
     fn = functools.partial(func, **dict(kw))
     arg = jax.ShapeDtypeStruct(shape, dtype)
-    compiled = jax.jit(fn).lower(arg).compile()
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    stats = jax.jit(fn).lower(arg).compile().memory_analysis()
+    temp = int(stats.temp_size_in_bytes) if stats is not None else 0
     return jax.eval_shape(fn, arg), temp
 
 
@@ -484,10 +504,10 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
             spec, built, optimizer, state, frozen,
             make_train_step, loss_for_model, with_compute_dtype,
         )  # fmt: skip
-    merged = [f for f in spec.export.formats if f != "adapter"]
+    merged: list[str] = [f for f in spec.export.formats if f != "adapter"]
     if spec.quantization is not None and spec.quantization.enabled:
         merged.append("quantization")
-    notes = ()
+    notes: tuple[str, ...] = ()
     if merged:
         dense = 4 * sum(math.prod(x.shape) for x in _nodes(params))
         notes = (
@@ -548,6 +568,11 @@ def _step_bytes(
         state.trainable, state.opt_state, frozen, state.step, state.key, batch
     ).compile()
     m = compiled.memory_analysis()
+    if m is None:
+        raise UnsupportedError(
+            f"the {jax.default_backend()} backend reports no memory analysis of the "
+            "compiled step: the memory predictor cannot run here; remove max_memory"
+        )
     temp, out, alias = (
         int(m.temp_size_in_bytes),
         int(m.output_size_in_bytes),

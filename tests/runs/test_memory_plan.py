@@ -133,6 +133,23 @@ def test_parts_are_the_run_s_own_bytes(tmp_path, tiny_gguf):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("kind", ["BF16", "Q8_0"])
+def test_kept_gguf_bases_are_counted_as_stored(tmp_path, kind):
+    """``keep_quantized``: the weights are the bytes of the nodes the load keeps.
+
+    `GGMLWeight` bytes for BF16, `QuantizedWeight` codes and scales for Q8_0.
+    """
+    cfg = nn.LlamaConfig(**CFG)
+    path = tmp_path / f"model-{kind}.gguf"
+    io.save_llama_gguf(path, cfg, cfg.init(jax.random.key(0)), tensor_type=kind)
+    doc = _doc(tmp_path, path, model={"keep_quantized": True})
+    spec = validate(doc)
+    plan = plan_memory(spec, compile_step=False)
+    adapters, frozen = lora.split(run_mod.prepare(spec).params)
+    assert plan.weights == tree_bytes(frozen) and plan.adapters == tree_bytes(adapters)
+    assert plan.step == 0 and kind in plan.weights_detail
+
+
 PEAK = """
 import json, sys
 from entrenar.config import validate
