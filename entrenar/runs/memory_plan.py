@@ -52,6 +52,7 @@ from entrenar import io, lora, quant
 from entrenar.config.spec import TrainSpec
 from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.nn.hf_names import Quantize
+from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.runs.build import build_optimizer, train_config
 from entrenar.runs.models import BuiltModel, base_quantizer, build_model
 from entrenar.train.config import check_budget, parse_bytes
@@ -429,22 +430,23 @@ def _new_bf16_bytes(tree: Any) -> int:
     )
 
 
+def _kind(x: Any) -> str:
+    """How a leaf is held: ``NF4``, ``Q4_K``, ``Q4_K+Q6_K`` (a mix), ``float32``."""
+    for attr in ("scheme", "ggml_type"):
+        if isinstance(getattr(x, attr, None), str):
+            return str(getattr(x, attr)).upper()
+    if isinstance(getattr(x, "types", None), tuple):
+        return "+".join(x.types)
+    return str(x.dtype)
+
+
 def _describe(tree: Any) -> str:
-    """``"1.2B parameters: 154 leaves NF4, 28 float32"``: how the tree is held."""
+    """``"1,170.3M parameters as leaves: 8 float32, 4 NF4"``."""
     kinds: dict[str, int] = {}
     params = 0
-
-    def kind(x: Any) -> str:
-        if isinstance(x, quant.QuantizedWeight):
-            return x.scheme.upper()
-        if isinstance(x, quant.GGMLWeight):
-            return x.ggml_type
-        return str(x.dtype)
-
-    is_node = lambda x: isinstance(x, (quant.QuantizedWeight, quant.GGMLWeight))  # noqa: E731
-    for x in jax.tree_util.tree_leaves(tree, is_leaf=is_node):
-        kinds[kind(x)] = kinds.get(kind(x), 0) + 1
-        params += math.prod(x.shape)
+    for x in _nodes(tree):
+        kinds[_kind(x)] = kinds.get(_kind(x), 0) + 1
+        params += math.prod(logical_shape(x))
     held = ", ".join(
         f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])
     )
@@ -509,7 +511,8 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
         merged.append("quantization")
     notes: tuple[str, ...] = ()
     if merged:
-        dense = 4 * sum(math.prod(x.shape) for x in _nodes(params))
+        base = lora.split(params)[1] if c is not None else params
+        dense = 4 * sum(math.prod(logical_shape(x)) for x in _nodes(base))
         notes = (
             f"not counted: after training, {', '.join(merged)} write the model "
             f"with the adapters folded in, from float copies of its weights "
@@ -534,9 +537,12 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
 
 
 def _nodes(tree: Any) -> list[Any]:
-    """The weights of a tree: arrays, quantized nodes, LoRA factors."""
-    is_node = lambda x: isinstance(x, (quant.QuantizedWeight, quant.GGMLWeight))  # noqa: E731
-    return jax.tree_util.tree_leaves(tree, is_leaf=is_node)
+    """The weights of a tree: arrays and weight nodes (a LoRA weight's parts)."""
+
+    def held(x: Any) -> bool:
+        return is_weight_node(x) and not isinstance(x, lora.LoRAWeight)
+
+    return jax.tree_util.tree_leaves(tree, is_leaf=held)
 
 
 def _quantized_bytes(tree: Any) -> int:
