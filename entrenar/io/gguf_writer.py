@@ -3,14 +3,15 @@
 Metadata keys are written in the given order with their GGUF types (`GGUFField`), so
 a file's metadata copies over type for type; ``general.alignment`` is written when the
 alignment is not the default 32. Tensors follow in the given order, each padded to the
-alignment. The file is written atomically.
+alignment; a tensor's bytes may be made only when it is written (`GGUFTensor`), the
+header needing only its shape and type. The file is written atomically.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any, NamedTuple
 
 import numpy as np
@@ -29,9 +30,13 @@ from entrenar.io.gguf_reader import (
 
 
 class GGUFTensor(NamedTuple):
-    """A tensor to write: its stored bytes, numpy ``shape`` and ggml type id."""
+    """A tensor to write: its stored bytes, numpy ``shape`` and ggml type id.
 
-    raw: np.ndarray
+    ``raw`` may be a function that makes the bytes when the tensor is written, so a
+    writer of a big model holds one tensor at a time (`write_gguf`).
+    """
+
+    raw: np.ndarray | Callable[[], np.ndarray]
     shape: tuple[int, ...]
     type_id: int
 
@@ -108,12 +113,9 @@ def write_gguf(
     for name, t in tensors.items():
         if not 1 <= len(t.shape) <= MAX_DIMS:
             raise FormatError(f"tensor {name!r}: {len(t.shape)} dims, GGUF allows 1..4")
-        want = row_bytes(t.type_id, t.shape[-1]) * int(np.prod(t.shape[:-1]))
-        if t.raw.size != want or t.raw.dtype != np.uint8:
-            raise FormatError(
-                f"tensor {name!r}: {ggml_type(t.type_id).name} of shape {t.shape} "
-                f"needs {want} uint8 bytes, got {t.raw.size} {t.raw.dtype}"
-            )
+        want = _nbytes(t)
+        if not callable(t.raw):
+            _check_raw(name, t, t.raw)
         offsets.append(pos)
         pos += -(-want // alignment) * alignment
     with atomic_write(path) as f:
@@ -127,9 +129,25 @@ def write_gguf(
             ne = tuple(reversed(t.shape))
             f.write(struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, t.type_id, off))
         f.write(b"\0" * (-f.tell() % alignment))
-        for t in tensors.values():
-            f.write(np.ascontiguousarray(t.raw).tobytes())
-            f.write(b"\0" * (-t.raw.size % alignment))
+        for name, t in tensors.items():  # a lazy tensor made, written, dropped
+            raw = _check_raw(name, t, t.raw() if callable(t.raw) else t.raw)
+            f.write(np.ascontiguousarray(raw).reshape(-1).data)
+            f.write(b"\0" * (-raw.size % alignment))
+
+
+def _nbytes(t: GGUFTensor) -> int:
+    return row_bytes(t.type_id, t.shape[-1]) * int(np.prod(t.shape[:-1]))
+
+
+def _check_raw(name: str, t: GGUFTensor, raw: np.ndarray) -> np.ndarray:
+    """``raw``; `FormatError` when it is not the bytes ``t``'s shape and type need."""
+    want = _nbytes(t)
+    if raw.size != want or raw.dtype != np.uint8:
+        raise FormatError(
+            f"tensor {name!r}: {ggml_type(t.type_id).name} of shape {t.shape} "
+            f"needs {want} uint8 bytes, got {raw.size} {raw.dtype}"
+        )
+    return raw
 
 
 __all__ = ["GGUFTensor", "tensor_from_array", "write_gguf"]

@@ -23,7 +23,9 @@ shards of at most ``max_shard_bytes`` with the index when there are several,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 from typing import Any
 
@@ -38,9 +40,15 @@ from entrenar.io.hf_tokenizer import HFTokenizer, eos_ids_of, tokenizer_files
 from entrenar.io.safetensors_io import (
     read_safetensors,
     release_pages,
-    save_safetensors,
+    write_safetensors_stream,
 )
-from entrenar.nn.hf_names import Quantize, quantize_leaves, stream_hf_names
+from entrenar.nn.hf_names import (
+    Quantize,
+    lazy_hf_names,
+    quantize_leaves,
+    stream_hf_names,
+)
+from entrenar.nn.weight_node import is_weight_node
 from entrenar.types import Params
 
 MAX_INDEX_BYTES = 16 << 20
@@ -243,19 +251,39 @@ def read_hf_llama_header(folder: str | os.PathLike[str]) -> Any:
     return read_hf_folder(folder).config
 
 
-def _shards(
-    tensors: dict[str, np.ndarray], max_bytes: int
-) -> list[dict[str, np.ndarray]]:
-    """``tensors`` in name order, cut into groups of at most ``max_bytes``."""
-    groups: list[dict[str, np.ndarray]] = [{}]
+Spec = tuple[np.dtype, tuple[int, ...]]
+
+
+def _nbytes(spec: Spec) -> int:
+    return math.prod(spec[1]) * spec[0].itemsize
+
+
+def _shards(specs: dict[str, Spec], max_bytes: int) -> list[dict[str, Spec]]:
+    """``specs`` in name order, cut into groups of at most ``max_bytes``."""
+    groups: list[dict[str, Spec]] = [{}]
     size = 0
-    for name, a in tensors.items():
-        if groups[-1] and size + a.nbytes > max_bytes:
+    for name, spec in specs.items():
+        if groups[-1] and size + _nbytes(spec) > max_bytes:
             groups.append({})
             size = 0
-        groups[-1][name] = a
-        size += a.nbytes
+        groups[-1][name] = spec
+        size += _nbytes(spec)
     return groups
+
+
+def _dense(x: Any) -> Any:
+    """A weight node's dense value (a LoRA adapter folded, a base dequantized)."""
+    return nn.to_dense(x) if is_weight_node(x) else x
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _spec(make: Any) -> Spec:
+    """``(dtype, shape)`` of ``_dense(make())``, traced, not computed."""
+    out = jax.eval_shape(lambda: jax.numpy.asarray(_dense(make())))
+    return np.dtype(out.dtype), tuple(out.shape)
 
 
 def save_hf_folder(
@@ -272,7 +300,12 @@ def save_hf_folder(
     Args:
         folder: created if needed; the files are written atomically one by one.
         config: a registered family's config (`entrenar.nn.architecture_of`).
-        params: its dense param tree (fold LoRA and dequantize first).
+        params: its param tree: arrays, or weight nodes (a LoRA adapter is folded
+            into its base, a quantized base dequantized: `entrenar.nn.to_dense`).
+            Each tensor (a layer of a stacked leaf) is made, written and dropped in
+            turn (`write_safetensors_stream`), so writing holds one tensor, never a
+            dense copy of the model; the files are what writing the dense tree
+            (`lora.fold`, then `quant.dequantize_params`) gives, byte for byte.
         tokenizer: an `HFTokenizer` or a GGUF's ``FastTokenizer``, or None.
         generation: ``generation_config.json`` fields; default: the tokenizer's BOS
             and EOS ids (its `stop_ids` too).
@@ -287,29 +320,34 @@ def save_hf_folder(
     if arch.to_hf is None:
         raise UnsupportedError(f"{arch.name} models have no Hugging Face form")
     os.makedirs(folder, exist_ok=True)
-    flat = nn.to_hf_names(jax.device_get(params))
+    made = lazy_hf_names(params)  # each tensor made (one layer sliced) when written
     convert = getattr(arch, "to_hf_tensors", None)
-    if convert is not None:
-        flat = convert(flat, config)
-    tensors = {k: np.ascontiguousarray(np.asarray(flat[k])) for k in sorted(flat)}
-    groups = _shards(tensors, max_shard_bytes)
+    if convert is not None:  # a family whose names differ: its converter sees all
+        whole = convert({k: _dense(m()) for k, m in made.items()}, config)
+        made = {k: functools.partial(_same, v) for k, v in whole.items()}
+    specs = {k: _spec(made[k]) for k in sorted(made)}  # (dtype, shape), nothing made
+    groups = _shards(specs, max_shard_bytes)
+
+    def parts(name: str) -> list[np.ndarray]:
+        return [np.asarray(_dense(made[name]()))]
+
     meta = {"format": "pt"}
     if len(groups) == 1:
-        save_safetensors(groups[0], os.path.join(folder, SINGLE), meta)
+        write_safetensors_stream(os.path.join(folder, SINGLE), groups[0], parts, meta)
     else:
         weight_map: dict[str, str] = {}
         for i, group in enumerate(groups):
             name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            save_safetensors(group, os.path.join(folder, name), meta)
+            write_safetensors_stream(os.path.join(folder, name), group, parts, meta)
             weight_map |= {k: name for k in group}
-        total = sum(a.nbytes for a in tensors.values())
+        total = sum(_nbytes(spec) for spec in specs.values())
         _write_json(
             os.path.join(folder, INDEX),
             {"metadata": {"total_size": total}, "weight_map": weight_map},
         )
     hf = arch.to_hf(config)
     hf.setdefault("architectures", [arch.hf_class] if arch.hf_class else [])
-    dtypes = {a.dtype.name for a in tensors.values() if a.dtype.kind == "f"}
+    dtypes = {dt.name for dt, _ in specs.values() if dt.kind == "f"}
     if len(dtypes) == 1:
         hf.setdefault("torch_dtype", dtypes.pop())
     _write_json(os.path.join(folder, "config.json"), hf)

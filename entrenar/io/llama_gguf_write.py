@@ -53,6 +53,7 @@ from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig, to_dense
 from entrenar.nn.decoder_config import sliding_layers
 from entrenar.nn.rope_scaling import attention_factor
+from entrenar.nn.weight_node import is_weight_node
 from entrenar.quant import GGMLWeight, QuantizedWeight, dequantize, quantize, to_ggml
 from entrenar.types import Params
 
@@ -74,6 +75,8 @@ def _to_bytes(w: Any, kind: str, name: str) -> np.ndarray:
     """Stored bytes of ``w: (..., rows, cols)`` in ``kind``, as ``(..., rows, nb)``."""
     if isinstance(w, GGMLWeight):  # a base kept in its file's type: rewritten in kind
         w = np.asarray(to_dense(w), np.float32)
+    elif is_weight_node(w) and not isinstance(w, QuantizedWeight):
+        w = to_dense(w)  # a LoRA adapter folded into its base, ...
     if kind in ("Q8_0", "Q4_0", "Q4_1"):
         if not (isinstance(w, QuantizedWeight) and w.scheme == kind.lower()):
             a = dequantize(w, np.float32) if isinstance(w, QuantizedWeight) else w
@@ -87,6 +90,12 @@ def _to_bytes(w: Any, kind: str, name: str) -> np.ndarray:
         w = dequantize(w, np.float32)
     t = tensor_from_array(w, kind)
     return t.raw.reshape(*t.shape[:-1], -1)
+
+
+def _layer_bytes(stored: Any, w: Any, i: int, *args: Any) -> np.ndarray:
+    """``stored`` of layer ``i`` of the stacked leaf or node ``w``."""
+    layer = jax.tree_util.tree_map(lambda a: a[i], w)  # every array of it at i
+    return stored(layer, *args)
 
 
 def _order_key(name: str) -> tuple[int, int, str]:
@@ -249,8 +258,12 @@ def save_llama_gguf(
     Args:
         path: destination ``.gguf``.
         config: the model's `LlamaConfig` (any family, module docstring).
-        params: its stacked param tree (arrays or `QuantizedWeight` nodes; merge LoRA
-            adapters first).
+        params: its stacked param tree: arrays or weight nodes (`QuantizedWeight`,
+            a GGUF's kept bases, LoRA adapters, which are folded: `entrenar.nn.
+            to_dense`). Each layer of a stacked leaf is converted when it is written
+            (`write_gguf`'s lazy tensors), so writing holds one layer's tensor, not
+            a float32 copy of the model; the file is the one the whole leaves (or
+            `lora.fold` of the tree) give, byte for byte.
         source: the GGUF the model came from: its metadata and tokenizer are copied.
         tokenizer: the model's tokenizer when ``source`` has none (an
             `entrenar.io.HFTokenizer` of a Hugging Face folder, or a GGUF's
@@ -292,17 +305,27 @@ def save_llama_gguf(
     tok_fields = {}
     if tokenizer is not None and (src is None or TOKENS not in src.fields):
         tok_fields = gguf_tokenizer_fields(tokenizer, vocab_size=config.vocab_size)
-    params = jax.device_get(params)
     names = gguf_names(config)
     permute = gname in PERMUTED
     shift = NORM_SHIFT.get(gname, 0.0)
     perm_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     tensors: dict[str, GGUFTensor] = {}
 
-    def put(gguf_name: str, raw: np.ndarray, shape: tuple[int, ...], k: str) -> None:
-        tensors[gguf_name] = GGUFTensor(
-            np.ascontiguousarray(raw).reshape(-1), shape, GGML_TYPE_IDS[k]
-        )
+    def put(gguf_name: str, raw: Any, shape: tuple[int, ...], k: str) -> None:
+        if not callable(raw):
+            raw = np.ascontiguousarray(raw).reshape(-1)
+        tensors[gguf_name] = GGUFTensor(raw, shape, GGML_TYPE_IDS[k])
+
+    def stored(w: Any, k: str, hf: str, stem: str, sub: tuple[int, ...]) -> Any:
+        """The bytes of ``w`` (a whole leaf, or one layer) as the file stores them."""
+        if shift and stem.endswith("norm"):
+            w = np.asarray(w, np.float32) + np.float32(shift)
+        raw = _to_bytes(w, k, hf)  # (rows, row_bytes) or a flat vector
+        if len(sub) == 1:  # a vector: one row per value
+            raw = raw.reshape(*sub, -1)
+        if permute and stem in perm_heads:
+            raw = permute_qk(raw, perm_heads[stem])
+        return np.ascontiguousarray(raw).reshape(-1)
 
     def walk(tree: dict[str, Any], shapes: dict[str, Any], prefix: str) -> None:
         for key, sub in shapes.items():
@@ -321,19 +344,15 @@ def save_llama_gguf(
             k = (emb_kind if not stacked else kind) if matrix else "F32"
             layer0 = hf.replace("model.layers.", "model.layers.0.", 1)
             stem = names[layer0 if stacked else hf].split(".")[-2]
-            if shift and stem.endswith("norm"):
-                w = np.asarray(w, np.float32) + np.float32(shift)
-            raw = _to_bytes(w, k, hf)  # (L?, rows, row_bytes) or flat vectors
-            if not matrix:  # vectors: one row per value
-                raw = raw.reshape(*sub, -1)
-            if permute and stem in perm_heads:
-                raw = permute_qk(raw, perm_heads[stem])
             if not stacked:
-                put(names[hf], raw, tuple(sub), k)
+                put(names[hf], stored(w, k, hf, stem, tuple(sub)), tuple(sub), k)
                 continue
-            for i in range(config.num_layers):
+            for i in range(config.num_layers):  # each layer made when written
                 hf_i = hf.replace("model.layers.", f"model.layers.{i}.", 1)
-                put(names[hf_i], raw[i], tuple(sub[1:]), k)
+                make = functools.partial(
+                    _layer_bytes, stored, w, i, k, hf_i, stem, tuple(sub[1:])
+                )
+                put(names[hf_i], make, tuple(sub[1:]), k)
 
     walk(params, config.param_shapes(), "")
     rope = None

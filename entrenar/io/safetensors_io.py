@@ -24,7 +24,7 @@ import mmap
 import os
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,89 @@ def save_safetensors(
     data = safetensors.numpy.save(arrays, metadata)
     with atomic_write(path) as f:
         f.write(data)
+
+
+ST_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "I8")
+ST_ORDER += ("U8", "BOOL")
+"""The order of the ``safetensors`` package's data: by dtype in this order (its Rust
+``Dtype`` enum, descending), then by name."""
+_TAGS = {v: k for k, v in ST_DTYPES.items()}
+
+TensorParts = Callable[[str], Iterable[Any]]
+"""``parts(name)``: the arrays whose bytes, in order, are tensor ``name``'s (one
+array, or one per layer of a stacked tensor), made when iterated."""
+
+
+def safetensors_header(
+    specs: Mapping[str, tuple[Any, tuple[int, ...]]],
+    metadata: Mapping[str, str] | None,
+) -> tuple[bytes, list[str]]:
+    """The header bytes (``u64 N`` + JSON + spaces) and the data order of ``specs``.
+
+    ``specs`` maps each name to its ``(dtype, shape)``. The header is the
+    ``safetensors`` package's, byte for byte: ``__metadata__`` first (in the given
+    key order), then the tensors in `ST_ORDER`, compact JSON (UTF-8), padded with
+    spaces to a multiple of 8 bytes.
+    """
+    tags = {n: _TAGS[np.dtype(dt).name] for n, (dt, _) in specs.items()}
+    order = sorted(specs, key=lambda n: (ST_ORDER.index(tags[n]), n))
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    pos = 0
+    for name in order:
+        dt, shape = specs[name]
+        end = pos + math.prod(shape) * np.dtype(dt).itemsize
+        header[name] = {"dtype": tags[name], "shape": list(shape)}
+        header[name]["data_offsets"] = [pos, end]
+        pos = end
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def write_safetensors_stream(
+    path: str | os.PathLike[str],
+    specs: Mapping[str, tuple[Any, tuple[int, ...]]],
+    parts: TensorParts,
+    metadata: Mapping[str, str] | None,
+) -> None:
+    """Write a safetensors file one tensor (or one layer) at a time, atomically.
+
+    The same bytes as `save_safetensors` of the whole dict (the header by
+    `safetensors_header`, then each tensor's bytes in its order), holding one part
+    at a time: a writer of a big model passes ``parts`` that make each tensor, or
+    each layer of it, when asked.
+
+    Args:
+        path: the file.
+        specs: ``{name: (dtype, shape)}`` of every tensor.
+        parts: `TensorParts`.
+        metadata: ``__metadata__`` strings (None: none).
+
+    Raises:
+        FormatError: the parts of a tensor have another dtype or size than its spec.
+    """
+    head, order = safetensors_header(specs, metadata)
+    with atomic_write(path) as f:
+        f.write(head)
+        for name in order:
+            dt, shape = specs[name]
+            want, got = math.prod(shape) * np.dtype(dt).itemsize, 0
+            for part in parts(name):
+                a = np.ascontiguousarray(np.asarray(part))
+                if a.dtype != np.dtype(dt):
+                    raise FormatError(
+                        f"{os.fspath(path)}: tensor {name!r} is {np.dtype(dt).name}, "
+                        f"a part of it came as {a.dtype.name}"
+                    )
+                f.write(a.reshape(-1).view(np.uint8).data)
+                got += a.nbytes
+            if got != want:
+                raise FormatError(
+                    f"{os.fspath(path)}: tensor {name!r} {tuple(shape)} needs {want} "
+                    f"bytes, its parts gave {got}"
+                )
 
 
 def read_safetensors(
@@ -165,10 +248,9 @@ def release_pages(view: np.ndarray) -> None:
     base.madvise(mmap.MADV_DONTNEED, lo, start + view.nbytes - lo)
 
 
-def save_model_safetensors(model: Model, path: str | os.PathLike[str]) -> None:
-    """Write a `Model` as safetensors (metadata in the header)."""
-    md = model.metadata
-    meta = {
+def header_metadata(md: ModelMetadata) -> dict[str, str]:
+    """The ``__metadata__`` strings of a `Model` file (module docstring)."""
+    return {
         "format": "entrenar.model",
         "name": md.name,
         "architecture": md.architecture,
@@ -176,7 +258,13 @@ def save_model_safetensors(model: Model, path: str | os.PathLike[str]) -> None:
         "training_config": json.dumps(md.training_config),
         "custom": json.dumps(md.custom),
     }
-    save_safetensors(flatten_params(model.params), path, meta)
+
+
+def save_model_safetensors(model: Model, path: str | os.PathLike[str]) -> None:
+    """Write a `Model` as safetensors (metadata in the header)."""
+    save_safetensors(
+        flatten_params(model.params), path, header_metadata(model.metadata)
+    )
 
 
 def metadata_from_header(meta: Mapping[str, str], path: str) -> ModelMetadata:
@@ -208,9 +296,14 @@ def load_model_safetensors(path: str | os.PathLike[str]) -> Model:
 
 
 __all__ = [
+    "ST_ORDER",
+    "TensorParts",
+    "header_metadata",
     "load_model_safetensors",
     "read_safetensors",
     "release_pages",
+    "safetensors_header",
     "save_model_safetensors",
     "save_safetensors",
+    "write_safetensors_stream",
 ]

@@ -11,16 +11,19 @@ measures, over all adapted weights together,
     kept     = Σ ⟨E, Δ⟩ / Σ ‖Δ‖²          (1: the update is in the file; 0: erased)
     residual = sqrt(Σ ‖E - Δ‖²) / sqrt(Σ ‖Δ‖²)   (0: exact)
 
-`save_folded_gguf` folds, checks ``kept`` for the chosen type and writes the GGUF,
-warning (naming the measured figures and a type that keeps more) when the type
-keeps less than ``min_kept`` of the update. Q8_0 keeps a short fine-tune of a 4-bit
-SmolLM2 (~99%), Q4_1 erases most of it (benchmarks/results/main_job.md).
+`save_folded_gguf` checks ``kept`` for the chosen type and writes the GGUF, folding
+each layer as it writes it (never a dense copy of the model; both measure and write
+a stacked weight one layer at a time), warning (naming the measured figures and a
+type that keeps more) when the type keeps less than ``min_kept`` of the update. Q8_0
+keeps a short fine-tune of a 4-bit SmolLM2 (~99%), Q4_1 erases most of it
+(benchmarks/results/main_job.md).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 
 from entrenar import io, quant
 from entrenar.errors import ConfigError
-from entrenar.lora.fold import delta, fold
+from entrenar.lora.fold import delta
 from entrenar.lora.names import named_weight_leaves
 from entrenar.lora.weight import LoRAWeight
 from entrenar.nn.weight_node import to_dense
@@ -84,18 +87,32 @@ def fold_retention(params: Params, tensor_type: str) -> Retention:
     for _, x in named_weight_leaves(params):
         if not isinstance(x, LoRAWeight):
             continue
-        base = to_dense(x.base).astype(jnp.float32)  # (*lead, out, in)
-        d = delta(x)
-        e = stored(base + d, tensor_type) - base  # what the file adds to W
-        dot += float(jnp.vdot(e, d))
-        sq += float(jnp.vdot(d, d))
-        err += float(jnp.sum((e - d) ** 2))
+        for m in _matrices(x):  # a stacked leaf one layer at a time
+            base = to_dense(m.base).astype(jnp.float32)  # (out, in)
+            d = delta(m)
+            e = stored(base + d, tensor_type) - base  # what the file adds to W
+            dot += float(jnp.vdot(e, d))
+            sq += float(jnp.vdot(d, d))
+            err += float(jnp.sum((e - d) ** 2))
         n += 1
     if n == 0:
         raise ConfigError("fold_retention: params hold no LoRA adapter")
     if sq == 0.0:  # untrained adapters (B = 0): nothing to lose
         return Retention(tensor_type.upper(), 1.0, 0.0, n)
     return Retention(tensor_type.upper(), dot / sq, (err / sq) ** 0.5, n)
+
+
+def _matrices(w: LoRAWeight) -> Iterator[LoRAWeight]:
+    """The adapted matrices of ``w``, made one at a time.
+
+    ``w`` itself, or each matrix of a stack ``(*lead, out, in)`` in row-major order
+    (every array of the node sliced).
+    """
+    if w.a.ndim <= 2:
+        yield w
+        return
+    for i in range(w.a.shape[0]):
+        yield from _matrices(jax.tree_util.tree_map(lambda a, i=i: a[i], w))
 
 
 def save_folded_gguf(
@@ -138,8 +155,8 @@ def save_folded_gguf(
             UserWarning,
             stacklevel=2,
         )
-    io.save_llama_gguf(
-        path, config, fold(params), source=source, tensor_type=kind, name=name,
+    io.save_llama_gguf(  # folds each layer as it writes it: no dense copy
+        path, config, params, source=source, tensor_type=kind, name=name,
         tokenizer=tokenizer,
     )  # fmt: skip
     return r

@@ -96,6 +96,49 @@ def to_hf_names(params: Params) -> dict[str, Any]:
     return out
 
 
+def lazy_hf_names(params: Params) -> dict[str, Callable[[], Any]]:
+    """`to_hf_names` whose values are made when called: ``{hf_name: make}``.
+
+    ``make()`` slices layer ``i`` of a stacked leaf (an array or a node, every array
+    of it at ``i``) only then, so a writer that makes, writes and drops one tensor at
+    a time holds one layer, never a copy of the tree (numpy leaves are sliced as
+    views). The names are `to_hf_names`'s.
+
+    >>> p = {"model": {"layers": {"w": jnp.zeros((2, 3))}, "norm": jnp.ones(3)}}
+    >>> {k: v().shape for k, v in lazy_hf_names(p).items()}["model.layers.1.w"]
+    (3,)
+    """
+    out: dict[str, Callable[[], Any]] = {}
+
+    def walk(tree: Any, prefix: str, layer: int | None) -> None:
+        for name, sub in tree.items():
+            path = f"{prefix}{name}"
+            if isinstance(sub, Mapping):
+                if name in STACKED_KEYS and layer is None:
+                    for i in range(_num_layers(sub)):
+                        walk(sub, f"{path}.{i}.", i)
+                else:
+                    walk(sub, f"{path}.", layer)
+            elif isinstance(sub, (list, tuple)):
+                walk({str(i): x for i, x in enumerate(sub)}, f"{path}.", layer)
+            elif layer is None:
+                out[path] = functools.partial(_same, sub)
+            else:
+                out[path] = functools.partial(_layer_of, sub, layer)
+
+    walk(params, "", None)
+    return out
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _layer_of(leaf: Any, i: int) -> Any:
+    """Layer ``i`` of a stacked array or weight node (each of its arrays at ``i``)."""
+    return jax.tree_util.tree_map(lambda a: a[i], leaf)
+
+
 def from_hf_names(
     flat: Mapping[str, Any],
     config: HasParamShapes,
@@ -463,6 +506,7 @@ __all__ = [
     "Reader",
     "RowReader",
     "from_hf_names",
+    "lazy_hf_names",
     "per_layer_shapes",
     "quantize_leaves",
     "stream_hf_names",

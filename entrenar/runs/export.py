@@ -199,7 +199,9 @@ def _write_exports(
     def model_params() -> Params:
         """The plain weights, folded once when a format writes them.
 
-        A fold is a float copy of every adapted weight: not made for an adapter.
+        A fold is a float copy of every adapted weight: made only for an entrenar
+        model file or a quantized one; the GGUF and Hugging Face writers fold and
+        dequantize each layer as they write it.
         """
         if not folded:
             folded.append(lora.fold(params) if adapted else params)
@@ -226,14 +228,12 @@ def _write_exports(
                 report["gguf_update_kept"] = round(float(kept.kept), 4)
         else:
             io.save_llama_gguf(
-                path, built.config, model_params(), source=source,
+                path, built.config, params, source=source,  # folds layer by layer
                 tensor_type=ex.gguf_type, name=name, tokenizer=tok,
             )  # fmt: skip
         written["gguf"] = path
     if "hf" in ex.formats:
-        written["hf"] = write_hf_folder(
-            built, model_params(), os.path.join(out_dir, "hf")
-        )
+        written["hf"] = write_hf_folder(built, params, os.path.join(out_dir, "hf"))
     q = spec.quantization
     if q is not None and q.enabled:
         scheme = q.resolved_scheme
@@ -250,7 +250,8 @@ def _write_exports(
 def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
     """A Hugging Face folder of the model's family (`entrenar.io.save_hf_folder`).
 
-    ``config.json`` by the family's ``to_hf``, the weights (dequantized), the
+    ``config.json`` by the family's ``to_hf``, the weights (LoRA adapters folded,
+    quantized bases dequantized, a layer at a time as each is written), the
     ``generation_config.json`` and, when the model has a tokenizer, its
     ``tokenizer.json``, ``tokenizer_config.json`` and chat template, so that
     ``transformers``' ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it.
@@ -264,8 +265,7 @@ def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
             f"export.formats: 'hf' writes language models of a Hugging Face family; "
             f"a {built.architecture} has no such form"
         )
-    dense = quant.dequantize_params(params)
-    return io.save_hf_folder(folder, built.config, dense, tokenizer=built.tokenizer)
+    return io.save_hf_folder(folder, built.config, params, tokenizer=built.tokenizer)
 
 
 __all__ = [
