@@ -89,6 +89,7 @@ def _to_bytes(w: Any, kind: str, name: str) -> np.ndarray:
     if isinstance(w, QuantizedWeight):
         w = dequantize(w, np.float32)
     t = tensor_from_array(w, kind)
+    assert isinstance(t.raw, np.ndarray)  # tensor_from_array makes the bytes
     return t.raw.reshape(*t.shape[:-1], -1)
 
 

@@ -70,8 +70,10 @@ def save_safetensors(
         f.write(data)
 
 
-ST_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "I8")
-ST_ORDER += ("U8", "BOOL")
+ST_ORDER: tuple[str, ...] = (
+    "U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "I8", "U8",
+    "BOOL",
+)  # fmt: skip
 """The order of the ``safetensors`` package's data: by dtype in this order (its Rust
 ``Dtype`` enum, descending), then by name."""
 _TAGS = {v: k for k, v in ST_DTYPES.items()}
