@@ -39,22 +39,20 @@ multi-device meshes (`plan_memory` refuses them: `UnsupportedError`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from entrenar import io, lora, quant
+from entrenar import lora
 from entrenar.config.spec import TrainSpec
 from entrenar.errors import ConfigError, UnsupportedError
-from entrenar.nn.hf_names import Quantize
-from entrenar.nn.weight_node import is_weight_node, logical_shape
+from entrenar.nn.weight_node import logical_shape
 from entrenar.runs.build import build_optimizer, train_config
-from entrenar.runs.models import BuiltModel, base_quantizer, build_model
+from entrenar.runs.memory_tree import describe, run_tree, weight_nodes
+from entrenar.runs.models import BuiltModel, build_model
 from entrenar.train.config import check_budget, parse_bytes
 from entrenar.tree import key_path_str, tree_bytes
 
@@ -215,191 +213,6 @@ def refusal(plan: MemoryPlan) -> str:
 
 
 # ---------------------------------------------------------------- the model's tree
-def _gguf_tree(
-    path: str, dtype: str, keep: bool, quantize: Quantize | None
-) -> tuple[Any, list[tuple[int, int]]]:
-    """A GGUF's tree as `load_llama_gguf` leaves it, as shapes; leaf load costs.
-
-    With ``keep``, the rules of `load_llama_gguf`: a stacked projection whose
-    layers are all K-quant/BF16/F16 (or a mix of row types) stays as its rows'
-    bytes (`GGMLWeight`, `MixedGGMLWeight`: ``(L, rows, widest row)`` uint8 and a
-    type per layer), one of Q8_0/Q4_0/Q4_1 as `from_ggml`'s node; a K-quant
-    embedding or ``lm_head`` as its bytes; everything else in ``dtype``.
-    """
-    from entrenar.io.llama_gguf import KEEP_QUANTIZED, _expected  # its own rules
-    from entrenar.quant.ggml_mixed import ROW_FORMATS, MixedGGMLWeight, row_bytes
-    from entrenar.quant.kquant import FORMATS
-
-    g, config = io.read_llama_header(path)
-    by_hf = {hf: name for name, (hf, _) in _expected(g, config).items() if hf}
-    itemsize = np.dtype(dtype).itemsize
-
-    def kept(types: list[str], shape: tuple[int, ...]) -> Any:
-        kinds = tuple(sorted(set(types)))
-        cols = shape[-1]
-        if set(kinds) <= set(ROW_FORMATS) and (len(kinds) > 1 or kinds[0] in FORMATS):
-            width = max(row_bytes(t, cols) for t in kinds)
-            data = jax.ShapeDtypeStruct((*shape[:-1], width), np.uint8)
-            if len(kinds) == 1:
-                return quant.GGMLWeight(data, kinds[0])
-            layer_kind = jax.ShapeDtypeStruct(shape[:1], np.int32)
-            return MixedGGMLWeight(data, layer_kind, kinds, cols)
-        if len(kinds) == 1 and kinds[0] in KEEP_QUANTIZED and len(shape) == 3:
-            return _ggml_node(kinds[0], shape)
-        return None
-
-    def leaf(path_: str, shape: tuple[int, ...]) -> Any:
-        node = None
-        if keep and path_.startswith("model.layers.") and len(shape) == 3:
-            stem = path_.removeprefix("model.layers.")
-            names = [by_hf[f"model.layers.{i}.{stem}"] for i in range(shape[0])]
-            node = kept([g.tensors[n].type_name for n in names], shape)
-        elif keep and len(shape) == 2 and path_ in by_hf:
-            t = g.tensors[by_hf[path_]].type_name
-            node = kept([t], shape) if t in FORMATS else None
-        return jax.ShapeDtypeStruct(shape, dtype) if node is None else node
-
-    return _build(config.param_shapes(), leaf, quantize, itemsize)
-
-
-def _ggml_node(ggml_type: str, shape: tuple[int, ...]) -> Any:
-    """`from_ggml`'s node of a ``(L, rows, cols)`` tensor, as shapes (one row built)."""
-    from entrenar.quant.ggml import BLOCK_BYTES
-
-    cols = shape[-1]
-    raw = np.zeros(cols // 32 * BLOCK_BYTES[ggml_type], np.uint8)
-    one = quant.from_ggml(raw, ggml_type, (1, 1, cols))
-    return jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct((*shape[:2], *a.shape[2:]), a.dtype), one
-    )
-
-
-def _build(
-    shapes: dict[str, Any],
-    make: Callable[[str, tuple[int, ...]], Any],
-    quantize: Quantize | None,
-    itemsize: int,
-) -> tuple[Any, list[tuple[int, int]]]:
-    """The tree of ``make(path, shape)`` leaves, each quantized as ``quantize`` says.
-
-    Also ``(final bytes, transient bytes)`` of each leaf in load order: a float leaf
-    holds itself; a quantized one its float fill, the quantizer's temporaries and
-    its node (`_quantize_cost`).
-    """
-    costs: list[tuple[int, int]] = []
-
-    def walk(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            path = f"{prefix}{k}"
-            if isinstance(v, dict):
-                out[k] = walk(v, f"{path}.")
-                continue
-            shape = tuple(int(s) for s in v)
-            node = make(path, shape)
-            fn = None
-            if isinstance(node, jax.ShapeDtypeStruct) and quantize is not None:
-                fn = quantize(path, shape)
-            if fn is None:
-                costs.append((tree_bytes(node), 0))
-            else:
-                node, temp = _quantize_cost(fn, node)
-                costs.append((tree_bytes(node), math.prod(shape) * itemsize + temp))
-            out[k] = node
-        return out
-
-    return walk(shapes, ""), costs
-
-
-@functools.lru_cache(maxsize=64)
-def _quantize_temp(
-    func: Any, kw: tuple[tuple[str, Any], ...], shape: tuple[int, ...], dtype: str
-) -> tuple[Any, int]:
-    """The node (shapes) and XLA's temporaries of ``func(leaf, **kw)``, compiled."""
-    fn = functools.partial(func, **dict(kw))
-    arg = jax.ShapeDtypeStruct(shape, dtype)
-    stats = jax.jit(fn).lower(arg).compile().memory_analysis()
-    temp = int(stats.temp_size_in_bytes) if stats is not None else 0
-    return jax.eval_shape(fn, arg), temp
-
-
-def _quantize_cost(fn: Any, leaf: jax.ShapeDtypeStruct) -> tuple[Any, int]:
-    """The quantized node of ``leaf`` (shapes) and the quantizer's temporaries."""
-    if isinstance(fn, functools.partial) and not fn.args:
-        kw = tuple(sorted(fn.keywords.items()))
-        return _quantize_temp(fn.func, kw, tuple(leaf.shape), str(leaf.dtype))
-    return _quantize_temp(fn, (), tuple(leaf.shape), str(leaf.dtype))
-
-
-def _loaded(
-    spec: TrainSpec, built: BuiltModel, quantize: Quantize | None
-) -> tuple[Any, bool, int]:
-    """``(tree, kept, transient)``: the tree the load leaves (shapes).
-
-    ``kept``: whether the run keeps that tree beside the one `lora.apply` makes (a
-    model built from scratch: `BuiltModel` holds its float leaves, which LoRA then
-    quantizes); ``transient``: the most the leaf being read adds (`_build`).
-    """
-    section = spec.model
-    assert section is not None
-    dtype = section.dtype
-    itemsize = np.dtype(dtype).itemsize
-    path = section.path
-
-    def plain(path_: str, shape: tuple[int, ...]) -> Any:
-        return jax.ShapeDtypeStruct(shape, dtype)
-
-    if path is not None and os.path.isdir(path):
-        shapes = io.read_hf_folder(path).config.param_shapes()
-        tree, costs = _build(shapes, plain, quantize, itemsize)
-        return tree, False, max((t for _, t in costs), default=0)
-    if path is not None and built.gguf_source and built.is_decoder:
-        tree, costs = _gguf_tree(path, dtype, section.keep_quantized, quantize)
-        return tree, False, max((t for _, t in costs), default=0)
-    # From scratch (`lora.apply` quantizes later), or an entrenar file (read whole,
-    # then quantized: the float tree is the transient).
-    tree = built.params
-    if path is None or quantize is None:
-        return tree, path is None and quantize is not None, 0
-    from entrenar.nn.hf_names import quantize_leaves
-
-    return (
-        jax.eval_shape(lambda t: quantize_leaves(t, quantize), tree),
-        False,
-        (tree_bytes(tree)),
-    )
-
-
-def _run_tree(
-    spec: TrainSpec, built: BuiltModel, c: lora.LoRAConfig | None
-) -> tuple[Any, int, int, int]:
-    """``(params, weights, adapters, load transient)`` of `prepare`'s tree.
-
-    ``params`` as shapes; the bytes of its weights and of its LoRA factors; the
-    most the load adds while it reads (and quantizes) a leaf.
-    """
-    quantize = base_quantizer(c)
-    tree, kept, transient = _loaded(spec, built, quantize)
-    if c is None:
-        return tree, tree_bytes(tree), 0, transient
-    scheme = None if c.quantize_base == "none" else c.quantize_base
-    params = jax.eval_shape(
-        lambda t: lora.apply(t, c, key=jax.random.key(1), quantize=scheme), tree
-    )
-    adapters = tree_bytes(lora.split(params)[0])
-    if not kept:
-        return params, tree_bytes(params) - adapters, adapters, transient
-    # from scratch: `BuiltModel` keeps the float tree, LoRA quantizes its bases
-    assert quantize is not None
-    temps = [
-        _quantize_cost(fn, x)[1]
-        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if (fn := quantize(key_path_str(p), tuple(x.shape))) is not None
-    ]
-    weights = tree_bytes(tree) + _quantized_bytes(params)
-    return params, weights, adapters, max(temps, default=0)
-
-
 def _batch(spec: TrainSpec, built: BuiltModel) -> dict[str, jax.ShapeDtypeStruct]:
     """One step's batch as `build_data`'s loaders give it (shapes)."""
     d = spec.data
@@ -428,29 +241,6 @@ def _new_bf16_bytes(tree: Any) -> int:
     return sum(
         tree_bytes(x) for p, x in leaves if key_path_str(p).endswith(("bits", "head_t"))
     )
-
-
-def _kind(x: Any) -> str:
-    """How a leaf is held: ``NF4``, ``Q4_K``, ``Q4_K+Q6_K`` (a mix), ``float32``."""
-    for attr in ("scheme", "ggml_type"):
-        if isinstance(getattr(x, attr, None), str):
-            return str(getattr(x, attr)).upper()
-    if isinstance(getattr(x, "types", None), tuple):
-        return "+".join(x.types)
-    return str(x.dtype)
-
-
-def _describe(tree: Any) -> str:
-    """``"1,170.3M parameters as leaves: 8 float32, 4 NF4"``."""
-    kinds: dict[str, int] = {}
-    params = 0
-    for x in _nodes(tree):
-        kinds[_kind(x)] = kinds.get(_kind(x), 0) + 1
-        params += math.prod(logical_shape(x))
-    held = ", ".join(
-        f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])
-    )
-    return f"{params / 1e6:,.1f}M parameters as leaves: {held}"
 
 
 def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
@@ -489,7 +279,7 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
     key = jax.random.key(spec.training.seed)
     built = build_model(spec.model, key=key, header_only=True)
     c = spec.lora if spec.lora is not None and spec.lora.enabled else None
-    params, weights, adapters, transient = _run_tree(spec, built, c)
+    params, weights, adapters, transient = run_tree(spec, built, c)
     trainable = "lora" if c is not None else None
     optimizer = build_optimizer(spec, spec.training.max_steps or 1_000_000)
     state = jax.eval_shape(
@@ -512,7 +302,7 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
     notes: tuple[str, ...] = ()
     if merged:
         base = lora.split(params)[1] if c is not None else params
-        dense = 4 * sum(math.prod(logical_shape(x)) for x in _nodes(base))
+        dense = 4 * sum(math.prod(logical_shape(x)) for x in weight_nodes(base))
         notes = (
             f"not counted: after training, {', '.join(merged)} write the model "
             f"with the adapters folded in, from float copies of its weights "
@@ -529,26 +319,10 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
         optimizer=tree_bytes(state.opt_state),
         step=step,
         load_transient=transient,
-        weights_detail=_describe(lora.split(params)[1] if c is not None else params),
+        weights_detail=describe(lora.split(params)[1] if c is not None else params),
         step_detail=detail,
         budget=budget_bytes(spec.training.max_memory),
         notes=notes,
-    )
-
-
-def _nodes(tree: Any) -> list[Any]:
-    """The weights of a tree: arrays and weight nodes (a LoRA weight's parts)."""
-
-    def held(x: Any) -> bool:
-        return is_weight_node(x) and not isinstance(x, lora.LoRAWeight)
-
-    return jax.tree_util.tree_leaves(tree, is_leaf=held)
-
-
-def _quantized_bytes(tree: Any) -> int:
-    is_q = lambda x: isinstance(x, quant.QuantizedWeight)  # noqa: E731
-    return sum(
-        tree_bytes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_q) if is_q(x)
     )
 
 
