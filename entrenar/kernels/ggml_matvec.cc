@@ -44,6 +44,9 @@ namespace {
 // Columns per chunk: a multiple of 256 (K-quant super-blocks) and of 32.
 constexpr int64_t kChunk = 512;
 
+// Weight values a task takes at least (see Run).
+constexpr int64_t kMinValues = 1 << 18;
+
 // IEEE half -> float, exact (subnormals, infinities and NaN included).
 inline float HalfToFloat(uint16_t h) {
 #if defined(__F16C__)
@@ -169,22 +172,43 @@ inline void DecodeQBlock(const QWeight& w, int64_t row, int64_t b, __m512* lo,
 }
 
 // y[r0..r0+R, row] = x[r0..r0+R] · Ŵ[row]: each block decoded once, in registers,
-// and multiplied with R input rows (R accumulators).
-template <int R>
+// and multiplied with R input rows. U blocks are in flight per row, each half of a
+// block into its own accumulator: 2U independent chains of fused multiply-adds (one
+// chain would wait on the FMA latency, 4 cycles, at every step).
+template <int R, int U>
 void QDot(const float* x, float* y, int64_t k, int64_t o, const QWeight& w,
           int64_t row, int64_t r0) {
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[R][2 * U];
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < 2 * U; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
   const float* xs = x + r0 * k;
-  for (int64_t b = 0; b < k / 32; ++b) {
+  const int64_t nb = k / 32;
+  int64_t b = 0;
+  for (; b + U <= nb; b += U) {
+    for (int u = 0; u < U; ++u) {
+      __m512 lo, hi;
+      DecodeQBlock(w, row, b + u, &lo, &hi);
+      const float* xb = xs + (b + u) * 32;
+      for (int i = 0; i < R; ++i) {
+        acc[i][2 * u] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb + i * k), acc[i][2 * u]);
+        acc[i][2 * u + 1] =
+            _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + i * k + 16), acc[i][2 * u + 1]);
+      }
+    }
+  }
+  for (; b < nb; ++b) {
     __m512 lo, hi;
     DecodeQBlock(w, row, b, &lo, &hi);
     for (int i = 0; i < R; ++i) {
-      acc[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs + i * k + b * 32), acc[i]);
-      acc[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs + i * k + b * 32 + 16), acc[i]);
+      acc[i][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs + i * k + b * 32), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs + i * k + b * 32 + 16), acc[i][1]);
     }
   }
-  for (int i = 0; i < R; ++i) y[(r0 + i) * o + row] = _mm512_reduce_add_ps(acc[i]);
+  for (int i = 0; i < R; ++i) {
+    for (int j = 1; j < 2 * U; ++j) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][j]);
+    y[(r0 + i) * o + row] = _mm512_reduce_add_ps(acc[i][0]);
+  }
 }
 #endif
 
@@ -366,18 +390,21 @@ template <>
 void RunRows<QWeight>(const Io& p, const QWeight& w, int64_t o0, int64_t o1) {
   for (int64_t row = o0; row < o1; ++row) {
     int64_t r = 0;
-    for (; r + 8 <= p.n; r += 8) QDot<8>(p.x, p.y, p.k, p.o, w, row, r);
-    for (; r + 4 <= p.n; r += 4) QDot<4>(p.x, p.y, p.k, p.o, w, row, r);
-    for (; r < p.n; ++r) QDot<1>(p.x, p.y, p.k, p.o, w, row, r);
+    for (; r + 8 <= p.n; r += 8) QDot<8, 1>(p.x, p.y, p.k, p.o, w, row, r);
+    for (; r + 4 <= p.n; r += 4) QDot<4, 1>(p.x, p.y, p.k, p.o, w, row, r);
+    for (; r + 2 <= p.n; r += 2) QDot<2, 2>(p.x, p.y, p.k, p.o, w, row, r);
+    for (; r < p.n; ++r) QDot<1, 4>(p.x, p.y, p.k, p.o, w, row, r);
   }
 }
 #endif
 
 template <typename W>
 void Run(ffi::ThreadPool& pool, const Io& p, const W& weight) {
-  // Ranges of at least 16 output rows, a few per intra-op thread.
-  const int64_t chunks =
-      std::max<int64_t>(1, std::min<int64_t>(4 * pool.num_threads(), p.o / 16));
+  // Ranges of at least 16 output rows and kMinValues weight values, a few per
+  // intra-op thread: handing a task to another thread costs microseconds, the time
+  // of decoding some 50,000 values.
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({4 * pool.num_threads(), p.o / 16, p.o * p.k / kMinValues}));
   entrenar::ParallelFor(pool, chunks, [&](int64_t t) {
     RunRows(p, weight, p.o * t / chunks, p.o * (t + 1) / chunks);
   });
