@@ -188,8 +188,11 @@ class ChatModel:
         Args:
             path: the ``.gguf`` file; its tokenizer and chat template are used.
             adapter: a PEFT LoRA folder (`entrenar.lora.save_adapter`) to attach.
-            keep_quantized: keep Q8_0/Q4 matrices quantized (less memory; each step
-                then dequantizes them, which is slower than dequantizing once).
+            keep_quantized: keep the matrices as stored (less memory). Decoding
+                steps (at most `entrenar.quant.matvec.FEW_ROWS` rows) multiply by
+                the stored bytes through the native kernel where it runs; longer
+                forwards (prompts, teacher-forced scoring) decode blocks of rows
+                at every call.
         """
         gguf = io.read_gguf(path)
         config, params, _ = io.load_llama_gguf(gguf, keep_quantized=keep_quantized)

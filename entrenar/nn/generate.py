@@ -25,6 +25,12 @@ and a row draws the same in any batch at the same index. A row ends at a stop to
 (kept, then ``pad_token``), at a stop string (with a ``tokenizer``: the decoded text
 of the row contains it), or after ``max_new_tokens``; the loop ends when every row
 has. A request longer than the model's context is refused before any work.
+
+Weights kept as stored (`entrenar.io.load_llama_gguf(keep_quantized=True)`: Q8_0,
+Q4_0, Q4_1, K-quants, BF16; `Bfloat16Weight`) are multiplied as they are in every
+step of at most 64 rows (`entrenar.quant.matvec`: a native kernel decodes them in
+registers), and `entrenar.quant.matvec.quantize_tied_head` reads a tied output head
+as Q8_0, as llama.cpp does; the KV cache is in the model's compute dtype.
 """
 
 from __future__ import annotations
