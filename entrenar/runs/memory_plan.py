@@ -177,6 +177,11 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def _size(n: int) -> str:
+    """``"1.23 GB"``, or ``"4.5 MB"`` below 10 MB."""
+    return gb(n) if n >= 10**7 else f"{n / 1e6:.1f} MB"
+
+
 def format_plan(plan: MemoryPlan) -> list[str]:
     """The plan as a table of lines: each part, then the phases' peaks."""
     lines = [f"  {'part':<15} {'GB':>8}  what"]
@@ -198,7 +203,7 @@ def format_plan(plan: MemoryPlan) -> list[str]:
 def refusal(plan: MemoryPlan) -> str:
     """The message of a run that does not fit: the numbers and the knobs."""
     assert plan.budget is not None
-    parts = ", ".join(f"{name} {gb(n)}" for name, n, _ in plan.rows() if n)
+    parts = ", ".join(f"{name} {_size(n)}" for name, n, _ in plan.rows() if n)
     phase = "training" if plan.train_peak >= plan.load_peak else "loading"
     return (
         f"training.max_memory: this run needs about {gb(plan.peak)} at its peak "
@@ -206,13 +211,14 @@ def refusal(plan: MemoryPlan) -> str:
         "lower data.batch_size or data.seq_len (activations), set "
         "model.remat_policy (e.g. nothing_saveable: keep fewer activations), "
         "lora.quantize_base: nf4 or model.keep_quantized: true (4-bit bases), fewer "
-        "lora.targets or a lower lora.rank (adapters, optimizer), "
-        "model.matmul_dtype: bfloat16 or model.dtype: bfloat16 (halve the weights); "
+        "lora.targets or a lower lora.rank (adapters, optimizer), model.dtype: "
+        "bfloat16 (halves the float weights), model.matmul_dtype or "
+        "training.compute_dtype (the step's temporaries; a bfloat16 matmul_dtype "
+        "also keeps the bf16 copy); `entrenar info --memory CONFIG` shows each part; "
         "or raise training.max_memory"
     )
 
 
-# ---------------------------------------------------------------- the model's tree
 def _batch(spec: TrainSpec, built: BuiltModel) -> dict[str, jax.ShapeDtypeStruct]:
     """One step's batch as `build_data`'s loaders give it (shapes)."""
     d = spec.data
