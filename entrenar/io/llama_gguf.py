@@ -31,6 +31,7 @@ half-split (NEOX) rotary in llama.cpp too and are not permuted.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
@@ -76,7 +77,6 @@ from entrenar.quant.ggml_mixed import (
     row_bytes,
 )
 from entrenar.quant.kquant import FORMATS as KQUANT_FORMATS
-from entrenar.quant.kquant import ggml_weight
 from entrenar.types import Params
 
 KEEP_QUANTIZED = (
@@ -446,6 +446,19 @@ def _rows(g: GGUFFile, name: str) -> np.ndarray:
     return raw.reshape(n, -1) if raw.size % n == 0 else raw
 
 
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``).
+
+    A load's freed staging buffers stay in the process's heap: 0.8 GB over a 1.0 GB
+    tree for Llama-3-8B's embedding, head and two layers, counted in its resident
+    memory until reused. A no-op where there is no glibc.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def load_llama_gguf(
     path: str | os.PathLike[str] | GGUFFile,
     keep_quantized: bool = False,
@@ -563,6 +576,19 @@ def load_llama_gguf(
         kind = jnp.asarray([kinds.index(t) for t in types], jnp.int32)  # (L,)
         return MixedGGMLWeight(data, kind, kinds, cols)
 
+    def kept_table(path_: str, gname: str, shape: tuple[int, ...]) -> GGMLWeight:
+        """An unstacked matrix as stored, filled in chunks of rows of bytes."""
+        raw = _rows(g, gname)  # (rows, row_bytes): sizes checked by the header
+
+        def read(start: int | None, stop: int | None) -> jax.Array:
+            part = raw[start:stop]
+            out = jnp.asarray(part).block_until_ready()
+            release_pages(part)
+            return out
+
+        data = stream_one(path_, raw.shape, jnp.uint8, read)
+        return GGMLWeight(data, _type(gname))
+
     def stacked(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Any:
         names = [by_hf[f"model.layers.{i}.{hf_stem}"] for i in range(shape[0])]
         layer_types = [g.tensors[n].type_name for n in names]
@@ -597,9 +623,7 @@ def load_llama_gguf(
                 keep_quantized and len(v) == 2 and _type(by_hf[path_]) in KQUANT_FORMATS
             ):
                 # embeddings, lm_head: looked up / multiplied from their rows
-                gname = by_hf[path_]
-                out[k] = ggml_weight(g.raw(gname), _type(gname), tuple(v))
-                release_pages(g.raw(gname))
+                out[k] = kept_table(path_, by_hf[path_], tuple(v))
             elif stream:
                 read = rows(by_hf[path_], tuple(v))
                 out[k] = stream_one(path_, tuple(v), final, read, quantize)
@@ -610,6 +634,7 @@ def load_llama_gguf(
     params = build(config.param_shapes(), "")
     if not stream:
         params = quantize_leaves(params, quantize)
+    trim_heap()
     info = {k: v for k, v in g.metadata.items() if k.startswith("tokenizer.")}
     return config, params, info
 
