@@ -136,7 +136,10 @@ def child(kind: str, yaml: str) -> dict[str, Any]:
         capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )  # fmt: skip
     if res.returncode:
-        raise RuntimeError(f"{kind} {yaml} failed:\n{res.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{kind} {yaml} failed (exit status {res.returncode}):\n"
+            f"{res.stderr[-3000:]}"
+        )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -170,7 +173,11 @@ def main() -> None:
     for model in args.models.split(","):
         for variant in args.variants.split(","):
             yaml = write_yaml(model, variant, args.out)
-            p, m = child("predict", yaml), child("measure", yaml)
+            try:
+                p, m = child("predict", yaml), child("measure", yaml)
+            except RuntimeError as e:  # e.g. killed when the machine ran short
+                print(f"| {model} | {variant} | {str(e).splitlines()[0]} |", flush=True)
+                continue
             err = (p["peak"] - m["peak"]) / m["peak"]
             cells = [model, variant, p["load"], m["load"], p["peak"], m["peak"]]
             row = " | ".join(
