@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import EntrenarError
+from entrenar.io.safetensors_io import release_pages
 from entrenar.lora.export import stored
 from entrenar.merge.recipe import POLICIES
 from entrenar.nn.weight_node import logical_dtype
@@ -119,13 +120,16 @@ def requantization_noise(
         grid = grid_of(t)
         if grid is None or grid_of(w) == grid:  # no grid, or the base's own
             upd2 += float(np.sum((t - w) ** 2))
-            continue
-        on_grid = base_on_grid(w, grid)
-        e2 = float(np.sum((on_grid - w) ** 2))
-        if e2 > 0.0:
-            grids[name] = grid
-        eta2 += e2
-        upd2 += float(np.sum((t - on_grid) ** 2))
+        else:
+            on_grid = base_on_grid(w, grid)
+            e2 = float(np.sum((on_grid - w) ** 2))
+            if e2 > 0.0:
+                grids[name] = grid
+            eta2 += e2
+            upd2 += float(np.sum((t - on_grid) ** 2))
+        for x in (base[name], theta):  # a mapped file's pages: read, given back
+            if isinstance(x, np.ndarray):
+                release_pages(x)
     total = eta2 + upd2  # ‖η + τ'‖² ≈ ‖η‖² + ‖τ'‖² (rounding is not the update)
     noise = (eta2 / total) ** 0.5 if total > 0 else 0.0
     update = (upd2 / eta2) ** 0.5 if eta2 > 0 else float("inf")

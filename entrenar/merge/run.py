@@ -1,12 +1,14 @@
 """Run a merge recipe over model files: read through `entrenar.io`, write atomically.
 
 Safetensors files and Hugging Face folders are memory-mapped, so a merge reads each
-tensor when its turn comes and holds only the output model (plus one tensor per
-input) in memory; GGUF, JSON and YAML models are loaded by `entrenar.io.load_model`
-(a llama.cpp GGUF dequantized to float32) and each input tensor is released once
-merged. The output format follows the output path's extension (``.safetensors``,
-``.gguf``, ``.json``, ``.yaml``); any other path is a Hugging Face folder
-(``model.safetensors`` plus the base folder's ``config.json`` and tokenizer files).
+tensor when its turn comes; a ``.safetensors`` or folder output is written as it is
+merged (`merge_streamed`), each leaf and its inputs' pages released once written, so
+memory holds a few leaves, not the model. GGUF, JSON and YAML models are loaded by
+`entrenar.io.load_model` (a llama.cpp GGUF dequantized to float32) and each input
+tensor is released once merged; other outputs are merged in memory first. The
+output format follows the output path's extension (``.safetensors``, ``.gguf``,
+``.json``, ``.yaml``); any other path is a Hugging Face folder (``model.safetensors``
+plus the base folder's ``config.json`` and tokenizer files).
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ from entrenar.io import (
 )
 from entrenar.io.lock import OutputLock
 from entrenar.io.model import STORAGE_DTYPES
-from entrenar.io.safetensors_io import metadata_from_header
+from entrenar.io.safetensors_io import (
+    header_metadata,
+    metadata_from_header,
+    release_pages,
+)
 from entrenar.merge import noise
 from entrenar.merge.engine import Plan, merge_leaf
 from entrenar.merge.leaves import (
@@ -53,6 +59,7 @@ from entrenar.merge.leaves import (
 )
 from entrenar.merge.recipe import METHODS, ModelRef, Recipe, load_recipe, parse_recipe
 from entrenar.merge.schedule import map_setting
+from entrenar.merge.stream import write_streamed
 from entrenar.nn.weight_node import logical_dtype, logical_shape
 
 HF_FILES = (
@@ -205,8 +212,13 @@ def _write(model: Model, output: str, base: Source, out_dtype: str | None) -> No
     save_safetensors(
         tensors, os.path.join(output, "model.safetensors"), {"format": "pt"}
     )
+    _copy_hf_files(base.folder, output)
+
+
+def _copy_hf_files(folder: str, output: str) -> None:
+    """Copy the base folder's `HF_FILES` (config, tokenizer) into ``output``."""
     for name in HF_FILES:
-        src = os.path.join(base.folder, name)
+        src = os.path.join(folder, name)
         if os.path.exists(src):
             with open(src, "rb") as f, atomic_write(os.path.join(output, name)) as g:
                 shutil.copyfileobj(f, g)
@@ -223,6 +235,8 @@ def _as_recipe(recipe: Recipe | Mapping[str, Any] | str | os.PathLike[str]) -> R
 def run_recipe(
     recipe: Recipe | Mapping[str, Any] | str | os.PathLike[str],
     output: str | os.PathLike[str] | None = None,
+    *,
+    stream: bool = True,
 ) -> Model:
     """Run a merge recipe (a `Recipe`, a mapping, or a YAML path).
 
@@ -230,6 +244,9 @@ def run_recipe(
         recipe: what to merge (entrenar.merge.recipe documents the YAML).
         output: where to write the merged model (format from the extension; a
             folder for Hugging Face layout); None writes nothing.
+        stream: write a ``.safetensors`` or folder output leaf by leaf as it is
+            merged (`merge_streamed`: memory holds one leaf, not the model);
+            False merges the whole model in memory first (the same file).
 
     Returns:
         The merged `Model` (the base's metadata; params in the inputs' layout).
@@ -242,15 +259,19 @@ def run_recipe(
     """
     recipe = _as_recipe(recipe)
     if output is None:
-        return _merge(recipe, None)
+        return _merge(recipe, None, stream)
     output = os.fspath(output)
     with OutputLock(output, folder=_output_format(output) is None):
-        return _merge(recipe, output)
+        return _merge(recipe, output, stream)
 
 
-def _merge(recipe: Recipe, output: str | None) -> Model:
+def _merge(recipe: Recipe, output: str | None, stream: bool) -> Model:
     """`run_recipe` once its output is locked."""
-    return merge_inputs(recipe, open_inputs(recipe), output)
+    sources = open_inputs(recipe)
+    streams = _output_format(output or "") in (None, ModelFormat.SAFETENSORS)
+    if stream and output is not None and streams and _streamable(sources):
+        return merge_streamed(recipe, sources, output)
+    return merge_inputs(recipe, sources, output)
 
 
 def merged_refs(recipe: Recipe) -> list[ModelRef]:
@@ -308,7 +329,7 @@ def merge_inputs(
     *,
     keep_inputs: bool = False,
 ) -> Model:
-    """Merge the models `open_inputs` opened, as ``recipe`` says.
+    """Merge the models `open_inputs` opened, as ``recipe`` says, in memory.
 
     Args:
         recipe: the method and settings (its models must be those opened).
@@ -318,30 +339,110 @@ def merge_inputs(
             settings (`entrenar.merge.search`); by default each input leaf is
             released once merged.
     """
-    has_base = METHODS[recipe.merge_method]["kind"] != "linear"
-    lead = sources[0]
-    lay = layouts({k: logical_shape(v) for k, v in lead.leaves.items()})
-    plan = build_plan(recipe, merged_refs(recipe))
-    cast = STORAGE_DTYPES[recipe.dtype] if recipe.dtype else None
-    out: dict[str, Any] = {}
-    for name in list(lead.leaves):
-        xs = [s.leaves[name] if keep_inputs else s.leaves.pop(name) for s in sources]
+    merger = _LeafMerger(recipe, sources)
+    out = {name: merger(name, keep_inputs) for name in list(sources[0].leaves)}
+    model = Model(sources[0].metadata, unflatten_params(out))
+    if output is not None:
+        _write(model, output, sources[0], recipe.out_dtype or recipe.dtype)
+    return model
+
+
+class _LeafMerger:
+    """``merger(name)``: leaf ``name`` of the opened models, merged (one leaf)."""
+
+    def __init__(self, recipe: Recipe, sources: Sequence[Source]) -> None:
+        self.recipe, self.sources = recipe, sources
+        self.has_base = METHODS[recipe.merge_method]["kind"] != "linear"
+        leaves = sources[0].leaves
+        self.layouts = layouts({k: logical_shape(v) for k, v in leaves.items()})
+        self.plan = build_plan(recipe, merged_refs(recipe))
+        self.cast = STORAGE_DTYPES[recipe.dtype] if recipe.dtype else None
+
+    def out_dtype(self, dt: np.dtype) -> np.dtype:
+        """The dtype of a merged leaf of dtype ``dt``."""
+        if not is_floating(dt):
+            return np.dtype(dt)
+        r = self.recipe
+        return np.dtype(STORAGE_DTYPES[r.out_dtype or r.dtype or dt.name])
+
+    def __call__(self, name: str, keep_inputs: bool = False) -> np.ndarray:
+        """Merge leaf ``name``; unless ``keep_inputs``, drop it from the sources."""
+        got = [s.leaves[name] if keep_inputs else s.leaves.pop(name)
+               for s in self.sources]  # fmt: skip
+        xs = got
         dt = logical_dtype(xs[0])
         if not is_floating(dt):
-            out[name] = np.asarray(same_values(name, xs))
-            continue
-        if cast is not None:
-            xs = [np.asarray(x).astype(cast) for x in xs]
-        out_dt = STORAGE_DTYPES[recipe.out_dtype or recipe.dtype or dt.name]
-        head, rest = (xs[0], xs[1:]) if has_base else (None, xs)
+            return np.asarray(same_values(name, xs))
+        if self.cast is not None:
+            xs = [np.asarray(x).astype(self.cast) for x in xs]
+        out_dt = self.out_dtype(dt)
+        head, rest = (xs[0], xs[1:]) if self.has_base else (None, xs)
         if head is not None and all(np.array_equal(x, head) for x in rest):
-            out[name] = np.asarray(head).astype(out_dt)  # zero task vectors: the base
-            continue
-        out[name] = np.asarray(merge_leaf(plan, name, lay[name], head, rest, out_dt))
-    model = Model(lead.metadata, unflatten_params(out))
-    if output is not None:
-        _write(model, output, lead, recipe.out_dtype or recipe.dtype)
-    return model
+            out = np.asarray(head).astype(out_dt)  # zero task vectors: the base
+        else:
+            out = np.asarray(
+                merge_leaf(self.plan, name, self.layouts[name], head, rest, out_dt)
+            )
+        if not keep_inputs:
+            for x in got:  # a mapped file's pages, read for this leaf, given back
+                if isinstance(x, np.ndarray):
+                    release_pages(x)
+        return out
+
+
+def _streamable(sources: Sequence[Source]) -> bool:
+    """Whether `merge_streamed` can write these leaves.
+
+    They must be plain arrays whose names are the file's own (`flatten_params` of
+    the tree gives them back).
+    """
+    leaves = sources[0].leaves
+    if not all(isinstance(x, np.ndarray | jax.Array) for s in sources
+               for x in s.leaves.values()):  # fmt: skip
+        return False
+    stand_ins = {name: np.zeros((0,), np.float32) for name in leaves}
+    try:
+        return set(flatten_params(unflatten_params(stand_ins))) == set(leaves)
+    except FormatError:
+        return False
+
+
+def merge_streamed(recipe: Recipe, sources: Sequence[Source], output: str) -> Model:
+    """Merge leaf by leaf into ``output``: a ``.safetensors`` file or a folder.
+
+    Each leaf is merged when its turn in the file comes, written, and released
+    with the input tensors' pages (`entrenar.merge.stream`), so memory holds one
+    leaf of each input and its merge, never the merged model. The file is the one
+    `merge_inputs` writes (same bytes; ``__metadata__`` keys in a fixed order).
+
+    Returns:
+        The merged `Model`, its params memory-mapped from the written file.
+
+    Raises:
+        ConfigError: a folder output without a Hugging Face folder as the base.
+    """
+    lead = sources[0]
+    fmt = _output_format(output)
+    if fmt is None and lead.folder is None:
+        raise ConfigError(
+            f"{output}: a folder output needs a Hugging Face folder as the base "
+            "model; name a .safetensors or .gguf file instead"
+        )
+    merger = _LeafMerger(recipe, sources)
+    specs = {
+        name: (merger.out_dtype(logical_dtype(x)), tuple(logical_shape(x)))
+        for name, x in lead.leaves.items()
+    }
+    if fmt is None:
+        os.makedirs(output, exist_ok=True)
+        path, meta = os.path.join(output, "model.safetensors"), {"format": "pt"}
+    else:
+        path, meta = output, header_metadata(lead.metadata)
+    write_streamed(path, specs, meta, merger)
+    if fmt is None:
+        _copy_hf_files(lead.folder or "", output)
+    tensors, _ = read_safetensors(path)
+    return Model(lead.metadata, unflatten_params(tensors))
 
 
 def _requantized(
@@ -461,6 +562,8 @@ def merge_files(
     models: Sequence[str | os.PathLike[str]],
     method: str,
     output: str | os.PathLike[str] | None = None,
+    *,
+    stream: bool = True,
     **options: Any,
 ) -> Model:
     """Merge model files without writing a recipe (what ``entrenar merge`` calls).
@@ -469,11 +572,12 @@ def merge_files(
         models: the models to merge (the base is given separately).
         method: a `entrenar.merge.recipe.METHODS` name.
         output: where to write (see `run_recipe`); None writes nothing.
+        stream: see `run_recipe`.
         **options: `files_recipe`'s keywords (``base``, ``weights``, ``density``,
             ``drop_rate``, ``t``, ``lam``, ``normalize``, ``dtype``, ``seed``,
             ``quantized``).
     """
-    return run_recipe(files_recipe(models, method, **options), output)
+    return run_recipe(files_recipe(models, method, **options), output, stream=stream)
 
 
 __all__ = [
@@ -483,6 +587,7 @@ __all__ = [
     "files_recipe",
     "merge_files",
     "merge_inputs",
+    "merge_streamed",
     "merged_refs",
     "open_inputs",
     "open_model",
