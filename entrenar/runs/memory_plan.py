@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from entrenar import lora
+from entrenar import lora, native
 from entrenar.config.spec import TrainSpec
 from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.nn.weight_node import logical_shape
@@ -265,11 +265,6 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
         UnsupportedError: a distillation run or a multi-device mesh.
         EntrenarError: what `entrenar validate` raises for the model's header.
     """
-    from entrenar.train.model_loss import loss_for_model, with_compute_dtype
-    from entrenar.train.state import TrainState
-    from entrenar.train.step import make_train_step
-    from entrenar.train.trainer import _compute_frozen  # the step reads this half
-
     if spec.model is None or spec.data is None or spec.is_merge:
         raise UnsupportedError("the memory plan is of a training run (model and data)")
     if spec.distillation is not None:
@@ -282,6 +277,18 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
             "training.max_memory: the memory predictor covers one device; remove "
             "max_memory or training.mesh"
         )
+    with native.policy(spec.model.kernels):  # the program the run compiles
+        return _plan(spec, compile_step=compile_step)
+
+
+def _plan(spec: TrainSpec, *, compile_step: bool) -> MemoryPlan:
+    """`plan_memory` under the run's kernel policy (its checks done)."""
+    from entrenar.train.model_loss import loss_for_model, with_compute_dtype
+    from entrenar.train.state import TrainState
+    from entrenar.train.step import make_train_step
+    from entrenar.train.trainer import _compute_frozen  # the step reads this half
+
+    assert spec.model is not None
     key = jax.random.key(spec.training.seed)
     built = build_model(spec.model, key=key, header_only=True)
     c = spec.lora if spec.lora is not None and spec.lora.enabled else None
