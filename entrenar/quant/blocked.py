@@ -6,19 +6,26 @@ llama.cpp's Q8_0 / Q4_0 / Q4_1) and inputs ``x: (n, in)``, the product is taken
 
     ``y[:, bR:(b+1)R] = x Ŵ_bᵀ``,   ``Ŵ_b = dequantize(w[bR:(b+1)R])``  (``R × in``)
 
-in a `jax.lax.map` over the ``out / R`` blocks, and its input gradient as a sum in a
-`jax.lax.scan`,
+in a loop over the ``out / R`` blocks that writes each block's columns of ``y`` in
+place, and its input gradient ``C`` input columns at a time (``C`` whole
+quantization blocks),
 
-    ``dx = Σ_b g[:, bR:(b+1)R] Ŵ_b``,
+    ``dx[:, cC:(c+1)C] = g Ŵ[:, cC:(c+1)C]``,
 
 decoding each block again rather than keeping it. So a compiled step holds one
-block, ``R × in`` values, where the dense path (`entrenar.quant.linear`'s whole
-dequantization) holds the matrix: on a GPU, with batches of thousands of rows,
-that is the transient dense copy of every projection in every step. Inputs enter
-the products in ``matmul_dtype`` (bfloat16: the blocks are decoded straight to it)
-with float32 accumulation, as `entrenar.nn.lowp_matmul` does; the result is in
-``x``'s dtype. A frozen base (QLoRA) gets no gradient; a differentiated one gets
-``dŴ = gᵀ x`` pulled back through the dequantization, as the dense path computes.
+block of the weight (``R × in`` or ``out × C`` values, at most a quarter of it) and
+no float32 buffer the size of ``y`` or ``dx``, where the dense path
+(`entrenar.quant.linear`'s whole dequantization) holds the matrix: on a GPU, with
+batches of thousands of rows, the transient dense copy of every projection in
+every step. At Llama-3-8B's ``down_proj`` (4096 x 14336, NF4) with 8192 bfloat16
+input rows, XLA:CPU's compiled temporaries: 121 MB dense / 102 MB blocked for the
+product, 537 MB / 155 MB for its input gradient (the dense weight is 117 MB).
+
+Inputs enter the products in ``matmul_dtype`` (bfloat16: the blocks are decoded
+straight to it) with float32 accumulation, as `entrenar.nn.lowp_matmul` does; the
+result is in ``x``'s dtype. A frozen base (QLoRA) gets no gradient; a
+differentiated one gets ``dŴ = gᵀ x`` pulled back through the dequantization, as
+the dense path computes.
 
 `entrenar.quant.linear.quantized_matmul` takes this path off the CPU (`use_blocked`);
 on the CPU the dense path and the native NF4 kernel stay.
@@ -125,26 +132,66 @@ def _resolved(w: QuantizedWeight) -> QuantizedWeight:
     )
 
 
-def _split(w: QuantizedWeight, rows: int) -> QuantizedWeight:
-    """``(out, k)`` leaves -> ``(out / rows, rows, k)``: a stack of row blocks."""
+def block_cols(
+    out: int, fan_in: int, block_size: int, max_values: int = BLOCK_VALUES
+) -> int:
+    """Input columns per block ``C`` of the input gradient: whole quantization blocks.
 
-    def split(a: Any) -> Any:
-        return None if a is None else a.reshape(-1, rows, *a.shape[1:])
+    The largest multiple of ``block_size`` dividing ``fan_in`` with ``out · C <=
+    max_values`` and ``C <= fan_in / MIN_BLOCKS`` (one quantization block at least).
+
+    >>> block_cols(4096, 14336, 64)
+    2048
+    """
+    blocks = fan_in // block_size  # quantization blocks per row
+    per = max(1, min(max_values // (out * block_size), blocks // MIN_BLOCKS))
+    while blocks % per:
+        per -= 1
+    return per * block_size
+
+
+def _rows_of(w: QuantizedWeight, start: Any, rows: int) -> QuantizedWeight:
+    """Rows ``[start, start + rows)`` of every leaf (codes, scales, offsets)."""
+
+    def take(a: Any) -> Any:
+        return None if a is None else jax.lax.dynamic_slice_in_dim(a, start, rows, 0)
 
     return dataclasses.replace(
-        w, codes=split(w.codes), scales=split(w.scales), offsets=split(w.offsets)
+        w, codes=take(w.codes), scales=take(w.scales), offsets=take(w.offsets)
+    )
+
+
+def _cols_of(w: QuantizedWeight, block: Any, cols: int) -> QuantizedWeight:
+    """Input columns ``[block C, (block + 1) C)`` of every leaf.
+
+    Each leaf gives the same share of its last axis (``C`` whole quantization
+    blocks, so codes, scales and offsets agree).
+    """
+    fan_in = w.shape[1]
+
+    def take(a: Any) -> Any:
+        if a is None:
+            return None
+        size = a.shape[-1] * cols // fan_in
+        return jax.lax.dynamic_slice_in_dim(a, block * size, size, 1)
+
+    return dataclasses.replace(
+        w, codes=take(w.codes), scales=take(w.scales), offsets=take(w.offsets)
     )
 
 
 def _forward(w: QuantizedWeight, xs: jax.Array, rows: int, dtype: Any) -> jax.Array:
+    """``y[:, bR:(b+1)R] = x Ŵ_bᵀ`` written into ``y`` block by block (in place)."""
+    n, out = xs.shape[0], w.shape[0]
     xd = xs.astype(dtype)
 
-    def block(b: QuantizedWeight) -> jax.Array:  # -> (n, rows)
-        wb = dequantize(b, dtype)  # (rows, in)
-        return jnp.einsum("ni,ri->nr", xd, wb, preferred_element_type=jnp.float32)
+    def body(b: Any, y: jax.Array) -> jax.Array:
+        wb = dequantize(_rows_of(w, b * rows, rows), dtype)  # (R, in)
+        yb = jnp.einsum("ni,ri->nr", xd, wb, preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(y, yb.astype(y.dtype), b * rows, 1)
 
-    y = jax.lax.map(block, _split(w, rows))  # (out / rows, n, rows)
-    return jnp.moveaxis(y, 0, 1).reshape(xs.shape[0], -1).astype(xs.dtype)
+    y0 = jnp.zeros((n, out), xs.dtype)
+    return jax.lax.fori_loop(0, out // rows, body, y0)  # (n, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -171,20 +218,20 @@ def _product_fwd(w: Any, xs: Any, rows: int, dtype: Any) -> tuple[jax.Array, Any
 
 def _product_bwd(rows: int, dtype: Any, res: Any, g: jax.Array) -> Any:
     w, xs = res
-    n, fan_in = g.shape[0], w.shape[1]
+    out, fan_in = w.shape
+    n = g.shape[0]
     gl = g.astype(dtype)
-    gb = jnp.moveaxis(gl.reshape(n, -1, rows), 1, 0)  # (out / rows, n, rows)
+    cols = block_cols(out, fan_in, w.block_size)
 
-    def step(dx: jax.Array, pair: tuple[QuantizedWeight, jax.Array]) -> Any:
-        b, gk = pair
-        wb = dequantize(b, dtype)  # (rows, in)
-        return dx + jnp.einsum(
-            "nr,ri->ni", gk, wb, preferred_element_type=jnp.float32
-        ), None
+    def body(c: Any, dx: jax.Array) -> jax.Array:  # dx[:, cC:(c+1)C] = g Ŵ[:, cols]
+        wc = dequantize(_cols_of(w, c, cols), dtype)  # (out, C)
+        dxc = jnp.einsum("no,oc->nc", gl, wc, preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(
+            dx, dxc.astype(dx.dtype), c * cols, 1
+        )
 
-    dx0 = jnp.zeros((n, fan_in), jnp.float32)
-    dx, _ = jax.lax.scan(step, dx0, (_split(w, rows), gb))  # (n, in)
-    dx = dx.astype(g.dtype)  # g has y's dtype, which is x's
+    dx0 = jnp.zeros((n, fan_in), g.dtype)  # g has y's dtype, which is x's
+    dx = jax.lax.fori_loop(0, fan_in // cols, body, dx0)  # (n, in)
     if xs is None:  # a frozen base: no gradient
         return None, dx
     dwd = jnp.einsum(
