@@ -135,6 +135,11 @@ def test_q4_k_m_gguf_loads_kept_as_written(q4_k_m_gguf):
         np.std(np.asarray(dense["model"]["layers"]["mlp"]["up_proj"]["weight"]))
     )
     assert 0.015 < std < 0.025  # the writer's scales give Llama-like weights
+    qlora = lora.apply(  # quantize_base: nf4 keeps the file's blocks
+        kept, LoRAConfig(rank=2, targets="all-linear"), key=jax.random.key(0),
+        quantize="nf4",
+    )  # fmt: skip
+    assert qlora["model"]["layers"]["mlp"]["down_proj"]["weight"].base is down
 
 
 def test_qlora_step_on_a_q4_k_m_gguf_equals_the_dequantized_model(q4_k_m_gguf):
@@ -168,3 +173,42 @@ def test_qlora_step_on_a_q4_k_m_gguf_equals_the_dequantized_model(q4_k_m_gguf):
     assert_trees_allclose(grads_k, grads_d, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(after_k, after_d, rtol=1e-6)
     assert float(after_k) != float(loss_k)
+
+
+def test_hf_folder_of_the_writer_loads_with_its_tokenizer(tmp_path):
+    """The bfloat16 folder: sharded, indexed, its config and a cut tokenizer."""
+    from entrenar.io import HFTokenizer, load_hf_folder
+
+    folder = tmp_path / "tiny-bf16"
+    old = scale_models.SHARD_BYTES
+    scale_models.SHARD_BYTES = 1 << 20  # several shards of the tiny model
+    try:
+        scale_models.write_hf_folder(str(folder), TINY)
+    finally:
+        scale_models.SHARD_BYTES = old
+    hf, params = load_hf_folder(folder)
+    assert len(hf.files) > 1 and hf.config.vocab_size == TINY.vocab_size
+    assert hf.config.num_layers == TINY.num_layers
+    up = np.asarray(params["model"]["layers"]["mlp"]["up_proj"]["weight"], np.float32)
+    assert up.shape == (2, 512, 256) and 0.019 < float(np.std(up)) < 0.021
+    tok = HFTokenizer.from_folder(folder)
+    ids = tok.encode("Write 2024-01-05 as words")
+    assert ids and max(ids) < TINY.vocab_size  # the tokenizer is cut to the vocab
+
+
+def test_shapes_are_the_peer_scripts_presets():
+    peer = (
+        Path(__file__).parents[3] / "shared" / "bench" / "peers" / "torch_llama_lora.py"
+    )
+    if not peer.exists():
+        pytest.skip(f"{peer} is not in this checkout")
+    import ast
+
+    tree = ast.parse(peer.read_text())
+    presets = next(
+        ast.literal_eval(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "PRESETS" for t in node.targets)
+    )
+    assert presets == scale_models.SHAPES
