@@ -309,7 +309,9 @@ def _plan(spec: TrainSpec, *, compile_step: bool) -> MemoryPlan:
             spec, built, optimizer, state, frozen,
             make_train_step, loss_for_model, with_compute_dtype,
         )  # fmt: skip
-    merged: list[str] = [f for f in spec.export.formats if f != "adapter"]
+    merged: list[str] = []
+    if c is not None:  # a LoRA run's plain weights are folded from the adapters
+        merged = [f for f in spec.export.formats if f != "adapter"]
     if spec.quantization is not None and spec.quantization.enabled:
         merged.append("quantization")
     notes: tuple[str, ...] = ()
@@ -318,8 +320,8 @@ def _plan(spec: TrainSpec, *, compile_step: bool) -> MemoryPlan:
         dense = 4 * sum(math.prod(logical_shape(x)) for x in weight_nodes(base))
         notes = (
             f"not counted: after training, {', '.join(merged)} write the model "
-            f"with the adapters folded in, from float copies of its weights "
-            f"({gb(dense)} each in float32)",
+            f"from float copies of its weights (adapters folded in; {gb(dense)} "
+            "each in float32)",
         )
     return MemoryPlan(
         runtime=RUNTIME_BYTES
@@ -376,7 +378,7 @@ def _step_bytes(
     assert d is not None
     config = built.config
     what = f"batch {d.batch_size * spec.training.grad_accum} x "
-    what += f"{d.seq_len}" if built.is_lm else "rows"
+    what += f"{d.seq_len}" if built.is_lm else f"{built.config.sizes[0]} features"
     if built.is_decoder:
         what += f", remat {config.remat_policy or 'none'}, matmul "
         what += f"{config.matmul_dtype or 'float32'}"
