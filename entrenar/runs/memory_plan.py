@@ -28,12 +28,15 @@ allocated. The run's two phases each have a peak, and the run's is the larger::
   `jax.ShapeDtypeStruct` arguments): ``temp + argument(batch) + output - alias``;
 - ``load_transient``: the streaming load holds the final tree plus the leaf being
   read: a stacked leaf in ``model.dtype`` and, for a leaf quantized as it loads,
-  the quantizer's temporaries (its compiled ``temp``); the maximum over leaves.
+  the quantizer's temporaries (its compiled ``temp``); the maximum over leaves
+  (`entrenar.runs.memory_tree`).
 
 What is not counted: the exports after training (a merged model written by
-``export.formats`` is folded from the tree: about one float copy of the projections),
-evaluation (a forward step, smaller than the train step), distillation teachers and
-multi-device meshes (`plan_memory` refuses them: `UnsupportedError`).
+``export.formats`` is folded from the tree: about one float copy of the projections;
+the plan's ``notes`` say so), the native kernels' own workspaces (outside XLA's
+buffers: 0.05-0.25 GB measured with bfloat16 matmuls), evaluation (a forward step,
+smaller than the train step), distillation teachers and multi-device meshes
+(`plan_memory` refuses them: `UnsupportedError`).
 """
 
 from __future__ import annotations
