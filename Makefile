@@ -25,9 +25,13 @@ install: $(STAMP)
 ## multi-device tests, is not counted, so the true figure is higher). One pytest-xdist
 ## worker per core (JOBS=0 for one process); compiled programs are shared through JAX's
 ## persistent cache in ~/.cache/entrenar/jax-compilation (tests/conftest.py).
+## --dist worksteal: each worker starts with half of the tests in order (the slow ones
+## first, tests/conftest.py) and an idle worker takes half of the other's queue; the
+## default (load) hands the first worker one fixed chunk of 250 tests, all 75 slow ones
+## among them, which could outlast everything the other worker ran.
 JOBS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(JOBS) --durations=15 \
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal --durations=15 \
 		--cov=entrenar --cov-report=term:skip-covered --cov-fail-under=90
 
 ## The native kernels' tests with Clang and with no compiler at all (CI runs both after
@@ -44,7 +48,7 @@ test-kernels: $(STAMP)
 
 ## Skip the tests marked slow.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(JOBS) -m "not slow"
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check entrenar tests examples benchmarks tools

@@ -86,7 +86,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the tests marked slow first (stable order otherwise).
 
     With xdist workers, a minute-long test collected last leaves the other workers
-    idle at the end; started first, the short tests fill in around it.
+    idle at the end; started first, the short tests fill in around it. `make test`
+    uses ``--dist worksteal``: the first worker starts on the first half (every slow
+    test) and the other, its own half done, takes the short tests from the end of the
+    first's queue, so they end within one test of each other.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
