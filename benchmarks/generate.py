@@ -183,6 +183,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--files", nargs="+", default=["q4_1", "q8_0"])
     ap.add_argument("--workdir", default="/tmp/entrenar-bench-generate")
     ap.add_argument("--llama-python", default="/tmp/llamavenv/bin/python")
     ap.add_argument("--out", default=None, help="write the Markdown report here")
@@ -196,15 +197,18 @@ def main() -> None:
 
     workdir = pathlib.Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    files = {"Q4_1 (make demo's base)": pathlib.Path(io.smollm2_path())}
-    files["Q8_0 (entrenar's export)"] = q8_0_export(workdir)
+    files = {}
+    if "q4_1" in args.files:
+        files["Q4_1 (make demo's base)"] = pathlib.Path(io.smollm2_path())
+    if "q8_0" in args.files:
+        files["Q8_0 (entrenar's export)"] = q8_0_export(workdir)
     rows = prompts(max(args.batches))
     prompt = rows[0]
     lines = [
         "# Decoding: entrenar vs llama.cpp on the same GGUF files",
         "",
-        f"`python benchmarks/generate.py --repeats {args.repeats} --new-tokens "
-        f"{args.new_tokens}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        f"`python benchmarks/generate.py {' '.join(sys.argv[1:])}`, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
         f"CPU: {cpu_name()}, **shared** with other jobs: the two programs are "
         f"measured alternately, {args.repeats} rounds after a warm-up round, and "
         "every figure is the best of its rounds; the load average (1/5/15 min) is "
