@@ -223,9 +223,9 @@ def search(
         return (t.worst, t.mean, -changed, -i)
 
     full: dict[int, Trial] = {0: trial(0, None, float("-inf"))}
-    order = range(1, len(points))
+    order = list(range(1, len(points)))
+    screened: dict[int, Trial] = {}
     if screen is not None:
-        screened: dict[int, Trial] = {}
         floor = float("-inf")
         for i in order:
             screened[i] = trial(i, screen, floor)

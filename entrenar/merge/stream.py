@@ -102,7 +102,7 @@ def write_streamed(
                     f"{path}: tensor {name!r} came out {a.dtype}{list(a.shape)}, "
                     f"but the header says {dt}{list(shape)}"
                 )
-            f.write(memoryview(a.reshape(-1).view(np.uint8)))
+            f.write(a.reshape(-1).view(np.uint8).data)
             del a
 
 
