@@ -4,7 +4,9 @@ A short run of ``examples/configs/smollm2-qlora.yaml`` (fewer steps), then:
 
 - the held-out exact match of the exported Q8_0 GGUF, reloaded from disk, beats the
   base model's by a wide margin and stays within two records of the adapter's;
-- greedy chat through the chat template ends at the end-of-turn token ``<|im_end|>``;
+- greedy chat through the chat template ends at the end-of-turn token ``<|im_end|>``
+  (the prompts decoded as one batch, `ChatModel.replies`, whose greedy rows equal
+  `ChatModel.reply`'s: one decode, not one per prompt);
 - greedy replies with the adapter equal those of the folded model exported as F32.
   Not Q8_0: its rounding (0.4x the update's size, uncorrelated with it) keeps the
   update on average but can flip the argmax of a borderline reply (one of 32 records
@@ -61,8 +63,7 @@ def test_qlora_main_job_improves_the_exported_model(gguf, tmp_path):
         before,
         after,
     )
-    for q in questions:
-        m = merged.reply(q, max_new_tokens=24)
+    for m in merged.replies(questions, max_new_tokens=24):  # one batch: one compile
         assert m.finish_reason == "stop" and m.token_ids[-1] == merged.tokenizer.eos_id
     del merged
 
@@ -75,8 +76,8 @@ def test_qlora_main_job_improves_the_exported_model(gguf, tmp_path):
     )
     assert kept.kept == pytest.approx(1.0, abs=1e-4)
     folded = ChatModel.from_gguf(f32)
-    for q in questions:
-        assert adapted.reply(q, max_new_tokens=24) == folded.reply(q, max_new_tokens=24)
+    replies = adapted.replies(questions, max_new_tokens=24)
+    assert replies == folded.replies(questions, max_new_tokens=24)
     assert exact_match(folded, held).hits == with_adapter.hits
 
     config, hf_params = io.load_hf_llama(run.files["hf"])
