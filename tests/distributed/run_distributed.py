@@ -14,6 +14,8 @@ and asserts what it can itself (a failure exits non-zero with the traceback).
   {fsdp: 8} against 1 device; batch placement helpers.
 - ``multiprocess <pid> <port>`` (4 devices each, 2 processes): {data: 2, fsdp: 4}
   over both processes against this process's single-device run.
+- ``eight <out_dir>`` (8 devices): ``meshes`` then ``adapters`` in one process (one
+  jax start-up and one 8-device client instead of two; the tests run this).
 """
 
 from __future__ import annotations
@@ -197,7 +199,12 @@ def multiprocess(out: str, pid: str, port: str) -> None:
                    "rows": [rows.start, rows.stop]}, f)  # fmt: skip
 
 
+def eight(out: str) -> None:
+    meshes(out)  # first: the resumptions wait for its checkpoint
+    adapters(out)
+
+
 if __name__ == "__main__":
     check, out, *args = sys.argv[1:]
-    {"meshes": meshes, "resume": resume, "adapters": adapters,
+    {"meshes": meshes, "resume": resume, "adapters": adapters, "eight": eight,
      "multiprocess": multiprocess}[check](out, *args)  # fmt: skip

@@ -5,7 +5,8 @@ The device count is fixed when jax is imported, so each check runs
 
 All checks start together when the module's first test runs (compiling dominates;
 on a loaded machine waiting processes overlap; the resumptions wait for the 8-device
-run's checkpoint), each test then waits for its own. Tolerances are 1e-5: the meshes
+run's checkpoint), each test then waits for its own. The two 8-device checks (meshes,
+adapters) share one process: one jax start-up fewer. Tolerances are 1e-5: the meshes
 sum gradients in another order than one device does, so results agree to float32
 rounding, not bit for bit.
 """
@@ -55,17 +56,16 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    names = ("meshes", "adapters", "mp", *(f"resume{n}" for n in RESUMES))
+    names = ("eight", "mp", *(f"resume{n}" for n in RESUMES))
     dirs = {k: tmp_path_factory.mktemp(k) for k in names}
     port = str(_free_port())
     procs = {
-        "meshes": _start(["meshes"], dirs["meshes"], 8),
-        "adapters": _start(["adapters"], dirs["adapters"], 8),
+        "eight": _start(["eight"], dirs["eight"], 8),  # meshes, then adapters
         "mp0": _start(["multiprocess", "0", port], dirs["mp"], 4),
         "mp1": _start(["multiprocess", "1", port], dirs["mp"], 4),
         **{  # each waits for the 8-device run's step-10 checkpoint
             f"resume{n}": _start(
-                ["resume", str(dirs["meshes"]), mesh], dirs[f"resume{n}"], n
+                ["resume", str(dirs["eight"]), mesh], dirs[f"resume{n}"], n
             )
             for n, mesh in RESUMES.items()
         },
@@ -87,7 +87,7 @@ def _result(runs, name, proc_names, file):
 def test_meshes_match_one_device_and_fsdp_holds_an_eighth(runs):
     # the script asserts loss curves and final params equal to 1e-5 for
     # {data: 8}, {fsdp: 8}, {data: 2, fsdp: 4}; here: the memory it measured
-    r = _result(runs, "meshes", ["meshes"], "meshes.json")
+    r = _result(runs, "eight", ["eight"], "meshes.json")
     assert r["moved"] > 1e-3 and len(r["loss"]) == 20  # params moved: not trivial
     b = r["bytes"]
     assert b["data8"]["max_per_device"] == b["data8"]["total"]  # replicated
@@ -101,12 +101,12 @@ def test_meshes_match_one_device_and_fsdp_holds_an_eighth(runs):
 @pytest.mark.parametrize("devices", sorted(RESUMES))
 def test_checkpoint_of_8_devices_resumes_on_fewer(runs, devices):
     procs, dirs = runs
-    resume, meshes = procs[f"resume{devices}"], procs["meshes"]
+    resume, meshes = procs[f"resume{devices}"], procs["eight"]
     while resume.poll() is None and meshes.poll() in (None, 0):
         time.sleep(0.5)  # (a failed 8-device run never writes the checkpoint)
     if resume.poll() is None:
         resume.kill()
-        _wait(meshes, dirs["meshes"])
+        _wait(meshes, dirs["eight"])
     _wait(resume, dirs[f"resume{devices}"])  # asserts params equal the full run's
     r = json.loads((dirs[f"resume{devices}"] / "resume.json").read_text())
     assert r["devices"] == devices and r["steps"] == 20
@@ -116,7 +116,7 @@ def test_checkpoint_of_8_devices_resumes_on_fewer(runs, devices):
 
 @pytest.mark.slow
 def test_lora_and_qlora_match_one_device(runs):
-    r = _result(runs, "adapters", ["adapters"], "adapters.json")
+    r = _result(runs, "eight", ["eight"], "adapters.json")
     for name in ("lora", "qlora"):
         assert r[name]["trainable_specs"] == ["P()"]  # adapters replicated
     assert "P(None, 'fsdp')" in r["qlora"]["frozen_specs"]  # NF4 codes split
