@@ -33,7 +33,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -75,9 +75,19 @@ def tiny_base(folder: str) -> str:
     return path
 
 
-def fine_tune(task: str, base: str, work: str, steps: int) -> dict[str, str]:
-    """Train the main job's QLoRA run on ``task``: its adapter and Q8_0 GGUF."""
+def fine_tune(
+    task: str, base: str, work: str, steps: int, reuse: bool = False
+) -> dict[str, str]:
+    """Train the main job's QLoRA run on ``task``: its adapter and Q8_0 GGUF.
+
+    With ``reuse``, an earlier run's files in ``work/task`` are taken as they are.
+    """
     out = os.path.join(work, task)
+    files = {"adapter": os.path.join(out, "adapter"),
+             "gguf": os.path.join(out, "model.gguf")}  # fmt: skip
+    if reuse and all(os.path.exists(f) for f in files.values()):
+        print(f"  {task}: reusing {out}")
+        return files
     if os.path.isfile(os.path.join(out, "model.gguf")):  # an earlier run
         shutil.rmtree(out)
     overrides = {
@@ -116,19 +126,23 @@ def merges(
     params_q: Any,
     work: str,
     reports: Mapping[str, merge.NoiseReport],
-) -> dict[str, Any]:
-    """The merged params of every path (or the refusal's message)."""
+) -> Iterator[tuple[str, Any]]:
+    """``(path, merged params)`` of every path in turn (or the refusal's message).
+
+    One merged model at a time: the scores are taken before the next is merged.
+    """
     plan = plan_of(method, len(combo))
     adapted = [lora.load_adapter(tuned[t]["adapter"], params_q) for t in combo]
+    yield "adapters", merge.merge_adapters(plan, adapted)
     dense_base = quant.dequantize_params(params_q)
-    out: dict[str, Any] = {
-        "adapters": merge.merge_adapters(plan, adapted),
-        "folded float": merge.merge_trees(
-            plan,
-            None if plan.kind == "linear" else dense_base,
-            [lora.fold(a) for a in adapted],
-        ),
-    }
+    folded = merge.merge_trees(
+        plan,
+        None if plan.kind == "linear" else dense_base,
+        [lora.fold(a) for a in adapted],
+    )
+    del dense_base, adapted
+    yield "folded float", folded
+    del folded
     alone = os.path.join(work, "gguf-alone")  # no adapter beside: the grid path
     os.makedirs(alone, exist_ok=True)
     files = []
@@ -141,14 +155,17 @@ def merges(
         model = merge.merge_files(
             files, method, base=base_gguf, quantized=policy, **METHODS[method]
         )
-        out[f"GGUF ({policy})"] = model.params
+        yield f"GGUF ({policy})", model.params
+        del model
     flagged = [reports[t] for t in combo if reports[t].flagged]
-    out["GGUF (refuse)"] = (
-        f"refused: {merge.noise.better_path(flagged[0])}"
-        if flagged
-        else "not flagged: merged as with keep"
+    yield (
+        "GGUF (refuse)",
+        (
+            f"refused: {merge.noise.better_path(flagged[0])}"
+            if flagged
+            else "not flagged: merged as with keep"
+        ),
     )
-    return out
 
 
 def percent(got: int, single: int) -> str:
@@ -162,8 +179,15 @@ def main() -> None:
     parser.add_argument("--work", default=os.path.join("runs", "merge-skills"))
     parser.add_argument("--out", help="the table's Markdown file")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help="of " + ", ".join(METHODS)
+    )
+    parser.add_argument(
+        "--reuse", action="store_true", help="take the fine-tunes already in --work"
+    )
     args = parser.parse_args()
     tasks = args.tasks.split(",")
+    methods = args.methods.split(",")
     os.makedirs(args.work, exist_ok=True)
     t_start = time.perf_counter()
     base_gguf = tiny_base(args.work) if args.quick else io.smollm2_path()
@@ -177,7 +201,7 @@ def main() -> None:
     )
 
     print(f"== fine-tuning {os.path.basename(base_gguf)} on {', '.join(tasks)}")
-    tuned = {t: fine_tune(t, base_gguf, args.work, steps) for t in tasks}
+    tuned = {t: fine_tune(t, base_gguf, args.work, steps, args.reuse) for t in tasks}
 
     chat = ChatModel.from_gguf(base_gguf)
     _, params_q, _ = io.load_llama_gguf(base_gguf, keep_quantized=True)
@@ -201,10 +225,10 @@ def main() -> None:
     combos = [tasks[:2]] + ([tasks] if len(tasks) > 2 else [])
     for combo in combos:
         print(f"== merging {' + '.join(combo)}")
-        for method in METHODS:
+        for method in methods:
             for path, got in merges(
                 method, combo, tuned, base_gguf, params_q, args.work, reports
-            ).items():
+            ):
                 result = got if isinstance(got, str) else scores(
                     chat, got, {t: held[t] for t in combo})  # fmt: skip
                 rows.append((" + ".join(combo), method, path, result))
