@@ -450,8 +450,8 @@ def chunked_causal_lm_loss(
         nll = nll.reshape(-1)[:n].reshape(b, t - 1)  # (B, T-1)
         return reduce_loss(nll, reduction, where=valid.reshape(b, t - 1))
 
-    rule = None if softcap is not None else head_nll.dispatch(type(weight))
-    if rule is not head_nll.dispatch(object):  # a node's own rule: all tokens at once
+    own_rule = head_nll.dispatch(type(weight)) is not head_nll.dispatch(object)
+    if softcap is None and own_rule:  # a node's own rule: all tokens at once
         nll = head_nll(weight, x.reshape(-1, d), y.reshape(-1), matmul_dtype)
         nll = nll[:n].reshape(b, t - 1)  # (B, T-1)
         return reduce_loss(nll, reduction, where=valid.reshape(b, t - 1))
