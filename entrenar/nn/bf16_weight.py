@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from entrenar.nn import matvec
 from entrenar.nn.linear import lowp_matmul, weight_matmul
 from entrenar.nn.weight_node import (
     logical_dtype,
@@ -99,8 +100,6 @@ def _bf16_matmul(
     """``x Wᵀ``: bfloat16 products with float32 accumulation, or in ``x``'s dtype."""
     if matmul_dtype is not None:
         return lowp_matmul(x, w, matmul_dtype)  # W = to_dense(w), bfloat16
-    from entrenar.quant import matvec  # (it imports this module)
-
     if matvec.applies(w, x):  # few float32 rows: read the bfloat16 bits as stored
         return matvec.matvec(w, x, _bf16_dense_matmul)
     return _bf16_dense_matmul(w, x)
@@ -109,6 +108,17 @@ def _bf16_matmul(
 def _bf16_dense_matmul(w: Bfloat16Weight, x: jax.Array) -> jax.Array:
     """``x Wᵀ`` by the dense rule: ``W`` cast to ``x``'s dtype."""
     return weight_matmul(w.value(), x)
+
+
+matvec.kernel_reads.register(Bfloat16Weight, lambda w: True)
+
+
+@matvec.kernel_call.register(Bfloat16Weight)
+def _bf16_kernel_call(w: Bfloat16Weight, xs: jax.Array) -> jax.Array:
+    """The kernel reads the bits as BF16 rows (little-endian bytes)."""
+    bits = jnp.asarray(w.bits)  # (out, in) uint16
+    data = jax.lax.bitcast_convert_type(bits, jnp.uint8).reshape(w.shape[0], -1)
+    return matvec.ggml_rows_call(data, "BF16", xs)
 
 
 @register_weight_node

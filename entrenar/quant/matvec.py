@@ -17,7 +17,8 @@ dequantized float32 matrix to float32 rounding (only the order of the sums diffe
 `entrenar.native` decides whether the kernel runs (``native.use("ggml_matvec")``);
 elsewhere the pure-JAX paths compute the same product. The gradient is the
 dequantized product's (a custom VJP), so a few-row training step through a frozen
-base is unchanged.
+base is unchanged. The kernel's plumbing (`applies`, `matvec`) is
+`entrenar.nn.matvec`'s; this module registers the quantized formats with it.
 
 For a model whose output head is its (tied) embedding, `quantize_tied_head` keeps the
 head as Q8_0 (`QuantizedTiedEmbedding`): llama.cpp multiplies by the GGUF's stored
@@ -28,18 +29,24 @@ for SmolLM2-135M the head is a fifth of the model's values.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from entrenar import native
 from entrenar.nn.bf16_weight import Bfloat16Weight, TiedEmbedding
 from entrenar.nn.linear import weight_matmul
+from entrenar.nn.matvec import (
+    FEW_ROWS,
+    GGML_TYPES,
+    Q_TYPES,
+    applies,
+    ggml_rows_call,
+    kernel_call,
+    kernel_reads,
+    matvec,
+    q_blocks_call,
+)
 from entrenar.nn.weight_node import (
     logical_dtype,
     logical_shape,
@@ -52,74 +59,32 @@ from entrenar.quant.kquant import GGMLWeight, decode_rows
 from entrenar.quant.weight import QuantizedWeight
 from entrenar.tree import key_path_str
 
-FEW_ROWS = 64
-"""Input rows up to which the kernel multiplies (decoding: batch x new tokens)."""
-
-Q_TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
-"""`QuantizedWeight` schemes the kernel reads, and their code in the kernel."""
-
-GGML_TYPES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "BF16": 3, "F16": 4}
-"""`GGMLWeight` types the kernel reads, and their code in the kernel."""
-
 Stored = QuantizedWeight | GGMLWeight | Bfloat16Weight
-Fallback = Callable[[Any, jax.Array], jax.Array]
-"""The pure-JAX product ``(w, xs (n, in)) -> (n, out)`` a kernel call stands for."""
 
 
 def supported(w: Any) -> bool:
     """Whether the kernel reads ``w``'s format (any shape; `applies` checks more)."""
-    if isinstance(w, QuantizedWeight):
-        return w.scheme in Q_TYPES and w.granularity == "block" and w.block_size == 32
-    if isinstance(w, GGMLWeight):
-        return w.ggml_type in GGML_TYPES
-    return isinstance(w, Bfloat16Weight)
+    return kernel_reads(w)
 
 
-def applies(w: Any, x: jax.Array) -> bool:
-    """The kernel computes ``x Ŵᵀ``: a 2-d supported ``w``, few float32 rows, native."""
-    return (
-        supported(w)
-        and w.ndim == 2
-        and math.prod(x.shape[:-1]) <= FEW_ROWS
-        and jnp.dtype(x.dtype) == jnp.float32
-        and native.use("ggml_matvec", x)
-    )
+@kernel_reads.register(QuantizedWeight)
+def _reads_quantized(w: QuantizedWeight) -> bool:
+    return w.scheme in Q_TYPES and w.granularity == "block" and w.block_size == 32
 
 
-def matvec(w: Stored, x: jax.Array, fallback: Fallback) -> jax.Array:
-    """``x Ŵᵀ`` through the native kernel: ``x: (..., in)``, ``w: (out, in)``.
-
-    Call only where `applies` holds (the dispatch in `entrenar.quant.linear` and
-    `entrenar.nn.bf16_weight` does). ``fallback(w, xs)``: the pure-JAX product
-    ``(n, in) -> (n, out)`` the caller would run otherwise; the gradient is its
-    gradient (for a decoded block path: no dense matrix in the backward pass).
-    """
-    out, fan_in = w.shape
-    y = _product(w, x.reshape(-1, fan_in), fallback)  # (n, out)
-    return y.reshape(*x.shape[:-1], out)
+@kernel_reads.register(GGMLWeight)
+def _reads_ggml(w: GGMLWeight) -> bool:
+    return w.ggml_type in GGML_TYPES
 
 
-def _call(w: Stored, xs: jax.Array) -> jax.Array:
-    """The custom call: ``xs (n, in)`` float32 -> ``(n, out)`` float32."""
-    out = jax.ShapeDtypeStruct((xs.shape[0], w.shape[0]), jnp.float32)
-    if isinstance(w, QuantizedWeight):
-        call = jax.ffi.ffi_call("entrenar_q_matvec", out, vmap_method="sequential")
-        offsets = w.scales if w.offsets is None else w.offsets  # unread unless Q4_1
-        return call(
-            xs,
-            w.codes,
-            w.scales.astype(jnp.float16),
-            offsets.astype(jnp.float16),
-            type=np.int32(Q_TYPES[w.scheme]),
-        )
-    if isinstance(w, Bfloat16Weight):  # the bits as BF16 bytes, little-endian
-        bits = jnp.asarray(w.bits)  # (out, in) uint16
-        data = jax.lax.bitcast_convert_type(bits, jnp.uint8).reshape(w.shape[0], -1)
-        kind = GGML_TYPES["BF16"]
-    else:
-        data, kind = w.data, GGML_TYPES[w.ggml_type]
-    call = jax.ffi.ffi_call("entrenar_ggml_matvec", out, vmap_method="sequential")
-    return call(xs, data, type=np.int32(kind))
+@kernel_call.register(QuantizedWeight)
+def _call_quantized(w: QuantizedWeight, xs: jax.Array) -> jax.Array:
+    return q_blocks_call(w.scheme, w.codes, w.scales, w.offsets, xs)
+
+
+@kernel_call.register(GGMLWeight)
+def _call_ggml(w: GGMLWeight, xs: jax.Array) -> jax.Array:
+    return ggml_rows_call(w.data, w.ggml_type, xs)
 
 
 def dense(w: Stored, dtype: Any) -> jax.Array:
@@ -129,24 +94,6 @@ def dense(w: Stored, dtype: Any) -> jax.Array:
     if isinstance(w, GGMLWeight):
         return decode_rows(w.data, w.ggml_type).astype(dtype)
     return w.value().astype(dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _product(w: Stored, xs: jax.Array, fallback: Fallback) -> jax.Array:
-    return _call(w, xs)
-
-
-def _fwd(w: Stored, xs: jax.Array, fallback: Fallback) -> tuple[jax.Array, Any]:
-    return _call(w, xs), (w, xs)
-
-
-def _bwd(fallback: Fallback, res: Any, g: jax.Array) -> Any:
-    w, xs = res  # the pure-JAX path computes the same product: its gradient
-    _, pull = jax.vjp(fallback, w, xs)
-    return pull(g)
-
-
-_product.defvjp(_fwd, _bwd)
 
 
 @register_weight_node

@@ -41,6 +41,20 @@ NODES = {
         ),
         ["data"],
     ),
+    "ggml_mixed": (  # a llama.cpp mix, one layer of a BF16 / F16 stack
+        quant.ggml_mixed.mixed_ggml_weight(
+            [
+                (np.asarray(W, ml_dtypes.bfloat16).view(np.uint8), "BF16"),
+                (np.asarray(W, np.float16).view(np.uint8), "F16"),
+            ],
+            (2, OUT, IN),
+        )[1],
+        ["data", "kind"],
+    ),
+    "tied_q8_0": (  # a tied embedding whose head is read as Q8_0 (decoding)
+        quant.matvec.QuantizedTiedEmbedding.from_array(W),
+        ["table", "head_t.codes", "head_t.scales"],
+    ),
 }
 
 
@@ -86,6 +100,9 @@ def test_weight_matmul_is_the_dense_product(name, matmul_dtype):
     x = jnp.asarray(np.random.default_rng(3).normal(size=(3, IN)), jnp.float32)
     got = jax.jit(nn.weight_matmul, static_argnums=2)(node, x, matmul_dtype)
     dense = nn.to_dense(node).astype(jnp.float32)  # (OUT, IN)
+    if name == "tied_q8_0":  # the head reads the Q8_0 values, lookups the table
+        dense = node.head_value().astype(jnp.float32)
+        assert float(jnp.abs(dense - nn.to_dense(node)).max()) > 0
     if matmul_dtype is not None:  # inputs rounded to bfloat16, float32 sums
         x, dense = (v.astype(jnp.bfloat16).astype(jnp.float32) for v in (x, dense))
     tol = 0.05 if matmul_dtype else 1e-4
