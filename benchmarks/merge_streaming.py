@@ -32,6 +32,7 @@ import platform
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +112,7 @@ def main() -> None:
     )
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     load = [os.getloadavg()]
-    result = {}
+    result: dict[str, dict[str, Any]] = {}
     for label, where in (("before", args.before), ("after", here)):
         out = os.path.join(args.work, f"merged-{label}")
         result[label] = run(where, base, a, b, out)
