@@ -46,6 +46,7 @@ from entrenar.io.safetensors_io import (
     header_metadata,
     metadata_from_header,
     release_pages,
+    write_safetensors_stream,
 )
 from entrenar.merge import noise
 from entrenar.merge.engine import Plan, merge_leaf
@@ -59,7 +60,6 @@ from entrenar.merge.leaves import (
 )
 from entrenar.merge.recipe import METHODS, ModelRef, Recipe, load_recipe, parse_recipe
 from entrenar.merge.schedule import map_setting
-from entrenar.merge.stream import write_streamed
 from entrenar.nn.weight_node import logical_dtype, logical_shape
 
 HF_FILES = (
@@ -438,7 +438,7 @@ def merge_streamed(recipe: Recipe, sources: Sequence[Source], output: str) -> Mo
         path, meta = os.path.join(output, "model.safetensors"), {"format": "pt"}
     else:
         path, meta = output, header_metadata(lead.metadata)
-    write_streamed(path, specs, meta, merger)
+    write_safetensors_stream(path, specs, lambda name: [merger(name)], meta)
     if fmt is None:
         _copy_hf_files(lead.folder or "", output)
     tensors, _ = read_safetensors(path)

@@ -24,8 +24,7 @@ import pytest
 from merge_helpers import finetuned, make_tree
 
 from entrenar import io, merge
-from entrenar.io.safetensors_io import save_safetensors
-from entrenar.merge.stream import header_bytes
+from entrenar.io.safetensors_io import safetensors_header, save_safetensors
 
 
 def write_folder(path, tree, *, shards=2) -> str:
@@ -130,8 +129,8 @@ def test_header_is_the_safetensors_package_header():
         "u": np.ones((3,), np.uint8),
     }
     for meta in ({"format": "pt"}, {}):
-        head, order = header_bytes({k: (v.dtype, v.shape) for k, v in arrays.items()},
-                                   meta)  # fmt: skip
+        specs = {k: (v.dtype, v.shape) for k, v in arrays.items()}
+        head, order = safetensors_header(specs, meta)
         mine = head + b"".join(arrays[k].tobytes() for k in order)
         assert mine == safetensors.numpy.save(arrays, meta)
 
