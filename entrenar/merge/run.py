@@ -410,9 +410,10 @@ def _streamable(sources: Sequence[Source]) -> bool:
 def merge_streamed(recipe: Recipe, sources: Sequence[Source], output: str) -> Model:
     """Merge leaf by leaf into ``output``: a ``.safetensors`` file or a folder.
 
-    Each leaf is merged when its turn in the file comes, written, and released
-    with the input tensors' pages (`entrenar.merge.stream`), so memory holds one
-    leaf of each input and its merge, never the merged model. The file is the one
+    Each leaf is merged when its turn in the file comes, written
+    (`entrenar.io.write_safetensors_stream`), and released with the input tensors'
+    pages, so memory holds one leaf of each input and its merge, never the merged
+    model. The file is the one
     `merge_inputs` writes (same bytes; ``__metadata__`` keys in a fixed order).
 
     Returns:
