@@ -57,6 +57,10 @@ from entrenar.runs.build import build_optimizer, train_config
 from entrenar.runs.memory_tree import describe, run_tree, weight_nodes
 from entrenar.runs.models import BuiltModel, build_model
 from entrenar.train.config import check_budget, parse_bytes
+from entrenar.train.model_loss import loss_for_model, with_compute_dtype
+from entrenar.train.state import TrainState
+from entrenar.train.step import make_train_step
+from entrenar.train.trainer import _compute_frozen  # the step reads this half
 from entrenar.tree import key_path_str, tree_bytes
 
 RUNTIME_BYTES = 270_000_000
@@ -286,11 +290,6 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
 
 def _plan(spec: TrainSpec, *, compile_step: bool) -> MemoryPlan:
     """`plan_memory` under the run's kernel policy (its checks done)."""
-    from entrenar.train.model_loss import loss_for_model, with_compute_dtype
-    from entrenar.train.state import TrainState
-    from entrenar.train.step import make_train_step
-    from entrenar.train.trainer import _compute_frozen  # the step reads this half
-
     assert spec.model is not None
     key = jax.random.key(spec.training.seed)
     built = build_model(spec.model, key=key, header_only=True)

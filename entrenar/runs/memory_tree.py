@@ -19,8 +19,12 @@ import numpy as np
 
 from entrenar import io, lora, quant
 from entrenar.config.spec import TrainSpec
-from entrenar.nn.hf_names import Quantize
+from entrenar.io.llama_gguf import KEEP_QUANTIZED, _expected  # load_llama_gguf's rules
+from entrenar.nn.hf_names import Quantize, quantize_leaves
 from entrenar.nn.weight_node import is_weight_node, logical_shape
+from entrenar.quant.ggml import BLOCK_BYTES
+from entrenar.quant.ggml_mixed import ROW_FORMATS, MixedGGMLWeight, row_bytes
+from entrenar.quant.kquant import FORMATS
 from entrenar.runs.models import BuiltModel, base_quantizer
 from entrenar.tree import key_path_str, tree_bytes
 
@@ -36,10 +40,6 @@ def _gguf_tree(
     type per layer), one of Q8_0/Q4_0/Q4_1 as `from_ggml`'s node; a K-quant
     embedding or ``lm_head`` as its bytes; everything else in ``dtype``.
     """
-    from entrenar.io.llama_gguf import KEEP_QUANTIZED, _expected  # its own rules
-    from entrenar.quant.ggml_mixed import ROW_FORMATS, MixedGGMLWeight, row_bytes
-    from entrenar.quant.kquant import FORMATS
-
     g, config = io.read_llama_header(path)
     by_hf = {hf: name for name, (hf, _) in _expected(g, config).items() if hf}
     itemsize = np.dtype(dtype).itemsize
@@ -74,8 +74,6 @@ def _gguf_tree(
 
 def _ggml_node(ggml_type: str, shape: tuple[int, ...]) -> Any:
     """`from_ggml`'s node of a ``(L, rows, cols)`` tensor, as shapes (one row built)."""
-    from entrenar.quant.ggml import BLOCK_BYTES
-
     cols = shape[-1]
     raw = np.zeros(cols // 32 * BLOCK_BYTES[ggml_type], np.uint8)
     one = quant.from_ggml(raw, ggml_type, (1, 1, cols))
@@ -171,8 +169,6 @@ def _loaded(
     tree = built.params
     if path is None or quantize is None:
         return tree, path is None and quantize is not None, 0
-    from entrenar.nn.hf_names import quantize_leaves
-
     return (
         jax.eval_shape(lambda t: quantize_leaves(t, quantize), tree),
         False,
