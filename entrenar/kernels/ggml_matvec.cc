@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "decoded_rows.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -339,49 +340,13 @@ struct GgmlWeight {
 };
 
 // ------------------------------------------------------------------- the product
-struct Io {
-  const float* x;
-  float* y;
-  int64_t n, k, o;
-};
-
-// y[r, row] = Σ_c x[r, c0 + c] w[c] (+=) for rows r0..r0+R-1 (R <= 8 accumulators).
-template <int R>
-void Dot(const Io& p, int64_t row, int64_t r0, int64_t c0, int64_t len, const float* w) {
-  float acc[R][16] = {};
-  const float* xs[R];
-  for (int i = 0; i < R; ++i) xs[i] = p.x + (r0 + i) * p.k + c0;
-  const int64_t whole = len / 16 * 16;
-  for (int64_t c = 0; c < whole; c += 16) {
-    for (int i = 0; i < R; ++i) {
-#pragma omp simd
-      for (int l = 0; l < 16; ++l) acc[i][l] += xs[i][c + l] * w[c + l];
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    float sum = 0.0f;
-    for (int l = 0; l < 16; ++l) sum += acc[i][l];
-    for (int64_t c = whole; c < len; ++c) sum += xs[i][c] * w[c];
-    p.y[(r0 + i) * p.o + row] += sum;
-  }
-}
+using Io = entrenar::RowsProblem;
 
 template <typename W>
 void RunRows(const Io& p, const W& weight, int64_t o0, int64_t o1) {
-  alignas(64) float w[kChunk];
-  for (int64_t r = 0; r < p.n; ++r) {
-    std::memset(p.y + r * p.o + o0, 0, sizeof(float) * (o1 - o0));
-  }
-  for (int64_t c0 = 0; c0 < p.k; c0 += kChunk) {
-    const int64_t len = std::min(kChunk, p.k - c0);
-    for (int64_t row = o0; row < o1; ++row) {
-      weight.Decode(row, c0, len, w);
-      int64_t r = 0;
-      for (; r + 8 <= p.n; r += 8) Dot<8>(p, row, r, c0, len, w);
-      for (; r + 4 <= p.n; r += 4) Dot<4>(p, row, r, c0, len, w);
-      for (; r < p.n; ++r) Dot<1>(p, row, r, c0, len, w);
-    }
-  }
+  entrenar::DecodedRows<kChunk>(
+      p, o0, o1,
+      [&](int64_t row, int64_t c0, int64_t len, float* w) { weight.Decode(row, c0, len, w); });
 }
 
 #if defined(__AVX512F__)
