@@ -34,11 +34,12 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
 from typing import Any
+
+from machine import cpu_name, load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HELDOUT = ROOT / "examples" / "data" / "iso_dates" / "heldout.jsonl"
@@ -73,23 +74,6 @@ for line in sys.stdin:  # one measurement per request
                       "decode_tps": (a["new"] - 1) / (t3 - t2), "tokens": toks}),
           flush=True)
 """
-
-
-def cpu_name() -> str:
-    """The CPU's model name and core count."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def load() -> str:
-    """The 1/5/15-minute load averages."""
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -209,7 +193,8 @@ def main() -> None:
         "",
         f"`python benchmarks/generate.py {' '.join(sys.argv[1:])}`, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
-        f"CPU: {cpu_name()}, **shared** with other jobs: the two programs are "
+        f"CPU: {cpu_name()}, {os.cpu_count()} cores, **shared** with other jobs: "
+        "the two programs are "
         f"measured alternately, {args.repeats} rounds after a warm-up round, and "
         "every figure is the best of its rounds; the load average (1/5/15 min) is "
         "given before and after. Prompt: "

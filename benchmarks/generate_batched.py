@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import platform
-import subprocess
 import sys
 import time
+
+from machine import cpu_name, load
 
 from entrenar import data, io
 from entrenar.chat import ChatModel, exact_match
@@ -30,21 +30,6 @@ from entrenar.chat import ChatModel, exact_match
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HELDOUT = ROOT / "examples" / "data" / "iso_dates" / "heldout.jsonl"
 SIZES = (1, 8, 16, 32)
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -80,7 +65,8 @@ def main() -> None:
         "",
         f"SmolLM2-135M-Instruct (float32, dequantized from the Q4_1 GGUF), the "
         f"{len(recs)} held-out ISO-date chats of the main job, greedy replies decoded "
-        f"until `<|im_end|>` or the longest reference reply's length; {cpu_name()}; "
+        f"until `<|im_end|>` or the longest reference reply's length; "
+        f"{cpu_name()}, {os.cpu_count()} cores; "
         f"load average {before} before, {after} after; best of {args.repeats} "
         f"after a warm-up run.",
         "",

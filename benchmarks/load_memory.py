@@ -29,7 +29,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import time
 from typing import Any
 
 import numpy as np
+from machine import cpu_name, peak_rss
 
 CASES = {
     "float32": ("float32", None),
@@ -212,23 +212,15 @@ def measure_run(folder: str, steps: int, how: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     spec = validate(yaml)
     prep = run_mod.prepare(spec)
-    prepared, prepare_s = _hwm(), time.perf_counter() - t0
+    prepared, prepare_s = peak_rss(), time.perf_counter() - t0
     res = run_mod._train(spec, prep, resume=None, progress=False)
     return {
         "prepare_s": prepare_s,
         "prepare_peak": prepared,
         "run_s": time.perf_counter() - t0,
-        "run_peak": _hwm(),
+        "run_peak": peak_rss(),
         "loss": res.metrics.get("train_loss"),
     }
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def read_seconds(folder: str) -> tuple[float, int]:
@@ -356,17 +348,6 @@ def main() -> None:
     if args.write_md:
         with open(args.write_md, "a") as f:
             f.write(table + "\n")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

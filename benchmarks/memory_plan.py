@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from typing import Any
+
+from machine import cpu_name, peak_rss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "examples", "data", "iso_dates", "train.jsonl")
@@ -89,14 +90,6 @@ def write_yaml(model: str, variant: str, out: str) -> str:
     return yaml
 
 
-def hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def predict(yaml: str) -> dict[str, Any]:
     from entrenar.config.summary import validate
     from entrenar.runs.memory_plan import plan_memory
@@ -120,12 +113,12 @@ def measure(yaml: str) -> dict[str, Any]:
     shutil.rmtree(spec.output_dir, ignore_errors=True)  # a fresh run
     t0 = time.perf_counter()
     prep = run.prepare(spec)
-    loaded = hwm()
+    loaded = peak_rss()
     res = run._train(spec, prep, resume=None, progress=False)
     return {
         "seconds": time.perf_counter() - t0,
         "load": loaded,
-        "peak": hwm(),
+        "peak": peak_rss(),
         "loss": res.metrics.get("train_loss"),
     }
 
@@ -141,14 +134,6 @@ def child(kind: str, yaml: str) -> dict[str, Any]:
             f"{res.stderr[-3000:]}"
         )
     return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:

@@ -46,6 +46,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale_models
+from machine import cpu_name, peak_rss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "..", "..", "shared", "bench", "peers", "torch_llama_lora.py")
@@ -65,15 +66,6 @@ training: {{max_steps: {steps}, log_every: 1, seed: 0, checkpoint_every: {steps}
 export: {{formats: [adapter]}}
 """
 """The measured run (also the headline run of Llama-3-8B, with 2 steps)."""
-
-
-def hwm() -> int:
-    """Peak resident bytes of this process so far (``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def matrix_params(shape: str) -> tuple[int, int]:
@@ -104,7 +96,7 @@ def child_load(shape: str, fmt: str, out: str) -> dict[str, Any]:
     jax.block_until_ready(params)
     seconds = time.perf_counter() - t0
     leaves = jax.tree_util.tree_leaves(params, is_leaf=is_weight_node)
-    return {"seconds": seconds, "peak": hwm(), "tree": sum(map(nbytes, leaves))}
+    return {"seconds": seconds, "peak": peak_rss(), "tree": sum(map(nbytes, leaves))}
 
 
 def child_step(shape: str, batch: int, seq: int, steps: int, out: str) -> dict:
@@ -128,7 +120,7 @@ def child_step(shape: str, batch: int, seq: int, steps: int, out: str) -> dict:
     t0 = time.perf_counter()
     spec = validate(yaml)
     prep = run_mod.prepare(spec)
-    prepare_s, prepare_peak = time.perf_counter() - t0, hwm()
+    prepare_s, prepare_peak = time.perf_counter() - t0, peak_rss()
     res = run_mod._train(spec, prep, resume=None, progress=False)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if '"tokens_per_s"' in line]
@@ -137,7 +129,7 @@ def child_step(shape: str, batch: int, seq: int, steps: int, out: str) -> dict:
         "prepare_s": prepare_s,
         "prepare_peak": prepare_peak,
         "run_s": time.perf_counter() - t0,
-        "peak": hwm(),
+        "peak": peak_rss(),
         "step_s": step_s,
         "loss": res.metrics.get("train_loss"),
     }
@@ -225,14 +217,6 @@ def record(path: str, entry: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(entries, f, indent=1)
     print(json.dumps(entry), flush=True)
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "?"
 
 
 def measure(args: argparse.Namespace) -> None:
