@@ -53,6 +53,21 @@ MIN_BLOCKS = 4
 """Fewest blocks a matrix is cut into (so at most a quarter of it is ever decoded)."""
 
 
+def rows_within(out: int, fan_in: int, max_values: int) -> int:
+    """The largest divisor ``R`` of ``out`` with ``R · fan_in <= max_values``, or 1.
+
+    A divisor, so every block of ``R`` rows of an ``(out, fan_in)`` matrix has the
+    same shape.
+
+    >>> rows_within(12, 10, 45)
+    4
+    """
+    rows = max(1, min(out, max_values // fan_in))
+    while out % rows:
+        rows -= 1
+    return rows
+
+
 def block_rows(out: int, fan_in: int, max_values: int = BLOCK_VALUES) -> int:
     """Rows per block ``R``, the largest divisor of ``out`` that fits.
 
@@ -63,10 +78,7 @@ def block_rows(out: int, fan_in: int, max_values: int = BLOCK_VALUES) -> int:
     >>> block_rows(14336, 4096)
     2048
     """
-    rows = max(1, min(max_values // fan_in, out // MIN_BLOCKS))
-    while out % rows:  # a divisor of ``out``: every block has the same shape
-        rows -= 1
-    return rows
+    return rows_within(out, fan_in, min(max_values, out // MIN_BLOCKS * fan_in))
 
 
 def use_blocked(w: Any) -> bool:
@@ -245,4 +257,11 @@ def _product_bwd(rows: int, dtype: Any, res: Any, g: jax.Array) -> Any:
 _product.defvjp(_product_fwd, _product_bwd, symbolic_zeros=True)
 
 
-__all__ = ["BLOCK_VALUES", "MIN_BLOCKS", "block_rows", "blocked_matmul", "use_blocked"]
+__all__ = [
+    "BLOCK_VALUES",
+    "MIN_BLOCKS",
+    "block_rows",
+    "blocked_matmul",
+    "rows_within",
+    "use_blocked",
+]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.nn.losses import head_nll
+from entrenar.quant.blocked import rows_within
 from entrenar.quant.kquant import GGMLWeight, decode_rows
 
 BLOCK_VALUES = 1 << 20
@@ -45,9 +46,7 @@ def ggml_head_nll(
     accumulation); the logits and the sums are float32.
     """
     v, d = w.shape
-    rows = max(1, min(v, BLOCK_VALUES // d))
-    while v % rows:
-        rows -= 1
+    rows = rows_within(v, d, BLOCK_VALUES)
     dtype = jnp.dtype(matmul_dtype or x.dtype)
     return _nll(w, x, y, rows, dtype)
 

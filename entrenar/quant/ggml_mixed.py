@@ -38,6 +38,7 @@ from entrenar.nn.weight_node import (
     register_weight_node,
     to_dense,
 )
+from entrenar.quant.blocked import rows_within
 from entrenar.quant.kquant import FORMATS, Format, _f16, _i8
 
 Array = Any
@@ -238,9 +239,7 @@ def mixed_matmul(
             f"the stacked weight per layer (scan over layers) first"
         )
     out, fan_in = w.shape
-    rows = max(1, min(out, BLOCK_VALUES // fan_in))
-    while out % rows:
-        rows -= 1
+    rows = rows_within(out, fan_in, BLOCK_VALUES)
     dtype = jnp.dtype(matmul_dtype or x.dtype)
     xs = x.reshape(-1, fan_in)  # (n, in)
     y = _product(w, xs, rows, dtype)  # (n, out)

@@ -204,10 +204,7 @@ def _ggml_jax(w: GGMLWeight, xs: jax.Array) -> jax.Array:
 
 def _ggml_rows(out: int, fan_in: int) -> int:
     """Rows per block: the largest divisor of ``out`` within `GGML_BLOCK_VALUES`."""
-    rows = max(1, min(out, GGML_BLOCK_VALUES // fan_in))
-    while out % rows:
-        rows -= 1
-    return rows
+    return blocked.rows_within(out, fan_in, GGML_BLOCK_VALUES)
 
 
 def _row_blocks(w: GGMLWeight, rows: int) -> jax.Array:
