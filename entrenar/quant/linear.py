@@ -95,9 +95,7 @@ def _block_rows(w: QuantizedWeight, n_inputs: int) -> int:
     if n_inputs > FEW_ROWS or w.ndim != 2 or w.granularity != "block":
         return 0
     out, fan_in = w.shape
-    rows = max(1, BLOCK_VALUES // fan_in)
-    while out % rows:  # a divisor of ``out``, so every block has the same shape
-        rows -= 1
+    rows = blocked.rows_within(out, fan_in, BLOCK_VALUES)
     return rows if rows < out else 0  # one block: the plain path is the same
 
 
