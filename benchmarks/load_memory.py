@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 from machine import cpu_name, peak_rss
+from scale_models import shard_groups
 
 CASES = {
     "float32": ("float32", None),
@@ -81,15 +82,7 @@ def write_folder(
     config = nn.LlamaConfig(**(shape | {"num_layers": layers}))
     shapes = per_layer_shapes(config)
     rng = np.random.default_rng(0)
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name in sorted(shapes):
-        n = int(np.prod(shapes[name])) * 2
-        if groups[-1] and size + n > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += n
+    groups = shard_groups(sorted(shapes), shapes, shard_bytes)
     os.makedirs(folder, exist_ok=True)
     weight_map = {}
     for i, group in enumerate(groups):

@@ -283,6 +283,22 @@ def write_gguf(path: str, cfg: Any, seed: int = 0) -> None:
     os.replace(tmp, path)
 
 
+def shard_groups(
+    names: list[str], shapes: dict[str, Any], shard_bytes: int, itemsize: int = 2
+) -> list[list[str]]:
+    """``names`` in order, in shards of at most ``shard_bytes`` (or one tensor)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = int(np.prod(shapes[name])) * itemsize
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    return groups
+
+
 def write_hf_folder(folder: str, cfg: Any, seed: int = 0) -> None:
     """A Hugging Face folder of ``cfg``: bfloat16 shards, index, config, tokenizer."""
     import ml_dtypes
@@ -299,16 +315,7 @@ def write_hf_folder(folder: str, cfg: Any, seed: int = 0) -> None:
             return (1, int(name.split(".")[2]), name)
         return (0 if "embed" in name else 2, 0, name)
 
-    order = sorted(shapes, key=key)
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name in order:
-        n = int(np.prod(shapes[name])) * 2
-        if groups[-1] and size + n > SHARD_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += n
+    groups = shard_groups(sorted(shapes, key=key), shapes, SHARD_BYTES)
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
     weight_map = {}
