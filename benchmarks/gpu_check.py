@@ -641,6 +641,11 @@ class Report:
         self.parts.append(text.rstrip() + "\n")
         self.write()
 
+    def replace(self, heading: str, text: str) -> None:
+        """Drop the parts that start with ``heading``, then add ``text``."""
+        self.parts = [p for p in self.parts if not p.startswith(heading)]
+        self.add(text)
+
     def write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("\n".join(self.parts))
@@ -741,8 +746,7 @@ def section_steps(
         left,
     )
     rows.append(r)
-    rep.parts = [p for p in rep.parts if not p.startswith("## Steps")]
-    rep.add(_steps_table(rows))
+    rep.replace("## Steps", _steps_table(rows))
 
 
 def _steps_table(rows: list[dict[str, Any]]) -> str:
@@ -837,8 +841,7 @@ def section_peer(
     if not got:
         raise RuntimeError(f"the peer printed nothing: {err[-1500:]}")
     rows.extend(got)
-    rep.parts = [p for p in rep.parts if not p.startswith("## Peer")]
-    rep.add(_peer_table(rows))
+    rep.replace("## Peer", _peer_table(rows))
 
 
 def _peer_table(rows: list[dict[str, Any]]) -> str:
@@ -947,8 +950,7 @@ def orchestrate(a: argparse.Namespace) -> int:
             print(f"{title}: {time.time() - t1:.1f} s", file=sys.stderr, flush=True)
     if not have_torch:
         rep.add("## Peer\n\nskipped: torch, transformers or peft is not installed.")
-    rep.parts = [p for p in rep.parts if not p.startswith("## Ratios")]
-    rep.add(_ratios(steps, peer))
+    rep.replace("## Ratios", _ratios(steps, peer))
     rep.add(f"Total {time.time() - t0:.0f} s.")
     return 1 if failures else 0
 
