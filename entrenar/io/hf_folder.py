@@ -36,6 +36,7 @@ from entrenar import nn
 from entrenar.errors import FormatError, ShapeError, UnsupportedError
 from entrenar.io.atomic import atomic_write
 from entrenar.io.bounded import MAX_CONFIG_BYTES, read_json
+from entrenar.io.heap import bound_heap
 from entrenar.io.hf_tokenizer import HFTokenizer, eos_ids_of, tokenizer_files
 from entrenar.io.safetensors_io import (
     read_safetensors,
@@ -219,6 +220,7 @@ def load_hf_folder(
     for file in info.files:
         tensors, _ = read_safetensors(file)
         flat.update(tensors)
+    bound_heap(sum(t.nbytes for t in flat.values()))  # big buffers mapped (io.heap)
     convert = getattr(info.architecture, "from_hf_tensors", None)
     if convert is not None:  # a family whose checkpoint names differ from its tree
         flat = convert(flat, info.config)

@@ -31,7 +31,6 @@ half-split (NEOX) rotary in llama.cpp too and are not permuted.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import math
@@ -56,6 +55,7 @@ from entrenar.io.gguf_families import (
     written_name,
 )
 from entrenar.io.gguf_reader import GGUFFile, GGUFValueType, read_gguf
+from entrenar.io.heap import bound_heap, trim_heap
 from entrenar.io.safetensors_io import release_pages
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
@@ -446,19 +446,6 @@ def _rows(g: GGUFFile, name: str) -> np.ndarray:
     return raw.reshape(n, -1) if raw.size % n == 0 else raw
 
 
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc ``malloc_trim``).
-
-    A load's freed staging buffers stay in the process's heap: 0.8 GB over a 1.0 GB
-    tree for Llama-3-8B's embedding, head and two layers, counted in its resident
-    memory until reused. A no-op where there is no glibc.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def load_llama_gguf(
     path: str | os.PathLike[str] | GGUFFile,
     keep_quantized: bool = False,
@@ -503,6 +490,7 @@ def load_llama_gguf(
             an undecodable tensor type.
     """
     g, config = read_llama_header(path)
+    bound_heap(sum(t.nbytes for t in g.tensors.values()))  # big buffers mapped
     config = dataclasses.replace(config, param_dtype=dtype)
     name = _arch_name(g)
     want = _expected(g, config)

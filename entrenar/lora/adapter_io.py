@@ -34,7 +34,7 @@ from entrenar.errors import (
 )
 from entrenar.io.atomic import atomic_write
 from entrenar.io.bounded import read_json
-from entrenar.io.safetensors_io import read_safetensors, save_safetensors
+from entrenar.io.safetensors_io import read_safetensors, write_safetensors_stream
 from entrenar.lora.names import (
     STACKED_KEYS,
     hf_modules,
@@ -134,7 +134,14 @@ def save_adapter(
         "use_dora": False,
     }
     os.makedirs(folder, exist_ok=True)
-    save_safetensors(tensors, os.path.join(folder, WEIGHTS_NAME), {"format": "pt"})
+    # tensor by tensor from the adapters' own buffers (no whole-file copy in memory)
+    specs = {k: (v.dtype, v.shape) for k, v in tensors.items()}
+    write_safetensors_stream(
+        os.path.join(folder, WEIGHTS_NAME),
+        specs,
+        lambda name: (tensors[name],),
+        {"format": "pt"},
+    )
     with atomic_write(os.path.join(folder, CONFIG_NAME), "w") as f:
         f.write(json.dumps(config, indent=2))
 
