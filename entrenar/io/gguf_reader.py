@@ -70,6 +70,7 @@ SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.FLOAT64: "<d",
 }
 """`struct` format of each fixed-size value type."""
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,24 @@ class _Cursor:
         self.pos += n
         return b.decode("utf-8", errors="surrogateescape")
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """``count`` strings, as ``string`` reads each (the same checks)."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        length = _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, f"{what} length")
+            (n,) = length(buf, pos)
+            pos += 8
+            if pos + n > size:
+                self.pos = pos
+                self.need(n, what)
+            out.append(str(buf[pos : pos + n], "utf-8", "surrogateescape"))
+            pos += n
+        self.pos = pos
+        return out
+
     def vtype(self, what: str) -> GGUFValueType:
         v = self.u32(what)
         try:
@@ -192,6 +211,8 @@ class _Cursor:
             return GGUFField(vals.tolist(), vtype, item)
         # Strings take >= 8 bytes each, arrays >= 12: bound count before looping.
         self.need(count * (8 if item == GGUFValueType.STRING else 12), what)
+        if item == GGUFValueType.STRING:  # a vocabulary: 10^5 strings, one loop
+            return GGUFField(self.strings(count, what), vtype, item)
         items = [self.value(item, what, depth + 1).value for _ in range(count)]
         return GGUFField(items, vtype, item)
 

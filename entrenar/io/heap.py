@@ -19,14 +19,23 @@ glibc's default (mapping a page-faulted fresh buffer each step costs time and bu
 little there). `trim_heap` gives the heap's free pages back after a load. Both are
 no-ops where there is no glibc, and `bound_heap` leaves a threshold the user chose
 (``MALLOC_MMAP_THRESHOLD_`` in the environment) alone.
+
+`host_buffer` and `to_device` let a load fill a leaf of stored bytes on the host
+(numpy copies from the mapped file, no compiled update per leaf shape) and hand it
+to JAX without a copy: JAX's CPU client aliases a numpy buffer aligned to a page
+(`jax.device_put`), and copies one that is not (other backends always copy).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 from typing import Any
+
+import jax
+import numpy as np
 
 M_MMAP_THRESHOLD = -3
 """glibc's ``mallopt`` parameter number of the mmap threshold (``malloc.h``)."""
@@ -73,4 +82,21 @@ def bound_heap(model_bytes: int) -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
-__all__ = ["BIG_MODEL_BYTES", "bound_heap", "trim_heap"]
+def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous numpy array whose data starts on a page."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + mmap.PAGESIZE, np.uint8)
+    start = -raw.ctypes.data % mmap.PAGESIZE
+    return raw[start : start + n].view(dtype).reshape(shape)
+
+
+def to_device(buf: np.ndarray) -> jax.Array:
+    """``buf`` as a JAX array; on the CPU the same memory when page-aligned.
+
+    ``buf`` must not be written afterwards (the array may alias it).
+    """
+    return jax.block_until_ready(jax.device_put(buf))
+
+
+__all__ = ["BIG_MODEL_BYTES", "bound_heap", "host_buffer", "to_device", "trim_heap"]

@@ -55,11 +55,12 @@ from entrenar.io.gguf_families import (
     written_name,
 )
 from entrenar.io.gguf_reader import GGUFFile, GGUFValueType, read_gguf
-from entrenar.io.heap import bound_heap, trim_heap
+from entrenar.io.heap import bound_heap, host_buffer, to_device, trim_heap
 from entrenar.io.safetensors_io import release_pages
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
 from entrenar.nn.hf_names import (
+    CHUNK_BYTES,
     Quantize,
     Reader,
     RowReader,
@@ -532,50 +533,45 @@ def load_llama_gguf(
 
         return read
 
-    def layer_bytes(gname: str, width: int) -> Reader:
-        """One layer's rows as stored, un-permuted, zero-padded to ``width`` bytes."""
-
-        def read() -> jax.Array:
-            raw = _rows(g, gname)  # (rows, row_bytes)
-            stem = gname.split(".")[-2]
-            if permute and stem in perm_heads:
-                raw = unpermute_qk(raw, perm_heads[stem])
-            if raw.shape[-1] < width:
-                raw = np.pad(raw, ((0, 0), (0, width - raw.shape[-1])))
-            out = jnp.asarray(raw).block_until_ready()
-            release_pages(g.raw(gname))
-            return out
-
-        return read
-
     def kept_bytes(path_: str, names: list[str], types: list[str], shape: Any) -> Any:
-        """A stacked leaf as stored, filled layer by layer.
+        """A stacked leaf as stored, filled layer by layer on the host.
 
-        A `GGMLWeight`, or a `MixedGGMLWeight` when the layers' types differ
+        Each layer's rows are copied (un-permuted, zero-padded to the widest
+        type's row) into one page-aligned ``(L, rows, width)`` uint8 buffer and
+        the file's pages dropped before the next; the buffer becomes the JAX
+        array without a copy on the CPU (`entrenar.io.heap.to_device`). A
+        `GGMLWeight`, or a `MixedGGMLWeight` when the layers' types differ
         (llama.cpp's mixes).
         """
         kinds = tuple(sorted(set(types)))
         cols = shape[-1]
         width = max(row_bytes(t, cols) for t in check_types(kinds, cols))
-        layers = [layer_bytes(n, width) for n in names]
-        data = stream_stacked(path_, (*shape[:-1], width), jnp.uint8, layers)
+        buf = host_buffer((*shape[:-1], width), np.uint8)  # (L, rows, width)
+        for i, gname in enumerate(names):
+            raw = _rows(g, gname)  # (rows, row_bytes)
+            stem = gname.split(".")[-2]
+            if permute and stem in perm_heads:
+                raw = unpermute_qk(raw, perm_heads[stem])
+            n = raw.shape[-1]
+            buf[i, :, :n] = raw
+            buf[i, :, n:] = 0
+            release_pages(g.raw(gname))
+        data = to_device(buf)
         if len(kinds) == 1:
             return GGMLWeight(data, kinds[0])
         kind = jnp.asarray([kinds.index(t) for t in types], jnp.int32)  # (L,)
         return MixedGGMLWeight(data, kind, kinds, cols)
 
     def kept_table(path_: str, gname: str, shape: tuple[int, ...]) -> GGMLWeight:
-        """An unstacked matrix as stored, filled in chunks of rows of bytes."""
+        """An unstacked matrix as stored, copied on the host in chunks of rows."""
         raw = _rows(g, gname)  # (rows, row_bytes): sizes checked by the header
-
-        def read(start: int | None, stop: int | None) -> jax.Array:
-            part = raw[start:stop]
-            out = jnp.asarray(part).block_until_ready()
+        buf = host_buffer(raw.shape, np.uint8)
+        step = max(1, CHUNK_BYTES // max(1, raw.shape[1]))
+        for start in range(0, raw.shape[0], step):
+            part = raw[start : start + step]
+            buf[start : start + step] = part
             release_pages(part)
-            return out
-
-        data = stream_one(path_, raw.shape, jnp.uint8, read)
-        return GGMLWeight(data, _type(gname))
+        return GGMLWeight(to_device(buf), _type(gname))
 
     def stacked(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Any:
         names = [by_hf[f"model.layers.{i}.{hf_stem}"] for i in range(shape[0])]
