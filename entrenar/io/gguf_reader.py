@@ -126,6 +126,35 @@ class GGUFFile:
         t = self.info(name)
         return self._data[t.offset : t.offset + t.nbytes]
 
+    def read_into(self, name: str, out: np.ndarray) -> np.ndarray:
+        """Read the tensor's stored bytes from the file into ``out`` and return it.
+
+        ``out``: a C-contiguous array of exactly the tensor's bytes (any dtype).
+        Plain ``pread`` calls, not the memory map: a cold file is read in large
+        requests, and no mapped page stays in the resident set.
+        """
+        t = self.info(name)
+        view = memoryview(out).cast("B")
+        if not out.flags.c_contiguous or view.nbytes != t.nbytes:
+            raise FormatError(
+                f"{self.path}: tensor {name!r} has {t.nbytes} bytes, the buffer "
+                f"{view.nbytes}{'' if out.flags.c_contiguous else ' (not contiguous)'}"
+            )
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < t.nbytes:
+                n = os.preadv(fd, [view[done:]], t.offset + done)
+                if n <= 0:
+                    raise FormatError(
+                        f"{self.path}: tensor {name!r} ends early: the file is "
+                        f"truncated or was changed while reading"
+                    )
+                done += n
+        finally:
+            os.close(fd)
+        return out
+
     def tensor(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32, in numpy shape order."""
         t = self.info(name)

@@ -60,7 +60,6 @@ from entrenar.io.safetensors_io import release_pages
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
 from entrenar.nn.hf_names import (
-    CHUNK_BYTES,
     Quantize,
     Reader,
     RowReader,
@@ -536,10 +535,11 @@ def load_llama_gguf(
     def kept_bytes(path_: str, names: list[str], types: list[str], shape: Any) -> Any:
         """A stacked leaf as stored, filled layer by layer on the host.
 
-        Each layer's rows are copied (un-permuted, zero-padded to the widest
-        type's row) into one page-aligned ``(L, rows, width)`` uint8 buffer and
-        the file's pages dropped before the next; the buffer becomes the JAX
-        array without a copy on the CPU (`entrenar.io.heap.to_device`). A
+        Each layer's bytes are read from the file (``pread``, `GGUFFile.read_into`)
+        into its place in one page-aligned ``(L, rows, width)`` uint8 buffer, or
+        through a one-layer buffer when its rows are un-permuted or zero-padded to
+        the widest type's row; the buffer becomes the JAX array without a copy on
+        the CPU (`entrenar.io.heap.to_device`). A
         `GGMLWeight`, or a `MixedGGMLWeight` when the layers' types differ
         (llama.cpp's mixes).
         """
@@ -547,15 +547,22 @@ def load_llama_gguf(
         cols = shape[-1]
         width = max(row_bytes(t, cols) for t in check_types(kinds, cols))
         buf = host_buffer((*shape[:-1], width), np.uint8)  # (L, rows, width)
+        stem = names[0].split(".")[-2]
+        permuted = permute and stem in perm_heads
+        stage: np.ndarray | None = None  # one layer's bytes, when not read in place
         for i, gname in enumerate(names):
-            raw = _rows(g, gname)  # (rows, row_bytes)
-            stem = gname.split(".")[-2]
-            if permute and stem in perm_heads:
+            n = row_bytes(types[i], cols)
+            if n == width and not permuted:
+                g.read_into(gname, buf[i])  # straight into its place
+                continue
+            if stage is None or stage.size != buf[i].size:
+                stage = np.empty(buf[i].shape, np.uint8)
+            raw = g.read_into(gname, stage.reshape(-1)[: shape[-2] * n])
+            raw = raw.reshape(shape[-2], n)  # (rows, row_bytes)
+            if permuted:
                 raw = unpermute_qk(raw, perm_heads[stem])
-            n = raw.shape[-1]
             buf[i, :, :n] = raw
             buf[i, :, n:] = 0
-            release_pages(g.raw(gname))
         data = to_device(buf)
         if len(kinds) == 1:
             return GGMLWeight(data, kinds[0])
@@ -563,14 +570,10 @@ def load_llama_gguf(
         return MixedGGMLWeight(data, kind, kinds, cols)
 
     def kept_table(path_: str, gname: str, shape: tuple[int, ...]) -> GGMLWeight:
-        """An unstacked matrix as stored, copied on the host in chunks of rows."""
-        raw = _rows(g, gname)  # (rows, row_bytes): sizes checked by the header
-        buf = host_buffer(raw.shape, np.uint8)
-        step = max(1, CHUNK_BYTES // max(1, raw.shape[1]))
-        for start in range(0, raw.shape[0], step):
-            part = raw[start : start + step]
-            buf[start : start + step] = part
-            release_pages(part)
+        """An unstacked matrix as stored, read from the file into its buffer."""
+        t = g.tensors[gname]
+        rows_ = t.shape[0]  # (rows, row_bytes): sizes checked by the header
+        buf = g.read_into(gname, host_buffer((rows_, t.nbytes // rows_), np.uint8))
         return GGMLWeight(to_device(buf), _type(gname))
 
     def stacked(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Any:

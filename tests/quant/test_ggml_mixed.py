@@ -212,3 +212,16 @@ def test_shapes_are_the_peer_scripts_presets():
         and any(getattr(t, "id", None) == "PRESETS" for t in node.targets)
     )
     assert presets == scale_models.SHAPES
+
+
+def test_read_into_gives_the_mapped_bytes_and_checks_the_size(q4_k_m_gguf):
+    from entrenar.errors import FormatError
+    from entrenar.io import read_gguf
+
+    g = read_gguf(q4_k_m_gguf)
+    for name, t in g.tensors.items():
+        out = g.read_into(name, np.empty(t.nbytes, np.uint8))
+        np.testing.assert_array_equal(out, np.asarray(g.raw(name)), err_msg=name)
+    name, t = next(iter(g.tensors.items()))
+    with pytest.raises(FormatError, match=f"{name!r} has {t.nbytes} bytes"):
+        g.read_into(name, np.empty(t.nbytes + 1, np.uint8))
