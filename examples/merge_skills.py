@@ -2,14 +2,16 @@
 
     python examples/merge_skills.py [--tasks iso_dates,time24,initials] [--steps 40]
                                     [--work runs/merge-skills] [--out FILE] [--quick]
+                                    [--methods ties,...] [--sets 2,3] [--reuse]
 
 1. Fine-tune SmolLM2-135M-Instruct (its Q4_1 GGUF) once per task with the main job's
    run (`examples/configs/smollm2-qlora.yaml`: QLoRA on the attention projections,
    adapter + Q8_0 GGUF exported), each on its task's ``train.jsonl`` (seeded scripts
    in ``examples/data/<task>/``), and score each fine-tune on every task's held-out
    split: exact match of greedy chat replies (`entrenar.chat.exact_match`).
-2. Merge the first two fine-tunes (and all three, when three tasks are given) with
-   each method, through (a) their adapters (`entrenar.merge.merge_adapters`),
+2. Merge the first two fine-tunes (and all three, when three tasks are given;
+   ``--sets`` picks which) with each method, through (a) their adapters
+   (`entrenar.merge.merge_adapters`),
    (b) the folded float models (``W + Δ_i`` against the dequantized base), and
    (c) their exported Q8_0 GGUFs against the Q4_1 base GGUF, as they are
    (``quantized="keep"``) and with the task vector taken on the file's grid
@@ -20,6 +22,10 @@
    task's share of its single-task score, to ``--out``
    (default ``benchmarks/results/merge_skills.md``).
 
+With ``--reuse`` the fine-tunes already in ``--work`` are taken as they are, and so
+are their single-task scores (``--work/scores.json``), so that a long run can be
+split into chunks (``--methods``, ``--sets``) that each score only their merges.
+
 ``--quick`` runs the same steps on a tiny random Llama with SmolLM2's tokenizer and
 chat template (3 training steps, 8 held-out records per task): the plumbing in
 seconds, for the tests; its scores mean nothing.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import platform
 import shutil
@@ -183,11 +190,21 @@ def main() -> None:
         "--methods", default=",".join(METHODS), help="of " + ", ".join(METHODS)
     )
     parser.add_argument(
-        "--reuse", action="store_true", help="take the fine-tunes already in --work"
+        "--sets",
+        default="2,3",
+        help="merge the first 2 fine-tunes, all 3, or both (2,3)",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take the fine-tunes already in --work, and their single-task scores",
     )
     args = parser.parse_args()
     tasks = args.tasks.split(",")
     methods = args.methods.split(",")
+    sets = sorted({int(k) for k in args.sets.split(",")})
+    if not set(sets) <= {2, 3} or (3 in sets and len(tasks) < 3):
+        parser.error(f"--sets {args.sets}: 2 and/or 3, at most as many as --tasks")
     os.makedirs(args.work, exist_ok=True)
     t_start = time.perf_counter()
     base_gguf = tiny_base(args.work) if args.quick else io.smollm2_path()
@@ -206,13 +223,25 @@ def main() -> None:
     chat = ChatModel.from_gguf(base_gguf)
     _, params_q, _ = io.load_llama_gguf(base_gguf, keep_quantized=True)
     rows: list[tuple[str, str, str, dict[str, int] | str]] = []
-    rows.append(("-", "base model", "-", scores(chat, chat.params, held)))
+    cache = os.path.join(args.work, "scores.json")  # unmerged models' scores
+    key = ",".join(f"{t}:{len(held[t])}" for t in tasks)
+    known: dict[str, dict[str, int]] = {}
+    if args.reuse and os.path.exists(cache):
+        with open(cache) as f:
+            known = json.load(f).get(key, {})
+    if "base" not in known:
+        known["base"] = scores(chat, chat.params, held)
+    rows.append(("-", "base model", "-", known["base"]))
     single: dict[str, int] = {}
     for t in tasks:
-        s = scores(chat, lora.load_adapter(tuned[t]["adapter"], params_q), held)
-        single[t] = s[t]
-        rows.append(("-", f"{t} alone", "adapter", s))
-        print(f"  {t} alone: {s}")
+        if t not in known:
+            adapted = lora.load_adapter(tuned[t]["adapter"], params_q)
+            known[t] = scores(chat, adapted, held)
+        single[t] = known[t][t]
+        rows.append(("-", f"{t} alone", "adapter", known[t]))
+        print(f"  {t} alone: {known[t]}")
+    with io.atomic_write(cache, "w") as f:
+        json.dump({key: known}, f)
     base_leaves = open_model(merge.ModelRef(base_gguf)).leaves
     reports = {}
     for t in tasks:
@@ -222,7 +251,7 @@ def main() -> None:
         )
         print(f"  {reports[t].describe()}: flagged {reports[t].flagged}")
     del base_leaves
-    combos = [tasks[:2]] + ([tasks] if len(tasks) > 2 else [])
+    combos = [tasks[:k] for k in sets]
     for combo in combos:
         print(f"== merging {' + '.join(combo)}")
         for method in methods:
@@ -239,7 +268,9 @@ def main() -> None:
         "# Merging skills: QLoRA fine-tunes of SmolLM2-135M merged three ways",
         "",
         f"`python examples/merge_skills.py --tasks {','.join(tasks)} --steps {steps}"
-        f"{' --quick' if args.quick else ''}` on {platform.machine()}, "
+        f" --methods {','.join(methods)} --sets {args.sets}"
+        f"{' --reuse' if args.reuse else ''}{' --quick' if args.quick else ''}` "
+        f"on {platform.machine()}, "
         f"{time.strftime('%Y-%m-%d')}, {time.perf_counter() - t_start:.0f} s wall. "
         f"Base: `{os.path.basename(base_gguf)}`. Held-out exact match of greedy chat "
         "replies (correct / records), and in brackets the share of the task's "

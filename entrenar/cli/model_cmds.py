@@ -282,18 +282,16 @@ def _scored_merge(
 ) -> None:
     """Merge (searching the grid with --search), write the best, print the scores."""
     from entrenar import merge
-    from entrenar.merge.search import format_table, with_setting
+    from entrenar.merge.search import format_table
     from entrenar.runs.merging import chat_scorer, search_merge
 
     score = chat_scorer(model_file, tasks)
     if search:
-        result = search_merge(recipe, score)
+        result = search_merge(recipe, score, output=output)  # writes the best
         click.echo(result.table())
         best = result.best
-        recipe = with_setting(recipe, best.setting)
         shown = ", ".join(f"{k}={v}" for k, v in best.setting.items())
         click.echo(f"best worst-task score {best.worst:.3f} with {shown}")
-        merge.run_recipe(recipe, output)
         return
     model = merge.run_recipe(recipe, output)
     click.echo(format_table([merge.Trial({}, score(model))]))

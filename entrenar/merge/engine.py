@@ -116,6 +116,7 @@ def merge_leaf(
     base: Any,
     models: Sequence[Any],
     out_dtype: Any,
+    memo: dict[str, jax.Array] | None = None,
 ) -> jax.Array:
     """Merge one leaf (dense arrays of one shape) as ``plan`` says, in ``out_dtype``.
 
@@ -126,6 +127,11 @@ def merge_leaf(
         base: the base model's leaf (``a`` for SLERP; None for linear).
         models: the other models' leaves.
         out_dtype: dtype of the result.
+        memo: task-vector methods: the merged task vector
+            (`kernels.merged_task_vector`) of each leaf, taken from here when
+            ``name`` is in it and stored otherwise. It does not depend on λ, so
+            merges that differ only in λ may share one (`entrenar.merge.search`);
+            the caller keeps it for one setting of everything else.
     """
     shape = logical_shape(models[0])
     rows = len(layout.layer_names)
@@ -168,20 +174,26 @@ def merge_leaf(
         keys = leaf_key(plan.key, name, n)
     lam = _resolve(plan.lam, layout, "lambda", name, 1.0)
     _check_range(lam, "lambda", name, -np.inf, np.inf, False, False)
-    out = kernels.task_vectors_leaf(
-        as_layers(base),
-        tuple(as_layers(x) for x in models),  # n x (L, m)
-        jnp.asarray(w, jnp.float32),
-        jnp.asarray(k),
-        jnp.asarray(keep, jnp.float32),
-        keys,
-        jnp.asarray(lam, jnp.float32),
-        trim=plan.density is not None and m > 0,
-        elect=plan.elect,
-        normalize=plan.normalize,
-        drop=plan.keep is not None,
-        rescale=plan.rescale,
-    )
+    head = as_layers(base)  # (L, m)
+    merged = memo.get(name) if memo is not None else None
+    if merged is None:
+        merged = kernels.merged_task_vector(
+            head,
+            tuple(as_layers(x) for x in models),  # n x (L, m)
+            jnp.asarray(w, jnp.float32),
+            jnp.asarray(k),
+            jnp.asarray(keep, jnp.float32),
+            keys,
+            # keeping all m values (density 1) trims nothing: the same result
+            trim=plan.density is not None and bool(np.any(k < m)),
+            elect=plan.elect,
+            normalize=plan.normalize,
+            drop=plan.keep is not None,
+            rescale=plan.rescale,
+        )  # (L, m)
+        if memo is not None:
+            memo[name] = merged
+    out = kernels.scaled_sum(head, merged, jnp.asarray(lam, jnp.float32))
     return out.reshape(shape).astype(out_dtype)
 
 

@@ -102,14 +102,13 @@ def combine(
 @functools.partial(
     jax.jit, static_argnames=("trim", "elect", "normalize", "drop", "rescale")
 )
-def task_vectors_leaf(
+def merged_task_vector(
     base: jax.Array,
     thetas: tuple[jax.Array, ...],
     w: jax.Array,
     k: jax.Array,
     keep: jax.Array,
     keys: jax.Array,
-    lam: jax.Array,
     *,
     trim: bool,
     elect: bool,
@@ -117,7 +116,10 @@ def task_vectors_leaf(
     drop: bool,
     rescale: bool,
 ) -> jax.Array:
-    """``base + λ · combine(sparsify(θ_i - base))`` for one leaf.
+    """``combine(sparsify(θ_i - base))`` for one leaf: the merged task vector.
+
+    It does not depend on λ, so a search over λ computes it once per setting of
+    the other values (`entrenar.merge.search`); `scaled_sum` adds it to the base.
 
     Args:
         base: ``(L, m)`` the base model's leaf.
@@ -127,7 +129,6 @@ def task_vectors_leaf(
         k: ``(L, n)`` int32 values kept by the TIES trim (used when ``trim``).
         keep: ``(L, n)`` DARE keep probabilities ``1 - p`` (used when ``drop``).
         keys: ``(n,)`` typed PRNG keys, one per model (used when ``drop``).
-        lam: ``(L,)`` scale λ of the merged task vector.
         trim: TIES magnitude trim.
         elect: TIES sign election and disjoint merge.
         normalize: see `combine`.
@@ -135,7 +136,7 @@ def task_vectors_leaf(
         rescale: DARE rescale of the kept values by ``1 / (1 - p)``.
 
     Returns:
-        ``(L, m)`` merged leaf in the compute dtype.
+        ``(L, m)`` merged task vector in the compute dtype.
     """
     dt = compute_dtype(base.dtype, *(t.dtype for t in thetas))
     b = base.astype(dt)  # (L, m)
@@ -155,8 +156,38 @@ def task_vectors_leaf(
             d = trim_top_k(d, kl)
         return combine(d, wl.astype(dt), elect=elect, normalize=normalize)
 
-    merged = jax.vmap(layer, in_axes=(1, 0, 0))(delta, w, k)  # (L, m), per layer
-    return b + lam.astype(dt)[:, None] * merged
+    return jax.vmap(layer, in_axes=(1, 0, 0))(delta, w, k)  # (L, m), per layer
+
+
+@jax.jit
+def scaled_sum(base: jax.Array, merged: jax.Array, lam: jax.Array) -> jax.Array:
+    """``base + λ · merged`` per layer: ``(L, m)``, ``(L, m)``, ``(L,)`` -> ``(L, m)``.
+
+    In ``merged``'s dtype (the compute dtype of `merged_task_vector`).
+    """
+    dt = merged.dtype
+    return base.astype(dt) + lam.astype(dt)[:, None] * merged
+
+
+def task_vectors_leaf(
+    base: jax.Array,
+    thetas: tuple[jax.Array, ...],
+    w: jax.Array,
+    k: jax.Array,
+    keep: jax.Array,
+    keys: jax.Array,
+    lam: jax.Array,
+    **flags: bool,
+) -> jax.Array:
+    """``base + λ · combine(sparsify(θ_i - base))`` for one leaf.
+
+    `merged_task_vector` (its arguments and static ``flags``: ``trim``, ``elect``,
+    ``normalize``, ``drop``, ``rescale``) then `scaled_sum` with ``lam: (L,)``;
+    two programs, so a merge and a search's reuse of the task vector for another
+    λ give the same bits.
+    """
+    merged = merged_task_vector(base, thetas, w, k, keep, keys, **flags)
+    return scaled_sum(base, merged, lam)
 
 
 @functools.partial(jax.jit, static_argnames=("normalize",))
@@ -213,6 +244,8 @@ __all__ = [
     "combine",
     "compute_dtype",
     "linear_leaf",
+    "merged_task_vector",
+    "scaled_sum",
     "slerp_layer",
     "slerp_leaf",
     "task_vectors_leaf",

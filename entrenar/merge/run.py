@@ -265,6 +265,23 @@ def run_recipe(
         return _merge(recipe, output, stream)
 
 
+def write_opened(
+    recipe: Recipe,
+    sources: Sequence[Source],
+    output: str | os.PathLike[str],
+    *,
+    memo: dict[str, Any] | None = None,
+) -> Model:
+    """`run_recipe` of inputs already opened by `open_inputs` (a search's best).
+
+    ``output`` is locked as `run_recipe` locks it; the model is merged in memory
+    (`merge_inputs`, ``sources`` left whole) and written.
+    """
+    output = os.fspath(output)
+    with OutputLock(output, folder=_output_format(output) is None):
+        return merge_inputs(recipe, sources, output, keep_inputs=True, memo=memo)
+
+
 def _merge(recipe: Recipe, output: str | None, stream: bool) -> Model:
     """`run_recipe` once its output is locked."""
     sources = open_inputs(recipe)
@@ -328,6 +345,7 @@ def merge_inputs(
     output: str | None = None,
     *,
     keep_inputs: bool = False,
+    memo: dict[str, Any] | None = None,
 ) -> Model:
     """Merge the models `open_inputs` opened, as ``recipe`` says, in memory.
 
@@ -338,8 +356,10 @@ def merge_inputs(
         keep_inputs: leave ``sources`` whole, to merge them again with other
             settings (`entrenar.merge.search`); by default each input leaf is
             released once merged.
+        memo: the merged task vectors per leaf, kept between merges that differ
+            only in λ (`entrenar.merge.engine.merge_leaf`); None: none kept.
     """
-    merger = _LeafMerger(recipe, sources)
+    merger = _LeafMerger(recipe, sources, memo)
     out = {name: merger(name, keep_inputs) for name in list(sources[0].leaves)}
     model = Model(sources[0].metadata, unflatten_params(out))
     if output is not None:
@@ -350,8 +370,13 @@ def merge_inputs(
 class _LeafMerger:
     """``merger(name)``: leaf ``name`` of the opened models, merged (one leaf)."""
 
-    def __init__(self, recipe: Recipe, sources: Sequence[Source]) -> None:
-        self.recipe, self.sources = recipe, sources
+    def __init__(
+        self,
+        recipe: Recipe,
+        sources: Sequence[Source],
+        memo: dict[str, Any] | None = None,
+    ) -> None:
+        self.recipe, self.sources, self.memo = recipe, sources, memo
         self.has_base = METHODS[recipe.merge_method]["kind"] != "linear"
         leaves = sources[0].leaves
         self.layouts = layouts({k: logical_shape(v) for k, v in leaves.items()})
@@ -381,7 +406,9 @@ class _LeafMerger:
             out = np.asarray(head).astype(out_dt)  # zero task vectors: the base
         else:
             out = np.asarray(
-                merge_leaf(self.plan, name, self.layouts[name], head, rest, out_dt)
+                merge_leaf(
+                    self.plan, name, self.layouts[name], head, rest, out_dt, self.memo
+                )
             )
         if not keep_inputs:
             for x in got:  # a mapped file's pages, read for this leaf, given back
@@ -593,4 +620,5 @@ __all__ = [
     "open_inputs",
     "open_model",
     "run_recipe",
+    "write_opened",
 ]

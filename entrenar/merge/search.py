@@ -11,9 +11,15 @@ earlier one):
 
     best = argmax_s  (min_task score(s, task),  mean_task score(s, task))
 
-Scoring dominates the cost (a merge of SmolLM2-135M takes seconds, scoring two
-80-record tasks most of a minute), so two things keep it short; neither changes
-which setting wins among those scored in full:
+A merge with task vectors is ``base + λ · M`` where the merged task vector ``M``
+does not depend on λ (`entrenar.merge.kernels.merged_task_vector`): a setting that
+differs from the previous one only in λ reuses its ``M`` (the grid lists λ
+innermost), so a TIES grid of 3 densities x 3 λ runs the trim-and-elect kernel
+3 times, not 9; the result is the same bits as merging from scratch.
+
+Scoring dominates the rest (scoring two 80-record tasks of SmolLM2-135M takes
+most of a minute on 2 cores), so two things keep it short; neither changes which
+setting wins among those scored in full:
 
 - **Pruning.** A score is told the best worst-task score so far (`Budget.floor`)
   and may stop as soon as some task cannot reach it: with ``c`` of ``n`` records
@@ -33,13 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from entrenar.errors import ConfigError
 from entrenar.io import Model
 from entrenar.merge.recipe import METHODS, Recipe
-from entrenar.merge.run import merge_inputs, merged_refs, open_inputs
+from entrenar.merge.run import merge_inputs, merged_refs, open_inputs, write_opened
 
 Setting = Mapping[str, Any]
 """One point of a grid: ``density``, ``lambda``, ``t`` (numbers) or ``weights``
@@ -180,6 +187,7 @@ def search(
     screen: int | None = None,
     finalists: int = 2,
     progress: Callable[[Trial], None] | None = None,
+    output: str | os.PathLike[str] | None = None,
 ) -> SearchResult:
     """Merge with each setting of ``grid`` and keep the best worst-task score.
 
@@ -195,6 +203,8 @@ def search(
         finalists: with ``screen``, how many screened settings besides the first
             are scored in full.
         progress: called with each trial as it is scored.
+        output: write the best setting's merge here (as `run_recipe` would,
+            from the inputs the search opened); None: write nothing.
 
     Returns:
         Every setting's trial in grid order (the full one where a setting was
@@ -207,9 +217,21 @@ def search(
     if screen is not None and screen < 1:
         raise ConfigError(f"screen must be >= 1 records, got {screen}")
     sources = open_inputs(recipe)
+    reuse: dict[str, Any] = {"key": None, "memo": {}}  # M of the last setting
+
+    def memo(point: Setting) -> dict[str, Any]:
+        key = sorted((k, repr(v)) for k, v in point.items() if k != "lambda")
+        if key != reuse["key"]:  # another M: drop the last one first
+            reuse["key"], reuse["memo"] = key, {}
+        return reuse["memo"]
+
+    def merged(point: Setting) -> Model:
+        return merge_inputs(
+            with_setting(recipe, point), sources, keep_inputs=True, memo=memo(point)
+        )
 
     def trial(i: int, items: int | None, floor: float) -> Trial:
-        model = merge_inputs(with_setting(recipe, points[i]), sources, keep_inputs=True)
+        model = merged(points[i])
         scores = dict(score(model, Budget(items, floor)))
         if not scores:
             raise ConfigError("the score function returned no task")
@@ -237,6 +259,9 @@ def search(
         full[i] = trial(i, None, max(t.worst for t in full.values()))
     best = max(full.items(), key=lambda it: rank(*it))[1]
     trials = tuple(full.get(i) or screened[i] for i in range(len(points)))
+    if output is not None:
+        best_recipe = with_setting(recipe, best.setting)
+        write_opened(best_recipe, sources, output, memo=memo(best.setting))
     return SearchResult(trials, best)
 
 

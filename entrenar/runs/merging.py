@@ -169,16 +169,23 @@ def search_merge(
     scorer: ChatScorer,
     *,
     progress: Callable[[merge.Trial], None] | None = None,
+    output: str | None = None,
 ) -> merge.SearchResult:
     """`merge.search` over the default grid as ``entrenar merge --search`` runs it.
 
     Settings are screened on each task's first `SCREEN` records when some task has
     more than twice as many, and the command's own plus `FINALISTS` others scored
-    in full; otherwise every setting is scored in full (pruned either way).
+    in full; otherwise every setting is scored in full (pruned either way). The
+    best merge is written to ``output`` (None: nowhere).
     """
     screen = SCREEN if max(scorer.sizes.values()) > 2 * SCREEN else None
     return merge.search(
-        recipe, scorer, screen=screen, finalists=FINALISTS, progress=progress
+        recipe,
+        scorer,
+        screen=screen,
+        finalists=FINALISTS,
+        progress=progress,
+        output=output,
     )
 
 

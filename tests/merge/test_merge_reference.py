@@ -138,9 +138,9 @@ def test_per_leaf_programs_are_jitted_once_per_shape(trees):
     from entrenar.merge import kernels
 
     merge.ties(base, models, 0.5)
-    before = kernels.task_vectors_leaf._cache_size()
+    before = kernels.merged_task_vector._cache_size()
     merge.ties(base, [finetuned(base, 9), *models[1:]], [0.4, 0.6, 0.1])
-    assert kernels.task_vectors_leaf._cache_size() == before
+    assert kernels.merged_task_vector._cache_size() == before
 
 
 def test_trim_keeps_the_k_largest_magnitudes_and_their_ties():

@@ -143,3 +143,80 @@ def test_screening_scores_the_recipe_and_the_finalists_in_full(recipe):
 def test_screen_must_be_positive(recipe):
     with pytest.raises(ConfigError, match="screen must be >= 1"):
         merge.search(recipe, lambda m, b: {"a": 1.0}, GRID, screen=0)
+
+
+@pytest.fixture
+def ties_recipe(tmp_path):
+    """TIES over two random 'fine-tunes' of a (2, 3, 16) stacked leaf."""
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(2, 3, 16)).astype(np.float32)
+
+    def model(path, value):
+        tree = {"model": {"layers": {"w": value}}}
+        io.save_model(io.Model(io.ModelMetadata("m"), tree), path)
+        return str(path)
+
+    b = model(tmp_path / "base.safetensors", base)
+    ms = [model(tmp_path / f"m{i}.safetensors",
+                base + rng.normal(size=base.shape).astype(np.float32))
+          for i in range(2)]  # fmt: skip
+    return files_recipe(ms, "ties", base=b, density=0.5)
+
+
+def test_search_reuses_the_task_vector_across_lambda_with_the_same_bits(
+    ties_recipe, monkeypatch
+):
+    from entrenar.merge import kernels
+    from entrenar.merge.run import merge_inputs, open_inputs
+
+    calls = []
+    real = kernels.merged_task_vector
+    monkeypatch.setattr(
+        kernels, "merged_task_vector", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    got = {}
+
+    def score(model, budget):
+        got[len(got)] = np.asarray(model.params["model"]["layers"]["w"])
+        return {"a": 1.0}
+
+    grid = merge.default_grid(ties_recipe)  # (0.5, 1), then density x λ
+    merge.search(ties_recipe, score, grid)
+    assert len(calls) == 4  # one per density (0.5, 0.3, 0.6, 1), not per setting
+    for i, point in enumerate(grid):  # each equals a merge from scratch
+        fresh = merge_inputs(with_setting(ties_recipe, point), open_inputs(ties_recipe))
+        want = np.asarray(fresh.params["model"]["layers"]["w"])
+        np.testing.assert_array_equal(got[i], want, err_msg=str(point))
+
+
+def test_density_one_trims_nothing():
+    import jax
+    import jax.numpy as jnp
+
+    from entrenar.merge import kernels
+
+    rng = np.random.default_rng(1)
+    base = jnp.asarray(rng.normal(size=(2, 32)), jnp.float32)  # (L, m)
+    thetas = tuple(base + jnp.asarray(rng.normal(size=(2, 32)), jnp.float32)
+                   for _ in range(3))  # fmt: skip
+    args = (base, thetas, jnp.ones((2, 3)), jnp.full((2, 3), 32, jnp.int32),
+            jnp.ones((2, 3)), jax.random.split(jax.random.key(0), 3))  # fmt: skip
+    flags = {"elect": True, "normalize": True, "drop": False, "rescale": False}
+    trimmed = kernels.merged_task_vector(*args, trim=True, **flags)
+    untrimmed = kernels.merged_task_vector(*args, trim=False, **flags)
+    np.testing.assert_array_equal(np.asarray(trimmed), np.asarray(untrimmed))
+
+
+def test_search_writes_the_best_merge_as_run_recipe_does(ties_recipe, tmp_path):
+    def score(model, budget):  # prefers the sparsest, largest-λ merge
+        w = np.asarray(model.params["model"]["layers"]["w"])
+        return {"a": float(np.mean(w == 0)), "b": float(np.abs(w).max())}
+
+    out = tmp_path / "best.safetensors"
+    result = merge.search(ties_recipe, score, output=out)
+    want = tmp_path / "want.safetensors"
+    merge.run_recipe(with_setting(ties_recipe, result.best.setting), want)
+    (got, got_meta), (ref, ref_meta) = map(io.read_safetensors, (str(out), str(want)))
+    assert got_meta == ref_meta and got.keys() == ref.keys()
+    for k in ref:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(ref[k]))
