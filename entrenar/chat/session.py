@@ -32,6 +32,7 @@ from entrenar import data, io, lora
 from entrenar.errors import ConfigError
 from entrenar.nn import check_length, context_length, generate_stream
 from entrenar.nn.generate import find_stop, partial_stop
+from entrenar.quant.matvec import quantize_tied_head
 from entrenar.types import Params, PRNGKey
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -192,10 +193,15 @@ class ChatModel:
                 steps (at most `entrenar.quant.matvec.FEW_ROWS` rows) multiply by
                 the stored bytes through the native kernel where it runs; longer
                 forwards (prompts, teacher-forced scoring) decode blocks of rows
-                at every call.
+                at every call. A tied output head is then read as Q8_0
+                (`entrenar.quant.matvec.quantize_tied_head`; the exact bytes of a
+                Q8_0 ``token_embd``), as llama.cpp reads it and as
+                ``benchmarks/generate.py`` measures.
         """
         gguf = io.read_gguf(path)
         config, params, _ = io.load_llama_gguf(gguf, keep_quantized=keep_quantized)
+        if keep_quantized and config.tie_word_embeddings:
+            params = quantize_tied_head(params)  # the head as Q8_0, as llama.cpp reads
         if adapter is not None:
             params = lora.load_adapter(adapter, params)
         return cls(config, params, data.load_fast_tokenizer(gguf))

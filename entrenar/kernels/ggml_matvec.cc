@@ -31,6 +31,7 @@
 #include <cstring>
 
 #include "decoded_rows.h"
+#include "int8_dot.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -375,40 +376,77 @@ void Run(ffi::ThreadPool& pool, const Io& p, const W& weight) {
   });
 }
 
+// The product from 8-bit activations (int8_dot.h): x rounded once, rows in parallel.
+void RunInt8(ffi::ThreadPool& pool, const Io& p, const QWeight& q) {
+  const entrenar::Int8Rows a(p.x, p.n, p.k, entrenar::kInt8Paired && q.type != 0);
+  const entrenar::Int8Weight w{q.type, q.codes, q.scales, q.offsets, q.k};
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({4 * pool.num_threads(), p.o / 16, p.o * p.k / kMinValues}));
+  entrenar::ParallelFor(pool, chunks, [&](int64_t t) {
+    entrenar::Int8RowRange(w, a, p.y, p.o, p.o * t / chunks, p.o * (t + 1) / chunks,
+                           HalfToFloat);
+  });
+}
+
+// Layer `layer` of a stack (L, rows, cols) of `dims`, or the whole of a 2-d one: its
+// (rows, cols) and the offset of its first element; false when out of range.
+bool Layer(ffi::Span<const int64_t> dims, int32_t layer, int64_t* rows, int64_t* cols,
+           int64_t* offset) {
+  if (dims.size() == 2) {
+    *rows = dims[0], *cols = dims[1], *offset = 0;
+    return layer == 0;
+  }
+  if (dims.size() != 3 || layer < 0 || layer >= dims[0]) return false;
+  *rows = dims[1], *cols = dims[2], *offset = layer * dims[1] * dims[2];
+  return true;
+}
+
 ffi::Error QMatvecImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                        ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
-                       ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool,
-                       int32_t type) {
-  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || type < 0 || type > 2) {
-    return ffi::Error::InvalidArgument("entrenar_q_matvec: bad ranks or type");
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                       ffi::ThreadPool pool, int32_t type, int32_t int8_x) {
+  const auto xd = x.dimensions();
+  const int32_t at = *layer.typed_data();
+  int64_t o, cols, code_at, so, scols, scale_at;
+  if (xd.size() != 2 || type < 0 || type > 2 || layer.element_count() != 1 ||
+      !Layer(codes.dimensions(), at, &o, &cols, &code_at) ||
+      !Layer(scales.dimensions(), at, &so, &scols, &scale_at)) {
+    return ffi::Error::InvalidArgument("entrenar_q_matvec: bad ranks, type or layer");
   }
-  Io p{x.typed_data(), y->typed_data(), xd[0], xd[1], cd[0]};
+  Io p{x.typed_data(), y->typed_data(), xd[0], xd[1], o};
   const int64_t want = type == 0 ? p.k : p.k / 2;
-  if (p.k % 32 != 0 || cd[1] != want || sd[0] != p.o || sd[1] != p.k / 32 ||
+  if (p.k % 32 != 0 || cols != want || so != p.o || scols != p.k / 32 ||
       (type == 2 && offsets.element_count() != scales.element_count())) {
     return ffi::Error::InvalidArgument("entrenar_q_matvec: shapes disagree");
   }
-  QWeight w{type, static_cast<const uint8_t*>(codes.untyped_data()),
-            reinterpret_cast<const uint16_t*>(scales.untyped_data()),
-            reinterpret_cast<const uint16_t*>(offsets.untyped_data()), p.k};
-  Run(pool, p, w);
+  QWeight w{type, static_cast<const uint8_t*>(codes.untyped_data()) + code_at,
+            reinterpret_cast<const uint16_t*>(scales.untyped_data()) + scale_at,
+            reinterpret_cast<const uint16_t*>(offsets.untyped_data()) +
+                (type == 2 ? scale_at : 0),
+            p.k};
+  if (int8_x != 0) {
+    RunInt8(pool, p, w);
+  } else {
+    Run(pool, p, w);
+  }
   return ffi::Error::Success();
 }
 
 ffi::Error GgmlMatvecImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> data,
-                          ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool,
-                          int32_t type) {
-  const auto xd = x.dimensions(), dd = data.dimensions();
-  if (xd.size() != 2 || dd.size() != 2 || type < 0 || type > 4) {
-    return ffi::Error::InvalidArgument("entrenar_ggml_matvec: bad ranks or type");
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                          ffi::ThreadPool pool, int32_t type) {
+  const auto xd = x.dimensions();
+  int64_t o, row_bytes, data_at;
+  if (xd.size() != 2 || type < 0 || type > 4 || layer.element_count() != 1 ||
+      !Layer(data.dimensions(), *layer.typed_data(), &o, &row_bytes, &data_at)) {
+    return ffi::Error::InvalidArgument("entrenar_ggml_matvec: bad ranks, type or layer");
   }
-  Io p{x.typed_data(), y->typed_data(), xd[0], xd[1], dd[0]};
+  Io p{x.typed_data(), y->typed_data(), xd[0], xd[1], o};
   const int64_t bv = GgmlWeight::BlockValues(type), bb = GgmlWeight::BlockBytes(type);
-  if (p.k % bv != 0 || dd[1] != p.k / bv * bb || kChunk % bv != 0) {
+  if (p.k % bv != 0 || row_bytes != p.k / bv * bb || kChunk % bv != 0) {
     return ffi::Error::InvalidArgument("entrenar_ggml_matvec: shapes disagree");
   }
-  GgmlWeight w{type, data.typed_data(), dd[1]};
+  GgmlWeight w{type, data.typed_data() + data_at, row_bytes};
   Run(pool, p, w);
   return ffi::Error::Success();
 }
@@ -421,14 +459,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EntrenarQMatvec, QMatvecImpl,
                                   .Arg<ffi::AnyBuffer>()         // codes (O, K or K/2)
                                   .Arg<ffi::Buffer<ffi::F16>>()  // scales (O, K/32)
                                   .Arg<ffi::Buffer<ffi::F16>>()  // offsets (O, K/32)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer () of (L, ...)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (n, O)
                                   .Ctx<ffi::ThreadPool>()
-                                  .Attr<int32_t>("type"));
+                                  .Attr<int32_t>("type")
+                                  .Attr<int32_t>("int8_x"));  // 1: int8_dot.h
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EntrenarGgmlMatvec, GgmlMatvecImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x (n, K)
                                   .Arg<ffi::Buffer<ffi::U8>>()   // data (O, row_bytes)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer () of (L, ...)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (n, O)
                                   .Ctx<ffi::ThreadPool>()
                                   .Attr<int32_t>("type"));

@@ -57,6 +57,7 @@ from entrenar.nn.layers import (
     upcast_dtype,
 )
 from entrenar.nn.linear import check_matmul_dtype, linear
+from entrenar.nn.matvec import layer_params
 from entrenar.nn.registry import architecture, architecture_for_hf
 from entrenar.nn.rope import rope_tables, rotate
 from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
@@ -662,7 +663,13 @@ class LlamaConfig:
         else:
             index = jnp.arange(self.num_layers, dtype=jnp.int32)  # (L,)
             carry = (h, cache.k, cache.v)  # (B, T, D), (L, B, S, KV, d) x 2
-            (h, k, v), hidden = jax.lax.scan(layer, carry, (m["layers"], index, flags))
+            stack = m["layers"]  # stored weights read in place (nn.matvec), no copy
+
+            def cached(carry: Any, xs: Any) -> tuple[Any, Any]:
+                i, slide = xs
+                return layer(carry, (layer_params(stack, i), i, slide))
+
+            (h, k, v), hidden = jax.lax.scan(cached, carry, (index, flags))
             kv = (k, v)
         if return_hidden:
             hidden = jnp.concatenate([h0[None], hidden], axis=0)  # (L+1, B, T, D)

@@ -44,6 +44,7 @@ from entrenar.nn.matvec import (
     ggml_rows_call,
     kernel_call,
     kernel_reads,
+    layer_of,
     matvec,
     q_blocks_call,
 )
@@ -85,6 +86,82 @@ def _call_quantized(w: QuantizedWeight, xs: jax.Array) -> jax.Array:
 @kernel_call.register(GGMLWeight)
 def _call_ggml(w: GGMLWeight, xs: jax.Array) -> jax.Array:
     return ggml_rows_call(w.data, w.ggml_type, xs)
+
+
+@register_weight_node
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+    """Layer ``index`` of a stacked ``QuantizedWeight`` / ``GGMLWeight`` (decoding).
+
+    Built inside a layer scan by `entrenar.nn.matvec.layer_params`: the kernel
+    reads layer ``index`` of ``stack`` in place; any other product multiplies by
+    `layer` (the slice, as the scan would have cut it).
+
+    Attributes:
+        stack: the weight ``(L, out, in)``.
+        index: int32 ``()``, the layer.
+    """
+
+    stack: QuantizedWeight | GGMLWeight
+    index: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``(out, in)``."""
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        """2."""
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> Any:
+        """The stack's logical dtype."""
+        return self.stack.dtype
+
+    def layer(self) -> QuantizedWeight | GGMLWeight:
+        """The layer's own weight (its arrays sliced out of the stack's)."""
+        return jax.tree_util.tree_map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False),
+            self.stack,
+        )
+
+
+logical_shape.register(StackedLayer, lambda w: w.shape)
+logical_dtype.register(StackedLayer, lambda w: w.dtype)
+to_dense.register(StackedLayer, lambda w: to_dense(w.layer()))
+kernel_reads.register(StackedLayer, lambda w: True)
+
+
+@layer_of.register(QuantizedWeight)
+@layer_of.register(GGMLWeight)
+def _layer_of(w: QuantizedWeight | GGMLWeight, index: jax.Array) -> StackedLayer:
+    return StackedLayer(w, index)
+
+
+@kernel_call.register(StackedLayer)
+def _call_stacked(w: StackedLayer, xs: jax.Array) -> jax.Array:
+    s = w.stack
+    if isinstance(s, QuantizedWeight):
+        return q_blocks_call(s.scheme, s.codes, s.scales, s.offsets, xs, w.index)
+    return ggml_rows_call(s.data, s.ggml_type, xs, w.index)
+
+
+def _stacked_jax(w: StackedLayer, xs: jax.Array) -> jax.Array:
+    return weight_matmul(w.layer(), xs)  # (n, out)
+
+
+@weight_matmul.register(StackedLayer)
+def _stacked_matmul(
+    w: StackedLayer, x: jax.Array, matmul_dtype: str | None = None
+) -> jax.Array:
+    """``x Ŵᵀ``: the kernel on the stack in place where it applies, else the slice's."""
+    if matmul_dtype is None and applies(w, x):
+        return matvec(w, x, _stacked_jax)
+    if matmul_dtype is None:
+        return weight_matmul(w.layer(), x)
+    return weight_matmul(w.layer(), x, matmul_dtype)
 
 
 def dense(w: Stored, dtype: Any) -> jax.Array:
@@ -174,6 +251,7 @@ __all__ = [
     "GGML_TYPES",
     "Q_TYPES",
     "QuantizedTiedEmbedding",
+    "StackedLayer",
     "applies",
     "dense",
     "matvec",

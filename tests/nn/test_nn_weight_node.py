@@ -55,6 +55,12 @@ NODES = {
         quant.matvec.QuantizedTiedEmbedding.from_array(W),
         ["table", "head_t.codes", "head_t.scales"],
     ),
+    "stacked_layer": (  # layer 1 of a Q8_0 stack, read in place (decoding scans)
+        quant.matvec.StackedLayer(
+            quant.ggml.quantize_ggml(jnp.stack([-W, W]), "q8_0"), jnp.int32(1)
+        ),
+        ["stack.codes", "stack.scales", "index"],
+    ),
 }
 
 

@@ -1,0 +1,230 @@
+// Few-row products with Q8_0 / Q4_0 / Q4_1 weights from 8-bit activations (what
+// llama.cpp's ggml_vec_dot_q*_q8_* do): each 32-value block of an input row x is
+// rounded to signed 8-bit integers with its own scale,
+//
+//   e_b = max_j |x_bj| / 127,   q_bj = round(x_bj / e_b)  (ties to even; e_b = 0: 0),
+//
+// and a weight block (Ŵ_bj = d_b·w_bj + m_b: Q8_0 m = 0, Q4_0 w = nibble, m = −8·d,
+// Q4_1 w = nibble) multiplies it by integer dot products:
+//
+//   y = Σ_b d_b·e_b·Σ_j w_bj q_bj + m_b·(e_b·Σ_j q_bj)
+//
+// which is x̂ · Ŵ exactly up to float32 rounding, x̂_bj = e_b·q_bj. Since
+// |x_bj − x̂_bj| <= e_b / 2, |y − x·Ŵ| <= Σ_b (e_b / 2)·Σ_j |Ŵ_bj| (plus float32
+// rounding): the activation rounding is the only approximation. The integer sums
+// are exact (|w q| <= 128·127, 32 terms). With AVX-512 BW, 64 weight bytes (two
+// blocks) go through one VNNI `vpdpbusd` (unsigned × signed bytes, four products
+// summed into each 32-bit lane; `vpmaddubsw` + `vpmaddwd` without VNNI); elsewhere
+// plain integer loops (auto-vectorized under AVX2).
+#ifndef ENTRENAR_KERNELS_INT8_DOT_H_
+#define ENTRENAR_KERNELS_INT8_DOT_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace entrenar {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ENTRENAR_INT8_AVX512 1
+constexpr bool kInt8Paired = true;  // the AVX-512 path reads 4-bit pairs unpacked
+#else
+constexpr bool kInt8Paired = false;
+#endif
+
+// x (n, k) float32 rounded per 32-block: q (n, kp) int8 (kp: k rounded up to 64, the
+// padding zeros), e and s = e·Σq (n, k/32). `paired`: each pair of blocks b, b + 1
+// stored as [b 0-15, b+1 0-15, b 16-31, b+1 16-31], the order in which the AVX-512
+// path unpacks a pair of 4-bit blocks (low nibbles of both, then high nibbles).
+struct Int8Rows {
+  int64_t n, k, kp;
+  std::vector<int8_t> q;
+  std::vector<float> e, s;
+
+  Int8Rows(const float* x, int64_t n_, int64_t k_, bool paired)
+      : n(n_), k(k_), kp((k_ + 63) / 64 * 64), q(n_ * kp), e(n_ * k_ / 32),
+        s(n_ * k_ / 32) {
+    const int64_t nb = k / 32;
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + r * k + 32 * b;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int8_t* out = q.data() + r * kp + 32 * b;
+        int sum = 0;
+        for (int j = 0; j < 32; ++j) {
+          const int v = static_cast<int>(std::nearbyint(xb[j] * id));
+          // paired: values 0-15 of block b at 64·(b/2) + 16·(b%2), 16-31 32 later
+          const int64_t at = paired ? (b / 2) * 64 - 32 * b + 16 * (b % 2) + (j % 16) +
+                                          32 * (j / 16)
+                                    : j;
+          out[at] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        e[r * nb + b] = d;
+        s[r * nb + b] = d * static_cast<float>(sum);
+      }
+    }
+  }
+};
+
+// Q8_0 / Q4_0 / Q4_1 rows as entrenar_q_matvec receives them (see ggml_matvec.cc).
+struct Int8Weight {
+  int type;  // 0 Q8_0, 1 Q4_0, 2 Q4_1
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const uint16_t* offsets;
+  int64_t k;
+};
+
+// y[r0..r0+R, row]: the scalar form (any CPU), one block at a time.
+template <int R, typename Half>
+void Int8DotScalar(const Int8Weight& w, const Int8Rows& a, float* y, int64_t o,
+                   int64_t row, int64_t r0, const Half& half) {
+  const int64_t nb = w.k / 32;
+  float acc[R] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = half(w.scales[row * nb + b]);
+    const float m = w.type == 2 ? half(w.offsets[row * nb + b]) : -8.0f * d;
+    int8_t wv[32];  // the block's integers w_bj
+    if (w.type == 0) {
+      const int8_t* c = reinterpret_cast<const int8_t*>(w.codes + row * w.k) + b * 32;
+      for (int j = 0; j < 32; ++j) wv[j] = c[j];
+    } else {
+      const uint8_t* c = w.codes + row * (w.k / 2) + b * 16;
+      for (int j = 0; j < 16; ++j) {
+        wv[j] = static_cast<int8_t>(c[j] & 15);
+        wv[j + 16] = static_cast<int8_t>(c[j] >> 4);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const int8_t* q = a.q.data() + (r0 + i) * a.kp + b * 32;
+      int32_t sum = 0;
+      for (int j = 0; j < 32; ++j) sum += static_cast<int32_t>(wv[j]) * q[j];
+      const int64_t at = (r0 + i) * nb + b;
+      acc[i] += d * a.e[at] * static_cast<float>(sum);
+      if (w.type != 0) acc[i] += m * a.s[at];
+    }
+  }
+  for (int i = 0; i < R; ++i) y[(r0 + i) * o + row] = acc[i];
+}
+
+#if defined(ENTRENAR_INT8_AVX512)
+// 16 lanes of 32-bit sums, lane l = Σ of bytes 4l..4l+3 of w (unsigned) · q (signed).
+inline __m512i DotBytes(__m512i w, __m512i q) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(w, q), _mm512_set1_epi16(1));
+#endif
+}
+
+// y[r0..r0+R, row] with AVX-512: blocks in pairs (64 bytes of w, lanes 0-7 block b,
+// 8-15 block b + 1), the scales of 16 blocks converted at once. A accumulators a row
+// (independent chains of fused multiply-adds; the correction terms m·s go into the
+// same accumulators, all lanes being summed at the end).
+template <int R, int A>
+void Int8Dot(const Int8Weight& w, const Int8Rows& a, float* y, int64_t o, int64_t row,
+             int64_t r0) {
+  const int64_t nb = w.k / 32;
+  __m512 acc[R][A];
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < A; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  // the block (of the pair) each 32-bit lane of a product belongs to
+  const __m512i pair = w.type == 0
+      ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+      : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t g = 0; g < nb; g += 16) {
+    const int cnt = static_cast<int>(std::min<int64_t>(16, nb - g));
+    const __mmask16 hm = static_cast<__mmask16>((1u << cnt) - 1);
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(hm, w.scales + row * nb + g));
+    __m512 m16 = _mm512_mul_ps(d16, _mm512_set1_ps(-8.0f));
+    if (w.type == 2) {
+      m16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(hm, w.offsets + row * nb + g));
+    }
+    __m512 s16[R];  // d_b·e_b for the 16 blocks, per input row
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (r0 + i) * nb + g;
+      s16[i] = _mm512_mul_ps(d16, _mm512_maskz_loadu_ps(hm, a.e.data() + at));
+      if (w.type != 0) {
+        acc[i][0] = _mm512_fmadd_ps(m16, _mm512_maskz_loadu_ps(hm, a.s.data() + at),
+                                    acc[i][0]);
+      }
+    }
+    // Blocks g + 2p and (`two`) g + 2p + 1 into accumulator `slot`. The rows of q
+    // are padded with zeros to whole pairs; only the weights' last odd block is
+    // read under a mask.
+    auto step = [&](int p, int slot, bool two) {
+      const int64_t b = g + 2 * p;
+      __m512i wv;
+      __mmask64 neg = 0;
+      if (w.type == 0) {
+        const uint8_t* c = w.codes + row * w.k + b * 32;
+        const __m512i raw = two ? _mm512_loadu_si512(c)
+                                : _mm512_maskz_loadu_epi8(0xffffffffull, c);
+        neg = _mm512_movepi8_mask(raw);
+        wv = _mm512_abs_epi8(raw);  // |w| as unsigned bytes (−128 -> 128)
+      } else {  // [lo b, lo b+1, hi b, hi b+1]: the 32 bytes twice, the top half >> 4
+        const uint8_t* c = w.codes + row * (w.k / 2) + b * 16;
+        const __m256i raw = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c))
+                                : _mm256_maskz_loadu_epi8(0xffffu, c);
+        const __m512i v = _mm512_broadcast_i64x4(raw);
+        wv = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xffff0000u, v, 4), low4);
+      }
+      const __m512i idx = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * p));
+      for (int i = 0; i < R; ++i) {
+        __m512i q = _mm512_loadu_si512(a.q.data() + (r0 + i) * a.kp + b * 32);
+        if (w.type == 0) q = _mm512_mask_sub_epi8(q, neg, _mm512_setzero_si512(), q);
+        const __m512 sum = _mm512_cvtepi32_ps(DotBytes(wv, q));
+        acc[i][slot] =
+            _mm512_fmadd_ps(sum, _mm512_permutexvar_ps(idx, s16[i]), acc[i][slot]);
+      }
+    };
+    if (cnt == 16) {
+      for (int p = 0; p < 8; p += 2) {
+        step(p, 0, true);
+        step(p + 1, A - 1, true);
+      }
+    } else {
+      for (int p = 0; 2 * p < cnt; ++p) step(p, 0, 2 * p + 1 < cnt);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int j = 1; j < A; ++j) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][j]);
+    y[(r0 + i) * o + row] = _mm512_reduce_add_ps(acc[i][0]);
+  }
+}
+#endif
+
+// Output rows [o0, o1) of y (n, o) from the rounded rows `a`.
+template <typename Half>
+void Int8RowRange(const Int8Weight& w, const Int8Rows& a, float* y, int64_t o, int64_t o0,
+               int64_t o1, const Half& half) {
+#if defined(ENTRENAR_INT8_AVX512)
+  (void)half;
+#endif
+  for (int64_t row = o0; row < o1; ++row) {
+    int64_t r = 0;
+#if defined(ENTRENAR_INT8_AVX512)
+    for (; r + 8 <= a.n; r += 8) Int8Dot<8, 1>(w, a, y, o, row, r);
+    for (; r + 4 <= a.n; r += 4) Int8Dot<4, 1>(w, a, y, o, row, r);
+    for (; r + 2 <= a.n; r += 2) Int8Dot<2, 2>(w, a, y, o, row, r);
+    for (; r < a.n; ++r) Int8Dot<1, 2>(w, a, y, o, row, r);
+#else
+    for (; r + 4 <= a.n; r += 4) Int8DotScalar<4>(w, a, y, o, row, r, half);
+    for (; r < a.n; ++r) Int8DotScalar<1>(w, a, y, o, row, r, half);
+#endif
+  }
+}
+
+}  // namespace entrenar
+
+#endif  // ENTRENAR_KERNELS_INT8_DOT_H_
