@@ -16,7 +16,11 @@ follows):
   `nn.generate_stream` greedy: the time to the first token is the prompt
   (``prefill``: one batched forward), the rest decode steps. Batch 8 and 32 decode
   that many different held-out prompts at once (decode tok/s counts every row's
-  tokens).
+  tokens). ``--activations``: one entrenar process per setting of
+  `entrenar.nn.matvec.set_activations` (``int8``: the input of each Q8_0 / Q4_0 /
+  Q4_1 product rounded to 8 bits per 32-block, as llama.cpp does; ``float32``: as
+  given); the greedy tokens of every row of the largest batch are compared between
+  the two settings.
 
 Both programs stay loaded in their processes and are measured alternately (llama.cpp,
 then entrenar at each batch size, ``--repeats`` rounds after a warm-up round that
@@ -108,8 +112,10 @@ def entrenar_worker(args: dict[str, Any]) -> None:
     decode tok/s (every row's later tokens over their time) and row 0's tokens.
     """
     from entrenar import io, nn
+    from entrenar.nn.matvec import set_activations
     from entrenar.quant.matvec import quantize_tied_head
 
+    set_activations(args["activations"])
     cfg, params, _ = io.load_llama_gguf(args["path"], keep_quantized=True)
     if cfg.tie_word_embeddings:
         params = quantize_tied_head(params)
@@ -125,11 +131,20 @@ def entrenar_worker(args: dict[str, Any]) -> None:
         t1 = time.perf_counter()
         rest = list(steps)
         t2 = time.perf_counter()
+        every = [[int(t[r]) for t in [first, *rest]] for r in range(batch)]
         print(json.dumps({
             "prompt_tps": sum(map(len, rows)) / (t1 - t0),
             "decode_tps": batch * len(rest) / (t2 - t1),
-            "tokens": [int(first[0])] + [int(r[0]) for r in rest],
+            "tokens": every[0], "rows": every,
         }), flush=True)  # fmt: skip
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class Worker:
@@ -168,6 +183,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--files", nargs="+", default=["q4_1", "q8_0"])
+    ap.add_argument(
+        "--activations", nargs="+", default=["int8", "float32"],
+        choices=["int8", "float32"],
+    )  # fmt: skip
     ap.add_argument("--workdir", default="/tmp/entrenar-bench-generate")
     ap.add_argument("--llama-python", default="/tmp/llamavenv/bin/python")
     ap.add_argument("--out", default=None, help="write the Markdown report here")
@@ -206,7 +225,8 @@ def main() -> None:
         "decode vs llama.cpp | prompt vs llama.cpp | load before → after |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    agree = []
+    agree: list[str] = []
+    versus: list[str] = []
     for label, path in files.items():
         for threads in args.threads:
             cores = ",".join(str(i) for i in range(threads))
@@ -215,48 +235,63 @@ def main() -> None:
                 "path": str(path), "threads": threads, "prompt": prompt,
                 "new": args.new_tokens,
             })], cores)  # fmt: skip
-            worker = {
-                "path": str(path), "prompt": prompt, "rows": rows,
-                "new": args.new_tokens,
-            }  # fmt: skip
-            ours = Worker(
-                [sys.executable, __file__, "--worker", json.dumps(worker)], cores
-            )
+            ours = {}
+            for act in args.activations:
+                worker = {
+                    "path": str(path), "prompt": prompt, "rows": rows,
+                    "new": args.new_tokens, "activations": act,
+                }  # fmt: skip
+                ours[act] = Worker(
+                    [sys.executable, __file__, "--worker", json.dumps(worker)], cores
+                )
             best: dict[Any, dict[str, Any]] = {}
+            keys = ["llama", *((a, b) for a in args.activations for b in args.batches)]
             for rep in range(args.repeats + 1):  # the first: warm-up (compiling)
-                for key in ["llama", *args.batches]:  # alternated: the same load
+                for key in keys:  # alternated: the same load
                     if key == "llama":
                         r = llama.ask({})
                     else:
-                        r = ours.ask({"batch": key})
+                        r = ours[key[0]].ask({"batch": key[1]})
                     if rep == 0:
                         continue
                     b = best.setdefault(key, dict(r))
                     for k in ("prompt_tps", "decode_tps"):
                         b[k] = max(b[k], r[k])
             llama.close()
-            ours.close()
+            for w in ours.values():
+                w.close()
             after = load()
             ref = best["llama"]
             lines.append(
                 f"| {label} | {threads} | llama.cpp | 1 | {ref['prompt_tps']:.0f} | "
                 f"{ref['decode_tps']:.1f} | 1.00x | 1.00x | {before} → {after} |"
             )
-            for batch in args.batches:
-                r = best[batch]
+            for act, batch in keys[1:]:
+                r = best[act, batch]
                 ratio = r["decode_tps"] / ref["decode_tps"]
                 pr = r["prompt_tps"] / ref["prompt_tps"]
                 lines.append(
-                    f"| {label} | {threads} | entrenar | {batch} | "
+                    f"| {label} | {threads} | entrenar ({act} x) | {batch} | "
                     f"{r['prompt_tps']:.0f} | {r['decode_tps']:.1f} | "
                     f"**{ratio:.2f}x** | {pr:.2f}x | {before} → {after} |"
                 )
-            mine, theirs = best[1]["tokens"], ref["tokens"]
-            same = 0
-            while same < min(len(mine), len(theirs)) and mine[same] == theirs[same]:
-                same += 1
-            agree.append(f"{label}, {threads} thread(s): {same}/{args.new_tokens}")
-            print("\n".join(lines[-1 - len(args.batches) :]), file=sys.stderr)
+            for act in args.activations:
+                same = _prefix(best[act, args.batches[0]]["tokens"], ref["tokens"])
+                agree.append(
+                    f"{label}, {threads} thread(s), {act} x: {same}/{args.new_tokens}"
+                )
+            if len(args.activations) == 2:  # int8 vs float32 x, every row
+                a, b = (
+                    best[act, max(args.batches)]["rows"] for act in args.activations
+                )
+                equal = sum(x == y for x, y in zip(a, b))
+                tokens = sum(_prefix(x, y) for x, y in zip(a, b))
+                versus.append(
+                    f"{label}, {threads} thread(s): {equal}/{len(a)} rows identical, "
+                    f"{tokens}/{len(a) * args.new_tokens} tokens before the first "
+                    "difference of each row"
+                )
+            print("\n".join(lines[-len(keys) :]), file=sys.stderr)
     lines += [
         "",
         "Greedy tokens equal to llama.cpp's at batch 1 (the first N of "
@@ -264,6 +299,12 @@ def main() -> None:
         "go either way and the texts part there): " + "; ".join(agree) + ".",
         "",
     ]
+    if versus:
+        lines += [
+            f"Greedy tokens of the {max(args.batches)} held-out prompts, "
+            f"{' vs '.join(args.activations)} activations: " + "; ".join(versus) + ".",
+            "",
+        ]
     report = "\n".join(lines)
     print(report)
     if args.out:
