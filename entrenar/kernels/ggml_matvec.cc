@@ -26,6 +26,12 @@
 // The decoded values are the dequantizers' to the last bit (d·q + m may be one fused
 // multiply-add: -ffp-contract=fast); the sums are in another order than XLA's dot,
 // so results agree with the dequantized float32 product to float32 rounding.
+//
+// Attribute int8_x = 1 (entrenar_q_matvec): x rounded to 8 bits per 32-block and
+// integer dot products instead (int8_dot.h; llama.cpp's scheme, an approximation
+// bounded there). Operand `layer` (int32 scalar): with codes/scales/offsets or data
+// stacked (L, O, ...), the product reads layer `layer` in place (a layer scan would
+// otherwise copy each layer's slice out before the call); 0 for a 2-d weight.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
