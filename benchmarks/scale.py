@@ -8,7 +8,9 @@ pages included):
 - ``load``: `load_llama_gguf` of the Q4_K_M-like GGUF with ``keep_quantized`` (the
   QLoRA base as stored), and `load_hf_folder` of the bfloat16 folder with the bases
   quantized to NF4 as a ``quantize_base: nf4`` run on every linear layer does: wall
-  time and peak RSS, against the time to read the file(s) from the page cache;
+  time and peak RSS, the files' pages evicted first (``posix_fadvise
+  DONTNEED``, checked with ``mincore``), against the time to read every byte of
+  the files after the same eviction (and, for reference, again from the cache);
 - ``step``: the real ``entrenar train`` path (`entrenar.runs.run.prepare` and
   ``_train``) on the GGUF: QLoRA rank 16 on every linear layer, bfloat16 matmuls,
   each layer recomputed in the backward pass (``remat_policy: nothing_saveable``),
@@ -87,6 +89,7 @@ def child_load(shape: str, fmt: str, out: str) -> dict[str, Any]:
     from entrenar.runs.models import base_quantizer
 
     folder, gguf = scale_models.paths(out, shape)
+    left = evict(files_of(shape, fmt, out))  # read from disk, as a first load does
     t0 = time.perf_counter()
     if fmt == "gguf":
         _, params, _ = io.load_llama_gguf(gguf, keep_quantized=True)
@@ -96,7 +99,10 @@ def child_load(shape: str, fmt: str, out: str) -> dict[str, Any]:
     jax.block_until_ready(params)
     seconds = time.perf_counter() - t0
     leaves = jax.tree_util.tree_leaves(params, is_leaf=is_weight_node)
-    return {"seconds": seconds, "peak": peak_rss(), "tree": sum(map(nbytes, leaves))}
+    return {
+        "seconds": seconds, "peak": peak_rss(), "tree": sum(map(nbytes, leaves)),
+        "resident_before": left,
+    }  # fmt: skip
 
 
 def child_step(shape: str, batch: int, seq: int, steps: int, out: str) -> dict:
@@ -195,6 +201,66 @@ def read_seconds(paths: list[str]) -> float:
     return seconds
 
 
+def resident_fraction(paths: list[str]) -> float:
+    """The fraction of ``paths``' pages in the page cache (``mincore`` of a map)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page, held, total = mmap.PAGESIZE, 0, 0
+    for p in paths:
+        size = os.path.getsize(p)
+        n = (size + page - 1) // page
+        vec = ctypes.create_string_buffer(n)
+        with open(p, "rb") as f:  # a private map: its pages are the cache's
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            start = ctypes.c_char.from_buffer(m)
+            rc = libc.mincore(ctypes.addressof(start), size, vec)
+            del start
+            m.close()
+        if rc:
+            raise OSError(ctypes.get_errno(), f"mincore of {p}")
+        held += sum(b & 1 for b in vec.raw)
+        total += n
+    return held / max(total, 1)
+
+
+def evict(paths: list[str]) -> float:
+    """Drop ``paths``' clean pages from the page cache; the fraction left after.
+
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` needs no privileges for pages nobody
+    has dirtied or mapped; `resident_fraction` checks what it did.
+    """
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return resident_fraction(paths)
+
+
+def child_read(shape: str, fmt: str, out: str) -> dict[str, Any]:
+    """Every byte of the files read from disk (evicted first), then from the cache."""
+    paths = files_of(shape, fmt, out)
+    left = evict(paths)
+    buf = bytearray(64 << 20)
+    times = []
+    for _ in range(2):  # cold, then warm
+        t0 = time.perf_counter()
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+        times.append(time.perf_counter() - t0)
+    return {
+        "cold_read_s": times[0], "warm_read_s": times[1], "resident_before": left,
+        "bytes": sum(os.path.getsize(p) for p in paths),
+    }  # fmt: skip
+
+
 def files_of(shape: str, fmt: str, out: str) -> list[str]:
     folder, gguf = scale_models.paths(out, shape)
     if fmt == "gguf":
@@ -228,10 +294,12 @@ def measure(args: argparse.Namespace) -> None:
         if "load" in args.what:
             for fmt in args.formats.split(","):
                 before = os.getloadavg()[0]
-                read_s = read_seconds(files_of(shape, fmt, args.out))
+                read = run_child(["--child-read", shape, fmt, "--out", args.out])
                 got = run_child(["--child-load", shape, fmt, "--out", args.out])
                 record(args.json, base | got | {
-                    "what": "load", "format": fmt, "read_s": read_s,
+                    "what": "load", "format": fmt, "read_s": read["warm_read_s"],
+                    "cold_read_s": read["cold_read_s"], "bytes": read["bytes"],
+                    "read_resident_before": read["resident_before"],
                     "load_before": before, "load_after": os.getloadavg()[0],
                 })  # fmt: skip
         for bt in args.batches.split(",") if "step" in args.what else ():
@@ -270,19 +338,21 @@ def report(args: argparse.Namespace) -> None:
         entries = json.load(f)
     shapes = [s for s in scale_models.SHAPES if latest(entries, shape=s)]
     lines = [
-        "| shape | params | file | load (s) | read (s) | peak RSS (GB) "
-        "| tree (GB) | load avg |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape | params | file | GB | load, cold (s) | read, cold (s) "
+        "| load / read | read, cached (s) | peak RSS (GB) | tree (GB) | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in shapes:
         for fmt in ("gguf", "hf"):
             e = latest(entries, shape=s, what="load", format=fmt)
-            if e:
+            if e and "cold_read_s" in e:
                 lines.append(
                     f"| {s} | {e['params'] / 1e9:.2f}B | {_file_name(fmt)} | "
-                    f"{e['seconds']:.1f} | {e['read_s']:.1f} | {e['peak'] / 1e9:.2f} | "
-                    f"{e['tree'] / 1e9:.2f} | {e['load_before']:.0f}-"
-                    f"{e['load_after']:.0f} |"
+                    f"{e['bytes'] / 1e9:.2f} | {e['seconds']:.1f} | "
+                    f"{e['cold_read_s']:.1f} | "
+                    f"{e['seconds'] / e['cold_read_s']:.1f}x | {e['read_s']:.2f} | "
+                    f"{e['peak'] / 1e9:.2f} | {e['tree'] / 1e9:.2f} | "
+                    f"{e['load_before']:.1f}-{e['load_after']:.1f} |"
                 )
     lines += [
         "",
@@ -368,9 +438,12 @@ def main() -> None:
     ap.add_argument("--png", default=os.path.join(HERE, "results", "scale.png"))
     ap.add_argument("--child-load", nargs=2, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-step", nargs=4, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-read", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_load:
         print(json.dumps(child_load(*args.child_load, args.out)))
+    elif args.child_read:
+        print(json.dumps(child_read(*args.child_read, args.out)))
     elif args.child_step:
         shape, *nums = args.child_step
         print(json.dumps(child_step(shape, *(int(v) for v in nums), args.out)))
