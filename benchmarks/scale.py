@@ -349,7 +349,7 @@ def report(args: argparse.Namespace) -> None:
                 lines.append(
                     f"| {s} | {e['params'] / 1e9:.2f}B | {_file_name(fmt)} | "
                     f"{e['bytes'] / 1e9:.2f} | {e['seconds']:.1f} | "
-                    f"{e['cold_read_s']:.1f} | "
+                    f"{e['cold_read_s']:.2f} | "
                     f"{e['seconds'] / e['cold_read_s']:.1f}x | {e['read_s']:.2f} | "
                     f"{e['peak'] / 1e9:.2f} | {e['tree'] / 1e9:.2f} | "
                     f"{e['load_before']:.1f}-{e['load_after']:.1f} |"
