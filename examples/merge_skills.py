@@ -176,7 +176,8 @@ def merges(
 
 
 def percent(got: int, single: int) -> str:
-    return f"{got / single:.0%}" if single else "-"
+    """``got`` as a share of ``single`` (one decimal: 63/79 is 79.7%, not 80%)."""
+    return f"{got / single:.1%}" if single else "-"
 
 
 def main() -> None:
@@ -191,8 +192,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--sets",
-        default="2,3",
-        help="merge the first 2 fine-tunes, all 3, or both (2,3)",
+        help="merge the first 2 fine-tunes, all 3, or both (2,3; the default with "
+        "three tasks, 2 with two)",
     )
     parser.add_argument(
         "--reuse",
@@ -202,8 +203,9 @@ def main() -> None:
     args = parser.parse_args()
     tasks = args.tasks.split(",")
     methods = args.methods.split(",")
+    args.sets = args.sets or ("2,3" if len(tasks) > 2 else "2")
     sets = sorted({int(k) for k in args.sets.split(",")})
-    if not set(sets) <= {2, 3} or (3 in sets and len(tasks) < 3):
+    if not set(sets) <= {2, 3} or max(sets) > len(tasks):
         parser.error(f"--sets {args.sets}: 2 and/or 3, at most as many as --tasks")
     os.makedirs(args.work, exist_ok=True)
     t_start = time.perf_counter()
@@ -224,7 +226,9 @@ def main() -> None:
     _, params_q, _ = io.load_llama_gguf(base_gguf, keep_quantized=True)
     rows: list[tuple[str, str, str, dict[str, int] | str]] = []
     cache = os.path.join(args.work, "scores.json")  # unmerged models' scores
-    key = ",".join(f"{t}:{len(held[t])}" for t in tasks)
+    key = ",".join(  # the held-out sizes and the fine-tunes' times: not stale
+        f"{t}:{len(held[t])}:{os.path.getmtime(tuned[t]['adapter']):.0f}" for t in tasks
+    )
     known: dict[str, dict[str, int]] = {}
     if args.reuse and os.path.exists(cache):
         with open(cache) as f:

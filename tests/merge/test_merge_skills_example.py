@@ -32,3 +32,13 @@ def test_quick_run_writes_the_table(tmp_path):
         got = {r.split(" | ")[2] for r in rows if r.split(" | ")[1] == method}
         assert got == set(PATHS), (method, got)
     assert "| - | iso_dates alone | adapter | 0/8 | 0/8 |" in out.read_text()
+    singles = [r for r in out.read_text().splitlines() if r.startswith("| - |")]
+    again = tmp_path / "again.md"  # --reuse: the fine-tunes and their scores kept
+    cmd[-1] = again
+    cmd += ["--reuse", "--methods", "ties", "--sets", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reusing" in done.stdout and "steps, loss" not in done.stdout
+    lines = again.read_text().splitlines()
+    assert [r for r in lines if r.startswith("| - |")] == singles
+    assert {r.split(" | ")[1] for r in lines if r.startswith("| iso_dates")} == {"ties"}
