@@ -134,12 +134,12 @@ class GGUFFile:
         requests, and no mapped page stays in the resident set.
         """
         t = self.info(name)
-        view = memoryview(out).cast("B")
-        if not out.flags.c_contiguous or view.nbytes != t.nbytes:
+        if not out.flags.c_contiguous or out.nbytes != t.nbytes:
             raise FormatError(
                 f"{self.path}: tensor {name!r} has {t.nbytes} bytes, the buffer "
-                f"{view.nbytes}{'' if out.flags.c_contiguous else ' (not contiguous)'}"
+                f"{out.nbytes}{'' if out.flags.c_contiguous else ' (not contiguous)'}"
             )
+        view = out.reshape(-1).view(np.uint8).data  # its bytes, writable
         fd = os.open(self.path, os.O_RDONLY)
         try:
             done = 0
