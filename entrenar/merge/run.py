@@ -440,8 +440,8 @@ def merge_streamed(recipe: Recipe, sources: Sequence[Source], output: str) -> Mo
     Each leaf is merged when its turn in the file comes, written
     (`entrenar.io.write_safetensors_stream`), and released with the input tensors'
     pages, so memory holds one leaf of each input and its merge, never the merged
-    model. The file is the one
-    `merge_inputs` writes (same bytes; ``__metadata__`` keys in a fixed order).
+    model. The file holds the tensors and metadata `merge_inputs` writes, equal
+    value for value; the ``__metadata__`` keys may come in another order.
 
     Returns:
         The merged `Model`, its params memory-mapped from the written file.
