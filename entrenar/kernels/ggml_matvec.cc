@@ -86,13 +86,8 @@ inline float HalfToFloat(uint16_t h) {
 inline uint16_t Load16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | p[1] << 8); }
 
 // ---------------------------------------------------------------- Q8_0 / Q4_0 / Q4_1
-struct QWeight {
-  int type;  // 0 Q8_0, 1 Q4_0, 2 Q4_1
-  const uint8_t* codes;
-  const uint16_t* scales;
-  const uint16_t* offsets;
-  int64_t k;
-
+// The rows' fields (type, codes, scales, offsets, k) are int8_dot.h's Int8Weight.
+struct QWeight : entrenar::Int8Weight {
   // Decode columns [c0, c0 + len) (whole 32-blocks) of row `row` into w.
   void Decode(int64_t row, int64_t c0, int64_t len, float* w) const {
     const int64_t nb = k / 32;
@@ -385,7 +380,7 @@ void Run(ffi::ThreadPool& pool, const Io& p, const W& weight) {
 // The product from 8-bit activations (int8_dot.h): x rounded once, rows in parallel.
 void RunInt8(ffi::ThreadPool& pool, const Io& p, const QWeight& q) {
   const entrenar::Int8Rows a(p.x, p.n, p.k, entrenar::kInt8Paired && q.type != 0);
-  const entrenar::Int8Weight w{q.type, q.codes, q.scales, q.offsets, q.k};
+  const entrenar::Int8Weight& w = q;
   const int64_t chunks = std::max<int64_t>(
       1, std::min({4 * pool.num_threads(), p.o / 16, p.o * p.k / kMinValues}));
   entrenar::ParallelFor(pool, chunks, [&](int64_t t) {
@@ -425,11 +420,11 @@ ffi::Error QMatvecImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
       (type == 2 && offsets.element_count() != scales.element_count())) {
     return ffi::Error::InvalidArgument("entrenar_q_matvec: shapes disagree");
   }
-  QWeight w{type, static_cast<const uint8_t*>(codes.untyped_data()) + code_at,
-            reinterpret_cast<const uint16_t*>(scales.untyped_data()) + scale_at,
-            reinterpret_cast<const uint16_t*>(offsets.untyped_data()) +
-                (type == 2 ? scale_at : 0),
-            p.k};
+  QWeight w{{type, static_cast<const uint8_t*>(codes.untyped_data()) + code_at,
+             reinterpret_cast<const uint16_t*>(scales.untyped_data()) + scale_at,
+             reinterpret_cast<const uint16_t*>(offsets.untyped_data()) +
+                 (type == 2 ? scale_at : 0),
+             p.k}};
   if (int8_x != 0) {
     RunInt8(pool, p, w);
   } else {
