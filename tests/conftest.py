@@ -13,7 +13,12 @@ bounded to 2 GiB, least recently used entries evicted, locked between processes)
 a second run, from this clone or another, compiles only what changed. Set
 ``JAX_COMPILATION_CACHE_DIR`` yourself to move it, or to an empty string to turn it
 off. The cache key holds the program, the jax/jaxlib versions, the backend and
-``XLA_FLAGS``, so a test that compares two ISAs still compiles twice.
+``XLA_FLAGS``, so a test that compares two ISAs still compiles twice. Every program
+is kept, however quick its compile (JAX's default keeps only those over a second; a
+floor of 0.1 s left the hundreds of small programs a model test compiles, each just
+under or over it by the machine's load, to be compiled again on most runs: the warm
+run of tests/nn/test_nn_llama.py and tests/quant/test_quant_matvec.py took 102 CPU-s
+with that floor and 34 with none; the small entries add a few MB).
 """
 
 import contextlib
@@ -32,7 +37,7 @@ os.environ.setdefault(
         "jax-compilation",
     ),
 )
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import jax
