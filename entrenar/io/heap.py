@@ -82,11 +82,18 @@ def bound_heap(model_bytes: int) -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
-def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous numpy array whose data starts on a page."""
+def host_buffer(
+    shape: tuple[int, ...], dtype: Any, *, zeroed: bool = False
+) -> np.ndarray:
+    """A C-contiguous numpy array whose data starts on a page.
+
+    Uninitialised, or with ``zeroed`` all zeros from ``calloc``: a buffer glibc
+    maps (over its mmap threshold) comes from the kernel already zero and is not
+    written, so a page the caller never writes is never resident.
+    """
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(n + mmap.PAGESIZE, np.uint8)
+    raw = (np.zeros if zeroed else np.empty)(n + mmap.PAGESIZE, np.uint8)
     start = -raw.ctypes.data % mmap.PAGESIZE
     return raw[start : start + n].view(dtype).reshape(shape)
 

@@ -537,32 +537,31 @@ def load_llama_gguf(
 
         Each layer's bytes are read from the file (``pread``, `GGUFFile.read_into`)
         into its place in one page-aligned ``(L, rows, width)`` uint8 buffer, or
-        through a one-layer buffer when its rows are un-permuted or zero-padded to
-        the widest type's row; the buffer becomes the JAX array without a copy on
-        the CPU (`entrenar.io.heap.to_device`). A
+        through a one-layer buffer when its rows are un-permuted; the buffer becomes
+        the JAX array without a copy on the CPU (`entrenar.io.heap.to_device`). A
         `GGMLWeight`, or a `MixedGGMLWeight` when the layers' types differ
-        (llama.cpp's mixes).
+        (llama.cpp's mixes): then each layer's bytes are packed at the start of its
+        ``rows * width`` room and the buffer comes zeroed from the kernel, so the
+        unused end of a narrower layer's room is never written, never resident.
         """
         kinds = tuple(sorted(set(types)))
         cols = shape[-1]
         width = max(row_bytes(t, cols) for t in check_types(kinds, cols))
-        buf = host_buffer((*shape[:-1], width), np.uint8)  # (L, rows, width)
+        mixed = len(kinds) > 1
+        buf = host_buffer((*shape[:-1], width), np.uint8, zeroed=mixed)
         stem = names[0].split(".")[-2]
         permuted = permute and stem in perm_heads
         stage: np.ndarray | None = None  # one layer's bytes, when not read in place
         for i, gname in enumerate(names):
-            n = row_bytes(types[i], cols)
-            if n == width and not permuted:
-                g.read_into(gname, buf[i])  # straight into its place
+            size = shape[-2] * row_bytes(types[i], cols)
+            room = buf[i].reshape(-1)[:size]  # layer i's bytes, packed (contiguous)
+            if not permuted:
+                g.read_into(gname, room)  # straight into its place
                 continue
-            if stage is None or stage.size != buf[i].size:
-                stage = np.empty(buf[i].shape, np.uint8)
-            raw = g.read_into(gname, stage.reshape(-1)[: shape[-2] * n])
-            raw = raw.reshape(shape[-2], n)  # (rows, row_bytes)
-            if permuted:
-                raw = unpermute_qk(raw, perm_heads[stem])
-            buf[i, :, :n] = raw
-            buf[i, :, n:] = 0
+            if stage is None or stage.size != size:
+                stage = np.empty(size, np.uint8)
+            raw = g.read_into(gname, stage).reshape(shape[-2], -1)  # (rows, n)
+            room[:] = unpermute_qk(raw, perm_heads[stem]).reshape(-1)
         data = to_device(buf)
         if len(kinds) == 1:
             return GGMLWeight(data, kinds[0])

@@ -4,19 +4,24 @@ llama.cpp's mixes give one kind of tensor different types in different layers:
 Q4_K_M stores ``attn_v`` and ``ffn_down`` as Q6_K in the layers ``use_more_bits``
 picks (16 of Llama-3-8B's 32) and Q4_K in the others; a row that is not whole
 256-value super-blocks falls back to a 32-value type (Q8_0 for Q6_K). A layer scan
-wants one array per leaf with the layers on axis 0, so the layers' bytes are kept
-as stored, each row padded with zeros to the widest type's row::
+wants one array per leaf with the layers on axis 0, so every layer gets the widest
+type's room, and each layer's bytes are kept packed as stored at the start of it::
 
-    data: uint8 (L, rows, row_bytes_max)   layer l's row r: its GGUF bytes, then 0s
+    data: uint8 (L, rows, row_bytes_max)   data[l].reshape(-1)[: rows * n_l]: layer
+                                           l's GGUF bytes (row r at r * n_l, n_l its
+                                           type's row bytes); the rest zeros
     kind: int32 (L,)                       layer l's type is types[kind[l]]
 
-(Q4_K_M's ``ffn_down`` of Llama-3-8B: 1.54 GB instead of the file's 1.30 GB.) The
-scan slices both, and each layer decodes its rows with its own type's decoder
-(`jax.lax.switch` on ``kind``), block by block as `entrenar.quant.GGMLWeight` does:
-the values are `gguf.quants`' exactly, never the whole matrix at once, and the
-frozen base gets no gradient. Types: the K-quants, BF16, F16 (`kquant.FORMATS`) and
-Q8_0, Q4_0, Q4_1 (32-value blocks ``d[, m], codes``:
-``x = d q``, ``d (q - 8)``, ``d q + m`` with ``q`` the low nibbles then the high).
+Packed, a narrower layer's unused room is one contiguous run of bytes at its end,
+never written: the loader allocates the buffer zeroed by the kernel (``calloc`` of
+fresh pages), so those pages are not resident (Q4_K_M's ``ffn_down`` of Llama-3-8B:
+1.30 GB resident, as the file, of 1.54 GB addressed). The scan slices both, and each
+layer decodes its rows with its own type's decoder (`jax.lax.switch` on ``kind``),
+block by block as `entrenar.quant.GGMLWeight` does: the values are
+`gguf.quants`' exactly, never the whole matrix at once, and the frozen base gets no
+gradient. Types: the K-quants, BF16, F16 (`kquant.FORMATS`) and Q8_0, Q4_0, Q4_1
+(32-value blocks ``d[, m], codes``: ``x = d q``, ``d (q - 8)``, ``d q + m`` with
+``q`` the low nibbles then the high).
 """
 
 from __future__ import annotations
@@ -81,24 +86,56 @@ def row_bytes(ggml_type: str, cols: int) -> int:
     return cols // fmt.block_size * fmt.type_size
 
 
+def packed_rows(data: Array, ggml_type: str, cols: int) -> Array:
+    """One layer's ``(rows, row_bytes_max)`` room -> its rows ``(rows, n)`` as stored.
+
+    ``n = row_bytes(ggml_type, cols)``: the first ``rows * n`` bytes of the room.
+    """
+    n = row_bytes(ggml_type, cols)
+    rows = data.shape[-2]
+    return data.reshape(-1)[: rows * n].reshape(rows, n)
+
+
 def decode_layer(
     data: Array, kind: Array, types: tuple[str, ...], cols: int
 ) -> jax.Array:
-    """Padded rows ``(rows, row_bytes_max)`` of ``types[kind]`` -> ``(rows, cols)``.
+    """One layer's room ``(rows, row_bytes_max)`` of ``types[kind]`` -> values.
 
     ``kind`` is a traced int32 scalar: `jax.lax.switch` runs its type's decoder.
     """
 
     def branch(t: str) -> Any:
-        fmt, n = ROW_FORMATS[t], row_bytes(t, cols)
+        fmt = ROW_FORMATS[t]
 
         def decode(d: jax.Array) -> jax.Array:
-            values = fmt.decode(d[:, :n].reshape(-1, fmt.type_size))  # (blocks, bs)
+            raw = packed_rows(d, t, cols)  # (rows, n)
+            values = fmt.decode(raw.reshape(-1, fmt.type_size))  # (blocks, bs)
             return values.reshape(d.shape[0], cols)
 
         return decode
 
     return jax.lax.switch(kind, [branch(t) for t in types], data)
+
+
+def decode_block(w: MixedGGMLWeight, index: Array, rows: int) -> jax.Array:
+    """Rows ``[index * rows, (index + 1) * rows)`` of the one layer ``w`` -> float32.
+
+    Block ``index`` of a layer of type ``t`` is the ``rows * n_t`` bytes at
+    ``index * rows * n_t`` of the layer's packed bytes: ``(rows, cols)``.
+    """
+    flat = w.data.reshape(-1)  # (out * row_bytes_max,)
+
+    def branch(t: str) -> Any:
+        fmt, size = ROW_FORMATS[t], rows * row_bytes(t, w.cols)
+
+        def decode(flat: jax.Array, index: jax.Array) -> jax.Array:
+            raw = jax.lax.dynamic_slice_in_dim(flat, index * size, size)  # (size,)
+            values = fmt.decode(raw.reshape(-1, fmt.type_size))  # (blocks, bs)
+            return values.reshape(rows, w.cols)
+
+        return decode
+
+    return jax.lax.switch(w.kind, [branch(t) for t in w.types], flat, index)
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -110,8 +147,8 @@ class MixedGGMLWeight:
     """A frozen stacked GGUF tensor whose layers have different ggml types.
 
     Attributes:
-        data: uint8 ``(*lead, rows, row_bytes_max)``: each row's bytes as GGUF
-            stores them, padded with zeros to the widest type's row.
+        data: uint8 ``(*lead, rows, row_bytes_max)``: each layer's room; its
+            GGUF bytes packed at the start (`packed_rows`), then zeros.
         kind: int32 ``(*lead,)``: each layer's index into ``types``.
         types: the ggml types (keys of `ROW_FORMATS`) (static).
         cols: values per row (GGUF ``ne[0]``) (static).
@@ -194,7 +231,7 @@ def mixed_ggml_weight(
                 f"layer {i}: {t} of shape {(rows, cols)} needs {rows * n} bytes, "
                 f"got {raw.size}"
             )
-        data[i, :, :n] = raw.reshape(rows, n)
+        data[i].reshape(-1)[: rows * n] = raw.reshape(-1)  # packed, then zeros
     kind = np.array([types.index(t) for _, t in layers], np.int32)
     return MixedGGMLWeight(jnp.asarray(data), jnp.asarray(kind), types, cols)
 
@@ -246,21 +283,17 @@ def mixed_matmul(
     return y.reshape(*x.shape[:-1], out)
 
 
-def _blocks(w: MixedGGMLWeight, rows: int) -> jax.Array:
-    """``(out, row_bytes_max)`` -> ``(out / rows, rows, row_bytes_max)``."""
-    return w.data.reshape(-1, rows, w.data.shape[-1])
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _product(w: MixedGGMLWeight, xs: jax.Array, rows: int, dtype: Any) -> jax.Array:
     """``xs Ŵᵀ``: ``(n, in) -> (n, out)``, ``rows`` rows of ``Ŵ`` decoded at a time."""
     xd = xs.astype(dtype)
+    blocks = jnp.arange(w.shape[0] // rows, dtype=jnp.int32)  # (out / rows,)
 
-    def block(data: jax.Array) -> jax.Array:  # (rows, row_bytes_max) -> (n, rows)
-        wb = decode_layer(data, w.kind, w.types, w.cols).astype(dtype)  # (rows, in)
+    def block(index: jax.Array) -> jax.Array:  # -> (n, rows)
+        wb = decode_block(w, index, rows).astype(dtype)  # (rows, in)
         return jnp.einsum("ni,ri->nr", xd, wb, preferred_element_type=jnp.float32)
 
-    y = jax.lax.map(block, _blocks(w, rows))  # (out / rows, n, rows)
+    y = jax.lax.map(block, blocks)  # (out / rows, n, rows)
     return jnp.moveaxis(y, 0, 1).reshape(xs.shape[0], -1).astype(xs.dtype)
 
 
@@ -271,15 +304,16 @@ def _fwd(w: MixedGGMLWeight, xs: jax.Array, rows: int, dtype: Any) -> Any:
 def _bwd(rows: int, dtype: Any, w: MixedGGMLWeight, g: jax.Array) -> Any:
     n, fan_in = g.shape[0], w.cols
     gb = jnp.moveaxis(g.reshape(n, -1, rows), 1, 0).astype(dtype)  # (out/rows, n, rows)
+    blocks = jnp.arange(gb.shape[0], dtype=jnp.int32)  # (out / rows,)
 
     def step(dx: jax.Array, pair: tuple[jax.Array, jax.Array]) -> Any:
-        data, gk = pair  # (rows, row_bytes_max), (n, rows)
-        wb = decode_layer(data, w.kind, w.types, w.cols).astype(dtype)  # (rows, in)
+        index, gk = pair  # (), (n, rows)
+        wb = decode_block(w, index, rows).astype(dtype)  # (rows, in)
         dx = dx + jnp.einsum("nr,ri->ni", gk, wb, preferred_element_type=jnp.float32)
         return dx, None
 
     dx0 = jnp.zeros((n, fan_in), jnp.float32)
-    dx, _ = jax.lax.scan(step, dx0, (_blocks(w, rows), gb))  # (n, in)
+    dx, _ = jax.lax.scan(step, dx0, (blocks, gb))  # (n, in)
     frozen = jax.tree_util.tree_map(
         lambda a: np.zeros(a.shape, jax.dtypes.float0), w
     )  # the base is frozen: no gradient
@@ -293,9 +327,11 @@ __all__ = [
     "ROW_FORMATS",
     "MixedGGMLWeight",
     "check_types",
+    "decode_block",
     "decode_layer",
     "dequantize_mixed",
     "mixed_ggml_weight",
     "mixed_matmul",
+    "packed_rows",
     "row_bytes",
 ]

@@ -31,7 +31,7 @@ from entrenar.tree import key_path_str, tree_bytes
 
 def _gguf_tree(
     path: str, dtype: str, keep: bool, quantize: Quantize | None
-) -> tuple[Any, list[tuple[int, int]]]:
+) -> tuple[Any, list[tuple[int, int]], int]:
     """A GGUF's tree as `load_llama_gguf` leaves it, as shapes; leaf load costs.
 
     With ``keep``, the rules of `load_llama_gguf`: a stacked projection whose
@@ -39,10 +39,14 @@ def _gguf_tree(
     bytes (`GGMLWeight`, `MixedGGMLWeight`: ``(L, rows, widest row)`` uint8 and a
     type per layer), one of Q8_0/Q4_0/Q4_1 as `from_ggml`'s node; a K-quant
     embedding or ``lm_head`` as its bytes; everything else in ``dtype``.
+
+    Also the bytes of the mixes' rooms never written (a narrower layer's room
+    past its packed bytes: addressed, never resident; `entrenar.quant.ggml_mixed`).
     """
     g, config = io.read_llama_header(path)
     by_hf = {hf: name for name, (hf, _) in _expected(g, config).items() if hf}
     itemsize = np.dtype(dtype).itemsize
+    unused: list[int] = []  # each mix's room never written
 
     def kept(types: list[str], shape: tuple[int, ...]) -> Any:
         kinds = tuple(sorted(set(types)))
@@ -52,6 +56,7 @@ def _gguf_tree(
             data = jax.ShapeDtypeStruct((*shape[:-1], width), np.uint8)
             if len(kinds) == 1:
                 return quant.GGMLWeight(data, kinds[0])
+            unused.append(shape[-2] * sum(width - row_bytes(t, cols) for t in types))
             layer_kind = jax.ShapeDtypeStruct(shape[:1], np.int32)
             return MixedGGMLWeight(data, layer_kind, kinds, cols)
         if len(kinds) == 1 and kinds[0] in KEEP_QUANTIZED and len(shape) == 3:
@@ -69,7 +74,8 @@ def _gguf_tree(
             node = kept([t], shape) if t in FORMATS else None
         return jax.ShapeDtypeStruct(shape, dtype) if node is None else node
 
-    return _build(config.param_shapes(), leaf, quantize, itemsize)
+    tree, costs = _build(config.param_shapes(), leaf, quantize, itemsize)
+    return tree, costs, sum(unused)
 
 
 def _ggml_node(ggml_type: str, shape: tuple[int, ...]) -> Any:
@@ -141,12 +147,13 @@ def _quantize_cost(fn: Any, leaf: jax.ShapeDtypeStruct) -> tuple[Any, int]:
 
 def _loaded(
     spec: TrainSpec, built: BuiltModel, quantize: Quantize | None
-) -> tuple[Any, bool, int]:
-    """``(tree, kept, transient)``: the tree the load leaves (shapes).
+) -> tuple[Any, bool, int, int]:
+    """``(tree, kept, transient, unused)``: the tree the load leaves (shapes).
 
     ``kept``: whether the run keeps that tree beside the one `lora.apply` makes (a
     model built from scratch: `BuiltModel` holds its float leaves, which LoRA then
-    quantizes); ``transient``: the most the leaf being read adds (`_build`).
+    quantizes); ``transient``: the most the leaf being read adds (`_build`);
+    ``unused``: bytes of the tree never resident (`_gguf_tree`).
     """
     section = spec.model
     assert section is not None
@@ -160,19 +167,20 @@ def _loaded(
     if path is not None and os.path.isdir(path):
         shapes = io.read_hf_folder(path).config.param_shapes()
         tree, costs = _build(shapes, plain, quantize, itemsize)
-        return tree, False, max((t for _, t in costs), default=0)
+        return tree, False, max((t for _, t in costs), default=0), 0
     if path is not None and built.gguf_source and built.is_decoder:
-        tree, costs = _gguf_tree(path, dtype, section.keep_quantized, quantize)
-        return tree, False, max((t for _, t in costs), default=0)
+        tree, costs, unused = _gguf_tree(path, dtype, section.keep_quantized, quantize)
+        return tree, False, max((t for _, t in costs), default=0), unused
     # From scratch (`lora.apply` quantizes later), or an entrenar file (read whole,
     # then quantized: the float tree is the transient).
     tree = built.params
     if path is None or quantize is None:
-        return tree, path is None and quantize is not None, 0
+        return tree, path is None and quantize is not None, 0, 0
     return (
         jax.eval_shape(lambda t: quantize_leaves(t, quantize), tree),
         False,
         (tree_bytes(tree)),
+        0,
     )
 
 
@@ -182,19 +190,20 @@ def run_tree(
     """``(params, weights, adapters, load transient)`` of `prepare`'s tree.
 
     ``params`` as shapes; the bytes of its weights and of its LoRA factors; the
-    most the load adds while it reads (and quantizes) a leaf.
+    most the load adds while it reads (and quantizes) a leaf. The weights count
+    what is resident: a mix's unused room is not (`_gguf_tree`).
     """
     quantize = base_quantizer(c)
-    tree, kept, transient = _loaded(spec, built, quantize)
+    tree, kept, transient, unused = _loaded(spec, built, quantize)
     if c is None:
-        return tree, tree_bytes(tree), 0, transient
+        return tree, tree_bytes(tree) - unused, 0, transient
     scheme = None if c.quantize_base == "none" else c.quantize_base
     params = jax.eval_shape(
         lambda t: lora.apply(t, c, key=jax.random.key(1), quantize=scheme), tree
     )
     adapters = tree_bytes(lora.split(params)[0])
     if not kept:
-        return params, tree_bytes(params) - adapters, adapters, transient
+        return params, tree_bytes(params) - adapters - unused, adapters, transient
     # from scratch: `BuiltModel` keeps the float tree, LoRA quantizes its bases
     assert quantize is not None
     temps = [

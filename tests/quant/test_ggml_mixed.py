@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from entrenar import lora
-from entrenar.io import load_llama_gguf
+from entrenar.io import load_llama_gguf, read_gguf
 from entrenar.io.ggml_dequant import GGML_TYPE_IDS, dequantize_ggml
 from entrenar.lora import LoRAConfig
 from entrenar.nn import LlamaConfig
@@ -127,6 +127,13 @@ def test_q4_k_m_gguf_loads_kept_as_written(q4_k_m_gguf):
     down = m["layers"]["mlp"]["down_proj"]["weight"]
     assert isinstance(down, MixedGGMLWeight) and down.types == ("Q4_K", "Q6_K")
     assert np.asarray(down.kind).tolist() == [0, 1]  # llama.cpp's use_more_bits
+    g = read_gguf(q4_k_m_gguf)  # each layer's bytes packed at the start of its room
+    for i, t in enumerate(down.types):
+        stored = np.asarray(g.raw(f"blk.{i}.ffn_down.weight")).reshape(-1)
+        assert g.tensors[f"blk.{i}.ffn_down.weight"].type_name == t
+        room = np.asarray(down.data[i]).reshape(-1)  # (rows * row_bytes_max,)
+        np.testing.assert_array_equal(room[: stored.size], stored)
+        assert not room[stored.size :].any() and (i == 1) == (stored.size == room.size)
     kept_dense = jax.tree_util.tree_map(
         to_dense, kept, is_leaf=lambda x: isinstance(x, GGMLWeight | MixedGGMLWeight)
     )
