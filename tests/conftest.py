@@ -9,7 +9,7 @@ line, the notebooks, each in a subprocess, and the xdist workers of `make test`)
 compile the same programs. JAX's persistent compilation cache, set here through the
 environment so that every subprocess inherits it, keeps each compiled program once in
 ``~/.cache/entrenar/jax-compilation`` (under ``$ENTRENAR_CACHE_DIR`` when that is set;
-bounded to 2 GiB, least recently used entries evicted, locked between processes), so
+bounded to 2 GiB at the start of each session, least recently read entries deleted), so
 a second run, from this clone or another, compiles only what changed. Set
 ``JAX_COMPILATION_CACHE_DIR`` yourself to move it, or to an empty string to turn it
 off. The cache key holds the program, the jax/jaxlib versions, the backend and
@@ -38,11 +38,16 @@ os.environ.setdefault(
     ),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+# -1: JAX's own bound re-reads every entry's access time, under a lock that stalls the
+# other workers, on each write (with ~10,000 entries, workers at 50% of a core); the
+# suite bounds the folder once per session instead (`pytest_configure`).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 
 import jax
 import pytest
 from hypothesis import HealthCheck, settings
+
+CACHE_BOUND = 2 << 30  # bytes of compiled programs kept between sessions
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 # in case jax was imported before this file ran (the environment is read at import)
@@ -85,6 +90,40 @@ def _deadline(seconds: float) -> Iterator[None]:
 def deadline() -> Callable[[float], contextlib.AbstractContextManager[None]]:
     """The context manager that fails a hanging test body in time (SIGALRM)."""
     return _deadline
+
+
+def prune_compilation_cache(folder: str, bound: int = CACHE_BOUND) -> int:
+    """Delete the least recently read programs until ``folder`` holds ``bound`` bytes.
+
+    Recency is the file's access time (the filesystem updates it on the first read
+    after a write and then daily under ``relatime``: coarse, but enough to drop the
+    programs no test has asked for since). Returns the number of entries deleted.
+    """
+    if not folder or not os.path.isdir(folder):
+        return 0
+    entries = []
+    with os.scandir(folder) as it:
+        for e in it:
+            if e.name.endswith("-cache") and e.is_file():
+                st = e.stat()
+                entries.append((max(st.st_atime, st.st_mtime), st.st_size, e.path))
+    total = sum(size for _, size, _ in entries)
+    deleted = 0
+    for _, size, path in sorted(entries):
+        if total <= bound:
+            break
+        for stale in (path, path.removesuffix("-cache") + "-atime"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
+        total -= size
+        deleted += 1
+    return deleted
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Bound the compilation cache once, in the controlling process (not per worker)."""
+    if not hasattr(config, "workerinput"):
+        prune_compilation_cache(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
