@@ -25,6 +25,7 @@ import numpy as np
 from entrenar import distributed, nn
 from entrenar.data.protocol import ArrayLoader, Loader
 from entrenar.errors import ConfigError, NonFiniteError
+from entrenar.io.heap import trim_heap
 from entrenar.io.lock import OutputLock
 from entrenar.train.callbacks import Callback
 from entrenar.train.checkpoint import Checkpointer, resolve_resume
@@ -224,6 +225,7 @@ class Trainer:
         self.epoch = 0  # completed epochs
         self.batch_in_epoch = 0  # batches of the current epoch already trained on
         self._pending: list[tuple[int, Any]] = []  # (step, device metrics) unchecked
+        self._heap_trimmed = False  # after the first step's compile (`train_step`)
         self._window: list[dict[str, float]] = []  # checked steps since the last log
         self._t_log = time.perf_counter()
         self._checkpointer: Checkpointer | None = None
@@ -372,6 +374,9 @@ class Trainer:
     def train_step(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns its metrics (device arrays)."""
         self.state, metrics = self._step_fn(self.state, batch)
+        if not self._heap_trimmed:  # the step was just compiled (or read from cache)
+            trim_heap()  # XLA's freed compile buffers, resident in glibc's arenas
+            self._heap_trimmed = True
         self._step += 1
         self._pending.append((self.step, metrics))
         for cb in self.callbacks:
@@ -520,6 +525,9 @@ class Trainer:
             return
         self._check_pending()  # never checkpoint past a non-finite step
         path = self._checkpointer.save(self.state, self._meta(loader))
+        # orbax/tensorstore's freed write buffers stay resident in glibc's arenas
+        # under the next step (Llama-3-8B: its step 0.2 GB lower after this trim)
+        trim_heap()
         for cb in self.callbacks:
             cb.on_checkpoint(self, self.step, path)
 
