@@ -20,7 +20,8 @@
 //     type 0 Q4_K (144 B / 256), 1 Q5_K (176 B / 256), 2 Q6_K (210 B / 256),
 //     3 BF16 (2 B / 1), 4 F16 (2 B / 1).
 //
-// Each task takes a range of output rows; the columns are walked in chunks of kChunk
+// Each task takes a range of output rows (row_pool.h's threads, as many as XLA's
+// intra-op pool has; results bit-identical whatever their number); the columns are walked in chunks of kChunk
 // whose slice of x stays in L1; each row's chunk is decoded once into a small buffer
 // and multiplied with up to eight input rows at a time (nf4_matmul.cc's scheme).
 // The decoded values are the dequantizers' to the last bit (d·q + m may be one fused
@@ -38,7 +39,7 @@
 
 #include "decoded_rows.h"
 #include "int8_dot.h"
-#include "parallel.h"
+#include "row_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -52,8 +53,9 @@ namespace {
 // Columns per chunk: a multiple of 256 (K-quant super-blocks) and of 32.
 constexpr int64_t kChunk = 512;
 
-// Weight values a task takes at least (see Run).
-constexpr int64_t kMinValues = 1 << 18;
+// Multiply-adds a range of rows takes at least (ForRowRanges): ~1-3 µs, where
+// handing a range to a spinning helper costs well under one.
+constexpr int64_t kMinWork = 1 << 15;
 
 // IEEE half -> float, exact (subnormals, infinities and NaN included).
 inline float HalfToFloat(uint16_t h) {
@@ -365,27 +367,35 @@ void RunRows<QWeight>(const Io& p, const QWeight& w, int64_t o0, int64_t o1) {
 }
 #endif
 
+// Output rows in ranges over the threads XLA's intra-op pool has (the CPUs the process
+// may use; one under `taskset -c 0`), run on row_pool.h's spinning helpers: about 4
+// ranges a thread where each keeps kMinWork multiply-adds, one a thread where only
+// that does, else one; ranges of at least 16 rows. A row is computed the same way in
+// any range, so y does not depend on the number of threads, bit for bit.
+template <typename Rows>
+void ForRowRanges(ffi::ThreadPool& pool, const Io& p, const Rows& rows) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t work = p.n * p.o * p.k;
+  int64_t chunks = work >= 4 * threads * kMinWork ? 4 * threads
+                   : work >= threads * kMinWork   ? threads
+                                                  : 1;
+  chunks = std::max<int64_t>(1, std::min(chunks, p.o / 16));
+  entrenar::RowPool::Shared().Run(static_cast<int>(threads), chunks, [&](int64_t t) {
+    rows(p.o * t / chunks, p.o * (t + 1) / chunks);
+  });
+}
+
 template <typename W>
 void Run(ffi::ThreadPool& pool, const Io& p, const W& weight) {
-  // Ranges of at least 16 output rows and kMinValues weight values, a few per
-  // intra-op thread: handing a task to another thread costs microseconds, the time
-  // of decoding some 50,000 values.
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min({4 * pool.num_threads(), p.o / 16, p.o * p.k / kMinValues}));
-  entrenar::ParallelFor(pool, chunks, [&](int64_t t) {
-    RunRows(p, weight, p.o * t / chunks, p.o * (t + 1) / chunks);
-  });
+  ForRowRanges(pool, p, [&](int64_t o0, int64_t o1) { RunRows(p, weight, o0, o1); });
 }
 
 // The product from 8-bit activations (int8_dot.h): x rounded once, rows in parallel.
 void RunInt8(ffi::ThreadPool& pool, const Io& p, const QWeight& q) {
   const entrenar::Int8Rows a(p.x, p.n, p.k, entrenar::kInt8Paired && q.type != 0);
   const entrenar::Int8Weight& w = q;
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min({4 * pool.num_threads(), p.o / 16, p.o * p.k / kMinValues}));
-  entrenar::ParallelFor(pool, chunks, [&](int64_t t) {
-    entrenar::Int8RowRange(w, a, p.y, p.o, p.o * t / chunks, p.o * (t + 1) / chunks,
-                           HalfToFloat);
+  ForRowRanges(pool, p, [&](int64_t o0, int64_t o1) {
+    entrenar::Int8RowRange(w, a, p.y, p.o, o0, o1, HalfToFloat);
   });
 }
 
