@@ -355,12 +355,13 @@ def stream_one(
     if len(shape) < 2:
         a = read_rows(None, None)
     else:
-        a = jnp.zeros(shape, dtype)
+        buf = _host_buffer(shape, dtype)  # (shape), filled chunk by chunk
         row_bytes = math.prod(shape[1:]) * np.dtype(dtype).itemsize
         step = max(1, (chunk_bytes or CHUNK_BYTES) // max(1, row_bytes))
         for start in range(0, shape[0], step):
-            part = read_rows(start, min(start + step, shape[0]))
-            a = _put(a, part, jnp.int32(start))
+            stop = min(start + step, shape[0])
+            buf[start:stop] = np.asarray(read_rows(start, stop))  # (stop-start, ...)
+        a = _to_device(buf)
     return _quantized(path, a, quantize)
 
 
@@ -373,13 +374,14 @@ def stream_stacked(
 ) -> Any:
     """The stacked leaf ``path`` of ``shape = (L, ...)`` from its ``L`` layers.
 
-    An array leaf is allocated once in its final dtype and filled layer by layer in
-    place (a donated ``dynamic_update_slice``), so the load holds the final tree plus
-    this one leaf. A leaf ``quantize`` names is quantized layer by layer instead:
-    layer ``i`` is read, quantized as ``fn(layer[None])`` (a ``(1, ...)`` stack),
-    and each array of its node written at index ``i`` of the node's stacked arrays
-    (allocated from layer 0's), so the load holds the final tree plus one layer in
-    the load's dtype and its quantization's temporaries. This is the node
+    An array leaf is allocated once on the host in its final dtype, filled layer by
+    layer in numpy and handed to JAX once (no copy on the CPU), so the load holds the
+    final tree plus this one leaf, and costs no compile or dispatch per layer. A leaf
+    ``quantize`` names is quantized layer by layer instead: layer ``i`` is read,
+    quantized as ``fn(layer[None])`` (a ``(1, ...)`` stack), and each array of its
+    node written at index ``i`` of the node's stacked host arrays (allocated from
+    layer 0's, handed to JAX at the end), so the load holds the final tree plus one
+    layer in the load's dtype and its quantization's temporaries. This is the node
     ``fn(leaf)`` gives because `Quantize` functions treat a stack layer by layer
     (NF4 by definition: `entrenar.quant.nf4.quantize_nf4`).
 
@@ -392,20 +394,24 @@ def stream_stacked(
     """
     fn = None if quantize is None else quantize(path, tuple(shape))
     if fn is None:
-        a = jnp.zeros(shape, dtype)
+        buf = _host_buffer(shape, dtype)  # (L, *layer_shape)
         for i, read in enumerate(layers):
-            a = _put(a, read()[None], jnp.int32(i))  # (1, *layer_shape) at i
-        return a
+            buf[i] = np.asarray(read())  # layer i: (*layer_shape)
+        return _to_device(buf)
     out: Any = None
     for i, read in enumerate(layers):
         node = jax.block_until_ready(fn(read()[None]))  # arrays (1, ...)
         if out is None:
             out = jax.tree_util.tree_map(
-                lambda x: jnp.zeros((shape[0], *x.shape[1:]), x.dtype), node
-            )  # each array (L, ...)
-        put = functools.partial(_put, i=jnp.int32(i))
-        out = jax.tree_util.tree_map(put, out, node)  # layer i's arrays at i
-    return jax.block_until_ready(out)
+                lambda x: _host_buffer((shape[0], *x.shape[1:]), x.dtype), node
+            )  # each array (L, ...), on the host
+
+        def put(buf: np.ndarray, x: jax.Array, i: int = i) -> np.ndarray:
+            buf[i] = np.asarray(x)[0]  # layer i's (...) at i
+            return buf
+
+        out = jax.tree_util.tree_map(put, out, node)
+    return jax.tree_util.tree_map(_to_device, out)
 
 
 def _quantized(path: str, a: jax.Array, quantize: Quantize | None) -> Any:
@@ -414,19 +420,22 @@ def _quantized(path: str, a: jax.Array, quantize: Quantize | None) -> Any:
     return a if fn is None else jax.block_until_ready(fn(a))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _put(buf: jax.Array, part: jax.Array, i: jax.Array) -> jax.Array:
-    """``buf`` with ``part: (n, ...)`` written from index ``i`` of axis 0, in place.
+def _host_buffer(shape: tuple[int, ...], dtype: DType) -> np.ndarray:
+    """A page-aligned host buffer of ``shape`` that `_to_device` takes without a copy.
 
-    16-bit floats are written as their bits (XLA's CPU backend updates a bfloat16
-    buffer by a copy of the whole buffer: 10x slower at TinyLlama's MLP).
+    Filling a leaf in numpy and handing JAX the finished array once costs no
+    compile and no dispatch per layer or chunk (a donated update per part did).
     """
-    if buf.dtype.itemsize != 2:
-        return jax.lax.dynamic_update_slice_in_dim(buf, part, i, axis=0)
-    bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
-    new = jax.lax.bitcast_convert_type(part, jnp.uint16)
-    bits = jax.lax.dynamic_update_slice_in_dim(bits, new, i, axis=0)
-    return jax.lax.bitcast_convert_type(bits, buf.dtype)
+    from entrenar.io.heap import host_buffer  # entrenar.io imports this module
+
+    return host_buffer(shape, np.dtype(jax.dtypes.canonicalize_dtype(dtype)))
+
+
+def _to_device(buf: np.ndarray) -> jax.Array:
+    """``buf`` (from `_host_buffer`, not written afterwards) as a JAX array."""
+    from entrenar.io.heap import to_device
+
+    return to_device(buf)
 
 
 def per_layer_shapes(config: HasParamShapes) -> dict[str, tuple[int, ...]]:

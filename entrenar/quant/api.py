@@ -1,9 +1,9 @@
 """`quantize` and `dequantize`: one entry point over every scheme, and tree versions.
 
 Both are pure and jittable (the scheme and its options are static). Called eagerly,
-each compiles to one XLA program per scheme, options and shape (cached), after an
-eager NaN/Inf check; under an outer `jax.jit` the values are unknown at trace time
-and the check is skipped.
+each compiles to one XLA program per scheme, options and shape (cached), which also
+checks for NaN/Inf (raised after it returns); under an outer `jax.jit` the values
+are unknown at trace time and the check is skipped.
 """
 
 from __future__ import annotations
@@ -74,8 +74,11 @@ def quantize(
     """
     if scheme not in SCHEMES:
         raise QuantizationError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
-    check_finite(w, scheme)  # eagerly, before the compiled program
-    q = _quantize(w, scheme, block_size, double_quant, symmetric, granularity, axis)
+    q, finite = _quantize(
+        w, scheme, block_size, double_quant, symmetric, granularity, axis
+    )
+    if not isinstance(finite, jax.core.Tracer) and not bool(finite):
+        check_finite(w, scheme)  # raises, naming the first NaN/Inf
     if scheme in ("q8_0", "q4_0", "q4_1"):
         check_float16(q.scales, q.offsets, scheme)
     return q
@@ -90,21 +93,28 @@ def _quantize(
     symmetric: bool,
     granularity: str,
     axis: int,
-) -> QuantizedWeight:
-    """`quantize` as one compiled program per scheme, options and shape."""
+) -> tuple[QuantizedWeight, jax.Array]:
+    """`quantize` as one compiled program per scheme, options and shape.
+
+    Returns the node and whether every value of ``w`` is finite (a bool scalar),
+    checked in the same program: a quantize call (say one per layer of a streaming
+    load) costs one dispatch, not three.
+    """
+    finite = jnp.all(jnp.isfinite(w))  # () bool
     if scheme == "nf4":
-        return quantize_nf4(w, block_size=block_size, double_quant=double_quant)
+        return quantize_nf4(w, block_size=block_size, double_quant=double_quant), finite
     if scheme == "int4":
-        return quantize_int4(w, block_size=block_size)
+        return quantize_int4(w, block_size=block_size), finite
     if scheme == "int8":
-        return quantize_int8(
+        q = quantize_int8(
             w,
             symmetric=symmetric,
             granularity=granularity,
             axis=axis,
             block_size=block_size,
         )
-    return quantize_ggml(w, scheme)
+        return q, finite
+    return quantize_ggml(w, scheme), finite
 
 
 def dequantize(q: QuantizedWeight, dtype: Any = None) -> jax.Array:
