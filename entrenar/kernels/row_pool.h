@@ -5,8 +5,9 @@
 // task: a futex wake-up and, in a virtual machine, an interrupt to the other core,
 // tens of µs each, the time of the product itself (measured: a 135M model decoded
 // slower on two cores than on one). Here the helper threads are the pool's own and,
-// after a task, spin for kSpinNs waiting for the next one, so during decoding a task
-// reaches them in well under a µs; past that they sleep on a condition variable.
+// after a task, spin for kSpinNs waiting for the next one (yielding the core every
+// few µs to any thread waiting for it), so during decoding a task reaches them in
+// about a µs; past that they sleep on a condition variable.
 //
 // The calling thread claims chunks too and waits only for chunks another thread has
 // claimed, never for a helper to wake up: a helper still asleep costs nothing but its
@@ -135,6 +136,9 @@ class RowPool {
         gen = ticket_.load(std::memory_order_acquire) >> 32;
         if (gen != seen) break;
         CpuRelax();
+        // Every ~10 µs of spinning, let a thread that waits for this core run
+        // (XLA's own pool threads: the helper must not keep them off a CPU).
+        if ((spins & 255) == 255) std::this_thread::yield();
         if ((spins & 1023) == 1023 &&
             std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kSpinNs)) {
           std::unique_lock<std::mutex> lock(mu_);
