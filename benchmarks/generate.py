@@ -6,7 +6,8 @@ demo`` uses; its ``token_embd`` is Q8_0) and a Q8_0 export of it written by
 turn of the held-out ISO-date set rendered with the model's template (the same token
 ids for both programs). Each program runs in its own process, pinned with
 ``taskset`` to one core (one thread) or two (two threads; llama.cpp's ``n_threads``
-follows):
+follows; entrenar's decoding kernel runs on as many threads as XLA's intra-op pool
+has, which is the CPUs the process may use: ``kernels/row_pool.h``):
 
 - llama.cpp (llama-cpp-python, ``--llama-python``, default ``/tmp/llamavenv``):
   ``eval`` of the prompt (prompt tok/s), then greedy tokens one ``eval`` each
