@@ -55,6 +55,8 @@ struct Shape {
   int64_t dp() const { return RoundUp(d); }
   int64_t dvp() const { return RoundUp(dv); }
   int64_t sp() const { return RoundUp(s); }
+  // multiply-adds of scores and values for all heads (ParallelFor's size hint)
+  int64_t Work() const { return b * h * t * s * (d + dv); }
 };
 
 // The key range [lo, hi) a query row must compute; lo = hi = -1 when fully masked.
@@ -308,7 +310,7 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
         }
       }
     }
-  });
+  }, sh.Work());
   return ffi::Error::Success();
 }
 
@@ -383,7 +385,7 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
       std::memcpy(dkp + at * sh.d, &dk_acc[s * dp], sizeof(float) * sh.d);
       std::memcpy(dvp_out + at * sh.dv, &dv_acc[s * dvp], sizeof(float) * sh.dv);
     }
-  });
+  }, sh.Work());
   return ffi::Error::Success();
 }
 

@@ -6,6 +6,11 @@
 // otherwise each wait for a task queued behind the other, and deadlock. A helper that
 // starts after every chunk is claimed finds nothing to do; the state it reads is
 // shared-owned, so it outlives the caller.
+//
+// A caller that passes `multiply_adds` (its work in all) below kMinParallelWork runs
+// every chunk on its own thread: waking a pool thread (a futex, tens of microseconds on
+// a VM) costs more than such work (one decoding step's attention at batch 1 is three
+// tasks of a few microseconds per layer). Each chunk computes the same either way.
 #ifndef ENTRENAR_KERNELS_PARALLEL_H_
 #define ENTRENAR_KERNELS_PARALLEL_H_
 
@@ -21,10 +26,13 @@
 
 namespace entrenar {
 
+constexpr int64_t kMinParallelWork = int64_t{1} << 18;
+
 inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t chunks,
-                        std::function<void(int64_t)> body) {
-  if (chunks <= 1) {
-    if (chunks == 1) body(0);
+                        std::function<void(int64_t)> body,
+                        int64_t multiply_adds = kMinParallelWork) {
+  if (chunks <= 1 || multiply_adds < kMinParallelWork) {
+    for (int64_t i = 0; i < chunks; ++i) body(i);
     return;
   }
   struct State {
