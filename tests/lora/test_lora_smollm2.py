@@ -29,7 +29,7 @@ def test_smollm2_gguf_qlora_init_forward_is_exact_and_counts_match():
     # One gradient step on the adapters changes the output; frozen codes do not move.
     trainable, frozen = lora.split(params)
 
-    def loss(t, f):  # the frozen base an argument: a closure would bake it into the program
+    def loss(t, f):  # the base as an argument: a closure bakes it into the program
         return causal_lm_loss(config.apply(lora.combine(t, f), tokens), tokens)
 
     g = jax.jit(jax.grad(loss))(trainable, frozen)
