@@ -20,22 +20,18 @@ little there). `trim_heap` gives the heap's free pages back after a load. Both a
 no-ops where there is no glibc, and `bound_heap` leaves a threshold the user chose
 (``MALLOC_MMAP_THRESHOLD_`` in the environment) alone.
 
-`host_buffer` and `to_device` let a load fill a leaf of stored bytes on the host
-(numpy copies from the mapped file, no compiled update per leaf shape) and hand it
-to JAX without a copy: JAX's CPU client aliases a numpy buffer aligned to a page
-(`jax.device_put`), and copies one that is not (other backends always copy).
+`host_buffer` and `to_device` (from `entrenar.nn.host_arrays`, re-exported here) let
+a load fill a leaf on the host and hand it to JAX without a copy.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import mmap
 import os
 from typing import Any
 
-import jax
-import numpy as np
+from entrenar.nn.host_arrays import host_buffer, to_device
 
 M_MMAP_THRESHOLD = -3
 """glibc's ``mallopt`` parameter number of the mmap threshold (``malloc.h``)."""
@@ -80,30 +76,6 @@ def bound_heap(model_bytes: int) -> bool:
     if libc is None or not hasattr(libc, "mallopt"):
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-
-
-def host_buffer(
-    shape: tuple[int, ...], dtype: Any, *, zeroed: bool = False
-) -> np.ndarray:
-    """A C-contiguous numpy array whose data starts on a page.
-
-    Uninitialised, or with ``zeroed`` all zeros from ``calloc``: a buffer glibc
-    maps (over its mmap threshold) comes from the kernel already zero and is not
-    written, so a page the caller never writes is never resident.
-    """
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = (np.zeros if zeroed else np.empty)(n + mmap.PAGESIZE, np.uint8)
-    start = -raw.ctypes.data % mmap.PAGESIZE
-    return raw[start : start + n].view(dtype).reshape(shape)
-
-
-def to_device(buf: np.ndarray) -> jax.Array:
-    """``buf`` as a JAX array; on the CPU the same memory when page-aligned.
-
-    ``buf`` must not be written afterwards (the array may alias it).
-    """
-    return jax.block_until_ready(jax.device_put(buf))
 
 
 __all__ = ["BIG_MODEL_BYTES", "bound_heap", "host_buffer", "to_device", "trim_heap"]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import FormatError, ShapeError
+from entrenar.nn.host_arrays import host_buffer, to_device
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.tree import key_path_str
 from entrenar.types import DType, Params
@@ -426,15 +427,11 @@ def _host_buffer(shape: tuple[int, ...], dtype: DType) -> np.ndarray:
     Filling a leaf in numpy and handing JAX the finished array once costs no
     compile and no dispatch per layer or chunk (a donated update per part did).
     """
-    from entrenar.io.heap import host_buffer  # entrenar.io imports this module
-
     return host_buffer(shape, np.dtype(jax.dtypes.canonicalize_dtype(dtype)))
 
 
 def _to_device(buf: np.ndarray) -> jax.Array:
     """``buf`` (from `_host_buffer`, not written afterwards) as a JAX array."""
-    from entrenar.io.heap import to_device
-
     return to_device(buf)
 
 
