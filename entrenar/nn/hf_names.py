@@ -362,7 +362,7 @@ def stream_one(
         for start in range(0, shape[0], step):
             stop = min(start + step, shape[0])
             buf[start:stop] = np.asarray(read_rows(start, stop))  # (stop-start, ...)
-        a = _to_device(buf)
+        a = to_device(buf)
     return _quantized(path, a, quantize)
 
 
@@ -398,7 +398,7 @@ def stream_stacked(
         buf = _host_buffer(shape, dtype)  # (L, *layer_shape)
         for i, read in enumerate(layers):
             buf[i] = np.asarray(read())  # layer i: (*layer_shape)
-        return _to_device(buf)
+        return to_device(buf)
     out: Any = None
     for i, read in enumerate(layers):
         node = jax.block_until_ready(fn(read()[None]))  # arrays (1, ...)
@@ -412,7 +412,7 @@ def stream_stacked(
             return buf
 
         out = jax.tree_util.tree_map(put, out, node)
-    return jax.tree_util.tree_map(_to_device, out)
+    return jax.tree_util.tree_map(to_device, out)
 
 
 def _quantized(path: str, a: jax.Array, quantize: Quantize | None) -> Any:
@@ -422,17 +422,12 @@ def _quantized(path: str, a: jax.Array, quantize: Quantize | None) -> Any:
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: DType) -> np.ndarray:
-    """A page-aligned host buffer of ``shape`` that `_to_device` takes without a copy.
+    """A page-aligned host buffer of ``shape`` that `to_device` takes without a copy.
 
     Filling a leaf in numpy and handing JAX the finished array once costs no
     compile and no dispatch per layer or chunk (a donated update per part did).
     """
     return host_buffer(shape, np.dtype(jax.dtypes.canonicalize_dtype(dtype)))
-
-
-def _to_device(buf: np.ndarray) -> jax.Array:
-    """``buf`` (from `_host_buffer`, not written afterwards) as a JAX array."""
-    return to_device(buf)
 
 
 def per_layer_shapes(config: HasParamShapes) -> dict[str, tuple[int, ...]]:

@@ -86,56 +86,42 @@ def row_bytes(ggml_type: str, cols: int) -> int:
     return cols // fmt.block_size * fmt.type_size
 
 
-def packed_rows(data: Array, ggml_type: str, cols: int) -> Array:
-    """One layer's ``(rows, row_bytes_max)`` room -> its rows ``(rows, n)`` as stored.
+def decode_rows(
+    flat: Array, kind: Array, types: tuple[str, ...], cols: int, index: Array, rows: int
+) -> jax.Array:
+    """Rows ``[index * rows, (index + 1) * rows)`` of one layer of ``types[kind]``.
 
-    ``n = row_bytes(ggml_type, cols)``: the first ``rows * n`` bytes of the room.
+    ``flat`` is the layer's room as bytes ``(rows_all * row_bytes_max,)``; its GGUF
+    bytes are packed at the start, so block ``index`` of a layer of type ``t`` is the
+    ``rows * n_t`` bytes at ``index * rows * n_t`` (``n_t = row_bytes(t, cols)``).
+    ``kind`` is a traced int32 scalar: `jax.lax.switch` runs its type's decoder.
+    Returns float32 ``(rows, cols)``.
     """
-    n = row_bytes(ggml_type, cols)
-    rows = data.shape[-2]
-    return data.reshape(-1)[: rows * n].reshape(rows, n)
+
+    def branch(t: str) -> Any:
+        fmt, size = ROW_FORMATS[t], rows * row_bytes(t, cols)
+
+        def decode(flat: jax.Array, index: jax.Array) -> jax.Array:
+            raw = jax.lax.dynamic_slice_in_dim(flat, index * size, size)  # (size,)
+            values = fmt.decode(raw.reshape(-1, fmt.type_size))  # (blocks, bs)
+            return values.reshape(rows, cols)
+
+        return decode
+
+    return jax.lax.switch(kind, [branch(t) for t in types], flat, index)
 
 
 def decode_layer(
     data: Array, kind: Array, types: tuple[str, ...], cols: int
 ) -> jax.Array:
-    """One layer's room ``(rows, row_bytes_max)`` of ``types[kind]`` -> values.
-
-    ``kind`` is a traced int32 scalar: `jax.lax.switch` runs its type's decoder.
-    """
-
-    def branch(t: str) -> Any:
-        fmt = ROW_FORMATS[t]
-
-        def decode(d: jax.Array) -> jax.Array:
-            raw = packed_rows(d, t, cols)  # (rows, n)
-            values = fmt.decode(raw.reshape(-1, fmt.type_size))  # (blocks, bs)
-            return values.reshape(d.shape[0], cols)
-
-        return decode
-
-    return jax.lax.switch(kind, [branch(t) for t in types], data)
+    """One layer's room ``(rows, row_bytes_max)`` of ``types[kind]`` -> values."""
+    index = jnp.int32(0)  # the whole layer: one block of every row
+    return decode_rows(data.reshape(-1), kind, types, cols, index, data.shape[-2])
 
 
 def decode_block(w: MixedGGMLWeight, index: Array, rows: int) -> jax.Array:
-    """Rows ``[index * rows, (index + 1) * rows)`` of the one layer ``w`` -> float32.
-
-    Block ``index`` of a layer of type ``t`` is the ``rows * n_t`` bytes at
-    ``index * rows * n_t`` of the layer's packed bytes: ``(rows, cols)``.
-    """
-    flat = w.data.reshape(-1)  # (out * row_bytes_max,)
-
-    def branch(t: str) -> Any:
-        fmt, size = ROW_FORMATS[t], rows * row_bytes(t, w.cols)
-
-        def decode(flat: jax.Array, index: jax.Array) -> jax.Array:
-            raw = jax.lax.dynamic_slice_in_dim(flat, index * size, size)  # (size,)
-            values = fmt.decode(raw.reshape(-1, fmt.type_size))  # (blocks, bs)
-            return values.reshape(rows, w.cols)
-
-        return decode
-
-    return jax.lax.switch(w.kind, [branch(t) for t in w.types], flat, index)
+    """Rows ``[index * rows, (index + 1) * rows)`` of the one layer ``w`` -> float32."""
+    return decode_rows(w.data.reshape(-1), w.kind, w.types, w.cols, index, rows)
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -148,7 +134,7 @@ class MixedGGMLWeight:
 
     Attributes:
         data: uint8 ``(*lead, rows, row_bytes_max)``: each layer's room; its
-            GGUF bytes packed at the start (`packed_rows`), then zeros.
+            GGUF bytes packed at the start (`decode_rows`), then zeros.
         kind: int32 ``(*lead,)``: each layer's index into ``types``.
         types: the ggml types (keys of `ROW_FORMATS`) (static).
         cols: values per row (GGUF ``ne[0]``) (static).
@@ -329,9 +315,9 @@ __all__ = [
     "check_types",
     "decode_block",
     "decode_layer",
+    "decode_rows",
     "dequantize_mixed",
     "mixed_ggml_weight",
     "mixed_matmul",
-    "packed_rows",
     "row_bytes",
 ]
