@@ -123,6 +123,7 @@ def _decoded(
                 stop_tokens=stops,
                 pad_token=-1,
                 max_len=cache,
+                decode_activations=chat.decode_activations,
             )
         )
         for row, (i, _, y) in zip(out[: len(chunk)], chunk, strict=True):

@@ -16,6 +16,11 @@ is produced in four steps:
 
 `ChatModel.stream` yields the reply's text as it comes, piece by piece (a piece is
 held back while it ends inside a multi-byte UTF-8 character).
+
+``ChatModel(..., decode_activations="int8")`` multiplies Q8_0 / Q4_0 / Q4_1 weights
+kept as stored (``from_gguf(keep_quantized=True)``) by activations rounded to 8 bits
+per 32-value block, as llama.cpp does: faster, and a greedy reply can change where
+two logits nearly tie (`entrenar.nn.generate`'s ``decode_activations``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from entrenar import data, io, lora
 from entrenar.errors import ConfigError
 from entrenar.nn import check_length, context_length, generate_stream
 from entrenar.nn.generate import find_stop, partial_stop
+from entrenar.nn.matvec import check_activations
 from entrenar.quant.matvec import quantize_tied_head
 from entrenar.types import Params, PRNGKey
 
@@ -168,6 +174,9 @@ class ChatModel:
         tokenizer: `entrenar.data.FastTokenizer` or `entrenar.io.BPETokenizer`.
         chat_template: Jinja template; None takes the tokenizer's ``chat_template``.
         stop_ids: ids that end a reply; None takes `end_of_turn_ids`.
+        decode_activations: ``"int8"`` or ``"float32"``: how quantized weights
+            kept as stored multiply the activations (see the module docstring);
+            None: the process setting (`entrenar.nn.matvec.set_activations`).
     """
 
     model: Any
@@ -175,6 +184,11 @@ class ChatModel:
     tokenizer: Any
     chat_template: str | None = None
     stop_ids: tuple[int, ...] | None = None
+    decode_activations: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode_activations is not None:
+            check_activations(self.decode_activations, "ChatModel.decode_activations")
 
     @classmethod
     def from_gguf(
@@ -183,6 +197,7 @@ class ChatModel:
         *,
         adapter: str | os.PathLike[str] | None = None,
         keep_quantized: bool = False,
+        decode_activations: str | None = None,
     ) -> ChatModel:
         """Load a llama.cpp GGUF (and optionally a PEFT adapter folder) for chat.
 
@@ -197,6 +212,8 @@ class ChatModel:
                 (`entrenar.quant.matvec.quantize_tied_head`; the exact bytes of a
                 Q8_0 ``token_embd``), as llama.cpp reads it and as
                 ``benchmarks/generate.py`` measures.
+            decode_activations: see `ChatModel` (``"int8"`` needs
+                ``keep_quantized`` to have any effect).
         """
         gguf = io.read_gguf(path)
         config, params, _ = io.load_llama_gguf(gguf, keep_quantized=keep_quantized)
@@ -204,7 +221,8 @@ class ChatModel:
             params = quantize_tied_head(params)  # the head as Q8_0, as llama.cpp reads
         if adapter is not None:
             params = lora.load_adapter(adapter, params)
-        return cls(config, params, data.load_fast_tokenizer(gguf))
+        tokenizer = data.load_fast_tokenizer(gguf)
+        return cls(config, params, tokenizer, decode_activations=decode_activations)
 
     @property
     def template(self) -> str:
@@ -276,7 +294,8 @@ class ChatModel:
             self.model, self.params, prompts if len(prompts) > 1 else
             jnp.asarray(prompts, jnp.int32), max_new_tokens=n,
             stop_tokens=self.stops, stop_strings=stop,
-            tokenizer=self.tokenizer if stop else None, **opts,
+            tokenizer=self.tokenizer if stop else None,
+            decode_activations=self.decode_activations, **opts,
         )  # fmt: skip
 
     def reply(

@@ -2,7 +2,8 @@
 
 Both take the same decoding options (`sampling_options`): temperature, top-k, top-p,
 min-p, repetition penalty, stop strings and the seed, passed to
-`entrenar.chat.ChatModel` (specs/chat.md).
+`entrenar.chat.ChatModel` (specs/chat.md), and how the weights are multiplied
+(`weight_options`: ``--keep-quantized``, ``--decode-activations``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,28 @@ from typing import Any
 import click
 
 from entrenar.cli.app import ModelPath, command
+
+DECODE_ACTIVATIONS = ("float32", "int8")
+"""``--decode-activations`` choices: `entrenar.nn.matvec.ACTIVATIONS` (not imported
+here, so ``entrenar --help`` does not load JAX; a test checks they agree)."""
+
+
+def weight_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--keep-quantized`` and ``--decode-activations`` (generate, chat, eval)."""
+    f = click.option(
+        "--decode-activations",
+        type=click.Choice(DECODE_ACTIVATIONS),
+        help="How Q8_0 / Q4_0 / Q4_1 weights kept as stored multiply the "
+        "activations: int8 rounds them to 8 bits per 32 values, as llama.cpp "
+        "does (faster; a near tie between two tokens can go the other way). "
+        "Default: float32 (or ENTRENAR_DECODE_ACTIVATIONS).",
+    )(f)
+    return click.option(
+        "--keep-quantized",
+        is_flag=True,
+        help="Decode from a GGUF's quantized weights as stored (less memory, "
+        "faster decoding) instead of float32 copies; a tied head is read as Q8_0.",
+    )(f)
 
 
 def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -91,6 +114,7 @@ def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
 )
 @click.option("--system", help="A system message (with --chat).")
 @sampling_options
+@weight_options
 @click.option("--stream/--no-stream", default=True, help="Print tokens as they come.")
 def generate_cmd(
     model: str, prompt: str, chat: bool, system: str | None, stream: bool,
@@ -116,6 +140,7 @@ def generate_cmd(
 @click.argument("model", type=ModelPath())
 @click.option("--system", help="A system message that opens the conversation.")
 @sampling_options
+@weight_options
 def chat_cmd(model: str, system: str | None, **options: Any) -> None:
     """Chat with MODEL: each line read is your message, the reply streams back.
 
@@ -129,8 +154,10 @@ def chat_cmd(model: str, system: str | None, **options: Any) -> None:
     from entrenar.runs.inference import load_chat
 
     session = load_chat(
-        model, adapter=options.pop("adapter"), tokenizer=options.pop("tokenizer")
-    )
+        model, adapter=options.pop("adapter"), tokenizer=options.pop("tokenizer"),
+        keep_quantized=options.pop("keep_quantized"),
+        decode_activations=options.pop("decode_activations"),
+    )  # fmt: skip
     seed, sampled = options.pop("seed"), options["temperature"] > 0
     stdin = sys.stdin
     messages: list[dict[str, str]] = []
@@ -155,4 +182,10 @@ def chat_cmd(model: str, system: str | None, **options: Any) -> None:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-__all__ = ["chat_cmd", "generate_cmd", "sampling_options"]
+__all__ = [
+    "DECODE_ACTIVATIONS",
+    "chat_cmd",
+    "generate_cmd",
+    "sampling_options",
+    "weight_options",
+]

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from entrenar.cli.app import ModelPath, command, is_verbose
+from entrenar.cli.decode_cmds import weight_options
 
 
 def _overrides(**flags: Any) -> dict[str, Any]:
@@ -193,6 +194,7 @@ DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
     show_default=True,
     help="Conversations per forward pass, or replies decoded at once.",
 )
+@weight_options
 def eval_cmd(
     target: str,
     data_path: str | None,
@@ -202,6 +204,8 @@ def eval_cmd(
     as_json: bool,
     generate: bool,
     batch_size: int,
+    keep_quantized: bool,
+    decode_activations: str | None,
 ) -> None:
     """Evaluate a trained model: TARGET is a run's CONFIG or a MODEL file.
 
@@ -213,25 +217,31 @@ def eval_cmd(
     from entrenar.runs import evaluate
 
     as_json, fmt = as_json or fmt == "json", "auto" if fmt == "json" else fmt
+    weights = keep_quantized or decode_activations is not None
     log = None if as_json else (lambda line: click.echo(line, err=True))
     if target.lower().endswith(CONFIG_EXTENSIONS) and not is_model_yaml(target):
-        if base is not None or generate:
+        if base is not None or generate or weights:
             raise click.UsageError(
-                "--compare and --generate take a MODEL and --data, not a CONFIG"
+                "--compare, --generate, --keep-quantized and --decode-activations "
+                "take a MODEL and --data, not a CONFIG"
             )
         out = evaluate.evaluate_config(target, data=data_path, model=model_path)
     elif data_path is None:
         raise click.UsageError("evaluating a MODEL needs --data FILE")
     elif base is not None:
-        if generate:
-            raise click.UsageError("--generate does not combine with --compare")
+        if generate or weights:
+            raise click.UsageError(
+                "--generate, --keep-quantized and --decode-activations do not "
+                "combine with --compare"
+            )
         both = evaluate.compare_models(base, target, data_path, fmt=fmt, log=log)
         _print_side_by_side(both, as_json)
         return
     else:
         out = evaluate.evaluate_model(
             target, data_path, fmt=fmt, log=log, generate=generate,
-            batch_size=batch_size,
+            batch_size=batch_size, keep_quantized=keep_quantized,
+            decode_activations=decode_activations,
         )  # fmt: skip
     if as_json:
         click.echo(json.dumps(out, indent=2))

@@ -31,6 +31,12 @@ Q4_0, Q4_1, K-quants, BF16; `Bfloat16Weight`) are multiplied as they are in ever
 step of at most 64 rows (`entrenar.quant.matvec`: a native kernel decodes them in
 registers), and `entrenar.quant.matvec.quantize_tied_head` reads a tied output head
 as Q8_0, as llama.cpp does; the KV cache is in the model's compute dtype.
+``decode_activations="int8"`` multiplies Q8_0 / Q4_0 / Q4_1 weights by the
+activations rounded to 8 bits per 32-value block, as llama.cpp does (faster; greedy
+tokens can change where two logits nearly tie); None (the default) takes the process
+setting (`entrenar.nn.matvec.set_activations`, float32 unless
+``ENTRENAR_DECODE_ACTIVATIONS`` says otherwise). It is a static argument of the
+jitted steps, so runs with either choice keep their own compilations.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
+from entrenar.nn.matvec import check_activations, traced_activations
 from entrenar.nn.sampling import Sampling, Structure, choose, sample_logits, seen_tokens
 from entrenar.types import Params, PRNGKey
 
@@ -91,7 +98,7 @@ def _see(seen: jax.Array | None, tokens: jax.Array) -> jax.Array | None:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "structure", "rewind"),
+    static_argnames=("model", "structure", "rewind", "decode_activations"),
     donate_argnames=("cache",),
 )
 def prefill(
@@ -107,6 +114,7 @@ def prefill(
     *,
     structure: Structure,
     rewind: bool,
+    decode_activations: str | None = None,
 ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
     """Run the right-padded prompts ``ids: (B, Tb)`` of lengths ``lens: (B,)``.
 
@@ -114,9 +122,11 @@ def prefill(
     ``(0,)`` when none): ``ids`` are what follows them. Returns the first new token
     ``(B,)``, the cache (its ``pos`` rewound to ``P + lens`` when ``rewind``: per
     row when ``pos`` is ``(B,)``, else all rows to the first's), the seen-token
-    mask (with a repetition penalty) and ``done``.
+    mask (with a repetition penalty) and ``done``. ``decode_activations``: see the
+    module docstring.
     """
-    logits, cache = model.apply_cached(params, ids, cache)  # (B, Tb, V)
+    with traced_activations(decode_activations):
+        logits, cache = model.apply_cached(params, ids, cache)  # (B, Tb, V)
     if rewind:
         pos = prefix.shape[0] + lens
         cache = cache._replace(pos=pos if jnp.ndim(cache.pos) else pos[0])
@@ -132,9 +142,15 @@ def prefill(
     return nxt, cache, _see(seen, nxt), _is_stop(nxt, stops)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "rows"))
+@functools.partial(jax.jit, static_argnames=("model", "rows", "decode_activations"))
 def share_prefix(
-    model: Any, params: Params, prefix: jax.Array, cache: Any, *, rows: int
+    model: Any,
+    params: Params,
+    prefix: jax.Array,
+    cache: Any,
+    *,
+    rows: int,
+    decode_activations: str | None = None,
 ) -> Any:
     """Run ``prefix: (P,)`` once in a batch-1 ``cache``; return it as ``rows`` rows.
 
@@ -142,14 +158,15 @@ def share_prefix(
     that begin alike (a system prompt, a chat template's opening) compute those
     positions once instead of once a row.
     """
-    _, cache = model.apply_cached(params, prefix[None], cache)  # (1, P, V) unused
+    with traced_activations(decode_activations):
+        _, cache = model.apply_cached(params, prefix[None], cache)  # (1, P, V) unused
     pos = jnp.full((rows,), prefix.shape[0], jnp.int32)
     return _rows_cache(cache, rows, pos)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "structure"),
+    static_argnames=("model", "structure", "decode_activations"),
     donate_argnames=("cache",),
 )
 def decode_step(
@@ -166,12 +183,14 @@ def decode_step(
     pad: jax.Array,
     *,
     structure: Structure,
+    decode_activations: str | None = None,
 ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
     """Feed ``tokens: (B,)``, choose the next ones; rows already ``done`` get ``pad``.
 
     Returns ``(next (B,), cache, seen, done)`` as `prefill` does.
     """
-    logits, cache = model.apply_cached(params, tokens[:, None], cache)  # (B, 1, V)
+    with traced_activations(decode_activations):
+        logits, cache = model.apply_cached(params, tokens[:, None], cache)  # (B,1,V)
     k = None if key is None else jax.random.fold_in(key, step)
     nxt = jnp.where(done, pad, choose(logits[:, -1], seen, k, values, structure))
     return nxt, cache, _see(seen, nxt), done | _is_stop(nxt, stops)
@@ -275,6 +294,7 @@ def generate_stream(
     tokenizer: Any = None,
     pad_token: int = 0,
     max_len: int | None = None,
+    decode_activations: str | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield the next token of each row, ``(B,)`` int, one step at a time.
 
@@ -282,6 +302,8 @@ def generate_stream(
     run when the generator is created, before the first ``next``: a request beyond
     the model's context raises there.
     """
+    if decode_activations is not None:
+        check_activations(decode_activations, "decode_activations")
     rows = _rows(prompt)
     sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     if not sampling.greedy and key is None:
@@ -315,7 +337,8 @@ def generate_stream(
         ids[i, : len(r)] = r
     lens = np.asarray([len(r) for r in rows], np.int32)
     stops = np.asarray(list(stop_tokens), np.int32)
-    run = _Run(model, params, key, sampling, stops, pad_token, ragged, max_len)
+    run = _Run(model, params, key, sampling, stops, pad_token, ragged, max_len,
+               decode_activations)  # fmt: skip
     texts = _Texts(tokenizer, tuple(stop_strings), set(stops.tolist()), len(rows))
     return run.steps(prefix, ids, lens, max_new_tokens, texts)
 
@@ -374,8 +397,10 @@ class _Run:
         pad: int,
         ragged: bool,
         max_len: int,
+        decode_activations: str | None,
     ) -> None:
         self.model, self.params, self.key = model, params, key
+        self.activations = decode_activations
         self.structure, self.values = sampling.structure(), sampling.values()
         self.stops, self.pad = jnp.asarray(stops), jnp.int32(pad)
         self.ragged, self.max_len = ragged, max_len
@@ -403,14 +428,16 @@ class _Run:
         if len(prefix):
             one = self.model.init_cache(1, self.max_len)
             cache = share_prefix(
-                self.model, self.params, jnp.asarray(prefix), one, rows=b
-            )
+                self.model, self.params, jnp.asarray(prefix), one, rows=b,
+                decode_activations=self.activations,
+            )  # fmt: skip
         else:
             cache = self.cache(b)
         nxt, cache, seen, done = prefill(
             self.model, self.params, jnp.asarray(ids), jnp.asarray(lens),
             cache, self.key, self.values, self.stops, jnp.asarray(prefix),
             structure=self.structure, rewind=rewind,
+            decode_activations=self.activations,
         )  # fmt: skip
         was_done = np.zeros(b, bool)
         for step in range(max_new):
@@ -418,7 +445,7 @@ class _Run:
                 nxt, cache, seen, done = decode_step(
                     self.model, self.params, nxt, cache, seen, done, self.key,
                     jnp.int32(step), self.values, self.stops, self.pad,
-                    structure=self.structure,
+                    structure=self.structure, decode_activations=self.activations,
                 )  # fmt: skip
             row = np.where(was_done, int(self.pad), np.asarray(nxt))  # (B,)
             by_text = texts.stopped(row, ~was_done)
@@ -447,6 +474,7 @@ def generate(
     tokenizer: Any = None,
     pad_token: int = 0,
     max_len: int | None = None,
+    decode_activations: str | None = None,
 ) -> jax.Array:
     """Continue each prompt; return the new tokens ``(B, N)``, ``N <= max_new_tokens``.
 
@@ -475,19 +503,24 @@ def generate(
         pad_token: filler after a row has stopped.
         max_len: cache length; defaults to ``T0 + max_new_tokens`` rounded up to
             `CACHE_BUCKET` (within the context).
+        decode_activations: ``"int8"``: Q8_0 / Q4_0 / Q4_1 weights kept as stored
+            are multiplied by ``x`` rounded to 8 bits per 32-block, as llama.cpp
+            does (faster; a near tie of two logits can go the other way);
+            ``"float32"``: by ``x`` as is; None: the process setting
+            (`entrenar.nn.matvec.set_activations`).
 
     Raises:
         ShapeError: ``T0 + max_new_tokens`` exceeds the model's `context_length`
             (checked before any computation) or ``max_len``.
-        ConfigError: sampling without a key, an option out of range, or a negative
-            ``max_new_tokens``.
+        ConfigError: sampling without a key, an option out of range, a negative
+            ``max_new_tokens``, or ``decode_activations`` not float32 / int8.
     """
     steps = generate_stream(
         model, params, prompt, max_new_tokens=max_new_tokens, key=key,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=repetition_penalty, stop_tokens=stop_tokens,
         stop_strings=stop_strings, tokenizer=tokenizer, pad_token=pad_token,
-        max_len=max_len,
+        max_len=max_len, decode_activations=decode_activations,
     )  # fmt: skip
     out = list(steps)
     if not out:

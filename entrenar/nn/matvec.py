@@ -20,11 +20,17 @@ dot products, as llama.cpp does (``kernels/int8_dot.h``): the product is
 ``Σ_b (e_b / 2)·Σ_j |Ŵ_bj|`` a row, and several times fewer instructions a weight.
 It applies to those three formats only (K-quants and 16-bit weights keep float32
 activations), and only where the kernel runs (few rows, float32, native).
+
+The process setting (`set_activations`) drops compiled functions when it changes.
+`traced_activations` instead chooses for the kernel calls traced inside it, for a
+jitted function that takes the choice as a static argument (so its compilations are
+kept apart): `entrenar.nn.generate`'s ``decode_activations``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 import os
@@ -51,6 +57,9 @@ ACTIVATIONS = ("float32", "int8")
 """How the kernel multiplies Q8_0 / Q4_0 / Q4_1 blocks by ``x`` (`set_activations`)."""
 
 _ACTIVATIONS = "float32"
+_TRACED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "entrenar_decode_activations", default=None
+)  # traced_activations' choice, over _ACTIVATIONS while set
 
 
 def set_activations(kind: str) -> None:
@@ -64,19 +73,51 @@ def set_activations(kind: str) -> None:
         ConfigError: ``kind`` is not one of `ACTIVATIONS`.
     """
     global _ACTIVATIONS
-    if kind not in ACTIVATIONS:
-        raise ConfigError(
-            f"decode activations {kind!r}: choose one of {', '.join(ACTIVATIONS)} "
-            "(ENTRENAR_DECODE_ACTIVATIONS or entrenar.nn.matvec.set_activations)"
-        )
+    check_activations(kind, "ENTRENAR_DECODE_ACTIVATIONS or set_activations")
     if kind != _ACTIVATIONS:
         jax.clear_caches()  # traces made under the other choice are stale
         _ACTIVATIONS = kind
 
 
+def check_activations(kind: str, where: str) -> str:
+    """``kind`` if it is one of `ACTIVATIONS`; ``where`` names the setting.
+
+    Raises:
+        ConfigError: another value.
+    """
+    if kind not in ACTIVATIONS:
+        raise ConfigError(
+            f"decode activations {kind!r} ({where}): choose one of "
+            f"{', '.join(ACTIVATIONS)}"
+        )
+    return kind
+
+
 def current_activations() -> str:
-    """The activations the kernel uses now (`set_activations`)."""
-    return _ACTIVATIONS
+    """The activations a kernel call traced now uses (see `traced_activations`)."""
+    return _TRACED.get() or _ACTIVATIONS
+
+
+@contextlib.contextmanager
+def traced_activations(kind: str | None) -> Iterator[None]:
+    """Kernel calls traced inside the block use ``kind`` (None: the process setting).
+
+    Unlike `activations`, nothing compiled is dropped, so use it only inside a
+    function whose compilations are keyed by ``kind``: a jitted function taking it
+    as a static argument (`entrenar.nn.generate.decode_step`). `matvec` passes the
+    choice to its custom VJP as a static argument too, so JAX's trace caches keep
+    the two apart.
+
+    Raises:
+        ConfigError: ``kind`` is not None nor one of `ACTIVATIONS`.
+    """
+    if kind is not None:
+        check_activations(kind, "decode_activations")
+    token = _TRACED.set(kind)
+    try:
+        yield
+    finally:
+        _TRACED.reset(token)
 
 
 @contextlib.contextmanager
@@ -150,7 +191,7 @@ def q_blocks_call(
         offsets.astype(jnp.float16),
         _layer(layer),
         type=np.int32(Q_TYPES[scheme]),
-        int8_x=np.int32(_ACTIVATIONS == "int8"),
+        int8_x=np.int32(current_activations() == "int8"),
     )
 
 
@@ -173,20 +214,23 @@ def matvec(w: Any, x: jax.Array, fallback: Fallback) -> jax.Array:
     gradient (for a decoded block path: no dense matrix in the backward pass).
     """
     out, fan_in = w.shape
-    y = _product(w, x.reshape(-1, fan_in), fallback)  # (n, out)
+    kind = current_activations()  # static: JAX's caches of _product key on it
+    y = _product(w, x.reshape(-1, fan_in), fallback, kind)  # (n, out)
     return y.reshape(*x.shape[:-1], out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _product(w: Any, xs: jax.Array, fallback: Fallback) -> jax.Array:
-    return kernel_call(w, xs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _product(w: Any, xs: jax.Array, fallback: Fallback, kind: str) -> jax.Array:
+    with traced_activations(kind):
+        return kernel_call(w, xs)
 
 
-def _fwd(w: Any, xs: jax.Array, fallback: Fallback) -> tuple[jax.Array, Any]:
-    return kernel_call(w, xs), (w, xs)
+def _fwd(w: Any, xs: jax.Array, fallback: Fallback, kind: str) -> tuple[jax.Array, Any]:
+    with traced_activations(kind):
+        return kernel_call(w, xs), (w, xs)
 
 
-def _bwd(fallback: Fallback, res: Any, g: jax.Array) -> Any:
+def _bwd(fallback: Fallback, kind: str, res: Any, g: jax.Array) -> Any:
     w, xs = res  # the pure-JAX path computes the same product: its gradient
     _, pull = jax.vjp(fallback, w, xs)
     return pull(g)
@@ -240,6 +284,7 @@ __all__ = [
     "Q_TYPES",
     "activations",
     "applies",
+    "check_activations",
     "current_activations",
     "ggml_rows_call",
     "kernel_call",
@@ -249,4 +294,5 @@ __all__ = [
     "matvec",
     "q_blocks_call",
     "set_activations",
+    "traced_activations",
 ]

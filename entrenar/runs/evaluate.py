@@ -102,6 +102,7 @@ def _loss_sums(
 def _text(
     built: BuiltModel, path: str, fmt: Any, seq_len: int, log: Log | None,
     generate: bool = False, batch_size: int = 16,
+    decode_activations: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     if built.tokenizer is None:
         raise ConfigError(f"{built.source}: no tokenizer to read {path} with")
@@ -133,7 +134,8 @@ def _text(
             how = f"decoded, batches of {batch_size}" if generate else "one pass"
             log(f"  exact match of the greedy replies to {len(recs)} conversations "
                 f"({how})")  # fmt: skip
-        session = chat.ChatModel(built.config, built.params, built.tokenizer)
+        session = chat.ChatModel(built.config, built.params, built.tokenizer,
+                                 decode_activations=decode_activations)  # fmt: skip
         em = chat.exact_match(session, recs, batch_size=batch_size, generate=generate)
         out |= {"exact_match": em.accuracy, "examples": em.total}
     return out
@@ -152,7 +154,7 @@ def record_format(recs: data_lib.Records) -> str:
 def evaluate_built(
     built: BuiltModel, data: str, *, fmt: str = "auto", seq_len: int = 512,
     task: str | None = None, log: Log | None = None, generate: bool = False,
-    batch_size: int = 16,
+    batch_size: int = 16, decode_activations: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Metrics of a loaded model on a data file (see `evaluate_model`).
 
@@ -161,14 +163,16 @@ def evaluate_built(
     on a terminal); a tabular model takes a moment and says nothing.
     """
     if built.is_lm:
-        return _text(built, data, fmt, seq_len, log, generate, batch_size)
+        return _text(built, data, fmt, seq_len, log, generate, batch_size,
+                     decode_activations)  # fmt: skip
     return _tabular(built, data, task)
 
 
 def evaluate_model(
     model: str, data: str, *, fmt: str = "auto", seq_len: int = 512,
     task: str | None = None, log: Log | None = None, generate: bool = False,
-    batch_size: int = 16,
+    batch_size: int = 16, keep_quantized: bool = False,
+    decode_activations: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Metrics of a model file on a data file (see the module docstring).
 
@@ -177,11 +181,14 @@ def evaluate_model(
     language model's rows are as long as the longest document (at most ``seq_len``
     and the model's context). Chat data's exact match comes from one teacher-forced
     pass, or with ``generate`` from decoding the replies, ``batch_size`` at a time
-    (`entrenar.chat.exact_match`).
+    (`entrenar.chat.exact_match`). ``keep_quantized``: a GGUF's quantized weights
+    kept as stored; ``decode_activations``: how the decoding multiplies them
+    (`entrenar.chat.ChatModel`).
     """
-    built = load_built(model)
+    built = load_built(model, keep_quantized=keep_quantized)
     return evaluate_built(built, data, fmt=fmt, seq_len=seq_len, task=task, log=log,
-                          generate=generate, batch_size=batch_size)  # fmt: skip
+                          generate=generate, batch_size=batch_size,
+                          decode_activations=decode_activations)  # fmt: skip
 
 
 def compare_models(

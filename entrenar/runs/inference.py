@@ -6,7 +6,11 @@ Face folder brings its own tokenizer and chat template, a folder's
 adapter folder is attached with `entrenar.lora.load_adapter`, and the reply comes
 from `entrenar.chat.ChatModel`: the chat template rendered with control tokens
 parsed, the length checked against the context before anything runs, greedy or
-sampled decoding until an end-of-turn token, streamed piece by piece.
+sampled decoding until an end-of-turn token, streamed piece by piece. With
+``keep_quantized`` a GGUF's quantized weights are kept as stored and decoded from
+(a tied head read as Q8_0, as `entrenar.chat.ChatModel.from_gguf` does), and
+``decode_activations="int8"`` multiplies Q8_0 / Q4_0 / Q4_1 ones by activations
+rounded to 8 bits per 32-block, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 from entrenar import chat as chat_lib
 from entrenar import data, lora
 from entrenar.errors import ConfigError, ShapeError
+from entrenar.quant.matvec import quantize_tied_head
 from entrenar.runs.models import load_built
 
 
@@ -38,6 +43,8 @@ def generate_text(
     seed: int = 0,
     tokenizer: str | None = None,
     on_text: Callable[[str], None] | None = None,
+    keep_quantized: bool = False,
+    decode_activations: str | None = None,
 ) -> str:
     """Continue ``prompt`` (or reply to it, with ``chat``); returns the new text.
 
@@ -58,12 +65,18 @@ def generate_text(
         tokenizer: a ``.gguf`` or Hugging Face folder whose tokenizer to use instead
             of the model's.
         on_text: called with each piece of text as it is generated.
+        keep_quantized: decode from a GGUF's quantized weights as stored.
+        decode_activations: ``"int8"`` or ``"float32"`` (None: the process
+            setting): how stored Q8_0 / Q4_0 / Q4_1 weights multiply activations.
 
     Raises:
         ConfigError: no tokenizer, no chat template, or a request longer than the
             model's context (checked before generating).
     """
-    session = load_chat(model, adapter=adapter, tokenizer=tokenizer)
+    session = load_chat(
+        model, adapter=adapter, tokenizer=tokenizer, keep_quantized=keep_quantized,
+        decode_activations=decode_activations,
+    )  # fmt: skip
     key = jax.random.key(seed) if temperature > 0 else None
     try:
         pieces = session.stream(
@@ -82,14 +95,19 @@ def generate_text(
 
 
 def load_chat(
-    model: str, *, adapter: str | None = None, tokenizer: str | None = None
+    model: str,
+    *,
+    adapter: str | None = None,
+    tokenizer: str | None = None,
+    keep_quantized: bool = False,
+    decode_activations: str | None = None,
 ) -> chat_lib.ChatModel:
     """A `entrenar.chat.ChatModel` of a model file (``generate_text``'s arguments).
 
     Raises:
         ConfigError: not a language model, or no tokenizer.
     """
-    built = load_built(model)
+    built = load_built(model, keep_quantized=keep_quantized)
     if not built.is_lm:
         raise ConfigError(f"{model}: generate needs a language model, not an mlp")
     tok = data.load_fast_tokenizer(tokenizer) if tokenizer else built.tokenizer
@@ -99,11 +117,16 @@ def load_chat(
             "folder with tokenizer.json)"
         )
     params = built.params
+    if keep_quantized and getattr(built.config, "tie_word_embeddings", False):
+        params = quantize_tied_head(params)  # the head as Q8_0, as llama.cpp reads
     if adapter is not None:
         params = lora.load_adapter(adapter, params)
     stops = chat_lib.end_of_turn_ids(tok)
     stops += tuple(i for i in getattr(tok, "stop_ids", ()) if i not in stops)
-    return chat_lib.ChatModel(built.config, params, tok, stop_ids=stops)
+    return chat_lib.ChatModel(
+        built.config, params, tok, stop_ids=stops,
+        decode_activations=decode_activations,
+    )  # fmt: skip
 
 
 __all__ = ["generate_text", "load_chat"]
