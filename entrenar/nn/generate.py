@@ -42,6 +42,7 @@ jitted steps, so runs with either choice keep their own compilations.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -90,6 +91,20 @@ def _is_stop(tokens: jax.Array, stops: jax.Array) -> jax.Array:
     return (tokens[:, None] == stops[None, :]).any(axis=-1)  # (B,)
 
 
+def _takes_logits_at(model: Any) -> bool:
+    """Whether ``model.apply_cached`` takes ``logits_at`` (`LlamaConfig`, `GPT2Config`).
+
+    Then `prefill` asks for the logits of each prompt's last token only: the output
+    head multiplies ``B`` rows instead of ``B·Tb`` (a fifth of a SmolLM2 prompt's
+    multiply-adds), as llama.cpp does.
+    """
+    try:
+        params = inspect.signature(model.apply_cached).parameters
+    except (TypeError, ValueError):
+        return False
+    return "logits_at" in params
+
+
 def _see(seen: jax.Array | None, tokens: jax.Array) -> jax.Array | None:
     if seen is None:
         return None
@@ -126,11 +141,15 @@ def prefill(
     module docstring.
     """
     with traced_activations(decode_activations):
-        logits, cache = model.apply_cached(params, ids, cache)  # (B, Tb, V)
+        if _takes_logits_at(model):  # the head on each row's last token only
+            logits, cache = model.apply_cached(params, ids, cache, logits_at=lens - 1)
+            last = logits[:, 0]  # (B, V)
+        else:
+            logits, cache = model.apply_cached(params, ids, cache)  # (B, Tb, V)
+            last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
     if rewind:
         pos = prefix.shape[0] + lens
         cache = cache._replace(pos=pos if jnp.ndim(cache.pos) else pos[0])
-    last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
     seen = None
     if structure[4]:
         valid = jnp.arange(ids.shape[1])[None, :] < lens[:, None]  # (B, Tb)

@@ -206,17 +206,27 @@ class GPT2Config:
         return init_kv_cache(self.n_layer, batch, max_len, self.n_head, hd, self.dtype)
 
     def apply_cached(
-        self, params: Params, tokens: jax.Array, cache: KVCache
+        self,
+        params: Params,
+        tokens: jax.Array,
+        cache: KVCache,
+        *,
+        logits_at: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """One cached step: logits ``(B, T, V)`` of ``tokens`` at ``cache.pos + t``.
 
         ``cache.pos`` is a scalar or ``(B,)`` (one position per row); only the new
         entries are written into the cache (`entrenar.nn.attention.write_cache`).
+        ``logits_at (B,)`` int: only the logits of position ``logits_at[b]`` of each
+        row, ``(B, 1, V)`` (a prompt needs its last token's: the output head then
+        multiplies ``B`` rows instead of ``B T``).
         """
         t = _check_tokens(tokens, self.n_positions)
         positions = cache_positions(cache.pos, t)  # (T,) or (B, T)
         allowed = causal_mask(positions, cache.k.shape[2])  # (T, S) or (B, T, S)
         h, (k, v) = self._blocks(params, tokens, positions, allowed, cache, None)
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)  # (B, 1, D)
         return self._head(params, h), KVCache(k, v, cache.pos + t)
 
     def _blocks(

@@ -498,7 +498,12 @@ class LlamaConfig:
         )
 
     def apply_cached(
-        self, params: Params, tokens: jax.Array, cache: KVCache
+        self,
+        params: Params,
+        tokens: jax.Array,
+        cache: KVCache,
+        *,
+        logits_at: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """One cached step: logits ``(B, T, V)`` of ``tokens`` at ``cache.pos + t``.
 
@@ -508,12 +513,17 @@ class LlamaConfig:
         scalar or ``(B,)``, one position per row (each row then decodes as it would
         alone; with ``dynamic`` or ``longrope`` rotary scaling the sequence length
         that picks the frequencies is the batch's longest, as in transformers).
+        ``logits_at (B,)`` int: only the logits of position ``logits_at[b]`` of each
+        row, ``(B, 1, V)`` (a prompt needs its last token's: the output head then
+        multiplies ``B`` rows instead of ``B T``).
         """
         _check_tokens(tokens)
         t, s = tokens.shape[1], cache.k.shape[2]
         positions = cache_positions(cache.pos, t)  # (T,) or (B, T)
         allowed = causal_mask(positions, s)  # (T, S) or (B, T, S)
         h, ((k, v), _) = self._layers(params, tokens, positions, allowed, cache)
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)  # (B, 1, D)
         return self._head(params, h), KVCache(k, v, cache.pos + t)
 
     # --------------------------------------------------------------- internals
