@@ -14,11 +14,17 @@ as ``ne[0] / block_size`` blocks of ``type_size`` bytes. The formats, as in ggml
   of `entrenar.quant.kquant` (formats documented there), which the in-graph
   dequantization of a kept `entrenar.quant.GGMLWeight` shares.
 
-All functions take the raw bytes of whole rows and return float32 values.
+All functions take the raw bytes of whole rows and return float32 values;
+`dequantize_ggml_into` writes them into a caller's float32 buffer instead, a chunk of
+blocks at a time (no float32 temporary of the tensor; Q8_0/Q4_0/Q4_1 and the float
+types written in place, two numpy threads).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -203,12 +209,138 @@ def dequantize_ggml(
         return fn(blocks).reshape(shape)
 
 
+CHUNK_VALUES = 1 << 18
+"""Values `dequantize_ggml_into` decodes at a time (1 MiB of float32 output)."""
+
+THREADS = 2
+"""Numpy threads of `dequantize_ggml_into` (its ufunc loops release the GIL)."""
+
+
+def _q8_0_into(b: np.ndarray, out: np.ndarray) -> None:
+    """Q8_0 blocks ``b: (n, 34)`` into ``out: (n, 32)`` float32: ``d·q``."""
+    d = _f16(b[:, 0:2])[:, None]  # (n, 1)
+    np.multiply(b[:, 2:].view(np.int8), d, out=out)  # int8 -> float32, then · d
+
+
+def _q4_0_into(b: np.ndarray, out: np.ndarray) -> None:
+    """Q4_0 blocks ``b: (n, 18)`` into ``out: (n, 32)``: ``d·(q − 8)``."""
+    d = _f16(b[:, 0:2])[:, None]  # (n, 1)
+    qs = b[:, 2:]  # (n, 16)
+    np.subtract(qs & 0x0F, np.float32(8), out=out[:, :16])  # exact small integers
+    np.subtract(qs >> 4, np.float32(8), out=out[:, 16:])
+    np.multiply(d, out, out=out)  # d · (q − 8), as `_q4_0` rounds it
+
+
+def _q4_1_into(b: np.ndarray, out: np.ndarray) -> None:
+    """Q4_1 blocks ``b: (n, 20)`` into ``out: (n, 32)``: ``d·q + m``."""
+    d, m = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]  # (n, 1) each
+    qs = b[:, 4:]  # (n, 16)
+    np.multiply(qs & 0x0F, d, out=out[:, :16])  # q -> float32 exactly, then · d
+    np.multiply(qs >> 4, d, out=out[:, 16:])
+    np.add(out, m, out=out)
+
+
+def _plain_into(dtype: str) -> Callable[[np.ndarray, np.ndarray], None]:
+    def f(b: np.ndarray, out: np.ndarray) -> None:
+        np.copyto(out, np.ascontiguousarray(b).view(dtype), casting="unsafe")
+
+    return f
+
+
+def _bf16_into(b: np.ndarray, out: np.ndarray) -> None:
+    """BF16 ``b: (n, 2)`` into ``out: (n, 1)``: the 16 bits above 16 zero bits."""
+    bits = out.view(np.uint32)  # (n, 1)
+    np.left_shift(np.ascontiguousarray(b).view("<u2"), 16, out=bits, dtype=np.uint32)
+
+
+_INTO: dict[int, Callable[[np.ndarray, np.ndarray], None]] = {
+    0: _plain_into("<f4"),
+    1: _plain_into("<f2"),
+    30: _bf16_into,
+    8: _q8_0_into,
+    2: _q4_0_into,
+    3: _q4_1_into,
+}
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(THREADS, "ggml-dequant")
+
+
+def dequantize_ggml_into(raw: np.ndarray, type_id: int, out: np.ndarray) -> np.ndarray:
+    """`dequantize_ggml` written into ``out``, float32 of the tensor's shape.
+
+    The same values bit for bit, decoded `CHUNK_VALUES` at a time (whole blocks)
+    by `THREADS` numpy threads: Q8_0, Q4_0, Q4_1, F32, F16 and BF16 straight into
+    ``out``, the other types through a float32 temporary of one chunk. A load fills
+    a leaf's host buffer this way without a float32 copy of the tensor.
+
+    Args:
+        raw: uint8 bytes of the tensor, ``prod(out.shape[:-1]) * row_bytes`` long.
+        type_id: ggml type id (see `GGML_TYPES`).
+        out: a C-contiguous float32 array of the tensor's numpy shape.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        FormatError: ``raw`` has the wrong size for ``out``'s shape and the type, or
+            ``out`` is not C-contiguous float32.
+        UnsupportedError: a type `dequantize_ggml` cannot decode.
+    """
+    t = ggml_type(type_id)
+    if out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise FormatError(
+            f"dequantize_ggml_into writes C-contiguous float32, got {out.dtype} "
+            f"(contiguous: {out.flags.c_contiguous})"
+        )
+    shape = out.shape
+    if t.id not in _DEQUANT:
+        raise UnsupportedError(
+            f"cannot dequantize ggml type {t.name}; "
+            f"supported: {', '.join(DEQUANTIZABLE)}"
+        )
+    n = out.size
+    rows = n // shape[-1] if shape and shape[-1] else 0
+    want = rows * row_bytes(t.id, shape[-1]) if shape else t.type_size
+    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if raw.size != want:
+        raise FormatError(
+            f"{t.name} tensor of shape {shape} needs {want} bytes, got {raw.size}"
+        )
+    if n == 0:
+        return out
+    blocks = raw.reshape(-1, t.type_size)  # (n_blocks, type_size)
+    dest = out.reshape(-1, t.block_size)  # (n_blocks, block_size)
+    into = _INTO.get(t.id)
+    fn = _DEQUANT[t.id]
+    step = max(1, CHUNK_VALUES // t.block_size)  # blocks a chunk
+
+    def chunk(start: int) -> None:
+        b, o = blocks[start : start + step], dest[start : start + step]
+        with np.errstate(invalid="ignore", over="ignore"):  # corrupt scales: inf/nan
+            if into is not None:
+                into(b, o)
+            else:
+                o[...] = fn(b).reshape(o.shape)  # one chunk's float32 temporary
+
+    starts = range(0, blocks.shape[0], step)
+    if len(starts) == 1:
+        chunk(0)
+    else:
+        list(_pool().map(chunk, starts))  # re-raises a chunk's error
+    return out
+
+
 __all__ = [
+    "CHUNK_VALUES",
     "DEQUANTIZABLE",
     "GGML_TYPES",
     "GGML_TYPE_IDS",
     "GGMLType",
     "dequantize_ggml",
+    "dequantize_ggml_into",
     "ggml_type",
     "row_bytes",
 ]

@@ -39,6 +39,7 @@ from entrenar.io.bounded import MAX_CONFIG_BYTES, read_json
 from entrenar.io.heap import bound_heap
 from entrenar.io.hf_tokenizer import HFTokenizer, eos_ids_of, tokenizer_files
 from entrenar.io.safetensors_io import (
+    prefetch_pages,
     read_safetensors,
     release_pages,
     write_safetensors_stream,
@@ -227,7 +228,12 @@ def load_hf_folder(
     try:
         if stream:
             params = stream_hf_names(
-                flat, info.config, dtype=dtype, quantize=quantize, release=release_pages
+                flat,
+                info.config,
+                dtype=dtype,
+                quantize=quantize,
+                release=release_pages,
+                prefetch=prefetch_pages,
             )
         else:
             params = nn.from_hf_names(flat, info.config, dtype=dtype)

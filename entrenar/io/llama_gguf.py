@@ -43,7 +43,7 @@ import numpy as np
 
 from entrenar import nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
-from entrenar.io.ggml_dequant import dequantize_ggml
+from entrenar.io.ggml_dequant import dequantize_ggml, dequantize_ggml_into
 from entrenar.io.gguf_families import (
     FAMILY_KEY,
     IMPLIED,
@@ -62,12 +62,14 @@ from entrenar.nn import LlamaConfig
 from entrenar.nn.hf_names import (
     Quantize,
     Reader,
+    RowFill,
     RowReader,
     per_layer_shapes,
     quantize_leaves,
     stream_one,
     stream_stacked,
 )
+from entrenar.nn.host_arrays import populate
 from entrenar.quant import GGMLWeight, from_ggml
 from entrenar.quant import ggml_head as _ggml_head  # noqa: F401  (registers head_nll)
 from entrenar.quant.ggml_mixed import (
@@ -514,12 +516,15 @@ def load_llama_gguf(
         return a - np.float32(shift) if shift and stem.endswith("norm") else a
 
     def reader(gname: str, shape: tuple[int, ...]) -> Reader:
+        """One layer in the load's dtype: float32 stays in numpy (no JAX program)."""
+        if final == np.float32:
+            return lambda: one(gname, shape)
         return lambda: jnp.asarray(one(gname, shape), dtype=dtype)
 
     def rows(gname: str, shape: tuple[int, ...]) -> RowReader:
         """Rows of an unstacked tensor (never permuted; a vector read whole)."""
 
-        def read(start: int | None, stop: int | None) -> jax.Array:
+        def read(start: int | None, stop: int | None) -> Any:
             if start is None or stop is None:
                 return reader(gname, shape)()
             raw = _rows(g, gname)[start:stop]  # whole rows of blocks
@@ -531,6 +536,19 @@ def load_llama_gguf(
             return out
 
         return read
+
+    def fill(gname: str) -> RowFill | None:
+        """Rows of an unstacked float32 leaf decoded straight into its buffer."""
+        if final != np.float32:
+            return None
+        type_id = g.tensors[gname].type_id
+
+        def write(start: int, stop: int, out: np.ndarray) -> None:
+            raw = _rows(g, gname)[start:stop]  # whole rows of blocks
+            dequantize_ggml_into(raw, type_id, out)  # (stop - start, *shape[1:])
+            release_pages(raw)
+
+        return write
 
     def kept_bytes(path_: str, names: list[str], types: list[str], shape: Any) -> Any:
         """A stacked leaf as stored, filled layer by layer on the host.
@@ -555,6 +573,8 @@ def load_llama_gguf(
         for i, gname in enumerate(names):
             size = shape[-2] * row_bytes(types[i], cols)
             room = buf[i].reshape(-1)[:size]  # layer i's bytes, packed (contiguous)
+            if mixed:
+                populate(room)  # only the bytes written become resident
             if not permuted:
                 g.read_into(gname, room)  # straight into its place
                 continue
@@ -565,7 +585,7 @@ def load_llama_gguf(
         data = to_device(buf)
         if len(kinds) == 1:
             return GGMLWeight(data, kinds[0])
-        kind = jnp.asarray([kinds.index(t) for t in types], jnp.int32)  # (L,)
+        kind = to_device(np.asarray([kinds.index(t) for t in types], np.int32))  # (L,)
         return MixedGGMLWeight(data, kind, kinds, cols)
 
     def kept_table(path_: str, gname: str, shape: tuple[int, ...]) -> GGMLWeight:
@@ -612,7 +632,8 @@ def load_llama_gguf(
                 out[k] = kept_table(path_, by_hf[path_], tuple(v))
             elif stream:
                 read = rows(by_hf[path_], tuple(v))
-                out[k] = stream_one(path_, tuple(v), final, read, quantize)
+                write = fill(by_hf[path_])
+                out[k] = stream_one(path_, tuple(v), final, read, quantize, fill=write)
             else:
                 out[k] = jnp.asarray(one(by_hf[path_], tuple(v)), dtype=dtype)
         return out

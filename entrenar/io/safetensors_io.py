@@ -227,6 +227,37 @@ def read_safetensors(
     return out, meta
 
 
+def _mapped_range(view: np.ndarray) -> tuple[mmap.mmap, int, int] | None:
+    """``(map, page-aligned start, length)`` of ``view`` in its `mmap.mmap`, or None."""
+    base: Any = view
+    while isinstance(base, np.ndarray) or isinstance(base, memoryview):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    if not isinstance(base, mmap.mmap) or not view.nbytes:
+        return None
+    start = view.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
+    if start < 0 or start + view.nbytes > len(base):
+        return None
+    lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+    return base, lo, start + view.nbytes - lo
+
+
+def prefetch_pages(view: np.ndarray) -> None:
+    """Start reading ``view``'s pages from its memory-mapped file in the background.
+
+    ``madvise(MADV_WILLNEED)``: the kernel queues the reads of the whole range at
+    once and returns, so a streaming load reads a layer from the disk while it
+    copies and quantizes the one before (a page fault alone reads ahead a few
+    hundred KiB at a time, and only when touched). A no-op where ``view`` is not a
+    view of an `mmap.mmap` or the system has no ``MADV_WILLNEED``.
+    """
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_WILLNEED"):
+        return
+    where = _mapped_range(view)
+    if where is not None:
+        base, lo, n = where
+        base.madvise(mmap.MADV_WILLNEED, lo, n)
+
+
 def release_pages(view: np.ndarray) -> None:
     """Drop the pages of ``view``, a view of a memory-mapped file, from this process.
 
@@ -236,18 +267,12 @@ def release_pages(view: np.ndarray) -> None:
     used again, so the values never change. A no-op for an array that is not a view of
     an `mmap.mmap` (or on a system without ``MADV_DONTNEED``).
     """
-    base: Any = view
-    while isinstance(base, np.ndarray) or isinstance(base, memoryview):
-        base = base.obj if isinstance(base, memoryview) else base.base
-    if not isinstance(base, mmap.mmap) or not view.nbytes:
-        return
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    start = view.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
-    if start < 0 or start + view.nbytes > len(base):
-        return
-    lo = start // mmap.PAGESIZE * mmap.PAGESIZE
-    base.madvise(mmap.MADV_DONTNEED, lo, start + view.nbytes - lo)
+    where = _mapped_range(view)
+    if where is not None:
+        base, lo, n = where
+        base.madvise(mmap.MADV_DONTNEED, lo, n)
 
 
 def header_metadata(md: ModelMetadata) -> dict[str, str]:
@@ -302,6 +327,7 @@ __all__ = [
     "TensorParts",
     "header_metadata",
     "load_model_safetensors",
+    "prefetch_pages",
     "read_safetensors",
     "release_pages",
     "safetensors_header",

@@ -19,6 +19,8 @@ or one layer of a quantized one (specs/io.md, "Streaming loads").
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -206,16 +208,25 @@ def from_hf_names(
     return params
 
 
-Reader = Callable[[], jax.Array]
-"""Reads one tensor (a layer of a stacked leaf) in its final dtype, releasing its
-source (the mapped file's pages) once copied."""
+Reader = Callable[[], Any]
+"""Reads one tensor (a layer of a stacked leaf) in its final dtype (a numpy or JAX
+array), releasing its source (the mapped file's pages) once copied."""
 
-RowReader = Callable[[int | None, int | None], jax.Array]
+RowReader = Callable[[int | None, int | None], Any]
 """``read(start, stop)``: rows ``start:stop`` of one tensor in its final dtype (its
 source released once copied); ``read(None, None)``: the whole tensor."""
 
+RowFill = Callable[[int, int, np.ndarray], None]
+"""``fill(start, stop, out)``: rows ``start:stop`` of one tensor written into ``out``
+(a view of its leaf's host buffer) in its final dtype, no temporary of the rows."""
+
 CHUNK_BYTES = 16 << 20
 """Bytes of an unstacked leaf (an embedding) `stream_one` reads at a time."""
+
+QUANTIZE_AHEAD = 2
+"""Layers of a quantized stacked leaf in flight in `stream_stacked`: each is
+quantized by a worker thread (two XLA programs run at once, one a core) while the
+next is read from the file."""
 
 
 def stream_hf_names(
@@ -226,13 +237,15 @@ def stream_hf_names(
     quantize: Quantize | None = None,
     strict: bool = True,
     release: Callable[[Any], None] | None = None,
+    prefetch: Callable[[Any], None] | None = None,
 ) -> Params:
     """`from_hf_names`, one leaf at a time (module docstring); the same tree.
 
     Every name and shape is checked before any tensor is read. Each tensor is read
-    once, cast as `from_hf_names` casts it (``jnp.asarray(a).astype(dtype)``), copied
-    into its leaf and ``release``d; a stacked leaf ``quantize`` names is quantized
-    layer by layer as read (`stream_stacked`), an unstacked one whole.
+    once, cast as `from_hf_names` casts it (``jnp.asarray(a).astype(dtype)``; in
+    numpy where that cast is exact: the same dtype, or float to float32/float64),
+    copied into its leaf and ``release``d; a stacked leaf ``quantize`` names is
+    quantized layer by layer as read (`stream_stacked`), an unstacked one whole.
 
     Args:
         flat: arrays by Hugging Face name that cost nothing until read, e.g. the
@@ -243,6 +256,9 @@ def stream_hf_names(
         strict: raise on names the config does not expect.
         release: called with each array of ``flat`` once it is copied out (e.g.
             `entrenar.io.release_pages`).
+        prefetch: called with each array of ``flat`` of a stacked leaf a layer
+            before it is read (e.g. `entrenar.io.safetensors_io.prefetch_pages`:
+            the file's reads start while the layer before is copied and quantized).
 
     Raises:
         FormatError: a name is missing (or unexpected with ``strict``).
@@ -287,16 +303,23 @@ def stream_hf_names(
         _check_no_extra(flat, used, tied="lm_head" not in marked)
 
     def rows(name: str, final: Any) -> RowReader:
-        def read(start: int | None = None, stop: int | None = None) -> jax.Array:
+        def read(start: int | None = None, stop: int | None = None) -> Any:
             view = flat[name] if start is None else flat[name][start:stop]
-            a = jnp.asarray(view)
-            a = a if a.dtype == final else a.astype(final)
-            if release is not None:
+            if _exact_in_numpy(np.asarray(view).dtype, final):
+                a: Any = host_buffer(np.shape(view), final)  # JAX takes it uncopied
+                np.copyto(a, view, casting="unsafe")  # exact: same or wider float
+            else:
+                a = jnp.asarray(view)
+                a = a if a.dtype == final else a.astype(final)
                 a.block_until_ready()  # copied out (device_put may copy later)
+            if release is not None:
                 release(view)
             return a
 
         return read
+
+    def ahead(name: str) -> Callable[[], None]:
+        return lambda: None if prefetch is None else prefetch(flat[name])
 
     for node, name, path, names, shape in leaves:
         final = dtype or jnp.result_type(*(flat[n].dtype for n in names))
@@ -304,7 +327,10 @@ def stream_hf_names(
         plain = path.replace(".__L__", "")
         if shape:
             layers = [functools.partial(rows(n, final), None, None) for n in names]
-            node[name] = stream_stacked(plain, shape, final, layers, quantize)
+            ahead_ = [ahead(n) for n in names]
+            node[name] = stream_stacked(
+                plain, shape, final, layers, quantize, prefetch=ahead_
+            )
         else:
             leaf_shape = tuple(np.shape(flat[names[0]]))
             read = rows(names[0], final)
@@ -337,12 +363,15 @@ def stream_one(
     read_rows: RowReader,
     quantize: Quantize | None = None,
     chunk_bytes: int | None = None,
+    *,
+    fill: RowFill | None = None,
 ) -> Any:
     """A leaf that is not stacked (an embedding), read in chunks of rows.
 
     A matrix is allocated once and filled ``chunk_bytes`` of rows at a time, so its
-    load holds the leaf plus one chunk; a leaf ``quantize`` names is then quantized
-    whole (as before streaming: NF4's double quantization spans the matrix).
+    load holds the leaf plus one chunk (nothing more with ``fill``, which writes the
+    rows in place); a leaf ``quantize`` names is then quantized whole (as before
+    streaming: NF4's double quantization spans the matrix).
 
     Args:
         path: the leaf's dotted tree path (what ``quantize`` is asked about).
@@ -352,16 +381,21 @@ def stream_one(
             ``read_rows(None, None)`` the whole tensor.
         quantize: `Quantize`, or None.
         chunk_bytes: bytes of rows read at a time (default `CHUNK_BYTES`).
+        fill: `RowFill` of the same rows, used for a matrix instead of
+            ``read_rows``.
     """
     if len(shape) < 2:
-        a = read_rows(None, None)
+        a = _on_device(read_rows(None, None))
     else:
         buf = _host_buffer(shape, dtype)  # (shape), filled chunk by chunk
         row_bytes = math.prod(shape[1:]) * np.dtype(dtype).itemsize
         step = max(1, (chunk_bytes or CHUNK_BYTES) // max(1, row_bytes))
         for start in range(0, shape[0], step):
             stop = min(start + step, shape[0])
-            buf[start:stop] = np.asarray(read_rows(start, stop))  # (stop-start, ...)
+            if fill is not None:
+                fill(start, stop, buf[start:stop])  # (stop-start, ...) in place
+            else:
+                buf[start:stop] = np.asarray(read_rows(start, stop))
         a = to_device(buf)
     return _quantized(path, a, quantize)
 
@@ -372,6 +406,8 @@ def stream_stacked(
     dtype: DType,
     layers: Sequence[Reader],
     quantize: Quantize | None = None,
+    *,
+    prefetch: Sequence[Callable[[], None]] | None = None,
 ) -> Any:
     """The stacked leaf ``path`` of ``shape = (L, ...)`` from its ``L`` layers.
 
@@ -381,10 +417,14 @@ def stream_stacked(
     ``quantize`` names is quantized layer by layer instead: layer ``i`` is read,
     quantized as ``fn(layer[None])`` (a ``(1, ...)`` stack), and each array of its
     node written at index ``i`` of the node's stacked host arrays (allocated from
-    layer 0's, handed to JAX at the end), so the load holds the final tree plus one
-    layer in the load's dtype and its quantization's temporaries. This is the node
-    ``fn(leaf)`` gives because `Quantize` functions treat a stack layer by layer
-    (NF4 by definition: `entrenar.quant.nf4.quantize_nf4`).
+    layer 0's, handed to JAX at the end). Worker threads quantize `QUANTIZE_AHEAD`
+    layers at a time while the main thread reads the next (``prefetch[i + 1]``
+    called before layer ``i`` is read, so the file's reads overlap the work), so
+    the load holds the final tree plus ``QUANTIZE_AHEAD + 1`` layers in the load's
+    dtype and the quantizations' temporaries. This is the node ``fn(leaf)`` gives
+    because `Quantize` functions treat a stack layer by layer (NF4 by definition:
+    `entrenar.quant.nf4.quantize_nf4`); a layer's error (NaN/Inf) is raised as is,
+    once the layers in flight are done.
 
     Args:
         path: the leaf's dotted tree path (what ``quantize`` is asked about).
@@ -392,27 +432,76 @@ def stream_stacked(
         dtype: the dtype the readers return.
         layers: ``L`` readers, layer ``i`` in order.
         quantize: `Quantize`, or None.
+        prefetch: ``L`` calls, ``prefetch[i]`` starts reading layer ``i`` in the
+            background; or None.
     """
     fn = None if quantize is None else quantize(path, tuple(shape))
+
+    def start(i: int) -> None:
+        if prefetch and i < len(prefetch):
+            prefetch[i]()
+
+    start(0)
     if fn is None:
         buf = _host_buffer(shape, dtype)  # (L, *layer_shape)
         for i, read in enumerate(layers):
+            start(i + 1)
             buf[i] = np.asarray(read())  # layer i: (*layer_shape)
         return to_device(buf)
-    out: Any = None
-    for i, read in enumerate(layers):
-        node = jax.block_until_ready(fn(read()[None]))  # arrays (1, ...)
-        if out is None:
-            out = jax.tree_util.tree_map(
-                lambda x: _host_buffer((shape[0], *x.shape[1:]), x.dtype), node
-            )  # each array (L, ...), on the host
+    out: list[np.ndarray] = []  # the node's arrays, each (L, ...), on the host
+    treedef: Any = None
 
-        def put(buf: np.ndarray, x: jax.Array, i: int = i) -> np.ndarray:
+    def put(i: int, node: Any) -> None:
+        nonlocal treedef
+        arrays, treedef = jax.tree_util.tree_flatten(node)  # each (1, ...)
+        if not out:
+            out.extend(_host_buffer((shape[0], *x.shape[1:]), x.dtype) for x in arrays)
+        for buf, x in zip(out, arrays, strict=True):
             buf[i] = np.asarray(x)[0]  # layer i's (...) at i
-            return buf
 
-        out = jax.tree_util.tree_map(put, out, node)
-    return jax.tree_util.tree_map(to_device, out)
+    def quantized(x: Any) -> Any:
+        return jax.block_until_ready(fn(x[None]))  # arrays (1, ...)
+
+    pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+    try:
+        for i, read in enumerate(layers):
+            start(i + 1)
+            pending.append(_workers().submit(quantized, read()))  # read here, now
+            if len(pending) == QUANTIZE_AHEAD:
+                put(i + 1 - len(pending), pending.popleft().result())
+        while pending:
+            put(len(layers) - len(pending), pending.popleft().result())
+    finally:
+        concurrent.futures.wait(pending)  # an error: the layers in flight end first
+    return jax.tree_util.tree_unflatten(treedef, [to_device(b) for b in out])
+
+
+@functools.cache
+def _workers() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads `stream_stacked` quantizes on, one per layer in flight."""
+    return concurrent.futures.ThreadPoolExecutor(QUANTIZE_AHEAD, "load-quantize")
+
+
+def _exact_in_numpy(src: np.dtype, final: Any) -> bool:
+    """Whether numpy's cast of ``src`` to ``final`` is exact (so it equals JAX's).
+
+    The same dtype, or a float (float16, bfloat16, float32) widened to float32 or
+    float64: every value is representable, so no rounding happens anywhere.
+    """
+    final = np.dtype(final)
+    if src == final:
+        return True
+    wide = final in (np.dtype(np.float32), np.dtype(np.float64))
+    return (
+        wide
+        and bool(jnp.issubdtype(src, jnp.floating))
+        and final.itemsize > src.itemsize
+    )
+
+
+def _on_device(a: Any) -> jax.Array:
+    """A reader's array as a JAX array (a numpy one handed over, no program run)."""
+    return a if isinstance(a, jax.Array) else to_device(np.asarray(a))
 
 
 def _quantized(path: str, a: jax.Array, quantize: Quantize | None) -> Any:
@@ -502,9 +591,11 @@ def _unmark(tree: Mapping[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "IGNORED_SUFFIXES",
+    "QUANTIZE_AHEAD",
     "STACKED_KEYS",
     "Quantize",
     "Reader",
+    "RowFill",
     "RowReader",
     "from_hf_names",
     "lazy_hf_names",

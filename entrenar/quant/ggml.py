@@ -181,18 +181,24 @@ def from_ggml(
     elif kind == "Q4_0":
         codes = blocks[..., 2:]
     else:
-        offsets = jnp.asarray(
-            np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
-        )
+        offsets = _put(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
         codes = blocks[..., 4:]
     return QuantizedWeight(
-        jnp.asarray(codes.reshape(*lead, -1)),
-        jnp.asarray(d),
+        _put(codes.reshape(*lead, -1)),
+        _put(d),
         offsets,
         scheme=kind.lower(),
         block_size=QK,
         dtype=np.dtype(np.float32),
     )
+
+
+def _put(a: np.ndarray) -> jax.Array:
+    """A host array as a JAX array by a plain transfer, no program compiled.
+
+    (``jnp.asarray`` of a strided view compiles a copy per shape.)
+    """
+    return jax.device_put(np.ascontiguousarray(a))
 
 
 def to_ggml(q: QuantizedWeight | GGMLWeight) -> tuple[np.ndarray, str]:

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from entrenar.errors import FormatError, UnsupportedError
-from entrenar.io import GGML_TYPES, dequantize_ggml
-from entrenar.io.ggml_dequant import row_bytes
+from entrenar.io import GGML_TYPES, dequantize_ggml, ggml_dequant
+from entrenar.io.ggml_dequant import dequantize_ggml_into, row_bytes
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 TYPES += ["Q4_K", "Q5_K", "Q6_K"]
@@ -78,3 +78,31 @@ def test_size_and_type_errors():
         dequantize_ggml(np.zeros(4, np.uint8), 99, (1,))
     with pytest.raises(UnsupportedError, match="Q8_K"):
         dequantize_ggml(np.zeros(292, np.uint8), 15, (256,))
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("chunk", [32, 256, 1 << 18])
+def test_dequantize_into_equals_dequantize(name, chunk, monkeypatch):
+    """Written into a buffer in chunks (by two threads): gguf's values, bit for bit."""
+    monkeypatch.setattr(ggml_dequant, "CHUNK_VALUES", chunk)
+    rng = np.random.default_rng(7)
+    qt = gguf.GGMLQuantizationType[name]
+    bs, _ = gguf.GGML_QUANT_SIZES[qt]
+    rows, blocks = 37, max(1, 512 // bs)  # several chunks, a ragged last one
+    raw = _random_blocks(rng, name, rows, blocks)
+    shape = (rows, bs * blocks)
+    out = np.full(shape, np.nan, np.float32)
+    got = dequantize_ggml_into(raw, qt.value, out)
+    assert got is out
+    ref = gguf.quants.dequantize(raw.reshape(rows, -1), qt).reshape(shape)
+    np.testing.assert_array_equal(out, ref.astype(np.float32))
+    np.testing.assert_array_equal(out, dequantize_ggml(raw, qt.value, shape))
+
+
+def test_dequantize_into_errors():
+    with pytest.raises(FormatError, match="needs 34 bytes"):
+        dequantize_ggml_into(np.zeros(33, np.uint8), 8, np.empty(32, np.float32))
+    with pytest.raises(FormatError, match="float32"):
+        dequantize_ggml_into(np.zeros(34, np.uint8), 8, np.empty(32, np.float64))
+    with pytest.raises(UnsupportedError, match="Q8_K"):
+        dequantize_ggml_into(np.zeros(292, np.uint8), 15, np.empty(256, np.float32))
