@@ -164,10 +164,10 @@ for line in open("/proc/self/status"):
 TOLERANCE = 0.20
 """A tiny run's peak is mostly the fixed parts (`RUNTIME_BYTES`, `COMPILER_BYTES`:
 0.53 GB; this run peaked at 0.59 GB on one machine and 0.62 GB on another): within
-20% here means those constants hold for a small program as well (a compiler that kept 0.3 GB less, or
-a step that allocated its arguments again, fails); the 15% of issue 31 is checked
-on the large shapes of benchmarks/memory_plan.py, where the weights and the step
-dominate."""
+20% here means those constants hold for a small program as well (a compiler that
+kept 0.3 GB less, or a step that allocated its arguments again, fails); the 15% of
+issue 31 is checked on the large shapes of benchmarks/memory_plan.py, where the
+weights and the step dominate."""
 
 
 def test_a_tiny_run_peaks_where_predicted(tmp_path, tiny_gguf):
