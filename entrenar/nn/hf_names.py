@@ -302,11 +302,24 @@ def stream_hf_names(
     if strict:
         _check_no_extra(flat, used, tied="lm_head" not in marked)
 
-    def rows(name: str, final: Any) -> RowReader:
+    def rows(name: str, final: Any, ring: list[Any] | None = None) -> RowReader:
+        """Reads ``name``, a stacked leaf's layer into its leaf's ``ring``.
+
+        Layer ``i`` goes into buffer ``i mod len(ring)``: `stream_stacked` is done
+        with layer ``i - QUANTIZE_AHEAD`` before it reads layer ``i``.
+        """
+
         def read(start: int | None = None, stop: int | None = None) -> Any:
             view = flat[name] if start is None else flat[name][start:stop]
             if _exact_in_numpy(np.asarray(view).dtype, final):
-                a: Any = host_buffer(np.shape(view), final)  # JAX takes it uncopied
+                a: Any = None
+                if ring is not None:
+                    a = ring.pop(0)
+                    ring.append(a)
+                if a is None or a.shape != np.shape(view) or a.dtype != final:
+                    a = host_buffer(np.shape(view), final)  # JAX takes it uncopied
+                    if ring is not None:
+                        ring[-1] = a
                 np.copyto(a, view, casting="unsafe")  # exact: same or wider float
             else:
                 a = jnp.asarray(view)
@@ -326,7 +339,10 @@ def stream_hf_names(
         final = jax.dtypes.canonicalize_dtype(final)
         plain = path.replace(".__L__", "")
         if shape:
-            layers = [functools.partial(rows(n, final), None, None) for n in names]
+            ring: list[Any] = [None] * (QUANTIZE_AHEAD + 1)  # this leaf's buffers
+            layers = [
+                functools.partial(rows(n, final, ring), None, None) for n in names
+            ]
             ahead_ = [ahead(n) for n in names]
             node[name] = stream_stacked(
                 plain, shape, final, layers, quantize, prefetch=ahead_
