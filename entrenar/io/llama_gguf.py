@@ -570,7 +570,10 @@ def load_llama_gguf(
         stem = names[0].split(".")[-2]
         permuted = permute and stem in perm_heads
         stage: np.ndarray | None = None  # one layer's bytes, when not read in place
+        g.prefetch(names[0])
         for i, gname in enumerate(names):
+            if i + 1 < len(names):
+                g.prefetch(names[i + 1])  # read from the disk while this one copies
             size = shape[-2] * row_bytes(types[i], cols)
             room = buf[i].reshape(-1)[:size]  # layer i's bytes, packed (contiguous)
             if mixed:

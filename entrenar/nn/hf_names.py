@@ -334,9 +334,20 @@ def stream_hf_names(
     def ahead(name: str) -> Callable[[], None]:
         return lambda: None if prefetch is None else prefetch(flat[name])
 
-    for node, name, path, names, shape in leaves:
+    def final_dtype(names: list[str]) -> Any:
         final = dtype or jnp.result_type(*(flat[n].dtype for n in names))
-        final = jax.dtypes.canonicalize_dtype(final)
+        return jax.dtypes.canonicalize_dtype(final)
+
+    if quantize is not None:
+        quantize = _memo(quantize)  # asked once a leaf (it may trace, say)
+        stacked = [
+            (path.replace(".__L__", ""), shape, final_dtype(names))
+            for _, _, path, names, shape in leaves
+            if shape
+        ]
+        warm_up(stacked, quantize)
+    for node, name, path, names, shape in leaves:
+        final = final_dtype(names)
         plain = path.replace(".__L__", "")
         if shape:
             ring: list[Any] = [None] * (QUANTIZE_AHEAD + 1)  # this leaf's buffers
@@ -492,6 +503,52 @@ def stream_stacked(
     return jax.tree_util.tree_unflatten(treedef, [to_device(b) for b in out])
 
 
+def warm_up(
+    stacked: Sequence[tuple[str, tuple[int, ...], DType]], quantize: Quantize
+) -> None:
+    """Compile, in the background, what `stream_stacked` will run on each layer.
+
+    For each distinct ``(layer shape, dtype)`` of the stacked leaves ``quantize``
+    names, a worker thread calls its function once on zeros ``(1, *layer_shape)``
+    (result dropped), so XLA compiles each program while the load reads the file
+    (an embedding, the first layers) instead of on the first layer of each leaf.
+    The later calls find the program compiled; the tree is the same.
+
+    Args:
+        stacked: ``(path, (L, *layer_shape), dtype)`` of each stacked leaf.
+        quantize: the load's `Quantize`.
+    """
+    seen: set[Any] = set()
+    for path, shape, dtype in stacked:
+        fn = quantize(path, tuple(shape))
+        key = (_identity(fn), tuple(shape[1:]), np.dtype(dtype))
+        if fn is None or key in seen:
+            continue
+        seen.add(key)
+        zeros = host_buffer((1, *shape[1:]), dtype, zeroed=True)  # never resident
+        _workers().submit(_call_quietly, fn, zeros)
+
+
+def _identity(fn: Any) -> Any:
+    """What makes two quantize functions the same (a `functools.partial`'s parts)."""
+    if isinstance(fn, functools.partial):
+        return (fn.func, fn.args, tuple(sorted(fn.keywords.items())))
+    return fn
+
+
+def _call_quietly(fn: Callable[[Any], Any], x: Any) -> None:
+    """``fn(x)`` to warm its compile cache; an error is the real call's to raise."""
+    try:
+        jax.block_until_ready(fn(x))
+    except Exception:  # raised again by the layer's own call, with its context
+        pass
+
+
+def _memo(quantize: Quantize) -> Quantize:
+    """``quantize`` asked once per ``(path, shape)`` (the same function back)."""
+    return functools.cache(quantize)
+
+
 @functools.cache
 def _workers() -> concurrent.futures.ThreadPoolExecutor:
     """The threads `stream_stacked` quantizes on, one per layer in flight."""
@@ -621,4 +678,5 @@ __all__ = [
     "stream_one",
     "stream_stacked",
     "to_hf_names",
+    "warm_up",
 ]

@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 
 from entrenar import io, lora, nn, quant
+from entrenar.errors import QuantizationError
+from entrenar.io import ggml_dequant
 from entrenar.nn import hf_names
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.runs.models import base_quantizer, load_built
@@ -155,6 +157,82 @@ def test_embeddings_read_in_chunks_of_rows_are_the_same(
         _, streamed, _ = io.load_llama_gguf(gguf, dtype="bfloat16")
         _, whole, _ = io.load_llama_gguf(gguf, dtype="bfloat16", stream=False)
     assert_identical(streamed, whole)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """Seven layers, as a folder and as a Q4_0 GGUF with a Q4_0 embedding.
+
+    More layers than `stream_stacked`'s ring of read buffers and its layers in
+    flight; the embedding is not kept but decoded straight into its buffer
+    (`dequantize_ggml_into`).
+    """
+    config = tiny_config(num_layers=7)
+    folder = write_folder(tmp_path_factory.mktemp("deep") / "m", config)
+    _, params = io.load_hf_llama(folder, dtype="float32")
+    path = folder + ".gguf"
+    io.save_llama_gguf(path, config, params, tensor_type="Q4_0", embedding_type="Q4_0")
+    return folder, path
+
+
+@pytest.mark.parametrize("quantize", ["none", "qlora", "int4"])
+def test_deep_folder_stream_equals_whole_load(deep, quantize, monkeypatch):
+    monkeypatch.setattr(ggml_dequant, "CHUNK_VALUES", 64)  # several chunks a tensor
+    q = {"none": None, "qlora": base_quantizer(QLORA), "int4": int4_projections}
+    _, streamed = io.load_hf_folder(deep[0], quantize=q[quantize])
+    _, whole = io.load_hf_folder(deep[0], stream=False, quantize=q[quantize])
+    assert_identical(streamed, whole)
+
+
+@pytest.mark.parametrize("keep_quantized", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deep_q4_0_gguf_stream_equals_whole_load(deep, keep_quantized, dtype):
+    kw = dict(keep_quantized=keep_quantized, dtype=dtype)
+    _, streamed, _ = io.load_llama_gguf(deep[1], **kw)
+    _, whole, _ = io.load_llama_gguf(deep[1], stream=False, **kw)
+    assert_identical(streamed, whole)
+
+
+def test_a_nan_in_a_layer_quantized_in_flight_is_raised(tmp_path):
+    """The layer's error from a worker thread, as the load raised it before."""
+    config = tiny_config(num_layers=5)
+    params = jax.tree_util.tree_map(np.asarray, random_params(config, "bfloat16"))
+    params["model"]["layers"]["self_attn"]["q_proj"]["weight"][3, 2, 1] = np.nan
+    folder = io.save_hf_folder(tmp_path / "nan", config, params)
+    with pytest.raises(QuantizationError, match="NaN"):
+        io.load_hf_folder(folder, quantize=base_quantizer(QLORA))
+
+
+COMPILES = textwrap.dedent(
+    """
+    import sys
+    import jax
+    from jax import monitoring
+    from entrenar import io
+    traced = []
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: traced.append(name) if "trace" in name else None
+    )
+    _, params, _ = io.load_llama_gguf(sys.argv[1], keep_quantized=True)
+    jax.block_until_ready(params)
+    print(len(traced))
+    """
+)
+
+
+@pytest.mark.parametrize("which", ["gguf", "deep"])
+def test_a_gguf_load_runs_no_jax_program(gguf, deep, which):
+    """No program traced (so none compiled) in a fresh process's GGUF load.
+
+    Kept Q8_0/Q4_0 bases are transferred, float32 leaves filled in numpy.
+    """
+    path = gguf if which == "gguf" else deep[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    res = subprocess.run(
+        [sys.executable, "-c", COMPILES, path],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    )  # fmt: skip
+    assert res.stdout.split()[-1] == "0", res.stdout
 
 
 @pytest.mark.parametrize("source", ["folder", "gguf"])
