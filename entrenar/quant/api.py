@@ -21,7 +21,7 @@ from entrenar.nn.weight_node import to_dense
 from entrenar.quant.ggml import check_float16, dequantize_ggml, quantize_ggml
 from entrenar.quant.int4 import dequantize_int4, quantize_int4
 from entrenar.quant.int8 import dequantize_int8, quantize_int8
-from entrenar.quant.nf4 import dequantize_nf4, quantize_nf4
+from entrenar.quant.nf4 import dequantize_nf4, quantize_nf4_checked
 from entrenar.quant.weight import SCHEMES, QuantizedWeight, check_finite
 from entrenar.tree import key_path_str
 from entrenar.types import PyTree
@@ -100,9 +100,9 @@ def _quantize(
     checked in the same program: a quantize call (say one per layer of a streaming
     load) costs one dispatch, not three.
     """
+    if scheme == "nf4":  # finite from the block absmaxes it computes anyway
+        return quantize_nf4_checked(w, block_size=block_size, double_quant=double_quant)
     finite = jnp.all(jnp.isfinite(w))  # () bool
-    if scheme == "nf4":
-        return quantize_nf4(w, block_size=block_size, double_quant=double_quant), finite
     if scheme == "int4":
         return quantize_int4(w, block_size=block_size), finite
     if scheme == "int8":

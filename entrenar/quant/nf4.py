@@ -129,18 +129,33 @@ def quantize_nf4(
         ShapeError: ``cols`` is not a multiple of ``block_size``.
         QuantizationError: ``w`` holds NaN or Inf (checked when ``w`` is concrete).
     """
+    return quantize_nf4_checked(w, block_size=block_size, double_quant=double_quant)[0]
+
+
+def quantize_nf4_checked(
+    w: Any, *, block_size: int = 64, double_quant: bool = False
+) -> tuple[QuantizedWeight, jax.Array]:
+    """`quantize_nf4` and whether every value of ``w`` is finite (a bool scalar).
+
+    The check costs no pass of its own: the block absmax is taken of ``|x|`` with
+    NaN replaced by +inf (``s`` is unchanged for finite blocks; XLA's fused
+    reduce-max on the CPU may drop a NaN, never an infinity), so ``w`` is finite
+    exactly when every ``s`` is. (A separate ``all(isfinite(w))`` took a quarter
+    of a compiled quantize call of a (5632, 2048) layer.)
+    """
     dtype = np.dtype(jnp.asarray(w).dtype)
     x = validated_blocks(w, block_size, "nf4")  # (*lead, nb, B)
     if x.ndim > 3:  # (*stack, rows, nb, B): one matrix at a time
         stack = x.shape[:-3]
         flat = x.reshape(-1, *x.shape[-3:])  # (S, rows, nb, B)
         parts = jax.lax.map(lambda m: _nf4_blocks(m, double_quant), flat)
-        codes, scales, a, mean = jax.tree_util.tree_map(
+        codes, scales, a, mean, finite = jax.tree_util.tree_map(
             lambda p: p.reshape(*stack, *p.shape[1:]), parts
         )
+        finite = jnp.all(finite)  # ()
     else:
-        codes, scales, a, mean = _nf4_blocks(x, double_quant)
-    return QuantizedWeight(
+        codes, scales, a, mean, finite = _nf4_blocks(x, double_quant)
+    node = QuantizedWeight(
         codes,
         scales,
         None,
@@ -150,19 +165,23 @@ def quantize_nf4(
         block_size=block_size,
         dtype=dtype,
     )
+    return node, finite
 
 
 def _nf4_blocks(
     x: jax.Array, double_quant: bool
-) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None, jax.Array]:
     """NF4 of float32 blocks ``x: (*lead, nb, B)`` (one matrix, or a vector).
 
     Returns:
         ``(packed codes uint8 (*lead, nb·B/2), scales, DQ absmax or None, DQ mean or
-        None)``; scales are float32 ``(*lead, nb)``, or `double_quantize`'s int8
-        codes with its absmax ``(G,)`` and mean ``()`` (a matrix).
+        None, finite)``; scales are float32 ``(*lead, nb)``, or `double_quantize`'s
+        int8 codes with its absmax ``(G,)`` and mean ``()`` (a matrix); ``finite``
+        whether every value of ``x`` is (``()`` bool).
     """
-    s = jnp.max(jnp.abs(x), axis=-1)  # (*lead, nb)
+    big = jnp.where(jnp.isnan(x), jnp.float32(jnp.inf), jnp.abs(x))  # NaN -> inf
+    s = jnp.max(big, axis=-1)  # (*lead, nb): max|x|, inf where a value is not finite
+    finite = jnp.all(jnp.isfinite(s))  # ()
     if double_quant:
         scales, a, mean = double_quantize(s)
         s = double_dequantize(scales, a, mean)  # code against the scales we store
@@ -171,7 +190,7 @@ def _nf4_blocks(
     inv = jnp.where(s == 0, jnp.float32(0), 1 / jnp.where(s == 0, 1, s))
     y = x * inv[..., None]  # in [-1, 1] (slightly beyond with DQ)
     q = jnp.sum(y[..., None] > jnp.asarray(_MIDPOINTS), axis=-1)  # (*lead, nb, B)
-    return pack_nibbles(q), scales, a, mean
+    return pack_nibbles(q), scales, a, mean, finite
 
 
 def dequantize_nf4(q: QuantizedWeight, dtype: Any) -> jax.Array:
@@ -234,4 +253,5 @@ __all__ = [
     "double_dequantize",
     "double_quantize",
     "quantize_nf4",
+    "quantize_nf4_checked",
 ]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from entrenar.errors import QuantizationError
 from entrenar.quant import NF4_CODE, quantize
 from entrenar.quant.nf4 import double_dequantize
 
@@ -88,3 +89,21 @@ def test_stacked_double_quant_against_numpy():
     codes = np.asarray(q.codes).reshape(5, 192, 9, 32)
     low, high = codes & 15, codes >> 4
     np.testing.assert_array_equal(np.concatenate([low, high], -1), want)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("shape", [(3, 8, 128), (8, 128), (128,)])
+def test_a_value_that_is_not_finite_is_refused_wherever_it_is(bad, shape):
+    """The compiled quantizer's check sees every position of a block.
+
+    It reads the block absmaxes with NaN taken as inf (XLA's fused reduce-max on
+    the CPU may drop a NaN).
+    """
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    for i in range(64):
+        y = x.copy()
+        y[(*(s // 2 for s in shape[:-1]), 64 + i)] = bad
+        with pytest.raises(QuantizationError, match="NaN/Inf"):
+            quantize(y, "nf4", double_quant=True)
+        with pytest.raises(QuantizationError, match="NaN/Inf"):
+            quantize(y, "nf4")
