@@ -15,13 +15,15 @@
 // are exact (|w q| <= 128·127, 32 terms). With AVX-512 BW, 64 weight bytes (two
 // blocks) go through one VNNI `vpdpbusd` (unsigned × signed bytes, four products
 // summed into each 32-bit lane; `vpmaddubsw` + `vpmaddwd` without VNNI); elsewhere
-// plain integer loops (auto-vectorized under AVX2).
+// plain integer loops (auto-vectorized under AVX2). Q8_0 weights times many input
+// rows with VNNI (a prompt): Int8Tiles, 16 input rows in the lanes of a register.
 #ifndef ENTRENAR_KERNELS_INT8_DOT_H_
 #define ENTRENAR_KERNELS_INT8_DOT_H_
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -35,6 +37,9 @@ namespace entrenar {
 constexpr bool kInt8Paired = true;  // the AVX-512 path reads 4-bit pairs unpacked
 #else
 constexpr bool kInt8Paired = false;
+#endif
+#if defined(ENTRENAR_INT8_AVX512) && defined(__AVX512VNNI__)
+#define ENTRENAR_INT8_VNNI 1  // Int8Tiles and Int8TileRange exist
 #endif
 
 // x (n, k) float32 rounded per 32-block: q (n, kp) int8 (kp: k rounded up to 64, the
@@ -51,46 +56,54 @@ struct Int8Rows {
         s(n_ * k_ / 32) {
     const int64_t nb = k / 32;
     for (int64_t r = 0; r < n; ++r) {
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + r * k + 32 * b;
+      RoundRow(x + r * k, k, paired, q.data() + r * kp, e.data() + r * nb,
+               s.data() + r * nb, nullptr);
+    }
+  }
+
+  // One row xr (k) rounded: q (kp), e and s (k/32), and when `sums` is given the
+  // integers Σ_j q_bj (k/32).
+  static void RoundRow(const float* xr, int64_t k, bool paired, int8_t* q, float* e,
+                       float* s, int32_t* sums) {
+    const int64_t nb = k / 32;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = xr + 32 * b;
 #if defined(ENTRENAR_INT8_AVX512)
-        // The loop below in registers, the same operations: |x| max, d = amax / 127,
-        // x·(1/d) rounded in the current (nearest-even) mode as nearbyint.
-        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo),
-                                                               _mm512_abs_ps(hi)));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        const __m512 vid = _mm512_set1_ps(id);
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vid));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vid));
-        int8_t* out = q.data() + r * kp + 32 * b;
-        // paired: values 0-15 of block b at 64·(b/2) + 16·(b%2), 16-31 32 later
-        const int64_t at_lo = paired ? (b / 2) * 64 - 32 * b + 16 * (b % 2) : 0;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at_lo), _mm512_cvtepi32_epi8(qlo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at_lo + 32 - 16 * !paired),
-                         _mm512_cvtepi32_epi8(qhi));
-        e[r * nb + b] = d;
-        s[r * nb + b] = d * static_cast<float>(
-                                _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      // The loop below in registers, the same operations: |x| max, d = amax / 127,
+      // x·(1/d) rounded in the current (nearest-even) mode as nearbyint.
+      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo),
+                                                             _mm512_abs_ps(hi)));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      const __m512 vid = _mm512_set1_ps(id);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vid));
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vid));
+      int8_t* out = q + 32 * b;
+      // paired: values 0-15 of block b at 64·(b/2) + 16·(b%2), 16-31 32 later
+      const int64_t at_lo = paired ? (b / 2) * 64 - 32 * b + 16 * (b % 2) : 0;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at_lo), _mm512_cvtepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at_lo + 32 - 16 * !paired),
+                       _mm512_cvtepi32_epi8(qhi));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
 #else
-        float amax = 0.0f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int8_t* out = q.data() + r * kp + 32 * b;
-        int sum = 0;
-        for (int j = 0; j < 32; ++j) {
-          const int v = static_cast<int>(std::nearbyint(xb[j] * id));
-          // paired: values 0-15 of block b at 64·(b/2) + 16·(b%2), 16-31 32 later
-          const int64_t at = paired ? (b / 2) * 64 - 32 * b + 16 * (b % 2) + (j % 16) +
-                                          32 * (j / 16)
-                                    : j;
-          out[at] = static_cast<int8_t>(v);
-          sum += v;
-        }
-        e[r * nb + b] = d;
-        s[r * nb + b] = d * static_cast<float>(sum);
-#endif
+      float amax = 0.0f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t* out = q + 32 * b;
+      int32_t sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int v = static_cast<int>(std::nearbyint(xb[j] * id));
+        // paired: values 0-15 of block b at 64·(b/2) + 16·(b%2), 16-31 32 later
+        const int64_t at = paired ? (b / 2) * 64 - 32 * b + 16 * (b % 2) + (j % 16) +
+                                        32 * (j / 16)
+                                  : j;
+        out[at] = static_cast<int8_t>(v);
+        sum += v;
       }
+#endif
+      e[b] = d;
+      s[b] = d * static_cast<float>(sum);
+      if (sums != nullptr) sums[b] = sum;
     }
   }
 };
@@ -221,6 +234,118 @@ void Int8Dot(const Int8Weight& w, const Int8Rows& a, float* y, int64_t o, int64_
   for (int i = 0; i < R; ++i) {
     for (int j = 1; j < A; ++j) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][j]);
     y[(r0 + i) * o + row] = _mm512_reduce_add_ps(acc[i][0]);
+  }
+}
+#endif
+
+#if defined(ENTRENAR_INT8_VNNI)
+// Q8_0 from many input rows (ggml_matvec.cc: n >= kInt8TileRows), input rows in the
+// lanes: a tile holds 16 rows' q (rows past n: zeros), 4 bytes of each row a 32-bit
+// lane, so one `vpdpbusd` multiplies 4 values of 16 rows by the same 4 weights
+// (broadcast), and after the block's 8 steps lane l holds the whole block's integer
+// dot product of row l. The float work (convert, scale by d_b·e_lb, add) is then
+// once per block and tile instead of once per pair of blocks and row, and the
+// weight's 4 bytes come straight from memory. The weights are the unsigned operand
+// as w + 128 (w ^ 0x80): each lane starts at −128·Σ_j q_lbj (an input-row sum, made
+// once here), so it ends at Σ_j w_bj·q_lbj exactly (|lane| <= 32·255·127).
+// y[l, row] = Σ_b (d_b·e_lb)·S_lb with S the exact integer sum: the same terms as
+// Int8Dot's, fewer float roundings.
+constexpr int64_t kInt8Tile = 16;
+
+struct Int8Tiles {
+  int64_t n, k, tiles;
+  std::vector<int32_t> q;       // (tiles, k/4, 16): 4 bytes of q, row 16t + lane
+  std::vector<float> e;         // (tiles, k/32, 16): e_lb
+  std::vector<int32_t> start;   // (tiles, k/32, 16): −128·Σ_j q_lbj
+
+  // Room for n rows of k values (all zeros); `Fill` rounds them.
+  Int8Tiles(int64_t n_, int64_t k_)
+      : n(n_), k(k_), tiles((n_ + kInt8Tile - 1) / kInt8Tile),
+        q(tiles * (k_ / 4) * kInt8Tile), e(tiles * (k_ / 32) * kInt8Tile),
+        start(tiles * (k_ / 32) * kInt8Tile) {}
+
+  // Tiles [t0, t1) from x (n, k): each row rounded as Int8Rows does (RoundRow), its
+  // bytes then spread over the tile's lanes. Tiles apart share no cache line, so
+  // threads may fill disjoint ranges at once.
+  void Fill(const float* x, int64_t t0, int64_t t1) {
+    const int64_t kd = k / 4, nb = k / 32;
+    std::vector<int8_t> qr((k + 63) / 64 * 64);
+    std::vector<float> er(nb), sr(nb);
+    std::vector<int32_t> sums(nb);
+    for (int64_t r = t0 * kInt8Tile; r < std::min(n, t1 * kInt8Tile); ++r) {
+      Int8Rows::RoundRow(x + r * k, k, false, qr.data(), er.data(), sr.data(),
+                         sums.data());
+      const int64_t t = r / kInt8Tile, l = r % kInt8Tile;
+      int32_t* out = q.data() + t * kd * kInt8Tile + l;
+      for (int64_t c = 0; c < kd; ++c) std::memcpy(out + c * kInt8Tile, &qr[4 * c], 4);
+      for (int64_t b = 0; b < nb; ++b) {
+        e[(t * nb + b) * kInt8Tile + l] = er[b];
+        start[(t * nb + b) * kInt8Tile + l] = -128 * sums[b];
+      }
+    }
+  }
+};
+
+// y[16t + l, row + v] for the tile's rows l (< n) and W weight rows v; d: the W rows'
+// block scales (W, nb) as float.
+template <int W>
+void Int8TileDot(const Int8Weight& w, const Int8Tiles& a, const float* d, float* y,
+                 int64_t o, int64_t row, int64_t t) {
+  const int64_t nb = w.k / 32, kd = w.k / 4;
+  const int32_t* qt = a.q.data() + t * kd * kInt8Tile;
+  const float* et = a.e.data() + t * nb * kInt8Tile;
+  const int32_t* st = a.start.data() + t * nb * kInt8Tile;
+  const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  const uint8_t* wr = w.codes + row * w.k;
+  __m512 acc[W];
+  for (int v = 0; v < W; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i s0 = _mm512_loadu_si512(st + b * kInt8Tile);
+    __m512i sum[W];
+    for (int v = 0; v < W; ++v) sum[v] = s0;
+    for (int j = 0; j < 8; ++j) {
+      const __m512i xq = _mm512_loadu_si512(qt + (8 * b + j) * kInt8Tile);
+      for (int v = 0; v < W; ++v) {
+        int32_t w4;
+        std::memcpy(&w4, wr + v * w.k + 32 * b + 4 * j, 4);
+        const __m512i wu = _mm512_xor_si512(_mm512_set1_epi32(w4), bias);  // w + 128
+        sum[v] = _mm512_dpbusd_epi32(sum[v], wu, xq);
+      }
+    }
+    const __m512 e16 = _mm512_loadu_ps(et + b * kInt8Tile);
+    for (int v = 0; v < W; ++v) {
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(d[v * nb + b]), e16);
+      acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[v]), scale, acc[v]);
+    }
+  }
+  const int64_t rows = std::min<int64_t>(kInt8Tile, a.n - t * kInt8Tile);
+  for (int v = 0; v < W; ++v) {
+    alignas(64) float out[kInt8Tile];
+    _mm512_store_ps(out, acc[v]);
+    for (int64_t l = 0; l < rows; ++l) y[(t * kInt8Tile + l) * o + row + v] = out[l];
+  }
+}
+
+// Output rows [o0, o1) of y (n, o) from the tiles `a` (Q8_0 weights).
+template <typename Half>
+void Int8TileRange(const Int8Weight& w, const Int8Tiles& a, float* y, int64_t o,
+                   int64_t o0, int64_t o1, const Half& half) {
+  constexpr int kW = 4;
+  const int64_t nb = w.k / 32;
+  std::vector<float> d(kW * nb);
+  int64_t row = o0;
+  for (; row < o1; row += kW) {
+    const int rows = static_cast<int>(std::min<int64_t>(kW, o1 - row));
+    for (int64_t i = 0; i < rows * nb; ++i) d[i] = half(w.scales[row * nb + i]);
+    for (int64_t t = 0; t < a.tiles; ++t) {
+      if (rows == kW) {
+        Int8TileDot<kW>(w, a, d.data(), y, o, row, t);
+      } else {
+        for (int v = 0; v < rows; ++v) {
+          Int8TileDot<1>(w, a, d.data() + v * nb, y, o, row + v, t);
+        }
+      }
+    }
   }
 }
 #endif
