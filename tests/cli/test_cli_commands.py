@@ -290,7 +290,7 @@ def test_quantize_calibration_shows_progress_and_loads_the_original_once(
     loads = []
     for module in (evaluate, quantize):
         monkeypatch.setattr(
-            module, "load_built", lambda p: loads.append(p) or load_built(p)
+            module, "load_built", lambda p, **kw: loads.append(p) or load_built(p, **kw)
         )
     result = run("quantize", src, "-o", out, "--bits", "8", "--calibration-data", calib)
     assert result.exit_code == 0, result.output
