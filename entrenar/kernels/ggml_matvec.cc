@@ -30,8 +30,8 @@
 //
 // Attribute int8_x = 1 (entrenar_q_matvec): x rounded to 8 bits per 32-block and
 // integer dot products instead (int8_dot.h; llama.cpp's scheme, an approximation
-// bounded there); Q8_0 from kInt8TileRows input rows with 16 rows in a register's
-// lanes (Int8Tiles). Operand `layer` (int32 scalar): with codes/scales/offsets or data
+// bounded there); from kInt8TileRows input rows with 16 rows in a register's lanes
+// (Int8Tiles). Operand `layer` (int32 scalar): with codes/scales/offsets or data
 // stacked (L, O, ...), the product reads layer `layer` in place (a layer scan would
 // otherwise copy each layer's slice out before the call); 0 for a 2-d weight.
 #include <algorithm>
@@ -391,16 +391,17 @@ void Run(ffi::ThreadPool& pool, const Io& p, const W& weight) {
   ForRowRanges(pool, p, [&](int64_t o0, int64_t o1) { RunRows(p, weight, o0, o1); });
 }
 
-// Input rows from which a Q8_0 product puts 16 rows in a register's lanes
-// (int8_dot.h's Int8Tiles, with AVX-512 VNNI): measured 1.2x Int8Dot's speed at 8
-// rows, 2-3x at 16-64 (a prompt); below, the weights' set-up is not repaid.
-constexpr int64_t kInt8TileRows = 8;
+// Input rows from which a product puts 16 rows in a register's lanes (int8_dot.h's
+// Int8Tiles, with AVX-512 VNNI): measured 1.1-1.5x Int8Dot's speed at 10-12 rows,
+// 1.6-3x at 16-64 (a prompt); at 8, 0.86x for Q4_1 (the unused lanes and the
+// weights' unpacking are not repaid).
+constexpr int64_t kInt8TileRows = 10;
 
 // The product from 8-bit activations (int8_dot.h): x rounded once, rows in parallel.
 void RunInt8(ffi::ThreadPool& pool, const Io& p, const QWeight& q) {
   const entrenar::Int8Weight& w = q;
 #if defined(ENTRENAR_INT8_VNNI)
-  if (q.type == 0 && p.n >= kInt8TileRows) {
+  if (p.n >= kInt8TileRows) {
     entrenar::Int8Tiles a(p.n, p.k);  // rounded a tile range a thread
     const int64_t threads = std::max<int64_t>(1, pool.num_threads());
     const int64_t parts = std::min(threads, a.tiles);

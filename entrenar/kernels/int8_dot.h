@@ -15,8 +15,8 @@
 // are exact (|w q| <= 128·127, 32 terms). With AVX-512 BW, 64 weight bytes (two
 // blocks) go through one VNNI `vpdpbusd` (unsigned × signed bytes, four products
 // summed into each 32-bit lane; `vpmaddubsw` + `vpmaddwd` without VNNI); elsewhere
-// plain integer loops (auto-vectorized under AVX2). Q8_0 weights times many input
-// rows with VNNI (a prompt): Int8Tiles, 16 input rows in the lanes of a register.
+// plain integer loops (auto-vectorized under AVX2). Many input rows with VNNI (a
+// prompt): Int8Tiles, 16 input rows in the lanes of a register.
 #ifndef ENTRENAR_KERNELS_INT8_DOT_H_
 #define ENTRENAR_KERNELS_INT8_DOT_H_
 
@@ -239,30 +239,32 @@ void Int8Dot(const Int8Weight& w, const Int8Rows& a, float* y, int64_t o, int64_
 #endif
 
 #if defined(ENTRENAR_INT8_VNNI)
-// Q8_0 from many input rows (ggml_matvec.cc: n >= kInt8TileRows), input rows in the
+// Many input rows (a prompt; ggml_matvec.cc: n >= kInt8TileRows), input rows in the
 // lanes: a tile holds 16 rows' q (rows past n: zeros), 4 bytes of each row a 32-bit
 // lane, so one `vpdpbusd` multiplies 4 values of 16 rows by the same 4 weights
-// (broadcast), and after the block's 8 steps lane l holds the whole block's integer
-// dot product of row l. The float work (convert, scale by d_b·e_lb, add) is then
-// once per block and tile instead of once per pair of blocks and row, and the
-// weight's 4 bytes come straight from memory. The weights are the unsigned operand
-// as w + 128 (w ^ 0x80): each lane starts at −128·Σ_j q_lbj (an input-row sum, made
-// once here), so it ends at Σ_j w_bj·q_lbj exactly (|lane| <= 32·255·127).
-// y[l, row] = Σ_b (d_b·e_lb)·S_lb with S the exact integer sum: the same terms as
-// Int8Dot's, fewer float roundings.
+// (a broadcast from memory), and after a block's 8 steps lane l holds the block's
+// whole integer dot product S_lb = Σ_j w_bj·q_lbj. The float work (convert, scale
+// by d_b·e_lb, add) is then once per block and tile instead of once per pair of
+// blocks and row. The weights are the unsigned operand, unpacked once per weight
+// row into bytes: 4-bit w as is; Q8_0 as w + 128 (w ^ 0x80), each lane starting at
+// −128·Σ_j q_lbj (|lane| <= 32·255·127), so it ends at S_lb exactly. Then
+//   Q8_0: y_l = Σ_b (d_b·e_lb)·S_lb
+//   Q4_0: y_l = Σ_b (d_b·e_lb)·(S_lb − 8·Σ_j q_lbj)   (the lane starts at −8·Σ q)
+//   Q4_1: y_l = Σ_b (d_b·e_lb)·S_lb + m_b·s_lb          (s = e·Σ q, as Int8Rows)
+// the terms of Int8Dot with exact integer block sums (fewer float roundings).
 constexpr int64_t kInt8Tile = 16;
 
 struct Int8Tiles {
   int64_t n, k, tiles;
-  std::vector<int32_t> q;       // (tiles, k/4, 16): 4 bytes of q, row 16t + lane
-  std::vector<float> e;         // (tiles, k/32, 16): e_lb
-  std::vector<int32_t> start;   // (tiles, k/32, 16): −128·Σ_j q_lbj
+  std::vector<int32_t> q;     // (tiles, k/4, 16): 4 bytes of q, row 16t + lane
+  std::vector<float> e, s;    // (tiles, k/32, 16): e_lb, s_lb = e_lb·Σ_j q_lbj
+  std::vector<int32_t> sums;  // (tiles, k/32, 16): Σ_j q_lbj
 
   // Room for n rows of k values (all zeros); `Fill` rounds them.
   Int8Tiles(int64_t n_, int64_t k_)
       : n(n_), k(k_), tiles((n_ + kInt8Tile - 1) / kInt8Tile),
         q(tiles * (k_ / 4) * kInt8Tile), e(tiles * (k_ / 32) * kInt8Tile),
-        start(tiles * (k_ / 32) * kInt8Tile) {}
+        s(e.size()), sums(e.size()) {}
 
   // Tiles [t0, t1) from x (n, k): each row rounded as Int8Rows does (RoundRow), its
   // bytes then spread over the tile's lanes. Tiles apart share no cache line, so
@@ -271,51 +273,59 @@ struct Int8Tiles {
     const int64_t kd = k / 4, nb = k / 32;
     std::vector<int8_t> qr((k + 63) / 64 * 64);
     std::vector<float> er(nb), sr(nb);
-    std::vector<int32_t> sums(nb);
+    std::vector<int32_t> sumr(nb);
     for (int64_t r = t0 * kInt8Tile; r < std::min(n, t1 * kInt8Tile); ++r) {
       Int8Rows::RoundRow(x + r * k, k, false, qr.data(), er.data(), sr.data(),
-                         sums.data());
+                         sumr.data());
       const int64_t t = r / kInt8Tile, l = r % kInt8Tile;
       int32_t* out = q.data() + t * kd * kInt8Tile + l;
       for (int64_t c = 0; c < kd; ++c) std::memcpy(out + c * kInt8Tile, &qr[4 * c], 4);
       for (int64_t b = 0; b < nb; ++b) {
-        e[(t * nb + b) * kInt8Tile + l] = er[b];
-        start[(t * nb + b) * kInt8Tile + l] = -128 * sums[b];
+        const int64_t at = (t * nb + b) * kInt8Tile + l;
+        e[at] = er[b], s[at] = sr[b], sums[at] = sumr[b];
       }
     }
   }
 };
 
-// y[16t + l, row + v] for the tile's rows l (< n) and W weight rows v; d: the W rows'
-// block scales (W, nb) as float.
+// y[16t + l, row + v] for the tile's rows l (< n) and W weight rows v. wb: the W
+// rows' weights as unsigned bytes (W, k) (Int8TileRange); d, m: their block scales
+// and Q4_1 mins (W, nb) as float.
 template <int W>
-void Int8TileDot(const Int8Weight& w, const Int8Tiles& a, const float* d, float* y,
-                 int64_t o, int64_t row, int64_t t) {
-  const int64_t nb = w.k / 32, kd = w.k / 4;
+void Int8TileDot(int type, const uint8_t* wb, const float* d, const float* m,
+                 const Int8Tiles& a, float* y, int64_t o, int64_t row, int64_t t) {
+  const int64_t k = a.k, nb = k / 32, kd = k / 4;
   const int32_t* qt = a.q.data() + t * kd * kInt8Tile;
   const float* et = a.e.data() + t * nb * kInt8Tile;
-  const int32_t* st = a.start.data() + t * nb * kInt8Tile;
-  const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
-  const uint8_t* wr = w.codes + row * w.k;
+  const float* st = a.s.data() + t * nb * kInt8Tile;
+  const int32_t* sum_t = a.sums.data() + t * nb * kInt8Tile;
+  const int shift = type == 0 ? 7 : 3;  // the lanes start at −128·Σq or −8·Σq
   __m512 acc[W];
   for (int v = 0; v < W; ++v) acc[v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m512i s0 = _mm512_loadu_si512(st + b * kInt8Tile);
+    __m512i s0 = _mm512_setzero_si512();
+    if (type != 2) {
+      s0 = _mm512_sub_epi32(
+          s0, _mm512_slli_epi32(_mm512_loadu_si512(sum_t + b * kInt8Tile), shift));
+    }
     __m512i sum[W];
     for (int v = 0; v < W; ++v) sum[v] = s0;
     for (int j = 0; j < 8; ++j) {
       const __m512i xq = _mm512_loadu_si512(qt + (8 * b + j) * kInt8Tile);
       for (int v = 0; v < W; ++v) {
         int32_t w4;
-        std::memcpy(&w4, wr + v * w.k + 32 * b + 4 * j, 4);
-        const __m512i wu = _mm512_xor_si512(_mm512_set1_epi32(w4), bias);  // w + 128
-        sum[v] = _mm512_dpbusd_epi32(sum[v], wu, xq);
+        std::memcpy(&w4, wb + v * k + 32 * b + 4 * j, 4);
+        sum[v] = _mm512_dpbusd_epi32(sum[v], _mm512_set1_epi32(w4), xq);
       }
     }
     const __m512 e16 = _mm512_loadu_ps(et + b * kInt8Tile);
     for (int v = 0; v < W; ++v) {
       const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(d[v * nb + b]), e16);
       acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[v]), scale, acc[v]);
+      if (type == 2) {
+        acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(m[v * nb + b]),
+                                 _mm512_loadu_ps(st + b * kInt8Tile), acc[v]);
+      }
     }
   }
   const int64_t rows = std::min<int64_t>(kInt8Tile, a.n - t * kInt8Tile);
@@ -326,23 +336,51 @@ void Int8TileDot(const Int8Weight& w, const Int8Tiles& a, const float* d, float*
   }
 }
 
-// Output rows [o0, o1) of y (n, o) from the tiles `a` (Q8_0 weights).
+// Output rows [o0, o1) of y (n, o) from the tiles `a`: weight rows kW at a time,
+// unpacked once (bytes, scales, mins) and multiplied with every tile.
 template <typename Half>
 void Int8TileRange(const Int8Weight& w, const Int8Tiles& a, float* y, int64_t o,
                    int64_t o0, int64_t o1, const Half& half) {
   constexpr int kW = 4;
-  const int64_t nb = w.k / 32;
-  std::vector<float> d(kW * nb);
-  int64_t row = o0;
-  for (; row < o1; row += kW) {
+  const int64_t k = w.k, nb = k / 32;
+  std::vector<uint8_t> wb(kW * k);
+  std::vector<float> d(kW * nb), m(kW * nb);
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t row = o0; row < o1; row += kW) {
     const int rows = static_cast<int>(std::min<int64_t>(kW, o1 - row));
-    for (int64_t i = 0; i < rows * nb; ++i) d[i] = half(w.scales[row * nb + i]);
+    for (int64_t i = 0; i < rows * nb; ++i) {
+      d[i] = half(w.scales[row * nb + i]);
+      m[i] = w.type == 2 ? half(w.offsets[row * nb + i]) : 0.0f;
+    }
+    for (int v = 0; v < rows; ++v) {
+      uint8_t* out = wb.data() + v * k;
+      if (w.type == 0) {  // w + 128: 64 bytes (two blocks) a step, k a multiple of 32
+        const uint8_t* c = w.codes + (row + v) * k;
+        for (int64_t j = 0; j < k; j += 64) {
+          const __mmask64 in = k - j >= 64 ? ~0ull : (1ull << (k - j)) - 1;
+          _mm512_mask_storeu_epi8(out + j, in,
+                                  _mm512_xor_si512(_mm512_maskz_loadu_epi8(in, c + j), bias));
+        }
+      } else {  // block b's byte j: value j (low nibble), j + 16 (high)
+        const uint8_t* c = w.codes + (row + v) * (k / 2);
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m512i raw = _mm512_castsi128_si512(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * b)));
+          const __m512i both = _mm512_inserti32x4(raw, _mm512_castsi512_si128(
+                                                      _mm512_srli_epi16(raw, 4)), 1);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * b),
+                              _mm512_castsi512_si256(_mm512_and_si512(both, low4)));
+        }
+      }
+    }
     for (int64_t t = 0; t < a.tiles; ++t) {
       if (rows == kW) {
-        Int8TileDot<kW>(w, a, d.data(), y, o, row, t);
+        Int8TileDot<kW>(w.type, wb.data(), d.data(), m.data(), a, y, o, row, t);
       } else {
         for (int v = 0; v < rows; ++v) {
-          Int8TileDot<1>(w, a, d.data() + v * nb, y, o, row + v, t);
+          Int8TileDot<1>(w.type, wb.data() + v * k, d.data() + v * nb, m.data() + v * nb,
+                         a, y, o, row + v, t);
         }
       }
     }

@@ -98,16 +98,15 @@ def test_int8_product_is_the_rounded_inputs_product(scheme, n, cols):
 
 @needs_kernel
 @pytest.mark.parametrize("cols", [96, 576])
-def test_q8_0_tiles_keep_the_contract_and_rows_apart(cols):
-    """From 8 input rows Q8_0 runs with 16 rows in a register's lanes (Int8Tiles).
-
-    45 weight rows (groups of 4 and a remainder), rows past ``n`` in the last tile.
-    Each input row is computed alone in its lane, so (where the CPU has AVX-512
-    VNNI, and the native build uses tiles) its product does not depend on the other
-    rows, bit for bit; the contract holds on every CPU.
-    """
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q4_1"])
+def test_tiles_keep_the_contract_and_rows_apart(scheme, cols):
+    """From 10 input rows, 16 rows in a register's lanes (int8_dot.h's Int8Tiles)."""
     rng = np.random.default_rng(cols)
-    w = quantize_ggml(rng.standard_normal((45, cols)).astype(np.float32), "q8_0")
+    # 45 weight rows (groups of 4 and a remainder), rows past n in the last tile.
+    # Each input row is computed alone in its lane, so (where the CPU has AVX-512
+    # VNNI, and the native build uses tiles) its product does not depend on the
+    # other rows, bit for bit; the contract holds on every CPU.
+    w = quantize_ggml(rng.standard_normal((45, cols)).astype(np.float32), scheme)
     x = rng.standard_normal((64, cols)).astype(np.float32) * 3
     x[5, :32] = 0.0  # a block of zeros: e = 0
     dense = np.asarray(matvec.dense(w, jnp.float32), np.float64)
@@ -116,7 +115,7 @@ def test_q8_0_tiles_keep_the_contract_and_rows_apart(cols):
     assert near <= 1.0 and far <= 1.0
     if not (_cpu_has("avx512_vnni") and _cpu_has("avx512bw")):
         return  # Int8Dot: a row's sums depend on its tile of 8, 4, 2 or 1 rows
-    for n in (8, 16, 33, 61):
+    for n in (10, 16, 33, 61):
         part = _product(w, jnp.asarray(x[:n]))
         np.testing.assert_array_equal(part, full[:n])
     shifted = _product(w, jnp.asarray(x[3:40]))  # other rows share the tiles
