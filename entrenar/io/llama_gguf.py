@@ -70,8 +70,9 @@ from entrenar.nn.hf_names import (
     stream_stacked,
 )
 from entrenar.nn.host_arrays import populate
-from entrenar.quant import GGMLWeight, from_ggml
+from entrenar.quant import GGMLWeight, QuantizedWeight, from_ggml
 from entrenar.quant import ggml_head as _ggml_head  # noqa: F401  (registers head_nll)
+from entrenar.quant.ggml import BLOCK_BYTES, QK
 from entrenar.quant.ggml_mixed import (
     ROW_FORMATS,
     MixedGGMLWeight,
@@ -591,6 +592,45 @@ def load_llama_gguf(
         kind = to_device(np.asarray([kinds.index(t) for t in types], np.int32))  # (L,)
         return MixedGGMLWeight(data, kind, kinds, cols)
 
+    def kept_blocks(names: list[str], kind: str, shape: Any) -> QuantizedWeight:
+        """A stacked Q8_0/Q4_0/Q4_1 leaf as `from_ggml` makes it, read layer by layer.
+
+        Each layer's bytes are read (``pread``, the next layer's read started
+        ahead) into one reused ``(rows, blocks, bytes)`` buffer, un-permuted if q/k,
+        and split into the node's page-aligned ``(L, rows, ...)`` host arrays (codes,
+        float16 ``d``, Q4_1's float16 ``m``), which become the JAX arrays uncopied:
+        no stacked copy of the raw leaf, no JAX program.
+        """
+        rows, cols = shape[-2], shape[-1]
+        nb, size = cols // QK, BLOCK_BYTES[kind]
+        head = 4 if kind == "Q4_1" else 2  # d (and m) before the codes
+        width = nb * (size - head)  # code bytes of a row
+        codes = host_buffer((shape[0], rows, width), np.uint8)  # (L, rows, width)
+        d = host_buffer((shape[0], rows, nb), np.float16)  # (L, rows, nb)
+        m = host_buffer((shape[0], rows, nb), np.float16) if head == 4 else None
+        stem = names[0].split(".")[-2]
+        stage = np.empty(rows * nb * size, np.uint8)
+        g.prefetch(names[0])
+        for i, gname in enumerate(names):
+            if i + 1 < len(names):
+                g.prefetch(names[i + 1])
+            raw = g.read_into(gname, stage).reshape(rows, nb * size)  # (rows, bytes)
+            if permute and stem in perm_heads:
+                raw = unpermute_qk(raw, perm_heads[stem])
+            blocks = raw.reshape(rows, nb, size)  # (rows, nb, size)
+            codes[i].reshape(rows, nb, size - head)[:] = blocks[..., head:]
+            d[i] = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # (rows, nb)
+            if m is not None:
+                m[i] = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        return QuantizedWeight(
+            to_device(codes.view(np.int8) if kind == "Q8_0" else codes),
+            to_device(d),
+            None if m is None else to_device(m),
+            scheme=kind.lower(),
+            block_size=QK,
+            dtype=np.dtype(np.float32),
+        )
+
     def kept_table(path_: str, gname: str, shape: tuple[int, ...]) -> GGMLWeight:
         """An unstacked matrix as stored, read from the file into its buffer."""
         t = g.tensors[gname]
@@ -606,6 +646,8 @@ def load_llama_gguf(
         kept = keep_quantized and len(shape) == 3
         if kept and types <= set(ROW_FORMATS) and (t is None or t in KQUANT_FORMATS):
             return kept_bytes(path_, names, layer_types, shape)
+        if kept and t in BLOCK_BYTES and stream:
+            return kept_blocks(names, t, shape)
         if kept and t in KEEP_QUANTIZED:
             raw = np.stack([_rows(g, n) for n in names])  # (L, rows, row_bytes)
             for n in names:

@@ -172,7 +172,8 @@ def deep(tmp_path_factory):
     _, params = io.load_hf_llama(folder, dtype="float32")
     path = folder + ".gguf"
     io.save_llama_gguf(path, config, params, tensor_type="Q4_0", embedding_type="Q4_0")
-    return folder, path
+    io.save_llama_gguf(folder + ".q4_1.gguf", config, params, tensor_type="Q4_1")
+    return folder, path, folder + ".q4_1.gguf"
 
 
 @pytest.mark.parametrize("quantize", ["none", "qlora", "int4"])
@@ -186,11 +187,19 @@ def test_deep_folder_stream_equals_whole_load(deep, quantize, monkeypatch):
 
 @pytest.mark.parametrize("keep_quantized", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_deep_q4_0_gguf_stream_equals_whole_load(deep, keep_quantized, dtype):
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_deep_q4_gguf_stream_equals_whole_load(deep, keep_quantized, dtype, kind):
+    """Kept Q4_0/Q4_1 bases split layer by layer equal `from_ggml`'s nodes.
+
+    (Into the node's host arrays, q/k un-permuted, against the stacked bytes.)
+    """
     kw = dict(keep_quantized=keep_quantized, dtype=dtype)
-    _, streamed, _ = io.load_llama_gguf(deep[1], **kw)
-    _, whole, _ = io.load_llama_gguf(deep[1], stream=False, **kw)
+    path = deep[1] if kind == "Q4_0" else deep[2]
+    _, streamed, _ = io.load_llama_gguf(path, **kw)
+    _, whole, _ = io.load_llama_gguf(path, stream=False, **kw)
     assert_identical(streamed, whole)
+    q = streamed["model"]["layers"]["self_attn"]["q_proj"]["weight"]
+    assert not keep_quantized or q.scheme == kind.lower()
 
 
 def test_a_nan_in_a_layer_quantized_in_flight_is_raised(tmp_path):
