@@ -341,7 +341,7 @@ void Int8TileDot(int type, const uint8_t* wb, const float* d, const float* m,
 template <typename Half>
 void Int8TileRange(const Int8Weight& w, const Int8Tiles& a, float* y, int64_t o,
                    int64_t o0, int64_t o1, const Half& half) {
-  constexpr int kW = 4;
+  constexpr int kW = 8;
   const int64_t k = w.k, nb = k / 32;
   std::vector<uint8_t> wb(kW * k);
   std::vector<float> d(kW * nb), m(kW * nb);

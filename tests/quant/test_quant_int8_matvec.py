@@ -102,7 +102,7 @@ def test_int8_product_is_the_rounded_inputs_product(scheme, n, cols):
 def test_tiles_keep_the_contract_and_rows_apart(scheme, cols):
     """From 10 input rows, 16 rows in a register's lanes (int8_dot.h's Int8Tiles)."""
     rng = np.random.default_rng(cols)
-    # 45 weight rows (groups of 4 and a remainder), rows past n in the last tile.
+    # 45 weight rows (groups of 8 and a remainder), rows past n in the last tile.
     # Each input row is computed alone in its lane, so (where the CPU has AVX-512
     # VNNI, and the native build uses tiles) its product does not depend on the
     # other rows, bit for bit; the contract holds on every CPU.
