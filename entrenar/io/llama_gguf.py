@@ -31,6 +31,7 @@ half-split (NEOX) rotary in llama.cpp too and are not permuted.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -69,7 +70,7 @@ from entrenar.nn.hf_names import (
     stream_one,
     stream_stacked,
 )
-from entrenar.nn.host_arrays import populate
+from entrenar.nn.host_arrays import populate_ahead
 from entrenar.quant import GGMLWeight, QuantizedWeight, from_ggml
 from entrenar.quant import ggml_head as _ggml_head  # noqa: F401  (registers head_nll)
 from entrenar.quant.ggml import BLOCK_BYTES, QK
@@ -560,25 +561,28 @@ def load_llama_gguf(
         the JAX array without a copy on the CPU (`entrenar.io.heap.to_device`). A
         `GGMLWeight`, or a `MixedGGMLWeight` when the layers' types differ
         (llama.cpp's mixes): then each layer's bytes are packed at the start of its
-        ``rows * width`` room and the buffer comes zeroed from the kernel, so the
+        ``rows * width`` room. The buffer comes zeroed (lazily) from the kernel and
+        each layer's bytes are faulted in on a background thread ahead of their
+        read (`populate_ahead`), so the page faults overlap the disk, and the
         unused end of a narrower layer's room is never written, never resident.
         """
         kinds = tuple(sorted(set(types)))
         cols = shape[-1]
         width = max(row_bytes(t, cols) for t in check_types(kinds, cols))
-        mixed = len(kinds) > 1
-        buf = host_buffer((*shape[:-1], width), np.uint8, zeroed=mixed)
+        buf = host_buffer((*shape[:-1], width), np.uint8, zeroed=True)  # lazy
         stem = names[0].split(".")[-2]
         permuted = permute and stem in perm_heads
         stage: np.ndarray | None = None  # one layer's bytes, when not read in place
+        sizes = [shape[-2] * row_bytes(t, cols) for t in types]
+        # each layer's room (only the bytes written become resident), faulted in
+        # on a background thread ahead of its read
+        rooms = [buf[i].reshape(-1)[:size] for i, size in enumerate(sizes)]
+        ready = populate_ahead(rooms)
         g.prefetch(names[0])
         for i, gname in enumerate(names):
             if i + 1 < len(names):
                 g.prefetch(names[i + 1])  # read from the disk while this one copies
-            size = shape[-2] * row_bytes(types[i], cols)
-            room = buf[i].reshape(-1)[:size]  # layer i's bytes, packed (contiguous)
-            if mixed:
-                populate(room)  # only the bytes written become resident
+            size, room = sizes[i], rooms[i]  # layer i's bytes, packed (contiguous)
             if not permuted:
                 g.read_into(gname, room)  # straight into its place
                 continue
@@ -586,6 +590,7 @@ def load_llama_gguf(
                 stage = np.empty(size, np.uint8)
             raw = g.read_into(gname, stage).reshape(shape[-2], -1)  # (rows, n)
             room[:] = unpermute_qk(raw, perm_heads[stem]).reshape(-1)
+        concurrent.futures.wait(ready)
         data = to_device(buf)
         if len(kinds) == 1:
             return GGMLWeight(data, kinds[0])
