@@ -24,6 +24,9 @@
 // intra-op pool has; results bit-identical whatever their number); the columns are walked in chunks of kChunk
 // whose slice of x stays in L1; each row's chunk is decoded once into a small buffer
 // and multiplied with up to eight input rows at a time (nf4_matmul.cc's scheme).
+// From kFloatTileRows input rows (a prompt) with AVX-512, 16 input rows go in a
+// register's lanes instead (FloatTiles): weight rows decoded once into float32, one
+// fused multiply-add of a broadcast weight by 16 rows' x at a time.
 // The decoded values are the dequantizers' to the last bit (d·q + m may be one fused
 // multiply-add: -ffp-contract=fast); the sums are in another order than XLA's dot,
 // so results agree with the dequantized float32 product to float32 rounding.
@@ -37,6 +40,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "decoded_rows.h"
 #include "int8_dot.h"
@@ -386,8 +390,120 @@ void ForRowRanges(ffi::ThreadPool& pool, const Io& p, const Rows& rows) {
   });
 }
 
+// Tiles [0, tiles) filled by fill(t0, t1) over the threads, a tile range each.
+template <typename Fill>
+void FillTiles(ffi::ThreadPool& pool, int64_t tiles, const Fill& fill) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = std::min(threads, tiles);
+  entrenar::RowPool::Shared().Run(static_cast<int>(threads), parts, [&](int64_t t) {
+    fill(tiles * t / parts, tiles * (t + 1) / parts);
+  });
+}
+
+#if defined(__AVX512F__)
+// ------------------------------------------- many input rows, float32 x: row tiles
+// From kFloatTileRows input rows (a prompt), 16 input rows go in a register's lanes:
+// x is rearranged into tiles xt (tiles, K, 16), xt[t, c, l] = x[16t + l, c] (rows
+// past n: zeros), a group of kFloatW weight rows is decoded once into float32 (the
+// dequantizers' values), and y[16t + l, row] = Σ_c Ŵ[row, c]·xt[t, c, l]: one fused
+// multiply-add of a weight broadcast from memory by 16 rows' x, against one per 16
+// multiply-adds plus the decoding in registers of QDot / DotRows at every tile of 8
+// rows. Two tiles by four weight rows by two chains (even and odd c) are 16
+// independent accumulators; a row's sum does not depend on the other rows of its
+// tile. Equal to x·Ŵᵀ up to float32 summation order, as the other paths.
+constexpr int64_t kFloatTileRows = 16;
+constexpr int64_t kFloatTile = 16;
+constexpr int kFloatW = 4;
+
+struct FloatTiles {
+  int64_t n, k, tiles;
+  std::vector<float> x;  // (tiles, k, 16)
+
+  FloatTiles(int64_t n_, int64_t k_)
+      : n(n_), k(k_), tiles((n_ + kFloatTile - 1) / kFloatTile), x(tiles * k_ * kFloatTile) {}
+
+  // Tiles [t0, t1) from xs (n, k): column c of 16 rows gathered into one register.
+  void Fill(const float* xs, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t rows = std::min(kFloatTile, n - t * kFloatTile);
+      const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+      const __m512i at = _mm512_mullo_epi32(
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+          _mm512_set1_epi32(static_cast<int32_t>(k)));
+      const float* src = xs + t * kFloatTile * k;
+      float* out = x.data() + t * k * kFloatTile;
+      for (int64_t c = 0; c < k; ++c) {
+        _mm512_storeu_ps(out + c * kFloatTile, _mm512_mask_i32gather_ps(
+                                                   _mm512_setzero_ps(), live, at, src + c, 4));
+      }
+    }
+  }
+};
+
+// y[16(t + i) + l, row + v] for T tiles and V weight rows wf (V, k).
+template <int T, int V>
+void FloatTileDot(const float* wf, const FloatTiles& a, float* y, int64_t o, int64_t row,
+                  int64_t t) {
+  const int64_t k = a.k;
+  __m512 acc[T][V][2];
+  for (int i = 0; i < T; ++i) {
+    for (int v = 0; v < V; ++v) acc[i][v][0] = acc[i][v][1] = _mm512_setzero_ps();
+  }
+  const float* xt = a.x.data() + t * k * kFloatTile;
+  for (int64_t c = 0; c < k; c += 2) {  // k: a multiple of 32
+    for (int s = 0; s < 2; ++s) {
+      __m512 xv[T];
+      for (int i = 0; i < T; ++i) xv[i] = _mm512_loadu_ps(xt + (i * k + c + s) * kFloatTile);
+      for (int v = 0; v < V; ++v) {
+        const __m512 wv = _mm512_set1_ps(wf[v * k + c + s]);
+        for (int i = 0; i < T; ++i) acc[i][v][s] = _mm512_fmadd_ps(wv, xv[i], acc[i][v][s]);
+      }
+    }
+  }
+  for (int i = 0; i < T; ++i) {
+    const int64_t r0 = (t + i) * kFloatTile;
+    const int64_t rows = std::min(kFloatTile, a.n - r0);
+    for (int v = 0; v < V; ++v) {
+      alignas(64) float out[kFloatTile];
+      _mm512_store_ps(out, _mm512_add_ps(acc[i][v][0], acc[i][v][1]));
+      for (int64_t l = 0; l < rows; ++l) y[(r0 + l) * o + row + v] = out[l];
+    }
+  }
+}
+
+// Output rows [o0, o1) from the tiles: kFloatW weight rows decoded at a time.
+template <typename W>
+void FloatTileRows(const Io& p, const W& weight, const FloatTiles& a, int64_t o0,
+                   int64_t o1) {
+  std::vector<float> wf(kFloatW * p.k);
+  for (int64_t row = o0; row < o1; row += kFloatW) {
+    const int rows = static_cast<int>(std::min<int64_t>(kFloatW, o1 - row));
+    for (int v = 0; v < rows; ++v) weight.Decode(row + v, 0, p.k, wf.data() + v * p.k);
+    if (rows < kFloatW) {
+      for (int v = 0; v < rows; ++v) {
+        for (int64_t t = 0; t < a.tiles; ++t) {
+          FloatTileDot<1, 1>(wf.data() + v * p.k, a, p.y, p.o, row + v, t);
+        }
+      }
+      continue;
+    }
+    int64_t t = 0;
+    for (; t + 2 <= a.tiles; t += 2) FloatTileDot<2, kFloatW>(wf.data(), a, p.y, p.o, row, t);
+    for (; t < a.tiles; ++t) FloatTileDot<1, kFloatW>(wf.data(), a, p.y, p.o, row, t);
+  }
+}
+#endif
+
 template <typename W>
 void Run(ffi::ThreadPool& pool, const Io& p, const W& weight) {
+#if defined(__AVX512F__)
+  if (p.n >= kFloatTileRows) {
+    FloatTiles a(p.n, p.k);
+    FillTiles(pool, a.tiles, [&](int64_t t0, int64_t t1) { a.Fill(p.x, t0, t1); });
+    ForRowRanges(pool, p, [&](int64_t o0, int64_t o1) { FloatTileRows(p, weight, a, o0, o1); });
+    return;
+  }
+#endif
   ForRowRanges(pool, p, [&](int64_t o0, int64_t o1) { RunRows(p, weight, o0, o1); });
 }
 
@@ -403,11 +519,7 @@ void RunInt8(ffi::ThreadPool& pool, const Io& p, const QWeight& q) {
 #if defined(ENTRENAR_INT8_VNNI)
   if (p.n >= kInt8TileRows) {
     entrenar::Int8Tiles a(p.n, p.k);  // rounded a tile range a thread
-    const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-    const int64_t parts = std::min(threads, a.tiles);
-    entrenar::RowPool::Shared().Run(static_cast<int>(threads), parts, [&](int64_t t) {
-      a.Fill(p.x, a.tiles * t / parts, a.tiles * (t + 1) / parts);
-    });
+    FillTiles(pool, a.tiles, [&](int64_t t0, int64_t t1) { a.Fill(p.x, t0, t1); });
     ForRowRanges(pool, p, [&](int64_t o0, int64_t o1) {
       entrenar::Int8TileRange(w, a, p.y, p.o, o0, o1, HalfToFloat);
     });
