@@ -364,6 +364,7 @@ template <>
 void RunRows<QWeight>(const Io& p, const QWeight& w, int64_t o0, int64_t o1) {
   for (int64_t row = o0; row < o1; ++row) {
     int64_t r = 0;
+    entrenar::PrefetchAhead(w, row, o1);  // bound by memory: int8_dot.h
     for (; r + 8 <= p.n; r += 8) QDot<8, 1>(p.x, p.y, p.k, p.o, w, row, r);
     for (; r + 4 <= p.n; r += 4) QDot<4, 1>(p.x, p.y, p.k, p.o, w, row, r);
     for (; r + 2 <= p.n; r += 2) QDot<2, 2>(p.x, p.y, p.k, p.o, w, row, r);

@@ -26,7 +26,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -388,6 +388,32 @@ void Int8TileRange(const Int8Weight& w, const Int8Tiles& a, float* y, int64_t o,
 }
 #endif
 
+// Decoding (few input rows) reads each weight once, from memory: a product is bound
+// by memory bandwidth, not arithmetic. Asking for the bytes kPrefetchBytes ahead of
+// row `row` (its codes' length of them, and the scales' line) before multiplying it
+// keeps more reads in flight than the hardware prefetcher alone: measured in one
+// process, alternating, SmolLM2's 30 layers at one input row on one core, Q8_0 1.08x,
+// Q4_0 1.22x, Q4_1 1.18x; at 4 rows 1.17-1.27x (1024 bytes: 512 gained less, 2048 and
+// more lost for Q8_0). Nothing read changes.
+constexpr int64_t kPrefetchBytes = 1024;
+
+inline void PrefetchAhead(const Int8Weight& w, int64_t row, int64_t o1) {
+#if defined(__SSE__) || defined(__x86_64__)
+  const int64_t row_bytes = w.type == 0 ? w.k : w.k / 2, nb = w.k / 32;
+  const char* at = reinterpret_cast<const char*>(w.codes + row * row_bytes) + kPrefetchBytes;
+  const char* end = reinterpret_cast<const char*>(w.codes + o1 * row_bytes);
+  for (int64_t c = 0; c < row_bytes && at + c < end; c += 64) {
+    _mm_prefetch(at + c, _MM_HINT_T0);
+  }
+  const char* scales = reinterpret_cast<const char*>(w.scales + row * nb) + kPrefetchBytes / 16;
+  if (scales < reinterpret_cast<const char*>(w.scales + o1 * nb)) {
+    _mm_prefetch(scales, _MM_HINT_T0);
+  }
+#else
+  (void)w, (void)row, (void)o1;
+#endif
+}
+
 // Output rows [o0, o1) of y (n, o) from the rounded rows `a`.
 template <typename Half>
 void Int8RowRange(const Int8Weight& w, const Int8Rows& a, float* y, int64_t o, int64_t o0,
@@ -397,6 +423,7 @@ void Int8RowRange(const Int8Weight& w, const Int8Rows& a, float* y, int64_t o, i
 #endif
   for (int64_t row = o0; row < o1; ++row) {
     int64_t r = 0;
+    PrefetchAhead(w, row, o1);
 #if defined(ENTRENAR_INT8_AVX512)
     for (; r + 8 <= a.n; r += 8) Int8Dot<8, 1>(w, a, y, o, row, r);
     for (; r + 4 <= a.n; r += 4) Int8Dot<4, 1>(w, a, y, o, row, r);
