@@ -167,6 +167,33 @@ DEQUANTIZABLE: tuple[str, ...] = tuple(GGML_TYPES[i].name for i in _DEQUANT)
 """Names of the ggml types `dequantize_ggml` supports."""
 
 
+def _blocks(
+    raw: np.ndarray, type_id: int, shape: tuple[int, ...]
+) -> tuple[GGMLType, np.ndarray | None]:
+    """The type and ``raw``'s blocks ``(n_blocks, type_size)`` (None: no values).
+
+    Checks that the type decodes and that ``raw`` holds exactly the bytes of
+    ``shape``'s rows (`dequantize_ggml`'s Raises).
+    """
+    t = ggml_type(type_id)
+    if t.id not in _DEQUANT:
+        raise UnsupportedError(
+            f"cannot dequantize ggml type {t.name}; "
+            f"supported: {', '.join(DEQUANTIZABLE)}"
+        )
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    rows = n // shape[-1] if shape and shape[-1] else 0
+    want = rows * row_bytes(t.id, shape[-1]) if shape else t.type_size
+    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if raw.size != want:
+        raise FormatError(
+            f"{t.name} tensor of shape {shape} needs {want} bytes, got {raw.size}"
+        )
+    if n == 0:
+        return t, None
+    return t, raw.reshape(-1, t.type_size)
+
+
 def dequantize_ggml(
     raw: np.ndarray, type_id: int, shape: tuple[int, ...]
 ) -> np.ndarray:
@@ -187,24 +214,10 @@ def dequantize_ggml(
     >>> dequantize_ggml(np.array([0, 60, 0, 192], np.uint8), 1, (2,)).tolist()  # F16
     [1.0, -2.0]
     """
-    t = ggml_type(type_id)
-    fn = _DEQUANT.get(t.id)
-    if fn is None:
-        raise UnsupportedError(
-            f"cannot dequantize ggml type {t.name}; "
-            f"supported: {', '.join(DEQUANTIZABLE)}"
-        )
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    rows = n // shape[-1] if shape and shape[-1] else 0
-    want = rows * row_bytes(t.id, shape[-1]) if shape else t.type_size
-    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
-    if raw.size != want:
-        raise FormatError(
-            f"{t.name} tensor of shape {shape} needs {want} bytes, got {raw.size}"
-        )
-    if n == 0:
+    t, blocks = _blocks(raw, type_id, shape)
+    if blocks is None:
         return np.zeros(shape, np.float32)
-    blocks = raw.reshape(-1, t.type_size)  # (n_blocks, type_size)
+    fn = _DEQUANT[t.id]
     with np.errstate(invalid="ignore", over="ignore"):  # corrupt scales give inf/nan
         return fn(blocks).reshape(shape)
 
@@ -289,29 +302,14 @@ def dequantize_ggml_into(raw: np.ndarray, type_id: int, out: np.ndarray) -> np.n
             ``out`` is not C-contiguous float32.
         UnsupportedError: a type `dequantize_ggml` cannot decode.
     """
-    t = ggml_type(type_id)
     if out.dtype != np.float32 or not out.flags.c_contiguous:
         raise FormatError(
             f"dequantize_ggml_into writes C-contiguous float32, got {out.dtype} "
             f"(contiguous: {out.flags.c_contiguous})"
         )
-    shape = out.shape
-    if t.id not in _DEQUANT:
-        raise UnsupportedError(
-            f"cannot dequantize ggml type {t.name}; "
-            f"supported: {', '.join(DEQUANTIZABLE)}"
-        )
-    n = out.size
-    rows = n // shape[-1] if shape and shape[-1] else 0
-    want = rows * row_bytes(t.id, shape[-1]) if shape else t.type_size
-    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
-    if raw.size != want:
-        raise FormatError(
-            f"{t.name} tensor of shape {shape} needs {want} bytes, got {raw.size}"
-        )
-    if n == 0:
+    t, blocks = _blocks(raw, type_id, out.shape)
+    if blocks is None:
         return out
-    blocks = raw.reshape(-1, t.type_size)  # (n_blocks, type_size)
     dest = out.reshape(-1, t.block_size)  # (n_blocks, block_size)
     into = _INTO.get(t.id)
     fn = _DEQUANT[t.id]
