@@ -241,6 +241,20 @@ def _mapped_range(view: np.ndarray) -> tuple[mmap.mmap, int, int] | None:
     return base, lo, start + view.nbytes - lo
 
 
+def _advise(view: np.ndarray, advice: str) -> None:
+    """``madvise`` the ``mmap`` module's ``advice`` over ``view``'s mapped pages.
+
+    A no-op off Linux, where ``mmap`` lacks ``advice``, or where ``view`` is not a
+    view of an `mmap.mmap`.
+    """
+    if not sys.platform.startswith("linux") or not hasattr(mmap, advice):
+        return
+    where = _mapped_range(view)
+    if where is not None:
+        base, lo, n = where
+        base.madvise(getattr(mmap, advice), lo, n)
+
+
 def prefetch_pages(view: np.ndarray) -> None:
     """Start reading ``view``'s pages from its memory-mapped file in the background.
 
@@ -250,12 +264,7 @@ def prefetch_pages(view: np.ndarray) -> None:
     hundred KiB at a time, and only when touched). A no-op where ``view`` is not a
     view of an `mmap.mmap` or the system has no ``MADV_WILLNEED``.
     """
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_WILLNEED"):
-        return
-    where = _mapped_range(view)
-    if where is not None:
-        base, lo, n = where
-        base.madvise(mmap.MADV_WILLNEED, lo, n)
+    _advise(view, "MADV_WILLNEED")
 
 
 def release_pages(view: np.ndarray) -> None:
@@ -267,12 +276,7 @@ def release_pages(view: np.ndarray) -> None:
     used again, so the values never change. A no-op for an array that is not a view of
     an `mmap.mmap` (or on a system without ``MADV_DONTNEED``).
     """
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    where = _mapped_range(view)
-    if where is not None:
-        base, lo, n = where
-        base.madvise(mmap.MADV_DONTNEED, lo, n)
+    _advise(view, "MADV_DONTNEED")
 
 
 def header_metadata(md: ModelMetadata) -> dict[str, str]:
