@@ -22,6 +22,11 @@
 // allowed key (half the work under a causal mask); masked columns inside get p = 0.
 // A fully masked row attends uniformly with zero score gradients, as the JAX path
 // (entrenar/nn/attention.py) does with its finite -1e30.
+//
+// entrenar_attention_cached is the forward pass with k, v the stacked caches
+// (L, B, S, KV, d) of all layers and an int32 operand `layer`: it reads that layer's
+// keys and values in place (a decoding step's layer loop would otherwise copy the
+// layer's (B, S, KV, d) slices of both out of the stack before the call, every step).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -262,25 +267,20 @@ Shape ShapeOf(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
   return Shape{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], vd[3], md[0]};
 }
 
-ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> mask,
-                       ffi::Buffer<ffi::F32> params, ffi::ResultBuffer<ffi::F32> o,
-                       ffi::ResultBuffer<ffi::F32> lse, ffi::ThreadPool pool) {
-  const Shape sh = ShapeOf(q, k, v, mask);
-  const ffi::Error e = CheckInputs(sh, mask.element_count(), params.element_count());
-  if (e.failure()) return e;
-  const float scale = params.typed_data()[0];
-  const bool round = params.typed_data()[1] != 0.0f;
-  const float* qp = q.typed_data();
-  float* op = o->typed_data();
-  float* lp = lse->typed_data();
+// The forward pass over k, v of shape (B, S, KV, d) / (B, S, KV, dv) at kp, vp (a
+// layer's slice of a stacked cache, read in place, or a whole operand).
+void Forward(const Shape& sh, const float* qp, const float* kp, const float* vp,
+             const uint8_t* mask, const float* params, float* op, float* lp,
+             ffi::ThreadPool& pool) {
+  const float scale = params[0];
+  const bool round = params[1] != 0.0f;
   entrenar::ParallelFor(pool, sh.b * sh.kv, [&](int64_t task) {
     const int64_t b = task / sh.kv, kvh = task % sh.kv;
     const int64_t sp = sh.sp(), dp = sh.dp(), dvp = sh.dvp();
-    const uint8_t* m = mask.typed_data() + (sh.mask_b == 1 ? 0 : b) * sh.t * sh.s;
+    const uint8_t* m = mask + (sh.mask_b == 1 ? 0 : b) * sh.t * sh.s;
     const std::vector<Range> ranges = RowRanges(m, sh.t, sh.s);
     HeadCopies hc;
-    hc.Fill(sh, k.typed_data(), v.typed_data(), b, kvh, false, false, round);
+    hc.Fill(sh, kp, vp, b, kvh, false, false, round);
     std::vector<float> qrows(kRows * dp), z(kRows * sp), out(kRows * dvp);
     for (int64_t gi = 0; gi < sh.g(); ++gi) {
       const int64_t h = kvh * sh.g() + gi;
@@ -311,6 +311,47 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
       }
     }
   }, sh.Work());
+}
+
+ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> mask,
+                       ffi::Buffer<ffi::F32> params, ffi::ResultBuffer<ffi::F32> o,
+                       ffi::ResultBuffer<ffi::F32> lse, ffi::ThreadPool pool) {
+  const Shape sh = ShapeOf(q, k, v, mask);
+  const ffi::Error e = CheckInputs(sh, mask.element_count(), params.element_count());
+  if (e.failure()) return e;
+  Forward(sh, q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(),
+          params.typed_data(), o->typed_data(), lse->typed_data(), pool);
+  return ffi::Error::Success();
+}
+
+// The forward pass on layer `layer` of stacked caches k: (L, B, S, KV, d) and
+// v: (L, B, S, KV, dv), read in place: a decoding step's layer loop would otherwise
+// copy the layer's whole (B, S, KV, d) slice of both out before the call.
+ffi::Error CachedImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                      ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> mask,
+                      ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse,
+                      ffi::ThreadPool pool) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || md.size() != 3 ||
+      layer.element_count() != 1 || kd[0] != vd[0] || kd[1] != qd[0] ||
+      vd[1] != qd[0] || vd[2] != kd[2] || vd[3] != kd[3] || kd[4] != qd[3]) {
+    return ffi::Error::InvalidArgument(
+        "entrenar_attention_cached: q must be (B, T, H, d), k and v (L, B, S, KV, d)");
+  }
+  const int32_t at = *layer.typed_data();
+  if (at < 0 || at >= kd[0]) {
+    return ffi::Error::InvalidArgument("entrenar_attention_cached: layer out of range");
+  }
+  const Shape sh{qd[0], qd[1], kd[2], qd[2], kd[3], qd[3], vd[4], md[0]};
+  const ffi::Error e = CheckInputs(sh, mask.element_count(), params.element_count());
+  if (e.failure()) return e;
+  const int64_t k_layer = sh.b * sh.s * sh.kv * sh.d, v_layer = sh.b * sh.s * sh.kv * sh.dv;
+  Forward(sh, q.typed_data(), k.typed_data() + at * k_layer,
+          v.typed_data() + at * v_layer, mask.typed_data(), params.typed_data(),
+          o->typed_data(), lse->typed_data(), pool);
   return ffi::Error::Success();
 }
 
@@ -398,6 +439,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EntrenarAttentionForward, ForwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::U8>>()   // mask
                                   .Arg<ffi::Buffer<ffi::F32>>()  // (scale, round)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EntrenarAttentionCached, CachedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k (L, B, S, KV, d)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v (L, B, S, KV, dv)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // mask
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // (scale, round)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer ()
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Ctx<ffi::ThreadPool>());

@@ -42,6 +42,7 @@ KERNELS: dict[str, tuple[str, dict[str, str]]] = {
         {
             "entrenar_attention_fwd": "EntrenarAttentionForward",
             "entrenar_attention_bwd": "EntrenarAttentionBackward",
+            "entrenar_attention_cached": "EntrenarAttentionCached",
         },
     ),
     "softmax_xent": (

@@ -11,7 +11,9 @@ Scores and the softmax are computed in float32 (float64 for float64 inputs). A
 writes its ``T`` new entries at ``pos`` (one position for all rows, or one per row)
 and attends causally to positions ``<= pos + t``. A model's layer loop carries the
 whole ``(L, B, S, KV, d)`` buffers and writes only the new entries into them
-(`write_cache`), so that a compiled step that donates the cache updates it in place.
+(`write_cache`), so that a compiled step that donates the cache updates it in place,
+and attends to its layer of them (`cached_attention`: the native kernel reads the
+layer where it lies; `read_cache` would copy it out every step).
 """
 
 from __future__ import annotations
@@ -140,6 +142,69 @@ def write_cache(
 def read_cache(buf: jax.Array, layer: jax.Array) -> jax.Array:
     """Layer ``layer`` of ``buf: (L, B, S, KV, d)``: ``(B, S, KV, d)``."""
     return jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False)
+
+
+def cached_attention(
+    q: jax.Array,
+    k_buf: jax.Array,
+    v_buf: jax.Array,
+    layer: jax.Array,
+    mask: jax.Array | None,
+    *,
+    scale: float | None = None,
+    matmul_dtype: str | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """`dot_product_attention` on layer ``layer`` of stacked caches, read in place.
+
+    Equal to ``dot_product_attention(q, read_cache(k_buf, layer), read_cache(v_buf,
+    layer), mask, ..., impl="reference")``, bit for bit. Where the native kernel
+    takes the call (see `dot_product_attention`), it gets the whole ``(L, B, S, KV,
+    d)`` buffers and the layer index and reads that layer's keys and values where
+    they lie: `read_cache` is a ``dynamic-slice`` that XLA materializes, a copy of
+    the layer's ``(B, S, KV, d)`` keys and values on every decoding step (for a
+    30-layer model with 3 x 64 float32 key/value heads, ``S`` x 46 KB a step). The
+    gradient (rarely needed: decoding) is the one of the sliced path.
+
+    Args:
+        q: ``(B, T, H, d)`` queries.
+        k_buf: ``(L, B, S, KV, d)`` keys of every layer, ``H % KV == 0``.
+        v_buf: ``(L, B, S, KV, dv)`` values.
+        layer: int32 ``()``, the layer to attend to.
+        mask: as `dot_product_attention`: ``(T, S)``, ``(B, T, S)``, 4-d or None.
+        scale: score scale, ``1/√d`` by default.
+        matmul_dtype: as `dot_product_attention`.
+        softcap: as `dot_product_attention` (the sliced JAX path).
+
+    Returns:
+        ``(B, T, H, dv)`` in ``q``'s dtype.
+    """
+    d = q.shape[-1]
+    layer = jnp.asarray(layer, jnp.int32)
+    scale = 1.0 / d**0.5 if scale is None else scale
+    if k_buf.ndim != 5 or v_buf.ndim != 5 or q.ndim != 4:
+        raise ShapeError(
+            f"cached_attention takes q (B, T, H, d) and k, v (L, B, S, KV, d), got "
+            f"{q.shape}, {k_buf.shape}, {v_buf.shape}"
+        )
+    if q.shape[2] % k_buf.shape[3]:
+        raise ShapeError(
+            f"query heads ({q.shape[2]}) must be a multiple of key/value heads "
+            f"({k_buf.shape[3]})"
+        )
+    if softcap is None and _native_ok(q, k_buf[0], v_buf[0], mask, None, matmul_dtype):
+        t, s = q.shape[1], k_buf.shape[2]
+        if mask is None:
+            m = jnp.ones((1, t, s), jnp.uint8)
+        else:
+            m = (mask if mask.ndim == 3 else mask[None]).astype(jnp.uint8)
+        lowp = np.dtype(matmul_dtype or np.float32) != np.float32  # bfloat16
+        return _native_cached(q, k_buf, v_buf, layer, m, (float(scale), lowp))
+    k, v = read_cache(k_buf, layer), read_cache(v_buf, layer)  # (B, S, KV, d)
+    return dot_product_attention(
+        q, k, v, mask, scale=scale, matmul_dtype=matmul_dtype, softcap=softcap,
+        impl="reference",
+    )  # fmt: skip
 
 
 def dot_product_attention(
@@ -325,9 +390,56 @@ def _native_attention_bwd(how: tuple[float, bool], res: Any, g: jax.Array) -> An
 _native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _native_cached(
+    q: jax.Array,
+    k_buf: jax.Array,
+    v_buf: jax.Array,
+    layer: jax.Array,
+    mask: jax.Array,
+    how: tuple[float, bool],
+) -> jax.Array:
+    """`_native_attention` on layer ``layer`` of ``(L, B, S, KV, d)`` buffers."""
+    b, t, h, _ = q.shape
+    out = (
+        jax.ShapeDtypeStruct((b, t, h, v_buf.shape[-1]), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("entrenar_attention_cached", out, vmap_method="sequential")
+    return call(q, k_buf, v_buf, mask, jnp.asarray(how, jnp.float32), layer)[0]
+
+
+def _native_cached_fwd(
+    q: jax.Array,
+    k_buf: jax.Array,
+    v_buf: jax.Array,
+    layer: jax.Array,
+    mask: jax.Array,
+    how: tuple[float, bool],
+) -> tuple[jax.Array, Any]:
+    o = _native_cached(q, k_buf, v_buf, layer, mask, how)
+    return o, (q, k_buf, v_buf, layer, mask)
+
+
+def _native_cached_bwd(how: tuple[float, bool], res: Any, g: jax.Array) -> Any:
+    """The gradient of the sliced path: `read_cache` then `_native_attention`."""
+    q, k_buf, v_buf, layer, mask = res
+
+    def sliced(q: jax.Array, kb: jax.Array, vb: jax.Array) -> jax.Array:
+        k, v = read_cache(kb, layer), read_cache(vb, layer)  # (B, S, KV, d)
+        return _native_attention(q, k, v, mask, how)
+
+    dq, dk, dv = jax.vjp(sliced, q, k_buf, v_buf)[1](g)
+    return dq, dk, dv, None, None
+
+
+_native_cached.defvjp(_native_cached_fwd, _native_cached_bwd)
+
+
 __all__ = [
     "KVCache",
     "cache_positions",
+    "cached_attention",
     "causal_mask",
     "dot_product_attention",
     "init_kv_cache",

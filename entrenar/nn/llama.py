@@ -27,6 +27,7 @@ from entrenar.nn.attention import (
     ATTENTION_NAME,
     KVCache,
     cache_positions,
+    cached_attention,
     causal_mask,
     dot_product_attention,
     init_kv_cache,
@@ -775,21 +776,29 @@ class LlamaConfig:
             k = self._norm(k, ap["k_norm"])
         q = rotate(q, rope)
         k = rotate(k, rope)
+        scale = None
+        if self.query_pre_attn_scalar is not None:
+            scale = self.query_pre_attn_scalar**-0.5
+        fused = self.uses_fused_attention()
+        o: jax.Array | None = None
         if cache_kv is not None and index is not None and pos is not None:
             ck = write_cache(cache_kv[0], k, index, pos)  # (L, B, S, KV, d)
             cv = write_cache(cache_kv[1], v, index, pos)
             cache_kv = (ck, cv)
-            k, v = read_cache(ck, index), read_cache(cv, index)  # (B, S, KV, d)
-        scale = None
-        if self.query_pre_attn_scalar is not None:
-            scale = self.query_pre_attn_scalar**-0.5
-        if self.uses_fused_attention():
+            if fused:
+                k, v = read_cache(ck, index), read_cache(cv, index)  # (B, S, KV, d)
+            else:  # the layer's keys and values read in place, not copied out
+                o = cached_attention(
+                    q, ck, cv, index, allowed, matmul_dtype=md, scale=scale,
+                    softcap=self.attn_logit_softcapping,
+                )  # (B, T, H, d)  # fmt: skip
+        if o is None and fused:
             causal, window = kernel_mask
             o = fused_attention(
                 q, k, v, allowed, causal=causal, window=window, scale=scale,
                 matmul_dtype=md, implementation=None if cache_kv is None else "xla",
             )  # (B, T, H, d)  # fmt: skip
-        else:
+        elif o is None:
             o = dot_product_attention(
                 q, k, v, allowed, matmul_dtype=md, scale=scale,
                 softcap=self.attn_logit_softcapping, impl="reference",
