@@ -23,6 +23,11 @@
 // A fully masked row attends uniformly with zero score gradients, as the JAX path
 // (entrenar/nn/attention.py) does with its finite -1e30.
 //
+// A forward call of at most eight query rows (decoding) reads keys and values where
+// they lie instead: the rows of several query heads of one key/value head share a
+// block, keys are transposed a tile of 32 at a time (the same products, in the same
+// order, as over the whole copy: the same floats).
+//
 // entrenar_attention_cached is the forward pass with k, v the stacked caches
 // (L, B, S, KV, d) of all layers and an int32 operand `layer`: it reads that layer's
 // keys and values in place (a decoding step's layer loop would otherwise copy the
@@ -224,19 +229,60 @@ Block MakeBlock(const std::vector<Range>& ranges, int64_t t0, int64_t t, int64_t
   return blk;
 }
 
-// Scores of a block: z[r][s] = scale · q·k where allowed, -1e30 where not, s in
-// [lo, hi).
-void Scores(const Shape& sh, const Block& blk, const float* qrows, const float* kt,
-            const uint8_t* mask, float scale, float* z) {
+// z[r][s] = scale · z[r][s] where allowed, -1e30 where not, s in [lo, hi); row r
+// is query row t0 + r % period (period kRows: row t0 + r; period T: the rows of
+// several heads stacked in one block).
+void MaskScores(const Shape& sh, const Block& blk, const uint8_t* mask, int period,
+                float scale, float* z) {
   const int64_t sp = sh.sp();
-  RowsTimes(qrows, sh.dp(), blk.nr, kt, sp, 0, sh.d, blk.lo, blk.hi, z, sp);
   for (int r = 0; r < blk.nr; ++r) {
-    const uint8_t* m = mask + (blk.t0 + r) * sh.s;
+    const uint8_t* m = mask + (blk.t0 + r % period) * sh.s;
     float* zr = z + r * sp;
     for (int64_t s = blk.lo; s < blk.hi; ++s) {
       zr[s] = m[s] ? zr[s] * scale : -1e30f;
     }
   }
+}
+
+// Scores of a block: z[r][s] = scale · q·k where allowed, -1e30 where not, s in
+// [lo, hi).
+void Scores(const Shape& sh, const Block& blk, const float* qrows, const float* kt,
+            const uint8_t* mask, float scale, float* z) {
+  RowsTimes(qrows, sh.dp(), blk.nr, kt, sh.sp(), 0, sh.d, blk.lo, blk.hi, z, sh.sp());
+  MaskScores(sh, blk, mask, kRows, scale, z);
+}
+
+// Scores as `Scores`, with the keys read where they lie (key s of this head at
+// k + s * ks, d floats) instead of from a transposed copy of all S keys: tiles of
+// kTile keys are transposed into `tile` (d, kTile), zero past S, and multiplied as
+// RowsTimes multiplies the whole copy (the same operations in the same order on the
+// same floats per score: the same result). For a block of few rows (decoding) the
+// copy of all keys, not the products, was the cost.
+constexpr int64_t kTile = 2 * kLanes;
+
+void ScoresInPlace(const Shape& sh, const Block& blk, const float* qrows,
+                   const float* k, int64_t ks, const uint8_t* mask, int period,
+                   float scale, float* z, float* tile) {
+  const int64_t sp = sh.sp(), dp = sh.dp();
+  for (int64_t c = blk.lo; c < blk.hi; c += kTile) {
+    const int64_t n = std::min(kTile, sh.s - c);  // keys of the tile that exist
+    for (int64_t l = 0; l < n; ++l) {
+      const float* kr = k + (c + l) * ks;
+      for (int64_t j = 0; j < sh.d; ++j) tile[j * kTile + l] = kr[j];
+    }
+    for (int64_t l = n; l < kTile; ++l) {
+      for (int64_t j = 0; j < sh.d; ++j) tile[j * kTile + l] = 0.0f;
+    }
+    if (c + kTile <= blk.hi) {
+      RowsTimesCols<2>(qrows, dp, blk.nr, tile, kTile, 0, sh.d, 0, z + c, sp);
+    } else {  // the last columns: one vector at a time, as RowsTimes ends (z rows
+              // hold whole vectors up to sp only)
+      for (int64_t c1 = 0; c + c1 < blk.hi; c1 += kLanes) {
+        RowsTimesCols<1>(qrows, dp, blk.nr, tile, kTile, 0, sh.d, c1, z + c, sp);
+      }
+    }
+  }
+  MaskScores(sh, blk, mask, period, scale, z);
 }
 
 // Copy nr rows of x (row r at x + r * stride, n values) into a (nr, np) zero-padded
@@ -279,9 +325,57 @@ void Forward(const Shape& sh, const float* qp, const float* kp, const float* vp,
     const int64_t sp = sh.sp(), dp = sh.dp(), dvp = sh.dvp();
     const uint8_t* m = mask + (sh.mask_b == 1 ? 0 : b) * sh.t * sh.s;
     const std::vector<Range> ranges = RowRanges(m, sh.t, sh.s);
+    std::vector<float> qrows(kRows * dp), z(kRows * sp), out(kRows * dvp);
+    if (sh.t <= kRows && !round && sh.dv % kLanes == 0) {
+      // Few query rows (decoding): the rows of several query heads of this key/value
+      // head go in one block (row r: head g0 + r / T, query row r % T), and keys and
+      // values are read where they lie, once per block (a copy of the head's S keys
+      // and values would be read once, and the 8-row products would compute one
+      // useful row of 8). Each row's scores, softmax over the key range of all T rows
+      // and weighted sum are the operations the path below does in the same order:
+      // the same floats. Values are read as whole vectors (dv a multiple of kLanes).
+      const float* k_head = kp + (b * sh.s * sh.kv + kvh) * sh.d;
+      const float* v_head = vp + (b * sh.s * sh.kv + kvh) * sh.dv;
+      const int64_t stride_k = sh.kv * sh.d, stride_v = sh.kv * sh.dv;  // key to key
+      const int period = static_cast<int>(sh.t);
+      const Block rows = MakeBlock(ranges, 0, sh.t, sh.s);  // the T rows' key range
+      const int64_t per_block = std::max<int64_t>(1, kRows / sh.t);  // query heads
+      std::vector<float> tile(sh.d * kTile);
+      for (int64_t g0 = 0; g0 < sh.g(); g0 += per_block) {
+        Block blk = rows;
+        blk.nr = static_cast<int>(std::min(per_block, sh.g() - g0) * sh.t);
+        std::fill(qrows.begin(), qrows.end(), 0.0f);
+        for (int r = 0; r < blk.nr; ++r) {
+          const int64_t h = kvh * sh.g() + g0 + r / period, ti = r % period;
+          std::memcpy(&qrows[r * dp], qp + ((b * sh.t + ti) * sh.h + h) * sh.d,
+                      sizeof(float) * sh.d);
+        }
+        ScoresInPlace(sh, blk, qrows.data(), k_head, stride_k, m, period, scale,
+                      z.data(), tile.data());
+        for (int r = 0; r < blk.nr; ++r) {
+          const int64_t h = kvh * sh.g() + g0 + r / period, ti = r % period;
+          float* zr = z.data() + r * sp;
+          float mx = -1e30f, sum = 0.0f;
+          if (ranges[ti].none()) {  // uniform over all S keys
+            std::fill(zr + blk.lo, zr + blk.hi, 1.0f / static_cast<float>(sh.s));
+            sum = static_cast<float>(sh.s);
+          } else {
+            Softmax(zr, blk.lo, blk.hi, &mx, &sum);
+          }
+          lp[(b * sh.h + h) * sh.t + ti] = mx + std::log(sum);
+        }
+        RowsTimes(z.data(), sp, blk.nr, v_head, stride_v, blk.lo, blk.hi, 0, dvp,
+                  out.data(), dvp);
+        for (int r = 0; r < blk.nr; ++r) {
+          const int64_t h = kvh * sh.g() + g0 + r / period, ti = r % period;
+          std::memcpy(op + ((b * sh.t + ti) * sh.h + h) * sh.dv, &out[r * dvp],
+                      sizeof(float) * sh.dv);
+        }
+      }
+      return;
+    }
     HeadCopies hc;
     hc.Fill(sh, kp, vp, b, kvh, false, false, round);
-    std::vector<float> qrows(kRows * dp), z(kRows * sp), out(kRows * dvp);
     for (int64_t gi = 0; gi < sh.g(); ++gi) {
       const int64_t h = kvh * sh.g() + gi;
       for (int64_t t0 = 0; t0 < sh.t; t0 += kRows) {
@@ -348,7 +442,8 @@ ffi::Error CachedImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   const Shape sh{qd[0], qd[1], kd[2], qd[2], kd[3], qd[3], vd[4], md[0]};
   const ffi::Error e = CheckInputs(sh, mask.element_count(), params.element_count());
   if (e.failure()) return e;
-  const int64_t k_layer = sh.b * sh.s * sh.kv * sh.d, v_layer = sh.b * sh.s * sh.kv * sh.dv;
+  const int64_t k_layer = sh.b * sh.s * sh.kv * sh.d;  // floats per layer
+  const int64_t v_layer = sh.b * sh.s * sh.kv * sh.dv;
   Forward(sh, q.typed_data(), k.typed_data() + at * k_layer,
           v.typed_data() + at * v_layer, mask.typed_data(), params.typed_data(),
           o->typed_data(), lse->typed_data(), pool);

@@ -147,3 +147,30 @@ def test_a_decode_step_copies_no_layer_of_the_cache(rows):
     layer = re.escape(f"f32[{b},{s},2,8]")  # one layer's keys or values
     assert not re.findall(rf"= {layer}\S* ", hlo)
     assert "entrenar_attention_cached" in hlo
+
+
+@pytest.mark.skipif(not KERNEL, reason="no C++ compiler: the kernel is off")
+@pytest.mark.parametrize("s", [40, 64, 7])
+def test_rows_read_in_place_equal_rows_of_a_copied_head(s):
+    """The kernel's two forward paths agree bit for bit.
+
+    A call of up to 8 query rows (one block) reads keys and values where they lie;
+    one of more rows copies each head's keys (transposed) and values first. Rows go
+    in blocks of 8, and a block's softmax sums over the union of its rows' key
+    ranges, so the 9-row call's first 8 rows (copied) must equal the same 8 rows
+    alone (in place), and its ninth row the ninth alone.
+    """
+    rng = np.random.default_rng(s)
+    t = 9
+    q = jnp.asarray(rng.standard_normal((B, t, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, s, KV, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, s, KV, D)), jnp.float32)
+    pos = rng.integers(0, s, size=(B, t)).astype(np.int32)
+    mask = causal_mask(jnp.asarray(pos), s)  # (B, T, S)
+    mask = mask.at[0, 4].set(False)  # a row that may attend nowhere
+    whole = np.asarray(dot_product_attention(q, k, v, mask, impl="reference"))
+    for rows in (slice(0, 8), slice(8, 9)):
+        part = dot_product_attention(
+            q[:, rows], k, v, mask[:, rows], impl="reference"
+        )  # (B, 8 or 1, H, d)
+        np.testing.assert_array_equal(np.asarray(part), whole[:, rows])
