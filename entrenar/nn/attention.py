@@ -179,27 +179,18 @@ def cached_attention(
     Returns:
         ``(B, T, H, dv)`` in ``q``'s dtype.
     """
-    d = q.shape[-1]
     layer = jnp.asarray(layer, jnp.int32)
-    scale = 1.0 / d**0.5 if scale is None else scale
+    scale = 1.0 / q.shape[-1] ** 0.5 if scale is None else scale
     if k_buf.ndim != 5 or v_buf.ndim != 5 or q.ndim != 4:
         raise ShapeError(
             f"cached_attention takes q (B, T, H, d) and k, v (L, B, S, KV, d), got "
             f"{q.shape}, {k_buf.shape}, {v_buf.shape}"
         )
-    if q.shape[2] % k_buf.shape[3]:
-        raise ShapeError(
-            f"query heads ({q.shape[2]}) must be a multiple of key/value heads "
-            f"({k_buf.shape[3]})"
-        )
-    if softcap is None and _native_ok(q, k_buf[0], v_buf[0], mask, None, matmul_dtype):
-        t, s = q.shape[1], k_buf.shape[2]
-        if mask is None:
-            m = jnp.ones((1, t, s), jnp.uint8)
-        else:
-            m = (mask if mask.ndim == 3 else mask[None]).astype(jnp.uint8)
-        lowp = np.dtype(matmul_dtype or np.float32) != np.float32  # bfloat16
-        return _native_cached(q, k_buf, v_buf, layer, m, (float(scale), lowp))
+    _check_heads(q.shape[2], k_buf.shape[3])
+    k1, v1 = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k_buf, v_buf))
+    if softcap is None and _native_ok(q, k1, v1, mask, None, matmul_dtype):
+        m, how = _kernel_operands(q, k_buf.shape[2], mask, scale, matmul_dtype)
+        return _native_cached(q, k_buf, v_buf, layer, m, how)
     k, v = read_cache(k_buf, layer), read_cache(v_buf, layer)  # (B, S, KV, d)
     return dot_product_attention(
         q, k, v, mask, scale=scale, matmul_dtype=matmul_dtype, softcap=softcap,
@@ -258,12 +249,8 @@ def dot_product_attention(
     rounds the products' inputs as the forward does, but keeps the cotangents in
     float32 where the JAX path rounds them too.
     """
-    _, t, h, d = q.shape
-    s, kv = k.shape[1], k.shape[2]
-    if h % kv:
-        raise ShapeError(
-            f"query heads ({h}) must be a multiple of key/value heads ({kv})"
-        )
+    d = q.shape[-1]
+    _check_heads(q.shape[2], k.shape[2])
     scale = 1.0 / d**0.5 if scale is None else scale
     if (
         use_fused(impl, q.dtype, softcap)
@@ -275,13 +262,34 @@ def dot_product_attention(
             q, k, v, mask, bias=bias, scale=scale, matmul_dtype=matmul_dtype
         )
     if softcap is None and _native_ok(q, k, v, mask, bias, matmul_dtype):
-        if mask is None:
-            m = jnp.ones((1, t, s), jnp.uint8)
-        else:
-            m = (mask if mask.ndim == 3 else mask[None]).astype(jnp.uint8)
-        lowp = np.dtype(matmul_dtype or np.float32) != np.float32  # bfloat16
-        return _native_attention(q, k, v, m, (float(scale), lowp))
+        m, how = _kernel_operands(q, k.shape[1], mask, scale, matmul_dtype)
+        return _native_attention(q, k, v, m, how)
     return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype, softcap)
+
+
+def _check_heads(h: int, kv: int) -> None:
+    """Grouped-query attention needs ``h`` query heads a multiple of ``kv``."""
+    if h % kv:
+        raise ShapeError(
+            f"query heads ({h}) must be a multiple of key/value heads ({kv})"
+        )
+
+
+def _kernel_operands(
+    q: jax.Array,
+    s: int,
+    mask: jax.Array | None,
+    scale: float,
+    matmul_dtype: str | None,
+) -> tuple[jax.Array, tuple[float, bool]]:
+    """The kernel's uint8 mask ``(B|1, T, S)`` and ``how = (scale, bfloat16)``."""
+    t = q.shape[1]
+    if mask is None:
+        m = jnp.ones((1, t, s), jnp.uint8)
+    else:
+        m = (mask if mask.ndim == 3 else mask[None]).astype(jnp.uint8)
+    lowp = np.dtype(matmul_dtype or np.float32) != np.float32  # bfloat16
+    return m, (float(scale), lowp)
 
 
 def _attention_jax(
@@ -351,15 +359,27 @@ def _native_ok(
 
 
 def _native_call(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, how: tuple[float, bool]
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    how: tuple[float, bool],
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
+    """The kernel's forward: ``(o (B, T, H, dv), lse (B, H, T))``.
+
+    With ``layer``, ``k`` and ``v`` are stacked ``(L, B, S, KV, ·)`` caches and the
+    kernel reads layer ``layer`` of them in place (``entrenar_attention_cached``).
+    """
     b, t, h, _ = q.shape
     out = (
         jax.ShapeDtypeStruct((b, t, h, v.shape[-1]), jnp.float32),
         jax.ShapeDtypeStruct((b, h, t), jnp.float32),
     )
-    call = jax.ffi.ffi_call("entrenar_attention_fwd", out, vmap_method="sequential")
-    o, lse = call(q, k, v, mask, jnp.asarray(how, jnp.float32))
+    name = "entrenar_attention_fwd" if layer is None else "entrenar_attention_cached"
+    call = jax.ffi.ffi_call(name, out, vmap_method="sequential")
+    where = () if layer is None else (layer,)
+    o, lse = call(q, k, v, mask, jnp.asarray(how, jnp.float32), *where)
     return o, lse
 
 
@@ -400,13 +420,7 @@ def _native_cached(
     how: tuple[float, bool],
 ) -> jax.Array:
     """`_native_attention` on layer ``layer`` of ``(L, B, S, KV, d)`` buffers."""
-    b, t, h, _ = q.shape
-    out = (
-        jax.ShapeDtypeStruct((b, t, h, v_buf.shape[-1]), jnp.float32),
-        jax.ShapeDtypeStruct((b, h, t), jnp.float32),
-    )
-    call = jax.ffi.ffi_call("entrenar_attention_cached", out, vmap_method="sequential")
-    return call(q, k_buf, v_buf, mask, jnp.asarray(how, jnp.float32), layer)[0]
+    return _native_call(q, k_buf, v_buf, mask, how, layer)[0]  # (B, T, H, dv)
 
 
 def _native_cached_fwd(
