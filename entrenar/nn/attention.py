@@ -337,8 +337,8 @@ def _attention_jax(
 
 def _native_ok(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+    k: jax.Array | jax.ShapeDtypeStruct,
+    v: jax.Array | jax.ShapeDtypeStruct,
     mask: jax.Array | None,
     bias: Any,
     matmul_dtype: str | None = None,
@@ -346,7 +346,8 @@ def _native_ok(
     """Whether the native kernel takes this call (else the JAX path does).
 
     The kernel's own rules (no bias, a 2-d or 3-d mask, equal head sizes of ``q``
-    and ``k``, no empty axis), then `entrenar.native.use`.
+    and ``k``, no empty axis), then `entrenar.native.use`; ``k`` and ``v`` may be
+    their shapes only (`cached_attention`: one layer of the caches).
     """
     return (
         bias is None
