@@ -73,7 +73,7 @@ from entrenar.nn.hf_names import (
 from entrenar.nn.host_arrays import populate_ahead
 from entrenar.quant import GGMLWeight, QuantizedWeight, from_ggml
 from entrenar.quant import ggml_head as _ggml_head  # noqa: F401  (registers head_nll)
-from entrenar.quant.ggml import BLOCK_BYTES, QK
+from entrenar.quant.ggml import BLOCK_BYTES, HEAD_BYTES, QK, split_blocks
 from entrenar.quant.ggml_mixed import (
     ROW_FORMATS,
     MixedGGMLWeight,
@@ -608,11 +608,10 @@ def load_llama_gguf(
         """
         rows, cols = shape[-2], shape[-1]
         nb, size = cols // QK, BLOCK_BYTES[kind]
-        head = 4 if kind == "Q4_1" else 2  # d (and m) before the codes
-        width = nb * (size - head)  # code bytes of a row
-        codes = host_buffer((shape[0], rows, width), np.uint8)  # (L, rows, width)
+        width = size - HEAD_BYTES[kind]  # code bytes of a block
+        codes = host_buffer((shape[0], rows, nb * width), np.uint8)  # (L, rows, ·)
         d = host_buffer((shape[0], rows, nb), np.float16)  # (L, rows, nb)
-        m = host_buffer((shape[0], rows, nb), np.float16) if head == 4 else None
+        m = host_buffer((shape[0], rows, nb), np.float16) if kind == "Q4_1" else None
         stem = names[0].split(".")[-2]
         stage = np.empty(rows * nb * size, np.uint8)
         g.prefetch(names[0])
@@ -622,11 +621,10 @@ def load_llama_gguf(
             raw = g.read_into(gname, stage).reshape(rows, nb * size)  # (rows, bytes)
             if permute and stem in perm_heads:
                 raw = unpermute_qk(raw, perm_heads[stem])
-            blocks = raw.reshape(rows, nb, size)  # (rows, nb, size)
-            codes[i].reshape(rows, nb, size - head)[:] = blocks[..., head:]
-            d[i] = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # (rows, nb)
-            if m is not None:
-                m[i] = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+            split_blocks(
+                raw.reshape(rows, nb, size), kind, codes[i].reshape(rows, nb, width),
+                d[i], None if m is None else m[i],
+            )  # fmt: skip
         return QuantizedWeight(
             to_device(codes.view(np.int8) if kind == "Q8_0" else codes),
             to_device(d),

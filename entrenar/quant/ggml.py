@@ -38,6 +38,28 @@ QK = 32
 BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2}
 """Bytes per 32-value block as stored in GGUF."""
 
+HEAD_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}
+"""Bytes before a block's codes: float16 ``d`` (and Q4_1's float16 ``m``)."""
+
+
+def split_blocks(
+    blocks: np.ndarray,
+    kind: str,
+    codes: np.ndarray,
+    d: np.ndarray,
+    m: np.ndarray | None = None,
+) -> None:
+    """Write Q8_0 / Q4_0 / Q4_1 ``blocks`` into their `QuantizedWeight` fields.
+
+    ``blocks (..., nb, BLOCK_BYTES[kind])`` uint8 as stored; ``codes (..., nb,
+    BLOCK_BYTES - HEAD_BYTES)`` uint8 receives each block's code bytes, ``d (..., nb)``
+    float16 its scale and, for Q4_1, ``m (..., nb)`` float16 its offset.
+    """
+    codes[...] = blocks[..., HEAD_BYTES[kind] :]
+    d[...] = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    if m is not None:
+        m[...] = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+
 
 def _inverse(d: jax.Array) -> jax.Array:
     """``1 / d``, or 0 where ``d == 0`` (llama.cpp's ``id = d ? 1/d : 0``)."""
@@ -173,20 +195,14 @@ def from_ggml(
         )
     lead, nb = shape[:-1], shape[-1] // QK
     blocks = raw.reshape(*lead, nb, BLOCK_BYTES[kind])  # (*lead, nb, bytes)
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
-    offsets = None
-    codes: np.ndarray
-    if kind == "Q8_0":
-        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
-    elif kind == "Q4_0":
-        codes = blocks[..., 2:]
-    else:
-        offsets = _put(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
-        codes = blocks[..., 4:]
+    codes = np.empty((*lead, nb, BLOCK_BYTES[kind] - HEAD_BYTES[kind]), np.uint8)
+    d = np.empty((*lead, nb), np.float16)
+    m = np.empty((*lead, nb), np.float16) if kind == "Q4_1" else None
+    split_blocks(blocks, kind, codes, d, m)
     return QuantizedWeight(
-        _put(codes.reshape(*lead, -1)),
+        _put((codes.view(np.int8) if kind == "Q8_0" else codes).reshape(*lead, -1)),
         _put(d),
-        offsets,
+        None if m is None else _put(m),
         scheme=kind.lower(),
         block_size=QK,
         dtype=np.dtype(np.float32),
@@ -232,10 +248,12 @@ def to_ggml(q: QuantizedWeight | GGMLWeight) -> tuple[np.ndarray, str]:
 
 __all__ = [
     "BLOCK_BYTES",
+    "HEAD_BYTES",
     "QK",
     "check_float16",
     "dequantize_ggml",
     "from_ggml",
     "quantize_ggml",
+    "split_blocks",
     "to_ggml",
 ]
