@@ -339,7 +339,7 @@ def stream_hf_names(
         return jax.dtypes.canonicalize_dtype(final)
 
     if quantize is not None:
-        quantize = _memo(quantize)  # asked once a leaf (it may trace, say)
+        quantize = functools.cache(quantize)  # asked once a leaf (it may trace)
         stacked = [
             (path.replace(".__L__", ""), shape, final_dtype(names))
             for _, _, path, names, shape in leaves
@@ -542,11 +542,6 @@ def _call_quietly(fn: Callable[[Any], Any], x: Any) -> None:
         jax.block_until_ready(fn(x))
     except Exception:  # raised again by the layer's own call, with its context
         pass
-
-
-def _memo(quantize: Quantize) -> Quantize:
-    """``quantize`` asked once per ``(path, shape)`` (the same function back)."""
-    return functools.cache(quantize)
 
 
 @functools.cache
