@@ -109,12 +109,14 @@ def test_equal_per_row_positions_equal_a_scalar_one(model):
     assert ca.pos.shape == () and cb.pos.tolist() == [7, 7]
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["scalar_pos", "per_row_pos"])
-def test_a_decode_step_does_not_copy_the_cache(rows):
-    """The compiled step updates the donated cache in place: no whole-cache copy."""
+def decode_step_hlo(b: int, s: int, rows: bool) -> str:
+    """The compiled program of a greedy `decode_step` of `LLAMA` with 3 layers.
+
+    Batch ``b``, cache length ``s`` (keys/values ``f32[3, b, s, 2, 8]``), one
+    position for all rows or (``rows``) one per row.
+    """
     model = dataclasses.replace(LLAMA, num_layers=3)
     params = model.init(jax.random.key(0))
-    b, s = 4, 32
     cache = model.init_cache(b, s)
     if rows:
         cache = cache._replace(pos=jnp.zeros((b,), jnp.int32))
@@ -124,7 +126,14 @@ def test_a_decode_step_does_not_copy_the_cache(rows):
         None, jnp.int32(1), sampling.values(), jnp.zeros((0,), jnp.int32),
         jnp.int32(0), structure=sampling.structure(),
     )  # fmt: skip
-    hlo = lowered.compile().as_text()
+    return lowered.compile().as_text()
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["scalar_pos", "per_row_pos"])
+def test_a_decode_step_does_not_copy_the_cache(rows):
+    """The compiled step updates the donated cache in place: no whole-cache copy."""
+    b, s = 4, 32
+    hlo = decode_step_hlo(b, s, rows)
     shape = re.escape(f"f32[3,{b},{s},2,8]")
     copies = re.findall(rf"= {shape}\S* copy\(", hlo)
     assert not copies, copies

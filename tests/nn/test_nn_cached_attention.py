@@ -9,33 +9,25 @@ step's compiled program must hold no ``(B, S, KV, d)`` value (the copy of a laye
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_nn_attention_cache import decode_step_hlo
 
 from entrenar import native
 from entrenar.errors import ShapeError
-from entrenar.nn import LlamaConfig
 from entrenar.nn.attention import (
     cached_attention,
     causal_mask,
     dot_product_attention,
     read_cache,
 )
-from entrenar.nn.generate import decode_step
-from entrenar.nn.sampling import Sampling
 
 KERNEL = native.load("attention")
 L, B, S, KV, D, H = 3, 2, 40, 2, 16, 4
-
-LLAMA = LlamaConfig(
-    vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-    num_kv_heads=2, rope_theta=100.0, max_position_embeddings=64,
-)  # fmt: skip
 
 
 def _buffers(t):
@@ -131,19 +123,8 @@ def test_the_kernel_refuses_a_layer_out_of_range():
 @pytest.mark.parametrize("rows", [False, True], ids=["scalar_pos", "per_row_pos"])
 def test_a_decode_step_copies_no_layer_of_the_cache(rows):
     """No ``(B, S, KV, d)`` value in the compiled step: layers are read in place."""
-    model = dataclasses.replace(LLAMA, num_layers=3)
-    params = model.init(jax.random.key(0))
     b, s = 2, 32
-    cache = model.init_cache(b, s)
-    if rows:
-        cache = cache._replace(pos=jnp.zeros((b,), jnp.int32))
-    sampling = Sampling(0.0, None, None, None, None)
-    lowered = decode_step.lower(
-        model, params, jnp.ones((b,), jnp.int32), cache, None, jnp.zeros((b,), bool),
-        None, jnp.int32(1), sampling.values(), jnp.zeros((0,), jnp.int32),
-        jnp.int32(0), structure=sampling.structure(),
-    )  # fmt: skip
-    hlo = lowered.compile().as_text()
+    hlo = decode_step_hlo(b, s, rows)
     layer = re.escape(f"f32[{b},{s},2,8]")  # one layer's keys or values
     assert not re.findall(rf"= {layer}\S* ", hlo)
     assert "entrenar_attention_cached" in hlo
