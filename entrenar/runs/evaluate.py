@@ -11,6 +11,7 @@ same preprocessing as training did.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -27,6 +28,7 @@ from entrenar import data as data_lib
 from entrenar.config.summary import validate
 from entrenar.errors import ConfigError
 from entrenar.nn import losses
+from entrenar.runs.inference import decoding_params
 from entrenar.runs.models import BuiltModel, load_built
 from entrenar.train import causal_lm_loss_fn
 
@@ -182,10 +184,12 @@ def evaluate_model(
     and the model's context). Chat data's exact match comes from one teacher-forced
     pass, or with ``generate`` from decoding the replies, ``batch_size`` at a time
     (`entrenar.chat.exact_match`). ``keep_quantized``: a GGUF's quantized weights
-    kept as stored; ``decode_activations``: how the decoding multiplies them
-    (`entrenar.chat.ChatModel`).
+    kept as stored, a tied head read as Q8_0 as ``entrenar generate`` and ``chat``
+    read it (`entrenar.runs.inference.decoding_params`); ``decode_activations``: how
+    the decoding multiplies them (`entrenar.chat.ChatModel`).
     """
     built = load_built(model, keep_quantized=keep_quantized)
+    built = dataclasses.replace(built, params=decoding_params(built, keep_quantized))
     return evaluate_built(built, data, fmt=fmt, seq_len=seq_len, task=task, log=log,
                           generate=generate, batch_size=batch_size,
                           decode_activations=decode_activations)  # fmt: skip

@@ -16,6 +16,7 @@ rounded to 8 bits per 32-block, as llama.cpp does.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -23,7 +24,7 @@ from entrenar import chat as chat_lib
 from entrenar import data, lora
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.quant.matvec import quantize_tied_head
-from entrenar.runs.models import load_built
+from entrenar.runs.models import BuiltModel, load_built
 
 
 def generate_text(
@@ -94,6 +95,17 @@ def generate_text(
     return "".join(out)
 
 
+def decoding_params(built: BuiltModel, keep_quantized: bool) -> Any:
+    """``built``'s parameters as decoding reads them.
+
+    With ``keep_quantized`` a tied output head is read as Q8_0 (the bytes of a Q8_0
+    ``token_embd``), as llama.cpp reads it (`entrenar.quant.matvec.quantize_tied_head`).
+    """
+    if keep_quantized and getattr(built.config, "tie_word_embeddings", False):
+        return quantize_tied_head(built.params)
+    return built.params
+
+
 def load_chat(
     model: str,
     *,
@@ -116,9 +128,7 @@ def load_chat(
             f"{model}: no tokenizer; pass --tokenizer FILE.gguf (or a Hugging Face "
             "folder with tokenizer.json)"
         )
-    params = built.params
-    if keep_quantized and getattr(built.config, "tie_word_embeddings", False):
-        params = quantize_tied_head(params)  # the head as Q8_0, as llama.cpp reads
+    params = decoding_params(built, keep_quantized)
     if adapter is not None:
         params = lora.load_adapter(adapter, params)
     stops = chat_lib.end_of_turn_ids(tok)
@@ -129,4 +139,4 @@ def load_chat(
     )  # fmt: skip
 
 
-__all__ = ["generate_text", "load_chat"]
+__all__ = ["decoding_params", "generate_text", "load_chat"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -122,3 +123,25 @@ def test_eval_format_chat_and_compare_on_the_command_line(chat_models):
     ]
     assert rows["exact_match"][1] == f"{got['exact_match']:.4g}"
     assert re.search(r"evaluating .*base\.gguf on", both.stderr)
+
+
+def test_kept_quantized_eval_reads_a_tied_head_as_generate_does(chat_models, tmp_path):
+    """``eval --keep-quantized`` multiplies a tied head as Q8_0, like ``generate``."""
+    from entrenar.quant.matvec import QuantizedTiedEmbedding
+    from entrenar.runs.inference import decoding_params, load_chat
+
+    tied = dataclasses.replace(CONFIG, tie_word_embeddings=True)
+    model = tmp_path / "tied.gguf"
+    io.save_llama_gguf(model, tied, tied.init(jax.random.key(2)),
+                       source=chat_models / "tok.gguf", tensor_type="Q8_0")  # fmt: skip
+    kept = load_built(str(model), keep_quantized=True)
+    head = decoding_params(kept, keep_quantized=True)["model"]["embed_tokens"]["weight"]
+    assert isinstance(head, QuantizedTiedEmbedding)
+    assert decoding_params(kept, keep_quantized=False) is kept.params
+    path = str(chat_models / "chat.jsonl")
+    out = evaluate.evaluate_model(
+        str(model), path, fmt="chat", generate=True, keep_quantized=True
+    )
+    em = chat.exact_match(load_chat(str(model), keep_quantized=True),
+                          data.load_records(path), generate=True)  # fmt: skip
+    assert (out["exact_match"], out["examples"]) == (em.accuracy, 3)
