@@ -25,10 +25,12 @@ from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.attention import (
     KVCache,
     cache_positions,
+    cached_attention,
     causal_mask,
     dot_product_attention,
     init_kv_cache,
     read_cache,
+    use_fused,
     write_cache,
 )
 from entrenar.nn.init import normal
@@ -260,11 +262,17 @@ class GPT2Config:
             qkv = linear(x, ap["c_attn"]["weight"], ap["c_attn"]["bias"])  # (B,T,3D)
             q, kk, v = jnp.split(qkv.reshape(b, t, 3, nh, hd), 3, axis=2)
             q, kk, v = q[:, :, 0], kk[:, :, 0], v[:, :, 0]  # (B, T, H, d)
+            o = None
             if ck is not None and cv is not None and pos is not None:
                 ck = write_cache(ck, kk, index, pos)  # (L, B, S, H, d)
                 cv = write_cache(cv, v, index, pos)
-                kk, v = read_cache(ck, index), read_cache(cv, index)  # (B, S, H, d)
-            o = dot_product_attention(q, kk, v, allowed).reshape(b, t, nh * hd)
+                if use_fused("auto", q.dtype, None):  # off the CPU: cuDNN's kernel
+                    kk, v = read_cache(ck, index), read_cache(cv, index)
+                else:  # the layer's keys and values read in place, not copied out
+                    o = cached_attention(q, ck, cv, index, allowed)  # (B, T, H, d)
+            if o is None:
+                o = dot_product_attention(q, kk, v, allowed)  # (B, T, H, d)
+            o = o.reshape(b, t, nh * hd)
             o = linear(o, ap["c_proj"]["weight"], ap["c_proj"]["bias"])
             k1 = k2 = None
             if k is not None:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -109,13 +110,14 @@ def test_equal_per_row_positions_equal_a_scalar_one(model):
     assert ca.pos.shape == () and cb.pos.tolist() == [7, 7]
 
 
-def decode_step_hlo(b: int, s: int, rows: bool) -> str:
-    """The compiled program of a greedy `decode_step` of `LLAMA` with 3 layers.
+def decode_step_hlo(b: int, s: int, rows: bool, model: Any = None) -> str:
+    """The compiled program of a greedy `decode_step` of ``model`` (3 layers).
 
-    Batch ``b``, cache length ``s`` (keys/values ``f32[3, b, s, 2, 8]``), one
-    position for all rows or (``rows``) one per row.
+    Batch ``b``, cache length ``s`` (`LLAMA`'s keys/values ``f32[3, b, s, 2, 8]``),
+    one position for all rows or (``rows``) one per row.
     """
-    model = dataclasses.replace(LLAMA, num_layers=3)
+    if model is None:
+        model = dataclasses.replace(LLAMA, num_layers=3)
     params = model.init(jax.random.key(0))
     cache = model.init_cache(b, s)
     if rows:

@@ -19,6 +19,7 @@ from test_nn_attention_cache import decode_step_hlo
 
 from entrenar import native
 from entrenar.errors import ShapeError
+from entrenar.nn import GPT2Config
 from entrenar.nn.attention import (
     cached_attention,
     causal_mask,
@@ -119,13 +120,19 @@ def test_the_kernel_refuses_a_layer_out_of_range():
         np.asarray(jax.jit(cached_attention)(q, kb, vb, jnp.int32(L), None))
 
 
+GPT2_3 = GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=3, n_head=4)
+
+
 @pytest.mark.skipif(not KERNEL, reason="no C++ compiler: the kernel is off")
 @pytest.mark.parametrize("rows", [False, True], ids=["scalar_pos", "per_row_pos"])
-def test_a_decode_step_copies_no_layer_of_the_cache(rows):
+@pytest.mark.parametrize(
+    ("model", "heads"), [(None, 2), (GPT2_3, 4)], ids=["llama", "gpt2"]
+)
+def test_a_decode_step_copies_no_layer_of_the_cache(rows, model, heads):
     """No ``(B, S, KV, d)`` value in the compiled step: layers are read in place."""
     b, s = 2, 32
-    hlo = decode_step_hlo(b, s, rows)
-    layer = re.escape(f"f32[{b},{s},2,8]")  # one layer's keys or values
+    hlo = decode_step_hlo(b, s, rows, model)
+    layer = re.escape(f"f32[{b},{s},{heads},8]")  # one layer's keys or values
     assert not re.findall(rf"= {layer}\S* ", hlo)
     assert "entrenar_attention_cached" in hlo
 
