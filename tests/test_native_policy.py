@@ -188,6 +188,10 @@ SITES = {  # kernel: (its custom-call target, a function that should call it)
         "entrenar_nf4_dequantize_f32",
         lambda: quant.dequantize(_nf4(), jnp.float32),
     ),
+    "nf4_quantize": (
+        "entrenar_nf4_quantize_f32",
+        lambda: quant.quantize(jnp.ones((4, 64)), "nf4"),
+    ),
     "ggml_matvec": (
         "entrenar_q_matvec",
         lambda: quantized_matmul(

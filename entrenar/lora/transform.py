@@ -52,6 +52,23 @@ def _init_adapter(
     return a, b
 
 
+def selects(
+    name: str,
+    shape: tuple[int, ...],
+    config: LoRAConfig,
+    stacked_keys: tuple[str, ...] = STACKED_KEYS,
+) -> bool:
+    """Whether `apply` with ``config`` wraps the leaf ``name`` of logical ``shape``.
+
+    Decides from the name and shape alone (no tree, nothing traced), as `apply`
+    decides for each leaf.
+
+    Raises:
+        UnsupportedError: a target selects only some layers of a stacked weight.
+    """
+    return _selected(name, shape, config, stacked_keys)
+
+
 def _selected(
     name: str, shape: tuple[int, ...], config: LoRAConfig, stacked_keys: tuple[str, ...]
 ) -> bool:

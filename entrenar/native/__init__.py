@@ -84,6 +84,7 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], ...]] = {
     "nf4_matmul": (("float32",),),  # x (the weight is NF4 codes)
     "nf4_dequantize": (("float32", "bfloat16"),),  # the output
     "ggml_matvec": (("float32",),),  # x (the weight is llama.cpp blocks or bytes)
+    "nf4_quantize": (("float32", "bfloat16"),),  # the matrices quantized
 }
 """The dtypes each kernel takes: one tuple per operand of `use` (``"integer"``: any
 integer dtype)."""
@@ -92,6 +93,7 @@ _log = logging.getLogger("entrenar.native")
 _POLICY: str = "auto"
 _LOADED: dict[str, bool] = {}
 _FAILED: dict[str, str] = {}  # kernel -> why `load` returned False
+_LIBRARIES: dict[str, ctypes.CDLL] = {}  # kernel -> its loaded library
 _LOCK = threading.Lock()
 _WARNED = False
 
@@ -212,6 +214,20 @@ def use(name: str, *operands: Any) -> bool:
     return why is None
 
 
+def library(name: str, *operands: Any) -> ctypes.CDLL | None:
+    """Kernel ``name``'s library, for its plain C functions on host buffers (ctypes).
+
+    The same decision as `use` (policy, switch, backend, devices, dtypes, build): the
+    library where ``use(name, *operands)`` is True, else None. A caller that runs the
+    kernel's C code without XLA (a load quantizing numpy buffers) gets the results
+    its custom calls give.
+
+    Raises:
+        UnsupportedError, KeyError, TypeError: as `use`.
+    """
+    return _LIBRARIES.get(name) if use(name, *operands) else None
+
+
 def check() -> None:
     """Under the ``"native"`` policy, fail now if no kernel can run in this process.
 
@@ -313,6 +329,7 @@ def _build_and_register(name: str) -> str | None:
         for target, symbol in KERNELS[name][1].items():
             capsule = jax.ffi.pycapsule(getattr(lib, symbol))
             jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+        _LIBRARIES[name] = lib
     except Exception as e:  # any build or load problem: the pure-JAX path
         _warn_once(
             f"entrenar: the native {name!r} kernel is off ({e}); the pure-JAX path "
@@ -350,6 +367,7 @@ __all__ = [
     "current_policy",
     "enabled",
     "find_compiler",
+    "library",
     "load",
     "policy",
     "private_to_user",

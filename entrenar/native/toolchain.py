@@ -64,8 +64,19 @@ KERNELS: dict[str, tuple[str, dict[str, str]]] = {
             "entrenar_nf4_dequantize_bf16": "EntrenarNf4DequantizeBf16",
         },
     ),
+    "nf4_quantize": (
+        "nf4_quantize.cc",
+        {
+            "entrenar_nf4_quantize_f32": "EntrenarNf4QuantizeF32",
+            "entrenar_nf4_quantize_bf16": "EntrenarNf4QuantizeBf16",
+            "entrenar_nf4_quantize_dq_f32": "EntrenarNf4QuantizeDqF32",
+            "entrenar_nf4_quantize_dq_bf16": "EntrenarNf4QuantizeDqBf16",
+        },
+    ),
 }
-"""The kernels `load` knows."""
+"""The kernels `load` knows. A kernel may also export plain C functions for host
+buffers (``nf4_quantize``'s ``EntrenarNf4QuantizeHost``), called through ctypes on
+the library `entrenar.native.library` gives."""
 
 BASE_FLAGS = (
     "-O3",

@@ -50,7 +50,19 @@ whole shape (``(L, out, in)`` when stacked). A stacked leaf is quantized layer b
 layer (`stream_stacked`), so the function must treat a stack layer by layer: ``fn(w)``
 has arrays ``(L, ...)`` whose index ``i`` is ``fn(w[i:i+1])``'s, bit for bit (block
 formats do; NF4's double quantization does by definition); an unstacked leaf is
-passed whole."""
+passed whole.
+
+A function may also have a host form, ``fn.on_host(src, dtype)``: None, or a
+`HostQuantize` for numpy arrays of dtype ``src`` standing for their values cast to
+``dtype`` (exactly), with no XLA program, giving ``fn``'s node bit for bit
+(`entrenar.runs.models.BaseQuantize`: the native NF4 kernel). A load then runs it
+on each layer where it lies (a memory-mapped file's bfloat16 view), with no float32
+copy, no compile and no dispatch."""
+
+HostQuantize = Callable[[np.ndarray, Any], Any]
+"""``host(x, into)``: the node of host array ``x`` (numpy arrays); with ``into`` (a
+node of C-contiguous numpy arrays shaped as the result, or None) written into
+``into``'s arrays and returned."""
 
 
 class HasParamShapes(Protocol):
@@ -350,11 +362,19 @@ def stream_hf_names(
         final = final_dtype(names)
         plain = path.replace(".__L__", "")
         if shape:
+            ahead_ = [ahead(n) for n in names]
+            raw = _raw_quantize(quantize, plain, shape, [flat[n] for n in names], final)
+            if raw is not None:  # each layer quantized where it lies, no copy
+                views = [functools.partial(_same, flat[n]) for n in names]
+                node[name] = stream_stacked(
+                    plain, shape, final, views, quantize, prefetch=ahead_, host=raw,
+                    release=release,
+                )  # fmt: skip
+                continue
             ring: list[Any] = [None] * (QUANTIZE_AHEAD + 1)  # this leaf's buffers
             layers = [
                 functools.partial(rows(n, final, ring), None, None) for n in names
             ]
-            ahead_ = [ahead(n) for n in names]
             node[name] = stream_stacked(
                 plain, shape, final, layers, quantize, prefetch=ahead_
             )
@@ -363,6 +383,31 @@ def stream_hf_names(
             read = rows(names[0], final)
             node[name] = stream_one(plain, leaf_shape, final, read, quantize)
     return _unmark(tree)
+
+
+def on_host(fn: Any, src: Any, dtype: Any) -> HostQuantize | None:
+    """``fn``'s host form for ``src`` arrays standing for ``dtype`` (`Quantize`)."""
+    form = getattr(fn, "on_host", None)
+    return None if form is None else form(np.dtype(src), np.dtype(dtype))
+
+
+def _raw_quantize(
+    quantize: Quantize | None,
+    path: str,
+    shape: tuple[int, ...],
+    views: Sequence[Any],
+    final: Any,
+) -> HostQuantize | None:
+    """The host form that quantizes a stacked leaf's stored layers as they lie.
+
+    None unless ``quantize`` names the leaf, every layer is stored in one dtype
+    that casts to ``final`` exactly, and the function has a host form for it.
+    """
+    fn = None if quantize is None else quantize(path, tuple(shape))
+    src = {np.dtype(v.dtype) for v in views}
+    if fn is None or len(src) != 1 or not _exact_in_numpy(next(iter(src)), final):
+        return None
+    return on_host(fn, next(iter(src)), final)
 
 
 def quantize_leaves(params: Params, quantize: Quantize | None) -> Params:
@@ -435,6 +480,8 @@ def stream_stacked(
     quantize: Quantize | None = None,
     *,
     prefetch: Sequence[Callable[[], None]] | None = None,
+    host: HostQuantize | None = None,
+    release: Callable[[Any], None] | None = None,
 ) -> Any:
     """The stacked leaf ``path`` of ``shape = (L, ...)`` from its ``L`` layers.
 
@@ -451,7 +498,9 @@ def stream_stacked(
     dtype and the quantizations' temporaries. This is the node ``fn(leaf)`` gives
     because `Quantize` functions treat a stack layer by layer (NF4 by definition:
     `entrenar.quant.nf4.quantize_nf4`); a layer's error (NaN/Inf) is raised as is,
-    once the layers in flight are done.
+    once the layers in flight are done. A function with a host form (`Quantize`)
+    runs it instead, on the layers as numpy arrays (no XLA program), writing
+    each layer from the third on straight into the node's stacked arrays.
 
     Args:
         path: the leaf's dotted tree path (what ``quantize`` is asked about).
@@ -461,6 +510,12 @@ def stream_stacked(
         quantize: `Quantize`, or None.
         prefetch: ``L`` calls, ``prefetch[i]`` starts reading layer ``i`` in the
             background; or None.
+        host: the host form to quantize each layer with (`HostQuantize`), for
+            readers that return arrays of another dtype than ``dtype`` (the
+            file's bfloat16 standing for float32); default: the function's own
+            for ``dtype``, if any.
+        release: called with each layer's array once it is quantized (a reader
+            that returns a memory-mapped view leaves its pages to this).
     """
     fn = None if quantize is None else quantize(path, tuple(shape))
 
@@ -478,22 +533,41 @@ def stream_stacked(
     out: list[np.ndarray] = []  # the node's arrays, each (L, ...), on the host
     treedef: Any = None
 
-    def put(i: int, node: Any) -> None:
+    def put(i: int, done: tuple[Any, bool]) -> None:
         nonlocal treedef
+        node, in_place = done  # in place: a host form wrote it into `out`
         arrays, treedef = jax.tree_util.tree_flatten(node)  # each (1, ...)
         if not out:
             out.extend(_host_buffer((shape[0], *x.shape[1:]), x.dtype) for x in arrays)
         for buf, x in zip(out, arrays, strict=True):
-            buf[i] = np.asarray(x)[0]  # layer i's (...) at i
+            if not in_place:
+                buf[i] = np.asarray(x)[0]  # layer i's (...) at i
 
-    def quantized(x: Any) -> Any:
-        return jax.block_until_ready(fn(x[None]))  # arrays (1, ...)
+    if host is None:
+        host = on_host(fn, dtype, dtype)
 
-    pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+    def quantized(x: Any, into: Any) -> tuple[Any, bool]:
+        if host is None:
+            node = jax.block_until_ready(fn(x[None]))  # arrays (1, ...)
+        else:  # no XLA program: numpy arrays, written into the leaf's once known
+            node = host(np.asarray(x)[None], into)
+        if release is not None:
+            release(x)
+        return node, into is not None
+
+    def place(i: int) -> Any:
+        """Layer ``i``'s views of the node's stacked arrays, once they exist."""
+        if host is None or not out:
+            return None
+        return jax.tree_util.tree_unflatten(treedef, [b[i : i + 1] for b in out])
+
+    pending: collections.deque[concurrent.futures.Future[tuple[Any, bool]]]
+    pending = collections.deque()
     try:
         for i, read in enumerate(layers):
             start(i + 1)
-            pending.append(_workers().submit(quantized, read()))  # read here, now
+            x = read()  # read here, now
+            pending.append(_workers().submit(quantized, x, place(i)))
             if len(pending) == QUANTIZE_AHEAD:
                 put(i + 1 - len(pending), pending.popleft().result())
         while pending:
@@ -512,7 +586,9 @@ def warm_up(
     names, a worker thread calls its function once on zeros ``(1, *layer_shape)``
     (result dropped), so XLA compiles each program while the load reads the file
     (an embedding, the first layers) instead of on the first layer of each leaf.
-    The later calls find the program compiled; the tree is the same.
+    The later calls find the program compiled; the tree is the same. A function
+    with a host form for the leaf's dtype (`Quantize`) compiles nothing and is
+    skipped.
 
     Args:
         stacked: ``(path, (L, *layer_shape), dtype)`` of each stacked leaf.
@@ -522,7 +598,7 @@ def warm_up(
     for path, shape, dtype in stacked:
         fn = quantize(path, tuple(shape))
         key = (_identity(fn), tuple(shape[1:]), np.dtype(dtype))
-        if fn is None or key in seen:
+        if fn is None or key in seen or on_host(fn, dtype, dtype) is not None:
             continue
         seen.add(key)
         zeros = host_buffer((1, *shape[1:]), dtype, zeroed=True)  # never resident
@@ -573,9 +649,17 @@ def _on_device(a: Any) -> jax.Array:
 
 
 def _quantized(path: str, a: jax.Array, quantize: Quantize | None) -> Any:
-    """``a`` or its node; done (temporaries freed) before the next leaf is read."""
+    """``a`` or its node; done (temporaries freed) before the next leaf is read.
+
+    A function's host form (`Quantize`) runs on ``a``'s memory, no XLA program.
+    """
     fn = None if quantize is None else quantize(path, tuple(a.shape))
-    return a if fn is None else jax.block_until_ready(fn(a))
+    if fn is None:
+        return a
+    host = on_host(fn, a.dtype, a.dtype)
+    if host is not None:
+        return jax.tree_util.tree_map(to_device, host(np.asarray(a), None))
+    return jax.block_until_ready(fn(a))
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: DType) -> np.ndarray:
@@ -661,12 +745,14 @@ __all__ = [
     "IGNORED_SUFFIXES",
     "QUANTIZE_AHEAD",
     "STACKED_KEYS",
+    "HostQuantize",
     "Quantize",
     "Reader",
     "RowFill",
     "RowReader",
     "from_hf_names",
     "lazy_hf_names",
+    "on_host",
     "per_layer_shapes",
     "quantize_leaves",
     "stream_hf_names",

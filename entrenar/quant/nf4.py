@@ -15,11 +15,24 @@ with ``a`` the group's absmax (float32). Bits per parameter::
 
 (bitsandbytes uses its dynamic 8-bit map for the second level; entrenar uses linear
 int8, which costs the same bits.)
+
+Quantizing float32 or bfloat16 runs the native kernel ``entrenar/kernels/
+nf4_quantize.cc`` where `entrenar.native` says it runs: from JAX as a custom call
+(traced or eager), and on numpy buffers through `quantize_nf4_host`, a plain C call
+with no XLA program (what a streaming load uses: no compile at a first load). Both
+entries run the same C++, so a load's nodes equal `entrenar.quant.quantize`'s bit
+for bit under the same policy. Against the pure-JAX path (`_nf4_blocks`) the kernel
+agrees to float32 rounding: DQ's mean ``μ`` is a float64 sum rounded once (XLA sums
+in float32, in an order of its own), so ``μ`` may differ by an ulp or two, and with
+it the DQ scales and the codes of values that sit on a decision threshold; without
+DQ the nodes are the same bits.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 from typing import Any
 
 import jax
@@ -27,8 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar import native
+from entrenar.errors import ShapeError
+from entrenar.nn.host_arrays import host_buffer
 from entrenar.quant.weight import (
     QuantizedWeight,
+    check_blocks,
+    check_finite,
     pack_nibbles,
     unpack_nibbles,
     validated_blocks,
@@ -144,6 +161,18 @@ def quantize_nf4_checked(
     of a compiled quantize call of a (5632, 2048) layer.)
     """
     dtype = np.dtype(jnp.asarray(w).dtype)
+    if np.size(w) and native.use("nf4_quantize", dtype):
+        check_blocks(tuple(np.shape(w)), block_size, "nf4")
+        check_finite(w, "nf4")
+        return _native_quantize(jnp.asarray(w), block_size, double_quant)
+    return _quantize_jax(w, block_size, double_quant)
+
+
+def _quantize_jax(
+    w: Any, block_size: int, double_quant: bool
+) -> tuple[QuantizedWeight, jax.Array]:
+    """The pure-JAX `quantize_nf4_checked` (the kernel's twin)."""
+    dtype = np.dtype(jnp.asarray(w).dtype)
     x = validated_blocks(w, block_size, "nf4")  # (*lead, nb, B)
     if x.ndim > 3:  # (*stack, rows, nb, B): one matrix at a time
         stack = x.shape[:-3]
@@ -191,6 +220,193 @@ def _nf4_blocks(
     y = x * inv[..., None]  # in [-1, 1] (slightly beyond with DQ)
     q = jnp.sum(y[..., None] > jnp.asarray(_MIDPOINTS), axis=-1)  # (*lead, nb, B)
     return pack_nibbles(q), scales, a, mean, finite
+
+
+def _matrices(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """``(S, R, K)``: ``(*lead, K)`` as S matrices of R rows (a vector: one row).
+
+    The matrices are those DQ takes its mean over (`_dq_axes`): the last two axes,
+    every leading axis a stack.
+    """
+    cols = shape[-1]
+    rows = shape[-2] if len(shape) >= 2 else 1
+    return int(np.prod(shape[:-2], dtype=np.int64)), rows, cols
+
+
+def _dq_groups(rows: int, nb: int) -> int:
+    return -(-rows * nb // DQ_GROUP)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _native_quantize(
+    w: jax.Array, block_size: int, double_quant: bool
+) -> tuple[QuantizedWeight, jax.Array]:
+    """`quantize_nf4_checked` by the kernel's custom call (module docstring).
+
+    Differentiated as the JAX path is (`_native_jvp`): a custom call has no
+    derivative of its own.
+    """
+    dtype = np.dtype(w.dtype)
+    s, r, k = _matrices(w.shape)
+    nb = k // block_size
+    stack = w.shape[:-2]  # the DQ arrays' leading axes
+    name = f"entrenar_nf4_quantize{'_dq' if double_quant else ''}"
+    codes_t = jax.ShapeDtypeStruct((s, r, k // 2), jnp.uint8)
+    finite_t = jax.ShapeDtypeStruct((s,), jnp.uint8)
+    if double_quant:
+        g = _dq_groups(r, nb)
+        outs: tuple[jax.ShapeDtypeStruct, ...] = (
+            codes_t,
+            jax.ShapeDtypeStruct((s, r, nb), jnp.int8),
+            jax.ShapeDtypeStruct((s, g), jnp.float32),
+            jax.ShapeDtypeStruct((s,), jnp.float32),
+            finite_t,
+        )
+    else:
+        outs = (codes_t, jax.ShapeDtypeStruct((s, r, nb), jnp.float32), finite_t)
+    call = jax.ffi.ffi_call(
+        f"{name}_{NATIVE_DTYPES[dtype.name]}", outs, vmap_method="sequential"
+    )
+    res = call(w.reshape(s, r, k), jnp.asarray(_MIDPOINTS))
+    lead = w.shape[:-1]
+    codes = res[0].reshape(*lead, k // 2)  # (*lead, K/2)
+    scales = res[1].reshape(*lead, nb)  # (*lead, nb)
+    a = res[2].reshape(*stack, -1) if double_quant else None  # (*stack, G)
+    mean = res[3].reshape(stack) if double_quant else None  # (*stack,)
+    node = QuantizedWeight(
+        codes, scales, None, a, mean, scheme="nf4", block_size=block_size, dtype=dtype
+    )
+    return node, jnp.all(res[-1] != 0)
+
+
+@_native_quantize.defjvp
+def _native_jvp(
+    block_size: int, double_quant: bool, primals: Any, tangents: Any
+) -> tuple[Any, Any]:
+    """The kernel's values; the tangents of the JAX path (`_quantize_jax`)."""
+    out = _native_quantize(primals[0], block_size, double_quant)
+    _, dout = jax.jvp(
+        lambda w: _quantize_jax(w, block_size, double_quant), primals, tangents
+    )
+    return out, dout
+
+
+def quantize_nf4_host(
+    w: np.ndarray,
+    *,
+    block_size: int = 64,
+    double_quant: bool = False,
+    dtype: Any = None,
+    threads: int | None = None,
+    out: QuantizedWeight | None = None,
+) -> tuple[QuantizedWeight, bool] | None:
+    """`quantize_nf4_checked` of a host array by a plain call of the native kernel.
+
+    No XLA program runs (nothing to compile or dispatch): the kernel's C function
+    reads ``w`` where it lies (a memory-mapped file's view, say) and writes the
+    node's arrays into page-aligned numpy buffers (`entrenar.nn.host_arrays`), which
+    JAX takes without a copy. The node equals what `quantize_nf4_checked` gives for
+    ``w`` (cast to ``dtype``) under the same kernel policy, bit for bit: the custom
+    call runs the same C++.
+
+    Args:
+        w: float32 or bfloat16 ``(*lead, cols)``, C-contiguous.
+        block_size: values per block.
+        double_quant: quantize the block scales too.
+        dtype: the node's dtype (what ``w`` stands for: bfloat16 values loaded as
+            float32 are quantized from the bfloat16 bytes); default ``w``'s.
+        threads: threads the kernel may use (default: the CPUs, when the work is
+            big enough to pay for them).
+        out: a node of C-contiguous numpy arrays of the result's shapes and dtypes
+            (views of a stacked leaf's arrays) to write the result into; it is
+            returned. Default: new page-aligned buffers.
+
+    Returns:
+        ``(node of numpy arrays, whether every value of w is finite)``, or None where
+        the kernel does not run (policy ``"jax"``, no compiler, another dtype): the
+        caller then takes the JAX path.
+
+    Raises:
+        ShapeError: ``cols`` is not a multiple of ``block_size``.
+    """
+    w = np.asarray(w)
+    lib = native.library("nf4_quantize", w.dtype) if w.size else None
+    if lib is None:
+        return None
+    check_blocks(w.shape, block_size, "nf4")
+    s, r, k = _matrices(w.shape)
+    nb = k // block_size
+    lead, stack = w.shape[:-1], w.shape[:-2]
+    x = np.ascontiguousarray(w)  # (S·R, K) rows, as stored
+    codes = _output(out, "codes", (*lead, k // 2), np.uint8)  # (*lead, K/2)
+    a = mean = None
+    if double_quant:
+        scales = _output(out, "scales", (*lead, nb), np.int8)  # DQ codes
+        a = _output(out, "scale_scales", (*stack, _dq_groups(r, nb)), np.float32)
+        mean = _output(out, "scale_offset", stack, np.float32)  # (*stack,)
+        scratch = np.empty((s * r * nb,), np.float32)  # the float32 block scales
+    else:
+        scales = scratch = _output(out, "scales", (*lead, nb), np.float32)
+    finite = np.zeros((s,), np.uint8)  # (S,) one flag per matrix
+    mid = np.ascontiguousarray(_MIDPOINTS, np.float32)
+    fn = lib.EntrenarNf4QuantizeHost
+    fn.argtypes = _HOST_ARGTYPES
+    fn.restype = ctypes.c_int
+    failed = fn(
+        x.ctypes.data, int(x.dtype != np.float32), s, r, k, block_size,
+        int(double_quant), mid.ctypes.data, codes.ctypes.data, scratch.ctypes.data,
+        scales.ctypes.data if double_quant else None,
+        None if a is None else a.ctypes.data,
+        None if mean is None else mean.ctypes.data, finite.ctypes.data,
+        threads or _cpus(),
+    )  # fmt: skip
+    if failed:
+        raise ShapeError(f"NF4: the kernel refused the shape {w.shape}")
+    node = QuantizedWeight(
+        codes,
+        scales,
+        None,
+        a,
+        mean,
+        scheme="nf4",
+        block_size=block_size,
+        dtype=np.dtype(x.dtype if dtype is None else dtype),
+    )
+    return node, bool(finite.all())
+
+
+def _output(
+    out: QuantizedWeight | None, key: str, shape: tuple[int, ...], dtype: Any
+) -> np.ndarray:
+    """``out``'s array ``key`` (checked: the kernel writes it), or a new buffer."""
+    if out is None:
+        return host_buffer(shape, dtype)
+    a = getattr(out, key)
+    if not (
+        isinstance(a, np.ndarray)
+        and a.shape == tuple(shape)
+        and a.dtype == np.dtype(dtype)
+        and a.flags.c_contiguous
+        and a.flags.writeable
+    ):
+        raise ShapeError(
+            f"NF4 host quantize: out.{key} must be a writable C-contiguous numpy "
+            f"array {np.dtype(dtype).name}{tuple(shape)}, got "
+            f"{getattr(a, 'dtype', type(a).__name__)}{getattr(a, 'shape', '')}"
+        )
+    return a
+
+
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+_HOST_ARGTYPES: list[Any] = [_P, _I32, _I64, _I64, _I64, _I64, _I32, *[_P] * 7, _I32]
+"""``EntrenarNf4QuantizeHost``'s arguments (entrenar/kernels/nf4_quantize.cc)."""
 
 
 def dequantize_nf4(q: QuantizedWeight, dtype: Any) -> jax.Array:
@@ -254,4 +470,5 @@ __all__ = [
     "double_quantize",
     "quantize_nf4",
     "quantize_nf4_checked",
+    "quantize_nf4_host",
 ]

@@ -19,13 +19,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
-from entrenar import data, io, lora, nn, quant
+from entrenar import data, io, lora, native, nn, quant
 from entrenar.config.sections import ModelSection
 from entrenar.config.spec import arch_config
 from entrenar.errors import ConfigError, EntrenarError, FormatError
 from entrenar.io.safetensors_io import metadata_from_header
-from entrenar.nn.hf_names import Quantize, quantize_leaves
+from entrenar.lora.transform import selects as lora_selects
+from entrenar.nn.hf_names import HostQuantize, Quantize, quantize_leaves
+from entrenar.quant.nf4 import quantize_nf4_host
+from entrenar.quant.weight import check_blocks, check_finite
 from entrenar.types import Params
 
 
@@ -144,39 +148,83 @@ def base_quantizer(config: lora.LoRAConfig | None) -> Quantize | None:
     quantizing after the load, bit for bit, without a float copy of the model. A
     leaf `lora.apply` would refuse is left to it (its error, as before). None when
     ``config`` quantizes nothing.
+
+    The choice is made from the leaf's path and shape alone, as `lora.apply` makes
+    it (`entrenar.lora.transform.selects`, then the quantizer's block check), with
+    nothing traced. The function returned for a leaf also quantizes host arrays
+    without an XLA program where the native NF4 kernel runs (`BaseQuantize.on_host`).
     """
     if config is None or not config.enabled or config.quantize_base == "none":
         return None
     scheme: str = config.quantize_base
-
-    def selects(path: str, shape: tuple[int, ...]) -> bool:
-        tree: Any = jax.ShapeDtypeStruct(shape, "float32")
-        for key in reversed(path.split(".")):
-            tree = {key: tree}
-
-        def wrap(t: Any) -> Any:
-            return lora.apply(t, config, key=jax.random.key(0), quantize=scheme)
-
-        try:
-            out = jax.eval_shape(wrap, tree)
-        except EntrenarError:  # no target, or one lora.apply refuses
-            return False
-        return any(isinstance(x, lora.LoRAWeight) for x in _leaves(out))
+    fn = BaseQuantize(scheme)
 
     def quantize(path: str, shape: tuple[int, ...]) -> Callable[[Any], Any] | None:
-        if not selects(path, shape):
+        try:
+            chosen = lora_selects(path, shape, config)
+            if chosen:
+                check_blocks(shape, BASE_BLOCK, scheme)  # what quantize would refuse
+        except EntrenarError:  # a target lora.apply refuses: its error, later
             return None
-        return functools.partial(
-            quant.quantize, scheme=scheme, double_quant=scheme == "nf4"
-        )
+        return fn if chosen else None
 
     return quantize
 
 
-def _leaves(tree: Any) -> list[Any]:
-    return jax.tree_util.tree_leaves(
-        tree, is_leaf=lambda x: isinstance(x, lora.LoRAWeight)
+BASE_BLOCK = 64
+"""Block size of a QLoRA base (`entrenar.quant.quantize`'s default)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseQuantize:
+    """A QLoRA base's quantizer: ``quant.quantize(w, scheme)`` (NF4 with DQ).
+
+    ``on_host(src, dtype)``: a `HostQuantize` for numpy arrays of dtype ``src``
+    standing for their values cast to ``dtype`` (an exact cast: bfloat16 bytes loaded
+    as float32) with no XLA program, giving the node this call gives for the cast
+    array, bit for bit; None where that cannot run (not NF4, the native kernel off,
+    another dtype).
+    """
+
+    scheme: str
+
+    def __call__(self, w: Any) -> Any:
+        """``w`` quantized as `lora.apply` quantizes a base."""
+        return quant.quantize(w, self.scheme, double_quant=self.scheme == "nf4")
+
+    def on_host(self, src: Any, dtype: Any) -> HostQuantize | None:
+        """The host form of this quantizer for ``src`` arrays (class docstring)."""
+        if (
+            self.scheme != "nf4"
+            or native.library("nf4_quantize", np.dtype(src)) is None
+        ):
+            return None
+        return functools.partial(_nf4_on_host, dtype=np.dtype(dtype))
+
+
+def _nf4_on_host(w: Any, into: Any = None, *, dtype: np.dtype) -> Any:
+    """NF4 with DQ of a host array by the native kernel, as `quant.quantize` does.
+
+    ``into``: numpy arrays to write the node into (`entrenar.nn.hf_names.HostQuantize`).
+    """
+    done = quantize_nf4_host(
+        w, block_size=BASE_BLOCK, double_quant=True, dtype=dtype, out=into
     )
+    if done is None:  # the kernel went off (the policy changed) since asked
+        node = quant.quantize(np.asarray(w, dtype), "nf4", double_quant=True)
+        if into is None:
+            return node
+        for dst, src in zip(_leaves(into), _leaves(node), strict=True):
+            dst[...] = np.asarray(src)
+        return into
+    node, finite = done
+    if not finite:
+        check_finite(w, "nf4")  # raises, naming the first NaN/Inf
+    return node
+
+
+def _leaves(node: Any) -> list[Any]:
+    return jax.tree_util.tree_leaves(node)
 
 
 def _stored_config(path: str, meta: io.ModelMetadata) -> tuple[str, Any]:
@@ -369,6 +417,8 @@ def lists_from_dicts(tree: Any) -> Any:
 
 
 __all__ = [
+    "BASE_BLOCK",
+    "BaseQuantize",
     "BuiltModel",
     "base_quantizer",
     "build_model",
