@@ -39,7 +39,8 @@ test: $(STAMP)
 ## with Clang a kernel that fails to build is an error, not a quiet fallback.
 KERNEL_TESTS := tests/test_native.py tests/test_native_policy.py tests/optim/test_optim_fused.py \
 	tests/quant/test_quant_linear.py tests/quant/test_quant_node.py \
-	tests/nn/test_nn_softmax_xent.py tests/nn/test_nn_attention_native.py
+	tests/nn/test_nn_softmax_xent.py tests/nn/test_nn_attention_native.py \
+	tests/quant/test_quant_nf4_native.py
 test-kernels: $(STAMP)
 	CXX=clang++ ENTRENAR_CACHE_DIR=$$(mktemp -d) $(BIN)/python -m pytest -q \
 		-p no:cacheprovider -W error::entrenar.native.NativeKernelWarning $(KERNEL_TESTS)
