@@ -229,28 +229,60 @@ THREADS = 2
 """Numpy threads of `dequantize_ggml_into` (its ufunc loops release the GIL)."""
 
 
+LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+"""The low nibble of each byte of a 64-bit word."""
+
+
+def _scale(b: np.ndarray, at: int) -> np.ndarray:
+    """Float16 at byte ``at`` of each block ``b: (n, bytes)``, as float32 ``(n, 1)``."""
+    return b[:, at : at + 2].view("<f2")[:, :1].astype(np.float32)  # (n, 1)
+
+
+def _packed(b: np.ndarray, at: int) -> np.ndarray:
+    """Bytes ``at:`` of each block ``b: (n, bytes)``, gathered contiguous ``(n, k)``.
+
+    Each block's tail moves as one opaque numpy item (``V16``, ``V32``): one strided
+    copy loop over the blocks, not a loop call per 16-byte row.
+    """
+    k = b.shape[1] - at
+    out = np.empty((b.shape[0], k), np.uint8)  # (n, k)
+    out.view(f"V{k}")[:, 0] = b[:, at:].view(f"V{k}")[:, 0]
+    return out
+
+
+def _nibble_codes(b: np.ndarray, at: int) -> np.ndarray:
+    """The 32 4-bit codes of each block ``b: (n, at + 16)``, uint8 ``(n, 32)``.
+
+    Code ``j < 16`` is the low nibble of byte ``at + j``, code ``j + 16`` its high
+    nibble; computed on 64-bit words (8 bytes a lane), written a half block at a
+    time.
+    """
+    words = _packed(b, at).view(np.uint64)  # (n, 2)
+    q = np.empty((b.shape[0], 2), "V16")  # (n, [low 16 | high 16])
+    q[:, 0] = (words & LOW_NIBBLES).view("V16")[:, 0]
+    q[:, 1] = ((words >> np.uint64(4)) & LOW_NIBBLES).view("V16")[:, 0]
+    return q.view(np.uint8)  # (n, 32)
+
+
 def _q8_0_into(b: np.ndarray, out: np.ndarray) -> None:
     """Q8_0 blocks ``b: (n, 34)`` into ``out: (n, 32)`` float32: ``d·q``."""
-    d = _f16(b[:, 0:2])[:, None]  # (n, 1)
-    np.multiply(b[:, 2:].view(np.int8), d, out=out)  # int8 -> float32, then · d
+    np.copyto(out, _packed(b, 2).view(np.int8), casting="unsafe")  # q exactly
+    np.multiply(out, _scale(b, 0), out=out)  # (n, 32) · (n, 1)
 
 
 def _q4_0_into(b: np.ndarray, out: np.ndarray) -> None:
     """Q4_0 blocks ``b: (n, 18)`` into ``out: (n, 32)``: ``d·(q − 8)``."""
-    d = _f16(b[:, 0:2])[:, None]  # (n, 1)
-    qs = b[:, 2:]  # (n, 16)
-    np.subtract(qs & 0x0F, np.float32(8), out=out[:, :16])  # exact small integers
-    np.subtract(qs >> 4, np.float32(8), out=out[:, 16:])
-    np.multiply(d, out, out=out)  # d · (q − 8), as `_q4_0` rounds it
+    q = _nibble_codes(b, 2).view(np.int8)  # (n, 32)
+    q -= 8  # q − 8 in [-8, 7]
+    np.copyto(out, q, casting="unsafe")  # exact small integers
+    np.multiply(out, _scale(b, 0), out=out)  # d · (q − 8), as `_q4_0` rounds it
 
 
 def _q4_1_into(b: np.ndarray, out: np.ndarray) -> None:
     """Q4_1 blocks ``b: (n, 20)`` into ``out: (n, 32)``: ``d·q + m``."""
-    d, m = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]  # (n, 1) each
-    qs = b[:, 4:]  # (n, 16)
-    np.multiply(qs & 0x0F, d, out=out[:, :16])  # q -> float32 exactly, then · d
-    np.multiply(qs >> 4, d, out=out[:, 16:])
-    np.add(out, m, out=out)
+    np.copyto(out, _nibble_codes(b, 4), casting="unsafe")  # q exactly
+    np.multiply(out, _scale(b, 0), out=out)
+    np.add(out, _scale(b, 2), out=out)
 
 
 def _plain_into(dtype: str) -> Callable[[np.ndarray, np.ndarray], None]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -450,6 +451,45 @@ def _rows(g: GGUFFile, name: str) -> np.ndarray:
     return raw.reshape(n, -1) if raw.size % n == 0 else raw
 
 
+PREREAD_BYTES = 256 << 20
+"""Files of at most this many bytes (256 MiB) are read ahead whole (`_preread`)."""
+
+PREREAD_CHUNK = 4 << 20
+"""Bytes of one `_preread` request."""
+
+
+def _preread(path: str) -> concurrent.futures.Future[None] | None:
+    """Read a file of at most `PREREAD_BYTES` into the page cache on a thread.
+
+    Large sequential reads (``pread`` of `PREREAD_CHUNK` into a scratch buffer) run
+    at the speed of a cold read of the file, while the load parses the header and
+    copies tensors, which then find their bytes in the page cache: the memory-mapped
+    metadata and embedding would otherwise be read a page fault at a time, and the
+    layers a request per tensor. Page cache only: nothing stays in the resident
+    set. None for a bigger file (its layers are read ahead one at a time,
+    `GGUFFile.prefetch`) or one that cannot be opened (the parse then says why).
+    """
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return None
+    if size > PREREAD_BYTES:
+        return None
+
+    def read() -> None:
+        scratch = bytearray(min(size, PREREAD_CHUNK))
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(scratch):
+                pass
+
+    return _reader().submit(read)
+
+
+@functools.cache
+def _reader() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, "gguf-preread")
+
+
 def load_llama_gguf(
     path: str | os.PathLike[str] | GGUFFile,
     keep_quantized: bool = False,
@@ -493,6 +533,8 @@ def load_llama_gguf(
         UnsupportedError: an architecture or rope scaling entrenar does not read, or
             an undecodable tensor type.
     """
+    # a small file read front to back on a thread while this one parses and copies
+    ahead = None if isinstance(path, GGUFFile) else _preread(os.fspath(path))
     g, config = read_llama_header(path)
     bound_heap(sum(t.nbytes for t in g.tensors.values()))  # big buffers mapped
     config = dataclasses.replace(config, param_dtype=dtype)
@@ -686,7 +728,11 @@ def load_llama_gguf(
                 out[k] = jnp.asarray(one(by_hf[path_], tuple(v)), dtype=dtype)
         return out
 
-    params = build(config.param_shapes(), "")
+    try:
+        params = build(config.param_shapes(), "")
+    finally:  # the read ahead ends with the load (done long since)
+        if ahead is not None:
+            concurrent.futures.wait([ahead])
     if not stream:
         params = quantize_leaves(params, quantize)
     trim_heap()

@@ -12,7 +12,9 @@ on a part, `populate`) instead of faulted one 4 KiB page at a time as numpy writ
 them. On a virtual machine whose free memory goes back to the host (free page
 reporting, as on the machine of specs/io.md's figures) a first touch of a page
 costs a fault in the host too: writing a fresh 512 MiB buffer took 2.0-4.6 s there,
-populating it 0.35-0.74 s.
+populating it 0.35-0.74 s. Transparent huge pages (``MADV_HUGEPAGE``) would fault
+512 times fewer pages, but are not used: there a fresh huge page is one the host
+took back, and populating 108 MiB of them took 0.07-0.57 s against 0.03 s.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ MAPPED_BYTES = 1 << 20
 POPULATE_THREADS = 2
 """Threads `populate_ahead` faults pages in on (a fault's cost is mostly the host's;
 two vCPUs take two at a time)."""
+
+SPLIT_BYTES = 8 << 20
+"""Buffers of at least this many bytes (8 MiB) are populated by several threads."""
+
+POPULATE_PARTS = 4
+"""Parts such a buffer is populated in: the first on the calling thread, the
+others on the `POPULATE_THREADS` (populating 108 MiB in 2-8 parts took 18-29 ms on
+the 2-vCPU machine of specs/io.md's figures, in one 31-37 ms)."""
 
 MADV_POPULATE_WRITE = 23
 """Linux's ``madvise`` advice that faults a range in, writable (5.14+)."""
@@ -91,15 +101,23 @@ def host_buffer(
     Uninitialised, or with ``zeroed`` all zeros and *lazy*: a page the caller never
     writes is never resident (a buffer of `MAPPED_BYTES` or more is an anonymous
     map; a smaller one comes from ``calloc``). A big buffer that is not ``zeroed``
-    has its pages populated at once (module docstring): the caller writes all of it.
+    has its pages populated at once (module docstring), one of `SPLIT_BYTES` or more
+    in `POPULATE_PARTS` parts on several threads: the caller writes all of it.
     """
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if n >= MAPPED_BYTES and hasattr(mmap, "MAP_ANONYMOUS"):
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if not zeroed:
+        split = not zeroed and _madvise() is not None and n >= SPLIT_BYTES
+        if not zeroed and not split:
             flags |= getattr(mmap, "MAP_POPULATE", 0)
         raw = np.frombuffer(mmap.mmap(-1, n, flags=flags), np.uint8)  # page-aligned
+        if split:  # populated in parts, on this thread and the populate threads
+            step = -(-n // POPULATE_PARTS // mmap.PAGESIZE) * mmap.PAGESIZE
+            parts = [raw[i : i + step] for i in range(0, n, step)]
+            ready = populate_ahead(parts[1:])
+            populate(parts[0])
+            concurrent.futures.wait(ready)
         return raw.view(dtype).reshape(shape)
     raw = (np.zeros if zeroed else np.empty)(n + mmap.PAGESIZE, np.uint8)
     start = -raw.ctypes.data % mmap.PAGESIZE

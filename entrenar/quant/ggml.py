@@ -54,11 +54,19 @@ def split_blocks(
     ``blocks (..., nb, BLOCK_BYTES[kind])`` uint8 as stored; ``codes (..., nb,
     BLOCK_BYTES - HEAD_BYTES)`` uint8 receives each block's code bytes, ``d (..., nb)``
     float16 its scale and, for Q4_1, ``m (..., nb)`` float16 its offset.
+
+    Each block's code bytes move as one opaque item (numpy ``V16``/``V32``): one
+    strided copy loop over the blocks, not a loop call per 16-byte row (ten times
+    faster on a layer).
     """
-    codes[...] = blocks[..., HEAD_BYTES[kind] :]
-    d[...] = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    if blocks.strides[-1] != 1:  # a block's bytes must lie side by side
+        blocks = np.ascontiguousarray(blocks)
+    head = HEAD_BYTES[kind]
+    width = f"V{blocks.shape[-1] - head}"  # a block's code bytes as one item
+    codes.view(width)[..., 0] = blocks[..., head:].view(width)[..., 0]  # (..., nb)
+    d[...] = blocks[..., 0:2].view("<f2")[..., 0]  # (..., nb)
     if m is not None:
-        m[...] = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+        m[...] = blocks[..., 2:4].view("<f2")[..., 0]
 
 
 def _inverse(d: jax.Array) -> jax.Array:
