@@ -12,6 +12,10 @@ its value sits on a decision threshold.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -195,3 +199,39 @@ def test_a_host_form_asked_before_the_policy_changed_still_writes_its_node():
         got = host(w, into)
     assert got is into
     assert_same_node(into, jax.tree_util.tree_map(np.asarray, want))
+
+
+SCALAR_BUILD = """
+    import platform
+    import jax.numpy as jnp
+    import numpy as np
+    from entrenar import native, quant
+    from entrenar.native import toolchain
+    from entrenar.quant.nf4 import quantize_nf4_host
+
+    # a CPU without AVX-512: the scalar loops of the kernel, forced here
+    flags = "-march=x86-64-v3" if platform.machine() == "x86_64" else "-O2"
+    toolchain.build_flags = lambda *_: (*toolchain.BASE_FLAGS, flags)
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((3, 40, 192)) * 0.02).astype(np.float32)
+    got = quant.quantize(jnp.asarray(w), "nf4")
+    with native.policy("jax"):
+        want = quant.quantize(jnp.asarray(w), "nf4")
+    host, _ = quantize_nf4_host(w)
+    for a, b, c in zip(got.codes, want.codes, host.codes):
+        assert np.array_equal(a, b) and np.array_equal(a, c)
+    assert np.array_equal(got.scales, want.scales)
+    print(native.reason("nf4_quantize"))
+"""
+
+
+@needs_kernel
+def test_the_scalar_build_gives_the_same_codes(tmp_path):
+    """Without AVX-512 the codes come from the scalar loop: the same bits."""
+    env = {**os.environ, "ENTRENAR_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCALAR_BUILD)],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["None"]
