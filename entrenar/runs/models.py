@@ -214,17 +214,14 @@ def _nf4_on_host(w: Any, into: Any = None, *, dtype: np.dtype) -> Any:
         node = quant.quantize(np.asarray(w, dtype), "nf4", double_quant=True)
         if into is None:
             return node
-        for dst, src in zip(_leaves(into), _leaves(node), strict=True):
+        leaves = jax.tree_util.tree_leaves
+        for dst, src in zip(leaves(into), leaves(node), strict=True):
             dst[...] = np.asarray(src)
         return into
     node, finite = done
     if not finite:
         check_finite(w, "nf4")  # raises, naming the first NaN/Inf
     return node
-
-
-def _leaves(node: Any) -> list[Any]:
-    return jax.tree_util.tree_leaves(node)
 
 
 def _stored_config(path: str, meta: io.ModelMetadata) -> tuple[str, Any]:
