@@ -126,12 +126,16 @@ class GGUFFile:
         t = self.info(name)
         return self._data[t.offset : t.offset + t.nbytes]
 
-    def read_into(self, name: str, out: np.ndarray) -> np.ndarray:
+    def read_into(
+        self, name: str, out: np.ndarray, fd: int | None = None
+    ) -> np.ndarray:
         """Read the tensor's stored bytes from the file into ``out`` and return it.
 
         ``out``: a C-contiguous array of exactly the tensor's bytes (any dtype).
         Plain ``pread`` calls, not the memory map: a cold file is read in large
-        requests, and no mapped page stays in the resident set.
+        requests, and no mapped page stays in the resident set. ``fd``: the file
+        open for reading (a load reading many tensors opens it once), else it is
+        opened for this call.
         """
         t = self.info(name)
         if not out.flags.c_contiguous or out.nbytes != t.nbytes:
@@ -140,7 +144,8 @@ class GGUFFile:
                 f"{out.nbytes}{'' if out.flags.c_contiguous else ' (not contiguous)'}"
             )
         view = out.reshape(-1).view(np.uint8).data  # its bytes, writable
-        fd = os.open(self.path, os.O_RDONLY)
+        own = fd is None
+        fd = os.open(self.path, os.O_RDONLY) if fd is None else fd
         try:
             done = 0
             while done < t.nbytes:
@@ -152,7 +157,8 @@ class GGUFFile:
                     )
                 done += n
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
         return out
 
     def prefetch(self, name: str) -> None:

@@ -536,6 +536,8 @@ def load_llama_gguf(
     # a small file read front to back on a thread while this one parses and copies
     ahead = None if isinstance(path, GGUFFile) else _preread(os.fspath(path))
     g, config = read_llama_header(path)
+    # a layer's read ahead, unless the whole file is being read already
+    prefetch = g.prefetch if ahead is None else lambda name: None
     bound_heap(sum(t.nbytes for t in g.tensors.values()))  # big buffers mapped
     config = dataclasses.replace(config, param_dtype=dtype)
     name = _arch_name(g)
@@ -620,17 +622,17 @@ def load_llama_gguf(
         # on a background thread ahead of its read
         rooms = [buf[i].reshape(-1)[:size] for i, size in enumerate(sizes)]
         ready = populate_ahead(rooms)
-        g.prefetch(names[0])
+        prefetch(names[0])
         for i, gname in enumerate(names):
             if i + 1 < len(names):
-                g.prefetch(names[i + 1])  # read from the disk while this one copies
+                prefetch(names[i + 1])  # read from the disk while this one copies
             size, room = sizes[i], rooms[i]  # layer i's bytes, packed (contiguous)
             if not permuted:
-                g.read_into(gname, room)  # straight into its place
+                g.read_into(gname, room, fd)  # straight into its place
                 continue
             if stage is None or stage.size != size:
                 stage = np.empty(size, np.uint8)
-            raw = g.read_into(gname, stage).reshape(shape[-2], -1)  # (rows, n)
+            raw = g.read_into(gname, stage, fd).reshape(shape[-2], -1)  # (rows, n)
             room[:] = unpermute_qk(raw, perm_heads[stem]).reshape(-1)
         concurrent.futures.wait(ready)
         data = to_device(buf)
@@ -656,11 +658,11 @@ def load_llama_gguf(
         m = host_buffer((shape[0], rows, nb), np.float16) if kind == "Q4_1" else None
         stem = names[0].split(".")[-2]
         stage = np.empty(rows * nb * size, np.uint8)
-        g.prefetch(names[0])
+        prefetch(names[0])
         for i, gname in enumerate(names):
             if i + 1 < len(names):
-                g.prefetch(names[i + 1])
-            raw = g.read_into(gname, stage).reshape(rows, nb * size)  # (rows, bytes)
+                prefetch(names[i + 1])
+            raw = g.read_into(gname, stage, fd).reshape(rows, nb * size)  # (rows,·)
             if permute and stem in perm_heads:
                 raw = unpermute_qk(raw, perm_heads[stem])
             split_blocks(
@@ -680,7 +682,8 @@ def load_llama_gguf(
         """An unstacked matrix as stored, read from the file into its buffer."""
         t = g.tensors[gname]
         rows_ = t.shape[0]  # (rows, row_bytes): sizes checked by the header
-        buf = g.read_into(gname, host_buffer((rows_, t.nbytes // rows_), np.uint8))
+        buf = host_buffer((rows_, t.nbytes // rows_), np.uint8)
+        g.read_into(gname, buf, fd)
         return GGMLWeight(to_device(buf), _type(gname))
 
     def stacked(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Any:
@@ -728,9 +731,11 @@ def load_llama_gguf(
                 out[k] = jnp.asarray(one(by_hf[path_], tuple(v)), dtype=dtype)
         return out
 
+    fd = os.open(g.path, os.O_RDONLY)  # the tensors kept as stored are read from it
     try:
         params = build(config.param_shapes(), "")
     finally:  # the read ahead ends with the load (done long since)
+        os.close(fd)
         if ahead is not None:
             concurrent.futures.wait([ahead])
     if not stream:
