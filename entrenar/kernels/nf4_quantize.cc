@@ -270,8 +270,14 @@ ffi::Error DoubleImpl(ffi::Buffer<D> x, ffi::Buffer<ffi::F32> mid,
 
 }  // namespace
 
-// Host entry (ctypes): the same computation on plain buffers, on `threads` threads
-// (1 or less: the caller's). x is float32 (bf16 == 0) or bfloat16 bits (bf16 != 0);
+// Work (as ParallelFor counts it: 16 per value coded) below which the host entry
+// runs on the caller's thread alone: a thread costs ~0.1 ms to start, and a load
+// already quantizes two layers at once on its own workers (entrenar.nn.hf_names),
+// where helpers for a SmolLM2 layer (<= 1M values) made each call twice as slow.
+constexpr int64_t kHostMinWork = int64_t{1} << 26;  // 4M values coded
+
+// Host entry (ctypes): the same computation on plain buffers, on up to `threads`
+// threads for big matrices (1 or less: the caller's alone). x is float32 (bf16 == 0) or bfloat16 bits (bf16 != 0);
 // without DQ `scales` receives the S·R·nb float32 scales and q8, absmax, mean may
 // be null; with DQ q8 (S·R·nb int8), absmax (S·groups) and mean (S) receive DQ's
 // outputs and `scales` is S·R·nb float32 of scratch. Returns 0, or 1 for bad shapes.
@@ -284,7 +290,7 @@ extern "C" int EntrenarNf4QuantizeHost(const void* x, int32_t bf16, int64_t stac
   const For parallel = [threads](int64_t chunks, std::function<void(int64_t)> body,
                                  int64_t work) {
     const int64_t helpers = std::min<int64_t>(threads - 1, chunks - 1);
-    if (helpers <= 0 || work < (int64_t{1} << 20)) {
+    if (helpers <= 0 || work < kHostMinWork) {
       for (int64_t i = 0; i < chunks; ++i) body(i);
       return;
     }
