@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import json
 import math
+import mmap
 import os
 from typing import Any
 
@@ -71,7 +72,12 @@ from entrenar.nn.hf_names import (
     stream_one,
     stream_stacked,
 )
-from entrenar.nn.host_arrays import populate_ahead
+from entrenar.nn.host_arrays import (
+    MADV_DONTNEED,
+    MADV_POPULATE_READ,
+    advise,
+    populate_ahead,
+)
 from entrenar.quant import GGMLWeight, QuantizedWeight, from_ggml
 from entrenar.quant import ggml_head as _ggml_head  # noqa: F401  (registers head_nll)
 from entrenar.quant.ggml import BLOCK_BYTES, HEAD_BYTES, QK, split_blocks
@@ -461,26 +467,43 @@ PREREAD_CHUNK = 4 << 20
 def _preread(path: str) -> concurrent.futures.Future[None] | None:
     """Read a file of at most `PREREAD_BYTES` into the page cache on a thread.
 
-    Large sequential reads (``pread`` of `PREREAD_CHUNK` into a scratch buffer) run
-    at the speed of a cold read of the file, while the load parses the header and
-    copies tensors, which then find their bytes in the page cache: the memory-mapped
-    metadata and embedding would otherwise be read a page fault at a time, and the
-    layers a request per tensor. Page cache only: nothing stays in the resident
-    set. None for a bigger file (its layers are read ahead one at a time,
+    The file is mapped and read `PREREAD_CHUNK` at a time, front to back, by
+    ``madvise(MADV_POPULATE_READ)`` (large sequential reads, and no copy: 3 ms of
+    CPU for SmolLM2-135M's 82 MB where reading it into a buffer took 40-56 ms),
+    each chunk's pages dropped from the process again (``MADV_DONTNEED``; the page
+    cache keeps them); plain ``read`` calls where the kernel lacks the advice. This
+    runs while the load parses the header and copies tensors, which then find their
+    bytes in the page cache: the memory-mapped metadata and embedding would
+    otherwise be read a page fault at a time, and the layers a request per tensor.
+    None for a bigger file (its layers are read ahead one at a time,
     `GGUFFile.prefetch`) or one that cannot be opened (the parse then says why).
     """
     try:
         size = os.path.getsize(path)
     except OSError:
         return None
-    if size > PREREAD_BYTES:
+    if not 0 < size <= PREREAD_BYTES:
         return None
 
     def read() -> None:
-        scratch = bytearray(min(size, PREREAD_CHUNK))
         with open(path, "rb", buffering=0) as f:
-            while f.readinto(scratch):
-                pass
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            data = np.frombuffer(mm, np.uint8)  # (size,)
+            try:
+                for at in range(0, size, PREREAD_CHUNK):
+                    part = data[at : at + PREREAD_CHUNK]
+                    if not advise(part, MADV_POPULATE_READ):
+                        break  # an older kernel: read the rest
+                    advise(part, MADV_DONTNEED)
+                else:
+                    return
+                scratch = bytearray(min(size, PREREAD_CHUNK))
+                f.seek(at)
+                while f.readinto(scratch):
+                    pass
+            finally:
+                del data, part
+                mm.close()
 
     return _reader().submit(read)
 

@@ -47,6 +47,13 @@ the 2-vCPU machine of specs/io.md's figures, in one 31-37 ms)."""
 MADV_POPULATE_WRITE = 23
 """Linux's ``madvise`` advice that faults a range in, writable (5.14+)."""
 
+MADV_POPULATE_READ = 22
+"""Linux's ``madvise`` advice that faults a range in, readable (5.14+): of a mapped
+file, reads its pages into the page cache without copying them anywhere."""
+
+MADV_DONTNEED = 4
+"""Linux's ``madvise`` advice that drops a range's pages from this process."""
+
 
 @functools.cache
 def _madvise() -> Any:
@@ -62,6 +69,20 @@ def _madvise() -> Any:
     return fn
 
 
+def advise(view: np.ndarray, advice: int) -> bool:
+    """``madvise(advice)`` over the whole pages ``view`` (contiguous) covers.
+
+    Through ctypes, so the call (a populate can wait on the disk) releases the
+    GIL. Returns whether the system took it: False where there is no ``madvise``,
+    for an advice the kernel does not know, or an empty ``view``.
+    """
+    fn = _madvise()
+    if fn is None or not view.nbytes:
+        return False
+    start = view.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    return fn(start, view.ctypes.data + view.nbytes - start, advice) == 0
+
+
 def populate(view: np.ndarray) -> None:
     """Fault in the pages under ``view`` (contiguous) before it is written.
 
@@ -69,11 +90,7 @@ def populate(view: np.ndarray) -> None:
     where the system lacks it (the pages then fault as they are written, the same
     values either way).
     """
-    fn = _madvise()
-    if fn is None or not view.nbytes:
-        return
-    start = view.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-    fn(start, view.ctypes.data + view.nbytes - start, MADV_POPULATE_WRITE)
+    advise(view, MADV_POPULATE_WRITE)
 
 
 @functools.cache
@@ -132,4 +149,11 @@ def to_device(buf: np.ndarray) -> jax.Array:
     return jax.block_until_ready(jax.device_put(buf))
 
 
-__all__ = ["MAPPED_BYTES", "host_buffer", "populate", "populate_ahead", "to_device"]
+__all__ = [
+    "MAPPED_BYTES",
+    "advise",
+    "host_buffer",
+    "populate",
+    "populate_ahead",
+    "to_device",
+]
