@@ -27,6 +27,10 @@ mask ranks). The kernel runs when, in this order (the first that fails is the re
 5. every operand has a dtype the kernel takes (`SIGNATURES`);
 6. `load` builds and registers it here.
 
+A kernel's plain C function run on host buffers through ctypes (the NF4 quantizer
+a load calls on a memory-mapped file) is found with `library`, which applies the
+same six rules.
+
 Policies: ``"auto"`` (the default) runs a kernel where all six hold and the pure-JAX
 path elsewhere; ``"native"`` makes a kernel that fails 2, 3, 4 or 6 an
 `entrenar.errors.UnsupportedError` instead (`check` tests 2-4 and the compiler when
