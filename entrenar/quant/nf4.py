@@ -349,10 +349,7 @@ def quantize_nf4_host(
         scales = scratch = _output(out, "scales", (*lead, nb), np.float32)
     finite = np.zeros((s,), np.uint8)  # (S,) one flag per matrix
     mid = np.ascontiguousarray(_MIDPOINTS, np.float32)
-    fn = lib.EntrenarNf4QuantizeHost
-    fn.argtypes = _HOST_ARGTYPES
-    fn.restype = ctypes.c_int
-    failed = fn(
+    failed = _host_entry(lib)(
         x.ctypes.data, int(x.dtype != np.float32), s, r, k, block_size,
         int(double_quant), mid.ctypes.data, codes.ctypes.data, scratch.ctypes.data,
         scales.ctypes.data if double_quant else None,
@@ -395,6 +392,15 @@ def _output(
             f"{getattr(a, 'dtype', type(a).__name__)}{getattr(a, 'shape', '')}"
         )
     return a
+
+
+@functools.cache
+def _host_entry(lib: ctypes.CDLL) -> Any:
+    """``EntrenarNf4QuantizeHost`` of ``lib`` with its signature (set once)."""
+    fn = lib.EntrenarNf4QuantizeHost
+    fn.argtypes = _HOST_ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _cpus() -> int:
