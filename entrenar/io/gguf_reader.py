@@ -303,7 +303,7 @@ def _short_strings(
     """
     if count < FAST_STRINGS:
         return None
-    window = min(size - pos, count * 32, FAST_WINDOW)
+    window = min(size - pos, count * 20, FAST_WINDOW)  # grown if short
     while window >= 8 * count:
         data = np.frombuffer(buf, np.uint8, window, pos)  # (window,)
         n = window - 7  # positions with 8 bytes from there on
@@ -324,7 +324,7 @@ def _short_strings(
                 return None if strings is None else (pos + int(stop[-1]), strings)
         if window == min(size - pos, FAST_WINDOW):
             return None
-        window = min(size - pos, window * 4, FAST_WINDOW)
+        window = min(size - pos, window * 2, FAST_WINDOW)
     return None
 
 

@@ -505,12 +505,13 @@ def _preread(path: str) -> concurrent.futures.Future[None] | None:
                 del data, part
                 mm.close()
 
-    return _reader().submit(read)
+    return _ahead().submit(read)
 
 
 @functools.cache
-def _reader() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(1, "gguf-preread")
+def _ahead() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads of the work a load starts before its parse: `_preread`, JAX's client."""
+    return concurrent.futures.ThreadPoolExecutor(2, "gguf-ahead")
 
 
 def load_llama_gguf(
@@ -556,11 +557,18 @@ def load_llama_gguf(
         UnsupportedError: an architecture or rope scaling entrenar does not read, or
             an undecodable tensor type.
     """
-    # a small file read front to back on a thread while this one parses and copies
-    ahead = None if isinstance(path, GGUFFile) else _preread(os.fspath(path))
-    g, config = read_llama_header(path)
+    # a small file read front to back on a thread while this one parses and copies,
+    # and JAX's CPU client started (10-20 ms in a new process) on another
+    reading = None if isinstance(path, GGUFFile) else _preread(os.fspath(path))
+    ahead: list[concurrent.futures.Future[Any]] = [_ahead().submit(jax.devices)]
+    ahead += [] if reading is None else [reading]
+    try:
+        g, config = read_llama_header(path)
+    except BaseException:
+        concurrent.futures.wait(ahead)  # nothing of the load runs on after it
+        raise
     # a layer's read ahead, unless the whole file is being read already
-    prefetch = g.prefetch if ahead is None else lambda name: None
+    prefetch = g.prefetch if reading is None else lambda name: None
     bound_heap(sum(t.nbytes for t in g.tensors.values()))  # big buffers mapped
     config = dataclasses.replace(config, param_dtype=dtype)
     name = _arch_name(g)
@@ -757,10 +765,9 @@ def load_llama_gguf(
     fd = os.open(g.path, os.O_RDONLY)  # the tensors kept as stored are read from it
     try:
         params = build(config.param_shapes(), "")
-    finally:  # the read ahead ends with the load (done long since)
+    finally:  # the work ahead ends with the load (done long since)
         os.close(fd)
-        if ahead is not None:
-            concurrent.futures.wait([ahead])
+        concurrent.futures.wait(ahead)
     if not stream:
         params = quantize_leaves(params, quantize)
     trim_heap()
