@@ -306,16 +306,14 @@ def _short_strings(
     window = min(size - pos, count * 20, FAST_WINDOW)  # grown if short
     while window >= 8 * count:
         data = np.frombuffer(buf, np.uint8, window, pos)  # (window,)
-        n = window - 7  # positions with 8 bytes from there on
-        nonzero = data != 0  # (window,)
-        after = nonzero[1 : n + 1].copy()  # (n,) some of bytes p+1..p+7 nonzero
-        for k in range(2, 8):
-            after |= nonzero[k : n + k]
-        found = n - int(np.count_nonzero(after))
+        # the little-endian u64 at every byte offset: (window - 7,), a byte apart
+        u64 = np.ndarray((window - 7,), "<u8", data, 0, (1,))
+        short = u64 < 256  # (window - 7,) bytes p+1..p+7 all zero: a candidate
+        found = int(np.count_nonzero(short))
         if found > 4 * count + 4096:  # not text; the loop reads it
             return None
         if found >= count:
-            start = np.flatnonzero(~after)[:count]  # (count,) candidate starts
+            start = np.flatnonzero(short)[:count]  # (count,) candidate starts
             stop = start + 8 + data[start].astype(np.int64)  # (count,) their ends
             if start[0] != 0 or not np.array_equal(start[1:], stop[:-1]):
                 return None  # not a chain: long, empty or zero-holding strings
