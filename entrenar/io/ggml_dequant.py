@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from entrenar.errors import FormatError, UnsupportedError
+from entrenar.nn import host_arrays
 from entrenar.quant import kquant
 
 
@@ -313,7 +314,9 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(THREADS, "ggml-dequant")
 
 
-def dequantize_ggml_into(raw: np.ndarray, type_id: int, out: np.ndarray) -> np.ndarray:
+def dequantize_ggml_into(
+    raw: np.ndarray, type_id: int, out: np.ndarray, *, populate: bool = False
+) -> np.ndarray:
     """`dequantize_ggml` written into ``out``, float32 of the tensor's shape.
 
     The same values bit for bit, decoded `CHUNK_VALUES` at a time (whole blocks)
@@ -325,6 +328,10 @@ def dequantize_ggml_into(raw: np.ndarray, type_id: int, out: np.ndarray) -> np.n
         raw: uint8 bytes of the tensor, ``prod(out.shape[:-1]) * row_bytes`` long.
         type_id: ggml type id (see `GGML_TYPES`).
         out: a C-contiguous float32 array of the tensor's numpy shape.
+        populate: fault in each chunk's pages of ``out`` just before decoding it,
+            on the thread that decodes it (`entrenar.nn.host_arrays.populate`): for
+            a fresh, lazily zeroed ``out``, the page faults spread over the threads
+            and each chunk is written while its zeroed lines are still cached.
 
     Returns:
         ``out``.
@@ -349,6 +356,8 @@ def dequantize_ggml_into(raw: np.ndarray, type_id: int, out: np.ndarray) -> np.n
 
     def chunk(start: int) -> None:
         b, o = blocks[start : start + step], dest[start : start + step]
+        if populate:
+            host_arrays.populate(o)
         with np.errstate(invalid="ignore", over="ignore"):  # corrupt scales: inf/nan
             if into is not None:
                 into(b, o)

@@ -63,6 +63,7 @@ from entrenar.io.safetensors_io import release_pages
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
 from entrenar.nn.hf_names import (
+    CHUNK_BYTES,
     Quantize,
     Reader,
     RowFill,
@@ -614,6 +615,25 @@ def load_llama_gguf(
 
         return read
 
+    def matrix(path_: str, gname: str, shape: tuple[int, ...]) -> jax.Array:
+        """An unstacked float32 matrix (the embedding) decoded into its leaf.
+
+        As `stream_one` with `fill` (rows of `CHUNK_BYTES` of float32 at a time,
+        the file's pages given back after each), but the buffer comes lazily zeroed
+        and the decoding threads fault in each part's pages just before writing it
+        (`dequantize_ggml_into`'s ``populate``), instead of this thread populating
+        the whole buffer first.
+        """
+        buf = host_buffer(shape, np.float32, zeroed=True)  # (rows, cols), lazy
+        type_id = g.tensors[gname].type_id
+        step = max(1, CHUNK_BYTES // (4 * math.prod(shape[1:])))  # rows at a time
+        for start in range(0, shape[0], step):
+            raw = _rows(g, gname)[start : start + step]  # whole rows of blocks
+            part = buf[start : start + step]  # (rows, cols) of the leaf
+            dequantize_ggml_into(raw, type_id, part, populate=True)
+            release_pages(raw)
+        return to_device(buf)
+
     def fill(gname: str) -> RowFill | None:
         """Rows of an unstacked float32 leaf decoded straight into its buffer."""
         if final != np.float32:
@@ -754,6 +774,13 @@ def load_llama_gguf(
             ):
                 # embeddings, lm_head: looked up / multiplied from their rows
                 out[k] = kept_table(path_, by_hf[path_], tuple(v))
+            elif (
+                stream
+                and final == np.float32
+                and len(v) == 2
+                and (quantize is None or quantize(path_, tuple(v)) is None)
+            ):  # a float32 matrix kept as it is (an embedding)
+                out[k] = matrix(path_, by_hf[path_], tuple(v))
             elif stream:
                 read = rows(by_hf[path_], tuple(v))
                 write = fill(by_hf[path_])

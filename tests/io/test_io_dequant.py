@@ -99,6 +99,23 @@ def test_dequantize_into_equals_dequantize(name, chunk, monkeypatch):
     np.testing.assert_array_equal(out, dequantize_ggml(raw, qt.value, shape))
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
+def test_dequantize_into_a_lazy_buffer_populated_chunk_by_chunk(name, monkeypatch):
+    """``populate=True`` into a fresh zeroed map (2 MiB): the same values."""
+    from entrenar.nn.host_arrays import host_buffer
+
+    monkeypatch.setattr(ggml_dequant, "CHUNK_VALUES", 1 << 16)  # 8 chunks
+    rng = np.random.default_rng(8)
+    qt = gguf.GGMLQuantizationType[name]
+    bs, _ = gguf.GGML_QUANT_SIZES[qt]
+    rows, blocks = 512, 1024 // bs
+    raw = _random_blocks(rng, name, rows, blocks)
+    out = host_buffer((rows, bs * blocks), np.float32, zeroed=True)
+    assert dequantize_ggml_into(raw, qt.value, out, populate=True) is out
+    ref = gguf.quants.dequantize(raw.reshape(rows, -1), qt).astype(np.float32)
+    np.testing.assert_array_equal(out, ref)
+
+
 def test_dequantize_into_errors():
     with pytest.raises(FormatError, match="needs 34 bytes"):
         dequantize_ggml_into(np.zeros(33, np.uint8), 8, np.empty(32, np.float32))
