@@ -223,8 +223,10 @@ def dequantize_ggml(
         return fn(blocks).reshape(shape)
 
 
-CHUNK_VALUES = 1 << 18
-"""Values `dequantize_ggml_into` decodes at a time (1 MiB of float32 output)."""
+CHUNK_VALUES = 1 << 20
+"""Values `dequantize_ggml_into` decodes at a time (4 MiB of float32 output: a
+SmolLM2-135M embedding populated and decoded in 50 ms on 2 threads, 55-62 ms in
+chunks of 1 MiB)."""
 
 THREADS = 2
 """Numpy threads of `dequantize_ggml_into` (its ufunc loops release the GIL)."""
