@@ -184,17 +184,16 @@ def _quantize_jax(
         finite = jnp.all(finite)  # ()
     else:
         codes, scales, a, mean, finite = _nf4_blocks(x, double_quant)
-    node = QuantizedWeight(
-        codes,
-        scales,
-        None,
-        a,
-        mean,
-        scheme="nf4",
-        block_size=block_size,
-        dtype=dtype,
+    return _nf4_node(codes, scales, a, mean, block_size, dtype), finite
+
+
+def _nf4_node(
+    codes: Any, scales: Any, a: Any, mean: Any, block_size: int, dtype: Any
+) -> QuantizedWeight:
+    """The NF4 node of ``codes``, ``scales`` and (with DQ) their ``a`` and ``mean``."""
+    return QuantizedWeight(
+        codes, scales, None, a, mean, scheme="nf4", block_size=block_size, dtype=dtype
     )
-    return node, finite
 
 
 def _nf4_blocks(
@@ -359,17 +358,8 @@ def quantize_nf4_host(
     )  # fmt: skip
     if failed:
         raise ShapeError(f"NF4: the kernel refused the shape {w.shape}")
-    node = QuantizedWeight(
-        codes,
-        scales,
-        None,
-        a,
-        mean,
-        scheme="nf4",
-        block_size=block_size,
-        dtype=np.dtype(x.dtype if dtype is None else dtype),
-    )
-    return node, bool(finite.all())
+    dtype = np.dtype(x.dtype if dtype is None else dtype)
+    return _nf4_node(codes, scales, a, mean, block_size, dtype), bool(finite.all())
 
 
 def _output(
