@@ -26,6 +26,7 @@ The values are kept as their 16-bit patterns in a ``uint16`` array, not as a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ import numpy as np
 from entrenar.nn import matvec
 from entrenar.nn.linear import lowp_matmul, weight_matmul
 from entrenar.nn.weight_node import (
+    is_weight_node,
     logical_dtype,
     logical_shape,
     register_weight_node,
@@ -136,8 +138,12 @@ class TiedEmbedding:
     whole, never sliced in a loop, and XLA:CPU copies a ``uint16`` -> bfloat16
     bitcast of it (57 MB for SmolLM2) at every step.
 
+    The table may be a weight node kept as stored (a GGUF's Q8_0 ``token_embd``
+    as a `entrenar.quant.QuantizedWeight`, see `rounds_tied_head`): lookups then
+    decode only their rows, and ``head_t`` rounds its dequantized values.
+
     Attributes:
-        table: the embedding ``(V, D)``, float.
+        table: the embedding ``(V, D)``, float, or a weight node.
         head_t: bfloat16 ``(D, V)``, ``round_bf16(table)ᵀ``.
     """
 
@@ -146,9 +152,9 @@ class TiedEmbedding:
 
     @classmethod
     def from_array(cls, table: Any) -> TiedEmbedding:
-        """Keep ``table`` and its rounded, transposed head."""
-        table = jnp.asarray(table)
-        head = table.T.astype(jnp.bfloat16)  # (D, V)
+        """Keep ``table`` (an array or a weight node) and its rounded head."""
+        table = table if is_weight_node(table) else jnp.asarray(table)
+        head = jnp.asarray(to_dense(table)).T.astype(jnp.bfloat16)  # (D, V)
         return cls(table, head)
 
     def head_value(self) -> jax.Array:
@@ -176,7 +182,21 @@ logical_shape.register(TiedEmbedding, lambda w: w.shape)
 logical_dtype.register(Bfloat16Weight, lambda w: w.dtype)
 logical_dtype.register(TiedEmbedding, lambda w: w.dtype)
 to_dense.register(Bfloat16Weight, Bfloat16Weight.value)
-to_dense.register(TiedEmbedding, lambda w: w.table)
+to_dense.register(TiedEmbedding, lambda w: to_dense(w.table))
+
+
+@functools.singledispatch
+def rounds_tied_head(table: Any) -> bool:
+    """Whether `to_bfloat16_weights` rounds the tied embedding node ``table``'s head.
+
+    True: ``table`` becomes a `TiedEmbedding`, its head rounded to bfloat16 once.
+    False by default: a node type with a head rule of its own keeps it (a GGUF
+    K-quant `entrenar.quant.GGMLWeight` decodes the head block by block in the
+    loss, holding no dense copy). `entrenar.quant` registers True for
+    `entrenar.quant.QuantizedWeight`: a kept Q8_0/Q4_0/Q4_1 ``token_embd`` is
+    then read as the float32 table it replaces was (the same head, the same rows).
+    """
+    return False
 
 
 def _tied_head(w: TiedEmbedding, dtype: Any) -> jax.Array:
@@ -211,7 +231,8 @@ def to_bfloat16_weights(
             more axes; by default the names `DEFAULT_WEIGHTS` matches.
         tied_embedding: the dotted name of an embedding that is also the output
             head (``"model.embed_tokens.weight"`` for a tied Llama); it becomes a
-            `TiedEmbedding`.
+            `TiedEmbedding` (a float array, or a weight node `rounds_tied_head`
+            accepts).
 
     Returns:
         A new tree; the input is not modified.
@@ -222,6 +243,14 @@ def to_bfloat16_weights(
         >>> type(to_bfloat16_weights(p)["q_proj"]["weight"]).__name__
         'Bfloat16Weight'
     """
+
+    def tie(path: Any, leaf: Any) -> Any:  # a tied embedding kept as a weight node
+        if key_path_str(path) == tied_embedding and rounds_tied_head(leaf):
+            return TiedEmbedding.from_array(leaf)
+        return leaf
+
+    if tied_embedding is not None:
+        params = jax.tree_util.tree_map_with_path(tie, params, is_leaf=is_weight_node)
 
     def convert(path: Any, leaf: Any) -> Any:
         if not isinstance(leaf, jax.Array | np.ndarray):
@@ -238,7 +267,14 @@ def to_bfloat16_weights(
         )
         return Bfloat16Weight.from_array(leaf) if chosen else leaf
 
-    return jax.tree_util.tree_map_with_path(convert, params)
+    tied = lambda x: isinstance(x, TiedEmbedding)  # noqa: E731  (kept whole)
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=tied)
 
 
-__all__ = ["DEFAULT_WEIGHTS", "Bfloat16Weight", "TiedEmbedding", "to_bfloat16_weights"]
+__all__ = [
+    "DEFAULT_WEIGHTS",
+    "Bfloat16Weight",
+    "TiedEmbedding",
+    "rounds_tied_head",
+    "to_bfloat16_weights",
+]

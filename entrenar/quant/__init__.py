@@ -10,6 +10,7 @@ GGUF's K-quants, BF16 and F16 stay as stored in a `GGMLWeight` (frozen bases).
 post-training quantization; ``memory_report`` counts bytes as stored.
 """
 
+from entrenar.quant import ggml_head as _ggml_head  # registers nn.losses.head_nll
 from entrenar.quant import linear as _linear  # registers nn.weight_matmul
 from entrenar.quant.api import (
     dequantize,
@@ -27,7 +28,7 @@ from entrenar.quant.qat import fake_quant, fake_quant_range, round_ste
 from entrenar.quant.report import MemoryReport, bits_per_param, memory_report
 from entrenar.quant.weight import SCHEMES, QuantizedWeight
 
-del _linear
+del _ggml_head, _linear
 
 __all__ = [
     "NF4_CODE",

@@ -49,6 +49,7 @@ from entrenar.nn.matvec import (
     q_blocks_call,
 )
 from entrenar.nn.weight_node import (
+    is_weight_node,
     logical_dtype,
     logical_shape,
     register_weight_node,
@@ -190,9 +191,13 @@ class QuantizedTiedEmbedding(TiedEmbedding):
 
     @classmethod
     def from_array(cls, table: Any, scheme: str = "q8_0") -> QuantizedTiedEmbedding:
-        """Keep ``table`` and its head in ``scheme`` (q8_0, q4_0 or q4_1)."""
-        table = jnp.asarray(table)
-        return cls(table, quantize_ggml(table, scheme))
+        """Keep ``table`` (an array or a weight node) and its head in ``scheme``.
+
+        ``scheme``: q8_0, q4_0 or q4_1; a node's head quantizes its dequantized
+        values.
+        """
+        table = table if is_weight_node(table) else jnp.asarray(table)
+        return cls(table, quantize_ggml(to_dense(table), scheme))
 
     def head_value(self) -> jax.Array:
         """The head's values ``(V, D)`` in the table's dtype."""
@@ -201,7 +206,7 @@ class QuantizedTiedEmbedding(TiedEmbedding):
 
 logical_shape.register(QuantizedTiedEmbedding, lambda w: w.shape)
 logical_dtype.register(QuantizedTiedEmbedding, lambda w: w.dtype)
-to_dense.register(QuantizedTiedEmbedding, lambda w: w.table)
+to_dense.register(QuantizedTiedEmbedding, lambda w: to_dense(w.table))
 
 
 @weight_matmul.register(QuantizedTiedEmbedding)
@@ -225,6 +230,13 @@ def quantize_tied_head(
     (``d = max|x| / 127`` recovers the stored scale exactly, and ``x / d`` its
     integers), so the head then multiplies by the file's values, as llama.cpp does.
 
+    An embedding kept as stored (``load_llama_gguf(keep_quantized=True)``) that the
+    kernel reads (`supported`: a Q8_0, Q4_0 or Q4_1 `QuantizedWeight`, a
+    `GGMLWeight` of `GGML_TYPES`) is left as it is, whatever ``scheme``: it is
+    already the head in the file's own type, as llama.cpp multiplies a tied head
+    (``token_embd`` in its stored type, Q4_0/Q4_1 included), and its bytes are
+    not copied. Any other node's head is its dequantized values in ``scheme``.
+
     Raises:
         KeyError: ``params`` has no leaf ``name``.
     """
@@ -236,11 +248,11 @@ def quantize_tied_head(
             return leaf
         found = True
         table = leaf.table if isinstance(leaf, TiedEmbedding) else leaf
+        if is_weight_node(table) and supported(table) and table.ndim == 2:
+            return table  # the stored head, read in its own type
         return QuantizedTiedEmbedding.from_array(table, scheme)
 
-    out = jax.tree_util.tree_map_with_path(
-        convert, params, is_leaf=lambda x: isinstance(x, TiedEmbedding)
-    )
+    out = jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_weight_node)
     if not found:
         raise KeyError(f"quantize_tied_head: params have no leaf {name!r}")
     return out
