@@ -209,9 +209,9 @@ class ChatModel:
                 the stored bytes through the native kernel where it runs; longer
                 forwards (prompts, teacher-forced scoring) decode blocks of rows
                 at every call. A tied output head is then read as Q8_0
-                (`entrenar.quant.matvec.quantize_tied_head`; the exact bytes of a
-                Q8_0 ``token_embd``), as llama.cpp reads it and as
-                ``benchmarks/generate.py`` measures.
+                (`entrenar.quant.matvec.quantize_tied_head`), or as the
+                ``token_embd`` kept in its own type (SmolLM2's Q8_0 bytes), as
+                llama.cpp reads it and as ``benchmarks/generate.py`` measures.
             decode_activations: see `ChatModel` (``"int8"`` needs
                 ``keep_quantized`` to have any effect).
         """

@@ -55,9 +55,9 @@ class ModelSection(Config):
     )
     keep_quantized: bool = option(
         False,
-        doc="keep a GGUF's projection weights as stored (Q8_0, Q4_0, Q4_1, the "
-        "K-quants Q2_K-Q6_K, BF16, F16: QLoRA on the file's own blocks) instead of "
-        "dequantizing them",
+        doc="keep a GGUF's weight matrices (projections, embedding, lm_head) as "
+        "stored (Q8_0, Q4_0, Q4_1, the K-quants Q2_K-Q6_K, BF16, F16: QLoRA on the "
+        "file's own blocks) instead of dequantizing them",
     )
     dtype: ComputeDtype = option(
         "float32", doc="dtype of the parameters as loaded or built"

@@ -95,8 +95,9 @@ KEEP_QUANTIZED = (
     *("Q8_0", "Q4_0", "Q4_1"),
     *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "BF16", "F16"),
 )
-"""ggml types `load_llama_gguf(keep_quantized=True)` keeps as stored: Q8_0/Q4_0/Q4_1
-as `QuantizedWeight`, the K-quants, BF16 and F16 as `entrenar.quant.GGMLWeight`."""
+"""ggml types `load_llama_gguf(keep_quantized=True)` keeps as stored (projections,
+embeddings and ``lm_head``): Q8_0/Q4_0/Q4_1 as `QuantizedWeight`, the K-quants, BF16
+and F16 as `entrenar.quant.GGMLWeight`."""
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -515,6 +516,24 @@ def _ahead() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(2, "gguf-ahead")
 
 
+def blocks_node(
+    codes: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str
+) -> QuantizedWeight:
+    """The `QuantizedWeight` of split Q8_0/Q4_0/Q4_1 host arrays, uncopied on the CPU.
+
+    ``codes (..., rows, nb · width)`` uint8, ``d`` and Q4_1's ``m`` ``(..., rows,
+    nb)`` float16, as `entrenar.quant.ggml.split_blocks` writes them.
+    """
+    return QuantizedWeight(
+        to_device(codes.view(np.int8) if kind == "Q8_0" else codes),
+        to_device(d),
+        None if m is None else to_device(m),
+        scheme=kind.lower(),
+        block_size=QK,
+        dtype=np.dtype(np.float32),
+    )
+
+
 def load_llama_gguf(
     path: str | os.PathLike[str] | GGUFFile,
     keep_quantized: bool = False,
@@ -532,14 +551,16 @@ def load_llama_gguf(
 
     Args:
         path: the ``.gguf`` file (or a `GGUFFile` already read).
-        keep_quantized: keep the layers' projection weights as stored (for QLoRA):
-            Q8_0, Q4_0 and Q4_1 as `entrenar.quant.QuantizedWeight` nodes, the
-            K-quants (Q2_K-Q6_K), BF16 and F16 as `entrenar.quant.GGMLWeight`, a
-            projection whose layers have different types (llama.cpp's Q4_K_M:
-            Q4_K and Q6_K) as a `entrenar.quant.ggml_mixed.MixedGGMLWeight`; the
-            embeddings and ``lm_head`` too when they are K-quants, BF16 or F16
-            (looked up and multiplied from their rows); everything else (norms,
-            biases, F32, other embeddings) is dequantized.
+        keep_quantized: keep every matrix as stored (for QLoRA): Q8_0, Q4_0 and
+            Q4_1 as `entrenar.quant.QuantizedWeight` nodes, the K-quants
+            (Q2_K-Q6_K), BF16 and F16 as `entrenar.quant.GGMLWeight`, a projection
+            whose layers have different types (llama.cpp's Q4_K_M: Q4_K and Q6_K)
+            as a `entrenar.quant.ggml_mixed.MixedGGMLWeight`. The projections and
+            the token embedding and ``lm_head`` alike: a kept embedding is looked
+            up by decoding only the rows it looks up (`entrenar.nn.embedding`'s
+            rule for the node), and a tied head multiplies through the node. Only
+            the F32 tensors (norms, biases, an F32 embedding) are converted to
+            ``dtype``.
         dtype: dtype of the dequantized leaves.
         quantize: which dequantized leaves to quantize as they are read, and how
             (`entrenar.nn.hf_names.Quantize`); leaves kept quantized stay as stored.
@@ -720,14 +741,31 @@ def load_llama_gguf(
                 raw.reshape(rows, nb, size), kind, codes[i].reshape(rows, nb, width),
                 d[i], None if m is None else m[i],
             )  # fmt: skip
-        return QuantizedWeight(
-            to_device(codes.view(np.int8) if kind == "Q8_0" else codes),
-            to_device(d),
-            None if m is None else to_device(m),
-            scheme=kind.lower(),
-            block_size=QK,
-            dtype=np.dtype(np.float32),
-        )
+        return blocks_node(codes, d, m, kind)
+
+    def kept_matrix(gname: str, kind: str, shape: tuple[int, ...]) -> QuantizedWeight:
+        """An unstacked Q8_0/Q4_0/Q4_1 matrix (an embedding, ``lm_head``) as stored.
+
+        The node `from_ggml` makes, split from the mapped file `CHUNK_BYTES` of
+        blocks at a time into its page-aligned ``(rows, ...)`` host arrays, the
+        file's pages given back after each: no float32 copy, no JAX program.
+        """
+        rows, cols = shape
+        nb, size = cols // QK, BLOCK_BYTES[kind]
+        width = size - HEAD_BYTES[kind]  # code bytes of a block
+        codes = host_buffer((rows, nb * width), np.uint8)  # (rows, nb · width)
+        d = host_buffer((rows, nb), np.float16)  # (rows, nb)
+        m = host_buffer((rows, nb), np.float16) if kind == "Q4_1" else None
+        step = max(1, CHUNK_BYTES // (nb * size))  # rows at a time
+        for start in range(0, rows, step):
+            raw = _rows(g, gname)[start : start + step]  # (n, nb · size), mapped
+            part = slice(start, start + raw.shape[0])
+            split_blocks(
+                raw.reshape(-1, nb, size), kind, codes[part].reshape(-1, nb, width),
+                d[part], None if m is None else m[part],
+            )  # fmt: skip
+            release_pages(raw)
+        return blocks_node(codes, d, m, kind)
 
     def kept_table(path_: str, gname: str, shape: tuple[int, ...]) -> GGMLWeight:
         """An unstacked matrix as stored, read from the file into its buffer."""
@@ -774,6 +812,13 @@ def load_llama_gguf(
             ):
                 # embeddings, lm_head: looked up / multiplied from their rows
                 out[k] = kept_table(path_, by_hf[path_], tuple(v))
+            elif keep_quantized and len(v) == 2 and _type(by_hf[path_]) in BLOCK_BYTES:
+                # a Q8_0/Q4_0/Q4_1 embedding or lm_head: as the projections
+                gname, kind = by_hf[path_], _type(by_hf[path_])
+                if stream:
+                    out[k] = kept_matrix(gname, kind, tuple(v))
+                else:
+                    out[k] = from_ggml(g.raw(gname), kind, tuple(v))
             elif (
                 stream
                 and final == np.float32

@@ -98,8 +98,9 @@ def generate_text(
 def decoding_params(built: BuiltModel, keep_quantized: bool) -> Any:
     """``built``'s parameters as decoding reads them.
 
-    With ``keep_quantized`` a tied output head is read as Q8_0 (the bytes of a Q8_0
-    ``token_embd``), as llama.cpp reads it (`entrenar.quant.matvec.quantize_tied_head`).
+    With ``keep_quantized`` a tied output head is read as Q8_0, or as the
+    ``token_embd`` kept in its own type (Q8_0, Q4_0, Q4_1, a K-quant), as llama.cpp
+    reads it (`entrenar.quant.matvec.quantize_tied_head`).
     """
     if keep_quantized and getattr(built.config, "tie_word_embeddings", False):
         return quantize_tied_head(built.params)

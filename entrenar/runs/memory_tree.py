@@ -37,8 +37,9 @@ def _gguf_tree(
     With ``keep``, the rules of `load_llama_gguf`: a stacked projection whose
     layers are all K-quant/BF16/F16 (or a mix of row types) stays as its rows'
     bytes (`GGMLWeight`, `MixedGGMLWeight`: ``(L, rows, widest row)`` uint8 and a
-    type per layer), one of Q8_0/Q4_0/Q4_1 as `from_ggml`'s node; a K-quant
-    embedding or ``lm_head`` as its bytes; everything else in ``dtype``.
+    type per layer), one of Q8_0/Q4_0/Q4_1 as `from_ggml`'s node; the embedding
+    and ``lm_head`` alike when of a kept type (`KEEP_QUANTIZED`: a K-quant's bytes,
+    a Q8_0/Q4_0/Q4_1 node); everything else in ``dtype``.
 
     Also the bytes of the mixes' rooms never written (a narrower layer's room
     past its packed bytes: addressed, never resident; `entrenar.quant.ggml_mixed`).
@@ -59,7 +60,7 @@ def _gguf_tree(
             unused.append(shape[-2] * sum(width - row_bytes(t, cols) for t in types))
             layer_kind = jax.ShapeDtypeStruct(shape[:1], np.int32)
             return MixedGGMLWeight(data, layer_kind, kinds, cols)
-        if len(kinds) == 1 and kinds[0] in KEEP_QUANTIZED and len(shape) == 3:
+        if len(kinds) == 1 and kinds[0] in KEEP_QUANTIZED:
             return _ggml_node(kinds[0], shape)
         return None
 
@@ -71,7 +72,7 @@ def _gguf_tree(
             node = kept([g.tensors[n].type_name for n in names], shape)
         elif keep and len(shape) == 2 and path_ in by_hf:
             t = g.tensors[by_hf[path_]].type_name
-            node = kept([t], shape) if t in FORMATS else None
+            node = kept([t], shape) if t in KEEP_QUANTIZED else None
         return jax.ShapeDtypeStruct(shape, dtype) if node is None else node
 
     tree, costs = _build(config.param_shapes(), leaf, quantize, itemsize)
@@ -79,12 +80,12 @@ def _gguf_tree(
 
 
 def _ggml_node(ggml_type: str, shape: tuple[int, ...]) -> Any:
-    """`from_ggml`'s node of a ``(L, rows, cols)`` tensor, as shapes (one row built)."""
+    """`from_ggml`'s node of a ``(..., rows, cols)`` tensor, as shapes (one row)."""
     cols = shape[-1]
     raw = np.zeros(cols // 32 * BLOCK_BYTES[ggml_type], np.uint8)
-    one = quant.from_ggml(raw, ggml_type, (1, 1, cols))
+    one = quant.from_ggml(raw, ggml_type, (1, cols))  # arrays (1, k)
     return jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct((*shape[:2], *a.shape[2:]), a.dtype), one
+        lambda a: jax.ShapeDtypeStruct((*shape[:-1], *a.shape[1:]), a.dtype), one
     )
 
 

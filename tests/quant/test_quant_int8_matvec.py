@@ -292,9 +292,12 @@ def test_every_build_keeps_the_contract(build, compiler, tmp_path):
 
 
 def test_from_gguf_keep_quantized_reads_the_tied_head_as_q8_0():
+    """SmolLM2's Q8_0 ``token_embd`` is kept as stored: the head is its own node."""
     from entrenar.chat import ChatModel
+    from entrenar.quant import QuantizedWeight
 
     chat = ChatModel.from_gguf(io.smollm2_path(), keep_quantized=True)
     head = chat.params["model"]["embed_tokens"]["weight"]
-    assert isinstance(head, matvec.QuantizedTiedEmbedding)
-    assert head.head_t.scheme == "q8_0"
+    assert isinstance(head, QuantizedWeight) and head.scheme == "q8_0"
+    assert chat.model.output_weight(chat.params) is head  # no second copy
+    assert matvec.supported(head)  # decoding multiplies the stored bytes

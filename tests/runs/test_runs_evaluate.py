@@ -126,8 +126,11 @@ def test_eval_format_chat_and_compare_on_the_command_line(chat_models):
 
 
 def test_kept_quantized_eval_reads_a_tied_head_as_generate_does(chat_models, tmp_path):
-    """``eval --keep-quantized`` multiplies a tied head as Q8_0, like ``generate``."""
-    from entrenar.quant.matvec import QuantizedTiedEmbedding
+    """``eval --keep-quantized`` multiplies a tied head as Q8_0, like ``generate``.
+
+    The Q8_0 embedding is kept as stored, so the head is that node itself.
+    """
+    from entrenar.quant import QuantizedWeight
     from entrenar.runs.inference import decoding_params, load_chat
 
     tied = dataclasses.replace(CONFIG, tie_word_embeddings=True)
@@ -136,7 +139,8 @@ def test_kept_quantized_eval_reads_a_tied_head_as_generate_does(chat_models, tmp
                        source=chat_models / "tok.gguf", tensor_type="Q8_0")  # fmt: skip
     kept = load_built(str(model), keep_quantized=True)
     head = decoding_params(kept, keep_quantized=True)["model"]["embed_tokens"]["weight"]
-    assert isinstance(head, QuantizedTiedEmbedding)
+    assert isinstance(head, QuantizedWeight) and head.scheme == "q8_0"
+    assert head is kept.params["model"]["embed_tokens"]["weight"]
     assert decoding_params(kept, keep_quantized=False) is kept.params
     path = str(chat_models / "chat.jsonl")
     out = evaluate.evaluate_model(
