@@ -134,6 +134,12 @@ def generate_cmd(
         click.echo()
     else:
         click.echo(text)
+    if not text:  # an instruction-tuned model given a bare prompt often ends at once
+        hint = "" if chat else "; an instruction-tuned model answers with --chat"
+        click.echo(
+            f"(no text: the model ended at once, or a --stop string came first{hint})",
+            err=True,
+        )
 
 
 @command("chat")

@@ -58,6 +58,21 @@ def test_stop_strings_cut_the_text(words_lm):
     assert generate(words_lm, "--stop", stop, "--stream") == want
 
 
+def test_no_text_says_why_on_stderr(words_lm):
+    """An empty text is an empty line, and a note on stderr that names --chat."""
+    first = generate(words_lm)[0]
+    tok = WORDS / "tokenizer.gguf"
+    for mode in ("--no-stream", "--stream"):
+        result = run("generate", words_lm, "--tokenizer", tok, "-p", "12",
+                     "--max-new-tokens", "8", "--stop", first, mode)  # fmt: skip
+        assert result.exit_code == 0 and result.stdout == "\n", result.output
+        assert "no text" in result.stderr and "--chat" in result.stderr
+    assert "no text" not in run(
+        "generate", words_lm, "--tokenizer", tok, "-p", "12", "--max-new-tokens", "8",
+        "--no-stream",
+    ).stderr  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def smol_tiny(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer and chat template."""
