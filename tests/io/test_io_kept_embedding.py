@@ -87,7 +87,11 @@ def test_kept_logits_equal_the_dequantized_tree(gguf):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("matmul_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize(
+    ("kind", "matmul_dtype"),
+    [("Q8_0", None), ("Q8_0", "bfloat16"), ("Q4_0", "bfloat16"), ("Q4_1", "bfloat16")],
+    indirect=["kind"],
+)  # one float32 step per tiedness is enough
 def test_a_qlora_step_equals_the_dequantized_trees(gguf, kind, tied, matmul_dtype):
     """One SGD step of LoRA on the kept base, frozen half as the Trainer reads it.
 
@@ -95,8 +99,6 @@ def test_a_qlora_step_equals_the_dequantized_trees(gguf, kind, tied, matmul_dtyp
     (the Trainer's ``_compute_frozen``): a tied kept embedding becomes a
     `TiedEmbedding` of the node, with the head the dense table would have.
     """
-    if kind != "Q8_0" and matmul_dtype is None:
-        pytest.skip("one float32 step per tiedness is enough")
     _, kept, _ = load_llama_gguf(gguf, keep_quantized=True)
     _, dense, _ = load_llama_gguf(gguf)
     cfg = _config(tied, matmul_dtype)
@@ -143,10 +145,9 @@ def test_a_qlora_step_equals_the_dequantized_trees(gguf, kind, tied, matmul_dtyp
     assert float(after_k) != float(loss_k)
 
 
+@pytest.mark.parametrize("tied", [True], ids=["tied"], indirect=True)
 def test_the_tied_head_is_read_in_the_embeddings_own_type(gguf, kind, tied):
     """`quantize_tied_head` leaves a kept Q* embedding as it is (llama.cpp's head)."""
-    if not tied:
-        pytest.skip("an untied model has its own lm_head")
     _, kept, _ = load_llama_gguf(gguf, keep_quantized=True)
     _, dense, _ = load_llama_gguf(gguf)
     table = kept["model"]["embed_tokens"]["weight"]
