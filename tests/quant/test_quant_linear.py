@@ -146,7 +146,11 @@ def test_native_nf4_equals_the_whole_product(out, fan_in, block, n, dq):
     x = jnp.asarray(RNG.normal(size=(n, fan_in)), jnp.float32)
     f = jax.jit(lambda x, q: nn.linear(x, q))  # a fresh trace (jit caches by function)
     assert "entrenar_nf4_matmul" in f.lower(x, q).as_text()
-    np.testing.assert_allclose(f(x, q), whole(x, q), **TOL)
+    # the sums run in another order: apart by float32 rounding of |x| @ |Ŵ|ᵀ (a fixed
+    # atol failed ~1 draw in 5 for 640 columns; this bound held 150 draws, <= 0.4 of it)
+    deq = np.abs(np.asarray(quant.dequantize(q, jnp.float32)))  # (out, fan_in)
+    bound = 1e-6 * (np.abs(np.asarray(x)) @ deq.T)  # (n, out), ~8 ulp of the terms
+    assert np.all(np.abs(np.asarray(f(x, q)) - np.asarray(whole(x, q))) <= bound)
 
 
 @needs_kernel
