@@ -798,12 +798,20 @@ def load_llama_gguf(
             return stream_stacked(path_, shape, final, layers, quantize)
         return jnp.asarray(np.stack([one(n, shape[1:]) for n in names]), dtype=dtype)
 
+    late: list[tuple[dict[str, Any], str, str, str, tuple[int, ...]]] = []
+
     def build(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in tree.items():
             path_ = f"{prefix}{k}"
             if isinstance(v, dict):
                 out[k] = build(v, f"{path_}.")
+            elif prefix.startswith("model.layers.") and len(v) <= 2 and reading:
+                # a stacked vector (the norms): one small tensor per layer, spread
+                # over the file; read last, once the file read ahead has reached
+                # them (each read before it was a synchronous disk request)
+                out[k] = None  # its place in the tree
+                late.append((out, k, path_, path_.removeprefix("model.layers."), v))
             elif prefix.startswith("model.layers."):
                 stem = path_.removeprefix("model.layers.")
                 out[k] = stacked(path_, stem, tuple(v))
@@ -837,6 +845,8 @@ def load_llama_gguf(
     fd = os.open(g.path, os.O_RDONLY)  # the tensors kept as stored are read from it
     try:
         params = build(config.param_shapes(), "")
+        for out, k, path_, stem, shape in late:
+            out[k] = stacked(path_, stem, tuple(shape))
     finally:  # the work ahead ends with the load (done long since)
         os.close(fd)
         concurrent.futures.wait(ahead)
