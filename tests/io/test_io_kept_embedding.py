@@ -181,3 +181,18 @@ def test_a_kept_tree_writes_back_the_same_bytes(gguf, kind, tmp_path):
     _, f32, _ = load_llama_gguf(tmp_path / "f32.gguf")
     _, dense, _ = load_llama_gguf(gguf)
     assert_trees_allclose(f32, dense, rtol=0, atol=0)
+
+
+def test_the_load_keeps_the_configs_order_and_the_non_streaming_tree(gguf):
+    """Stacked norms are built last (after the read-ahead), in the config's places."""
+
+    def order(tree):
+        if not isinstance(tree, dict):
+            return None
+        return [(k, order(v)) for k, v in tree.items()]
+
+    config, streamed, _ = load_llama_gguf(gguf)
+    _, whole, _ = load_llama_gguf(gguf, stream=False)
+    assert order(streamed) == order(config.param_shapes())
+    for a, b in zip(jax.tree.leaves(streamed), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
