@@ -61,18 +61,11 @@ def selects(
     """Whether `apply` with ``config`` wraps the leaf ``name`` of logical ``shape``.
 
     Decides from the name and shape alone (no tree, nothing traced), as `apply`
-    decides for each leaf.
+    decides for each leaf: ``config.targets`` select all layers of a stack or none.
 
     Raises:
         UnsupportedError: a target selects only some layers of a stacked weight.
     """
-    return _selected(name, shape, config, stacked_keys)
-
-
-def _selected(
-    name: str, shape: tuple[int, ...], config: LoRAConfig, stacked_keys: tuple[str, ...]
-) -> bool:
-    """Whether ``config.targets`` select the leaf; all layers of a stack or none."""
     modules = hf_modules(name, shape, stacked_keys)
     if not modules:
         return False
@@ -132,7 +125,7 @@ def apply(
     out = []
     for i, (name, leaf) in enumerate(zip(names, flat)):
         shape = logical_shape(leaf)
-        if not _selected(name, shape, config, stacked_keys):
+        if not selects(name, shape, config, stacked_keys):
             out.append(leaf)
             continue
         if isinstance(leaf, LoRAWeight):

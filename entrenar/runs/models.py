@@ -172,7 +172,8 @@ def base_quantizer(config: lora.LoRAConfig | None) -> Quantize | None:
 
 
 BASE_BLOCK = 64
-"""Block size of a QLoRA base (`entrenar.quant.quantize`'s default)."""
+"""Block size of a QLoRA base (`entrenar.quant.quantize`'s default): the block
+check, the JAX quantizer and the host form all take this one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +191,9 @@ class BaseQuantize:
 
     def __call__(self, w: Any) -> Any:
         """``w`` quantized as `lora.apply` quantizes a base."""
-        return quant.quantize(w, self.scheme, double_quant=self.scheme == "nf4")
+        return quant.quantize(
+            w, self.scheme, block_size=BASE_BLOCK, double_quant=self.scheme == "nf4"
+        )
 
     def on_host(self, src: Any, dtype: Any) -> HostQuantize | None:
         """The host form of this quantizer for ``src`` arrays (class docstring)."""
