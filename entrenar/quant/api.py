@@ -142,6 +142,24 @@ def _dequantize(q: QuantizedWeight, dtype: np.dtype) -> jax.Array:
 to_dense.register(QuantizedWeight, dequantize)
 
 
+def map_rows(q: QuantizedWeight, fn: Callable[[Any], Any]) -> QuantizedWeight:
+    """``q`` with ``fn`` applied to each array indexed by the table's rows.
+
+    The codes, the first-level block scales (double quantization undone:
+    `block_scales`; its int8 groups span rows) and the offsets each go through
+    ``fn`` (None passes through it too); the DQ arrays are dropped. ``fn`` picks or
+    reshapes rows along axis 0, so the node still dequantizes to ``fn`` of the rows.
+    """
+    return dataclasses.replace(
+        q,
+        codes=fn(q.codes),
+        scales=fn(block_scales(q)),
+        offsets=fn(q.offsets),
+        scale_scales=None,
+        scale_offset=None,
+    )
+
+
 @embedding_rows.register(QuantizedWeight)
 def quantized_rows(q: QuantizedWeight, tokens: jax.Array) -> jax.Array:
     """Rows ``tokens: (...)`` of the table ``q: (V, D)``, dequantized -> ``(..., D)``.
@@ -172,15 +190,7 @@ def quantized_rows(q: QuantizedWeight, tokens: jax.Array) -> jax.Array:
             return jnp.take(a, tokens, axis=0)  # (..., k)
         return a.reshape((1,) * tokens.ndim + tuple(a.shape[1:]))  # (1.., k)
 
-    picked = dataclasses.replace(
-        q,
-        codes=rows(q.codes),
-        scales=rows(block_scales(q)),
-        offsets=rows(q.offsets),
-        scale_scales=None,
-        scale_offset=None,
-    )
-    out = dequantize(picked)  # (..., D)
+    out = dequantize(map_rows(q, rows))  # (..., D)
     missing = jnp.isnan(jnp.take(jnp.zeros((v,), jnp.float32), tokens, axis=0))
     return jnp.where(missing[..., None], jnp.asarray(jnp.nan, out.dtype), out)
 
@@ -273,6 +283,7 @@ __all__ = [
     "dequantize",
     "dequantize_params",
     "is_quantized",
+    "map_rows",
     "quantize",
     "quantize_like",
     "quantize_params",

@@ -22,7 +22,6 @@ path to float32 rounding (the test).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -31,10 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.nn.losses import head_nll
-from entrenar.quant.api import dequantize, quantized_rows
+from entrenar.quant.api import dequantize, map_rows, quantized_rows
 from entrenar.quant.blocked import rows_within
 from entrenar.quant.kquant import GGMLWeight, decode_rows
-from entrenar.quant.nf4 import block_scales
 from entrenar.quant.weight import QuantizedWeight
 
 Head = GGMLWeight | QuantizedWeight
@@ -71,10 +69,7 @@ def _row_blocks(w: Head, rows: int) -> Any:
         a = jnp.broadcast_to(a, (v, a.shape[-1]))
         return a.reshape(v // rows, rows, a.shape[-1])
 
-    return dataclasses.replace(
-        w, codes=split(w.codes), scales=split(block_scales(w)),
-        offsets=split(w.offsets), scale_scales=None, scale_offset=None,
-    )  # fmt: skip
+    return map_rows(w, split)
 
 
 def _decode(w: Head, block: Any) -> jax.Array:

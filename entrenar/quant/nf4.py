@@ -272,9 +272,7 @@ def _native_quantize(
     scales = res[1].reshape(*lead, nb)  # (*lead, nb)
     a = res[2].reshape(*stack, -1) if double_quant else None  # (*stack, G)
     mean = res[3].reshape(stack) if double_quant else None  # (*stack,)
-    node = QuantizedWeight(
-        codes, scales, None, a, mean, scheme="nf4", block_size=block_size, dtype=dtype
-    )
+    node = _nf4_node(codes, scales, a, mean, block_size, dtype)
     return node, jnp.all(res[-1] != 0)
 
 
