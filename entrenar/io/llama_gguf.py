@@ -459,6 +459,22 @@ def _rows(g: GGUFFile, name: str) -> np.ndarray:
     return raw.reshape(n, -1) if raw.size % n == 0 else raw
 
 
+def _block_arrays(
+    lead: tuple[int, ...], nb: int, kind: str
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(width, codes, d, m)``: page-aligned host arrays of a Q8_0/Q4_0/Q4_1 node.
+
+    ``width`` code bytes a block; ``codes (*lead, nb · width)`` uint8, float16 ``d
+    (*lead, nb)`` and, for Q4_1, ``m (*lead, nb)`` (else None), for `split_blocks`
+    to fill and `blocks_node` to wrap.
+    """
+    width = BLOCK_BYTES[kind] - HEAD_BYTES[kind]
+    codes = host_buffer((*lead, nb * width), np.uint8)
+    d = host_buffer((*lead, nb), np.float16)
+    m = host_buffer((*lead, nb), np.float16) if kind == "Q4_1" else None
+    return width, codes, d, m
+
+
 PREREAD_BYTES = 256 << 20
 """Files of at most this many bytes (256 MiB) are read ahead whole (`_preread`)."""
 
@@ -724,10 +740,7 @@ def load_llama_gguf(
         """
         rows, cols = shape[-2], shape[-1]
         nb, size = cols // QK, BLOCK_BYTES[kind]
-        width = size - HEAD_BYTES[kind]  # code bytes of a block
-        codes = host_buffer((shape[0], rows, nb * width), np.uint8)  # (L, rows, ·)
-        d = host_buffer((shape[0], rows, nb), np.float16)  # (L, rows, nb)
-        m = host_buffer((shape[0], rows, nb), np.float16) if kind == "Q4_1" else None
+        width, codes, d, m = _block_arrays((shape[0], rows), nb, kind)  # (L, rows, ·)
         stem = names[0].split(".")[-2]
         stage = np.empty(rows * nb * size, np.uint8)
         prefetch(names[0])
@@ -752,10 +765,7 @@ def load_llama_gguf(
         """
         rows, cols = shape
         nb, size = cols // QK, BLOCK_BYTES[kind]
-        width = size - HEAD_BYTES[kind]  # code bytes of a block
-        codes = host_buffer((rows, nb * width), np.uint8)  # (rows, nb · width)
-        d = host_buffer((rows, nb), np.float16)  # (rows, nb)
-        m = host_buffer((rows, nb), np.float16) if kind == "Q4_1" else None
+        width, codes, d, m = _block_arrays((rows,), nb, kind)  # (rows, ·)
         step = max(1, CHUNK_BYTES // (nb * size))  # rows at a time
         for start in range(0, rows, step):
             raw = _rows(g, gname)[start : start + step]  # (n, nb · size), mapped
