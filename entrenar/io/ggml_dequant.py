@@ -32,6 +32,7 @@ import numpy as np
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.nn import host_arrays
 from entrenar.quant import kquant
+from entrenar.quant.ggml import block_tails
 
 
 class GGMLType(NamedTuple):
@@ -244,13 +245,9 @@ def _scale(b: np.ndarray, at: int) -> np.ndarray:
 def _packed(b: np.ndarray, at: int) -> np.ndarray:
     """Bytes ``at:`` of each block ``b: (n, bytes)``, gathered contiguous ``(n, k)``.
 
-    Each block's tail moves as one opaque numpy item (``V16``, ``V32``): one strided
-    copy loop over the blocks, not a loop call per 16-byte row.
+    One strided copy loop over the blocks (`entrenar.quant.ggml.block_tails`).
     """
-    k = b.shape[1] - at
-    out = np.empty((b.shape[0], k), np.uint8)  # (n, k)
-    out.view(f"V{k}")[:, 0] = b[:, at:].view(f"V{k}")[:, 0]
-    return out
+    return block_tails(b, at, np.empty((b.shape[0], b.shape[1] - at), np.uint8))
 
 
 def _nibble_codes(b: np.ndarray, at: int) -> np.ndarray:

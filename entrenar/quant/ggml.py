@@ -42,6 +42,18 @@ HEAD_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}
 """Bytes before a block's codes: float16 ``d`` (and Q4_1's float16 ``m``)."""
 
 
+def block_tails(blocks: np.ndarray, at: int, out: np.ndarray) -> np.ndarray:
+    """Bytes ``at:`` of each block ``blocks (..., size)`` into ``out (..., size - at)``.
+
+    Each block's tail moves as one opaque numpy item (``V16``, ``V32``): one strided
+    copy loop over the blocks, not a loop call per 16-byte row. ``blocks``' last
+    axis must be contiguous; ``out`` (uint8, C-contiguous rows) is returned.
+    """
+    item = f"V{blocks.shape[-1] - at}"  # a block's tail as one item
+    out.view(item)[..., 0] = blocks[..., at:].view(item)[..., 0]  # (...)
+    return out
+
+
 def split_blocks(
     blocks: np.ndarray,
     kind: str,
@@ -55,15 +67,12 @@ def split_blocks(
     BLOCK_BYTES - HEAD_BYTES)`` uint8 receives each block's code bytes, ``d (..., nb)``
     float16 its scale and, for Q4_1, ``m (..., nb)`` float16 its offset.
 
-    Each block's code bytes move as one opaque item (numpy ``V16``/``V32``): one
-    strided copy loop over the blocks, not a loop call per 16-byte row (ten times
-    faster on a layer).
+    The code bytes move by `block_tails` (ten times faster on a layer than a copy
+    of the byte columns).
     """
     if blocks.strides[-1] != 1:  # a block's bytes must lie side by side
         blocks = np.ascontiguousarray(blocks)
-    head = HEAD_BYTES[kind]
-    width = f"V{blocks.shape[-1] - head}"  # a block's code bytes as one item
-    codes.view(width)[..., 0] = blocks[..., head:].view(width)[..., 0]  # (..., nb)
+    block_tails(blocks, HEAD_BYTES[kind], codes)  # (..., nb, width)
     d[...] = blocks[..., 0:2].view("<f2")[..., 0]  # (..., nb)
     if m is not None:
         m[...] = blocks[..., 2:4].view("<f2")[..., 0]
@@ -258,6 +267,7 @@ __all__ = [
     "BLOCK_BYTES",
     "HEAD_BYTES",
     "QK",
+    "block_tails",
     "check_float16",
     "dequantize_ggml",
     "from_ggml",
