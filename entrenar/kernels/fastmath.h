@@ -43,13 +43,16 @@ inline uint16_t Bf16Bits(float x) {
   return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
 }
 
-// x rounded to the nearest bfloat16 (ties to even), kept in a float.
-inline float RoundBf16(float x) {
-  uint32_t b = static_cast<uint32_t>(Bf16Bits(x)) << 16;
+// The float32 a bfloat16 stands for (its bits are a float32's high half): exact.
+inline float Bf16ToFloat(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
   float out;
   std::memcpy(&out, &b, 4);
   return out;
 }
+
+// x rounded to the nearest bfloat16 (ties to even), kept in a float.
+inline float RoundBf16(float x) { return Bf16ToFloat(Bf16Bits(x)); }
 
 }  // namespace entrenar
 

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "decoded_rows.h"
+#include "fastmath.h"
 #include "int8_dot.h"
 #include "row_pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -313,10 +314,7 @@ struct GgmlWeight {
     const uint8_t* r = data + row * row_bytes;
     if (type == 3) {  // BF16: the high half of a float32
       const uint8_t* p = r + 2 * c0;
-      for (int64_t j = 0; j < len; ++j) {
-        const uint32_t bits = static_cast<uint32_t>(Load16(p + 2 * j)) << 16;
-        std::memcpy(w + j, &bits, 4);
-      }
+      for (int64_t j = 0; j < len; ++j) w[j] = entrenar::Bf16ToFloat(Load16(p + 2 * j));
       return;
     }
     if (type == 4) {

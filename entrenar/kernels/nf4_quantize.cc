@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "fastmath.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -50,9 +51,7 @@ inline float FromBits(uint32_t bits) {
 }
 
 inline float Load(const float* x, int64_t i) { return x[i]; }
-inline float Load(const uint16_t* x, int64_t i) {
-  return FromBits(static_cast<uint32_t>(x[i]) << 16);  // bfloat16 -> float32, exact
-}
+inline float Load(const uint16_t* x, int64_t i) { return entrenar::Bf16ToFloat(x[i]); }
 
 // max over n values of |v| (+inf for NaN). For values >= 0 the order of IEEE bit
 // patterns is the order of the values, so the maximum is taken on integers.
@@ -74,7 +73,7 @@ inline float BlockAbsMax(const uint16_t* x, int64_t n) {
     b = b > 0x7F80u ? 0x7F80u : b;
     m = m > b ? m : b;
   }
-  return FromBits(m << 16);
+  return entrenar::Bf16ToFloat(static_cast<uint16_t>(m));
 }
 
 // Rows [r0, r1) of all S·R rows: s[row, b] = the block absmax.
