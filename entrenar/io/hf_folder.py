@@ -38,10 +38,9 @@ from entrenar.io.atomic import atomic_write
 from entrenar.io.bounded import MAX_CONFIG_BYTES, read_json
 from entrenar.io.heap import bound_heap
 from entrenar.io.hf_tokenizer import HFTokenizer, eos_ids_of, tokenizer_files
+from entrenar.io.read_ahead import ReadAhead
 from entrenar.io.safetensors_io import (
-    prefetch_pages,
     read_safetensors,
-    release_pages,
     write_safetensors_stream,
 )
 from entrenar.nn.hf_names import (
@@ -227,14 +226,15 @@ def load_hf_folder(
         flat = convert(flat, info.config)
     try:
         if stream:
-            params = stream_hf_names(
-                flat,
-                info.config,
-                dtype=dtype,
-                quantize=quantize,
-                release=release_pages,
-                prefetch=prefetch_pages,
-            )
+            with ReadAhead() as ahead:  # the files read on a thread as the load goes
+                params = stream_hf_names(
+                    flat,
+                    info.config,
+                    dtype=dtype,
+                    quantize=quantize,
+                    release=ahead.release,
+                    read_ahead=ahead.read,
+                )
         else:
             params = nn.from_hf_names(flat, info.config, dtype=dtype)
             params = quantize_leaves(params, quantize)

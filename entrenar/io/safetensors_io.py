@@ -227,7 +227,7 @@ def read_safetensors(
     return out, meta
 
 
-def _mapped_range(view: np.ndarray) -> tuple[mmap.mmap, int, int] | None:
+def mapped_range(view: np.ndarray) -> tuple[mmap.mmap, int, int] | None:
     """``(map, page-aligned start, length)`` of ``view`` in its `mmap.mmap`, or None."""
     base: Any = view
     while isinstance(base, np.ndarray) or isinstance(base, memoryview):
@@ -249,22 +249,10 @@ def _advise(view: np.ndarray, advice: str) -> None:
     """
     if not sys.platform.startswith("linux") or not hasattr(mmap, advice):
         return
-    where = _mapped_range(view)
+    where = mapped_range(view)
     if where is not None:
         base, lo, n = where
         base.madvise(getattr(mmap, advice), lo, n)
-
-
-def prefetch_pages(view: np.ndarray) -> None:
-    """Start reading ``view``'s pages from its memory-mapped file in the background.
-
-    ``madvise(MADV_WILLNEED)``: the kernel queues the reads of the whole range at
-    once and returns, so a streaming load reads a layer from the disk while it
-    copies and quantizes the one before (a page fault alone reads ahead a few
-    hundred KiB at a time, and only when touched). A no-op where ``view`` is not a
-    view of an `mmap.mmap` or the system has no ``MADV_WILLNEED``.
-    """
-    _advise(view, "MADV_WILLNEED")
 
 
 def release_pages(view: np.ndarray) -> None:
@@ -331,7 +319,7 @@ __all__ = [
     "TensorParts",
     "header_metadata",
     "load_model_safetensors",
-    "prefetch_pages",
+    "mapped_range",
     "read_safetensors",
     "release_pages",
     "safetensors_header",

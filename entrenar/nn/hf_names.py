@@ -249,7 +249,7 @@ def stream_hf_names(
     quantize: Quantize | None = None,
     strict: bool = True,
     release: Callable[[Any], None] | None = None,
-    prefetch: Callable[[Any], None] | None = None,
+    read_ahead: Callable[[Sequence[Any]], None] | None = None,
 ) -> Params:
     """`from_hf_names`, one leaf at a time (module docstring); the same tree.
 
@@ -268,9 +268,10 @@ def stream_hf_names(
         strict: raise on names the config does not expect.
         release: called with each array of ``flat`` once it is copied out (e.g.
             `entrenar.io.release_pages`).
-        prefetch: called with each array of ``flat`` of a stacked leaf a layer
-            before it is read (e.g. `entrenar.io.safetensors_io.prefetch_pages`:
-            the file's reads start while the layer before is copied and quantized).
+        read_ahead: called with the arrays of ``flat`` in the order the load will
+            read them, before it reads them (in two calls: the unstacked leaves,
+            then the stacked ones), e.g. `entrenar.io.read_ahead.ReadAhead.read`:
+            the files are read on a thread while the load copies and quantizes.
 
     Raises:
         FormatError: a name is missing (or unexpected with ``strict``).
@@ -313,6 +314,8 @@ def stream_hf_names(
     used = {n for *_, names, _ in leaves for n in names}
     if strict:
         _check_no_extra(flat, used, tied="lm_head" not in marked)
+    if read_ahead is not None:  # the unstacked leaves first, as read below
+        read_ahead([flat[names[0]] for *_, names, shape in leaves if not shape])
 
     def rows(name: str, final: Any, ring: list[Any] | None = None) -> RowReader:
         """Reads ``name``, a stacked leaf's layer into its leaf's ``ring``.
@@ -343,8 +346,18 @@ def stream_hf_names(
 
         return read
 
-    def ahead(name: str) -> Callable[[], None]:
-        return lambda: None if prefetch is None else prefetch(flat[name])
+    def in_place(name: str, final: Any) -> RowFill | None:
+        """Rows of ``name`` cast into the leaf's buffer, when exact in numpy."""
+        if not _exact_in_numpy(np.dtype(flat[name].dtype), final):
+            return None
+
+        def fill(start: int, stop: int, out: np.ndarray) -> None:
+            view = flat[name][start:stop]  # (stop - start, ...) as stored
+            np.copyto(out, view, casting="unsafe")  # exact: same or wider float
+            if release is not None:
+                release(view)
+
+        return fill
 
     def final_dtype(names: list[str]) -> Any:
         final = dtype or jnp.result_type(*(flat[n].dtype for n in names))
@@ -358,30 +371,53 @@ def stream_hf_names(
             if shape
         ]
         warm_up(stacked, quantize)
+    # Unstacked leaves (an embedding) one by one; stacked leaves a layer at a time,
+    # every leaf's layer i before layer i + 1: a shard's order, so the files are read
+    # front to back. A leaf read through `rows` (cast or quantized by JAX) goes
+    # alone, leaf by leaf: its ring of layer buffers is one leaf's.
+    one, alone, together = [], [], []
     for node, name, path, names, shape in leaves:
         final = final_dtype(names)
         plain = path.replace(".__L__", "")
-        if shape:
-            ahead_ = [ahead(n) for n in names]
-            raw = _raw_quantize(quantize, plain, shape, [flat[n] for n in names], final)
-            if raw is not None:  # each layer quantized where it lies, no copy
-                views = [functools.partial(_same, flat[n]) for n in names]
-                node[name] = stream_stacked(
-                    plain, shape, final, views, quantize, prefetch=ahead_, host=raw,
-                    release=release,
-                )  # fmt: skip
-                continue
-            ring: list[Any] = [None] * (QUANTIZE_AHEAD + 1)  # this leaf's buffers
-            layers = [
-                functools.partial(rows(n, final, ring), None, None) for n in names
-            ]
-            node[name] = stream_stacked(
-                plain, shape, final, layers, quantize, prefetch=ahead_
-            )
+        node[name] = None  # the key, in the config's order; the leaf comes below
+        if not shape:
+            one.append((node, name, plain, names[0], final))
+            continue
+        stored = [flat[n] for n in names]
+        views = [functools.partial(_same, v) for v in stored]
+        raw = _raw_quantize(quantize, plain, shape, stored, final)
+        copy = quantize is None or quantize(plain, tuple(shape)) is None
+        if raw is not None or (
+            copy and all(_exact_in_numpy(v.dtype, final) for v in stored)
+        ):  # each layer quantized where it lies, or cast into the leaf: no copy
+            leaf = StackedLeaf(
+                plain, shape, final, views, quantize, host=raw, release=release
+            )  # fmt: skip
+            together.append((node, name, names, leaf))
         else:
-            leaf_shape = tuple(np.shape(flat[names[0]]))
-            read = rows(names[0], final)
-            node[name] = stream_one(plain, leaf_shape, final, read, quantize)
+            alone.append((node, name, plain, names, shape, final))
+    if read_ahead is not None:  # then the stacked ones, in the order read below
+        read_ahead(
+            [flat[n] for _, _, _, names, _, _ in alone for n in names]
+            + [
+                flat[names[i]]
+                for i in range(max((len(t[2]) for t in together), default=0))
+                for _, _, names, _ in together
+                if i < len(names)
+            ]
+        )  # fmt: skip
+    for node, name, plain, n, final in one:
+        read = rows(n, final)
+        write = in_place(n, final)
+        leaf_shape = tuple(np.shape(flat[n]))
+        node[name] = stream_one(plain, leaf_shape, final, read, quantize, fill=write)
+    for node, name, plain, names, shape, final in alone:
+        ring: list[Any] = [None] * (QUANTIZE_AHEAD + 1)  # this leaf's buffers
+        layers = [functools.partial(rows(n, final, ring), None, None) for n in names]
+        node[name] = stream_stacked(plain, shape, final, layers, quantize)
+    done = stream_layers([leaf for *_, leaf in together])
+    for (node, name, _, _), value in zip(together, done, strict=True):
+        node[name] = value
     return _unmark(tree)
 
 
@@ -479,28 +515,31 @@ def stream_stacked(
     layers: Sequence[Reader],
     quantize: Quantize | None = None,
     *,
-    prefetch: Sequence[Callable[[], None]] | None = None,
     host: HostQuantize | None = None,
     release: Callable[[Any], None] | None = None,
 ) -> Any:
     """The stacked leaf ``path`` of ``shape = (L, ...)`` from its ``L`` layers.
 
+    `stream_layers` of this one leaf (`StackedLeaf` says how it is filled).
+    """
+    leaf = StackedLeaf(path, shape, dtype, layers, quantize, host=host, release=release)
+    return stream_layers([leaf])[0]
+
+
+class StackedLeaf:
+    """One stacked leaf ``path`` of ``shape = (L, ...)`` filled from its ``L`` layers.
+
     An array leaf is allocated once on the host in its final dtype, filled layer by
     layer in numpy and handed to JAX once (no copy on the CPU), so the load holds the
     final tree plus this one leaf, and costs no compile or dispatch per layer. A leaf
     ``quantize`` names is quantized layer by layer instead: layer ``i`` is read,
-    quantized as ``fn(layer[None])`` (a ``(1, ...)`` stack), and each array of its
-    node written at index ``i`` of the node's stacked host arrays (allocated from
-    layer 0's, handed to JAX at the end). Worker threads quantize `QUANTIZE_AHEAD`
-    layers at a time while the main thread reads the next (``prefetch[i + 1]``
-    called before layer ``i`` is read, so the file's reads overlap the work), so
-    the load holds the final tree plus ``QUANTIZE_AHEAD + 1`` layers in the load's
-    dtype and the quantizations' temporaries. This is the node ``fn(leaf)`` gives
-    because `Quantize` functions treat a stack layer by layer (NF4 by definition:
-    `entrenar.quant.nf4.quantize_nf4`); a layer's error (NaN/Inf) is raised as is,
-    once the layers in flight are done. A function with a host form (`Quantize`)
-    runs it instead, on the layers as numpy arrays (no XLA program), writing
-    each layer from the third on straight into the node's stacked arrays.
+    quantized as ``fn(layer[None])`` (a ``(1, ...)`` stack) on a worker thread, and
+    each array of its node written at index ``i`` of the node's stacked host arrays
+    (allocated from layer 0's, handed to JAX at the end). This is the node
+    ``fn(leaf)`` gives because `Quantize` functions treat a stack layer by layer
+    (NF4 by definition: `entrenar.quant.nf4.quantize_nf4`). A function with a host
+    form (`Quantize`) runs it instead, on the layers as numpy arrays (no XLA
+    program), writing each layer once the arrays exist straight into them.
 
     Args:
         path: the leaf's dotted tree path (what ``quantize`` is asked about).
@@ -508,73 +547,117 @@ def stream_stacked(
         dtype: the dtype the readers return.
         layers: ``L`` readers, layer ``i`` in order.
         quantize: `Quantize`, or None.
-        prefetch: ``L`` calls, ``prefetch[i]`` starts reading layer ``i`` in the
-            background; or None.
         host: the host form to quantize each layer with (`HostQuantize`), for
             readers that return arrays of another dtype than ``dtype`` (the
             file's bfloat16 standing for float32); default: the function's own
             for ``dtype``, if any.
-        release: called with each layer's array once it is quantized (a reader
-            that returns a memory-mapped view leaves its pages to this).
+        release: called with each layer's array once it is copied or quantized (a
+            reader that returns a memory-mapped view leaves its pages to this).
     """
-    fn = None if quantize is None else quantize(path, tuple(shape))
 
-    def start(i: int) -> None:
-        if prefetch and i < len(prefetch):
-            prefetch[i]()
+    def __init__(
+        self,
+        path: str,
+        shape: tuple[int, ...],
+        dtype: DType,
+        layers: Sequence[Reader],
+        quantize: Quantize | None = None,
+        *,
+        host: HostQuantize | None = None,
+        release: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.fn = None if quantize is None else quantize(path, tuple(shape))
+        self.shape, self.layers, self.release = tuple(shape), layers, release
+        self.host = host
+        if self.fn is not None and host is None:
+            self.host = on_host(self.fn, dtype, dtype)
+        self.out: list[np.ndarray] = []  # the node's arrays, each (L, ...), on the host
+        self.treedef: Any = None
+        if self.fn is None:
+            self.out.append(_host_buffer(self.shape, dtype))  # (L, *layer_shape)
 
-    start(0)
-    if fn is None:
-        buf = _host_buffer(shape, dtype)  # (L, *layer_shape)
-        for i, read in enumerate(layers):
-            start(i + 1)
-            buf[i] = np.asarray(read())  # layer i: (*layer_shape)
-        return to_device(buf)
-    out: list[np.ndarray] = []  # the node's arrays, each (L, ...), on the host
-    treedef: Any = None
+    def copy(self, i: int) -> None:
+        """Layer ``i`` read and cast into the array leaf (no ``quantize``)."""
+        x = self.layers[i]()  # (*layer_shape), or a view it is cast from exactly
+        np.copyto(self.out[0][i], np.asarray(x), casting="unsafe")
+        if self.release is not None:
+            self.release(x)
 
-    def put(i: int, done: tuple[Any, bool]) -> None:
-        nonlocal treedef
+    def quantized(self, x: Any, into: Any) -> tuple[Any, bool]:
+        """Layer ``x``'s node (arrays ``(1, ...)``), in ``into`` if not None."""
+        if self.host is None:
+            node = jax.block_until_ready(self.fn(x[None]))  # type: ignore[misc]
+        else:  # no XLA program: numpy arrays, written into the leaf's once known
+            node = self.host(np.asarray(x)[None], into)
+        if self.release is not None:
+            self.release(x)
+        return node, into is not None
+
+    def place(self, i: int) -> Any:
+        """Layer ``i``'s views of the node's stacked arrays, once they exist."""
+        if self.host is None or not self.out:
+            return None
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [b[i : i + 1] for b in self.out]
+        )
+
+    def put(self, i: int, done: tuple[Any, bool]) -> None:
+        """Layer ``i``'s quantized node into the stacked arrays (made at layer 0)."""
         node, in_place = done  # in place: a host form wrote it into `out`
-        arrays, treedef = jax.tree_util.tree_flatten(node)  # each (1, ...)
-        if not out:
-            out.extend(_host_buffer((shape[0], *x.shape[1:]), x.dtype) for x in arrays)
-        for buf, x in zip(out, arrays, strict=True):
+        arrays, self.treedef = jax.tree_util.tree_flatten(node)  # each (1, ...)
+        if not self.out:
+            self.out.extend(
+                _host_buffer((self.shape[0], *x.shape[1:]), x.dtype) for x in arrays
+            )
+        for buf, x in zip(self.out, arrays, strict=True):
             if not in_place:
                 buf[i] = np.asarray(x)[0]  # layer i's (...) at i
 
-    if host is None:
-        host = on_host(fn, dtype, dtype)
+    def value(self) -> Any:
+        """The finished leaf: an array, or the node of stacked arrays, on the device."""
+        if self.fn is None:
+            return to_device(self.out[0])
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [to_device(b) for b in self.out]
+        )
 
-    def quantized(x: Any, into: Any) -> tuple[Any, bool]:
-        if host is None:
-            node = jax.block_until_ready(fn(x[None]))  # arrays (1, ...)
-        else:  # no XLA program: numpy arrays, written into the leaf's once known
-            node = host(np.asarray(x)[None], into)
-        if release is not None:
-            release(x)
-        return node, into is not None
 
-    def place(i: int) -> Any:
-        """Layer ``i``'s views of the node's stacked arrays, once they exist."""
-        if host is None or not out:
-            return None
-        return jax.tree_util.tree_unflatten(treedef, [b[i : i + 1] for b in out])
+def stream_layers(leaves: Sequence[StackedLeaf]) -> list[Any]:
+    """Fill ``leaves`` a layer at a time: layer ``i`` of each, then layer ``i + 1``.
 
-    pending: collections.deque[concurrent.futures.Future[tuple[Any, bool]]]
-    pending = collections.deque()
+    In the order a Hugging Face shard or a GGUF stores them, so a load reads its
+    files front to back. Array leaves are copied on this thread; worker threads
+    quantize `QUANTIZE_AHEAD` layers at a time while this thread reads the next, so
+    the load holds the final tree plus ``QUANTIZE_AHEAD + 1`` layers in the load's
+    dtype and the quantizations' temporaries. A layer's error (NaN/Inf) is raised as
+    is, once the layers in flight are done.
+
+    Returns:
+        Each leaf's `StackedLeaf.value`, in order.
+    """
+    pending: collections.deque[
+        tuple[StackedLeaf, int, concurrent.futures.Future[tuple[Any, bool]]]
+    ] = collections.deque()
     try:
-        for i, read in enumerate(layers):
-            start(i + 1)
-            x = read()  # read here, now
-            pending.append(_workers().submit(quantized, x, place(i)))
-            if len(pending) == QUANTIZE_AHEAD:
-                put(i + 1 - len(pending), pending.popleft().result())
+        for i in range(max((len(leaf.layers) for leaf in leaves), default=0)):
+            for leaf in leaves:
+                if i >= len(leaf.layers):
+                    continue
+                if leaf.fn is None:
+                    leaf.copy(i)
+                    continue
+                x = leaf.layers[i]()  # read here, now
+                job = _workers().submit(leaf.quantized, x, leaf.place(i))
+                pending.append((leaf, i, job))
+                if len(pending) == QUANTIZE_AHEAD:
+                    done, j, job = pending.popleft()
+                    done.put(j, job.result())
         while pending:
-            put(len(layers) - len(pending), pending.popleft().result())
+            done, j, job = pending.popleft()
+            done.put(j, job.result())
     finally:
-        concurrent.futures.wait(pending)  # an error: the layers in flight end first
-    return jax.tree_util.tree_unflatten(treedef, [to_device(b) for b in out])
+        concurrent.futures.wait([job for *_, job in pending])  # layers in flight end
+    return [leaf.value() for leaf in leaves]
 
 
 def warm_up(
@@ -750,12 +833,14 @@ __all__ = [
     "Reader",
     "RowFill",
     "RowReader",
+    "StackedLeaf",
     "from_hf_names",
     "lazy_hf_names",
     "on_host",
     "per_layer_shapes",
     "quantize_leaves",
     "stream_hf_names",
+    "stream_layers",
     "stream_one",
     "stream_stacked",
     "to_hf_names",

@@ -54,6 +54,9 @@ file, reads its pages into the page cache without copying them anywhere."""
 MADV_DONTNEED = 4
 """Linux's ``madvise`` advice that drops a range's pages from this process."""
 
+MADV_WILLNEED = 3
+"""Linux's ``madvise`` advice that starts reading a range in the background."""
+
 
 @functools.cache
 def _madvise() -> Any:
