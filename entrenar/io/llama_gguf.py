@@ -38,6 +38,7 @@ import json
 import math
 import mmap
 import os
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import jax
@@ -68,6 +69,7 @@ from entrenar.nn.hf_names import (
     Reader,
     RowFill,
     RowReader,
+    StackedLeaf,
     per_layer_shapes,
     quantize_leaves,
     stream_one,
@@ -550,6 +552,39 @@ def blocks_node(
     )
 
 
+Fill = Generator[None, None, Any]
+"""A stacked leaf filled a layer per step: each ``next`` reads one more layer (the
+first allocates), and the generator returns the leaf (`by_layer`)."""
+
+
+def by_layer(fills: Sequence[Fill]) -> list[Any]:
+    """Run ``fills`` a step each in turn: every leaf's layer ``i``, then ``i + 1``.
+
+    Returns each fill's leaf, in order. On an error the other fills are closed
+    (their ``finally`` blocks run) before it is raised.
+    """
+    values: list[Any] = [None] * len(fills)
+    live = list(range(len(fills)))
+    try:
+        while live:
+            for k in list(live):
+                try:
+                    next(fills[k])
+                except StopIteration as done:
+                    values[k] = done.value
+                    live.remove(k)
+    finally:
+        for f in fills:
+            f.close()
+    return values
+
+
+def _at_once(make: Callable[[], Any]) -> Fill:
+    """A `Fill` that builds its whole leaf at its first step (``make()``)."""
+    return make()
+    yield  # a generator: nothing before its first step
+
+
 def load_llama_gguf(
     path: str | os.PathLike[str] | GGUFFile,
     keep_quantized: bool = False,
@@ -684,8 +719,21 @@ def load_llama_gguf(
 
         return write
 
-    def kept_bytes(path_: str, names: list[str], types: list[str], shape: Any) -> Any:
-        """A stacked leaf as stored, filled layer by layer on the host.
+    stage = np.empty(0, np.uint8)
+
+    def staged(size: int) -> np.ndarray:
+        """``size`` bytes of one buffer every leaf reads a layer through in turn.
+
+        One for the load: the fills run a layer at a time, each done with it
+        before the next starts, so it stays in the cache.
+        """
+        nonlocal stage
+        if stage.size < size:
+            stage = np.empty(size, np.uint8)
+        return stage[:size]
+
+    def kept_bytes(path_: str, names: list[str], types: list[str], shape: Any) -> Fill:
+        """A stacked leaf as stored, filled layer by layer on the host (a `Fill`).
 
         Each layer's bytes are read from the file (``pread``, `GGUFFile.read_into`)
         into its place in one page-aligned ``(L, rows, width)`` uint8 buffer, or
@@ -698,13 +746,13 @@ def load_llama_gguf(
         read (`populate_ahead`), so the page faults overlap the disk, and the
         unused end of a narrower layer's room is never written, never resident.
         """
+        yield  # allocated at the first layer's turn
         kinds = tuple(sorted(set(types)))
         cols = shape[-1]
         width = max(row_bytes(t, cols) for t in check_types(kinds, cols))
         buf = host_buffer((*shape[:-1], width), np.uint8, zeroed=True)  # lazy
         stem = names[0].split(".")[-2]
         permuted = permute and stem in perm_heads
-        stage: np.ndarray | None = None  # one layer's bytes, when not read in place
         sizes = [shape[-2] * row_bytes(t, cols) for t in types]
         # each layer's room (only the bytes written become resident), faulted in
         # on a background thread ahead of its read
@@ -712,15 +760,15 @@ def load_llama_gguf(
         ready = populate_ahead(rooms)
         prefetch(names[0])
         for i, gname in enumerate(names):
+            if i > 0:
+                yield  # the other leaves' layer i - 1
             if i + 1 < len(names):
                 prefetch(names[i + 1])  # read from the disk while this one copies
             size, room = sizes[i], rooms[i]  # layer i's bytes, packed (contiguous)
             if not permuted:
                 g.read_into(gname, room, fd)  # straight into its place
                 continue
-            if stage is None or stage.size != size:
-                stage = np.empty(size, np.uint8)
-            raw = g.read_into(gname, stage, fd).reshape(shape[-2], -1)  # (rows, n)
+            raw = g.read_into(gname, staged(size), fd).reshape(shape[-2], -1)
             room[:] = unpermute_qk(raw, perm_heads[stem]).reshape(-1)
         concurrent.futures.wait(ready)
         data = to_device(buf)
@@ -729,8 +777,8 @@ def load_llama_gguf(
         kind = to_device(np.asarray([kinds.index(t) for t in types], np.int32))  # (L,)
         return MixedGGMLWeight(data, kind, kinds, cols)
 
-    def kept_blocks(names: list[str], kind: str, shape: Any) -> QuantizedWeight:
-        """A stacked Q8_0/Q4_0/Q4_1 leaf as `from_ggml` makes it, read layer by layer.
+    def kept_blocks(names: list[str], kind: str, shape: Any) -> Fill:
+        """A stacked Q8_0/Q4_0/Q4_1 leaf as `from_ggml` makes it, a `Fill` of layers.
 
         Each layer's bytes are read (``pread``, the next layer's read started
         ahead) into one reused ``(rows, blocks, bytes)`` buffer, un-permuted if q/k,
@@ -738,16 +786,19 @@ def load_llama_gguf(
         float16 ``d``, Q4_1's float16 ``m``), which become the JAX arrays uncopied:
         no stacked copy of the raw leaf, no JAX program.
         """
+        yield  # allocated at the first layer's turn
         rows, cols = shape[-2], shape[-1]
         nb, size = cols // QK, BLOCK_BYTES[kind]
         width, codes, d, m = _block_arrays((shape[0], rows), nb, kind)  # (L, rows, ·)
         stem = names[0].split(".")[-2]
-        stage = np.empty(rows * nb * size, np.uint8)
         prefetch(names[0])
         for i, gname in enumerate(names):
+            if i > 0:
+                yield  # the other leaves' layer i - 1
             if i + 1 < len(names):
                 prefetch(names[i + 1])
-            raw = g.read_into(gname, stage, fd).reshape(rows, nb * size)  # (rows,·)
+            raw = g.read_into(gname, staged(rows * nb * size), fd)
+            raw = raw.reshape(rows, nb * size)  # (rows, nb · size) layer i's blocks
             if permute and stem in perm_heads:
                 raw = unpermute_qk(raw, perm_heads[stem])
             split_blocks(
@@ -785,7 +836,18 @@ def load_llama_gguf(
         g.read_into(gname, buf, fd)
         return GGMLWeight(to_device(buf), _type(gname))
 
-    def stacked(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Any:
+    def copied(path_: str, names: list[str], shape: tuple[int, ...]) -> Fill:
+        """A stacked leaf dequantized and cast into its buffer, layer by layer."""
+        yield  # allocated at the first layer's turn
+        leaf = StackedLeaf(path_, shape, final, [reader(n, shape[1:]) for n in names])
+        for i in range(shape[0]):
+            if i > 0:
+                yield  # the other leaves' layer i - 1
+            leaf.copy(i)
+        return leaf.value()
+
+    def stacked(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Fill:
+        """The stacked leaf ``path_`` as a `Fill` of its layers."""
         names = [by_hf[f"model.layers.{i}.{hf_stem}"] for i in range(shape[0])]
         layer_types = [g.tensors[n].type_name for n in names]
         types = set(layer_types)
@@ -796,19 +858,43 @@ def load_llama_gguf(
         if kept and t in BLOCK_BYTES and stream:
             return kept_blocks(names, t, shape)
         if kept and t in KEEP_QUANTIZED:
-            raw = np.stack([_rows(g, n) for n in names])  # (L, rows, row_bytes)
-            for n in names:
-                release_pages(g.raw(n))
-            stem = names[0].split(".")[-2]
-            if permute and stem in perm_heads:
-                raw = unpermute_qk(raw, perm_heads[stem])
-            return from_ggml(raw.reshape(-1), t, shape)
+
+            def whole() -> Any:
+                raw = np.stack([_rows(g, n) for n in names])  # (L, rows, row_bytes)
+                for n in names:
+                    release_pages(g.raw(n))
+                stem = names[0].split(".")[-2]
+                if permute and stem in perm_heads:
+                    raw = unpermute_qk(raw, perm_heads[stem])
+                return from_ggml(raw.reshape(-1), t, shape)
+
+            return _at_once(whole)
+        if stream and (quantize is None or quantize(path_, shape) is None):
+            return copied(path_, names, shape)
         if stream:  # layer by layer: llama.cpp's mixes (Q4_K_M) differ in row bytes
             layers = [reader(n, shape[1:]) for n in names]
-            return stream_stacked(path_, shape, final, layers, quantize)
-        return jnp.asarray(np.stack([one(n, shape[1:]) for n in names]), dtype=dtype)
+            return _at_once(
+                lambda: stream_stacked(path_, shape, final, layers, quantize)
+            )
+        return _at_once(
+            lambda: jnp.asarray(
+                np.stack([one(n, shape[1:]) for n in names]), dtype=dtype
+            )
+        )
 
-    late: list[tuple[dict[str, Any], str, str, str, tuple[int, ...]]] = []
+    fills: list[tuple[dict[str, Any], str, Fill]] = []  # the stacked leaves
+    aside: list[tuple[dict[str, Any], str, concurrent.futures.Future[Any]]] = []
+
+    def on_the_side(
+        out: dict[str, Any], k: str, make: Callable[..., Any], *args: Any
+    ) -> None:
+        """``out[k] = make(*args)`` on a second thread while this one reads layers.
+
+        For a table kept as stored (an embedding, ``lm_head``): its bytes come
+        first in the file, where the read ahead has passed.
+        """
+        out[k] = None  # its place in the tree
+        aside.append((out, k, _ahead().submit(make, *args)))
 
     def build(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -816,25 +902,22 @@ def load_llama_gguf(
             path_ = f"{prefix}{k}"
             if isinstance(v, dict):
                 out[k] = build(v, f"{path_}.")
-            elif prefix.startswith("model.layers.") and len(v) <= 2 and reading:
-                # a stacked vector (the norms): one small tensor per layer, spread
-                # over the file; read last, once the file read ahead has reached
-                # them (each read before it was a synchronous disk request)
-                out[k] = None  # its place in the tree
-                late.append((out, k, path_, path_.removeprefix("model.layers."), v))
             elif prefix.startswith("model.layers."):
+                # filled below, a layer at a time, every leaf's layer i before
+                # layer i + 1: the file's order, so it is read front to back
+                out[k] = None  # its place in the tree
                 stem = path_.removeprefix("model.layers.")
-                out[k] = stacked(path_, stem, tuple(v))
+                fills.append((out, k, stacked(path_, stem, tuple(v))))
             elif (
                 keep_quantized and len(v) == 2 and _type(by_hf[path_]) in KQUANT_FORMATS
             ):
                 # embeddings, lm_head: looked up / multiplied from their rows
-                out[k] = kept_table(path_, by_hf[path_], tuple(v))
+                on_the_side(out, k, kept_table, path_, by_hf[path_], tuple(v))
             elif keep_quantized and len(v) == 2 and _type(by_hf[path_]) in BLOCK_BYTES:
                 # a Q8_0/Q4_0/Q4_1 embedding or lm_head: as the projections
                 gname, kind = by_hf[path_], _type(by_hf[path_])
                 if stream:
-                    out[k] = kept_matrix(gname, kind, tuple(v))
+                    on_the_side(out, k, kept_matrix, gname, kind, tuple(v))
                 else:
                     out[k] = from_ggml(g.raw(gname), kind, tuple(v))
             elif (
@@ -855,9 +938,13 @@ def load_llama_gguf(
     fd = os.open(g.path, os.O_RDONLY)  # the tensors kept as stored are read from it
     try:
         params = build(config.param_shapes(), "")
-        for out, k, path_, stem, shape in late:
-            out[k] = stacked(path_, stem, tuple(shape))
+        leaves = by_layer([f for *_, f in fills])
+        for (out, k, _), value in zip(fills, leaves, strict=True):
+            out[k] = value
+        for out, k, job in aside:
+            out[k] = job.result()
     finally:  # the work ahead ends with the load (done long since)
+        concurrent.futures.wait([job for *_, job in aside])  # before fd closes
         os.close(fd)
         concurrent.futures.wait(ahead)
     if not stream:

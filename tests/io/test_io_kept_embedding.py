@@ -15,6 +15,7 @@ import pytest
 
 from entrenar import lora, nn
 from entrenar.io import load_llama_gguf, read_gguf, save_llama_gguf
+from entrenar.io.gguf_reader import GGUFFile
 from entrenar.lora import LoRAConfig
 from entrenar.nn import TiedEmbedding, to_bfloat16_weights
 from entrenar.quant import QuantizedWeight, dequantize
@@ -184,7 +185,7 @@ def test_a_kept_tree_writes_back_the_same_bytes(gguf, kind, tmp_path):
 
 
 def test_the_load_keeps_the_configs_order_and_the_non_streaming_tree(gguf):
-    """Stacked norms are built last (after the read-ahead), in the config's places."""
+    """Stacked leaves are filled a layer at a time, after the build: in their places."""
 
     def order(tree):
         if not isinstance(tree, dict):
@@ -196,3 +197,25 @@ def test_the_load_keeps_the_configs_order_and_the_non_streaming_tree(gguf):
     assert order(streamed) == order(config.param_shapes())
     for a, b in zip(jax.tree.leaves(streamed), jax.tree.leaves(whole), strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "dequantized"])
+def test_the_layers_are_read_in_the_files_order(gguf, keep, monkeypatch):
+    """Every leaf's layer i before any leaf's layer i + 1, as llama.cpp stores them."""
+    seen: list[str] = []
+    raw, read_into = GGUFFile.raw, GGUFFile.read_into
+
+    def raw_(self, name):
+        seen.append(name)
+        return raw(self, name)
+
+    def read_into_(self, name, *args, **kwargs):
+        seen.append(name)
+        return read_into(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(GGUFFile, "raw", raw_)
+    monkeypatch.setattr(GGUFFile, "read_into", read_into_)
+    config, _, _ = load_llama_gguf(gguf, keep_quantized=keep)
+    layers = [int(n.split(".")[1]) for n in seen if n.startswith("blk.")]
+    assert layers == sorted(layers)
+    assert set(layers) == set(range(config.num_layers))
