@@ -1,23 +1,24 @@
 """Read a load's memory-mapped tensors from disk on a thread, ahead of the load.
 
-A streaming load (`entrenar.nn.hf_names.stream_hf_names`) reads its tensors in
-*leaf* order (every layer's ``q_proj``, then every layer's ``k_proj``, ...) while
-a Hugging Face shard stores them layer by layer, so each tensor is a separate disk
-request. Left to page faults, each request waits on the disk with the CPU idle;
-one ``madvise(MADV_WILLNEED)`` a layer ahead (what the load did before) cost the
-loading thread 38 ms of request submission at SmolLM2-135M and kept only one
-layer in flight.
+A streaming load (`entrenar.nn.hf_names.stream_hf_names`) copies and quantizes a
+tensor at a time from memory-mapped shards. Left to page faults, each tensor is
+read from the disk when the load first touches it, the CPU idle meanwhile; one
+``madvise(MADV_WILLNEED)`` a layer ahead (what the load did before) cost the
+loading thread 38 ms of request submission at SmolLM2-135M and kept one layer in
+flight.
 
-`ReadAhead` walks the tensors in the order the load will read them, on its own
-thread, and faults each in with ``madvise(MADV_POPULATE_READ)`` (Linux 5.14+; the
-disk reads into the page cache, the pages mapped, no copy), `PIECE_BYTES` at a
-time, at most ``lead`` bytes ahead of what the load has released
-(`ReadAhead.release`, which drops the pages from this process as
-`entrenar.io.safetensors_io.release_pages` does). So the disk works while the load
-copies and quantizes, and the load's resident set holds at most ``lead`` bytes of
-mapped file beyond what it held before. A piece the load has already passed is
-skipped (the reader never maps pages back in after the load released them); on a
-kernel without the advice, each piece gets ``MADV_WILLNEED`` instead.
+`ReadAhead` walks the tensors in the order the load will read them (the order a
+shard stores them: `stream_hf_names` fills its stacked leaves a layer at a time),
+on its own thread, `PIECE_BYTES` at a time: ``madvise(MADV_POPULATE_READ)``
+(Linux 5.14+: the disk reads the piece into the page cache, no copy) with the
+next piece ``MADV_WILLNEED``ed meanwhile (so the disk gets big requests back to
+back), then ``MADV_DONTNEED`` (the pages leave this process; the page cache keeps
+them), so the load's resident set does not grow. It stays at most ``lead`` bytes
+ahead of what the load has released (`ReadAhead.release`, which drops the
+pages as `entrenar.io.safetensors_io.release_pages` does), so it does not fill
+the page cache far ahead of use, and skips a piece once the load's releases have
+passed it by bytes (the load read it itself). On a kernel without the advice
+each piece gets ``MADV_WILLNEED`` instead.
 
 Only the timing changes: the values are read from the same mapped bytes either way.
 """
@@ -59,7 +60,7 @@ class ReadAhead:
                                      release=ahead.release)
 
     Args:
-        lead: most bytes faulted in beyond what the load has released.
+        lead: most bytes read beyond what the load has released.
     """
 
     def __init__(self, lead: int = LEAD_BYTES) -> None:
@@ -135,7 +136,7 @@ class ReadAhead:
                 behind = self._read + piece.nbytes <= self._released
                 self._read += piece.nbytes
             if behind:
-                continue  # the load has read and released it already
+                continue  # the load's releases have passed it: it read it itself
             if after is not None:  # the next piece's reads queued, in big requests
                 advise(after, MADV_WILLNEED)
             if advice == MADV_WILLNEED or not advise(piece, MADV_POPULATE_READ):

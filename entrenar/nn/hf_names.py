@@ -363,61 +363,80 @@ def stream_hf_names(
         final = dtype or jnp.result_type(*(flat[n].dtype for n in names))
         return jax.dtypes.canonicalize_dtype(final)
 
-    if quantize is not None:
-        quantize = functools.cache(quantize)  # asked once a leaf (it may trace)
-        stacked = [
-            (path.replace(".__L__", ""), shape, final_dtype(names))
-            for _, _, path, names, shape in leaves
-            if shape
-        ]
-        warm_up(stacked, quantize)
-    # Unstacked leaves (an embedding) one by one; stacked leaves a layer at a time,
-    # every leaf's layer i before layer i + 1: a shard's order, so the files are read
-    # front to back. A leaf read through `rows` (cast or quantized by JAX) goes
-    # alone, leaf by leaf: its ring of layer buffers is one leaf's.
-    one, alone, together = [], [], []
+    def stream_stacked_leaves() -> None:
+        """The stacked leaves: a layer at a time, every leaf's layer ``i`` first.
+
+        A shard's order, so the files are read front to back. A leaf read through
+        `rows` (cast or quantized by JAX) goes alone, leaf by leaf: its ring of
+        layer buffers is one leaf's.
+        """
+        quantize_ = None if quantize is None else functools.cache(quantize)
+        if quantize_ is not None:  # asked once a leaf (it may trace)
+            warm_up(
+                [
+                    (path.replace(".__L__", ""), shape, final_dtype(names))
+                    for _, _, path, names, shape in leaves
+                    if shape
+                ],
+                quantize_,
+            )
+        alone, together = [], []
+        for node, name, path, names, shape in leaves:
+            if not shape:
+                continue
+            final = final_dtype(names)
+            plain = path.replace(".__L__", "")
+            stored = [flat[n] for n in names]
+            views = [functools.partial(_same, v) for v in stored]
+            raw = _raw_quantize(quantize_, plain, shape, stored, final)
+            copy = quantize_ is None or quantize_(plain, tuple(shape)) is None
+            if raw is not None or (
+                copy and all(_exact_in_numpy(v.dtype, final) for v in stored)
+            ):  # each layer quantized where it lies, or cast into the leaf: no copy
+                leaf = StackedLeaf(
+                    plain, shape, final, views, quantize_, host=raw, release=release
+                )  # fmt: skip
+                together.append((node, name, names, leaf))
+            else:
+                alone.append((node, name, plain, names, shape, final))
+        if read_ahead is not None:  # in the order read below
+            read_ahead(
+                [flat[n] for _, _, _, names, _, _ in alone for n in names]
+                + [
+                    flat[names[i]]
+                    for i in range(max((len(t[2]) for t in together), default=0))
+                    for _, _, names, _ in together
+                    if i < len(names)
+                ]
+            )  # fmt: skip
+        for node, name, plain, names, shape, final in alone:
+            ring: list[Any] = [None] * (QUANTIZE_AHEAD + 1)  # this leaf's buffers
+            layers = [
+                functools.partial(rows(n, final, ring), None, None) for n in names
+            ]
+            node[name] = stream_stacked(plain, shape, final, layers, quantize_)
+        done = stream_layers([leaf for *_, leaf in together])
+        for (node, name, _, _), value in zip(together, done, strict=True):
+            node[name] = value
+
+    # The unstacked leaves (an embedding, first in a shard) are built on a second
+    # thread, their copy overlapping the setup and the layers' stream below.
+    tables = []
     for node, name, path, names, shape in leaves:
-        final = final_dtype(names)
-        plain = path.replace(".__L__", "")
         node[name] = None  # the key, in the config's order; the leaf comes below
         if not shape:
-            one.append((node, name, plain, names[0], final))
-            continue
-        stored = [flat[n] for n in names]
-        views = [functools.partial(_same, v) for v in stored]
-        raw = _raw_quantize(quantize, plain, shape, stored, final)
-        copy = quantize is None or quantize(plain, tuple(shape)) is None
-        if raw is not None or (
-            copy and all(_exact_in_numpy(v.dtype, final) for v in stored)
-        ):  # each layer quantized where it lies, or cast into the leaf: no copy
-            leaf = StackedLeaf(
-                plain, shape, final, views, quantize, host=raw, release=release
+            n, plain, final = names[0], path.replace(".__L__", ""), final_dtype(names)
+            job = _aside().submit(
+                stream_one, plain, tuple(flat[n].shape), final, rows(n, final),
+                quantize, fill=in_place(n, final),
             )  # fmt: skip
-            together.append((node, name, names, leaf))
-        else:
-            alone.append((node, name, plain, names, shape, final))
-    if read_ahead is not None:  # then the stacked ones, in the order read below
-        read_ahead(
-            [flat[n] for _, _, _, names, _, _ in alone for n in names]
-            + [
-                flat[names[i]]
-                for i in range(max((len(t[2]) for t in together), default=0))
-                for _, _, names, _ in together
-                if i < len(names)
-            ]
-        )  # fmt: skip
-    for node, name, plain, n, final in one:
-        read = rows(n, final)
-        write = in_place(n, final)
-        leaf_shape = tuple(np.shape(flat[n]))
-        node[name] = stream_one(plain, leaf_shape, final, read, quantize, fill=write)
-    for node, name, plain, names, shape, final in alone:
-        ring: list[Any] = [None] * (QUANTIZE_AHEAD + 1)  # this leaf's buffers
-        layers = [functools.partial(rows(n, final, ring), None, None) for n in names]
-        node[name] = stream_stacked(plain, shape, final, layers, quantize)
-    done = stream_layers([leaf for *_, leaf in together])
-    for (node, name, _, _), value in zip(together, done, strict=True):
-        node[name] = value
+            tables.append((node, name, job))
+    try:
+        stream_stacked_leaves()
+        for node, name, job in tables:
+            node[name] = job.result()
+    finally:
+        concurrent.futures.wait([job for *_, job in tables])  # an error: they end too
     return _unmark(tree)
 
 
@@ -701,6 +720,12 @@ def _call_quietly(fn: Callable[[Any], Any], x: Any) -> None:
         jax.block_until_ready(fn(x))
     except Exception:  # raised again by the layer's own call, with its context
         pass
+
+
+@functools.cache
+def _aside() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread `stream_hf_names` builds the unstacked leaves on."""
+    return concurrent.futures.ThreadPoolExecutor(1, "load-aside")
 
 
 @functools.cache

@@ -125,7 +125,7 @@ def test_arrays_in_memory_are_not_touched(monkeypatch):
 
 @pytest.mark.parametrize("quantize", [None, QLORA], ids=["stored", "nf4"])
 def test_a_folder_load_reads_in_the_order_it_queued(tmp_path, quantize):
-    """Every array queued is released, in the queued order (up to the workers)."""
+    """Every array queued is released, in the queued order (up to the threads)."""
     config = tiny_config(num_layers=4)
     folder = write_folder(tmp_path / "m", config, shard_bytes=40_000)
     flat = {}
@@ -157,15 +157,15 @@ def test_a_folder_load_reads_in_the_order_it_queued(tmp_path, quantize):
     name_at = {span(v)[0]: n for n, v in flat.items()}
     names = [name_at[s] for s, _ in queued]
     targets = () if quantize is None else tuple(quantize.targets)
+    aside = [k for k in index if not names[k].startswith("model.layers.")]
     worked = [k for k in index if any(t in names[k] for t in targets)]
-    copied = [k for k in index if k not in worked]
+    copied = [k for k in index if k not in worked and k not in aside]
+    assert aside == sorted(aside)  # the unstacked leaves, on their own thread
     assert copied == sorted(copied)  # copied on the loading thread, in order
     # quantized by the workers: released as each ends, <= 2 layers in flight
     ranked = sorted(range(len(worked)), key=worked.__getitem__)
     assert all(abs(at - r) <= hf_names.QUANTIZE_AHEAD for r, at in enumerate(ranked))
-    # the stacked leaves a layer at a time, as a shard stores them
-    name_at = {span(v)[0]: n for n, v in flat.items()}
-    layers = [
-        int(name_at[s].split(".")[2]) for s, _ in queued if ".layers." in name_at[s]
-    ]
+    # the unstacked leaves queued first; the stacked a layer at a time, as stored
+    layers = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
     assert layers == sorted(layers) and len(set(layers)) == config.num_layers
+    assert set(names[: len(names) - len(layers)]) == {names[k] for k in aside}
