@@ -72,8 +72,8 @@ from entrenar.nn.hf_names import (
     StackedLeaf,
     per_layer_shapes,
     quantize_leaves,
+    stream_layers,
     stream_one,
-    stream_stacked,
 )
 from entrenar.nn.host_arrays import (
     MADV_DONTNEED,
@@ -598,7 +598,7 @@ def load_llama_gguf(
     The file is memory-mapped and read tensor by tensor: each stacked leaf is filled
     layer by layer in ``dtype`` (then quantized, if asked) and the file's pages
     given back before the next is read, so the load holds the final tree plus about
-    one stacked leaf (`entrenar.nn.hf_names.stream_stacked`).
+    one stacked leaf (`entrenar.nn.hf_names.StackedLeaf`).
 
     Args:
         path: the ``.gguf`` file (or a `GGUFFile` already read).
@@ -874,7 +874,9 @@ def load_llama_gguf(
         if stream:  # layer by layer: llama.cpp's mixes (Q4_K_M) differ in row bytes
             layers = [reader(n, shape[1:]) for n in names]
             return _at_once(
-                lambda: stream_stacked(path_, shape, final, layers, quantize)
+                lambda: stream_layers(
+                    [StackedLeaf(path_, shape, final, layers, quantize)]
+                )[0]
             )
         return _at_once(
             lambda: jnp.asarray(

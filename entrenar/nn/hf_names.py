@@ -47,7 +47,7 @@ Quantize = Callable[[str, tuple[int, ...]], Callable[[jax.Array], Any] | None]
 array, or the function that turns it into its final node (e.g. NF4). ``path`` is the
 leaf's dotted tree path (``model.layers.self_attn.q_proj.weight``) and ``shape`` its
 whole shape (``(L, out, in)`` when stacked). A stacked leaf is quantized layer by
-layer (`stream_stacked`), so the function must treat a stack layer by layer: ``fn(w)``
+layer (`StackedLeaf`), so the function must treat a stack layer by layer: ``fn(w)``
 has arrays ``(L, ...)`` whose index ``i`` is ``fn(w[i:i+1])``'s, bit for bit (block
 formats do; NF4's double quantization does by definition); an unstacked leaf is
 passed whole.
@@ -236,7 +236,7 @@ CHUNK_BYTES = 16 << 20
 """Bytes of an unstacked leaf (an embedding) `stream_one` reads at a time."""
 
 QUANTIZE_AHEAD = 2
-"""Layers of a quantized stacked leaf in flight in `stream_stacked`: each is
+"""Layers of a quantized stacked leaf in flight in `stream_layers`: each is
 quantized by a worker thread (two XLA programs run at once, one a core) while the
 next is read from the file."""
 
@@ -257,7 +257,7 @@ def stream_hf_names(
     once, cast as `from_hf_names` casts it (``jnp.asarray(a).astype(dtype)``; in
     numpy where that cast is exact: the same dtype, or float to float32/float64),
     copied into its leaf and ``release``d; a stacked leaf ``quantize`` names is
-    quantized layer by layer as read (`stream_stacked`), an unstacked one whole.
+    quantized layer by layer as read (`StackedLeaf`), an unstacked one whole.
 
     Args:
         flat: arrays by Hugging Face name that cost nothing until read, e.g. the
@@ -320,7 +320,7 @@ def stream_hf_names(
     def rows(name: str, final: Any, ring: list[Any] | None = None) -> RowReader:
         """Reads ``name``, a stacked leaf's layer into its leaf's ``ring``.
 
-        Layer ``i`` goes into buffer ``i mod len(ring)``: `stream_stacked` is done
+        Layer ``i`` goes into buffer ``i mod len(ring)``: `stream_layers` is done
         with layer ``i - QUANTIZE_AHEAD`` before it reads layer ``i``.
         """
 
@@ -414,7 +414,8 @@ def stream_hf_names(
             layers = [
                 functools.partial(rows(n, final, ring), None, None) for n in names
             ]
-            node[name] = stream_stacked(plain, shape, final, layers, quantize_)
+            leaf = StackedLeaf(plain, shape, final, layers, quantize_)
+            (node[name],) = stream_layers([leaf])
         done = stream_layers([leaf for *_, leaf in together])
         for (node, name, _, _), value in zip(together, done, strict=True):
             node[name] = value
@@ -525,24 +526,6 @@ def stream_one(
                 buf[start:stop] = np.asarray(read_rows(start, stop))
         a = to_device(buf)
     return _quantized(path, a, quantize)
-
-
-def stream_stacked(
-    path: str,
-    shape: tuple[int, ...],
-    dtype: DType,
-    layers: Sequence[Reader],
-    quantize: Quantize | None = None,
-    *,
-    host: HostQuantize | None = None,
-    release: Callable[[Any], None] | None = None,
-) -> Any:
-    """The stacked leaf ``path`` of ``shape = (L, ...)`` from its ``L`` layers.
-
-    `stream_layers` of this one leaf (`StackedLeaf` says how it is filled).
-    """
-    leaf = StackedLeaf(path, shape, dtype, layers, quantize, host=host, release=release)
-    return stream_layers([leaf])[0]
 
 
 class StackedLeaf:
@@ -682,7 +665,7 @@ def stream_layers(leaves: Sequence[StackedLeaf]) -> list[Any]:
 def warm_up(
     stacked: Sequence[tuple[str, tuple[int, ...], DType]], quantize: Quantize
 ) -> None:
-    """Compile, in the background, what `stream_stacked` will run on each layer.
+    """Compile, in the background, what `stream_layers` will run on each layer.
 
     For each distinct ``(layer shape, dtype)`` of the stacked leaves ``quantize``
     names, a worker thread calls its function once on zeros ``(1, *layer_shape)``
@@ -730,7 +713,7 @@ def _aside() -> concurrent.futures.ThreadPoolExecutor:
 
 @functools.cache
 def _workers() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads `stream_stacked` quantizes on, one per layer in flight."""
+    """The threads `stream_layers` quantizes on, one per layer in flight."""
     return concurrent.futures.ThreadPoolExecutor(QUANTIZE_AHEAD, "load-quantize")
 
 
@@ -867,7 +850,6 @@ __all__ = [
     "stream_hf_names",
     "stream_layers",
     "stream_one",
-    "stream_stacked",
     "to_hf_names",
     "warm_up",
 ]

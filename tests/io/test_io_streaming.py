@@ -163,7 +163,7 @@ def test_embeddings_read_in_chunks_of_rows_are_the_same(
 def deep(tmp_path_factory):
     """Seven layers, as a folder and as a Q4_0 GGUF with a Q4_0 embedding.
 
-    More layers than `stream_stacked`'s ring of read buffers and its layers in
+    More layers than `stream_layers`' ring of read buffers and its layers in
     flight; the embedding is not kept but decoded straight into its buffer
     (`dequantize_ggml_into`).
     """
