@@ -161,22 +161,6 @@ class GGUFFile:
                 os.close(fd)
         return out
 
-    def prefetch(self, name: str) -> None:
-        """Start reading the tensor's bytes into the page cache in the background.
-
-        ``posix_fadvise(POSIX_FADV_WILLNEED)``: the kernel queues the reads and
-        returns, so a load reads the next layer from the disk while it copies this
-        one (`read_into`). A no-op where the system has no ``posix_fadvise``.
-        """
-        t = self.info(name)
-        if not hasattr(os, "posix_fadvise") or not t.nbytes:
-            return
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, t.offset, t.nbytes, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
     def tensor(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32, in numpy shape order."""
         t = self.info(name)

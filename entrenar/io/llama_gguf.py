@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import json
 import math
-import mmap
 import os
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -60,7 +59,7 @@ from entrenar.io.gguf_families import (
 )
 from entrenar.io.gguf_reader import GGUFFile, GGUFValueType, read_gguf
 from entrenar.io.heap import bound_heap, host_buffer, to_device, trim_heap
-from entrenar.io.safetensors_io import release_pages
+from entrenar.io.read_ahead import ReadAhead
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
 from entrenar.nn.hf_names import (
@@ -76,9 +75,6 @@ from entrenar.nn.hf_names import (
     stream_one,
 )
 from entrenar.nn.host_arrays import (
-    MADV_DONTNEED,
-    MADV_POPULATE_READ,
-    advise,
     populate_ahead,
 )
 from entrenar.quant import GGMLWeight, QuantizedWeight, from_ggml
@@ -477,60 +473,24 @@ def _block_arrays(
     return width, codes, d, m
 
 
-PREREAD_BYTES = 256 << 20
-"""Files of at most this many bytes (256 MiB) are read ahead whole (`_preread`)."""
-
-PREREAD_CHUNK = 4 << 20
-"""Bytes of one `_preread` request."""
+READ_LEAD = 256 << 20
+"""Most bytes of the file read ahead of the load (256 MiB: a small file is read
+whole while the header is parsed); `entrenar.io.read_ahead.ReadAhead`."""
 
 
-def _preread(path: str) -> concurrent.futures.Future[None] | None:
-    """Read a file of at most `PREREAD_BYTES` into the page cache on a thread.
-
-    The file is mapped and read `PREREAD_CHUNK` at a time, front to back, by
-    ``madvise(MADV_POPULATE_READ)`` (large sequential reads, and no copy: 3 ms of
-    CPU for SmolLM2-135M's 82 MB where reading it into a buffer took 40-56 ms),
-    each chunk's pages dropped from the process again (``MADV_DONTNEED``; the page
-    cache keeps them); plain ``read`` calls where the kernel lacks the advice. This
-    runs while the load parses the header and copies tensors, which then find their
-    bytes in the page cache: the memory-mapped metadata and embedding would
-    otherwise be read a page fault at a time, and the layers a request per tensor.
-    None for a bigger file (its layers are read ahead one at a time,
-    `GGUFFile.prefetch`) or one that cannot be opened (the parse then says why).
-    """
+def _mapped(path: str) -> np.ndarray | None:
+    """The whole file, memory-mapped read-only (uint8); None if it cannot be."""
     try:
-        size = os.path.getsize(path)
-    except OSError:
-        return None
-    if not 0 < size <= PREREAD_BYTES:
-        return None
-
-    def read() -> None:
-        with open(path, "rb", buffering=0) as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            data = np.frombuffer(mm, np.uint8)  # (size,)
-            try:
-                for at in range(0, size, PREREAD_CHUNK):
-                    part = data[at : at + PREREAD_CHUNK]
-                    if not advise(part, MADV_POPULATE_READ):
-                        break  # an older kernel: read the rest
-                    advise(part, MADV_DONTNEED)
-                else:
-                    return
-                scratch = bytearray(min(size, PREREAD_CHUNK))
-                f.seek(at)
-                while f.readinto(scratch):
-                    pass
-            finally:
-                del data, part
-                mm.close()
-
-    return _ahead().submit(read)
+        if os.path.getsize(path) == 0:
+            return None
+        return np.memmap(path, np.uint8, mode="r")
+    except (OSError, ValueError):
+        return None  # the parse says why
 
 
 @functools.cache
 def _ahead() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads of the work a load starts before its parse: `_preread`, JAX's client."""
+    """Threads of a load's side work: JAX's client, a table kept as stored."""
     return concurrent.futures.ThreadPoolExecutor(2, "gguf-ahead")
 
 
@@ -630,18 +590,46 @@ def load_llama_gguf(
         UnsupportedError: an architecture or rope scaling entrenar does not read, or
             an undecodable tensor type.
     """
-    # a small file read front to back on a thread while this one parses and copies,
-    # and JAX's CPU client started (10-20 ms in a new process) on another
-    reading = None if isinstance(path, GGUFFile) else _preread(os.fspath(path))
-    ahead: list[concurrent.futures.Future[Any]] = [_ahead().submit(jax.devices)]
-    ahead += [] if reading is None else [reading]
+    # the file read front to back on a thread from the start (the layers are then
+    # filled in the file's order, behind it), and JAX's CPU client started (10-20 ms
+    # in a new process) on another, while this one parses the header
+    reading = ReadAhead(lead=READ_LEAD)
+    whole = None if isinstance(path, GGUFFile) else _mapped(os.fspath(path))
+    reading.read([] if whole is None else [whole])
+    ahead = _ahead().submit(jax.devices)
     try:
         g, config = read_llama_header(path)
-    except BaseException:
-        concurrent.futures.wait(ahead)  # nothing of the load runs on after it
-        raise
-    # a layer's read ahead, unless the whole file is being read already
-    prefetch = g.prefetch if reading is None else lambda name: None
+        if whole is None:  # a GGUFFile already parsed: its tensors in the file's order
+            reading.read([g.raw(n) for n in sorted(g.tensors, key=_offset(g))])
+        return _load_tree(g, config, reading, keep_quantized, dtype, quantize, stream)
+    finally:  # nothing of the load runs on after it
+        reading.close()
+        concurrent.futures.wait([ahead])
+
+
+def _offset(g: GGUFFile) -> Callable[[str], int]:
+    """A tensor's offset in ``g``'s file, by name (sorts names in file order)."""
+    return lambda name: g.info(name).offset
+
+
+def _load_tree(
+    g: GGUFFile,
+    config: LlamaConfig,
+    reading: ReadAhead,
+    keep_quantized: bool,
+    dtype: str,
+    quantize: Quantize | None,
+    stream: bool,
+) -> tuple[LlamaConfig, Params, dict[str, Any]]:
+    """`load_llama_gguf` once the header is read, the file being read by ``reading``."""
+    release = reading.release  # a tensor read: its pages dropped, the reader told
+
+    def read_into(gname: str, out: np.ndarray) -> np.ndarray:
+        """`GGUFFile.read_into` through the load's descriptor, the reader told."""
+        got = g.read_into(gname, out, fd)
+        reading.consumed(got.nbytes)
+        return got
+
     bound_heap(sum(t.nbytes for t in g.tensors.values()))  # big buffers mapped
     config = dataclasses.replace(config, param_dtype=dtype)
     name = _arch_name(g)
@@ -662,7 +650,7 @@ def load_llama_gguf(
         if permute and stem in perm_heads:
             rows = unpermute_qk(rows, perm_heads[stem])
         a = dequantize_ggml(rows, g.tensors[gname].type_id, shape)
-        release_pages(g.raw(gname))
+        release(g.raw(gname))
         return a - np.float32(shift) if shift and stem.endswith("norm") else a
 
     def reader(gname: str, shape: tuple[int, ...]) -> Reader:
@@ -682,7 +670,7 @@ def load_llama_gguf(
                 raw, g.tensors[gname].type_id, (stop - start, *shape[1:])
             )
             out = jnp.asarray(a, dtype=dtype).block_until_ready()
-            release_pages(raw)
+            release(raw)
             return out
 
         return read
@@ -703,7 +691,7 @@ def load_llama_gguf(
             raw = _rows(g, gname)[start : start + step]  # whole rows of blocks
             part = buf[start : start + step]  # (rows, cols) of the leaf
             dequantize_ggml_into(raw, type_id, part, populate=True)
-            release_pages(raw)
+            release(raw)
         return to_device(buf)
 
     def fill(gname: str) -> RowFill | None:
@@ -715,7 +703,7 @@ def load_llama_gguf(
         def write(start: int, stop: int, out: np.ndarray) -> None:
             raw = _rows(g, gname)[start:stop]  # whole rows of blocks
             dequantize_ggml_into(raw, type_id, out)  # (stop - start, *shape[1:])
-            release_pages(raw)
+            release(raw)
 
         return write
 
@@ -758,17 +746,14 @@ def load_llama_gguf(
         # on a background thread ahead of its read
         rooms = [buf[i].reshape(-1)[:size] for i, size in enumerate(sizes)]
         ready = populate_ahead(rooms)
-        prefetch(names[0])
         for i, gname in enumerate(names):
             if i > 0:
                 yield  # the other leaves' layer i - 1
-            if i + 1 < len(names):
-                prefetch(names[i + 1])  # read from the disk while this one copies
             size, room = sizes[i], rooms[i]  # layer i's bytes, packed (contiguous)
             if not permuted:
-                g.read_into(gname, room, fd)  # straight into its place
+                read_into(gname, room)  # straight into its place
                 continue
-            raw = g.read_into(gname, staged(size), fd).reshape(shape[-2], -1)
+            raw = read_into(gname, staged(size)).reshape(shape[-2], -1)
             room[:] = unpermute_qk(raw, perm_heads[stem]).reshape(-1)
         concurrent.futures.wait(ready)
         data = to_device(buf)
@@ -791,13 +776,10 @@ def load_llama_gguf(
         nb, size = cols // QK, BLOCK_BYTES[kind]
         width, codes, d, m = _block_arrays((shape[0], rows), nb, kind)  # (L, rows, ·)
         stem = names[0].split(".")[-2]
-        prefetch(names[0])
         for i, gname in enumerate(names):
             if i > 0:
                 yield  # the other leaves' layer i - 1
-            if i + 1 < len(names):
-                prefetch(names[i + 1])
-            raw = g.read_into(gname, staged(rows * nb * size), fd)
+            raw = read_into(gname, staged(rows * nb * size))
             raw = raw.reshape(rows, nb * size)  # (rows, nb · size) layer i's blocks
             if permute and stem in perm_heads:
                 raw = unpermute_qk(raw, perm_heads[stem])
@@ -825,7 +807,7 @@ def load_llama_gguf(
                 raw.reshape(-1, nb, size), kind, codes[part].reshape(-1, nb, width),
                 d[part], None if m is None else m[part],
             )  # fmt: skip
-            release_pages(raw)
+            release(raw)
         return blocks_node(codes, d, m, kind)
 
     def kept_table(path_: str, gname: str, shape: tuple[int, ...]) -> GGMLWeight:
@@ -833,7 +815,7 @@ def load_llama_gguf(
         t = g.tensors[gname]
         rows_ = t.shape[0]  # (rows, row_bytes): sizes checked by the header
         buf = host_buffer((rows_, t.nbytes // rows_), np.uint8)
-        g.read_into(gname, buf, fd)
+        read_into(gname, buf)
         return GGMLWeight(to_device(buf), _type(gname))
 
     def copied(path_: str, names: list[str], shape: tuple[int, ...]) -> Fill:
@@ -862,7 +844,7 @@ def load_llama_gguf(
             def whole() -> Any:
                 raw = np.stack([_rows(g, n) for n in names])  # (L, rows, row_bytes)
                 for n in names:
-                    release_pages(g.raw(n))
+                    release(g.raw(n))
                 stem = names[0].split(".")[-2]
                 if permute and stem in perm_heads:
                     raw = unpermute_qk(raw, perm_heads[stem])
@@ -945,10 +927,9 @@ def load_llama_gguf(
             out[k] = value
         for out, k, job in aside:
             out[k] = job.result()
-    finally:  # the work ahead ends with the load (done long since)
+    finally:  # the work on the side ends with the load
         concurrent.futures.wait([job for *_, job in aside])  # before fd closes
         os.close(fd)
-        concurrent.futures.wait(ahead)
     if not stream:
         params = quantize_leaves(params, quantize)
     trim_heap()

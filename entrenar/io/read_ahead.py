@@ -1,11 +1,11 @@
 """Read a load's memory-mapped tensors from disk on a thread, ahead of the load.
 
-A streaming load (`entrenar.nn.hf_names.stream_hf_names`) copies and quantizes a
-tensor at a time from memory-mapped shards. Left to page faults, each tensor is
-read from the disk when the load first touches it, the CPU idle meanwhile; one
-``madvise(MADV_WILLNEED)`` a layer ahead (what the load did before) cost the
-loading thread 38 ms of request submission at SmolLM2-135M and kept one layer in
-flight.
+A streaming load (`entrenar.nn.hf_names.stream_hf_names`,
+`entrenar.io.load_llama_gguf`) copies and quantizes a tensor at a time from
+memory-mapped files. Left to page faults, each tensor is read from the disk when
+the load first touches it, the CPU idle meanwhile; one ``madvise(MADV_WILLNEED)``
+a layer ahead (what a folder load did before) cost the loading thread 38 ms of
+request submission at SmolLM2-135M and kept one layer in flight.
 
 `ReadAhead` walks the tensors in the order the load will read them (the order a
 shard stores them: `stream_hf_names` fills its stacked leaves a layer at a time),
@@ -93,9 +93,15 @@ class ReadAhead:
     def release(self, view: Any) -> None:
         """Drop ``view``'s pages from this process and count them as read."""
         release_pages(view)
+        self.consumed(int(np.asarray(view).nbytes))
+
+    def consumed(self, nbytes: int) -> None:
+        """Count ``nbytes`` as read by the load (read some other way than mapped)."""
         with self._cond:
-            self._released += int(np.asarray(view).nbytes)
-            self._cond.notify_all()
+            held = self._read - self._released >= self._lead  # the reader waits
+            self._released += nbytes
+            if held and self._next < len(self._pieces) and self._ready():
+                self._cond.notify_all()  # only then: a wake-up costs the GIL
 
     def close(self) -> None:
         """Stop the reader (it ends its current piece) and wait for it."""
