@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 from page_cache import cached_pages, evict, mapped_kb
@@ -14,7 +15,7 @@ from test_io_streaming import QLORA, tiny_config, write_folder
 from entrenar import io
 from entrenar.io import read_ahead
 from entrenar.nn import hf_names, host_arrays
-from entrenar.runs.models import base_quantizer
+from entrenar.runs.models import BaseQuantize, base_quantizer
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="madvise, mincore, fadvise"
@@ -165,7 +166,18 @@ def test_a_folder_load_reads_in_the_order_it_queued(tmp_path, quantize):
     # quantized by the workers: released as each ends, <= 2 layers in flight
     ranked = sorted(range(len(worked)), key=worked.__getitem__)
     assert all(abs(at - r) <= hf_names.QUANTIZE_AHEAD for r, at in enumerate(ranked))
-    # the unstacked leaves queued first; the stacked a layer at a time, as stored
-    layers = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
+    # the unstacked leaves queued first; then the leaves quantized by JAX (the
+    # native kernel off), leaf by leaf; the rest a layer at a time, as stored
+    stacked = [n for n in names if n.startswith("model.layers.")]
+    nf4 = BaseQuantize("nf4")  # what base_quantizer asks for each target
+    by_jax = fn is not None and nf4.on_host(ml_dtypes.bfloat16, np.float32) is None
+    alone = [n for n in stacked if by_jax and any(t in n for t in targets)]
+    together = [n for n in stacked if n not in alone]
+    assert stacked == alone + together
+    for at in range(0, len(alone), config.num_layers):  # each leaf's layers in turn
+        leaf = alone[at : at + config.num_layers]
+        assert [n.split(".")[2] for n in leaf] == [str(i) for i in range(len(leaf))]
+        assert len({n.split(".", 3)[3] for n in leaf}) == 1
+    layers = [int(n.split(".")[2]) for n in together]
     assert layers == sorted(layers) and len(set(layers)) == config.num_layers
-    assert set(names[: len(names) - len(layers)]) == {names[k] for k in aside}
+    assert set(names[: len(names) - len(stacked)]) == {names[k] for k in aside}
