@@ -400,15 +400,11 @@ def stream_hf_names(
             else:
                 alone.append((node, name, plain, names, shape, final))
         if read_ahead is not None:  # in the order read below
+            stacks = [names for _, _, names, _ in together]
             read_ahead(
                 [flat[n] for _, _, _, names, _, _ in alone for n in names]
-                + [
-                    flat[names[i]]
-                    for i in range(max((len(t[2]) for t in together), default=0))
-                    for _, _, names, _ in together
-                    if i < len(names)
-                ]
-            )  # fmt: skip
+                + [flat[stacks[k][i]] for k, i in layer_major(list(map(len, stacks)))]
+            )
         for node, name, plain, names, shape, final in alone:
             ring: list[Any] = [None] * (QUANTIZE_AHEAD + 1)  # this leaf's buffers
             layers = [
@@ -624,6 +620,16 @@ class StackedLeaf:
         )
 
 
+def layer_major(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """``(leaf k, layer i)`` in `stream_layers`' order for leaves of ``lengths`` layers.
+
+    >>> layer_major([2, 3])
+    [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2)]
+    """
+    depth = max(lengths, default=0)
+    return [(k, i) for i in range(depth) for k, n in enumerate(lengths) if i < n]
+
+
 def stream_layers(leaves: Sequence[StackedLeaf]) -> list[Any]:
     """Fill ``leaves`` a layer at a time: layer ``i`` of each, then layer ``i + 1``.
 
@@ -641,19 +647,17 @@ def stream_layers(leaves: Sequence[StackedLeaf]) -> list[Any]:
         tuple[StackedLeaf, int, concurrent.futures.Future[tuple[Any, bool]]]
     ] = collections.deque()
     try:
-        for i in range(max((len(leaf.layers) for leaf in leaves), default=0)):
-            for leaf in leaves:
-                if i >= len(leaf.layers):
-                    continue
-                if leaf.fn is None:
-                    leaf.copy(i)
-                    continue
-                x = leaf.layers[i]()  # read here, now
-                job = _workers().submit(leaf.quantized, x, leaf.place(i))
-                pending.append((leaf, i, job))
-                if len(pending) == QUANTIZE_AHEAD:
-                    done, j, job = pending.popleft()
-                    done.put(j, job.result())
+        for k, i in layer_major([len(leaf.layers) for leaf in leaves]):
+            leaf = leaves[k]
+            if leaf.fn is None:
+                leaf.copy(i)
+                continue
+            x = leaf.layers[i]()  # read here, now
+            job = _workers().submit(leaf.quantized, x, leaf.place(i))
+            pending.append((leaf, i, job))
+            if len(pending) == QUANTIZE_AHEAD:
+                done, j, job = pending.popleft()
+                done.put(j, job.result())
         while pending:
             done, j, job = pending.popleft()
             done.put(j, job.result())
@@ -843,6 +847,7 @@ __all__ = [
     "RowReader",
     "StackedLeaf",
     "from_hf_names",
+    "layer_major",
     "lazy_hf_names",
     "on_host",
     "per_layer_shapes",
