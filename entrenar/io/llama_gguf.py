@@ -600,16 +600,12 @@ def load_llama_gguf(
     try:
         g, config = read_llama_header(path)
         if whole is None:  # a GGUFFile already parsed: its tensors in the file's order
-            reading.read([g.raw(n) for n in sorted(g.tensors, key=_offset(g))])
+            stored = sorted(g.tensors.values(), key=lambda t: t.offset)
+            reading.read([g.raw(t.name) for t in stored])
         return _load_tree(g, config, reading, keep_quantized, dtype, quantize, stream)
     finally:  # nothing of the load runs on after it
         reading.close()
         concurrent.futures.wait([ahead])
-
-
-def _offset(g: GGUFFile) -> Callable[[str], int]:
-    """A tensor's offset in ``g``'s file, by name (sorts names in file order)."""
-    return lambda name: g.info(name).offset
 
 
 def _load_tree(

@@ -100,7 +100,7 @@ class ReadAhead:
         with self._cond:
             held = self._read - self._released >= self._lead  # the reader waits
             self._released += nbytes
-            if held and self._next < len(self._pieces) and self._ready():
+            if held and self._ready():
                 self._cond.notify_all()  # only then: a wake-up costs the GIL
 
     def close(self) -> None:
@@ -155,7 +155,7 @@ class ReadAhead:
 def _pieces(a: Any) -> list[np.ndarray]:
     """``a``'s bytes in `PIECE_BYTES` slices, if ``a`` is a view of a memory map.
 
-    None otherwise: dropping the pages of anonymous memory would zero them.
+    No slices otherwise: dropping the pages of anonymous memory would zero them.
     """
     if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
         return []
