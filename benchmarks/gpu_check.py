@@ -240,15 +240,8 @@ def worker_numerics(a: argparse.Namespace) -> dict[str, Any]:
     if a.role == "cpu":
         np.savez(a.npz, **flat)
         return info
-    ref = np.load(a.npz)
+    np.savez(a.npz + ".device.npz", **flat)  # compared once the CPU's is written
     rows = []
-    for name, d in got.items():
-        worst = 0.0
-        for p, v in d.items():
-            r = ref[f"{name}|{p}"]
-            scale = max(float(np.abs(r).max()), 1e-30)
-            worst = max(worst, float(np.abs(v - r).max()) / scale)
-        rows.append({"check": name, "max_rel_err": worst, "ok": worst <= TOL})
     try:
         rows.append(_fused_attention_check())
     except Exception as e:  # cuDNN may refuse it only when compiling
@@ -279,6 +272,26 @@ def worker_numerics(a: argparse.Namespace) -> dict[str, Any]:
     ck.close()
     np.savez(a.npz + ".state.npz", **_host(_saved(state)))
     return {**info, "rows": rows}
+
+
+def compare(ref_npz: str, dev_npz: str) -> list[dict[str, Any]]:
+    """One row per check: its largest |device - CPU| relative to the array's max."""
+    import numpy as np
+
+    ref, dev = np.load(ref_npz), np.load(dev_npz)
+    worst: dict[str, float] = {}
+    for key in dev.files:
+        name = key.split("|", 1)[0]
+        r, v = ref[key], dev[key]
+        scale = max(float(np.abs(r).max(initial=0.0)), 1e-30)
+        err = float(np.abs(v - r).max(initial=0.0)) / scale
+        worst[name] = max(worst.get(name, 0.0), err)
+    missing = sorted(set(ref.files) ^ set(dev.files))
+    rows = [{"check": n, "max_rel_err": e, "ok": e <= TOL} for n, e in worst.items()]
+    if missing:
+        rows.append({"check": "arrays on one side only", "max_rel_err": float("nan"),
+                     "ok": False, "error": ", ".join(missing)[:300]})  # fmt: skip
+    return rows
 
 
 def _fused_attention_check() -> dict[str, Any]:
@@ -651,23 +664,38 @@ class Report:
         self.path.write_text("\n".join(self.parts))
 
 
-def run_worker(args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Run this script as a worker; its last stdout line as JSON."""
+def start_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """This script as a worker process (`finish_worker` collects its answer)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *args]
-    proc = subprocess.run(
+    return subprocess.Popen(
         cmd,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=max(1.0, timeout),
         cwd=ROOT,
     )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+
+
+def finish_worker(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The worker's last stdout line as JSON; killed after ``timeout`` seconds."""
+    try:
+        out, err = proc.communicate(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        err += f"\n(killed after {timeout:.0f} s)"
+    lines = [x for x in out.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(
-            f"worker {args[:2]} exited {proc.returncode}: {proc.stderr[-1500:]}"
+            f"worker {proc.args[2:4]} exited {proc.returncode}: {err[-1500:]}"
         )
     return json.loads(lines[-1])
+
+
+def run_worker(args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run this script as a worker; its last stdout line as JSON."""
+    return finish_worker(start_worker(args, env), timeout)
 
 
 def _env(cpu: bool) -> dict[str, str]:
@@ -687,12 +715,14 @@ def section_numerics(a: argparse.Namespace, rep: Report, left: float, tmp: str) 
     npz, ckpt = os.path.join(tmp, "ref.npz"), os.path.join(tmp, "ckpt")
     flags = ["--smoke"] if a.cpu_smoke else []
     common = [*flags, "--npz", npz, "--ckpt", ckpt]
-    cpu = run_worker(
-        ["--worker", "numerics", "--role", "cpu", *common], _env(True), left
-    )
+    # the CPU reference runs beside the device's worker (the machine's other cores)
+    t0 = time.time()
+    cpu_proc = start_worker(["--worker", "numerics", "--role", "cpu", *common], _env(True))
     dev = run_worker(
         ["--worker", "numerics", "--role", "device", *common], _env(a.cpu_smoke), left
     )
+    cpu = finish_worker(cpu_proc, left - (time.time() - t0))
+    dev["rows"] = compare(npz, npz + ".device.npz") + dev["rows"]
     lines = [
         "## Numerics: device vs CPU reference",
         "",
@@ -903,14 +933,22 @@ def orchestrate(a: argparse.Namespace) -> int:
         f"budget {a.budget:.0f} s; written by benchmarks/gpu_check.py."
     )
     shapes = list(SMOKE_SHAPES if a.cpu_smoke else SHAPES)
+    if a.shapes:
+        unknown = set(a.shapes.split(",")) - set(shapes)
+        if unknown:
+            sys.exit(f"--shapes: unknown {sorted(unknown)}; known: {shapes}")
+        shapes = [s for s in shapes if s in a.shapes.split(",")]
     batches = SMOKE_BATCHES if a.cpu_smoke else BATCHES
     steps: list[dict[str, Any]] = []
     peer: list[dict[str, Any]] = []
     have_torch = _has("torch") and _has("peft") and _has("transformers")
     with tempfile.TemporaryDirectory() as tmp:
-        plan: list[tuple[str, Any]] = [
-            ("numerics", lambda left: section_numerics(a, rep, left, tmp))
-        ]
+        if not a.cpu_smoke:  # the weights' program, shared by a shape's two batches
+            os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tmp, "jax-cache")
+            os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
+        plan: list[tuple[str, Any]] = []
+        if not a.skip_numerics:
+            plan.append(("numerics", lambda left: section_numerics(a, rep, left, tmp)))
         for name in shapes:  # the 8B shape first: the issue's headline figures
             for b in batches:
                 plan.append(
@@ -966,6 +1004,8 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--out", default="", help="report path (default results/gpu.md)")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for all")
+    ap.add_argument("--shapes", default="", help="comma-separated; default: all")
+    ap.add_argument("--skip-numerics", action="store_true", help="steps and peer only")
     ap.add_argument(
         "--worker", choices=["numerics", "restore", "steps"], help=argparse.SUPPRESS
     )
