@@ -717,7 +717,9 @@ def section_numerics(a: argparse.Namespace, rep: Report, left: float, tmp: str) 
     common = [*flags, "--npz", npz, "--ckpt", ckpt]
     # the CPU reference runs beside the device's worker (the machine's other cores)
     t0 = time.time()
-    cpu_proc = start_worker(["--worker", "numerics", "--role", "cpu", *common], _env(True))
+    cpu_proc = start_worker(
+        ["--worker", "numerics", "--role", "cpu", *common], _env(True)
+    )
     dev = run_worker(
         ["--worker", "numerics", "--role", "device", *common], _env(a.cpu_smoke), left
     )
