@@ -32,6 +32,14 @@ skipped):
     python3 benchmarks/gpu_check.py --out $OUT/gpu.md   # the lent machine: the
                                                         # report comes back in $OUT
     python benchmarks/gpu_check.py --cpu-smoke --out /tmp/gpu.md
+
+The lent machine gives 15 minutes of device time, starts included: two calls, each
+with its own start, leave room to mend what the first shows before the second
+(``--shapes`` picks shapes, ``--skip-numerics`` leaves the numerics out):
+
+    python3 benchmarks/gpu_check.py --out $OUT/gpu.md --shapes llama3-8b --budget 370
+    python3 benchmarks/gpu_check.py --out $OUT/gpu.md --skip-numerics \
+        --shapes tinyllama-1.1b,smollm2-135m --budget 300
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from entrenar.io.ggml_dequant import (
 from entrenar.io.gguf_reader import (
     GGUFField,
     GGUFFile,
+    GGUFMetadata,
     GGUFTensorInfo,
     GGUFValueType,
     read_gguf,
@@ -45,6 +46,7 @@ from entrenar.io.llama_gguf import (
     permute_qk,
     read_llama_header,
     unpermute_qk,
+    unpermuted_rows,
 )
 from entrenar.io.llama_gguf_write import save_llama_gguf
 from entrenar.io.model import (
@@ -69,6 +71,7 @@ __all__ = [
     "GGMLType",
     "GGUFField",
     "GGUFFile",
+    "GGUFMetadata",
     "GGUFTensor",
     "GGUFTensorInfo",
     "GGUFValueType",
@@ -110,5 +113,6 @@ __all__ = [
     "tokenizer_files",
     "unflatten_params",
     "unpermute_qk",
+    "unpermuted_rows",
     "write_gguf",
 ]

@@ -37,7 +37,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -57,7 +57,7 @@ from entrenar.io.gguf_families import (
     gguf_names,
     written_name,
 )
-from entrenar.io.gguf_reader import GGUFFile, GGUFValueType, read_gguf
+from entrenar.io.gguf_reader import GGUFFile, GGUFMetadata, GGUFValueType, read_gguf
 from entrenar.io.heap import bound_heap, host_buffer, to_device, trim_heap
 from entrenar.io.read_ahead import ReadAhead
 from entrenar.io.tokenizer import BPETokenizer
@@ -74,9 +74,7 @@ from entrenar.nn.hf_names import (
     stream_layers,
     stream_one,
 )
-from entrenar.nn.host_arrays import (
-    populate_ahead,
-)
+from entrenar.nn.host_arrays import populate_ahead
 from entrenar.quant import GGMLWeight, QuantizedWeight, from_ggml
 from entrenar.quant import ggml_head as _ggml_head  # noqa: F401  (registers head_nll)
 from entrenar.quant.ggml import BLOCK_BYTES, HEAD_BYTES, QK, split_blocks
@@ -117,8 +115,18 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     True
     """
     *lead, rows, x = w.shape
+    return unpermuted_rows(w, n_heads).reshape(*lead, rows, x)
+
+
+def unpermuted_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """`unpermute_qk` of ``w: (..., n·d, X)`` as a view ``(..., n, 2, d/2, X)``.
+
+    No copy: flattened over its axes ``n, 2, d/2`` its rows are in Hugging Face
+    order, so a copy into ``out.reshape(view.shape)`` un-permutes as it copies.
+    """
+    *lead, rows, x = w.shape
     w = w.reshape(*lead, n_heads, rows // n_heads // 2, 2, x)  # (.., n, d/2, 2, X)
-    return np.swapaxes(w, -2, -3).reshape(*lead, rows, x)
+    return np.swapaxes(w, -2, -3)  # (.., n, 2, d/2, X)
 
 
 INT_LIMITS = {
@@ -552,7 +560,7 @@ def load_llama_gguf(
     dtype: str = "float32",
     quantize: Quantize | None = None,
     stream: bool = True,
-) -> tuple[LlamaConfig, Params, dict[str, Any]]:
+) -> tuple[LlamaConfig, Params, Mapping[str, Any]]:
     """Load a llama.cpp GGUF of any `LlamaConfig` family into entrenar's tree.
 
     The file is memory-mapped and read tensor by tensor: each stacked leaf is filled
@@ -582,7 +590,8 @@ def load_llama_gguf(
     Returns:
         ``(config, params, tokenizer_info)``: the tree of ``config.param_shapes()``
         (q/k rows in Hugging Face order, Gemma's norms as Hugging Face stores them)
-        and the ``tokenizer.*`` metadata (build a tokenizer with
+        and the ``tokenizer.*`` metadata (a read-only `GGUFMetadata`: the vocabulary
+        is decoded when first read; build a tokenizer with
         `BPETokenizer.from_gguf_metadata`).
 
     Raises:
@@ -616,7 +625,7 @@ def _load_tree(
     dtype: str,
     quantize: Quantize | None,
     stream: bool,
-) -> tuple[LlamaConfig, Params, dict[str, Any]]:
+) -> tuple[LlamaConfig, Params, Mapping[str, Any]]:
     """`load_llama_gguf` once the header is read, the file being read by ``reading``."""
     release = reading.release  # a tensor read: its pages dropped, the reader told
 
@@ -750,7 +759,8 @@ def _load_tree(
                 read_into(gname, room)  # straight into its place
                 continue
             raw = read_into(gname, staged(size)).reshape(shape[-2], -1)
-            room[:] = unpermute_qk(raw, perm_heads[stem]).reshape(-1)
+            hf = unpermuted_rows(raw, perm_heads[stem])  # (n, 2, d/2, row bytes)
+            room.reshape(hf.shape)[...] = hf  # un-permuted as it is copied
         concurrent.futures.wait(ready)
         data = to_device(buf)
         if len(kinds) == 1:
@@ -777,11 +787,13 @@ def _load_tree(
             if i > 0:
                 yield  # the other leaves' layer i - 1
             raw = _rows(g, gname)  # (rows, nb · size) layer i's blocks, mapped
-            if permute and stem in perm_heads:
-                raw = unpermute_qk(raw, perm_heads[stem])
+            if permute and stem in perm_heads:  # split as they are un-permuted
+                raw = unpermuted_rows(raw, perm_heads[stem])  # (n, 2, d/2, ·) view
+            lead = raw.shape[:-1]  # (rows,) or (n, 2, d/2): Hugging Face's order
             split_blocks(
-                raw.reshape(rows, nb, size), kind, codes[i].reshape(rows, nb, width),
-                d[i], None if m is None else m[i],
+                raw.reshape(*lead, nb, size), kind,
+                codes[i].reshape(*lead, nb, width), d[i].reshape(*lead, nb),
+                None if m is None else m[i].reshape(*lead, nb),
             )  # fmt: skip
             release(g.raw(gname))
         return blocks_node(codes, d, m, kind)
@@ -907,14 +919,31 @@ def _load_tree(
                 and len(v) == 2
                 and (quantize is None or quantize(path_, tuple(v)) is None)
             ):  # a float32 matrix kept as it is (an embedding)
-                out[k] = matrix(path_, by_hf[path_], tuple(v))
+                after_layers(out, k, matrix, path_, by_hf[path_], tuple(v))
             elif stream:
                 read = rows(by_hf[path_], tuple(v))
                 write = fill(by_hf[path_])
-                out[k] = stream_one(path_, tuple(v), final, read, quantize, fill=write)
+                after_layers(
+                    out, k, stream_one, path_, tuple(v), final, read, quantize,
+                    fill=write,
+                )  # fmt: skip
             else:
                 out[k] = jnp.asarray(one(by_hf[path_], tuple(v)), dtype=dtype)
         return out
+
+    last: list[tuple[dict[str, Any], str, Callable[[], Any]]] = []
+
+    def after_layers(
+        out: dict[str, Any], k: str, make: Callable[..., Any], *args: Any, **kw: Any
+    ) -> None:
+        """``out[k] = make(*args)`` once the layers are read.
+
+        An unstacked leaf read into JAX (the final norm, a float32 embedding) would
+        wait for JAX's client, which starts beside the header's parse and takes
+        10-25 ms in a new process: the layers, read into host buffers, go first.
+        """
+        out[k] = None  # its place in the tree
+        last.append((out, k, functools.partial(make, *args, **kw)))
 
     fd = os.open(g.path, os.O_RDONLY)  # the tensors kept as stored are read from it
     try:
@@ -922,6 +951,8 @@ def _load_tree(
         leaves = by_layer([f for *_, f in fills])
         for (out, k, _), value in zip(fills, leaves, strict=True):
             out[k] = value
+        for out, k, make in last:
+            out[k] = make()
         for out, k, job in aside:
             out[k] = job.result()
     finally:  # the work on the side ends with the load
@@ -930,7 +961,8 @@ def _load_tree(
     if not stream:
         params = quantize_leaves(params, quantize)
     trim_heap()
-    info = {k: v for k, v in g.metadata.items() if k.startswith("tokenizer.")}
+    tokenizer = {k: f for k, f in g.fields.items() if k.startswith("tokenizer.")}
+    info = GGUFMetadata(tokenizer)  # the vocabulary decoded when it is read
     return config, params, info
 
 
@@ -948,4 +980,5 @@ __all__ = [
     "permute_qk",
     "read_llama_header",
     "unpermute_qk",
+    "unpermuted_rows",
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,7 +123,7 @@ def pre_tokenize(text: str, pre: str) -> list[str]:
     return out + gpt2_split(run)
 
 
-def _array_of(md: dict[str, Any], key: str, kind: type, path: str) -> list[Any]:
+def _array_of(md: Mapping[str, Any], key: str, kind: type, path: str) -> list[Any]:
     """``md[key]``, checked to be a list whose items are all of ``kind``."""
     value = md.get(key)
     if not isinstance(value, list):
@@ -154,7 +154,7 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def check_tokenizer_metadata(md: dict[str, Any], path: str = "<gguf>") -> None:
+def check_tokenizer_metadata(md: Mapping[str, Any], path: str = "<gguf>") -> None:
     """Check the ``tokenizer.ggml.*`` fields a `BPETokenizer` is built from.
 
     ``tokens`` and ``merges`` are arrays of UTF-8 strings; ``token_type`` (if present)
@@ -233,7 +233,7 @@ class BPETokenizer:
 
     @classmethod
     def from_gguf_metadata(
-        cls, md: dict[str, Any], path: str = "<gguf>"
+        cls, md: Mapping[str, Any], path: str = "<gguf>"
     ) -> BPETokenizer:
         """Build from GGUF metadata (``tokenizer.ggml.model`` must be ``"gpt2"``).
 

@@ -43,11 +43,28 @@ def test_a_vocabulary_reads_at_once_as_the_gguf_package_reads_it(tmp_path):
     assert g.metadata["tokens"] == tokens == ref.fields["tokens"].contents()
     assert g.metadata["merges"] == merges == ref.fields["merges"].contents()
     assert g.metadata["after"] == 7
-    # it took the fast path: the array's strings come out of `_short_strings`
+    # it took the fast path: the array's strings come out of `_chain` + `_decode`
     raw = np.fromfile(path, np.uint8)
     start = raw.tobytes().index(b"tokens") + len("tokens") + 4 + 4 + 8
-    got = gguf_reader._short_strings(raw, start, raw.size, len(tokens))
-    assert got is not None and got[1] == tokens
+    got = gguf_reader._chain(raw, start, raw.size, len(tokens))
+    assert got is not None and gguf_reader._decode(*got[1:]) == tokens
+
+
+def test_a_vocabulary_is_decoded_when_first_read(tmp_path):
+    """Parsing keeps a vocabulary's bytes; its strings are made at the first read."""
+    rng = np.random.default_rng(3)
+    tokens, short = _vocab(rng, 3000), _vocab(rng, 10)
+    path = tmp_path / "v.gguf"
+    _write(path, tokens=tokens, short=short)
+    g = read_gguf(path)
+    field = g.fields["tokens"]
+    assert "not decoded yet" in repr(field)  # the parse made no strings
+    assert "not decoded yet" not in repr(g.fields["short"])  # short: read at once
+    path.write_bytes(b"")  # the strings come from the parse's copy, not the file
+    assert g.metadata["tokens"] == tokens and field.value is field.value
+    assert "not decoded yet" not in repr(field)
+    assert field == GGUFField(tokens, V.ARRAY, V.STRING)
+    assert field != GGUFField(tokens[:-1], V.ARRAY, V.STRING)
 
 
 @pytest.mark.parametrize(
@@ -117,6 +134,6 @@ def test_lengths_that_do_not_chain_are_read_one_by_one(tmp_path, monkeypatch):
     path.write_bytes(bytes(data))
     monkeypatch.setattr(gguf_reader, "FAST_STRINGS", 1)
     raw = np.frombuffer(bytes(data), np.uint8)
-    assert gguf_reader._short_strings(raw, at, raw.size, 8) is None
+    assert gguf_reader._chain(raw, at, raw.size, 8) is None
     with pytest.raises(FormatError, match="'tokens'"):  # as one by one: too long
         read_gguf(path)

@@ -29,6 +29,7 @@ from entrenar.io import (
     save_llama_gguf,
     smollm2_path,
     unpermute_qk,
+    unpermuted_rows,
 )
 from entrenar.nn import LlamaConfig
 from entrenar.quant import QuantizedWeight
@@ -87,6 +88,20 @@ def test_permutation_inverts_and_moves_rows():
     np.testing.assert_array_equal(unpermute_qk(p, 2), w)
     stacked = np.stack([w, w + 100])
     np.testing.assert_array_equal(unpermute_qk(permute_qk(stacked, 2), 2), stacked)
+    view = unpermuted_rows(p, 2)  # (2, 2, 2, 3): the same rows, no copy
+    assert view.base is not None and np.shares_memory(view, p)
+    np.testing.assert_array_equal(view.reshape(8, 3), w)
+
+
+def test_a_load_does_not_decode_the_vocabulary():
+    """The tokens and merges are decoded when read (the tokenizer), not by a load."""
+    g = read_gguf(smollm2_path())
+    _, _, info = load_llama_gguf(g, keep_quantized=True)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        assert "not decoded yet" in repr(g.fields[key])
+    assert len(info["tokenizer.ggml.tokens"]) == 49152  # read: decoded now
+    assert "not decoded yet" not in repr(g.fields["tokenizer.ggml.tokens"])
+    assert load_tokenizer(g).encode("Hello world") == [19556, 905]
 
 
 @pytest.mark.slow
