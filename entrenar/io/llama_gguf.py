@@ -919,31 +919,35 @@ def _load_tree(
                 and len(v) == 2
                 and (quantize is None or quantize(path_, tuple(v)) is None)
             ):  # a float32 matrix kept as it is (an embedding)
-                after_layers(out, k, matrix, path_, by_hf[path_], tuple(v))
+                out[k] = matrix(path_, by_hf[path_], tuple(v))
             elif stream:
                 read = rows(by_hf[path_], tuple(v))
                 write = fill(by_hf[path_])
-                after_layers(
-                    out, k, stream_one, path_, tuple(v), final, read, quantize,
-                    fill=write,
-                )  # fmt: skip
+                make = functools.partial(
+                    stream_one, path_, tuple(v), final, read, quantize, fill=write
+                )
+                if len(v) == 1:  # a vector (the final norm): after the layers
+                    after_layers(out, k, make)
+                else:  # a matrix, where the file has it: the read ahead passes it
+                    out[k] = make()
             else:
                 out[k] = jnp.asarray(one(by_hf[path_], tuple(v)), dtype=dtype)
         return out
 
     last: list[tuple[dict[str, Any], str, Callable[[], Any]]] = []
 
-    def after_layers(
-        out: dict[str, Any], k: str, make: Callable[..., Any], *args: Any, **kw: Any
-    ) -> None:
-        """``out[k] = make(*args)`` once the layers are read.
+    def after_layers(out: dict[str, Any], k: str, make: Callable[[], Any]) -> None:
+        """``out[k] = make()`` once the layers are read.
 
-        An unstacked leaf read into JAX (the final norm, a float32 embedding) would
-        wait for JAX's client, which starts beside the header's parse and takes
-        10-25 ms in a new process: the layers, read into host buffers, go first.
+        A small unstacked leaf read into JAX (the final norm) would wait for JAX's
+        client, which starts beside the header's parse and takes 10-25 ms in a new
+        process: the layers, read into host buffers, go first. A matrix (an
+        embedding, ``lm_head``) stays where the file has it: read after the layers,
+        its bytes would hold the read ahead's lead (it counts what the load has not
+        released) and wait in the page cache.
         """
         out[k] = None  # its place in the tree
-        last.append((out, k, functools.partial(make, *args, **kw)))
+        last.append((out, k, make))
 
     fd = os.open(g.path, os.O_RDONLY)  # the tensors kept as stored are read from it
     try:
