@@ -728,9 +728,16 @@ def section_numerics(a: argparse.Namespace, rep: Report, left: float, tmp: str) 
     cpu_proc = start_worker(
         ["--worker", "numerics", "--role", "cpu", *common], _env(True)
     )
-    dev = run_worker(
-        ["--worker", "numerics", "--role", "device", *common], _env(a.cpu_smoke), left
-    )
+    try:
+        dev = run_worker(
+            ["--worker", "numerics", "--role", "device", *common],
+            _env(a.cpu_smoke),
+            left,
+        )
+    except BaseException:  # no reference left running into the next section
+        cpu_proc.kill()
+        cpu_proc.communicate()
+        raise
     cpu = finish_worker(cpu_proc, left - (time.time() - t0))
     dev["rows"] = compare(npz, npz + ".device.npz") + dev["rows"]
     lines = [
@@ -944,10 +951,11 @@ def orchestrate(a: argparse.Namespace) -> int:
     )
     shapes = list(SMOKE_SHAPES if a.cpu_smoke else SHAPES)
     if a.shapes:
-        unknown = set(a.shapes.split(",")) - set(shapes)
+        wanted = a.shapes.split(",")
+        unknown = set(wanted) - set(shapes)
         if unknown:
             sys.exit(f"--shapes: unknown {sorted(unknown)}; known: {shapes}")
-        shapes = [s for s in shapes if s in a.shapes.split(",")]
+        shapes = [s for s in shapes if s in wanted]
     batches = SMOKE_BATCHES if a.cpu_smoke else BATCHES
     steps: list[dict[str, Any]] = []
     peer: list[dict[str, Any]] = []

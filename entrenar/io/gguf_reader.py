@@ -347,8 +347,8 @@ def _chain(
     bytes); the array is these strings exactly when the first ``count`` candidates
     chain, each starting where the one before ends (``start[i+1] = start[i] + 8 +
     n[i]``), from ``pos``, inside the file: the positions a one-by-one read visits.
-    Finding SmolLM2's 49,152 tokens took 4-8 ms this way; reading them one by one
-    16 ms.
+    Finding SmolLM2's 49,152 tokens took 1.3 ms this way (both its arrays 4-8 ms
+    in a new process); reading and decoding them one by one took 16 ms.
 
     Returns:
         ``(end, data, start, stop)``: the array's bytes end ``end`` bytes after

@@ -772,7 +772,8 @@ def _load_tree(
         """A stacked Q8_0/Q4_0/Q4_1 leaf as `from_ggml` makes it, a `Fill` of layers.
 
         Each layer's blocks are split from the mapped file (read ahead into the
-        page cache; un-permuted first if q/k) into the node's page-aligned ``(L,
+        page cache; q/k through a view in Hugging Face's row order,
+        `unpermuted_rows`) into the node's page-aligned ``(L,
         rows, ...)`` host arrays (codes, float16 ``d``, Q4_1's float16 ``m``), which
         become the JAX arrays uncopied, and the layer's pages given back: no copy
         of the raw layer (a ``pread`` into a buffer first cost SmolLM2-135M's load
