@@ -41,10 +41,12 @@ KERNEL_TESTS := tests/test_native.py tests/test_native_policy.py tests/optim/tes
 	tests/quant/test_quant_linear.py tests/quant/test_quant_node.py \
 	tests/nn/test_nn_softmax_xent.py tests/nn/test_nn_attention_native.py \
 	tests/quant/test_quant_nf4_native.py
+## The caches and the empty PATH live in one temporary folder, removed afterwards.
 test-kernels: $(STAMP)
-	CXX=clang++ ENTRENAR_CACHE_DIR=$$(mktemp -d) $(BIN)/python -m pytest -q \
-		-p no:cacheprovider -W error::entrenar.native.NativeKernelWarning $(KERNEL_TESTS)
-	env CXX= PATH=$$(mktemp -d) ENTRENAR_CACHE_DIR=$$(mktemp -d) $(BIN)/python -m pytest \
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && mkdir "$$tmp/bin" && \
+	CXX=clang++ ENTRENAR_CACHE_DIR="$$tmp/clang" $(BIN)/python -m pytest -q \
+		-p no:cacheprovider -W error::entrenar.native.NativeKernelWarning $(KERNEL_TESTS) && \
+	env CXX= PATH="$$tmp/bin" ENTRENAR_CACHE_DIR="$$tmp/none" $(BIN)/python -m pytest \
 		-q -p no:cacheprovider $(KERNEL_TESTS)
 
 ## Skip the tests marked slow.

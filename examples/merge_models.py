@@ -114,24 +114,27 @@ def accuracy(params: dict, tasks: dict, split: int) -> tuple[float, float]:
 
 def run_from_files(base: dict, a: dict, b: dict, density: float, lam: float) -> dict:
     """The same TIES merge as a mergekit-shaped recipe over safetensors files."""
-    folder = tempfile.mkdtemp(prefix="entrenar-merge-")
-    for name, p in (("base", base), ("a", a), ("b", b)):
-        meta = io.ModelMetadata(name, "mlp")
-        io.save_model(io.Model(meta, p), os.path.join(folder, f"{name}.safetensors"))
-    recipe = {
-        "merge_method": "ties",
-        "base_model": "base.safetensors",
-        "models": [
-            {"model": f"{m}.safetensors", "parameters": {"weight": 1.0}} for m in "ab"
-        ],
-        "parameters": {"density": density, "lambda": lam},
-        "dtype": "float32",
-    }
-    path = os.path.join(folder, "ties.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(recipe, f)
-    merge.run_recipe(path, os.path.join(folder, "merged.safetensors"))
-    return io.load_model(os.path.join(folder, "merged.safetensors")).params
+    with tempfile.TemporaryDirectory(prefix="entrenar-merge-") as folder:
+        for name, p in (("base", base), ("a", a), ("b", b)):
+            meta = io.ModelMetadata(name, "mlp")
+            io.save_model(
+                io.Model(meta, p), os.path.join(folder, f"{name}.safetensors")
+            )
+        recipe = {
+            "merge_method": "ties",
+            "base_model": "base.safetensors",
+            "models": [
+                {"model": f"{m}.safetensors", "parameters": {"weight": 1.0}}
+                for m in "ab"
+            ],
+            "parameters": {"density": density, "lambda": lam},
+            "dtype": "float32",
+        }
+        path = os.path.join(folder, "ties.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(recipe, f)
+        merge.run_recipe(path, os.path.join(folder, "merged.safetensors"))
+        return io.load_model(os.path.join(folder, "merged.safetensors")).params
 
 
 def run_seed(seed: int) -> tuple[dict[str, tuple[float, float]], tuple, dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -257,6 +258,9 @@ def test_a_planted_library_never_runs(tmp_path, shared_folder):
     assert not marker.exists()
     if shared_folder:
         assert "is not owned by you or is writable by others" in out.stderr
+        private = re.search(r"kernels are built in (\S+) for this process", out.stderr)
+        assert private and os.path.isabs(private.group(1)), out.stderr[-2000:]
+        assert not os.path.exists(private.group(1))  # removed when the process exited
 
 
 def test_the_cache_folder_is_private_under_any_umask(tmp_path):

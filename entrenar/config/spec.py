@@ -284,7 +284,8 @@ def load_config(
 
     Example:
         >>> import tempfile, os
-        >>> d = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory()  # removed with the object
+        >>> d = tmp.name
         >>> _ = open(os.path.join(d, "t.csv"), "w").write("a,y\n1,0\n")
         >>> cfg = os.path.join(d, "run.yaml")
         >>> _ = open(cfg, "w").write(

@@ -298,7 +298,8 @@ def load_records(
     r"""Records of a ``.jsonl``/``.ndjson``, ``.csv`` or ``.parquet`` file.
 
     >>> import os, tempfile
-    >>> p = os.path.join(tempfile.mkdtemp(), "d.jsonl")
+    >>> tmp = tempfile.TemporaryDirectory()  # removed with the object
+    >>> p = os.path.join(tmp.name, "d.jsonl")
     >>> _ = open(p, "w").write('{"text": "hi"}\n')
     >>> load_records(p, columns=["text"]).rows
     [{'text': 'hi'}]

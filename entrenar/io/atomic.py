@@ -57,7 +57,8 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]
     never written through.
 
     >>> import os, tempfile
-    >>> p = os.path.join(tempfile.mkdtemp(), "x.txt")
+    >>> tmp = tempfile.TemporaryDirectory()  # removed with the object
+    >>> p = os.path.join(tmp.name, "x.txt")
     >>> with atomic_write(p, "w") as f:
     ...     _ = f.write("hello")
     >>> open(p).read()

@@ -148,7 +148,7 @@ class OutputLock:
 
     Example:
         >>> import tempfile
-        >>> with OutputLock(tempfile.mkdtemp()) as lock:
+        >>> with tempfile.TemporaryDirectory() as d, OutputLock(d) as lock:
         ...     read_holder(lock.path)["pid"] == os.getpid()
         True
     """

@@ -22,6 +22,7 @@ replaced or half-written library is rebuilt, never loaded.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
@@ -203,7 +204,7 @@ def trusted_cache_dir() -> Path:
 
     A cache folder that another user owns, or that group or others may write, could
     hold a library planted under the name entrenar will load: it is not used (one
-    warning) and this process builds into a folder of its own.
+    warning) and this process builds into a folder of its own, removed when it exits.
     """
     global _PRIVATE_DIR
     folder = cache_dir()
@@ -216,6 +217,7 @@ def trusted_cache_dir() -> Path:
         reason = f"cannot be created ({e})"
     if _PRIVATE_DIR is None:
         _PRIVATE_DIR = Path(tempfile.mkdtemp(prefix="entrenar-native-"))
+        atexit.register(shutil.rmtree, _PRIVATE_DIR, ignore_errors=True)
         warnings.warn(
             f"entrenar: the kernel cache {folder} {reason}; kernels are built in "
             f"{_PRIVATE_DIR} for this process instead (fix with `chmod go-w {folder}`"
