@@ -10,7 +10,11 @@ pages included):
   quantized to NF4 as a ``quantize_base: nf4`` run on every linear layer does: wall
   time and peak RSS, the files' pages evicted first (``posix_fadvise
   DONTNEED``, checked with ``mincore``), against the time to read every byte of
-  the files after the same eviction (and, for reference, again from the cache);
+  the files after the same eviction (and, for reference, again from the cache),
+  and against the time a new process takes to get as much fresh memory as the
+  loaded tree holds (``fresh``: `entrenar.nn.host_arrays.host_buffer`, its pages
+  populated as a load populates its buffers): a load cannot take less than that,
+  and on a virtual machine whose host takes free memory back it can be most of it;
 - ``step``: the real ``entrenar train`` path (`entrenar.runs.run.prepare` and
   ``_train``) on the GGUF: QLoRA rank 16 on every linear layer, bfloat16 matmuls,
   each layer recomputed in the backward pass (``remat_policy: nothing_saveable``),
@@ -261,6 +265,22 @@ def child_read(shape: str, fmt: str, out: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def child_fresh(nbytes: int) -> dict[str, Any]:
+    """Seconds to get ``nbytes`` of fresh, populated memory in this new process.
+
+    What a load must do at least besides reading: its tree lives in memory the
+    process did not have (`host_buffer` maps it and populates it in parts on
+    threads, as the loads' buffers are).
+    """
+    import numpy as np
+
+    from entrenar.nn.host_arrays import host_buffer
+
+    t0 = time.perf_counter()
+    buf = host_buffer((nbytes,), np.uint8)
+    return {"fresh_s": time.perf_counter() - t0, "fresh_bytes": buf.nbytes}
+
+
 def files_of(shape: str, fmt: str, out: str) -> list[str]:
     folder, gguf = scale_models.paths(out, shape)
     if fmt == "gguf":
@@ -296,7 +316,8 @@ def measure(args: argparse.Namespace) -> None:
                 before = os.getloadavg()[0]
                 read = run_child(["--child-read", shape, fmt, "--out", args.out])
                 got = run_child(["--child-load", shape, fmt, "--out", args.out])
-                record(args.json, base | got | {
+                fresh = run_child(["--child-fresh", str(got["tree"])])
+                record(args.json, base | got | fresh | {
                     "what": "load", "format": fmt, "read_s": read["warm_read_s"],
                     "cold_read_s": read["cold_read_s"], "bytes": read["bytes"],
                     "read_resident_before": read["resident_before"],
@@ -339,8 +360,9 @@ def report(args: argparse.Namespace) -> None:
     shapes = [s for s in scale_models.SHAPES if latest(entries, shape=s)]
     lines = [
         "| shape | params | file | GB | load, cold (s) | read, cold (s) "
-        "| load / read | read, cached (s) | peak RSS (GB) | tree (GB) | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load / read | read, cached (s) | fresh memory (s) | peak RSS (GB) "
+        "| tree (GB) | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in shapes:
         for fmt in ("gguf", "hf"):
@@ -351,6 +373,7 @@ def report(args: argparse.Namespace) -> None:
                     f"{e['bytes'] / 1e9:.2f} | {e['seconds']:.1f} | "
                     f"{e['cold_read_s']:.2f} | "
                     f"{e['seconds'] / e['cold_read_s']:.1f}x | {e['read_s']:.2f} | "
+                    f"{_seconds(e.get('fresh_s'))} | "
                     f"{e['peak'] / 1e9:.2f} | {e['tree'] / 1e9:.2f} | "
                     f"{e['load_before']:.1f}-{e['load_after']:.1f} |"
                 )
@@ -387,6 +410,10 @@ def report(args: argparse.Namespace) -> None:
     print(table)
     if args.png:
         plot(entries, shapes, args.png)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _file_name(fmt: str) -> str:
@@ -439,11 +466,14 @@ def main() -> None:
     ap.add_argument("--child-load", nargs=2, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-step", nargs=4, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-read", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-fresh", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_load:
         print(json.dumps(child_load(*args.child_load, args.out)))
     elif args.child_read:
         print(json.dumps(child_read(*args.child_read, args.out)))
+    elif args.child_fresh is not None:
+        print(json.dumps(child_fresh(args.child_fresh)))
     elif args.child_step:
         shape, *nums = args.child_step
         print(json.dumps(child_step(shape, *(int(v) for v in nums), args.out)))
