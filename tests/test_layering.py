@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).parents[1] / "entrenar"
 
 LAYERS = [
-    {"errors", "types"},
+    {"errors", "types", "threads"},
     {"tree", "gradients", "native", "schema"},
     {"nn", "optim"},
     {"autograd", "quant"},

@@ -23,7 +23,6 @@ types written in place, two numpy threads).
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -33,6 +32,7 @@ from entrenar.errors import FormatError, UnsupportedError
 from entrenar.nn import host_arrays
 from entrenar.quant import kquant
 from entrenar.quant.ggml import block_tails
+from entrenar.threads import shared_pool
 
 
 class GGMLType(NamedTuple):
@@ -308,9 +308,8 @@ _INTO: dict[int, Callable[[np.ndarray, np.ndarray], None]] = {
 }
 
 
-@functools.cache
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(THREADS, "ggml-dequant")
+    return shared_pool("ggml-dequant", THREADS)
 
 
 def dequantize_ggml_into(

@@ -85,6 +85,7 @@ from entrenar.quant.ggml_mixed import (
     row_bytes,
 )
 from entrenar.quant.kquant import FORMATS as KQUANT_FORMATS
+from entrenar.threads import shared_pool
 from entrenar.types import Params
 
 KEEP_QUANTIZED = (
@@ -496,10 +497,9 @@ def _mapped(path: str) -> np.ndarray | None:
         return None  # the parse says why
 
 
-@functools.cache
 def _ahead() -> concurrent.futures.ThreadPoolExecutor:
     """Threads of a load's side work: JAX's client, a table kept as stored."""
-    return concurrent.futures.ThreadPoolExecutor(2, "gguf-ahead")
+    return shared_pool("gguf-ahead", 2)
 
 
 def blocks_node(

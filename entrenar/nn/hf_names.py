@@ -33,6 +33,7 @@ import numpy as np
 from entrenar.errors import FormatError, ShapeError
 from entrenar.nn.host_arrays import host_buffer, to_device
 from entrenar.nn.weight_node import is_weight_node
+from entrenar.threads import shared_pool
 from entrenar.tree import key_path_str
 from entrenar.types import DType, Params
 
@@ -709,16 +710,14 @@ def _call_quietly(fn: Callable[[Any], Any], x: Any) -> None:
         pass
 
 
-@functools.cache
 def _aside() -> concurrent.futures.ThreadPoolExecutor:
     """The thread `stream_hf_names` builds the unstacked leaves on."""
-    return concurrent.futures.ThreadPoolExecutor(1, "load-aside")
+    return shared_pool("load-aside", 1)
 
 
-@functools.cache
 def _workers() -> concurrent.futures.ThreadPoolExecutor:
     """The threads `stream_layers` quantizes on, one per layer in flight."""
-    return concurrent.futures.ThreadPoolExecutor(QUANTIZE_AHEAD, "load-quantize")
+    return shared_pool("load-quantize", QUANTIZE_AHEAD)
 
 
 def _exact_in_numpy(src: np.dtype, final: Any) -> bool:

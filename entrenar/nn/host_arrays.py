@@ -24,11 +24,13 @@ import ctypes
 import functools
 import mmap
 import sys
-from concurrent.futures import ThreadPoolExecutor  # imported with entrenar, not by
-from typing import Any  # a load's first thread (a lazy import: ~4 ms in a new process)
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import numpy as np
+
+from entrenar.threads import shared_pool
 
 MAPPED_BYTES = 1 << 20
 """Buffers of at least this many bytes (1 MiB) are mapped and populated."""
@@ -97,9 +99,8 @@ def populate(view: np.ndarray) -> None:
     advise(view, MADV_POPULATE_WRITE)
 
 
-@functools.cache
 def _populator() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(POPULATE_THREADS, "populate")
+    return shared_pool("populate", POPULATE_THREADS)
 
 
 def populate_ahead(views: list[np.ndarray]) -> list[concurrent.futures.Future[None]]:
