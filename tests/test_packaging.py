@@ -1,5 +1,6 @@
 """pyproject.toml in the form current packaging tools take without warnings."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,12 @@ def test_the_suite_tools_are_declared():
         tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]["dev"]
     )
     assert "pytest-xdist" in dev and "filelock" in dev
+
+
+def test_make_test_oldest_runs_the_jax_minimum_pyproject_names():
+    """`make test-oldest` checks the version the dependency pins say works."""
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    makefile = (PYPROJECT.parent / "Makefile").read_text()
+    oldest = re.search(r"^OLDEST_JAX := (\S+)$", makefile, re.M)
+    assert oldest, "Makefile: OLDEST_JAX is gone"
+    assert f"jax>={oldest.group(1)}" in deps and f"jaxlib>={oldest.group(1)}" in deps

@@ -154,9 +154,11 @@ def adapters(out: str) -> None:
         frozen = jax.tree_util.tree_leaves(run["state"].frozen)
         report[name] = {
             "loss": run["loss"],
-            "frozen_specs": sorted({str(x.sharding.spec) for x in frozen}),
+            # each PartitionSpec as the tuple of its axes (its repr differs
+            # between JAX versions: "P()" / "PartitionSpec()")
+            "frozen_specs": sorted({str(tuple(x.sharding.spec)) for x in frozen}),
             "trainable_specs": sorted(
-                {str(x.sharding.spec)
+                {str(tuple(x.sharding.spec))
                  for x in jax.tree_util.tree_leaves(run["state"].trainable)}
             ),
         }  # fmt: skip

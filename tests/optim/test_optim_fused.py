@@ -129,7 +129,9 @@ def test_float32_leaves_call_the_kernel_in_place():
     )
     text = step.lower(p, s, p).compile().as_text()
     assert text.count('custom_call_target="entrenar_adamw"') == 1  # w only
-    assert "copy(" not in text.split("ENTRY")[1]  # θ, m, v updated in place
+    # θ, m, v of w (f32[1000]) updated in place (the XLA of jax 0.8 also copies the
+    # bfloat16 leaf's 4-value moments, which the kernel does not touch)
+    assert "f32[1000]{0} copy(" not in text.split("ENTRY")[1]
 
 
 @pytest.mark.skipif(not HAVE_KERNEL, reason="no C++ compiler: the kernel is off")
