@@ -24,7 +24,6 @@ import ctypes
 import functools
 import mmap
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -99,7 +98,7 @@ def populate(view: np.ndarray) -> None:
     advise(view, MADV_POPULATE_WRITE)
 
 
-def _populator() -> ThreadPoolExecutor:
+def _populator() -> concurrent.futures.ThreadPoolExecutor:
     return shared_pool("populate", POPULATE_THREADS)
 
 
