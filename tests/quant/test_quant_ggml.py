@@ -47,6 +47,24 @@ def test_quantize_matches_gguf_bit_for_bit(scheme, seed):
     np.testing.assert_array_equal(raw, expected)
 
 
+def test_block_scale_is_the_quotient_not_a_reciprocal_product():
+    """``d = (max - min) / 15`` and ``max|x| / 127`` divide, as llama.cpp's C does.
+
+    XLA rewrites ``x / 15`` (and a division by any broadcast scalar) into ``x *
+    (1 / 15)``, an ulp off the quotient for most ranges; through ``id = 1 / d`` the
+    codes of grid values then fell on the other side of a rounding boundary (756
+    of 1280 rows of quarter-step integers in Q4_1 differed from gguf's bytes).
+    """
+    rng = np.random.default_rng(5)
+    grid = rng.integers(-40, 41, (64, 256)).astype(np.float32) * np.float32(0.25)
+    amax = rng.integers(1, 2000, (256, 1)).astype(np.float32) * np.float32(0.5)
+    half = (rng.integers(-126, 126, (256, 31)) + 0.5) * amax / np.float32(127)
+    ties = np.concatenate([amax, half.astype(np.float32)], axis=1)  # x / d = n + 1/2
+    for scheme, w in (("q4_1", grid), ("q8_0", ties)):
+        expected = gguf_quantize(w, _kind(scheme)).reshape(-1)
+        np.testing.assert_array_equal(to_ggml(quantize(w, scheme))[0], expected)
+
+
 @pytest.mark.parametrize("scheme", FORMATS)
 def test_dequantize_matches_gguf_bit_for_bit(scheme):
     w = _tricky(2)
