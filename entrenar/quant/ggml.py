@@ -97,6 +97,19 @@ def _divide(x: jax.Array, k: float) -> jax.Array:
     return x / divisor
 
 
+def _rounded_product(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``x · y`` rounded to float32 before the caller adds to it, as C's ``x*id + 8.5``.
+
+    XLA:CPU lets LLVM fuse a product and a following sum into one FMA (one
+    rounding), so ``trunc(x·id + 8.5)`` fell on the other side of an integer where
+    the rounded product sits on it (grid data: 4 of 1280 Q4_0 rows differed from
+    gguf's bytes). A select between the two keeps them apart; the quantizers reject
+    NaN, so mapping it to 0 changes nothing they return.
+    """
+    p = x * y
+    return jnp.where(jnp.isnan(p), jnp.float32(0), p)
+
+
 def _round_half_away(v: jax.Array) -> jax.Array:
     """C's ``roundf``: round half away from zero, exactly (as gguf's ``np_roundf``)."""
     a = jnp.abs(v)
@@ -140,12 +153,12 @@ def quantize_ggml(w: Any, scheme: str) -> QuantizedWeight:
     elif scheme == "q4_0":
         imax = jnp.argmax(jnp.abs(x), axis=-1, keepdims=True)
         d = jnp.take_along_axis(x, imax, axis=-1) / jnp.float32(-8)
-        q = jnp.trunc(x * _inverse(d) + jnp.float32(8.5))
+        q = jnp.trunc(_rounded_product(x, _inverse(d)) + jnp.float32(8.5))
         codes = pack_nibbles(jnp.clip(q, 0, 15))  # (*lead, cols // 2)
     elif scheme == "q4_1":
         lo = jnp.min(x, axis=-1, keepdims=True)
         d = _divide(jnp.max(x, axis=-1, keepdims=True) - lo, 15)
-        q = jnp.trunc((x - lo) * _inverse(d) + jnp.float32(0.5))
+        q = jnp.trunc(_rounded_product(x - lo, _inverse(d)) + jnp.float32(0.5))
         codes = pack_nibbles(jnp.clip(q, 0, 15))
         offsets = lo[..., 0].astype(jnp.float16)  # (*lead, nb)
     else:

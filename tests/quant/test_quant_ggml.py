@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from entrenar.errors import FormatError, QuantizationError, ShapeError
 from entrenar.quant import dequantize, from_ggml, quantize, to_ggml
+from entrenar.quant.ggml import QK
 
 FORMATS = ["q8_0", "q4_0", "q4_1"]
 ROWS, COLS = 6, 96
@@ -61,6 +62,21 @@ def test_block_scale_is_the_quotient_not_a_reciprocal_product():
     half = (rng.integers(-126, 126, (256, 31)) + 0.5) * amax / np.float32(127)
     ties = np.concatenate([amax, half.astype(np.float32)], axis=1)  # x / d = n + 1/2
     for scheme, w in (("q4_1", grid), ("q8_0", ties)):
+        expected = gguf_quantize(w, _kind(scheme)).reshape(-1)
+        np.testing.assert_array_equal(to_ggml(quantize(w, scheme))[0], expected)
+
+
+def test_code_rounds_the_product_before_adding_the_offset():
+    """``trunc(x·id + 8.5)`` with ``x·id`` rounded first, as gguf (and C without FMA).
+
+    With ``d = -9.6 / -8 = 1.2``, ``-6.6·(1/1.2)`` rounds to ``-5.5`` exactly (code 3);
+    fused into one FMA with ``+ 8.5`` (XLA:CPU lets LLVM do that) it gave
+    ``2.9999998`` and code 2.
+    """
+    block = np.zeros(QK, np.float32)
+    block[:2] = np.float32(-32) * np.float32(0.3), np.float32(-22) * np.float32(0.3)
+    w = np.tile(block, (64, 2))  # many rows: the vectorised loop XLA emits
+    for scheme in FORMATS:
         expected = gguf_quantize(w, _kind(scheme)).reshape(-1)
         np.testing.assert_array_equal(to_ggml(quantize(w, scheme))[0], expected)
 
