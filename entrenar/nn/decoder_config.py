@@ -238,7 +238,14 @@ def common_from_hf(
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         initializer_range=float(hf.get("initializer_range", 0.02)),
     )
-    fields.update(rope_from_hf(scaling, source))
+    rope = rope_from_hf(scaling, source)
+    old = rope.get("rope_original_max_position_embeddings")
+    if rope["rope_type"] == "longrope" and "rope_factor" not in rope and old:
+        # transformers' factor when the file gives none (Phi-3-mini-128k and
+        # Phi-3.5-mini write only the two contexts): their ratio, which sets the
+        # attention factor sqrt(1 + ln(factor) / ln(old))
+        rope["rope_factor"] = fields["max_position_embeddings"] / old
+    fields.update(rope)
     return fields
 
 

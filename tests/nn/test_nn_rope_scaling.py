@@ -105,3 +105,43 @@ def test_su_is_longrope_and_unknown_types_name_the_field():
     hf["rope_scaling"]["type"] = "ntk-by-parts"
     with pytest.raises(UnsupportedError, match=r"rope_scaling\.rope_type"):
         nn.LlamaConfig.from_hf_config(hf)
+
+
+def test_a_missing_longrope_factor_is_the_ratio_of_the_contexts():
+    """The factor transformers takes when the file has none: max_position / original.
+
+    Phi-3-mini-128k's and Phi-3.5-mini's config.json give LongRoPE no ``factor``,
+    only ``max_position_embeddings`` (131072) and the original context (4096); the
+    attention factor ``sqrt(1 + ln 32 / ln 4096)`` depends on their ratio. Read as
+    factor 1, it was 1 (transformers: 1.19), scaling every score by 1/1.42.
+    """
+    kind = "longrope"
+    config = dataclasses.replace(BASE, max_position_embeddings=256, **CASES[kind])
+    hf = nn.architecture("llama").to_hf(config)
+    del hf["rope_scaling"]["factor"]
+    read = nn.LlamaConfig.from_hf_config(hf)
+    assert read.rope_factor == 256 / 32
+    want, want_scale = rope_utils.ROPE_INIT_FUNCTIONS[kind](
+        transformers.AutoConfig.for_model(**hf), None, seq_len=300
+    )
+    got = rope_inv_freq(read, jnp.arange(300, dtype=jnp.int32), jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=2e-6)
+    assert attention_factor(read) == pytest.approx(want_scale, rel=1e-12)
+    assert want_scale > 1.0
+
+
+def test_phi3_longrope_without_a_factor_reads_the_top_level_context():
+    phi3 = nn.architecture("phi3")
+    hf = phi3.to_hf(phi3.tiny())  # max_position_embeddings 32, original 8
+    hf["rope_scaling"] = {
+        k: v
+        for k, v in hf["rope_scaling"].items()
+        if k not in ("factor", "original_max_position_embeddings")
+    }
+    read = phi3.from_hf(hf)
+    assert read.rope_factor == 32 / 8
+    _, want_scale = rope_utils.ROPE_INIT_FUNCTIONS["longrope"](
+        transformers.Phi3Config(**{k: v for k, v in hf.items() if k != "model_type"}),
+        None,
+    )
+    assert attention_factor(read) == pytest.approx(want_scale, rel=1e-12)
