@@ -64,7 +64,8 @@ def save_safetensors(
     """Write ``{name: array}`` with string ``metadata`` atomically (dtypes kept)."""
     import safetensors.numpy
 
-    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}
+    # np.asarray(order="C"), not np.ascontiguousarray, which makes a 0-d array 1-d
+    arrays = {k: np.asarray(v, order="C") for k, v in tensors.items()}
     data = safetensors.numpy.save(arrays, metadata)
     with atomic_write(path) as f:
         f.write(data)

@@ -88,6 +88,18 @@ def test_round_trip_is_exact(tmp_path, fmt, pretty):
     _assert_same(load_model(path), model)
 
 
+def test_safetensors_keeps_a_scalar_leaf_0_d(tmp_path):
+    """save_safetensors went through np.ascontiguousarray, which returns at least 1-d.
+
+    A 0-d leaf (a learned scalar) came back with shape (1,); JSON, YAML and the
+    streamed writer keep ().
+    """
+    path = tmp_path / "m.safetensors"
+    save_model(Model(ModelMetadata(), {"s": np.float32(2.5)}), path)
+    back = load_model(path).params["s"]
+    assert back.shape == () and back == 2.5
+
+
 @pytest.mark.parametrize("fmt", [ModelFormat.JSON, ModelFormat.YAML])
 def test_text_formats_keep_shapes_and_non_finite(tmp_path, fmt):
     w = np.array([[np.nan, np.inf], [-np.inf, -0.0]], np.float32)
