@@ -61,8 +61,9 @@ def _json_safe(x: Any) -> Any:
 def _document(model: Model, json_mode: bool) -> dict[str, Any]:
     tensors = {}
     for name, a in flatten_params(model.params).items():
-        data = (a.astype(np.float32) if a.dtype.name == "bfloat16" else a).tolist()
-        if json_mode and a.dtype.kind == "f" and not np.isfinite(a).all():
+        values = a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+        data = values.tolist()  # bfloat16's numpy kind is "V": test the float32 copy
+        if json_mode and values.dtype.kind == "f" and not np.isfinite(values).all():
             data = _json_safe(data)
         tensors[name] = {"dtype": a.dtype.name, "shape": list(a.shape), "data": data}
     return {
@@ -163,6 +164,9 @@ def _tensor(name: str, t: Any, path: str, budget: int) -> np.ndarray:
     _check_values(_check_nested(t["data"], shape, where), dtype, where)
     try:
         with np.errstate(over="raise", invalid="raise"):  # 1e10 as float16: error
+            if dtype == "bfloat16":  # written through float32, which parses "inf"
+                a = np.array(t["data"], np.float32).astype(STORAGE_DTYPES[dtype])
+                return a.reshape(shape)
             return np.array(t["data"], dtype=STORAGE_DTYPES[dtype]).reshape(shape)
     except (ValueError, TypeError, OverflowError, FloatingPointError) as e:
         raise FormatError(f"{where}: data is not {dtype}: {e}") from None

@@ -100,6 +100,22 @@ def test_safetensors_keeps_a_scalar_leaf_0_d(tmp_path):
     assert back.shape == () and back == 2.5
 
 
+def test_json_writes_non_finite_bfloat16_as_strings(tmp_path):
+    """bfloat16 Inf/NaN are "inf"/"nan" in JSON, as for the other float dtypes.
+
+    The writer tested ``dtype.kind == "f"``, which bfloat16 (kind "V") fails, so
+    json.dump raised a bare ValueError; the reader then parsed the strings in
+    bfloat16, which cannot read them.
+    """
+    bf = np.array([np.inf, -np.inf, np.nan, 1.5], np.float32).astype(ml_dtypes.bfloat16)
+    path = tmp_path / "m.json"
+    save_model(Model(ModelMetadata(), {"b": bf}), path, SaveConfig(ModelFormat.JSON))
+    assert json.loads(path.read_text())["tensors"]["b"]["data"][:2] == ["inf", "-inf"]
+    back = load_model(path).params["b"]
+    assert back.dtype == bf.dtype
+    np.testing.assert_array_equal(back.astype(np.float32), bf.astype(np.float32))
+
+
 @pytest.mark.parametrize("fmt", [ModelFormat.JSON, ModelFormat.YAML])
 def test_text_formats_keep_shapes_and_non_finite(tmp_path, fmt):
     w = np.array([[np.nan, np.inf], [-np.inf, -0.0]], np.float32)
