@@ -355,7 +355,10 @@ def save_hf_folder(
         )
     hf = arch.to_hf(config)
     hf.setdefault("architectures", [arch.hf_class] if arch.hf_class else [])
-    dtypes = {dt.name for dt, _ in specs.values() if dt.kind == "f"}
+    # numpy's bfloat16 is of kind "V", not "f": named here so a bfloat16 model says so
+    dtypes = {
+        dt.name for dt, _ in specs.values() if dt.kind == "f" or dt.name == "bfloat16"
+    }
     if len(dtypes) == 1:
         hf.setdefault("torch_dtype", dtypes.pop())
     _write_json(os.path.join(folder, "config.json"), hf)

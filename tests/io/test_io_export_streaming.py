@@ -99,8 +99,7 @@ def test_hf_folder_of_the_qlora_tree_is_the_safetensors_packages(tmp_path, dtype
         assert (tmp_path / "hf" / shard).read_bytes() == ref.read_bytes(), shard
     assert index["metadata"]["total_size"] == sum(a.nbytes for a in flat.values())
     config_json = json.loads(open(os.path.join(out, "config.json")).read())
-    if dtype == "float32":  # (numpy's bfloat16 is not of kind "f": none written)
-        assert config_json["torch_dtype"] == "float32"
+    assert config_json["torch_dtype"] == dtype  # bfloat16's numpy kind is "V"
 
 
 # ---- peak memory, in a subprocess ---------------------------------------------------
