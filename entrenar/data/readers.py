@@ -205,7 +205,8 @@ def read_csv(
 
 
 def _csv_records(path: str, columns: Sequence[str] | None, delimiter: str) -> Records:
-    with open(path, encoding="utf-8", newline="") as f:
+    # utf-8-sig: a leading BOM (Excel's "CSV UTF-8") is not part of the first name
+    with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.reader(f, delimiter=delimiter)
         header = next(reader, None)
         if not header:
