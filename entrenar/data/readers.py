@@ -337,6 +337,8 @@ def to_arrays(
     entrenar.errors.FormatError: <records> record 1, column 'a': 'nan' is not a finite number (NaN, infinite or too large for float32); fix or drop the row
     """  # noqa: E501
     recs = Records.wrap(records)
+    # bfloat16 (numpy kind "V") parses no strings: they go through Python's float
+    bf16 = np.dtype(dtype).name == "bfloat16"
     out = {}
     for key, cols in columns.items():
         names = [cols] if isinstance(cols, str) else list(cols)
@@ -346,7 +348,8 @@ def to_arrays(
                 v = recs.value(i, c, object)
                 try:
                     with np.errstate(over="ignore", invalid="ignore"):
-                        arr[i, j] = v  # too large: inf, refused below
+                        # too large: inf, refused below
+                        arr[i, j] = float(v) if bf16 and isinstance(v, str) else v
                 except (TypeError, ValueError, OverflowError):
                     raise FormatError(
                         f"{recs.where(i, c)}: {str(v)[:40]!r} is not a "
@@ -360,7 +363,7 @@ def to_arrays(
 
 def _check_finite(arr: np.ndarray, recs: Records, names: list[str]) -> None:
     """Refuse the first NaN or infinite value of ``arr: (N, k)``, by row and column."""
-    if arr.dtype.kind not in "fc":
+    if arr.dtype.kind not in "fc" and arr.dtype.name != "bfloat16":
         return
     bad = ~np.isfinite(arr)
     if not bad.any():

@@ -43,3 +43,22 @@ def test_finite_false_keeps_them_and_finite_values_pass():
         to_arrays(recs, {"x": ["a", "b"]})
     ints = to_arrays([{"a": 3}], {"a": "a"}, dtype=np.int32)["a"]
     assert ints.dtype == np.int32 and ints.tolist() == [3]
+
+
+def test_bfloat16_arrays_parse_csv_cells_and_refuse_non_finite(tmp_path):
+    """dtype=bfloat16 reads CSV strings and checks them like float32 does.
+
+    ml_dtypes' bfloat16 (numpy kind "V") parses no strings, so every CSV cell was
+    "not a bfloat16 number", and the finite check (kind "f" only) let NaN through.
+    """
+    bf16 = np.dtype("bfloat16")
+    path = tmp_path / "d.csv"
+    path.write_text("a,y\n1.5,0\n-2,1\n")
+    x = to_arrays(read_csv(path), {"x": ["a"]}, dtype=bf16)["x"]
+    assert x.dtype == bf16 and x[:, 0].astype(np.float32).tolist() == [1.5, -2.0]
+    for cell in ("nan", "3.4e38"):  # the second overflows bfloat16 (max 3.39e38)
+        path.write_text(f"a,y\n1,0\n{cell},1\n")
+        with pytest.raises(FormatError, match=rf"row 2, column 'a': '{cell}' is not a"):
+            to_arrays(read_csv(path), {"x": ["a"]}, dtype=bf16)
+    with pytest.raises(FormatError, match="record 1, column 'a'"):
+        to_arrays([{"a": float("nan")}], {"x": ["a"]}, dtype=bf16)
