@@ -212,7 +212,9 @@ def save_model(
     """Write ``model`` to ``path`` in ``config.format`` (atomically).
 
     ``model`` is a `Model` or a bare params tree (nested dicts and lists of arrays),
-    saved with the default `ModelMetadata`.
+    saved with the default `ModelMetadata`. Without a ``config`` the format is the
+    one ``path``'s extension names (``.json``, ``.yaml``/``.yml``, ``.safetensors``,
+    ``.gguf``), safetensors for any other; a ``config`` is followed as given.
 
     A model with ``custom["llama_config"]`` (as `load_model` returns for a llama.cpp
     GGUF of any `LlamaConfig` family) is written to GGUF as a llama.cpp model
@@ -227,7 +229,9 @@ def save_model(
             f"save_model takes an entrenar.io.Model or a params tree (dicts and lists "
             f"of arrays), not {type(model).__name__}"
         )
-    config = config or SaveConfig()
+    if config is None:
+        ext = os.path.splitext(os.fspath(path))[1].lower()
+        config = SaveConfig(_EXT.get(ext, ModelFormat.SAFETENSORS))
     fmt = ModelFormat(config.format)
     if fmt == ModelFormat.JSON:
         save_json(model, path, config.pretty)

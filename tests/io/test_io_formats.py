@@ -175,6 +175,22 @@ def test_safetensors_is_readable_by_safetensors_and_torch(tmp_path):
     assert m.metadata == ModelMetadata() and m.params["a"]["b"].shape == (2, 2)
 
 
+@pytest.mark.parametrize(
+    "name, fmt",
+    [("m.json", ModelFormat.JSON), ("m.YML", ModelFormat.YAML),
+     ("m.yaml", ModelFormat.YAML), ("m.gguf", ModelFormat.GGUF),
+     ("m.safetensors", ModelFormat.SAFETENSORS), ("m.bin", ModelFormat.SAFETENSORS)],
+)  # fmt: skip
+def test_without_a_config_the_extension_names_the_format(name, fmt, tmp_path):
+    """``save_model(m, "m.json")`` writes JSON (it wrote safetensors bytes before)."""
+    model = _model(["float32"])
+    save_model(model, tmp_path / name)
+    assert detect_format(tmp_path / name) == fmt
+    np.testing.assert_array_equal(
+        load_model(tmp_path / name).params["head"]["bias"], model.params["head"]["bias"]
+    )
+
+
 def test_detect_format_by_magic_over_extension(tmp_path):
     model = _model(["float32"])
     save_model(model, tmp_path / "m.bin", SaveConfig(ModelFormat.GGUF))
