@@ -67,7 +67,8 @@ def quantize(
 
     Raises:
         QuantizationError: unknown scheme, or NaN/Inf in a concrete ``w``.
-        ShapeError: the last axis does not split into whole blocks.
+        ShapeError: the last axis does not split into whole blocks, or ``w`` has
+            no values (a zero-sized axis).
 
     Example:
         >>> import jax.numpy as jnp
@@ -77,6 +78,11 @@ def quantize(
     """
     if scheme not in SCHEMES:
         raise QuantizationError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+    if 0 in np.shape(w):
+        raise ShapeError(
+            f"cannot quantize an array of shape {tuple(np.shape(w))} to {scheme}: it "
+            "holds no values; leave an empty array unquantized"
+        )
     q, finite = _quantize(
         w, scheme, block_size, double_quant, symmetric, granularity, axis
     )
@@ -239,9 +245,9 @@ def quantize_params(
 ) -> PyTree:
     """A new tree whose selected weights are `QuantizedWeight` nodes.
 
-    By default every floating leaf with at least two axes whose last axis splits
-    into whole blocks is quantized (weights, not biases or norms); ``predicate(name,
-    leaf)`` (``name`` the dotted path) chooses instead.
+    By default every non-empty floating leaf with at least two axes whose last axis
+    splits into whole blocks is quantized (weights, not biases or norms);
+    ``predicate(name, leaf)`` (``name`` the dotted path) chooses instead.
 
     Example:
         >>> import jax.numpy as jnp
@@ -256,6 +262,7 @@ def quantize_params(
     def default(_: str, x: Any) -> bool:
         return (
             np.ndim(x) >= 2
+            and np.size(x) > 0
             and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
             and np.shape(x)[-1] % block == 0
         )

@@ -1,5 +1,6 @@
 """NF4 (+ double quantization), int4 and int8: code tables, bounds, bits per value."""
 
+import re
 from statistics import NormalDist
 
 import jax
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from entrenar.errors import ConfigError, QuantizationError, ShapeError
-from entrenar.quant import NF4_CODE, dequantize, quantize
+from entrenar.quant import NF4_CODE, dequantize, quantize, quantize_params
 from entrenar.quant.report import bits_per_param
 
 # QLoRA (Dettmers et al., 2023), Appendix E: the NF4 data type, as printed.
@@ -160,6 +161,16 @@ def test_nan_inf_rejected(scheme):
     w[1, 3] = -np.inf
     with pytest.raises(QuantizationError, match=r"NaN/Inf.*\(1, 3\)"):
         quantize(w, scheme)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (64, 0), (0,)])
+@pytest.mark.parametrize("scheme", ["nf4", "int4", "int8", "q8_0", "q4_1"])
+def test_an_empty_array_is_refused_naming_its_shape(scheme, shape):
+    """Before: quantize took (0, 64) and its dequantize raised ZeroDivisionError."""
+    with pytest.raises(ShapeError, match=rf"shape {re.escape(str(shape))}.*no values"):
+        quantize(np.zeros(shape, np.float32), scheme)
+    kept = quantize_params({"w": np.zeros(shape, np.float32)}, scheme)  # by default
+    assert isinstance(kept["w"], np.ndarray)  # left as it is
 
 
 def test_bad_requests_are_clear_errors():
