@@ -111,8 +111,9 @@ def check_gradient(
         raise ConfigError(f"need rtol, atol >= 0, not both 0; got {rtol}, {atol}")
     with jax.enable_x64(True):
         arrays = [np.asarray(x.numpy() if isinstance(x, Tensor) else x) for x in inputs]
-        arrays = [a.astype(np.float64) if a.dtype.kind == "f" else a for a in arrays]
-        floats = [i for i, a in enumerate(arrays) if a.dtype.kind == "f"]
+        # bfloat16 and the other ml_dtypes floats are numpy kind "V": ask JAX
+        arrays = [a.astype(np.float64) if _floating(a) else a for a in arrays]
+        floats = [i for i, a in enumerate(arrays) if _floating(a)]
         checked = floats if wrt is None else [int(i) for i in wrt]
         if not checked or not set(checked) <= set(floats):
             raise ConfigError(
@@ -125,6 +126,11 @@ def check_gradient(
             analytic, proj = _jax_gradients(fn, arrays, checked, seed)
         numeric = _numeric_gradients(fn, arrays, checked, proj, eps, api)
     return _judge(analytic, numeric, checked, rtol, atol, api, raise_on_failure)
+
+
+def _floating(a: np.ndarray) -> bool:
+    """Whether ``a`` holds floating-point values (bfloat16 included)."""
+    return bool(jnp.issubdtype(a.dtype, jnp.floating))
 
 
 def _wrong_square(x: Any) -> Any:

@@ -141,3 +141,16 @@ def test_failure_message_names_the_worst_element_of_a_matrix():
     assert str(info.value).startswith(
         "gradient check failed at input 1, element 3: analytic 3 vs numeric 6"
     )
+
+
+@pytest.mark.parametrize("api", ["jax", "tensor"])
+def test_bfloat16_inputs_are_checked_in_float64(api):
+    """A bfloat16 input is floating point (numpy calls its dtype kind "V").
+
+    Before, it was passed through as an integer input would be and the check
+    refused to run: ``wrt=[] must name floating-point inputs``.
+    """
+    x = jnp.asarray([0.5, -1.25, 2.0], jnp.bfloat16)
+    result = check_gradient(lambda v: (v * v * v).sum(), [x], api=api)
+    assert result and result.analytic[0].dtype == np.float64
+    np.testing.assert_allclose(result.analytic[0], 3 * np.asarray(x, np.float64) ** 2)
