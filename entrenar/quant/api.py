@@ -66,7 +66,8 @@ def quantize(
         A new `QuantizedWeight`; ``w`` is not modified.
 
     Raises:
-        QuantizationError: unknown scheme, or NaN/Inf in a concrete ``w``.
+        QuantizationError: unknown scheme, ``w`` not real floating point (integers,
+            booleans, complex), or NaN/Inf in a concrete ``w``.
         ShapeError: the last axis does not split into whole blocks, or ``w`` has
             no values (a zero-sized axis).
 
@@ -78,6 +79,14 @@ def quantize(
     """
     if scheme not in SCHEMES:
         raise QuantizationError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+    if not hasattr(w, "dtype"):  # nested lists of numbers
+        w = jnp.asarray(w)
+    dtype = np.dtype(w.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise QuantizationError(
+            f"quantize takes real floating-point weights, got {dtype} values; cast "
+            "them to float32 first if they are weights"
+        )
     if 0 in np.shape(w):
         raise ShapeError(
             f"cannot quantize an array of shape {tuple(np.shape(w))} to {scheme}: it "

@@ -173,6 +173,22 @@ def test_an_empty_array_is_refused_naming_its_shape(scheme, shape):
     assert isinstance(kept["w"], np.ndarray)  # left as it is
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64])
+def test_weights_that_are_not_real_floats_are_refused(dtype):
+    """Integers, booleans and complex numbers are not weights to quantize.
+
+    Before: int8 codes of integers came back truncated in the integer dtype, and a
+    complex array quantized its real part and returned complex values.
+    """
+    with pytest.raises(QuantizationError, match=rf"{np.dtype(dtype).name} values"):
+        quantize(np.ones((2, 64), dtype), "int8")
+
+
+def test_nested_lists_are_quantized_as_float32():
+    q = quantize([[0.5] * 64], "nf4")
+    assert q.dtype == np.float32 and float(dequantize(q)[0, 0]) == 0.5
+
+
 def test_bad_requests_are_clear_errors():
     with pytest.raises(QuantizationError, match="unknown scheme"):
         quantize(np.ones((1, 64), np.float32), "fp3")
