@@ -34,7 +34,7 @@ from entrenar.distill.ensemble import EnsembleDistiller
 from entrenar.distill.logits import DistillationLoss
 from entrenar.distill.progressive import ProgressiveDistiller
 from entrenar.errors import ConfigError
-from entrenar.nn.losses import IGNORE_INDEX
+from entrenar.nn.losses import IGNORE_INDEX, segment_labels
 from entrenar.types import Params, PRNGKey
 
 TRAINABLE = ("student", "projection")
@@ -160,6 +160,11 @@ class DistillLossFn:
             for name in ("segment_ids", "positions"):
                 if name in batch:
                     kwargs[name] = jnp.asarray(batch[name])
+            if "segment_ids" in kwargs:  # no target across packed documents
+                labels = segment_labels(
+                    labels, kwargs["segment_ids"],
+                    ignore_index=self.logit_loss.ignore_index,
+                )  # fmt: skip
             causal = True
         elif "x" in batch and "y" in batch:
             inputs, labels, kwargs, causal = batch["x"], batch["y"], {}, False

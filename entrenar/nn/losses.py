@@ -241,6 +241,27 @@ def causal_lm_loss(
     )
 
 
+def segment_labels(
+    labels: jax.Array, segment_ids: jax.Array, *, ignore_index: int = IGNORE_INDEX
+) -> jax.Array:
+    """``labels`` with ``ignore_index`` where a packed row starts a new segment.
+
+    In a packed row (``segment_ids (B, T)``) position ``t`` attends only to its own
+    document, so the target ``labels[t + 1]`` is no target when
+    ``segment_ids[t + 1] ≠ segment_ids[t]``: it is the next document's first token.
+    The data pipeline already writes ``-100`` there; labels defaulted to the input
+    ids do not, and would count one cross-document target per boundary. Column 0
+    is never a target and is left as it is.
+
+    >>> segment_labels(jnp.array([[5, 6, 7, 8]]), jnp.array([[1, 1, 2, 2]])).tolist()
+    [[5, 6, -100, 8]]
+    """
+    labels, seg = jnp.asarray(labels), jnp.asarray(segment_ids)
+    start = seg[:, 1:] != seg[:, :-1]  # (B, T-1): column t + 1 opens a segment
+    kept = jnp.where(start, jnp.asarray(ignore_index, labels.dtype), labels[:, 1:])
+    return jnp.concatenate([labels[:, :1], kept], axis=1)  # (B, T)
+
+
 def _w(transposed: bool) -> str:
     """The head's einsum axes: ``W (V, D)``, or ``Wᵀ (D, V)`` when ``transposed``."""
     return "iv" if transposed else "vi"
@@ -531,4 +552,5 @@ __all__ = [
     "l1",
     "mse",
     "reduce_loss",
+    "segment_labels",
 ]

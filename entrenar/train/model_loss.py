@@ -5,8 +5,10 @@
   (padding: neither attended to nor counted) and, for Llama, ``segment_ids`` and
   ``positions`` of packed rows (Llama's through
   `entrenar.nn.losses.chunked_causal_lm_loss`: the ``(B, T, V)`` logits are never
-  whole). The loss is the mean over counted next-token targets
-  and reports their number as ``loss_weight`` (so accumulation and evaluation
+  whole). The loss is the mean over counted next-token targets (with
+  ``segment_ids``, never a packed document's first token: `segment_labels`, also
+  when the labels default to the input ids) and reports their number as
+  ``loss_weight`` (so accumulation and evaluation
   average over tokens, not over batches).
 - Any other model with ``apply(params, x, *, key=None)`` (`entrenar.nn.MLP`): the
   ``TrainConfig.loss`` named in ``entrenar.nn.losses.LOSSES`` between
@@ -32,6 +34,7 @@ from entrenar.nn.losses import (
     LOSSES,
     causal_lm_loss,
     chunked_causal_lm_loss,
+    segment_labels,
 )
 from entrenar.train.step import LossFn
 from entrenar.types import Params, PyTree
@@ -60,6 +63,8 @@ def causal_lm_loss_fn(model: Any) -> LossFn:
             kwargs.update(
                 segment_ids=batch.get("segment_ids"), positions=batch.get("positions")
             )
+            if kwargs["segment_ids"] is not None:  # no target across documents
+                labels = segment_labels(labels, kwargs["segment_ids"])
         elif "segment_ids" in batch:
             raise ShapeError("GPT-2 does not take packed rows (segment_ids); use Llama")
         else:

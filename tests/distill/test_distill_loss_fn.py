@@ -189,6 +189,26 @@ def test_causal_lm_shifts_and_masks(inits):
     np.testing.assert_allclose(float(f(params, other)[0]), float(loss), rtol=1e-6)
 
 
+def test_packed_rows_without_labels_skip_targets_across_documents(inits):
+    # labels default to the input ids; a packed row's position before a new
+    # document cannot see it, so (as with the data pipeline's -100 there) that
+    # target is skipped: the loss and its weight equal those of explicit labels
+    tp, sp = inits["lm_t"], inits["lm_s"]
+    loss_fn = make_distill_loss_fn(LM_S, LM_T, tp, temperature=2.0, alpha=0.5)
+    params = loss_fn.init(sp, key=jax.random.key(2))
+    ids = np.random.default_rng(3).integers(0, 50, size=(2, 9)).astype(np.int32)
+    seg = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 2, 2, 2, 3, 3, 3, 3]])
+    pos = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 1, 0, 1, 2, 0, 1, 2, 3]])
+    labels = np.where(pos == 0, -100, ids).astype(np.int32)  # the pipeline's labels
+    batch = {"input_ids": ids, "segment_ids": seg.astype(np.int32),
+             "positions": pos.astype(np.int32)}  # fmt: skip
+    f = jax.jit(loss_fn)
+    got, m = f(params, batch)
+    want, mw = f(params, dict(batch, labels=labels))
+    assert float(m["loss_weight"]) == float(mw["loss_weight"]) == 13
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+
+
 def test_progressive_llama_with_projection_and_schedule(inits):
     tp, sp = inits["lm_t"], inits["lm_s"]
     pd = {"student_layers": [1, 2], "teacher_layers": [2, 4], "stage_steps": 5}

@@ -147,21 +147,55 @@ def test_llama_loss_is_the_mean_causal_lm_loss_of_the_logits(md):
     batch = dict(input_ids=tokens, labels=labels, attention_mask=mask,
                  segment_ids=segments, positions=positions)  # fmt: skip
 
+    targets = labels.copy()
+    targets[1, 9] = -100  # the second document's first token: no target (conventions)
+
     def plain(p):
         z = model.apply(p, tokens, mask=mask, segment_ids=segments,
                         positions=positions)  # fmt: skip
-        counted = (labels[:, 1:] != -100) & mask[:, 1:]
+        counted = (targets[:, 1:] != -100) & mask[:, 1:]
         n = jnp.asarray(counted.sum(), jnp.float32)
-        return causal_lm_loss(z, labels, "sum", loss_mask=mask) / n
+        return causal_lm_loss(z, targets, "sum", loss_mask=mask) / n
 
     loss_fn = loss_for_model(model)
     (got, aux), g = jax.value_and_grad(
         lambda p: loss_fn(p, batch, key=None), has_aux=True
     )(params)
     want, gw = jax.value_and_grad(plain)(params)
-    assert float(aux["loss_weight"]) == ((labels[:, 1:] != -100) & mask[:, 1:]).sum()
+    assert float(aux["loss_weight"]) == ((targets[:, 1:] != -100) & mask[:, 1:]).sum()
     np.testing.assert_allclose(got, want, rtol=1e-5)
     tol = 1e-4 if md is None else 2e-2  # bfloat16: dz is rounded before/after g
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gw)):
         a, b = np.asarray(a), np.asarray(b)
         assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b) + 1e-7
+
+
+def test_packed_rows_without_labels_count_no_target_across_documents():
+    # labels default to the input ids; in a packed row the id after a document's
+    # last token is the next document's first one, which that position cannot see:
+    # the loss must skip it as the data pipeline's labels (-100 there) do, so the
+    # loss, its weight and the gradients equal those of the documents padded alone
+    from entrenar.data import pack_rows, pad_rows
+    from entrenar.train.model_loss import loss_for_model
+
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, MODEL.vocab_size, n).astype(np.int32)
+            for n in (3, 7, 12, 5, 9, 2)]  # fmt: skip
+    docs = [(ids, ids) for ids in docs]  # every token trained
+    packed = pack_rows(docs, 16)
+    assert packed["segment_ids"].max() > 1  # rows hold several documents
+    unlabelled = {k: v for k, v in packed.items() if k != "labels"}
+    params = MODEL.init(jax.random.key(0))
+    loss_fn = loss_for_model(MODEL)
+
+    def run(batch):
+        vg = jax.value_and_grad(lambda p: loss_fn(p, batch, key=None), has_aux=True)
+        return vg(params)
+
+    (alone, a0), g0 = run(pad_rows(docs, 16))
+    for batch in (packed, unlabelled):
+        (loss, aux), g = run(batch)
+        assert float(aux["loss_weight"]) == float(a0["loss_weight"]) == 32
+        np.testing.assert_allclose(loss, alone, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
