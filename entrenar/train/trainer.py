@@ -415,16 +415,40 @@ class Trainer:
         cfg = self.config
         if isinstance(data, Mapping):
             size = cfg.batch_size * cfg.grad_accum if train else cfg.batch_size
-            return ArrayLoader(
+            loader = ArrayLoader(
                 data, size, shuffle=cfg.shuffle and train, seed=cfg.seed,
                 drop_last=cfg.drop_last if train else False,
             )  # fmt: skip
+            if train:
+                self._check_last_batch(loader.n % size if not loader.drop_last else 0)
+            return loader
         if isinstance(data, Loader):
             return data
         raise ConfigError(
             f"training data must be a dict of arrays or a Loader (iterable of dict "
             f"batches with set_epoch, __len__, state_dict); got {type(data).__name__}"
         )
+
+    def _check_last_batch(self, rows: int) -> None:
+        """A short last training batch of ``rows`` must split like the others.
+
+        The step cuts a batch in ``grad_accum`` equal micro-batches and a mesh
+        splits it over its devices; a last batch that does not divide would fail
+        only at the epoch's end, after the epoch's work.
+        """
+        cfg = self.config
+        parts = {"grad_accum": cfg.grad_accum}
+        if self.mesh is not None:
+            parts["the mesh's devices"] = self.mesh.size
+        bad = {what: n for what, n in parts.items() if rows % n}
+        if rows and bad:
+            what, n = next(iter(bad.items()))
+            raise ConfigError(
+                f"drop_last=False leaves a last training batch of {rows} rows, which "
+                f"{what} ({n}) does not divide: set drop_last=True, or give a number "
+                f"of rows that leaves a multiple of {n} after the full batches of "
+                f"batch_size × grad_accum = {cfg.batch_size * cfg.grad_accum}"
+            )
 
     def _check_pending(self) -> None:
         """Move checked steps to the log window; stop on a non-finite step."""

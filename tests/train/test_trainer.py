@@ -140,6 +140,22 @@ def test_config_validation_names_the_field():
         TrainConfig(tensorboard=True)
 
 
+def test_a_short_last_batch_grad_accum_cannot_split_is_refused_before_training():
+    # 16 rows in batches of 3 × 2: the last batch of 4 splits in two micro-batches;
+    # in batches of 2 × 3 the last one of 4 does not, and used to fail with a
+    # ShapeError only at the epoch's end, after the epoch's steps
+    def make(batch_size, accum):
+        cfg = TrainConfig(epochs=1, batch_size=batch_size, grad_accum=accum,
+                          drop_last=False, progress=False)  # fmt: skip
+        return Trainer(linear_loss, PARAMS, sgd(0.1), cfg)
+
+    assert make(3, 2).fit(DATA).steps == 3  # 6 + 6 + 4 rows
+    t = make(2, 3)
+    with pytest.raises(ConfigError, match=r"last training batch of 4 rows.*drop_last"):
+        t.fit(DATA)
+    assert t.step == 0
+
+
 class Recorder(Callback):
     def __init__(self):
         self.calls = []
