@@ -103,7 +103,7 @@ ARCH_TABLES
 | `config.json` | the validated config, defaults filled in |
 | `metrics.jsonl` | one JSON line per log step and per evaluation (`entrenar.train`) |
 | `checkpoints/<step>/` | resumable train states (`--resume latest` or a path) |
-| `model.safetensors`, `model.json` | the trained model (LoRA adapters folded in); its metadata holds the architecture (`custom.model_config` or `custom.llama_config`) and, for tabular data, the feature columns, target and normalisation (`custom.tabular`) |
+| `model.safetensors`, `model.json` | the trained model (LoRA adapters folded in); its metadata holds the architecture (`custom.model_config` or `custom.llama_config`), a language model's tokenizer (`custom.tokenizer`: `model.tokenizer`, else the GGUF or Hugging Face folder it was read from, relative to the file) and, for tabular data, the feature columns, target and normalisation (`custom.tabular`) |
 | `model.gguf` | a Llama as llama.cpp reads it, matrices in `export.gguf_type` |
 | `hf/` | a Hugging Face `LlamaForCausalLM` folder (`config.json` + `model.safetensors`) |
 | `adapter/` | the LoRA adapter in PEFT's layout |

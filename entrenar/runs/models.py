@@ -70,6 +70,22 @@ class BuiltModel:
         """The llama.cpp GGUF it was read from (its tokenizer and metadata), or None."""
         return self.source if self.source and self.source.endswith(".gguf") else None
 
+    @property
+    def tokenizer_source(self) -> str | None:
+        """The file or folder its tokenizer was read from, or None.
+
+        What an entrenar model file's ``custom["tokenizer"]`` names (resolved
+        against the file's folder), else the GGUF or Hugging Face folder the model
+        was read from; None without a tokenizer or a source. A model file written
+        from this model names it (`tokenizer_ref`) so that it is read back with it.
+        """
+        if self.tokenizer is None or self.source is None:
+            return None
+        tok = self.custom.get("tokenizer")
+        if isinstance(tok, str):
+            return os.path.join(os.path.dirname(os.path.abspath(self.source)), tok)
+        return self.source if self.gguf_source or os.path.isdir(self.source) else None
+
     def stored_config(self) -> dict[str, Any]:
         """``{"model_config" or, a `LlamaConfig`'s, "llama_config": fields}``."""
         key = "llama_config" if self.is_decoder else "model_config"
@@ -244,6 +260,15 @@ def _stored_config(path: str, meta: io.ModelMetadata) -> tuple[str, Any]:
             "entrenar.runs.save_built or give model.architecture and model.config"
         )
     return arch, arch_config(arch, fields, f"{path}: model_config")
+
+
+def tokenizer_ref(tokenizer: str, model_file: str) -> str:
+    """``custom["tokenizer"]`` of ``model_file``: ``tokenizer`` relative to its folder.
+
+    `load_built` resolves it against the folder of the file that stores it.
+    """
+    folder = os.path.dirname(os.path.abspath(model_file))
+    return os.path.relpath(os.path.abspath(tokenizer), folder)
 
 
 def _stored_tokenizer(path: str, custom: Mapping[str, Any]) -> Any:
@@ -428,4 +453,5 @@ __all__ = [
     "load_built",
     "read_header",
     "save_built",
+    "tokenizer_ref",
 ]

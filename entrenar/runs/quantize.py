@@ -18,7 +18,7 @@ from entrenar.io.formats import disk_bytes
 from entrenar.io.lock import OutputLock
 from entrenar.runs.evaluate import Log, evaluate_built, evaluate_model
 from entrenar.runs.export import write_quantized, write_quantized_model
-from entrenar.runs.models import BuiltModel, load_built
+from entrenar.runs.models import BuiltModel, load_built, tokenizer_ref
 
 
 def _is_llama_file(path: str) -> bool:
@@ -79,17 +79,29 @@ def _quantize(
     per_channel: bool,
     symmetric: bool,
 ) -> BuiltModel | None:
-    """Write the quantized file; the original as a `BuiltModel` when it was built."""
+    """Write the quantized file; the original as a `BuiltModel` when it was built.
+
+    An entrenar model file written names the original's tokenizer (relative to
+    ``output``), so that `load_built` (``entrenar eval``, the calibration) reads it.
+    """
     if _is_llama_file(model):
         built = load_built(model)
         name = os.path.splitext(os.path.basename(output))[0]
+        tok = built.tokenizer_source
         write_quantized(
             built, built.params, output, scheme, block_size=block_size,
             per_channel=per_channel, name=name,
+            extra={"tokenizer": tokenizer_ref(tok, output)} if tok else None,
         )  # fmt: skip
         return built
+    source = io.load_model(model)
+    tok = source.metadata.custom.get("tokenizer")
+    if isinstance(tok, str):  # relative to the original's folder: to the output's
+        tok = os.path.join(os.path.dirname(os.path.abspath(model)), tok)
+        meta = source.metadata.with_custom(tokenizer=tokenizer_ref(tok, output))
+        source = io.Model(meta, source.params)
     write_quantized_model(
-        io.load_model(model), output, scheme, block_size=block_size,
+        source, output, scheme, block_size=block_size,
         per_channel=per_channel, symmetric=symmetric,
     )  # fmt: skip
     return None

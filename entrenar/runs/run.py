@@ -48,6 +48,7 @@ from entrenar.runs.models import (
     base_quantizer,
     build_model,
     load_built,
+    tokenizer_ref,
 )
 from entrenar.train import Trainer, TrainResult
 from entrenar.train.plot import plot
@@ -224,9 +225,13 @@ def _train(
     if spec.distillation is not None:
         params = params["student"]
     extra: dict[str, Any] = {"tabular": prep.data.stats} if prep.data.stats else {}
-    tokenizer = (spec.model.tokenizer if spec.model else None) or prep.built.gguf_source
+    # the tokenizer the model files name: model.tokenizer, else the source's own (a
+    # GGUF, a Hugging Face folder, or the one an entrenar model file names)
+    tokenizer = (spec.model.tokenizer if spec.model else None) or (
+        prep.built.tokenizer_source
+    )
     if prep.built.is_lm and tokenizer:
-        extra["tokenizer"] = os.path.relpath(tokenizer, os.path.abspath(out_dir))
+        extra["tokenizer"] = tokenizer_ref(tokenizer, os.path.join(out_dir, "model"))
     metrics = _final_metrics(result)
     files = write_outputs(
         spec, prep.built, params, out_dir, extra=extra, report=metrics

@@ -20,7 +20,7 @@ import yaml
 
 from entrenar import io, nn
 from entrenar.io.gguf_families import written_name
-from entrenar.runs import load_built, train_from_yaml
+from entrenar.runs import evaluate_config, load_built, quantize_file, train_from_yaml
 from entrenar.runs.export import write_hf_folder, write_quantized
 from entrenar.runs.info import model_info
 from entrenar.runs.models import read_header
@@ -144,3 +144,66 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
     for a, b in zip(jax.tree.leaves(gguf.params), jax.tree.leaves(hf.params)):
         step = float(np.max(np.abs(b))) / 127  # Q8_0's grid step, at most
         np.testing.assert_allclose(a, b, atol=step)
+
+
+def _sized_folder(family: str, path: Path) -> None:
+    """A folder like `_folder`'s, its vocabulary the tokenizer's and hidden size 64.
+
+    (Rows then split into the quantizers' blocks of 64.)
+    """
+    config = dataclasses.replace(
+        nn.architecture(family).tiny(), vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_heads=4, head_dim=16,
+    )  # fmt: skip
+    hf_cases.write_tokenizer(path / "tok", family)
+    tok = io.HFTokenizer.from_folder(path / "tok")
+    io.save_hf_folder(
+        path / "hf", config, config.init(jax.random.key(0)), tokenizer=tok
+    )
+
+
+def _chat_run(tmp_path: Path, model: str, **training: object) -> Path:
+    """A 2-step LoRA run config on ``model`` with chat data (no file exported)."""
+    rows = [{"messages": hf_cases.MESSAGES[:2]}] * 8
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doc = {
+        "model": {"path": model},
+        "data": {"train": "chat.jsonl", "validation": "chat.jsonl", "format": "chat",
+                 "batch_size": 4, "seq_len": 64},
+        "lora": {"rank": 2},
+        "training": {"max_steps": 2, "output_dir": str(tmp_path / "out"), **training},
+    }  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
+    return tmp_path / "run.yaml"
+
+
+def test_a_runs_model_file_from_a_folder_names_the_folders_tokenizer(tmp_path):
+    """A run on a Hugging Face folder: model.safetensors names the folder's tokenizer.
+
+    So `entrenar eval CONFIG` scores it (before: "no tokenizer"), and so does its
+    quantized copy written to another folder (`entrenar quantize`).
+    """
+    _sized_folder("llama", tmp_path)
+    config = _chat_run(tmp_path, str(tmp_path / "hf"))
+    result = train_from_yaml(config, progress=False)
+    back = load_built(result.files["safetensors"])
+    assert back.tokenizer is not None
+    assert back.tokenizer.encode("Hello") == load_built(
+        str(tmp_path / "hf")
+    ).tokenizer.encode("Hello")
+    assert evaluate_config(str(config))["examples"] == 8
+    (tmp_path / "a" / "b").mkdir(parents=True)  # "../hf" from here is not the folder
+    q = str(tmp_path / "a" / "b" / "q.safetensors")
+    quantize_file(result.files["safetensors"], q, "int8")
+    assert load_built(q).tokenizer is not None
+
+
+def test_a_quantized_model_file_names_the_originals_tokenizer(tmp_path):
+    """`entrenar quantize` of a Hugging Face folder names the folder's tokenizer.
+
+    Before: none, so --calibration-data failed after the file was written.
+    """
+    _sized_folder("llama", tmp_path)
+    q = str(tmp_path / "q.safetensors")
+    quantize_file(str(tmp_path / "hf"), q, "int8")
+    assert load_built(q).tokenizer is not None
