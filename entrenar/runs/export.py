@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from entrenar import io, lora, nn, quant
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.lock import OutputLock
+from entrenar.lora.names import stacked_split
 from entrenar.runs.models import BuiltModel, dicts_from_lists, save_built
 from entrenar.types import Params
 
@@ -104,6 +107,28 @@ def write_quantized(
     )  # fmt: skip
 
 
+def per_layer_matrices(block: int) -> Callable[[str, Any], bool]:
+    """`quant.quantize_params`'s default choice, a stacked leaf's axes per layer.
+
+    A leaf under a layer stack (``model.layers.*``, ``transformer.h.*``:
+    `lora.names.stacked_split`) has a leading layer axis, so a norm's or a bias's
+    (L, D) stack is a vector in each layer and stays as it is; a projection's
+    (L, out, in) is a matrix in each layer, quantized with rows of ``block``
+    values. (Quantized as a (L, D) matrix, a norm is not a weight the model reads:
+    the file could not be run, evaluated or calibrated.)
+    """
+
+    def select(name: str, x: Any) -> bool:
+        axes = np.ndim(x) - (1 if stacked_split(name) is not None else 0)
+        return (
+            axes >= 2
+            and bool(jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating))
+            and np.shape(x)[-1] % block == 0
+        )
+
+    return select
+
+
 def write_quantized_model(
     model: io.Model,
     path: str,
@@ -115,19 +140,22 @@ def write_quantized_model(
 ) -> str:
     """Quantize the weights of any `entrenar.io` model and write it (module docstring).
 
-    Every floating weight with two or more axes whose rows split into whole blocks is
-    quantized; biases, norms and odd shapes stay as they are.
+    Every floating weight with two or more axes (in each layer, for a layer stack:
+    `per_layer_matrices`) whose rows split into whole blocks is quantized; biases,
+    norms and odd shapes stay as they are.
 
     Raises:
         ConfigError: no weight of the model can be quantized with these settings.
     """
+    options = quantize_options(scheme, block_size, per_channel, symmetric)
+    block = 32 if scheme in GGML_SCHEMES else block_size
     qparams = quant.quantize_params(
         quant.dequantize_params(model.params), scheme,
-        **quantize_options(scheme, block_size, per_channel, symmetric),
+        predicate=per_layer_matrices(1 if "granularity" in options else block),
+        **options,
     )  # fmt: skip
     tree, info = io.split_quantized(qparams)
     if not info:
-        block = 32 if scheme in GGML_SCHEMES else block_size
         raise ConfigError(
             f"{scheme}: no weight of this model has rows that split into blocks of "
             f"{block}; choose a smaller --block-size or another scheme"

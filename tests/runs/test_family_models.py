@@ -12,6 +12,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ from entrenar.io.gguf_families import written_name
 from entrenar.runs import evaluate_config, load_built, quantize_file, train_from_yaml
 from entrenar.runs.export import write_hf_folder, write_quantized
 from entrenar.runs.info import model_info
-from entrenar.runs.models import read_header
+from entrenar.runs.models import BuiltModel, read_header, save_built
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "io"))
 import hf_cases
@@ -207,3 +208,35 @@ def test_a_quantized_model_file_names_the_originals_tokenizer(tmp_path):
     q = str(tmp_path / "q.safetensors")
     quantize_file(str(tmp_path / "hf"), q, "int8")
     assert load_built(q).tokenizer is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+def test_a_quantized_model_file_of_a_layer_stack_runs(family, scheme, tmp_path):
+    """`entrenar quantize` to an entrenar file quantizes each layer's matrices.
+
+    Not the (L, D) stacks of a decoder's norms and biases. Before, those stacks
+    were quantized as matrices: the file's model stopped with a raw JAX error (nf4:
+    "scan got values with different leading axis sizes", int8: "'QuantizedWeight'
+    object has no attribute 'astype'"), calibration included.
+    """
+    if family == "gpt2":
+        config: Any = nn.GPT2Config(
+            vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2
+        )
+        src = str(tmp_path / "m.safetensors")
+        save_built(
+            BuiltModel(family, config, config.init(jax.random.key(0))),
+            config.init(jax.random.key(0)), src,
+        )  # fmt: skip
+    else:
+        _sized_folder(family, tmp_path)
+        src = str(tmp_path / "hf")
+    q = str(tmp_path / "q.safetensors")
+    quantize_file(src, q, scheme)
+    want, got = load_built(src), load_built(q)
+    tokens = TOKENS % 128
+    ref = np.asarray(want.config.apply(want.params, tokens))
+    out = np.asarray(got.config.apply(got.params, tokens))
+    error = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    assert error < {"nf4": 0.3, "int8": 0.02}[scheme], error
