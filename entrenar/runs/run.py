@@ -50,7 +50,7 @@ from entrenar.runs.models import (
     load_built,
     tokenizer_ref,
 )
-from entrenar.train import Trainer, TrainResult
+from entrenar.train import Callback, Trainer, TrainResult
 from entrenar.train.plot import plot
 
 
@@ -216,10 +216,9 @@ def _train(
     out_dir = spec.output_dir
     cfg = train_config(spec, progress=progress)
     trainer = Trainer(
-        prep.loss, prep.params, prep.optimizer, cfg, trainable=prep.trainable
-    )
-    os.makedirs(out_dir, exist_ok=True)
-    _write_json(os.path.join(out_dir, "config.json"), as_dict(spec))
+        prep.loss, prep.params, prep.optimizer, cfg, trainable=prep.trainable,
+        callbacks=[_ConfigWriter(spec)],
+    )  # fmt: skip
     result = trainer.fit(prep.data.train, prep.data.eval, resume=resume)
     params = result.params
     if spec.distillation is not None:
@@ -243,6 +242,25 @@ def _train(
         os.path.join(out_dir, "result.json"), {"metrics": metrics, "files": files}
     )
     return RunResult(spec, out_dir, files, result, metrics)
+
+
+class _ConfigWriter(Callback):
+    """Writes ``config.json`` (the validated config) at the run's first step.
+
+    Not before `Trainer.fit` has accepted the output folder: a run it refuses (the
+    folder holds another run's checkpoints, a resume path that is not one) leaves
+    the earlier run's ``config.json`` as it was.
+    """
+
+    def __init__(self, spec: TrainSpec) -> None:
+        self.spec, self.written = spec, False
+
+    def on_step(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        if not self.written:
+            _write_json(
+                os.path.join(self.spec.output_dir, "config.json"), as_dict(self.spec)
+            )
+            self.written = True
 
 
 def _plan(prep: Prepared) -> dict[str, Any]:

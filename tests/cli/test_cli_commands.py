@@ -220,6 +220,27 @@ def test_resume_continues(tiny_config, tmp_path):
     assert "resuming" not in first.stderr
 
 
+def test_a_refused_run_leaves_the_earlier_runs_files(tiny_config, tmp_path):
+    """A run refused for its folder leaves the earlier run's files as they were.
+
+    Refused: the folder holds another run's checkpoints, or --resume names no
+    checkpoint. Before, config.json was overwritten with the refused run's config.
+    """
+    out = tmp_path / "r"
+    first = run(
+        "train", tiny_config, "--max-steps", "4", "--output-dir", out, "--no-progress"
+    )
+    assert first.exit_code == 0, first.output
+    files = {p: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    for extra in ([], ["--resume", tmp_path / "nowhere"]):
+        again = run(
+            "train", tiny_config, "--max-steps", "2", "--lr", "0.5",
+            "--output-dir", out, "--no-progress", *extra,
+        )  # fmt: skip
+        assert again.exit_code == 2 and again.output.startswith("error: ")
+        assert {p: p.read_bytes() for p in out.iterdir() if p.is_file()} == files
+
+
 def test_quantize_writes_a_file_info_and_load_model_read(tmp_path):
     out = tmp_path / "q.safetensors"
     result = run(
