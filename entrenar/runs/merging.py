@@ -101,7 +101,10 @@ class ChatScorer:
         batch_size: int = 16,
         screen_matmul_dtype: str | None = "auto",
     ) -> None:
-        if io.detect_format(model_file) != io.ModelFormat.GGUF:
+        if (
+            os.path.isdir(model_file)  # a Hugging Face folder
+            or io.detect_format(model_file) != io.ModelFormat.GGUF
+        ):
             raise ConfigError(
                 f"--eval scores merges through a GGUF's tokenizer and chat template; "
                 f"{model_file} is not a GGUF (merge GGUF files, or evaluate the "

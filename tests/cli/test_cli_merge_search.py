@@ -147,3 +147,18 @@ def test_search_picks_the_known_best_setting(case, tmp_path):
 def test_search_needs_eval(case, tmp_path):
     r = merge(case, tmp_path / "m.gguf", "--search", tasks=())
     assert r.exit_code == 2 and "--eval" in r.output
+
+
+def test_eval_of_folders_is_one_line_naming_what_it_needs(case, tmp_path):
+    """--eval scores through a GGUF's tokenizer: folders are refused for that reason.
+
+    Before: a raw "IsADirectoryError: [Errno 21] Is a directory".
+    """
+    for name in ("base", "one", "two"):
+        config, params, _ = io.load_llama_gguf(io.read_gguf(case[name]))
+        io.save_hf_folder(tmp_path / name, config, params)
+    r = run("merge", tmp_path / "one", tmp_path / "two", "--base", tmp_path / "base",
+            "-o", tmp_path / "m", "--eval", f"one={case['one.jsonl']}")  # fmt: skip
+    assert r.exit_code == 2
+    assert r.output.startswith("error: --eval scores merges through a GGUF's")
+    assert "is not a GGUF" in r.output and "Error" not in r.output
