@@ -16,7 +16,7 @@ import numpy as np
 from entrenar import data as data_lib
 from entrenar import optim
 from entrenar.config.spec import TrainSpec
-from entrenar.errors import ConfigError
+from entrenar.errors import ConfigError, ShapeError
 from entrenar.runs.models import BuiltModel
 from entrenar.train import TrainConfig
 
@@ -143,10 +143,24 @@ def text_loader(
         return data_lib.lm_loader(
             source, built.tokenizer, batch_size=d.batch_size, shuffle=False, **common
         )
-    return data_lib.lm_loader(
-        source, built.tokenizer, batch_size=d.batch_size * spec.training.grad_accum,
-        shuffle=d.shuffle, seed=spec.training.seed, drop_last=True, **common,
-    )  # fmt: skip
+    try:
+        return data_lib.lm_loader(
+            source, built.tokenizer, batch_size=d.batch_size * spec.training.grad_accum,
+            shuffle=d.shuffle, seed=spec.training.seed, drop_last=True, **common,
+        )  # fmt: skip
+    except ShapeError:  # fewer sequences than one full batch (ArrayLoader's refusal)
+        raise _no_step(spec, path) from None
+
+
+def _no_step(spec: TrainSpec, path: str) -> ConfigError:
+    """The error of a training file too short for one optimizer step."""
+    d = spec.data
+    assert d is not None
+    return ConfigError(
+        f"data.batch_size: {path} has fewer rows than batch_size × grad_accum = "
+        f"{d.batch_size * spec.training.grad_accum}, one optimizer step; lower "
+        "data.batch_size or training.grad_accum, or add rows"
+    )
 
 
 def check_steps(spec: TrainSpec, loader: data_lib.TextLoader) -> None:
@@ -154,10 +168,7 @@ def check_steps(spec: TrainSpec, loader: data_lib.TextLoader) -> None:
     d = spec.data
     assert d is not None
     if len(loader) == 0:
-        raise ConfigError(
-            f"data.batch_size: {d.train} has fewer rows than batch_size × grad_accum "
-            f"= {d.batch_size * spec.training.grad_accum}"
-        )
+        raise _no_step(spec, d.train)
 
 
 def _text(spec: TrainSpec, built: BuiltModel) -> RunData:

@@ -12,7 +12,7 @@ from config_cases import REPO, WORDS, write
 from entrenar import data, io, nn
 from entrenar.config import validate
 from entrenar.config.summary import count_params
-from entrenar.errors import ConfigError, FormatError, ShapeError
+from entrenar.errors import ConfigError, FormatError
 from entrenar.runs import load_built
 from entrenar.runs.export import write_hf_folder
 from entrenar.runs.models import read_header
@@ -116,7 +116,15 @@ def test_every_row_is_checked_not_only_the_sample(tmp_path, tiny_gguf):
 
 
 def test_too_few_rows_for_a_step(tmp_path, tiny_gguf):
-    with pytest.raises(ShapeError, match=r"3 examples make no full batch of 4"):
+    """A configuration error naming the key, the file and what to change.
+
+    Before: ArrayLoader's ShapeError (exit code 1) advising "pass drop_last=False",
+    which no YAML key sets.
+    """
+    with pytest.raises(
+        ConfigError, match=r"^data\.batch_size: .*train\.jsonl has fewer rows than "
+        r"batch_size × grad_accum = 4, one optimizer step; lower data\.batch_size"
+    ):  # fmt: skip
         preflight(_run(tmp_path, tiny_gguf, ROWS[:3]))
     plan = preflight(_run(tmp_path, tiny_gguf, ROWS[:6]), sample=3)["data"]["train"]
     assert plan.sampled == 3 and plan.steps == 1  # a sample smaller than a batch
