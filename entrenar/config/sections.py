@@ -121,8 +121,9 @@ class DataSection(Config):
         0.0,
         ge=0.0,
         lt=1.0,
-        doc="fraction of `train` held out for validation when there is no "
-        "`validation` file (a seeded split)",
+        doc="tabular: fraction of `train` held out for validation when there is no "
+        "`validation` file (a seeded split); a language model's run refuses it "
+        "(give a `validation` file)",
     )
     format: Literal["auto", "tabular", "text", "prompt_completion", "chat"] = option(
         "auto",
