@@ -125,7 +125,7 @@ recipe or a bare recipe file.
 
 ## The `entrenar` command
 
-`entrenar train | validate | info | quantize | merge | generate | eval | plot`;
+`entrenar train | validate | info | quantize | merge | generate | chat | eval | plot`;
 `entrenar COMMAND --help` lists each one's options. Three of them in more words:
 
 - `validate CONFIG [--sample N]` checks what `train` would refuse, in seconds
