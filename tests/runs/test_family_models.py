@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from entrenar import io, nn
+from entrenar import io, merge, nn
 from entrenar.io.gguf_families import written_name
 from entrenar.runs import evaluate_config, load_built, quantize_file, train_from_yaml
 from entrenar.runs.export import write_hf_folder, write_quantized
@@ -240,3 +240,20 @@ def test_a_quantized_model_file_of_a_layer_stack_runs(family, scheme, tmp_path):
     out = np.asarray(got.config.apply(got.params, tokens))
     error = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     assert error < {"nf4": 0.3, "int8": 0.02}[scheme], error
+
+
+def test_a_merged_model_file_names_the_inputs_tokenizer(tmp_path):
+    """`entrenar merge` of a run's model files keeps the tokenizer they name.
+
+    Named relative to the output (a streamed .safetensors and an in-memory .json in
+    another folder); before, the path stayed relative to the inputs' folder and the
+    merged model read back with none ("no tokenizer").
+    """
+    _sized_folder("llama", tmp_path)
+    result = train_from_yaml(_chat_run(tmp_path, str(tmp_path / "hf")), progress=False)
+    model = result.files["safetensors"]
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for name in ("m.safetensors", "m.json"):
+        out = str(tmp_path / "a" / "b" / name)
+        merge.merge_files([model, model], "linear", out, weights=[0.5, 0.5])
+        assert load_built(out).tokenizer is not None, name
