@@ -161,7 +161,8 @@ DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
     "model_path",
     type=click.Path(exists=True),
     help="With a CONFIG: the trained model to evaluate (default: "
-    "the run's model.safetensors, model.gguf, hf/ or model.json).",
+    "the run's model.safetensors, model.gguf, hf/ or model.json, else its base "
+    "with its adapter/).",
 )
 @click.option(
     "--format",

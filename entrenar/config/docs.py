@@ -141,7 +141,9 @@ recipe or a bare recipe file.
   [--compare BASE] [--json]`: loss and accuracy (tabular) or loss and perplexity (text);
   chat data adds the exact match of greedy replies (`entrenar.chat.exact_match`) and its
   loss is the loss on the replies. `--compare BASE` scores BASE on the same rows and
-  prints `metric, base, model` side by side (before and after a fine-tune).
+  prints `metric, base, model` side by side (before and after a fine-tune). A CONFIG's
+  model is its run's model file (or `--model`), else, when the run wrote only its
+  `adapter/`, the base as it trained with the adapter attached.
 - `quantize MODEL -o OUT [--calibration-data FILE]`: with calibration data, the
   original and the quantized model are evaluated on it (as `eval` does) after the file
   is written; each stage is printed on stderr, with a progress bar on a terminal.

@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from entrenar import chat, nn
+from entrenar import chat, lora, nn
 from entrenar import data as data_lib
 from entrenar.config.summary import validate
 from entrenar.errors import ConfigError
 from entrenar.nn import losses
 from entrenar.runs.inference import decoding_params
-from entrenar.runs.models import BuiltModel, load_built
+from entrenar.runs.models import BuiltModel, base_quantizer, build_model, load_built
 from entrenar.train import causal_lm_loss_fn
 
 Log = Callable[[str], None]
@@ -214,7 +214,12 @@ def compare_models(
 def evaluate_config(
     config: str, *, data: str | None = None, model: str | None = None
 ) -> dict[str, Any]:
-    """Metrics of a run's trained model on its validation data (or ``data``)."""
+    """Metrics of a run's trained model on its validation data (or ``data``).
+
+    The trained model is ``model``, else the first of the run's model.safetensors,
+    model.gguf, hf/ and model.json, else (a run that exported only its adapter) the
+    run's base as it trained (a QLoRA base quantized) with ``adapter/`` attached.
+    """
     spec = validate(config)
     assert spec.data is not None
     path = data or spec.data.validation
@@ -229,16 +234,36 @@ def evaluate_config(
             for name in ("model.safetensors", "model.gguf", "hf", "model.json")
             if os.path.exists(os.path.join(out, name))
         ]
+        adapter = os.path.join(out, "adapter")
+        if not found and spec.model is not None and os.path.isdir(adapter):
+            return evaluate_built(
+                _adapted_base(spec, adapter), path, fmt=_format(spec),
+                seq_len=spec.data.seq_len, task=spec.data.task,
+            )  # fmt: skip
         if not found:
             raise ConfigError(
                 f"{out}: no trained model; run `entrenar train {config}` first or "
                 "pass --model"
             )
         model = found[0]
-    fmt = "auto" if spec.data.format in ("auto", "tabular") else spec.data.format
     return evaluate_model(
-        model, path, fmt=fmt, seq_len=spec.data.seq_len, task=spec.data.task
+        model, path, fmt=_format(spec), seq_len=spec.data.seq_len, task=spec.data.task
     )
+
+
+def _format(spec: Any) -> str:
+    """The data format `evaluate_model` reads a run's data in."""
+    return "auto" if spec.data.format in ("auto", "tabular") else spec.data.format
+
+
+def _adapted_base(spec: Any, adapter: str) -> BuiltModel:
+    """The run's base model as it trained, with the PEFT ``adapter`` attached."""
+    built = build_model(
+        spec.model,
+        key=jax.random.key(spec.training.seed),
+        quantize=base_quantizer(spec.lora),  # QLoRA: the base the adapter learned on
+    )
+    return dataclasses.replace(built, params=lora.load_adapter(adapter, built.params))
 
 
 __all__ = [

@@ -257,3 +257,28 @@ def test_a_merged_model_file_names_the_inputs_tokenizer(tmp_path):
         out = str(tmp_path / "a" / "b" / name)
         merge.merge_files([model, model], "linear", out, weights=[0.5, 0.5])
         assert load_built(out).tokenizer is not None, name
+
+
+@pytest.mark.parametrize("quantize_base", ["none", "nf4"])
+def test_eval_of_a_run_that_exported_only_its_adapter(quantize_base, tmp_path):
+    """`entrenar eval CONFIG` of a run that exported only its adapter scores it.
+
+    The base as it trained with the adapter attached: what the folded model file
+    scores. Before: "no trained model; run `entrenar train` first", after the run
+    had trained.
+    """
+    _sized_folder("llama", tmp_path)
+    config = _chat_run(tmp_path, str(tmp_path / "hf"))
+    doc = yaml.safe_load(config.read_text())
+    doc["lora"].update(quantize_base=quantize_base, targets="all-linear")
+    doc["optimizer"] = {"lr": 0.05}
+    doc["export"] = {"formats": ["adapter", "safetensors"]}
+    config.write_text(yaml.safe_dump(doc))
+    result = train_from_yaml(config, progress=False)
+    folded = evaluate_config(str(config))  # model.safetensors
+    Path(result.files["safetensors"]).unlink()
+    adapted = evaluate_config(str(config))  # the base and adapter/
+    base = evaluate_config(str(config), model=str(tmp_path / "hf"))
+    assert adapted["tokens"] == folded["tokens"]
+    assert abs(adapted["eval_loss"] - folded["eval_loss"]) < 1e-4
+    assert abs(adapted["eval_loss"] - base["eval_loss"]) > 1e-2  # the adapter counts
