@@ -101,9 +101,11 @@ def check_lm(spec: TrainSpec, built: BuiltModel) -> None:
     d = spec.data
     assert d is not None
     if built.tokenizer is None:
+        source = spec.model.path if spec.model else None
         raise ConfigError(
-            "model.tokenizer: this language model has no tokenizer; name a .gguf "
-            "whose tokenizer to use"
+            f"model.tokenizer: {source or 'this language model'} has no tokenizer; "
+            "set model.tokenizer to a .gguf whose tokenizer to use, or to a "
+            "tokenizer.json (or the folder holding it)"
         )
     n_tokens = len(built.tokenizer.tokens)
     if n_tokens > built.config.vocab_size:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -113,6 +114,27 @@ def test_every_row_is_checked_not_only_the_sample(tmp_path, tiny_gguf):
     spec = _run(tmp_path, tiny_gguf, rows)
     with pytest.raises(FormatError, match=r"line 31, column 'completion': missing"):
         preflight(spec, sample=5)
+
+
+def test_a_model_without_a_tokenizer_names_it_and_every_kind_of_fix(
+    tmp_path, tiny_gguf
+):
+    """The message names the model file and each kind of tokenizer that serves.
+
+    Before: "name a .gguf whose tokenizer to use", though a tokenizer.json or its
+    folder serves as well, and no file named.
+    """
+    spec = _run(tmp_path, tiny_gguf)
+    spec = dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, tokenizer=None)
+    )
+    with pytest.raises(ConfigError) as e:
+        preflight(spec)
+    assert str(e.value) == (
+        f"model.tokenizer: {tiny_gguf} has no tokenizer; set model.tokenizer to a "
+        ".gguf whose tokenizer to use, or to a tokenizer.json (or the folder "
+        "holding it)"
+    )
 
 
 def test_too_few_rows_for_a_step(tmp_path, tiny_gguf):
