@@ -225,7 +225,9 @@ class DistillationSection(Config):
     """``distillation:``: learn from a teacher's softened outputs (Hinton et al.)."""
 
     teacher: str = option(
-        path="input", doc="the teacher model file (same outputs as the student)"
+        path="input",
+        doc="the teacher model file (same outputs as the student; a language "
+        "model's tokenizer gives each id the same token)",
     )
     temperature: float = option(
         2.0, gt=0.0, doc="softmax temperature of both distributions"

@@ -16,7 +16,7 @@ import numpy as np
 from entrenar import data as data_lib
 from entrenar import optim
 from entrenar.config.spec import TrainSpec
-from entrenar.errors import ConfigError, ShapeError
+from entrenar.errors import CompatibilityError, ConfigError, ShapeError
 from entrenar.runs.models import BuiltModel
 from entrenar.train import TrainConfig
 
@@ -119,6 +119,45 @@ def check_lm(spec: TrainSpec, built: BuiltModel) -> None:
         raise ConfigError(
             "data.validation_split: for text data give a `validation` file instead"
         )
+
+
+def check_teacher(student: BuiltModel, teacher: BuiltModel, path: str) -> None:
+    """A distillation teacher must predict what the student predicts.
+
+    The same classes (an mlp's outputs) or the same vocabulary: as many logits, and
+    for language models with tokenizers the same token behind each id both have
+    (one may have more: padding, added tokens), since the loss compares the two
+    distributions id by id.
+
+    Raises:
+        CompatibilityError: naming the teacher's file and what differs.
+    """
+
+    def out(b: BuiltModel) -> int:
+        c = b.config
+        return int(c.sizes[-1]) if b.architecture == "mlp" else int(c.vocab_size)
+
+    if student.is_lm != teacher.is_lm or out(student) != out(teacher):
+        raise CompatibilityError(
+            f"distillation.teacher: {path} is a {teacher.architecture} with "
+            f"{out(teacher)} outputs; the student ({student.architecture}) has "
+            f"{out(student)}: they must predict the same classes or vocabulary"
+        )
+    mine, theirs = (
+        getattr(b.tokenizer, "tokens", None) for b in (student, teacher)
+    )  # fmt: skip
+    if mine is None or theirs is None:
+        return
+    n = min(len(mine), len(theirs))  # beyond: one's padding or added tokens
+    at = next((i for i in range(n) if mine[i] != theirs[i]), None)
+    if at is None:
+        return
+    raise CompatibilityError(
+        f"distillation.teacher: {path}'s tokenizer is not the student's (id {at} is "
+        f"{theirs[at]!r} in the teacher's, {mine[at]!r} in the student's): the loss "
+        "compares the two vocabularies id by id; distil from a teacher with the "
+        "student's tokenizer"
+    )
 
 
 def text_loader(
@@ -245,6 +284,7 @@ __all__ = [
     "build_schedule",
     "check_lm",
     "check_steps",
+    "check_teacher",
     "text_loader",
     "total_steps",
     "train_config",

@@ -34,6 +34,7 @@ from entrenar.runs.build import (
     build_data,
     check_lm,
     check_steps,
+    check_teacher,
     text_loader,
     total_steps,
 )
@@ -194,11 +195,12 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
     built = build_model(spec.model, key=jax.random.key(0), header_only=True)
     spec.check_architecture(built.architecture)
     report: dict[str, Any] = {"model": _model_facts(built), "data": {}}
+    teacher = None
+    if spec.distillation is not None:
+        teacher = read_header(spec.distillation.teacher)
+        check_teacher(built, teacher, spec.distillation.teacher)
     if not built.is_lm:
         _check_memory(spec, report)
-        teacher = None
-        if spec.distillation is not None:
-            teacher = read_header(spec.distillation.teacher)
         run = build_data(spec, built, teacher)
         report["data"]["train"] = {"file": d.train, "rows": run.examples}
         if run.eval is not None:

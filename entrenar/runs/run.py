@@ -30,13 +30,14 @@ from entrenar import lora, native
 from entrenar.config.spec import TrainSpec
 from entrenar.config.summary import as_dict, validate
 from entrenar.distill import make_distill_loss_fn
-from entrenar.errors import CompatibilityError, ConfigError, UnsupportedError
+from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.io import atomic_write
 from entrenar.io.lock import OutputLock
 from entrenar.runs.build import (
     RunData,
     build_data,
     build_optimizer,
+    check_teacher,
     total_steps,
     train_config,
 )
@@ -123,7 +124,7 @@ def prepare(spec: TrainSpec) -> Prepared:
     teacher = None
     if spec.distillation is not None:
         teacher = load_built(spec.distillation.teacher)
-        _check_teacher(built, teacher, spec.distillation.teacher)
+        check_teacher(built, teacher, spec.distillation.teacher)
     data = build_data(spec, built, teacher)
     total = total_steps(spec, data.steps_per_epoch)
     optimizer = build_optimizer(spec, total)
@@ -147,19 +148,6 @@ def _apply_lora(spec: TrainSpec, params: Any, key: Any) -> Any:
         return lora.apply(params, c, key=key, quantize=quantize)
     except (ConfigError, UnsupportedError) as e:
         raise type(e)(f"lora.targets: {e}") from None
-
-
-def _check_teacher(student: BuiltModel, teacher: BuiltModel, path: str) -> None:
-    def out(b: BuiltModel) -> int:
-        c = b.config
-        return int(c.sizes[-1]) if b.architecture == "mlp" else int(c.vocab_size)
-
-    if student.is_lm != teacher.is_lm or out(student) != out(teacher):
-        raise CompatibilityError(
-            f"distillation.teacher: {path} is a {teacher.architecture} with "
-            f"{out(teacher)} outputs; the student ({student.architecture}) has "
-            f"{out(student)}: they must predict the same classes or vocabulary"
-        )
 
 
 def train_from_yaml(

@@ -20,11 +20,14 @@ import pytest
 import yaml
 
 from entrenar import io, merge, nn
+from entrenar.config import validate
+from entrenar.errors import CompatibilityError
 from entrenar.io.gguf_families import written_name
 from entrenar.runs import evaluate_config, load_built, quantize_file, train_from_yaml
 from entrenar.runs.export import write_hf_folder, write_quantized
 from entrenar.runs.info import model_info
 from entrenar.runs.models import BuiltModel, read_header, save_built
+from entrenar.runs.preflight import preflight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "io"))
 import hf_cases
@@ -282,3 +285,36 @@ def test_eval_of_a_run_that_exported_only_its_adapter(quantize_base, tmp_path):
     assert adapted["tokens"] == folded["tokens"]
     assert abs(adapted["eval_loss"] - folded["eval_loss"]) < 1e-4
     assert abs(adapted["eval_loss"] - base["eval_loss"]) > 1e-2  # the adapter counts
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_by_validate_and_train(tmp_path):
+    """A distillation teacher with another tokenizer is refused, as validate says.
+
+    The loss compares logits id by id: a teacher whose ids are other tokens is
+    refused by `entrenar validate` as by `train`; the student's own GGUF (its
+    vocabulary padded to vocab_size) is accepted.
+
+    Before: any teacher with as many logits trained, silently distilling a Qwen
+    vocabulary into a Llama one; validate did not check the teacher at all.
+    """
+    for family in ("llama", "qwen2"):
+        (tmp_path / family).mkdir()
+        _sized_folder(family, tmp_path / family)
+    config = _chat_run(tmp_path, str(tmp_path / "llama" / "hf"))
+    doc = yaml.safe_load(config.read_text())
+    del doc["lora"]
+    gguf = tmp_path / "student.gguf"
+    built = load_built(str(tmp_path / "llama" / "hf"))
+    write_quantized(built, built.params, str(gguf), "q8_0")
+    for teacher, ok in ((tmp_path / "qwen2" / "hf", False), (gguf, True)):
+        doc["distillation"] = {"teacher": str(teacher)}
+        config.write_text(yaml.safe_dump(doc))
+        for check in (
+            lambda: preflight(validate(config)),
+            lambda: train_from_yaml(config, dry_run=True, progress=False),
+        ):
+            if ok:
+                check()
+                continue
+            with pytest.raises(CompatibilityError, match=r"tokenizer is not the"):
+                check()
