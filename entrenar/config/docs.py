@@ -42,7 +42,8 @@ a test keeps it in step.
 
 - The file is read with `yaml.safe_load` within the limits of
   specs/conventions.md (at most 1 MiB, nesting 100 deep, aliases standing for at
-  most 10,000 nodes in all, UTF-8), so a hostile file is a `ConfigError` at once.
+  most 10,000 nodes in all, UTF-8, each key once per mapping), so a hostile file is
+  a `ConfigError` at once.
   Every key is checked: an unknown key, a
   value of the wrong type, a number out of range or a missing input file is a
   `ConfigError` whose message starts with the key path, e.g.

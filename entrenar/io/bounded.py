@@ -10,8 +10,9 @@ exception. Every reader:
 - YAML (``yaml.SafeLoader`` underneath): refuses nesting deeper than `MAX_DEPTH`,
   counts the nodes that aliases (``*a``) stand for and refuses more than
   `MAX_ALIAS_NODES` in all (a "billion laughs" alias bomb), refuses an alias inside
-  the node it names (``x: &a {y: *a}``), and refuses integers longer than
-  `MAX_INT_DIGITS`;
+  the node it names (``x: &a {y: *a}``), refuses integers longer than
+  `MAX_INT_DIGITS`, and refuses a mapping that gives a key twice (PyYAML would keep
+  the last one silently: a second ``lora:`` section, a repeated ``max_steps``);
 - JSON: refuses nesting deeper than `MAX_DEPTH` (in files of any size, nesting deeper
   than Python's parser allows) and integers longer than `MAX_INT_DIGITS`.
 
@@ -45,6 +46,7 @@ MAX_INT_DIGITS = 4300
 """Longest integer literal (Python's own limit on converting a string to an int)."""
 
 _YAML_INT = "tag:yaml.org,2002:int"
+_YAML_MERGE = "tag:yaml.org,2002:merge"
 _JSON_BIG_INT = re.compile(rf"-?\d{{{MAX_INT_DIGITS + 1},}}")
 _JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 
@@ -100,6 +102,25 @@ class _BoundedLoader(yaml.SafeLoader):
                 "bomb?); write the values out instead of repeating anchors",
                 event.start_mark,
             )
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A mapping, refusing a key given twice (PyYAML keeps the last silently)."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], Any] = {}
+            for key, _ in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag == _YAML_MERGE:
+                    continue  # a merge key (<<) may bring keys given again here
+                name = (key.tag, key.value)
+                if name in seen:
+                    raise ConstructorError(
+                        None,
+                        None,
+                        f"key {key.value!r} given twice (first at line "
+                        f"{seen[name].line + 1}); keep one",
+                        key.start_mark,
+                    )
+                seen[name] = key.start_mark
+        return super().construct_mapping(node, deep)
 
     def construct_bounded_int(self, node: Any) -> Any:
         """An int, refusing literals longer than `MAX_INT_DIGITS`."""

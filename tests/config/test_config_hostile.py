@@ -15,6 +15,7 @@ from entrenar.cli.run_cmds import parse_sets
 from entrenar.config import load_config
 from entrenar.errors import ConfigError, FormatError
 from entrenar.io import file_architecture
+from entrenar.io.bounded import read_yaml
 
 BOMB = "".join(
     [f"a: &a [{', '.join(['x'] * 9)}]\n"]
@@ -57,6 +58,28 @@ def test_a_config_that_is_not_utf8_names_the_line(tmp_path):
     p.write_bytes(b"model:\n  path: m\xff.gguf\n")
     with pytest.raises(ConfigError, match=r"run\.yaml line 2, column 10: not UTF-8"):
         load_config(p)
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    """A key given twice in a mapping is a ConfigError naming both lines.
+
+    PyYAML keeps the last of two equal keys: a second ``lora:`` section or a
+    repeated ``max_steps`` changed the run silently. A merge key's (<<) values may
+    still be given again.
+    """
+    p = tmp_path / "run.yaml"
+    p.write_text(
+        "model: {architecture: mlp, config: {sizes: [2, 2]}}\n"
+        "training:\n  max_steps: 5\n  max_steps: 7\n"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"run\.yaml: not valid YAML \(line 4, column 3\): key 'max_steps' "
+        r"given twice \(first at line 3\); keep one$",
+    ):
+        load_config(p, check_files=False)
+    p.write_text("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n")
+    assert read_yaml(p) == {"a": {"x": 1, "y": 2}, "b": {"x": 3, "y": 2}}
 
 
 def test_set_values_are_bounded_as_files_are(deadline):
