@@ -238,11 +238,15 @@ def check_length(model: Any, prompt_len: int, max_new_tokens: int) -> None:
         raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     ctx = context_length(model)
     if ctx is not None and prompt_len + max_new_tokens > ctx:
+        fix = (
+            f"ask for at most {ctx - prompt_len} new tokens"
+            if prompt_len < ctx
+            else f"the prompt alone fills it: shorten it to fewer than {ctx} tokens"
+        )
         raise ShapeError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
             f"{prompt_len + max_new_tokens} exceeds the model's context of {ctx} "
-            f"tokens; ask for at most {max(ctx - prompt_len, 0)} new tokens"
-            + (" (or shorten the prompt)" if prompt_len >= ctx else "")
+            f"tokens; {fix}"
         )
 
 

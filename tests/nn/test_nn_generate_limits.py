@@ -34,6 +34,19 @@ def test_beyond_the_context_is_refused_before_any_computation():
     assert generate(TINY, PARAMS, PROMPT, max_new_tokens=6).shape == (1, 6)
 
 
+def test_a_prompt_that_fills_the_context_is_told_to_shorten():
+    """Before: "ask for at most 0 new tokens (or shorten the prompt)"."""
+    long = jnp.ones((1, 16), jnp.int32)
+    with pytest.raises(ShapeError) as e:
+        generate(TINY, PARAMS, long, max_new_tokens=1)
+    assert str(e.value).endswith(
+        "exceeds the model's context of 16 tokens; the prompt alone fills it: "
+        "shorten it to fewer than 16 tokens"
+    )
+    with pytest.raises(ShapeError, match=r"; ask for at most 6 new tokens$"):
+        generate(TINY, PARAMS, PROMPT, max_new_tokens=7)
+
+
 def test_stream_yields_the_steps_generate_returns():
     kw = dict(max_new_tokens=6, temperature=1.0, key=jax.random.key(3))
     steps = list(generate_stream(TINY, PARAMS, PROMPT, **kw))
