@@ -264,7 +264,12 @@ class ChatModel:
             raise ConfigError(
                 "chat=False continues plain text: pass a string and no system prompt"
             )
-        return list(self.tokenizer.encode(messages))
+        ids = list(self.tokenizer.encode(messages))
+        if not ids:  # nothing to continue (no text, and the tokenizer adds no BOS)
+            raise ConfigError(
+                f"the prompt {messages!r} gives no tokens; give text to continue"
+            )
+        return ids
 
     def _limit(self, longest: int, max_new_tokens: int | None) -> int:
         """``max_new_tokens``, or the default capped by the context; checked."""

@@ -120,3 +120,10 @@ def test_plain_text_continuation_skips_the_template():
     assert "".join(CHAT.stream("a\n", chat=False)) == "OKé"
     with pytest.raises(ConfigError, match="plain text"):
         CHAT.reply([{"role": "user", "content": "Hi"}], chat=False)
+
+
+def test_an_empty_plain_prompt_is_refused_up_front():
+    """Before: "prompt must be (batch, time>=1), got (1, 0)" at the first token."""
+    with pytest.raises(ConfigError, match=r"^the prompt '' gives no tokens; give"):
+        CHAT.stream("", chat=False)  # raises before the first token
+    assert CHAT.encode("Hi", chat=False) == [ord("H"), ord("i")]
