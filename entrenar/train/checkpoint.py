@@ -39,6 +39,7 @@ import jax
 from entrenar.errors import CheckpointError, ConfigError, FormatError, UnsupportedError
 from entrenar.train.state import TrainState
 from entrenar.train.verify import checkpoint_problem, write_checksums
+from entrenar.tree import key_path_str
 
 
 def _ocp() -> Any:
@@ -226,6 +227,12 @@ class Checkpointer:
         abstract = jax.tree_util.tree_map(
             ocp.utils.to_shape_dtype_struct, _saveable(template)
         )
+        differs = self._differs(step, abstract)
+        if differs is not None:  # refused before orbax starts reading
+            raise FormatError(
+                f"checkpoint {self.path(step)} does not match this run's state "
+                f"(model, trainable part or optimizer changed?): {differs}"
+            )
         try:
             out = self._manager.restore(
                 step,
@@ -245,6 +252,43 @@ class Checkpointer:
             s["trainable"], template.frozen, s["opt_state"], s["step"], key
         )
         return state, dict(out["meta"])
+
+    def _differs(self, step: int, abstract: Any) -> str | None:
+        """The first leaf of ``abstract`` that checkpoint ``step`` does not hold as is.
+
+        Read from the checkpoint's metadata (names and shapes), so a run whose
+        state changed (``lora.rank``, ``lora.targets``, the optimizer) is refused
+        before orbax starts reading: a restore that fails part-way leaves reads in
+        flight whose callbacks print "RuntimeError: Event loop is closed"
+        tracebacks. None: every leaf matches, or the metadata cannot be read (the
+        restore then decides).
+        """
+        try:
+            with _quiet_orbax():
+                reader = self._ocp.StandardCheckpointer()
+                try:
+                    meta = reader.metadata(os.path.join(self.path(step), "state"))
+                finally:
+                    reader.close()
+            tree = getattr(meta, "item_metadata", meta)
+            tree = getattr(tree, "tree", tree)
+            stored = {
+                key_path_str(p): tuple(x.shape)
+                for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        wanted = {
+            key_path_str(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]
+        }
+        for name, shape in wanted.items():
+            if name not in stored:
+                return f"{name}: not in the checkpoint"
+            if stored[name] != shape:
+                return f"{name}: {stored[name]} in the checkpoint, {shape} in this run"
+        extra = sorted(set(stored) - set(wanted))
+        return f"{extra[0]}: in the checkpoint, not in this run" if extra else None
 
     def close(self) -> None:
         """Release orbax's resources."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entrenar.errors import ConfigError, NonFiniteError
+from entrenar.errors import ConfigError, FormatError, NonFiniteError
 from entrenar.nn import MLP
 from entrenar.optim import adamw, sgd
 from entrenar.train import (
@@ -234,6 +234,34 @@ def test_resume_latest_without_checkpoint_starts_fresh_and_bad_path_errors(tmp_p
         Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA, resume=tmp_path / "x")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [2]
+
+
+@pytest.mark.parametrize(
+    ("params", "optimizer", "names"),
+    [
+        ({"w": jnp.zeros((3, 2)), "b": jnp.zeros(1)}, sgd(0.1),
+         r"trainable\.w: \(3, 1\) in the checkpoint, \(3, 2\) in this run"),
+        (PARAMS, adamw(0.1), r"opt_state\.0\.count: not in the checkpoint"),
+    ],
+)  # fmt: skip
+def test_resuming_a_changed_state_names_the_leaf_before_reading(
+    params, optimizer, names, tmp_path
+):
+    """A checkpoint that does not hold the run's state is refused, naming the leaf.
+
+    Read from the checkpoint's metadata: another shape, another optimizer's state.
+
+    Before: orbax's restore failed part-way ("Requested shape: ... is not compatible
+    with the stored shape"), naming no leaf, and reads left in flight printed
+    "RuntimeError: Event loop is closed" tracebacks around entrenar's error.
+    """
+    cfg = TrainConfig(max_steps=2, batch_size=4, output_dir=str(tmp_path),
+                      progress=False)  # fmt: skip
+    Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA)
+    with pytest.raises(
+        FormatError, match=r"does not match this run's state .*" + names
+    ):
+        Trainer(linear_loss, params, optimizer, cfg).fit(DATA, resume="latest")
 
 
 def test_fresh_run_into_a_used_output_dir_is_refused_before_training(tmp_path):
