@@ -97,16 +97,22 @@ class _Echo(logging.Handler):
 
 @contextlib.contextmanager
 def echo_logs() -> Iterator[None]:
-    """Show entrenar's log lines (INFO and up) on stderr while a command runs."""
+    """Show entrenar's log lines (INFO and up) on stderr while a command runs.
+
+    Once: they do not also propagate to the root logger, where importing orbax
+    installs a stderr handler that printed each again as ``INFO:entrenar...:``.
+    """
     logger, handler = logging.getLogger("entrenar"), _Echo()
-    level = logger.level
+    level, propagate = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False
     try:
         yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        logger.propagate = propagate
 
 
 class Group(click.Group):

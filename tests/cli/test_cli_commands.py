@@ -439,6 +439,25 @@ def test_python_dash_m_entrenar_in_a_subprocess(tmp_path):
     assert failed.stderr.strip() == "error: optimizer.lr: must be > 0, got -1"
 
 
+def test_a_resumed_run_says_so_once_in_a_subprocess(tiny_config, tmp_path):
+    """The line that says where a run resumes is printed once.
+
+    Before: twice, the second as ``INFO:entrenar.train.trainer:...`` from the
+    stderr handler that importing orbax installs on the root logger.
+    """
+    out = tmp_path / "r"
+    train = [sys.executable, "-m", "entrenar", "train", str(tiny_config),
+             "--output-dir", str(out), "--no-progress"]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for extra in (["--max-steps", "2"], ["--max-steps", "4", "--resume", "latest"]):
+        done = subprocess.run(
+            train + extra, capture_output=True, text=True, env=env, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+    lines = [x for x in done.stderr.splitlines() if "resuming from step 2" in x]
+    assert lines == [f"resuming from step 2 (checkpoint {out / 'checkpoints' / '2'})"]
+
+
 def test_quantize_with_the_books_bits_and_method(tmp_path):
     out = tmp_path / "a8.safetensors"
     result = run(
