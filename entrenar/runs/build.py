@@ -14,9 +14,14 @@ from typing import Any
 import numpy as np
 
 from entrenar import data as data_lib
-from entrenar import optim
+from entrenar import lora, optim
 from entrenar.config.spec import TrainSpec
-from entrenar.errors import CompatibilityError, ConfigError, ShapeError
+from entrenar.errors import (
+    CompatibilityError,
+    ConfigError,
+    ShapeError,
+    UnsupportedError,
+)
 from entrenar.runs.models import BuiltModel
 from entrenar.train import TrainConfig
 
@@ -119,6 +124,28 @@ def check_lm(spec: TrainSpec, built: BuiltModel) -> None:
         raise ConfigError(
             "data.validation_split: for text data give a `validation` file instead"
         )
+
+
+def apply_lora(spec: TrainSpec, params: Any, key: Any) -> Any:
+    """`lora.apply` as the run's ``lora:`` section says; its refusals name the key.
+
+    ``params`` may be shapes (`jax.ShapeDtypeStruct`) under `jax.eval_shape`, as
+    `entrenar.runs.preflight` checks a run without its weights.
+    """
+    c = spec.lora
+    assert c is not None
+    quantize = None if c.quantize_base == "none" else c.quantize_base
+    try:
+        return lora.apply(params, c, key=key, quantize=quantize)
+    except (ConfigError, UnsupportedError) as e:
+        raise type(e)(f"lora.targets: {e}") from None
+    except ShapeError as e:  # a base the 4-bit quantizer cannot split into blocks
+        if quantize is None:
+            raise
+        raise ConfigError(
+            f"lora.quantize_base: {e} (in a run: lora.quantize_base: none keeps the "
+            "bases as they are, or leave that module out of lora.targets)"
+        ) from None
 
 
 def check_teacher(student: BuiltModel, teacher: BuiltModel, path: str) -> None:
@@ -279,6 +306,7 @@ def train_config(spec: TrainSpec, *, progress: bool = True) -> TrainConfig:
 
 __all__ = [
     "RunData",
+    "apply_lora",
     "build_data",
     "build_optimizer",
     "build_schedule",

@@ -31,6 +31,7 @@ from entrenar import data as data_lib
 from entrenar import nn
 from entrenar.config.spec import TrainSpec
 from entrenar.runs.build import (
+    apply_lora,
     build_data,
     check_lm,
     check_steps,
@@ -174,6 +175,21 @@ def _check_memory(spec: TrainSpec, report: dict[str, Any]) -> None:
         report["memory"] = plan
 
 
+def _check_lora(spec: TrainSpec, built: BuiltModel) -> None:
+    """Refuse what `lora.apply` would refuse, on the header's shapes.
+
+    Targets that match no weight, bases that QLoRA cannot quantize; nothing is
+    computed. A GGUF kept quantized keeps its bases as stored (nothing to quantize).
+    """
+    if spec.lora is None or not spec.lora.enabled:
+        return
+    if spec.model is not None and spec.model.keep_quantized:
+        spec = dataclasses.replace(
+            spec, lora=dataclasses.replace(spec.lora, quantize_base="none")
+        )
+    jax.eval_shape(lambda p: apply_lora(spec, p, jax.random.key(1)), built.params)
+
+
 def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
     """Check a validated training run as `train` would, without loading weights.
 
@@ -194,6 +210,7 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
     d = spec.data
     built = build_model(spec.model, key=jax.random.key(0), header_only=True)
     spec.check_architecture(built.architecture)
+    _check_lora(spec, built)
     report: dict[str, Any] = {"model": _model_facts(built), "data": {}}
     teacher = None
     if spec.distillation is not None:

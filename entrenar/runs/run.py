@@ -30,11 +30,12 @@ from entrenar import lora, native
 from entrenar.config.spec import TrainSpec
 from entrenar.config.summary import as_dict, validate
 from entrenar.distill import make_distill_loss_fn
-from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.errors import UnsupportedError
 from entrenar.io import atomic_write
 from entrenar.io.lock import OutputLock
 from entrenar.runs.build import (
     RunData,
+    apply_lora,
     build_data,
     build_optimizer,
     check_teacher,
@@ -118,7 +119,7 @@ def prepare(spec: TrainSpec) -> Prepared:
     params, trainable = built.params, None
     if spec.lora is not None and spec.lora.enabled:
         params, trainable = (
-            _apply_lora(spec, params, jax.random.fold_in(key, 1)),
+            apply_lora(spec, params, jax.random.fold_in(key, 1)),
             "lora",
         )
     teacher = None
@@ -138,16 +139,6 @@ def prepare(spec: TrainSpec) -> Prepared:
         params = loss.init(params, key=jax.random.fold_in(key, 2))
         trainable = loss.trainable
     return Prepared(built, params, loss, trainable, data, optimizer, total)
-
-
-def _apply_lora(spec: TrainSpec, params: Any, key: Any) -> Any:
-    c = spec.lora
-    assert c is not None
-    quantize = None if c.quantize_base == "none" else c.quantize_base
-    try:
-        return lora.apply(params, c, key=key, quantize=quantize)
-    except (ConfigError, UnsupportedError) as e:
-        raise type(e)(f"lora.targets: {e}") from None
 
 
 def train_from_yaml(

@@ -8,13 +8,14 @@ import time
 
 import jax
 import pytest
+import yaml
 from config_cases import REPO, WORDS, write
 
 from entrenar import data, io, nn
 from entrenar.config import validate
 from entrenar.config.summary import count_params
 from entrenar.errors import ConfigError, FormatError
-from entrenar.runs import load_built
+from entrenar.runs import load_built, train_from_yaml
 from entrenar.runs.export import write_hf_folder
 from entrenar.runs.models import read_header
 from entrenar.runs.preflight import preflight
@@ -135,6 +136,35 @@ def test_a_model_without_a_tokenizer_names_it_and_every_kind_of_fix(
         ".gguf whose tokenizer to use, or to a tokenizer.json (or the folder "
         "holding it)"
     )
+
+
+@pytest.mark.parametrize(
+    ("lora", "match"),
+    [
+        ({"targets": ["qq_proj"]},
+         r"^lora\.targets: LoRA targets \('qq_proj',\) matched no weight.*'q_proj'"),
+        ({"quantize_base": "nf4"},
+         r"^lora\.quantize_base: QLoRA cannot quantize the base of .*blocks of 64.*"
+         r"lora\.quantize_base: none"),
+    ],
+)  # fmt: skip
+def test_lora_settings_train_refuses_are_refused_without_weights(
+    lora, match, tmp_path, tiny_gguf
+):
+    """`entrenar validate` refuses the LoRA settings `train` refuses.
+
+    Targets that match nothing, QLoRA bases that do not split into NF4 blocks:
+    `train` refuses them after loading the weights, validate from the header.
+
+    Before: validate said the config was valid (hidden size 32, nf4 blocks of 64).
+    """
+    _run(tmp_path, tiny_gguf)
+    doc = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    path = write(tmp_path / "lora.yaml", {**doc, "lora": lora})
+    with pytest.raises(ConfigError, match=match):
+        preflight(validate(path))
+    with pytest.raises(ConfigError, match=match):
+        train_from_yaml(path, dry_run=True, progress=False)
 
 
 def test_too_few_rows_for_a_step(tmp_path, tiny_gguf):
