@@ -132,7 +132,8 @@ recipe or a bare recipe file.
 - `validate CONFIG [--sample N]` checks what `train` would refuse, in seconds
   (`entrenar.runs.preflight`), without loading weights: keys, values and files; the
   model file's header (a GGUF's magic, version, metadata and tensor table; a Hugging
-  Face folder's `config.json` and safetensors headers) and the tokenizer; every row of
+  Face folder's `config.json` and safetensors headers) and the tokenizer; the `lora`
+  targets and QLoRA bases and a distillation teacher, on those headers; every row of
   every data file parsed and the fields its format reads checked (an invalid JSON line,
   an empty file, a missing field: an error naming file, line and column); `N` evenly
   spaced rows (1000 by default, 0 for all) through the loader `train` builds. It
