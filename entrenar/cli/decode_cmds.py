@@ -162,7 +162,7 @@ def chat_cmd(model: str, system: str | None, **options: Any) -> None:
     session = load_chat(
         model, adapter=options.pop("adapter"), tokenizer=options.pop("tokenizer"),
         keep_quantized=options.pop("keep_quantized"),
-        decode_activations=options.pop("decode_activations"),
+        decode_activations=options.pop("decode_activations"), chat=True,
     )  # fmt: skip
     seed, sampled = options.pop("seed"), options["temperature"] > 0
     stdin = sys.stdin

@@ -112,6 +112,17 @@ def check_lm(spec: TrainSpec, built: BuiltModel) -> None:
             "set model.tokenizer to a .gguf whose tokenizer to use, or to a "
             "tokenizer.json (or the folder holding it)"
         )
+    if d.format == "chat" and not getattr(built.tokenizer, "chat_template", None):
+        m = spec.model
+        source = (m.tokenizer or m.path) if m is not None else None
+        raise ConfigError(
+            f"data.format: chat renders each conversation with the model's chat "
+            f"template; {source or 'its tokenizer'} has none: set "
+            "model.tokenizer to a tokenizer with one (a .gguf with "
+            "tokenizer.chat_template, or a Hugging Face folder whose "
+            "tokenizer_config.json has chat_template), or use format: "
+            "prompt_completion"
+        )
     n_tokens = len(built.tokenizer.tokens)
     if n_tokens > built.config.vocab_size:
         raise ConfigError(

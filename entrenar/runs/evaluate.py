@@ -112,6 +112,12 @@ def _text(
     fmt = record_format(recs) if fmt == "auto" else fmt
     if generate and fmt != "chat":
         raise ConfigError(f"{path}: --generate scores chat data, not {fmt}")
+    if fmt == "chat" and not getattr(built.tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"{path} is chat data, and {built.source or 'the model'} has no chat "
+            "template to render it with; evaluate a model whose tokenizer has one, "
+            "or prompt-completion or text data"
+        )
     row = _row_length(recs, built, fmt, seq_len)
     loader = data_lib.lm_loader(
         recs, built.tokenizer, format=fmt, seq_len=row, batch_size=8, shuffle=False

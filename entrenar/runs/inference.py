@@ -76,7 +76,7 @@ def generate_text(
     """
     session = load_chat(
         model, adapter=adapter, tokenizer=tokenizer, keep_quantized=keep_quantized,
-        decode_activations=decode_activations,
+        decode_activations=decode_activations, chat=chat,
     )  # fmt: skip
     key = jax.random.key(seed) if temperature > 0 else None
     try:
@@ -114,11 +114,15 @@ def load_chat(
     tokenizer: str | None = None,
     keep_quantized: bool = False,
     decode_activations: str | None = None,
+    chat: bool = False,
 ) -> chat_lib.ChatModel:
     """A `entrenar.chat.ChatModel` of a model file (``generate_text``'s arguments).
 
+    ``chat``: the model will chat, so its tokenizer must have a chat template.
+
     Raises:
-        ConfigError: not a language model, or no tokenizer.
+        ConfigError: not a language model, no tokenizer, or (``chat``) no chat
+            template, naming the model and the options that give one.
     """
     built = load_built(model, keep_quantized=keep_quantized)
     if not built.is_lm:
@@ -128,6 +132,13 @@ def load_chat(
         raise ConfigError(
             f"{model}: no tokenizer; pass --tokenizer FILE.gguf (or a Hugging Face "
             "folder with tokenizer.json)"
+        )
+    if chat and not getattr(tok, "chat_template", None):
+        raise ConfigError(
+            f"{tokenizer or model} has no chat template; pass --tokenizer with one (a "
+            ".gguf with tokenizer.chat_template, or a Hugging Face folder whose "
+            "tokenizer_config.json has chat_template), or continue plain text "
+            "with `entrenar generate` (no --chat)"
         )
     params = decoding_params(built, keep_quantized)
     if adapter is not None:

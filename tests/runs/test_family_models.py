@@ -21,10 +21,11 @@ import yaml
 
 from entrenar import io, merge, nn
 from entrenar.config import validate
-from entrenar.errors import CompatibilityError
+from entrenar.errors import CompatibilityError, ConfigError
 from entrenar.io.gguf_families import written_name
 from entrenar.runs import evaluate_config, load_built, quantize_file, train_from_yaml
 from entrenar.runs.export import write_hf_folder, write_quantized
+from entrenar.runs.inference import generate_text
 from entrenar.runs.info import model_info
 from entrenar.runs.models import BuiltModel, read_header, save_built
 from entrenar.runs.preflight import preflight
@@ -318,3 +319,25 @@ def test_a_teacher_with_another_tokenizer_is_refused_by_validate_and_train(tmp_p
                 continue
             with pytest.raises(CompatibilityError, match=r"tokenizer is not the"):
                 check()
+
+
+def test_chat_without_a_chat_template_names_the_model_and_the_fix(tmp_path):
+    """Chat data or --chat on a model whose tokenizer has no chat template.
+
+    Training, generation and evaluation each stop with an entrenar error naming the
+    model and what to set. Before: the Python API's "pass chat_template= (to
+    ChatModel)", which no YAML key or option sets.
+    """
+    _sized_folder("llama", tmp_path)
+    hf = tmp_path / "hf"
+    cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (hf / "chat_template.jinja").unlink(missing_ok=True)
+    config = _chat_run(tmp_path, str(hf))
+    with pytest.raises(ConfigError, match=r"^data\.format: chat .* set model\.token"):
+        preflight(validate(config))
+    with pytest.raises(ConfigError, match=r"has no chat template; pass --tokenizer"):
+        generate_text(str(hf), "Hello", chat=True)
+    with pytest.raises(ConfigError, match=r"chat data, and .* has no chat template"):
+        evaluate_config(str(config), model=str(hf))
