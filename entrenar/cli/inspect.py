@@ -24,17 +24,27 @@ CONFIG_EXTENSIONS = (".yaml", ".yml")
     help="Rows of each text data file to tokenize, evenly spaced (default 1000; "
     "0: all). Every row is parsed whatever the sample.",
 )
-def validate_cmd(config: str, detailed: bool, sample: int | None) -> None:
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override any key as `train --set` does, e.g. --set model.path=m.gguf.",
+)
+def validate_cmd(
+    config: str, detailed: bool, sample: int | None, sets: tuple[str, ...]
+) -> None:
     """Check CONFIG as `train` would, in seconds, without training.
 
     Keys, types, ranges and model sizes; the model file's header (not its
     weights) and the tokenizer; every row of the data files parsed and checked,
     a sample tokenized; then the predicted rows, tokens, sequences and steps.
     """
+    from entrenar.cli.run_cmds import parse_sets
     from entrenar.config import summary
     from entrenar.runs import preflight
 
-    spec = summary.validate(config)
+    spec = summary.validate(config, parse_sets(sets))
     lines = []
     if not spec.is_merge:
         options = {} if sample is None else {"sample": sample}

@@ -129,7 +129,8 @@ recipe or a bare recipe file.
 `entrenar train | validate | info | quantize | merge | generate | chat | eval | plot`;
 `entrenar COMMAND --help` lists each one's options. Three of them in more words:
 
-- `validate CONFIG [--sample N]` checks what `train` would refuse, in seconds
+- `validate CONFIG [--sample N] [--set KEY=VALUE]` checks what `train` would refuse
+  (with the same `--set` overrides), in seconds
   (`entrenar.runs.preflight`), without loading weights: keys, values and files; the
   model file's header (a GGUF's magic, version, metadata and tensor table; a Hugging
   Face folder's `config.json` and safetensors headers) and the tokenizer; the `lora`

@@ -52,6 +52,17 @@ def test_validate_a_shipped_config():
     assert "Optimizer: name=adamw, lr=0.01" in result.output
 
 
+def test_validate_takes_the_overrides_train_takes():
+    """``validate CONFIG --set KEY=VALUE`` checks what ``train`` with it would run."""
+    config = CONFIGS / "wine-mlp.yaml"
+    result = run("validate", config, "--detailed", "--set", "optimizer.lr=0.5")
+    assert result.exit_code == 0, result.output
+    assert "Optimizer: name=adamw, lr=0.5" in result.output
+    bad = run("validate", config, "--set", "optimizer.lr=-1")
+    assert bad.exit_code == 2 and "optimizer.lr: must be > 0, got -1" in bad.stderr
+    assert run("validate", config, "--set", "lr").exit_code == 2  # not KEY=VALUE
+
+
 def _words_config(tmp_path, train_text, model=None):
     """A from-scratch GPT-2 number-words run over ``train_text`` (or ``model``)."""
     (tmp_path / "train.jsonl").write_text(train_text)
