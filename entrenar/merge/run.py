@@ -8,7 +8,8 @@ memory holds a few leaves, not the model. GGUF, JSON and YAML models are loaded 
 tensor is released once merged; other outputs are merged in memory first. The
 output format follows the output path's extension (``.safetensors``, ``.gguf``,
 ``.json``, ``.yaml``); any other path is a Hugging Face folder (``model.safetensors``
-plus the base folder's ``config.json`` and tokenizer files).
+plus the base folder's ``config.json`` and tokenizer files), the only output of a
+merge whose base is such a folder.
 """
 
 from __future__ import annotations
@@ -293,13 +294,33 @@ def write_opened(
     (`merge_inputs`, ``sources`` left whole) and written.
     """
     output = os.fspath(output)
+    _check_output(output, sources)
     with OutputLock(output, folder=_output_format(output) is None):
         return merge_inputs(recipe, sources, output, keep_inputs=True, memo=memo)
+
+
+def _check_output(output: str | None, sources: Sequence[Source]) -> None:
+    """Refuse a model file as the output of a merge whose base is a folder.
+
+    Its tensors keep the folder's Hugging Face names and no architecture: neither
+    entrenar nor llama.cpp could run such a file. A folder output is read as the
+    base folder is.
+    """
+    base = sources[0]
+    if output is None or base.folder is None or _output_format(output) is None:
+        return
+    raise ConfigError(
+        f"{output}: the base model {base.path} is a Hugging Face folder, so the "
+        "merge is written as one (model.safetensors beside the base's config.json "
+        "and tokenizer): give an output path without a file extension (then "
+        "`entrenar quantize FOLDER -o model.gguf` for a GGUF)"
+    )
 
 
 def _merge(recipe: Recipe, output: str | None, stream: bool) -> Model:
     """`run_recipe` once its output is locked."""
     sources = open_inputs(recipe)
+    _check_output(output, sources)
     streams = _output_format(output or "") in (None, ModelFormat.SAFETENSORS)
     if stream and output is not None and streams and _streamable(sources):
         return merge_streamed(recipe, sources, output)

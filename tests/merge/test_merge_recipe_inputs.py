@@ -89,3 +89,27 @@ def test_a_missing_shard_and_unreadable_folder_files_name_the_key(folder):
     (folder / "hf" / "config.json").write_text('{"model_type": "custom"}')
     model, _ = _run(folder, doc)
     np.testing.assert_array_equal(model.params["w"], np.arange(4) * 1.0)
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.gguf", "m.json"])
+def test_a_merge_of_folders_into_a_model_file_is_refused(folder, name):
+    """A merge of Hugging Face folders is written as a folder, not a model file.
+
+    Before: the file held the folders' Hugging Face names and no architecture, so
+    `entrenar eval` could not read it and llama.cpp could not run the GGUF.
+    """
+    (folder / "hf" / "model.safetensors").write_bytes(
+        (folder / "a.safetensors").read_bytes()
+    )
+    (folder / "hf2").mkdir()
+    for f in ("model.safetensors", "config.json"):
+        (folder / "hf2" / f).write_bytes((folder / "hf" / f).read_bytes())
+    doc = {"merge_method": "ties", "base_model": "hf",
+           "models": [{"model": "hf2", "parameters": {"weight": 1.0}}]}  # fmt: skip
+    path = folder / "r.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"is a Hugging Face folder.*without a file"):
+        merge.run_recipe(path, folder / name)
+    assert not (folder / name).exists()
+    merge.run_recipe(path, folder / "merged")  # a folder output is the way
+    assert (folder / "merged" / "config.json").exists()
