@@ -200,6 +200,26 @@ class ModelPath(click.Path):
         return super().convert(value, param, ctx)
 
 
+def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
+    """``("lora.rank=16", ...)`` as overrides; each value is parsed as YAML.
+
+    Values are read within `entrenar.io.bounded`'s limits (nesting, aliases), as
+    config files are.
+    """
+    from entrenar.io.bounded import parse_yaml
+
+    out: dict[str, Any] = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
+        try:
+            out[key.strip()] = parse_yaml(value, key.strip(), error=ConfigError)
+        except ConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--set") from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``entrenar`` console script and ``python -m entrenar``."""
     cli.main(args=argv, prog_name="entrenar")

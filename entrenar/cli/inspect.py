@@ -10,7 +10,7 @@ import click
 import numpy as np
 import yaml
 
-from entrenar.cli.app import ModelPath, command
+from entrenar.cli.app import ModelPath, command, parse_sets
 
 CONFIG_EXTENSIONS = (".yaml", ".yml")
 
@@ -40,7 +40,6 @@ def validate_cmd(
     weights) and the tokenizer; every row of the data files parsed and checked,
     a sample tokenized; then the predicted rows, tokens, sequences and steps.
     """
-    from entrenar.cli.run_cmds import parse_sets
     from entrenar.config import summary
     from entrenar.runs import preflight
 

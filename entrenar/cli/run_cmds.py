@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from entrenar.cli.app import ModelPath, command, is_verbose
+from entrenar.cli.app import ModelPath, command, is_verbose, parse_sets
 from entrenar.cli.decode_cmds import weight_options
 
 
@@ -122,27 +122,6 @@ def train_cmd(
 
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
-    """``("lora.rank=16", ...)`` as overrides; each value is parsed as YAML.
-
-    Values are read within `entrenar.io.bounded`'s limits (nesting, aliases), as
-    config files are.
-    """
-    from entrenar.errors import ConfigError
-    from entrenar.io.bounded import parse_yaml
-
-    out: dict[str, Any] = {}
-    for item in sets:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
-        try:
-            out[key.strip()] = parse_yaml(value, key.strip(), error=ConfigError)
-        except ConfigError as e:
-            raise click.BadParameter(str(e), param_hint="--set") from None
-    return out
 
 
 DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from entrenar import merge
 from entrenar.cli import cli
-from entrenar.cli.run_cmds import parse_sets
+from entrenar.cli.app import parse_sets
 from entrenar.config import load_config
 from entrenar.errors import ConfigError, FormatError
 from entrenar.io import file_architecture
