@@ -335,6 +335,12 @@ def tokenizer_cases(c: Corpus) -> None:
         _tokenizer_gguf(c, f"tokenizer/{name}.gguf", {key: field})
         c.case(f"tokenizer/{name}.gguf", ["tokenizer", "fast_tokenizer"],
                f"{key} = {field.value!r}", match=key)  # fmt: skip
+    scores = "tokenizer.ggml.scores"  # read by SentencePiece-style tokenizers only
+    spm = {"tokenizer.ggml.model": GGUFField("llama", T.STRING),
+           scores: GGUFField(0.5, T.FLOAT32)}  # fmt: skip
+    _tokenizer_gguf(c, "tokenizer/scores_scalar.gguf", spm)
+    c.case("tokenizer/scores_scalar.gguf", "fast_tokenizer",
+           f"model 'llama' with {scores} = 0.5", match=scores)  # fmt: skip
 
 
 def template_cases(c: Corpus) -> None:

@@ -158,7 +158,8 @@ def check_tokenizer_metadata(md: Mapping[str, Any], path: str = "<gguf>") -> Non
     """Check the ``tokenizer.ggml.*`` fields a `BPETokenizer` is built from.
 
     ``tokens`` and ``merges`` are arrays of UTF-8 strings; ``token_type`` (if present)
-    an array of integers, one per token; ``pre`` and ``tokenizer.chat_template`` (if
+    an array of integers, one per token, and ``scores`` (if present, SentencePiece
+    style) an array of floats, one per token; ``pre`` and ``tokenizer.chat_template`` (if
     present) UTF-8 strings; ``add_bos_token`` a boolean;
     every special id (``bos``, ``eos``, ``padding``, ``unknown``, ... any
     ``tokenizer.ggml.*_token_id``) an integer inside the vocabulary.
@@ -174,13 +175,14 @@ def check_tokenizer_metadata(md: Mapping[str, Any], path: str = "<gguf>") -> Non
     """  # noqa: E501
     tokens = _array_of(md, "tokenizer.ggml.tokens", str, path)
     _array_of(md, "tokenizer.ggml.merges", str, path)
-    if "tokenizer.ggml.token_type" in md:
-        types = _array_of(md, "tokenizer.ggml.token_type", int, path)
-        if len(types) != len(tokens):
-            raise FormatError(
-                f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
-                f"{len(tokens)} tokens"
-            )
+    for key, kind in (("token_type", int), ("scores", float)):
+        if f"tokenizer.ggml.{key}" in md:
+            per_token = _array_of(md, f"tokenizer.ggml.{key}", kind, path)
+            if len(per_token) != len(tokens):
+                raise FormatError(
+                    f"{path}: tokenizer.ggml.{key} has {len(per_token)} entries for "
+                    f"{len(tokens)} tokens"
+                )
     for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
         text = md.get(key, "")
         if not isinstance(text, str) or not _is_utf8(text):
