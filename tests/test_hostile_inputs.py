@@ -94,6 +94,7 @@ def _tabular(path: str) -> None:
 def _loaders() -> dict[str, Callable[[str], Any]]:
     """Loader name (as in the manifest) -> the public call it stands for."""
     from entrenar import config, data, io, lora, merge
+    from entrenar.runs.info import model_info
 
     return {
         "gguf_model": io.load_model,
@@ -105,6 +106,7 @@ def _loaders() -> dict[str, Callable[[str], Any]]:
         "adapter": lambda p: lora.load_adapter(p, _base_params()),
         "config": config.load_config,
         "validate": _validate,
+        "info": model_info,
         "recipe": merge.run_recipe,
         "records": data.load_records,
         "tabular": _tabular,

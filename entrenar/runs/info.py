@@ -115,7 +115,13 @@ def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
             if f"{arch}.{k}" in md:
                 out[k] = md[f"{arch}.{k}"]
         if "tokenizer.ggml.tokens" in md:
-            out["vocab_size"] = len(md["tokenizer.ggml.tokens"])
+            tokens = md["tokenizer.ggml.tokens"]
+            if not isinstance(tokens, list):
+                raise FormatError(
+                    f"{path}: tokenizer.ggml.tokens = {str(tokens)[:40]!r} is not an "
+                    "array of strings; the file's tokenizer is damaged"
+                )
+            out["vocab_size"] = len(tokens)
             model = md.get("tokenizer.ggml.model", "?")
             out["tokenizer"] = f"gguf {model}, {out['vocab_size']} tokens"
         out["chat_template"] = _first_line(md.get("tokenizer.chat_template"))
