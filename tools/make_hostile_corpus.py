@@ -564,6 +564,41 @@ def adapter_cases(c: Corpus) -> None:
         c.case(folder, "adapter", why)
 
 
+# ------------------------------------------------------------ Hugging Face folders
+def hf_tokenizer_json(merge: tuple[str, str] = ("a", "b"), **model: Any) -> str:
+    """A tiny byte-level BPE ``tokenizer.json`` (`TOKENS`, one ``merge``)."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False,
+                  "trim_offsets": True, "use_regex": True}  # fmt: skip
+    doc = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "vocab": {t: i for i, t in enumerate(TOKENS)},
+                  "merges": [list(merge)], **model},
+    }  # fmt: skip
+    return json.dumps(doc)
+
+
+def hf_cases(c: Corpus) -> None:
+    """Hugging Face tokenizer folders whose ``tokenizer.json`` is hostile."""
+    c.write("hf/tokenizer_valid/tokenizer.json", hf_tokenizer_json())
+    c.case("hf/tokenizer_valid", "fast_tokenizer", "the valid control", expect="ok")
+    # tokenizers joins a merge (a, b) into a + b[len(prefix):] (bytes), unchecked
+    tokenizers = {
+        "prefix_longer_than_merge": (("a", "b"), "##", "a Rust panic"),
+        "prefix_inside_a_character": (
+            ("a", "\u0120"),  # 2 bytes in UTF-8, cut after the first
+            "x",
+            "a Rust abort of the process",
+        ),
+    }
+    for name, (merge, prefix, why) in tokenizers.items():
+        text = hf_tokenizer_json(merge, continuing_subword_prefix=prefix)
+        c.write(f"hf/{name}/tokenizer.json", text)
+        c.case(f"hf/{name}", "fast_tokenizer", why,
+               match="continuing_subword_prefix")  # fmt: skip
+
+
 # ---------------------------------------------------------- configs, recipes, data
 def config_cases(c: Corpus) -> None:
     """Run configs: YAML alias bombs, a self-referencing alias, bad bytes, a NaN."""
@@ -645,6 +680,7 @@ SECTIONS: list[Callable[[Corpus], None]] = [
     model_cases,
     safetensors_cases,
     adapter_cases,
+    hf_cases,
     config_cases,
     recipe_cases,
     data_cases,

@@ -96,6 +96,34 @@ def _optional_json(path: str) -> dict[str, Any]:
     return value
 
 
+def _check_merge_prefix(model: Mapping[str, Any], where: str) -> None:
+    """Check that each BPE merge's second part starts with the subword prefix.
+
+    With a ``continuing_subword_prefix`` P, ``tokenizers`` joins a merge ``(a, b)``
+    into ``a + b[len(P):]`` (bytes) without checking that ``b`` starts with P: a
+    shorter ``b`` panics in Rust, and a cut inside a character aborts the process.
+
+    Raises:
+        FormatError: the first merge whose second part lacks the prefix.
+    """
+    prefix, merges = model.get("continuing_subword_prefix"), model.get("merges")
+    if not isinstance(prefix, str) or not prefix or not isinstance(merges, list):
+        return
+    for i, merge in enumerate(merges):
+        if isinstance(merge, str):
+            second: Any = merge.split(" ", 1)[-1]
+        elif isinstance(merge, list) and len(merge) == 2:
+            second = merge[1]
+        else:
+            continue  # tokenizers refuses it itself
+        if isinstance(second, str) and not second.startswith(prefix):
+            raise FormatError(
+                f"{where}: model.merges[{i}] = {str(merge)[:60]!r}: its second part "
+                f"does not start with model.continuing_subword_prefix "
+                f"{prefix[:40]!r}; fix the merges or remove the prefix"
+            )
+
+
 def eos_ids_of(generation: Mapping[str, Any], where: str) -> tuple[int, ...]:
     """``eos_token_id`` of a ``generation_config.json`` dict: an id or a list."""
     value = generation.get("eos_token_id")
@@ -195,9 +223,14 @@ class HFTokenizer(RustTokenizer):
         doc = parse_json(text, source, max_depth=None)
         if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
             raise FormatError(f"{source}: not a tokenizers file (no 'model' object)")
+        _check_merge_prefix(doc["model"], source)
         try:
             self._hf = [hf.Tokenizer.from_str(text) for _ in range(2)]
         except Exception as e:  # tokenizers raises plain Exceptions
+            raise FormatError(f"{source}: tokenizers cannot load it ({e})") from None
+        except BaseException as e:  # a Rust panic is a BaseException (pyo3)
+            if type(e).__name__ != "PanicException":
+                raise
             raise FormatError(f"{source}: tokenizers cannot load it ({e})") from None
         for parse_special, t in enumerate(self._hf):
             t.encode_special_tokens = not parse_special
