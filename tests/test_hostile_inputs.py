@@ -102,6 +102,7 @@ def _loaders() -> dict[str, Callable[[str], Any]]:
         "fast_tokenizer": data.load_fast_tokenizer,
         "chat_template": _chat_template,
         "model": io.load_model,
+        "hf_folder": io.load_hf_folder,
         "safetensors": io.read_safetensors,
         "adapter": lambda p: lora.load_adapter(p, _base_params()),
         "config": config.load_config,

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from entrenar import io
+from entrenar import io, nn
 from entrenar.io.gguf_reader import GGUFField, GGUFFile
 from entrenar.io.gguf_reader import GGUFValueType as T
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
@@ -580,7 +580,7 @@ def hf_tokenizer_json(merge: tuple[str, str] = ("a", "b"), **model: Any) -> str:
 
 
 def hf_cases(c: Corpus) -> None:
-    """Hugging Face tokenizer folders whose ``tokenizer.json`` is hostile."""
+    """Hugging Face folders whose ``tokenizer.json`` or ``config.json`` is hostile."""
     c.write("hf/tokenizer_valid/tokenizer.json", hf_tokenizer_json())
     c.case("hf/tokenizer_valid", "fast_tokenizer", "the valid control", expect="ok")
     # tokenizers joins a merge (a, b) into a + b[len(prefix):] (bytes), unchecked
@@ -597,6 +597,22 @@ def hf_cases(c: Corpus) -> None:
         c.write(f"hf/{name}/tokenizer.json", text)
         c.case(f"hf/{name}", "fast_tokenizer", why,
                match="continuing_subword_prefix")  # fmt: skip
+    configs = {  # config.json fields of the wrong type
+        "rope_scaling_a_number": ({"rope_scaling": 8}, "rope_scaling"),
+        "rope_parameters_a_list": ({"rope_parameters": ["yarn"]}, "rope_parameters"),
+        "hidden_size_inf": ({"hidden_size": float("inf")}, "infinity"),
+        "context_inf": ({"max_position_embeddings": float("inf")}, "infinity"),
+    }
+    for name, (fields, match) in configs.items():
+        hf = {**CONFIG.to_hf_config(), **fields}
+        c.write(f"hf/{name}/config.json", json.dumps(hf, indent=1))
+        c.case(f"hf/{name}", "hf_folder", f"{fields}", match=match)
+    gemma3 = nn.architecture("gemma3")
+    rope = {"full_attention": {"rope_type": "default"}, "sliding_attention": [1]}
+    hf = {**gemma3.to_hf(gemma3.tiny()), "rope_parameters": rope}
+    c.write("hf/gemma3_sliding_rope_a_list/config.json", json.dumps(hf, indent=1))
+    c.case("hf/gemma3_sliding_rope_a_list", "hf_folder", f"{rope}",
+           match="rope_parameters.sliding_attention")  # fmt: skip
 
 
 # ---------------------------------------------------------- configs, recipes, data

@@ -122,7 +122,7 @@ def read_hf_config(folder: str | os.PathLike[str]) -> tuple[Any, Any]:
         config = arch.from_hf(hf)
     except (UnsupportedError, FormatError) as e:
         raise type(e)(f"{path}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:  # a field missing or mistyped
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # missing, mistyped
         raise FormatError(
             f"{path}: cannot read it as a {arch.name} config ({type(e).__name__}: {e})"
         ) from None

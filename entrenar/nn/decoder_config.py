@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.nn.registry import Architecture, register_architecture
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -135,8 +135,13 @@ def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
     """`LlamaConfig` rope fields from a ``rope_scaling`` / ``rope_parameters`` dict.
 
     Raises:
+        FormatError: ``scaling`` is not a JSON object.
         UnsupportedError: a rope type or option entrenar does not implement.
     """
+    if not isinstance(scaling, Mapping):
+        raise FormatError(
+            f"{source}: rope_scaling = {str(scaling)[:40]!r} is not an object"
+        )
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     kind = "longrope" if kind == "su" else kind
     if kind not in ROPE_TYPES:
@@ -221,7 +226,11 @@ def common_from_hf(
     check_hidden_act(hf, source, act)
     heads = int(hf["num_attention_heads"])
     rope = hf.get("rope_parameters") or {}
-    layered = isinstance(rope, Mapping) and any(t in rope for t in LAYER_TYPES)
+    if not isinstance(rope, Mapping):
+        raise FormatError(
+            f"{source}: rope_parameters = {str(rope)[:40]!r} is not an object"
+        )
+    layered = any(t in rope for t in LAYER_TYPES)
     scaling = {} if layered else (hf.get("rope_scaling") or rope)
     theta = hf.get("rope_theta", None if layered else rope.get("rope_theta"))
     fields: dict[str, Any] = dict(

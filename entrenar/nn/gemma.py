@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from entrenar.errors import UnsupportedError
+from entrenar.errors import FormatError, UnsupportedError
 from entrenar.nn.decoder_config import (
     TINY_SIZES,
     common_from_hf,
@@ -130,6 +130,11 @@ def gemma3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     if "full_attention" in params or "sliding_attention" in params:
         full = params.get("full_attention") or {}
         slide = params.get("sliding_attention") or {}
+        if not isinstance(slide, Mapping):
+            raise FormatError(
+                "config.json: rope_parameters.sliding_attention = "
+                f"{str(slide)[:40]!r} is not an object"
+            )
         if slide.get("rope_type", "default") != "default":
             raise UnsupportedError(
                 "config.json: rope_parameters.sliding_attention.rope_type "
