@@ -607,6 +607,12 @@ def hf_cases(c: Corpus) -> None:
         hf = {**CONFIG.to_hf_config(), **fields}
         c.write(f"hf/{name}/config.json", json.dumps(hf, indent=1))
         c.case(f"hf/{name}", "hf_folder", f"{fields}", match=match)
+    folder = c.path("hf/hidden_size_huge")
+    io.save_hf_folder(folder, CONFIG, _params())
+    hf = {**CONFIG.to_hf_config(), "hidden_size": 2**63}
+    c.write("hf/hidden_size_huge/config.json", json.dumps(hf, indent=1))
+    c.case("hf/hidden_size_huge", "info", "hidden_size 2**63 beside weights of 8",
+           match="config")  # fmt: skip
     gemma3 = nn.architecture("gemma3")
     rope = {"full_attention": {"rope_type": "default"}, "sliding_attention": [1]}
     hf = {**gemma3.to_hf(gemma3.tiny()), "rope_parameters": rope}

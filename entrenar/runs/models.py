@@ -297,7 +297,9 @@ def read_header(path: str) -> BuiltModel:
         info = io.read_hf_folder(path)
         config: Any = info.config
         tok = info.tokenizer()
-        return BuiltModel(info.architecture.name, config, _shapes(config), tok, path)
+        return BuiltModel(
+            info.architecture.name, config, _shapes(config, path), tok, path
+        )
     fmt = io.detect_format(path)
     if fmt == io.ModelFormat.GGUF:
         g = io.read_gguf(path)
@@ -305,19 +307,30 @@ def read_header(path: str) -> BuiltModel:
             _, config = io.read_llama_header(g)
             tok = _gguf_tokenizer(g)
             name = nn.architecture_of(config).name
-            return BuiltModel(name, config, _shapes(config), tok, path)
+            return BuiltModel(name, config, _shapes(config, path), tok, path)
     if fmt != io.ModelFormat.SAFETENSORS:
         return load_built(path)
     _, header = io.read_safetensors(path)
     meta = metadata_from_header(header, path)
     arch, config = _stored_config(path, meta)
     tok = _stored_tokenizer(path, meta.custom)
-    return BuiltModel(arch, config, _shapes(config), tok, path, dict(meta.custom))
+    return BuiltModel(arch, config, _shapes(config, path), tok, path, dict(meta.custom))
 
 
-def _shapes(config: Any) -> Any:
-    """The params ``config.init`` makes, as `jax.ShapeDtypeStruct` leaves."""
-    return jax.eval_shape(config.init, jax.random.key(0))
+def _shapes(config: Any, path: str) -> Any:
+    """The params ``config.init`` makes, as `jax.ShapeDtypeStruct` leaves.
+
+    Raises:
+        FormatError: sizes in ``path``'s config that no array can have (a
+            ``hidden_size`` of 2**63 makes JAX raise a TypeError).
+    """
+    try:
+        return jax.eval_shape(config.init, jax.random.key(0))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise FormatError(
+            f"{path}: its config gives shapes no array can have "
+            f"({str(e).splitlines()[0][:120]}); check the config's sizes"
+        ) from None
 
 
 def _gguf_tokenizer(g: io.GGUFFile) -> Any:
