@@ -309,13 +309,25 @@ def load_adapter(
 def _group_by_module(
     header: dict[str, Any], problems: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """``{PEFT module name: {"A": tensor, "B": tensor}}`` from the file's tensors."""
+    """``{PEFT module name: {"A": tensor, "B": tensor}}`` from the file's tensors.
+
+    A module with two A (or B) tensors (``lora_A.weight`` and ``lora_A.other.weight``:
+    two named adapters in one file) is a problem: which pairs with which is unknown.
+    """
     found: dict[str, dict[str, Any]] = collections.defaultdict(dict)
+    names: dict[tuple[str, str], str] = {}
     for name, info in header.items():
         m = _TENSOR.fullmatch(name)
         if m is None:
             problems.append(f"tensor {name!r} is not a LoRA A/B weight")
             continue
+        if m.groups() in names:
+            problems.append(
+                f"module {m.group(1)!r} has two lora_{m.group(2)} tensors, "
+                f"{names[m.groups()]!r} and {name!r}; keep one adapter per file"
+            )
+            continue
+        names[m.group(1), m.group(2)] = name
         found[m.group(1)][m.group(2)] = info
     return found
 

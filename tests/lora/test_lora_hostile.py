@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from lora_helpers import make_params
 
 from entrenar import lora
-from entrenar.errors import ConfigError, FormatError
+from entrenar.errors import CompatibilityError, ConfigError, FormatError
 from entrenar.lora import LoRAConfig
 from entrenar.lora.config import target_matches
 from entrenar.lora.patterns import PEFT_KEY, check_pattern, peft_key_matches
@@ -98,6 +98,22 @@ def test_adapter_configs_that_are_not_settings_objects(adapter, text, match):
     (folder / "adapter_config.json").write_bytes(data)
     with pytest.raises(FormatError, match=r"adapter_config\.json.*" + match):
         lora.load_adapter(folder, base)
+
+
+def test_two_adapters_in_one_file_are_refused_not_mixed(tmp_path):
+    """``lora_A.weight`` beside ``lora_A.other.weight``: one was silently dropped."""
+    from safetensors.numpy import load_file, save_file
+
+    base = make_params()
+    lora.save_adapter(lora.apply(base, CFG, key=jax.random.key(0)), tmp_path)
+    file = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(file)
+    a = next(k for k in tensors if k.endswith(".lora_A.weight"))
+    other = a.replace(".lora_A.weight", ".lora_A.other.weight")
+    save_file({**tensors, other: tensors[a] + 1}, file)
+    with pytest.raises(CompatibilityError, match="two lora_A tensors") as e:
+        lora.load_adapter(tmp_path, base)
+    assert other in str(e.value)
 
 
 def test_saved_rank_patterns_still_load(tmp_path):
