@@ -6,8 +6,10 @@ file, the row and the column. Row numbers are 1-based: the line for JSONL, the d
 row (after the header) for CSV and Parquet.
 
 Every reader checks the file's size against ``max_bytes`` before reading it; Parquet
-also checks the uncompressed size its footer declares, so a small hostile file cannot
-expand into memory. `READERS` holds the reader of each file extension: adding a file
+also checks the uncompressed size its footer declares, and the size of its values with
+dictionary-encoded strings expanded (a dictionary column names one entry per row, so a
+small file can hold gigabytes of repeated text), so a small hostile file cannot expand
+into memory. `READERS` holds the reader of each file extension: adding a file
 type is one ``@READERS.register(".ext")``.
 """
 
@@ -262,7 +264,10 @@ def read_parquet(
     path = os.fspath(path)
     _check_size(path, max_bytes)
     try:
-        pf = pq.ParquetFile(path)
+        schema = pq.read_schema(path)
+        # strings stay dictionary-encoded in memory until counted (_expanded_bytes)
+        text = [f.name for f in schema if _is_text(f.type)]
+        pf = pq.ParquetFile(path, read_dictionary=text)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
         raise FormatError(f"{path}: not a readable Parquet file ({e})") from None
     names = pf.schema_arrow.names
@@ -281,6 +286,12 @@ def read_parquet(
         table = pf.read(columns=list(columns) if columns else None)
     except Exception as e:
         raise FormatError(f"{path}: cannot read its data ({e})") from None
+    expanded = _expanded_bytes(table)
+    if expanded > max_bytes:
+        raise FormatError(
+            f"{path}: {expanded} bytes of values once its dictionaries are expanded "
+            f"is over the limit of {max_bytes}"
+        )
     rows = table.to_pylist()
     for c in columns or ():
         nulls = table.column(c).null_count
@@ -288,6 +299,44 @@ def read_parquet(
             i = next(i for i, r in enumerate(rows) if r[c] is None)
             raise FormatError(f"{path} row {i + 1}, column {c!r}: null value")
     return Records(rows, path, list(range(1, len(rows) + 1)), "row")
+
+
+def _is_text(t: Any) -> bool:
+    """Whether Arrow type ``t`` holds strings or bytes (or a dictionary of them)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    kinds = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
+             pa.types.is_large_binary)  # fmt: skip
+    return any(k(t) for k in kinds)
+
+
+def _expanded_bytes(table: Any) -> int:
+    """Bytes of ``table``'s values with each dictionary entry counted where used.
+
+    A dictionary-encoded column of n rows that all name one 1 MB string is a few
+    bytes per row in the file and in Arrow, but n MB as Python strings: its size is
+    the sum over rows of the length of the entry each row names.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    total = 0
+    for column in table.columns:
+        for chunk in column.chunks:
+            if not pa.types.is_dictionary(chunk.type):
+                total += chunk.nbytes
+                continue
+            values = chunk.dictionary
+            if _is_text(values.type):
+                sizes = pc.binary_length(values)
+                total += int(pc.sum(pc.take(sizes, chunk.indices)).as_py() or 0)
+            else:  # fixed-width values: their width; others: the whole dictionary
+                width = getattr(values.type, "bit_width", 0) // 8 or values.nbytes
+                total += width * len(chunk)
+            total += chunk.indices.nbytes
+    return total
 
 
 def load_records(

@@ -61,3 +61,23 @@ def test_a_valid_csv_with_a_bom_and_non_ascii_still_reads(tmp_path):
     for encoding in ("utf-8", "utf-8-sig"):
         p.write_text("x,y\ncafé,2\n", encoding=encoding)
         assert read_csv(p, columns=["x"]).rows == [{"x": "café", "y": "2"}]
+
+
+@pytest.mark.parametrize("arrow_schema", [True, False])
+def test_a_parquet_dictionary_bomb_is_refused_before_it_expands(tmp_path, arrow_schema):
+    """1,000 rows naming one 10 kB string: 2 kB of footer sizes, 10 MB as strings."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    import numpy as np
+
+    rows = pa.DictionaryArray.from_arrays(
+        pa.array(np.zeros(1000, np.int32)), pa.array(["x" * 10_000])
+    )
+    p = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"text": rows}), p, store_schema=arrow_schema)
+    md = pq.ParquetFile(p).metadata
+    assert md.row_group(0).total_byte_size < 100_000  # what the footer declares
+    with pytest.raises(FormatError, match="dictionaries are expanded") as e:
+        load_records(p, max_bytes=1_000_000)
+    assert str(p) in str(e.value)
+    assert len(load_records(p, max_bytes=20_000_000)) == 1000
