@@ -121,7 +121,16 @@ class Checkpointer:
             enable_async_checkpointing=False,
         )
         self._ocp = ocp
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            # orbax reads every step's _CHECKPOINT_METADATA here, unchecked
+            raise CheckpointError(
+                f"orbax cannot read the checkpoints in {self.directory}: "
+                f"{_reason(e).rstrip('.')}; a step folder's _CHECKPOINT_METADATA is "
+                "damaged: move that step out of the folder, or start a fresh run",
+                corrupt=True,
+            ) from e
 
     def steps(self) -> list[int]:
         """The steps that have a complete checkpoint, oldest first."""
@@ -214,7 +223,9 @@ class Checkpointer:
 
         Raises:
             FormatError: no checkpoint, or one that does not fit the template.
-            CheckpointError: a corrupt checkpoint (see `verify`).
+            CheckpointError: a corrupt checkpoint (see `verify`), or orbax files
+                it cannot read (damaged metadata in a checkpoint without, or with
+                matching, checksums).
         """
         ocp = self._ocp
         step = self.latest_step() if step is None else int(step)
@@ -245,6 +256,13 @@ class Checkpointer:
             raise FormatError(
                 f"checkpoint {self.path(step)} does not match this run's state "
                 f"(model, trainable part or optimizer changed?): {e}"
+            ) from e
+        except (AttributeError, OSError) as e:  # orbax's own files are damaged
+            raise CheckpointError(
+                f"checkpoint step {step} ({self.path(step)}) cannot be read: "
+                f"{_reason(e).rstrip('.')}; move it out of the folder and continue "
+                "with --resume latest, or start a fresh run",
+                corrupt=True,
             ) from e
         s = out["state"]
         key = jax.random.wrap_key_data(s["key"], impl=jax.random.key_impl(template.key))

@@ -85,6 +85,26 @@ def test_missing_or_damaged_metadata_is_a_checkpoint_error(saved):
         run(saved, steps=6, resume=step2)
 
 
+def _rewrite_json(path, key, value):
+    doc = json.loads(path.read_text())
+    doc[key] = value
+    path.write_text(json.dumps(doc))
+
+
+def test_damaged_orbax_metadata_is_a_checkpoint_error(saved):
+    """Wrong types in orbax's own JSON files of unverified checkpoints."""
+    step2, step4 = (saved / "checkpoints" / s for s in ("2", "4"))
+    for step in (step2, step4):
+        (step / CHECKSUMS).unlink()  # unverified (an older entrenar's checkpoint)
+    _rewrite_json(step4 / "state" / "_METADATA", "tree_metadata", 7)
+    with pytest.raises(CheckpointError, match=r"step 4 .* cannot be read") as e:
+        run(saved, steps=6, resume="latest")
+    assert e.value.corrupt and "AttributeError" in str(e.value)
+    _rewrite_json(step2 / "_CHECKPOINT_METADATA", "commit_timestamp_nsecs", "x")
+    with pytest.raises(CheckpointError, match="_CHECKPOINT_METADATA is damaged"):
+        run(saved, steps=6, resume="latest")
+
+
 def _state(step):
     state = TrainState.create(PARAMS, sgd(0.1), key=jax.random.key(0))
     return state._replace(step=jnp.asarray(step, state.step.dtype))
