@@ -24,6 +24,7 @@ of ``T`` tokens that become documents of their own (``"split"``), or refused
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -64,7 +65,31 @@ def fit_documents(
     return out
 
 
-def _empty(n: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+def _physical_memory() -> int:
+    """Bytes of memory this machine has (0 when the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _empty(
+    n: int, seq_len: int, pad_id: int, per_token: int = 9
+) -> dict[str, np.ndarray]:
+    """The padded arrays of ``n`` rows, each row ``seq_len`` tokens.
+
+    Every row is ``seq_len`` long however short its documents, ``per_token`` bytes a
+    token (int32 ids and labels, a bool mask; packing adds two int32 arrays), so a
+    ``seq_len`` of 10**9 asks terabytes of a small file: more than the machine has
+    is a `ShapeError`, before numpy tries.
+    """
+    need, have = n * seq_len * per_token, _physical_memory()
+    if have and need > have:
+        raise ShapeError(
+            f"{n:,} rows of seq_len={seq_len:,} tokens need {need / 2**30:,.1f} GiB, "
+            f"more than this machine's {have / 2**30:,.1f} GiB of memory; lower "
+            "seq_len (data.seq_len in a run config) to the longest example"
+        )
     return {
         "input_ids": np.full((n, seq_len), pad_id, np.int32),
         "labels": np.full((n, seq_len), IGNORE_INDEX, np.int32),
@@ -128,7 +153,7 @@ def pack_rows(
             room -= n
         if room > 0:
             bisect.insort(free, (room, row))
-    out = _empty(len(rows), seq_len, pad_id)
+    out = _empty(len(rows), seq_len, pad_id, per_token=17)
     out["segment_ids"] = np.zeros((len(rows), seq_len), np.int32)
     out["positions"] = np.zeros((len(rows), seq_len), np.int32)
     for r, members in enumerate(rows):

@@ -81,3 +81,17 @@ def test_a_parquet_dictionary_bomb_is_refused_before_it_expands(tmp_path, arrow_
         load_records(p, max_bytes=1_000_000)
     assert str(p) in str(e.value)
     assert len(load_records(p, max_bytes=20_000_000)) == 1000
+
+
+@pytest.mark.parametrize("seq_len", [2**40, 2**63])
+@pytest.mark.parametrize("rows", ["pad_rows", "pack_rows"])
+def test_a_huge_seq_len_is_refused_before_numpy_allocates(seq_len, rows, deadline):
+    """``data.seq_len: 1099511627776`` in a run config: every row is seq_len long."""
+    import numpy as np
+
+    from entrenar import data
+    from entrenar.errors import ShapeError
+
+    docs = [(np.arange(1, 4), np.arange(1, 4)) for _ in range(1000)]
+    with deadline(10), pytest.raises(ShapeError, match=r"seq_len=.* GiB, more than"):
+        getattr(data, rows)(docs, seq_len)
