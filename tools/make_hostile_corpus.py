@@ -491,6 +491,18 @@ def safetensors_cases(c: Corpus) -> None:
         c.write(f"safetensors/{name}.safetensors", blob)
         c.case(f"safetensors/{name}.safetensors", ["model", "safetensors"],
                name.replace("_", " "), match=match)  # fmt: skip
+    custom = {"model_config": {"sizes": [2, 1]}, "tokenizer": 7}
+    built = {"format": "entrenar.model", "name": "m", "architecture": "mlp",
+             "version": "0.1.0", "custom": json.dumps(custom)}  # fmt: skip
+    tensors = {
+        "layers.0.weight": {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 8]},
+        "layers.0.bias": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+    }
+    blob = _safetensors({**tensors, "__metadata__": built}, bytes(12))
+    c.write("safetensors/tokenizer_a_number.safetensors", blob)
+    c.case("safetensors/tokenizer_a_number.safetensors", "built",
+           "custom.tokenizer = 7 (os.path.exists(7) tests a file descriptor)",
+           match="custom.tokenizer")  # fmt: skip
 
 
 # ------------------------------------------------------------------------ adapters

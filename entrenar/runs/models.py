@@ -274,9 +274,15 @@ def tokenizer_ref(tokenizer: str, model_file: str) -> str:
 def _stored_tokenizer(path: str, custom: Mapping[str, Any]) -> Any:
     """The tokenizer ``custom["tokenizer"]`` names (relative to the file), or None."""
     tok = custom.get("tokenizer")
-    if isinstance(tok, str):
-        tok = os.path.join(os.path.dirname(os.path.abspath(path)), tok)
-    return data.load_fast_tokenizer(tok) if tok and os.path.exists(tok) else None
+    if tok is None:
+        return None
+    if not isinstance(tok, str):  # os.path.exists(7) would test file descriptor 7
+        raise FormatError(
+            f"{path}: its metadata's custom.tokenizer = {str(tok)[:40]!r} is not a "
+            "path; save models with entrenar.runs.save_built"
+        )
+    tok = os.path.join(os.path.dirname(os.path.abspath(path)), tok)
+    return data.load_fast_tokenizer(tok) if os.path.exists(tok) else None
 
 
 def read_header(path: str) -> BuiltModel:
