@@ -614,6 +614,8 @@ def hf_cases(c: Corpus) -> None:
         "rope_parameters_a_list": ({"rope_parameters": ["yarn"]}, "rope_parameters"),
         "hidden_size_inf": ({"hidden_size": float("inf")}, "infinity"),
         "context_inf": ({"max_position_embeddings": float("inf")}, "infinity"),
+        "rms_norm_eps_nan": ({"rms_norm_eps": float("nan")}, "eps must be a finite"),
+        "rope_theta_negative": ({"rope_theta": -1.0}, "theta must be a finite"),
     }
     for name, (fields, match) in configs.items():
         hf = {**CONFIG.to_hf_config(), **fields}

@@ -11,6 +11,7 @@ module reads its own fields on top (`entrenar.nn.qwen`, `entrenar.nn.gemma`, ...
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,6 +28,16 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 """Gate activations of the gated MLP: SwiGLU and GeGLU (tanh GELU)."""
 
 _TUPLES = ("rope_short_factor", "rope_long_factor", "rope_freq_divisors", "layer_types")
+
+
+def as_float(value: Any) -> float:
+    """``float(value)``, NaN for what is not a number (a string, None, a bool)."""
+    if isinstance(value, (bool, str)) or value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def check_switches(c: Any) -> None:

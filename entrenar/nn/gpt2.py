@@ -15,6 +15,7 @@ Hugging Face's ``Conv1D`` stores ``(in, out)``, so convert its checkpoints with
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,7 @@ from entrenar.nn.attention import (
     use_fused,
     write_cache,
 )
+from entrenar.nn.decoder_config import as_float
 from entrenar.nn.init import normal
 from entrenar.nn.layers import (
     dropout,
@@ -95,6 +97,12 @@ class GPT2Config:
             raise ConfigError(
                 f"GPT2Config.n_embd ({self.n_embd}) must be divisible by n_head "
                 f"({self.n_head})"
+            )
+        eps = self.layer_norm_epsilon  # NaN logits otherwise
+        if not 0 < as_float(eps) < math.inf:
+            raise ConfigError(
+                "GPT2Config.layer_norm_epsilon must be a finite number > 0, got "
+                f"{eps!r}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"GPT2Config.dropout must lie in [0, 1): {self.dropout}")

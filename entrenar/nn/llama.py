@@ -16,6 +16,7 @@ Forward, for tokens ``x: (B, T)`` (specs/models.md has the exact math)::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ from entrenar.nn.attention import (
 from entrenar.nn.bf16_weight import TiedEmbedding
 from entrenar.nn.decoder_config import (
     TINY_SIZES,
+    as_float,
     check_switches,
     common_from_hf,
     common_to_hf,
@@ -241,6 +243,12 @@ class LlamaConfig:
             )
         if self.hd % 2:
             raise ConfigError(f"LlamaConfig head_dim must be even, got {self.hd}")
+        for name in ("rope_theta", "rms_norm_eps"):  # NaN logits otherwise
+            value = getattr(self, name)
+            if not 0 < as_float(value) < math.inf:
+                raise ConfigError(
+                    f"LlamaConfig.{name} must be a finite number > 0, got {value!r}"
+                )
         check_dtype(self.dtype, "LlamaConfig.dtype")
         check_dtype(self.param_dtype, "LlamaConfig.param_dtype")
         check_matmul_dtype(self.matmul_dtype, "LlamaConfig.matmul_dtype")

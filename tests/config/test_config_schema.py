@@ -123,6 +123,10 @@ def test_model_config_sizes_are_checked(tmp_path):
     doc["data"] = {"train": str(WINE / "train.parquet"), "format": "text"}
     with pytest.raises(ConfigError, match=r"^model\.config: .*divisible by n_head"):
         validate(write(tmp_path / "g.yaml", doc))
+    for key, arch in (("layer_norm_epsilon", "gpt2"), ("rms_norm_eps", "llama")):
+        doc["model"] = {"architecture": arch, "config": {key: -1e-5}}  # NaN logits
+        with pytest.raises(ConfigError, match=rf"{key} must be a finite number > 0"):
+            validate(write(tmp_path / "g.yaml", doc))
 
 
 def test_required_keys(tmp_path):
