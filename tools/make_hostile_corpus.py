@@ -495,7 +495,7 @@ def safetensors_cases(c: Corpus) -> None:
     built = {"format": "entrenar.model", "name": "m", "architecture": "mlp",
              "version": "0.1.0", "custom": json.dumps(custom)}  # fmt: skip
     tensors = {
-        "layers.0.weight": {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 8]},
+        "layers.0.weight": {"dtype": "F32", "shape": [1, 2], "data_offsets": [0, 8]},
         "layers.0.bias": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
     }
     blob = _safetensors({**tensors, "__metadata__": built}, bytes(12))
@@ -503,6 +503,13 @@ def safetensors_cases(c: Corpus) -> None:
     c.case("safetensors/tokenizer_a_number.safetensors", "built",
            "custom.tokenizer = 7 (os.path.exists(7) tests a file descriptor)",
            match="custom.tokenizer")  # fmt: skip
+    custom = {"model_config": {"sizes": [2, 1000]}}  # the tensors say [2, 1]
+    built = {**built, "custom": json.dumps(custom)}
+    blob = _safetensors({**tensors, "__metadata__": built}, bytes(12))
+    c.write("safetensors/config_not_the_tensors.safetensors", blob)
+    c.case("safetensors/config_not_the_tensors.safetensors", "built",
+           "model_config sizes [2, 1000] beside tensors of [2, 1]",
+           match="stored model_config makes (1000,)")  # fmt: skip
 
 
 # ------------------------------------------------------------------------ adapters

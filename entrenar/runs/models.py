@@ -30,6 +30,7 @@ from entrenar.lora.transform import selects as lora_selects
 from entrenar.nn.hf_names import HostQuantize, Quantize, quantize_leaves
 from entrenar.quant.nf4 import quantize_nf4_host
 from entrenar.quant.weight import check_blocks, check_finite
+from entrenar.tree import key_path_str
 from entrenar.types import Params
 
 
@@ -150,6 +151,7 @@ def load_built(
     if isinstance(custom.get("quantization"), Mapping):
         tree = io.restore_quantized(tree, custom["quantization"], path)
     arch, config = _stored_config(path, model.metadata)
+    _check_stored_shapes(config, tree, path)
     params = quantize_leaves(jax.tree_util.tree_map(jax.numpy.asarray, tree), quantize)
     tokenizer = _stored_tokenizer(path, custom)
     return BuiltModel(arch, config, params, tokenizer, path, dict(custom))
@@ -241,6 +243,31 @@ def _nf4_on_host(w: Any, into: Any = None, *, dtype: np.dtype) -> Any:
     if not finite:
         check_finite(w, "nf4")  # raises, naming the first NaN/Inf
     return node
+
+
+def _check_stored_shapes(config: Any, tree: Any, path: str) -> None:
+    """The tensors of an entrenar file against the params its stored config makes.
+
+    A ``model_config`` that disagrees with the tensors (``n_embd`` 10**9 beside
+    weights of 96) would load and fail at the first forward with a reshape
+    ``TypeError``, or run with another depth than the config says.
+
+    Raises:
+        FormatError: the first tensor missing, extra or of another shape.
+    """
+
+    def shapes(t: Any) -> dict[str, tuple[int, ...]]:
+        leaves = jax.tree_util.tree_flatten_with_path(t, is_leaf=nn.is_weight_node)[0]
+        return {key_path_str(k): tuple(nn.logical_shape(v)) for k, v in leaves}
+
+    want, got = shapes(_shapes(config, path)), shapes(tree)
+    for name in sorted(want.keys() | got.keys()):
+        if want.get(name) != got.get(name):
+            raise FormatError(
+                f"{path}: tensor {name!r} has shape {got.get(name)}, its stored "
+                f"model_config makes {want.get(name)} (None: absent); the file's "
+                "metadata does not describe its tensors"
+            )
 
 
 def _stored_config(path: str, meta: io.ModelMetadata) -> tuple[str, Any]:
