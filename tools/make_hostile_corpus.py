@@ -588,7 +588,7 @@ def hf_tokenizer_json(merge: tuple[str, str] = ("a", "b"), **model: Any) -> str:
     """A tiny byte-level BPE ``tokenizer.json`` (`TOKENS`, one ``merge``)."""
     byte_level = {"type": "ByteLevel", "add_prefix_space": False,
                   "trim_offsets": True, "use_regex": True}  # fmt: skip
-    doc = {
+    doc: dict[str, Any] = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
         "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None,
         "decoder": byte_level,
@@ -616,7 +616,7 @@ def hf_cases(c: Corpus) -> None:
         c.write(f"hf/{name}/tokenizer.json", text)
         c.case(f"hf/{name}", "fast_tokenizer", why,
                match="continuing_subword_prefix")  # fmt: skip
-    configs = {  # config.json fields of the wrong type
+    configs: dict[str, tuple[dict[str, Any], str]] = {  # wrong config.json fields
         "rope_scaling_a_number": ({"rope_scaling": 8}, "rope_scaling"),
         "rope_parameters_a_list": ({"rope_parameters": ["yarn"]}, "rope_parameters"),
         "hidden_size_inf": ({"hidden_size": float("inf")}, "infinity"),
@@ -635,6 +635,7 @@ def hf_cases(c: Corpus) -> None:
     c.case("hf/hidden_size_huge", "info", "hidden_size 2**63 beside weights of 8",
            match="config")  # fmt: skip
     gemma3 = nn.architecture("gemma3")
+    assert gemma3.to_hf is not None and gemma3.tiny is not None
     rope = {"full_attention": {"rope_type": "default"}, "sliding_attention": [1]}
     hf = {**gemma3.to_hf(gemma3.tiny()), "rope_parameters": rope}
     c.write("hf/gemma3_sliding_rope_a_list/config.json", json.dumps(hf, indent=1))

@@ -321,13 +321,14 @@ def _group_by_module(
         if m is None:
             problems.append(f"tensor {name!r} is not a LoRA A/B weight")
             continue
-        if m.groups() in names:
+        key = (m.group(1), m.group(2))
+        if key in names:
             problems.append(
-                f"module {m.group(1)!r} has two lora_{m.group(2)} tensors, "
-                f"{names[m.groups()]!r} and {name!r}; keep one adapter per file"
+                f"module {key[0]!r} has two lora_{key[1]} tensors, "
+                f"{names[key]!r} and {name!r}; keep one adapter per file"
             )
             continue
-        names[m.group(1), m.group(2)] = name
+        names[key] = name
         found[m.group(1)][m.group(2)] = info
     return found
 
