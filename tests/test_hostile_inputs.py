@@ -95,7 +95,7 @@ def _loaders() -> dict[str, Callable[[str], Any]]:
     """Loader name (as in the manifest) -> the public call it stands for."""
     from entrenar import config, data, io, lora, merge
     from entrenar.runs.info import model_info
-    from entrenar.runs.models import load_built
+    from entrenar.runs.models import load_built, read_header
 
     return {
         "gguf_model": io.load_model,
@@ -110,6 +110,7 @@ def _loaders() -> dict[str, Callable[[str], Any]]:
         "validate": _validate,
         "info": model_info,
         "built": load_built,
+        "header": read_header,
         "recipe": merge.run_recipe,
         "records": data.load_records,
         "tabular": _tabular,

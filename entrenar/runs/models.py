@@ -343,9 +343,12 @@ def read_header(path: str) -> BuiltModel:
             return BuiltModel(name, config, _shapes(config, path), tok, path)
     if fmt != io.ModelFormat.SAFETENSORS:
         return load_built(path)
-    _, header = io.read_safetensors(path)
+    tensors, header = io.read_safetensors(path)
     meta = metadata_from_header(header, path)
     arch, config = _stored_config(path, meta)
+    if not isinstance(meta.custom.get("quantization"), Mapping):  # else split
+        tree = lists_from_dicts(io.unflatten_params(tensors))
+        _check_stored_shapes(config, tree, path)  # as load_built does
     tok = _stored_tokenizer(path, meta.custom)
     return BuiltModel(arch, config, _shapes(config, path), tok, path, dict(meta.custom))
 
