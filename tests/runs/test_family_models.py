@@ -115,15 +115,7 @@ RECIPE = yaml.safe_load(
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
     """Training on chat data and every export with no GGUF anywhere, per family."""
-    config = dataclasses.replace(  # nf4 blocks of 64 along every input axis
-        nn.architecture(family).tiny(), vocab_size=512, hidden_size=64,
-        intermediate_size=128, num_heads=4, head_dim=16,
-    )  # fmt: skip
-    hf_cases.write_tokenizer(tmp_path / "tok", family)
-    tok = io.HFTokenizer.from_folder(tmp_path / "tok")
-    io.save_hf_folder(
-        tmp_path / "hf", config, config.init(jax.random.key(0)), tokenizer=tok
-    )
+    config, tok = _sized_folder(family, tmp_path)  # nf4 blocks of 64 on every input
     rows = [{"messages": hf_cases.MESSAGES[:2]}] * 16
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     doc = json.loads(json.dumps(RECIPE))
@@ -151,10 +143,11 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
         np.testing.assert_allclose(a, b, atol=step)
 
 
-def _sized_folder(family: str, path: Path) -> None:
+def _sized_folder(family: str, path: Path) -> tuple[Any, io.HFTokenizer]:
     """A folder like `_folder`'s, its vocabulary the tokenizer's and hidden size 64.
 
-    (Rows then split into the quantizers' blocks of 64.)
+    (Rows then split into the quantizers' blocks of 64.) Returns its config and
+    tokenizer.
     """
     config = dataclasses.replace(
         nn.architecture(family).tiny(), vocab_size=512, hidden_size=64,
@@ -165,6 +158,7 @@ def _sized_folder(family: str, path: Path) -> None:
     io.save_hf_folder(
         path / "hf", config, config.init(jax.random.key(0)), tokenizer=tok
     )
+    return config, tok
 
 
 def _chat_run(tmp_path: Path, model: str, **training: object) -> Path:
