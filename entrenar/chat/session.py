@@ -300,6 +300,7 @@ class ChatModel:
             jnp.asarray(prompts, jnp.int32), max_new_tokens=n,
             stop_tokens=self.stops, stop_strings=stop,
             tokenizer=self.tokenizer if stop else None,
+            vocab_limit=len(self.tokenizer.tokens),  # a padded embedding's rows
             decode_activations=self.decode_activations, **opts,
         )  # fmt: skip
 

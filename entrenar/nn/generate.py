@@ -312,6 +312,7 @@ def generate_stream(
     top_p: float | None = None,
     min_p: float | None = None,
     repetition_penalty: float | None = None,
+    vocab_limit: int | None = None,
     stop_tokens: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     tokenizer: Any = None,
@@ -328,7 +329,9 @@ def generate_stream(
     if decode_activations is not None:
         check_activations(decode_activations, "decode_activations")
     rows = _rows(prompt)
-    sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+    sampling = Sampling(
+        temperature, top_k, top_p, min_p, repetition_penalty, vocab_limit
+    )
     if not sampling.greedy and key is None:
         raise ConfigError("sampling with temperature > 0 needs key=...")
     if stop_strings and tokenizer is None:
@@ -492,6 +495,7 @@ def generate(
     top_p: float | None = None,
     min_p: float | None = None,
     repetition_penalty: float | None = None,
+    vocab_limit: int | None = None,
     stop_tokens: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     tokenizer: Any = None,
@@ -520,6 +524,8 @@ def generate(
         min_p: drop tokens less likely than ``min_p`` times the most likely one.
         repetition_penalty: divide positive (multiply negative) logits of tokens
             already in the row, prompt included; 1 or None is off.
+        vocab_limit: never choose an id at or past it: the tokenizer's size when the
+            model's embedding is padded past it (no text decodes to those ids).
         stop_tokens: token ids that end a row.
         stop_strings: texts that end a row (they need ``tokenizer``).
         tokenizer: anything with ``decode(ids) -> str``, for ``stop_strings``.
@@ -541,7 +547,8 @@ def generate(
     steps = generate_stream(
         model, params, prompt, max_new_tokens=max_new_tokens, key=key,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        repetition_penalty=repetition_penalty, stop_tokens=stop_tokens,
+        repetition_penalty=repetition_penalty, vocab_limit=vocab_limit,
+        stop_tokens=stop_tokens,
         stop_strings=stop_strings, tokenizer=tokenizer, pad_token=pad_token,
         max_len=max_len, decode_activations=decode_activations,
     )  # fmt: skip

@@ -6,7 +6,7 @@ its formulas (`RepetitionPenaltyLogitsProcessor`, then `TemperatureLogitsWarper`
 `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`); `choose` draws one
 token per row inside ``jit`` (row ``r`` with key ``fold_in(key, r)``), or takes the
 argmax when greedy. Everything is array code over the whole vocabulary: no Python
-loop per token. The exact math is in ``specs/generation.md``.
+loop per token. The exact math is in ``specs/models.md`` (Generation).
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import jax.numpy as jnp
 
 from entrenar.errors import ConfigError
 from entrenar.types import PRNGKey
+
+Structure = tuple[bool, int | None, bool, bool, bool, int | None]
+"""`Sampling.structure`: greedy, top_k, top_p?, min_p?, penalized, vocab_limit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +34,9 @@ class Sampling:
         min_p: keep tokens whose probability is at least ``min_p`` times the top one's.
         repetition_penalty: ``θ``; scores of tokens already seen (prompt included)
             are divided by ``θ`` when positive, multiplied when negative.
+        vocab_limit: ids at or past it are never chosen (greedy or sampled): the
+            tokenizer's size when the model's embedding has padded rows past it
+            (Qwen2.5: 151,936 rows for 151,665 tokens), which no text decodes to.
     """
 
     temperature: float = 0.0
@@ -38,6 +44,7 @@ class Sampling:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         """Check the ranges (`ConfigError` naming the option)."""
@@ -53,6 +60,8 @@ class Sampling:
             raise ConfigError(
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}"
             )
+        if self.vocab_limit is not None and self.vocab_limit < 1:
+            raise ConfigError(f"vocab_limit must be positive, got {self.vocab_limit}")
 
     @property
     def greedy(self) -> bool:
@@ -64,10 +73,10 @@ class Sampling:
         """True when a repetition penalty applies (it needs the seen tokens)."""
         return self.repetition_penalty is not None and self.repetition_penalty != 1.0
 
-    def structure(self) -> tuple[bool, int | None, bool, bool, bool]:
+    def structure(self) -> Structure:
         """The static part (what is computed): one compilation per structure."""
         return (self.greedy, self.top_k, self.top_p is not None,
-                self.min_p is not None, self.penalized)  # fmt: skip
+                self.min_p is not None, self.penalized, self.vocab_limit)  # fmt: skip
 
     def values(self) -> jax.Array:
         """The traced part: ``[temperature, top_p, min_p, penalty]`` float32."""
@@ -77,22 +86,22 @@ class Sampling:
         )  # fmt: skip
 
 
-Structure = tuple[bool, int | None, bool, bool, bool]
-
-
 def process_logits(
     logits: jax.Array, seen: jax.Array | None, values: jax.Array, structure: Structure
 ) -> jax.Array:
     """Filtered scores ``(B, V)`` float32: removed tokens at ``-inf``.
 
     ``logits: (B, V)``; ``seen: (B, V)`` bool, the tokens already in each row (for
-    the penalty); ``values`` and ``structure`` from `Sampling`. Greedy structures
-    apply only the penalty (the filters keep the argmax).
+    the penalty); ``values`` and ``structure`` from `Sampling`. Ids at or past the
+    vocabulary limit are removed first; greedy structures then apply only the
+    penalty (the filters keep the argmax).
     """
-    greedy, top_k, use_top_p, use_min_p, penalized = structure
+    greedy, top_k, use_top_p, use_min_p, penalized, limit = structure
     temperature, top_p, min_p, penalty = values[0], values[1], values[2], values[3]
     z = logits.astype(jnp.float32)  # (B, V)
     neg = jnp.float32(-jnp.inf)
+    if limit is not None and limit < z.shape[-1]:
+        z = jnp.where(jnp.arange(z.shape[-1]) < limit, z, neg)  # (B, V)
     if penalized and seen is not None:
         z = jnp.where(seen, jnp.where(z < 0, z * penalty, z / penalty), z)
     if greedy:

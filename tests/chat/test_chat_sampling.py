@@ -115,3 +115,19 @@ def test_decoded_exact_match_equals_the_teacher_forced_one():
         dec = exact_match(CHAT, recs, batch_size=bs, generate=True)
         assert dec.hits == forced.hits and dec.correct == 2
         assert dec.replies[0] == dec.replies[1] == (REPLY,)  # the model's reply
+
+
+def test_ids_past_the_tokenizer_are_never_chosen():
+    """A model padded past its tokenizer (Qwen2.5: 151,936 rows, 151,665 tokens).
+
+    Here the padded ids 258..263 score highest after every token; before, greedy
+    chose one and decoding raised "token id 260 is outside the vocabulary".
+    """
+    t = np.random.default_rng(0).normal(size=(264, 264)).astype(np.float32)
+    for a, b in itertools.pairwise([*ids("\n" + REPLY), END]):
+        t[a, b] = 20.0
+    t[:, 258:] = 30.0  # (264, 264): the padding outscores every real token
+    padded = ChatModel(PosTableLM(), jnp.asarray(t), TOKENIZER, chat_template=CHATML)
+    assert padded("Hi") == REPLY
+    sampled = padded.reply("Hi", key=jax.random.key(0), temperature=1.0, top_k=8)
+    assert sampled.text == REPLY  # the real chain's 20 beats the rest once masked

@@ -1,5 +1,7 @@
 """Logit processing equals Hugging Face's; top-k=1 is greedy; seeds reproduce."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,3 +110,24 @@ def test_top_k_one_is_greedy_and_a_seed_reproduces():
 def test_options_out_of_range_are_refused(bad):
     with pytest.raises(ConfigError):
         Sampling(**{"temperature": 1.0, **bad})
+
+
+@pytest.mark.parametrize(
+    "s", [Sampling(), Sampling(1.0, top_k=5), Sampling(0.7, top_p=0.9)]
+)
+def test_vocab_limit_removes_the_ids_past_it(s):
+    """Scores with ``vocab_limit=L`` are the first ``L`` columns' scores, then -inf."""
+    rng = np.random.default_rng(4)
+    logits = (rng.normal(size=(B, V)) * 3).astype(np.float32)
+    logits[:, V - 3 :] = 50.0  # the padding would win
+    limited = dataclasses.replace(s, vocab_limit=V - 3)
+    got = np.asarray(
+        process_logits(jnp.asarray(logits), None, limited.values(), limited.structure())
+    )
+    want = np.asarray(
+        process_logits(jnp.asarray(logits[:, : V - 3]), None, s.values(), s.structure())
+    )
+    assert np.isneginf(got[:, V - 3 :]).all()
+    np.testing.assert_allclose(softmax(got)[:, : V - 3], softmax(want), atol=1e-6)
+    with pytest.raises(ConfigError, match="vocab_limit"):
+        Sampling(vocab_limit=0)
