@@ -112,7 +112,9 @@ ARCH_TABLES
 | `loss.png` | train/eval loss and learning rate (with matplotlib) |
 | `result.json` | final metrics and the files written |
 
-A merge writes `model.<format>` for each model format of `export.formats`.
+A merge writes `model.<format>` for each model format of `export.formats`; a merge
+of Hugging Face folders writes the folder `hf/` (`export.formats: [hf]`, its only
+format: a model file would keep the folders' tensor names and no architecture).
 
 ## Merge recipes (`merge`)
 

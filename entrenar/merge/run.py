@@ -339,6 +339,20 @@ def merged_refs(recipe: Recipe) -> list[ModelRef]:
     ]
 
 
+def layout_ref(recipe: Recipe) -> ModelRef:
+    """The model whose layout and metadata the merge keeps (`open_inputs`' first).
+
+    The base model, or for a method without one (linear) the first model.
+    """
+    kind = METHODS[recipe.merge_method]["kind"]
+    if kind != "linear" and recipe.base_model is not None:
+        return recipe.base_model
+    refs = merged_refs(recipe)
+    if not refs:
+        raise ConfigError("the recipe lists no model besides the base")
+    return refs[0]
+
+
 def open_inputs(recipe: Recipe) -> list[Source]:
     """Open a recipe's models (the base first when its method has one), checked.
 
@@ -653,6 +667,7 @@ __all__ = [
     "Source",
     "build_plan",
     "files_recipe",
+    "layout_ref",
     "merge_files",
     "merge_inputs",
     "merge_streamed",

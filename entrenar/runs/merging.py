@@ -21,6 +21,7 @@ from entrenar.config.spec import TrainSpec, read_yaml
 from entrenar.config.summary import check_recipe_files, spec_recipe
 from entrenar.errors import ConfigError
 from entrenar.io.lock import OutputLock
+from entrenar.merge.run import layout_ref
 from entrenar.nn import auto_matmul_dtype
 
 
@@ -44,17 +45,35 @@ MODEL_FORMATS = {"safetensors": "safetensors", "json": "json", "gguf": "gguf"}
 
 
 def run_merge(spec: TrainSpec) -> dict[str, str]:
-    """Run a config's merge: ``model.<format>`` per export format in output_dir."""
+    """Run a config's merge into output_dir: ``model.<format>`` per model format.
+
+    A merge of Hugging Face folders is written as one (``hf/``: the merged
+    ``model.safetensors`` beside the base's ``config.json`` and tokenizer), its
+    only format: a model file would keep the folders' tensor names and no
+    architecture.
+    """
     recipe = spec_recipe(spec)
     out_dir = spec.output_dir
-    formats = [f for f in spec.export.formats if f in MODEL_FORMATS]
-    if not formats:
+    asked = list(spec.export.formats)
+    folders = os.path.isdir(layout_ref(recipe).path)
+    formats = [f for f in asked if f in MODEL_FORMATS or f == "hf"]
+    if folders and formats != ["hf"]:
         raise ConfigError(
-            "export.formats: a merge writes safetensors, json or gguf model files; "
-            f"got {list(spec.export.formats)}"
+            "export.formats: the merged models are Hugging Face folders, so the "
+            f"merge is written as one: set export.formats to [hf] (got {asked})"
+        )
+    if not folders and not [f for f in formats if f != "hf"]:
+        raise ConfigError(
+            "export.formats: a merge of model files writes safetensors, json or "
+            f"gguf model files (hf takes Hugging Face folders); got {asked}"
         )
     with OutputLock(out_dir):  # one writer per output folder
         os.makedirs(out_dir, exist_ok=True)
+        if folders:
+            first = os.path.join(out_dir, "hf")
+            merge.run_recipe(recipe, first)
+            return {"merged": first}
+        formats = [f for f in formats if f != "hf"]
         first = os.path.join(out_dir, f"model.{formats[0]}")
         model = merge.run_recipe(recipe, first)
         files = {"merged": first}

@@ -154,6 +154,39 @@ def test_merge_config_writes_a_model_that_loads(tmp_path):
     assert out["accuracy"] > 0.8
 
 
+def test_a_merge_of_folders_is_written_as_a_folder(tmp_path):
+    """``export.formats: [hf]`` writes ``hf/``; a model-file format is refused.
+
+    Before, a config merge of Hugging Face folders wrote ``model.safetensors`` with
+    the folders' tensor names and no architecture (unreadable by entrenar eval).
+    """
+    config = nn.architecture("llama").tiny()
+    trees = [config.init(jax.random.key(i)) for i in range(2)]
+    for i, tree in enumerate(trees):
+        io.save_hf_folder(tmp_path / f"hf{i}", config, tree)
+    doc = {
+        "merge": {"merge_method": "linear", "dtype": "float32",
+                  "models": [{"model": f"hf{i}", "parameters": {"weight": 0.5}}
+                             for i in range(2)]},
+        "training": {"output_dir": str(tmp_path / "out")},
+    }  # fmt: skip
+    path = tmp_path / "merge.yaml"
+    refused = [
+        (None, r"set export.formats to \[hf\]"),
+        (["hf", "gguf"], r"\(got \['hf', 'gguf'\]\)"),
+    ]
+    for formats, message in refused:
+        write(path, doc if formats is None else {**doc, "export": {"formats": formats}})
+        with pytest.raises(ConfigError, match=message):
+            train_from_yaml(path)
+    write(path, {**doc, "export": {"formats": ["hf"]}})
+    result = train_from_yaml(path)
+    assert result.files == {"merged": str(tmp_path / "out" / "hf")}
+    _, merged = io.load_hf_folder(result.files["merged"])
+    want = jax.tree.map(lambda a, b: (a + b) / 2, *trees)
+    assert_trees_allclose(merged, want, atol=1e-6)
+
+
 def test_quantized_copy_reads_back_as_quantized_weights(wine_yaml):
     path = wine_yaml(quantization={"scheme": "int8", "block_size": 4})
     result = _run(path)
