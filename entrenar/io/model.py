@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,6 +90,25 @@ class ModelMetadata:
     def with_custom(self, **items: Any) -> ModelMetadata:
         """A copy with ``items`` added to ``custom``."""
         return dataclasses.replace(self, custom={**self.custom, **items})
+
+    def moved(self, source: str, output: str) -> ModelMetadata:
+        """This metadata of the file ``source`` as the file ``output`` stores it.
+
+        A tokenizer ``custom["tokenizer"]`` names relative to its file's folder (as
+        `entrenar.runs.save_built` writes it) is named relative to ``output``'s
+        folder, so that a model written elsewhere (a merge, a quantized copy) is read
+        with the same tokenizer; an absolute path stays as it is.
+
+        >>> m = ModelMetadata(custom={"tokenizer": "tok.gguf"})
+        >>> m.moved("/runs/a/model.safetensors", "/runs/b/q.safetensors").custom
+        {'tokenizer': '../a/tok.gguf'}
+        """
+        tok = self.custom.get("tokenizer")
+        if not isinstance(tok, str) or os.path.isabs(tok):
+            return self
+        path = os.path.join(os.path.dirname(os.path.abspath(source)), tok)
+        where = os.path.dirname(os.path.abspath(output))
+        return self.with_custom(tokenizer=os.path.relpath(path, where))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields."""

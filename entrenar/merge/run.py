@@ -197,21 +197,6 @@ def _output_format(output: str) -> ModelFormat | None:
     return _FILE_FORMATS.get(os.path.splitext(output)[1].lower())
 
 
-def _output_metadata(meta: ModelMetadata, source: str, output: str) -> ModelMetadata:
-    """``meta`` as the file ``output`` stores it.
-
-    A tokenizer the source file names relative to its own folder
-    (``custom["tokenizer"]``, as `entrenar.runs.save_built` writes it) is named
-    relative to the output's folder, so that the merged model is read with it.
-    """
-    tok = meta.custom.get("tokenizer")
-    if not isinstance(tok, str) or os.path.isabs(tok):
-        return meta
-    path = os.path.join(os.path.dirname(os.path.abspath(source)), tok)
-    where = os.path.dirname(os.path.abspath(output))
-    return meta.with_custom(tokenizer=os.path.relpath(path, where))
-
-
 def _write(model: Model, output: str, base: Source, out_dtype: str | None) -> None:
     fmt = _output_format(output)
     if fmt is not None:
@@ -413,7 +398,7 @@ def merge_inputs(
     out = {name: merger(name, keep_inputs) for name in list(sources[0].leaves)}
     meta = sources[0].metadata
     if output is not None:
-        meta = _output_metadata(meta, sources[0].path, output)
+        meta = meta.moved(sources[0].path, output)
     model = Model(meta, unflatten_params(out))
     if output is not None:
         _write(model, output, sources[0], recipe.out_dtype or recipe.dtype)
@@ -510,7 +495,7 @@ def merge_streamed(recipe: Recipe, sources: Sequence[Source], output: str) -> Mo
             "model; name a .safetensors or .gguf file instead"
         )
     merger = _LeafMerger(recipe, sources)
-    lead_meta = _output_metadata(lead.metadata, lead.path, output)
+    lead_meta = lead.metadata.moved(lead.path, output)
     specs = {
         name: (merger.out_dtype(logical_dtype(x)), tuple(logical_shape(x)))
         for name, x in lead.leaves.items()

@@ -95,11 +95,7 @@ def _quantize(
         )  # fmt: skip
         return built
     source = io.load_model(model)
-    tok = source.metadata.custom.get("tokenizer")
-    if isinstance(tok, str):  # relative to the original's folder: to the output's
-        tok = os.path.join(os.path.dirname(os.path.abspath(model)), tok)
-        meta = source.metadata.with_custom(tokenizer=tokenizer_ref(tok, output))
-        source = io.Model(meta, source.params)
+    source = io.Model(source.metadata.moved(model, output), source.params)
     write_quantized_model(
         source, output, scheme, block_size=block_size,
         per_channel=per_channel, symmetric=symmetric,
