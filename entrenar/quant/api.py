@@ -245,6 +245,25 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
+def quantizable(x: Any, block: int, *, lead_axes: int = 0) -> bool:
+    """Whether `quantize_params` quantizes leaf ``x`` by default.
+
+    A non-empty floating array with at least two axes after its ``lead_axes``
+    (a layer stack's axis: a norm's ``(L, D)`` stack is a vector in each layer)
+    whose last axis splits into blocks of ``block`` values.
+
+    >>> w = jnp.ones((4, 64))
+    >>> quantizable(w, 64), quantizable(w, 64, lead_axes=1)
+    (True, False)
+    """
+    return (
+        np.ndim(x) - lead_axes >= 2
+        and np.size(x) > 0
+        and bool(jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating))
+        and np.shape(x)[-1] % block == 0
+    )
+
+
 def quantize_params(
     params: PyTree,
     scheme: str = "nf4",
@@ -268,15 +287,7 @@ def quantize_params(
     if scheme == "int8" and options.get("granularity", "block") != "block":
         block = 1
 
-    def default(_: str, x: Any) -> bool:
-        return (
-            np.ndim(x) >= 2
-            and np.size(x) > 0
-            and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
-            and np.shape(x)[-1] % block == 0
-        )
-
-    select = predicate or default
+    select = predicate or (lambda _, x: quantizable(x, block))
 
     def rule(path: tuple[Any, ...], x: Any) -> Any:
         if is_quantized(x) or not select(key_path_str(path), x):
@@ -300,6 +311,7 @@ __all__ = [
     "dequantize_params",
     "is_quantized",
     "map_rows",
+    "quantizable",
     "quantize",
     "quantize_like",
     "quantize_params",

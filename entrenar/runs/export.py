@@ -12,14 +12,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from entrenar import io, lora, nn, quant
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.lock import OutputLock
 from entrenar.lora.names import stacked_split
+from entrenar.quant.api import quantizable
 from entrenar.runs.models import BuiltModel, dicts_from_lists, save_built
 from entrenar.types import Params
 
@@ -119,12 +118,8 @@ def per_layer_matrices(block: int) -> Callable[[str, Any], bool]:
     """
 
     def select(name: str, x: Any) -> bool:
-        axes = np.ndim(x) - (1 if stacked_split(name) is not None else 0)
-        return (
-            axes >= 2
-            and bool(jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating))
-            and np.shape(x)[-1] % block == 0
-        )
+        lead = 1 if stacked_split(name) is not None else 0
+        return quantizable(x, block, lead_axes=lead)
 
     return select
 
