@@ -56,13 +56,13 @@ def run_merge(spec: TrainSpec) -> dict[str, str]:
     out_dir = spec.output_dir
     asked = list(spec.export.formats)
     folders = os.path.isdir(layout_ref(recipe).path)
-    formats = [f for f in asked if f in MODEL_FORMATS or f == "hf"]
-    if folders and formats != ["hf"]:
+    formats = [f for f in asked if f in MODEL_FORMATS]  # model files
+    if folders and (formats or "hf" not in asked):
         raise ConfigError(
             "export.formats: the merged models are Hugging Face folders, so the "
             f"merge is written as one: set export.formats to [hf] (got {asked})"
         )
-    if not folders and not [f for f in formats if f != "hf"]:
+    if not folders and not formats:
         raise ConfigError(
             "export.formats: a merge of model files writes safetensors, json or "
             f"gguf model files (hf takes Hugging Face folders); got {asked}"
@@ -73,7 +73,6 @@ def run_merge(spec: TrainSpec) -> dict[str, str]:
             first = os.path.join(out_dir, "hf")
             merge.run_recipe(recipe, first)
             return {"merged": first}
-        formats = [f for f in formats if f != "hf"]
         first = os.path.join(out_dir, f"model.{formats[0]}")
         model = merge.run_recipe(recipe, first)
         files = {"merged": first}
