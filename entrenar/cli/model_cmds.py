@@ -20,8 +20,13 @@ MERGE_METHODS = (
     "task_arithmetic",
     "linear",
     "average",
+    "dare",
     "slerp",
 )
+"""``--method`` choices: the recipe's `merge_method` names and two spellings of the
+book's CLI, ``average`` (linear) and ``dare`` (dare_linear: drop and rescale, then
+the weighted sum, without TIES's sign election)."""
+ALIASES = {"average": "linear", "dare": "dare_linear"}
 
 
 def _scheme(scheme: str | None, bits: int | None, method: str | None) -> str:
@@ -143,7 +148,7 @@ def _floats(text: str | None, name: str) -> list[float] | None:
     type=click.Choice(MERGE_METHODS),
     default="ties",
     show_default=True,
-    help="Merge method (average = linear).",
+    help="Merge method (average = linear, dare = dare_linear).",
 )
 @click.option(
     "--base",
@@ -227,7 +232,7 @@ def merge_cmd(
         return
     if output is None:
         raise click.UsageError("missing -o/--output")
-    method = "linear" if method == "average" else method
+    method = ALIASES.get(method, method)
     if method == "slerp":
         if len(models) == 2 and base is None:
             base, models = models[0], models[1:]

@@ -359,6 +359,23 @@ def test_merge_writes_a_file_info_and_load_model_read(tmp_path):
     assert io.load_model(tmp_path / "r" / "ties.safetensors").metadata.name
 
 
+def test_merge_takes_the_books_method_dare_as_dare_linear(tmp_path):
+    # the book's `entrenar merge a b -o m --method dare --density 0.3`: before, click
+    # refused 'dare' (not one of ties, dare_ties, dare_linear, ...)
+    a, b = MODELS / "wine-mlp-ft-a.safetensors", MODELS / "wine-mlp-ft-b.safetensors"
+    base = MODELS / "wine-mlp.safetensors"
+    out = {}
+    for method in ("dare", "dare_linear"):
+        out[method] = tmp_path / f"{method}.safetensors"
+        args = ("--base", base, "--density", "0.3", "--seed", "3")
+        result = run("merge", a, b, "-o", out[method], "--method", method, *args)
+        assert result.exit_code == 0, result.output
+    dare, linear = (io.load_model(out[m]).params for m in ("dare", "dare_linear"))
+    jax.tree.map(np.testing.assert_array_equal, dare, linear)
+    w = io.load_model(base).params["layers"]["0"]["weight"]
+    assert not np.array_equal(dare["layers"]["0"]["weight"], w)  # it merged
+
+
 def test_info_of_a_config_in_every_format():
     for fmt, parse in (("json", json.loads), ("yaml", yaml.safe_load)):
         result = run("info", CONFIGS / "wine-mlp.yaml", "--format", fmt)
