@@ -348,3 +348,18 @@ def test_every_entrenar_name_the_pages_give_exists():
             if not name.endswith((".py", ".md", ".yaml")) and not _resolves(name):
                 missing.add(f"{rel}: {name}")
     assert not missing, sorted(missing)
+
+
+def test_the_readme_layout_lists_every_package_and_module():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    layout = readme[readme.index("## Layout") :]
+    layout = layout[layout.index("```") : layout.index("```", layout.index("```") + 3)]
+    folder = os.path.join(ROOT, "entrenar")
+    names = [
+        n + "/" if os.path.isdir(os.path.join(folder, n)) else n
+        for n in os.listdir(folder)
+        if not n.startswith(("_", ".")) and (n.endswith(".py") or "." not in n)
+    ]
+    missing = [n for n in names if not re.search(rf"(?<![\w/]){re.escape(n)}", layout)]
+    assert not missing, f"README.md's Layout lacks {missing}"
