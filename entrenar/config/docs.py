@@ -103,12 +103,13 @@ ARCH_TABLES
 | --- | --- |
 | `config.json` | the validated config, defaults filled in |
 | `metrics.jsonl` | one JSON line per log step and per evaluation (`entrenar.train`) |
+| `tensorboard/` | the same metrics as TensorBoard events (`training.tensorboard: true`) |
 | `checkpoints/<step>/` | resumable train states (`--resume latest` or a path) |
 | `model.safetensors`, `model.json` | the trained model (LoRA adapters folded in); its metadata holds the architecture (`custom.model_config` or `custom.llama_config`), a language model's tokenizer (`custom.tokenizer`: `model.tokenizer`, else the GGUF or Hugging Face folder it was read from, relative to the file) and, for tabular data, the feature columns, target and normalisation (`custom.tabular`) |
-| `model.gguf` | a Llama as llama.cpp reads it, matrices in `export.gguf_type` |
-| `hf/` | a Hugging Face `LlamaForCausalLM` folder (`config.json` + `model.safetensors`) |
+| `model.gguf` | a Llama-style decoder (llama, mistral, qwen2/3, gemma2/3, phi3) as llama.cpp reads it, under its family's GGUF architecture, matrices in `export.gguf_type` |
+| `hf/` | a Hugging Face folder of the model's family (`config.json` naming its class, e.g. `LlamaForCausalLM`, `Qwen2ForCausalLM`; `model.safetensors`; `generation_config.json`; with a tokenizer, `tokenizer.json` and `tokenizer_config.json` with the chat template) |
 | `adapter/` | the LoRA adapter in PEFT's layout |
-| `model-<scheme>.<ext>` | the `quantization` copy: a llama.cpp GGUF for a Llama in q8_0/q4_0/q4_1, else an entrenar model file whose quantized weights are stored as their arrays (`<name>.codes`, `<name>.scales`, `<name>.offsets`, ...) with `custom.quantization[<name>] = {scheme, block_size, dtype, granularity}` |
+| `model-<scheme>.<ext>` | the `quantization` copy: a llama.cpp GGUF for a Llama-style decoder in q8_0/q4_0/q4_1, else an entrenar model file whose quantized weights are stored as their arrays (`<name>.codes`, `<name>.scales`, `<name>.offsets`, ...) with `custom.quantization[<name>] = {scheme, block_size, dtype, granularity}` |
 | `loss.png` | train/eval loss and learning rate (with matplotlib) |
 | `result.json` | final metrics and the files written |
 

@@ -249,9 +249,10 @@ class ExportSection(Config):
         option(
             ("safetensors",),
             doc="model files hold the LoRA adapters folded into the base (lora.fold): "
-            "safetensors / json (entrenar.io model file), gguf (llama.cpp, llama "
-            "only), hf (Hugging Face folder, llama only), adapter (PEFT folder, LoRA "
-            "only)",
+            "safetensors / json (entrenar.io model file), gguf (llama.cpp) and hf "
+            "(Hugging Face folder of the family) for Llama-style decoders (llama, "
+            "mistral, qwen2/3, gemma2/3, phi3; not gpt2 or mlp), adapter (PEFT "
+            "folder, LoRA only)",
         )
     )
     gguf_type: Literal["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"] = option(

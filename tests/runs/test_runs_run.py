@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -267,6 +268,28 @@ def test_qlora_run_exports_adapter_gguf_hf_and_quantized(tiny_llama):
     np.testing.assert_allclose(
         config.apply(q8, ids), config.apply(dense, ids), atol=0.05
     )
+    # specs/config.md's "What a run writes" names every file written, and hf/'s
+    unlisted = [n for n in os.listdir(tiny_llama / "out") if not _documented(n)]
+    assert not unlisted, f"not in specs/config.md's table of a run's files: {unlisted}"
+    hf_row = next(r for r in _written_rows() if r.startswith("| `hf/`"))
+    assert all(f"`{n}`" in hf_row for n in os.listdir(files["hf"])), hf_row
+
+
+def _written_rows() -> list[str]:
+    """The rows of specs/config.md's table "What a run writes"."""
+    text = (Path(__file__).parents[2] / "specs" / "config.md").read_text()
+    table = text[text.index("## What a run writes") :].split("\n\n")[1]
+    return table.splitlines()[2:]
+
+
+def _documented(name: str) -> bool:
+    """Whether a file of a run's folder is named by a row (`<step>`: any text)."""
+    for row in _written_rows():
+        for entry in re.findall(r"`([^`]+)`", row.split(" | ")[0]):
+            pattern = re.sub(r"<\w+>", ".+", re.escape(entry.split("/")[0]))
+            if re.fullmatch(pattern, name):
+                return True
+    return False
 
 
 def _dense_base(params):
