@@ -111,7 +111,9 @@ class DataSection(Config):
     """``data:``: training and validation files and how they become batches."""
 
     train: str = option(
-        path="input", doc="training examples: a .jsonl, .csv or .parquet file"
+        path="input",
+        doc="training examples: a JSON Lines (.jsonl, .ndjson, .json), .csv or "
+        ".parquet file",
     )
     validation: str | None = option(
         None,

@@ -31,8 +31,8 @@ MAX_BYTES = 4 << 30
 """Default size limit of a data file (4 GiB)."""
 
 READERS: Registry[Callable[..., Records]] = Registry("data file type")
-"""File extension -> ``reader(path, *, columns, max_bytes) -> Records`` (``.json``
-and ``.ndjson`` lines files are read as ``.jsonl``)."""
+"""File extension -> ``reader(path, *, columns, max_bytes) -> Records`` (``.ndjson``
+and ``.json`` are JSON Lines too, read by `read_jsonl`)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,8 @@ def _not_utf8(path: str) -> FormatError:
     return FormatError(f"{path}: not UTF-8 text; save the file as UTF-8")
 
 
+@READERS.register(".json")
+@READERS.register(".ndjson")
 @READERS.register(".jsonl")
 def read_jsonl(
     path: str | os.PathLike[str],
@@ -355,7 +357,6 @@ def load_records(
     [{'text': 'hi'}]
     """
     ext = os.path.splitext(os.fspath(path))[1].lower()
-    ext = ".jsonl" if ext in (".ndjson", ".json") else ext
     if ext not in READERS:
         raise UnsupportedError(
             f"{os.fspath(path)}: unknown data file type {ext!r}; use one of "

@@ -324,3 +324,21 @@ def test_the_tokenizer_may_be_a_hugging_face_tokenizer_json(tmp_path):
     doc["model"]["tokenizer"] = str(folder / "tokenizer.json")
     spec = load_config(write(tmp_path / "b.yaml", doc))
     assert spec.model.tokenizer.endswith("tokenizer.json")
+
+
+@pytest.mark.parametrize("ext", [".ndjson", ".json"])
+def test_json_lines_files_by_every_name_load_records_reads_are_accepted(tmp_path, ext):
+    # load_records reads .ndjson and .json as JSON Lines (specs/data.md); a run's
+    # data.train was refused: "'train.ndjson' is not one of .jsonl, .csv, .parquet"
+    from entrenar.runs.preflight import preflight
+
+    doc = yaml.safe_load((CONFIGS / "number-words-gpt2.yaml").read_text())
+    words = CONFIGS.parent / "data" / "number_words"
+    doc["model"]["tokenizer"] = str(words / "tokenizer.gguf")
+    for key in ("train", "validation"):
+        copy = tmp_path / f"{key}{ext}"
+        copy.write_text((words / f"{key}.jsonl").read_text())
+        doc["data"][key] = str(copy)
+    spec = validate(write(tmp_path / "run.yaml", doc))
+    report = preflight(spec, sample=16)
+    assert report["data"]["train"].rows == 2000, report["data"]
