@@ -11,6 +11,7 @@ is real: each `entrenar ...` command line, each ```yaml block, docs/' ```python
 blocks, each `entrenar.x.y` name.
 """
 
+import glob
 import importlib
 import importlib.util
 import json
@@ -363,3 +364,20 @@ def test_the_readme_layout_lists_every_package_and_module():
     ]
     missing = [n for n in names if not re.search(rf"(?<![\w/]){re.escape(n)}", layout)]
     assert not missing, f"README.md's Layout lacks {missing}"
+
+
+# Files the pages name that a run writes, not the repository.
+WRITTEN = {"benchmarks/results/gpu.md"}  # by `make gpu-check`, on a GPU
+
+
+def test_every_repository_path_the_pages_give_exists():
+    missing = set()
+    top = "benchmarks|docs|entrenar|examples|specs|tests|tools"
+    for rel in PAGES:
+        for path in re.findall(rf"`((?:{top})/[\w./*<>-]+)`", _text(rel)):
+            path = path.split(":")[0]
+            if "<" in path or path in WRITTEN:  # `specs/<spec>.md`: a pattern
+                continue
+            if not glob.glob(os.path.join(ROOT, path)):
+                missing.add(f"{rel}: {path}")
+    assert not missing, sorted(missing)
