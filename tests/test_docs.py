@@ -8,7 +8,7 @@ sections the getting-started page includes exist; the generated pages are what
 docs/gen_pages.py writes now; and what a reader would type or paste from the pages
 (README, docs/, specs/, benchmark results, examples and their configs and notebooks)
 is real: each `entrenar ...` command line, each ```yaml block, docs/' ```python
-blocks, each `entrenar.x.y` name.
+blocks, each `entrenar.x.y` name, each repository path, README's Layout.
 """
 
 import glob
