@@ -42,6 +42,7 @@ from entrenar.lora.names import (
     stacked_split,
 )
 from entrenar.lora.patterns import check_pattern, check_peft_key, peft_key_matches
+from entrenar.lora.peft_keys import check_peft_keys
 from entrenar.lora.weight import LoRAWeight
 from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params
@@ -83,8 +84,13 @@ def save_adapter(
         stacked_keys: keys under which layers are stacked (layer ``i`` of a stacked
             weight is saved as ``...layers.{i}...``).
 
+    A layer whose A and B are both zero (one `load_adapter` filled in for a layer
+    the file had no adapter for) is left out, and ``target_modules`` then names
+    the adapted modules exactly, so PEFT adapts the same layers.
+
     Raises:
-        CompatibilityError: no adapter in ``params``, or adapters mix rsLoRA settings.
+        CompatibilityError: no adapter in ``params`` (or only zero ones), or
+            adapters mix rsLoRA settings.
     """
     folder = os.fspath(path)
     adapted = _adapted(params, stacked_keys)
@@ -99,9 +105,16 @@ def save_adapter(
         a, b = np.asarray(x.a, np.float32), np.asarray(x.b, np.float32)
         stacked = a.ndim == 3
         for i, m in enumerate(modules):
-            tensors[f"{PREFIX}{m}.lora_A.weight"] = a[i] if stacked else a
-            tensors[f"{PREFIX}{m}.lora_B.weight"] = b[i] if stacked else b
+            ai, bi = (a[i], b[i]) if stacked else (a, b)
+            if not ai.any() and not bi.any():
+                continue  # a layer without adapter (load_adapter's zero layers)
+            tensors[f"{PREFIX}{m}.lora_A.weight"] = ai
+            tensors[f"{PREFIX}{m}.lora_B.weight"] = bi
             ranks[m], alphas[m] = x.rank, x.alpha
+    if not ranks:
+        raise CompatibilityError(
+            "save_adapter: every adapter is zero (A = 0 and B = 0): nothing to save"
+        )
     r = collections.Counter(ranks.values()).most_common(1)[0][0]
     alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
     suffixes = sorted({m.rsplit(".", 1)[-1] for m in ranks})
@@ -177,8 +190,9 @@ def check_adapter_config(cfg: Any, file: str) -> None:
             (``r`` a positive int, ``lora_alpha`` a finite number > 0,
             ``lora_dropout`` in [0, 1), patterns safe to run, see
             `entrenar.lora.patterns`); the message names the file and the key.
-        UnsupportedError: another PEFT method, DoRA, biases, ``fan_in_fan_out`` or
-            ``modules_to_save``.
+        UnsupportedError: another PEFT method, or a setting that changes PEFT's
+            forward (`entrenar.lora.peft_keys`: DoRA and other variants, biases,
+            ``modules_to_save``, PiSSA-like initialisations, unknown keys).
     """
     if not isinstance(cfg, dict):
         raise FormatError(
@@ -200,13 +214,7 @@ def check_adapter_config(cfg: Any, file: str) -> None:
     )
     use_rslora = cfg.get("use_rslora")
     _field(cfg, file, "use_rslora", use_rslora in (None, True, False), "true or false")
-    for field, ok in (("use_dora", False), ("fan_in_fan_out", False)):
-        if cfg.get(field, ok) not in (ok, None):
-            raise UnsupportedError(
-                f"{file}: {field}={cfg[field]!r:.40} is not supported"
-            )
-    if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
-        raise UnsupportedError(f"{file}: bias / modules_to_save are not supported")
+    check_peft_keys(cfg, file)
     _check_patterns(cfg, file, "rank_pattern", lambda v: type(v) is int and v > 0)
     _check_patterns(cfg, file, "alpha_pattern", _positive)
     _check_targets(cfg, file)
@@ -279,8 +287,13 @@ def load_adapter(
         FormatError: a missing, corrupt or malformed file.
         CompatibilityError: names, shapes or ranks that do not fit the base; the
             message lists every mismatch.
-        UnsupportedError: DoRA, biases, ``fan_in_fan_out``, or an adapter on only
-            some layers of a stacked weight.
+        UnsupportedError: a setting PEFT's forward depends on that entrenar does
+            not implement (`entrenar.lora.peft_keys`), or different alphas for the
+            layers of one stacked weight.
+
+    A stacked weight whose file has tensors for only some layers (PEFT's
+    ``layers_to_transform``, ``layers_pattern``, ``exclude_modules``) gets zero
+    adapters on the others, which `save_adapter` leaves out again.
     """
     folder = os.fspath(path)
     cfg = _read_config(folder)
@@ -296,13 +309,19 @@ def load_adapter(
     if problems:
         shown = "\n  ".join(problems[:12])
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        if any(_TENSOR.fullmatch(name) is None for name in header):
+            more += (
+                "\n(entrenar reads the lora_A / lora_B weights of linear modules; "
+                "LoRA on embeddings and whole layers saved beside the adapter are "
+                "not supported: merge the adapter in PEFT with merge_and_unload and "
+                "load the merged model)"
+            )
         raise CompatibilityError(
             f"{folder}: adapter does not match the base model:\n  {shown}{more}"
         )
     out_leaves = list(flat)
     for k, layers in per_leaf.items():
-        mods = [layers[j] for j in sorted(layers)]
-        out_leaves[k] = _lora_leaf(flat[k], names[k], mods, found, cfg, stacked_keys)
+        out_leaves[k] = _lora_leaf(flat[k], names[k], layers, found, cfg, stacked_keys)
     return jax.tree_util.tree_unflatten(treedef, out_leaves)
 
 
@@ -343,9 +362,10 @@ def _place_modules(
 ) -> dict[int, dict[int, str]]:
     """Where each adapted module goes: ``{leaf k: {layer j: module}}``.
 
-    Appends to ``problems`` every module that is not in the base, lacks A or B, does
-    not fit the base weight's shape with its rank, or covers only some layers of a
-    stacked leaf.
+    Appends to ``problems`` every module that is not in the base, lacks A or B, or
+    does not fit the base weight's shape with its rank, and every stacked leaf whose
+    layers have different ranks. A stacked leaf may have tensors for only some of
+    its layers (PEFT's ``layers_to_transform``, ``exclude_modules``).
     """
     index: dict[str, tuple[int, int]] = {}  # PEFT module name -> (leaf, layer)
     for k, (n, x) in enumerate(zip(names, flat)):
@@ -375,11 +395,12 @@ def _place_modules(
             )
         per_leaf[k][j] = mod
     for k, layers in per_leaf.items():
-        stack = hf_modules(names[k], logical_shape(flat[k]), stacked_keys)
-        if len(stack) > 1 and len(layers) != len(stack):
+        ranks = {found[m]["A"].shape[0] for m in layers.values()}
+        if len(ranks) > 1:
             problems.append(
-                f"{names[k]!r}: the adapter covers {len(layers)} of its {len(stack)} "
-                "stacked layers; entrenar needs all of them (or none)"
+                f"{names[k]!r}: its layers have ranks {sorted(ranks)} (rank_pattern "
+                "by layer); entrenar keeps one rank per stacked weight: give its "
+                "layers one rank"
             )
     return per_leaf
 
@@ -387,25 +408,37 @@ def _place_modules(
 def _lora_leaf(
     base: Any,
     name: str,
-    mods: list[str],
+    layers: dict[int, str],
     found: dict[str, dict[str, Any]],
     cfg: dict[str, Any],
     stacked_keys: tuple[str, ...],
 ) -> LoRAWeight:
-    """The `LoRAWeight` over ``base`` from its modules' A and B (one per layer)."""
+    """The `LoRAWeight` over ``base`` from its modules' A and B (``{layer: module}``).
 
-    def read(mod: str, part: str) -> np.ndarray:
-        return np.asarray(found[mod][part], dtype=np.float32)
-
-    a = np.stack([read(m, "A") for m in mods])  # (L, r, in)
-    b = np.stack([read(m, "B") for m in mods])  # (L, out, r)
+    A layer of a stacked leaf without tensors gets ``A = 0``, ``B = 0``: its update
+    ``s·BA`` is zero as in PEFT, and stays zero in training (both gradients,
+    ``gᵀ(Ax)`` and ``Bᵀg``, are zero), so `save_adapter` leaves it out again.
+    """
+    mods = list(layers.values())
+    r, fan_in = found[mods[0]]["A"].shape
+    out = found[mods[0]]["B"].shape[0]
+    n = logical_shape(base)[0] if stacked_split(name, stacked_keys) else 1
+    a = np.zeros((n, r, fan_in), np.float32)  # (L, r, in)
+    b = np.zeros((n, out, r), np.float32)  # (L, out, r)
+    for j, m in layers.items():
+        a[j] = np.asarray(found[m]["A"], dtype=np.float32)
+        b[j] = np.asarray(found[m]["B"], dtype=np.float32)
     if stacked_split(name, stacked_keys) is None:
         a, b = a[0], b[0]  # (r, in), (out, r)
     alphas = {
         _pattern(cfg.get("alpha_pattern") or {}, m, cfg["lora_alpha"]) for m in mods
     }
     if len(alphas) > 1:
-        raise UnsupportedError(f"{name!r}: layers with different alphas {alphas}")
+        raise UnsupportedError(
+            f"{name!r}: its layers have alphas {sorted(alphas)} (alpha_pattern by "
+            "layer); entrenar keeps one alpha per stacked weight: give its layers "
+            "one alpha"
+        )
     return LoRAWeight(
         base,
         jax.numpy.asarray(a),
