@@ -186,6 +186,28 @@ class TrainSpec(Config):
         assert self.training.output_dir is not None
         return self.training.output_dir
 
+    def check_evaluation(self) -> None:
+        """``eval_every`` / ``early_stopping`` need validation data (else a no-op).
+
+        ``early_stopping.patience`` is 3 when the section is written (`parse`).
+        """
+        for key, value in (
+            ("eval_every", self.training.eval_every),
+            ("early_stopping.patience", self.training.patience),
+        ):
+            if value is not None and self.data is not None and not self.has_validation:
+                raise ConfigError(
+                    f"training.{key}: evaluations need validation data; give "
+                    "data.validation (or, for tabular data, data.validation_split) "
+                    f"or remove {key.split('.')[0]}"
+                )
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether the run evaluates: a validation file or a tabular split."""
+        d = self.data
+        return d is not None and (d.validation is not None or d.validation_split > 0)
+
     @property
     def is_merge(self) -> bool:
         """Whether this file describes a merge rather than a training run."""
@@ -310,6 +332,7 @@ def load_config(
     if spec.model is not None and spec.model.architecture and spec.model.path is None:
         arch_config(spec.model.architecture, spec.model.config, "model.config")
     spec = resolve_paths(spec, os.path.dirname(os.path.abspath(path)))
+    spec.check_evaluation()
     if check_files:
         check_inputs(spec)
         spec.check_architecture(spec.model_architecture)

@@ -98,7 +98,7 @@ class TrainConfig(Config):
     )
     eval_every: int | None = option(
         None, ge=1, aliases=("eval_steps",), doc="steps between evaluations (default: "
-        "each epoch's end)"
+        "each epoch's end); needs validation data"
     )  # fmt: skip
     checkpoint_every: int | None = option(
         None,
@@ -116,8 +116,8 @@ class TrainConfig(Config):
         ge=1,
         group="early_stopping",
         yaml_default=3,
-        doc="stop after this many evaluations without improvement (needs validation "
-        "data; null: never)",
+        doc="stop after this many evaluations without improvement (null: never); "
+        "needs validation data",
     )
     min_delta: float = option(
         0.0,

@@ -265,10 +265,19 @@ class Trainer:
                 folder, its checkpoints folder, or one checkpoint's folder).
 
         Raises:
+            ConfigError: ``eval_every`` or ``patience`` set without ``eval_data``
+                (they would do nothing).
             NonFiniteError: ``nonfinite="stop"`` and a step's loss or gradient was
                 not finite (no checkpoint is written after it).
         """
         cfg = self.config
+        if eval_data is None:
+            for key in ("eval_every", "patience"):
+                if getattr(cfg, key) is not None:
+                    raise ConfigError(
+                        f"TrainConfig.{key}={getattr(cfg, key)}: evaluations need "
+                        f"eval_data; pass fit(train_data, eval_data) or set {key}=None"
+                    )
         # 1. Data: a Loader whose order is a function of (seed, epoch).
         loader = self._loader(train_data, train=True)
         if len(loader) == 0:

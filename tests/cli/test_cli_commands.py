@@ -71,6 +71,7 @@ def _words_config(tmp_path, train_text, model=None):
     if model is not None:
         doc["model"] = {"path": str(model)}
     doc["data"] |= {"train": "train.jsonl", "validation": None}
+    doc["training"].pop("eval_every")  # no validation data: nothing to evaluate
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path

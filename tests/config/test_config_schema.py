@@ -225,6 +225,7 @@ def test_relative_inputs_follow_the_config_file(tmp_path):
     doc = wine_doc(tmp_path / "run")
     doc["data"]["train"] = str(Path("..") / "sub" / "t.csv")
     doc["data"]["validation"] = None
+    del doc["training"]["eval_every"]  # no validation data: nothing to evaluate
     (tmp_path / "sub" / "t.csv").write_text("a,cultivar\n1,0\n")
     (tmp_path / "cfg").mkdir()
     spec = load_config(write(tmp_path / "cfg" / "run.yaml", doc))
@@ -342,3 +343,30 @@ def test_json_lines_files_by_every_name_load_records_reads_are_accepted(tmp_path
     spec = validate(write(tmp_path / "run.yaml", doc))
     report = preflight(spec, sample=16)
     assert report["data"]["train"].rows == 2000, report["data"]
+
+
+@pytest.mark.parametrize(
+    ("training", "message"),
+    [
+        ({"eval_every": 3}, "training.eval_every: evaluations need validation data"),
+        ({"early_stopping": {"patience": 2}},
+         "training.early_stopping.patience: evaluations need validation data"),
+        ({"early_stopping": {}},  # patience 3 by default in a written section
+         "or remove early_stopping"),
+    ],
+)  # fmt: skip
+def test_evaluation_settings_without_validation_data_are_refused(
+    tmp_path, training, message
+):
+    """Before, validate accepted them and train never evaluated, without a word."""
+    doc = wine_doc(tmp_path / "run")
+    del doc["data"]["validation"]
+    doc["training"] = {"max_steps": 2, "output_dir": str(tmp_path / "run"), **training}
+    assert message in _error(tmp_path, doc)
+    doc["data"]["validation_split"] = 0.2  # a tabular split is validation data
+    spec = load_config(write(tmp_path / "ok.yaml", doc))
+    assert spec.has_validation
+    doc["training"]["early_stopping"] = {"patience": None}  # null: never stop early
+    del doc["data"]["validation_split"]
+    doc["training"].pop("eval_every", None)
+    load_config(write(tmp_path / "ok.yaml", doc))

@@ -333,3 +333,11 @@ def test_compute_dtype_casts_params_inside_the_loss_only():
     r = Trainer(loss_fn, PARAMS, sgd(0.05), cfg).fit(DATA)
     assert seen and all(d == jnp.bfloat16 for d in seen)
     assert r.params["w"].dtype == jnp.float32 and r.history[-1]["loss"] > 0
+
+
+@pytest.mark.parametrize("key", ["eval_every", "patience"])
+def test_evaluation_settings_without_eval_data_are_refused(key):
+    """Before, fit ran without a word and never evaluated nor stopped early."""
+    cfg = TrainConfig(epochs=1, batch_size=4, progress=False, **{key: 2})
+    with pytest.raises(ConfigError, match=f"TrainConfig.{key}=2: evaluations need"):
+        Trainer(linear_loss, PARAMS, sgd(0.01), cfg).fit(DATA)
