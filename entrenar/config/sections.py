@@ -263,6 +263,13 @@ class ExportSection(Config):
         "may lose it)",
     )
 
+    hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto",
+        doc="dtype of the hf folder's float tensors; auto: the base Hugging Face "
+        "folder's torch_dtype (a bfloat16 base gives a bfloat16 folder, the trained "
+        "float32 values rounded), else as trained",
+    )
+
     def check(self, path: str) -> None:
         """No format twice."""
         if len(set(self.formats)) != len(self.formats):

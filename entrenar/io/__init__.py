@@ -31,6 +31,7 @@ from entrenar.io.gguf_reader import (
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
 from entrenar.io.hf_folder import (
     HFFolder,
+    folder_dtype,
     load_hf_folder,
     load_hf_llama,
     read_hf_folder,
@@ -86,6 +87,7 @@ __all__ = [
     "detect_format",
     "file_architecture",
     "flatten_params",
+    "folder_dtype",
     "llama_config_from_gguf",
     "load_hf_folder",
     "load_hf_llama",

@@ -288,10 +288,34 @@ def _same(x: Any) -> Any:
     return x
 
 
-def _spec(make: Any) -> Spec:
-    """``(dtype, shape)`` of ``_dense(make())``, traced, not computed."""
-    out = jax.eval_shape(lambda: jax.numpy.asarray(_dense(make())))
+def _cast(x: Any, dtype: Any) -> Any:
+    """``x`` as ``dtype`` when both are floating (ids and masks keep theirs)."""
+    if dtype is None or not jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+        return x
+    return x.astype(dtype)
+
+
+def _spec(make: Any, dtype: Any = None) -> Spec:
+    """``(dtype, shape)`` of ``_dense(make())`` cast, traced, not computed."""
+    out = jax.eval_shape(lambda: _cast(jax.numpy.asarray(_dense(make())), dtype))
     return np.dtype(out.dtype), tuple(out.shape)
+
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+"""The ``torch_dtype`` values `folder_dtype` reports."""
+
+
+def folder_dtype(folder: str | os.PathLike[str]) -> str | None:
+    """A Hugging Face folder's weight dtype: ``config.json``'s ``torch_dtype``.
+
+    (``dtype`` in transformers 5.) None when it names none of `FLOAT_DTYPES`.
+    """
+    file = os.path.join(os.fspath(folder), "config.json")
+    cfg = read_json(file, max_bytes=MAX_CONFIG_BYTES, what="config.json")
+    if not isinstance(cfg, dict):
+        return None
+    named = cfg.get("torch_dtype", cfg.get("dtype"))
+    return named if named in FLOAT_DTYPES else None
 
 
 def save_hf_folder(
@@ -302,6 +326,7 @@ def save_hf_folder(
     tokenizer: Any = None,
     generation: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: str | None = None,
 ) -> str:
     """Write a Hugging Face folder that ``transformers`` loads (module docstring).
 
@@ -319,6 +344,9 @@ def save_hf_folder(
             and EOS ids (its `stop_ids` too).
         max_shard_bytes: bytes per safetensors shard; more than one shard writes
             ``model.safetensors.index.json``.
+        dtype: write the float tensors in this dtype (``"bfloat16"``: each folded
+            or trained float32 value rounded to nearest, as ``torch``'s ``.to``);
+            None: as they are. ``config.json``'s ``torch_dtype`` says which.
 
     Raises:
         UnsupportedError: the family has no Hugging Face form.
@@ -333,11 +361,11 @@ def save_hf_folder(
     if convert is not None:  # a family whose names differ: its converter sees all
         whole = convert({k: _dense(m()) for k, m in made.items()}, config)
         made = {k: functools.partial(_same, v) for k, v in whole.items()}
-    specs = {k: _spec(made[k]) for k in sorted(made)}  # (dtype, shape), nothing made
+    specs = {k: _spec(made[k], dtype) for k in sorted(made)}  # nothing made
     groups = _shards(specs, max_shard_bytes)
 
     def parts(name: str) -> list[np.ndarray]:
-        return [np.asarray(_dense(made[name]()))]
+        return [np.asarray(_cast(_dense(made[name]()), dtype))]
 
     meta = {"format": "pt"}
     if len(groups) == 1:

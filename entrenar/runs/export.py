@@ -256,7 +256,9 @@ def _write_exports(
             )  # fmt: skip
         written["gguf"] = path
     if "hf" in ex.formats:
-        written["hf"] = write_hf_folder(built, params, os.path.join(out_dir, "hf"))
+        written["hf"] = write_hf_folder(
+            built, params, os.path.join(out_dir, "hf"), dtype=ex.hf_dtype
+        )
     q = spec.quantization
     if q is not None and q.enabled:
         scheme = q.resolved_scheme
@@ -270,7 +272,9 @@ def _write_exports(
     return written
 
 
-def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
+def write_hf_folder(
+    built: BuiltModel, params: Params, folder: str, *, dtype: str = "auto"
+) -> str:
     """A Hugging Face folder of the model's family (`entrenar.io.save_hf_folder`).
 
     ``config.json`` by the family's ``to_hf``, the weights (LoRA adapters folded,
@@ -278,6 +282,11 @@ def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
     ``generation_config.json`` and, when the model has a tokenizer, its
     ``tokenizer.json``, ``tokenizer_config.json`` and chat template, so that
     ``transformers``' ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it.
+
+    ``dtype`` (``export.hf_dtype``): of the float tensors; ``"auto"``: the base
+    Hugging Face folder's ``torch_dtype`` (a run loads a bfloat16 folder as float32
+    by default, ``model.dtype``; the folder written is bfloat16 like its base, each
+    trained or folded value rounded to nearest), else as the params are.
 
     Raises:
         ConfigError: a family with no Hugging Face form (an mlp).
@@ -288,7 +297,13 @@ def write_hf_folder(built: BuiltModel, params: Params, folder: str) -> str:
             f"export.formats: 'hf' writes language models of a Hugging Face family; "
             f"a {built.architecture} has no such form"
         )
-    return io.save_hf_folder(folder, built.config, params, tokenizer=built.tokenizer)
+    cast: str | None = dtype
+    if dtype == "auto":
+        src = built.source
+        cast = io.folder_dtype(src) if src and os.path.isdir(src) else None
+    return io.save_hf_folder(
+        folder, built.config, params, tokenizer=built.tokenizer, dtype=cast
+    )
 
 
 __all__ = [

@@ -335,3 +335,39 @@ def test_chat_without_a_chat_template_names_the_model_and_the_fix(tmp_path):
         generate_text(str(hf), "Hello", chat=True)
     with pytest.raises(ConfigError, match=r"chat data, and .* has no chat template"):
         evaluate_config(str(config), model=str(hf))
+
+
+def test_a_bfloat16_base_exports_a_bfloat16_hf_folder(tmp_path):
+    """export.hf_dtype auto: the base folder's dtype, for the merged model.
+
+    Before, a run (float32 by default, model.dtype) on a bfloat16 folder wrote its
+    hf folder float32: twice the base's size, config.json torch_dtype float32.
+    transformers reads the bfloat16 folder with the float32 one's logits to bf16
+    rounding.
+    """
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config, tok = _sized_folder("llama", tmp_path)
+    params = jax.tree.map(lambda x: x.astype("bfloat16"), load_built(
+        str(tmp_path / "hf")).params)  # fmt: skip
+    io.save_hf_folder(tmp_path / "bf16", config, params, tokenizer=tok)
+    config_path = _chat_run(tmp_path, str(tmp_path / "bf16"))
+    doc = yaml.safe_load(config_path.read_text())
+    doc["export"] = {"formats": ["hf", "adapter"]}
+    logits = {}
+    for dtype in ("auto", "float32"):
+        doc["export"]["hf_dtype"] = dtype
+        doc["training"]["output_dir"] = str(tmp_path / dtype)
+        config_path.write_text(yaml.safe_dump(doc))
+        folder = train_from_yaml(config_path, progress=False).files["hf"]
+        written = json.loads((Path(folder) / "config.json").read_text())
+        tensors = io.read_safetensors(str(Path(folder) / "model.safetensors"))[0]
+        dtypes = {a.dtype for a in tensors.values()}
+        want = "bfloat16" if dtype == "auto" else "float32"
+        assert written["torch_dtype"] == want and {d.name for d in dtypes} == {want}
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert model.dtype == getattr(torch, want)
+        with torch.no_grad():
+            logits[dtype] = model(torch.from_numpy(TOKENS)).logits.float().numpy()
+    scale = np.abs(logits["float32"]).max()
+    np.testing.assert_allclose(logits["auto"], logits["float32"], atol=0.01 * scale)
