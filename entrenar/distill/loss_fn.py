@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from entrenar.distill.ensemble import EnsembleDistiller
-from entrenar.distill.logits import DistillationLoss
+from entrenar.distill.logits import DistillationLoss, distillation_terms
 from entrenar.distill.progressive import ProgressiveDistiller
 from entrenar.errors import ConfigError
 from entrenar.nn.losses import IGNORE_INDEX, segment_labels
@@ -128,29 +128,10 @@ class DistillLossFn:
         out = model.apply(params, inputs, **kwargs, return_hidden=hidden)
         return out if hidden else (out, None)
 
-    def __call__(
-        self,
-        params: Params,
-        batch: Mapping[str, Any],
-        *,
-        key: PRNGKey | None = None,
-        step: Any = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The distillation loss of ``batch`` and its metrics.
-
-        Args:
-            params: the tree from `init`.
-            batch: ``{"x", "y"}`` or ``{"input_ids", "labels", ...}``.
-            key: dropout key for the student (the teacher runs without dropout).
-            step: the training step (progressive schedule); else ``batch["step"]``.
-        """
-        if self.progressive is not None:
-            step = batch.get("step") if step is None else step
-            if step is None:
-                raise ConfigError(
-                    "progressive distillation needs the training step: pass "
-                    "loss_fn(params, batch, key=key, step=step) or batch['step']"
-                )
+    def _prepare(
+        self, batch: Mapping[str, Any]
+    ) -> tuple[jax.Array, jax.Array, dict[str, Any], bool]:
+        """``(inputs, labels, model kwargs, causal)`` of a batch."""
         if "input_ids" in batch:
             inputs = jnp.asarray(batch["input_ids"])  # (B, T)
             labels = jnp.asarray(batch.get("labels", inputs))  # (B, T)
@@ -165,14 +146,79 @@ class DistillLossFn:
                     labels, kwargs["segment_ids"],
                     ignore_index=self.logit_loss.ignore_index,
                 )  # fmt: skip
-            causal = True
-        elif "x" in batch and "y" in batch:
-            inputs, labels, kwargs, causal = batch["x"], batch["y"], {}, False
+            return inputs, labels, kwargs, True
+        if "x" in batch and "y" in batch:
+            return jnp.asarray(batch["x"]), jnp.asarray(batch["y"]), {}, False
+        raise ConfigError(
+            f"a distillation batch needs 'x' and 'y' (classification) or "
+            f"'input_ids' (language modelling); got keys {sorted(batch)}"
+        )
+
+    def _targets(
+        self, labels: jax.Array, where: Any, causal: bool
+    ) -> tuple[jax.Array, Any, jax.Array]:
+        """``(labels, where, counted)`` of the logit terms (shifted when causal)."""
+        if causal:  # position t predicts labels[t + 1]
+            labels, where = labels[:, 1:], None if where is None else where[:, 1:]
         else:
-            raise ConfigError(
-                f"a distillation batch needs 'x' and 'y' (classification) or "
-                f"'input_ids' (language modelling); got keys {sorted(batch)}"
-            )
+            where = None
+        counted = labels != self.logit_loss.ignore_index
+        return labels, where, counted if where is None else counted & where
+
+    def counts(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """What the terms are means over, from the batch alone (float32).
+
+        ``targets``: the positions the logit terms count (labelled, unmasked,
+        shifted); ``positions``: those the hidden term counts (unmasked: the
+        attention mask's ones, else every token or example). The train step gives
+        a micro-batch these counts of the whole batch as ``totals``
+        (`entrenar.train.step.takes_totals`).
+        """
+        inputs, labels, kwargs, causal = self._prepare(batch)
+        where = kwargs.get("mask")
+        *_, counted = self._targets(labels, where, causal)
+        if where is not None:
+            positions = jnp.sum(where)
+        else:  # a state per token (B, T) or per example (B, ...features)
+            positions = jnp.asarray(inputs.size if causal else inputs.shape[0])
+        return {
+            "targets": jnp.sum(counted).astype(jnp.float32),
+            "positions": positions.astype(jnp.float32),
+        }
+
+    def __call__(
+        self,
+        params: Params,
+        batch: Mapping[str, Any],
+        *,
+        key: PRNGKey | None = None,
+        step: Any = None,
+        totals: Mapping[str, Any] | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The distillation loss of ``batch`` and its metrics.
+
+        Each term is a sum over what it counts divided by its count (`counts`):
+        ``(α T² ΣKL + (1 − α) ΣCE) / targets + β Σhidden / positions``.
+
+        Args:
+            params: the tree from `init`.
+            batch: ``{"x", "y"}`` or ``{"input_ids", "labels", ...}``.
+            key: dropout key for the student (the teacher runs without dropout).
+            step: the training step (progressive schedule); else ``batch["step"]``.
+            totals: `counts` of the whole batch this one is a micro-batch of; the
+                loss and metrics are then this batch's shares of the whole batch's
+                (they add up over the micro-batches). None: ``counts(batch)``.
+        """
+        if self.progressive is not None:
+            step = batch.get("step") if step is None else step
+            if step is None:
+                raise ConfigError(
+                    "progressive distillation needs the training step: pass "
+                    "loss_fn(params, batch, key=key, step=step) or batch['step']"
+                )
+        inputs, labels, kwargs, causal = self._prepare(batch)
+        own = self.counts(batch)
+        totals = own if totals is None else totals
         teacher_tree = jax.lax.stop_gradient(params["teacher"])
         t_trees = teacher_tree if self.ensemble is not None else [teacher_tree]
         t_out = [
@@ -190,28 +236,34 @@ class DistillLossFn:
             t_logits = t_out[0][0]
         where = kwargs.get("mask")
         if causal:  # position t predicts labels[t + 1]
-            s_lg, t_lg, lab = s_logits[:, :-1], t_logits[:, :-1], labels[:, 1:]
-            lg_where = None if where is None else where[:, 1:]
+            s_lg, t_lg = s_logits[:, :-1], t_logits[:, :-1]
         else:
-            s_lg, t_lg, lab, lg_where = s_logits, t_logits, labels, None
-        kl, ce = self.logit_loss.terms(s_lg, t_lg, lab, where=lg_where)
-        counted = jnp.asarray(lab) != self.logit_loss.ignore_index
-        if lg_where is not None:
-            counted = counted & lg_where
-        a, temp = self.logit_loss.alpha, self.logit_loss.temperature
+            s_lg, t_lg = s_logits, t_logits
+        lab, lg_where, _ = self._targets(labels, where, causal)
+        lg = self.logit_loss
+        kl, ce = distillation_terms(
+            s_lg, t_lg, lab, lg.temperature, "sum",
+            ignore_index=lg.ignore_index, where=lg_where,
+        )  # fmt: skip
+        per_target = 1.0 / jnp.maximum(jnp.asarray(totals["targets"], kl.dtype), 1.0)
+        kl, ce = kl * per_target, ce * per_target
+        a, temp = lg.alpha, lg.temperature
         loss = (
             jnp.asarray(a * temp**2, kl.dtype) * kl + jnp.asarray(1 - a, ce.dtype) * ce
         )
         metrics = {"kl": kl, "ce": ce}
         if self.progressive is not None:
             hidden = self.progressive.hidden_loss(
-                s_hidden, t_out[0][1], params["projection"], step, where=where
-            )
+                s_hidden, t_out[0][1], params["projection"], step, where=where,
+                reduction="sum",
+            )  # fmt: skip
+            count = jnp.asarray(totals["positions"], hidden.dtype)
+            hidden = hidden / jnp.maximum(count, 1.0)
             loss = loss + jnp.asarray(self.progressive.weight, loss.dtype) * hidden
             metrics["hidden"] = hidden
         metrics["loss"] = loss
-        # the Trainer weighs micro-batches and evaluation batches by it
-        metrics["loss_weight"] = jnp.sum(counted).astype(jnp.float32)
+        # the Trainer weighs evaluation batches (and micro-batches) by it
+        metrics["loss_weight"] = own["targets"]
         return loss, metrics
 
 

@@ -149,6 +149,7 @@ class ProgressiveDistiller:
         projection: Params,
         *,
         where: jax.Array | None = None,
+        reduction: str = "mean",
     ) -> jax.Array:
         """``(P,)``: each pair's loss, averaged over the counted positions (float32).
 
@@ -159,6 +160,8 @@ class ProgressiveDistiller:
             projection: from `init_projection` (``{}`` when all widths agree).
             where: optional bool over the states' leading axes, False to leave a
                 position out (padding).
+            reduction: "mean" over the counted positions, or "sum" (a
+                micro-batch's part of a mean over a whole batch).
         """
         losses = []
         for k, (i, j) in enumerate(zip(self.student_layers, self.teacher_layers)):
@@ -182,7 +185,7 @@ class ProgressiveDistiller:
                 dot = jnp.sum(hs * ht, axis=-1)
                 norms = jnp.linalg.norm(hs, axis=-1) * jnp.linalg.norm(ht, axis=-1)
                 per_pos = 1.0 - dot / jnp.maximum(norms, eps)  # (...)
-            losses.append(reduce_loss(per_pos, "mean", where=mask))
+            losses.append(reduce_loss(per_pos, reduction, where=mask))
         return jnp.stack(losses)  # (P,)
 
     def hidden_loss(
@@ -193,11 +196,16 @@ class ProgressiveDistiller:
         step: Any,
         *,
         where: jax.Array | None = None,
+        reduction: str = "mean",
     ) -> jax.Array:
-        """The scheduled hidden term: mean of the active pairs' losses at ``step``."""
+        """The scheduled hidden term: mean of the active pairs' losses at ``step``.
+
+        ``reduction``: of each pair's loss over the positions (`pair_losses`).
+        """
         per_pair = self.pair_losses(
-            student_hidden, teacher_hidden, projection, where=where
-        )
+            student_hidden, teacher_hidden, projection, where=where,
+            reduction=reduction,
+        )  # fmt: skip
         w = self.pair_weights(step).astype(per_pair.dtype)  # (P,)
         return jnp.sum(w * per_pair) / jnp.maximum(jnp.sum(w), 1.0)
 

@@ -113,7 +113,11 @@ def _split(batch: PyTree, k: int) -> PyTree:
 
 
 def microbatched_value_and_grad(
-    fn: Callable[..., Any], num_microbatches: int, *, has_aux: bool = False
+    fn: Callable[..., Any],
+    num_microbatches: int,
+    *,
+    has_aux: bool = False,
+    summed: bool = False,
 ) -> Callable[..., tuple[Any, Updates]]:
     r"""``f(params, batch, key=None) -> (loss, grads)`` over ``k`` micro-batches.
 
@@ -135,6 +139,12 @@ def microbatched_value_and_grad(
     Given a ``key``, micro-batch ``i`` gets ``key=fold_in(key, i)``. With ``k = 1``
     ``fn`` runs once on the whole batch (with ``key`` itself), unweighted.
 
+    ``summed``: ``fn`` returns each micro-batch's *share* of the whole batch's loss
+    (its terms' sums divided by their counts over the whole batch, which it was
+    given: `entrenar.train.step.takes_totals`), so ``L = Σ_i L_i``, ``g = Σ_i ∇L_i``,
+    the metrics are summed likewise and ``loss_weight`` is ``Σ w_i``. A loss with
+    terms counted differently (tokens and positions) is then exact however split.
+
     Example:
         >>> import jax.numpy as jnp
         >>> f = lambda w, x: jnp.mean((x * w) ** 2)
@@ -152,7 +162,7 @@ def microbatched_value_and_grad(
         loss, aux = out if has_aux else (out, {})
         aux = {n: jnp.asarray(v, jnp.float32) for n, v in aux.items()}
         w = jax.lax.stop_gradient(aux.pop("loss_weight", jnp.float32(1.0)))
-        wloss = loss if k == 1 else loss * w.astype(loss.dtype)
+        wloss = loss if k == 1 or summed else loss * w.astype(loss.dtype)
         return wloss, (loss, w, aux)
 
     def run(params: Params, batch: PyTree, key: Any = None) -> tuple[Any, Updates]:
@@ -161,16 +171,23 @@ def microbatched_value_and_grad(
             vg = jax.value_and_grad(weighted, has_aux=True)
             (_, (loss, w, aux)), grads = vg(params, batch, kw)
         else:
-            loss, w, aux, grads = _scan(weighted, params, _split(batch, k), key)
+            loss, w, aux, grads = _scan(
+                weighted, params, _split(batch, k), key, summed=summed
+            )
         return ((loss, {**aux, "loss_weight": w}) if has_aux else loss), grads
 
     return run
 
 
 def _scan(
-    weighted: Callable[..., Any], params: Params, micro: PyTree, key: Any
+    weighted: Callable[..., Any],
+    params: Params,
+    micro: PyTree,
+    key: Any,
+    *,
+    summed: bool = False,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], Updates]:
-    """Weighted means of ``weighted``'s loss, metrics and gradient over ``micro``."""
+    """Weighted means (sums if ``summed``) of the results of ``weighted``."""
     k = jax.tree_util.tree_leaves(micro)[0].shape[0]
 
     def kw(i: Any) -> dict[str, Any]:
@@ -186,13 +203,15 @@ def _scan(
         i, mb = xs
         (wloss, (_, w, aux)), g = vg(params, mb, kw(i))
         s_loss, s_w, s_aux, s_g = carry
-        s_aux = {n: s_aux[n] + w * aux[n] for n in s_aux}
+        s_aux = {n: s_aux[n] + (aux[n] if summed else w * aux[n]) for n in s_aux}
         s_g = jax.tree_util.tree_map(jnp.add, s_g, g)
         return (s_loss + wloss.astype(jnp.float32), s_w + w, s_aux, s_g), None
 
     (s_loss, s_w, s_aux, s_g), _ = jax.lax.scan(
         body, carry0, (jnp.arange(k, dtype=jnp.int32), micro)
     )
+    if summed:
+        return s_loss, s_w, s_aux, s_g
     inv = 1.0 / jnp.maximum(s_w, jnp.float32(1e-30))  # W = 0: loss and grads are 0
     grads = jax.tree_util.tree_map(lambda g: g * inv.astype(g.dtype), s_g)
     return s_loss * inv, s_w, {n: v * inv for n, v in s_aux.items()}, grads

@@ -8,6 +8,9 @@ keyword gets the optimizer step (traced; a schedule inside the loss, such as
 A metric named ``"loss_weight"`` is the number of terms the loss is a mean over
 (valid tokens, say); micro-batches and evaluation batches are weighted by it (1 if
 none), so a token-level mean stays a token-level mean however the batch is split.
+A loss whose terms are means over different counts (a distiller's tokens and
+positions) has a ``counts(batch)`` method and a ``totals`` keyword (`takes_totals`):
+the step gives it ``counts`` of the whole batch, and sums the micro-batches' shares.
 
 ``train_step(state, batch) -> (state, metrics)`` runs, in one jitted computation
 whose trainable parameters and optimizer state are donated: the per-step key
@@ -63,8 +66,33 @@ def takes_step(loss_fn: LossFn) -> bool:
     )
 
 
+def takes_totals(loss_fn: LossFn) -> bool:
+    """Whether ``loss_fn`` has ``counts(batch)`` and a ``totals`` keyword.
+
+    Such a loss, given ``totals=counts(whole batch)``, returns a micro-batch's share
+    of the whole batch's loss (`entrenar.optim.microbatched_value_and_grad`'s
+    ``summed``); a wrapper (`functools.wraps`) is looked through.
+    """
+    inner = inspect.unwrap(loss_fn)
+    if not callable(getattr(inner, "counts", None)):
+        return False
+    try:
+        totals = inspect.signature(loss_fn).parameters.get("totals")
+    except (TypeError, ValueError):
+        return False
+    return totals is not None and totals.kind in (
+        totals.KEYWORD_ONLY,
+        totals.POSITIONAL_OR_KEYWORD,
+    )
+
+
 def call_loss(
-    loss_fn: LossFn, params: Params, batch: PyTree, key: Any, step: Any = None
+    loss_fn: LossFn,
+    params: Params,
+    batch: PyTree,
+    key: Any,
+    step: Any = None,
+    totals: Any = None,
 ) -> tuple[jax.Array, Metrics]:
     """``(loss, metrics)`` from a loss function's result, float32.
 
@@ -74,10 +102,10 @@ def call_loss(
     ``step`` (the optimizer step being taken) is passed only to a loss function
     that `takes_step`, such as a progressive distiller's.
     """
+    kwargs: dict[str, Any] = {} if totals is None else {"totals": totals}
     if step is not None and takes_step(loss_fn):
-        out = loss_fn(params, batch, key=key, step=step)
-    else:
-        out = loss_fn(params, batch, key=key)
+        kwargs["step"] = step
+    out = loss_fn(params, batch, key=key, **kwargs)
     loss, aux = out if isinstance(out, tuple) else (out, {})
     if jnp.ndim(loss) != 0:
         raise ShapeError(
@@ -150,6 +178,7 @@ def make_train_step(
     if clip is not None and not clip > 0:
         raise ConfigError(f"clip must be a positive norm or None, got {clip}")
     clipper = None if clip is None else clip_by_global_norm(float(clip))
+    shares = takes_totals(loss_fn)
 
     def step(
         trainable: Params, opt_state: Any, frozen: Params, count: Any, root: Any,
@@ -157,10 +186,13 @@ def make_train_step(
     ) -> tuple[Params, Any, Any, Metrics]:  # fmt: skip
         key = jax.random.fold_in(root, count)
 
-        def f(t: Params, mb: PyTree, *, key: Any) -> tuple[jax.Array, Metrics]:
-            return call_loss(loss_fn, combine(t, frozen), mb, key, count)
+        # a loss counted two ways gets the whole batch's counts (takes_totals)
+        totals = inspect.unwrap(loss_fn).counts(batch) if shares else None
 
-        vg = microbatched_value_and_grad(f, k, has_aux=True)
+        def f(t: Params, mb: PyTree, *, key: Any) -> tuple[jax.Array, Metrics]:
+            return call_loss(loss_fn, combine(t, frozen), mb, key, count, totals)
+
+        vg = microbatched_value_and_grad(f, k, has_aux=True, summed=shares)
         (loss, aux), grads = vg(trainable, batch, key=key)
         del aux["loss_weight"]
         if mesh is not None:  # FSDP: each device keeps its slice (reduce-scatter)
@@ -253,4 +285,5 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "takes_step",
+    "takes_totals",
 ]
