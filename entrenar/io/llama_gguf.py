@@ -75,6 +75,7 @@ from entrenar.nn.hf_names import (
     stream_one,
 )
 from entrenar.nn.host_arrays import populate_ahead
+from entrenar.nn.rope_scaling import yarn_mscale
 from entrenar.quant import GGMLWeight, QuantizedWeight, from_ggml
 from entrenar.quant import ggml_head as _ggml_head  # noqa: F401  (registers head_nll)
 from entrenar.quant.ggml import BLOCK_BYTES, HEAD_BYTES, QK, split_blocks
@@ -149,6 +150,7 @@ FLOAT_RANGES = {
     "attention.layer_norm_rms_epsilon": (0.0, 1.0),
     "rope.scaling.factor": (0.0, 1e6),
     "rope.scaling.attn_factor": (0.0, 1e3),
+    "rope.scaling.yarn_attn_factor": (0.0, 1e3),
     "rope.scaling.yarn_beta_fast": (0.0, 1e6),
     "rope.scaling.yarn_beta_slow": (0.0, 1e6),
     "attn_logit_softcapping": (0.0, 1e6),
@@ -271,6 +273,10 @@ def _rope_fields(g: GGUFFile, p: str, head_dim: int) -> dict[str, Any]:
     if orig in g.fields or kind != "linear":
         out["rope_original_max_position_embeddings"] = _meta_int(g, orig)
     attn = _meta_float(g, f"{p}rope.scaling.attn_factor", None)
+    if kind == "yarn" and attn is not None:  # llama.cpp: × yarn_mscale(factor)
+        attn = None if attn == 1.0 else attn * yarn_mscale(out["rope_factor"])
+    elif kind == "yarn":  # the converter's copy of config.json's attention_factor
+        attn = _meta_float(g, f"{p}rope.scaling.yarn_attn_factor", None)
     if attn is not None:
         out["rope_attention_factor"] = attn
     if kind == "yarn":

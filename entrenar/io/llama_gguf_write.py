@@ -52,7 +52,7 @@ from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
 from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig, to_dense
 from entrenar.nn.decoder_config import sliding_layers
-from entrenar.nn.rope_scaling import attention_factor
+from entrenar.nn.rope_scaling import attention_factor, yarn_mscale
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.quant import GGMLWeight, QuantizedWeight, dequantize, quantize, to_ggml
 from entrenar.types import Params
@@ -191,7 +191,12 @@ def _metadata(
         orig = c.rope_original_max_position_embeddings
         new[p + "rope.scaling.original_context_length"] = (orig, U32)
     if c.rope_type == "yarn" and c.rope_attention_factor is not None:
-        new[p + "rope.scaling.attn_factor"] = (c.rope_attention_factor, F32)
+        # llama.cpp scales yarn's cos and sin by yarn_mscale(factor) * attn_factor
+        # (and reads no yarn_attn_factor); the converter keeps config.json's
+        # attention_factor in yarn_attn_factor
+        a = c.rope_attention_factor
+        new[p + "rope.scaling.attn_factor"] = (a / yarn_mscale(c.rope_factor), F32)
+        new[p + "rope.scaling.yarn_attn_factor"] = (a, F32)
     if c.rope_type == "longrope":  # llama.cpp's converter writes Phi-3's always
         new[p + "rope.scaling.attn_factor"] = (attention_factor(c), F32)
     if c.rope_type == "yarn":

@@ -86,13 +86,24 @@ def scaling_divisors(c: Any) -> np.ndarray | None:
     return 1.0 / ((1 - keep) / factor + keep)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude ``0.1 mscale ln(factor) + 1`` (1 for ``factor <= 1``).
+
+    The paper's Eq. 21, as transformers' ``yarn_get_mscale`` and llama.cpp compute it.
+
+    >>> round(yarn_mscale(4.0), 6)
+    1.138629
+    """
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def attention_factor(c: Any) -> float:
     """The factor ``cos`` and ``sin`` are scaled by (1 but for yarn and longrope)."""
     if c.rope_attention_factor is not None:
         return float(c.rope_attention_factor)
     factor = float(c.rope_factor)
     if c.rope_type == "yarn":
-        return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return yarn_mscale(factor)
     if c.rope_type == "longrope":
         old = float(c.rope_original_max_position_embeddings)
         if factor <= 1:
@@ -126,4 +137,10 @@ def rope_inv_freq(c: Any, positions: jax.Array, dtype: Any) -> jax.Array | None:
     return inv / jnp.asarray(divisors, dtype)
 
 
-__all__ = ["attention_factor", "base_inv_freq", "rope_inv_freq", "scaling_divisors"]
+__all__ = [
+    "attention_factor",
+    "base_inv_freq",
+    "rope_inv_freq",
+    "scaling_divisors",
+    "yarn_mscale",
+]

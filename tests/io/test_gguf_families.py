@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 
@@ -23,6 +24,7 @@ import pytest
 from entrenar import io, nn
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_families import FAMILY_KEY, gguf_names, written_name
+from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
 
 gguf = pytest.importorskip("gguf")
 
@@ -153,6 +155,94 @@ def test_llama3_scaling_is_written_as_rope_freqs(tmp_path):
         np.asarray(back.apply(loaded, TOKENS)),
         np.asarray(config.apply(params, TOKENS)),
         atol=1e-4,
+    )
+
+
+# ------------------------------------------------------------------ yarn
+def _llama_cpp_yarn_scale(meta: dict, arch: str) -> float:
+    """The factor llama.cpp scales yarn's ``cos`` and ``sin`` by, as it computes it.
+
+    llama_context's constructor (src/llama-context.cpp, ``yarn_ext_factor`` 1 for
+    yarn): ``get_mscale(1/freq_scale) / (1 + 0.1 ln(1/freq_scale))`` times
+    ``rope.scaling.attn_factor`` (default 1); ggml's ``rope_yarn`` then multiplies by
+    ``1 + 0.1 ln(1/freq_scale)``. No llama.cpp architecture entrenar writes reads
+    ``rope.scaling.yarn_attn_factor``.
+    """
+    freq_scale = 1.0 / meta[f"{arch}.rope.scaling.factor"]
+    factor = 1.0 / freq_scale
+    get_mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    attn = get_mscale * (1.0 / (1.0 + 0.1 * math.log(factor)))
+    attn *= meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)
+    return attn * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+
+
+def _yarn(family: str, attention: float | None) -> nn.LlamaConfig:
+    return dataclasses.replace(
+        nn.architecture(family).tiny(),
+        rope_type="yarn", rope_factor=4.0, rope_original_max_position_embeddings=32,
+        rope_attention_factor=attention, sliding_window=None, layer_types=None,
+    )  # fmt: skip
+
+
+def _transformers_yarn(family: str, config: nn.LlamaConfig):
+    """The yarn inverse frequencies and attention factor transformers computes."""
+    transformers = pytest.importorskip("transformers")
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    hf = nn.architecture(family).to_hf(config)
+    inv, scale = rope_utils.ROPE_INIT_FUNCTIONS["yarn"](
+        transformers.AutoConfig.for_model(**hf), None
+    )
+    return inv.numpy(), scale
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("attention", [None, 0.8, 1.3])
+def test_yarn_attention_factor_is_written_for_llama_cpps_rule(
+    family, attention, tmp_path
+):
+    """llama.cpp multiplies ``attn_factor`` by its own ``0.1 ln(factor) + 1``.
+
+    Written as config.json's ``attention_factor`` (before), llama.cpp scaled cos and
+    sin by 1.14 x 0.8 = 0.91 where transformers scales them by 0.8.
+    """
+    config = _yarn(family, attention)
+    path = tmp_path / "m.gguf"
+    io.save_llama_gguf(path, config, config.init(jax.random.key(0)))
+    meta = io.read_gguf(path).metadata
+    name = meta["general.architecture"]
+    _, want = _transformers_yarn(family, config)
+    assert _llama_cpp_yarn_scale(meta, name) == pytest.approx(want, rel=1e-6)
+    if attention is not None:  # as llama.cpp's converter keeps config.json's
+        key = f"{name}.rope.scaling.yarn_attn_factor"
+        assert meta[key] == pytest.approx(attention, rel=1e-6)
+
+
+@pytest.mark.parametrize("keep", ["attn_factor", "yarn_attn_factor", "both"])
+def test_a_yarn_file_reads_to_transformers_attention_factor(keep, tmp_path):
+    """A yarn file without ``entrenar.family`` reads as transformers computes.
+
+    ``rope.scaling.attn_factor`` counts as llama.cpp applies it (x ``0.1 ln(factor)
+    + 1``), else ``yarn_attn_factor``, where llama.cpp's converter puts config.json's
+    ``attention_factor``. Before, the converter's key was not read (cos and sin
+    scaled by 1.14 for 0.8) and ``attn_factor`` was taken as the whole factor.
+    """
+    config = _yarn("qwen2", 0.8)
+    path = tmp_path / "m.gguf"
+    params = config.init(jax.random.key(0))
+    io.save_llama_gguf(path, config, params)
+    drop = {"attn_factor": "yarn_attn_factor", "yarn_attn_factor": "attn_factor"}
+    gone = [FAMILY_KEY] + [f"qwen2.rope.scaling.{drop[k]}" for k in drop if k == keep]
+    back, loaded, _ = io.load_llama_gguf(
+        _rewrite(path, tmp_path / "x.gguf", None, gone)
+    )
+    want_inv, want = _transformers_yarn("qwen2", config)
+    assert attention_factor(back) == pytest.approx(want, rel=1e-6)
+    inv = rope_inv_freq(back, jax.numpy.arange(4), jax.numpy.float32)
+    np.testing.assert_allclose(np.asarray(inv), want_inv, rtol=2e-6)
+    np.testing.assert_allclose(
+        np.asarray(back.apply(loaded, TOKENS)),
+        np.asarray(config.apply(params, TOKENS)),
+        atol=1e-5,
     )
 
 
