@@ -286,10 +286,17 @@ def _rope_fields(g: GGUFFile, p: str, head_dim: int) -> dict[str, Any]:
 
 
 def _window_fields(g: GGUFFile, name: str, p: str, n_layers: int) -> dict[str, Any]:
-    """``sliding_window`` and ``layer_types`` from ``attention.sliding_window*``."""
+    """``sliding_window`` and ``layer_types`` from ``attention.sliding_window*``.
+
+    A window of 0 is none, as llama.cpp reads it: its converter writes 0 for a Phi-3
+    family model without a window (Phi-4, ``sliding_window: null``).
+    """
     key = f"{p}attention.sliding_window"
     default = 4096 if name == "gemma2" else None  # llama.cpp's default for Gemma 2
-    window = _meta_int(g, key) if key in g.fields else default
+    f = g.fields.get(key)
+    if f is not None and f.value == 0 and not isinstance(f.value, (bool, float)):
+        return {}
+    window = _meta_int(g, key) if f is not None else default
     if window is None:
         return {}
     types = default_layer_types(name, n_layers)

@@ -246,6 +246,41 @@ def test_a_yarn_file_reads_to_transformers_attention_factor(keep, tmp_path):
     )
 
 
+# ------------------------------------------------------------------ the converter
+CONVERTED = cases.ROOT / "tests/data/llama_cpp_converted"
+
+
+@pytest.mark.parametrize("case", ["qwen2_yarn", "phi3_no_window"])
+def test_a_file_llama_cpps_converter_wrote_reads_to_transformers(case):
+    """llama.cpp's converter's file of a tiny model reads to transformers' numbers.
+
+    The F16 GGUF convert_hf_to_gguf.py made of a tiny transformers model
+    (tests/oracles/make_converter_reference.py) gives that model's logits and rotary
+    scaling: Qwen2's yarn ``attention_factor`` 0.8 is in ``yarn_attn_factor`` (before:
+    not read, 0.015 off the logits); Phi-3 without a window (Phi-4's config) has
+    ``sliding_window = 0`` (before: refused, 'want an int > 0').
+    """
+    record = json.loads((CONVERTED / "reference.json").read_text())
+    path = CONVERTED / f"{case}.gguf"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == record["cases"][case]["sha256"]
+    with np.load(CONVERTED / "reference.npz") as z:
+        want = z[case]
+    config, params, _ = io.load_llama_gguf(path)
+    hf = record["cases"][case]["config.json"]
+    from_hf = nn.LlamaConfig.from_hf_config(hf)
+    assert config.sliding_window == from_hf.sliding_window
+    assert attention_factor(config) == pytest.approx(attention_factor(from_hf), 1e-6)
+    positions = jax.numpy.arange(len(record["how"]["tokens"][0]))
+    np.testing.assert_allclose(
+        np.asarray(rope_inv_freq(config, positions, jax.numpy.float32)),
+        np.asarray(rope_inv_freq(from_hf, positions, jax.numpy.float32)),
+        rtol=1e-6,
+    )
+    got = np.asarray(config.apply(params, np.asarray(record["how"]["tokens"])))
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
 def test_mistral_is_written_as_llama_and_read_back_as_mistral(tmp_path):
     config, params = _tiny("mistral")
     path = tmp_path / "m.gguf"
@@ -289,7 +324,7 @@ S = io.GGUFValueType.STRING
          r"entrenar\.family"),
         ({FAMILY_KEY: io.GGUFField('{"architecture": "qwen3"}', S)}, FormatError,
          r"family 'qwen3'.*'qwen2'"),
-        ({"qwen2.attention.sliding_window": io.GGUFField(0, io.GGUFValueType.UINT32)},
+        ({"qwen2.attention.sliding_window": io.GGUFField("4", S)},
          FormatError, r"sliding_window.*want an int > 0"),
     ],
 )  # fmt: skip

@@ -1,0 +1,165 @@
+r"""Record what llama.cpp's own converter makes of tiny Hugging Face folders.
+
+llama.cpp's ``convert_hf_to_gguf.py`` is the other writer of the GGUF files entrenar
+reads; this script runs it on a tiny random transformers model of each case below and
+records, in ``tests/data/llama_cpp_converted/``, the GGUF it writes (F16, under 90 kB
+each) and transformers' logits for the folder (``reference.npz``, float32), so that
+tests/io/test_gguf_families.py can check that entrenar reads the converter's file to
+transformers' numbers, without llama.cpp or a network:
+
+- ``qwen2_yarn``: Qwen2 with ``rope_scaling`` yarn (factor 4, original context 32) and
+  an explicit ``attention_factor`` 0.8, which the converter keeps in
+  ``qwen2.rope.scaling.yarn_attn_factor`` (llama.cpp itself reads only
+  ``rope.scaling.attn_factor``);
+- ``phi3_no_window``: Phi-3 with ``sliding_window: null`` (as Phi-4's config), which
+  the converter writes as ``phi3.attention.sliding_window = 0``; LongRoPE, with 11
+  tokens past the original context of 8, so the long factors are used.
+
+The weights are drawn with ``torch.manual_seed(0)`` from N(0, 0.2²) and rounded to
+float16 before the folder is saved, so the F16 file holds them exactly. The
+tokenizer is tests/io/hf_cases.py's byte-level one (``qwen``); the converter's
+pre-tokenizer check (a hash of known tokenizers) and its SentencePiece paths are
+replaced by its GPT-2 path (``_set_vocab_gpt2``), since a tokenizer trained in a test
+has no known hash; the tokenizer is not what these files check.
+
+Usage, with a llama.cpp checkout (its ``gguf-py`` is put first on the path; the
+recorded files were made with the one vendored in llama-cpp-python 0.3.36's sdist,
+``pip download --no-binary :all: llama-cpp-python==0.3.36``)::
+
+    .venv/bin/python tests/oracles/make_converter_reference.py \
+        --llama-cpp /path/to/llama.cpp --out tests/data/llama_cpp_converted \
+        --llama-cpp-version "llama-cpp-python 0.3.36 sdist, vendor/llama.cpp"
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = [[(7 * i) % 90 for i in range(11)]]  # (1, 11)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_yarn": (
+        "qwen2",
+        dict(sliding_window=None, layer_types=None, rope_attention_factor=0.8),
+    ),
+    "phi3_no_window": (
+        "phi3",
+        dict(sliding_window=None, hidden_size=32, num_heads=2, num_kv_heads=1),
+    ),
+}
+"""Case -> (family, fields replaced in the family's tiny config)."""
+VOCAB = 320  # the byte-level tiny tokenizer's 303 tokens, rounded up
+
+CONVERT = r"""
+import sys
+llama_cpp = sys.argv.pop(1)
+sys.path[:0] = [llama_cpp + "/gguf-py", llama_cpp]
+import conversion, importlib, pkgutil
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+def gpt2_vocab(self):
+    self._set_vocab_gpt2()
+for m in pkgutil.iter_modules(conversion.__path__):
+    try:
+        mod = importlib.import_module("conversion." + m.name)
+    except Exception:
+        continue
+    for v in vars(mod).values():
+        if isinstance(v, type) and issubclass(v, base.TextModel):
+            if "set_vocab" in vars(v):
+                v.set_vocab = gpt2_vocab
+sys.argv[0] = llama_cpp + "/convert_hf_to_gguf.py"
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
+"""Runs the converter with its vocabulary step on the GPT-2 path (module docstring)."""
+
+
+def _folder(case: str, folder: Path) -> Any:
+    """Write the case's tiny transformers model into ``folder``; returns the model."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "tests" / "io"))
+    import hf_cases
+
+    from entrenar import nn
+
+    family, fields = CASES[case]
+    arch = nn.architecture(family)
+    if arch.tiny is None or arch.to_hf is None:
+        raise SystemExit(f"{family} has no tiny config or config.json form")
+    config = dataclasses.replace(arch.tiny(), vocab_size=VOCAB, **fields)
+    hf_cases.write_tokenizer(folder, "qwen2")
+    (folder / "config.json").write_text(json.dumps(arch.to_hf(config)))
+    torch.manual_seed(0)
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.normal_(0.0, 0.2).half().float())
+    model.save_pretrained(folder)
+    return model
+
+
+def main() -> None:
+    """Convert each case and write the GGUF files and the logits under ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llama-cpp", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--llama-cpp-version", default="", help="where the checkout came from"
+    )
+    args = parser.parse_args()
+    import numpy as np
+    import torch
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {
+        "how": {
+            "llama_cpp": args.llama_cpp_version or str(args.llama_cpp),
+            "gguf_py": (args.llama_cpp / "gguf-py/pyproject.toml")
+            .read_text()
+            .split('version = "')[1]
+            .split('"')[0],
+            "command": " ".join(sys.argv),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "tokens": TOKENS,
+        },
+        "cases": {},
+    }
+    logits = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in CASES:
+            folder = Path(tmp) / case
+            model = _folder(case, folder)
+            out = args.out / f"{case}.gguf"
+            subprocess.run(
+                [sys.executable, "-c", CONVERT, str(args.llama_cpp), str(folder),
+                 "--outtype", "f16", "--outfile", str(out)],
+                check=True,
+            )  # fmt: skip
+            with torch.no_grad():
+                logits[case] = model(torch.tensor(TOKENS)).logits.numpy()
+            config = json.loads((folder / "config.json").read_text())
+            record["cases"][case] = {
+                "config.json": config,
+                "sha256": hashlib.sha256(out.read_bytes()).hexdigest(),
+            }
+    np.savez_compressed(args.out / "reference.npz", **logits)
+    text = json.dumps(record, indent=1, sort_keys=True)
+    (args.out / "reference.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
