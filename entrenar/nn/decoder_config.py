@@ -17,6 +17,7 @@ from typing import Any
 
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.nn.registry import Architecture, register_architecture
+from entrenar.nn.rope_scaling import yarn_mscale
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 """Rotary scalings `LlamaConfig.rope_type` accepts (Hugging Face's names)."""
@@ -166,13 +167,8 @@ def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
             f"{source}: rope_scaling.partial_rotary_factor {partial} is not "
             "supported (rotary on the whole head only)"
         )
-    if (
-        kind == "yarn" and (scaling.get("mscale") or scaling.get("mscale_all_dim"))
-    ) or scaling.get("truncate", True) is False:
-        raise UnsupportedError(
-            f"{source}: yarn's mscale, mscale_all_dim and truncate=false are not "
-            "supported"
-        )
+    if scaling.get("truncate", True) is False:
+        raise UnsupportedError(f"{source}: yarn's truncate=false is not supported")
     out: dict[str, Any] = {"rope_type": kind}
     if kind == "default":
         return out
@@ -186,6 +182,13 @@ def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
             out[field] = int(value)
         else:
             out[field] = float(value)
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if kind == "yarn" and "rope_attention_factor" not in out and mscale and mscale_all:
+        # transformers' _compute_yarn_parameters (one of the two alone: ignored)
+        factor = out.get("rope_factor", 1.0)
+        out["rope_attention_factor"] = yarn_mscale(factor, float(mscale)) / yarn_mscale(
+            factor, float(mscale_all)
+        )
     return out
 
 

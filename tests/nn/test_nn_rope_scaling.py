@@ -145,3 +145,38 @@ def test_phi3_longrope_without_a_factor_reads_the_top_level_context():
         None,
     )
     assert attention_factor(read) == pytest.approx(want_scale, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"mscale": 0.707, "mscale_all_dim": 1.0},  # DeepSeek-V2-Lite style
+        {"mscale": 1.0, "mscale_all_dim": 1.0},  # DeepSeek-V3: the ratio is 1
+        {"mscale": 0.707},  # one alone: transformers ignores it
+        {"mscale": 1.0, "mscale_all_dim": 0.5, "attention_factor": 0.9},  # given
+    ],
+)
+def test_yarn_mscale_gives_transformers_attention_factor(extra):
+    """``mscale`` / ``mscale_all_dim`` give transformers' attention factor.
+
+    ``get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`` when both are
+    set and ``attention_factor`` is not. Before, such a config.json was refused
+    ('mscale, mscale_all_dim ... are not supported').
+    """
+    config = dataclasses.replace(BASE, **CASES["yarn"])
+    hf = nn.architecture("llama").to_hf(config)
+    hf["rope_scaling"] |= extra
+    read = nn.LlamaConfig.from_hf_config(hf)
+    want, want_scale = rope_utils.ROPE_INIT_FUNCTIONS["yarn"](
+        transformers.AutoConfig.for_model(**hf), None
+    )
+    got = rope_inv_freq(read, jnp.arange(16, dtype=jnp.int32), jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=2e-6)
+    assert attention_factor(read) == pytest.approx(want_scale, rel=1e-12)
+
+
+def test_yarn_truncate_false_is_refused():
+    hf = nn.architecture("llama").to_hf(dataclasses.replace(BASE, **CASES["yarn"]))
+    hf["rope_scaling"]["truncate"] = False
+    with pytest.raises(UnsupportedError, match="truncate=false"):
+        nn.LlamaConfig.from_hf_config(hf)
