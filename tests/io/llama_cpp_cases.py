@@ -173,16 +173,30 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
 """What each family's tiny config drops for llama.cpp: features its graph lacks."""
 
 
+FAMILY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    # yarn with config.json's attention_factor: llama.cpp multiplies the file's
+    # rope.scaling.attn_factor by its own 0.1 ln(factor) + 1
+    "qwen2_yarn": (
+        "qwen2",
+        dict(rope_type="yarn", rope_factor=4.0,
+             rope_original_max_position_embeddings=4, rope_attention_factor=0.8),
+    ),
+}  # fmt: skip
+"""Cases beyond each family's own: name -> (family, fields replaced)."""
+
+
 def family_config(family: str) -> LlamaConfig:
     """The family's tiny model (``arch.tiny()``) at SmolLM2's vocabulary, for llama.cpp.
 
     Widths grow to multiples of 32 and the vocabulary is SmolLM2's (the tokenizer the
     file carries); `FAMILY_LIMITS` drops what llama.cpp does not implement.
+    ``family`` may also name one of `FAMILY_CASES`.
     """
+    family, extra = FAMILY_CASES.get(family, (family, {}))
     tiny = architecture(family).tiny()
     return dataclasses.replace(
         tiny, vocab_size=49152, hidden_size=64, intermediate_size=128,
-        **FAMILY_LIMITS.get(family, {}),
+        **FAMILY_LIMITS.get(family, {}) | extra,
     )  # fmt: skip
 
 
@@ -216,6 +230,11 @@ def gguf_families() -> list[str]:
         and a.tiny is not None
         and written_name(a.name, a.gguf_name)
     ]
+
+
+def family_cases() -> list[str]:
+    """`gguf_families` and `FAMILY_CASES`: the models llama.cpp runs for the tests."""
+    return gguf_families() + list(FAMILY_CASES)
 
 
 def load_families(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:

@@ -362,7 +362,7 @@ def families_cpp(request):
         shutil.rmtree(out, ignore_errors=True)
 
 
-@pytest.mark.parametrize("family", cases.gguf_families())
+@pytest.mark.parametrize("family", cases.family_cases())
 def test_each_family_written_runs_in_llama_cpp(family, families_cpp, tmp_path):
     record, arrays = families_cpp
     if family not in record["families"]:

@@ -15,10 +15,11 @@ that tests/io/test_io_llama_gguf.py and tests/io/test_io_tokenizer.py compare ag
   position), the top-8 ids and logits at each greedy step, and the tiny models' logits
   (every 16th vocabulary column, and the top-8 of each position);
 - ``llama_cpp_families.json`` / ``.npz`` (tests/io/test_gguf_families.py): for each
-  registered family entrenar writes as GGUF, its tiny model
-  (``llama_cpp_cases.family_config``) written by entrenar under the family's
-  llama.cpp architecture, and llama.cpp's logits for it. ``--only-families`` writes
-  only these two files.
+  registered family entrenar writes as GGUF (and each of
+  ``llama_cpp_cases.FAMILY_CASES``: Qwen2 with yarn and an attention factor), its
+  tiny model (``llama_cpp_cases.family_config``) written by entrenar under the
+  family's llama.cpp architecture, and llama.cpp's logits for it.
+  ``--only-families`` writes only these two files.
 
 The tiny models' weights come from integer hashing of a seed (see
 ``tests/io/llama_cpp_cases.py``) and are exact in F16 and Q4_0, so the file entrenar
@@ -176,7 +177,7 @@ def _families(llama_cpp, path: str, cases) -> tuple[dict, dict]:
 
     source, record, arrays = read_gguf(path), {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for family in cases.gguf_families():
+        for family in cases.family_cases():
             config = cases.family_config(family)
             f = Path(tmp) / f"{family}.gguf"
             save_llama_gguf(
