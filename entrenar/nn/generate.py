@@ -25,6 +25,11 @@ and a row draws the same in any batch at the same index. A row ends at a stop to
 (kept, then ``pad_token``), at a stop string (with a ``tokenizer``: the decoded text
 of the row contains it), or after ``max_new_tokens``; the loop ends when every row
 has. A request longer than the model's context is refused before any work.
+A ``longrope`` model (Phi-3) rotates with its long factors once the sequence passes
+``L = rope_original_max_position_embeddings`` (`long_rope_switch`): a prompt's
+bucket padding stops at ``L``, no prefix is shared when the prompts pass it, and
+the step whose input crosses it recomputes the cache of every row's tokens so far,
+as transformers does (the keys cached with the short factors are stale).
 
 Weights kept as stored (`entrenar.io.load_llama_gguf(keep_quantized=True)`: Q8_0,
 Q4_0, Q4_1, K-quants, BF16; `Bfloat16Weight`) are multiplied as they are in every
@@ -130,6 +135,7 @@ def prefill(
     structure: Structure,
     rewind: bool,
     decode_activations: str | None = None,
+    step: jax.Array | int = 0,
 ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
     """Run the right-padded prompts ``ids: (B, Tb)`` of lengths ``lens: (B,)``.
 
@@ -138,7 +144,8 @@ def prefill(
     ``(B,)``, the cache (its ``pos`` rewound to ``P + lens`` when ``rewind``: per
     row when ``pos`` is ``(B,)``, else all rows to the first's), the seen-token
     mask (with a repetition penalty) and ``done``. ``decode_activations``: see the
-    module docstring.
+    module docstring. ``step``: the decoding step the token is drawn for (key
+    ``fold_in(key, step)``; not 0 when `generate` recomputes a longrope cache).
     """
     with traced_activations(decode_activations):
         if _takes_logits_at(model):  # the head on each row's last token only
@@ -156,7 +163,7 @@ def prefill(
         seen = seen_tokens(ids, valid, last.shape[-1])
         seen = seen | seen_tokens(prefix[None], jnp.ones((1, prefix.shape[0]), bool),
                                   last.shape[-1])  # fmt: skip
-    k = None if key is None else jax.random.fold_in(key, 0)
+    k = None if key is None else jax.random.fold_in(key, step)
     nxt = choose(last, seen, k, values, structure)  # (B,)
     return nxt, cache, _see(seen, nxt), _is_stop(nxt, stops)
 
@@ -300,6 +307,19 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def long_rope_switch(model: Any) -> int | None:
+    """``L``: past a sequence of ``L`` tokens ``model`` rotates with other factors.
+
+    ``longrope`` (Phi-3) switches from its short to its long factors when
+    ``max(position) + 1 > L = rope_original_max_position_embeddings``; None for
+    every other model. `generate` keeps a prompt's bucket padding within ``L``
+    and recomputes the cache once the sequence crosses it, as transformers does.
+    """
+    if getattr(model, "rope_type", None) != "longrope":
+        return None
+    return getattr(model, "rope_original_max_position_embeddings", None)
+
+
 def generate_stream(
     model: Any,
     params: Params,
@@ -353,11 +373,16 @@ def generate_stream(
     if max_len is None:
         max_len = _round_up(t0 + max_new_tokens, CACHE_BUCKET)
         max_len = min(max_len, context_length(model) or max_len)
+    switch = long_rope_switch(model)
     p = _shared_prefix(rows) if has_pos and len(rows) > 1 else 0
+    if switch is not None and t0 > switch:
+        p = 0  # the prefix alone would rotate with the short factors
     ragged = ragged or p > 0
     prefix, rows = np.asarray(rows[0][:p], np.int32), [r[p:] for r in rows]
     t1 = max(len(r) for r in rows)
     tb = min(_round_up(t1, PROMPT_BUCKET), max_len - p) if has_pos else t1
+    if switch is not None and p + t1 <= switch < p + tb:
+        tb = switch - p  # padding past L would switch the prompt to the long factors
     ids = np.zeros((len(rows), tb), np.int32)  # (B, Tb) right-padded
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
@@ -365,6 +390,8 @@ def generate_stream(
     stops = np.asarray(list(stop_tokens), np.int32)
     run = _Run(model, params, key, sampling, stops, pad_token, ragged, max_len,
                decode_activations)  # fmt: skip
+    if switch is not None and t0 <= switch:
+        run.recompute_at = switch + 1 - t0  # the step whose input crosses L
     texts = _Texts(tokenizer, tuple(stop_strings), set(stops.tolist()), len(rows))
     return run.steps(prefix, ids, lens, max_new_tokens, texts)
 
@@ -430,6 +457,7 @@ class _Run:
         self.structure, self.values = sampling.structure(), sampling.values()
         self.stops, self.pad = jnp.asarray(stops), jnp.int32(pad)
         self.ragged, self.max_len = ragged, max_len
+        self.recompute_at: int | None = None  # see `long_rope_switch`
 
     def cache(self, b: int) -> Any:
         """An empty cache of ``b`` rows; ragged: with a position per row."""
@@ -466,14 +494,18 @@ class _Run:
             decode_activations=self.activations,
         )  # fmt: skip
         was_done = np.zeros(b, bool)
+        fed: list[np.ndarray] = []  # the tokens chosen so far, (B,) a step
         for step in range(max_new):
-            if step:
+            if step and step == self.recompute_at:
+                nxt, cache, seen, done = self.recompute(prefix, ids, lens, fed, done)
+            elif step:
                 nxt, cache, seen, done = decode_step(
                     self.model, self.params, nxt, cache, seen, done, self.key,
                     jnp.int32(step), self.values, self.stops, self.pad,
                     structure=self.structure, decode_activations=self.activations,
                 )  # fmt: skip
             row = np.where(was_done, int(self.pad), np.asarray(nxt))  # (B,)
+            fed.append(np.asarray(nxt))
             by_text = texts.stopped(row, ~was_done)
             was_done = was_done | np.asarray(done) | by_text
             yield row
@@ -481,6 +513,39 @@ class _Run:
                 return
             if by_text.any():
                 done = done | jnp.asarray(by_text)
+
+    def recompute(
+        self,
+        prefix: np.ndarray,
+        ids: np.ndarray,
+        lens: np.ndarray,
+        fed: list[np.ndarray],
+        done: jax.Array,
+    ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
+        """Step ``len(fed)`` by a fresh `prefill` of every row's tokens so far.
+
+        When a longrope sequence crosses `long_rope_switch`'s ``L``, the keys
+        cached with the short factors are stale: transformers' Phi-3 then drops
+        its cache and runs the whole sequence again with the long factors
+        (``Phi3ForCausalLM.prepare_inputs_for_generation``), which this does.
+        """
+        step = len(fed)
+        gen = np.stack(fed, axis=1)  # (B, step)
+        rows = [np.concatenate([prefix, ids[i, : lens[i]], gen[i]])
+                for i in range(len(ids))]  # fmt: skip
+        n = np.asarray([len(r) for r in rows], np.int32)
+        tb = min(_round_up(int(n.max()), PROMPT_BUCKET), self.max_len)
+        full = np.zeros((len(rows), tb), np.int32)  # (B, Tb) right-padded
+        for i, r in enumerate(rows):
+            full[i, : len(r)] = r
+        nxt, cache, seen, stop = prefill(
+            self.model, self.params, jnp.asarray(full), jnp.asarray(n),
+            self.cache(len(rows)), self.key, self.values, self.stops,
+            jnp.zeros((0,), jnp.int32), structure=self.structure,
+            rewind=self.ragged or tb != int(n.max()),
+            decode_activations=self.activations, step=step,
+        )  # fmt: skip
+        return jnp.where(done, self.pad, nxt), cache, seen, done | stop
 
 
 def generate(
@@ -570,6 +635,7 @@ __all__ = [
     "find_stop",
     "generate",
     "generate_stream",
+    "long_rope_switch",
     "partial_stop",
     "prefill",
     "sample_logits",
