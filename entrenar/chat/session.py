@@ -11,8 +11,9 @@ is produced in four steps:
 3. **Check the length**: prompt plus ``max_new_tokens`` must fit the model's context
    (`entrenar.nn.check_length`); a longer request is refused before any work.
 4. **Decode** with the KV cache (`entrenar.nn.generate_stream`), greedy by default,
-   until an end-of-turn token (`end_of_turn_ids`: the tokenizer's EOS and the usual
-   end-of-turn control tokens the vocabulary has) or ``max_new_tokens``.
+   until an end-of-turn token (`end_of_turn_ids`: the tokenizer's EOS ids, those of
+   a ``generation_config.json`` included, and the usual end-of-turn control tokens
+   the vocabulary has) or ``max_new_tokens``.
 
 `ChatModel.stream` yields the reply's text as it comes, piece by piece (a piece is
 held back while it ends inside a multi-byte UTF-8 character).
@@ -41,8 +42,18 @@ from entrenar.nn.matvec import check_activations
 from entrenar.quant.matvec import quantize_tied_head
 from entrenar.types import Params, PRNGKey
 
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
-"""Control tokens that end a turn in common chat formats (ChatML, Llama 3, ...)."""
+END_OF_TURN = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+)
+"""Control tokens that end a turn in common chat formats (ChatML, Llama 3, ...).
+
+Llama 3.1 ends a turn that calls a tool with ``<|eom_id|>`` (llama.cpp counts it
+among the end-of-generation tokens too)."""
 
 DEFAULT_MAX_NEW_TOKENS = 256
 """Replies stop here when no end-of-turn token came (``max_new_tokens=None``)."""
@@ -51,12 +62,16 @@ Messages = str | Sequence[Mapping[str, Any]]
 
 
 def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a reply: the EOS id and each `END_OF_TURN` token present.
+    """The ids that end a reply: the EOS ids and each `END_OF_TURN` token present.
 
-    Only control tokens (llama.cpp token type 3) count, so a vocabulary that holds
+    The EOS ids are the tokenizer's ``eos_id`` and its ``stop_ids`` (a Hugging
+    Face folder's ``generation_config.json`` ``eos_token_id`` list: Llama 3's
+    ``<|end_of_text|>`` beside ``<|eot_id|>``). Of `END_OF_TURN` only control
+    tokens (llama.cpp token type 3) count, so a vocabulary that holds
     ``<|im_end|>`` as plain text is not cut short.
     """
     ids = [] if tokenizer.eos_id is None else [int(tokenizer.eos_id)]
+    ids += [int(i) for i in getattr(tokenizer, "stop_ids", ()) if int(i) not in ids]
     index = {t: i for i, t in enumerate(tokenizer.tokens) if t in END_OF_TURN}
     for tok in END_OF_TURN:
         i = index.get(tok)

@@ -143,10 +143,8 @@ def load_chat(
     params = decoding_params(built, keep_quantized)
     if adapter is not None:
         params = lora.load_adapter(adapter, params)
-    stops = chat_lib.end_of_turn_ids(tok)
-    stops += tuple(i for i in getattr(tok, "stop_ids", ()) if i not in stops)
     return chat_lib.ChatModel(
-        built.config, params, tok, stop_ids=stops,
+        built.config, params, tok, stop_ids=chat_lib.end_of_turn_ids(tok),
         decode_activations=decode_activations,
     )  # fmt: skip
 

@@ -2,6 +2,8 @@
 
 import dataclasses
 import itertools
+import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,12 @@ import pytest
 
 from entrenar.chat import ChatModel, end_of_turn_ids, exact_match
 from entrenar.errors import ConfigError, ShapeError
-from entrenar.io import BPETokenizer
+from entrenar.io import BPETokenizer, HFTokenizer
 from entrenar.io.tokenizer import bytes_to_unicode
 from entrenar.nn import generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "io"))
+import hf_cases
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
@@ -75,6 +80,33 @@ def test_reply_stops_at_the_end_of_turn_token():
     # The library default of nn.generate without stop tokens runs to the limit.
     ids = jnp.asarray([CHAT.encode("Hi")], jnp.int32)
     assert generate(CHAT.model, CHAT.params, ids, max_new_tokens=8).shape == (1, 8)
+
+
+def test_the_generation_config_eos_ids_end_a_reply(tmp_path):
+    """Llama 3's folder lists <|end_of_text|> and <|eot_id|>; EOS is <|eot_id|>."""
+    hf_cases.write_tokenizer(tmp_path, "llama")
+    tok = HFTokenizer.from_folder(tmp_path)
+    end_of_text, eot = (tok.tokens.index(t) for t in ("<|end_of_text|>", "<|eot_id|>"))
+    assert tok.eos_id == eot and set(end_of_turn_ids(tok)) == {eot, end_of_text}
+    prompt = tok.encode("Hi")
+    # The model says " fox" and then <|end_of_text|>.
+    chain = [prompt[-1], *tok.encode(" fox")[1:], end_of_text]
+    assert len(set(chain)) == len(chain)
+    t = np.random.default_rng(0).normal(size=(len(tok.tokens),) * 2)
+    for a, b in itertools.pairwise(chain):
+        t[a, b] = 20.0
+    chat = ChatModel(TableLM(), jnp.asarray(t, jnp.float32), tok)
+    r = chat.reply("Hi", chat=False, max_new_tokens=20)
+    assert r.text == " fox" and r.finish_reason == "stop"
+    assert r.token_ids[-1] == end_of_text
+
+
+def test_llama31_eom_id_ends_a_turn():
+    tok = BPETokenizer(
+        tokens=(*TOKENIZER.tokens, "<|eot_id|>", "<|eom_id|>"),
+        merges=(), token_types=(*TOKENIZER.token_types, 3, 3), eos_id=258,
+    )  # fmt: skip
+    assert end_of_turn_ids(tok) == (258, END, 259)
 
 
 def test_stream_yields_whole_characters_and_joins_to_the_reply():
