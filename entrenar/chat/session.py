@@ -16,7 +16,8 @@ is produced in four steps:
    the vocabulary has) or ``max_new_tokens``.
 
 `ChatModel.stream` yields the reply's text as it comes, piece by piece (a piece is
-held back while it ends inside a multi-byte UTF-8 character).
+held back while it ends inside a multi-byte UTF-8 character or a run of
+SentencePiece byte tokens, `stream_text`).
 
 ``ChatModel(..., decode_activations="int8")`` multiplies Q8_0 / Q4_0 / Q4_1 weights
 kept as stored (``from_gguf(keep_quantized=True)``) by activations rounded to 8 bits
@@ -104,18 +105,24 @@ def stream_text(
     """Text pieces of generated tokens (row 0 of each step) until a stop.
 
     A piece is held back while the text ends inside a multi-byte UTF-8 character
-    (the tokenizer decodes it as U+FFFD) or with the beginning of a stop string
+    (the tokenizer decodes it as U+FFFD), inside a run of SentencePiece byte
+    tokens (``<0xNN>``: the run decodes as a whole, and a character left unfinished
+    at its end turns all of it into U+FFFD, as transformers' ``ByteFallback``
+    decoder does) or with the beginning of a stop string
     (`entrenar.nn.generate.partial_stop`), so every piece is whole characters, no
     part of a stop string is ever shown, and the pieces join to the decoded text cut
     before its first stop string.
     """
     ids: list[int] = []
     sent = 0
+    run = 0  # where the trailing run of byte tokens begins in ids
     for row in steps:
         tok = int(row[0])
         if tok in stops:
             break
         ids.append(tok)
+        if not _is_byte_token(tokenizer, tok):
+            run = len(ids)
         text = tokenizer.decode(ids)
         cut = find_stop(text, stop_strings)
         if cut is not None:
@@ -125,12 +132,21 @@ def stream_text(
         if text.endswith("\ufffd"):  # inside a multi-byte character: wait
             continue
         end = len(text) - partial_stop(text, stop_strings)
+        if run < len(ids):  # the run may still turn into U+FFFD: up to its start
+            end = min(end, len(tokenizer.decode(ids[:run])))
         if end > sent:
             yield text[sent:end]
             sent = end
     text = tokenizer.decode(ids)
     if len(text) > sent:
         yield text[sent:]
+
+
+def _is_byte_token(tokenizer: Any, tok: int) -> bool:
+    """Whether ``tok`` is a SentencePiece byte-fallback token ``<0xNN>``."""
+    tokens = getattr(tokenizer, "tokens", ())
+    piece = tokens[tok] if 0 <= tok < len(tokens) else ""
+    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
 
 
 def _reply(

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entrenar.chat import ChatModel, end_of_turn_ids, exact_match
+from entrenar.chat import ChatModel, end_of_turn_ids, exact_match, stream_text
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.io import BPETokenizer, HFTokenizer
 from entrenar.io.tokenizer import bytes_to_unicode
@@ -113,6 +113,27 @@ def test_stream_yields_whole_characters_and_joins_to_the_reply():
     pieces = list(CHAT.stream("Hi"))
     assert pieces == ["O", "K", "é"]  # the lone 0xC3 byte is held back
     assert "".join(pieces) == CHAT("Hi")
+
+
+@pytest.mark.parametrize("style", ["mistral", "gemma"])
+def test_byte_fallback_tokens_stream_as_the_full_decode(style, tmp_path):
+    """A stream of <0xNN> tokens joins to their full decode.
+
+    SentencePiece's byte tokens decode a run at once: an unfinished character at
+    its end turns the whole run into U+FFFD (transformers' ByteFallback), so the
+    stream holds the run back until a token of text ends it.
+    """
+    hf_cases.write_tokenizer(tmp_path, style)
+    tok = HFTokenizer.from_folder(tmp_path)
+    byte = [tok.tokens.index(f"<0x{b:02X}>") for b in range(256)]
+    word = tok.encode(" fox")[-1]
+    for text in ("日本", "😀€"):
+        whole = [byte[b] for b in text.encode()]
+        cut = whole + [byte[b] for b in text[0].encode()[:2]]  # a character cut short
+        for ids in (whole, [*whole, word], cut, [*cut, word], [word, *cut]):
+            pieces = list(stream_text(tok, [np.asarray([i]) for i in ids]))
+            assert "".join(pieces) == tok.decode(ids), (text, ids, pieces)
+            assert "\ufffd" not in "".join(pieces[:-1])  # only the last may hold it
 
 
 def test_a_request_beyond_the_context_is_refused_up_front():
