@@ -5,7 +5,9 @@ it in a sandboxed Jinja environment set up like ``transformers``'
 ``apply_chat_template``: ``ImmutableSandboxedEnvironment(trim_blocks=True,
 lstrip_blocks=True)`` with the ``loopcontrols`` extension, a ``{% generation %}`` tag,
 a ``tojson`` filter that does not escape HTML, and ``raise_exception`` /
-``strftime_now``. The variables are ``messages``, ``add_generation_prompt``, the
+``strftime_now``. The variables are ``messages``, ``add_generation_prompt``,
+``tools`` and ``documents`` (None unless given, as transformers passes them: a
+template's ``{% if tools is not none %}`` takes its branch without tools), the
 special tokens' texts (``bos_token``, ``eos_token``, ...) and any extra keywords.
 The template is untrusted code: it renders within the budget of
 `entrenar.data.sandbox` (steps, time, ``range`` length, output size), and any failure
@@ -114,7 +116,8 @@ def render_chat(
         template: the template text (e.g. `load_chat_template` of a GGUF).
         add_generation_prompt: end with the opening of an assistant turn, for
             inference.
-        **variables: more template variables (``bos_token``, ``eos_token``, ``tools``).
+        **variables: more template variables (``bos_token``, ``eos_token``,
+            ``tools``; ``tools`` and ``documents`` are None unless given).
 
     Raises:
         FormatError: malformed ``messages``.
@@ -128,10 +131,9 @@ def render_chat(
     """
     msgs = check_messages(messages)
     compiled = _compile(template)
-    return render(
-        compiled,
-        {"messages": msgs, "add_generation_prompt": add_generation_prompt, **variables},
-    )
+    context: dict[str, Any] = {"messages": msgs, "tools": None, "documents": None}
+    context["add_generation_prompt"] = add_generation_prompt
+    return render(compiled, {**context, **variables})
 
 
 def assistant_spans(
