@@ -30,7 +30,8 @@ class Sampling:
     Attributes:
         temperature: softmax temperature; 0 is greedy (argmax).
         top_k: keep the k highest scores.
-        top_p: keep the smallest set of most likely tokens whose mass reaches p.
+        top_p: keep the smallest set of most likely tokens whose mass reaches p
+            (of tokens tied at its edge, the higher ids).
         min_p: keep tokens whose probability is at least ``min_p`` times the top one's.
         repetition_penalty: ``θ``; scores of tokens already seen (prompt included)
             are divided by ``θ`` when positive, multiplied when negative.
@@ -79,9 +80,14 @@ class Sampling:
                 self.min_p is not None, self.penalized, self.vocab_limit)  # fmt: skip
 
     def values(self) -> jax.Array:
-        """The traced part: ``[temperature, top_p, min_p, penalty]`` float32."""
+        """The traced part: ``[temperature, 1 - top_p, min_p, penalty]`` float32.
+
+        ``1 - top_p`` is taken in float64 before the rounding to float32, as
+        transformers compares with it, so a cumulated mass that lands on it
+        exactly (ties) drops the same tokens.
+        """
         return jnp.asarray(
-            [self.temperature or 1.0, self.top_p or 1.0, self.min_p or 0.0,
+            [self.temperature or 1.0, 1.0 - (self.top_p or 1.0), self.min_p or 0.0,
              self.repetition_penalty or 1.0], jnp.float32,
         )  # fmt: skip
 
@@ -97,7 +103,7 @@ def process_logits(
     penalty (the filters keep the argmax).
     """
     greedy, top_k, use_top_p, use_min_p, penalized, limit = structure
-    temperature, top_p, min_p, penalty = values[0], values[1], values[2], values[3]
+    temperature, below, min_p, penalty = values[0], values[1], values[2], values[3]
     z = logits.astype(jnp.float32)  # (B, V)
     neg = jnp.float32(-jnp.inf)
     if limit is not None and limit < z.shape[-1]:
@@ -111,12 +117,13 @@ def process_logits(
         kth = jax.lax.top_k(z, min(top_k, z.shape[-1]))[0][:, -1:]  # (B, 1)
         z = jnp.where(z < kth, neg, z)
     if use_top_p:  # HF: ascending sort, drop while the cumulated mass <= 1 - p
-        srt = jnp.sort(z, axis=-1)  # (B, V) ascending
+        order = jnp.argsort(z, axis=-1, stable=True)  # (B, V); ties: lower id first
+        srt = jnp.take_along_axis(z, order, axis=-1)  # (B, V) ascending
         cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
-        drop = (cum <= 1 - top_p).at[:, -1].set(False)  # the top token stays
-        kept = jnp.where(drop, jnp.float32(jnp.inf), srt)
-        cutoff = jnp.min(kept, axis=-1, keepdims=True)  # (B, 1) smallest kept score
-        z = jnp.where(z < cutoff, neg, z)
+        drop = (cum <= below).at[:, -1].set(False)  # the top token stays
+        rows = jnp.arange(z.shape[0])[:, None]  # (B, 1)
+        drop = jnp.zeros_like(drop).at[rows, order].set(drop)  # back to token order
+        z = jnp.where(drop, neg, z)
     if use_min_p:
         probs = jax.nn.softmax(z, axis=-1)
         top = jnp.max(probs, axis=-1, keepdims=True)

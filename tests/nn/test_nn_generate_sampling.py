@@ -24,6 +24,7 @@ CASES = [
     Sampling(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2),
     Sampling(temperature=1.0, top_k=1),
     Sampling(temperature=2.0, top_p=1.0, min_p=0.0),
+    Sampling(temperature=1.0, top_k=8, top_p=0.6),  # ties: a mass of exactly 1 - p
 ]
 
 
@@ -63,6 +64,33 @@ def test_filtered_distribution_equals_transformers(s, seed):
     want = hf_scores(s, ids, logits)
     np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(want))
     np.testing.assert_allclose(softmax(ours), softmax(want), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("s", CASES, ids=str)
+def test_ties_keep_as_many_tokens_as_transformers(s):
+    """Integer logits tie everywhere, at the top-k, top-p and min-p boundaries too.
+
+    transformers keeps the smallest set whose mass reaches ``p``; which of the
+    tokens tied at its edge it keeps follows torch's (unstable) sort, so the
+    kept sets are compared by size and the probabilities sorted.
+    """
+    rng = np.random.default_rng(5)
+    logits = rng.integers(-3, 4, size=(64, 40)).astype(np.float32)
+    logits[0, :10] = 9.0  # ten of 0.1: the mass reaches 1 - p = 0.4 exactly
+    ids = rng.integers(0, 40, size=(64, T))
+    seen = seen_tokens(jnp.asarray(ids, jnp.int32), jnp.ones((64, T), bool), 40)
+    ours = np.asarray(
+        process_logits(jnp.asarray(logits), seen, s.values(), s.structure())
+    )
+    want = hf_scores(s, ids, logits)
+    np.testing.assert_array_equal(
+        np.isneginf(ours).sum(axis=-1), np.isneginf(want).sum(axis=-1)
+    )
+    np.testing.assert_allclose(
+        np.sort(softmax(ours)), np.sort(softmax(want)), atol=1e-6, rtol=0
+    )
+    if s.top_p is None:  # no sort involved: the same tokens
+        np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(want))
 
 
 def test_greedy_penalty_is_transformers_argmax():
