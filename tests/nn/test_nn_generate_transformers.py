@@ -9,6 +9,7 @@ row) and one that shares a prefix; a prompt past a cache bucket. Phi-3's longrop
 switches to its long factors once the sequence passes
 ``original_max_position_embeddings`` (8 in its tiny config): transformers then
 recomputes the whole cache with them (Phi-3's ``prepare_inputs_for_generation``).
+A list of EOS ids (a ``generation_config.json``'s) stops each row at its own.
 """
 
 import dataclasses
@@ -132,3 +133,25 @@ def test_phi3_long_factors_switch_as_in_transformers(switch, lens, shared):
     want = _hf_generate(model, rows, n)
     got = np.asarray(nn.generate(config, params, rows, max_new_tokens=n))
     np.testing.assert_array_equal(got, want)
+
+
+def test_eos_lists_stop_rows_as_in_transformers():
+    """A generation_config-style list of EOS ids: each row stops at its own."""
+    config, params, model = _build("llama")
+    rows = _prompts(config.vocab_size, (5, 11, 2), 0, seed=3)
+    free = np.asarray(nn.generate(config, params, rows, max_new_tokens=10))
+    eos = [int(free[0, 3]), int(free[2, 6])]  # rows 0 and 2 stop, at steps <= 3, 6
+    t = max(len(r) for r in rows)
+    ids, mask = np.zeros((3, t), np.int64), np.zeros((3, t), np.int64)
+    for i, r in enumerate(rows):
+        ids[i, t - len(r) :], mask[i, t - len(r) :] = r, 1
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, 95
+    with torch.no_grad():
+        out = model.generate(
+            torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+            max_new_tokens=10, do_sample=False,
+        )  # fmt: skip
+    got = nn.generate(
+        config, params, rows, max_new_tokens=10, stop_tokens=eos, pad_token=95
+    )
+    np.testing.assert_array_equal(np.asarray(got), out[:, t:].numpy())
