@@ -285,12 +285,15 @@ class ChatModel:
         """Token ids of the prompt.
 
         With ``chat`` (the default): `render` tokenized with control tokens parsed
-        as single tokens. Without: ``messages`` is plain text to continue, tokenized
-        as text (control tokens not parsed, BOS as the tokenizer's default).
+        as single tokens, and no BOS added when the template begins with one
+        (`entrenar.data.chat_add_bos`). Without: ``messages`` is plain text to
+        continue, tokenized as text (control tokens not parsed, BOS as the
+        tokenizer's default).
         """
         if chat:
             text = self.render(messages, system=system)
-            return list(self.tokenizer.encode(text, special=True))
+            bos = data.chat_add_bos(self.tokenizer, [text])  # one BOS, not two
+            return list(self.tokenizer.encode(text, add_bos=bos, special=True))
         if not isinstance(messages, str) or system is not None:
             raise ConfigError(
                 "chat=False continues plain text: pass a string and no system prompt"

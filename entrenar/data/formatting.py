@@ -65,12 +65,28 @@ def token_lengths(tokenizer: Tokenizer) -> np.ndarray:
 
 
 def _encode_all(
-    tokenizer: Tokenizer, texts: list[str], special: bool
+    tokenizer: Tokenizer, texts: list[str], special: bool, add_bos: bool | None
 ) -> list[list[int]]:
     batch = getattr(tokenizer, "encode_batch", None)
     if batch is not None:
-        return list(batch(texts, add_bos=None, special=special))
-    return [tokenizer.encode(t, special=special) for t in texts]
+        return list(batch(texts, add_bos=add_bos, special=special))
+    return [tokenizer.encode(t, add_bos=add_bos, special=special) for t in texts]
+
+
+def chat_add_bos(tokenizer: Tokenizer, texts: Sequence[str]) -> bool | None:
+    """``add_bos`` to tokenize rendered chat ``texts`` (control tokens parsed) with.
+
+    False when every text begins with the BOS token's text (a template's
+    ``{{ bos_token }}``: Llama 3, Mistral, Gemma), so the conversation begins with
+    one BOS, not two: transformers tokenizes a rendered template without adding
+    special tokens, and llama.cpp drops the template's leading BOS before adding
+    its own. Else None, the tokenizer's default.
+    """
+    bos = tokenizer.bos_id
+    if bos is None or not 0 <= int(bos) < len(tokenizer.tokens) or not texts:
+        return None
+    text = tokenizer.tokens[int(bos)]
+    return False if all(t.startswith(text) for t in texts) else None
 
 
 def label_segments(
@@ -229,7 +245,8 @@ def apply_chat_template(
 
     Renders ``messages`` through ``chat_template`` (default the tokenizer's) with the
     special tokens' texts and, by default, the generation prompt, then tokenizes the
-    text with control tokens parsed.
+    text with control tokens parsed (no BOS of the tokenizer's when the template
+    wrote one: `chat_add_bos`).
     """
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if template is None:
@@ -240,7 +257,9 @@ def apply_chat_template(
         add_generation_prompt=add_generation_prompt,
         **special_texts(tokenizer),
     )
-    return list(tokenizer.encode(text, special=True))
+    return list(
+        tokenizer.encode(text, add_bos=chat_add_bos(tokenizer, [text]), special=True)
+    )
 
 
 def encode_records(
@@ -292,14 +311,15 @@ def encode_records(
     ]
     parse = (format == "chat") if special is None else special
     texts = ["".join(s for s, _ in seg) for seg in segs]
+    bos = chat_add_bos(tokenizer, texts) if format == "chat" and parse else None
     with_spans = getattr(tokenizer, "encode_offsets_batch", None)
     if with_spans is not None:  # a Hugging Face tokenizer: align by its spans
-        encoded = with_spans(texts, special=parse)
+        encoded = with_spans(texts, add_bos=bos, special=parse)
         all_ids = [ids for ids, _ in encoded]
         labelled = [label_spans(ids, spans, seg) for (ids, spans), seg in zip(
             encoded, segs)]  # fmt: skip
     else:
-        all_ids = _encode_all(tokenizer, texts, parse)
+        all_ids = _encode_all(tokenizer, texts, parse, bos)
         labelled = [label_segments(tokenizer, i, g) for i, g in zip(all_ids, segs)]
     out = []
     for seg, ids, labels in zip(segs, all_ids, labelled):
@@ -320,6 +340,7 @@ __all__ = [
     "Format",
     "Tokenizer",
     "apply_chat_template",
+    "chat_add_bos",
     "detect_record_format",
     "encode_records",
     "label_segments",

@@ -347,17 +347,22 @@ class HFTokenizer(RustTokenizer):
         return out
 
     def encode_offsets_batch(
-        self, texts: Sequence[str], *, special: bool = False
+        self,
+        texts: Sequence[str],
+        *,
+        add_bos: bool | None = None,
+        special: bool = False,
     ) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """`encode_batch` with each token's ``(start, end)`` character span.
 
         The spans index the text as given (``tokenizers`` maps them back through
         its normalizer), so labels can be aligned for tokenizers whose tokens do not
         spell the text byte for byte (SentencePiece's ``▁``, a prepended space, byte
-        fallback). A BOS added here spans ``(0, 0)``.
+        fallback). A BOS added here (by ``add_bos``, default `add_bos`) spans
+        ``(0, 0)``.
         """
         t = self._hf[bool(special)]
-        bos = self._bos(None)
+        bos = self._bos(add_bos)
         out = []
         for e in t.encode_batch(list(texts), add_special_tokens=False):
             spans = [(int(a), int(b)) for a, b in e.offsets]

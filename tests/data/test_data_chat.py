@@ -189,3 +189,55 @@ def test_labels_with_a_bos_and_specials():
         )
         assert ids.tolist() == [256, 258, 97, 258, 98]
         assert labels.tolist() == want
+
+
+def test_a_template_bos_is_the_only_bos():
+    """Llama 3, Mistral and Gemma templates begin with {{ bos_token }}: one BOS."""
+    from entrenar.io import BPETokenizer
+    from entrenar.io.tokenizer import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    tokens = (*[b2u[b] for b in range(256)], "<s>", "</s>", "<|u|>")
+    tok = BPETokenizer(tokens, (), (1,) * 256 + (3, 3, 3), bos_id=256, eos_id=257,
+                       add_bos=True)  # fmt: skip
+    t = "{{ bos_token }}{% for m in messages %}<|u|>{{ m.content }}{% endfor %}"
+    t += "{% if add_generation_prompt %}<|u|>{% endif %}"
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    [(ids, labels)] = encode_records(
+        [{"messages": msgs}], tok, format="chat", chat_template=t
+    )
+    assert ids.tolist() == [256, 258, 97, 258, 98]
+    assert labels.tolist() == [-100] * 4 + [98]
+    assert apply_chat_template(tok, msgs[:1], chat_template=t) == [256, 258, 97, 258]
+    # Without the template's BOS, the tokenizer's own is added as before.
+    no_bos = apply_chat_template(
+        tok, msgs[:1], chat_template=t[len("{{ bos_token }}") :]
+    )
+    assert no_bos == [256, 258, 97, 258]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_chat_ids_equal_transformers_apply_chat_template(family, tmp_path):
+    """A Hugging Face folder's chat ids (prompt and training) as transformers'."""
+    transformers = pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "io"))
+    import hf_cases
+
+    from entrenar.chat import ChatModel
+    from entrenar.io import HFTokenizer
+
+    hf_cases.write_tokenizer(tmp_path, family)
+    tok = HFTokenizer.from_folder(tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    msgs = hf_cases.MESSAGES
+    for gen, turns in [(True, msgs), (False, msgs[:2])]:
+        want = auto.apply_chat_template(turns, tokenize=True, add_generation_prompt=gen)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert apply_chat_template(tok, turns, add_generation_prompt=gen) == want
+    assert ChatModel(None, None, tok).encode(msgs) == apply_chat_template(tok, msgs)
+    [(ids, _)] = encode_records([{"messages": msgs[:2]}], tok, format="chat")
+    want = auto.apply_chat_template(msgs[:2], tokenize=True)
+    assert ids.tolist() == list(want["input_ids"] if hasattr(want, "keys") else want)
