@@ -409,6 +409,18 @@ def _shared_prefix(rows: Sequence[np.ndarray]) -> int:
     return n // PREFIX_BUCKET * PREFIX_BUCKET
 
 
+def _same_start(old: str, new: str) -> int:
+    """Length of the longest common beginning of ``old`` and ``new``."""
+    if new.startswith(old):
+        return len(old)
+    n = 0
+    for a, b in zip(old, new):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 class _Texts:
     """Each row's decoded text, to stop rows at a stop string (host side)."""
 
@@ -417,11 +429,16 @@ class _Texts:
     ) -> None:
         self.tokenizer, self.stop_strings, self.stops = tokenizer, stop_strings, stops
         self.ids: list[list[int]] = [[] for _ in range(b)]
-        self.seen = [0] * b  # characters already searched
+        self.texts = [""] * b  # each row's text, already searched
         self.width = max((len(s) for s in stop_strings), default=0)
 
     def stopped(self, row: np.ndarray, live: np.ndarray) -> np.ndarray:
-        """Rows (among ``live``) whose text now holds a stop string."""
+        """Rows (among ``live``) whose text now holds a stop string.
+
+        The search starts where the new text differs from the last one (less a
+        stop string's width): a token can change text already decoded, as a
+        SentencePiece byte token does to the U+FFFD of an unfinished character.
+        """
         out = np.zeros(len(row), bool)
         if not self.stop_strings:
             return out
@@ -431,9 +448,9 @@ class _Texts:
                 continue
             self.ids[r].append(tok)
             text = self.tokenizer.decode(self.ids[r])
-            start = max(0, self.seen[r] - self.width + 1)
+            start = max(0, _same_start(self.texts[r], text) - self.width + 1)
             out[r] = find_stop(text, self.stop_strings, start) is not None
-            self.seen[r] = len(text)
+            self.texts[r] = text
         return out
 
 

@@ -136,6 +136,24 @@ def test_byte_fallback_tokens_stream_as_the_full_decode(style, tmp_path):
             assert "\ufffd" not in "".join(pieces[:-1])  # only the last may hold it
 
 
+def test_a_stop_string_of_byte_tokens_ends_the_row(tmp_path):
+    """ "€" is three <0xNN> tokens: the text reads U+FFFD U+FFFD, then "€" (shorter).
+
+    The row must stop at the token that completes it, not run to the limit.
+    """
+    hf_cases.write_tokenizer(tmp_path, "mistral")
+    tok = HFTokenizer.from_folder(tmp_path)
+    prompt = tok.encode(" fox")
+    reply = [tok.tokens.index(f"<0x{b:02X}>") for b in "€".encode()]
+    chain = [prompt[-1], *reply, *tok.encode("ok the")[1:]]
+    t = np.random.default_rng(0).normal(size=(len(tok.tokens),) * 2)
+    for a, b in itertools.pairwise(chain):
+        t[a, b] = 20.0
+    chat = ChatModel(TableLM(), jnp.asarray(t, jnp.float32), tok)
+    r = chat.reply(" fox", chat=False, stop=["€"], max_new_tokens=10)
+    assert r.token_ids == tuple(reply) and r.text == "" and r.finish_reason == "stop"
+
+
 def test_a_request_beyond_the_context_is_refused_up_front():
     n = len(CHAT.encode("Hi"))
     with pytest.raises(ShapeError, match=f"context of 64 tokens.*at most {64 - n}"):
