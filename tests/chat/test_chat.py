@@ -137,7 +137,7 @@ def test_byte_fallback_tokens_stream_as_the_full_decode(style, tmp_path):
 
 
 def test_a_stop_string_of_byte_tokens_ends_the_row(tmp_path):
-    """ "€" is three <0xNN> tokens: the text reads U+FFFD U+FFFD, then "€" (shorter).
+    """The euro sign is three <0xNN> tokens: U+FFFD U+FFFD, then one shorter "€".
 
     The row must stop at the token that completes it, not run to the limit.
     """
