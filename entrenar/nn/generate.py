@@ -223,20 +223,45 @@ def decode_step(
 
 
 def context_length(model: Any) -> int | None:
-    """Longest sequence ``model`` was trained for, or None when it does not say.
+    """Longest sequence ``model`` is made for, or None when it does not say.
 
     Reads ``max_position_embeddings`` (`entrenar.nn.LlamaConfig`) or ``n_positions``
-    (`entrenar.nn.GPT2Config`).
+    (`entrenar.nn.GPT2Config`), extended by the rotary scaling the config asks for,
+    as vLLM's ``max_model_len`` is: ``linear`` and ``dynamic`` scaling reach
+    ``factor × max_position_embeddings``, ``yarn`` reaches
+    ``factor × original_max_position_embeddings`` (Qwen2.5's long-context recipe
+    keeps ``max_position_embeddings`` at the pre-training 32,768 and adds yarn with
+    factor 4: 131,072), never less than ``max_position_embeddings``; ``llama3`` and
+    ``longrope`` configs already state the extended length there. Dynamic NTK
+    scaling changes nothing below ``max_position_embeddings``, so without this it
+    could never take effect.
 
     >>> from entrenar.nn import LlamaConfig
     >>> context_length(LlamaConfig.smollm2_135m())
     8192
+    >>> import dataclasses
+    >>> yarn = dict(rope_type="yarn", rope_factor=4.0,
+    ...             rope_original_max_position_embeddings=8192)
+    >>> context_length(dataclasses.replace(LlamaConfig.smollm2_135m(), **yarn))
+    32768
     """
     for name in ("max_position_embeddings", "n_positions"):
         n = getattr(model, name, None)
         if isinstance(n, int) and n > 0:
-            return n
+            return max(n, _scaled_context(model, n))
     return None
+
+
+def _scaled_context(model: Any, n: int) -> int:
+    """The length ``model``'s rotary scaling extends ``n`` positions to."""
+    kind = getattr(model, "rope_type", "default")
+    factor = float(getattr(model, "rope_factor", 1.0) or 1.0)
+    if kind in ("linear", "dynamic"):
+        return int(n * factor)
+    if kind == "yarn":
+        original = getattr(model, "rope_original_max_position_embeddings", None)
+        return int((original or n) * factor)
+    return n
 
 
 def check_length(model: Any, prompt_len: int, max_new_tokens: int) -> None:

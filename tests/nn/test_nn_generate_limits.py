@@ -54,3 +54,34 @@ def test_stream_yields_the_steps_generate_returns():
     np.testing.assert_array_equal(
         np.stack(steps, axis=1), generate(TINY, PARAMS, PROMPT, **kw)
     )
+
+
+@pytest.mark.parametrize(
+    ("scaling", "context"),
+    [
+        ({}, 16),
+        ({"rope_type": "linear", "rope_factor": 2.0}, 32),
+        ({"rope_type": "dynamic", "rope_factor": 4.0}, 64),
+        ({"rope_type": "yarn", "rope_factor": 4.0,
+          "rope_original_max_position_embeddings": 16}, 64),
+        ({"rope_type": "yarn", "rope_factor": 2.0,  # max_position already extended
+          "rope_original_max_position_embeddings": 4}, 16),
+        ({"rope_type": "llama3", "rope_factor": 8.0,  # states the extended length
+          "rope_original_max_position_embeddings": 4}, 16),
+    ],
+)  # fmt: skip
+def test_rotary_scaling_extends_the_context_as_vllm_does(scaling, context):
+    """Scaled configs reach past max_position_embeddings.
+
+    Before, a Qwen2.5-style yarn config (max_position_embeddings 32,768, factor 4)
+    refused generation past 32,768 and dynamic NTK scaling could never act.
+    """
+    import dataclasses
+
+    config = dataclasses.replace(TINY, **scaling)
+    assert context_length(config) == context
+    params = config.init(jax.random.key(0))
+    out = generate(config, params, PROMPT, max_new_tokens=context - 10)
+    assert out.shape == (1, context - 10)
+    with pytest.raises(ShapeError, match=f"context of {context}"):
+        generate(config, params, PROMPT, max_new_tokens=context - 9)
