@@ -29,7 +29,11 @@ A ``longrope`` model (Phi-3) rotates with its long factors once the sequence pas
 ``L = rope_original_max_position_embeddings`` (`long_rope_switch`): a prompt's
 bucket padding stops at ``L``, no prefix is shared when the prompts pass it, and
 the step whose input crosses it recomputes the cache of every row's tokens so far,
-as transformers does (the keys cached with the short factors are stale).
+as transformers does (the keys cached with the short factors are stale). A
+``dynamic`` (NTK) model's base grows with the sequence past
+``M = max_position_embeddings`` (`dynamic_rope_start`): no bucket padding past ``M``
+and the longest prompt, no shared prefix past ``M``; the cache is kept, each step
+rotating with the base of its own length, as in transformers.
 
 Weights kept as stored (`entrenar.io.load_llama_gguf(keep_quantized=True)`: Q8_0,
 Q4_0, Q4_1, K-quants, BF16; `Bfloat16Weight`) are multiplied as they are in every
@@ -345,6 +349,20 @@ def long_rope_switch(model: Any) -> int | None:
     return getattr(model, "rope_original_max_position_embeddings", None)
 
 
+def dynamic_rope_start(model: Any) -> int | None:
+    """``M``: past a sequence of ``M`` tokens ``model``'s rotary base grows with it.
+
+    ``dynamic`` (NTK) scaling rotates with a base that depends on
+    ``s = max(position) + 1`` once ``s > M = max_position_embeddings``
+    (`entrenar.nn.rope_scaling`); transformers takes ``s`` from the real tokens,
+    so `generate` pads no prompt past ``M`` nor past its longest row, and shares
+    no prefix once the prompt passes ``M``. None for every other model.
+    """
+    if getattr(model, "rope_type", None) != "dynamic":
+        return None
+    return getattr(model, "max_position_embeddings", None)
+
+
 def generate_stream(
     model: Any,
     params: Params,
@@ -399,15 +417,20 @@ def generate_stream(
         max_len = _round_up(t0 + max_new_tokens, CACHE_BUCKET)
         max_len = min(max_len, context_length(model) or max_len)
     switch = long_rope_switch(model)
+    grows = dynamic_rope_start(model)
     p = _shared_prefix(rows) if has_pos and len(rows) > 1 else 0
     if switch is not None and t0 > switch:
         p = 0  # the prefix alone would rotate with the short factors
+    if grows is not None and t0 > grows:
+        p = 0  # the prefix alone would rotate with a smaller base than the prompt
     ragged = ragged or p > 0
     prefix, rows = np.asarray(rows[0][:p], np.int32), [r[p:] for r in rows]
     t1 = max(len(r) for r in rows)
     tb = min(_round_up(t1, PROMPT_BUCKET), max_len - p) if has_pos else t1
     if switch is not None and p + t1 <= switch < p + tb:
         tb = switch - p  # padding past L would switch the prompt to the long factors
+    if grows is not None and p + tb > grows:
+        tb = max(t1, grows - p)  # padding past M and the longest row grows the base
     ids = np.zeros((len(rows), tb), np.int32)  # (B, Tb) right-padded
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
@@ -674,6 +697,7 @@ __all__ = [
     "check_length",
     "context_length",
     "decode_step",
+    "dynamic_rope_start",
     "find_stop",
     "generate",
     "generate_stream",

@@ -9,7 +9,9 @@ row) and one that shares a prefix; a prompt past a cache bucket. Phi-3's longrop
 switches to its long factors once the sequence passes
 ``original_max_position_embeddings`` (8 in its tiny config): transformers then
 recomputes the whole cache with them (Phi-3's ``prepare_inputs_for_generation``).
-A list of EOS ids (a ``generation_config.json``'s) stops each row at its own.
+A dynamic (NTK) model's base grows past ``max_position_embeddings`` with each
+step's length, the cache kept (transformers' ``dynamic_rope_update``). A list of
+EOS ids (a ``generation_config.json``'s) stops each row at its own.
 """
 
 import dataclasses
@@ -130,6 +132,32 @@ def test_phi3_long_factors_switch_as_in_transformers(switch, lens, shared):
     n = min(12, config.max_position_embeddings - max(lens))
     if len(lens) > 2:  # each row stays below the switch
         n = switch - max(lens)
+    want = _hf_generate(model, rows, n)
+    got = np.asarray(nn.generate(config, params, rows, max_new_tokens=n))
+    np.testing.assert_array_equal(got, want)
+
+
+DYNAMIC_CASES = [  # (prompt lengths, new tokens, shared tokens); M = 16
+    ((5,), 20, 0),  # the reply passes M: each step's base grows, the cache is kept
+    ((12,), 12, 0),  # bucket padding past M would grow the prompt's base
+    ((5, 11, 2), 20, 0),
+    ((20,), 8, 0),  # past M from the start: no padding past the prompt
+    ((17, 18), 10, 16),  # no prefix of 16 run alone with the base of 16
+]
+
+
+@pytest.mark.parametrize("lens,n,shared", DYNAMIC_CASES, ids=str)
+def test_dynamic_ntk_past_max_position_as_in_transformers(lens, n, shared):
+    """Dynamic NTK rotary scaling below, across and past ``max_position_embeddings``.
+
+    Before, the prompt's bucket padding (to 16 or 32 positions) counted as
+    sequence length and grew the base: the 12-token prompt's second token differed.
+    """
+    config, params, model = _build(
+        "llama", rope_type="dynamic", rope_factor=2.0,
+        rope_original_max_position_embeddings=None, max_position_embeddings=16,
+    )  # fmt: skip
+    rows = _prompts(config.vocab_size, lens, shared, seed=sum(lens))
     want = _hf_generate(model, rows, n)
     got = np.asarray(nn.generate(config, params, rows, max_new_tokens=n))
     np.testing.assert_array_equal(got, want)
