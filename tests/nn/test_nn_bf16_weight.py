@@ -115,8 +115,10 @@ def test_lora_step_is_unchanged_and_never_converts_the_stack():
 def test_a_plain_bfloat16_stack_is_converted_whole():
     """Why the bits are uint16: with a bfloat16 stack, XLA:CPU hoists a float32 copy.
 
-    If this starts failing, XLA no longer does that and a plain bfloat16 array would
-    do; the node can then hold one.
+    jax 0.8-0.10 (XLA:CPU) do. jax 0.12.0.1 no longer does (found running the suite
+    on Python 3.13, where pip picks it): there the check is skipped, with the
+    version, since the uint16 node is still right, only no longer needed; a plain
+    bfloat16 array would then do.
     """
     step, t, f = _lora_step_parts(
         lambda f: jax.tree_util.tree_map(
@@ -125,7 +127,10 @@ def test_a_plain_bfloat16_stack_is_converted_whole():
     )
     hlo = step.lower(t, f).compile().as_text()
     stack = f"f32[{TINY.num_layers},{TINY.intermediate_size},{TINY.hidden_size}]"
-    assert [line for line in hlo.splitlines() if stack in line and "convert" in line]
+    converted = [ln for ln in hlo.splitlines() if stack in ln and "convert" in ln]
+    if not converted and jax.__version_info__ >= (0, 11):
+        pytest.skip(f"XLA of jax {jax.__version__} keeps a bfloat16 stack as it is")
+    assert converted
 
 
 def test_a_bfloat16_weight_is_never_differentiated():
