@@ -232,7 +232,22 @@ GE = defop("ge", jnp.greater_equal, pad="elementwise")
 EXP = defop("exp", jnp.exp, pad="elementwise")
 LOG = defop("log", jnp.log, pad="elementwise")
 SQRT = defop("sqrt", jnp.sqrt, pad="elementwise")
-ABS = defop("abs", jnp.abs, pad="elementwise")
+
+
+@jax.custom_jvp
+def _abs_real(x: jax.Array) -> jax.Array:
+    return jnp.abs(x)
+
+
+_abs_real.defjvp(lambda xs, ts: (jnp.abs(xs[0]), jnp.sign(xs[0]) * ts[0]))
+
+
+def _abs(x: jax.Array) -> jax.Array:
+    """|x|; for real x the gradient is sign(x), 0 at 0 (PyTorch's; jnp.abs's is 1)."""
+    return _abs_real(x) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.abs(x)
+
+
+ABS = defop("abs", _abs, pad="elementwise")
 TANH = defop("tanh", jnp.tanh, pad="elementwise")
 WHERE = defop("where", jnp.where, pad="elementwise")
 STOP_GRADIENT = defop("stop_gradient", jax.lax.stop_gradient, pad="elementwise")

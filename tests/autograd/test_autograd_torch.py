@@ -1,0 +1,184 @@
+"""The Tensor API used as a PyTorch user uses it, with torch.autograd as the reference.
+
+Values and gradients in float64 (``jax.enable_x64``) against torch's; the semantics
+of ``requires_grad``, in-place updates, comparisons and indexing against torch's.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import entrenar.autograd as ag
+from entrenar.autograd import Tensor, backward
+
+RNG = np.random.default_rng(0)
+A, B = RNG.standard_normal((3, 4)), RNG.standard_normal(4)
+A_INF = A.copy()
+A_INF[0, 1] = -np.inf  # a masked logit
+TARGETS = np.array([1, -100, 3])
+QKV = [RNG.standard_normal(s) for s in [(1, 4, 3, 2), (1, 2, 5, 2), (1, 2, 5, 2)]]
+CAUSAL = torch.ones(3, 5, dtype=torch.bool).tril(2)
+
+
+def kv(t):
+    return t.repeat_interleave(2, 1)  # each k/v head serves two query heads
+
+
+# name: (entrenar function, torch function, float64 inputs)
+CASES = {
+    "add_broadcast": (lambda a, b: a + b, lambda a, b: a + b, [A, B]),
+    "scalars_on_the_left": (
+        lambda a: 2 - a / (3 + a * a) + 2.0**a,
+        lambda a: 2 - a / (3 + a * a) + 2.0**a,
+        [A],
+    ),
+    "pow_zero_base": (
+        lambda a, b: a**b,
+        lambda a, b: a**b,
+        [np.array([0.0, 1.0, 2.0]), np.array([2.0, 0.5, 1.5])],
+    ),
+    "numpy_on_the_left": (
+        lambda a: np.ones((2, 3)) @ (np.float64(2.0) * a),
+        lambda a: torch.ones(2, 3, dtype=torch.float64) @ (2.0 * a),
+        [A],
+    ),
+    "sum_keepdims_negative_axes": (
+        lambda a: a.sum(axis=(-1, 0), keepdims=True),
+        lambda a: a.sum((-1, 0), keepdim=True),
+        [RNG.standard_normal((2, 3, 4))],
+    ),
+    "mean_max_ties": (
+        lambda a: a.mean(axis=-1) + a.max(axis=1),
+        lambda a: a.mean(-1) + a.amax(1),
+        [np.array([[1.0, 3, 3], [2, 2, 2]])],
+    ),
+    "index_negative_and_step": (
+        lambda a: a[-1, -3::2] + a[::-1][0, :2].sum(),
+        lambda a: a[-1, -3::2] + a.flip(0)[0, :2].sum(),
+        [A],
+    ),
+    "index_repeated_rows_accumulate": (
+        lambda a: a[np.array([0, 2, 0, -3])] * 2.0,
+        lambda a: a[[0, 2, 0, -3]] * 2.0,
+        [A],
+    ),
+    "index_two_arrays_and_a_tensor": (
+        lambda a: a[np.array([0, 2, 0]), Tensor(np.array([1, 1, 3]))],
+        lambda a: a[[0, 2, 0], [1, 1, 3]],
+        [A],
+    ),
+    "reshape_transpose_concat_stack": (
+        lambda a, b: ag.stack(
+            [ag.concatenate([a, b], axis=-1).T, ag.concatenate([a, b]).reshape(4, -1)]
+        ),
+        lambda a, b: torch.stack(
+            [torch.cat([a, b], -1).T, torch.cat([a, b]).reshape(4, -1)]
+        ),
+        [RNG.standard_normal((3, 2)), RNG.standard_normal((3, 2))],
+    ),
+    "matmul_1d_1d": (lambda a, b: a @ b, lambda a, b: a @ b, [B, B[::-1].copy()]),
+    "matmul_1d_batched": (
+        lambda a, b: a @ b,
+        lambda a, b: a @ b,
+        [RNG.standard_normal(3), RNG.standard_normal((2, 3, 4))],
+    ),
+    "matmul_broadcast_batches": (
+        lambda a, b: a @ b,
+        lambda a, b: a @ b,
+        [RNG.standard_normal((2, 1, 3, 4)), RNG.standard_normal((5, 4, 2))],
+    ),
+    "abs_at_zero": (
+        lambda a: a.abs(),
+        torch.abs,
+        [np.array([-1.0, 0.0, 2.0, -0.0])],
+    ),
+    "activations": (
+        lambda a: (
+            ag.relu(a)
+            + ag.gelu(a)
+            + ag.gelu(a, approximate=True)
+            + ag.silu(a)
+            + ag.sigmoid(a)
+            + ag.tanh(a)
+        ),
+        lambda a: (
+            torch.relu(a)
+            + F.gelu(a)
+            + F.gelu(a, approximate="tanh")
+            + F.silu(a)
+            + torch.sigmoid(a)
+            + torch.tanh(a)
+        ),
+        [np.concatenate([A.ravel(), [0.0]])],
+    ),
+    "softmaxes_with_minus_infinity": (
+        lambda a: ag.softmax(a) + ag.log_softmax(a, axis=0),
+        lambda a: torch.softmax(a, -1) + torch.log_softmax(a, 0),
+        [A_INF],
+    ),
+    "cross_entropy_ignore_index": (
+        lambda a: ag.cross_entropy(a, TARGETS),
+        lambda a: F.cross_entropy(a, torch.tensor(TARGETS)),
+        [A_INF],
+    ),
+    "cross_entropy_other_ignore_index_sum": (
+        lambda a: ag.cross_entropy(a, np.array([1, 0, 3]), 0, reduction="sum"),
+        lambda a: F.cross_entropy(
+            a, torch.tensor([1, 0, 3]), ignore_index=0, reduction="sum"
+        ),
+        [A],
+    ),
+    "cross_entropy_sequence": (
+        lambda a: ag.cross_entropy(a, np.array([[1, 2], [-100, 0]])),
+        lambda a: F.cross_entropy(
+            a.permute(0, 2, 1), torch.tensor([[1, 2], [-100, 0]])
+        ),
+        [RNG.standard_normal((2, 2, 5))],
+    ),
+    "bce_mse": (
+        lambda a, y: ag.binary_cross_entropy_with_logits(a, y) + ag.mse_loss(a, y),
+        lambda a, y: F.binary_cross_entropy_with_logits(a, y) + F.mse_loss(a, y),
+        [A, RNG.uniform(size=(3, 4))],
+    ),
+    "norms": (
+        lambda a, w, b: ag.layer_norm(a, w, b) + ag.rms_norm(a, w, eps=1e-6),
+        lambda a, w, b: F.layer_norm(a, (4,), w, b) + F.rms_norm(a, (4,), w, 1e-6),
+        [A, B, B[::-1].copy()],
+    ),
+    "where_and_casts": (
+        lambda a, b: ag.where(a > 0, a, b).astype(jnp.float32).astype(jnp.float64),
+        lambda a, b: torch.where(a > 0, a, b).float().double(),
+        [A, RNG.standard_normal((3, 4))],
+    ),
+    "embedding_repeated_ids": (
+        lambda w: ag.embedding(w, np.array([1, 1, 0])),
+        lambda w: F.embedding(torch.tensor([1, 1, 0]), w),
+        [A],
+    ),
+    "attention_gqa_causal": (
+        lambda q, k, v: ag.scaled_dot_product_attention(q, k, v, causal=True),
+        lambda q, k, v: F.scaled_dot_product_attention(q, kv(k), kv(v), CAUSAL),
+        QKV,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_values_and_gradients_equal_torch(name):
+    fn, torch_fn, inputs = CASES[name]
+    with jax.enable_x64(True):
+        xs = [Tensor(x, requires_grad=True) for x in inputs]
+        out = fn(*xs)
+        ts = [torch.tensor(x, requires_grad=True) for x in inputs]
+        ref = torch_fn(*ts)
+        seed = np.random.default_rng(1).standard_normal(tuple(ref.shape))
+        backward(out, grad=seed)
+        ref.backward(torch.tensor(seed))
+        assert out.shape == tuple(ref.shape)
+        np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), 1e-10, 1e-12)
+        for x, t in zip(xs, ts):
+            assert x.grad.dtype == np.float64
+            np.testing.assert_allclose(x.grad, t.grad.numpy(), 1e-9, 1e-12)
