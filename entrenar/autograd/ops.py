@@ -283,23 +283,101 @@ CONCATENATE = defop("concatenate", lambda *xs, axis: jnp.concatenate(xs, axis))
 STACK = defop("stack", lambda *xs, axis: jnp.stack(xs, axis))
 
 
-def encode_index(index: Any) -> tuple[tuple, list[Any]]:
-    """Split an index into a hashable spec and its array parts (dynamic inputs)."""
+def encode_index(
+    index: Any, shape: tuple[int, ...] | None = None
+) -> tuple[tuple, list[Any]]:
+    """Split an index into a hashable spec and its array parts (dynamic inputs).
+
+    With ``shape`` (the indexed tensor's), the index is checked as PyTorch checks it:
+    an integer, or a known integer array, out of range for its axis is a `ShapeError`
+    (JAX would clamp it silently), and a known boolean mask ``m`` over axes of the
+    same sizes becomes the integer arrays ``m.nonzero()`` (numpy's meaning of
+    ``x[m]``). A boolean mask known only inside `jax.jit` is refused: the result's
+    shape would depend on its values.
+    """
     items = index if isinstance(index, tuple) else (index,)
     spec: list[Any] = []
     arrays: list[Any] = []
+    masks: dict[int, tuple[int, ...]] = {}  # spec position of a mask's first array
     for it in items:
         if isinstance(it, slice):
             spec.append(("slice", it.start, it.stop, it.step))
+        elif isinstance(it, (bool, np.bool_)):
+            raise ShapeError(f"a bool index ({it!r}) is not supported; use where()")
         elif it is None or it is Ellipsis or isinstance(it, (int, np.integer)):
             spec.append(int(it) if isinstance(it, np.integer) else it)
         elif isinstance(it, (TensorBase, np.ndarray, jax.Array, list)):
-            arr = it if isinstance(it, TensorBase) else np.asarray(it)
+            arr: Any = it if isinstance(it, (TensorBase, jax.Array)) else np.asarray(it)
+            if shape is not None and arr.dtype == np.bool_:
+                traced = isinstance(arr, (TensorBase, jax.core.Tracer))
+                if traced or arr.ndim == 0:
+                    raise ShapeError(
+                        "x[mask] needs a boolean mask of at least one axis whose "
+                        f"values are known; got {arr.dtype}{list(arr.shape)}"
+                        + (" inside jax.jit" if traced else "")
+                        + ": use where(mask, x, 0) instead"
+                    )
+                masks[len(spec)] = tuple(arr.shape)
+                for ids in np.nonzero(np.asarray(arr)):
+                    spec.append(("array", len(arrays)))
+                    arrays.append(ids)
+                continue
             spec.append(("array", len(arrays)))
             arrays.append(arr)
         else:
             raise ShapeError(f"unsupported index {it!r} of type {type(it).__name__}")
+    if shape is not None:
+        _check_index(spec, arrays, masks, items, shape)
     return tuple(spec), arrays
+
+
+def _check_index(
+    spec: list[Any],
+    arrays: list[Any],
+    masks: dict[int, tuple[int, ...]],
+    items: tuple,
+    shape: tuple[int, ...],
+) -> None:
+    """Raise `ShapeError` for an index that does not fit ``shape`` (PyTorch's check)."""
+    nd = len(shape)
+    used = sum(s is not None and s is not Ellipsis for s in spec)
+    if used > nd:
+        raise ShapeError(
+            f"too many indices for a tensor of shape {shape}: {items!r} indexes "
+            f"{used} axes"
+        )
+    if spec.count(Ellipsis) > 1:
+        raise ShapeError(f"an index can have only one ellipsis (...), got {items!r}")
+    ax = 0
+    for i, s in enumerate(spec):
+        if s is None:
+            continue
+        if s is Ellipsis:
+            ax += nd - used
+            continue
+        if i in masks and shape[ax : ax + len(masks[i])] != masks[i]:
+            raise ShapeError(
+                f"a boolean mask of shape {masks[i]} does not fit axes {ax}.."
+                f"{ax + len(masks[i]) - 1} of a tensor of shape {shape}"
+            )
+        lo = hi = s if isinstance(s, int) else None
+        if isinstance(s, tuple) and s[0] == "array":
+            arr = arrays[s[1]]
+            # a traced index (inside jax.jit) cannot be checked
+            if not isinstance(arr, (TensorBase, jax.core.Tracer)) and np.issubdtype(
+                arr.dtype, np.integer
+            ):
+                host = np.asarray(arr)
+                if host.size:
+                    lo, hi = int(host.min()), int(host.max())
+        size = shape[ax]
+        if lo is not None and hi is not None and (lo < -size or hi >= size):
+            bad = lo if lo < -size else hi
+            raise ShapeError(
+                f"index {bad} is out of range for axis {ax} of size {size} (tensor "
+                f"shape {shape}); valid indices are {-size}..{size - 1}"
+            )
+        ax += 1
 
 
 def _decode_index(spec: tuple, arrays: Sequence[Any]) -> tuple:

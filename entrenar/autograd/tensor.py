@@ -9,7 +9,7 @@ parameter whose ``.grad`` backward fills) or the **output of an operation** (it 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -295,6 +295,9 @@ class Tensor(TensorBase):
     def __float__(self) -> float:
         return float(self.item())
 
+    def __int__(self) -> int:
+        return int(self.item())
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.numpy()
         return arr if dtype is None else arr.astype(dtype)
@@ -352,8 +355,17 @@ class Tensor(TensorBase):
         return apply_op(_ops.GE, self, o)
 
     def __getitem__(self, index: Any) -> Tensor:
-        spec, arrays = _ops.encode_index(index)
+        items = index if isinstance(index, tuple) else (index,)
+        # index tensors are constants: their values (checked, masks made integer)
+        items = tuple(it.data if isinstance(it, Tensor) else it for it in items)
+        spec, arrays = _ops.encode_index(items, self.shape)
         return apply_op(_ops.GETITEM, self, *arrays, spec=spec)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        """The sub-tensors along the first axis, ``self[0], self[1], ...``."""
+        if not self.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
 
     # ---- methods mirroring the functional API -------------------------------------
     def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:

@@ -13,12 +13,14 @@ import torch.nn.functional as F
 
 import entrenar.autograd as ag
 from entrenar.autograd import Tensor, backward
+from entrenar.errors import ShapeError
 
 RNG = np.random.default_rng(0)
 A, B = RNG.standard_normal((3, 4)), RNG.standard_normal(4)
 A_INF = A.copy()
 A_INF[0, 1] = -np.inf  # a masked logit
 TARGETS = np.array([1, -100, 3])
+MASK = np.array([True, False, True])
 QKV = [RNG.standard_normal(s) for s in [(1, 4, 3, 2), (1, 2, 5, 2), (1, 2, 5, 2)]]
 CAUSAL = torch.ones(3, 5, dtype=torch.bool).tril(2)
 
@@ -68,6 +70,18 @@ CASES = {
     "index_two_arrays_and_a_tensor": (
         lambda a: a[np.array([0, 2, 0]), Tensor(np.array([1, 1, 3]))],
         lambda a: a[[0, 2, 0], [1, 1, 3]],
+        [A],
+    ),
+    "index_boolean_mask": (
+        lambda a: a[MASK] * a[:, np.array([True, False, False, True])].sum(),
+        lambda a: (
+            a[torch.tensor(MASK)] * a[:, torch.tensor([True, False, False, True])].sum()
+        ),
+        [A],
+    ),
+    "index_by_comparison": (
+        lambda a: a[a > 0.0] * 3.0,
+        lambda a: a[a > 0.0] * 3.0,
         [A],
     ),
     "reshape_transpose_concat_stack": (
@@ -182,3 +196,37 @@ def test_values_and_gradients_equal_torch(name):
         for x, t in zip(xs, ts):
             assert x.grad.dtype == np.float64
             np.testing.assert_allclose(x.grad, t.grad.numpy(), 1e-9, 1e-12)
+
+
+def leaf(v, requires_grad=True):
+    return Tensor(np.asarray(v, np.float32), requires_grad=requires_grad)
+
+
+def test_indices_out_of_range_are_refused_as_torch_does():
+    # before: JAX clamped them silently (x[2] of 2 rows gave row 1; iterating a
+    # tensor never stopped)
+    x = leaf(np.arange(6).reshape(2, 3))
+    for index in [2, -3, (0, 3), (..., -4), np.array([0, 2]), [1, -3], (0, [3])]:
+        with pytest.raises(ShapeError, match="out of range for axis"):
+            x[index]
+        with pytest.raises(IndexError):
+            torch.zeros(2, 3)[index]
+    with pytest.raises(ShapeError, match="too many indices"):
+        x[0, 0, 0]
+    with pytest.raises(ShapeError, match="does not fit axes"):
+        x[np.array([True, False, True])]
+    assert x[-2, -3].item() == 0.0 and x[..., 2].tolist() == [2.0, 5.0]
+    rows = [r.tolist() for r in x]
+    (_, b) = x
+    assert rows == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and b.tolist() == rows[1]
+    assert int(x[1, 1]) == 4
+
+
+def test_a_boolean_mask_inside_jit_is_refused_clearly():
+    @jax.jit
+    def f(v):
+        t = Tensor(v)
+        return t[t > 0.0].data
+
+    with pytest.raises(ShapeError, match="where"):
+        f(jnp.ones(3))
