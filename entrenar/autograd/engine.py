@@ -136,20 +136,20 @@ def build(target: Tensor, *, for_grad: bool) -> Program:
             )
         if not expanded:
             stack.append((t, True))
-            for a, snap in zip(node.args, node.snaps):
+            for a, snap, pinned in zip(node.args, node.snaps, node.pins):
                 if isinstance(a, tensor_type) and (
-                    snap is None or (for_grad and a.requires_grad)
+                    snap is None or (for_grad and pinned)
                 ):
                     stack.append((a, False))
             continue
         arg_slots = []
-        for a, snap in zip(node.args, node.snaps):
+        for a, snap, pinned in zip(node.args, node.snaps, node.pins):
             if not isinstance(a, tensor_type):  # a constant array or Python scalar
                 arg_slots.append(len(inputs))
                 inputs.append(a)
                 sigs.append(_scalar_sig(a))
                 prog.in_avals.append(sigs[-1])
-            elif snap is None or (for_grad and a.requires_grad):
+            elif snap is None or (for_grad and pinned):
                 arg_slots.append(slot_of[id(a)])
             else:  # a constant leaf, as recorded
                 slot = slot_of.get(id(snap))

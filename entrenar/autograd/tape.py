@@ -51,11 +51,14 @@ class Node:
         tape: the `Tape` the node is recorded on, or None when it is not recorded
             (grad mode off, or no input requires grad). Recorded nodes pin their
             grad-requiring leaves: their data cannot change until the node is freed.
+        pins: for each argument, whether it was a leaf that required grad when the
+            node was recorded. Backward differentiates exactly these leaves (a leaf
+            that requires grad only later is a constant of this graph, as recorded).
         freed: set by ``backward(..., retain_graph=False)`` or when the node is
             garbage-collected; a freed node cannot be differentiated again.
     """
 
-    __slots__ = ("args", "freed", "op", "snaps", "static", "tape")
+    __slots__ = ("args", "freed", "op", "pins", "snaps", "static", "tape")
 
     def __init__(
         self,
@@ -71,10 +74,14 @@ class Node:
         self.snaps = snaps
         self.tape = tape
         self.freed = False
+        self.pins = tuple(
+            tape is not None and s is not None and a.requires_grad
+            for a, s in zip(args, snaps)
+        )
         if tape is not None:
             tape._live += 1
-            for a, s in zip(args, snaps):
-                if s is not None and a.requires_grad:
+            for a, pinned in zip(args, self.pins):
+                if pinned:
                     a._live_uses += 1
 
     @property
@@ -89,8 +96,8 @@ class Node:
         self.freed = True
         if self.tape is not None:
             self.tape._live -= 1
-            for a, s in zip(self.args, self.snaps):
-                if s is not None and a.requires_grad:
+            for a, pinned in zip(self.args, self.pins):
+                if pinned:
                     a._live_uses -= 1
 
     def unrecord(self) -> None:
@@ -98,6 +105,7 @@ class Node:
         self.free()
         self.freed = False
         self.tape = None
+        self.pins = (False,) * len(self.args)  # its leaves are read as recorded
 
     def __del__(self) -> None:
         try:

@@ -60,9 +60,9 @@ class Tensor(TensorBase):
         "_live_uses",
         "_node",
         "_pending",
+        "_requires_grad",
         "_value",
         "grad",
-        "requires_grad",
     )
     __array_priority__ = 1000  # numpy defers to Tensor's reflected operators
 
@@ -78,9 +78,13 @@ class Tensor(TensorBase):
         self._aval = aval if aval is not None else _ops.Aval.of(value)
         self._live_uses = 0
         self._pending: Any = None
-        self.requires_grad = bool(requires_grad)
+        self._requires_grad = bool(requires_grad)
         self.grad: Any = None
-        if requires_grad and not _ops.is_inexact(self.dtype):
+        if requires_grad:
+            self._check_differentiable()
+
+    def _check_differentiable(self) -> None:
+        if not _ops.is_inexact(self.dtype):
             raise TapeError(
                 f"only floating-point tensors can require grad, got {self.dtype}; "
                 "pass dtype=jnp.float32"
@@ -224,21 +228,55 @@ class Tensor(TensorBase):
         return apply_op(_ops.STOP_GRADIENT, self)._as_constant()
 
     def _as_constant(self) -> Tensor:
-        self.requires_grad = False
+        self._requires_grad = False
         if self._node is not None:
             self._node.unrecord()
         return self
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether `backward` differentiates with respect to this tensor.
+
+        Setting it is `requires_grad_`: checked, and without effect on operations
+        recorded before (as in PyTorch).
+        """
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        self.requires_grad_(flag)
+
     def requires_grad_(self, flag: bool = True) -> Tensor:
-        """Set ``requires_grad`` on a leaf, in place; returns the tensor."""
+        """Set ``requires_grad`` on a leaf, in place; returns the tensor.
+
+        Operations recorded before keep treating the tensor as they recorded it (a
+        constant stays a constant of those graphs). A tensor computed from tensors
+        that do not require grad becomes a leaf holding its value, as in PyTorch
+        (``w = (Tensor.randn(s, key=k) * 0.02).requires_grad_()``). Raises
+        `TapeError` for an integer tensor, for turning off the flag of a tensor
+        computed by a recorded operation (use `detach`), and while recorded
+        operations still use the tensor.
+        """
+        flag = bool(flag)
+        if flag == self._requires_grad:
+            return self
         if self._node is not None:
-            raise TapeError("requires_grad_ applies to leaf tensors only")
+            if self._requires_grad:
+                raise TapeError(
+                    "requires_grad can be turned off on leaf tensors only; for a "
+                    f"tensor computed by {self._node.op.name!r} use .detach()"
+                )
+            self._check_differentiable()
+            self._value = self.data  # computed from constants: now a leaf
+            self._node = None
         if self._live_uses > 0:
             raise TapeError(
                 "cannot change requires_grad of a tensor that recorded operations "
                 "still use; call backward() first"
             )
-        self.requires_grad = flag
+        if flag:
+            self._check_differentiable()
+        self._requires_grad = flag
         return self
 
     def astype(self, dtype: Any) -> Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import entrenar.autograd as ag
 from entrenar.autograd import Tensor, backward
-from entrenar.errors import ShapeError
+from entrenar.errors import ShapeError, TapeError
 
 RNG = np.random.default_rng(0)
 A, B = RNG.standard_normal((3, 4)), RNG.standard_normal(4)
@@ -230,3 +230,43 @@ def test_a_boolean_mask_inside_jit_is_refused_clearly():
 
     with pytest.raises(ShapeError, match="where"):
         f(jnp.ones(3))
+
+
+def test_requires_grad_set_after_recording_leaves_the_graph_as_recorded():
+    # torch: a graph recorded while c was a constant keeps c's value then and gives
+    # c no gradient; before, backward read c's new value (w.grad 100) and gave c one
+    w, c = leaf([2.0]), leaf([3.0], requires_grad=False)
+    y = (w * c).sum()
+    c.data = jnp.array([100.0])
+    c.requires_grad_(True)
+    backward(y)
+    wt, ct = torch.tensor([2.0], requires_grad=True), torch.tensor([3.0])
+    yt = (wt * ct).sum()
+    ct.requires_grad_(True)
+    yt.backward()
+    assert w.grad.tolist() == wt.grad.tolist() == [3.0]
+    assert c.grad is None and ct.grad is None
+    assert c._live_uses == 0  # the freed graph did not unpin what it never pinned
+
+
+def test_requires_grad_attribute_is_checked():
+    w = leaf([2.0])
+    y = (w * 3.0).sum()
+    with pytest.raises(TapeError, match="recorded operations still use"):
+        w.requires_grad = False  # the graph still needs w's gradient
+    backward(y)
+    w.requires_grad = False
+    assert not w.requires_grad and w.grad.tolist() == [3.0]
+    i = Tensor([1, 2])
+    with pytest.raises(TapeError, match="only floating-point"):
+        i.requires_grad = True  # before: accepted, then a float0 "gradient"
+    with pytest.raises(TapeError, match=r"detach\(\)"):
+        (leaf([1.0]) * 2.0).requires_grad = False
+
+
+def test_a_tensor_computed_from_constants_can_become_a_parameter():
+    # torch's w = (torch.randn(...) * 0.02).requires_grad_()
+    w = (Tensor.randn((3,), key=jax.random.key(0)) * 0.5).requires_grad_()
+    assert w.is_leaf and w.requires_grad
+    backward((w * w).sum())
+    np.testing.assert_allclose(w.grad, 2 * w.numpy(), rtol=1e-6)
