@@ -392,6 +392,16 @@ class Tensor(TensorBase):
     def __ge__(self, o: Any) -> Tensor:
         return apply_op(_ops.GE, self, o)
 
+    def __eq__(self, o: Any) -> Any:
+        """Elementwise ``==`` (a bool tensor, as in PyTorch); ``t == None`` is False."""
+        return NotImplemented if o is None else apply_op(_ops.EQ, self, o)
+
+    def __ne__(self, o: Any) -> Any:
+        """Elementwise ``!=`` (a bool tensor); ``t != None`` is True."""
+        return NotImplemented if o is None else apply_op(_ops.NE, self, o)
+
+    __hash__ = object.__hash__  # by identity, as PyTorch's tensors
+
     def __getitem__(self, index: Any) -> Tensor:
         items = index if isinstance(index, tuple) else (index,)
         # index tensors are constants: their values (checked, masks made integer)

@@ -270,3 +270,17 @@ def test_a_tensor_computed_from_constants_can_become_a_parameter():
     assert w.is_leaf and w.requires_grad
     backward((w * w).sum())
     np.testing.assert_allclose(w.grad, 2 * w.numpy(), rtol=1e-6)
+
+
+def test_equality_is_elementwise_and_not_differentiable():
+    # before: == and != compared identities (t == 1.0 was False)
+    x = leaf([1.0, 2.0, 0.0])
+    eq, ne = x == 1.0, x != Tensor(np.float32([1.0, 0.0, 0.0]))
+    assert eq.dtype == np.bool_ and not eq.requires_grad
+    assert eq.tolist() == [True, False, False] and ne.tolist() == [False, True, False]
+    backward(ag.where(x == 0.0, 1.0, x * x).sum())
+    xt = torch.tensor([1.0, 2.0, 0.0], requires_grad=True)
+    torch.where(xt == 0.0, 1.0, xt * xt).sum().backward()
+    assert x.grad.tolist() == xt.grad.tolist()
+    assert (x == None) is False and (x != None) is True  # noqa: E711
+    assert len({x, x}) == 1  # hashable by identity
