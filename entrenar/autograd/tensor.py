@@ -19,7 +19,7 @@ import numpy as np
 from entrenar.autograd import engine
 from entrenar.autograd import ops as _ops
 from entrenar.autograd.tape import Node, TensorBase, get_tape, is_grad_enabled
-from entrenar.errors import ShapeError, TapeError
+from entrenar.errors import DTypeError, ShapeError, TapeError
 
 
 def _to_value(data: Any, dtype: Any = None) -> Any:
@@ -401,6 +401,57 @@ class Tensor(TensorBase):
         return NotImplemented if o is None else apply_op(_ops.NE, self, o)
 
     __hash__ = object.__hash__  # by identity, as PyTorch's tensors
+
+    # ---- in place: x += y ------------------------------------------------------------
+    def _inplace(self, op: _ops.Op, o: Any, sym: str) -> Tensor:
+        """``self {sym}= o``: PyTorch's in-place update where the tape allows it.
+
+        A leaf whose result needs no recording (under `no_grad`, or nothing
+        requires grad) is updated in place (``with no_grad(): w -= lr * w.grad``),
+        keeping its shape and dtype; a leaf that requires grad cannot be changed in
+        grad mode (`TapeError`, as in PyTorch). Any other tensor is replaced by the
+        result (the name is rebound; the recorded graph is unchanged).
+        """
+        if self._node is None and self._requires_grad and is_grad_enabled():
+            raise TapeError(
+                f"a leaf tensor that requires grad (shape {self.shape}) cannot be "
+                f"changed in place (x {sym}= ...) while operations are recorded: "
+                f"update it under no_grad() (with no_grad(): w {sym}= ...) or with "
+                "an optimizer's step()"
+            )
+        out = apply_op(op, self, o)
+        if self._node is not None or out.requires_grad:
+            return out
+        if out.shape != self.shape:
+            raise ShapeError(
+                f"in-place x {sym}= y gives shape {out.shape}, not x's {self.shape}: "
+                f"an in-place update cannot broadcast x; write x = x {sym} y"
+            )
+        value = out.data
+        if value.dtype != self.dtype:
+            if not np.can_cast(value.dtype, self.dtype, "same_kind"):
+                raise DTypeError(
+                    f"in-place x {sym}= y gives {value.dtype}, which x ({self.dtype}) "
+                    f"cannot hold; write x = x {sym} y, or convert x with astype"
+                )
+            value = value.astype(self.dtype)
+        self.data = value  # TapeError while recorded operations still need self
+        return self
+
+    def __iadd__(self, o: Any) -> Tensor:
+        return self._inplace(_ops.ADD, o, "+")
+
+    def __isub__(self, o: Any) -> Tensor:
+        return self._inplace(_ops.SUB, o, "-")
+
+    def __imul__(self, o: Any) -> Tensor:
+        return self._inplace(_ops.MUL, o, "*")
+
+    def __itruediv__(self, o: Any) -> Tensor:
+        return self._inplace(_ops.DIV, o, "/")
+
+    def __ipow__(self, o: Any) -> Tensor:
+        return self._inplace(_ops.POW, o, "**")
 
     def __getitem__(self, index: Any) -> Tensor:
         items = index if isinstance(index, tuple) else (index,)

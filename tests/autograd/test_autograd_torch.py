@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import entrenar.autograd as ag
-from entrenar.autograd import Tensor, backward
-from entrenar.errors import ShapeError, TapeError
+from entrenar.autograd import Tensor, backward, no_grad
+from entrenar.errors import DTypeError, ShapeError, TapeError
 
 RNG = np.random.default_rng(0)
 A, B = RNG.standard_normal((3, 4)), RNG.standard_normal(4)
@@ -284,3 +284,55 @@ def test_equality_is_elementwise_and_not_differentiable():
     assert x.grad.tolist() == xt.grad.tolist()
     assert (x == None) is False and (x != None) is True  # noqa: E711
     assert len({x, x}) == 1  # hashable by identity
+
+
+def test_manual_sgd_in_place_updates_the_parameters_as_torch():
+    # before: p -= lr * p.grad rebound the loop variable: the parameters never moved
+    params = [leaf([1.0, -2.0]), leaf([[0.5]])]
+    tparams = [torch.tensor(p.numpy(), requires_grad=True) for p in params]
+    for _ in range(3):
+        backward((params[0] * params[0]).sum() + (params[1] * params[0]).sum())
+        with no_grad():
+            for p in params:
+                p -= 0.1 * p.grad
+                p *= 0.9
+                p.zero_grad()
+        ((tparams[0] * tparams[0]).sum() + (tparams[1] * tparams[0]).sum()).backward()
+        with torch.no_grad():
+            for p in tparams:
+                p -= 0.1 * p.grad
+                p *= 0.9
+                p.grad = None
+    for p, t in zip(params, tparams):
+        assert p.is_leaf and p.requires_grad
+        np.testing.assert_allclose(p.numpy(), t.detach().numpy(), rtol=1e-6)
+
+
+def test_in_place_refusals_and_rebinding():
+    w = leaf([1.0, 2.0])
+    same = w
+    with pytest.raises(TapeError, match=r"no_grad\(\).*w \+= "):
+        w += 1.0  # torch: a leaf requiring grad used in an in-place operation
+    c = leaf([1.0, 2.0], requires_grad=False)
+    y = c * w
+    c += 10.0  # a constant changes in place; y keeps the value recorded
+    assert c.tolist() == [11.0, 12.0] and y.tolist() == [1.0, 4.0]
+    loss = (w * w).sum()
+    with no_grad(), pytest.raises(TapeError, match="still need it"):
+        w -= 0.1  # the recorded graph still needs w's value
+    backward(loss)
+    del y  # the last graph that needs w
+    with no_grad():
+        w -= 0.5
+    assert w is same and w.tolist() == [0.5, 1.5]
+    h = w * 2.0
+    h += 1.0  # not a leaf: replaced by the result (its graph is kept)
+    backward(h.sum())
+    assert w.grad.tolist() == [2.0 + 2.0, 4.0 + 2.0]  # 2w at [1, 2], then 2
+    with pytest.raises(ShapeError, match="cannot broadcast"):
+        c += np.ones((2, 2), np.float32)
+    i = Tensor([1, 2])
+    with jax.numpy_dtype_promotion("standard"), pytest.raises(DTypeError, match="int"):
+        i += 0.5  # the tests' strict promotion would refuse int32 + float at once
+    i += 1
+    assert i.tolist() == [2, 3] and i.dtype == np.int32
