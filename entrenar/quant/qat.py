@@ -8,7 +8,11 @@ to ``2^bits`` levels on a calibrated or learnable range ``[lo, hi]``::
 
     s = (hi - lo) / (2^bits - 1),   x̂ = lo + s · round((clip(x, lo, hi) - lo) / s)
 
-with the STE on ``round`` only, so ``∂x̂/∂x = 1`` inside the range and 0 outside, and
+computed in float32 whatever ``x``'s dtype (as PyTorch's ``fake_quantize_per_tensor_
+affine`` does for bfloat16; bfloat16 arithmetic would round ``(x - lo) / s`` before
+``round`` does, up to 1.6 steps off at 8 bits), the result in ``x``'s dtype. The STE
+is on ``round`` only, so ``∂x̂/∂x = 1`` inside the closed range ``[lo, hi]`` (a value
+equal to a calibrated ``lo`` or ``hi`` is inside, as in PyTorch) and 0 outside, and
 ``lo``, ``hi`` receive gradients as in LSQ (Esser et al., 2020) / PACT (Choi et al.,
 2018): a value clipped at ``hi`` gives ``∂x̂/∂hi = 1``.
 """
@@ -20,7 +24,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from entrenar.errors import ConfigError
 from entrenar.quant.api import dequantize, quantize
 
 
@@ -85,18 +91,31 @@ def fake_quant_range(
 
     ``lo`` and ``hi`` broadcast against ``x`` (per tensor or per channel) and may be
     calibrated (`entrenar.quant.ptq.calibrate`) or learned (they receive gradients).
+    Computed in float32 (the module docstring); the result has ``x``'s dtype.
+
+    Raises:
+        ConfigError: ``bits`` is not an integer from 1 to 24.
 
     Example:
         >>> import jax.numpy as jnp
         >>> fake_quant_range(jnp.array([-2.0, 0.26, 9.0]), 0.0, 1.0, bits=2).tolist()
         [0.0, 0.3333333432674408, 1.0]
     """
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+        raise ConfigError(f"bits must be an integer from 1 to 24, got {bits!r}")
+    if not 1 <= bits <= 24:  # 2^bits - 1 levels, each exact in float32
+        raise ConfigError(f"bits must be from 1 to 24, got {bits}")
     x = jnp.asarray(x)
-    lo = jnp.asarray(lo, x.dtype)
-    hi = jnp.maximum(jnp.asarray(hi, x.dtype), lo)
+    ct = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    xf = x.astype(ct)
+    lo = jnp.asarray(lo).astype(ct)
+    hi = jnp.maximum(jnp.asarray(hi).astype(ct), lo)
     levels = 2**bits - 1
-    s = jnp.maximum((hi - lo) / levels, jnp.finfo(x.dtype).tiny)
-    return lo + s * round_ste((jnp.clip(x, lo, hi) - lo) / s)
+    s = jnp.maximum((hi - lo) / levels, jnp.finfo(ct).tiny)
+    # clip(x, lo, hi) whose gradient goes to x on the closed range: jnp.clip splits
+    # it half and half with lo / hi where x equals them
+    c = jnp.where(xf < lo, lo, jnp.where(xf > hi, hi, xf))
+    return (lo + s * round_ste((c - lo) / s)).astype(x.dtype)
 
 
 __all__ = ["fake_quant", "fake_quant_range", "round_ste"]
