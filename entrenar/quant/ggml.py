@@ -27,6 +27,7 @@ from entrenar.quant.kquant import FORMATS, GGMLWeight, ggml_weight
 from entrenar.quant.weight import (
     QuantizedWeight,
     pack_nibbles,
+    quotient,
     to_blocks,
     unpack_nibbles,
     validated_blocks,
@@ -84,19 +85,6 @@ def _inverse(d: jax.Array) -> jax.Array:
     return jnp.where(d == 0, jnp.float32(0), jnp.float32(1) / safe)
 
 
-def _divide(x: jax.Array, k: float) -> jax.Array:
-    """``x / k`` rounded once, as C's ``x / k`` in float32.
-
-    XLA's algebraic simplifier turns a division by a constant or a broadcast scalar
-    into a product with its float32 reciprocal (``x * 0.0666666701`` for ``x / 15``),
-    which differs from the quotient by an ulp for 63% of ``x`` (4.5% for 127); the
-    codes of values on a rounding boundary (grid data) follow that ulp through
-    ``id = 1 / d``. A divisor array behind an optimization barrier is neither.
-    """
-    divisor = jax.lax.optimization_barrier(jnp.full(x.shape, k, jnp.float32))
-    return x / divisor
-
-
 def _rounded_product(x: jax.Array, y: jax.Array) -> jax.Array:
     """``x · y`` rounded to float32 before the caller adds to it, as C's ``x*id + 8.5``.
 
@@ -147,7 +135,7 @@ def quantize_ggml(w: Any, scheme: str) -> QuantizedWeight:
     x = validated_blocks(w, QK, scheme)  # (*lead, nb, 32)
     offsets = None
     if scheme == "q8_0":
-        d = _divide(jnp.max(jnp.abs(x), axis=-1, keepdims=True), 127)
+        d = quotient(jnp.max(jnp.abs(x), axis=-1, keepdims=True), 127)
         codes = _round_half_away(x * _inverse(d)).astype(jnp.int8)
         codes = codes.reshape(*codes.shape[:-2], -1)  # (*lead, cols)
     elif scheme == "q4_0":
@@ -157,7 +145,7 @@ def quantize_ggml(w: Any, scheme: str) -> QuantizedWeight:
         codes = pack_nibbles(jnp.clip(q, 0, 15))  # (*lead, cols // 2)
     elif scheme == "q4_1":
         lo = jnp.min(x, axis=-1, keepdims=True)
-        d = _divide(jnp.max(x, axis=-1, keepdims=True) - lo, 15)
+        d = quotient(jnp.max(x, axis=-1, keepdims=True) - lo, 15)
         q = jnp.trunc(_rounded_product(x - lo, _inverse(d)) + jnp.float32(0.5))
         codes = pack_nibbles(jnp.clip(q, 0, 15))
         offsets = lo[..., 0].astype(jnp.float16)  # (*lead, nb)

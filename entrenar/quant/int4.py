@@ -17,6 +17,7 @@ import numpy as np
 from entrenar.quant.weight import (
     QuantizedWeight,
     pack_nibbles,
+    quotient,
     unpack_nibbles,
     validated_blocks,
 )
@@ -31,7 +32,7 @@ def quantize_int4(w: Any, *, block_size: int = 64) -> QuantizedWeight:
     """
     dtype = np.dtype(jnp.asarray(w).dtype)
     x = validated_blocks(w, block_size, "int4")  # (*lead, nb, B)
-    d = jnp.max(jnp.abs(x), axis=-1) / jnp.float32(7)  # (*lead, nb)
+    d = quotient(jnp.max(jnp.abs(x), axis=-1), 7)  # (*lead, nb)
     inv = jnp.where(d == 0, jnp.float32(0), 1 / jnp.where(d == 0, 1, d))
     q = jnp.clip(jnp.round(x * inv[..., None]), -7, 7) + 8  # (*lead, nb, B) in [1, 15]
     return QuantizedWeight(

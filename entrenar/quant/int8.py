@@ -29,7 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
-from entrenar.quant.weight import QuantizedWeight, as_float, check_blocks, check_finite
+from entrenar.quant.weight import (
+    QuantizedWeight,
+    as_float,
+    check_blocks,
+    check_finite,
+    quotient,
+)
 
 GRANULARITIES = ("block", "channel", "tensor")
 
@@ -91,16 +97,16 @@ def quantize_int8(
             granularity = "tensor"
     check_finite(w, "int8")
     if symmetric:
-        d = jnp.max(jnp.abs(x), axis=axes, keepdims=True) / jnp.float32(127)
+        d = quotient(jnp.max(jnp.abs(x), axis=axes, keepdims=True), 127)
         inv = jnp.where(d == 0, jnp.float32(0), 1 / jnp.where(d == 0, 1, d))
         q = jnp.clip(jnp.round(x * inv), -127, 127).astype(jnp.int8)
         z = None
     else:
         lo = jnp.minimum(jnp.min(x, axis=axes, keepdims=True), 0)
         hi = jnp.maximum(jnp.max(x, axis=axes, keepdims=True), 0)
-        d = (hi - lo) / jnp.float32(255)
+        d = quotient(hi - lo, 255)
         inv = jnp.where(d == 0, jnp.float32(0), 1 / jnp.where(d == 0, 1, d))
-        zf = jnp.clip(jnp.round(-lo * inv), 0, 255)
+        zf = jnp.clip(jnp.round(-lo / jnp.where(d == 0, 1, d)), 0, 255)  # 0 if d=0
         q = jnp.clip(jnp.round(x * inv) + zf, 0, 255).astype(jnp.uint8)
         z = zf.astype(jnp.uint8)
     if granularity == "block":  # drop the block axis: (*lead, cols), (*lead, nb)

@@ -144,6 +144,73 @@ def test_asymmetric_int8_keeps_zero_exact_and_uses_uint8_range():
     assert int(q.codes.min()) == 0 and int(q.codes.max()) == 255
 
 
+def _rows_of_all_scales(seed: int, rows: int = 256) -> np.ndarray:
+    """``(rows, 128)`` float32 rows of magnitudes 1e-3..1e3, some off-centre."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 128)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))
+    return (x + rng.uniform(-1, 1, (rows, 1)) * np.abs(x).max(1, keepdims=True)).astype(
+        np.float32
+    )
+
+
+def _spec_codes(x, d, z, lo, hi):
+    """``clip(round_half_even(x · (1/d)) + z, lo, hi)`` in float32, as the spec."""
+    inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d))
+    return np.clip(np.rint(x * inv.astype(np.float32)) + z, lo, hi)
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int8_scales_and_zero_points_are_pytorchs_observers(symmetric, granularity):
+    torch = pytest.importorskip("torch")
+    from torch.ao.quantization import observer
+
+    x = _rows_of_all_scales(1)
+    if symmetric:  # qint8 on -127..127: scale = max|x| / 127
+        kw = {"dtype": torch.qint8, "quant_min": -127, "quant_max": 127}
+        schemes = (torch.per_channel_symmetric, torch.per_tensor_symmetric)
+    else:  # quint8: scale = (max(x, 0) - min(x, 0)) / 255
+        kw = {"dtype": torch.quint8}
+        schemes = (torch.per_channel_affine, torch.per_tensor_affine)
+    if granularity == "channel":
+        obs = observer.PerChannelMinMaxObserver(ch_axis=0, qscheme=schemes[0], **kw)
+    else:
+        obs = observer.MinMaxObserver(qscheme=schemes[1], **kw)
+    obs(torch.from_numpy(x))
+    scale, zero = (t.numpy().reshape(-1) for t in obs.calculate_qparams())
+    q = quantize(x, "int8", symmetric=symmetric, granularity=granularity)
+    # XLA multiplied by the float32 1/127 or 1/255: an ulp off PyTorch's quotient
+    # for 11 of these 256 symmetric and 180 of 256 asymmetric channels
+    np.testing.assert_array_equal(np.asarray(q.scales).reshape(-1), scale)
+    d = np.asarray(q.scales)
+    if symmetric:
+        codes = _spec_codes(x, d, 0, -127, 127)
+    else:
+        np.testing.assert_array_equal(np.asarray(q.offsets).reshape(-1), zero)
+        codes = _spec_codes(x, d, np.asarray(q.offsets).astype(np.float32), 0, 255)
+    # (PyTorch's vectorised quint8 kernel adds the zero point before rounding, so a
+    # few of its codes sit a step off this definition; the scales are its own)
+    np.testing.assert_array_equal(np.asarray(q.codes), codes)
+
+
+def test_int4_scale_is_the_quotient_and_half_steps_round_to_even():
+    x = _rows_of_all_scales(2)
+    d = (np.abs(x.reshape(256, 2, 64)).max(-1) / np.float32(7)).astype(np.float32)
+    # values half a step apart: round(x / d) decides every tie, so an ulp of d
+    # (x · 0.142857149 for max / 7: 55% of blocks) moved codes across it
+    k = np.arange(128) % 29 / 2 - 7  # -7, -6.5, ..., 7
+    grid = (np.repeat(d, 64, axis=1) * k).astype(np.float32)
+    grid[:, ::64] = np.where(d >= 0, 7 * d, 0)  # the block absmax stays 7 d
+    for w in (x, grid):
+        q = quantize(w, "int4")
+        dw = (np.abs(w.reshape(256, 2, 64)).max(-1) / np.float32(7)).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(q.scales), dw)
+        codes = _spec_codes(w.reshape(256, 2, 64), dw[..., None], 8, 1, 15)
+        np.testing.assert_array_equal(
+            np.asarray(dequantize(q)).reshape(256, 2, 64), dw[..., None] * (codes - 8)
+        )
+
+
 def test_zeros_quantize_to_zeros_everywhere():
     w = np.zeros((2, 64), np.float32)
     for kw in (
