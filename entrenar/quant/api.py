@@ -19,6 +19,7 @@ import numpy as np
 
 from entrenar.errors import QuantizationError, ShapeError
 from entrenar.nn.bf16_weight import rounds_tied_head
+from entrenar.nn.hf_names import STACKED_KEYS
 from entrenar.nn.layers import embedding_rows
 from entrenar.nn.weight_node import to_dense
 from entrenar.quant.ggml import check_float16, dequantize_ggml, quantize_ggml
@@ -26,7 +27,7 @@ from entrenar.quant.int4 import dequantize_int4, quantize_int4
 from entrenar.quant.int8 import dequantize_int8, quantize_int8
 from entrenar.quant.nf4 import block_scales, dequantize_nf4, quantize_nf4_checked
 from entrenar.quant.weight import SCHEMES, QuantizedWeight, check_finite
-from entrenar.tree import key_path_str
+from entrenar.tree import key_path_str, list_index
 from entrenar.types import PyTree
 
 _DEQUANTIZE: dict[str, Callable[[QuantizedWeight, Any], jax.Array]] = {
@@ -264,6 +265,27 @@ def quantizable(x: Any, block: int, *, lead_axes: int = 0) -> bool:
     )
 
 
+def layer_axes(name: str) -> int:
+    """Leading layer axes of the leaf at the dotted path ``name``: 1 in a layer stack.
+
+    A leaf under a stacked key (``model.layers.*``, GPT-2's ``transformer.h.*``:
+    `entrenar.nn.STACKED_KEYS` not followed by a layer index) has a leading layer
+    axis (specs/conventions.md; `entrenar.lora.names.stacked_split` reads the same).
+
+    >>> layer_axes("model.layers.input_layernorm.weight")
+    1
+    >>> layer_axes("model.layers.0.input_layernorm.weight"), layer_axes("lm_head.w")
+    (0, 0)
+    """
+    parts = name.split(".")
+    return int(
+        any(
+            p in STACKED_KEYS and list_index(parts[j + 1]) is None
+            for j, p in enumerate(parts[:-1])
+        )
+    )
+
+
 def quantize_params(
     params: PyTree,
     scheme: str = "nf4",
@@ -274,7 +296,9 @@ def quantize_params(
     """A new tree whose selected weights are `QuantizedWeight` nodes.
 
     By default every non-empty floating leaf with at least two axes whose last axis
-    splits into whole blocks is quantized (weights, not biases or norms);
+    splits into whole blocks is quantized (weights, not biases or norms); in a layer
+    stack (`layer_axes`) the axes are counted per layer, so a stacked norm ``(L, D)``
+    stays as it is and a projection ``(L, out, in)`` is quantized.
     ``predicate(name, leaf)`` (``name`` the dotted path) chooses instead.
 
     Example:
@@ -287,7 +311,9 @@ def quantize_params(
     if scheme == "int8" and options.get("granularity", "block") != "block":
         block = 1
 
-    select = predicate or (lambda _, x: quantizable(x, block))
+    select = predicate or (
+        lambda name, x: quantizable(x, block, lead_axes=layer_axes(name))
+    )
 
     def rule(path: tuple[Any, ...], x: Any) -> Any:
         if is_quantized(x) or not select(key_path_str(path), x):
@@ -310,6 +336,7 @@ __all__ = [
     "dequantize",
     "dequantize_params",
     "is_quantized",
+    "layer_axes",
     "map_rows",
     "quantizable",
     "quantize",

@@ -16,6 +16,7 @@ from entrenar.quant import (
     quantize_like,
     quantize_params,
 )
+from entrenar.quant.api import layer_axes
 from entrenar.quant.report import bits_per_param, memory_report
 from entrenar.tree import tree_named_leaves
 
@@ -204,6 +205,39 @@ def test_quantize_params_default_choice_follows_the_scheme_blocks(
     assert out["q"] is already  # a quantized leaf is left as it is
     for k in chosen:
         assert out[k].scheme == scheme
+
+
+@pytest.mark.parametrize(
+    ("scheme", "options"),
+    [("nf4", {"double_quant": True}), ("int8", {"granularity": "channel"}),
+     ("q4_1", {})],
+)  # fmt: skip
+def test_quantize_params_of_a_stacked_model_keeps_its_norms_and_runs(scheme, options):
+    """A layer stack's ``(L, D)`` norms are vectors in each layer: left as they are.
+
+    They were quantized as ``(L, D)`` matrices (D splits into blocks), and the
+    model's layer scan then failed with ``IndexError: tuple index out of range``.
+    """
+    cfg = entrenar.nn.LlamaConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=2,
+        num_heads=4, num_kv_heads=2,
+    )  # fmt: skip
+    params = cfg.init(jax.random.key(0))
+    qp = quantize_params(params, scheme, **options)
+    layers = qp["model"]["layers"]
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        assert layers[norm]["weight"] is params["model"]["layers"][norm]["weight"]
+    assert isinstance(layers["mlp"]["down_proj"]["weight"], QuantizedWeight)
+    assert layers["mlp"]["down_proj"]["weight"].shape == (2, 128, 256)
+    assert isinstance(qp["lm_head"]["weight"], QuantizedWeight)
+    ids = jax.random.randint(jax.random.key(1), (2, 9), 0, 96)
+    got = np.asarray(jax.jit(cfg.apply)(qp, ids))
+    want = np.asarray(jax.jit(cfg.apply)(dequantize_params(qp), ids))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    # the names the rule reads: a stacked key not followed by a layer index
+    assert layer_axes("transformer.h.ln_1.weight") == 1
+    assert layer_axes("transformer.h.3.ln_1.weight") == 0
+    assert layer_axes("layers.[2].norm.weight") == 0  # a stored list position
 
 
 @pytest.mark.parametrize(
