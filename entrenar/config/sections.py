@@ -132,7 +132,9 @@ class DataSection(Config):
         "auto",
         doc="tabular (feature columns -> target), text (language modelling), "
         "prompt_completion or chat (loss on the answer only); auto: tabular for an "
-        "mlp, text otherwise",
+        "mlp, else from the first record's fields: `messages_field` -> chat, "
+        "`prompt_field` and `completion_field` -> prompt_completion, `text_field` -> "
+        "text",
     )
     text_field: str = option("text", doc="text: the column holding the text")
     prompt_field: str = option("prompt", doc="prompt_completion: the prompt column")

@@ -213,7 +213,7 @@ def text_loader(
     """
     d = spec.data
     assert d is not None
-    fmt: Any = "text" if d.format == "auto" else d.format
+    fmt: Any = d.format  # auto: from the first record's fields (lm_loader)
     common: dict[str, Any] = dict(
         format=fmt, seq_len=d.seq_len, packing=d.packing, fields=d.fields
     )

@@ -71,15 +71,16 @@ def _batch_loss(model: Any, params: Any, batch: Any) -> tuple[jax.Array, jax.Arr
 
 
 def _row_length(
-    recs: data_lib.Records, built: BuiltModel, fmt: Any, seq_len: int
-) -> int:
+    recs: data_lib.Records, built: BuiltModel, fmt: Any, seq_len: int,
+    fields: dict[str, str],
+) -> int:  # fmt: skip
     """``seq_len`` cut to the longest document (a multiple of 8), not padded past it.
 
     Rows of 512 tokens for conversations of 60 cost eight times the work for the
     same loss: no document is longer than the row either way.
     """
     limit = min(seq_len, nn.context_length(built.config) or seq_len)
-    docs = data_lib.encode_records(recs, built.tokenizer, format=fmt)
+    docs = data_lib.encode_records(recs, built.tokenizer, format=fmt, fields=fields)
     longest = max((len(ids) for ids, _ in docs), default=1)
     return min(limit, -(-longest // 8) * 8)
 
@@ -104,12 +105,13 @@ def _loss_sums(
 def _text(
     built: BuiltModel, path: str, fmt: Any, seq_len: int, log: Log | None,
     generate: bool = False, batch_size: int = 16,
-    decode_activations: str | None = None,
+    decode_activations: str | None = None, fields: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     if built.tokenizer is None:
         raise ConfigError(f"{built.source}: no tokenizer to read {path} with")
     recs = data_lib.load_records(path)
-    fmt = record_format(recs) if fmt == "auto" else fmt
+    names = {**FIELDS, **(fields or {})}
+    fmt = record_format(recs, names) if fmt == "auto" else fmt
     if generate and fmt != "chat":
         raise ConfigError(f"{path}: --generate scores chat data, not {fmt}")
     if fmt == "chat" and not getattr(built.tokenizer, "chat_template", None):
@@ -118,10 +120,11 @@ def _text(
             "template to render it with; evaluate a model whose tokenizer has one, "
             "or prompt-completion or text data"
         )
-    row = _row_length(recs, built, fmt, seq_len)
+    row = _row_length(recs, built, fmt, seq_len, names)
     loader = data_lib.lm_loader(
-        recs, built.tokenizer, format=fmt, seq_len=row, batch_size=8, shuffle=False
-    )
+        recs, built.tokenizer, format=fmt, seq_len=row, batch_size=8, shuffle=False,
+        fields=names,
+    )  # fmt: skip
     if log is not None:  # the model and the data read: the long part begins
         log(f"evaluating {built.source or 'the model'} on {path}")
         n = len(loader)
@@ -144,25 +147,36 @@ def _text(
                 f"({how})")  # fmt: skip
         session = chat.ChatModel(built.config, built.params, built.tokenizer,
                                  decode_activations=decode_activations)  # fmt: skip
+        if names["messages"] != "messages":  # exact_match reads "messages"
+            recs = data_lib.Records(
+                [{"messages": recs.value(i, names["messages"], (list, tuple))}
+                 for i in range(len(recs))],
+                recs.source, recs.row_numbers, recs.unit,
+            )  # fmt: skip
         em = chat.exact_match(session, recs, batch_size=batch_size, generate=generate)
         out |= {"exact_match": em.accuracy, "examples": em.total}
     return out
 
 
-def record_format(recs: data_lib.Records) -> str:
-    """``chat``, ``prompt_completion`` or ``text``, from the first record's fields."""
-    first = recs[0] if len(recs) else {}
-    if "messages" in first:
-        return "chat"
-    if "prompt" in first and "completion" in first:
-        return "prompt_completion"
-    return "text"
+FIELDS = {"text": "text", "prompt": "prompt", "completion": "completion",
+          "messages": "messages"}  # fmt: skip
+"""The record field of each role, unless a run's ``data:`` renames them."""
+
+
+def record_format(recs: data_lib.Records, fields: dict[str, str] | None = None) -> str:
+    """``chat``, ``prompt_completion`` or ``text``, from the first record's fields.
+
+    ``fields`` renames them (a run's ``data.text_field``, ...); as training reads
+    ``data.format: auto`` (`entrenar.data.detect_record_format`).
+    """
+    return data_lib.detect_record_format(recs, {**FIELDS, **(fields or {})})
 
 
 def evaluate_built(
     built: BuiltModel, data: str, *, fmt: str = "auto", seq_len: int = 512,
     task: str | None = None, log: Log | None = None, generate: bool = False,
     batch_size: int = 16, decode_activations: str | None = None,
+    fields: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Metrics of a loaded model on a data file (see `evaluate_model`).
 
@@ -172,7 +186,7 @@ def evaluate_built(
     """
     if built.is_lm:
         return _text(built, data, fmt, seq_len, log, generate, batch_size,
-                     decode_activations)  # fmt: skip
+                     decode_activations, fields)  # fmt: skip
     return _tabular(built, data, task)
 
 
@@ -180,7 +194,7 @@ def evaluate_model(
     model: str, data: str, *, fmt: str = "auto", seq_len: int = 512,
     task: str | None = None, log: Log | None = None, generate: bool = False,
     batch_size: int = 16, keep_quantized: bool = False,
-    decode_activations: str | None = None,
+    decode_activations: str | None = None, fields: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Metrics of a model file on a data file (see the module docstring).
 
@@ -192,13 +206,15 @@ def evaluate_model(
     (`entrenar.chat.exact_match`). ``keep_quantized``: a GGUF's quantized weights
     kept as stored, a tied head read as Q8_0 as ``entrenar generate`` and ``chat``
     read it (`entrenar.runs.inference.decoding_params`); ``decode_activations``: how
-    the decoding multiplies them (`entrenar.chat.ChatModel`).
+    the decoding multiplies them (`entrenar.chat.ChatModel`); ``fields``: the record
+    field of each role (``{"messages": "conversation"}``, a run's ``data.*_field``).
     """
     built = load_built(model, keep_quantized=keep_quantized)
     built = dataclasses.replace(built, params=decoding_params(built, keep_quantized))
     return evaluate_built(built, data, fmt=fmt, seq_len=seq_len, task=task, log=log,
                           generate=generate, batch_size=batch_size,
-                          decode_activations=decode_activations)  # fmt: skip
+                          decode_activations=decode_activations,
+                          fields=fields)  # fmt: skip
 
 
 def compare_models(
@@ -245,6 +261,7 @@ def evaluate_config(
             return evaluate_built(
                 _adapted_base(spec, adapter), path, fmt=_format(spec),
                 seq_len=spec.data.seq_len, task=spec.data.task,
+                fields=spec.data.fields,
             )  # fmt: skip
         if not found:
             raise ConfigError(
@@ -253,8 +270,9 @@ def evaluate_config(
             )
         model = found[0]
     return evaluate_model(
-        model, path, fmt=_format(spec), seq_len=spec.data.seq_len, task=spec.data.task
-    )
+        model, path, fmt=_format(spec), seq_len=spec.data.seq_len,
+        task=spec.data.task, fields=spec.data.fields,
+    )  # fmt: skip
 
 
 def _format(spec: Any) -> str:
@@ -273,6 +291,7 @@ def _adapted_base(spec: Any, adapter: str) -> BuiltModel:
 
 
 __all__ = [
+    "FIELDS",
     "Log",
     "compare_models",
     "evaluate_built",

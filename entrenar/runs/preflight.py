@@ -98,7 +98,9 @@ def _check_fields(spec: TrainSpec, records: data_lib.Records) -> None:
     """Every record has the fields the format reads, of the right type."""
     d = spec.data
     assert d is not None
-    fmt: Any = "text" if d.format == "auto" else d.format  # text data: not tabular
+    fmt: Any = d.format  # text data: not tabular
+    if fmt == "auto":
+        fmt = data_lib.detect_record_format(records, d.fields)
     for i in range(len(records)):
         data_lib.record_fields(records, i, fmt, d.fields)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from config_cases import WORDS
+from config_cases import WORDS, write
 
 from entrenar import chat, data, io, nn
 from entrenar.cli import cli
@@ -99,6 +99,30 @@ def test_rows_are_as_long_as_the_longest_conversation(chat_models, monkeypatch):
     )
     evaluate.evaluate_built(built, path, fmt="chat")
     assert lengths == [-(-longest // 8) * 8] and lengths[0] < 64
+
+
+def test_a_run_config_evaluates_its_renamed_fields(chat_models, tmp_path):
+    """``eval CONFIG`` reads the columns the run trained on (``data.*_field``).
+
+    It read ``messages``/``text`` whatever the config named, so a run that trained
+    on ``messages_field: conversation`` could not be evaluated (column missing).
+    """
+    path = chat_models / "chat.jsonl"
+    renamed = tmp_path / "valid.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    renamed.write_text("".join(
+        json.dumps({"conversation": r["messages"]}) + "\n" for r in rows))  # fmt: skip
+    tuned = str(chat_models / "tuned.gguf")
+    want = evaluate.evaluate_model(tuned, str(path), fmt="chat")
+    for fmt in ("auto", "chat"):
+        doc = {
+            "model": {"path": tuned},
+            "data": {"train": str(renamed), "validation": str(renamed),
+                     "messages_field": "conversation", "format": fmt},
+            "training": {"output_dir": str(tmp_path / "out")},
+        }  # fmt: skip
+        config = str(write(tmp_path / "run.yaml", doc))
+        assert evaluate.evaluate_config(config, model=tuned) == want
 
 
 def test_eval_format_chat_and_compare_on_the_command_line(chat_models):

@@ -208,3 +208,25 @@ def test_the_shipped_smollm2_config_in_seconds_weights_unread(monkeypatch):
     assert time.perf_counter() - start < 30  # ~2 s alone; the machine may be busy
     assert report["model"]["vocabulary"] == 49152
     assert report["data"]["train"].rows == 320 and report["steps"] == 40
+
+
+def test_format_auto_reads_the_format_from_the_fields(tmp_path, tiny_gguf):
+    """``data.format: auto`` (the default) trains prompt-completion rows as such.
+
+    It read every language model's data as text: prompt-completion rows were refused
+    (no ``text`` column), and rows that also held a ``text`` column trained on it,
+    where ``entrenar eval`` and `lm_loader` read the same file as prompt-completion.
+    """
+    want = preflight(_run(tmp_path, tiny_gguf))["data"]["train"]
+    with_text = [{**r, "text": "unrelated"} for r in ROWS]
+    for rows in (ROWS, with_text):
+        plan = preflight(_run(tmp_path, tiny_gguf, rows, format="auto"))
+        assert plan["data"]["train"] == dataclasses.replace(
+            want, path=plan["data"]["train"].path
+        )
+    renamed = [{"q": r["prompt"], "a": r["completion"]} for r in ROWS]
+    keys = dict(format="auto", prompt_field="q", completion_field="a")
+    assert (
+        preflight(_run(tmp_path, tiny_gguf, renamed, **keys))["data"]["train"].trained
+        == want.trained
+    )
