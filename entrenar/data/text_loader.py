@@ -5,7 +5,8 @@ of ``seq_len`` tokens (`entrenar.data.batching`: padding, or packing), and the r
 served by an `ArrayLoader`: shuffled per epoch from ``(seed, epoch)``, with a position
 that checkpoints save. Every batch has the same shape: a last incomplete batch is
 dropped (``drop_last=True``) or filled with empty rows (labels ``-100``, attention
-mask False) that add nothing to the loss.
+mask False) that add nothing to the loss. A document none of whose targets has a
+label once fitted to ``seq_len`` (its completion cut off) gets no row.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from entrenar.data.batching import Overflow, pack_rows, pad_rows
+from entrenar.data.batching import Overflow, fit_documents, pack_rows, pad_rows
 from entrenar.data.formatting import IGNORE_INDEX, Format, Tokenizer, encode_records
 from entrenar.data.protocol import ArrayLoader, Batch
 from entrenar.data.readers import Records, load_records
@@ -48,9 +49,13 @@ class TextLoader:
 
     Attributes:
         arrays: all rows, ``{key: (N, seq_len)}``.
-        documents: how many documents the rows hold.
+        documents: how many records gave tokens.
         document_tokens: the documents' tokens before they were fitted to
             ``seq_len`` (`tokens_per_epoch` counts those the rows keep).
+        unlabelled: documents left out, as TRL's SFTTrainer leaves them out: none
+            of their tokens (once fitted to ``seq_len``) is a target with a loss
+            (a prompt as long as the row, a chat without an assistant turn), so
+            they would only take a row's compute and a batch's place.
     """
 
     def __init__(
@@ -77,12 +82,15 @@ class TextLoader:
             pad_id = getattr(tokenizer, "pad_id", None)
             pad_id = tokenizer.eos_id if pad_id is None else pad_id
         pad_id = 0 if pad_id is None else int(pad_id)
+        fitted = fit_documents(docs, seq_len, overflow)
+        kept = [(i, y) for i, y in fitted if (y[1:] != IGNORE_INDEX).any()]
+        self.unlabelled = len(fitted) - len(kept)
         layout = pack_rows if packing else pad_rows
-        self.arrays = layout(docs, seq_len, pad_id=pad_id, overflow=overflow)
+        self.arrays = layout(kept, seq_len, pad_id=pad_id)
         self.documents = sum(len(ids) > 0 for ids, _ in docs)
         self.document_tokens = sum(len(ids) for ids, _ in docs)
         if not len(self.arrays["input_ids"]):
-            raise no_tokens_error(records)
+            raise no_tokens_error(records, self.unlabelled, seq_len)
         self.seq_len, self.packing, self.pad_id = int(seq_len), packing, pad_id
         pads = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": False}
         self._rows = ArrayLoader(
@@ -133,13 +141,27 @@ class TextLoader:
         return int(np.sum(self.arrays["attention_mask"]))
 
 
-def no_tokens_error(records: Records) -> ConfigError:
-    """The error for records that give no token: an empty file, or empty texts."""
+def no_tokens_error(
+    records: Records, unlabelled: int = 0, seq_len: int | None = None
+) -> ConfigError:
+    """The error for records that give no token to train on.
+
+    An empty file, empty texts, or (``unlabelled``) documents none of whose
+    ``seq_len`` first tokens has a label: prompts as long as the row, chats
+    without an assistant turn.
+    """
     n = len(records)
     if not n:
         return ConfigError(
             f"{records.source}: holds no records (an empty file?), so no tokens to "
             "train on; give it at least one row, or name another file"
+        )
+    if unlabelled:
+        return ConfigError(
+            f"{records.source}: none of its {n} record{'s' * (n > 1)} has a token "
+            f"with a loss in its first seq_len={seq_len} tokens (prompts that fill "
+            "the row, chats without an assistant turn); raise seq_len "
+            "(data.seq_len in a run config) or check the completions and replies"
         )
     return ConfigError(
         f"{records.source}: its {n} record{'s' if n > 1 else ''} hold"

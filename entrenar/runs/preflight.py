@@ -60,6 +60,8 @@ class TextPlan:
         trained: tokens with a loss (the completion, the assistant's replies).
         sequences: rows of ``seq_len`` tokens.
         steps: optimizer steps in one epoch (training file), else batches.
+        unlabelled: documents left out with no token with a loss in their first
+            ``seq_len`` (`entrenar.data.TextLoader`: a prompt that fills the row).
     """
 
     path: str
@@ -70,6 +72,7 @@ class TextPlan:
     trained: int
     sequences: int
     steps: int
+    unlabelled: int = 0
 
     @property
     def exact(self) -> bool:
@@ -153,6 +156,7 @@ def plan_text(
         trained=scaled(int(np.sum(labels != data_lib.IGNORE_INDEX))),
         sequences=sequences,
         steps=steps,
+        unlabelled=scaled(loader.unlabelled),
     )
 
 
@@ -273,9 +277,11 @@ def _text_line(p: TextPlan) -> str:
     sampled = "" if p.exact else f" (estimated from {p.sampled:,} rows)"
     lost = p.tokens - p.kept
     cut = f", {about}{lost:,} cut by seq_len" if lost else ""
+    left = p.unlabelled
+    out = f"; {about}{left:,} rows left out: no loss within seq_len" if left else ""
     return (
         f"{p.rows:,} rows, {about}{p.tokens:,} tokens{cut}, {about}{p.trained:,} "
-        f"with a loss, in {about}{p.sequences:,} sequences{sampled}"
+        f"with a loss, in {about}{p.sequences:,} sequences{sampled}{out}"
     )
 
 

@@ -126,3 +126,26 @@ def test_auto_format_from_fields():
     )
     with pytest.raises(FormatError, match=r"record 1: cannot tell the format"):
         lm_loader([{"body": "x"}], TOK, format="auto", seq_len=8, batch_size=1)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_records_without_a_loss_within_seq_len_get_no_row(packing):
+    """As TRL's SFTTrainer drops them: a completion cut off entirely by seq_len.
+
+    Such a row took a batch's place (and, alone in a batch, made a step with a
+    zero gradient that still moved the weights through momentum and decay).
+    """
+    recs = [
+        {"prompt": "ab " * 20, "completion": "b"},
+        {"prompt": "a ", "completion": "b"},
+    ]
+    dl = lm_loader(recs, TOK, format="prompt_completion", seq_len=8, batch_size=1,
+                   packing=packing, shuffle=False)  # fmt: skip
+    assert len(dl) == 1 and dl.unlabelled == 1 and dl.documents == 2
+    [batch] = list(dl)
+    want = [*TOK.encode("a b"), TOK.eos_id]  # the second record: a, Ġ, b, EOS
+    assert batch["attention_mask"].sum() == len(want)
+    assert (batch["labels"] != -100).sum() == 2  # b and EOS
+    with pytest.raises(ConfigError, match=r"none of its 1 record has a token with a "
+                       r"loss in its first seq_len=8 tokens"):  # fmt: skip
+        lm_loader(recs[:1], TOK, format="prompt_completion", seq_len=8, batch_size=1)

@@ -230,3 +230,16 @@ def test_format_auto_reads_the_format_from_the_fields(tmp_path, tiny_gguf):
         preflight(_run(tmp_path, tiny_gguf, renamed, **keys))["data"]["train"].trained
         == want.trained
     )
+
+
+def test_rows_without_a_loss_within_seq_len_are_counted(tmp_path, tiny_gguf):
+    """A prompt that fills seq_len leaves its record out; validate says how many."""
+    from entrenar.runs.preflight import format_preflight
+
+    long = {"prompt": " ".join(["3577 in words:"] * 6), "completion": " lost"}
+    report = preflight(_run(tmp_path, tiny_gguf, [*ROWS, long]))
+    plan = report["data"]["train"]
+    assert plan.unlabelled == 1 and plan.sequences == 40
+    assert "; 1 rows left out: no loss within seq_len" in "\n".join(
+        format_preflight(report)
+    )
