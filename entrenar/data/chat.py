@@ -14,18 +14,23 @@ The template is untrusted code: it renders within the budget of
 is a `TemplateError`.
 
 `assistant_spans` finds which characters of a rendered conversation belong to the
-assistant turns (the text the model must learn to produce): for each assistant
-message ``i`` it renders ``messages[:i]`` with the generation prompt (text ``P``) and
-``messages[:i + 1]`` without (text ``Q``); the turn is ``Q[len(P):]``. This needs a
-template whose renderings extend each other (``Q`` starts with ``P`` and the whole
-conversation starts with ``Q``), as ChatML templates such as SmolLM2's do; otherwise
-it raises, naming the message.
+assistant turns (the text the model must learn to produce). A template with
+``{% generation %}`` blocks (TRL's ``*_training.jinja`` templates) marks them itself:
+the spans are the blocks' output (`generation_spans`), the tokens transformers'
+``return_assistant_tokens_mask`` marks and TRL's ``assistant_only_loss`` trains.
+Otherwise, for each assistant message ``i`` it renders ``messages[:i]`` with the
+generation prompt (text ``P``) and ``messages[:i + 1]`` without (text ``Q``); the
+turn is ``Q[len(P):]``. This needs a template whose renderings extend each other
+(``Q`` starts with ``P`` and the whole conversation starts with ``Q``), as ChatML
+templates such as SmolLM2's do; otherwise it raises, naming the message.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -35,6 +40,13 @@ from entrenar.errors import FormatError, TemplateError
 from entrenar.io.gguf_reader import GGUFFile, read_gguf
 
 Message = Mapping[str, Any]
+
+_GENERATION: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "generation_marks", default=None
+)
+"""While set, ``{% generation %}`` wraps its body in these two marks."""
+
+_HAS_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,7 +67,8 @@ def chat_environment() -> Any:
             return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
         def _body(self, caller: Any) -> str:
-            return str(caller())
+            body, marks = str(caller()), _GENERATION.get()
+            return body if marks is None else marks[0] + body + marks[1]
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -153,6 +166,8 @@ def assistant_spans(
     """
     msgs = check_messages(messages)
     full = render_chat(msgs, template, **variables)
+    if _HAS_GENERATION.search(template):
+        return full, generation_spans(msgs, template, full, **variables)
     spans = []
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
@@ -163,10 +178,56 @@ def assistant_spans(
             raise FormatError(
                 f"messages[{i}]: the chat template does not render the conversation "
                 "as a sequence of turns that extend each other, so the assistant turn "
-                "cannot be located; use format='prompt_completion' instead"
+                "cannot be located; give a chat template that marks the replies with "
+                "{% generation %} blocks (as TRL's training templates do), or use "
+                "format='prompt_completion' instead"
             )
         spans.append((len(p), len(q)))
     return full, spans
+
+
+def generation_spans(
+    messages: Sequence[Message], template: str, text: str, **variables: Any
+) -> list[tuple[int, int]]:
+    """The ``[start, end)`` characters of ``text`` its ``{% generation %}`` blocks gave.
+
+    ``text`` is the conversation rendered; it is rendered again with each block's
+    output between two marks that ``text`` does not contain, and the marks give the
+    spans (as transformers' ``return_assistant_tokens_mask`` finds them, which TRL's
+    ``assistant_only_loss`` trains on). Nested blocks count as their outermost one.
+    """
+    n = 0
+    while (marks := (f"\ue000{n}\ue001", f"\ue002{n}\ue003"))[0] in text or (
+        marks[1] in text
+    ):
+        n += 1
+    token = _GENERATION.set(marks)
+    try:
+        marked = render_chat(messages, template, **variables)
+    finally:
+        _GENERATION.reset(token)
+    spans: list[tuple[int, int]] = []
+    pieces = re.split(f"({re.escape(marks[0])}|{re.escape(marks[1])})", marked)
+    plain, depth, start = [], 0, 0
+    at = 0
+    for piece in pieces:
+        if piece in marks:
+            opening = piece == marks[0]
+            if opening and depth == 0:
+                start = at
+            depth += 1 if opening else -1
+            if not opening and depth == 0 and at > start:
+                spans.append((start, at))
+        else:
+            plain.append(piece)
+            at += len(piece)
+    if depth or "".join(plain) != text:
+        raise TemplateError(
+            "chat template: its {% generation %} blocks do not render as they would "
+            "without marks (a block inside a filtered or captured value?), so the "
+            "replies cannot be located"
+        )
+    return spans
 
 
 def load_chat_template(path: str | os.PathLike[str] | GGUFFile) -> str:

@@ -285,3 +285,53 @@ FAMILY_TEMPLATES = dict(
     phi3=PHI3,
     smollm2=SMOLLM2,
 )
+
+# Training variants in the style of TRL's ``chat_templates/*_training.jinja``: the
+# tokens the model produces inside ``{% generation %}`` blocks (what
+# ``assistant_only_loss`` trains). ChatML opens the block before the newline after the
+# role; Phi-3 closes the conversation with an EOS that later turns replace, so its
+# renderings do not extend each other; Gemma keeps its header outside the block.
+CHATML_TRAINING = """{%- for message in messages %}
+    {%- if message.role == "assistant" %}
+        {{- '<|im_start|>assistant' }}
+        {%- generation %}
+        {%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+        {%- for call in message.tool_calls or [] %}
+            {{- '\\n<tool_call>\\n' + call.function | tojson + '\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+        {%- endgeneration %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+PHI3_TRAINING = """{%- for message in messages %}
+    {%- if message['role'] == 'assistant' %}
+        {{- '<|assistant|>\\n' }}
+        {%- generation %}{{- message['content'] + '<|end|>\\n' }}{%- endgeneration %}
+    {%- else %}
+        {{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}
+{%- elif messages[-1]['role'] == 'assistant' %}{% generation %}{{- eos_token }}{% endgeneration %}
+{%- else %}{{- eos_token }}{%- endif %}"""
+
+GEMMA_TRAINING = """{{- bos_token -}}
+{%- for message in messages -%}
+    {%- if message['role'] == 'assistant' -%}
+        {{- '<start_of_turn>model\\n' -}}
+        {%- generation -%}
+            {{- message['content'] | trim + '<end_of_turn>\\n' -}}
+        {%- endgeneration -%}
+    {%- else -%}
+        {{- '<start_of_turn>' + message['role'] + '\\n' + message['content'] | trim + '<end_of_turn>\\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"""
+
+TRAINING_TEMPLATES = dict(
+    chatml=CHATML_TRAINING, phi3=PHI3_TRAINING, gemma=GEMMA_TRAINING
+)

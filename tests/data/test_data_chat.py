@@ -241,3 +241,63 @@ def test_chat_ids_equal_transformers_apply_chat_template(family, tmp_path):
     [(ids, _)] = encode_records([{"messages": msgs[:2]}], tok, format="chat")
     want = auto.apply_chat_template(msgs[:2], tokenize=True)
     assert ids.tolist() == list(want["input_ids"] if hasattr(want, "keys") else want)
+
+
+@pytest.mark.parametrize(
+    ("template", "style"),
+    [("chatml", "qwen2_split"), ("phi3", "qwen2_split"), ("gemma", "gemma")],
+)
+@pytest.mark.parametrize("turns", [2, 4])
+def test_generation_blocks_are_the_trained_tokens_as_in_trl(template, style, turns,
+                                                            tmp_path):  # fmt: skip
+    """A template with ``{% generation %}`` blocks trains exactly their tokens.
+
+    TRL's ``assistant_only_loss`` trains the tokens transformers'
+    ``apply_chat_template(return_assistant_tokens_mask=True)`` marks; entrenar
+    located the replies by rendering prefixes instead, which trained other tokens
+    (not ChatML's newline after the role) and refused Phi-3's multi-turn chats.
+    """
+    transformers = pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent / "io")]
+    import hf_cases
+    from chat_templates import TRAINING_TEMPLATES
+
+    from entrenar.io import HFTokenizer
+
+    hf_cases.write_tokenizer(tmp_path, style)
+    tok = HFTokenizer.from_folder(tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    t = TRAINING_TEMPLATES[template]
+    msgs = CHAT[:turns]
+    want = auto.apply_chat_template(
+        msgs, chat_template=t, return_dict=True, return_assistant_tokens_mask=True
+    )
+    [(ids, labels)] = encode_records([{"messages": msgs}], tok, format="chat",
+                                     chat_template=t)  # fmt: skip
+    assert ids.tolist() == list(want["input_ids"])
+    mask = np.asarray(want["assistant_masks"], bool)
+    assert mask.sum() > turns and labels.tolist() == np.where(mask, ids, -100).tolist()
+
+
+def test_generation_spans_nested_marked_text_and_captured_blocks():
+    from entrenar.data.chat import generation_spans
+
+    t = (
+        "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}"
+        "{% generation %}[{% generation %}{{ m.content }}{% endgeneration %}]"
+        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    )
+    msgs = [{"role": "user", "content": "\ue0000\ue001x"},  # the first marks' text
+            {"role": "assistant", "content": "y"}]  # fmt: skip
+    text, spans = assistant_spans(msgs, t)
+    assert [text[a:b] for a, b in spans] == ["[y]"]
+    captured = (
+        "{% for m in messages %}{% set x %}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% endset %}{{ x | length }}{% endfor %}"
+    )
+    with pytest.raises(TemplateError, match="generation %} blocks do not render"):
+        generation_spans(msgs, captured, render_chat(msgs, captured))
