@@ -99,18 +99,30 @@ def _compile(template: str) -> Any:
 
 
 def check_messages(messages: Any, where: str = "messages") -> list[dict[str, Any]]:
-    """``messages`` as a list of ``{"role": str, "content": str}`` dicts, or raise."""
+    """``messages`` as a list of ``{"role": str, "content": str, ...}`` dicts, or raise.
+
+    A message's other keys go to the template as they are (``tool_calls``,
+    ``reasoning_content``, ``name``); its ``content`` may also be a list of parts
+    (``[{"type": "text", "text": ...}]``), and null or absent in a message with
+    ``tool_calls`` (an OpenAI-style tool call), as transformers passes them.
+    """
     if not isinstance(messages, Sequence) or isinstance(messages, str):
         raise FormatError(f"{where}: expected a list of messages, got {messages!r:.40}")
     out = []
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise FormatError(f"{where}[{j}]: expected an object, got {m!r:.40}")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise FormatError(
-                    f"{where}[{j}]: {key!r} must be a string, got {m.get(key)!r:.40}"
-                )
+        if not isinstance(m.get("role"), str):
+            raise FormatError(
+                f"{where}[{j}]: 'role' must be a string, got {m.get('role')!r:.40}"
+            )
+        content = m.get("content")
+        call = content is None and bool(m.get("tool_calls"))
+        if not (isinstance(content, (str, list)) or call):
+            raise FormatError(
+                f"{where}[{j}]: 'content' must be a string (or a list of parts, or "
+                f"null beside tool_calls), got {content!r:.40}"
+            )
         out.append(dict(m))
     return out
 

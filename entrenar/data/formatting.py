@@ -6,9 +6,11 @@ carry labels) and the rest context (labels ``-100``):
 - ``"text"``: ``record["text"]`` (+ EOS), all trained;
 - ``"prompt_completion"``: ``record["prompt"]`` (context) + ``record["completion"]``
   (+ EOS) trained, so the loss is masked to the completion;
-- ``"chat"``: ``record["messages"]`` rendered through the model's chat template; the
-  assistant turns (`entrenar.data.chat.assistant_spans`, including the end-of-turn
-  token) are trained, system and user turns are context.
+- ``"chat"``: ``record["messages"]`` rendered through the model's chat template
+  (with ``record["tools"]``, when it has one, as the template's ``tools``, as TRL
+  passes them); the assistant turns (`entrenar.data.chat.assistant_spans`,
+  including the end-of-turn token) are trained, system, user and tool turns are
+  context.
 
 The whole text is tokenized at once, exactly as it would be for inference, and a
 token is trained when any of its bytes lies in a trained segment: byte-level BPE is
@@ -19,6 +21,7 @@ are aligned with the ids (``labels[t] = ids[t]`` or ``-100``); the loss shifts t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
@@ -188,6 +191,9 @@ def record_segments(
             "loaded from a GGUF that has tokenizer.chat_template"
         )
     messages = values[0]
+    tools = record_tools(recs, i, fields.get("tools", "tools"))
+    if tools is not None:
+        chat_variables = {**chat_variables, "tools": tools}
     try:
         text, spans = assistant_spans(messages, chat_template, **chat_variables)
     except (FormatError, TemplateError) as e:
@@ -197,6 +203,28 @@ def record_segments(
         segs += [(text[pos:a], False), (text[a:b], True)]
         pos = b
     return [*segs, (text[pos:], False)]
+
+
+def record_tools(recs: Records, i: int, column: str = "tools") -> list[Any] | None:
+    """Record ``i``'s tool definitions for the chat template, as TRL passes them.
+
+    The ``tools`` column (absent or null: none) holds a list of JSON schemas, or
+    its JSON text (as datasets store it); anything else is a `FormatError` naming
+    file, row and column.
+    """
+    row = recs[i]
+    tools = row.get(column) if isinstance(row, Mapping) else None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise FormatError(f"{recs.where(i, column)}: invalid JSON ({e})") from None
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise FormatError(
+            f"{recs.where(i, column)}: expected a list of tool definitions, got "
+            f"{tools!r:.40}"
+        )
+    return None if tools is None else list(tools)
 
 
 def special_texts(tokenizer: Tokenizer) -> dict[str, str]:
@@ -347,6 +375,7 @@ __all__ = [
     "label_spans",
     "record_fields",
     "record_segments",
+    "record_tools",
     "special_texts",
     "token_lengths",
 ]

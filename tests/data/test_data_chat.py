@@ -301,3 +301,62 @@ def test_generation_spans_nested_marked_text_and_captured_blocks():
     )
     with pytest.raises(TemplateError, match="generation %} blocks do not render"):
         generation_spans(msgs, captured, render_chat(msgs, captured))
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+            },
+        },
+    }
+]
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+     "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "sunny"},
+    {"role": "assistant", "content": "It is sunny."},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_tool_calls_and_the_tools_column_reach_the_template(as_text, tmp_path):
+    """TRL's tool-calling records: ``tools`` column, ``content: null`` tool calls.
+
+    A tool call's null content was refused, and the record's ``tools`` never
+    reached the template: the model trained without the tools' definitions that
+    transformers (and TRL) render into the system turn.
+    """
+    transformers = pytest.importorskip("transformers")
+    import json
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent / "io")]
+    import hf_cases
+    from chat_templates import QWEN25
+
+    from entrenar.io import HFTokenizer
+
+    hf_cases.write_tokenizer(tmp_path, "qwen2_split")
+    tok = HFTokenizer.from_folder(tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    want = auto.apply_chat_template(TOOL_CHAT, tools=TOOLS, chat_template=QWEN25)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    tools = json.dumps(TOOLS) if as_text else TOOLS
+    [(ids, labels)] = encode_records([{"messages": TOOL_CHAT, "tools": tools}], tok,
+                                     format="chat", chat_template=QWEN25)  # fmt: skip
+    assert ids.tolist() == want
+    trained = tok.decode(ids[labels != -100], special=True)
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+    assert trained == f"{call}</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n"
+    with pytest.raises(FormatError, match=r"record 1, column 'tools': invalid JSON"):
+        encode_records([{"messages": TOOL_CHAT, "tools": "[{"}], tok, format="chat",
+                       chat_template=QWEN25)  # fmt: skip
