@@ -5,7 +5,10 @@ carry labels) and the rest context (labels ``-100``):
 
 - ``"text"``: ``record["text"]`` (+ EOS), all trained;
 - ``"prompt_completion"``: ``record["prompt"]`` (context) + ``record["completion"]``
-  (+ EOS) trained, so the loss is masked to the completion;
+  (+ EOS) trained, so the loss is masked to the completion; when they are message
+  lists (TRL's conversational prompt-completion), the prompt rendered with the
+  generation prompt is context and the rest of ``prompt + completion`` rendered is
+  trained (no EOS appended: the template closes the turn);
 - ``"chat"``: ``record["messages"]`` rendered through the model's chat template
   (with ``record["tools"]``, when it has one, as the template's ``tools``, as TRL
   passes them); the assistant turns (`entrenar.data.chat.assistant_spans`,
@@ -153,7 +156,10 @@ def label_spans(
 
 FORMAT_FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     "text": (("text", str),),
-    "prompt_completion": (("prompt", str), ("completion", str)),
+    "prompt_completion": (
+        ("prompt", (str, list, tuple)),
+        ("completion", (str, list, tuple)),
+    ),
     "chat": (("messages", (list, tuple)),),
 }
 """The fields each format reads (by their default names) and their types."""
@@ -183,26 +189,59 @@ def record_segments(
     values = record_fields(recs, i, format, fields)
     if format == "text":
         return [(values[0], True)]
+    talk = format == "prompt_completion" and conversational(recs, fields)
     if format == "prompt_completion":
-        return [(values[0], False), (values[1], True)]
+        kinds = [isinstance(v, str) for v in values]
+        if kinds != [not talk] * 2:
+            raise FormatError(
+                f"{recs.where(i)}: {fields['prompt']!r} and {fields['completion']!r} "
+                f"must both be {'message lists' if talk else 'strings'}, as in the "
+                "first record"
+            )
+        if not talk:
+            return [(values[0], False), (values[1], True)]
     if chat_template is None:
         raise ConfigError(
-            "format='chat' needs a chat template: pass chat_template= or a tokenizer "
-            "loaded from a GGUF that has tokenizer.chat_template"
+            f"format={format!r} with messages needs a chat template: pass "
+            "chat_template= or a tokenizer that has one (a GGUF's "
+            "tokenizer.chat_template, a Hugging Face folder's chat_template)"
         )
-    messages = values[0]
     tools = record_tools(recs, i, fields.get("tools", "tools"))
     if tools is not None:
         chat_variables = {**chat_variables, "tools": tools}
+    column = fields["prompt" if talk else "messages"]
     try:
-        text, spans = assistant_spans(messages, chat_template, **chat_variables)
+        if talk:  # TRL: the prompt with the generation prompt, then the rest
+            p = render_chat(values[0], chat_template, add_generation_prompt=True,
+                            **chat_variables)  # fmt: skip
+            q = render_chat([*values[0], *values[1]], chat_template, **chat_variables)
+            if not q.startswith(p):
+                raise FormatError(
+                    "the chat template renders the prompt differently once the "
+                    "completion follows, so the completion cannot be located; use "
+                    "format='chat' or string prompts and completions"
+                )
+            return [(p, False), (q[len(p) :], True)]
+        text, spans = assistant_spans(values[0], chat_template, **chat_variables)
     except (FormatError, TemplateError) as e:
-        raise type(e)(f"{recs.where(i, fields['messages'])}: {e}") from None
+        raise type(e)(f"{recs.where(i, column)}: {e}") from None
     segs, pos = [], 0
     for a, b in spans:
         segs += [(text[pos:a], False), (text[a:b], True)]
         pos = b
     return [*segs, (text[pos:], False)]
+
+
+def conversational(recs: Records, fields: Mapping[str, str]) -> bool:
+    """Whether the first record's prompt is a list of messages.
+
+    TRL's conversational prompt-completion: ``prompt`` ``[{"role": "user", ...}]``,
+    ``completion`` ``[{"role": "assistant", ...}]``.
+    """
+    first = recs[0] if len(recs) else None
+    return isinstance(first, Mapping) and isinstance(
+        first.get(fields["prompt"]), (list, tuple)
+    )
 
 
 def record_tools(recs: Records, i: int, column: str = "tools") -> list[Any] | None:
@@ -310,8 +349,10 @@ def encode_records(
         fields: rename the fields, e.g. ``{"text": "body"}``.
         chat_template: Jinja template; default the tokenizer's ``chat_template``.
         add_eos: append EOS (trained) after text and completions; default True
-            except for chat, whose template closes each turn.
-        special: parse control tokens in the text; default True for chat only.
+            except for messages (chat, conversational prompt-completion), whose
+            template closes each turn.
+        special: parse control tokens in the text; default True for messages
+            only.
     """
     if format not in FORMATS:
         raise ConfigError(f"format must be one of {FORMATS}, got {format!r}")
@@ -323,7 +364,11 @@ def encode_records(
         format = detect_record_format(recs, names)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     variables = special_texts(tokenizer)
-    eos = (format != "chat") if add_eos is None else add_eos
+    # messages (chat, conversational prompt-completion): the template's text
+    talk = format == "chat" or (
+        format == "prompt_completion" and conversational(recs, names)
+    )
+    eos = (not talk) if add_eos is None else add_eos
     if eos and tokenizer.eos_id is None:
         raise ConfigError("add_eos needs a tokenizer with an EOS id")
     segs = [
@@ -337,9 +382,9 @@ def encode_records(
         )
         for i in range(len(recs))
     ]
-    parse = (format == "chat") if special is None else special
+    parse = talk if special is None else special
     texts = ["".join(s for s, _ in seg) for seg in segs]
-    bos = chat_add_bos(tokenizer, texts) if format == "chat" and parse else None
+    bos = chat_add_bos(tokenizer, texts) if talk and parse else None
     with_spans = getattr(tokenizer, "encode_offsets_batch", None)
     if with_spans is not None:  # a Hugging Face tokenizer: align by its spans
         encoded = with_spans(texts, add_bos=bos, special=parse)
@@ -369,6 +414,7 @@ __all__ = [
     "Tokenizer",
     "apply_chat_template",
     "chat_add_bos",
+    "conversational",
     "detect_record_format",
     "encode_records",
     "label_segments",

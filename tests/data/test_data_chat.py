@@ -360,3 +360,47 @@ def test_tool_calls_and_the_tools_column_reach_the_template(as_text, tmp_path):
     with pytest.raises(FormatError, match=r"record 1, column 'tools': invalid JSON"):
         encode_records([{"messages": TOOL_CHAT, "tools": "[{"}], tok, format="chat",
                        chat_template=QWEN25)  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "style"), [("qwen25", "qwen2_split"),
+                                               ("gemma", "gemma")])  # fmt: skip
+def test_conversational_prompt_completion_as_in_trl(family, style, tmp_path):
+    """``prompt``/``completion`` message lists: only the completion is trained.
+
+    TRL renders the prompt with the generation prompt (context) and the prompt
+    with the completion; the rest is the completion. entrenar refused message
+    lists (``expected str``), format ``auto`` included.
+    """
+    transformers = pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent / "io")]
+    import hf_cases
+    from chat_templates import FAMILY_TEMPLATES
+
+    from entrenar.io import HFTokenizer
+
+    hf_cases.write_tokenizer(tmp_path, style)
+    tok = HFTokenizer.from_folder(tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    t = FAMILY_TEMPLATES[family]
+    recs = [{"prompt": CHAT[:3], "completion": CHAT[3:]},
+            {"prompt": CHAT[:1], "completion": CHAT[1:2]}]  # fmt: skip
+
+    def ids(messages, **kw):
+        out = auto.apply_chat_template(messages, chat_template=t, **kw)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    for fmt in ("prompt_completion", "auto"):
+        got = encode_records(recs, tok, format=fmt, chat_template=t)
+        for r, (i, labels) in zip(recs, got):
+            prompt = ids(r["prompt"], add_generation_prompt=True)
+            full = ids([*r["prompt"], *r["completion"]])
+            assert i.tolist() == full and full[: len(prompt)] == prompt
+            assert labels.tolist() == [-100] * len(prompt) + full[len(prompt) :]
+    mixed = [recs[0], {"prompt": "Hi", "completion": "there"}]
+    with pytest.raises(FormatError, match=r"record 2: 'prompt' and 'completion' "
+                       "must both be message lists"):  # fmt: skip
+        encode_records(mixed, tok, format="prompt_completion", chat_template=t)
