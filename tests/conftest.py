@@ -92,6 +92,19 @@ def deadline() -> Callable[[float], contextlib.AbstractContextManager[None]]:
     return _deadline
 
 
+@pytest.fixture(scope="module")
+def quick_compiles() -> Iterator[None]:
+    """XLA without most optimizations: tiny programs compile in half the time.
+
+    A module of tiny models opts in with
+    ``pytestmark = pytest.mark.usefixtures("quick_compiles")``.
+    """
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 def prune_compilation_cache(folder: str, bound: int = CACHE_BOUND) -> int:
     """Delete the least recently read programs until ``folder`` holds ``bound`` bytes.
 

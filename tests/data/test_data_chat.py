@@ -1,5 +1,8 @@
 """Chat templates render as transformers renders them; labels cover only replies."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -12,7 +15,12 @@ from entrenar.data import (
     render_chat,
 )
 from entrenar.errors import FormatError, TemplateError
-from entrenar.io import smollm2_path
+from entrenar.io import HFTokenizer, smollm2_path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "io")]
+import chat_templates  # noqa: E402  (tests/data)
+import hf_cases  # noqa: E402  (tests/io)
 
 CHAT = [
     {"role": "user", "content": "What is the capital of Zorbia?"},
@@ -43,6 +51,19 @@ FANCY = """{{ bos_token }}
 @pytest.fixture(scope="module")
 def tok():
     return FastTokenizer.from_gguf(smollm2_path())
+
+
+def _tokenizers(folder, style):
+    """The tokenizers of one tiny Hugging Face folder: entrenar's, transformers'."""
+    transformers = pytest.importorskip("transformers")
+    hf_cases.write_tokenizer(folder, style)
+    auto = transformers.AutoTokenizer.from_pretrained(folder)
+    return HFTokenizer.from_folder(folder), auto
+
+
+def _ids(encoded):
+    """The ids of ``apply_chat_template(tokenize=True)`` (a list or a mapping)."""
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 @pytest.mark.slow
@@ -219,28 +240,16 @@ def test_a_template_bos_is_the_only_bos():
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_chat_ids_equal_transformers_apply_chat_template(family, tmp_path):
     """A Hugging Face folder's chat ids (prompt and training) as transformers'."""
-    transformers = pytest.importorskip("transformers")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "io"))
-    import hf_cases
-
     from entrenar.chat import ChatModel
-    from entrenar.io import HFTokenizer
 
-    hf_cases.write_tokenizer(tmp_path, family)
-    tok = HFTokenizer.from_folder(tmp_path)
-    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok, auto = _tokenizers(tmp_path, family)
     msgs = hf_cases.MESSAGES
     for gen, turns in [(True, msgs), (False, msgs[:2])]:
         want = auto.apply_chat_template(turns, tokenize=True, add_generation_prompt=gen)
-        want = list(want["input_ids"] if hasattr(want, "keys") else want)
-        assert apply_chat_template(tok, turns, add_generation_prompt=gen) == want
+        assert apply_chat_template(tok, turns, add_generation_prompt=gen) == _ids(want)
     assert ChatModel(None, None, tok).encode(msgs) == apply_chat_template(tok, msgs)
     [(ids, _)] = encode_records([{"messages": msgs[:2]}], tok, format="chat")
-    want = auto.apply_chat_template(msgs[:2], tokenize=True)
-    assert ids.tolist() == list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert ids.tolist() == _ids(auto.apply_chat_template(msgs[:2], tokenize=True))
 
 
 @pytest.mark.parametrize(
@@ -257,21 +266,8 @@ def test_generation_blocks_are_the_trained_tokens_as_in_trl(template, style, tur
     located the replies by rendering prefixes instead, which trained other tokens
     (not ChatML's newline after the role) and refused Phi-3's multi-turn chats.
     """
-    transformers = pytest.importorskip("transformers")
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    sys.path[:0] = [str(here), str(here.parent / "io")]
-    import hf_cases
-    from chat_templates import TRAINING_TEMPLATES
-
-    from entrenar.io import HFTokenizer
-
-    hf_cases.write_tokenizer(tmp_path, style)
-    tok = HFTokenizer.from_folder(tmp_path)
-    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    t = TRAINING_TEMPLATES[template]
+    tok, auto = _tokenizers(tmp_path, style)
+    t = chat_templates.TRAINING_TEMPLATES[template]
     msgs = CHAT[:turns]
     want = auto.apply_chat_template(
         msgs, chat_template=t, return_dict=True, return_assistant_tokens_mask=True
@@ -333,23 +329,11 @@ def test_tool_calls_and_the_tools_column_reach_the_template(as_text, tmp_path):
     reached the template: the model trained without the tools' definitions that
     transformers (and TRL) render into the system turn.
     """
-    transformers = pytest.importorskip("transformers")
     import json
-    import sys
-    from pathlib import Path
 
-    here = Path(__file__).resolve().parent
-    sys.path[:0] = [str(here), str(here.parent / "io")]
-    import hf_cases
-    from chat_templates import QWEN25
-
-    from entrenar.io import HFTokenizer
-
-    hf_cases.write_tokenizer(tmp_path, "qwen2_split")
-    tok = HFTokenizer.from_folder(tmp_path)
-    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    want = auto.apply_chat_template(TOOL_CHAT, tools=TOOLS, chat_template=QWEN25)
-    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    QWEN25 = chat_templates.QWEN25
+    tok, auto = _tokenizers(tmp_path, "qwen2_split")
+    want = _ids(auto.apply_chat_template(TOOL_CHAT, tools=TOOLS, chat_template=QWEN25))
     tools = json.dumps(TOOLS) if as_text else TOOLS
     [(ids, labels)] = encode_records([{"messages": TOOL_CHAT, "tools": tools}], tok,
                                      format="chat", chat_template=QWEN25)  # fmt: skip
@@ -371,27 +355,13 @@ def test_conversational_prompt_completion_as_in_trl(family, style, tmp_path):
     with the completion; the rest is the completion. entrenar refused message
     lists (``expected str``), format ``auto`` included.
     """
-    transformers = pytest.importorskip("transformers")
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    sys.path[:0] = [str(here), str(here.parent / "io")]
-    import hf_cases
-    from chat_templates import FAMILY_TEMPLATES
-
-    from entrenar.io import HFTokenizer
-
-    hf_cases.write_tokenizer(tmp_path, style)
-    tok = HFTokenizer.from_folder(tmp_path)
-    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    t = FAMILY_TEMPLATES[family]
+    tok, auto = _tokenizers(tmp_path, style)
+    t = chat_templates.FAMILY_TEMPLATES[family]
     recs = [{"prompt": CHAT[:3], "completion": CHAT[3:]},
             {"prompt": CHAT[:1], "completion": CHAT[1:2]}]  # fmt: skip
 
     def ids(messages, **kw):
-        out = auto.apply_chat_template(messages, chat_template=t, **kw)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return _ids(auto.apply_chat_template(messages, chat_template=t, **kw))
 
     for fmt in ("prompt_completion", "auto"):
         got = encode_records(recs, tok, format=fmt, chat_template=t)

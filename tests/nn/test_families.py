@@ -52,13 +52,7 @@ def test_every_language_model_entry_is_checkable():
 
 
 # --------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    """XLA without most optimizations: half the compile time of these tiny models."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def _hf_model(config_dict, state=None):

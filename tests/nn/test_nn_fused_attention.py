@@ -28,13 +28,7 @@ from entrenar.nn.fused_attention import fused_attention, resolve_impl, use_fused
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    """XLA without most optimizations: these tiny programs compile in half the time."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def _qkv(seed, b=2, t=8, h=4, kv=2, d=8):

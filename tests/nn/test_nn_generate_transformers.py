@@ -16,7 +16,6 @@ EOS ids (a ``generation_config.json``'s) stops each row at its own.
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
@@ -45,12 +44,7 @@ CASES = [  # (prompt lengths, new tokens, tokens the rows share at the start)
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def _build(name, **over):
