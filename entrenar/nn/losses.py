@@ -272,8 +272,8 @@ def _head_logits(
 ) -> jax.Array:
     """One chunk's logits ``(chunk, V)`` in ``f``; ``w`` already in the matmul dtype."""
     spec = f"ci,{_w(transposed)}->cv"
-    if matmul_dtype is None:
-        return jnp.einsum(spec, xc, w.astype(xc.dtype)).astype(f)
+    if matmul_dtype is None:  # bfloat16 inputs: float32 products, never rounded back
+        return jnp.einsum(spec, xc, w.astype(xc.dtype), preferred_element_type=f)
     return jnp.einsum(
         spec, xc.astype(w.dtype), w, preferred_element_type=jnp.float32
     ).astype(f)
