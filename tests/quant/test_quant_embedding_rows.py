@@ -81,7 +81,9 @@ def test_rows_differentiate_through_other_leaves_with_the_table_frozen():
 
     g = jax.jit(jax.grad(loss))(a, q)
     ref = jax.grad(loss)(a, quant.dequantize(q))
-    np.testing.assert_allclose(g, ref, rtol=1e-6, atol=1e-6)
+    # the reference runs op by op, another XLA program: jax 0.12's differs from the
+    # jitted one by up to 1.7e-6 (a few float32 ulps of the gradients' sums, |g| <= 2)
+    np.testing.assert_allclose(g, ref, rtol=1e-6, atol=5e-6)
 
 
 def test_rows_feed_bfloat16_matmuls():
