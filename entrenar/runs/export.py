@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -17,8 +17,6 @@ from entrenar import io, lora, nn, quant
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.lock import OutputLock
-from entrenar.lora.names import stacked_split
-from entrenar.quant.api import quantizable
 from entrenar.runs.models import BuiltModel, dicts_from_lists, save_built
 from entrenar.types import Params
 
@@ -106,24 +104,6 @@ def write_quantized(
     )  # fmt: skip
 
 
-def per_layer_matrices(block: int) -> Callable[[str, Any], bool]:
-    """`quant.quantize_params`'s default choice, a stacked leaf's axes per layer.
-
-    A leaf under a layer stack (``model.layers.*``, ``transformer.h.*``:
-    `lora.names.stacked_split`) has a leading layer axis, so a norm's or a bias's
-    (L, D) stack is a vector in each layer and stays as it is; a projection's
-    (L, out, in) is a matrix in each layer, quantized with rows of ``block``
-    values. (Quantized as a (L, D) matrix, a norm is not a weight the model reads:
-    the file could not be run, evaluated or calibrated.)
-    """
-
-    def select(name: str, x: Any) -> bool:
-        lead = 1 if stacked_split(name) is not None else 0
-        return quantizable(x, block, lead_axes=lead)
-
-    return select
-
-
 def write_quantized_model(
     model: io.Model,
     path: str,
@@ -136,8 +116,9 @@ def write_quantized_model(
     """Quantize the weights of any `entrenar.io` model and write it (module docstring).
 
     Every floating weight with two or more axes (in each layer, for a layer stack:
-    `per_layer_matrices`) whose rows split into whole blocks is quantized; biases,
-    norms and odd shapes stay as they are.
+    `entrenar.quant.api.layer_axes`) whose rows split into whole blocks is quantized
+    (`entrenar.quant.quantize_params`' default choice); biases, norms and odd shapes
+    stay as they are.
 
     Raises:
         ConfigError: no weight of the model can be quantized with these settings.
@@ -145,10 +126,8 @@ def write_quantized_model(
     options = quantize_options(scheme, block_size, per_channel, symmetric)
     block = 32 if scheme in GGML_SCHEMES else block_size
     qparams = quant.quantize_params(
-        quant.dequantize_params(model.params), scheme,
-        predicate=per_layer_matrices(1 if "granularity" in options else block),
-        **options,
-    )  # fmt: skip
+        quant.dequantize_params(model.params), scheme, **options
+    )
     tree, info = io.split_quantized(qparams)
     if not info:
         raise ConfigError(
