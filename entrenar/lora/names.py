@@ -12,30 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from entrenar import nn
+from entrenar.nn.hf_names import stacked_split
 from entrenar.nn.weight_node import is_weight_node
-from entrenar.tree import list_index, tree_named_leaves
+from entrenar.tree import tree_named_leaves
 
 STACKED_KEYS: tuple[str, ...] = nn.STACKED_KEYS
 """Dict keys under which transformer layers are stacked along axis 0."""
-
-
-def stacked_split(
-    path: str, stacked_keys: tuple[str, ...] = STACKED_KEYS
-) -> tuple[str, str] | None:
-    """``("model.layers", "self_attn.q_proj.weight")`` for a stacked leaf, else None.
-
-    >>> stacked_split("model.layers.self_attn.q_proj.weight")
-    ('model.layers', 'self_attn.q_proj.weight')
-    >>> stacked_split("model.layers.3.self_attn.q_proj.weight") is None
-    True
-    >>> stacked_split("layers.[0].weight") is None  # a stored list position
-    True
-    """
-    parts = path.split(".")
-    for j, p in enumerate(parts[:-1]):
-        if p in stacked_keys and list_index(parts[j + 1]) is None:
-            return ".".join(parts[: j + 1]), ".".join(parts[j + 1 :])
-    return None
 
 
 def hf_modules(

@@ -34,11 +34,35 @@ from entrenar.errors import FormatError, ShapeError
 from entrenar.nn.host_arrays import host_buffer, to_device
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.threads import shared_pool
-from entrenar.tree import key_path_str
+from entrenar.tree import key_path_str, list_index
 from entrenar.types import DType, Params
 
 STACKED_KEYS = ("layers", "h")
 """Dict keys whose subtree is stacked along a leading layer axis."""
+
+
+def stacked_split(
+    path: str, stacked_keys: tuple[str, ...] = STACKED_KEYS
+) -> tuple[str, str] | None:
+    """``("model.layers", "self_attn.q_proj.weight")`` for a stacked leaf, else None.
+
+    A leaf under a stacked key not followed by a layer index carries a leading layer
+    axis (specs/conventions.md); every module that asks "is this leaf stacked?"
+    (LoRA names, quantization's per-layer axes, sharding rules, merging) reads it here.
+
+    >>> stacked_split("model.layers.self_attn.q_proj.weight")
+    ('model.layers', 'self_attn.q_proj.weight')
+    >>> stacked_split("model.layers.3.self_attn.q_proj.weight") is None
+    True
+    >>> stacked_split("layers.[0].weight") is None  # a stored list position
+    True
+    """
+    parts = path.split(".")
+    for j, p in enumerate(parts[:-1]):
+        if p in stacked_keys and list_index(parts[j + 1]) is None:
+            return ".".join(parts[: j + 1]), ".".join(parts[j + 1 :])
+    return None
+
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 """Buffers some checkpoints store that are derived, not parameters."""
@@ -851,6 +875,7 @@ __all__ = [
     "on_host",
     "per_layer_shapes",
     "quantize_leaves",
+    "stacked_split",
     "stream_hf_names",
     "stream_layers",
     "stream_one",

@@ -19,7 +19,7 @@ import numpy as np
 
 from entrenar.errors import QuantizationError, ShapeError
 from entrenar.nn.bf16_weight import rounds_tied_head
-from entrenar.nn.hf_names import STACKED_KEYS
+from entrenar.nn.hf_names import stacked_split
 from entrenar.nn.layers import embedding_rows
 from entrenar.nn.weight_node import to_dense
 from entrenar.quant.ggml import check_float16, dequantize_ggml, quantize_ggml
@@ -27,7 +27,7 @@ from entrenar.quant.int4 import dequantize_int4, quantize_int4
 from entrenar.quant.int8 import dequantize_int8, quantize_int8
 from entrenar.quant.nf4 import block_scales, dequantize_nf4, quantize_nf4_checked
 from entrenar.quant.weight import SCHEMES, QuantizedWeight, check_finite
-from entrenar.tree import key_path_str, list_index
+from entrenar.tree import key_path_str
 from entrenar.types import PyTree
 
 _DEQUANTIZE: dict[str, Callable[[QuantizedWeight, Any], jax.Array]] = {
@@ -270,20 +270,14 @@ def layer_axes(name: str) -> int:
 
     A leaf under a stacked key (``model.layers.*``, GPT-2's ``transformer.h.*``:
     `entrenar.nn.STACKED_KEYS` not followed by a layer index) has a leading layer
-    axis (specs/conventions.md; `entrenar.lora.names.stacked_split` reads the same).
+    axis (specs/conventions.md; `entrenar.nn.hf_names.stacked_split`).
 
     >>> layer_axes("model.layers.input_layernorm.weight")
     1
     >>> layer_axes("model.layers.0.input_layernorm.weight"), layer_axes("lm_head.w")
     (0, 0)
     """
-    parts = name.split(".")
-    return int(
-        any(
-            p in STACKED_KEYS and list_index(parts[j + 1]) is None
-            for j, p in enumerate(parts[:-1])
-        )
-    )
+    return int(stacked_split(name) is not None)
 
 
 def quantize_params(
