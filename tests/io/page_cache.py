@@ -31,11 +31,14 @@ def cached_pages(path) -> tuple[int, int]:
     return sum(b & 1 for b in vec), n
 
 
-RECLAIM_SLACK = 0.02
+RECLAIM_SLACK = 0.10
 """Fraction of a just-read file's pages the kernel may already have reclaimed: a
 virtual machine whose host takes free memory back drops clean cached pages at any
-time (the CI machine kept 0.45 GB of page cache with 23 GB free, and once lost 10 of
-a test file's 2563 pages between its read and the check)."""
+time (the CI machine kept 0.45 GB of page cache with 23 GB free, once lost 10 of a
+test file's 2563 pages between its read and the check, and twice, in sessions 19 and
+21, more than 2% of them while its proactive reclaimer, kdamond, ran). A load that
+skipped the page cache leaves none of the file cached, one that read half of it about
+half: 10% still tells those apart."""
 
 
 def mostly_cached(path) -> bool:
