@@ -169,6 +169,13 @@ class DataSection(Config):
     packing: bool = option(
         False, doc="language models: pack several examples into each row"
     )
+    overflow: Literal["truncate", "split", "error"] = option(
+        "truncate",
+        doc="language models, an example longer than `seq_len`: truncate (keep its "
+        "first seq_len tokens), split (cut it into pieces of seq_len tokens, each "
+        "trained as an example of its own: long texts in continued pre-training) or "
+        "error (refuse the run, naming the example)",
+    )
     shuffle: bool = option(True, doc="shuffle the training examples every epoch")
 
     @property

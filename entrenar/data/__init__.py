@@ -41,7 +41,13 @@ from entrenar.data.formatting import (
     record_fields,
     special_texts,
 )
-from entrenar.data.protocol import ArrayLoader, Batch, Loader, epoch_permutation
+from entrenar.data.protocol import (
+    ArrayLoader,
+    Batch,
+    Loader,
+    NoFullBatchError,
+    epoch_permutation,
+)
 from entrenar.data.readers import (
     READERS,
     Records,
@@ -62,6 +68,7 @@ __all__ = [
     "Batch",
     "FastTokenizer",
     "Loader",
+    "NoFullBatchError",
     "Records",
     "TextLoader",
     "Tokenizer",

@@ -56,7 +56,8 @@ def fit_documents(
         if len(ids) > seq_len and overflow == "error":
             raise ShapeError(
                 f"document {j} has {len(ids)} tokens, more than seq_len={seq_len}; "
-                "raise seq_len or pass overflow='truncate' or 'split'"
+                "raise seq_len or let overflow be 'truncate' or 'split' "
+                "(data.seq_len, data.overflow in a run config)"
             )
         cuts = range(0, len(ids), seq_len) if overflow == "split" else [0]
         for a in cuts:

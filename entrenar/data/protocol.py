@@ -57,6 +57,10 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([int(seed), int(epoch)]).permutation(n)
 
 
+class NoFullBatchError(ShapeError):
+    """Fewer examples than one batch where the last incomplete batch is dropped."""
+
+
 class ArrayLoader:
     """Batches of in-memory arrays, shuffled per epoch from ``(seed, epoch)``.
 
@@ -112,7 +116,7 @@ class ArrayLoader:
         if unknown:
             raise ConfigError(f"pad_values for unknown arrays {sorted(unknown)}")
         if drop_last and self.n < self.batch_size:
-            raise ShapeError(
+            raise NoFullBatchError(
                 f"{self.n} examples make no full batch of {self.batch_size}; lower "
                 "batch_size or pass drop_last=False"
             )
@@ -162,4 +166,4 @@ class ArrayLoader:
         return np.concatenate([v, fill])
 
 
-__all__ = ["ArrayLoader", "Batch", "Loader", "epoch_permutation"]
+__all__ = ["ArrayLoader", "Batch", "Loader", "NoFullBatchError", "epoch_permutation"]

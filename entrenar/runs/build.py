@@ -215,7 +215,11 @@ def text_loader(
     assert d is not None
     fmt: Any = d.format  # auto: from the first record's fields (lm_loader)
     common: dict[str, Any] = dict(
-        format=fmt, seq_len=d.seq_len, packing=d.packing, fields=d.fields
+        format=fmt,
+        seq_len=d.seq_len,
+        packing=d.packing,
+        fields=d.fields,
+        overflow=d.overflow,
     )
     source = path if records is None else records
     if not train:
@@ -227,7 +231,7 @@ def text_loader(
             source, built.tokenizer, batch_size=d.batch_size * spec.training.grad_accum,
             shuffle=d.shuffle, seed=spec.training.seed, drop_last=True, **common,
         )  # fmt: skip
-    except ShapeError:  # fewer sequences than one full batch (ArrayLoader's refusal)
+    except data_lib.NoFullBatchError:  # fewer sequences than one full batch
         raise _no_step(spec, path) from None
 
 

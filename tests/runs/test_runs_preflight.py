@@ -14,7 +14,7 @@ from config_cases import REPO, WORDS, write
 from entrenar import data, io, nn
 from entrenar.config import validate
 from entrenar.config.summary import count_params
-from entrenar.errors import ConfigError, FormatError
+from entrenar.errors import ConfigError, FormatError, ShapeError
 from entrenar.runs import load_built, train_from_yaml
 from entrenar.runs.export import write_hf_folder
 from entrenar.runs.models import read_header
@@ -243,3 +243,37 @@ def test_rows_without_a_loss_within_seq_len_are_counted(tmp_path, tiny_gguf):
     assert "; 1 rows left out: no loss within seq_len" in "\n".join(
         format_preflight(report)
     )
+
+
+def test_overflow_split_keeps_every_token_of_long_examples(tmp_path, tiny_gguf):
+    """``data.overflow: split`` cuts a long example into rows of seq_len, none lost.
+
+    Before: a run could only truncate (`TextLoader`'s ``overflow`` had no YAML key).
+    """
+    cut = preflight(_run(tmp_path, tiny_gguf))["data"]["train"]
+    split = preflight(_run(tmp_path, tiny_gguf, overflow="split"))["data"]["train"]
+    assert cut.kept < split.kept <= split.tokens == cut.tokens
+    assert split.sequences + split.unlabelled > cut.sequences == 40
+    assert split.unlabelled > 0  # prompt-only pieces: no loss, left out as TRL does
+
+
+def test_overflow_error_names_the_file_and_the_keys(tmp_path, tiny_gguf):
+    with pytest.raises(
+        ShapeError, match=r"document \d+ has \d+ tokens, more than seq_len=12; .*"
+        r"\(data\.seq_len, data\.overflow in a run config\)"
+    ):  # fmt: skip
+        preflight(_run(tmp_path, tiny_gguf, overflow="error"))
+    ok = preflight(_run(tmp_path, tiny_gguf, seq_len=64, overflow="error"))
+    assert ok["data"]["train"].kept == ok["data"]["train"].tokens
+
+
+def test_only_a_short_file_is_reported_as_too_few_rows(tmp_path, tiny_gguf):
+    """Other shape errors of the loader keep their own message.
+
+    Before: every `ShapeError` while building the loader (the memory bound of
+    ``seq_len``, a document over ``seq_len`` with ``overflow: error``) was reported
+    as "fewer rows than batch_size × grad_accum".
+    """
+    with pytest.raises(ShapeError) as e:
+        preflight(_run(tmp_path, tiny_gguf, overflow="error"))
+    assert "fewer rows" not in str(e.value)
