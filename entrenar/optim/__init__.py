@@ -33,6 +33,13 @@ from entrenar.optim.base import (
     stateless,
 )
 from entrenar.optim.clipping import clip_by_global_norm, clip_grad_norm, global_norm
+from entrenar.optim.hf_schedules import (
+    cosine_with_min_lr_schedule,
+    cosine_with_restarts_schedule,
+    inverse_sqrt_schedule,
+    polynomial_schedule,
+    warmup_stable_decay_schedule,
+)
 from entrenar.optim.learning_rate import (
     LearningRateState,
     ScheduleState,
@@ -42,11 +49,10 @@ from entrenar.optim.learning_rate import (
     set_lr,
 )
 from entrenar.optim.masking import Mask, MaskedState, freeze, masked, resolve_mask
+from entrenar.optim.schedule_config import SCHEDULES, ScheduleConfig
 from entrenar.optim.schedules import (
-    SCHEDULES,
     CosineScheduler,
     Schedule,
-    ScheduleConfig,
     constant_schedule,
     cosine_decay_schedule,
     exponential_decay,
@@ -99,16 +105,20 @@ __all__ = [
     "clip_grad_norm",
     "constant_schedule",
     "cosine_decay_schedule",
+    "cosine_with_min_lr_schedule",
+    "cosine_with_restarts_schedule",
     "exponential_decay",
     "freeze",
     "get_lr",
     "global_norm",
     "identity",
+    "inverse_sqrt_schedule",
     "join_schedules",
     "linear_schedule",
     "map_updates",
     "masked",
     "microbatched_value_and_grad",
+    "polynomial_schedule",
     "resolve_mask",
     "scale",
     "scale_by_adam",
@@ -121,4 +131,5 @@ __all__ = [
     "trace",
     "warmup",
     "warmup_cosine_decay_schedule",
+    "warmup_stable_decay_schedule",
 ]

@@ -6,8 +6,8 @@ scalar. Every optimizer accepts a schedule wherever it accepts a number. Names,
 argument orders and semantics are optax's, so a schedule ports between the two.
 
 Formulas (``t`` the step, clipped to the schedule's range) are in specs/optimizers.md.
-`SCHEDULES` names them for a run's YAML file (``scheduler: {name: cosine_decay}``),
-whose section is `ScheduleConfig`; adding one is one ``@SCHEDULES.register(name)``.
+Hugging Face's named schedules are in `entrenar.optim.hf_schedules`; a run's YAML file
+names either (``scheduler: {name: cosine_decay}``): `entrenar.optim.schedule_config`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
 
 from entrenar.errors import ConfigError
-from entrenar.schema import Config, Registry, option
 
 Schedule: TypeAlias = Callable[[Any], jax.Array]
 """``fn(step) -> learning rate`` (float32 scalar)."""
@@ -238,122 +237,9 @@ class CosineScheduler:
         return float(self(step))
 
 
-def _schedule_name(value: object) -> object:
-    """Accept optax's spellings: ``cosine_decay_schedule`` -> ``cosine_decay``."""
-    if isinstance(value, str) and value.lower().endswith("_schedule"):
-        return value[: -len("_schedule")]
-    return value
-
-
-@dataclass(frozen=True)
-class ScheduleConfig(Config):
-    """A learning-rate schedule: the ``scheduler:`` section of a run (optax's names).
-
-    Example:
-        >>> s = ScheduleConfig("cosine_decay", warmup_steps=2).build(1.0, total=10)
-        >>> [round(float(s(t)), 3) for t in (0, 1, 2, 10)]
-        [0.0, 0.5, 1.0, 0.0]
-    """
-
-    name: Literal[
-        "constant", "linear", "cosine_decay", "warmup_cosine_decay", "exponential_decay"
-    ] = option(
-        "constant",
-        normalize=_schedule_name,
-        doc="constant, linear, cosine_decay, warmup_cosine_decay or "
-        "exponential_decay (a trailing _schedule is accepted: optax's names)",
-    )
-    warmup_steps: int = option(
-        0,
-        ge=0,
-        doc="steps of linear warm-up from `init_value` to `optimizer.lr` (any "
-        "schedule; warmup_cosine_decay needs > 0)",
-    )
-    decay_steps: int | None = option(
-        None,
-        ge=1,
-        doc="length of the decay (default: the rest of the run after warm-up); "
-        "warmup_cosine_decay counts the warm-up in it (optax's meaning); "
-        "exponential_decay: steps per factor of `decay_rate` (default 1)",
-    )
-    init_value: float = option(0.0, ge=0.0, doc="learning rate at step 0 of warm-up")
-    end_value: float = option(
-        0.0, ge=0.0, aliases=("min_lr",), doc="rate at the end of a linear/cosine decay"
-    )
-    decay_rate: float | None = option(
-        None, gt=0.0, le=1.0, doc="exponential_decay: factor per `decay_steps`"
-    )
-    staircase: bool = option(
-        False, doc="exponential_decay: drop in whole steps of `decay_steps`"
-    )
-
-    def check(self, path: str) -> None:
-        """Warm-up and decay-rate fields agree with the schedule."""
-        if self.name == "warmup_cosine_decay" and self.warmup_steps == 0:
-            raise ConfigError(
-                f"{path}.warmup_steps: warmup_cosine_decay needs warmup_steps > 0 "
-                "(or use cosine_decay)"
-            )
-        if (self.name == "exponential_decay") != (self.decay_rate is not None):
-            raise ConfigError(
-                f"{path}.decay_rate: required by exponential_decay and only by it"
-            )
-
-    def build(self, peak: float, total: int) -> Schedule:
-        """The schedule to ``peak`` (``optimizer.lr``) in a run of ``total`` steps."""
-        return SCHEDULES[self.name](self, peak, total)
-
-    def decay(self, total: int) -> int:
-        """Steps of the decay: `decay_steps`, else the run's after the warm-up."""
-        return self.decay_steps or max(total - self.warmup_steps, 1)
-
-    def warm(self, schedule: Schedule) -> Schedule:
-        """``schedule`` after this config's warm-up (if any)."""
-        w = self.warmup_steps
-        return warmup(schedule, w, self.init_value) if w else schedule
-
-
-SCHEDULES: Registry[Callable[[ScheduleConfig, float, int], Schedule]] = Registry(
-    "schedule"
-)
-"""``scheduler.name`` -> ``fn(config, peak, total_steps) -> schedule``."""
-
-
-@SCHEDULES.register("constant")
-def _constant(c: ScheduleConfig, peak: float, total: int) -> Schedule:
-    return c.warm(constant_schedule(peak))
-
-
-@SCHEDULES.register("linear")
-def _linear(c: ScheduleConfig, peak: float, total: int) -> Schedule:
-    return c.warm(linear_schedule(peak, c.end_value, c.decay(total)))
-
-
-@SCHEDULES.register("cosine_decay")
-def _cosine_decay(c: ScheduleConfig, peak: float, total: int) -> Schedule:
-    return c.warm(cosine_decay_schedule(peak, c.decay(total), c.end_value / peak))
-
-
-@SCHEDULES.register("warmup_cosine_decay")
-def _warmup_cosine(c: ScheduleConfig, peak: float, total: int) -> Schedule:
-    steps = c.decay_steps or total  # optax's: decay_steps counts the warm-up
-    return warmup_cosine_decay_schedule(
-        c.init_value, peak, c.warmup_steps, steps, c.end_value
-    )
-
-
-@SCHEDULES.register("exponential_decay")
-def _exponential(c: ScheduleConfig, peak: float, total: int) -> Schedule:
-    assert c.decay_rate is not None  # check: exponential_decay has one
-    steps, rate = c.decay_steps or 1, c.decay_rate
-    return c.warm(exponential_decay(peak, steps, rate, staircase=c.staircase))
-
-
 __all__ = [
-    "SCHEDULES",
     "CosineScheduler",
     "Schedule",
-    "ScheduleConfig",
     "constant_schedule",
     "cosine_decay_schedule",
     "exponential_decay",

@@ -294,10 +294,13 @@ def build_schedule(spec: TrainSpec, total: int) -> Any:
     lr, s = spec.optimizer.lr, spec.scheduler
     if s is None:
         return lr
-    if s.warmup_steps and s.warmup_steps >= total:
+    warm = s.warmup(total)
+    if warm and warm >= total:
+        key, value = "warmup_steps", f"{warm}"
+        if s.warmup_ratio is not None:
+            key, value = "warmup_ratio", f"{s.warmup_ratio} ({warm} steps)"
         raise ConfigError(
-            f"scheduler.warmup_steps: {s.warmup_steps} is not below the run's "
-            f"{total} steps"
+            f"scheduler.{key}: {value} is not below the run's {total} steps"
         )
     return s.build(lr, total)
 
