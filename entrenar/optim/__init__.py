@@ -48,7 +48,14 @@ from entrenar.optim.learning_rate import (
     scale_by_learning_rate,
     set_lr,
 )
-from entrenar.optim.masking import Mask, MaskedState, freeze, masked, resolve_mask
+from entrenar.optim.masking import (
+    Mask,
+    MaskedState,
+    freeze,
+    hf_decay_mask,
+    masked,
+    resolve_mask,
+)
 from entrenar.optim.schedule_config import SCHEDULES, ScheduleConfig
 from entrenar.optim.schedules import (
     CosineScheduler,
@@ -111,6 +118,7 @@ __all__ = [
     "freeze",
     "get_lr",
     "global_norm",
+    "hf_decay_mask",
     "identity",
     "inverse_sqrt_schedule",
     "join_schedules",

@@ -19,7 +19,7 @@ from entrenar.errors import ConfigError
 from entrenar.optim.base import GradientTransformation, chain
 from entrenar.optim.fused import adamw_apply
 from entrenar.optim.learning_rate import scale_by_learning_rate
-from entrenar.optim.masking import Mask
+from entrenar.optim.masking import Mask, hf_decay_mask
 from entrenar.optim.schedules import Schedule
 from entrenar.optim.transforms import add_decayed_weights, scale_by_adam, trace
 from entrenar.schema import Config, Registry, option
@@ -36,6 +36,7 @@ def sgd(
     momentum: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    mask: Mask | None = None,
     *,
     state_dtype: Any = None,
 ) -> GradientTransformation:
@@ -54,6 +55,8 @@ def sgd(
         momentum: ``μ``; 0 keeps no buffer (no state memory).
         nesterov: Nesterov momentum.
         weight_decay: ``λ``.
+        mask: decay only the leaves where the mask is True (a pytree of bools or a
+            predicate ``fn(name, leaf)``), e.g. `hf_decay_mask`.
         state_dtype: dtype of the momentum buffer.
 
     Example:
@@ -66,7 +69,7 @@ def sgd(
     """
     pieces: list[Any] = []
     if weight_decay:
-        pieces.append(add_decayed_weights(weight_decay))
+        pieces.append(add_decayed_weights(weight_decay, mask))
     if momentum:
         pieces.append(trace(momentum, nesterov, accumulator_dtype=state_dtype))
     pieces.append(scale_by_learning_rate(learning_rate))
@@ -146,7 +149,8 @@ def adamw(
         eps: ``ε``.
         weight_decay: ``λ``.
         mask: decay only the leaves where the mask is True (a pytree of bools or a
-            predicate ``fn(name, leaf)``), e.g. not biases and norms.
+            predicate ``fn(name, leaf)``), e.g. `hf_decay_mask`: not biases and
+            norms.
         eps_root: added inside the square root.
         state_dtype: dtype of ``m`` and ``v``.
 
@@ -213,13 +217,24 @@ class OptimizerConfig(Config):
         None,
         ge=0.0,
         doc="decoupled decay for adamw (default 0.01), L2 gradient term for sgd "
-        "(default 0); adam has none",
+        "(default 0); adam has none. Not on biases and norm weights (HF Trainer's "
+        "rule) unless decay_norms_and_biases",
+    )
+    decay_norms_and_biases: bool = option(
+        False,
+        doc="adamw/sgd: decay every trainable leaf (optax's and torch's default on "
+        "all parameters) instead of all but biases and norm weights (HF Trainer's "
+        "get_decay_parameter_names)",
     )
 
     def arguments(self) -> dict[str, Any]:
         """The hyperparameters set, by the optimizer function's argument names."""
         fields = dataclasses.fields(self)[2:]  # after name and lr
-        values = {_ARGS.get(f.name, f.name): getattr(self, f.name) for f in fields}
+        values = {
+            _ARGS.get(f.name, f.name): getattr(self, f.name)
+            for f in fields
+            if f.name != "decay_norms_and_biases"  # `build`'s mask
+        }
         return {k: v for k, v in values.items() if v is not None}
 
     def check(self, path: str) -> None:
@@ -232,13 +247,20 @@ class OptimizerConfig(Config):
                     f"{path}.{key}: {self.name} does not use {key} (only "
                     f"{' and '.join(users)}); remove it"
                 )
+        if self.decay_norms_and_biases and self.name == "adam":
+            raise ConfigError(
+                f"{path}.decay_norms_and_biases: adam has no weight decay; remove it"
+            )
 
     def build(
         self, learning_rate: float | Schedule | None = None
     ) -> GradientTransformation:
         """The optimizer at ``learning_rate`` (a number or a schedule; default `lr`)."""
         rate = self.lr if learning_rate is None else learning_rate
-        return OPTIMIZERS[self.name](rate, **self.arguments())
+        kwargs = self.arguments()
+        if "mask" in _arguments(OPTIMIZERS[self.name]):  # adamw, sgd: HF's rule
+            kwargs["mask"] = None if self.decay_norms_and_biases else hf_decay_mask
+        return OPTIMIZERS[self.name](rate, **kwargs)
 
 
 def _arguments(fn: Callable[..., Any]) -> Any:

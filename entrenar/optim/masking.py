@@ -13,6 +13,7 @@ them, so the inner transformation keeps **no state** for them: no memory.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -137,10 +138,36 @@ def freeze(inner: Any, trainable: Mask) -> GradientTransformation:
     return _wrap(inner, trainable, frozen_update=True)
 
 
+_NO_DECAY = re.compile(
+    r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)"  # HF's names
+    r"|(?:^|\.)ln_\w+(?:$|\.)"  # GPT-2's LayerNorm modules (HF: by type)
+)
+
+
+def hf_decay_mask(name: str, leaf: Any = None) -> bool:
+    """Whether Hugging Face's Trainer decays the leaf ``name``: not biases nor norms.
+
+    ``transformers.Trainer.get_decay_parameter_names`` leaves out every parameter
+    whose lowercased name contains ``bias``, ``layernorm``, ``rmsnorm``, a module
+    named ``norm`` or ending in ``_norm``, and those of ``nn.LayerNorm`` modules
+    (GPT-2's ``ln_1``, ``ln_2``, ``ln_f``). A mask for `entrenar.optim.adamw`'s
+    and `entrenar.optim.sgd`'s weight decay; a run's ``optimizer:`` uses it unless
+    ``decay_norms_and_biases: true``.
+
+    >>> [hf_decay_mask(n) for n in ("model.layers.mlp.up_proj.weight",
+    ...  "model.norm.weight", "model.layers.self_attn.q_norm.weight",
+    ...  "model.layers.self_attn.q_proj.bias", "transformer.h.ln_1.weight")]
+    [True, False, False, False, False]
+    """
+    del leaf
+    return _NO_DECAY.search(name.lower()) is None
+
+
 __all__ = [
     "Mask",
     "MaskedState",
     "freeze",
+    "hf_decay_mask",
     "mask_tree",
     "masked",
     "resolve_mask",
