@@ -77,6 +77,16 @@ def _schedule_name(value: object) -> object:
     return _HF_NAMES.get(value, value) if isinstance(value, str) else value
 
 
+def _whole_warmup(value: object) -> object:
+    """Refuse HF 5's fractional ``warmup_steps`` (a ratio): say `warmup_ratio`."""
+    if isinstance(value, float) and 0.0 < value < 1.0:
+        raise ConfigError(
+            f"{value} is a fraction of the run (Hugging Face 5's meaning of "
+            f"warmup_steps below 1); write warmup_ratio: {value}"
+        )
+    return value
+
+
 Curve = Literal["linear", "cosine", "1-sqrt"]
 
 
@@ -106,6 +116,7 @@ class ScheduleConfig(Config):
     warmup_steps: int = option(
         0,
         ge=0,
+        normalize=_whole_warmup,
         doc="steps of linear warm-up to `optimizer.lr` (from `init_value`; HF's "
         "schedules from 0); warmup_cosine_decay needs a warm-up",
     )

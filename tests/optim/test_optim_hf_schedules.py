@@ -214,6 +214,7 @@ def test_the_trainers_first_update_uses_the_rate_of_step_0():
         ({"name": "cosine_with_restarts", "num_cycles": 1.5}, "whole number"),
         ({"name": "linear", "warmup_steps": 3, "warmup_ratio": 0.1}, "not both"),
         ({"name": "warmup_stable_decay", "decay_type": "exp"}, "decay_type"),
+        ({"name": "linear", "warmup_steps": 0.1}, "write warmup_ratio: 0.1"),
     ],
 )
 def test_bad_sections_name_the_key(section, match):
