@@ -37,7 +37,7 @@ CFG = LlamaConfig(
     max_position_embeddings=32,
     rms_norm_eps=1e-5,
 )
-N, T, LR, STEPS, GA, BS = 8, 12, 1e-2, 2, 2, 2
+N, T, LR, STEPS, GA, BS = 8, 12, 1e-2, 3, 2, 2
 
 
 def rows():
@@ -51,13 +51,18 @@ def rows():
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def hf_trainer(params, data, tmp_path, weight_decay):
+def hf_llama(params):
+    """A LlamaForCausalLM holding ``params``."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**CFG.to_hf_config())
     )
     state = {k: torch.from_numpy(np.array(v)) for k, v in to_hf_names(params).items()}
     model.load_state_dict(state, strict=False)
+    return model
+
+
+def hf_trainer(model, data, tmp_path, weight_decay):
     examples = [{k: torch.tensor(v[i]) for k, v in data.items()} for i in range(N)]
 
     class InOrder(transformers.Trainer):  # our run with shuffle: false
@@ -78,28 +83,36 @@ def hf_trainer(params, data, tmp_path, weight_decay):
     return logs, weights
 
 
-def our_trainer(params, data, weight_decay):
+def our_trainer(params, data, weight_decay, trainable=None):
     schedule = eo.ScheduleConfig(name="linear", warmup_steps=1).build(LR, STEPS)
     optimizer = eo.OptimizerConfig(name="adamw", lr=LR, weight_decay=weight_decay)
     config = TrainConfig(
         batch_size=BS, grad_accum=GA, grad_clip=0.5, max_steps=STEPS, shuffle=False,
         progress=False, log_every=1,
     )  # fmt: skip
-    trainer = Trainer(CFG, params, optimizer.build(schedule), config)
+    trainer = Trainer(
+        CFG, params, optimizer.build(schedule), config, trainable=trainable
+    )
     result = trainer.fit({k: jnp.asarray(v, jnp.int32) for k, v in data.items()})
-    return result.history, to_hf_names(trainer.params)
+    return result.history, trainer.params
 
 
-def test_trainer_steps_are_hugging_faces(tmp_path):
-    """Token-weighted accumulation, global clipping, AdamW, decay not on norms."""
-    params, data = CFG.init(jax.random.key(0)), rows()
-    theirs, their_weights = hf_trainer(params, data, tmp_path, weight_decay=0.1)
-    ours, our_weights = our_trainer(params, data, weight_decay=0.1)
+def assert_same_steps(ours, theirs):
     assert len(ours) == len(theirs) == STEPS
     for o, t in zip(ours, theirs, strict=True):
         assert o["loss"] == pytest.approx(t["loss"], rel=1e-5)
         assert o["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-5)
         assert o["lr"] == pytest.approx(t["learning_rate"], abs=1e-9)
+
+
+def test_trainer_steps_are_hugging_faces(tmp_path):
+    """Token-weighted accumulation, global clipping, AdamW, decay not on norms."""
+    params, data = CFG.init(jax.random.key(0)), rows()
+    model = hf_llama(params)
+    theirs, their_weights = hf_trainer(model, data, tmp_path, weight_decay=0.1)
+    ours, our_params = our_trainer(params, data, weight_decay=0.1)
+    assert_same_steps(ours, theirs)
+    our_weights = to_hf_names(our_params)
     assert our_weights.keys() <= their_weights.keys()
     for name, w in our_weights.items():
         np.testing.assert_allclose(
@@ -145,6 +158,34 @@ def test_a_runs_optimizer_decays_as_hf_unless_told():
 
     assert step() == {"dense.weight": -0.5, "dense.bias": 0.0, "norm.weight": 0.0}
     assert set(step(decay_norms_and_biases=True).values()) == {-0.5}
+
+
+def test_lora_steps_are_hugging_faces_with_peft(tmp_path):
+    """The same with LoRA adapters: our Trainer vs HF's Trainer on a PEFT model."""
+    peft = pytest.importorskip("peft")
+    cfg = lora.LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
+    base, data = CFG.init(jax.random.key(0)), rows()
+    adapted = lora.apply(base, cfg, key=jax.random.key(1))  # B = 0, A random
+    lora.save_adapter(
+        adapted, tmp_path / "start", base_model_name_or_path=str(tmp_path)
+    )
+    model = peft.PeftModel.from_pretrained(
+        hf_llama(base), str(tmp_path / "start"), is_trainable=True
+    )
+    theirs, _ = hf_trainer(model, data, tmp_path / "hf", weight_decay=0.1)
+    ours, our_params = our_trainer(adapted, data, weight_decay=0.1, trainable="lora")
+    assert_same_steps(ours, theirs)
+    model.save_pretrained(str(tmp_path / "theirs"))
+    lora.save_adapter(
+        our_params, tmp_path / "ours", base_model_name_or_path=str(tmp_path)
+    )
+    name = "adapter_model.safetensors"
+    st = pytest.importorskip("safetensors.numpy")
+    want = st.load_file(str(tmp_path / "theirs" / name))
+    got = st.load_file(str(tmp_path / "ours" / name))
+    assert got.keys() == want.keys()
+    for key, value in got.items():
+        np.testing.assert_allclose(value, want[key], atol=1e-6, err_msg=key)
 
 
 def test_lora_adapters_are_decayed_as_under_peft():
