@@ -39,7 +39,8 @@ class LoRAConfig(Config):
     PyTorch's ``kaiming_uniform_(a=sqrt(5))``), ``"gaussian"`` ``A ~ N(0, 1/r²)``;
     ``B = 0`` in both, so the adapted model starts equal to the base model.
     ``dropout`` acts only when keys are supplied with
-    `entrenar.lora.with_dropout_keys`. Every field is checked when a config is built.
+    `entrenar.lora.with_dropout_keys`. ``use_dora`` adds DoRA's trainable magnitude
+    vector (Liu et al. 2024, arXiv:2402.09353). Every field is checked when a config is built.
 
     Example:
         >>> LoRAConfig(rank=8, alpha=16, targets=("q_proj", "v_proj")).scale
@@ -75,6 +76,12 @@ class LoRAConfig(Config):
         "kaiming", doc="initialisation of A (B starts at zero)"
     )
     rslora: bool = option(False, doc="scale by α/√r (rank-stabilised LoRA)")
+    use_dora: bool = option(
+        False,
+        aliases=("dora",),
+        doc="DoRA: also train a magnitude per output feature, y = m/‖W+sBA‖ ⊙ "
+        "(W+sBA)x (PEFT's use_dora; see entrenar.lora.weight)",
+    )
 
     def check(self, path: str) -> None:
         """At least one target; a regular expression is checked before it runs."""

@@ -5,9 +5,13 @@
     W' = W + s · B A            (*lead, out, in), s = alpha / r (or alpha / sqrt(r))
 
 computed in float32 and cast to the base's dtype (a quantized base is dequantized
-first, so a merged QLoRA model is dense). ``fold_and_requantize`` quantizes ``W'``
+first, so a merged QLoRA model is dense). A DoRA node (with a magnitude ``m``)
+folds to its rescaled sum, as PEFT's ``merge_and_unload``:
+
+    W' = (m / ‖W + s · B A‖_row) ⊙ (W + s · B A)      (m, the norm: (*lead, out))
+ ``fold_and_requantize`` quantizes ``W'``
 again with the base's own scheme and reports the error that costs. ``unfold`` is the
-inverse for dense bases: ``W = W' - s · B A``.
+inverse for plain LoRA over dense bases: ``W = W' - s · B A``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from entrenar.errors import CompatibilityError
+from entrenar.errors import CompatibilityError, UnsupportedError
 from entrenar.lora import _quant
 from entrenar.lora.names import named_weight_leaves
 from entrenar.lora.weight import LoRAWeight
@@ -32,11 +36,38 @@ def delta(w: LoRAWeight) -> jax.Array:
     return w.scale * jnp.einsum("...or,...ri->...oi", b, a)
 
 
+def _merged(w: LoRAWeight) -> tuple[jax.Array, Any]:
+    """``(W', dtype)``: the merged weight in float32 and the base's dtype."""
+    base = to_dense(w.base)
+    v = base.astype(jnp.float32) + delta(w)  # (*lead, out, in)
+    if w.dora:  # DoRA: each output row rescaled to its magnitude
+        norm = jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))  # (*lead, out, 1)
+        m = jnp.asarray(w.magnitude).astype(jnp.float32)[..., None]  # (*lead, out, 1)
+        v = (m / norm) * v
+    return v, base.dtype
+
+
 @to_dense.register
 def folded_weight(w: LoRAWeight) -> jax.Array:
-    """``W + s · B A`` in the base's (dequantized) dtype (`to_dense` of the node)."""
-    base = to_dense(w.base)
-    return (base.astype(jnp.float32) + delta(w)).astype(base.dtype)
+    """``W + s · B A`` in the base's (dequantized) dtype (`to_dense` of the node).
+
+    DoRA: ``(m / ‖W + s · B A‖_row) ⊙ (W + s · B A)``.
+    """
+    v, dtype = _merged(w)
+    return v.astype(dtype)
+
+
+def update(w: LoRAWeight) -> jax.Array:
+    """What folding adds to the base, float32 ``(*lead, out, in)``: ``W' - W``.
+
+    ``s · B A`` (`delta`) for plain LoRA; for DoRA the rescaled sum minus ``W``
+    (the task vector of a DoRA fine-tune, non-zero even when ``B = 0`` once ``m``
+    has moved away from ``‖W‖``).
+    """
+    if not w.dora:
+        return delta(w)
+    v, _ = _merged(w)
+    return v - to_dense(w.base).astype(jnp.float32)
 
 
 def fold(params: Params) -> Params:
@@ -116,6 +147,11 @@ def unfold(merged: Params, adapters: Params) -> Params:
     def undo(ad: Any, m: Any) -> Any:
         if not isinstance(ad, LoRAWeight):
             return m
+        if ad.dora:
+            raise UnsupportedError(
+                "unfold: a DoRA adapter's fold rescales W by m/‖W + s·BA‖, which "
+                "is not undone here; keep the unfolded tree (lora.fold makes a copy)"
+            )
         if is_weight_node(m):
             raise CompatibilityError(
                 f"unfold needs a dense merged weight where the adapter is, got {m!r}"
@@ -133,4 +169,11 @@ def unfold(merged: Params, adapters: Params) -> Params:
     )
 
 
-__all__ = ["RequantReport", "delta", "fold", "fold_and_requantize", "unfold"]
+__all__ = [
+    "RequantReport",
+    "delta",
+    "fold",
+    "fold_and_requantize",
+    "unfold",
+    "update",
+]

@@ -88,7 +88,7 @@ def trainable_report(params: Params) -> TrainableReport:
     tp = fp = tb = fb = 0
     for x in jax.tree_util.tree_leaves(params, is_leaf=is_weight_node):
         if isinstance(x, LoRAWeight):
-            for part in (x.a, x.b):
+            for part in (x.a, x.b, x.magnitude):  # DoRA's m counts (None: 0)
                 n, b = _count(part)
                 tp, tb = tp + n, tb + b
             n, b = _count(x.base)

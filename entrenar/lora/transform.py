@@ -31,7 +31,7 @@ from entrenar.lora.names import (
     named_weight_leaves,
     stacked_split,
 )
-from entrenar.lora.weight import LoRAWeight
+from entrenar.lora.weight import LoRAWeight, dora_norm
 from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params, PRNGKey
 
@@ -96,7 +96,10 @@ def apply(
 
     Args:
         params: parameter tree (weights ``(*lead, out, in)``; stacked layers allowed).
-        config: rank, alpha, targets, dropout, init, rsLoRA.
+        config: rank, alpha, targets, dropout, init, rsLoRA, DoRA (``use_dora``:
+            each node also gets ``magnitude = ‖W‖`` per output row, computed from
+            the stored (quantized) base one layer at a time, so the adapted model
+            starts equal to the base model, as in PEFT).
         key: random key for ``A`` (each weight gets ``fold_in(key, leaf_index)``).
         quantize: ``None``, ``"nf4"`` or ``"int4"``: store the frozen bases of the
             adapted weights as ``entrenar.quant.QuantizedWeight`` (QLoRA; NF4 uses
@@ -134,12 +137,13 @@ def apply(
             )
         a, b = _init_adapter(jax.random.fold_in(key, i), shape, config)
         base = leaf if quantize is None else _quant.quantize_base(leaf, quantize, name)
-        out.append(
-            LoRAWeight(
-                base, a, b, config.alpha, config.rank,
-                rslora=config.rslora, dropout=config.dropout,
-            )
+        node = LoRAWeight(
+            base, a, b, config.alpha, config.rank,
+            rslora=config.rslora, dropout=config.dropout,
         )  # fmt: skip
+        if config.use_dora:  # B = 0: ‖W + s·BA‖ = ‖W‖ (of the quantized base)
+            node = node.replace(magnitude=dora_norm(node))
+        out.append(node)
     if all(o is f for o, f in zip(out, flat)):
         raise ConfigError(_no_match_message(config.targets, names, flat))
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -173,8 +177,9 @@ def _no_match_message(targets: Any, names: list[str], flat: list[Any]) -> str:
 def split(params: Params) -> tuple[Params, Params]:
     """Partition into ``(trainable, frozen)``: adapters vs everything else.
 
-    ``trainable`` holds ``LoRAWeight(base=None, a, b)`` nodes and ``None`` elsewhere;
-    ``frozen`` holds the other leaves and ``LoRAWeight(base, a=None, b=None)``.
+    ``trainable`` holds ``LoRAWeight(base=None, a, b)`` nodes (with DoRA's
+    ``magnitude``) and ``None`` elsewhere; ``frozen`` holds the other leaves and
+    ``LoRAWeight(base, a=None, b=None, magnitude=None)``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -199,7 +204,9 @@ def split(params: Params) -> tuple[Params, Params]:
         return None
 
     def frozen(x: Any) -> Any:
-        return x.replace(a=None, b=None) if isinstance(x, LoRAWeight) else x
+        if isinstance(x, LoRAWeight):
+            return x.replace(a=None, b=None, magnitude=None)
+        return x
 
     return (
         jax.tree_util.tree_map(trainable, params, is_leaf=is_weight_node),
@@ -217,7 +224,7 @@ def combine(trainable: Params, frozen: Params) -> Params:
                     "combine: the trainable tree has no adapter where the frozen tree "
                     "has a LoRAWeight; pass the halves of one lora.split"
                 )
-            return f.replace(a=t.a, b=t.b)
+            return f.replace(a=t.a, b=t.b, magnitude=t.magnitude)
         return f if t is None else t
 
     return jax.tree_util.tree_map(
@@ -235,7 +242,8 @@ def trainable_mask(params: Params) -> Params:
     def mask(x: Any) -> Any:
         if isinstance(x, LoRAWeight):
             key = None if x.dropout_key is None else False
-            return x.replace(base=False, a=True, b=True, dropout_key=key)
+            m = None if x.magnitude is None else True
+            return x.replace(base=False, a=True, b=True, dropout_key=key, magnitude=m)
         return False
 
     return jax.tree_util.tree_map(mask, params, is_leaf=is_weight_node)

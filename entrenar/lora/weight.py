@@ -7,12 +7,26 @@ with an input is registered on `entrenar.nn.weight_matmul`, so every layer that 
     y = x Wᵀ + s · (drop(x) Aᵀ) Bᵀ,    A: (r, in),  B: (out, r)
 
 with ``s = alpha / r`` (or ``alpha / sqrt(r)`` for rsLoRA, Kalajdzievski 2023,
-arXiv:2312.03732), without ever forming ``W + s B A``. ``W`` is computed through
+arXiv:2312.03732), without ever forming ``W + s B A``. With a ``magnitude`` vector
+``m: (out,)`` the node is DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank
+Adaptation", arXiv:2402.09353; PEFT's ``use_dora``):
+
+    y = (m / n) ⊙ (x Wᵀ + s · (x Aᵀ) Bᵀ),   n = ‖W + s B A‖ per output row (out,)
+
+where ``n`` is treated as a constant in the backward pass (``stop_gradient``: the
+paper's section 4.3, as PEFT 0.21 computes it), so ``A``, ``B`` and ``m`` get
+PEFT's gradients. ``n`` needs the dense ``W`` of one layer: it is formed inside
+the matmul, so under `jax.lax.scan` a stacked (or quantized) base is densified one
+layer at a time. With dropout active PEFT's training forward is
+
+    y = x Wᵀ + (m/n - 1) ⊙ drop(x) Wᵀ + (m/n) ⊙ s · (drop(x) Aᵀ) Bᵀ
+
+(one more base product), which equals the formula above when nothing is dropped. ``W`` is computed through
 ``weight_matmul(base, x)``, so a quantized base (``entrenar.quant.QuantizedWeight``)
 gives QLoRA (Dettmers et al. 2023, arXiv:2305.14314).
 
 Leading axes are allowed on every child (stacked layers: ``base (L, out, in)``,
-``a (L, r, in)``, ``b (L, out, r)``, ``dropout_key (L, 2)``), so `jax.lax.scan` slices a
+``a (L, r, in)``, ``b (L, out, r)``, ``magnitude (L, out)``, ``dropout_key (L, 2)``), so `jax.lax.scan` slices a
 stacked node per layer like any array. ``alpha``, ``rank``, ``rslora`` and ``dropout``
 are static (auxiliary data): changing them recompiles, they are never traced.
 """
@@ -34,6 +48,7 @@ from entrenar.nn.weight_node import (
     logical_dtype,
     logical_shape,
     register_weight_node,
+    to_dense,
 )
 
 
@@ -56,6 +71,9 @@ class LoRAWeight:
             while ``dropout_key`` is set (see `entrenar.lora.with_dropout_keys`);
             with ``dropout_key=None`` the forward is deterministic (evaluation).
         dropout_key: raw ``uint32`` key data ``(*lead, 2)`` or ``None``.
+        magnitude: DoRA's ``m (*lead, out)`` (PEFT's ``lora_magnitude_vector``;
+            `entrenar.lora.apply` starts it at ``‖W‖`` per output row), trainable;
+            ``None`` for plain LoRA.
 
     Children may be ``None`` (or masks, gradients, optimizer moments): the node is
     also the container of `entrenar.lora.split`'s halves and of gradient trees.
@@ -69,6 +87,9 @@ class LoRAWeight:
     rslora: bool = dataclasses.field(default=False, kw_only=True, metadata=STATIC)
     dropout: float = dataclasses.field(default=0.0, kw_only=True, metadata=STATIC)
     dropout_key: Any = dataclasses.field(default=None, kw_only=True)
+    magnitude: Any = dataclasses.field(
+        default=None, kw_only=True, metadata={"key": "lora_magnitude_vector"}
+    )
 
     def __post_init__(self) -> None:
         casts = {"alpha": float, "rank": int, "rslora": bool, "dropout": float}
@@ -79,6 +100,11 @@ class LoRAWeight:
     def scale(self) -> float:
         """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @property
+    def dora(self) -> bool:
+        """Whether the node is DoRA (it has a magnitude vector)."""
+        return self.magnitude is not None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -104,7 +130,8 @@ class LoRAWeight:
         return (
             f"LoRAWeight(base={desc(self.base)}, a={desc(self.a)}, b={desc(self.b)}, "
             f"alpha={self.alpha:g}, rank={self.rank}, rslora={self.rslora}, "
-            f"dropout={self.dropout:g})"
+            f"dropout={self.dropout:g}"
+            + (f", magnitude={desc(self.magnitude)})" if self.dora else ")")
         )
 
     def _repr_html_(self) -> str:
@@ -119,7 +146,8 @@ class LoRAWeight:
             kind = type(x).__name__
             return f"{kind} {shape}" + (f" {dtype}" if dtype is not None else "")
 
-        n_ab = sum(math.prod(x.shape) for x in (self.a, self.b) if hasattr(x, "shape"))
+        parts = (self.a, self.b, self.magnitude)
+        n_ab = sum(math.prod(x.shape) for x in parts if hasattr(x, "shape"))
         scale = "α/√r" if self.rslora else "α/r"
         rows = [
             ("W", f"{desc(self.base)} (frozen)"),
@@ -130,6 +158,7 @@ class LoRAWeight:
                 f"{self.rank}, {self.alpha:g}: scale {scale} = {self.scale:g}",
             ),
             ("dropout", f"{self.dropout:g}"),
+            *([("m (DoRA)", f"{desc(self.magnitude)} (trainable)")] if self.dora else []),
             ("trainable params", f"{n_ab:,}"),
         ]
         cells = "".join(
@@ -137,7 +166,8 @@ class LoRAWeight:
             f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
             for k, v in rows
         )
-        return f"<b>LoRAWeight</b> W + {scale}·B·A<table>{cells}</table>"
+        what = f"m/‖·‖ ⊙ (W + {scale}·B·A)" if self.dora else f"W + {scale}·B·A"
+        return f"<b>LoRAWeight</b> {what}<table>{cells}</table>"
 
 
 logical_shape.register(LoRAWeight, lambda w: w.shape)
@@ -157,16 +187,60 @@ def _lora_matmul(
 
     ``matmul_dtype`` applies to the frozen base (``"bfloat16"``: bfloat16 inputs,
     float32 accumulation); the rank-``r`` adapter products stay in ``x``'s dtype.
+    A DoRA node rescales the sum per output feature (`_dora_output`).
     """
-    if matmul_dtype is None:
-        y = weight_matmul(w.base, x)  # (..., out)
-    else:
-        y = weight_matmul(w.base, x, matmul_dtype)
+    y = _base_matmul(w.base, x, matmul_dtype)  # (..., out)
+    xd = x
     if w.dropout > 0.0 and w.dropout_key is not None:
-        x = dropout(x, w.dropout, key=jax.random.wrap_key_data(w.dropout_key))
-    h = jnp.einsum("...i,ri->...r", x, jnp.asarray(w.a).astype(x.dtype))  # (..., r)
+        xd = dropout(x, w.dropout, key=jax.random.wrap_key_data(w.dropout_key))
+    h = jnp.einsum("...i,ri->...r", xd, jnp.asarray(w.a).astype(x.dtype))  # (..., r)
     delta = _times_bt(h, jnp.asarray(w.b).astype(x.dtype))
+    if w.magnitude is not None:
+        return _dora_output(w, y, xd is not x, xd, delta, matmul_dtype)
     return y + (w.scale * delta).astype(y.dtype)  # (..., out)
+
+
+def _base_matmul(base: Any, x: jax.Array, matmul_dtype: str | None) -> jax.Array:
+    if matmul_dtype is None:
+        return weight_matmul(base, x)
+    return weight_matmul(base, x, matmul_dtype)
+
+
+def dora_norm(w: LoRAWeight) -> jax.Array:
+    """``n = ‖W + s B A‖`` over the input axis, per output row: ``(*lead, out)``.
+
+    Float32, from the dense (dequantized) base of one layer at a time: a stacked
+    node is mapped over its leading axes with `jax.lax.map`, so a quantized stack
+    is never dense as a whole. PEFT's ``DoraLinearLayer.get_weight_norm``.
+    """
+    if jnp.ndim(w.a) > 2:  # (*lead, r, in): one layer at a time
+        return jax.lax.map(dora_norm, w)
+    wd = to_dense(w.base).astype(jnp.float32)  # (out, in)
+    a = jnp.asarray(w.a).astype(jnp.float32)  # (r, in)
+    b = jnp.asarray(w.b).astype(jnp.float32)  # (out, r)
+    v = wd + w.scale * (b @ a)  # (out, in)
+    return jnp.sqrt(jnp.sum(v * v, axis=-1))  # (out,)
+
+
+def _dora_output(
+    w: LoRAWeight,
+    y: jax.Array,
+    dropped: bool,
+    xd: jax.Array,
+    delta: jax.Array,
+    matmul_dtype: str | None,
+) -> jax.Array:
+    """DoRA's output from the base's ``y = x Wᵀ`` and the adapter's ``(xd Aᵀ) Bᵀ``.
+
+    ``y + (m/n - 1) ⊙ yd + (m/n) ⊙ s · delta``, with ``yd = y`` unless dropout
+    acted (then ``yd = drop(x) Wᵀ``), as PEFT's ``DoraLinearLayer.forward``; ``n``
+    is a constant of the backward pass (paper, section 4.3).
+    """
+    n = jax.lax.stop_gradient(dora_norm(w))  # (out,)
+    g = jnp.asarray(w.magnitude).astype(jnp.float32) / n  # (out,)
+    yd = _base_matmul(w.base, xd, matmul_dtype) if dropped else y  # (..., out)
+    extra = (g - 1.0) * yd + g * (w.scale * delta)  # (..., out)
+    return y + extra.astype(y.dtype)
 
 
 @jax.custom_vjp
@@ -189,4 +263,4 @@ def _times_bt_bwd(res: Any, g: jax.Array) -> Any:
 _times_bt.defvjp(_times_bt_fwd, _times_bt_bwd)
 
 
-__all__ = ["LoRAWeight"]
+__all__ = ["LoRAWeight", "dora_norm"]
