@@ -8,6 +8,10 @@ name, one per layer of a stacked weight)::
     base_model.model.<m>.lora_A.weight   (r, in)    float32
     base_model.model.<m>.lora_B.weight   (out, r)   float32
 
+and for DoRA (``use_dora: true``, PEFT 0.21's names, no ``.weight`` suffix)::
+
+    base_model.model.<m>.lora_magnitude_vector   (out,)   float32
+
 so an adapter trained here loads with ``PeftModel.from_pretrained`` and one saved by
 PEFT loads here. `load_adapter` checks every name, shape and rank against the base
 tree and reports everything that does not match in one `CompatibilityError`.
@@ -43,7 +47,7 @@ from entrenar.lora.names import (
 )
 from entrenar.lora.patterns import check_pattern, check_peft_key, peft_key_matches
 from entrenar.lora.peft_keys import check_peft_keys
-from entrenar.lora.weight import LoRAWeight
+from entrenar.lora.weight import LoRAWeight, dora_norm
 from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params
 
@@ -51,8 +55,26 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _TENSOR = re.compile(
-    r"base_model\.model\.(.+)\.lora_([AB])(?:\.[A-Za-z0-9_\-]+)?\.weight"
+    r"base_model\.model\.(.+)\.(?:lora_([AB])(?:\.[A-Za-z0-9_\-]+)?\.weight"
+    r"|lora_(magnitude)_vector)"
 )
+MAGNITUDE = "magnitude"
+"""The part name of a DoRA magnitude tensor (beside ``"A"`` and ``"B"``)."""
+
+
+def _untouched_magnitudes(x: LoRAWeight) -> np.ndarray:
+    """Per layer: whether the magnitude is what a layer without adapter has.
+
+    Always True for plain LoRA. For DoRA, ``m = ‖W + s·BA‖`` exactly (bit for bit,
+    as `load_adapter` fills a layer the file has no tensors for): the layer's
+    forward is the base's, so with ``A = B = 0`` it is left out of the file.
+    """
+    n = int(np.prod(x.a.shape[:-2]))
+    if not x.dora:
+        return np.ones(n, bool)
+    m = np.asarray(x.magnitude, np.float32).reshape(n, -1)
+    norm = np.asarray(dora_norm(x), np.float32).reshape(n, -1)
+    return (m == norm).all(axis=1)
 
 
 def _adapted(params: Params, stacked_keys: tuple[str, ...]):
@@ -85,12 +107,14 @@ def save_adapter(
             weight is saved as ``...layers.{i}...``).
 
     A layer whose A and B are both zero (one `load_adapter` filled in for a layer
-    the file had no adapter for) is left out, and ``target_modules`` then names
-    the adapted modules exactly, so PEFT adapts the same layers.
+    the file had no adapter for; for DoRA also ``m = ‖W‖`` exactly) is left out,
+    and ``target_modules`` then names the adapted modules exactly, so PEFT adapts
+    the same layers. DoRA adapters also write ``lora_magnitude_vector`` and
+    ``use_dora: true``.
 
     Raises:
         CompatibilityError: no adapter in ``params`` (or only zero ones), or
-            adapters mix rsLoRA settings.
+            adapters mix rsLoRA or DoRA settings.
     """
     folder = os.fspath(path)
     adapted = _adapted(params, stacked_keys)
@@ -100,16 +124,27 @@ def save_adapter(
         raise CompatibilityError(
             "PEFT stores one use_rslora for all adapters; got both"
         )
+    if len({x.dora for _, x, _ in adapted}) > 1:
+        raise CompatibilityError(
+            "PEFT stores one use_dora for all adapters; got DoRA and plain LoRA "
+            "adapters in one tree: save them as two adapters"
+        )
     tensors, ranks, alphas = {}, {}, {}
     for _, x, modules in adapted:
         a, b = np.asarray(x.a, np.float32), np.asarray(x.b, np.float32)
+        mag = None if not x.dora else np.asarray(x.magnitude, np.float32)
+        untouched = _untouched_magnitudes(x)
         stacked = a.ndim == 3
         for i, m in enumerate(modules):
             ai, bi = (a[i], b[i]) if stacked else (a, b)
-            if not ai.any() and not bi.any():
+            if not ai.any() and not bi.any() and untouched[i]:
                 continue  # a layer without adapter (load_adapter's zero layers)
             tensors[f"{PREFIX}{m}.lora_A.weight"] = ai
             tensors[f"{PREFIX}{m}.lora_B.weight"] = bi
+            if mag is not None:  # (out,), PEFT's name has no ".weight"
+                tensors[f"{PREFIX}{m}.lora_magnitude_vector"] = (
+                    mag[i] if stacked else mag
+                )
             ranks[m], alphas[m] = x.rank, x.alpha
     if not ranks:
         raise CompatibilityError(
@@ -144,7 +179,7 @@ def save_adapter(
         "inference_mode": True,
         "modules_to_save": None,
         "layers_to_transform": None,
-        "use_dora": False,
+        "use_dora": adapted[0][1].dora,
     }
     os.makedirs(folder, exist_ok=True)
     # tensor by tensor from the adapters' own buffers (no whole-file copy in memory)
@@ -191,7 +226,7 @@ def check_adapter_config(cfg: Any, file: str) -> None:
             ``lora_dropout`` in [0, 1), patterns safe to run, see
             `entrenar.lora.patterns`); the message names the file and the key.
         UnsupportedError: another PEFT method, or a setting that changes PEFT's
-            forward (`entrenar.lora.peft_keys`: DoRA and other variants, biases,
+            forward (`entrenar.lora.peft_keys`: LoRA variants, biases,
             ``modules_to_save``, PiSSA-like initialisations, unknown keys).
     """
     if not isinstance(cfg, dict):
@@ -214,6 +249,8 @@ def check_adapter_config(cfg: Any, file: str) -> None:
     )
     use_rslora = cfg.get("use_rslora")
     _field(cfg, file, "use_rslora", use_rslora in (None, True, False), "true or false")
+    use_dora = cfg.get("use_dora")
+    _field(cfg, file, "use_dora", use_dora in (None, True, False), "true or false")
     check_peft_keys(cfg, file)
     _check_patterns(cfg, file, "rank_pattern", lambda v: type(v) is int and v > 0)
     _check_patterns(cfg, file, "alpha_pattern", _positive)
@@ -311,8 +348,9 @@ def load_adapter(
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
         if any(_TENSOR.fullmatch(name) is None for name in header):
             more += (
-                "\n(entrenar reads the lora_A / lora_B weights of linear modules; "
-                "LoRA on embeddings and whole layers saved beside the adapter are "
+                "\n(entrenar reads the lora_A / lora_B weights (and DoRA's "
+                "lora_magnitude_vector) of linear modules; LoRA or DoRA on "
+                "embeddings and whole layers saved beside the adapter are "
                 "not supported: merge the adapter in PEFT with merge_and_unload and "
                 "load the merged model)"
             )
@@ -328,7 +366,7 @@ def load_adapter(
 def _group_by_module(
     header: dict[str, Any], problems: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """``{PEFT module name: {"A": tensor, "B": tensor}}`` from the file's tensors.
+    """``{PEFT module name: {"A": A, "B": B[, "magnitude": m]}}`` from the tensors.
 
     A module with two A (or B) tensors (``lora_A.weight`` and ``lora_A.other.weight``:
     two named adapters in one file) is a problem: which pairs with which is unknown.
@@ -337,10 +375,16 @@ def _group_by_module(
     names: dict[tuple[str, str], str] = {}
     for name, info in header.items():
         m = _TENSOR.fullmatch(name)
+        if m is None and ".lora_embedding_" in name:
+            problems.append(
+                f"tensor {name!r} adapts an embedding (lora_embedding_A/B): LoRA "
+                "and DoRA on embeddings are not supported"
+            )
+            continue
         if m is None:
             problems.append(f"tensor {name!r} is not a LoRA A/B weight")
             continue
-        key = (m.group(1), m.group(2))
+        key = (m.group(1), m.group(2) or MAGNITUDE)
         if key in names:
             problems.append(
                 f"module {key[0]!r} has two lora_{key[1]} tensors, "
@@ -348,7 +392,7 @@ def _group_by_module(
             )
             continue
         names[key] = name
-        found[m.group(1)][m.group(2)] = info
+        found[m.group(1)][key[1]] = info
     return found
 
 
@@ -367,6 +411,7 @@ def _place_modules(
     layers have different ranks. A stacked leaf may have tensors for only some of
     its layers (PEFT's ``layers_to_transform``, ``exclude_modules``).
     """
+    dora = bool(cfg.get("use_dora", False))
     index: dict[str, tuple[int, int]] = {}  # PEFT module name -> (leaf, layer)
     for k, (n, x) in enumerate(zip(names, flat)):
         for j, mod in enumerate(hf_modules(n, logical_shape(x), stacked_keys)):
@@ -378,8 +423,18 @@ def _place_modules(
             hint = f" (closest base module: {near[0]!r})" if near else ""
             problems.append(f"module {mod!r} is not in the base model{hint}")
             continue
-        if set(parts) != {"A", "B"}:
-            problems.append(f"module {mod!r} has lora_{next(iter(parts))} only")
+        if not {"A", "B"} <= set(parts):
+            has = " and ".join(f"lora_{p}" for p in sorted(parts))
+            problems.append(f"module {mod!r} has {has} only")
+            continue
+        if dora != (MAGNITUDE in parts):
+            problems.append(
+                f"module {mod!r} has no lora_magnitude_vector but the config says "
+                "use_dora: true"
+                if dora
+                else f"module {mod!r} has a lora_magnitude_vector (DoRA) but the "
+                "config does not say use_dora: true"
+            )
             continue
         k, j = index[mod]
         out, fan_in = logical_shape(flat[k])[-2:]
@@ -392,6 +447,13 @@ def _place_modules(
                 f"module {mod!r}: lora_A {a_shape} / lora_B {b_shape} do not fit the "
                 f"base weight ({out}, {fan_in}) with rank {r}: expected A ({r}, "
                 f"{fan_in}), B ({out}, {r})"
+            )
+        if dora and parts[MAGNITUDE].shape != (out,):
+            problems.append(
+                f"module {mod!r}: lora_magnitude_vector {parts[MAGNITUDE].shape} "
+                f"does not fit the base weight ({out}, {fan_in}): expected ({out},) "
+                "(DoRA on a linear module; on embeddings and convolutions it is not "
+                "supported)"
             )
         per_leaf[k][j] = mod
     for k, layers in per_leaf.items():
@@ -417,7 +479,9 @@ def _lora_leaf(
 
     A layer of a stacked leaf without tensors gets ``A = 0``, ``B = 0``: its update
     ``s·BA`` is zero as in PEFT, and stays zero in training (both gradients,
-    ``gᵀ(Ax)`` and ``Bᵀg``, are zero), so `save_adapter` leaves it out again.
+    ``gᵀ(Ax)`` and ``Bᵀg``, are zero), so `save_adapter` leaves it out again. With
+    DoRA it gets ``m = ‖W‖`` (its forward is the base's, as in PEFT), but ``m``
+    trains there, where PEFT has no adapter on that layer.
     """
     mods = list(layers.values())
     r, fan_in = found[mods[0]]["A"].shape
@@ -439,7 +503,7 @@ def _lora_leaf(
             "layer); entrenar keeps one alpha per stacked weight: give its layers "
             "one alpha"
         )
-    return LoRAWeight(
+    node = LoRAWeight(
         base,
         jax.numpy.asarray(a),
         jax.numpy.asarray(b),
@@ -448,6 +512,13 @@ def _lora_leaf(
         rslora=bool(cfg.get("use_rslora", False)),
         dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),
     )
+    if not cfg.get("use_dora", False):
+        return node
+    mag = np.array(dora_norm(node), np.float32).reshape(n, out)  # layers w/o tensors
+    for j, m in layers.items():
+        mag[j] = np.asarray(found[m][MAGNITUDE], dtype=np.float32)
+    lead = tuple(node.a.shape[:-2])
+    return node.replace(magnitude=jax.numpy.asarray(mag.reshape(*lead, out)))
 
 
 __all__ = [

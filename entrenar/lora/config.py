@@ -40,7 +40,8 @@ class LoRAConfig(Config):
     ``B = 0`` in both, so the adapted model starts equal to the base model.
     ``dropout`` acts only when keys are supplied with
     `entrenar.lora.with_dropout_keys`. ``use_dora`` adds DoRA's trainable magnitude
-    vector (Liu et al. 2024, arXiv:2402.09353). Every field is checked when a config is built.
+    vector (Liu et al. 2024, arXiv:2402.09353). Every field is checked when a
+    config is built.
 
     Example:
         >>> LoRAConfig(rank=8, alpha=16, targets=("q_proj", "v_proj")).scale

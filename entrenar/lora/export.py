@@ -1,6 +1,7 @@
 """How much of an adapter's update survives folding and storing in a tensor type.
 
-Folding an adapter gives ``W' = W + Δ`` with ``Δ = s · B A``; a file stores
+Folding an adapter gives ``W' = W + Δ`` with ``Δ = s · B A`` (DoRA: ``Δ`` is the
+rescaled fold minus ``W``, `entrenar.lora.fold.update`); a file stores
 ``Q(W')``, ``W'`` rounded to its tensor type (F16, Q8_0, Q4_1, ...). What the file
 adds to the base is then ``E = Q(W') - W``, not ``Δ``. Rounding error alone is not
 the danger (it is spread over every weight); the danger is rounding that erases
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 
 from entrenar import io, quant
 from entrenar.errors import ConfigError
-from entrenar.lora.fold import delta
+from entrenar.lora.fold import update
 from entrenar.lora.names import named_weight_leaves
 from entrenar.lora.weight import LoRAWeight
 from entrenar.nn.weight_node import to_dense
@@ -89,7 +90,7 @@ def fold_retention(params: Params, tensor_type: str) -> Retention:
             continue
         for m in _matrices(x):  # a stacked leaf one layer at a time
             base = to_dense(m.base).astype(jnp.float32)  # (out, in)
-            d = delta(m)
+            d = update(m)  # s·BA; DoRA: its rescaled fold minus W
             e = stored(base + d, tensor_type) - base  # what the file adds to W
             dot += float(jnp.vdot(e, d))
             sq += float(jnp.vdot(d, d))

@@ -1,11 +1,13 @@
 """Which ``adapter_config.json`` settings of PEFT (0.21) `load_adapter` honours.
 
 PEFT's LoRA computes ``y = x Wᵀ + s · (x Aᵀ) Bᵀ`` with ``s = alpha / r`` (or
-``alpha / sqrt(r)``), from the A and B tensors of the file. A setting is accepted
-when that stays the forward PEFT runs:
+``alpha / sqrt(r)``), from the A and B tensors of the file (DoRA: rescaled per
+output row by ``m / ‖W + s·BA‖``, ``m`` the file's ``lora_magnitude_vector``). A
+setting is accepted when that stays the forward PEFT runs:
 
 - honoured: ``r``, ``lora_alpha``, ``rank_pattern``, ``alpha_pattern``,
-  ``use_rslora``, ``lora_dropout``, and the settings that choose *which* modules
+  ``use_rslora``, ``use_dora`` (on linear modules), ``lora_dropout``, and the
+  settings that choose *which* modules
   carry an adapter (``target_modules``, ``exclude_modules``, ``layers_to_transform``,
   ``layers_pattern``, ``target_parameters``): the tensors in the file say which
   modules they are, and a layer without tensors gets a zero adapter;
@@ -15,7 +17,7 @@ when that stays the forward PEFT runs:
   ``"gaussian"``, ``"eva"``, ``"orthogonal"``), the other methods' settings while
   their method is off, and bookkeeping (task type, versions, runtime options);
 - refused, naming the key (`UNSUPPORTED`): settings that change the forward
-  (variants such as DoRA or aLoRA, a bias on B, trained base biases, whole modules
+  (variants such as aLoRA or QA-LoRA, a bias on B, trained base biases, whole modules
   or token rows saved beside the adapter, replicated layers) and initialisations
   that change the base weight itself (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, MiCA: the
   adapter is relative to PEFT's modified base).
@@ -36,7 +38,6 @@ _MERGE = (
 )
 
 UNSUPPORTED: dict[str, str] = {
-    "use_dora": "DoRA rescales each column of W + s·BA by a learned magnitude",
     "lora_bias": "B carries a bias vector (lora_B.bias)",
     "use_qalora": "QA-LoRA pools the input in groups before A",
     "alora_invocation_tokens": "activated LoRA applies the adapter only after "
@@ -91,6 +92,7 @@ HONOURED = frozenset(
         "target_parameters",
         "bias",
         "init_lora_weights",
+        "use_dora",
     }
 )
 """Keys `load_adapter` reads or whose effect the file's tensors carry."""

@@ -7,9 +7,13 @@ with an input is registered on `entrenar.nn.weight_matmul`, so every layer that 
     y = x Wᵀ + s · (drop(x) Aᵀ) Bᵀ,    A: (r, in),  B: (out, r)
 
 with ``s = alpha / r`` (or ``alpha / sqrt(r)`` for rsLoRA, Kalajdzievski 2023,
-arXiv:2312.03732), without ever forming ``W + s B A``. With a ``magnitude`` vector
-``m: (out,)`` the node is DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank
-Adaptation", arXiv:2402.09353; PEFT's ``use_dora``):
+arXiv:2312.03732), without ever forming ``W + s B A``. ``W`` is computed through
+``weight_matmul(base, x)``, so a quantized base (``entrenar.quant.QuantizedWeight``)
+gives QLoRA (Dettmers et al. 2023, arXiv:2305.14314).
+
+With a ``magnitude`` vector ``m: (out,)`` the node is DoRA (Liu et al. 2024,
+"DoRA: Weight-Decomposed Low-Rank Adaptation", arXiv:2402.09353; PEFT's
+``use_dora``):
 
     y = (m / n) ⊙ (x Wᵀ + s · (x Aᵀ) Bᵀ),   n = ‖W + s B A‖ per output row (out,)
 
@@ -21,14 +25,13 @@ layer at a time. With dropout active PEFT's training forward is
 
     y = x Wᵀ + (m/n - 1) ⊙ drop(x) Wᵀ + (m/n) ⊙ s · (drop(x) Aᵀ) Bᵀ
 
-(one more base product), which equals the formula above when nothing is dropped. ``W`` is computed through
-``weight_matmul(base, x)``, so a quantized base (``entrenar.quant.QuantizedWeight``)
-gives QLoRA (Dettmers et al. 2023, arXiv:2305.14314).
+(one more base product), which equals the formula above when nothing is dropped.
 
 Leading axes are allowed on every child (stacked layers: ``base (L, out, in)``,
-``a (L, r, in)``, ``b (L, out, r)``, ``magnitude (L, out)``, ``dropout_key (L, 2)``), so `jax.lax.scan` slices a
-stacked node per layer like any array. ``alpha``, ``rank``, ``rslora`` and ``dropout``
-are static (auxiliary data): changing them recompiles, they are never traced.
+``a (L, r, in)``, ``b (L, out, r)``, ``magnitude (L, out)``, ``dropout_key (L, 2)``),
+so `jax.lax.scan` slices a stacked node per layer like any array. ``alpha``,
+``rank``, ``rslora`` and ``dropout`` are static (auxiliary data): changing them
+recompiles, they are never traced.
 """
 
 from __future__ import annotations
@@ -158,7 +161,7 @@ class LoRAWeight:
                 f"{self.rank}, {self.alpha:g}: scale {scale} = {self.scale:g}",
             ),
             ("dropout", f"{self.dropout:g}"),
-            *([("m (DoRA)", f"{desc(self.magnitude)} (trainable)")] if self.dora else []),
+            *([("m (DoRA)", f"{desc(self.magnitude)} (trainable)")] * self.dora),
             ("trainable params", f"{n_ab:,}"),
         ]
         cells = "".join(

@@ -329,7 +329,7 @@ def test_layers_stacked_under_another_key(tmp_path):
     [
         ({"bias": "all"}, UnsupportedError, "bias='all' is not supported"),
         ({"modules_to_save": ["lm_head"]}, UnsupportedError, "modules_to_save=['lm"),
-        ({"use_dora": True}, UnsupportedError, "use_dora=True is not supported"),
+        ({"use_dora": "yes"}, FormatError, "'use_dora' = 'yes' must be true or"),
         ({"lora_bias": True}, UnsupportedError, "lora_bias=True is not supported"),
         ({"init_lora_weights": "pissa"}, UnsupportedError, "init_lora_weights='pi"),
         ({"layer_replication": [[0, 1]]}, UnsupportedError, "layer_replication="),

@@ -210,9 +210,9 @@ def test_load_rejects_bad_files(base, tmp_path):
     with pytest.raises(FormatError, match="'r'"):
         lora.load_adapter(tmp_path, base)
     (tmp_path / "adapter_config.json").write_text(
-        '{"peft_type": "LORA", "r": 2, "lora_alpha": 2, "use_dora": true}'
+        '{"peft_type": "LORA", "r": 2, "lora_alpha": 2, "use_qalora": true}'
     )
-    with pytest.raises(UnsupportedError, match="use_dora"):
+    with pytest.raises(UnsupportedError, match="use_qalora"):
         lora.load_adapter(tmp_path, base)
     (tmp_path / "adapter_config.json").write_text("{not json")
     with pytest.raises(FormatError, match=r"line 1, column 2: invalid JSON"):
@@ -387,7 +387,7 @@ def test_adapter_on_some_layers_loads_and_saves_back_as_peft_wrote_it(
         ({"init_lora_weights": "olora"}, "init_lora_weights='olora' is not supp"),
         ({"alora_invocation_tokens": [9, 2]}, "alora_invocation_tokens=[9, 2]"),
         ({"lora_bias": True}, "lora_bias=True is not supported"),
-        ({"use_dora": True}, "use_dora=True is not supported"),
+        ({"use_qalora": True}, "use_qalora=True is not supported"),
     ],
 )
 def test_adapters_peft_computes_differently_are_refused_by_key(
