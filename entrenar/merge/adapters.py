@@ -13,6 +13,11 @@ of rank ``Σ r_i`` and scale 1 (``alpha = rank``), with ``c_i = λ w_i`` (divide
 `entrenar.lora.save_adapter` writes the result. Other methods (TIES, DARE, SLERP,
 per-layer schedules) merge ``Δ_i`` densely leaf by leaf: ``W + merge(Δ_i)``,
 which is what folding each adapter and merging the float models computes.
+
+A DoRA fine-tune's task vector is its fold minus the base,
+``Δ_i = (m_i / ‖W + s_i B_i A_i‖_row) ⊙ (W + s_i B_i A_i) - W`` (`entrenar.lora.fold
+.update`), which no low-rank adapter holds: a leaf with a DoRA adapter in any tree
+is merged densely.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import CompatibilityError, ConfigError
-from entrenar.lora.fold import delta
+from entrenar.lora.fold import update
 from entrenar.lora.weight import LoRAWeight
 from entrenar.merge.engine import Plan, merge_leaf
 from entrenar.merge.leaves import layouts, named_leaves
@@ -86,7 +91,8 @@ def merge_adapters(
 
     Returns:
         A tree like ``adapted[0]``: concatenated `LoRAWeight` nodes for a linear
-        merge, dense merged weights ``W + merge(Δ_i)`` otherwise.
+        merge of plain LoRA adapters, dense merged weights ``W + merge(Δ_i)``
+        otherwise (DoRA adapters included).
 
     Raises:
         CompatibilityError: an adapted weight that is not a `LoRAWeight` in every
@@ -111,12 +117,12 @@ def merge_adapters(
                 f"leaf {name!r}: adapted in some fine-tunes only; merge_adapters "
                 "needs an adapter on it in every tree (or none)"
             )
-        if coef is not None:
+        if coef is not None and not any(x.dora for x in xs):
             out.append(_concat(name, xs, coef))
             continue
         w = to_dense(first.base)
         zero = jnp.zeros(logical_shape(w), jnp.float32)
-        merged = merge_leaf(plan, name, lay[name], zero, [delta(x) for x in xs],
+        merged = merge_leaf(plan, name, lay[name], zero, [update(x) for x in xs],
                             np.float32)  # fmt: skip
         out.append((w.astype(jnp.float32) + merged).astype(w.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)

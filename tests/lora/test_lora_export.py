@@ -92,3 +92,48 @@ def test_save_folded_gguf_writes_the_folded_model_and_warns_for_q4_1(tmp_path):
         got = back["model"]["layers"]["self_attn"][name]["weight"]
         want = folded["model"]["layers"]["self_attn"][name]["weight"]
         np.testing.assert_allclose(got, want, atol=float(jnp.abs(want).max()) / 100)
+
+
+def np_dora_fold(node):
+    """DoRA's merged weight written out: m/‖W + s·BA‖_row ⊙ (W + s·BA), float64."""
+    v = np.asarray(node.base, np.float64) + node.scale * np.einsum(
+        "...or,...ri->...oi", np.asarray(node.b, np.float64), node.a
+    )
+    norm = np.linalg.norm(v, axis=-1, keepdims=True)
+    return np.asarray(node.magnitude, np.float64)[..., None] / norm * v
+
+
+def test_dora_gguf_holds_the_rescaled_fold_and_retention_measures_it(tmp_path):
+    """The GGUF writer folds DoRA as PEFT merges it; kept counts m's change too."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                      num_layers=2, num_heads=2, num_kv_heads=1,
+                      tie_word_embeddings=True)  # fmt: skip
+    dense = cfg.init(jax.random.key(0))
+    dcfg = lora.LoRAConfig(rank=2, targets=("q_proj", "v_proj"), use_dora=True)
+    params = with_b(lora.apply(dense, dcfg, key=jax.random.key(1)), 0.0)
+    node = params["model"]["layers"]["self_attn"]["q_proj"]["weight"]
+    m = node.magnitude * jnp.linspace(0.5, 1.5, node.magnitude.size).reshape(
+        node.magnitude.shape
+    )
+    params["model"]["layers"]["self_attn"]["q_proj"]["weight"] = node.replace(
+        magnitude=m
+    )  # B = 0: only the magnitudes moved, s·BA is zero
+    dots = sqs = errs = 0.0
+    for name in ("q_proj", "v_proj"):
+        x = params["model"]["layers"]["self_attn"][name]["weight"]
+        w = np.asarray(x.base, np.float64)
+        d = np_dora_fold(x) - w  # the task vector: W' - W, not s·BA (= 0 here)
+        e = (w + d).astype(np.float16).astype(np.float64) - w
+        dots, sqs = dots + np.vdot(e, d), sqs + np.vdot(d, d)
+        errs += np.sum((e - d) ** 2)
+    assert sqs > 1e-2
+    r16 = fold_retention(params, "F16")
+    np.testing.assert_allclose(r16.kept, dots / sqs, rtol=1e-4)
+    np.testing.assert_allclose(r16.residual, (errs / sqs) ** 0.5, rtol=0.05)
+    r = save_folded_gguf(tmp_path / "f32.gguf", cfg, params, tensor_type="F32")
+    assert r.weights == 2
+    _, back, _ = io.load_llama_gguf(tmp_path / "f32.gguf")
+    got = back["model"]["layers"]["self_attn"]["q_proj"]["weight"]
+    want = np_dora_fold(params["model"]["layers"]["self_attn"]["q_proj"]["weight"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want - np.asarray(node.base)).max() > 1e-2  # not the base

@@ -70,6 +70,44 @@ def test_adapter_merge_equals_merging_the_folded_float_models(method):
     )
 
 
+def dora(seed, rank, alpha):
+    """`adapted` with DoRA magnitudes away from ‖W + s·BA‖."""
+    tree = adapted(seed, rank, alpha)
+    node = tree["layers"]["q_proj"]["weight"]
+    m = np.random.default_rng(seed + 10).uniform(1.0, 5.0, size=(L, OUT))
+    tree["layers"]["q_proj"]["weight"] = node.replace(
+        magnitude=jnp.asarray(m, jnp.float32)
+    )
+    return tree
+
+
+def np_fold(tree):
+    """DoRA's fold written out: m/‖W + s·BA‖_row ⊙ (W + s·BA), float64."""
+    x = tree["layers"]["q_proj"]["weight"]
+    v = np.asarray(x.base, np.float64) + x.scale * np.einsum(
+        "lor,lri->loi", np.asarray(x.b, np.float64), np.asarray(x.a, np.float64)
+    )
+    v *= np.asarray(x.magnitude)[..., None] / np.linalg.norm(v, axis=-1)[..., None]
+    return {"layers": {"q_proj": {"weight": jnp.asarray(v, jnp.float32)}},
+            "norm": tree["norm"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", sorted(PLANS))
+def test_dora_fine_tunes_merge_their_folds_densely(method):
+    """A DoRA task vector is W' - W, not s·BA: merged densely for every method."""
+    plan = PLANS[method]
+    fts = [dora(1, 2, 4.0), dora(2, 3, 3.0)]
+    got = merge_adapters(plan, fts)
+    assert not isinstance(got["layers"]["q_proj"]["weight"], LoRAWeight)
+    base = None if plan.kind == "linear" else frozen()
+    want = merge.merge_trees(plan, base, [np_fold(t) for t in fts])
+    jax.tree_util.tree_map(
+        lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5),
+        got,
+        want,
+    )
+
+
 def test_linear_coefficients_only_for_linear_plans():
     assert linear_coefficients(PLANS["task_arithmetic"]) == pytest.approx((0.56, 1.04))
     assert linear_coefficients(PLANS["linear"]) == pytest.approx((0.25, 0.75))

@@ -219,6 +219,34 @@ def test_model_plus_adapter_folds_the_adapter(files):
     assert_trees_allclose(model.params, merge.linear([folded, base], [1, 3]), **TOL)
 
 
+def test_model_plus_dora_adapter_folds_the_rescaled_weight(files):
+    """``+adapter`` of a DoRA file merges m/‖W+sBA‖ ⊙ (W+sBA) (numpy's fold)."""
+    folder, base, _, _ = files
+    cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets="up_proj", use_dora=True)
+    adapted = lora.apply(base, cfg, key=jax.random.key(0))
+    w = adapted["model"]["layers"]["up_proj"]["weight"]
+    w = w.replace(b=w.b + 0.5, magnitude=w.magnitude * 1.3)
+    adapted["model"]["layers"]["up_proj"]["weight"] = w
+    lora.save_adapter(adapted, folder / "adapter")
+    model = merge.run_recipe(
+        _recipe(
+            folder,
+            {
+                "merge_method": "linear",
+                "models": [
+                    {"model": "base.safetensors+adapter", "parameters": {"weight": 1}},
+                    {"model": "base.safetensors", "parameters": {"weight": 3}},
+                ],
+            },
+        )
+    )
+    v = np.asarray(w.base, np.float64) + 2.0 * np.asarray(w.b) @ np.asarray(w.a)
+    v *= np.asarray(w.magnitude)[..., None] / np.linalg.norm(v, axis=-1)[..., None]
+    folded = jax.tree_util.tree_map(lambda x: x, base)
+    folded["model"]["layers"]["up_proj"]["weight"] = v.astype(np.float32)
+    assert_trees_allclose(model.params, merge.linear([folded, base], [1, 3]), **TOL)
+
+
 def test_merge_files_is_a_recipe_without_the_yaml(files, monkeypatch):
     folder, base, a, b = files
     monkeypatch.chdir(folder)
