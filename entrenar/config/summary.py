@@ -144,6 +144,7 @@ def summarize(spec: TrainSpec) -> dict[str, Any]:
             "alpha": spec.lora.alpha,
             "targets": list(spec.lora.targets),
             "quantize_base": spec.lora.quantize_base,
+            "use_dora": spec.lora.use_dora,
         }
     if spec.distillation is not None:
         d = spec.distillation

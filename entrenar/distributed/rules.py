@@ -156,6 +156,7 @@ def _node_specs(name: str, x: Any, mesh: Mesh, rules: ShardingRules) -> Any:
             a=None if x.a is None else PartitionSpec(),
             b=None if x.b is None else PartitionSpec(),
             dropout_key=None if x.dropout_key is None else PartitionSpec(),
+            magnitude=None if x.magnitude is None else PartitionSpec(),
         )  # fmt: skip
     if isinstance(x, QuantizedWeight):
         return _quantized_specs(name, x, mesh, rules)

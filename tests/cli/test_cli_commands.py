@@ -63,6 +63,17 @@ def test_validate_takes_the_overrides_train_takes():
     assert run("validate", config, "--set", "lr").exit_code == 2  # not KEY=VALUE
 
 
+def test_validate_shows_dora():
+    """``lora.use_dora: true`` (YAML or --set) is read and shown by validate."""
+    config = CONFIGS / "number-words-gpt2-lora.yaml"
+    result = run("validate", config, "--detailed", "--set", "lora.use_dora=true")
+    assert result.exit_code == 0, result.output
+    assert "use_dora=True" in result.output
+    assert "use_dora=False" in run("validate", config, "--detailed").output
+    bad = run("validate", config, "--set", "lora.use_dora=3")
+    assert bad.exit_code == 2 and "lora.use_dora" in bad.stderr
+
+
 def _words_config(tmp_path, train_text, model=None):
     """A from-scratch GPT-2 number-words run over ``train_text`` (or ``model``)."""
     (tmp_path / "train.jsonl").write_text(train_text)

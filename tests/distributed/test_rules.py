@@ -88,9 +88,10 @@ def test_user_rules_come_first_regex_or_predicate():
     assert got["lm_head.weight"] == P(None, "fsdp")
 
 
+@pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("quantize", [None, "nf4"])
-def test_lora_adapters_replicated_bases_split_along_out(quantize):
-    cfg = lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "up_proj"))
+def test_lora_adapters_replicated_bases_split_along_out(quantize, dora):
+    cfg = lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "up_proj"), use_dora=dora)
     params = jax.eval_shape(  # shapes are all the rules read
         lambda k: lora.apply(MODEL.init(k), cfg, key=k, quantize=quantize),
         jax.random.key(0),
@@ -98,6 +99,8 @@ def test_lora_adapters_replicated_bases_split_along_out(quantize):
     got = specs(params)
     q = "model.layers.self_attn.q_proj.weight"
     assert got[f"{q}.lora_A"] == got[f"{q}.lora_B"] == P()
+    if dora:  # DoRA's magnitudes replicated like A and B (an array before)
+        assert got[f"{q}.lora_magnitude_vector"] == P()
     if quantize is None:
         assert got[f"{q}.base"] == P(None, "fsdp")
         return
