@@ -2,7 +2,8 @@
 
 Protocol: ``apply(params, LoRAConfig(...), key=...)`` wraps the selected weights in
 `LoRAWeight` nodes (``x Wᵀ + s (x Aᵀ) Bᵀ`` through `entrenar.nn.linear`, no model
-change; ``quantize="nf4"`` stores the bases 4-bit: QLoRA). ``split`` gives the
+change; ``quantize="nf4"`` stores the bases 4-bit: QLoRA; ``use_dora=True`` adds
+DoRA's magnitude vector, as PEFT's ``use_dora``). ``split`` gives the
 ``(trainable, frozen)`` halves, gradients are taken w.r.t. the trainable half only,
 ``combine`` joins them. ``fold`` folds adapters into dense weights (model merging
 is `entrenar.merge`), ``unfold``
