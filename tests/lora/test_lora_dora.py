@@ -396,3 +396,42 @@ def test_mixed_dora_and_lora_cannot_be_saved_as_one_adapter(base, tmp_path):
         lora.save_adapter(lp, tmp_path)
     with pytest.raises(UnsupportedError, match="DoRA"):
         lora.unfold(lora.fold(lp), lp)
+
+
+def test_dora_over_gguf_bases_kept_as_stored():
+    """GGUF bases kept as stored: DoRA on their dense values, layer by layer.
+
+    A stacked base of mixed GGML types (a BF16 and a Q8_0 layer): ``m``, the scanned
+    forward and the fold equal the formula on the dequantized values.
+    """
+    gguf = pytest.importorskip("gguf")
+    from entrenar.nn import to_dense
+    from entrenar.quant.ggml_mixed import mixed_ggml_weight
+
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(2, 8, 32)).astype(np.float32)
+    bf16 = (w[0].view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    q8 = gguf.quants.quantize(w[1], gguf.GGMLQuantizationType.Q8_0)
+    base = mixed_ggml_weight([(bf16, "BF16"), (q8, "Q8_0")], (2, 8, 32))
+    params = {"layers": {"q_proj": {"weight": base}}}
+    cfg = LoRAConfig(rank=2, alpha=4.0, targets=("q_proj",), use_dora=True)
+    node = lora.apply(params, cfg, key=jax.random.key(0), quantize="nf4")
+    node = node["layers"]["q_proj"]["weight"]
+    assert node.base is base  # kept as stored
+    dense = np.asarray(to_dense(base), np.float64)  # (2, 8, 32)
+    close(node.magnitude, np.linalg.norm(dense, axis=-1), rtol=1e-6)
+    node = node.replace(
+        b=jnp.asarray(rng.normal(size=(2, 8, 2)) * 0.1, jnp.float32),
+        magnitude=node.magnitude * 1.5,
+    )
+    x = jnp.asarray(rng.normal(size=(3, 32)), jnp.float32)
+
+    def scanned(n):
+        return jax.lax.scan(lambda h, w: (h, linear(x, w)), x, n)[1]  # (2, 3, 8)
+
+    v = dense + node.scale * np.asarray(node.b) @ np.asarray(node.a)  # (2, 8, 32)
+    norm = np.linalg.norm(v, axis=-1, keepdims=True)  # (2, 8, 1)
+    folded = np.asarray(node.magnitude)[..., None] / norm * v
+    want = np.einsum("ti,loi->lto", np.asarray(x, np.float64), folded)  # (2, 3, 8)
+    close(scanned(node), want)
+    close(lora.fold({"w": node})["w"], folded, rtol=1e-6)
