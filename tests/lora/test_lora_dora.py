@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from entrenar import lora, quant
 from entrenar.errors import CompatibilityError, UnsupportedError
@@ -435,3 +437,32 @@ def test_dora_over_gguf_bases_kept_as_stored():
     want = np.einsum("ti,loi->lto", np.asarray(x, np.float64), folded)  # (2, 3, 8)
     close(scanned(node), want)
     close(lora.fold({"w": node})["w"], folded, rtol=1e-6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    out=st.integers(1, 9),
+    fan_in=st.integers(1, 9),
+    rank=st.integers(1, 3),
+    scale=st.floats(0.1, 4.0),
+    seed=st.integers(0, 2**16),
+)
+def test_folded_matrix_is_the_dora_product(out, fan_in, rank, scale, seed):
+    """The fold, m/‖W + sBA‖ ⊙ (W + sBA), times x equals the unfolded product."""
+    rng = np.random.default_rng(seed)
+
+    def arr(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    node = LoRAWeight(
+        arr(out, fan_in), arr(rank, fan_in), arr(out, rank), alpha=scale * rank,
+        rank=rank, magnitude=jnp.abs(arr(out)) + 0.1,
+    )  # fmt: skip
+    x = arr(4, fan_in)
+    folded = np.asarray(lora.fold({"w": node})["w"], np.float64)
+    v = np.asarray(node.base, np.float64) + scale * np.asarray(node.b) @ np.asarray(
+        node.a
+    )
+    want = np.asarray(node.magnitude)[:, None] / np.linalg.norm(v, axis=1)[:, None] * v
+    close(folded, want, rtol=1e-5)
+    close(linear(x, node), np.asarray(x, np.float64) @ want.T, rtol=1e-5)
