@@ -466,3 +466,29 @@ def test_folded_matrix_is_the_dora_product(out, fan_in, rank, scale, seed):
     want = np.asarray(node.magnitude)[:, None] / np.linalg.norm(v, axis=1)[:, None] * v
     close(folded, want, rtol=1e-5)
     close(linear(x, node), np.asarray(x, np.float64) @ want.T, rtol=1e-5)
+
+
+def test_bfloat16_bases_compute_dora_in_float32_and_fold_to_bfloat16(base):
+    """A bfloat16 base: m and n from its values in float32, the fold kept bfloat16."""
+    b16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), base)
+    cfg = LoRAConfig(rank=4, alpha=8.0, targets=("all-linear",), use_dora=True)
+    lp = trained(b16, cfg)
+    node = lp["model"]["layers"]["mlp"]["up_proj"]["weight"]
+    assert node.base.dtype == jnp.bfloat16 and node.magnitude.dtype == jnp.float32
+    as32 = jax.tree_util.tree_map(  # the same values, stored float32
+        lambda x: (
+            x.replace(base=x.base.astype(jnp.float32))
+            if is_adapter(x)
+            else x.astype(jnp.float32)
+        ),
+        lp,
+        is_leaf=is_adapter,
+    )
+    want = our_logits(as32)
+    close(our_logits(lp), want, rtol=1e-6)
+    folded = lora.fold(lp)
+    up = folded["model"]["layers"]["mlp"]["up_proj"]["weight"]
+    assert up.dtype == jnp.bfloat16
+    exact = np.asarray(lora.fold(as32)["model"]["layers"]["mlp"]["up_proj"]["weight"])
+    np.testing.assert_array_equal(np.asarray(up), exact.astype(jnp.bfloat16))
+    close(our_logits(folded), want, rtol=1e-2)  # bfloat16 rounding of W'
