@@ -193,17 +193,19 @@ def _lora_matmul(
     A DoRA node rescales the sum per output feature (`_dora_output`).
     """
     y = _base_matmul(w.base, x, matmul_dtype)  # (..., out)
+    dropped = w.dropout > 0.0 and w.dropout_key is not None
     xd = x
-    if w.dropout > 0.0 and w.dropout_key is not None:
+    if dropped:
         xd = dropout(x, w.dropout, key=jax.random.wrap_key_data(w.dropout_key))
     h = jnp.einsum("...i,ri->...r", xd, jnp.asarray(w.a).astype(x.dtype))  # (..., r)
     delta = _times_bt(h, jnp.asarray(w.b).astype(x.dtype))
     if w.magnitude is not None:
-        return _dora_output(w, y, xd is not x, xd, delta, matmul_dtype)
+        return _dora_output(w, y, dropped, xd, delta, matmul_dtype)
     return y + (w.scale * delta).astype(y.dtype)  # (..., out)
 
 
 def _base_matmul(base: Any, x: jax.Array, matmul_dtype: str | None) -> jax.Array:
+    """``x Wᵀ`` of the frozen base (``matmul_dtype`` passed only when set)."""
     if matmul_dtype is None:
         return weight_matmul(base, x)
     return weight_matmul(base, x, matmul_dtype)
