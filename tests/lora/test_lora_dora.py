@@ -492,3 +492,32 @@ def test_bfloat16_bases_compute_dora_in_float32_and_fold_to_bfloat16(base):
     exact = np.asarray(lora.fold(as32)["model"]["layers"]["mlp"]["up_proj"]["weight"])
     np.testing.assert_array_equal(np.asarray(up), exact.astype(jnp.bfloat16))
     close(our_logits(folded), want, rtol=1e-2)  # bfloat16 rounding of W'
+
+
+def test_partial_dora_adapter_round_trips_through_peft(base, tmp_path):
+    """DoRA on layer 0 only (layers_to_transform): layer 1 is left out again.
+
+    Loaded, layer 1 gets A = B = 0 and m = ‖W‖ (the base's forward).
+    """
+    pcfg = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["v_proj"], layers_to_transform=[0],
+        use_dora=True, init_lora_weights=False,
+    )  # fmt: skip
+    model = peft.get_peft_model(hf_model(base), pcfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1.3)
+    expected = torch_logits(model)
+    model.save_pretrained(str(tmp_path / "peft"))
+    loaded = lora.load_adapter(tmp_path / "peft", base)
+    node = loaded["model"]["layers"]["self_attn"]["v_proj"]["weight"]
+    w1 = np.asarray(base["model"]["layers"]["self_attn"]["v_proj"]["weight"][1])
+    close(node.magnitude[1], np.linalg.norm(w1.astype(np.float64), axis=1), rtol=1e-6)
+    close(our_logits(loaded), expected)
+    lora.save_adapter(loaded, tmp_path / "back")
+    theirs = st_numpy.load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    ours = st_numpy.load_file(str(tmp_path / "back" / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(theirs) and len(ours) == 3  # layer 0: A, B, m
+    again = peft.PeftModel.from_pretrained(hf_model(base), str(tmp_path / "back"))
+    close(torch_logits(again.eval()), expected)
