@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entrenar.errors import CompatibilityError, ConfigError
+from entrenar.errors import CompatibilityError, ConfigError, UnsupportedError
 from entrenar.lora.weight import LoRAWeight
 from entrenar.merge import kernels
 from entrenar.merge.leaves import (
@@ -207,10 +207,17 @@ def _merge_adapters(
 
     Task vectors are the adapter matrices themselves (a zero base); SLERP
     interpolates ``base``'s adapter with the other's. The frozen weight is the
-    base's (the first model's for linear).
+    base's (the first model's for linear). DoRA adapters are refused (their
+    magnitudes do not merge as A and B do).
     """
     adapters = ([base] if plan.kind == "slerp" else []) + list(models)
     first = adapters[0]
+    if any(isinstance(x, LoRAWeight) and x.dora for x in adapters):
+        raise UnsupportedError(
+            f"leaf {name!r}: a DoRA adapter's magnitudes rescale W + s·BA, so "
+            "merging its A and B apart from them is not its task vector; use "
+            "lora='fold' (each fine-tune folded first, then merged)"
+        )
     for x in adapters:
         if not isinstance(x, LoRAWeight) or (x.alpha, x.rank, x.rslora) != (
             first.alpha,

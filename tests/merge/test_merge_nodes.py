@@ -8,7 +8,7 @@ import pytest
 from merge_helpers import finetuned, make_tree
 
 from entrenar import lora, merge, quant
-from entrenar.errors import CompatibilityError
+from entrenar.errors import CompatibilityError, UnsupportedError
 from entrenar.lora import LoRAConfig, LoRAWeight
 from entrenar.tree import assert_trees_allclose
 
@@ -87,3 +87,26 @@ def test_adapters_mode_needs_one_rank():
     other = lora.apply(base, cfg, key=jax.random.key(0))
     with pytest.raises(CompatibilityError, match="one rank, alpha"):
         merge.linear([adapted(base, 1), other], [1.0, 1.0], lora="adapters")
+
+
+def test_dora_models_fold_first_and_refuse_adapters_mode():
+    """lora='fold' merges DoRA's rescaled folds; 'adapters' would drop m: refused."""
+    base = make_tree(0)
+    cfg = LoRAConfig(rank=2, alpha=4.0, targets="up_proj", use_dora=True)
+
+    def dora(seed):
+        p = lora.apply(base, cfg, key=jax.random.key(seed))
+        w = p["model"]["layers"]["up_proj"]["weight"]
+        m = w.magnitude * (1 + 0.3 * seed)
+        v = np.asarray(w.base, np.float64)  # B = 0: the fold is m/‖W‖ ⊙ W
+        want = np.asarray(m)[..., None] / np.linalg.norm(v, axis=-1)[..., None] * v
+        p["model"]["layers"]["up_proj"]["weight"] = w.replace(magnitude=m)
+        folded = jax.tree_util.tree_map(lambda x: x, base)
+        folded["model"]["layers"]["up_proj"]["weight"] = jnp.asarray(want, jnp.float32)
+        return p, folded
+
+    (a, fa), (b, fb) = dora(1), dora(2)
+    out = merge.linear([a, b], [1.0, 3.0])
+    assert_trees_allclose(out, merge.linear([fa, fb], [1.0, 3.0]), rtol=1e-5)
+    with pytest.raises(UnsupportedError, match="DoRA adapter's magnitudes"):
+        merge.linear([a, b], [1.0, 1.0], lora="adapters")
