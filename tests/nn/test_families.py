@@ -7,7 +7,8 @@ entrenar with `from_hf_names`. Then: (1) equal logits on a left-padded batch lon
 than the sliding windows; (2) equal logits under KV-cached generation; (3) equal
 gradients of a LoRA loss on every linear layer, against PEFT; (4) an adapter written
 by `entrenar.lora.save_adapter` loads with ``PeftModel.from_pretrained`` and gives
-the same logits. Each model compiles once per check (module-scoped fixtures).
+the same logits; (5) the same for DoRA, logits and gradients. Each model compiles
+once per check (module-scoped fixtures).
 """
 
 import dataclasses
@@ -196,6 +197,58 @@ def test_lora_gradients_equal_peft(adapted):
         checked += 1
     adapted = [k for k, v in ours.items() if isinstance(v, LoRAWeight)]
     assert checked == 2 * len(adapted)  # every adapted weight, A and B
+
+
+def test_dora_logits_and_gradients_equal_peft(family, tmp_path):
+    """(5) DoRA on every linear layer (use_dora): logits and A, B, m gradients.
+
+    The families' biases (Qwen2's q/k/v) stay outside DoRA's rescaling, as in PEFT.
+    """
+    config, params, hf_dict, state = family
+    cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets="all-linear", use_dora=True)
+    lp = lora.apply(params, cfg, key=jax.random.key(3))
+    rng = np.random.default_rng(5)
+
+    def fill(x):
+        if isinstance(x, LoRAWeight):
+            b = (rng.normal(size=x.b.shape) * 0.1).astype(np.float32)
+            m = np.asarray(x.magnitude) * rng.uniform(0.7, 1.3, x.magnitude.shape)
+            return x.replace(b=jnp.asarray(b), magnitude=jnp.asarray(m, jnp.float32))
+        return x
+
+    lp = jax.tree_util.tree_map(fill, lp, is_leaf=lambda x: isinstance(x, LoRAWeight))
+    lora.save_adapter(lp, tmp_path)
+    peft_model = peft.PeftModel.from_pretrained(
+        _hf_model(hf_dict, state), str(tmp_path), is_trainable=True
+    ).eval()
+    tokens, mask = _batch(config.vocab_size)
+    trainable, frozen = lora.split(lp)
+    grad_fn = jax.jit(jax.grad(_loss_jax, argnums=1, has_aux=True), static_argnums=0)
+    grads, logits = grad_fn(config, trainable, frozen, jnp.asarray(tokens), mask)
+    out = peft_model(
+        torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask.astype(int))
+    ).logits
+    np.testing.assert_allclose(
+        np.asarray(logits)[mask], out.detach().numpy()[mask], atol=TOL, rtol=TOL
+    )
+    logp = torch.log_softmax(out[:, :-1], -1)
+    picked = logp.gather(-1, torch.from_numpy(tokens[:, 1:, None]))[..., 0]
+    w = torch.from_numpy((mask[:, 1:] & mask[:, :-1]).astype(np.float32))
+    (-(picked * w).sum() / w.sum()).backward()
+    ours = nn.to_hf_names(grads)
+    checked = 0
+    for name, p in peft_model.named_parameters():
+        if ".lora_" not in name:
+            continue
+        module, _, rest = name.removeprefix("base_model.model.").partition(".lora_")
+        node = ours[f"{module}.weight"]
+        g = {"A": node.a, "B": node.b, "m": node.magnitude}[rest[0]]
+        np.testing.assert_allclose(
+            np.asarray(g), p.grad.numpy(), atol=TOL, rtol=1e-3, err_msg=name
+        )
+        checked += 1
+    adapted = [k for k, v in ours.items() if isinstance(v, LoRAWeight)]
+    assert checked == 3 * len(adapted)  # every adapted weight: A, B and m
 
 
 # ------------------------------------------------------------------ bad input
