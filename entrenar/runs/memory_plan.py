@@ -14,8 +14,8 @@ allocated. The run's two phases each have a peak, and the run's is the larger::
 - ``weights``: the model's tree as the run holds it: each leaf in ``model.dtype``,
   or NF4 (`quantize_base`, `entrenar.runs.models.base_quantizer`), or as the GGUF
   stores it (``keep_quantized``: `entrenar.quant.from_ggml`'s node of its bytes);
-- ``adapters``: the LoRA factors ``A``, ``B`` in that tree (or, without LoRA, 0: the
-  whole tree trains);
+- ``adapters``: the LoRA factors ``A``, ``B`` in that tree, and DoRA's magnitudes
+  (or, without LoRA, 0: the whole tree trains);
 - ``bf16_copy``: with ``matmul_dtype: bfloat16`` the Trainer rounds the frozen
   projections to bfloat16 once and keeps them beside the tree it returns
   (`entrenar.nn.to_bfloat16_weights`);
