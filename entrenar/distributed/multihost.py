@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 
 from entrenar.errors import ConfigError
 
@@ -48,18 +50,62 @@ class ProcessConfig:
         return any(v is not None for v in dataclasses.astuple(self))
 
 
+_DIGITS = re.compile(r"[0-9]+")
+_MAX_PROCESSES = 2**31 - 1  # jax.distributed passes both numbers to C++ as int32
+
+
 def _int(value: str | int | None, name: str, source: str) -> int | None:
+    """``value`` as a count or id: a Python int, or ASCII digits (an env variable).
+
+    Floats, bools, signs, underscores and non-ASCII digits (which `int` accepts:
+    ``int("1_0")``, ``int("٣")``, ``int(1.9)``) are refused rather than read as
+    some other number.
+    """
     if value is None or value == "":
         return None
-    try:
-        out = int(value)
-    except (TypeError, ValueError):
+    if isinstance(value, str):
+        text = value.strip()
+        if not _DIGITS.fullmatch(text):
+            raise ConfigError(
+                f"{source} {name} must be a whole number >= 0 written in the digits "
+                f"0-9, got {value!r}"
+            )
+        out = int(text)
+    elif isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ConfigError(
-            f"{source} {name} must be an integer, got {value!r}"
-        ) from None
-    if out < 0:
-        raise ConfigError(f"{source} {name} must be >= 0, got {out}")
+            f"{source} {name} must be an integer, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    else:
+        out = int(value)
+    if not 0 <= out <= _MAX_PROCESSES:
+        raise ConfigError(
+            f"{source} {name} must be in [0, {_MAX_PROCESSES}], got {out}"
+        )
     return out
+
+
+def _check_coordinator(coord: str) -> None:
+    """``host:port`` with a host (IPv6 in brackets) and a port in 1..65535."""
+    if not isinstance(coord, str):
+        raise ConfigError(
+            f"the coordinator address must be a string host:port, got {coord!r}"
+        )
+    host, _, port = coord.rpartition(":")
+    bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+    if (
+        not host
+        or bare_ipv6
+        or "/" in host
+        or any(c.isspace() for c in coord)
+        or not _DIGITS.fullmatch(port)
+        or not 1 <= int(port) <= 65535
+    ):
+        raise ConfigError(
+            "the coordinator address must be host:port with a port in 1..65535 and "
+            "no scheme or spaces (e.g. 10.0.0.1:1234, node-0:1234 or [fd00::1]:1234); "
+            f"got {coord!r}"
+        )
 
 
 def process_config(
@@ -99,13 +145,12 @@ def process_config(
             f"{[ENV[k] for k in missing]} too (or pass them to initialize)"
         )
     assert coord is not None and n is not None and pid is not None
-    host, _, port = coord.rpartition(":")
-    if not host or not port.isdigit():
+    _check_coordinator(coord)
+    if n < 1:
         raise ConfigError(
-            f"the coordinator address must be host:port (e.g. 10.0.0.1:1234); got "
-            f"{coord!r}"
+            f"num_processes must be at least 1, got {n} (the processes that take part)"
         )
-    if n < 1 or pid >= n:
+    if pid >= n:
         raise ConfigError(
             f"process_id {pid} is not in [0, num_processes={n}): number the "
             "processes 0 .. num_processes - 1"

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
@@ -158,12 +160,61 @@ def test_process_config_from_arguments_and_environment():
     assert not distributed.process_config(env={}).multi_process
     with pytest.raises(ConfigError, match=r"incomplete.*JAX_PROCESS_ID"):
         distributed.process_config(env={**env, "JAX_PROCESS_ID": ""})
-    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES must be an integer"):
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES must be a whole number"):
         distributed.process_config(env={**env, "JAX_NUM_PROCESSES": "four"})
     with pytest.raises(ConfigError, match="host:port"):
         distributed.process_config(env={**env, "JAX_COORDINATOR_ADDRESS": "10.0.0.1"})
     with pytest.raises(ConfigError, match=r"process_id 4 is not in \[0, num_pro"):
         distributed.process_config(process_id=4, env=env)
+
+
+ENV3 = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
+        "JAX_PROCESS_ID": "3"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        # int() reads these as other numbers than the digits a person sees
+        ("JAX_NUM_PROCESSES", "1_0"),
+        ("JAX_NUM_PROCESSES", "\u0664"),  # Arabic-Indic four
+        ("JAX_PROCESS_ID", "+3"),
+        ("JAX_PROCESS_ID", "-1"),
+        ("JAX_NUM_PROCESSES", "99999999999999999999"),  # past jax's int32
+        ("JAX_NUM_PROCESSES", "0"),
+        # coordinators jax.distributed cannot reach
+        ("JAX_COORDINATOR_ADDRESS", "10.0.0.1:0"),
+        ("JAX_COORDINATOR_ADDRESS", "10.0.0.1:65536"),
+        ("JAX_COORDINATOR_ADDRESS", "10.0.0.1:\uff11\uff12"),  # full-width digits
+        ("JAX_COORDINATOR_ADDRESS", "h:12\u00b2"),  # superscript two: isdigit()
+        ("JAX_COORDINATOR_ADDRESS", "http://10.0.0.1:1234"),
+        ("JAX_COORDINATOR_ADDRESS", " 10.0.0.1:1234"),
+        ("JAX_COORDINATOR_ADDRESS", "fd00::1:1234"),  # IPv6 needs brackets
+    ],
+)
+def test_process_config_refuses_hostile_environment_values(name, value):
+    what = {"JAX_COORDINATOR_ADDRESS": "coordinator address must be host:port"}
+    with pytest.raises(ConfigError, match=what.get(name, f"{name}|num_processes")):
+        distributed.process_config(env={**ENV3, name: value})
+
+
+@pytest.mark.parametrize(
+    "kw", [{"process_id": 1.9}, {"num_processes": 2.5}, {"num_processes": True},
+           {"coordinator": 1234}],
+)  # fmt: skip
+def test_process_config_refuses_arguments_it_would_truncate(kw):
+    # int(1.9) == 1: a float id would silently join as another process
+    with pytest.raises(ConfigError, match=r"must be an integer|must be a string"):
+        distributed.process_config(env=ENV3, **kw)
+
+
+@given(st.integers(0, 2**31 - 2), st.sampled_from(["", " ", "0"]))
+def test_process_config_reads_ascii_digits_exactly(n, pad):
+    got = distributed.process_config(
+        "[fd00::1]:65535",
+        env={"JAX_NUM_PROCESSES": f"{pad}{n + 1}", "JAX_PROCESS_ID": str(n)},
+    )
+    assert (got.num_processes, got.process_id) == (n + 1, n)
 
 
 def test_initialize_alone_is_a_no_op(monkeypatch):
