@@ -38,10 +38,10 @@ def check_mesh_spec(spec: Any) -> dict[str, int]:
 
     >>> check_mesh_spec({"fsdp": 4})
     {'data': 1, 'fsdp': 4}
-    >>> check_mesh_spec({"model": 2})
+    >>> check_mesh_spec({"model": 2})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    entrenar.errors.ConfigError: mesh axis 'model' is not one of ('data', 'fsdp')
+    entrenar.errors.ConfigError: mesh axis 'model' is not one of ('data', 'fsdp') ...
     """
     if not isinstance(spec, Mapping):
         raise ConfigError(
@@ -49,12 +49,17 @@ def check_mesh_spec(spec: Any) -> dict[str, int]:
         )
     for name, size in spec.items():
         if name not in MESH_AXES:
-            raise ConfigError(f"mesh axis {name!r} is not one of {MESH_AXES}")
-        if (
-            isinstance(size, bool)
-            or not isinstance(size, int)
-            or not (size >= 1 or size == -1)
-        ):
+            raise ConfigError(
+                f"mesh axis {name!r} is not one of {MESH_AXES} (data parallel and "
+                "FSDP; tensor and pipeline parallelism are not provided)"
+            )
+        whole = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
+        if not whole:
+            raise ConfigError(
+                f"mesh axis {name!r} must be a whole number of devices (>= 1, or -1: "
+                f"the remaining devices); got {size!r} ({type(size).__name__})"
+            )
+        if not (size >= 1 or size == -1):
             raise ConfigError(
                 f"mesh axis {name!r} must have a size >= 1 (or -1: the remaining "
                 f"devices); got {size!r}"
@@ -123,10 +128,32 @@ def batch_shards(mesh: Mesh) -> int:
     return int(mesh.shape["data"] * mesh.shape["fsdp"])
 
 
+def check_batch_rows(rows: int, mesh: Mesh, what: str) -> None:
+    """Refuse training batches of ``rows`` rows that ``mesh``'s devices cannot split.
+
+    Every device takes ``rows / (data × fsdp)`` rows of each batch
+    (`entrenar.distributed.shard_batch`); checked when training starts, before
+    anything compiles, with ``what`` saying where ``rows`` comes from.
+
+    >>> from jax.sharding import AbstractMesh
+    >>> check_batch_rows(6, AbstractMesh((2, 4), MESH_AXES), "batch_size 6")
+    Traceback (most recent call last):
+    ...
+    entrenar.errors.ConfigError: training batches of 6 rows (batch_size 6) do not split over the mesh's 8 devices ({'data': 2, 'fsdp': 4}); make it a multiple of 8
+    """  # noqa: E501
+    n = batch_shards(mesh)
+    if rows % n:
+        raise ConfigError(
+            f"training batches of {rows} rows ({what}) do not split over the mesh's "
+            f"{n} devices ({dict(mesh.shape)}); make it a multiple of {n}"
+        )
+
+
 __all__ = [
     "MESH_AXES",
     "MeshSpec",
     "batch_shards",
+    "check_batch_rows",
     "check_mesh_spec",
     "make_mesh",
     "resolve_mesh",

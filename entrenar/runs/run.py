@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from entrenar import lora, native
+from entrenar import distributed, lora, native
 from entrenar.config.spec import TrainSpec
 from entrenar.config.summary import as_dict, validate
 from entrenar.distill import make_distill_loss_fn
@@ -169,6 +169,8 @@ def train_from_yaml(
             cannot run (`entrenar.native.check`, before the model loads).
         ConfigError: a predicted peak over ``training.max_memory``
             (`entrenar.runs.memory_plan.check_memory`, before the model loads).
+        ConfigError: a ``training.mesh`` that does not fit the devices or the
+            batch (`check_mesh`, before the model loads).
     """
     spec = validate(path, overrides)
     out_dir = spec.output_dir
@@ -180,12 +182,30 @@ def train_from_yaml(
     with native.policy(spec.model.kernels):  # model.kernels, for this run only
         native.check()
         check_memory(spec)  # training.max_memory: refused before anything loads
+        check_mesh(spec)  # training.mesh: the devices and the batch, likewise
         if dry_run:
             return RunResult(spec, out_dir, {}, metrics=_plan(prepare(spec)))
         # One writer per output folder, checked before the model loads (process 0
         # of a multi-process run holds it for all).
         with OutputLock(out_dir, enabled=jax.process_index() == 0):
             return _train(spec, prepare(spec), resume=resume, progress=progress)
+
+
+def check_mesh(spec: TrainSpec) -> None:
+    """Refuse a ``training.mesh`` this process cannot run, before the model loads.
+
+    Raises:
+        ConfigError: the mesh's sizes do not multiply to the device count, or
+            ``data.batch_size × training.grad_accum`` rows do not split over them.
+    """
+    t, d = spec.training, spec.data
+    if t.mesh is None or d is None:
+        return
+    mesh = distributed.make_mesh(t.mesh)
+    distributed.check_batch_rows(
+        d.batch_size * t.grad_accum, mesh,
+        f"data.batch_size × training.grad_accum = {d.batch_size} × {t.grad_accum}",
+    )  # fmt: skip
 
 
 def _train(
@@ -283,4 +303,4 @@ def _write_json(path: str, data: Any) -> None:
         json.dump(data, f, indent=2, default=str)
 
 
-__all__ = ["Prepared", "RunResult", "prepare", "train_from_yaml"]
+__all__ = ["Prepared", "RunResult", "check_mesh", "prepare", "train_from_yaml"]

@@ -429,14 +429,28 @@ class Trainer:
                 drop_last=cfg.drop_last if train else False,
             )  # fmt: skip
             if train:
+                self._check_rows(size, f"batch_size × grad_accum = {cfg.batch_size} "
+                                       f"× {cfg.grad_accum}")  # fmt: skip
                 self._check_last_batch(loader.n % size if not loader.drop_last else 0)
             return loader
         if isinstance(data, Loader):
+            rows = getattr(data, "batch_size", None)
+            if train and isinstance(rows, int):
+                self._check_rows(rows, "the loader's batch_size")
             return data
         raise ConfigError(
             f"training data must be a dict of arrays or a Loader (iterable of dict "
             f"batches with set_epoch, __len__, state_dict); got {type(data).__name__}"
         )
+
+    def _check_rows(self, rows: int, what: str) -> None:
+        """Training batches of ``rows`` rows must split over the mesh's devices.
+
+        Refused here, before the run starts, rather than by `shard_batch` at the
+        first step (whose message names only the array's rows).
+        """
+        if self.mesh is not None:
+            distributed.check_batch_rows(rows, self.mesh, what)
 
     def _check_last_batch(self, rows: int) -> None:
         """A short last training batch of ``rows`` must split like the others.

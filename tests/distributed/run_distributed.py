@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from entrenar import distributed, lora
+from entrenar.errors import ConfigError
 from entrenar.nn import LlamaConfig
 from entrenar.optim import adamw
 from entrenar.train import Checkpointer, TrainConfig, Trainer
@@ -173,6 +174,11 @@ def adapters(out: str) -> None:
         {s.data.shape[0] for s in b["x"].addressable_shards}
     )
     report["process_rows"] = str(distributed.process_rows(16, mesh))
+    try:  # 3 × 2 rows per step on 8 devices: refused before anything compiles
+        fit(ADAPTED, base, {"data": 2, "fsdp": 4}, batch_size=3, grad_accum=2)
+        report["trainer_batch_error"] = None
+    except ConfigError as e:
+        report["trainer_batch_error"] = str(e)
     local = distributed.host_local_batch({"x": np.arange(16 * 3).reshape(16, 3)}, mesh)
     report["host_local_equal"] = bool(np.array_equal(np.asarray(local["x"]),
                                                      np.asarray(b["x"])))  # fmt: skip

@@ -122,6 +122,12 @@ def test_lora_and_qlora_match_one_device(runs):
     assert "(None, 'fsdp')" in r["qlora"]["frozen_specs"]  # NF4 codes split
     assert "make the batch size a multiple of 8" in r["batch_error"]
     assert r["rows_per_device"] == [2] and r["host_local_equal"]
+    # the Trainer names both knobs (shard_batch's message, at the first step, named
+    # "the batch size" for rows that were batch_size × grad_accum)
+    assert (
+        "batch_size × grad_accum = 3 × 2) do not split over the mesh's 8"
+        in (r["trainer_batch_error"])
+    )
 
 
 @pytest.mark.slow

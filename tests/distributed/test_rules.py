@@ -15,7 +15,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from entrenar import distributed, lora
-from entrenar.distributed import ShardingRules, fsdp_axis, param_specs
+from entrenar.distributed import MESH_AXES, ShardingRules, fsdp_axis, param_specs
 from entrenar.errors import ConfigError
 from entrenar.nn import LlamaConfig
 from entrenar.optim import adamw
@@ -231,3 +231,50 @@ def test_one_device_placement_and_bytes():
     assert placed["b"] is None and placed["w"].sharding.mesh == mesh
     per_device = distributed.bytes_per_device(placed)
     assert sum(per_device.values()) == (4 * 8 * 4 + 3) * jax.device_count()
+
+
+def test_mesh_sizes_must_be_whole_numbers_and_known_axes():
+    with pytest.raises(
+        ConfigError, match=r"whole number of devices .* got 2.0 \(float"
+    ):
+        distributed.check_mesh_spec({"data": 2.0})
+    with pytest.raises(ConfigError, match="tensor and pipeline parallelism are not"):
+        distributed.check_mesh_spec({"tensor": 2})
+    assert distributed.check_mesh_spec({"fsdp": np.int64(-1)}) == {
+        "data": 1,
+        "fsdp": -1,
+    }
+
+
+@pytest.mark.parametrize("rows, ok", [(8, True), (16, True), (6, False), (4, False)])
+def test_training_batches_must_split_over_the_mesh(rows, ok):
+    if ok:
+        distributed.check_batch_rows(rows, MESH, "x")
+        return
+    with pytest.raises(ConfigError, match=rf"{rows} rows \(batch_size 3 × grad_accum"):
+        distributed.check_batch_rows(rows, MESH, "batch_size 3 × grad_accum 2")
+
+
+def test_yaml_mesh_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from config_cases import wine_doc, write
+
+    from entrenar.runs import run as run_mod
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the mesh check")
+
+    def doc(mesh):
+        train = {"max_steps": 1, "output_dir": str(tmp_path / "out"), "mesh": mesh}
+        return write(tmp_path / "run.yaml", wine_doc(tmp_path / "out", training=train))
+
+    monkeypatch.setattr(run_mod, "build_model", no_load)
+    n = jax.device_count()
+    with pytest.raises(ConfigError, match=f"needs {n + 1} devices, but there are {n}"):
+        run_mod.train_from_yaml(doc({"data": n + 1}), progress=False)
+    # 16 rows over 3 devices (the check reads only the mesh's shape)
+    monkeypatch.setattr(
+        run_mod.distributed, "make_mesh", lambda spec: AbstractMesh((3, 1), MESH_AXES)
+    )
+    with pytest.raises(ConfigError, match=r"grad_accum = 16 × 1\) do not split over"):
+        run_mod.train_from_yaml(doc({"data": -1}), progress=False)
+    assert not (tmp_path / "out").exists()
