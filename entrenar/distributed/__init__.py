@@ -52,6 +52,8 @@ from entrenar.distributed.rules import (
     shard_opt_state,
     shard_params,
     shard_state,
+    undivided_leaves,
+    warn_undivided,
 )
 
 __all__ = [
@@ -85,4 +87,6 @@ __all__ = [
     "shard_opt_state",
     "shard_params",
     "shard_state",
+    "undivided_leaves",
+    "warn_undivided",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,7 +103,25 @@ def _spec(axis: int | None) -> PartitionSpec:
     return PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "fsdp")
 
 
-def _array_spec(name: str, leaf: Any, mesh: Mesh, rules: ShardingRules) -> Any:
+Undivided = list[tuple[str, tuple[int, ...], int]]
+"""``(dotted name, shape, bytes)`` of leaves the FSDP rule leaves whole."""
+
+
+def _note_undivided(
+    undivided: Undivided | None, name: str, leaf: Any, mesh: Mesh, rules: ShardingRules
+) -> None:
+    """Record a leaf of ``min_size`` elements or more that stays whole (fsdp > 1)."""
+    shape = tuple(int(s) for s in np.shape(leaf))
+    if undivided is None or mesh.shape["fsdp"] <= 1 or np.prod(shape) < rules.min_size:
+        return
+    nbytes = int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    undivided.append((name, shape, nbytes))
+
+
+def _array_spec(
+    name: str, leaf: Any, mesh: Mesh, rules: ShardingRules,
+    undivided: Undivided | None = None,
+) -> Any:  # fmt: skip
     for match, spec in rules.rules:
         if _matches(match, name, leaf):
             return PartitionSpec() if spec is None else spec
@@ -110,14 +129,18 @@ def _array_spec(name: str, leaf: Any, mesh: Mesh, rules: ShardingRules) -> Any:
         return PartitionSpec()
     stacked = _is_stacked(name, rules.stacked_keys)
     shape = tuple(int(s) for s in np.shape(leaf))
-    return _spec(
-        fsdp_axis(shape, mesh.shape["fsdp"], stacked=stacked, min_size=rules.min_size)
+    axis = fsdp_axis(
+        shape, mesh.shape["fsdp"], stacked=stacked, min_size=rules.min_size
     )
+    if axis is None:
+        _note_undivided(undivided, name, leaf, mesh, rules)
+    return _spec(axis)
 
 
 def _quantized_specs(
-    name: str, q: QuantizedWeight, mesh: Mesh, rules: ShardingRules
-) -> QuantizedWeight:
+    name: str, q: QuantizedWeight, mesh: Mesh, rules: ShardingRules,
+    undivided: Undivided | None = None,
+) -> QuantizedWeight:  # fmt: skip
     """Codes, scales and offsets split along ``out`` (axis -2 of the logical shape)."""
     shape = q.shape
     axis = len(shape) - 2
@@ -137,6 +160,8 @@ def _quantized_specs(
             if _matches(match, full, x):
                 return PartitionSpec() if spec is None else spec
         same = np.ndim(x) == len(shape) and np.shape(x)[axis] == shape[axis]
+        if same and not split and part == "codes" and q.size >= rules.min_size:
+            _note_undivided(undivided, full, x, mesh, rules)
         return _spec(axis if split and same else None)
 
     return dataclasses.replace(
@@ -148,29 +173,41 @@ def _quantized_specs(
 _QUANT_CHILDREN = ("codes", "scales", "offsets", "scale_scales", "scale_offset")
 
 
-def _node_specs(name: str, x: Any, mesh: Mesh, rules: ShardingRules) -> Any:
+def _node_specs(
+    name: str, x: Any, mesh: Mesh, rules: ShardingRules,
+    undivided: Undivided | None = None,
+) -> Any:  # fmt: skip
     if isinstance(x, LoRAWeight):
         return x.replace(
             base=None if x.base is None else _node_specs(f"{name}.base", x.base, mesh,
-                                                         rules),
+                                                         rules, undivided),
             a=None if x.a is None else PartitionSpec(),
             b=None if x.b is None else PartitionSpec(),
             dropout_key=None if x.dropout_key is None else PartitionSpec(),
             magnitude=None if x.magnitude is None else PartitionSpec(),
         )  # fmt: skip
     if isinstance(x, QuantizedWeight):
-        return _quantized_specs(name, x, mesh, rules)
+        return _quantized_specs(name, x, mesh, rules, undivided)
     if nn.is_weight_node(x):  # any other node: each array by its own dotted name
         return jax.tree_util.tree_map_with_path(
-            lambda p, c: _array_spec(f"{name}.{key_path_str(p)}", c, mesh, rules), x
+            lambda p, c: _array_spec(
+                f"{name}.{key_path_str(p)}", c, mesh, rules, undivided
+            ),
+            x,
         )
-    return _array_spec(name, x, mesh, rules)
+    return _array_spec(name, x, mesh, rules, undivided)
 
 
 def param_specs(
-    tree: PyTree, mesh: Mesh, rules: ShardingRules | None = None, prefix: str = ""
-) -> PyTree:
-    """A tree like ``tree`` with a `PartitionSpec` at each array leaf."""
+    tree: PyTree, mesh: Mesh, rules: ShardingRules | None = None, prefix: str = "",
+    *, undivided: Undivided | None = None,
+) -> PyTree:  # fmt: skip
+    """A tree like ``tree`` with a `PartitionSpec` at each array leaf.
+
+    ``undivided``: a list that receives ``(name, shape, bytes)`` of every leaf the
+    FSDP rule would split (``min_size`` elements or more, ``fsdp`` > 1, no user
+    rule) but keeps whole because ``fsdp`` divides none of its splittable axes.
+    """
     rules = rules or ShardingRules()
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=nn.is_weight_node
@@ -178,8 +215,58 @@ def param_specs(
     out = []
     for path, x in flat:
         name = ".".join(p for p in (prefix, key_path_str(path)) if p)
-        out.append(_node_specs(name, x, mesh, rules))
+        out.append(_node_specs(name, x, mesh, rules, undivided))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def undivided_leaves(
+    tree: PyTree, mesh: Mesh, rules: ShardingRules | None = None
+) -> Undivided:
+    """``(name, shape, bytes)`` of the leaves FSDP keeps whole on every device.
+
+    Arrays of ``min_size`` elements or more whose splittable axes ``fsdp`` does not
+    divide (a hidden size of 4096 = 2¹² over ``fsdp: 6``): they cost every device
+    their full size. Empty with ``fsdp: 1``.
+
+    Example:
+        >>> from jax.sharding import AbstractMesh
+        >>> mesh = AbstractMesh((1, 8), ("data", "fsdp"))
+        >>> undivided_leaves({"w": np.zeros((6, 36), np.float32)}, mesh,
+        ...                  ShardingRules(min_size=0))
+        [('w', (6, 36), 864)]
+    """
+    out: Undivided = []
+    param_specs(tree, mesh, rules, undivided=out)
+    return out
+
+
+def warn_undivided(params: PyTree, mesh: Mesh, rules: ShardingRules | None) -> None:
+    """A `UserWarning` when FSDP leaves a tenth or more of ``params``' bytes whole.
+
+    Without it a mesh whose ``fsdp`` size divides none of a model's dimensions
+    (``fsdp: 6`` for a hidden size of 4096) trains correctly but holds the whole
+    model on every device: the memory FSDP was chosen for is silently not saved.
+    """
+    leaves = undivided_leaves(params, mesh, rules)
+    whole = sum(b for *_, b in leaves)
+    total = sum(
+        int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+        for x in jax.tree_util.tree_leaves(params)
+        if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    )
+    if not leaves or whole < 0.1 * total:
+        return
+    big = sorted(leaves, key=lambda t: -t[2])[:3]
+    warnings.warn(
+        f"FSDP over {mesh.shape['fsdp']} devices keeps {len(leaves)} arrays "
+        f"({whole / 2**20:.1f} MiB, {whole / total:.0%} of the params) whole on every "
+        f"device: the fsdp size divides none of their axes "
+        f"({', '.join(f'{n} {s}' for n, s, _ in big)}); choose an fsdp size that "
+        "divides the model's hidden, intermediate and vocabulary sizes (the rest "
+        "of the devices can go to the data axis)",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _named(mesh: Mesh, specs: PyTree) -> PyTree:
@@ -297,8 +384,10 @@ def shard_state(state: Any, mesh: Mesh, rules: ShardingRules | None = None) -> A
     """A train state (``trainable, frozen, opt_state, step, key`` fields) on ``mesh``.
 
     The params and optimizer state by the rules; the step and the random key
-    replicated.
+    replicated. Warns (`warn_undivided`) when FSDP cannot split a tenth or more
+    of the params' bytes.
     """
+    warn_undivided((state.trainable, state.frozen), mesh, rules)
     rep = replicated(mesh)
     key = state.key
     key_data = put(jax.random.key_data(key), rep)
@@ -334,4 +423,6 @@ __all__ = [
     "shard_opt_state",
     "shard_params",
     "shard_state",
+    "undivided_leaves",
+    "warn_undivided",
 ]

@@ -20,11 +20,13 @@ and asserts what it can itself (a failure exits non-zero with the traceback).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
+import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -174,6 +176,14 @@ def adapters(out: str) -> None:
         {s.data.shape[0] for s in b["x"].addressable_shards}
     )
     report["process_rows"] = str(distributed.process_rows(16, mesh))
+    # hidden 36, intermediate 60, vocab 97: {fsdp: 8} divides no axis of the model
+    uneven = dataclasses.replace(ADAPTED, vocab_size=97, hidden_size=36,
+                                 intermediate_size=60, head_dim=10)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(uneven, uneven.init(jax.random.key(0)), adamw(1e-3), config(),
+                mesh={"fsdp": 8}, sharding_rules=RULES)  # fmt: skip
+    report["undivided_warnings"] = [str(w.message) for w in caught]
     try:  # 3 × 2 rows per step on 8 devices: refused before anything compiles
         fit(ADAPTED, base, {"data": 2, "fsdp": 4}, batch_size=3, grad_accum=2)
         report["trainer_batch_error"] = None

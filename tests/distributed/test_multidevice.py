@@ -13,6 +13,7 @@ rounding, not bit for bit.
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -122,6 +123,11 @@ def test_lora_and_qlora_match_one_device(runs):
     assert "(None, 'fsdp')" in r["qlora"]["frozen_specs"]  # NF4 codes split
     assert "make the batch size a multiple of 8" in r["batch_error"]
     assert r["rows_per_device"] == [2] and r["host_local_equal"]
+    # FSDP that can split nothing says so (it trained correctly, but every device
+    # held the whole model)
+    (warning,) = [w for w in r["undivided_warnings"] if "FSDP over 8" in w]
+    share = re.search(r"(\d+)% of the params\) whole on every device", warning)
+    assert share and int(share[1]) > 50, warning
     # the Trainer names both knobs (shard_batch's message, at the first step, named
     # "the batch size" for rows that were batch_size × grad_accum)
     assert (

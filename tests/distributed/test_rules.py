@@ -278,3 +278,25 @@ def test_yaml_mesh_refused_before_the_model_loads(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"grad_accum = 16 × 1\) do not split over"):
         run_mod.train_from_yaml(doc({"data": -1}), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_fsdp_that_divides_no_axis_is_reported_not_silent():
+    # hidden 64, intermediate 128, vocab 30: fsdp 4 splits every large leaf, fsdp 3
+    # none (64 = 2^6, 128 = 2^7; the embedding's 30 rows only as axis 0 of (30, 64))
+    params = jax.eval_shape(MODEL.init, jax.random.key(0))
+    assert distributed.undivided_leaves(params, MESH, ALL) == []
+    three = AbstractMesh((2, 3), ("data", "fsdp"))
+    whole = dict((n, s) for n, s, _ in distributed.undivided_leaves(params, three, ALL))
+    assert whole["model.layers.mlp.up_proj.weight"] == (2, 128, 64)
+    assert "model.embed_tokens.weight" not in whole  # 30 rows split in 3
+    with pytest.warns(UserWarning, match=r"FSDP over 3 devices keeps \d+ arrays .*"
+                      r"of the params\) whole on every device"):  # fmt: skip
+        distributed.warn_undivided(params, three, ALL)
+    # {data: 6}: nothing is meant to be split; the default threshold: small leaves
+    # are replicated on purpose
+    six = AbstractMesh((6, 1), ("data", "fsdp"))
+    assert distributed.undivided_leaves(params, six, ALL) == []
+    small = distributed.undivided_leaves(params, three, ShardingRules())
+    assert {n for n, *_ in small} == {
+        f"model.layers.mlp.{p}_proj.weight" for p in ("up", "gate", "down")
+    }
