@@ -35,6 +35,7 @@ from entrenar.distributed.mesh import (
 from entrenar.distributed.multihost import (
     ENV,
     ProcessConfig,
+    gather_to_host,
     initialize,
     process_config,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "constrain",
     "from_host",
     "fsdp_axis",
+    "gather_to_host",
     "host_local_batch",
     "initialize",
     "make_mesh",

@@ -22,11 +22,14 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from entrenar.errors import ConfigError
+from entrenar.types import PyTree
 
 ENV = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
@@ -187,4 +190,31 @@ def initialize(
     return cfg
 
 
-__all__ = ["ENV", "ProcessConfig", "initialize", "process_config"]
+def gather_to_host(tree: PyTree) -> PyTree:
+    """``tree`` with each array that spans other processes' devices made whole here.
+
+    A split array (FSDP over several hosts) is gathered
+    (`multihost_utils.process_allgather`, a collective: every process must call
+    this with the same tree); a replicated one is read from a local copy. Arrays
+    this process holds whole are returned as they are, so with one process the
+    tree comes back unchanged. Writing a model (`np.asarray`) needs this: it
+    cannot read an array with shards on other processes.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> w = jnp.ones(3)
+        >>> gather_to_host({"w": w})["w"] is w
+        True
+    """
+
+    def whole(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        if x.is_fully_replicated:
+            return x.addressable_data(0)
+        return multihost_utils.process_allgather(x, tiled=True)
+
+    return jax.tree_util.tree_map(whole, tree)
+
+
+__all__ = ["ENV", "ProcessConfig", "gather_to_host", "initialize", "process_config"]

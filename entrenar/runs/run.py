@@ -222,6 +222,12 @@ def _train(
     params = result.params
     if spec.distillation is not None:
         params = params["student"]
+    # several processes: every array whole on each (a collective, so all call it);
+    # process 0 writes the outputs, as it wrote the metrics
+    params = distributed.gather_to_host(params)
+    metrics = _final_metrics(result)
+    if jax.process_index() != 0:
+        return RunResult(spec, out_dir, {}, result, metrics)
     extra: dict[str, Any] = {"tabular": prep.data.stats} if prep.data.stats else {}
     # the tokenizer the model files name: model.tokenizer, else the source's own (a
     # GGUF, a Hugging Face folder, or the one an entrenar model file names)
@@ -230,7 +236,6 @@ def _train(
     )
     if prep.built.is_lm and tokenizer:
         extra["tokenizer"] = tokenizer_ref(tokenizer, os.path.join(out_dir, "model"))
-    metrics = _final_metrics(result)
     files = write_outputs(
         spec, prep.built, params, out_dir, extra=extra, report=metrics
     )
@@ -255,7 +260,7 @@ class _ConfigWriter(Callback):
         self.spec, self.written = spec, False
 
     def on_step(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
-        if not self.written:
+        if not self.written and jax.process_index() == 0:
             _write_json(
                 os.path.join(self.spec.output_dir, "config.json"), as_dict(self.spec)
             )

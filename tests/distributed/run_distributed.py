@@ -27,6 +27,7 @@ import shutil
 import sys
 import time
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -38,7 +39,7 @@ from entrenar.errors import ConfigError
 from entrenar.nn import LlamaConfig
 from entrenar.optim import adamw
 from entrenar.train import Checkpointer, TrainConfig, Trainer
-from entrenar.tree import tree_bytes
+from entrenar.tree import tree_bytes, tree_named_leaves
 
 MODEL = LlamaConfig(
     vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -211,10 +212,45 @@ def multiprocess(out: str, pid: str, port: str) -> None:
     for a, b in zip(host(restored.trainable), run["params"], strict=True):
         np.testing.assert_array_equal(a, b)
     rows = distributed.process_rows(BATCH, distributed.make_mesh({"fsdp": -1}))
+    yaml_files = yaml_run(out, pid)
     with open(os.path.join(out, f"multiprocess{pid}.json"), "w") as f:
         json.dump({"processes": jax.process_count(), "devices": jax.device_count(),
                    "local": jax.local_device_count(), "loss": run["loss"],
-                   "rows": [rows.start, rows.stop]}, f)  # fmt: skip
+                   "rows": [rows.start, rows.stop], "yaml_files": yaml_files},
+                  f)  # fmt: skip
+
+
+def yaml_run(out: str, pid: str) -> list[str]:
+    """A YAML run over both processes, FSDP-split (26,624-element first layer).
+
+    It writes its model at the end: process 0 from the gathered arrays (before,
+    every process failed there: `np.asarray` of an array split across processes).
+    """
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from config_cases import wine_doc, write
+    from safetensors.numpy import load_file
+
+    from entrenar.runs.run import train_from_yaml
+
+    folder = Path(out) / "yaml"
+    doc = wine_doc(folder, model={"architecture": "mlp",
+                                  "config": {"sizes": [13, 2048, 3]}})  # fmt: skip
+    doc["training"].update(mesh={"fsdp": -1}, max_steps=2, checkpoint_every=2,
+                           eval_every=2)  # fmt: skip
+    r = train_from_yaml(write(Path(out) / f"yaml{pid}.yaml", doc), progress=False)
+    split = [x for x in jax.tree_util.tree_leaves(r.train.state.trainable)
+             if not x.is_fully_addressable and not x.is_fully_replicated]  # fmt: skip
+    assert split, "nothing was split over the two processes: the check is void"
+    if jax.process_index() == 0:
+        saved = load_file(r.files["safetensors"])
+        trainable = r.train.state.trainable
+        names = [n for n, _ in tree_named_leaves(trainable)]
+        assert sorted(names) == sorted(saved)
+        for name, value in zip(names, host(trainable), strict=True):
+            np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    else:
+        host(r.train.state.trainable)  # the gather is a collective: both take part
+    return sorted(r.files)
 
 
 def eight(out: str) -> None:

@@ -143,6 +143,9 @@ def test_two_processes_train_like_one(runs):
     assert (a["processes"], a["devices"], a["local"]) == (2, 8, 4)
     assert a["loss"] == b["loss"]  # one computation, read by both
     assert (a["rows"], b["rows"]) == ([0, 4], [4, 8])
+    # the YAML run's outputs: written by process 0 (equal to the trained arrays,
+    # checked by the script), none by process 1
+    assert "safetensors" in a["yaml_files"] and b["yaml_files"] == []
     run = runs[1]["mp"] / "run"
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["20"]
     lines = (run / "metrics.jsonl").read_text().splitlines()
