@@ -36,6 +36,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from entrenar import nn
+from entrenar.distributed.mesh import MESH_AXES
+from entrenar.errors import ConfigError
 from entrenar.lora import LoRAWeight
 from entrenar.lora.names import stacked_split
 from entrenar.quant import QuantizedWeight
@@ -69,6 +71,81 @@ class ShardingRules:
     min_size: int = 2**14
     rules: Sequence[tuple[Match, PartitionSpec | None]] = ()
     stacked_keys: tuple[str, ...] = nn.STACKED_KEYS
+
+    def __post_init__(self) -> None:
+        for i, rule in enumerate(self.rules):
+            _check_rule(i, rule)
+
+
+def _check_rule(i: int, rule: Any) -> None:
+    """Refuse a malformed ``ShardingRules.rules[i]`` before any array is placed."""
+    where = f"ShardingRules.rules[{i}]"
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+        raise ConfigError(f"{where} must be a (match, PartitionSpec | None) pair, "
+                          f"got {rule!r}")  # fmt: skip
+    match, spec = rule
+    if isinstance(match, str):
+        try:
+            re.compile(match)
+        except re.error as e:
+            raise ConfigError(f"{where}: {match!r} is not a regex: {e}") from None
+    elif not callable(match):
+        raise ConfigError(
+            f"{where}: match must be a regex or fn(name, leaf) -> bool, got {match!r}"
+        )
+    if spec is None:
+        return
+    if not isinstance(spec, PartitionSpec):
+        raise ConfigError(
+            f"{where}: the placement must be a jax.sharding.PartitionSpec or None "
+            f"(replicated), got {spec!r}; e.g. PartitionSpec(None, 'fsdp')"
+        )
+    unknown = [a for a in _spec_axes(spec) if a not in MESH_AXES]
+    if unknown:
+        raise ConfigError(
+            f"{where}: {spec} names {unknown}, not mesh axes; entrenar's meshes have "
+            f"the axes {MESH_AXES}"
+        )
+
+
+def _spec_axes(spec: PartitionSpec) -> list[str]:
+    out: list[str] = []
+    for entry in spec:
+        if entry is None:
+            continue
+        out.extend(entry if isinstance(entry, tuple) else (entry,))
+    return out
+
+
+def _user_spec(
+    name: str, leaf: Any, spec: PartitionSpec | None, match: Match, mesh: Mesh
+) -> PartitionSpec:
+    """A rule's placement for ``leaf``, checked against its shape.
+
+    Unchecked, jax's error at placement names neither the leaf nor the rule.
+    """
+    if spec is None:
+        return PartitionSpec()
+    shape = tuple(int(n) for n in np.shape(leaf))
+    problem = None
+    if len(spec) > len(shape):
+        problem = f"it has {len(spec)} entries for {len(shape)} axes"
+    for axis, entry in enumerate(spec):
+        if problem is not None or entry is None:
+            continue
+        names = entry if isinstance(entry, tuple) else (entry,)
+        parts = int(np.prod([mesh.shape[a] for a in names]))
+        if shape[axis] % parts:
+            problem = (
+                f"axis {axis} of length {shape[axis]} does not split in {parts} "
+                f"({names} of the mesh {dict(mesh.shape)})"
+            )
+    if problem is not None:
+        raise ConfigError(
+            f"sharding rule {match!r} -> {spec} does not fit {name} of shape "
+            f"{shape}: {problem}; narrow the rule's match or change its spec"
+        )
+    return spec
 
 
 def _matches(match: Match, name: str, leaf: Any) -> bool:
@@ -124,7 +201,7 @@ def _array_spec(
 ) -> Any:  # fmt: skip
     for match, spec in rules.rules:
         if _matches(match, name, leaf):
-            return PartitionSpec() if spec is None else spec
+            return _user_spec(name, leaf, spec, match, mesh)
     if name.rsplit(".", 1)[-1] in _ADAPTER_PARTS:
         return PartitionSpec()
     stacked = _is_stacked(name, rules.stacked_keys)
@@ -158,7 +235,7 @@ def _quantized_specs(
         full = f"{name}.{part}"
         for match, spec in rules.rules:
             if _matches(match, full, x):
-                return PartitionSpec() if spec is None else spec
+                return _user_spec(full, x, spec, match, mesh)
         same = np.ndim(x) == len(shape) and np.shape(x)[axis] == shape[axis]
         if same and not split and part == "codes" and q.size >= rules.min_size:
             _note_undivided(undivided, full, x, mesh, rules)

@@ -300,3 +300,39 @@ def test_fsdp_that_divides_no_axis_is_reported_not_silent():
     assert {n for n, *_ in small} == {
         f"model.layers.mlp.{p}_proj.weight" for p in ("up", "gate", "down")
     }
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        (("embed", P("model")), r"names \['model'\], not mesh axes"),
+        (("embed", "fsdp"), "must be a jax.sharding.PartitionSpec or None"),
+        (("embed[", None), "is not a regex"),
+        ((3, None), "match must be a regex or fn"),
+        (("embed",), r"must be a \(match, PartitionSpec \| None\) pair"),
+    ],
+)
+def test_malformed_sharding_rules_are_refused_when_made(rule, message):
+    with pytest.raises(ConfigError, match=rf"ShardingRules.rules\[0\].*{message}"):
+        ShardingRules(rules=[rule])
+
+
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        (P(None, None, "fsdp"), "it has 3 entries for 2 axes"),
+        (P("fsdp"), "axis 0 of length 30 does not split in 4"),  # 30 rows
+        (P(None, ("data", "fsdp")), None),  # 64 columns over 2 × 4: fits
+    ],
+)
+def test_a_rule_that_does_not_fit_its_leaf_names_both(spec, problem):
+    # before: jax's error at placement ("One of device_put args is incompatible
+    # with its sharding annotation ...") named neither the leaf nor the rule
+    params = jax.eval_shape(MODEL.init, jax.random.key(0))
+    rules = ShardingRules(min_size=0, rules=[("embed_tokens", spec)])
+    if problem is None:
+        assert specs(params, rules)["model.embed_tokens.weight"] == spec
+        return
+    leaf = r"model.embed_tokens.weight of shape \(30, 64\)"
+    with pytest.raises(ConfigError, match=rf"does not fit {leaf}: {problem}"):
+        param_specs(params, MESH, rules)
