@@ -30,7 +30,7 @@ from entrenar import distributed, lora, native
 from entrenar.config.spec import TrainSpec
 from entrenar.config.summary import as_dict, validate
 from entrenar.distill import make_distill_loss_fn
-from entrenar.errors import UnsupportedError
+from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.io import atomic_write
 from entrenar.io.lock import OutputLock
 from entrenar.runs.build import (
@@ -201,7 +201,10 @@ def check_mesh(spec: TrainSpec) -> None:
     t, d = spec.training, spec.data
     if t.mesh is None or d is None:
         return
-    mesh = distributed.make_mesh(t.mesh)
+    try:
+        mesh = distributed.make_mesh(t.mesh)
+    except ConfigError as e:  # the key, as validate's errors name it
+        raise ConfigError(f"training.mesh: {e}") from None
     distributed.check_batch_rows(
         d.batch_size * t.grad_accum, mesh,
         f"data.batch_size × training.grad_accum = {d.batch_size} × {t.grad_accum}",

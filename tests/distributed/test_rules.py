@@ -269,7 +269,10 @@ def test_yaml_mesh_refused_before_the_model_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(run_mod, "build_model", no_load)
     n = jax.device_count()
-    with pytest.raises(ConfigError, match=f"needs {n + 1} devices, but there are {n}"):
+    with pytest.raises(
+        ConfigError,
+        match=f"^training.mesh: mesh .* needs {n + 1} devices, but there are {n}",
+    ):
         run_mod.train_from_yaml(doc({"data": n + 1}), progress=False)
     # 16 rows over 3 devices (the check reads only the mesh's shape)
     monkeypatch.setattr(
