@@ -108,7 +108,9 @@ def stream_text(
     (the tokenizer decodes it as U+FFFD), inside a run of SentencePiece byte
     tokens (``<0xNN>``: the run decodes as a whole, and a character left unfinished
     at its end turns all of it into U+FFFD, as transformers' ``ByteFallback``
-    decoder does) or with the beginning of a stop string
+    decoder does; a token that decodes to nothing, such as a skipped ``<unk>`` or
+    control token, does not end the run, since the decoder never sees it) or with
+    the beginning of a stop string
     (`entrenar.nn.generate.partial_stop`), so every piece is whole characters, no
     part of a stop string is ever shown, and the pieces join to the decoded text cut
     before its first stop string.
@@ -121,7 +123,7 @@ def stream_text(
         if tok in stops:
             break
         ids.append(tok)
-        if not _is_byte_token(tokenizer, tok):
+        if not _is_byte_token(tokenizer, tok) and tokenizer.decode([tok]):
             run = len(ids)
         text = tokenizer.decode(ids)
         cut = find_stop(text, stop_strings)

@@ -121,7 +121,8 @@ def test_byte_fallback_tokens_stream_as_the_full_decode(style, tmp_path):
 
     SentencePiece's byte tokens decode a run at once: an unfinished character at
     its end turns the whole run into U+FFFD (transformers' ByteFallback), so the
-    stream holds the run back until a token of text ends it.
+    stream holds the run back until a token of text ends it. A control token (BOS
+    here; ``<unk>``, ``<pad>``) decodes to nothing and the run goes on through it.
     """
     hf_cases.write_tokenizer(tmp_path, style)
     tok = HFTokenizer.from_folder(tmp_path)
@@ -130,7 +131,8 @@ def test_byte_fallback_tokens_stream_as_the_full_decode(style, tmp_path):
     for text in ("日本", "😀€"):
         whole = [byte[b] for b in text.encode()]
         cut = whole + [byte[b] for b in text[0].encode()[:2]]  # a character cut short
-        for ids in (whole, [*whole, word], cut, [*cut, word], [word, *cut]):
+        skipped = [byte[ord("A")], tok.bos_id, *cut]  # was "A" then U+FFFD x 3
+        for ids in (whole, [*whole, word], cut, [*cut, word], [word, *cut], skipped):
             pieces = list(stream_text(tok, [np.asarray([i]) for i in ids]))
             assert "".join(pieces) == tok.decode(ids), (text, ids, pieces)
             assert "\ufffd" not in "".join(pieces[:-1])  # only the last may hold it
