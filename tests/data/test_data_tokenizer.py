@@ -1,6 +1,7 @@
 """FastTokenizer (Hugging Face tokenizers) gives the reference BPETokenizer's ids."""
 
 import random
+import signal
 import unicodedata
 
 import pytest
@@ -92,6 +93,24 @@ def test_toy_cases():
     assert TOY_FAST.decode(ids, special=True) == "hello<|end|><user>"
     with pytest.raises(FormatError, match="outside the vocabulary"):
         TOY_FAST.decode([10**6])
+
+
+def test_a_long_word_merges_in_bounded_time():
+    """50 kB without a space is one piece; its merges once took O(n^2) (minutes)."""
+
+    def too_slow(*_):
+        raise TimeoutError("BPETokenizer.encode of a 50 kB word took over 20 s")
+
+    s = "hello" * 10_000 + "\u00e9\u65e5" * 5_000
+    old = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, 20)
+    try:
+        ids = TOY.encode(s)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert ids == TOY_FAST.encode(s)
+    assert TOY.decode(ids) == s
 
 
 def test_token_bytes_add_up():
