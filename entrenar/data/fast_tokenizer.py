@@ -13,7 +13,9 @@ same GGUF fields (``tokenizer.ggml.tokens``, ``merges``, ``token_type``, ``pre``
   ``'s|'t|'re|'ve|'m|'ll|'d| ?L+| ?N+| ?P+|S+(?!\S)|S+|U`` where ``S`` is llama.cpp's
   whitespace set, ``L`` letters, ``N`` numbers, ``U`` unassigned code points (each its
   own piece, as llama.cpp has no flags for them) and ``P`` everything else. The
-  ``smollm``/``starcoder`` family first isolates every ``N`` character.
+  ``smollm``/``starcoder`` family first isolates every ``N`` character; ``default``
+  (a file without ``pre`` too) splits by llama.cpp's four default regexes in turn
+  (`entrenar.io.tokenizer.default_split`).
 - **Bytes and merges.** ``ByteLevel`` maps bytes to GPT-2's printable symbols; the
   ``BPE`` model merges the lowest-ranked pair, leftmost first, like the reference.
 
@@ -31,6 +33,7 @@ from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_reader import GGUFFile, read_gguf
 from entrenar.io.hf_tokenizer import HFTokenizer, RustTokenizer
 from entrenar.io.tokenizer import (
+    _DEFAULT_PRE,
     _DIGIT_SPLIT_PRE,
     _GPT2_PRE,
     CONTROL,
@@ -38,6 +41,7 @@ from entrenar.io.tokenizer import (
     BPETokenizer,
     _classes,
     bytes_to_unicode,
+    default_patterns,
     gpt2_pattern,
 )
 
@@ -114,6 +118,10 @@ class FastTokenizer(RustTokenizer):
         if reference.pre in _DIGIT_SPLIT_PRE:
             digit = hf.Regex(f"[{_classes()['N']}]")
             steps.insert(0, pre.Split(digit, behavior="isolated"))
+        if reference.pre in _DEFAULT_PRE:
+            steps = [
+                pre.Split(hf.Regex(r), behavior="isolated") for r in default_patterns()
+            ]
         steps.append(pre.ByteLevel(add_prefix_space=False, use_regex=False))
         self._hf: list[Any] = []
         for parse_special in (False, True):

@@ -9,6 +9,9 @@ It tokenizes as llama.cpp's ``llm_tokenizer_bpe`` does:
    ``'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+``
    is hand-coded over Unicode categories as in llama.cpp's ``unicode.cpp``; the
    ``smollm``/``starcoder`` family first splits off every digit (``\p{N}``).
+   ``default`` (also a file without ``pre``, as llama.cpp reads it) splits by four
+   regexes in turn, each keeping its matches and the text between them as pieces:
+   ``[\p{P}\$\+<=>\^~\|]+``, GPT-2's, ``\p{N}+``, then ``[0-9][0-9][0-9]``.
 3. **Bytes to symbols.** Each piece's UTF-8 bytes map to printable characters with
    GPT-2's ``bytes_to_unicode`` table (``Ġ`` is the space).
 4. **Merges.** Repeatedly merge the adjacent pair with the lowest rank in
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
+import re
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +34,10 @@ from entrenar.errors import FormatError, UnsupportedError
 
 CONTROL, USER_DEFINED = 3, 4
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell"}
-_GPT2_PRE = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"} | _DIGIT_SPLIT_PRE
+_DEFAULT_PRE = {"default"}
+_GPT2_PRE = {"gpt2", "gpt-2", "mpt", "olmo", "jais"} | _DIGIT_SPLIT_PRE | _DEFAULT_PRE
+_DEFAULT_SYMBOLS = "$+<=>^~|"  # llama.cpp's default split: \p{P} and these
+_TRIPLE_DIGITS = re.compile("[0-9]{3}")
 # llama.cpp's whitespace set (unicode.cpp), a bit wider than str.isspace().
 _WHITESPACE = frozenset(
     {*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B)}
@@ -101,6 +109,46 @@ def gpt2_split(text: str) -> list[str]:
     return out
 
 
+def _runs(text: str, inside: Callable[[str], bool]) -> list[str]:
+    """``text`` cut into maximal runs of characters ``inside`` or not."""
+    return ["".join(g) for _, g in itertools.groupby(text, key=inside)]
+
+
+def _default_punct(ch: str) -> bool:
+    r"""``[\p{P}\$\+<=>\^~\|]``, with llama.cpp's whitespace never punctuation."""
+    return _kind(ch) == "P" and (
+        unicodedata.category(ch)[0] == "P" or ch in _DEFAULT_SYMBOLS
+    )
+
+
+def _number(ch: str) -> bool:
+    return _kind(ch) == "N"
+
+
+def _isolate(text: str, pattern: re.Pattern[str]) -> list[str]:
+    """``text`` split at each match of ``pattern``, matches kept as pieces."""
+    out, at = [], 0
+    for m in pattern.finditer(text):
+        out += [text[at : m.start()], m.group()]
+        at = m.end()
+    return [p for p in [*out, text[at:]] if p]
+
+
+def default_split(text: str) -> list[str]:
+    """llama.cpp's ``default`` pre-tokenizer (module docstring, step 2).
+
+    >>> default_split("x+=12345 don't")
+    ['x', '+=', '123', '45', ' don', "'", 't']
+    """
+    return [
+        d
+        for a in _runs(text, _default_punct)
+        for b in gpt2_split(a)
+        for c in _runs(b, _number)
+        for d in _isolate(c, _TRIPLE_DIGITS)
+    ]
+
+
 def pre_tokenize(text: str, pre: str) -> list[str]:
     """Pre-tokenize ``text`` by the rules named ``pre`` (``tokenizer.ggml.pre``).
 
@@ -111,6 +159,8 @@ def pre_tokenize(text: str, pre: str) -> list[str]:
         raise UnsupportedError(
             f"pre-tokenizer {pre!r} is not supported; supported: {sorted(_GPT2_PRE)}"
         )
+    if pre in _DEFAULT_PRE:
+        return default_split(text)
     if pre not in _DIGIT_SPLIT_PRE:
         return gpt2_split(text)
     out: list[str] = []
@@ -258,7 +308,7 @@ class BPETokenizer:
             tokens=tuple(tokens),
             merges=tuple(md["tokenizer.ggml.merges"]),
             token_types=tuple(int(t) for t in types),
-            pre=str(md.get("tokenizer.ggml.pre", "gpt2")),
+            pre=str(md.get("tokenizer.ggml.pre") or "default"),  # llama.cpp's
             bos_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_id=md.get("tokenizer.ggml.eos_token_id"),
             add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)),
@@ -422,8 +472,12 @@ def _ranges(codes: Sequence[int]) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _classes() -> dict[str, str]:
-    """Regex class bodies of the reference's character kinds (see `_kind`)."""
-    kinds: dict[str, list[int]] = {"S": [], "L": [], "N": [], "U": []}
+    r"""Regex class bodies of the reference's character kinds (see `_kind`).
+
+    ``P`` is the ``default`` split's first class instead: ``\p{P}`` and
+    ``$+<=>^~|``.
+    """
+    kinds: dict[str, list[int]] = {"S": [], "L": [], "N": [], "U": [], "P": []}
     for c in range(0x110000):
         if 0xD800 <= c <= 0xDFFF:
             continue
@@ -435,6 +489,8 @@ def _classes() -> dict[str, str]:
             kinds["U"].append(c)
         elif cat[0] in "LN":
             kinds[cat[0]].append(c)
+        if cat[0] == "P" or chr(c) in _DEFAULT_SYMBOLS:  # default split's first class
+            kinds["P"].append(c)
     return {k: _ranges(v) for k, v in kinds.items()}
 
 
@@ -451,10 +507,19 @@ def gpt2_pattern() -> str:
     )
 
 
+@functools.lru_cache(maxsize=1)
+def default_patterns() -> tuple[str, ...]:
+    """The reference's ``default`` splits as Oniguruma regexes (`default_split`)."""
+    c = _classes()
+    return f"[{c['P']}]+", gpt2_pattern(), f"[{c['N']}]+", "[0-9]{3}"
+
+
 __all__ = [
     "BPETokenizer",
     "bytes_to_unicode",
     "check_tokenizer_metadata",
+    "default_patterns",
+    "default_split",
     "gpt2_split",
     "pre_tokenize",
 ]

@@ -1,0 +1,69 @@
+"""GGUF tokenizer fields, one change at a time, against llama.cpp's recorded ids.
+
+tests/oracles/make_tokenizer_variants_reference.py wrote each variant with gguf-py
+(SmolLM2's byte-level BPE fields with one change, or a hand-made SentencePiece-style
+vocabulary) and recorded llama-cpp-python 0.3.36's ids for its texts, with and without
+special tokens and BOS, and each token's piece; the test writes the same files again
+(their fields' digest must match) and reads them with `load_fast_tokenizer`.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from entrenar.data import FastTokenizer, load_fast_tokenizer
+from entrenar.errors import UnsupportedError
+from entrenar.io import smollm2_path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "oracles"))
+import make_tokenizer_variants_reference as oracle  # noqa: E402
+
+RECORD = json.loads((ROOT / "data" / oracle.RECORD).read_text(encoding="utf-8"))
+SMOLLM2 = pytest.mark.slow  # SmolLM2's 49152 tokens: a few seconds each
+VARIANTS = [
+    pytest.param("pre_default", marks=SMOLLM2),
+    pytest.param("pre_missing", marks=SMOLLM2),
+]
+
+
+def _tokenizer(name: str, tmp: Path):
+    base, _ = oracle.CHANGES[name]
+    if base == "smollm2":
+        try:
+            smollm2_path()
+        except UnsupportedError as e:
+            pytest.skip(str(e))
+    fields = oracle.variant_fields(name)
+    want = RECORD["variants"][name]
+    assert oracle.fields_digest(fields) == want["fields_sha256"], name
+    oracle.write_gguf(tmp / f"{name}.gguf", fields)
+    return load_fast_tokenizer(tmp / f"{name}.gguf"), want
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_ids_as_llama_cpp(name, tmp_path):
+    tok, want = _tokenizer(name, tmp_path)
+    assert RECORD["texts"] == oracle.texts()
+    assert tok.add_bos == want["add_bos"]
+    for text, ids in zip(RECORD["texts"], want["ids"]):
+        got = [
+            tok.encode(text, add_bos=None if add else False, special=special)
+            for add in (False, True)
+            for special in (False, True)
+        ]
+        assert got == ids, text
+        if isinstance(tok, FastTokenizer):  # and the pure-Python reference
+            assert tok.reference.encode(text, add_bos=False) == ids[0], text
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_pieces_as_llama_cpp(name, tmp_path):
+    """Each token decodes to llama.cpp's piece (byte-level BPE: no space stripped)."""
+    tok, want = _tokenizer(name, tmp_path)
+    for i, pieces in want["pieces"].items():
+        for special, piece in zip((False, True), pieces):
+            text = bytes.fromhex(piece).decode("utf-8", errors="replace")
+            assert tok.decode([int(i)], special=special) == text, (i, special)
