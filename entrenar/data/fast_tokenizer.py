@@ -8,11 +8,11 @@ same GGUF fields (``tokenizer.ggml.tokens``, ``merges``, ``token_type``, ``pre``
 - **Specials.** Control tokens (type 3) are ``AddedToken(special=True)``, parsed only
   with ``special=True`` (otherwise ``encode_special_tokens`` makes them plain text);
   user-defined tokens (type 4) are plain added tokens, always parsed.
-- **Pre-tokenizer.** The GPT-2 regex, with its classes spelt out from Python's
-  ``unicodedata`` so that both tokenizers use one Unicode table (the reference's):
-  ``'s|'t|'re|'ve|'m|'ll|'d| ?L+| ?N+| ?P+|S+(?!\S)|S+|U`` where ``S`` is llama.cpp's
-  whitespace set, ``L`` letters, ``N`` numbers, ``U`` unassigned code points (each its
-  own piece, as llama.cpp has no flags for them) and ``P`` everything else. The
+- **Pre-tokenizer.** The GPT-2 regex, with its classes spelt out from llama.cpp's
+  Unicode table (`entrenar.io.unicode_classes`) so that both tokenizers and llama.cpp
+  use one table: ``'s|'t|'re|'ve|'m|'ll|'d| ?L+| ?N+| ?P+|S+(?!\S)|S+`` where ``S``
+  is llama.cpp's whitespace set, ``L`` letters, ``N`` numbers and ``P`` everything
+  else (unassigned code points too: llama.cpp flags them ``UNDEFINED``). The
   ``smollm``/``starcoder`` family first isolates every ``N`` character; ``default``
   (a file without ``pre`` too) splits by llama.cpp's four default regexes in turn
   (`entrenar.io.tokenizer.default_split`).

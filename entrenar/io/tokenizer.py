@@ -21,16 +21,17 @@ It tokenizes as llama.cpp's ``llm_tokenizer_bpe`` does:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
 import re
-import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io import unicode_classes
 
 CONTROL, USER_DEFINED = 3, 4
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell"}
@@ -38,11 +39,6 @@ _DEFAULT_PRE = {"default"}
 _GPT2_PRE = {"gpt2", "gpt-2", "mpt", "olmo", "jais"} | _DIGIT_SPLIT_PRE | _DEFAULT_PRE
 _DEFAULT_SYMBOLS = "$+<=>^~|"  # llama.cpp's default split: \p{P} and these
 _TRIPLE_DIGITS = re.compile("[0-9]{3}")
-# llama.cpp's whitespace set (unicode.cpp), a bit wider than str.isspace().
-_WHITESPACE = frozenset(
-    {*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B)}
-    | {0x2028, 0x2029, 0x202F, 0x205F, 0x3000}
-)
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,14 +55,26 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _class(ch: str) -> str:
+    """llama.cpp's class of ``ch``: ``s``, ``L``, ``N``, ``p`` or ``P``.
+
+    From llama.cpp's own Unicode table (15.1, `entrenar.io.unicode_classes`), not
+    Python's ``unicodedata``, whose version follows the Python (3.11's 14.0 calls
+    5116 of llama.cpp's letters, digits and punctuation unassigned).
+    """
+    at = bisect.bisect_right(unicode_classes.STARTS, ord(ch)) - 1
+    return unicode_classes.KINDS[at]
+
+
 def _kind(ch: str) -> str:
-    """Class of ``ch``: ``s`` space, ``L`` letter, ``N`` number, ``U``, ``P`` other."""
-    if ord(ch) in _WHITESPACE:
-        return "s"
-    cat = unicodedata.category(ch)
-    if cat == "Cn":  # unassigned: llama.cpp has no flags for it
-        return "U"
-    return cat[0] if cat[0] in "LN" else "P"
+    r"""Class of ``ch`` for GPT-2's regex: ``s`` space, ``L`` letter, ``N``, ``P``.
+
+    ``P`` is everything else, unassigned code points included: llama.cpp flags them
+    ``UNDEFINED``, which its ``[^\s\p{L}\p{N}]+`` takes like punctuation.
+    """
+    k = _class(ch)
+    return "P" if k == "p" else k
 
 
 def gpt2_split(text: str) -> list[str]:
@@ -116,9 +124,7 @@ def _runs(text: str, inside: Callable[[str], bool]) -> list[str]:
 
 def _default_punct(ch: str) -> bool:
     r"""``[\p{P}\$\+<=>\^~\|]``, with llama.cpp's whitespace never punctuation."""
-    return _kind(ch) == "P" and (
-        unicodedata.category(ch)[0] == "P" or ch in _DEFAULT_SYMBOLS
-    )
+    return _class(ch) == "p" or ch in _DEFAULT_SYMBOLS
 
 
 def _number(ch: str) -> bool:
@@ -166,7 +172,7 @@ def pre_tokenize(text: str, pre: str) -> list[str]:
     out: list[str] = []
     run = ""
     for ch in text:
-        if unicodedata.category(ch)[0] == "N":
+        if _class(ch) == "N":
             out += [*gpt2_split(run), ch]
             run = ""
         else:
@@ -457,53 +463,41 @@ class BPETokenizer:
         return out.decode("utf-8", errors="replace")
 
 
-def _ranges(codes: Sequence[int]) -> str:
-    r"""Bracket-free regex class body for sorted code points (``\x{a}-\x{b}...``)."""
-    out, i = [], 0
-    while i < len(codes):
-        j = i
-        while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
-            j += 1
-        a, b = codes[i], codes[j]
-        out.append(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else ""))
-        i = j + 1
-    return "".join(out)
+def _ranges(spans: Sequence[tuple[int, int]]) -> str:
+    r"""Bracket-free regex class body of code point spans (``\x{a}-\x{b}...``)."""
+    return "".join(
+        f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "") for a, b in sorted(spans)
+    )
 
 
 @functools.lru_cache(maxsize=1)
 def _classes() -> dict[str, str]:
-    r"""Regex class bodies of the reference's character kinds (see `_kind`).
+    r"""Regex class bodies of llama.cpp's classes (see `_class`), surrogates left out.
 
-    ``P`` is the ``default`` split's first class instead: ``\p{P}`` and
-    ``$+<=>^~|``.
+    ``S`` whitespace, ``L`` letters, ``N`` numbers, ``P`` the ``default`` split's
+    first class: ``\p{P}`` and ``$+<=>^~|``.
     """
-    kinds: dict[str, list[int]] = {"S": [], "L": [], "N": [], "U": [], "P": []}
-    for c in range(0x110000):
-        if 0xD800 <= c <= 0xDFFF:
-            continue
-        if c in _WHITESPACE:
-            kinds["S"].append(c)
-            continue
-        cat = unicodedata.category(chr(c))
-        if cat == "Cn":
-            kinds["U"].append(c)
-        elif cat[0] in "LN":
-            kinds[cat[0]].append(c)
-        if cat[0] == "P" or chr(c) in _DEFAULT_SYMBOLS:  # default split's first class
-            kinds["P"].append(c)
-    return {k: _ranges(v) for k, v in kinds.items()}
+    starts, kinds = unicode_classes.STARTS, unicode_classes.KINDS
+    spans: dict[str, list[tuple[int, int]]] = {"S": [], "L": [], "N": [], "P": []}
+    for a, b, k in zip(starts, [*starts[1:], 0x110000], kinds):
+        name = {"s": "S", "L": "L", "N": "N", "p": "P"}.get(k)  # not P: other
+        for lo, hi in ((a, min(b, 0xD800)), (max(a, 0xE000), b)):  # no surrogates
+            if name is not None and lo < hi:
+                spans[name].append((lo, hi - 1))
+    spans["P"] += [(ord(c), ord(c)) for c in _DEFAULT_SYMBOLS]
+    return {k: _ranges(v) for k, v in spans.items()}
 
 
 @functools.lru_cache(maxsize=1)
 def gpt2_pattern() -> str:
     """The reference's GPT-2 pre-tokenizer as one Oniguruma regex (module docstring)."""
     c = _classes()
-    s, letters, nums, u = f"[{c['S']}]", f"[{c['L']}]", f"[{c['N']}]", f"[{c['U']}]"
-    other = f"[^{c['S']}{c['L']}{c['N']}{c['U']}]"
+    s, letters, nums = f"[{c['S']}]", f"[{c['L']}]", f"[{c['N']}]"
+    other = f"[^{c['S']}{c['L']}{c['N']}]"
     not_s = f"[^{c['S']}]"
     return (
         f"'s|'t|'re|'ve|'m|'ll|'d| ?{letters}+| ?{nums}+| ?{other}+"
-        f"|{s}+(?!{not_s})|{s}+|{u}"
+        f"|{s}+(?!{not_s})|{s}+"
     )
 
 

@@ -2,7 +2,6 @@
 
 import random
 import signal
-import unicodedata
 
 import pytest
 from hypothesis import given
@@ -11,7 +10,7 @@ from hypothesis import strategies as st
 from entrenar.data import FastTokenizer, token_bytes
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io import BPETokenizer, load_tokenizer, smollm2_path
-from entrenar.io.tokenizer import bytes_to_unicode
+from entrenar.io.tokenizer import bytes_to_unicode, gpt2_split
 
 pytest.importorskip("tokenizers")
 
@@ -184,14 +183,14 @@ def test_smollm2_fields(ref, fast):
     assert fast.chat_template.startswith("{% for message in messages %}")
 
 
-def test_unassigned_code_points_are_single_pieces():
-    # Unassigned (Cn) characters are their own piece in the reference (llama.cpp has
-    # no flags for them); the fast pre-tokenizer's classes come from the same table.
-    cn = next(
-        chr(c) for c in range(0x378, 0x10000) if unicodedata.category(chr(c)) == "Cn"
-    )
-    for s in [f" {cn}{cn}!", f"a{cn}b", f"{cn} {cn}"]:
+def test_unassigned_code_points_split_like_punctuation():
+    # llama.cpp flags unassigned code points UNDEFINED, which its GPT-2 regex takes
+    # in ``[^\s\p{L}\p{N}]+`` (tests/io/test_tokenizer_variants.py checks the ids);
+    # U+0378 is unassigned, U+1123F a letter since Unicode 15 (Python 3.11: Cn).
+    for s in ["x\u0378's", " \u0378\u0378!", "a\u0378b", "\u0378 \u0378"]:
         assert TOY_FAST.encode(s) == TOY.encode(s)
+    assert gpt2_split("x\u0378's") == ["x", "\u0378'", "s"]
+    assert gpt2_split("a\U0001123fb.") == ["a\U0001123fb", "."]
 
 
 @given(TEXT, TEXT)

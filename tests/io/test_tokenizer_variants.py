@@ -26,6 +26,8 @@ SMOLLM2 = pytest.mark.slow  # SmolLM2's 49152 tokens: a few seconds each
 VARIANTS = [
     pytest.param("pre_default", marks=SMOLLM2),
     pytest.param("pre_missing", marks=SMOLLM2),
+    pytest.param("pre_gpt-2", marks=SMOLLM2),
+    pytest.param("pre_smollm", marks=SMOLLM2),
 ]
 
 
