@@ -43,6 +43,7 @@ from entrenar.io.tokenizer import (
     bytes_to_unicode,
     default_patterns,
     gpt2_pattern,
+    missing_byte_chars,
 )
 
 
@@ -122,6 +123,9 @@ class FastTokenizer(RustTokenizer):
             steps = [
                 pre.Split(hf.Regex(r), behavior="isolated") for r in default_patterns()
             ]
+        missing = missing_byte_chars(vocab)
+        if missing:
+            steps.append(pre.Split(hf.Regex(f"[{missing}]"), behavior="isolated"))
         steps.append(pre.ByteLevel(add_prefix_space=False, use_regex=False))
         self._hf: list[Any] = []
         for parse_special in (False, True):

@@ -34,7 +34,14 @@ from typing import Any
 
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_reader import GGUFField, GGUFValueType
-from entrenar.io.tokenizer import CONTROL, USER_DEFINED, _classes, gpt2_pattern
+from entrenar.io.tokenizer import (
+    CONTROL,
+    USER_DEFINED,
+    _classes,
+    default_patterns,
+    gpt2_pattern,
+    missing_byte_chars,
+)
 
 NORMAL, UNUSED, BYTE = 1, 5, 6
 SPACE = "\u2581"
@@ -91,16 +98,22 @@ def _isolates(step: Mapping[str, Any]) -> bool:
     return step.get("type") == "Split" and isolated
 
 
-def _entrenar_split(regexes: list[str | None]) -> str | None:
-    """``gpt-2`` or ``smollm`` for the splits of `FastTokenizer.hf_json`, else None.
+def _entrenar_split(regexes: list[str | None], vocab: Any) -> str | None:
+    """``gpt-2``, ``smollm`` or ``default`` for `FastTokenizer.hf_json`'s splits.
 
-    `entrenar.data.FastTokenizer` spells GPT-2's regex (and the digits) with their
-    character classes listed.
+    `entrenar.data.FastTokenizer` spells GPT-2's regex (and the digits, and the
+    ``default`` splits) with their character classes listed, and may end with a split
+    of the characters holding a byte the vocabulary has no token for.
     """
+    missing = missing_byte_chars(vocab if isinstance(vocab, Mapping) else {})
+    if missing and regexes and regexes[-1] == f"[{missing}]":
+        regexes = regexes[:-1]
     if regexes == [gpt2_pattern()]:
         return "gpt-2"
     if regexes == [f"[{_classes()['N']}]", gpt2_pattern()]:
         return "smollm"
+    if regexes == list(default_patterns()):
+        return "default"
     return None
 
 
@@ -125,7 +138,7 @@ def pre_tokenizer_name(doc: Mapping[str, Any], where: str = "tokenizer.json") ->
             found = [_regex_of(s) for s in steps[:-1] if _isolates(s)]
             for n, p in PRE_TOKENIZERS.items():
                 name = n if found == [p.regex] else name
-            name = name or _entrenar_split(found)
+            name = name or _entrenar_split(found, doc.get("model", {}).get("vocab"))
     if name is None or norm not in ([], ["NFC"]):
         raise UnsupportedError(
             f"{where}: pre-tokenizer {json.dumps(doc.get('pre_tokenizer'))[:300]} "

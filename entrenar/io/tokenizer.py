@@ -26,7 +26,7 @@ import functools
 import heapq
 import itertools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -488,6 +488,33 @@ def _classes() -> dict[str, str]:
     return {k: _ranges(v) for k, v in spans.items()}
 
 
+def missing_byte_chars(vocab: Container[str]) -> str:
+    r"""Regex class body of the characters whose UTF-8 holds a byte with no token.
+
+    llama.cpp merges a piece's byte symbols and drops a symbol with no token after;
+    such a symbol still stands between its neighbours, so no merge crosses it.
+    ``tokenizers``' BPE drops it first and may merge across (SmolLM2 has no token for
+    0x16: ``'"\x16{'`` gave ``'"{'``). Isolating those characters (after the
+    pre-tokenizer's splits) keeps the merges apart. Bytes ``< 0x80`` are their own
+    character; a lead byte stands for the code points it begins; a missing
+    continuation byte (no vocabulary lacks one) is not handled.
+    """
+    b2u = bytes_to_unicode()
+    spans: list[tuple[int, int]] = []
+    for b in (b for b in range(256) if b2u[b] not in vocab):
+        if b < 0x80:
+            spans.append((b, b))
+        for lead, bits, low, high in ((0xC2, 6, 0x80, 0x7FF), (0xE0, 12, 0x800, 0xFFFF),
+                                      (0xF0, 18, 0x10000, 0x10FFFF)):  # fmt: skip
+            top = 0xE0 if lead == 0xC2 else 0xF0 if lead == 0xE0 else 0xF5
+            if lead <= b < top:
+                first = (b & (0x3F >> (bits // 6))) << bits
+                a, z = max(first, low), min(first | ((1 << bits) - 1), high)
+                spans += [(lo, hi) for lo, hi in ((a, min(z, 0xD7FF)),
+                          (max(a, 0xE000), z)) if lo <= hi]  # fmt: skip
+    return _ranges(spans)
+
+
 @functools.lru_cache(maxsize=1)
 def gpt2_pattern() -> str:
     """The reference's GPT-2 pre-tokenizer as one Oniguruma regex (module docstring)."""
@@ -515,5 +542,6 @@ __all__ = [
     "default_patterns",
     "default_split",
     "gpt2_split",
+    "missing_byte_chars",
     "pre_tokenize",
 ]

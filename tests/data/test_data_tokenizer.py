@@ -112,6 +112,19 @@ def test_a_long_word_merges_in_bounded_time():
     assert TOY.decode(ids) == s
 
 
+def test_no_merge_across_a_byte_without_a_token():
+    """llama.cpp drops a byte with no token (SmolLM2 lacks 0x16) after merging.
+
+    So no merge crosses it (llama.cpp's ids: tests/io/test_tokenizer_variants.py).
+    """
+    b2u = bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256) if b != 0x16] + ['"{']
+    tok = BPETokenizer(tuple(tokens), ('" {',), (1,) * len(tokens))
+    for s in ['"\x16{', 'a"\x16{', '"{"\x16{ \x16"{']:
+        assert FastTokenizer(tok).encode(s) == tok.encode(s), s
+    assert tok.encode('"\x16{') == [tokens.index('"'), tokens.index("{")]
+
+
 def test_token_bytes_add_up():
     table = token_bytes(TOY.tokens, TOY.token_types)
     s = "the héllo 12 <|end|> 😀"

@@ -60,18 +60,20 @@ PIECES = [
     "  ", "   ", "\n", "\n\n", " \n", "\t", "\r\n", "\u00a0", "\u3000", "x=y+z",
     "$100", "a|b", "<=>", "^~", "`code`", "!!!", "...", "?!", "(a,b)", "[x]",
     "@#%&*", "_-_", "café", "e\u0301", "日本語", "😀", "👍🏽", "١٢٣", "²³", "½",
-    "<|im_start|>", "<|endoftext|>", "<s>", "</s>", "<unk>", "\x00", "\x1b",
+    "<|im_start|>", "<|endoftext|>", "<s>", "</s>", "<unk>", "\x00", "\x1b", "\x16",
     "\u200b", "\u0378", "\U0006b6b2", "\ue000", "\ufffe", "ab", " a", "b",
 ]  # fmt: skip
 """Pieces `texts` joins: words, contractions, digits, runs of spaces and newlines,
 punctuation the default split isolates, accents, CJK, emoji, other digits, special
-tokens, control and unassigned characters (U+0378, U+6B6B2), private use."""
+tokens, control characters (SmolLM2 has no token for the byte 0x16), unassigned
+characters (U+0378, U+6B6B2), private use."""
 
 
 def texts(n: int = 160, seed: int = 0) -> list[str]:
     """Fixed test strings: `PIECES` joined at random, some digit runs."""
     rng = random.Random(seed)
     out = ["", " ", "x+=12345 don't", "a\u0378's \u0378\u0378!", "3.14159 $1,000"]
+    out += ['"\x16{', "x \x16 y\x04z"]
     for _ in range(n):
         parts = []
         for _ in range(rng.randint(1, 8)):
