@@ -37,6 +37,7 @@ from entrenar.io.tokenizer import (
     _DIGIT_SPLIT_PRE,
     _GPT2_PRE,
     CONTROL,
+    SPECIAL_TYPES,
     USER_DEFINED,
     BPETokenizer,
     _classes,
@@ -132,15 +133,15 @@ class FastTokenizer(RustTokenizer):
             t = hf.Tokenizer(hf.models.BPE(vocab, merges))
             t.pre_tokenizer = pre.Sequence(steps)
             t.decoder = hf.decoders.ByteLevel()
-            for kind, add in (
-                (CONTROL, t.add_special_tokens),
-                (USER_DEFINED, t.add_tokens),
+            for kinds, add in (
+                (SPECIAL_TYPES, t.add_special_tokens),
+                ((USER_DEFINED,), t.add_tokens),
             ):
                 add(
                     [
-                        hf.AddedToken(tok, special=kind == CONTROL, normalized=False)
+                        hf.AddedToken(tok, special=k != USER_DEFINED, normalized=False)
                         for tok, k in zip(reference.tokens, reference.token_types)
-                        if k == kind
+                        if k in kinds
                     ]
                 )
             t.encode_special_tokens = not parse_special

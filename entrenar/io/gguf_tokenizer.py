@@ -36,6 +36,7 @@ from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_reader import GGUFField, GGUFValueType
 from entrenar.io.tokenizer import (
     CONTROL,
+    SPECIAL_TYPES,
     USER_DEFINED,
     _classes,
     default_patterns,
@@ -336,12 +337,17 @@ def _rstrip(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> set[i
 
 
 def _added(tokens: list[str], types: list[int], rstrip: set[int]) -> list[Any]:
-    """``added_tokens`` of a tokenizer.json: the control and user-defined tokens."""
+    """``added_tokens`` of a tokenizer.json: control, unknown and user-defined tokens.
+
+    Unknown ones (type 2, ``<unk>`` in a converted Llama 2) are special like control
+    ones: llama.cpp parses them in text only with ``special`` and decodes them only
+    with it.
+    """
     return [
         {"id": i, "content": t, "single_word": False, "lstrip": False,
-         "rstrip": i in rstrip, "normalized": False, "special": k == CONTROL}
+         "rstrip": i in rstrip, "normalized": False, "special": k != USER_DEFINED}
         for i, (t, k) in enumerate(zip(tokens, types))
-        if k in (CONTROL, USER_DEFINED)
+        if k in (*SPECIAL_TYPES, USER_DEFINED)
     ]  # fmt: skip
 
 

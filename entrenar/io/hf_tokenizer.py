@@ -46,6 +46,7 @@ from entrenar.io.bounded import MAX_CONFIG_BYTES, parse_json, read_json, read_te
 from entrenar.io.gguf_reader import GGUFFile, read_gguf
 from entrenar.io.tokenizer import (
     CONTROL,
+    UNUSED,
     USER_DEFINED,
     bytes_to_unicode,
     check_tokenizer_metadata,
@@ -146,6 +147,7 @@ class RustTokenizer:
     """
 
     tokens: Sequence[str]
+    token_types: Sequence[int]
     bos_id: int | None
     add_bos: bool
     _hf: list[Any]
@@ -181,11 +183,17 @@ class RustTokenizer:
         return [bos + list(e.ids) for e in run(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
-        """Text of ``ids`` (special tokens dropped unless ``special``)."""
+        """Text of ``ids`` (special tokens dropped unless ``special``).
+
+        Unused tokens (type 5: a GGUF's ``[PAD{i}]`` padding) decode to nothing, as
+        in llama.cpp.
+        """
         ids = [int(i) for i in ids]
         for i in ids:
             if not 0 <= i < len(self.tokens):
                 raise FormatError(f"token id {i} is outside the vocabulary")
+        types = self.token_types
+        ids = [i for i in ids if types[i] != UNUSED]
         return str(self._hf[0].decode(ids, skip_special_tokens=not special))
 
 
@@ -327,6 +335,9 @@ class HFTokenizer(RustTokenizer):
         text = hf_json_from_gguf(g.metadata, g.path)
         tok = cls(text, hf_config_from_gguf(g.metadata), source=g.path)
         tok.pre = str(g.metadata.get("tokenizer.ggml.pre", "default"))
+        types = md.get("tokenizer.ggml.token_type")
+        if types is not None:  # unknown (2) and unused (5) too, as the file has them
+            tok.token_types = [*map(int, types), *tok.token_types[len(types) :]]
         return tok
 
     @functools.cached_property

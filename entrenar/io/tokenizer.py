@@ -2,9 +2,9 @@ r"""GPT-2-style byte-level BPE built from a GGUF's ``tokenizer.ggml.*`` fields.
 
 It tokenizes as llama.cpp's ``llm_tokenizer_bpe`` does:
 
-1. **Special tokens.** Control tokens (``token_type`` 3) are matched in the text when
-   ``special=True``; user-defined tokens (type 4) always. Longer tokens win; the text
-   between them goes through steps 2-4.
+1. **Special tokens.** Control and unknown tokens (``token_type`` 3 and 2) are
+   matched in the text when ``special=True``; user-defined tokens (type 4) always.
+   Longer tokens win; the text between them goes through steps 2-4.
 2. **Pre-tokenization** by the model's ``tokenizer.ggml.pre`` rules. The GPT-2 regex
    ``'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+``
    is hand-coded over Unicode categories as in llama.cpp's ``unicode.cpp``; the
@@ -33,7 +33,9 @@ from typing import Any
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io import unicode_classes
 
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 2, 3, 4, 5
+SPECIAL_TYPES = (CONTROL, UNKNOWN)
+"""Types llama.cpp parses in text only with ``special`` and decodes only with it."""
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell"}
 _DEFAULT_PRE = {"default"}
 _GPT2_PRE = {"gpt2", "gpt-2", "mpt", "olmo", "jais"} | _DIGIT_SPLIT_PRE | _DEFAULT_PRE
@@ -336,7 +338,7 @@ class BPETokenizer:
     @functools.cached_property
     def _specials(self) -> tuple[list[str], list[str]]:
         """(control tokens, user-defined tokens), longest first."""
-        ctl = [t for t, k in zip(self.tokens, self.token_types) if k == CONTROL]
+        ctl = [t for t, k in zip(self.tokens, self.token_types) if k in SPECIAL_TYPES]
         usr = [t for t, k in zip(self.tokens, self.token_types) if k == USER_DEFINED]
         return sorted(ctl, key=len, reverse=True), sorted(usr, key=len, reverse=True)
 
@@ -448,15 +450,19 @@ class BPETokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], *, special: bool = False) -> str:
-        """Text of ``ids`` (control tokens dropped unless ``special``)."""
+        """Text of ``ids``, as llama.cpp's pieces.
+
+        Control and unknown tokens are dropped unless ``special``; unused ones (type
+        5, such as the ``[PAD{i}]`` tokens that pad a vocabulary) always.
+        """
         u2b = {u: b for b, u in bytes_to_unicode().items()}
         out = bytearray()
         for i in ids:
             if not 0 <= int(i) < len(self.tokens):
                 raise FormatError(f"token id {i} is outside the vocabulary")
             tok, kind = self.tokens[int(i)], self.token_types[int(i)]
-            if kind in (CONTROL, USER_DEFINED):
-                if kind == USER_DEFINED or special:
+            if kind in (*SPECIAL_TYPES, USER_DEFINED, UNUSED):
+                if kind == USER_DEFINED or (special and kind != UNUSED):
                     out += tok.encode("utf-8")
                 continue
             out += bytes(u2b[c] for c in tok if c in u2b)

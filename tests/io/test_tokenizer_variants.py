@@ -28,6 +28,7 @@ VARIANTS = [
     pytest.param("pre_missing", marks=SMOLLM2),
     pytest.param("pre_gpt-2", marks=SMOLLM2),
     pytest.param("pre_smollm", marks=SMOLLM2),
+    pytest.param("types", marks=SMOLLM2),
 ]
 
 
