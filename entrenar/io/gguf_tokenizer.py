@@ -53,6 +53,8 @@ _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 LLAMA3_REGEX = _CONTRACTIONS + _WORDS + r"\p{N}{1,3}" + _REST
 """Llama 3's split regex, as llama.cpp spells it (``llama-bpe``)."""
 QWEN2_REGEX = _CONTRACTIONS + _WORDS + r"\p{N}" + _REST
+LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe")
+"""Llama 3's ``pre`` names, for which llama.cpp adds BOS unless the file says not."""
 """Qwen2's split regex, as llama.cpp spells it (``qwen2``)."""
 
 
@@ -99,16 +101,20 @@ def _isolates(step: Mapping[str, Any]) -> bool:
     return step.get("type") == "Split" and isolated
 
 
-def _entrenar_split(regexes: list[str | None], vocab: Any) -> str | None:
+def _without_missing_split(regexes: list[str | None], vocab: Any) -> list[str | None]:
+    """``regexes`` less a last split of `missing_byte_chars` (entrenar adds it)."""
+    missing = missing_byte_chars(vocab if isinstance(vocab, Mapping) else {})
+    if missing and regexes and regexes[-1] == f"[{missing}]":
+        return regexes[:-1]
+    return regexes
+
+
+def _entrenar_split(regexes: list[str | None]) -> str | None:
     """``gpt-2``, ``smollm`` or ``default`` for `FastTokenizer.hf_json`'s splits.
 
     `entrenar.data.FastTokenizer` spells GPT-2's regex (and the digits, and the
-    ``default`` splits) with their character classes listed, and may end with a split
-    of the characters holding a byte the vocabulary has no token for.
+    ``default`` splits) with their character classes listed.
     """
-    missing = missing_byte_chars(vocab if isinstance(vocab, Mapping) else {})
-    if missing and regexes and regexes[-1] == f"[{missing}]":
-        regexes = regexes[:-1]
     if regexes == [gpt2_pattern()]:
         return "gpt-2"
     if regexes == [f"[{_classes()['N']}]", gpt2_pattern()]:
@@ -137,9 +143,10 @@ def pre_tokenizer_name(doc: Mapping[str, Any], where: str = "tokenizer.json") ->
             name = "smollm" if steps[0].get("individual_digits") else None
         elif kinds[-2:] == ["Split", "ByteLevel"] and not regex:
             found = [_regex_of(s) for s in steps[:-1] if _isolates(s)]
+            found = _without_missing_split(found, doc.get("model", {}).get("vocab"))
             for n, p in PRE_TOKENIZERS.items():
                 name = n if found == [p.regex] else name
-            name = name or _entrenar_split(found, doc.get("model", {}).get("vocab"))
+            name = name or _entrenar_split(found)
     if name is None or norm not in ([], ["NFC"]):
         raise UnsupportedError(
             f"{where}: pre-tokenizer {json.dumps(doc.get('pre_tokenizer'))[:300]} "
@@ -396,6 +403,10 @@ def hf_json_from_gguf(md: Mapping[str, Any], where: str = "<gguf>") -> str:
         if pre.regex is not None:
             split = dict(pattern={"Regex": pre.regex}, behavior="Isolated")
             steps.insert(0, {"type": "Split", **split, "invert": False})
+            missing = missing_byte_chars(vocab)  # no merge across them (llama.cpp)
+            if missing:
+                split = dict(pattern={"Regex": f"[{missing}]"}, behavior="Isolated")
+                steps.insert(1, {"type": "Split", **split, "invert": False})
         if pre.digits:
             steps.insert(0, {"type": "Digits", "individual_digits": True})
         model = {"type": "BPE", "vocab": vocab, "merges": merges, "byte_fallback":
@@ -434,16 +445,25 @@ def hf_json_from_gguf(md: Mapping[str, Any], where: str = "<gguf>") -> str:
 
 
 def hf_config_from_gguf(md: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``tokenizer_config.json`` dict of GGUF tokenizer fields ``md``."""
+    """The ``tokenizer_config.json`` dict of GGUF tokenizer fields ``md``.
+
+    A field the file lacks takes llama.cpp's default (``llama_vocab::load``): for
+    ``tokenizer.ggml.model`` ``llama`` BOS 1, EOS 2, unknown 0 and ``add_bos_token``
+    true; ``add_bos_token`` true for ``pre`` ``llama-bpe`` too; else no id, false.
+    """
     tokens = md.get("tokenizer.ggml.tokens") or []
+    spm = md.get("tokenizer.ggml.model") == "llama"
+    default_ids = {"bos": 1, "eos": 2, "unknown": 0} if spm else {}
     config: dict[str, Any] = {}
     for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"),
                       ("unk", "unknown")):  # fmt: skip
-        i = md.get(f"tokenizer.ggml.{key}_token_id")
+        i = md.get(f"tokenizer.ggml.{key}_token_id", default_ids.get(key))
         if isinstance(i, int) and 0 <= i < len(tokens):
             config[f"{name}_token"] = tokens[i]
-    for name in ("bos", "eos"):
-        config[f"add_{name}_token"] = bool(md.get(f"tokenizer.ggml.add_{name}_token"))
+    add_bos = spm or md.get("tokenizer.ggml.pre") in LLAMA3_PRE
+    for name, default in (("bos", add_bos), ("eos", False)):
+        flag = md.get(f"tokenizer.ggml.add_{name}_token", default)
+        config[f"add_{name}_token"] = bool(flag)
     template = md.get("tokenizer.chat_template")
     if isinstance(template, str):
         config["chat_template"] = template

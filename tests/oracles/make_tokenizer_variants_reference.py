@@ -86,11 +86,16 @@ def texts(n: int = 160, seed: int = 0) -> list[str]:
 
 
 def spm_fields() -> dict[str, Any]:
-    """A hand-made SentencePiece-style vocabulary (``llama``), scores by merge order."""
+    """A hand-made SentencePiece-style vocabulary (``llama``), scores by merge order.
+
+    ``<unk>`` has type UNKNOWN (2), as in converted Llama 2 files, and the last
+    token is an unused ``[PAD{i}]``.
+    """
     words = ["\u2581", "a", "b", "c", "\u2581a", "ab", "\u2581ab", "bc", "\u2581b"]
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *words]
-    types = [2, 3, 3, *[6] * 256, *[1] * len(words)]
-    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(words))]
+    tokens.append(f"[PAD{len(tokens)}]")  # unused (5), as converters pad
+    types = [2, 3, 3, *[6] * 256, *[1] * len(words), 5]
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(words))] + [0.0]
     return {
         "general.architecture": "llama",
         "tokenizer.ggml.model": "llama",
