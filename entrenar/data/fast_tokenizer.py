@@ -19,7 +19,8 @@ same GGUF fields (``tokenizer.ggml.tokens``, ``merges``, ``token_type``, ``pre``
 - **Bytes and merges.** ``ByteLevel`` maps bytes to GPT-2's printable symbols; the
   ``BPE`` model merges the lowest-ranked pair, leftmost first, like the reference.
 
-Text with lone surrogates (not valid Unicode) cannot be passed to ``tokenizers``.
+Text with lone surrogates (not valid Unicode) cannot be passed to ``tokenizers``:
+`encode` raises a `FormatError` naming the text and the character.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -136,6 +136,32 @@ def eos_ids_of(generation: Mapping[str, Any], where: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def _rust_call(run: Callable[[], Any], texts: Sequence[Any]) -> Any:
+    """``run()``, its TypeError on a text that is no valid Unicode made clear.
+
+    ``tokenizers`` says ``TextInputSequence must be str`` for a lone surrogate (or a
+    non-string); the `FormatError` names the text and the character.
+    """
+    try:
+        return run()
+    except TypeError:
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise FormatError(
+                    f"text {i} is a {type(t).__name__}, want a str"
+                ) from None
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise FormatError(
+                    f"text {i} holds a lone surrogate U+{ord(t[e.start]):04X} at "
+                    f"character {e.start}: not valid Unicode (half of a JSON "
+                    "'\\ud83d\\ude00' escape?); repair it first, e.g. "
+                    "text.encode('utf-8', 'replace').decode('utf-8')"
+                ) from None
+        raise
+
+
 class RustTokenizer:
     """Encoding and decoding through Hugging Face ``tokenizers`` (in Rust).
 
@@ -165,8 +191,9 @@ class RustTokenizer:
         self, text: str, *, add_bos: bool | None = None, special: bool = False
     ) -> list[int]:
         """Token ids of ``text`` (BOS by ``add_bos``, default `add_bos`)."""
-        ids = self._hf[bool(special)].encode(text, add_special_tokens=False).ids
-        return self._bos(add_bos) + list(ids)
+        t = self._hf[bool(special)]
+        enc = _rust_call(lambda: t.encode(text, add_special_tokens=False), [text])
+        return self._bos(add_bos) + list(enc.ids)
 
     def encode_batch(
         self,
@@ -180,7 +207,9 @@ class RustTokenizer:
         # encode_batch_fast (tokenizers >= 0.20) skips the character offsets.
         run = getattr(t, "encode_batch_fast", t.encode_batch)
         bos = self._bos(add_bos)
-        return [bos + list(e.ids) for e in run(list(texts), add_special_tokens=False)]
+        texts = list(texts)
+        encs = _rust_call(lambda: run(texts, add_special_tokens=False), texts)
+        return [bos + list(e.ids) for e in encs]
 
     def decode(self, ids: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
         """Text of ``ids`` (special tokens dropped unless ``special``).
@@ -375,7 +404,11 @@ class HFTokenizer(RustTokenizer):
         t = self._hf[bool(special)]
         bos = self._bos(add_bos)
         out = []
-        for e in t.encode_batch(list(texts), add_special_tokens=False):
+        texts = list(texts)
+        encs = _rust_call(
+            lambda: t.encode_batch(texts, add_special_tokens=False), texts
+        )
+        for e in encs:
             spans = [(int(a), int(b)) for a, b in e.offsets]
             out.append((bos + list(e.ids), [(0, 0)] * len(bos) + spans))
         return out

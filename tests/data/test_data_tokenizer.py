@@ -125,6 +125,14 @@ def test_no_merge_across_a_byte_without_a_token():
     assert tok.encode('"\x16{') == [tokens.index('"'), tokens.index("{")]
 
 
+def test_a_lone_surrogate_is_a_clear_error():
+    r"""A JSON '\ud83d' alone: tokenizers said only 'TextInputSequence must be str'."""
+    with pytest.raises(FormatError, match=r"text 0 .* lone surrogate U\+D800 at char"):
+        TOY_FAST.encode("a\ud800")
+    with pytest.raises(FormatError, match=r"text 1 .* lone surrogate U\+D83D"):
+        TOY_FAST.encode_batch(["ok", "a\ud83d"])
+
+
 def test_token_bytes_add_up():
     table = token_bytes(TOY.tokens, TOY.token_types)
     s = "the héllo 12 <|end|> 😀"
