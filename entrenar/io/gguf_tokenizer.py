@@ -225,7 +225,8 @@ def gguf_tokenizer_fields(
     fields: dict[str, GGUFField] = {}
     if ref is not None:  # a GGUF's FastTokenizer: its fields as they were
         fields["tokenizer.ggml.model"] = GGUFField("gpt2", S)
-        fields["tokenizer.ggml.pre"] = GGUFField(ref.pre, S)
+        pre = "gpt-2" if ref.pre == "gpt2" else ref.pre  # llama.cpp knows only this
+        fields["tokenizer.ggml.pre"] = GGUFField(pre, S)
         fields["tokenizer.ggml.tokens"] = _arr(list(ref.tokens), S)
         fields["tokenizer.ggml.token_type"] = _arr(
             list(ref.token_types), GGUFValueType.INT32

@@ -15,7 +15,9 @@ import pytest
 
 from entrenar.data import FastTokenizer, load_fast_tokenizer
 from entrenar.errors import UnsupportedError
-from entrenar.io import smollm2_path
+from entrenar.io import BPETokenizer, smollm2_path
+from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
+from entrenar.io.tokenizer import bytes_to_unicode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "oracles"))
@@ -51,6 +53,7 @@ def _tokenizer(name: str, tmp: Path):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_ids_as_llama_cpp(name, tmp_path):
     tok, want = _tokenizer(name, tmp_path)
+    assert want["loads"]
     assert RECORD["texts"] == oracle.texts()
     assert tok.add_bos == want["add_bos"]
     assert tok.bos_id == want["bos"]
@@ -81,3 +84,16 @@ def test_pieces_as_llama_cpp(name, tmp_path):
         for special, piece in zip((False, True), pieces):
             text = bytes.fromhex(piece).decode("utf-8", errors="replace")
             assert tok.decode([int(i)], special=special) == text, (i, special)
+
+
+def test_a_gpt2_pre_is_written_as_llama_cpp_names_it(tmp_path):
+    """llama.cpp refuses ``pre`` ``gpt2`` (recorded): entrenar writes ``gpt-2``.
+
+    entrenar reads ``gpt2`` as GPT-2's regex, which llama.cpp names ``gpt-2``.
+    """
+    assert not RECORD["variants"]["pre_gpt2"]["loads"]
+    assert RECORD["variants"]["pre_gpt-2"]["loads"]
+    b2u = bytes_to_unicode()
+    tokens = tuple(b2u[b] for b in range(256))
+    fast = FastTokenizer(BPETokenizer(tokens, (), (1,) * 256, pre="gpt2"))
+    assert gguf_tokenizer_fields(fast)["tokenizer.ggml.pre"].value == "gpt-2"

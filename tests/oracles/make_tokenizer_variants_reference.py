@@ -14,7 +14,9 @@ each, or a hand-made SentencePiece-style vocabulary (`spm_fields`):
 - ``llama3_no_add_bos``: pre ``llama-bpe`` without ``add_bos_token`` (llama.cpp's
   default for it: true);
 - ``spm_no_specials``: SentencePiece-style without ``add_bos_token`` and the
-  BOS/EOS/unknown ids (llama.cpp's defaults: add BOS, ids 1, 2, 0).
+  BOS/EOS/unknown ids (llama.cpp's defaults: add BOS, ids 1, 2, 0);
+- ``pre_gpt2``: ``pre`` ``gpt2``, a name llama.cpp does not know (it loads
+  ``gpt-2``): recorded as ``{"loads": false}``.
 
 llama.cpp tokenizes `texts()` with ``add_special`` and ``parse_special`` each off and
 on, and gives each token's piece with and without ``special`` for `DECODE_IDS`. The
@@ -51,6 +53,7 @@ CHANGES: dict[str, tuple[str, dict[str, Any]]] = {
         {"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": None},
     ),
     "spm_no_specials": ("spm", {}),
+    "pre_gpt2": ("smollm2", {"tokenizer.ggml.pre": "gpt2"}),
 }
 """Variant -> (base fields, changes: a key's new value, None to drop it, or
 ``token_type``: ``{id: type}``)."""
@@ -183,7 +186,11 @@ def tokenize(manifest_path: Path) -> int:
     out: dict[str, Any] = {"llama_cpp_python": llama_cpp.__version__, "variants": {}}
     buf = ctypes.create_string_buffer(1 << 12)
     for name, info in manifest["variants"].items():
-        model = llama_cpp.Llama(info["gguf"], vocab_only=True, verbose=False)
+        try:
+            model = llama_cpp.Llama(info["gguf"], vocab_only=True, verbose=False)
+        except ValueError:  # "Failed to load model from file"
+            out["variants"][name] = {"loads": False}
+            continue
         vocab = model._model.vocab
 
         def piece(i: int, special: bool, vocab: Any = vocab) -> str:
@@ -193,6 +200,7 @@ def tokenize(manifest_path: Path) -> int:
         n = llama_cpp.llama_vocab_n_tokens(vocab)
         ids = [i for i in manifest["decode_ids"] if i < n] if n > 300 else range(n)
         out["variants"][name] = {
+            "loads": True,
             "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
             "bos": llama_cpp.llama_vocab_bos(vocab),
             "eos": llama_cpp.llama_vocab_eos(vocab),
