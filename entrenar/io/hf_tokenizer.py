@@ -49,6 +49,7 @@ from entrenar.io.tokenizer import (
     UNUSED,
     USER_DEFINED,
     bytes_to_unicode,
+    check_text,
     check_tokenizer_metadata,
 )
 
@@ -150,15 +151,7 @@ def _rust_call(run: Callable[[], Any], texts: Sequence[Any]) -> Any:
                 raise FormatError(
                     f"text {i} is a {type(t).__name__}, want a str"
                 ) from None
-            try:
-                t.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise FormatError(
-                    f"text {i} holds a lone surrogate U+{ord(t[e.start]):04X} at "
-                    f"character {e.start}: not valid Unicode (half of a JSON "
-                    "'\\ud83d\\ude00' escape?); repair it first, e.g. "
-                    "text.encode('utf-8', 'replace').decode('utf-8')"
-                ) from None
+            check_text(t, i)
         raise
 
 

@@ -200,6 +200,23 @@ def _array_of(md: Mapping[str, Any], key: str, kind: type, path: str) -> list[An
     return value
 
 
+def check_text(text: str, index: int = 0) -> None:
+    """Refuse text that is no valid Unicode: a lone surrogate cannot be tokenized.
+
+    Raises:
+        FormatError: naming text ``index``, the code point and its character.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise FormatError(
+            f"text {index} holds a lone surrogate U+{ord(text[e.start]):04X} at "
+            f"character {e.start}: not valid Unicode (half of a JSON "
+            "'\\ud83d\\ude00' escape?); repair it first, e.g. "
+            "text.encode('utf-8', 'replace').decode('utf-8')"
+        ) from None
+
+
 def _is_utf8(text: str) -> bool:
     """Whether ``text`` came from valid UTF-8.
 
@@ -437,7 +454,11 @@ class BPETokenizer:
             text: the string.
             add_bos: prepend BOS; default the file's ``add_bos_token``.
             special: parse control tokens such as ``<|im_start|>`` in the text.
+
+        Raises:
+            FormatError: text with a lone surrogate (`check_text`).
         """
+        check_text(text)
         ids: list[int] = []
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.append(int(self.bos_id))
@@ -544,6 +565,7 @@ def default_patterns() -> tuple[str, ...]:
 __all__ = [
     "BPETokenizer",
     "bytes_to_unicode",
+    "check_text",
     "check_tokenizer_metadata",
     "default_patterns",
     "default_split",

@@ -131,6 +131,8 @@ def test_a_lone_surrogate_is_a_clear_error():
         TOY_FAST.encode("a\ud800")
     with pytest.raises(FormatError, match=r"text 1 .* lone surrogate U\+D83D"):
         TOY_FAST.encode_batch(["ok", "a\ud83d"])
+    with pytest.raises(FormatError, match=r"lone surrogate U\+D800"):  # not CESU-8 ids
+        TOY.encode("a\ud800")
 
 
 def test_token_bytes_add_up():
