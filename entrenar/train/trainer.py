@@ -348,6 +348,10 @@ class Trainer:
             self.batch_in_epoch, self.should_stop = 0, False
             if resume is not None:
                 self._resume(resume, loader)
+            if self._writer is not None:
+                # lines past the state's step are a killed run's: after a restore,
+                # or after none (killed before its first checkpoint; a new run)
+                self._writer.truncate_after(self.step)
         except BaseException:
             self._close_outputs()
             raise
@@ -618,8 +622,6 @@ class Trainer:
         self.best_eval_loss, self.best_step = meta["best_eval_loss"], meta["best_step"]
         self.bad_evals, self._window = int(meta["bad_evals"]), list(meta["window"])
         self._pending, self.should_stop = [], bool(meta["stopped"])
-        if self._writer is not None:
-            self._writer.truncate_after(self.step)
 
 
 __all__ = ["TrainResult", "Trainer"]

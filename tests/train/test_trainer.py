@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +235,28 @@ def test_resume_latest_without_checkpoint_starts_fresh_and_bad_path_errors(tmp_p
         Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA, resume=tmp_path / "x")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [2]
+
+
+def test_a_start_without_checkpoint_drops_the_killed_runs_metrics(tmp_path):
+    """A run killed before its first checkpoint, restarted: each step logged once.
+
+    ``--resume latest`` with no checkpoint starts fresh, but metrics.jsonl kept the
+    killed run's lines and the new run appended its own after them: steps 1, 2, 3
+    twice (a run's default checkpoint is at each epoch's end, so any run killed in
+    its first epoch). Found by tests/runs/test_cli_kill_resume.py. Here the
+    checkpoints are deleted instead of never written.
+    """
+    cfg = TrainConfig(max_steps=3, batch_size=4, log_every=1, output_dir=str(tmp_path),
+                      progress=False)  # fmt: skip
+    for resume in ("latest", None):
+        Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA)
+        shutil.rmtree(tmp_path / "checkpoints")
+        with open(tmp_path / "metrics.jsonl", "a") as f:
+            f.write('{"step": 4, "lo')  # killed mid-line, too
+        Trainer(linear_loss, PARAMS, sgd(0.1), cfg).fit(DATA, resume=resume)
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in lines] == [1, 2, 3], resume
+        shutil.rmtree(tmp_path / "checkpoints")
 
 
 @pytest.mark.parametrize(
