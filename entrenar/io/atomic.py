@@ -6,6 +6,9 @@ Every file entrenar writes gets mode ``0o666 & ~umask`` (`file_mode`; ``mkstemp`
 alone gives 0600) and every folder it creates ``0o777 & ~umask`` (``os.makedirs``),
 as ``open`` and ``mkdir`` would give, so an exported model is readable by the
 accounts the user's umask allows.
+A process killed mid-write (SIGKILL, a power cut) leaves its temporary file,
+``.tmp-<random>.part``; `remove_temporaries` deletes them from a folder whose
+writer holds its `entrenar.io.lock.OutputLock` (a run's export does).
 `append_text` appends to a log file (``metrics.jsonl``) and refuses one that is a
 symbolic link, which would send the run's writes elsewhere.
 """
@@ -23,6 +26,8 @@ from typing import IO
 from entrenar.errors import ConfigError
 
 _UMASK_GUARD = threading.Lock()
+TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".part"
+"""How `atomic_write` names its temporary files."""
 
 
 def current_umask() -> int:
@@ -66,7 +71,7 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
     try:
         os.fchmod(fd, file_mode())  # mkstemp creates 0600
         with os.fdopen(fd, mode) as f:
@@ -78,6 +83,34 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def remove_temporaries(folder: str | os.PathLike[str]) -> list[str]:
+    """Delete the temporary files `atomic_write` left in ``folder``; their paths.
+
+    Only for a writer that holds ``folder``'s `entrenar.io.lock.OutputLock`: no
+    other entrenar process is then writing there, so every ``.tmp-*.part`` file is
+    a dead writer's (a run killed while exporting left its GGUF's temporary, as
+    large as the model, beside the finished files). Not recursive; a missing
+    folder has none.
+    """
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(folder, name)
+        if (
+            name.startswith(TEMP_PREFIX)
+            and name.endswith(TEMP_SUFFIX)
+            and not os.path.islink(path)
+            and os.path.isfile(path)
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 def refuse_symlink(path: str | os.PathLike[str]) -> None:

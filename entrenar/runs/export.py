@@ -15,6 +15,7 @@ import jax
 
 from entrenar import io, lora, nn, quant
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.io.atomic import remove_temporaries
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.lock import OutputLock
 from entrenar.runs.models import BuiltModel, dicts_from_lists, save_built
@@ -183,6 +184,13 @@ def _write_exports(
     report: dict[str, Any] | None,
 ) -> dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
+    # a run killed while writing these files left its temporaries (we hold the lock)
+    for folder in (
+        out_dir,
+        os.path.join(out_dir, "adapter"),
+        os.path.join(out_dir, "hf"),
+    ):
+        remove_temporaries(folder)
     written: dict[str, str] = {}
     ex = spec.export
     name = spec.name or "model"

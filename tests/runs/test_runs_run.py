@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -83,6 +85,36 @@ def test_resume_continues_to_the_same_end(wine_yaml, tmp_path):
     )
     assert resumed.metrics["steps"] == 6
     assert_trees_allclose(resumed.train.params, full.train.params, rtol=0, atol=0)
+
+
+def test_resume_removes_the_files_a_killed_export_left(wine_yaml, tmp_path):
+    """A run killed mid-export leaves ``.tmp-*.part``; its resume removes them.
+
+    `atomic_write` renames a complete temporary file into place; SIGKILL before the
+    rename left the temporary (a GGUF's is the model's size) in the output folder
+    and in ``adapter/`` or ``hf/`` forever, beside the finished files. Found by
+    tests/runs/test_cli_kill_resume.py.
+    """
+    out = tmp_path / "out"
+    _run(wine_yaml(), **{"training.output_dir": str(out)})
+    (out / "adapter").mkdir()
+    killed = (  # killed by SIGKILL in the middle of an atomic write
+        "import os, signal, sys\n"
+        "from entrenar.io import atomic_write\n"
+        "writing = atomic_write(sys.argv[1])\n"
+        "f = writing.__enter__()\n"
+        "f.write(b'half'); f.flush()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        subprocess.run([sys.executable, "-c", killed, str(out / name)], check=False)
+    left = sorted(p.name for p in out.rglob(".tmp-*.part"))
+    assert len(left) == 2, left
+    (out / ".tmp-mine.txt").write_text("not entrenar's")  # not a temporary: kept
+    train_from_yaml(wine_yaml(), {"training.output_dir": str(out)}, resume="latest",
+                    progress=False)  # fmt: skip
+    assert not list(out.rglob(".tmp-*.part"))
+    assert (out / ".tmp-mine.txt").exists()
 
 
 def test_overrides_change_the_run(wine_yaml, tmp_path):
