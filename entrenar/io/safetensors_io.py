@@ -6,8 +6,9 @@ Layout (https://github.com/huggingface/safetensors)::
     header = {"__metadata__": {str: str}, name: {"dtype": "F32", "shape": [..],
               "data_offsets": [begin, end]}, ...}   (offsets relative to the data)
 
-entrenar writes with the ``safetensors`` package (numpy backend; bfloat16 as
-``ml_dtypes.bfloat16``) and puts the model's metadata in ``__metadata__``: ``format`` =
+entrenar writes the ``safetensors`` package's layout itself (`safetensors_header`;
+bfloat16 as ``ml_dtypes.bfloat16``), ``__metadata__`` in a fixed key order so that
+equal models are equal files, and puts the model's metadata in it: ``format`` =
 ``entrenar.model``, ``name``, ``architecture``, ``version`` and ``training_config`` /
 ``custom`` as JSON strings. Reading parses and validates the header first (length,
 JSON, dtypes, shapes, offsets inside the file, no overlaps) and then maps the data.
@@ -61,14 +62,23 @@ MAX_HEADER = 100 * 2**20
 def save_safetensors(
     tensors: dict[str, Any], path: str | os.PathLike[str], metadata: dict[str, str]
 ) -> None:
-    """Write ``{name: array}`` with string ``metadata`` atomically (dtypes kept)."""
-    import safetensors.numpy
+    """Write ``{name: array}`` with string ``metadata`` atomically (dtypes kept).
 
+    The ``safetensors`` package's layout (`safetensors_header`), with
+    ``__metadata__`` in ``metadata``'s key order: the package writes it from a Rust
+    ``HashMap``, in an order that changes from one call to the next, so the same
+    model saved twice (a run and its resumed copy) gave different bytes.
+    """
     # np.asarray(order="C"), not np.ascontiguousarray, which makes a 0-d array 1-d
     arrays = {k: np.asarray(v, order="C") for k, v in tensors.items()}
-    data = safetensors.numpy.save(arrays, metadata)
-    with atomic_write(path) as f:
-        f.write(data)
+    unknown = {k: a.dtype.name for k, a in arrays.items() if a.dtype.name not in _TAGS}
+    if unknown:
+        raise FormatError(
+            f"{os.fspath(path)}: safetensors has no dtype for {unknown}; "
+            f"it stores {sorted(_TAGS)}"
+        )
+    specs = {k: (a.dtype, a.shape) for k, a in arrays.items()}
+    write_safetensors_stream(path, specs, lambda name: (arrays[name],), metadata)
 
 
 ST_ORDER: tuple[str, ...] = (

@@ -100,6 +100,31 @@ def test_safetensors_keeps_a_scalar_leaf_0_d(tmp_path):
     assert back.shape == () and back == 2.5
 
 
+def test_safetensors_bytes_do_not_depend_on_the_call(tmp_path):
+    """The same model saved twice is the same file, read by the safetensors package.
+
+    The ``safetensors`` package writes ``__metadata__`` from a Rust ``HashMap``, in
+    an order that changed from call to call: a run and its resumed copy (or two
+    runs of one config) wrote different model files of equal tensors. Found by
+    tests/runs/test_cli_kill_resume.py.
+    """
+    from safetensors import safe_open
+
+    model = Model(
+        ModelMetadata(name="m", architecture="mlp", custom={"a": 1, "b": [2]}),
+        {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "i": np.int8(3)},
+    )
+    files = []
+    for i in range(12):
+        save_model(model, tmp_path / f"{i}.safetensors")
+        files.append((tmp_path / f"{i}.safetensors").read_bytes())
+    assert len(set(files)) == 1
+    with safe_open(tmp_path / "0.safetensors", "np") as f:
+        assert len(f.metadata()) >= 4 and f.metadata()["name"] == "m"
+        np.testing.assert_array_equal(f.get_tensor("w"), model.params["w"])
+        assert f.get_tensor("i") == 3
+
+
 def test_json_writes_non_finite_bfloat16_as_strings(tmp_path):
     """bfloat16 Inf/NaN are "inf"/"nan" in JSON, as for the other float dtypes.
 

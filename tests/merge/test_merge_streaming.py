@@ -198,5 +198,7 @@ def test_streamed_merge_peak_is_a_few_leaves(tmp_path):
     # measured 18-19 leaves of 2 MB (64 leaves) and of 4 MB (16 leaves) alike
     bound = 24 * leaf + (8 << 20)  # 56 MB, under one model (64 MB)
     assert peak["True"] < bound, (peak, bound)
-    # in memory: the merged model, its serialized bytes, the inputs' pages
-    assert peak["False"] > model + bound, (peak, model)
+    # in memory: the whole merged model and the inputs' pages (measured 100 MB;
+    # 160 MB while save_safetensors also held the file's bytes, before it wrote
+    # the tensors one by one)
+    assert peak["False"] > model + 8 * leaf, (peak, model)
