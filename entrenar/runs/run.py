@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +54,7 @@ from entrenar.runs.models import (
     tokenizer_ref,
 )
 from entrenar.train import Callback, Trainer, TrainResult
+from entrenar.train.checkpoint import resolve_resume
 from entrenar.train.plot import plot
 
 
@@ -188,6 +190,8 @@ def train_from_yaml(
         # One writer per output folder, checked before the model loads (process 0
         # of a multi-process run holds it for all).
         with OutputLock(out_dir, enabled=jax.process_index() == 0):
+            if resume is not None:
+                check_resume_config(spec, resume)  # before the model loads
             return _train(spec, prepare(spec), resume=resume, progress=progress)
 
 
@@ -209,6 +213,95 @@ def check_mesh(spec: TrainSpec) -> None:
         d.batch_size * t.grad_accum, mesh,
         f"data.batch_size × training.grad_accum = {d.batch_size} × {t.grad_accum}",
     )  # fmt: skip
+
+
+RESUME_REFUSED = (
+    "model.path", "model.architecture", "model.config", "model.tokenizer",
+    "model.dtype", "lora.enabled", "lora.rank", "lora.alpha", "lora.targets",
+    "lora.quantize_base", "lora.init", "lora.rslora", "lora.use_dora", "distillation",
+    "data.train", "data.validation_split", "data.format", "data.text_field",
+    "data.prompt_field", "data.completion_field", "data.messages_field",
+    "data.features", "data.target", "data.task", "data.normalize", "data.seq_len",
+    "data.packing", "data.overflow",
+)  # fmt: skip
+"""Keys whose change makes a resumed run train another model or other examples."""
+
+RESUME_FREE = (
+    "name", "source", "export", "quantization", "training.epochs",
+    "training.max_steps", "training.eval_every", "training.checkpoint_every",
+    "training.keep_checkpoints", "training.log_every", "training.early_stopping",
+    "training.output_dir", "training.mesh", "training.max_memory",
+    "training.tensorboard", "model.kernels", "model.remat_policy",
+    # the Trainer warns about these itself (the data order)
+    "training.seed", "training.grad_accum", "data.batch_size", "data.shuffle",
+)  # fmt: skip
+"""Keys a resumed run may change: its length, schedule of outputs, exports."""
+
+
+def check_resume_config(spec: TrainSpec, resume: str) -> None:
+    """Compare ``spec`` with the config of the run whose checkpoint ``resume`` names.
+
+    That run's ``config.json`` (written at its first step; absent: nothing to
+    compare) against this one's keys, leaf by leaf. A change of `RESUME_REFUSED`
+    (another model, adapters, teacher or examples under the same trained arrays,
+    which orbax restores silently when the shapes agree) is refused; one outside
+    `RESUME_FREE` (optimizer, schedule, clipping, dtypes...) is warned about: the
+    run continues, but will not match an uninterrupted one.
+
+    Raises:
+        ConfigError: a refused change, naming each key with its saved and new value.
+    """
+    folder, _ = resolve_resume(resume, spec.output_dir)
+    saved_path = os.path.join(os.path.dirname(os.path.abspath(folder)), "config.json")
+    has_checkpoint = os.path.isdir(folder) and any(
+        n.isdigit() for n in os.listdir(folder)
+    )
+    if not has_checkpoint or not os.path.isfile(saved_path):
+        return  # a fresh start, or a run that wrote no config.json
+    try:
+        with open(saved_path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return  # unreadable: the checkpoint's own checks still apply
+    now = json.loads(json.dumps(as_dict(spec), default=str))
+    changed = _leaf_changes(saved, now)
+
+    def under(key: str, prefixes: tuple[str, ...]) -> bool:
+        """``key`` is one of ``prefixes``, inside one, or a section holding one."""
+        return any(
+            key == p or key.startswith(p + ".") or p.startswith(key + ".")
+            for p in prefixes
+        )
+
+    refused = {k: v for k, v in changed.items() if under(k, RESUME_REFUSED)}
+    if refused:
+        what = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in refused.items())
+        raise ConfigError(
+            f"--resume {resume}: this config changes what the checkpoints in "
+            f"{folder} were trained on ({what}; from {saved_path}). Put the values "
+            f"back to continue that run, or start a new run in another "
+            f"training.output_dir (from its exported model to keep the training)"
+        )
+    warned = {k: v for k, v in changed.items() if not under(k, RESUME_FREE)}
+    if warned:
+        what = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in warned.items())
+        warnings.warn(
+            f"--resume {resume}: the config differs from the run's ({what}): the "
+            f"run goes on with the new values and will not match an uninterrupted "
+            f"one",
+            stacklevel=3,
+        )
+
+
+def _leaf_changes(saved: Any, now: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved, now)}`` of the leaves that differ."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        out: dict[str, tuple[Any, Any]] = {}
+        for k in {**saved, **now}:
+            key = f"{prefix}.{k}" if prefix else str(k)
+            out |= _leaf_changes(saved.get(k), now.get(k), key)
+        return out
+    return {} if saved == now else {prefix: (saved, now)}
 
 
 def _train(
@@ -311,4 +404,13 @@ def _write_json(path: str, data: Any) -> None:
         json.dump(data, f, indent=2, default=str)
 
 
-__all__ = ["Prepared", "RunResult", "check_mesh", "prepare", "train_from_yaml"]
+__all__ = [
+    "RESUME_FREE",
+    "RESUME_REFUSED",
+    "Prepared",
+    "RunResult",
+    "check_mesh",
+    "check_resume_config",
+    "prepare",
+    "train_from_yaml",
+]

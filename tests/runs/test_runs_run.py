@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -115,6 +116,45 @@ def test_resume_removes_the_files_a_killed_export_left(wine_yaml, tmp_path):
                     progress=False)  # fmt: skip
     assert not list(out.rglob(".tmp-*.part"))
     assert (out / ".tmp-mine.txt").exists()
+
+
+def test_resume_refuses_a_config_that_trains_another_model_or_data(wine_yaml, tmp_path):
+    """--resume with a changed model, adapters, teacher or examples is refused.
+
+    The checkpoint's arrays restore silently whenever the shapes agree: a LoRA run
+    resumed on another base GGUF, another lora.alpha, another data file or
+    normalisation went on training (found with `entrenar train --resume latest` on
+    tests/runs/test_cli_kill_resume.py's runs). A longer run is free; another
+    learning rate goes on with a warning (the Trainer's rule for the data order).
+    """
+    out = str(tmp_path / "out")
+    _run(wine_yaml(), **{"training.output_dir": out, "training.max_steps": 3})
+
+    def resume(**changes):
+        return train_from_yaml(wine_yaml(), {"training.output_dir": out, **changes},
+                               resume="latest", progress=False)  # fmt: skip
+
+    for key, value in (
+        ("data.normalize", False),
+        ("data.train", str(WINE / "validation.parquet")),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=rf"--resume latest: .*{key}: .* then, .* now.*Put the values back",
+        ):
+            resume(**{key: value})
+    with pytest.warns(UserWarning, match=r"optimizer\.lr: 0\.01 then, 0\.02 now"):
+        assert (
+            resume(**{"optimizer.lr": 0.02, "training.max_steps": 4}).metrics["steps"]
+            == 4
+        )
+    # the config.json of the resumed run is the new one: a longer run says nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (
+            resume(**{"optimizer.lr": 0.02, "training.max_steps": 5}).metrics["steps"]
+            == 5
+        )
 
 
 def test_overrides_change_the_run(wine_yaml, tmp_path):
