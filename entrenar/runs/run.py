@@ -39,6 +39,7 @@ from entrenar.runs.build import (
     apply_lora,
     build_data,
     build_optimizer,
+    build_schedule,
     check_teacher,
     total_steps,
     train_config,
@@ -190,9 +191,13 @@ def train_from_yaml(
         # One writer per output folder, checked before the model loads (process 0
         # of a multi-process run holds it for all).
         with OutputLock(out_dir, enabled=jax.process_index() == 0):
+            saved = None
             if resume is not None:
-                check_resume_config(spec, resume)  # before the model loads
-            return _train(spec, prepare(spec), resume=resume, progress=progress)
+                saved = check_resume_config(spec, resume)  # before the model loads
+            prep = prepare(spec)
+            if saved is not None:
+                check_resume_schedule(spec, saved, prep)
+            return _train(spec, prep, resume=resume, progress=progress)
 
 
 def check_mesh(spec: TrainSpec) -> None:
@@ -238,7 +243,7 @@ RESUME_FREE = (
 """Keys a resumed run may change: its length, schedule of outputs, exports."""
 
 
-def check_resume_config(spec: TrainSpec, resume: str) -> None:
+def check_resume_config(spec: TrainSpec, resume: str) -> dict[str, Any] | None:
     """Compare ``spec`` with the config of the run whose checkpoint ``resume`` names.
 
     That run's ``config.json`` (written at its first step; absent: nothing to
@@ -247,6 +252,9 @@ def check_resume_config(spec: TrainSpec, resume: str) -> None:
     which orbax restores silently when the shapes agree) is refused; one outside
     `RESUME_FREE` (optimizer, schedule, clipping, dtypes...) is warned about: the
     run continues, but will not match an uninterrupted one.
+
+    Returns:
+        The saved config (None: no checkpoint, or no readable ``config.json``).
 
     Raises:
         ConfigError: a refused change, naming each key with its saved and new value.
@@ -257,12 +265,14 @@ def check_resume_config(spec: TrainSpec, resume: str) -> None:
         n.isdigit() for n in os.listdir(folder)
     )
     if not has_checkpoint or not os.path.isfile(saved_path):
-        return  # a fresh start, or a run that wrote no config.json
+        return None  # a fresh start, or a run that wrote no config.json
     try:
         with open(saved_path, encoding="utf-8") as f:
             saved = json.load(f)
     except (OSError, ValueError):
-        return  # unreadable: the checkpoint's own checks still apply
+        return None  # unreadable: the checkpoint's own checks still apply
+    if not isinstance(saved, dict):
+        return None
     now = json.loads(json.dumps(as_dict(spec), default=str))
     changed = _leaf_changes(saved, now)
 
@@ -289,6 +299,46 @@ def check_resume_config(spec: TrainSpec, resume: str) -> None:
             f"--resume {resume}: the config differs from the run's ({what}): the "
             f"run goes on with the new values and will not match an uninterrupted "
             f"one",
+            stacklevel=3,
+        )
+    return saved
+
+
+def check_resume_schedule(
+    spec: TrainSpec, saved: dict[str, Any], prep: Prepared
+) -> None:
+    """Warn when a resumed run's new length moves its learning rates.
+
+    ``scheduler`` lays its warm-up and decay over the run's steps (``max_steps``,
+    or ``epochs`` × steps per epoch), so a run extended at resume (free, see
+    `RESUME_FREE`) gets, from the checkpoint on, the rates of a longer schedule:
+    ``linear`` to 0 over 8 steps, extended to 10, trained steps 1-8 at the 8-step
+    rates and 9-10 at the end of the 10-step decay, matching no uninterrupted run
+    of either length. Compared over the saved run's steps: ``lr(t)`` of both
+    lengths.
+    """
+    t = saved.get("training")
+    if spec.scheduler is None or not isinstance(t, dict):
+        return
+    epochs, max_steps = t.get("epochs"), t.get("max_steps")
+    if isinstance(max_steps, int) and max_steps > 0:
+        then = max_steps
+    elif isinstance(epochs, int) and epochs > 0:
+        then = epochs * prep.data.steps_per_epoch
+    else:
+        return
+    if then == prep.total:
+        return
+    old, new = build_schedule(spec, then), build_schedule(spec, prep.total)
+    differ = [s for s in range(min(then, prep.total)) if float(old(s)) != float(new(s))]
+    if differ:
+        warnings.warn(
+            f"the run now has {prep.total} steps, {then} before: scheduler "
+            f"{spec.scheduler.name!r} is laid over the new length, and its learning "
+            f"rates differ from those of the schedule the checkpoint was trained on "
+            f"(first at step {differ[0] + 1}): the run goes on at other rates than "
+            f"planned and will match no uninterrupted run (a schedule that does not "
+            f"depend on the length, or a fixed decay_steps, keeps them)",
             stacklevel=3,
         )
 
@@ -411,6 +461,7 @@ __all__ = [
     "RunResult",
     "check_mesh",
     "check_resume_config",
+    "check_resume_schedule",
     "prepare",
     "train_from_yaml",
 ]

@@ -157,6 +157,46 @@ def test_resume_refuses_a_config_that_trains_another_model_or_data(wine_yaml, tm
         )
 
 
+@pytest.mark.parametrize(
+    ("scheduler", "moved"),
+    [
+        ({"name": "linear", "warmup_steps": 1}, True),  # decays over the run
+        ({"name": "linear", "warmup_steps": 1, "decay_steps": 6}, False),
+        ({"name": "constant", "warmup_steps": 2}, False),
+    ],
+)
+def test_extending_a_run_at_resume_warns_when_its_schedule_moves(
+    wine_yaml, tmp_path, scheduler, moved
+):
+    """A longer run at resume re-lays a length-dependent schedule: it warns.
+
+    specs/trainer.md said a run extended at resume ends as an uninterrupted one; a
+    linear decay over 3 steps extended to 5 trains steps 1-3 at the 3-step rates
+    and 4-5 at the 5-step ones, matching neither run (the rates below, by hand:
+    step n logs lr(n - 1); warm-up to 0.01 at step 2, then linear to 0 at the run's
+    end).
+    """
+    out = str(tmp_path / "out")
+    path = wine_yaml(scheduler=scheduler)
+    _run(path, **{"training.output_dir": out, "training.max_steps": 3})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_from_yaml(path, {"training.output_dir": out, "training.max_steps": 5},
+                        resume="latest", progress=False)  # fmt: skip
+    said = [
+        str(w.message) for w in caught if "laid over the new length" in str(w.message)
+    ]
+    assert bool(said) == moved, said
+    if moved:
+        assert "5 steps, 3 before" in said[0] and "first at step 3" in said[0]
+        rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").open()]
+        lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
+        # 3 steps: 0, 0.01, 0.005; step 5 at the 5-step lr(4) = 0.01·1/4 (an
+        # uninterrupted 5-step run trains step 3 at 0.01·3/4)
+        want = [0.0, 0.01, 0.005, 0.0025]
+        np.testing.assert_allclose([lr[n] for n in (1, 2, 3, 5)], want, rtol=1e-6)
+
+
 def test_overrides_change_the_run(wine_yaml, tmp_path):
     base = _run(wine_yaml(), **{"training.output_dir": str(tmp_path / "a")})
     lr = _run(
