@@ -68,6 +68,45 @@ def gguf_tokenizer(built: BuiltModel) -> Any:
     return tok
 
 
+def check_quantizable(spec: Any, built: BuiltModel, params: Params) -> None:
+    """Refuse, before training, a ``quantization`` that would quantize no weight.
+
+    The quantized copy is written after training (`write_quantized_model`), which
+    quantizes each floating weight whose rows split into whole blocks; a model with
+    none (the wine MLP's rows of 13 and 8 in int8 blocks of 64) trained to the end
+    and then failed. Checked on shapes only (``jax.eval_shape``: nothing is
+    computed), with the same choice; a Llama-style decoder in a GGML scheme is
+    written by the GGUF writer and is not checked here.
+
+    Raises:
+        ConfigError: naming ``quantization`` and what to change.
+    """
+    q = spec.quantization
+    if q is None or not q.enabled:
+        return
+    scheme = q.resolved_scheme
+    if built.is_decoder and scheme in GGML_SCHEMES:
+        return
+    options = quantize_options(scheme, q.block_size, q.per_channel)
+
+    def quantized(p: Params) -> Params:
+        plain = quant.dequantize_params(lora.fold(p) if has_adapters(p) else p)
+        return quant.quantize_params(dicts_from_lists(plain), scheme, **options)
+
+    _, info = io.split_quantized(jax.eval_shape(quantized, params))
+    if not info:
+        block = 32 if scheme in GGML_SCHEMES else q.block_size
+        hint = "a smaller quantization.block_size"
+        if scheme == "int8":
+            hint += ", quantization.per_channel: true"
+        raise ConfigError(
+            f"quantization: {scheme} in blocks of {block} quantizes no weight of this "
+            f"model (no weight's rows split into whole blocks), so the quantized copy "
+            f"written after training would fail: set {hint} or another "
+            f"quantization.scheme, or quantization.enabled: false"
+        )
+
+
 def write_quantized(
     built: BuiltModel,
     params: Params,
@@ -295,6 +334,7 @@ def write_hf_folder(
 
 __all__ = [
     "GGML_SCHEMES",
+    "check_quantizable",
     "gguf_tokenizer",
     "has_adapters",
     "quantize_options",

@@ -44,7 +44,7 @@ from entrenar.runs.build import (
     total_steps,
     train_config,
 )
-from entrenar.runs.export import write_outputs
+from entrenar.runs.export import check_quantizable, write_outputs
 from entrenar.runs.memory_plan import check_memory
 from entrenar.runs.merging import run_merge
 from entrenar.runs.models import (
@@ -187,7 +187,9 @@ def train_from_yaml(
         check_memory(spec)  # training.max_memory: refused before anything loads
         check_mesh(spec)  # training.mesh: the devices and the batch, likewise
         if dry_run:
-            return RunResult(spec, out_dir, {}, metrics=_plan(prepare(spec)))
+            prep = prepare(spec)
+            _check_exports(spec, prep)
+            return RunResult(spec, out_dir, {}, metrics=_plan(prep))
         # One writer per output folder, checked before the model loads (process 0
         # of a multi-process run holds it for all).
         with OutputLock(out_dir, enabled=jax.process_index() == 0):
@@ -195,6 +197,7 @@ def train_from_yaml(
             if resume is not None:
                 saved = check_resume_config(spec, resume)  # before the model loads
             prep = prepare(spec)
+            _check_exports(spec, prep)  # the quantized copy, before training
             if saved is not None:
                 check_resume_schedule(spec, saved, prep)
             return _train(spec, prep, resume=resume, progress=progress)
@@ -411,6 +414,12 @@ class _ConfigWriter(Callback):
                 os.path.join(self.spec.output_dir, "config.json"), as_dict(self.spec)
             )
             self.written = True
+
+
+def _check_exports(spec: TrainSpec, prep: Prepared) -> None:
+    """What the exports after training would refuse, refused before it."""
+    params = prep.params["student"] if spec.distillation is not None else prep.params
+    check_quantizable(spec, prep.built, params)
 
 
 def _plan(prep: Prepared) -> dict[str, Any]:

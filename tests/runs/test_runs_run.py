@@ -300,6 +300,31 @@ def test_a_merge_of_folders_is_written_as_a_folder(tmp_path):
     assert_trees_allclose(merged, want, atol=1e-6)
 
 
+def test_a_quantization_that_quantizes_nothing_is_refused_before_training(
+    wine_yaml, tmp_path
+):
+    """int8 in blocks of 64 on the wine MLP (rows of 13 and 8): refused up front.
+
+    The quantized copy is written after training, which then failed ("no weight of
+    this model has rows that split into blocks of 64; choose a smaller
+    --block-size", a flag of `entrenar quantize`, not a key of the run) with the
+    whole run trained; found while killing runs in test_cli_kill_resume.py.
+    """
+    out = tmp_path / "out"
+    for dry_run in (True, False):
+        with pytest.raises(
+            ConfigError,
+            match=r"int8 in blocks of 64 .*quantization\.block_size.*per_channel",
+        ):
+            train_from_yaml(
+                wine_yaml(quantization={"scheme": "int8"}),
+                {"training.output_dir": str(out)}, dry_run=dry_run, progress=False,
+            )  # fmt: skip
+    assert not (out / "metrics.jsonl").exists()  # nothing trained
+    ok = wine_yaml(quantization={"scheme": "int8", "per_channel": True})
+    assert train_from_yaml(ok, dry_run=True).metrics["steps"] == 6
+
+
 def test_quantized_copy_reads_back_as_quantized_weights(wine_yaml):
     path = wine_yaml(quantization={"scheme": "int8", "block_size": 4})
     result = _run(path)
