@@ -146,6 +146,9 @@ def summarize(spec: TrainSpec) -> dict[str, Any]:
             "quantize_base": spec.lora.quantize_base,
             "use_dora": spec.lora.use_dora,
         }
+        for key in ("rank_pattern", "alpha_pattern"):
+            if getattr(spec.lora, key):
+                out["lora"][key] = dict(getattr(spec.lora, key))
     if spec.distillation is not None:
         d = spec.distillation
         out["distillation"] = {

@@ -262,6 +262,7 @@ def _node_specs(
             b=None if x.b is None else PartitionSpec(),
             dropout_key=None if x.dropout_key is None else PartitionSpec(),
             magnitude=None if x.magnitude is None else PartitionSpec(),
+            layer_scale=None if x.layer_scale is None else PartitionSpec(),
         )  # fmt: skip
     if isinstance(x, QuantizedWeight):
         return _quantized_specs(name, x, mesh, rules, undivided)

@@ -30,7 +30,7 @@ from entrenar.lora.transform import (
     trainable_mask,
     with_dropout_keys,
 )
-from entrenar.lora.weight import LoRAWeight
+from entrenar.lora.weight import LoRAWeight, with_layer_ranks
 
 __all__ = [
     "ALL_LINEAR",
@@ -53,4 +53,5 @@ __all__ = [
     "trainable_report",
     "unfold",
     "with_dropout_keys",
+    "with_layer_ranks",
 ]

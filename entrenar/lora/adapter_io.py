@@ -45,9 +45,9 @@ from entrenar.lora.names import (
     named_weight_leaves,
     stacked_split,
 )
-from entrenar.lora.patterns import check_pattern, check_peft_key, peft_key_matches
+from entrenar.lora.patterns import check_pattern, check_peft_key, peft_pattern_value
 from entrenar.lora.peft_keys import check_peft_keys
-from entrenar.lora.weight import LoRAWeight, dora_norm
+from entrenar.lora.weight import LoRAWeight, dora_norm, with_layer_ranks
 from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params
 
@@ -135,17 +135,19 @@ def save_adapter(
         mag = None if not x.dora else np.asarray(x.magnitude, np.float32)
         untouched = _untouched_magnitudes(x)
         stacked = a.ndim == 3
+        layer_ranks, layer_alphas = x.real_ranks(), x.real_alphas()
         for i, m in enumerate(modules):
             ai, bi = (a[i], b[i]) if stacked else (a, b)
             if not ai.any() and not bi.any() and untouched[i]:
                 continue  # a layer without adapter (load_adapter's zero layers)
-            tensors[f"{PREFIX}{m}.lora_A.weight"] = ai
-            tensors[f"{PREFIX}{m}.lora_B.weight"] = bi
+            r_i = layer_ranks[i]  # the layer's own rank: padding left out
+            tensors[f"{PREFIX}{m}.lora_A.weight"] = ai[:r_i]  # (r_i, in)
+            tensors[f"{PREFIX}{m}.lora_B.weight"] = bi[:, :r_i]  # (out, r_i)
             if mag is not None:  # (out,), PEFT's name has no ".weight"
                 tensors[f"{PREFIX}{m}.lora_magnitude_vector"] = (
                     mag[i] if stacked else mag
                 )
-            ranks[m], alphas[m] = x.rank, x.alpha
+            ranks[m], alphas[m] = r_i, layer_alphas[i]
     if not ranks:
         raise CompatibilityError(
             "save_adapter: every adapter is zero (A = 0 and B = 0): nothing to save"
@@ -296,12 +298,7 @@ def _check_targets(cfg: dict[str, Any], file: str) -> None:
     _field(cfg, file, "target_modules", ok, "a regex or a list of module names")
 
 
-def _pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``get_pattern_key``)."""
-    for key, value in patterns.items():
-        if peft_key_matches(key, module):
-            return value
-    return default
+_pattern = peft_pattern_value
 
 
 def load_adapter(
@@ -325,8 +322,7 @@ def load_adapter(
         CompatibilityError: names, shapes or ranks that do not fit the base; the
             message lists every mismatch.
         UnsupportedError: a setting PEFT's forward depends on that entrenar does
-            not implement (`entrenar.lora.peft_keys`), or different alphas for the
-            layers of one stacked weight.
+            not implement (`entrenar.lora.peft_keys`).
 
     A stacked weight whose file has tensors for only some layers (PEFT's
     ``layers_to_transform``, ``layers_pattern``, ``exclude_modules``) gets zero
@@ -407,9 +403,9 @@ def _place_modules(
     """Where each adapted module goes: ``{leaf k: {layer j: module}}``.
 
     Appends to ``problems`` every module that is not in the base, lacks A or B, or
-    does not fit the base weight's shape with its rank, and every stacked leaf whose
-    layers have different ranks. A stacked leaf may have tensors for only some of
-    its layers (PEFT's ``layers_to_transform``, ``exclude_modules``).
+    does not fit the base weight's shape with its rank. A stacked leaf may have
+    tensors for only some of its layers (PEFT's ``layers_to_transform``,
+    ``exclude_modules``), and its layers may have different ranks.
     """
     dora = bool(cfg.get("use_dora", False))
     index: dict[str, tuple[int, int]] = {}  # PEFT module name -> (leaf, layer)
@@ -456,14 +452,6 @@ def _place_modules(
                 "supported)"
             )
         per_leaf[k][j] = mod
-    for k, layers in per_leaf.items():
-        ranks = {found[m]["A"].shape[0] for m in layers.values()}
-        if len(ranks) > 1:
-            problems.append(
-                f"{names[k]!r}: its layers have ranks {sorted(ranks)} (rank_pattern "
-                "by layer); entrenar keeps one rank per stacked weight: give its "
-                "layers one rank"
-            )
     return per_leaf
 
 
@@ -482,36 +470,41 @@ def _lora_leaf(
     ``gᵀ(Ax)`` and ``Bᵀg``, are zero), so `save_adapter` leaves it out again. With
     DoRA it gets ``m = ‖W‖`` (its forward is the base's, as in PEFT), but ``m``
     trains there, where PEFT has no adapter on that layer.
+
+    Layers with different ranks ``r_i`` (``rank_pattern`` by layer) are padded with
+    zeros to the largest, and layers with different ranks or alphas get their own
+    scales (`entrenar.lora.weight.with_layer_ranks`).
     """
     mods = list(layers.values())
-    r, fan_in = found[mods[0]]["A"].shape
-    out = found[mods[0]]["B"].shape[0]
     n = logical_shape(base)[0] if stacked_split(name, stacked_keys) else 1
-    a = np.zeros((n, r, fan_in), np.float32)  # (L, r, in)
-    b = np.zeros((n, out, r), np.float32)  # (L, out, r)
+    fan_in = found[mods[0]]["A"].shape[1]
+    out = found[mods[0]]["B"].shape[0]
+    alpha_of = {
+        j: _pattern(cfg.get("alpha_pattern") or {}, m, cfg["lora_alpha"])
+        for j, m in layers.items()
+    }
+    rank_of = {j: found[m]["A"].shape[0] for j, m in layers.items()}
+    first = min(layers)  # layers without tensors: the first adapted layer's r, alpha
+    ranks = [rank_of.get(j, rank_of[first]) for j in range(n)]
+    alphas = [alpha_of.get(j, alpha_of[first]) for j in range(n)]
+    big = max(ranks)
+    a = np.zeros((n, big, fan_in), np.float32)  # (L, R, in), zero past each r_i
+    b = np.zeros((n, out, big), np.float32)  # (L, out, R)
     for j, m in layers.items():
-        a[j] = np.asarray(found[m]["A"], dtype=np.float32)
-        b[j] = np.asarray(found[m]["B"], dtype=np.float32)
+        a[j, : rank_of[j]] = np.asarray(found[m]["A"], dtype=np.float32)
+        b[j, :, : rank_of[j]] = np.asarray(found[m]["B"], dtype=np.float32)
     if stacked_split(name, stacked_keys) is None:
         a, b = a[0], b[0]  # (r, in), (out, r)
-    alphas = {
-        _pattern(cfg.get("alpha_pattern") or {}, m, cfg["lora_alpha"]) for m in mods
-    }
-    if len(alphas) > 1:
-        raise UnsupportedError(
-            f"{name!r}: its layers have alphas {sorted(alphas)} (alpha_pattern by "
-            "layer); entrenar keeps one alpha per stacked weight: give its layers "
-            "one alpha"
-        )
     node = LoRAWeight(
         base,
         jax.numpy.asarray(a),
         jax.numpy.asarray(b),
-        alphas.pop(),
-        a.shape[-2],
+        alphas[0],
+        big,
         rslora=bool(cfg.get("use_rslora", False)),
         dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),
     )
+    node = with_layer_ranks(node, tuple(ranks), tuple(alphas))  # plain if all agree
     if not cfg.get("use_dora", False):
         return node
     mag = np.array(dora_norm(node), np.float32).reshape(n, out)  # layers w/o tensors

@@ -17,11 +17,12 @@ when it matches every one of those names:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from entrenar.errors import ConfigError
-from entrenar.lora.patterns import SEARCH, check_pattern, search_pattern
+from entrenar.lora.patterns import SEARCH, check_pattern, check_peft_key, search_pattern
 from entrenar.schema import Config, option
 
 ALL_LINEAR = "all-linear"
@@ -77,6 +78,19 @@ class LoRAConfig(Config):
         "kaiming", doc="initialisation of A (B starts at zero)"
     )
     rslora: bool = option(False, doc="scale by α/√r (rank-stabilised LoRA)")
+    rank_pattern: dict[str, int] = option(
+        factory=dict,
+        doc="rank per module, {pattern: r} (PEFT's rank_pattern: a key matches the "
+        "end of a module name at a dot, e.g. q_proj or model.layers.0.self_attn."
+        "q_proj or a regex like layers\\.[0-3]\\.mlp\\..*; first match wins); the "
+        "layers of one stacked weight may differ (padded with zeros to the largest, "
+        "see specs/lora.md)",
+    )
+    alpha_pattern: dict[str, float] = option(
+        factory=dict,
+        doc="alpha per module, {pattern: alpha} (PEFT's alpha_pattern, keys as "
+        "rank_pattern's)",
+    )
     use_dora: bool = option(
         False,
         aliases=("dora",),
@@ -85,7 +99,17 @@ class LoRAConfig(Config):
     )
 
     def check(self, path: str) -> None:
-        """At least one target; a regular expression is checked before it runs."""
+        """At least one target; a regular expression is checked before it runs.
+
+        ``rank_pattern`` values are integers >= 1, ``alpha_pattern`` values finite
+        numbers > 0; their keys are checked as PEFT runs them.
+        """
+        _check_patterns(
+            f"{path}.rank_pattern", self.rank_pattern, _is_rank, "an integer >= 1"
+        )
+        _check_patterns(
+            f"{path}.alpha_pattern", self.alpha_pattern, _is_alpha, "a number > 0"
+        )
         if not self.targets:
             raise ConfigError(f"{path}.targets: empty; name at least one module")
         for t in self.targets:
@@ -95,10 +119,47 @@ class LoRAConfig(Config):
                 except ConfigError as e:
                     raise ConfigError(f"{path}.targets: {e}") from None
 
+    def __hash__(self) -> int:
+        """Hashable although the patterns are dicts (by their items)."""
+        items = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return hash(
+            tuple((k, tuple(v.items()) if isinstance(v, dict) else v) for k, v in items)
+        )
+
     @property
     def scale(self) -> float:
-        """``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+        """``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA; patterns not applied)."""
         return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+
+
+def _is_rank(v: object) -> bool:
+    return type(v) is int and v >= 1
+
+
+def _is_alpha(v: object) -> bool:
+    return (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and v > 0
+    )
+
+
+def _check_patterns(path: str, patterns: object, valid: Any, want: str) -> None:
+    """``{pattern: value}``: keys safe to run (`check_peft_key`), values valid."""
+    if not isinstance(patterns, dict):
+        raise ConfigError(
+            f"{path}: must be a mapping {{pattern: value}}, got {patterns!r:.60}"
+        )
+    for key, value in patterns.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{path}: pattern {key!r:.60} must be a non-empty string")
+        if not valid(value):
+            raise ConfigError(f"{path}[{key!r:.60}] = {value!r:.40} must be {want}")
+        try:
+            check_peft_key(key)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
 
 def target_matches(target: str, module: str, per_layer_ndim: int) -> bool:

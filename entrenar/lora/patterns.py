@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from entrenar.errors import ConfigError
@@ -180,6 +181,18 @@ def peft_key_matches(key: str, module: str) -> bool:
     return re.match(PEFT_KEY.replace("{}", key), module) is not None
 
 
+def peft_pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
+    """The value of the first key of ``patterns`` matching ``module``, else ``default``.
+
+    PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``get_pattern_key``: keys in
+    their order, each tested with `peft_key_matches`).
+    """
+    for key, value in (patterns or {}).items():
+        if peft_key_matches(key, module):
+            return value
+    return default
+
+
 def check_peft_key(key: str) -> None:
     """Check a ``rank_pattern`` / ``alpha_pattern`` key as `peft_key_matches` runs it.
 
@@ -199,5 +212,6 @@ __all__ = [
     "check_pattern",
     "check_peft_key",
     "peft_key_matches",
+    "peft_pattern_value",
     "search_pattern",
 ]

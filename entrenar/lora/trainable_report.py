@@ -75,7 +75,9 @@ def trainable_report(params: Params) -> TrainableReport:
 
     Works on arrays and on ``jax.ShapeDtypeStruct`` trees (``jax.eval_shape`` of
     ``lora.apply``), so a large model can be sized without allocating it. Dropout
-    keys are not parameters and are not counted.
+    keys are not parameters and are not counted. With per-layer ranks the
+    parameters are the real ones, ``Σ_i r_i (in + out)`` (as PEFT counts them),
+    and the bytes are those stored, padding included (specs/lora.md).
 
     Example:
         >>> import jax.numpy as jnp
@@ -91,11 +93,25 @@ def trainable_report(params: Params) -> TrainableReport:
             for part in (x.a, x.b, x.magnitude):  # DoRA's m counts (None: 0)
                 n, b = _count(part)
                 tp, tb = tp + n, tb + b
+            tp -= _padding(x)
             n, b = _count(x.base)
         else:
             n, b = _count(x)
         fp, fb = fp + n, fb + b
     return TrainableReport(tp, fp, tb, fb)
+
+
+def _padding(x: LoRAWeight) -> int:
+    """Entries of ``A`` and ``B`` past each layer's rank (zero with per-layer ranks)."""
+    if not x.per_layer:
+        return 0
+    ref = x.a if x.a is not None else x.b
+    out, fan_in = x.shape[-2], x.shape[-1]
+    if ref is None:
+        return 0
+    return sum(x.rank - r for r in x.real_ranks()) * (
+        (fan_in if x.a is not None else 0) + (out if x.b is not None else 0)
+    )
 
 
 __all__ = ["TrainableReport", "trainable_report"]

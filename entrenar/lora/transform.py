@@ -31,25 +31,57 @@ from entrenar.lora.names import (
     named_weight_leaves,
     stacked_split,
 )
-from entrenar.lora.weight import LoRAWeight, dora_norm
+from entrenar.lora.patterns import peft_pattern_value
+from entrenar.lora.weight import LoRAWeight, dora_norm, with_layer_ranks
 from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params, PRNGKey
 
 
 def _init_adapter(
-    key: PRNGKey, shape: tuple[int, ...], config: LoRAConfig
+    key: PRNGKey, shape: tuple[int, ...], config: LoRAConfig, r: Any = None
 ) -> tuple[jax.Array, jax.Array]:
-    """``A (*lead, r, in)`` random and ``B (*lead, out, r)`` zero, in float32."""
+    """``A (*lead, r, in)`` random and ``B (*lead, out, r)`` zero, in float32.
+
+    ``r``: ``config.rank``, or each layer's rank ``(*lead,)`` (then ``A`` has the
+    largest; its rows past a layer's rank are zeroed by `with_layer_ranks`).
+    """
     *lead, out, fan_in = shape
-    r = config.rank
-    a_shape = (*lead, r, fan_in)
+    ranks = np.full(tuple(lead), config.rank) if r is None else np.asarray(r)
+    big = int(ranks.max()) if ranks.size else config.rank
+    a_shape = (*lead, big, fan_in)
     if config.init == "kaiming":  # PyTorch kaiming_uniform_(a=sqrt(5)): bound 1/√in
         bound = 1.0 / math.sqrt(fan_in)
         a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
-    else:  # "gaussian": N(0, 1/r²), PEFT's init_lora_weights="gaussian"
-        a = jax.random.normal(key, a_shape, jnp.float32) / r
-    b = jnp.zeros((*lead, out, r), jnp.float32)
+    elif r is None:  # "gaussian": N(0, 1/r²), PEFT's init_lora_weights="gaussian"
+        a = jax.random.normal(key, a_shape, jnp.float32) / config.rank
+    else:  # each layer N(0, 1/r_i²)
+        per = jnp.asarray(ranks, jnp.float32)[..., None, None]  # (*lead, 1, 1)
+        a = jax.random.normal(key, a_shape, jnp.float32) / per
+    b = jnp.zeros((*lead, out, big), jnp.float32)
     return a, b
+
+
+def module_ranks(
+    name: str,
+    shape: tuple[int, ...],
+    config: LoRAConfig,
+    stacked_keys: tuple[str, ...] = STACKED_KEYS,
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Each module's ``(rank, alpha)`` under ``rank_pattern`` / ``alpha_pattern``.
+
+    One value per Hugging Face module of the leaf (per layer of a stack), looked up
+    as PEFT's ``get_pattern_key`` does (the first key that matches the end of the
+    module name at a dot), else ``config.rank`` / ``config.alpha``.
+    """
+    modules = hf_modules(name, shape, stacked_keys)
+    ranks = tuple(
+        int(peft_pattern_value(config.rank_pattern, m, config.rank)) for m in modules
+    )
+    alphas = tuple(
+        float(peft_pattern_value(config.alpha_pattern, m, config.alpha))
+        for m in modules
+    )
+    return ranks, alphas
 
 
 def selects(
@@ -96,7 +128,10 @@ def apply(
 
     Args:
         params: parameter tree (weights ``(*lead, out, in)``; stacked layers allowed).
-        config: rank, alpha, targets, dropout, init, rsLoRA, DoRA (``use_dora``:
+        config: rank, alpha (or per module: ``rank_pattern``, ``alpha_pattern``;
+            the layers of a stack with different ranks are padded with zeros to
+            the largest, see `entrenar.lora.weight.with_layer_ranks`), targets,
+            dropout, init, rsLoRA, DoRA (``use_dora``:
             each node also gets ``magnitude = ‖W‖`` per output row, computed from
             the stored (quantized) base one layer at a time, so the adapted model
             starts equal to the base model, as in PEFT).
@@ -135,12 +170,18 @@ def apply(
             raise ConfigError(
                 f"{name!r} already has a LoRA adapter; merge it first (lora.fold)"
             )
-        a, b = _init_adapter(jax.random.fold_in(key, i), shape, config)
+        patterned = bool(config.rank_pattern or config.alpha_pattern)
+        ranks, alphas = module_ranks(name, shape, config, stacked_keys)
+        lead = shape[:-2]
+        r = np.array(ranks).reshape(lead) if patterned else None
+        a, b = _init_adapter(jax.random.fold_in(key, i), shape, config, r)
         base = leaf if quantize is None else _quant.quantize_base(leaf, quantize, name)
         node = LoRAWeight(
-            base, a, b, config.alpha, config.rank,
+            base, a, b, config.alpha, a.shape[-2],
             rslora=config.rslora, dropout=config.dropout,
         )  # fmt: skip
+        if patterned:  # one rank and alpha per module, padded within a stack
+            node = with_layer_ranks(node, ranks, alphas)
         if config.use_dora:  # B = 0: ‖W + s·BA‖ = ‖W‖ (of the quantized base)
             node = node.replace(magnitude=dora_norm(node))
         out.append(node)
@@ -200,7 +241,7 @@ def split(params: Params) -> tuple[Params, Params]:
 
     def trainable(x: Any) -> Any:
         if isinstance(x, LoRAWeight):
-            return x.replace(base=None, dropout_key=None)
+            return x.replace(base=None, dropout_key=None, layer_scale=None)
         return None
 
     def frozen(x: Any) -> Any:
@@ -243,7 +284,10 @@ def trainable_mask(params: Params) -> Params:
         if isinstance(x, LoRAWeight):
             key = None if x.dropout_key is None else False
             m = None if x.magnitude is None else True
-            return x.replace(base=False, a=True, b=True, dropout_key=key, magnitude=m)
+            s = None if x.layer_scale is None else False
+            return x.replace(
+                base=False, a=True, b=True, dropout_key=key, magnitude=m, layer_scale=s
+            )
         return False
 
     return jax.tree_util.tree_map(mask, params, is_leaf=is_weight_node)
@@ -274,6 +318,7 @@ def with_dropout_keys(params: Params, *, key: PRNGKey) -> Params:
 __all__ = [
     "apply",
     "combine",
+    "module_ranks",
     "split",
     "trainable_mask",
     "with_dropout_keys",

@@ -32,6 +32,14 @@ Leading axes are allowed on every child (stacked layers: ``base (L, out, in)``,
 so `jax.lax.scan` slices a stacked node per layer like any array. ``alpha``,
 ``rank``, ``rslora`` and ``dropout`` are static (auxiliary data): changing them
 recompiles, they are never traced.
+
+Per-layer ranks (PEFT's ``rank_pattern`` / ``alpha_pattern`` by layer): the layers of
+a stack hold ``A``, ``B`` padded with zeros to the stack's largest rank ``R``
+(``A[i, r_i:] = 0``, ``B[i, :, r_i:] = 0``), so ``B_i A_i`` is the real rank-``r_i``
+product and the padded entries get zero gradients (specs/lora.md, "Per-layer
+ranks"); the real ``r_i`` and ``alpha_i`` are static (``layer_ranks``,
+``layer_alphas``), and each layer's ``s_i`` is the child ``layer_scale (*lead,)``,
+which `jax.lax.scan` slices with the layer.
 """
 
 from __future__ import annotations
@@ -67,8 +75,9 @@ class LoRAWeight:
             ``lora_A``).
         b: ``(*lead, out, r)`` up-projection (PEFT's ``lora_B.weight``; pytree key
             ``lora_B``), zero at init.
-        alpha: LoRA alpha (static).
-        rank: r (static).
+        alpha: LoRA alpha (static; with per-layer ranks the largest ``alpha_i``).
+        rank: r (static; with per-layer ranks ``R``, the largest ``r_i``: the
+            shape of ``a`` and ``b``).
         rslora: scale ``alpha / sqrt(r)`` instead of ``alpha / r`` (static).
         dropout: dropout rate on the adapter's input (static). Dropout acts only
             while ``dropout_key`` is set (see `entrenar.lora.with_dropout_keys`);
@@ -77,6 +86,11 @@ class LoRAWeight:
         magnitude: DoRA's ``m (*lead, out)`` (PEFT's ``lora_magnitude_vector``;
             `entrenar.lora.apply` starts it at ``‖W‖`` per output row), trainable;
             ``None`` for plain LoRA.
+        layer_scale: per-layer ranks only: each layer's ``s_i (*lead,)`` float32
+            (frozen: `entrenar.lora.split` puts it in the frozen half).
+        layer_ranks: per-layer ranks only: each layer's real ``r_i`` (static,
+            flattened over the leading axes); ``None``: every layer has ``rank``.
+        layer_alphas: per-layer ranks only: each layer's ``alpha_i`` (static).
 
     Children may be ``None`` (or masks, gradients, optimizer moments): the node is
     also the container of `entrenar.lora.split`'s halves and of gradient trees.
@@ -93,16 +107,55 @@ class LoRAWeight:
     magnitude: Any = dataclasses.field(
         default=None, kw_only=True, metadata={"key": "lora_magnitude_vector"}
     )
+    layer_scale: Any = dataclasses.field(default=None, kw_only=True)
+    layer_ranks: tuple[int, ...] | None = dataclasses.field(
+        default=None, kw_only=True, metadata=STATIC
+    )
+    layer_alphas: tuple[float, ...] | None = dataclasses.field(
+        default=None, kw_only=True, metadata=STATIC
+    )
 
     def __post_init__(self) -> None:
         casts = {"alpha": float, "rank": int, "rslora": bool, "dropout": float}
         for name, cast in casts.items():
             object.__setattr__(self, name, cast(getattr(self, name)))
+        if self.layer_ranks is not None:
+            object.__setattr__(self, "layer_ranks", tuple(map(int, self.layer_ranks)))
+        if self.layer_alphas is not None:
+            alphas = tuple(map(float, self.layer_alphas))
+            object.__setattr__(self, "layer_alphas", alphas)
 
     @property
-    def scale(self) -> float:
-        """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+    def per_layer(self) -> bool:
+        """Whether the layers of the stack have their own ranks and alphas."""
+        return self.layer_ranks is not None
+
+    @property
+    def scale(self) -> Any:
+        """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
+
+        With per-layer ranks: each layer's ``s_i`` as an array ``(*lead, 1, 1)``,
+        which broadcasts against ``B A (*lead, out, in)`` and ``B (*lead, out, r)``.
+        """
+        if not self.per_layer:
+            return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+        if self.layer_scale is not None:
+            return jnp.asarray(self.layer_scale)[..., None, None]
+        lead = tuple((self.a if self.a is not None else self.b).shape[:-2])
+        return layer_scales(self)[0].reshape(*lead, 1, 1)
+
+    def real_ranks(self) -> tuple[int, ...]:
+        """The rank of each layer (flattened leading axes): ``rank`` if uniform."""
+        if self.per_layer:
+            return self.layer_ranks  # type: ignore[return-value]
+        ref = self.a if self.a is not None else self.b
+        return (self.rank,) * int(np.prod(tuple(ref.shape[:-2]), dtype=int))
+
+    def real_alphas(self) -> tuple[float, ...]:
+        """The alpha of each layer (flattened leading axes)."""
+        if self.per_layer:
+            return self.layer_alphas  # type: ignore[return-value]
+        return (self.alpha,) * len(self.real_ranks())
 
     @property
     def dora(self) -> bool:
@@ -134,6 +187,11 @@ class LoRAWeight:
             f"LoRAWeight(base={desc(self.base)}, a={desc(self.a)}, b={desc(self.b)}, "
             f"alpha={self.alpha:g}, rank={self.rank}, rslora={self.rslora}, "
             f"dropout={self.dropout:g}"
+            + (
+                f", layer_ranks={self.layer_ranks}, layer_alphas={self.layer_alphas}"
+                if self.per_layer
+                else ""
+            )
             + (f", magnitude={desc(self.magnitude)})" if self.dora else ")")
         )
 
@@ -158,7 +216,10 @@ class LoRAWeight:
             ("B", f"{desc(self.b)} (trainable)"),
             (
                 "rank r, α",
-                f"{self.rank}, {self.alpha:g}: scale {scale} = {self.scale:g}",
+                f"per layer {self.layer_ranks}, {self.layer_alphas} (padded to "
+                f"{self.rank}): scale {scale}"
+                if self.per_layer
+                else f"{self.rank}, {self.alpha:g}: scale {scale} = {self.scale:g}",
             ),
             ("dropout", f"{self.dropout:g}"),
             *([("m (DoRA)", f"{desc(self.magnitude)} (trainable)")] * self.dora),
@@ -201,7 +262,59 @@ def _lora_matmul(
     delta = _times_bt(h, jnp.asarray(w.b).astype(x.dtype))
     if w.magnitude is not None:
         return _dora_output(w, y, dropped, xd, delta, matmul_dtype)
-    return y + (w.scale * delta).astype(y.dtype)  # (..., out)
+    return y + (_layer_scale(w, delta.dtype) * delta).astype(y.dtype)  # (..., out)
+
+
+def _layer_scale(w: LoRAWeight, dtype: Any) -> Any:
+    """``s`` of one layer for the matmul: the static float, or the sliced 0-d leaf.
+
+    The float multiplies as a weak type, so ``s`` is rounded to ``dtype`` either way.
+    """
+    if w.layer_scale is None:
+        return w.scale
+    return jnp.asarray(w.layer_scale).astype(dtype)  # () inside scan
+
+
+def layer_scales(w: LoRAWeight) -> tuple[np.ndarray, Any]:
+    """``(s, layer_scale)``: float32 ``s_i = alpha_i / r_i`` (rsLoRA: ``/ sqrt(r_i)``).
+
+    ``s`` is ``(n,)`` over the flattened layers, from the static ``layer_ranks`` and
+    ``layer_alphas``; ``layer_scale`` the same reshaped to the node's leading axes.
+    """
+    ranks, alphas = w.real_ranks(), w.real_alphas()
+    s = np.array(
+        [a / (math.sqrt(r) if w.rslora else r) for r, a in zip(ranks, alphas)],
+        np.float32,
+    )
+    ref = w.a if w.a is not None else w.b
+    return s, jnp.asarray(s.reshape(tuple(ref.shape[:-2])))
+
+
+def with_layer_ranks(
+    w: LoRAWeight, ranks: tuple[int, ...], alphas: tuple[float, ...]
+) -> LoRAWeight:
+    """``w`` with each layer's rank and alpha, its factors zeroed past each rank.
+
+    ``w.a (*lead, R, in)``, ``w.b (*lead, out, R)`` with ``R = max(ranks)``; the
+    rows ``A[i, r_i:]`` and columns ``B[i, :, r_i:]`` are set to zero, which keeps
+    ``B_i A_i`` of rank ``r_i`` and their gradients zero (specs/lora.md). A stack
+    whose layers share one rank and alpha gets a plain node (``rank``, ``alpha``).
+    """
+    ranks, alphas = tuple(map(int, ranks)), tuple(map(float, alphas))
+    big = max(ranks)
+    if w.a.shape[-2] != big:
+        raise ValueError(f"A has rank {w.a.shape[-2]}, the largest of {ranks} is {big}")
+    if len(set(ranks)) == 1 and len(set(alphas)) == 1:
+        return w.replace(rank=big, alpha=alphas[0])
+    lead = tuple(w.a.shape[:-2])
+    keep = np.arange(big)[None, :] < np.array(ranks)[:, None]  # (n, R)
+    keep = keep.reshape(*lead, big)
+    a = jnp.where(keep[..., :, None], w.a, 0)  # (*lead, R, in)
+    b = jnp.where(keep[..., None, :], w.b, 0)  # (*lead, out, R)
+    node = w.replace(
+        a=a, b=b, rank=big, alpha=max(alphas), layer_ranks=ranks, layer_alphas=alphas
+    )
+    return node.replace(layer_scale=layer_scales(node)[1])
 
 
 def _base_matmul(base: Any, x: jax.Array, matmul_dtype: str | None) -> jax.Array:
@@ -223,7 +336,7 @@ def dora_norm(w: LoRAWeight) -> jax.Array:
     wd = to_dense(w.base).astype(jnp.float32)  # (out, in)
     a = jnp.asarray(w.a).astype(jnp.float32)  # (r, in)
     b = jnp.asarray(w.b).astype(jnp.float32)  # (out, r)
-    v = wd + w.scale * (b @ a)  # (out, in)
+    v = wd + _layer_scale(w, jnp.float32) * (b @ a)  # (out, in)
     return jnp.sqrt(jnp.sum(v * v, axis=-1))  # (out,)
 
 
@@ -244,7 +357,7 @@ def _dora_output(
     n = jax.lax.stop_gradient(dora_norm(w))  # (out,)
     g = jnp.asarray(w.magnitude).astype(jnp.float32) / n  # (out,)
     yd = _base_matmul(w.base, xd, matmul_dtype) if dropped else y  # (..., out)
-    extra = (g - 1.0) * yd + g * (w.scale * delta)  # (..., out)
+    extra = (g - 1.0) * yd + g * (_layer_scale(w, delta.dtype) * delta)  # (..., out)
     return y + extra.astype(y.dtype)
 
 
@@ -268,4 +381,4 @@ def _times_bt_bwd(res: Any, g: jax.Array) -> Any:
 _times_bt.defvjp(_times_bt_fwd, _times_bt_bwd)
 
 
-__all__ = ["LoRAWeight", "dora_norm"]
+__all__ = ["LoRAWeight", "dora_norm", "layer_scales", "with_layer_ranks"]

@@ -219,11 +219,7 @@ def _merge_adapters(
             "lora='fold' (each fine-tune folded first, then merged)"
         )
     for x in adapters:
-        if not isinstance(x, LoRAWeight) or (x.alpha, x.rank, x.rslora) != (
-            first.alpha,
-            first.rank,
-            first.rslora,
-        ):
+        if not isinstance(x, LoRAWeight) or _adapter_shape(x) != _adapter_shape(first):
             raise CompatibilityError(
                 f"leaf {name!r}: merging adapters needs a LoRAWeight of one rank, "
                 f"alpha and rslora in every model; got {x!r} and {first!r} (use "
@@ -243,6 +239,11 @@ def _merge_adapters(
             head = None if plan.kind == "linear" else jnp.zeros_like(xs[0])
         merged[part] = merge_leaf(plan, f"{name}.{part}", layout, head, xs, dt)
     return first.replace(base=frozen, a=merged["a"], b=merged["b"], dropout_key=None)
+
+
+def _adapter_shape(x: LoRAWeight) -> tuple[Any, ...]:
+    """What adapters merged entry by entry must share (per-layer ranks included)."""
+    return (x.alpha, x.rank, x.rslora, x.layer_ranks, x.layer_alphas)
 
 
 def merge_trees(

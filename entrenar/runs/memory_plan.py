@@ -15,7 +15,10 @@ allocated. The run's two phases each have a peak, and the run's is the larger::
   or NF4 (`quantize_base`, `entrenar.runs.models.base_quantizer`), or as the GGUF
   stores it (``keep_quantized``: `entrenar.quant.from_ggml`'s node of its bytes);
 - ``adapters``: the LoRA factors ``A``, ``B`` in that tree, and DoRA's magnitudes
-  (or, without LoRA, 0: the whole tree trains);
+  (or, without LoRA, 0: the whole tree trains); with per-layer ranks
+  (``lora.rank_pattern`` by layer) the factors as stored, padded to each stack's
+  largest rank, and so are ``state_copy`` and ``optimizer`` (the memory used, not
+  the parameter count `entrenar.lora.trainable_report` gives);
 - ``bf16_copy``: with ``matmul_dtype: bfloat16`` the Trainer rounds the frozen
   projections to bfloat16 once and keeps them beside the tree it returns
   (`entrenar.nn.to_bfloat16_weights`);

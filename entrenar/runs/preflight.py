@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from entrenar import data as data_lib
-from entrenar import nn
+from entrenar import lora, nn
 from entrenar.config.spec import TrainSpec
 from entrenar.runs.build import (
     apply_lora,
@@ -181,19 +181,27 @@ def _check_memory(spec: TrainSpec, report: dict[str, Any]) -> None:
         report["memory"] = plan
 
 
-def _check_lora(spec: TrainSpec, built: BuiltModel) -> None:
+def _check_lora(spec: TrainSpec, built: BuiltModel) -> int | None:
     """Refuse what `lora.apply` would refuse, on the header's shapes.
 
     Targets that match no weight, bases that QLoRA cannot quantize; nothing is
     computed. A GGUF kept quantized keeps its bases as stored (nothing to quantize).
+
+    Returns:
+        The adapters' trainable parameters (`entrenar.lora.trainable_report`: with
+        per-layer ranks the real ones, as PEFT counts them), or ``None`` without
+        LoRA.
     """
     if spec.lora is None or not spec.lora.enabled:
-        return
+        return None
     if spec.model is not None and spec.model.keep_quantized:
         spec = dataclasses.replace(
             spec, lora=dataclasses.replace(spec.lora, quantize_base="none")
         )
-    jax.eval_shape(lambda p: apply_lora(spec, p, jax.random.key(1)), built.params)
+    shapes = jax.eval_shape(
+        lambda p: apply_lora(spec, p, jax.random.key(1)), built.params
+    )
+    return lora.trainable_report(shapes).trainable_params
 
 
 def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
@@ -216,8 +224,10 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
     d = spec.data
     built = build_model(spec.model, key=jax.random.key(0), header_only=True)
     spec.check_architecture(built.architecture)
-    _check_lora(spec, built)
+    trainable = _check_lora(spec, built)
     report: dict[str, Any] = {"model": _model_facts(built), "data": {}}
+    if trainable is not None:
+        report["model"]["trainable"] = trainable
     teacher = None
     if spec.distillation is not None:
         teacher = read_header(spec.distillation.teacher)
@@ -254,6 +264,12 @@ def format_preflight(report: dict[str, Any]) -> list[str]:
     if "context" in m:
         model += f", context {m['context']:,}"
     lines = [model + f" ({m['source']})"]
+    if "trainable" in m:
+        share = 100 * m["trainable"] / max(m["parameters"], 1)
+        lines.append(
+            f"  LoRA: {m['trainable']:,} trainable parameters ({share:.4f}% of the "
+            "model's)"
+        )
     for name, plan in report["data"].items():
         if isinstance(plan, TextPlan):
             lines.append(f"  Data {name}: {_text_line(plan)}")

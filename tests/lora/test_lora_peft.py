@@ -403,12 +403,17 @@ def test_adapters_peft_computes_differently_are_refused_by_key(
         lora.load_adapter(tmp_path, base)
 
 
-def test_layers_of_one_weight_with_different_ranks_are_refused(base, tmp_path):
-    """rank_pattern by layer: a ValueError from np.stack before, now named."""
-    peft_adapter(tmp_path, target_modules=["q_proj"],
-                 rank_pattern={r"layers\.1\.self_attn\.q_proj": 2})  # fmt: skip
-    with pytest.raises(CompatibilityError, match=r"its layers have ranks \[2, 4\]"):
-        lora.load_adapter(tmp_path, base)
+def test_layers_of_one_weight_with_different_ranks_load(base, tmp_path):
+    """rank_pattern by layer: padded to rank 4, with PEFT's logits.
+
+    Refused before ('its layers have ranks [2, 4]'); more in test_lora_rank_pattern.
+    """
+    key = r"layers\.1\.self_attn\.q_proj"
+    expected = peft_adapter(tmp_path, target_modules=["q_proj"], rank_pattern={key: 2})
+    loaded = lora.load_adapter(tmp_path, base)
+    q = loaded["model"]["layers"]["self_attn"]["q_proj"]["weight"]
+    assert q.layer_ranks == (4, 2) and q.a.shape[-2] == 4
+    np.testing.assert_allclose(our_logits(loaded), expected, atol=1e-6)
 
 
 def test_zero_layers_of_a_partial_adapter_stay_zero_in_training(base, tmp_path):

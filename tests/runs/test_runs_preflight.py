@@ -277,3 +277,39 @@ def test_only_a_short_file_is_reported_as_too_few_rows(tmp_path, tiny_gguf):
     with pytest.raises(ShapeError) as e:
         preflight(_run(tmp_path, tiny_gguf, overflow="error"))
     assert "fewer rows" not in str(e.value)
+
+
+def test_validate_shows_pefts_trainable_count_with_per_layer_ranks(tmp_path):
+    """`entrenar validate` prints the adapters' trainable parameters.
+
+    With ranks by layer (lora.rank_pattern) the stacks are padded, but the count is
+    of the real ranks: PEFT's count of the same model and patterns.
+    """
+    from click.testing import CliRunner
+
+    from entrenar.cli import cli
+
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    cfg = nn.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=2, num_kv_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = tmp_path / "model.gguf"
+    io.save_llama_gguf(model, cfg, cfg.init(jax.random.key(0)))
+    patterns = {
+        "rank_pattern": {"model.layers.1.self_attn.q_proj": 7, r".*\.0\.mlp\..*": 2},
+        "alpha_pattern": {"v_proj": 3},
+    }
+    _run(tmp_path, model)
+    doc = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    lora_keys = {"rank": 4, "targets": ["all-linear"], **patterns}
+    path = write(tmp_path / "lora.yaml", {**doc, "lora": lora_keys})
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf_config()))
+    adapted = peft.get_peft_model(
+        hf, peft.LoraConfig(r=4, target_modules="all-linear", **patterns)
+    )
+    want = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    result = CliRunner().invoke(cli, ["validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert f"LoRA: {want:,} trainable parameters" in result.output

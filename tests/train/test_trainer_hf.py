@@ -160,10 +160,24 @@ def test_a_runs_optimizer_decays_as_hf_unless_told():
     assert set(step(decay_norms_and_biases=True).values()) == {-0.5}
 
 
-def test_lora_steps_are_hugging_faces_with_peft(tmp_path):
+@pytest.mark.parametrize(
+    "patterns",
+    [
+        {},
+        {  # ranks and alphas by layer: padded stacks here, real ranks in PEFT
+            "rank_pattern": {
+                "model.layers.0.self_attn.q_proj": 6,
+                r"layers\.1\.self_attn\.v_proj": 2,
+            },
+            "alpha_pattern": {r"layers\.1\.self_attn\.q_proj": 3},
+        },
+    ],
+    ids=["plain", "per_layer_ranks"],
+)  # fmt: skip
+def test_lora_steps_are_hugging_faces_with_peft(tmp_path, patterns):
     """The same with LoRA adapters: our Trainer vs HF's Trainer on a PEFT model."""
     peft = pytest.importorskip("peft")
-    cfg = lora.LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
+    cfg = lora.LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"), **patterns)
     base, data = CFG.init(jax.random.key(0)), rows()
     adapted = lora.apply(base, cfg, key=jax.random.key(1))  # B = 0, A random
     lora.save_adapter(
