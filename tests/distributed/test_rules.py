@@ -114,6 +114,23 @@ def test_lora_adapters_replicated_bases_split_along_out(quantize, dora):
     assert got[f"{up}.scale_scales"] == got[f"{up}.scale_offset"] == P()
 
 
+def test_per_layer_scales_are_replicated_like_the_adapters():
+    """Ranks by layer: each layer's scale (L,) is placed as A and B (P()).
+
+    Before, the node's layer_scale child was left out of its specs (the array
+    itself stood where a PartitionSpec belongs).
+    """
+    cfg = lora.LoRAConfig(
+        rank=4, targets=("q_proj",), rank_pattern={r"layers\.0\.self_attn\.q_proj": 2}
+    )
+    params = jax.eval_shape(
+        lambda k: lora.apply(MODEL.init(k), cfg, key=k), jax.random.key(0)
+    )
+    got = specs(params)
+    q = "model.layers.self_attn.q_proj.weight"
+    assert got[f"{q}.lora_A"] == got[f"{q}.layer_scale"] == P()
+
+
 @pytest.mark.parametrize(
     "make_opt",
     [lambda: adamw(1e-3), lambda: optax.chain(optax.clip(1.0), optax.adamw(1e-3))],

@@ -113,3 +113,25 @@ def test_linear_coefficients_only_for_linear_plans():
     assert linear_coefficients(PLANS["linear"]) == pytest.approx((0.25, 0.75))
     assert linear_coefficients(PLANS["ties"]) is None
     assert linear_coefficients(merge.Plan("linear", weights=(1.0, 1.0))) is None
+
+
+def test_adapters_with_ranks_by_layer_merge_at_each_layers_scale():
+    """Per-layer ranks and alphas: each layer's update is s_i B_i A_i at its real rank.
+
+    The reference is numpy on the unpadded factors, W + λ Σ_k w_k s_ki B_ki A_ki.
+    """
+    plan = PLANS["task_arithmetic"]
+    fts, want = [], np.array(frozen()["layers"]["q_proj"]["weight"], np.float64)
+    for k, (seed, ranks, alphas) in enumerate([(1, (2, 5), (4.0, 1.0)),
+                                               (2, (3, 1), (2.0, 2.0))]):  # fmt: skip
+        tree = adapted(seed, max(ranks), 1.0)
+        node = lora.with_layer_ranks(tree["layers"]["q_proj"]["weight"], ranks, alphas)
+        assert node.per_layer and node.rank == max(ranks)
+        tree["layers"]["q_proj"]["weight"] = node
+        fts.append(tree)
+        for i, (r, alpha) in enumerate(zip(ranks, alphas)):
+            a = np.asarray(node.a[i, :r], np.float64)  # (r, in)
+            b = np.asarray(node.b[i, :, :r], np.float64)  # (out, r)
+            want[i] += plan.lam * plan.weights[k] * (alpha / r) * (b @ a)
+    got = lora.fold(merge_adapters(plan, fts))["layers"]["q_proj"]["weight"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
