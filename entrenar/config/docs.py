@@ -141,8 +141,10 @@ recipe or a bare recipe file.
   every data file parsed and the fields its format reads checked (an invalid JSON line,
   an empty file, a missing field: an error naming file, line and column); `N` evenly
   spaced rows (1000 by default, 0 for all) through the loader `train` builds. It
-  prints the predicted rows, tokens, tokens cut by `seq_len`, tokens with a loss,
-  sequences and steps (`~`: estimated from the sample).
+  prints the adapters' trainable parameters (with `lora`: the real ranks of
+  `rank_pattern`, as PEFT counts them), the predicted rows, tokens, tokens cut by
+  `seq_len`, tokens with a loss, sequences and steps (`~`: estimated from the
+  sample).
 - `eval CONFIG` or `eval MODEL --data FILE [--format auto|text|prompt_completion|chat]
   [--compare BASE] [--json]`: loss and accuracy (tabular) or loss and perplexity (text);
   chat data adds the exact match of greedy replies (`entrenar.chat.exact_match`) and its
