@@ -39,6 +39,7 @@ from entrenar.errors import (
 from entrenar.io.atomic import atomic_write
 from entrenar.io.bounded import read_json
 from entrenar.io.safetensors_io import read_safetensors, write_safetensors_stream
+from entrenar.lora.config import LoRAConfig
 from entrenar.lora.names import (
     STACKED_KEYS,
     hf_modules,
@@ -93,6 +94,7 @@ def save_adapter(
     base_model_name_or_path: str | None = None,
     task_type: str | None = "CAUSAL_LM",
     stacked_keys: tuple[str, ...] = STACKED_KEYS,
+    config: LoRAConfig | None = None,
 ) -> None:
     """Write the adapters of ``params`` to the folder ``path`` in PEFT's layout.
 
@@ -105,6 +107,12 @@ def save_adapter(
         task_type: PEFT task type (``"CAUSAL_LM"``, or ``None`` for a custom model).
         stacked_keys: keys under which layers are stacked (layer ``i`` of a stacked
             weight is saved as ``...layers.{i}...``).
+        config: the `LoRAConfig` the adapters were made with: when its ``rank``,
+            ``alpha``, ``rank_pattern`` and ``alpha_pattern`` give every saved
+            module its rank and alpha (PEFT's lookup), they are written as they
+            are (as PEFT writes its config's); otherwise, and without it, ``r`` and
+            ``lora_alpha`` are the most common values and the patterns name each
+            module that differs (``re.escape`` of its name).
 
     A layer whose A and B are both zero (one `load_adapter` filled in for a layer
     the file had no adapter for; for DoRA also ``m = ‖W‖`` exactly) is left out,
@@ -152,8 +160,7 @@ def save_adapter(
         raise CompatibilityError(
             "save_adapter: every adapter is zero (A = 0 and B = 0): nothing to save"
         )
-    r = collections.Counter(ranks.values()).most_common(1)[0][0]
-    alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
+    r, alpha, rank_pattern, alpha_pattern = _patterns(ranks, alphas, config)
     suffixes = sorted({m.rsplit(".", 1)[-1] for m in ranks})
     all_modules = {
         m
@@ -173,8 +180,8 @@ def save_adapter(
         "lora_dropout": adapted[0][1].dropout,
         "target_modules": targets,
         "use_rslora": adapted[0][1].rslora,
-        "rank_pattern": {re.escape(m): k for m, k in ranks.items() if k != r},
-        "alpha_pattern": {re.escape(m): k for m, k in alphas.items() if k != alpha},
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -194,6 +201,36 @@ def save_adapter(
     )
     with atomic_write(os.path.join(folder, CONFIG_NAME), "w") as f:
         f.write(json.dumps(config, indent=2))
+
+
+def _patterns(
+    ranks: dict[str, int], alphas: dict[str, float], config: LoRAConfig | None
+) -> tuple[int, float, dict[str, int], dict[str, float]]:
+    """``(r, lora_alpha, rank_pattern, alpha_pattern)`` that give each module its own.
+
+    ``config``'s when they do (PEFT's ``get_pattern_key`` lookup), else the most
+    common rank and alpha and one escaped module name per module that differs.
+    """
+    if config is not None and all(
+        peft_pattern_value(config.rank_pattern, m, config.rank) == ranks[m]
+        and float(peft_pattern_value(config.alpha_pattern, m, config.alpha))
+        == alphas[m]
+        for m in ranks
+    ):
+        return (
+            config.rank,
+            config.alpha,
+            dict(config.rank_pattern),
+            dict(config.alpha_pattern),
+        )
+    r = collections.Counter(ranks.values()).most_common(1)[0][0]
+    alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
+    return (
+        r,
+        alpha,
+        {re.escape(m): k for m, k in ranks.items() if k != r},
+        {re.escape(m): k for m, k in alphas.items() if k != alpha},
+    )
 
 
 MAX_CONFIG_BYTES = 16 << 20

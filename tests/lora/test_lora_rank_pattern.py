@@ -128,6 +128,20 @@ def test_per_layer_ranks_load_save_and_load_in_peft(name, settings, tmp_path):
         hf_model(hf_dict, state), str(tmp_path / "back")
     ).eval()
     np.testing.assert_allclose(torch_logits(again, toks), want, atol=TOL, rtol=TOL)
+    # with the config PEFT's file was made with: its patterns, written as PEFT did
+    peft_cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    made_with = LoRAConfig(
+        rank=peft_cfg["r"], alpha=peft_cfg["lora_alpha"], targets=("all-linear",),
+        rank_pattern=peft_cfg["rank_pattern"], alpha_pattern=peft_cfg["alpha_pattern"],
+        rslora=peft_cfg["use_rslora"], use_dora=peft_cfg["use_dora"],
+    )  # fmt: skip
+    lora.save_adapter(loaded, tmp_path / "same", config=made_with)
+    ours_cfg = json.loads((tmp_path / "same" / "adapter_config.json").read_text())
+    for key in ("r", "lora_alpha", "rank_pattern", "alpha_pattern"):
+        assert ours_cfg[key] == peft_cfg[key], key
+    c = st_numpy.load_file(str(tmp_path / "same" / file))
+    assert all(np.array_equal(c[k], x) for k, x in a.items()) and c.keys() == a.keys()
+
     layers = peft.tuners.lora.LoraLayer
     seen = {
         n: (m.r, m.scaling) for n, m in again.named_modules() if isinstance(m, layers)
@@ -195,6 +209,44 @@ def test_trainable_count_and_gradients_equal_peft(tmp_path):
         checked += 1
     assert checked == sum(1 for n, _ in model.named_parameters() if ".lora_" in n)
     assert checked == 2 * 7 * config.num_layers  # A and B of 7 linears per layer
+
+
+def test_a_new_adapter_is_the_file_peft_writes_for_the_same_config(tmp_path):
+    """LoRAConfig(rank_pattern, alpha_pattern) vs peft.LoraConfig with the same keys.
+
+    The same tensor names and shapes (each layer at its own rank), and with
+    ``config=`` the same r, lora_alpha and patterns in adapter_config.json.
+    """
+    _, params, hf_dict, state = family("llama")
+    patterns = PATTERNS[1]
+    model = peft.get_peft_model(
+        hf_model(hf_dict, state),
+        peft.LoraConfig(r=3, lora_alpha=4, target_modules="all-linear", **patterns),
+    )
+    model.save_pretrained(str(tmp_path / "peft"))
+    cfg = LoRAConfig(
+        rank=3, alpha=4, targets=("all-linear",), rslora=patterns["use_rslora"],
+        rank_pattern=patterns["rank_pattern"], alpha_pattern=patterns["alpha_pattern"],
+    )  # fmt: skip
+    lp = lora.apply(params, cfg, key=jax.random.key(0))
+    lp = jax.tree_util.tree_map(  # B != 0 (a zero adapter is not saved)
+        lambda x: x.replace(b=x.b + 1.0) if is_node(x) else x, lp, is_leaf=is_node
+    )
+    lp = jax.tree_util.tree_map(  # zero the padding again
+        lambda x: lora.with_layer_ranks(x, x.real_ranks(), x.real_alphas())
+        if is_node(x) else x, lp, is_leaf=is_node,
+    )  # fmt: skip
+    lora.save_adapter(lp, tmp_path / "ours", config=cfg)
+    file = "adapter_model.safetensors"
+    theirs = st_numpy.load_file(str(tmp_path / "peft" / file))
+    ours = st_numpy.load_file(str(tmp_path / "ours" / file))
+    assert {k: v.shape for k, v in ours.items()} == {
+        k: v.shape for k, v in theirs.items()
+    }
+    want = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    got = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    for key in ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora"):
+        assert got[key] == want[key], key
 
 
 def test_module_type_patterns_need_no_padding():

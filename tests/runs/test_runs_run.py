@@ -461,3 +461,45 @@ def test_lora_errors_name_the_targets_key_and_keep_their_type(wine_yaml):
     path = wine_yaml(lora={"rank": 2, "alpha": 4, "targets": ["no_such_layer"]})
     with pytest.raises(ConfigError, match=r"^lora\.targets: "):
         train_from_yaml(path, dry_run=True, progress=False)
+
+
+def test_run_with_ranks_by_layer_exports_each_layer_at_its_rank(tiny_llama):
+    """lora.rank_pattern / alpha_pattern by layer in a YAML run.
+
+    The adapter is written with each layer at its own rank and the run's patterns
+    (as PEFT writes its config's); it loads back onto the base with the forward of
+    the folded GGUF the run exports. Before: 'unknown key lora.rank_pattern'.
+    """
+    patterns = {
+        "rank_pattern": {
+            "model.layers.0.self_attn.q_proj": 6,
+            r"layers\.1\.mlp\..*": 2,
+        },
+        "alpha_pattern": {"v_proj": 3},
+    }
+    doc = {
+        "model": {"path": "tiny.gguf", "tokenizer": str(WORDS / "tokenizer.gguf")},
+        "data": {"train": "train.jsonl", "format": "prompt_completion",
+                 "batch_size": 8, "seq_len": 24},
+        "lora": {"rank": 4, "alpha": 8, "targets": "all-linear", **patterns},
+        "optimizer": {"name": "adamw", "lr": 0.01},
+        "training": {"max_steps": 2, "output_dir": str(tiny_llama / "ranks")},
+        "export": {"formats": ["adapter", "gguf"], "gguf_type": "F32"},
+    }  # fmt: skip
+    files = _run(write(tiny_llama / "ranks.yaml", doc)).files
+    written = json.loads(Path(files["adapter"], "adapter_config.json").read_text())
+    assert {k: written[k] for k in patterns} == patterns
+    st = pytest.importorskip("safetensors.numpy")
+    tensors = st.load_file(os.path.join(files["adapter"], "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.{}.{}.lora_A.weight"
+    assert tensors[name.format(0, "self_attn.q_proj")].shape[0] == 6
+    assert tensors[name.format(1, "self_attn.q_proj")].shape[0] == 4
+    assert tensors[name.format(1, "mlp.up_proj")].shape[0] == 2
+    config, from_gguf, _ = io.load_llama_gguf(files["gguf"])
+    base = load_built(str(tiny_llama / "tiny.gguf")).params
+    ids = jnp.asarray([[5, 9, 30, 2]], jnp.int32)
+    np.testing.assert_allclose(
+        config.apply(lora.load_adapter(files["adapter"], base), ids),
+        config.apply(from_gguf, ids),
+        atol=1e-4,
+    )
