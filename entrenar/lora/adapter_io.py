@@ -171,7 +171,7 @@ def save_adapter(
     targets: list[str] | str = suffixes
     if others:  # a suffix list would adapt more modules: name them exactly
         targets = "|".join(re.escape(m) for m in sorted(ranks))
-    config = {
+    written = {
         "peft_type": "LORA",
         "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,
@@ -200,7 +200,7 @@ def save_adapter(
         {"format": "pt"},
     )
     with atomic_write(os.path.join(folder, CONFIG_NAME), "w") as f:
-        f.write(json.dumps(config, indent=2))
+        f.write(json.dumps(written, indent=2))
 
 
 def _patterns(
