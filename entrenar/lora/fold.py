@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from entrenar.errors import CompatibilityError, UnsupportedError
 from entrenar.lora import _quant
 from entrenar.lora.names import named_weight_leaves
-from entrenar.lora.weight import LoRAWeight
+from entrenar.lora.weight import LoRAWeight, layer_scales
 from entrenar.nn.weight_node import is_weight_node, logical_shape, to_dense
 from entrenar.types import Params
 
@@ -162,6 +162,8 @@ def unfold(merged: Params, adapters: Params) -> Params:
                 f"A {tuple(ad.a.shape)}, B {tuple(ad.b.shape)}"
             )
         base = (jnp.asarray(m).astype(jnp.float32) - delta(ad)).astype(m.dtype)
+        if ad.per_layer and ad.layer_scale is None:  # a trainable half's node
+            ad = ad.replace(layer_scale=layer_scales(ad)[1])
         return ad.replace(base=base, dropout_key=None)
 
     return jax.tree_util.tree_map(

@@ -271,6 +271,12 @@ def _layer_scale(w: LoRAWeight, dtype: Any) -> Any:
     The float multiplies as a weak type, so ``s`` is rounded to ``dtype`` either way.
     """
     if w.layer_scale is None:
+        if w.per_layer:
+            raise ValueError(
+                "a LoRAWeight with per-layer ranks has no layer_scale: a trainable "
+                "half of lora.split computes no product; lora.combine it with its "
+                "frozen half (or build it with lora.with_layer_ranks)"
+            )
         return w.scale
     return jnp.asarray(w.layer_scale).astype(dtype)  # () inside scan
 

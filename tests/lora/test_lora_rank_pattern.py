@@ -340,3 +340,28 @@ lora:
     q = lp["model"]["layers"]["self_attn"]["q_proj"]["weight"]
     assert q.layer_ranks == (8, 4) and q.layer_alphas == (16.0, 2.0)
     assert re.search("rank_pattern", json.dumps(spec.lora.to_dict()))
+
+
+def test_unfold_of_a_trainable_half_with_ranks_by_layer_gives_the_base_back():
+    """unfold(fold(p), trainable half): the base, and p's forward.
+
+    Before, the unfolded node had no layer_scale (the trainable half holds none),
+    and its forward failed under lax.scan broadcasting all layers' scales.
+    """
+    config, params, _, _ = family("llama")
+    cfg = LoRAConfig(rank=3, targets=("all-linear",), rank_pattern={r".*\.1\..*": 5})
+    lp = lora.apply(params, cfg, key=jax.random.key(3))
+    lp = jax.tree_util.tree_map(  # B != 0 within each layer's rank
+        lambda x: lora.with_layer_ranks(x.replace(b=x.b + 0.1), x.real_ranks(),
+                                        x.real_alphas()) if is_node(x) else x,
+        lp, is_leaf=is_node,
+    )  # fmt: skip
+    trainable, _ = lora.split(lp)
+    back = lora.unfold(lora.fold(lp), trainable)
+    toks = jnp.asarray(tokens(config.vocab_size))
+    np.testing.assert_allclose(
+        config.apply(back, toks), config.apply(lp, toks), atol=1e-5, rtol=1e-5
+    )
+    w = back["model"]["layers"]["mlp"]["up_proj"]["weight"]
+    want = params["model"]["layers"]["mlp"]["up_proj"]["weight"]
+    np.testing.assert_allclose(w.base, want, atol=1e-6)
