@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from entrenar import lora, nn
 from entrenar import optim as eo
@@ -365,3 +367,38 @@ def test_unfold_of_a_trainable_half_with_ranks_by_layer_gives_the_base_back():
     w = back["model"]["layers"]["mlp"]["up_proj"]["weight"]
     want = params["model"]["layers"]["mlp"]["up_proj"]["weight"]
     np.testing.assert_allclose(w.base, want, atol=1e-6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    ranks=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    alphas=st.lists(st.sampled_from([1.0, 2.5, 8.0]), min_size=4, max_size=4),
+    rslora=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_padded_stack_is_each_layers_own_product(ranks, alphas, rslora, seed):
+    """Under lax.scan a padded stack computes x Wᵢᵀ + sᵢ (x Aᵢᵀ) Bᵢᵀ at rank rᵢ.
+
+    Reference: numpy on the unpadded factors (float64), sᵢ = αᵢ/rᵢ or αᵢ/√rᵢ.
+    """
+    n, out, fan_in = len(ranks), 5, 7
+    alphas = alphas[:n]
+    rng = np.random.default_rng(seed)
+    big = max(ranks)
+    w = rng.normal(size=(n, out, fan_in)).astype(np.float32)
+    a = rng.normal(size=(n, big, fan_in)).astype(np.float32)
+    b = rng.normal(size=(n, out, big)).astype(np.float32)
+    x = rng.normal(size=(3, fan_in)).astype(np.float32)
+    node = LoRAWeight(jnp.asarray(w), jnp.asarray(a), jnp.asarray(b), 1.0, big,
+                      rslora=rslora)  # fmt: skip
+    node = lora.with_layer_ranks(node, tuple(ranks), tuple(alphas))
+
+    def layer(carry, wi):
+        return carry, nn.linear(jnp.asarray(x), wi)
+
+    got = np.asarray(jax.lax.scan(layer, 0, node)[1])  # (n, 3, out)
+    for i, (r, alpha) in enumerate(zip(ranks, alphas)):
+        s = alpha / (np.sqrt(r) if rslora else r)
+        ai, bi = a[i, :r].astype(np.float64), b[i, :, :r].astype(np.float64)
+        want = x @ w[i].T.astype(np.float64) + s * (x @ ai.T) @ bi.T
+        np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-4)
