@@ -226,7 +226,8 @@ def check_mesh(spec: TrainSpec) -> None:
 RESUME_REFUSED = (
     "model.path", "model.architecture", "model.config", "model.tokenizer",
     "model.dtype", "lora.enabled", "lora.rank", "lora.alpha", "lora.targets",
-    "lora.quantize_base", "lora.init", "lora.rslora", "lora.use_dora", "distillation",
+    "lora.quantize_base", "lora.init", "lora.rslora", "lora.use_dora",
+    "lora.rank_pattern", "lora.alpha_pattern", "distillation",
     "data.train", "data.validation_split", "data.format", "data.text_field",
     "data.prompt_field", "data.completion_field", "data.messages_field",
     "data.features", "data.target", "data.task", "data.normalize", "data.seq_len",

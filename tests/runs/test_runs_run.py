@@ -503,3 +503,18 @@ def test_run_with_ranks_by_layer_exports_each_layer_at_its_rank(tiny_llama):
         config.apply(from_gguf, ids),
         atol=1e-4,
     )
+
+
+def test_every_lora_setting_but_dropout_is_refused_on_resume():
+    """A new LoRA option must say whether a resumed run may change it.
+
+    Before: ``lora.use_dora``, ``lora.rank_pattern`` and ``lora.alpha_pattern``
+    (added beside the resume check) were only warned about.
+    """
+    import dataclasses
+
+    from entrenar.lora import LoRAConfig
+    from entrenar.runs.run import RESUME_REFUSED
+
+    keys = {f"lora.{f.name}" for f in dataclasses.fields(LoRAConfig)}
+    assert keys - {"lora.dropout"} <= set(RESUME_REFUSED)
