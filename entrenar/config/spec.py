@@ -187,13 +187,14 @@ class TrainSpec(Config):
         return self.training.output_dir
 
     def check_evaluation(self) -> None:
-        """``eval_every`` / ``early_stopping`` need validation data (else a no-op).
+        """``eval_every`` / ``early_stopping`` / ``export_best`` need validation data.
 
         ``early_stopping.patience`` is 3 when the section is written (`parse`).
         """
         for key, value in (
             ("eval_every", self.training.eval_every),
             ("early_stopping.patience", self.training.patience),
+            ("export_best", self.training.export_best or None),
         ):
             if value is not None and self.data is not None and not self.has_validation:
                 raise ConfigError(

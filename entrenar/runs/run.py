@@ -239,8 +239,9 @@ RESUME_FREE = (
     "name", "source", "export", "quantization", "training.epochs",
     "training.max_steps", "training.eval_every", "training.checkpoint_every",
     "training.keep_checkpoints", "training.log_every", "training.early_stopping",
-    "training.output_dir", "training.mesh", "training.max_memory",
-    "training.tensorboard", "model.kernels", "model.remat_policy",
+    "training.export_best", "training.output_dir", "training.mesh",
+    "training.max_memory", "training.tensorboard", "model.kernels",
+    "model.remat_policy",
     # the Trainer warns about these itself (the data order)
     "training.seed", "training.grad_accum", "data.batch_size", "data.shuffle",
 )  # fmt: skip
@@ -375,7 +376,7 @@ def _train(
     # several processes: every array whole on each (a collective, so all call it);
     # process 0 writes the outputs, as it wrote the metrics
     params = distributed.gather_to_host(params)
-    metrics = _final_metrics(result)
+    metrics = _final_metrics(result, export_best=spec.training.export_best)
     if jax.process_index() != 0:
         return RunResult(spec, out_dir, {}, result, metrics)
     extra: dict[str, Any] = {"tabular": prep.data.stats} if prep.data.stats else {}
@@ -448,7 +449,12 @@ def _plot(out_dir: str) -> dict[str, str]:
         return {}
 
 
-def _final_metrics(result: TrainResult) -> dict[str, Any]:
+def _final_metrics(result: TrainResult, *, export_best: bool) -> dict[str, Any]:
+    """result.json's ``metrics``.
+
+    ``exported_step`` (only with ``training.export_best``): the step whose
+    parameters were exported, ``best_step``.
+    """
     out: dict[str, Any] = {"steps": result.steps, "stopped_early": result.stopped_early}
     if result.history:
         out["train_loss"] = result.history[-1].get("loss")
@@ -456,6 +462,8 @@ def _final_metrics(result: TrainResult) -> dict[str, Any]:
         out["eval_loss"] = result.eval_history[-1].get("eval_loss")
         out["best_eval_loss"] = result.best_eval_loss
         out["best_step"] = result.best_step
+    if export_best:
+        out["exported_step"] = result.params_step
     return out
 
 

@@ -8,6 +8,11 @@ Layout (orbax's ``CheckpointManager``)::
                                              history, early-stopping counters
     <output_dir>/checkpoints/<step>/checksums.json   sha256 of every file above
 
+Rotation keeps the ``keep`` newest checkpoints and the one `save` is told to protect
+(``TrainConfig.export_best``: the best evaluation's, as Hugging Face's
+``save_total_limit`` never deletes ``best_model_checkpoint``); it runs after each save,
+so a process killed before it leaves one checkpoint too many, removed by the next.
+
 Orbax writes each checkpoint into a temporary directory and renames it when complete,
 so a process killed mid-write leaves the previous checkpoints intact (the stray
 temporary directory is removed when the next manager opens the folder). A write that
@@ -99,7 +104,8 @@ class Checkpointer:
 
     Args:
         directory: the checkpoints folder (created if missing, unless read-only).
-        keep: how many of the most recent checkpoints to keep.
+        keep: how many of the most recent checkpoints to keep (besides the one a
+            save protects).
         read_only: only restore (another run's folder: its temporary folders,
             maybe a save in progress, are left alone).
     """
@@ -113,8 +119,9 @@ class Checkpointer:
     ) -> None:
         ocp = _ocp()
         self.directory = os.path.abspath(os.fspath(directory))
+        self.keep = int(keep)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=int(keep),
+            max_to_keep=None,  # rotated here (`_rotate`): one may be protected
             create=not read_only,
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
@@ -145,8 +152,13 @@ class Checkpointer:
         """The folder of checkpoint ``step``."""
         return os.path.join(self.directory, str(int(step)))
 
-    def save(self, state: TrainState, meta: dict[str, Any]) -> str:
+    def save(
+        self, state: TrainState, meta: dict[str, Any], *, protect: int | None = None
+    ) -> str:
         """Write checkpoint ``int(state.step)`` atomically; return its folder.
+
+        Then remove the checkpoints older than the ``keep`` newest, but ``protect``
+        (a step whose checkpoint must stay: the best evaluation's).
 
         Raises:
             CheckpointError: the write failed (disk full, read-only folder); the
@@ -178,7 +190,15 @@ class Checkpointer:
                     f"{f'step {good[-1]}' if good else 'none'}); free disk space or "
                     "make the folder writable, then continue with --resume latest"
                 ) from e
+        self._rotate(protect)
         return self.path(step)
+
+    def _rotate(self, protect: int | None) -> None:
+        """Delete all but the ``keep`` newest checkpoints and ``protect``."""
+        steps = self.steps()  # every process calls delete: orbax syncs them
+        for step in steps[: max(len(steps) - self.keep, 0)]:
+            if step != protect:
+                self._manager.delete(step)
 
     def _remove_temporaries(self, step: int) -> None:
         prefix = f"{step}.orbax-checkpoint-tmp"

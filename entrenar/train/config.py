@@ -108,6 +108,14 @@ class TrainConfig(Config):
         "written when the run ends",
     )
     keep_checkpoints: int = option(3, ge=1, doc="most recent checkpoints kept")
+    export_best: bool = option(
+        False,
+        aliases=("load_best_model_at_end",),
+        doc="export the parameters of the evaluation with the lowest eval loss "
+        "(best_step) instead of the last ones: a checkpoint is written at each "
+        "improving evaluation and kept past keep_checkpoints while it is the best; "
+        "needs validation data",
+    )
     log_every: int = option(
         10, ge=1, doc="steps between metric lines (metrics.jsonl, progress bar)"
     )
@@ -179,9 +187,14 @@ class TrainConfig(Config):
     )
 
     def check(self, path: str) -> None:
-        """TensorBoard events need a folder."""
-        if self.tensorboard and self.output_dir is None:
-            raise ConfigError(f"{path}.tensorboard: needs an output_dir")
+        """TensorBoard events and the best parameters' checkpoints need a folder."""
+        for key in ("tensorboard", "export_best"):
+            if getattr(self, key) and self.output_dir is None:
+                raise ConfigError(
+                    f"{path}.{key}: needs an output_dir (where "
+                    f"{'its events' if key == 'tensorboard' else 'the best checkpoint'}"
+                    " is written)"
+                )
 
 
 __all__ = [

@@ -247,8 +247,25 @@ def distill_doc(folder, out):
     }
 
 
+def best_doc(folder, out):
+    """The LoRA run exporting its best evaluation (``training.export_best``).
+
+    Adam at a constant 3.0 without warm-up, evaluated every step: the eval loss is
+    lowest at step 6 (5.648) and rises after (5.651, 5.650). One checkpoint kept
+    besides the best, written every 4 steps: step 6's is there for export_best.
+    """
+    doc = llama_doc(folder, out)
+    del doc["scheduler"]
+    doc["optimizer"]["lr"] = 3.0
+    doc["training"].update(
+        eval_every=1, checkpoint_every=4, keep_checkpoints=1, export_best=True
+    )
+    return doc
+
+
 EXPORTS = ("adapter", "safetensors", "gguf", "hf", "quantized")
 DOCS = {
+    "best": best_doc,
     "gpt2": gpt2_doc,
     "lora": llama_doc,
     "qlora": lambda folder, out: llama_doc(folder, out, "nf4"),
@@ -376,3 +393,24 @@ def test_distillation_killed_before_its_first_checkpoint(data, uninterrupted, tm
     assert steps_run(lines)[:1] == [1], a
     finish(cfg)
     assert_same_run(full, out)
+
+
+def test_export_best_killed_at_a_step_and_mid_export(data, uninterrupted, tmp_path):
+    """The best checkpoint survives a kill; the resumed run exports it the same.
+
+    Killed at a step (before or after the best evaluation, step 6), then in an
+    export: every exported file as the uninterrupted run's, the parameters of step
+    6, and checkpoint 6 kept past keep_checkpoints: 1.
+    """
+    full = uninterrupted("best")
+    result = json.loads((full / "result.json").read_text())["metrics"]
+    assert result["best_step"] == result["exported_step"] == 6, result
+    assert sorted(os.listdir(full / "checkpoints")) == ["6", "8"]
+    rng = random.Random()
+    a, kind = rng.randint(2, 7), rng.choice(EXPORTS)
+    cfg, out = config(data, tmp_path, "best", "run")
+    killed(cfg, kill_at=a, resume=False)
+    killed(cfg, env={"HANG_IN_EXPORT": kind})
+    finish(cfg)
+    assert_same_run(full, out)
+    assert sorted(os.listdir(out / "checkpoints")) == ["6", "8"], (a, kind)
