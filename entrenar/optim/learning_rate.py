@@ -144,6 +144,47 @@ def get_lr(state: OptState) -> jax.Array:
     return node.lr
 
 
+def refresh_lr(optimizer: Any, state: OptState, params: Params) -> OptState:
+    """``state`` whose `ScheduleState` rates are ``optimizer``'s schedule at its count.
+
+    A `ScheduleState` stores ``lr = schedule(count)``, the rate of the next update,
+    for `get_lr`; the update computes ``schedule(count)`` anew. A state restored from
+    a checkpoint written under another schedule (``scheduler`` changed at resume)
+    stores the old schedule's rate, so `get_lr` would name a rate the next update
+    does not use. Here one update from ``count - 1`` (its updates ``params`` itself;
+    only the rates are returned, so XLA computes nothing else) gives each schedule's
+    ``schedule(count)``. Other nodes (a fixed rate, optax's) and a count of 0 are
+    kept.
+    """
+
+    def is_schedule(x: Any) -> bool:
+        return isinstance(x, ScheduleState)
+
+    def schedules(tree: OptState) -> list[ScheduleState]:
+        return [n for n in _lr_nodes(tree) if is_schedule(n)]
+
+    if not schedules(state):
+        return state
+
+    def rates(st: OptState, p: Params) -> list[jax.Array]:
+        back = jax.tree_util.tree_map(
+            lambda n: n._replace(count=jnp.maximum(n.count, 1) - 1)
+            if is_schedule(n) else n,
+            st, is_leaf=_is_lr_node,
+        )  # fmt: skip
+        _, new = optimizer.update(p, back, p)
+        return [
+            jnp.where(old.count > 0, n.lr, old.lr)
+            for old, n in zip(schedules(st), schedules(new))
+        ]
+
+    fresh = iter(jax.jit(rates)(state, params))
+    return jax.tree_util.tree_map(
+        lambda n: n._replace(lr=next(fresh)) if is_schedule(n) else n,
+        state, is_leaf=_is_lr_node,
+    )  # fmt: skip
+
+
 def set_lr(state: OptState, lr: Any) -> OptState:
     """A copy of ``state`` whose next updates use learning rate ``lr``.
 
@@ -178,6 +219,7 @@ __all__ = [
     "LearningRateState",
     "ScheduleState",
     "get_lr",
+    "refresh_lr",
     "scale",
     "scale_by_learning_rate",
     "set_lr",

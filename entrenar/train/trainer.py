@@ -27,6 +27,7 @@ from entrenar.data.protocol import ArrayLoader, Loader
 from entrenar.errors import ConfigError, NonFiniteError
 from entrenar.io.heap import trim_heap
 from entrenar.io.lock import OutputLock
+from entrenar.optim.learning_rate import refresh_lr
 from entrenar.train.callbacks import Callback
 from entrenar.train.checkpoint import Checkpointer, resolve_resume
 from entrenar.train.config import TrainConfig
@@ -652,7 +653,10 @@ class Trainer:
         finally:
             if not own:
                 ckpt.close()
-        self.state, self._step = state, int(state.step)
+        # a scheduler changed at resume: the stored rate of the next update is the
+        # old schedule's; the step logs get_lr of its state (specs/trainer.md)
+        opt_state = refresh_lr(self.optimizer, state.opt_state, state.trainable)
+        self.state, self._step = state._replace(opt_state=opt_state), int(state.step)
         _LOG.info("resuming from step %d (checkpoint %s)", self.step, where)
         changed = {
             k: (v, getattr(self.config, k)) for k, v in meta["config"].items()

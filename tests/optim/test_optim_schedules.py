@@ -154,6 +154,31 @@ def test_schedule_state_reports_next_rate_and_refuses_set_lr():
         eo.set_lr(s, 0.5)
 
 
+def test_refresh_lr_names_the_rate_a_changed_schedule_uses_next():
+    """A state stepped under one schedule, continued under another (a resume).
+
+    Its stored rate is the old schedule's; after `refresh_lr` `get_lr` names the
+    rate the next update applies: SGD's update is -lr·g (g = 1), so the rate is
+    read off the update itself; the new schedule by hand: 0.3·(1 - t/10).
+    """
+    old = eo.sgd(eo.linear_schedule(0.1, 0.0, 4))
+    new = eo.sgd(eo.linear_schedule(0.3, 0.0, 10))
+    params = {"w": jnp.zeros(2)}
+    s = old.init(params)
+    for _ in range(3):
+        _, s = old.update({"w": jnp.ones(2)}, s, params)
+    assert float(eo.get_lr(s)) == pytest.approx(0.1 * (1 - 3 / 4))  # stale
+    fresh = eo.refresh_lr(new, s, params)
+    assert float(eo.get_lr(fresh)) == pytest.approx(0.3 * (1 - 3 / 10), rel=1e-6)
+    u, after = new.update({"w": jnp.ones(2)}, fresh, params)
+    np.testing.assert_allclose(-np.asarray(u["w"]), float(eo.get_lr(fresh)), rtol=1e-6)
+    assert int(after[-1].count) == 4  # the counts themselves are untouched
+    np.testing.assert_array_equal(eo.refresh_lr(new, new.init(params), params)[-1].lr,
+                                  new.init(params)[-1].lr)  # fmt: skip
+    fixed = eo.adam(0.01).init(params)  # no schedule: the same state
+    assert eo.refresh_lr(eo.adam(0.02), fixed, params) is fixed
+
+
 def test_lr_is_found_through_masks_and_accumulation():
     params = {"w": jnp.ones(3), "b": jnp.ones(1)}
     tx = eo.accumulate(eo.freeze(eo.adam(0.3), {"w": True, "b": False}), 2)

@@ -191,10 +191,12 @@ def test_extending_a_run_at_resume_warns_when_its_schedule_moves(
         assert "5 steps, 3 before" in said[0] and "first at step 3" in said[0]
         rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").open()]
         lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
-        # 3 steps: 0, 0.01, 0.005; step 5 at the 5-step lr(4) = 0.01·1/4 (an
-        # uninterrupted 5-step run trains step 3 at 0.01·3/4)
-        want = [0.0, 0.01, 0.005, 0.0025]
-        np.testing.assert_allclose([lr[n] for n in (1, 2, 3, 5)], want, rtol=1e-6)
+        # 3 steps: 0, 0.01, 0.005; steps 4 and 5 at the 5-step lr(3) = 0.01·2/4
+        # and lr(4) = 0.01·1/4 (an uninterrupted 5-step run trains step 3 at
+        # 0.01·3/4). Step 4 logged the checkpoint's stored rate, the 3-step lr(3)
+        # = 0, not the rate it trained at.
+        want = [0.0, 0.01, 0.005, 0.005, 0.0025]
+        np.testing.assert_allclose([lr[n] for n in range(1, 6)], want, rtol=1e-6)
 
 
 def test_overrides_change_the_run(wine_yaml, tmp_path):
