@@ -395,12 +395,16 @@ def test_distillation_killed_before_its_first_checkpoint(data, uninterrupted, tm
     assert_same_run(full, out)
 
 
-def test_export_best_killed_at_a_step_and_mid_export(data, uninterrupted, tmp_path):
+@pytest.mark.parametrize("first", ["step", "best_checkpoint"])
+def test_export_best_killed_at_a_step_and_mid_export(
+    data, uninterrupted, tmp_path, first
+):
     """The best checkpoint survives a kill; the resumed run exports it the same.
 
-    Killed at a step (before or after the best evaluation, step 6), then in an
-    export: every exported file as the uninterrupted run's, the parameters of step
-    6, and checkpoint 6 kept past keep_checkpoints: 1.
+    Killed at a step (before or after the best evaluation, step 6) or while writing
+    the best's checkpoint, then in an export: every exported file as the
+    uninterrupted run's, the parameters of step 6, and checkpoint 6 kept past
+    keep_checkpoints: 1.
     """
     full = uninterrupted("best")
     result = json.loads((full / "result.json").read_text())["metrics"]
@@ -409,7 +413,11 @@ def test_export_best_killed_at_a_step_and_mid_export(data, uninterrupted, tmp_pa
     rng = random.Random()
     a, kind = rng.randint(2, 7), rng.choice(EXPORTS)
     cfg, out = config(data, tmp_path, "best", "run")
-    killed(cfg, kill_at=a, resume=False)
+    if first == "step":
+        killed(cfg, kill_at=a, resume=False)
+    else:
+        killed(cfg, env={"HANG_AT_CHECKPOINT": "6"}, resume=False)
+        assert "6.orbax-checkpoint-tmp" in " ".join(os.listdir(out / "checkpoints"))
     killed(cfg, env={"HANG_IN_EXPORT": kind})
     finish(cfg)
     assert_same_run(full, out)
