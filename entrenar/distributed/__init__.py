@@ -40,6 +40,7 @@ from entrenar.distributed.multihost import (
     process_config,
 )
 from entrenar.distributed.rules import (
+    Convert,
     Match,
     ShardingRules,
     constrain,
@@ -50,6 +51,7 @@ from entrenar.distributed.rules import (
     param_specs,
     put,
     replicated,
+    shard_converted,
     shard_opt_state,
     shard_params,
     shard_state,
@@ -60,6 +62,7 @@ from entrenar.distributed.rules import (
 __all__ = [
     "ENV",
     "MESH_AXES",
+    "Convert",
     "Match",
     "MeshSpec",
     "ProcessConfig",
@@ -86,6 +89,7 @@ __all__ = [
     "replicated",
     "resolve_mesh",
     "shard_batch",
+    "shard_converted",
     "shard_opt_state",
     "shard_params",
     "shard_state",

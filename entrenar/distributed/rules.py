@@ -15,7 +15,10 @@ e.g. ``model.layers.self_attn.q_proj.weight``), like optimizer masks and LoRA ta
    replicated. A ``QuantizedWeight`` ``(*lead, out, in)`` is split along ``out``,
    the one axis its codes, scales and offsets share, so every shard holds whole
    quantization blocks; its second-level scales (double quantization) are
-   replicated.
+   replicated. A frozen weight's bfloat16 copy is placed as the float32 weight it
+   rounds: a `entrenar.nn.Bfloat16Weight`'s bits by the weight's own name and
+   shape, a `entrenar.nn.TiedEmbedding`'s table as the embedding and its
+   transposed head ``(D, V)`` along the embedding's split axis, transposed.
 
 Optimizer state is placed like the params it belongs to: each subtree of the state
 with the params' structure and shapes (optax's ``mu``, ``nu``, ...) gets the params'
@@ -26,6 +29,7 @@ rules by its own dotted name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -250,6 +254,28 @@ def _quantized_specs(
 _QUANT_CHILDREN = ("codes", "scales", "offsets", "scale_scales", "scale_offset")
 
 
+def _tied_specs(
+    name: str, x: nn.TiedEmbedding, mesh: Mesh, rules: ShardingRules,
+    undivided: Undivided | None = None,
+) -> nn.TiedEmbedding:  # fmt: skip
+    """The table as the embedding it holds; ``head_t`` ``(D, V)`` as its transpose.
+
+    The table keeps the embedding's placement (its name, its shape); the rounded
+    head is split along the axis the dense ``(V, D)`` embedding would be, so both
+    hold the same rows' values on each device.
+    """
+    dense = jax.ShapeDtypeStruct(nn.logical_shape(x.table), nn.logical_dtype(x.table))
+    spec = tuple(_array_spec(name, dense, mesh, rules))
+    head = (*spec, None, None)[1::-1]  # (V, D) -> (D, V)
+    while head and head[-1] is None:  # written as `_spec` writes it
+        head = head[:-1]
+    return dataclasses.replace(
+        x,
+        table=_node_specs(name, x.table, mesh, rules, undivided),
+        head_t=PartitionSpec(*head),
+    )
+
+
 def _node_specs(
     name: str, x: Any, mesh: Mesh, rules: ShardingRules,
     undivided: Undivided | None = None,
@@ -266,6 +292,12 @@ def _node_specs(
         )  # fmt: skip
     if isinstance(x, QuantizedWeight):
         return _quantized_specs(name, x, mesh, rules, undivided)
+    if isinstance(x, nn.Bfloat16Weight):  # as the float32 weight it rounds
+        return dataclasses.replace(
+            x, bits=_array_spec(name, x.bits, mesh, rules, undivided)
+        )
+    if isinstance(x, nn.TiedEmbedding):
+        return _tied_specs(name, x, mesh, rules, undivided)
     if nn.is_weight_node(x):  # any other node: each array by its own dotted name
         return jax.tree_util.tree_map_with_path(
             lambda p, c: _array_spec(
@@ -458,20 +490,85 @@ def shard_opt_state(
     return put(opt_state, opt_state_sharding(opt_state, params, mesh, rules))
 
 
-def shard_state(state: Any, mesh: Mesh, rules: ShardingRules | None = None) -> Any:
+Convert = Callable[[str, Any], Any]
+"""``fn(dotted_name, leaf) -> node``: a leaf (weight nodes whole) in another form."""
+
+
+def shard_converted(
+    tree: PyTree, mesh: Mesh, convert: Convert, rules: ShardingRules | None = None
+) -> PyTree:
+    """``tree`` with each leaf ``x`` (weight nodes whole) replaced by ``convert``'s.
+
+    Built one leaf at a time and shard by shard: ``x`` is placed by the rules
+    (each device receives its shards), ``convert`` runs under `jax.jit` with the
+    rules' placement of its result as ``out_shardings`` (each device computes its
+    shards of it), and the placed ``x`` is dropped. No device ever holds a whole
+    split leaf, and besides the converted tree at most one placed leaf's shards:
+    a float32 frozen half becomes its bfloat16 copy (`entrenar.nn.
+    to_bfloat16_weights`) in half the memory, never 1.5 times it. A leaf that
+    ``convert`` returns unchanged (same structure, shapes, dtypes) is placed as
+    `shard_params` places it.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from entrenar.distributed import make_mesh
+        >>> to16 = lambda name, x: x.astype(jnp.bfloat16)
+        >>> out = shard_converted({"w": jnp.ones((8, 4))}, make_mesh({"fsdp": -1}),
+        ...                       to16, ShardingRules(min_size=0))
+        >>> out["w"].dtype, out["w"].shape
+        (dtype(bfloat16), (8, 4))
+    """
+    rules = rules or ShardingRules()
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=nn.is_weight_node
+    )
+    out = []
+    for path, x in flat:
+        name = key_path_str(path)
+        fn = functools.partial(convert, name)
+        target = jax.eval_shape(fn, x)
+        placed = put(x, _named(mesh, param_specs(x, mesh, rules, prefix=name)))
+        if _same_form(target, x):
+            out.append(placed)
+            continue
+        shardings = _named(mesh, param_specs(target, mesh, rules, prefix=name))
+        out.append(jax.jit(fn, out_shardings=shardings)(placed))
+        del placed  # its buffers go when the caller holds no other reference
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _same_form(a: PyTree, b: PyTree) -> bool:
+    """Same tree structure, leaf shapes and dtypes."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    return ta == tb and all(  # type: ignore[operator]
+        np.shape(x) == np.shape(y) and x.dtype == y.dtype for x, y in zip(la, lb)
+    )
+
+
+def shard_state(
+    state: Any, mesh: Mesh, rules: ShardingRules | None = None,
+    *, convert_frozen: Convert | None = None,
+) -> Any:  # fmt: skip
     """A train state (``trainable, frozen, opt_state, step, key`` fields) on ``mesh``.
 
     The params and optimizer state by the rules; the step and the random key
     replicated. Warns (`warn_undivided`) when FSDP cannot split a tenth or more
-    of the params' bytes.
+    of the params' bytes. ``convert_frozen``: the frozen half is placed in the
+    form it gives each leaf, built shard by shard (`shard_converted`).
     """
     warn_undivided((state.trainable, state.frozen), mesh, rules)
     rep = replicated(mesh)
     key = state.key
     key_data = put(jax.random.key_data(key), rep)
+    frozen = (
+        shard_params(state.frozen, mesh, rules)
+        if convert_frozen is None
+        else shard_converted(state.frozen, mesh, convert_frozen, rules)
+    )
     return state._replace(
         trainable=shard_params(state.trainable, mesh, rules),
-        frozen=shard_params(state.frozen, mesh, rules),
+        frozen=frozen,
         opt_state=shard_opt_state(state.opt_state, state.trainable, mesh, rules),
         step=put(state.step, rep),
         key=jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(key)),
@@ -498,6 +595,7 @@ __all__ = [
     "param_specs",
     "put",
     "replicated",
+    "shard_converted",
     "shard_opt_state",
     "shard_params",
     "shard_state",

@@ -59,6 +59,17 @@ def _compute_frozen(model: Any, frozen: Params) -> Params:
     )
 
 
+def _frozen_converter(model: Any) -> distributed.Convert | None:
+    """`_compute_frozen` one named leaf at a time (None: the half is read as is).
+
+    For a mesh (`distributed.shard_converted`): each device then builds its
+    shards of the copy from its shards of the float32 leaf.
+    """
+    if getattr(model, "matmul_dtype", None) != "bfloat16":
+        return None
+    return lambda name, leaf: _compute_frozen(model, {name: leaf})[name]
+
+
 def _every(step: int, n: int | None) -> bool:
     return n is not None and step % n == 0
 
@@ -212,15 +223,18 @@ class Trainer:
             params, optimizer, key=jax.random.key(cfg.seed), trainable=trainable
         )
         self.mesh = distributed.resolve_mesh(mesh if mesh is not None else cfg.mesh)
+        # The step may read a bfloat16 copy of the frozen half (`_compute_frozen`);
+        # the tree `fit` returns keeps the half as given.
+        given, convert = self.state.frozen, _frozen_converter(self.model)
         if self.mesh is not None:  # params and optimizer state placed by the rules
-            self.state = distributed.shard_state(self.state, self.mesh, sharding_rules)
-        # On one device the step may read a bfloat16 copy of the frozen half (see
-        # `_compute_frozen`); the tree `fit` returns keeps the half as given.
-        self._frozen_given: Params = self.state.frozen
-        if self.mesh is None:
-            self.state = self.state._replace(
-                frozen=_compute_frozen(self.model, self.state.frozen)
-            )
+            self.state = distributed.shard_state(
+                self.state, self.mesh, sharding_rules, convert_frozen=convert
+            )  # the copy built shard by shard, no placed float32 half kept
+            if convert is None:
+                given = self.state.frozen
+        elif convert is not None:
+            self.state = self.state._replace(frozen=_compute_frozen(self.model, given))
+        self._frozen_given: Params = given
         self._step_fn = make_train_step(
             self.loss_fn, optimizer, grad_accum=cfg.grad_accum, clip=cfg.grad_clip,
             skip_nonfinite=True, mesh=self.mesh, rules=sharding_rules,
@@ -249,7 +263,9 @@ class Trainer:
 
         ``trainer.state.frozen`` may hold the step's bfloat16 copy of the frozen
         weights (`nn.Bfloat16Weight`, `nn.TiedEmbedding`); this tree never does,
-        so it can be saved, merged or exported as it is.
+        so it can be saved, merged or exported as it is. On a mesh with such a
+        copy its frozen half is the caller's arrays, not placed on the mesh (no
+        placed float32 half is kept beside the copy).
         """
         return combine(self.state.trainable, self._frozen_given)
 

@@ -14,6 +14,9 @@ and asserts what it can itself (a failure exits non-zero with the traceback).
   {fsdp: 8} against 1 device; batch placement helpers.
 - ``multiprocess <pid> <port>`` (4 devices each, 2 processes): {data: 2, fsdp: 4}
   over both processes against this process's single-device run.
+- ``bf16_copy`` (8 devices): ``matmul_dtype: bfloat16`` LoRA (untied, tied) and
+  QLoRA on {fsdp: 8} / {data: 2, fsdp: 4}: the frozen half's bfloat16 copy on
+  the mesh against 1 device and against the mesh without the copy; its bytes.
 - ``eight <out_dir>`` (8 devices): ``meshes`` then ``adapters`` in one process (one
   jax start-up and one 8-device client instead of two; the tests run this).
 """
@@ -34,11 +37,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import numpy as np
 
-from entrenar import distributed, lora
+from entrenar import distributed, lora, nn
 from entrenar.errors import ConfigError
 from entrenar.nn import LlamaConfig
-from entrenar.optim import adamw
+from entrenar.optim import adamw, sgd
 from entrenar.train import Checkpointer, TrainConfig, Trainer
+from entrenar.train.model_loss import loss_for_model
 from entrenar.tree import tree_bytes, tree_named_leaves
 
 MODEL = LlamaConfig(
@@ -197,6 +201,76 @@ def adapters(out: str) -> None:
         json.dump(report, f)
 
 
+def _bf16_fit(model: LlamaConfig, params: object, mesh: object, copy: bool) -> dict:
+    """5 LoRA steps of SGD: Adam's sign-like first steps would magnify rounding.
+
+    ``B`` starts at zero. ``copy=False``: the model's loss as a plain function,
+    which the Trainer cannot know multiplies in bfloat16 (no copy: the step rounds
+    the float32 weights).
+    """
+    fn = model if copy else loss_for_model(model)
+    t = Trainer(fn, params, sgd(0.05), config(max_steps=5), mesh=mesh,
+                sharding_rules=RULES, trainable="lora")  # fmt: skip
+    r = t.fit(data(model.vocab_size))
+    return {"loss": [h["loss"] for h in r.history], "trainer": t,
+            "params": host(r.state.trainable)}  # fmt: skip
+
+
+def _wide_float32(shapes: set) -> int:
+    """Live float32 arrays of a frozen projection's shape split over devices."""
+    return sum(
+        1 for x in jax.live_arrays()
+        if x.dtype == np.float32 and x.shape in shapes
+        and len(x.sharding.device_set) > 1
+    )  # fmt: skip
+
+
+def bf16_copy(out: str) -> None:
+    """Meshes read the frozen half's bfloat16 copy, split like the float32 half."""
+    report: dict = {}
+    cfg = lora.LoRAConfig(rank=4, alpha=8, targets=lora.ALL_LINEAR, dropout=0.1)
+    bf16 = dataclasses.replace(ADAPTED, matmul_dtype="bfloat16")
+    for name, tied, quantize, spec in (
+        ("lora_fsdp8", False, None, {"fsdp": 8}),
+        ("lora_data2_fsdp4", False, None, {"data": 2, "fsdp": 4}),
+        ("tied_fsdp8", True, None, {"fsdp": 8}),
+        ("qlora_fsdp8", False, "nf4", {"fsdp": 8}),
+    ):
+        model = dataclasses.replace(bf16, tie_word_embeddings=tied)
+        base = model.init(jax.random.key(0))
+        params = lora.apply(base, cfg, key=jax.random.key(1), quantize=quantize)
+        shapes = {np.shape(w) for w in jax.tree_util.tree_leaves(base)
+                  if np.ndim(w) == 3}  # fmt: skip
+        ref = _bf16_fit(model, params, None, copy=True)
+        run = _bf16_fit(model, params, spec, copy=True)
+        alive = _wide_float32(shapes)  # before `plain`, which keeps them placed
+        plain = _bf16_fit(model, params, spec, copy=False)
+        frozen, one = run["trainer"].state.frozen, ref["trainer"].state.frozen
+        devices = distributed.bytes_per_device(frozen)
+        report[name] = {
+            "loss": run["loss"], "ref_loss": ref["loss"], "plain_loss": plain["loss"],
+            "param_rel": [float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+                          for a, b in zip(run["params"], ref["params"])],
+            "plain_param_diff": max(float(np.max(np.abs(a - b)))
+                                    for a, b in zip(run["params"], plain["params"])),
+            "copy_equal": all(np.array_equal(a, b)
+                              for a, b in zip(host(frozen), host(one), strict=True)),
+            "nodes": sorted({type(x).__name__ for x in jax.tree_util.tree_leaves(
+                frozen, is_leaf=lambda x: not isinstance(x, lora.LoRAWeight)
+                and nn.is_weight_node(x))}),
+            "frozen_max_per_device": max(devices.values()),
+            "frozen_devices": len(devices),
+            "plain_frozen_max_per_device": max(distributed.bytes_per_device(
+                plain["trainer"].state.frozen).values()),
+            "copy_bytes": tree_bytes(one),
+            "float32_bytes": tree_bytes(lora.split(params)[1]),
+            "float32_split_alive": alive,
+        }  # fmt: skip
+        del ref, run, plain
+    with open(os.path.join(out, "bf16_copy.json"), "w") as f:
+        json.dump(report, f)
+
+
 def multiprocess(out: str, pid: str, port: str) -> None:
     distributed.initialize(f"127.0.0.1:{port}", 2, int(pid))
     assert jax.process_count() == 2 and jax.device_count() == 8
@@ -261,4 +335,5 @@ def eight(out: str) -> None:
 if __name__ == "__main__":
     check, out, *args = sys.argv[1:]
     {"meshes": meshes, "resume": resume, "adapters": adapters, "eight": eight,
-     "multiprocess": multiprocess}[check](out, *args)  # fmt: skip
+     "multiprocess": multiprocess,
+     "bf16_copy": bf16_copy}[check](out, *args)  # fmt: skip

@@ -4,6 +4,8 @@ Layouts are checked on an `AbstractMesh` (rules only read the axis sizes); train
 on real meshes runs in subprocesses (test_multidevice.py).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from entrenar import distributed, lora
+from entrenar import distributed, lora, nn
 from entrenar.distributed import MESH_AXES, ShardingRules, fsdp_axis, param_specs
 from entrenar.errors import ConfigError
 from entrenar.nn import LlamaConfig
@@ -129,6 +131,50 @@ def test_per_layer_scales_are_replicated_like_the_adapters():
     got = specs(params)
     q = "model.layers.self_attn.q_proj.weight"
     assert got[f"{q}.lora_A"] == got[f"{q}.layer_scale"] == P()
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        ALL,
+        ShardingRules(min_size=0, rules=[
+            (r"q_proj\.weight\.base$", P(None, None, "fsdp")),
+            ("embed_tokens", P(None, "fsdp")),
+        ]),
+    ],
+)  # fmt: skip
+def test_a_bfloat16_copy_is_placed_as_the_float32_weights_it_rounds(rules):
+    """A bfloat16 copy is split as the float32 weights it rounds (FSDP, user rules).
+
+    The Trainer's copy of a frozen half (`nn.to_bfloat16_weights`): each
+    `Bfloat16Weight` where its float32 weight was, a tied
+    embedding's table where the embedding was and its head ``(D, V)`` along the
+    same axis, transposed (each device holds the same rows of both).
+
+    Before, the nodes' arrays were placed under their own names (``...weight.bits``,
+    ``...weight.head_t``): a rule anchored on the weight's name missed the copy,
+    and the user rule above split the head ``(64, 30)`` along its 30 rows
+    (ConfigError: 30 does not split in 4).
+    """
+    tied = dataclasses.replace(MODEL, tie_word_embeddings=True)
+    cfg = lora.LoRAConfig(rank=4, targets=lora.ALL_LINEAR)
+    frozen = jax.eval_shape(
+        lambda k: lora.split(lora.apply(tied.init(k), cfg, key=k))[1],
+        jax.random.key(0),
+    )
+    copy = jax.eval_shape(
+        lambda f: nn.to_bfloat16_weights(f, tied_embedding="model.embed_tokens.weight"),
+        frozen,
+    )
+    want, got = specs(frozen, rules), specs(copy, rules)
+    q = "model.layers.self_attn.q_proj.weight.base"
+    assert got[f"{q}.bits"] == want[q] != P()
+    emb = "model.embed_tokens.weight"
+    assert got[f"{emb}.table"] == want[emb] != P()
+    v, d = (*want[emb], None, None)[:2]  # the embedding (V, D)'s split axes
+    assert (*got[f"{emb}.head_t"], None, None)[:2] == (d, v)
+    for name, spec in want.items():  # every float32 leaf's place is its copy's
+        assert got.get(name, got.get(f"{name}.bits", got.get(f"{name}.table"))) == spec
 
 
 @pytest.mark.parametrize(
