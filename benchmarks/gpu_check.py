@@ -938,8 +938,19 @@ def _ratios(steps: list[dict[str, Any]], peer: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def default_out(cpu_smoke: bool) -> Path:
+    """results/gpu.md for a device run; a smoke run's report never goes there.
+
+    results/gpu.md is what issue 32 reads as the device's figures: a CPU smoke run
+    that wrote it (as it did until session 22) could be committed as GPU results.
+    """
+    if cpu_smoke:
+        return Path(tempfile.gettempdir()) / "entrenar-gpu-check-smoke.md"
+    return ROOT / "benchmarks" / "results" / "gpu.md"
+
+
 def orchestrate(a: argparse.Namespace) -> int:
-    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "gpu.md"
+    out = Path(a.out) if a.out else default_out(a.cpu_smoke)
     rep = Report(out, a.cpu_smoke)
     t0 = time.time()
     mode = "--cpu-smoke (tiny shapes on the CPU)" if a.cpu_smoke else "GPU"
@@ -1020,7 +1031,11 @@ def _has(module: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU")
-    ap.add_argument("--out", default="", help="report path (default results/gpu.md)")
+    ap.add_argument(
+        "--out",
+        default="",
+        help="report path (default results/gpu.md; --cpu-smoke: the temp folder)",
+    )
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for all")
     ap.add_argument("--shapes", default="", help="comma-separated; default: all")
     ap.add_argument("--skip-numerics", action="store_true", help="steps and peer only")

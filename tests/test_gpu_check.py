@@ -33,3 +33,20 @@ def test_cpu_smoke_writes_every_section(tmp_path):
     variants = {x.split("|")[3].strip() for x in rows}
     assert {"lora", "qlora"} <= variants, report
     assert "skipped: the time budget" not in report
+
+
+def test_a_smoke_run_never_writes_the_device_results_file():
+    """results/gpu.md holds the device's figures; a smoke run's default is elsewhere.
+
+    Before: ``--cpu-smoke`` without ``--out`` wrote benchmarks/results/gpu.md, which a
+    commit could then carry as issue 32's GPU results.
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", ROOT / "benchmarks" / "gpu_check.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.default_out(False) == ROOT / "benchmarks" / "results" / "gpu.md"
+    assert ROOT not in mod.default_out(True).parents
