@@ -13,6 +13,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scripted_eval import Scripted
 
 from entrenar.errors import ConfigError
 from entrenar.optim import sgd
@@ -30,30 +31,6 @@ def linear_loss(p, b, *, key):
     if "v" in b:  # scripted evaluation batches carry their own loss
         return jnp.mean(b["v"]) + 0.0 * jnp.sum(p["w"])
     return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
-
-
-class Scripted:
-    """An evaluation Loader whose i-th pass yields loss values[i]."""
-
-    def __init__(self, values):
-        self.values, self.i = list(values), 0
-
-    def __iter__(self):
-        v = self.values[self.i]
-        self.i += 1
-        yield {"v": np.full(1, v, np.float32)}
-
-    def __len__(self):
-        return 1
-
-    def set_epoch(self, epoch):
-        pass
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def sgd_reference(steps):

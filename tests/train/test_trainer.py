@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scripted_eval import Scripted
 
 from entrenar.errors import ConfigError, FormatError, NonFiniteError
 from entrenar.nn import MLP
@@ -35,30 +36,6 @@ def linear_loss(p, b, *, key):
 
 
 PARAMS = {"w": jnp.zeros((3, 1)), "b": jnp.zeros(1)}
-
-
-class Scripted:
-    """An evaluation Loader whose i-th pass yields loss values[i]."""
-
-    def __init__(self, values):
-        self.values, self.i = list(values), 0
-
-    def __iter__(self):
-        v = self.values[self.i]
-        self.i += 1
-        yield {"v": np.full(1, v, np.float32)}
-
-    def __len__(self):
-        return 1
-
-    def set_epoch(self, epoch):
-        pass
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 @pytest.mark.parametrize(
