@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from peft_cases import CFG
 
 from entrenar import lora, quant
 from entrenar.errors import CompatibilityError, UnsupportedError
@@ -28,16 +29,6 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 st_numpy = pytest.importorskip("safetensors.numpy")
 
-CFG = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    max_position_embeddings=32,
-    rms_norm_eps=1e-5,
-)
 TOKENS = np.array([[1, 5, 9, 2, 33, 7, 60, 3], [4, 4, 8, 15, 16, 23, 42, 0]])
 QV = ("q_proj", "v_proj")
 

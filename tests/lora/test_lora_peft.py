@@ -8,27 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from peft_cases import CFG
 
 from entrenar import lora
 from entrenar.errors import CompatibilityError, FormatError, UnsupportedError
 from entrenar.lora import LoRAConfig, LoRAWeight
-from entrenar.nn import LlamaConfig, to_hf_names
+from entrenar.nn import to_hf_names
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 st_numpy = pytest.importorskip("safetensors.numpy")
 
-CFG = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    max_position_embeddings=32,
-    rms_norm_eps=1e-5,
-)
 TOKENS = np.array([[1, 5, 9, 2, 33, 7, 60, 3], [4, 4, 8, 15, 16, 23, 42, 0]])
 
 

@@ -17,26 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from peft_cases import CFG
 
 from entrenar import lora
 from entrenar import optim as eo
-from entrenar.nn import GPT2Config, LlamaConfig, to_hf_names
+from entrenar.nn import GPT2Config, to_hf_names
 from entrenar.train import TrainConfig, Trainer
 from entrenar.tree import key_path_str
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-CFG = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    max_position_embeddings=32,
-    rms_norm_eps=1e-5,
-)
 N, T, LR, STEPS, GA, BS = 8, 12, 1e-2, 3, 2, 2
 
 
