@@ -8,6 +8,7 @@ Layers, each importing only the ones below it (specs/conventions.md; a test chec
     train  chat    Trainer, jitted steps, checkpoints; chat inference
     data  merge    loaders, tokenizers, packing; TIES/DARE/SLERP model merging
     distributed    meshes, FSDP / data-parallel sharding rules, multi-host start-up
+    preference     DPO and TRL's loss types; the reference with LoRA adapters off
     lora  distill  LoRA/QLoRA pytree transforms; distillation losses
     io             JSON, YAML, safetensors, GGUF, tokenizer, SmolLM2
     autograd quant Tensor API over nn's math; QuantizedWeight formats
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         merge,
         nn,
         optim,
+        preference,
         quant,
         runs,
         train,
@@ -57,8 +59,8 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     )
 
 _SUBMODULES = frozenset(
-    "autograd config data distill distributed errors io lora merge nn optim quant "
-    "runs train".split()
+    "autograd config data distill distributed errors io lora merge nn optim "
+    "preference quant runs train".split()
 )
 _HOMES = {
     **dict.fromkeys(["Tensor", "backward", "check_gradient", "no_grad"], "autograd"),
@@ -121,6 +123,7 @@ __all__ = [
     "nn",
     "no_grad",
     "optim",
+    "preference",
     "quant",
     "runs",
     "train",

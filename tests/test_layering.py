@@ -26,7 +26,7 @@ LAYERS = [
     {"autograd", "quant"},
     {"io"},
     {"lora", "distill"},
-    {"data", "merge", "distributed"},
+    {"data", "merge", "distributed", "preference"},
     {"chat", "train"},
     {"config"},
     {"runs"},

@@ -41,6 +41,12 @@ from entrenar.data.formatting import (
     record_fields,
     special_texts,
 )
+from entrenar.data.preference import (
+    PreferencePair,
+    collate_preference,
+    encode_preference,
+    extract_prompt,
+)
 from entrenar.data.protocol import (
     ArrayLoader,
     Batch,
@@ -69,6 +75,7 @@ __all__ = [
     "FastTokenizer",
     "Loader",
     "NoFullBatchError",
+    "PreferencePair",
     "Records",
     "TextLoader",
     "Tokenizer",
@@ -76,9 +83,12 @@ __all__ = [
     "assistant_spans",
     "chat_add_bos",
     "check_messages",
+    "collate_preference",
     "detect_record_format",
+    "encode_preference",
     "encode_records",
     "epoch_permutation",
+    "extract_prompt",
     "fit_documents",
     "gpt2_pattern",
     "label_segments",

@@ -1,0 +1,167 @@
+"""entrenar's DPO reproduces TRL 1.16's DPOTrainer, recorded on a tiny Llama.
+
+tests/oracles/make_trl_dpo_reference.py ran TRL (transformers 5.25, PEFT 0.21.2,
+torch CPU float32) for three SGD steps twice: LoRA on conversational records with
+implicit prompts (reference: the adapters off) and full fine-tuning on standard
+records (reference log-probabilities precomputed). Here entrenar tokenizes the
+same records with the same tokenizer, collates the batches TRL drew, and trains
+from the same starting weights; TRL is not needed.
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entrenar import lora, optim
+from entrenar.data import collate_preference, encode_preference
+from entrenar.io import HFTokenizer
+from entrenar.nn import from_hf_names, to_hf_names
+from entrenar.preference import make_dpo_loss_fn, reference_logps
+from entrenar.train import TrainState, make_train_step
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(TESTS), str(TESTS / "io")]
+import hf_cases  # noqa: E402  (tests/io)
+from peft_cases import CFG  # noqa: E402
+
+REF = json.loads((TESTS / "data" / "trl_dpo_reference.json").read_text())
+ARR = np.load(TESTS / "data" / "trl_dpo_reference.npz")
+MODEL = dataclasses.replace(
+    CFG, vocab_size=REF["vocab_size"], max_position_embeddings=64
+)
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
+           "rewards/margins", "logps/chosen", "logps/rejected")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    hf_cases.write_tokenizer(folder, REF["tokenizer_style"])
+    return HFTokenizer.from_folder(folder)
+
+
+def start_params():
+    flat = {k[len("init/") :]: ARR[k] for k in ARR.files if k.startswith("init/")}
+    return from_hf_names(flat, MODEL)
+
+
+@pytest.mark.parametrize("run", ["full", "lora"])
+def test_tokenized_pairs_and_batches_are_trls(run, tokenizer):
+    pairs = encode_preference(
+        REF["records"][run], tokenizer, max_length=REF["max_length"]
+    )
+    got = [{"prompt_ids": p.prompt, "chosen_ids": p.chosen, "rejected_ids": p.rejected}
+           for p in pairs]  # fmt: skip
+    assert got == REF[run]["tokenized"]
+    for step in REF[run]["steps"]:
+        batch = collate_preference(
+            [pairs[i] for i in step["rows"]],
+            tokenizer.pad_id,
+            max_length=REF["max_length"],
+        )
+        for key in ("input_ids", "attention_mask", "completion_mask"):
+            want = np.asarray(step[key])  # (2B, T): all chosen, then all rejected
+            b = want.shape[0] // 2
+            np.testing.assert_array_equal(batch[key][:, 0], want[:b], err_msg=key)
+            np.testing.assert_array_equal(batch[key][:, 1], want[b:], err_msg=key)
+
+
+def lora_start(tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    from safetensors.numpy import save_file
+
+    prefix = "lora/init_adapter/"
+    save_file({k[len(prefix) :]: ARR[k] for k in ARR.files if k.startswith(prefix)},
+              str(folder / "adapter_model.safetensors"))  # fmt: skip
+    (folder / "adapter_config.json").write_text(
+        json.dumps(REF["lora"]["adapter_config"])
+    )
+    return lora.load_adapter(folder, start_params())
+
+
+def train_like_trl(run, tokenizer, tmp_path):
+    """Entrenar's steps on TRL's batches: (loss, metrics) per step, final params."""
+    pairs = encode_preference(
+        REF["records"][run], tokenizer, max_length=REF["max_length"]
+    )
+    settings = REF["settings"]
+    if run == "lora":
+        params, trainable, reference = lora_start(tmp_path), "lora", "adapters"
+    else:
+        params, trainable, reference = start_params(), None, "precomputed"
+    loss_fn = make_dpo_loss_fn(MODEL, beta=settings["beta"], reference=reference)
+    step_fn = make_train_step(loss_fn, optim.sgd(settings["learning_rate"]))
+    state = TrainState.create(params, optim.sgd(settings["learning_rate"]),
+                              key=jax.random.key(0), trainable=trainable)  # fmt: skip
+    start = params
+    seen = []
+    for step in REF[run]["steps"]:
+        batch = collate_preference(
+            [pairs[i] for i in step["rows"]],
+            tokenizer.pad_id,
+            max_length=REF["max_length"],
+        )
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        if reference == "precomputed":  # the starting model's, as TRL precomputes
+            rc, rr = jax.jit(lambda p, b: reference_logps(MODEL, p, b))(start, batch)
+            batch.update(ref_chosen_logps=rc, ref_rejected_logps=rr)
+        state, metrics = step_fn(state, batch)
+        seen.append({k: float(v) for k, v in metrics.items()})
+    return seen, state.params
+
+
+@pytest.mark.parametrize("run", ["full", "lora"])
+def test_losses_metrics_and_weights_are_trls(run, tokenizer, tmp_path):
+    seen, params = train_like_trl(run, tokenizer, tmp_path)
+    for i, (got, want) in enumerate(zip(seen, REF[run]["steps"], strict=True)):
+        assert abs(got["loss"] - want["loss"]) < 1e-5, (i, got["loss"], want["loss"])
+        for k in METRICS:
+            tol = 1e-4 * max(1.0, abs(want["metrics"][k]))  # logps sum ~40 tokens
+            assert abs(got[k] - want["metrics"][k]) < tol, (
+                i,
+                k,
+                got[k],
+                want["metrics"][k],
+            )
+    prefix = f"{run}/final/"
+    final = {k[len(prefix) :]: ARR[k] for k in ARR.files if k.startswith(prefix)}
+    if run == "lora":
+        ours = _peft_tensors(params)
+        final = {k.replace(".default", ""): v for k, v in final.items()}
+    else:
+        ours = {k: np.asarray(v) for k, v in to_hf_names(params).items()}
+    assert set(ours) == set(final)
+    for k in final:
+        np.testing.assert_allclose(ours[k], final[k], atol=1e-5, rtol=0, err_msg=k)
+    moved = max(float(np.max(np.abs(final[k] - _start(run, k)))) for k in final)
+    assert moved > 1e-3  # the steps changed the weights well beyond the tolerance
+
+
+def _start(run, key):
+    if run == "full":
+        return ARR[f"init/{key}"]
+    init = {
+        k.split("init_adapter/")[1]: ARR[k] for k in ARR.files if "init_adapter" in k
+    }
+    return init.get(
+        key,
+        np.zeros_like(ARR[f"lora/final/{key.replace('.weight', '.default.weight')}"]),
+    )
+
+
+def _peft_tensors(params):
+    """PEFT's adapter names ``base_model.model.<module>.lora_A.weight`` -> array."""
+    out = {}
+    for name, node in to_hf_names(params).items():
+        if isinstance(node, lora.LoRAWeight):
+            module = name[: -len(".weight")]
+            out[f"base_model.model.{module}.lora_A.weight"] = np.asarray(node.a)
+            out[f"base_model.model.{module}.lora_B.weight"] = np.asarray(node.b)
+    return out
