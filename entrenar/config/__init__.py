@@ -19,6 +19,7 @@ from entrenar.config.sections import (
     DistillationSection,
     ExportSection,
     ModelSection,
+    PreferenceSection,
     QuantizationSection,
 )
 from entrenar.config.spec import TrainSpec, apply_overrides, load_config
@@ -32,6 +33,7 @@ __all__ = [
     "DistillationSection",
     "ExportSection",
     "ModelSection",
+    "PreferenceSection",
     "QuantizationSection",
     "TrainSpec",
     "apply_overrides",

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from entrenar import nn
 from entrenar.errors import ConfigError
 from entrenar.native import Policy
+from entrenar.preference import LossType, check_dpo_settings
 from entrenar.schema import Config, option
 from entrenar.train.config import ComputeDtype
 
@@ -128,13 +129,17 @@ class DataSection(Config):
         "`validation` file (a seeded split); a language model's run refuses it "
         "(give a `validation` file)",
     )
-    format: Literal["auto", "tabular", "text", "prompt_completion", "chat"] = option(
+    format: Literal[
+        "auto", "tabular", "text", "prompt_completion", "chat", "preference"
+    ] = option(
         "auto",
         doc="tabular (feature columns -> target), text (language modelling), "
-        "prompt_completion or chat (loss on the answer only); auto: tabular for an "
-        "mlp, else from the first record's fields: `messages_field` -> chat, "
-        "`prompt_field` and `completion_field` -> prompt_completion, `text_field` -> "
-        "text",
+        "prompt_completion or chat (loss on the answer only), preference (prompt, "
+        "chosen, rejected: TRL's standard or conversational pairs, with a "
+        "`preference` section); auto: tabular for an mlp, preference with a "
+        "`preference` section, else from the first record's fields: "
+        "`messages_field` -> chat, `prompt_field` and `completion_field` -> "
+        "prompt_completion, `text_field` -> text",
     )
     text_field: str = option("text", doc="text: the column holding the text")
     prompt_field: str = option("prompt", doc="prompt_completion: the prompt column")
@@ -164,7 +169,9 @@ class DataSection(Config):
         512,
         ge=2,
         aliases=("max_seq_length", "max_length"),
-        doc="language models: tokens per row (longer examples are truncated)",
+        doc="language models: tokens per row (longer examples are truncated); "
+        "preference pairs: TRL's max_length (each prompt + completion row cut to "
+        "it, a pair whose prompt alone fills it dropped)",
     )
     packing: bool = option(
         False, doc="language models: pack several examples into each row"
@@ -190,7 +197,7 @@ class DataSection(Config):
         """Tabular fields only with the tabular format."""
         if self.format == "tabular" and self.target is None:
             raise ConfigError(f"{path}.target: tabular data needs a target column")
-        if self.format in ("text", "prompt_completion", "chat") and (
+        if self.format in ("text", "prompt_completion", "chat", "preference") and (
             self.target is not None or self.features is not None
         ):
             raise ConfigError(
@@ -253,6 +260,41 @@ class DistillationSection(Config):
 
 
 @dataclasses.dataclass(frozen=True)
+class PreferenceSection(Config):
+    """``preference:``: DPO on preference pairs as TRL's DPOTrainer computes it."""
+
+    beta: float = option(
+        0.1,
+        gt=0.0,
+        doc="β: the pull towards the reference model (IPO's τ); TRL's default 0.1",
+    )
+    loss_type: LossType = option(
+        "sigmoid",
+        doc="sigmoid (DPO), robust, hinge, ipo, sigmoid_norm, bco_pair, nca_pair, "
+        "sppo_hard, apo_zero, apo_down or exo_pair: TRL 1.16's formulas",
+    )
+    label_smoothing: float = option(
+        0.0,
+        ge=0.0,
+        lt=0.5,
+        doc="ε: sigmoid's conservative DPO (cDPO), robust's and exo_pair's",
+    )
+    reference: Literal["auto", "adapters", "precomputed"] = option(
+        "auto",
+        doc="the reference model: adapters (the model with its LoRA adapters off, "
+        "in the same step), precomputed (the starting model's log-probabilities, "
+        "computed once before training); auto: adapters with LoRA, else precomputed",
+    )
+
+    def check(self, path: str) -> None:
+        """The loss type's own rules (`entrenar.preference.check_dpo_settings`)."""
+        try:
+            check_dpo_settings(self.beta, self.loss_type, self.label_smoothing)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class ExportSection(Config):
     """``export:``: the files written after training."""
 
@@ -290,5 +332,6 @@ __all__ = [
     "DistillationSection",
     "ExportSection",
     "ModelSection",
+    "PreferenceSection",
     "QuantizationSection",
 ]

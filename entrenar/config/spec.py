@@ -22,6 +22,7 @@ from entrenar.config.sections import (
     DistillationSection,
     ExportSection,
     ModelSection,
+    PreferenceSection,
     QuantizationSection,
 )
 from entrenar.errors import ConfigError, EntrenarError
@@ -86,6 +87,9 @@ class TrainSpec(Config):
     distillation: DistillationSection | None = option(
         None, doc="knowledge distillation from a teacher"
     )
+    preference: PreferenceSection | None = option(
+        None, doc="preference fine-tuning (DPO) on prompt/chosen/rejected pairs"
+    )
     training: TrainConfig = option(factory=TrainConfig, doc="the run itself")
     merge: dict[str, Any] | None = option(
         None,
@@ -118,10 +122,38 @@ class TrainSpec(Config):
                     "distillation: distilling into LoRA adapters is not supported; "
                     "train the whole student (remove `lora`)"
                 )
+        self.check_preference()
         if self.training.output_dir is None:
             raise ConfigError("training.output_dir: a run writes its files there")
         if self.model is not None:  # a file's own architecture: after resolve_paths
             self.check_architecture(self.model.architecture)
+
+    def check_preference(self) -> None:
+        """A ``preference`` section reads preference data, and fits the rest."""
+        p, lora_on = self.preference, self.lora is not None and self.lora.enabled
+        fmt = self.data.format if self.data is not None else None
+        if p is None:
+            if fmt == "preference":
+                raise ConfigError(
+                    "data.format: preference data trains with a `preference:` "
+                    "section (beta, loss_type, ...); add one"
+                )
+            return
+        if fmt not in (None, "auto", "preference"):
+            raise ConfigError(
+                f"data.format: a preference run reads prompt/chosen/rejected pairs, "
+                f"not {fmt}; use format: preference (or auto)"
+            )
+        if self.distillation is not None:
+            raise ConfigError("preference: a run is DPO or distillation, not both")
+        if p.reference == "adapters" and not lora_on:
+            raise ConfigError(
+                "preference.reference: adapters needs a `lora` section (the reference "
+                "is the model with its adapters off); full fine-tuning uses "
+                "precomputed"
+            )
+        if self.data is not None and self.data.packing:
+            raise ConfigError("data.packing: preference pairs are not packed")
 
     def check_architecture(self, arch: str | None) -> None:
         """The rules that depend on the model's architecture (None: not known yet).
@@ -133,6 +165,10 @@ class TrainSpec(Config):
         if arch is None or self.model is None:
             return
         lm = arch != "mlp"
+        if self.preference is not None and arch in ("mlp", "gpt2"):
+            raise ConfigError(
+                f"preference: DPO trains a Llama-style decoder, not {arch}"
+            )
         if self.data is not None:
             fmt = self.data.format
             if lm and fmt == "tabular":

@@ -3,7 +3,9 @@
 Tabular data becomes in-memory arrays (`entrenar.data.tabular_arrays`, the Trainer
 batches them); text becomes an `entrenar.data`
 `TextLoader` whose batches hold ``batch_size × grad_accum`` rows (the Trainer splits
-each into ``grad_accum`` micro-batches).
+each into ``grad_accum`` micro-batches). Preference pairs (a ``preference`` section)
+become in-memory ``(N, 2, T)`` arrays (`entrenar.data.encode_preference` and
+`collate_preference`, as TRL tokenizes them) padded to the longest pair.
 """
 
 from __future__ import annotations
@@ -254,6 +256,43 @@ def check_steps(spec: TrainSpec, loader: data_lib.TextLoader) -> None:
         raise _no_step(spec, d.train)
 
 
+def preference_arrays(
+    spec: TrainSpec, built: BuiltModel, path: str
+) -> dict[str, np.ndarray]:
+    """The pairs of ``path`` as ``(N, 2, T)`` arrays, ``T`` the longest kept row.
+
+    Rows are cut at ``data.seq_len`` (TRL's ``max_length``); pairs whose prompt
+    alone fills it are dropped, as TRL drops them.
+    """
+    d = spec.data
+    assert d is not None
+    recs = data_lib.load_records(path)
+    pairs = data_lib.encode_preference(recs, built.tokenizer, max_length=d.seq_len)
+    if not pairs:
+        raise ConfigError(
+            f"data.seq_len: every pair of {path} has a prompt of {d.seq_len} tokens "
+            "or more (no completion token would be left); raise data.seq_len"
+        )
+    tok = built.tokenizer
+    pad = tok.pad_id if getattr(tok, "pad_id", None) is not None else tok.eos_id
+    return data_lib.collate_preference(pairs, int(pad or 0), max_length=d.seq_len)
+
+
+def _preference(spec: TrainSpec, built: BuiltModel) -> RunData:
+    d = spec.data
+    assert d is not None
+    check_lm(spec, built)
+    train = preference_arrays(spec, built, d.train)
+    valid = None
+    if d.validation is not None:
+        valid = preference_arrays(spec, built, d.validation)
+    n = len(train["input_ids"])
+    per_step = d.batch_size * spec.training.grad_accum
+    if n < per_step:
+        raise _no_step(spec, d.train)
+    return RunData(train, valid, n // per_step, n, {})
+
+
 def _text(spec: TrainSpec, built: BuiltModel) -> RunData:
     d = spec.data
     assert d is not None
@@ -275,6 +314,8 @@ def build_data(
     being fine-tuned, else in the distillation teacher's file, else computed from the
     training split, so a model always sees inputs scaled as in its training.
     """
+    if built.is_lm and spec.preference is not None:
+        return _preference(spec, built)
     if built.is_lm:
         return _text(spec, built)
     preset = built.custom.get("tabular")
@@ -331,6 +372,7 @@ __all__ = [
     "check_lm",
     "check_steps",
     "check_teacher",
+    "preference_arrays",
     "text_loader",
     "total_steps",
     "train_config",

@@ -280,10 +280,12 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
     """
     if spec.model is None or spec.data is None or spec.is_merge:
         raise UnsupportedError("the memory plan is of a training run (model and data)")
-    if spec.distillation is not None:
+    if spec.distillation is not None or spec.preference is not None:
+        kind = "distillation" if spec.distillation is not None else "preference"
         raise UnsupportedError(
-            "training.max_memory: the memory predictor does not cover distillation "
-            "runs yet (the teacher's weights and step); remove max_memory"
+            f"training.max_memory: the memory predictor does not cover {kind} "
+            "runs yet (a teacher, or DPO's two rows per pair and the reference "
+            "forward); remove max_memory"
         )
     if spec.training.mesh is not None:
         raise UnsupportedError(

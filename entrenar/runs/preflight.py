@@ -36,6 +36,7 @@ from entrenar.runs.build import (
     check_lm,
     check_steps,
     check_teacher,
+    preference_arrays,
     text_loader,
     total_steps,
 )
@@ -243,6 +244,15 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
         return report
     check_lm(spec, built)
     _check_memory(spec, report)
+    if spec.preference is not None:  # pairs kept (TRL drops prompts >= seq_len)
+        for name, path in (("train", d.train), ("validation", d.validation)):
+            if path is not None:
+                pairs = len(preference_arrays(spec, built, path)["input_ids"])
+                report["data"][name] = {"file": path, "rows": pairs, "pairs": pairs}
+        per_step = d.batch_size * spec.training.grad_accum
+        report["steps_per_epoch"] = report["data"]["train"]["rows"] // per_step
+        report["steps"] = total_steps(spec, report["steps_per_epoch"])
+        return report
     rows = sample if sample > 0 else 2**62
     plan = plan_text(spec, built, d.train, sample=rows)
     report["data"]["train"] = plan
@@ -274,7 +284,8 @@ def format_preflight(report: dict[str, Any]) -> list[str]:
         if isinstance(plan, TextPlan):
             lines.append(f"  Data {name}: {_text_line(plan)}")
         else:
-            lines.append(f"  Data {name}: {plan['rows']:,} rows")
+            unit = "preference pairs" if "pairs" in plan else "rows"
+            lines.append(f"  Data {name}: {plan['rows']:,} {unit}")
     lines.append(
         f"  Steps: {report['steps']:,} ({report['steps_per_epoch']:,} per epoch)"
     )

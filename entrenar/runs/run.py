@@ -8,8 +8,10 @@ The workflow, top to bottom (each step in its own function below):
 3. wrap the targeted weights in LoRA adapters, the bases 4-bit for QLoRA
    (`entrenar.lora.apply`);
 4. build the data (`entrenar.data`), the schedule and the optimizer
-   (`entrenar.optim`), and the loss: the model's own, or distillation from a teacher
-   (`entrenar.distill.make_distill_loss_fn`);
+   (`entrenar.optim`), and the loss: the model's own, distillation from a teacher
+   (`entrenar.distill.make_distill_loss_fn`) or DPO on preference pairs
+   (`entrenar.preference.make_dpo_loss_fn`, the reference's log-probabilities
+   precomputed here for full fine-tuning);
 5. `entrenar.train.Trainer.fit`: metrics.jsonl, checkpoints/, early stopping, resume;
 6. export: adapter (PEFT), model files, GGUF / HF folder, a quantized copy, loss.png.
 
@@ -26,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from entrenar import distributed, lora, native
 from entrenar.config.spec import TrainSpec
@@ -34,6 +37,7 @@ from entrenar.distill import make_distill_loss_fn
 from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.io import atomic_write
 from entrenar.io.lock import OutputLock
+from entrenar.preference import make_dpo_loss_fn, reference_logps
 from entrenar.runs.build import (
     RunData,
     apply_lora,
@@ -141,7 +145,40 @@ def prepare(spec: TrainSpec) -> Prepared:
         )  # fmt: skip
         params = loss.init(params, key=jax.random.fold_in(key, 2))
         trainable = loss.trainable
+    if spec.preference is not None:
+        p = spec.preference
+        reference = p.reference
+        if reference == "auto":
+            reference = "adapters" if trainable == "lora" else "precomputed"
+        loss = make_dpo_loss_fn(
+            built.config, beta=p.beta, loss_type=p.loss_type,
+            label_smoothing=p.label_smoothing, reference=reference,
+        )  # fmt: skip
+        if reference == "precomputed":
+            assert spec.data is not None
+            with_reference_logps(built.config, params, data, spec.data.batch_size)
     return Prepared(built, params, loss, trainable, data, optimizer, total)
+
+
+def with_reference_logps(model: Any, params: Any, data: RunData, batch: int) -> None:
+    """Add the starting model's ``ref_chosen_logps``/``ref_rejected_logps``.
+
+    TRL's ``precompute_ref_log_probs``: one pass over the training (and
+    evaluation) pairs before the first step, ``batch`` pairs at a time.
+    """
+    fn = jax.jit(lambda p, b: reference_logps(model, p, b))
+    for arrays in (data.train, data.eval):
+        if arrays is None:
+            continue
+        n = len(arrays["input_ids"])
+        chosen, rejected = [], []
+        for i in range(0, n, batch):
+            part = {k: v[i : i + batch] for k, v in arrays.items()}
+            c, r = fn(params, part)
+            chosen.append(np.asarray(c))
+            rejected.append(np.asarray(r))
+        arrays["ref_chosen_logps"] = np.concatenate(chosen).astype(np.float32)
+        arrays["ref_rejected_logps"] = np.concatenate(rejected).astype(np.float32)
 
 
 def train_from_yaml(
@@ -227,7 +264,7 @@ RESUME_REFUSED = (
     "model.path", "model.architecture", "model.config", "model.tokenizer",
     "model.dtype", "lora.enabled", "lora.rank", "lora.alpha", "lora.targets",
     "lora.quantize_base", "lora.init", "lora.rslora", "lora.use_dora",
-    "lora.rank_pattern", "lora.alpha_pattern", "distillation",
+    "lora.rank_pattern", "lora.alpha_pattern", "distillation", "preference",
     "data.train", "data.validation_split", "data.format", "data.text_field",
     "data.prompt_field", "data.completion_field", "data.messages_field",
     "data.features", "data.target", "data.task", "data.normalize", "data.seq_len",

@@ -84,7 +84,7 @@ def _choices(cls: type, field: str) -> tuple:
         (optim.OptimizerConfig, "name", optim.OPTIMIZERS.names(), ()),
         (optim.ScheduleConfig, "name", optim.SCHEDULES.names(), ()),
         (TrainConfig, "loss", tuple(LOSSES), ("auto",)),
-        (DataSection, "format", data.FORMATS, ("tabular",)),
+        (DataSection, "format", data.FORMATS, ("tabular", "preference")),
         (LoRAConfig, "quantize_base", quant.SCHEMES, ("none",)),
         (QuantizationSection, "scheme", quant.SCHEMES, ()),
     ],
