@@ -12,6 +12,7 @@ and nothing left over from the killed run (no temporary file, no duplicated line
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -142,6 +143,12 @@ def data(tmp_path_factory):
     )  # fmt: skip
     io.save_llama_gguf(folder / "tiny.gguf", cfg, cfg.init(jax.random.key(0)))
     io.save_llama_gguf(folder / "other.gguf", cfg, cfg.init(jax.random.key(1)))
+    recs = [json.loads(x) for x in lines[:33]]  # pairs: the next row's answer loses
+    pairs = [
+        {"prompt": a["prompt"], "chosen": a["completion"], "rejected": b["completion"]}
+        for a, b in itertools.pairwise(recs)
+    ]
+    (folder / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     return folder
 
 
@@ -263,6 +270,25 @@ def best_doc(folder, out):
     return doc
 
 
+def dpo_doc(folder, out, lora=False):
+    """DPO on pairs of number words, full fine-tuning or LoRA with dropout.
+
+    Full fine-tuning's reference log-probabilities are precomputed from the GGUF;
+    LoRA's reference is the model with its adapters off.
+    """
+    doc = llama_doc(folder, out)
+    doc["data"] = {"train": str(folder / "pairs.jsonl"), "batch_size": 4,
+                   "seq_len": 24}  # fmt: skip
+    doc["preference"] = {"beta": 0.5, "loss_type": "ipo" if lora else "sigmoid"}
+    doc["training"] |= {"eval_every": None, "checkpoint_every": 1}
+    doc["training"]["max_steps"] = 6
+    doc.pop("quantization")
+    doc["export"] = {"formats": ["adapter"] if lora else ["safetensors"]}
+    if not lora:
+        doc.pop("lora")
+    return doc
+
+
 EXPORTS = ("adapter", "safetensors", "gguf", "hf", "quantized")
 DOCS = {
     "best": best_doc,
@@ -270,6 +296,8 @@ DOCS = {
     "lora": llama_doc,
     "qlora": lambda folder, out: llama_doc(folder, out, "nf4"),
     "distill": distill_doc,
+    "dpo": dpo_doc,
+    "dpo_lora": lambda folder, out: dpo_doc(folder, out, lora=True),
 }
 
 
@@ -422,3 +450,34 @@ def test_export_best_killed_at_a_step_and_mid_export(
     finish(cfg)
     assert_same_run(full, out)
     assert sorted(os.listdir(out / "checkpoints")) == ["6", "8"], (a, kind)
+
+
+def test_dpo_killed_at_a_step_and_mid_checkpoint(data, uninterrupted, tmp_path):
+    """DPO, full fine-tuning: killed at a step, resumed, killed mid-checkpoint.
+
+    The reference log-probabilities are computed again from the starting GGUF at
+    each resume (never from the checkpoint), so the run ends as the uninterrupted.
+    """
+    full = uninterrupted("dpo")
+    rng = random.Random()
+    a, b = rng.randint(1, 3), rng.randint(4, 6)
+    cfg, out = config(data, tmp_path, "dpo", "run")
+    assert steps_run(killed(cfg, kill_at=a, resume=False))[-1] == a
+    lines = killed(cfg, env={"HANG_AT_CHECKPOINT": str(b)})
+    assert steps_run(lines)[0] == a and lines[-1] == "HANG", (a, b)
+    assert steps_run(finish(cfg))[0] == b, (a, b)
+    assert_same_run(full, out)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("rewards/margins" in r for r in rows if "loss" in r)
+
+
+def test_dpo_lora_killed_at_a_step(data, uninterrupted, tmp_path):
+    """DPO (IPO) on LoRA adapters with dropout, killed at a step, then exporting."""
+    full = uninterrupted("dpo_lora")
+    a = random.Random().randint(1, 5)
+    cfg, out = config(data, tmp_path, "dpo_lora", "run")
+    killed(cfg, kill_at=a, resume=False)
+    lines = killed(cfg, env={"HANG_IN_EXPORT": "adapter"})
+    assert steps_run(lines)[0] == a, a  # STEP a printed before its checkpoint
+    finish(cfg)
+    assert_same_run(full, out)
