@@ -101,3 +101,16 @@ def test_bad_preference_sections_are_refused_by_key(folder):
     for extra, message in cases:
         with pytest.raises(ConfigError, match=message):
             train_from_yaml(write_run(folder, "full", **extra), dry_run=True)
+
+
+def test_evaluation_logs_trls_eval_names(folder):
+    """A validation file: eval_loss and eval_rewards/... (TRL's ``eval_`` names)."""
+    path = write_run(
+        folder, "full",
+        data={"validation": "full.jsonl"},
+        training={"max_steps": 1, "eval_every": 1, "output_dir": str(folder / "ev")},
+    )  # fmt: skip
+    train_from_yaml(path, progress=False)
+    rows = (folder / "ev" / "metrics.jsonl").read_text().splitlines()
+    evals = [json.loads(x) for x in rows if "eval_loss" in x]
+    assert evals and all(f"eval_{k}" in evals[0] for k in trl_case.METRICS)

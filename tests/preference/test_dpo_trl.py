@@ -165,3 +165,56 @@ def _peft_tensors(params):
             out[f"base_model.model.{module}.lora_A.weight"] = np.asarray(node.a)
             out[f"base_model.model.{module}.lora_B.weight"] = np.asarray(node.b)
     return out
+
+
+@pytest.mark.parametrize("run", ["full", "lora"])
+def test_micro_batches_give_the_whole_batchs_step(run, tokenizer, tmp_path):
+    """``grad_accum=2`` over 2 pairs: the loss, metrics and update of one batch.
+
+    The pairs lie along the batch axis, so a micro-batch holds whole pairs (a
+    concatenated ``(2B, T)`` layout would pair one micro-batch's chosen rows with
+    another's rejected), and ``loss_weight`` counts pairs, so the mean over
+    micro-batches is the mean over pairs.
+    """
+    pairs = encode_preference(
+        REF["records"][run], tokenizer, max_length=REF["max_length"]
+    )
+    batch = collate_preference(
+        pairs[:2], tokenizer.pad_id, max_length=REF["max_length"]
+    )
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    if run == "lora":
+        params, trainable, reference = lora_start(tmp_path), "lora", "adapters"
+        params = _nonzero_b(params)  # the policy differs from the reference
+    else:
+        params, trainable, reference = start_params(), None, "precomputed"
+        rc, rr = reference_logps(MODEL, params, batch)
+        batch.update(ref_chosen_logps=rc - 1.0, ref_rejected_logps=rr + 0.5)
+    loss_fn = make_dpo_loss_fn(MODEL, beta=0.5, loss_type="ipo", reference=reference)
+    out = []
+    for k in (1, 2):
+        opt = optim.sgd(0.1)
+        state = TrainState.create(
+            params, opt, key=jax.random.key(0), trainable=trainable
+        )
+        state, metrics = make_train_step(loss_fn, opt, grad_accum=k)(state, batch)
+        out.append((state.params, metrics))
+    (p1, m1), (p2, m2) = out
+    for key in ("loss", *METRICS):
+        np.testing.assert_allclose(float(m2[key]), float(m1[key]), rtol=2e-6, atol=2e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6)
+    assert float(m1["loss"]) > 1e-3
+
+
+def _nonzero_b(params):
+    rng = np.random.default_rng(0)
+
+    def fill(x):
+        if isinstance(x, lora.LoRAWeight):
+            b = rng.normal(size=x.b.shape).astype(np.float32) * 0.05
+            return x.replace(b=jnp.asarray(b))
+        return x
+
+    is_lora = lambda x: isinstance(x, lora.LoRAWeight)  # noqa: E731
+    return jax.tree_util.tree_map(fill, params, is_leaf=is_lora)
