@@ -13,6 +13,10 @@ the tiny Llama of tests/peft_cases.py (its vocabulary the size of the tiny
   log-probabilities precomputed with the starting model
   (``precompute_ref_log_probs=True``).
 
+TRL's tokenization alone (``max_length=None``) is also recorded for the tokenizers
+of `TOKENIZATION_STYLES`, on the four formats of `tokenization_sets` (standard or
+conversational, with or without ``prompt``).
+
 Each run records: the tokenized dataset (``prompt_ids``, ``chosen_ids``,
 ``rejected_ids`` per record, after TRL's filter of prompts that fill
 ``max_length``), each step's batch (the dataset rows it drew, and the collated
@@ -100,6 +104,8 @@ def torch_model(cfg, weights: dict[str, np.ndarray]):
 
     hf_cfg = transformers.LlamaConfig(**cfg.to_hf_config())
     model = transformers.LlamaForCausalLM(hf_cfg)
+    if weights is None:  # tokenization only
+        return model
     state = {k: torch.from_numpy(v.copy()) for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
@@ -198,6 +204,63 @@ def run(name, records, tokenizer, weights, cfg, workdir: Path) -> tuple[dict, di
     return out, arrays
 
 
+TOKENIZATION_STYLES = ("llama", "mistral", "phi3", "gemma", "qwen2_split")
+"""tests/io/hf_cases.py's tokenizers whose TRL tokenization is recorded (BOS or not,
+byte-level or SentencePiece-style, templates that write the BOS themselves)."""
+
+
+def tokenization_sets() -> dict[str, list[dict]]:
+    """The four preference formats: standard or conversational, prompt or not."""
+    talk = [{k: v for k, v in r.items()} for r in RECORDS_CHAT]
+    explicit_talk = []
+    for r in talk:
+        n = len(r["chosen"]) - 1
+        explicit_talk.append({"prompt": r["chosen"][:n], "chosen": r["chosen"][n:],
+                              "rejected": r["rejected"][n:]})  # fmt: skip
+    implicit_text = [
+        {"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}
+        for r in RECORDS_TEXT
+    ]
+    return {
+        "standard": RECORDS_TEXT,
+        "standard_implicit": implicit_text,
+        "conversational": explicit_talk,
+        "conversational_implicit": RECORDS_CHAT,
+    }
+
+
+def record_tokenization(workdir: Path) -> dict:
+    """``{style: {set: [{prompt_ids, chosen_ids, rejected_ids}, ...]}}`` from TRL."""
+    import datasets
+    import hf_cases  # tests/io
+    import transformers
+    import trl
+
+    out: dict = {}
+    for style in TOKENIZATION_STYLES:
+        folder = workdir / f"tok-{style}"
+        hf_cases.write_tokenizer(folder, style)
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        model = torch_model(model_config(len(tok)), None)
+        out[style] = {}
+        for name, recs in tokenization_sets().items():
+            args = trl.DPOConfig(output_dir=str(workdir / "t"), report_to=[],
+                                 use_cpu=True, bf16=False, max_length=None)  # fmt: skip
+            trainer = trl.DPOTrainer(
+                model=model, ref_model=copy.deepcopy(model), args=args,
+                processing_class=tok,
+                train_dataset=datasets.Dataset.from_list(copy.deepcopy(recs)),
+            )  # fmt: skip
+            ds = trainer.train_dataset
+            keys = ("prompt_ids", "chosen_ids", "rejected_ids")
+            out[style][name] = [
+                {k: list(ds[i][k]) for k in keys} for i in range(len(ds))
+            ]
+    return out
+
+
 def _row_of(ids: list[int], mask: list[int], rows: list[list[int]]) -> int:
     n = sum(mask)
     matches = [i for i, r in enumerate(rows) if r[:n] == ids[:n]]
@@ -242,6 +305,7 @@ def main() -> None:
             result, arr = run(name, copy.deepcopy(recs), tokenizer, weights, cfg, work)
             record[name] = result
             arrays.update(arr)
+        record["tokenization"] = record_tokenization(work)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trl_dpo_reference.json").write_text(json.dumps(record) + "\n")
     np.savez_compressed(out_dir / "trl_dpo_reference.npz", **arrays)
