@@ -87,7 +87,7 @@ def test_train_logs_trls_metrics_and_starts_at_the_reference(folder, run):
         for key in ("logps/chosen", "logps/rejected"):
             assert first[key] == pytest.approx(trl_first["metrics"][key], abs=1e-4)
     assert steps[1]["rewards/margins"] != 0.0  # the first step moved the policy
-    assert (out / ("adapter" if run == "lora" else "model.safetensors")).exists()
+    assert (out / ("model.safetensors" if run == "full" else "adapter")).exists()
 
 
 def test_bad_preference_sections_are_refused_by_key(folder):
@@ -114,3 +114,16 @@ def test_evaluation_logs_trls_eval_names(folder):
     rows = (folder / "ev" / "metrics.jsonl").read_text().splitlines()
     evals = [json.loads(x) for x in rows if "eval_loss" in x]
     assert evals and all(f"eval_{k}" in evals[0] for k in trl_case.METRICS)
+
+
+def test_the_example_pairs_are_their_scripts_output():
+    """examples/data/iso_date_preferences/train.jsonl is what its script writes."""
+    root = HERE.parents[1] / "examples" / "data" / "iso_date_preferences"
+    sys.path.insert(0, str(root))
+    try:
+        import make_iso_date_preferences as script
+    finally:
+        sys.path.remove(str(root))
+    chats = [json.loads(x) for x in Path(script.SOURCE).read_text().splitlines()]
+    want = "".join(json.dumps(script.pair(c)) + "\n" for c in chats[: script.PAIRS])
+    assert (root / "train.jsonl").read_text() == want

@@ -271,12 +271,12 @@ def best_doc(folder, out):
 
 
 def dpo_doc(folder, out, lora=False):
-    """DPO on pairs of number words, full fine-tuning or LoRA with dropout.
+    """DPO on pairs of number words, full fine-tuning or QLoRA with dropout.
 
     Full fine-tuning's reference log-probabilities are precomputed from the GGUF;
-    LoRA's reference is the model with its adapters off.
+    QLoRA's reference is the model with its adapters off: the NF4 bases.
     """
-    doc = llama_doc(folder, out)
+    doc = llama_doc(folder, out, "nf4" if lora else "none")
     doc["data"] = {"train": str(folder / "pairs.jsonl"), "batch_size": 4,
                    "seq_len": 24}  # fmt: skip
     doc["preference"] = {"beta": 0.5, "loss_type": "ipo" if lora else "sigmoid"}
@@ -471,8 +471,8 @@ def test_dpo_killed_at_a_step_and_mid_checkpoint(data, uninterrupted, tmp_path):
     assert all("rewards/margins" in r for r in rows if "loss" in r)
 
 
-def test_dpo_lora_killed_at_a_step(data, uninterrupted, tmp_path):
-    """DPO (IPO) on LoRA adapters with dropout, killed at a step, then exporting."""
+def test_dpo_qlora_killed_at_a_step(data, uninterrupted, tmp_path):
+    """DPO (IPO) on QLoRA adapters with dropout, killed at a step, then exporting."""
     full = uninterrupted("dpo_lora")
     a = random.Random().randint(1, 5)
     cfg, out = config(data, tmp_path, "dpo_lora", "run")
