@@ -279,6 +279,11 @@ class PreferenceSection(Config):
         lt=0.5,
         doc="ε: sigmoid's conservative DPO (cDPO), robust's and exo_pair's",
     )
+    disable_dropout: bool = option(
+        True,
+        doc="turn the LoRA adapters' dropout off, as TRL's disable_dropout (default "
+        "true) does; false: lora.dropout acts on the policy's forward",
+    )
     reference: Literal["auto", "adapters", "precomputed"] = option(
         "auto",
         doc="the reference model: adapters (the model with its LoRA adapters off, "

@@ -110,12 +110,15 @@ def make_dpo_loss_fn(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
     reference: Reference = "adapters",
+    disable_dropout: bool = True,
 ) -> Any:
     """``loss_fn(params, batch, *, key) -> (loss, metrics)`` of DPO for the Trainer.
 
     ``metrics`` holds TRL's (`entrenar.preference.dpo_loss`) and ``loss_weight``,
     the number of pairs ``B`` (micro-batches and evaluation average over pairs).
-    LoRA dropout, when the adapters have it, acts on the policy's forward only.
+    ``disable_dropout`` (TRL's default, which sets every dropout of the model,
+    LoRA's included, to 0): the adapters' dropout is off; with False it acts on
+    the policy's forward only (the reference has no adapters).
     """
     check_dpo_settings(beta, loss_type, label_smoothing)
     if reference not in ("adapters", "precomputed"):
@@ -144,9 +147,9 @@ def make_dpo_loss_fn(
             base = jax.lax.stop_gradient(without_adapters(params))
             ref = sequence_logps(model, base, ids, mask, completion)  # (2B,)
             ref_c, ref_r = ref[:b], ref[b:]
-        policy_params = (
-            params if key is None else lora.with_dropout_keys(params, key=key)
-        )
+        policy_params = params
+        if key is not None and not disable_dropout:
+            policy_params = lora.with_dropout_keys(params, key=key)
         logps = sequence_logps(model, policy_params, ids, mask, completion)  # (2B,)
         n = jnp.sum(jnp.asarray(completion, jnp.float32), axis=-1)  # (2B,)
         loss, metrics = dpo_loss(

@@ -153,6 +153,7 @@ def prepare(spec: TrainSpec) -> Prepared:
         loss = make_dpo_loss_fn(
             built.config, beta=p.beta, loss_type=p.loss_type,
             label_smoothing=p.label_smoothing, reference=reference,
+            disable_dropout=p.disable_dropout,
         )  # fmt: skip
         if reference == "precomputed":
             assert spec.data is not None

@@ -265,3 +265,28 @@ def _nonzero_b(params):
 
     is_lora = lambda x: isinstance(x, lora.LoRAWeight)  # noqa: E731
     return jax.tree_util.tree_map(fill, params, is_leaf=is_lora)
+
+
+def test_lora_dropout_is_off_unless_asked_as_in_trl(tokenizer, tmp_path):
+    """TRL's ``disable_dropout=True`` (its default) zeroes LoRA's dropout too."""
+    pairs = encode_preference(
+        REF["records"]["lora"], tokenizer, max_length=REF["max_length"]
+    )
+    batch = collate_preference(
+        pairs[:2], tokenizer.pad_id, max_length=REF["max_length"]
+    )
+    params = _nonzero_b(lora_start(tmp_path))
+
+    def with_dropout(x):
+        return x.replace(dropout=0.5) if isinstance(x, lora.LoRAWeight) else x
+
+    is_lora = lambda x: isinstance(x, lora.LoRAWeight)  # noqa: E731
+    params = jax.tree_util.tree_map(with_dropout, params, is_leaf=is_lora)
+    key = jax.random.key(3)
+    losses = {}
+    for off in (True, False):
+        fn = make_dpo_loss_fn(MODEL, reference="adapters", disable_dropout=off)
+        losses[off] = float(fn(params, batch, key=key)[0])
+    plain = float(make_dpo_loss_fn(MODEL)(params, batch, key=None)[0])
+    assert losses[True] == plain
+    assert abs(losses[False] - plain) > 1e-4

@@ -279,7 +279,8 @@ def dpo_doc(folder, out, lora=False):
     doc = llama_doc(folder, out, "nf4" if lora else "none")
     doc["data"] = {"train": str(folder / "pairs.jsonl"), "batch_size": 4,
                    "seq_len": 24}  # fmt: skip
-    doc["preference"] = {"beta": 0.5, "loss_type": "ipo" if lora else "sigmoid"}
+    doc["preference"] = {"beta": 0.5, "loss_type": "ipo" if lora else "sigmoid",
+                         "disable_dropout": False}  # fmt: skip
     doc["training"] |= {"eval_every": None, "checkpoint_every": 1}
     doc["training"]["max_steps"] = 6
     doc.pop("quantization")
