@@ -23,7 +23,6 @@ shards of at most ``max_shard_bytes`` with the index when there are several,
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -221,7 +220,7 @@ def load_hf_folder(
         tensors, _ = read_safetensors(file)
         flat.update(tensors)
     bound_heap(sum(t.nbytes for t in flat.values()))  # big buffers mapped (io.heap)
-    convert = getattr(info.architecture, "from_hf_tensors", None)
+    convert = info.architecture.from_hf_tensors
     if convert is not None:  # a family whose checkpoint names differ from its tree
         flat = convert(flat, info.config)
     try:
@@ -282,10 +281,6 @@ def _shards(specs: dict[str, Spec], max_bytes: int) -> list[dict[str, Spec]]:
 def _dense(x: Any) -> Any:
     """A weight node's dense value (a LoRA adapter folded, a base dequantized)."""
     return nn.to_dense(x) if is_weight_node(x) else x
-
-
-def _same(x: Any) -> Any:
-    return x
 
 
 def _cast(x: Any, dtype: Any) -> Any:
@@ -357,10 +352,9 @@ def save_hf_folder(
         raise UnsupportedError(f"{arch.name} models have no Hugging Face form")
     os.makedirs(folder, exist_ok=True)
     made = lazy_hf_names(params)  # each tensor made (one layer sliced) when written
-    convert = getattr(arch, "to_hf_tensors", None)
-    if convert is not None:  # a family whose names differ: its converter sees all
-        whole = convert({k: _dense(m()) for k, m in made.items()}, config)
-        made = {k: functools.partial(_same, v) for k, v in whole.items()}
+    convert = arch.to_hf_tensors
+    if convert is not None:  # a family whose names differ (still made lazily)
+        made = convert(made, config)
     specs = {k: _spec(made[k], dtype) for k in sorted(made)}  # nothing made
     groups = _shards(specs, max_shard_bytes)
 

@@ -10,7 +10,14 @@ touches weights. Every weight answers the weight-node protocol (`logical_shape`,
 registers in its own package.
 """
 
-from entrenar.nn import gemma, losses, mistral, phi3, qwen  # families register
+from entrenar.nn import (  # families register
+    gemma,
+    losses,
+    mistral,
+    moe_families,  # noqa: F401
+    phi3,
+    qwen,
+)
 from entrenar.nn.attention import (
     KVCache,
     causal_mask,

@@ -364,13 +364,16 @@ def register_family(
     model_type: str | None = None,
     in_gguf: bool = True,
     defaults: Mapping[str, Any] | None = None,
+    from_hf_tensors: Callable[[Mapping[str, Any], Any], dict[str, Any]] | None = None,
+    to_hf_tensors: Callable[[Mapping[str, Any], Any], dict[str, Any]] | None = None,
 ) -> Architecture:
     """Register the decoder family ``name`` (a ``config_class`` with its switches).
 
     Its Hugging Face ``model_type`` and GGUF name are ``name`` unless ``model_type``
     says otherwise or ``in_gguf`` is False (llama.cpp writes it as another
     family); `Architecture.make_config` sets ``architecture=name`` and
-    ``defaults``.
+    ``defaults``. ``from_hf_tensors`` / ``to_hf_tensors``: the family's checkpoint
+    names when they are not its tree's (`Architecture`).
     """
     return register_architecture(
         Architecture(
@@ -384,6 +387,8 @@ def register_family(
             to_hf=to_hf,
             defaults={"architecture": name, **(defaults or {})},
             tiny=tiny,
+            from_hf_tensors=from_hf_tensors,
+            to_hf_tensors=to_hf_tensors,
         )
     )
 
@@ -406,6 +411,8 @@ SWITCHES = (
     "final_logit_softcapping",
     "fused_qkv",
     "fused_gate_up",
+    "num_experts",
+    "shared_expert_intermediate_size",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 

@@ -61,6 +61,7 @@ from entrenar.nn.layers import (
 )
 from entrenar.nn.linear import check_matmul_dtype, linear
 from entrenar.nn.matvec import layer_params
+from entrenar.nn.moe import sparse_moe
 from entrenar.nn.registry import architecture, architecture_for_hf
 from entrenar.nn.rope import rope_tables, rotate
 from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
@@ -169,6 +170,17 @@ class LlamaConfig:
         final_logit_softcapping: logits become ``c tanh(logits / c)`` (Gemma 2).
         fused_qkv: one ``qkv_proj`` weight ``(L, (H + 2 KV) d, D)`` (Phi-3).
         fused_gate_up: one ``gate_up_proj`` weight ``(L, 2 I, D)`` (Phi-3).
+        num_experts: ``E`` > 0 makes every layer's MLP a sparse mixture of ``E``
+            gated experts (`entrenar.nn.moe`: Mixtral, Qwen2/3-MoE) with a router
+            ``mlp.gate.weight (L, E, D)`` and experts stacked
+            ``mlp.experts.{gate,up,down}_proj.weight (L, E, out, in)``; 0: dense.
+        num_experts_per_tok: ``k``, the experts each token is routed to.
+        norm_topk_prob: renormalise the ``k`` routing probabilities to sum to 1
+            (Mixtral always; Qwen's ``norm_topk_prob``).
+        moe_intermediate_size: an expert's ``I``; None: ``intermediate_size``.
+        shared_expert_intermediate_size: > 0 adds Qwen2-MoE's shared expert
+            (``mlp.shared_expert``, that wide) behind the sigmoid gate
+            ``mlp.shared_expert_gate.weight (L, 1, D)``.
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
             own paths: the native kernel on CPUs), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
@@ -224,6 +236,11 @@ class LlamaConfig:
     fused_qkv: bool = False
     fused_gate_up: bool = False
     attention_impl: str = "auto"
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -259,6 +276,7 @@ class LlamaConfig:
                 f"(jax.checkpoint_policies), got {self.remat_policy!r}"
             )
         check_switches(self)
+        _check_experts(self)
         try:
             family = architecture(self.architecture)
         except UnsupportedError as e:
@@ -371,6 +389,8 @@ class LlamaConfig:
             else {"gate_proj": lin(i, d, mb), "up_proj": lin(i, d, mb)}
         )
         mlp["down_proj"] = lin(d, i, mb)
+        if self.num_experts:
+            mlp = self._moe_shapes()
         layers: dict[str, Any] = {
             "input_layernorm": {"weight": (n, d)},
             "self_attn": attn,
@@ -390,6 +410,33 @@ class LlamaConfig:
         if not self.tie_word_embeddings:
             shapes["lm_head"] = {"weight": (v, d)}
         return shapes
+
+    def _moe_shapes(self) -> dict[str, Any]:
+        """The MoE block's shapes: router, stacked experts, Qwen2-MoE's shared one."""
+        n, e, d = self.num_layers, self.num_experts, self.hidden_size
+        i = self.expert_size
+        mlp: dict[str, Any] = {
+            "gate": {"weight": (n, e, d)},
+            "experts": {
+                "gate_proj": {"weight": (n, e, i, d)},
+                "up_proj": {"weight": (n, e, i, d)},
+                "down_proj": {"weight": (n, e, d, i)},
+            },
+        }
+        s = self.shared_expert_intermediate_size
+        if s:
+            mlp["shared_expert"] = {
+                "gate_proj": {"weight": (n, s, d)},
+                "up_proj": {"weight": (n, s, d)},
+                "down_proj": {"weight": (n, d, s)},
+            }
+            mlp["shared_expert_gate"] = {"weight": (n, 1, d)}
+        return mlp
+
+    @property
+    def expert_size(self) -> int:
+        """An expert's intermediate width (``moe_intermediate_size`` or ``I``)."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     def num_params(self) -> int:
         """Number of scalar parameters.
@@ -716,6 +763,12 @@ class LlamaConfig:
         """The gated MLP: SwiGLU or GeGLU, biases and a fused gate_up as set."""
         md = self.matmul_dtype
         act = silu if self.hidden_act == "silu" else gelu_tanh
+        if self.num_experts:  # a sparse mixture of gated experts (nn.moe)
+            y, _ = sparse_moe(
+                mp, x, self.num_experts_per_tok, self.norm_topk_prob,
+                matmul_dtype=md, activation=act,
+            )  # fmt: skip
+            return y
         if self.fused_gate_up:  # Phi-3: gate_up_proj = [gate; up]
             gu = linear(x, mp["gate_up_proj"]["weight"], _bias(mp["gate_up_proj"]),
                         matmul_dtype=md)  # fmt: skip
@@ -837,6 +890,32 @@ def _extra_mask(
         same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
         extra = same if extra is None else extra & same
     return extra
+
+
+def _check_experts(c: LlamaConfig) -> None:
+    """Raise `ConfigError` for mixture-of-experts fields that do not fit together."""
+    if c.num_experts < 0 or c.shared_expert_intermediate_size < 0:
+        raise ConfigError(
+            "LlamaConfig.num_experts and shared_expert_intermediate_size must be >= 0"
+        )
+    if c.moe_intermediate_size is not None and c.moe_intermediate_size <= 0:
+        raise ConfigError("LlamaConfig.moe_intermediate_size must be > 0 or None")
+    if not c.num_experts:
+        if c.shared_expert_intermediate_size:
+            raise ConfigError(
+                "LlamaConfig.shared_expert_intermediate_size needs num_experts > 0"
+            )
+        return
+    if not 0 < c.num_experts_per_tok <= c.num_experts:
+        raise ConfigError(
+            f"LlamaConfig.num_experts_per_tok must be in [1, num_experts = "
+            f"{c.num_experts}], got {c.num_experts_per_tok}"
+        )
+    if c.fused_gate_up or c.mlp_bias:
+        raise ConfigError(
+            "LlamaConfig.num_experts > 0 takes unfused, bias-free experts; set "
+            "fused_gate_up=False and mlp_bias=False"
+        )
 
 
 def _bias(p: Params) -> Any:

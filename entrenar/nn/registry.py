@@ -44,6 +44,11 @@ class Architecture:
             builds a from-scratch model of the family with them.
         tiny: a tiny config with every feature of the family switched on, for the
             conformance tests (None only for non-language models).
+        from_hf_tensors: ``(flat, config) -> flat``: a checkpoint's tensors by
+            name (memory-mapped arrays) -> the names and shapes of the family's
+            tree (`entrenar.nn.from_hf_names`); None: the names are the tree's.
+        to_hf_tensors: ``(made, config) -> made``: the other way, on
+            ``{name: make}`` (each ``make()`` an array or weight node), lazily.
     """
 
     name: str
@@ -56,6 +61,10 @@ class Architecture:
     to_hf: Callable[[Any], dict[str, Any]] | None = None
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     tiny: Callable[[], Any] | None = None
+    from_hf_tensors: Callable[[Mapping[str, Any], Any], dict[str, Any]] | None = None
+    to_hf_tensors: (
+        Callable[[Mapping[str, Callable[[], Any]], Any], dict[str, Any]] | None
+    ) = None
 
     def make_config(self, **fields: Any) -> Any:
         """``config_class(**defaults, **fields)``: a model of this family."""
@@ -63,6 +72,21 @@ class Architecture:
 
 
 _REGISTRY: dict[str, Architecture] = {}
+
+_MOE = " (a mixture of experts entrenar does not implement: {})"
+NOT_IMPLEMENTED = {
+    "deepseek_v2": _MOE.format("multi-head latent attention, grouped routing"),
+    "deepseek_v3": _MOE.format("multi-head latent attention, sigmoid routing"),
+    "olmoe": _MOE.format("OLMoE's q/k norms over all heads"),
+    "llama4": _MOE.format("Llama 4's interleaved MoE and chunked attention"),
+    "gpt_oss": _MOE.format("gpt-oss's attention sinks and clamped SwiGLU"),
+    "granitemoe": _MOE.format("Granite's scaled residuals"),
+    "jamba": _MOE.format("Mamba layers"),
+    "dbrx": _MOE.format("DBRX's fused layout and clipped qkv"),
+    "phimoe": _MOE.format("sparsemixer routing"),
+}
+"""Hugging Face ``model_type`` values refused with a reason (the MoE families
+entrenar reads are ``mixtral``, ``qwen2_moe`` and ``qwen3_moe``)."""
 
 
 def register_architecture(arch: Architecture) -> Architecture:
@@ -132,8 +156,10 @@ def architecture_for_hf(hf: Mapping[str, Any], source: str) -> Architecture:
         if model_type in arch.hf_model_types and arch.from_hf is not None:
             return arch
     known = sorted(t for a in _REGISTRY.values() for t in a.hf_model_types)
+    hint = NOT_IMPLEMENTED.get(model_type, "")
     raise UnsupportedError(
-        f"{source}: model_type {model_type!r} is not supported; entrenar reads {known}"
+        f"{source}: model_type {model_type!r} is not supported{hint}; entrenar "
+        f"reads {known}"
     )
 
 

@@ -130,6 +130,9 @@ FAMILY_STYLE = {
     "gemma2": "gemma",
     "gemma3": "gemma",
     "phi3": "phi3",
+    "mixtral": "mistral",
+    "qwen2_moe": "qwen",
+    "qwen3_moe": "qwen",
 }
 
 

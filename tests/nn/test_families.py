@@ -81,6 +81,8 @@ def family(request):
     model = _hf_model(hf_dict)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     flat = {k: v.numpy() for k, v in state.items()}
+    if arch.from_hf_tensors is not None:  # MoE: transformers' fused experts
+        flat = arch.from_hf_tensors(flat, config)
     params = nn.from_hf_names(flat, config)
     return config, params, hf_dict, state
 

@@ -1,0 +1,235 @@
+"""The sparse MoE MLP (entrenar.nn.moe) against its formula and transformers.
+
+Also finite differences (float64) and transformers' load-balancing loss.
+
+The reference here is the formula of the module docstring written densely in
+numpy / jax: every expert computed on every token and combined with an ``(N, E)``
+matrix that is zero off the top-k; the module computes only the chosen experts
+(sorted slots, `jax.lax.ragged_dot`).
+"""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+from entrenar.nn import moe
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _combine(logits, k, normalize):
+    """``(N, E)`` routing weights, zero off each row's top-k (numpy)."""
+    p = _softmax(logits.astype(np.float64))
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :k]  # (N, k)
+    w = np.zeros_like(p)
+    rows = np.arange(p.shape[0])[:, None]
+    w[rows, top] = p[rows, top]
+    if normalize:
+        w = w / w.sum(-1, keepdims=True)
+    return w
+
+
+def _dense_reference(p, x, k, normalize):
+    """The formula with every expert on every token, float64 numpy."""
+    x = np.asarray(x, np.float64)
+    logits = x @ np.asarray(p["gate"]["weight"], np.float64).T  # (N, E)
+    comb = _combine(logits, k, normalize)  # (N, E)
+    ex = {n: np.asarray(v["weight"], np.float64) for n, v in p["experts"].items()}
+    g = np.einsum("nd,eid->nei", x, ex["gate_proj"])  # (N, E, I)
+    u = np.einsum("nd,eid->nei", x, ex["up_proj"])
+    y = np.einsum("nei,edi->ned", _silu(g) * u, ex["down_proj"])  # (N, E, D)
+    out = np.einsum("ne,ned->nd", comb, y)
+    if "shared_expert" in p:
+        sp = {
+            n: np.asarray(v["weight"], np.float64)
+            for n, v in p["shared_expert"].items()
+        }
+        h = _silu(x @ sp["gate_proj"].T) * (x @ sp["up_proj"].T)
+        gate = x @ np.asarray(p["shared_expert_gate"]["weight"], np.float64).T
+        out = out + (1 / (1 + np.exp(-gate))) * (h @ sp["down_proj"].T)
+    return out
+
+
+def _params(key, d, e, i, shared=0, dtype=jnp.float32):
+    ks = jax.random.split(key, 8)
+    n = lambda k, s, sd=0.3: (sd * jax.random.normal(k, s)).astype(dtype)  # noqa: E731
+    p = {
+        "gate": {"weight": n(ks[0], (e, d), 1.0)},
+        "experts": {
+            "gate_proj": {"weight": n(ks[1], (e, i, d))},
+            "up_proj": {"weight": n(ks[2], (e, i, d))},
+            "down_proj": {"weight": n(ks[3], (e, d, i))},
+        },
+    }
+    if shared:
+        p["shared_expert"] = {
+            "gate_proj": {"weight": n(ks[4], (shared, d))},
+            "up_proj": {"weight": n(ks[5], (shared, d))},
+            "down_proj": {"weight": n(ks[6], (d, shared))},
+        }
+        p["shared_expert_gate"] = {"weight": n(ks[7], (1, d))}
+    return p
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    e=st.integers(1, 6),
+    data=st.data(),
+    normalize=st.booleans(),
+    shared=st.sampled_from([0, 5]),
+    n=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_sparse_moe_equals_the_dense_formula(e, data, normalize, shared, n, seed):
+    k = data.draw(st.integers(1, e))
+    d, i = 6, 4
+    key = jax.random.key(seed)
+    p = _params(key, d, e, i, shared)
+    x = jax.random.normal(jax.random.fold_in(key, 99), (n, d))
+    y, logits = moe.sparse_moe(p, x, k, normalize)
+    want = _dense_reference(p, x, k, normalize)
+    np.testing.assert_allclose(np.asarray(y), want, atol=2e-5, rtol=1e-4)
+    assert logits.shape == (n, e)
+
+
+def test_route_matches_softmax_top_k():
+    logits = np.random.default_rng(0).normal(size=(7, 5)).astype(np.float32)
+    for normalize in (False, True):
+        w, idx = moe.route(jnp.asarray(logits), 2, normalize)
+        comb = _combine(logits, 2, normalize)
+        np.testing.assert_array_equal(
+            np.asarray(idx), np.argsort(-comb, axis=-1, kind="stable")[:, :2]
+        )
+        np.testing.assert_allclose(
+            np.asarray(w), np.take_along_axis(comb, np.asarray(idx), -1), rtol=1e-6
+        )
+        assert w.dtype == jnp.float32
+
+
+def test_batched_input_keeps_its_shape():
+    p = _params(jax.random.key(0), 6, 4, 3)
+    x = jax.random.normal(jax.random.key(1), (2, 3, 6))
+    y, logits = moe.sparse_moe(p, x, 2, True)
+    assert y.shape == (2, 3, 6) and logits.shape == (6, 4)
+    flat, _ = moe.sparse_moe(p, x.reshape(6, 6), 2, True)
+    np.testing.assert_allclose(np.asarray(y).reshape(6, 6), np.asarray(flat))
+
+
+@pytest.fixture
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("normalize,shared", [(True, 0), (False, 3)])
+def test_gradients_equal_finite_differences(x64, normalize, shared):
+    """float64 central differences through router, experts and the shared expert."""
+    p = _params(jax.random.key(2), 5, 4, 3, shared, dtype=jnp.float64)
+    x = jax.random.normal(jax.random.key(3), (6, 5), jnp.float64)
+
+    def f(p, x):
+        y, _ = moe.sparse_moe(p, x, 2, normalize)
+        return jnp.sum(jnp.sin(y))
+
+    check_grads(f, (p, x), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+
+
+def test_gradients_equal_the_dense_formula(x64):
+    """jax.grad of the sparse path against jax.grad of the dense formula."""
+    p = _params(jax.random.key(4), 5, 6, 3, 4, dtype=jnp.float64)
+    x = jax.random.normal(jax.random.key(5), (8, 5), jnp.float64)
+
+    def dense(p, x):  # every expert on every token, combined by the top-k matrix
+        logits = x @ p["gate"]["weight"].T  # (N, E)
+        prob = jax.nn.softmax(logits, -1)
+        top = jax.lax.top_k(prob, 3)[1]
+        keep = jax.nn.one_hot(top, 6).sum(1)  # (N, E)
+        comb = prob * keep
+        comb = comb / comb.sum(-1, keepdims=True)
+        ex = p["experts"]
+        g = jnp.einsum("nd,eid->nei", x, ex["gate_proj"]["weight"])
+        u = jnp.einsum("nd,eid->nei", x, ex["up_proj"]["weight"])
+        y = jnp.einsum("nei,edi->ned", jax.nn.silu(g) * u, ex["down_proj"]["weight"])
+        out = jnp.einsum("ne,ned->nd", comb, y)
+        sp = p["shared_expert"]
+        h = jax.nn.silu(x @ sp["gate_proj"]["weight"].T) * (
+            x @ sp["up_proj"]["weight"].T
+        )
+        s = jax.nn.sigmoid(x @ p["shared_expert_gate"]["weight"].T)
+        return jnp.sum(jnp.sin(out + s * (h @ sp["down_proj"]["weight"].T)))
+
+    def sparse(p, x):
+        return jnp.sum(jnp.sin(moe.sparse_moe(p, x, 3, True)[0]))
+
+    got = jax.grad(sparse, (0, 1))(p, x)
+    want = jax.grad(dense, (0, 1))(p, x)
+    err = jax.tree_util.tree_map(lambda a, b: float(jnp.abs(a - b).max()), got, want)
+    assert max(jax.tree_util.tree_leaves(err)) < 1e-12, err
+
+
+def _intermediate_sizes(e, n=16, k=2, d=8, i=12):
+    """Sizes of the jaxpr's values that are neither weights nor router-shaped."""
+    p = _params(jax.random.key(0), d, e, i)
+    x = jnp.ones((n, d))
+    jaxpr = jax.make_jaxpr(lambda p, x: moe.sparse_moe(p, x, k, True)[0])(p, x)
+    sizes, ops = [], set()
+
+    def walk(jp):
+        for eqn in jp.eqns:
+            ops.add(eqn.primitive.name)
+            for v in eqn.outvars:
+                shape = tuple(v.aval.shape)
+                if shape[:1] == (e,) or shape == (n, e):  # weights, sizes; logits
+                    continue
+                sizes.append(int(np.prod(shape)))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return sorted(sizes), ops
+
+
+def test_only_the_chosen_experts_are_in_the_program():
+    """At fixed k the slot-shaped values are the same for E = 3 and E = 40.
+
+    The program multiplies ``(N k, D)`` rows grouped by expert (ragged_dot), never
+    an ``(N, E, I)`` tensor. (How the backend lowers ragged_dot is its own matter:
+    specs/models.md.)
+    """
+    small, ops = _intermediate_sizes(3)
+    big, _ = _intermediate_sizes(40)
+    assert "ragged_dot_general" in ops
+    assert small == big
+    assert max(big) <= 16 * 2 * 12  # N k I: the widest slot activation
+
+
+def test_load_balancing_loss_equals_transformers():
+    torch = pytest.importorskip("torch")
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 10, 6)).astype(np.float32)  # (L, N, E)
+    mask = np.ones((2, 5), np.int64)
+    mask[1, :2] = 0
+    for m in (None, mask):
+        want = mixtral.load_balancing_loss_func(
+            tuple(torch.from_numpy(x) for x in logits), 6, 2,
+            None if m is None else torch.from_numpy(m),
+        )  # fmt: skip
+        got = moe.load_balancing_loss(
+            jnp.asarray(logits), 2, None if m is None else jnp.asarray(m)
+        )
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)

@@ -1,0 +1,126 @@
+"""Mixtral / Qwen3-MoE / Qwen2-MoE checkpoints: the Hub's names, and what is refused.
+
+Logits and LoRA/DoRA parity with transformers and PEFT are in test_families.py and
+tests/io/test_hf_families.py (every registered family); here: the per-expert names
+transformers 5.25's ``save_pretrained`` writes are the ones entrenar reads and
+writes, and configs entrenar does not implement are refused naming the key.
+"""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from entrenar import io, nn
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+
+def _names(folder):
+    with safetensors.safe_open(str(folder / "model.safetensors"), "np") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_entrenar_writes_the_names_transformers_writes(family, tmp_path):
+    arch = nn.architecture(family)
+    config = arch.tiny()
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**arch.to_hf(config))
+    )
+    model.save_pretrained(tmp_path / "hf")
+    io.save_hf_folder(tmp_path / "ours", config, config.init(jax.random.key(0)))
+    theirs = _names(tmp_path / "hf")
+    assert _names(tmp_path / "ours") == theirs
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    proj = "w2" if family == "mixtral" else "down_proj"
+    assert f"model.layers.1.{block}.experts.3.{proj}.weight" in theirs
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    arch = nn.architecture("qwen3_moe")
+    config = arch.tiny()
+    io.save_hf_folder(tmp_path, config, config.init(jax.random.key(0)))
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(FormatError, match=r"layer 1 has 3 of its 4 experts' up_proj"):
+        io.load_hf_folder(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+     ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]")],
+)  # fmt: skip
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_dense_layers_are_refused_naming_the_key(family, extra, named):
+    arch = nn.architecture(family)
+    hf = {**arch.to_hf(arch.tiny()), **extra}
+    with pytest.raises(UnsupportedError, match=named):
+        arch.from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    "model_type", ["deepseek_v3", "deepseek_v2", "olmoe", "llama4", "gpt_oss",
+                   "granitemoe", "jamba", "dbrx", "phimoe"],
+)  # fmt: skip
+def test_other_moe_model_types_are_refused_by_name(model_type, tmp_path):
+    hf = {**nn.architecture("mixtral").to_hf(nn.architecture("mixtral").tiny())}
+    hf["model_type"] = model_type
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    want = f"model_type '{model_type}' is not supported \\(a mixture of experts"
+    with pytest.raises(UnsupportedError, match=want):
+        io.load_hf_folder(tmp_path)
+
+
+def test_mixtral_reads_a_null_sliding_window_and_the_hub_expert_key():
+    arch = nn.architecture("mixtral")
+    hf = {**arch.to_hf(arch.tiny()), "sliding_window": None, "num_local_experts": 6}
+    config = arch.from_hf(hf)
+    assert config.sliding_window is None and config.num_experts == 6
+    qwen = nn.architecture("qwen3_moe")
+    hf = qwen.to_hf(qwen.tiny())
+    assert "num_experts" in hf  # the Hub's key (transformers 5.25 writes both forms)
+    hf["num_local_experts"] = hf.pop("num_experts")
+    assert qwen.from_hf(hf) == qwen.tiny()
+
+
+def test_moe_fields_that_do_not_fit_are_config_errors():
+    tiny = nn.architecture("mixtral").tiny()
+    for bad in (
+        {"num_experts_per_tok": 5},
+        {"num_experts_per_tok": 0},
+        {"fused_gate_up": True},
+        {"mlp_bias": True},
+        {"num_experts": 0, "shared_expert_intermediate_size": 8},
+    ):
+        with pytest.raises(ConfigError, match="LlamaConfig"):
+            nn.LlamaConfig(**{**tiny.__dict__, **bad})
+    with pytest.raises(UnsupportedError, match="num_experts"):
+        nn.architecture("llama").to_hf(dataclasses.replace(tiny, sliding_window=None))
+
+
+def test_the_loaded_expert_stack_is_the_hub_tensors(tmp_path):
+    arch = nn.architecture("mixtral")
+    config = arch.tiny()
+    hf_cfg = transformers.AutoConfig.for_model(**arch.to_hf(config))
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    model.save_pretrained(tmp_path)
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    _, params = io.load_hf_folder(tmp_path)
+    ex = params["model"]["layers"]["mlp"]["experts"]
+    for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        want = stored[f"model.layers.1.block_sparse_moe.experts.2.{theirs}.weight"]
+        np.testing.assert_array_equal(np.asarray(ex[ours]["weight"][1, 2]), want)
