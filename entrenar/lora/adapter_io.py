@@ -138,7 +138,15 @@ def save_adapter(
             "adapters in one tree: save them as two adapters"
         )
     tensors, ranks, alphas = {}, {}, {}
-    for _, x, modules in adapted:
+    for name, x, modules in adapted:
+        if np.ndim(x.a) > 2 + (stacked_split(name, stacked_keys) is not None):
+            raise CompatibilityError(
+                f"save_adapter: {name} adapts a stack of experts (one A, B per "
+                "expert); PEFT 0.21 adapts transformers' fused experts "
+                "(target_parameters) with another parameterisation (one adapter on "
+                "gate_up_proj), so no PEFT file holds it: merge it instead (export "
+                "formats [hf] or [safetensors])"
+            )
         a, b = np.asarray(x.a, np.float32), np.asarray(x.b, np.float32)
         mag = None if not x.dora else np.asarray(x.magnitude, np.float32)
         untouched = _untouched_magnitudes(x)

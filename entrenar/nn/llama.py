@@ -181,6 +181,11 @@ class LlamaConfig:
         shared_expert_intermediate_size: > 0 adds Qwen2-MoE's shared expert
             (``mlp.shared_expert``, that wide) behind the sigmoid gate
             ``mlp.shared_expert_gate.weight (L, 1, D)``.
+        output_router_logits: the training loss adds ``router_aux_loss_coef``
+            times the Switch load-balancing loss of the routers
+            (`entrenar.nn.moe.load_balancing_loss`), as transformers does when its
+            config sets ``output_router_logits`` (off by default there too).
+        router_aux_loss_coef: that loss's weight (transformers' default 0.001).
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
             own paths: the native kernel on CPUs), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
@@ -241,6 +246,8 @@ class LlamaConfig:
     norm_topk_prob: bool = True
     moe_intermediate_size: int | None = None
     shared_expert_intermediate_size: int = 0
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -509,7 +516,7 @@ class LlamaConfig:
         Returns:
             logits, or ``(logits, hidden)`` with ``return_hidden``.
         """
-        h, hidden = self._trunk(
+        h, hidden, _ = self._trunk(
             params, tokens, mask, segment_ids, positions, return_hidden
         )
         logits = self._head(params, h)
@@ -525,16 +532,23 @@ class LlamaConfig:
         mask: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
-    ) -> jax.Array:
+        return_router_logits: bool = False,
+    ) -> Any:
         """The final normalised hidden states ``RMSNorm(h): (B, T, D)`` in ``dtype``.
 
         ``apply``'s logits are ``features(...) Wᵀ`` with ``W = output_weight(params)``;
         a loss that never forms the whole ``(B, T, V)`` logits
         (`entrenar.nn.losses.chunked_causal_lm_loss`) takes these two instead.
-        Arguments as in `apply`.
+        Arguments as in `apply`; ``return_router_logits`` (a mixture of experts):
+        also every layer's router logits ``(L, B T, E)``, for
+        `entrenar.nn.moe.load_balancing_loss`.
         """
-        h, _ = self._trunk(params, tokens, mask, segment_ids, positions, False)
-        return self._norm(h, params["model"]["norm"])
+        h, _, logits = self._trunk(
+            params, tokens, mask, segment_ids, positions, False,
+            router=return_router_logits,
+        )  # fmt: skip
+        features = self._norm(h, params["model"]["norm"])
+        return (features, logits) if return_router_logits else features
 
     def output_weight(self, params: Params) -> Any:
         """The output head's weight ``(V, D)``: ``embed_tokens`` when tied."""
@@ -577,7 +591,7 @@ class LlamaConfig:
         t, s = tokens.shape[1], cache.k.shape[2]
         positions = cache_positions(cache.pos, t)  # (T,) or (B, T)
         allowed = causal_mask(positions, s)  # (T, S) or (B, T, S)
-        h, ((k, v), _) = self._layers(params, tokens, positions, allowed, cache)
+        h, ((k, v), _, _) = self._layers(params, tokens, positions, allowed, cache)
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)  # (B, 1, D)
         return self._head(params, h), KVCache(k, v, cache.pos + t)
@@ -591,8 +605,14 @@ class LlamaConfig:
         segment_ids: jax.Array | None,
         positions: jax.Array | None,
         return_hidden: bool,
-    ) -> tuple[jax.Array, Any]:
-        """Check the inputs, build the attention mask, run the layers."""
+        *,
+        router: bool = False,
+    ) -> tuple[jax.Array, Any, Any]:
+        """Check the inputs, build the attention mask, run the layers.
+
+        Returns ``(h, hidden or None, router logits (L, B T, E) or None)``; the
+        logits with ``router``.
+        """
         _check_tokens(tokens)
         b, t = tokens.shape
         allowed = causal_mask(jnp.arange(t, dtype=jnp.int32), t)  # (T, T)
@@ -616,10 +636,11 @@ class LlamaConfig:
         fused: Any = _DENSE
         if self.uses_fused_attention():  # the kernel applies causality; the rest:
             fused = _extra_mask(mask, segment_ids, b, t)  # (B, T, T) or None
-        h, (_, hidden) = self._layers(
-            params, tokens, positions, allowed, None, return_hidden, fused=fused
-        )
-        return h, hidden
+        h, (_, hidden, logits) = self._layers(
+            params, tokens, positions, allowed, None, return_hidden, fused=fused,
+            router=router,
+        )  # fmt: skip
+        return h, hidden, logits
 
     def uses_fused_attention(self) -> bool:
         """Whether attention runs `entrenar.nn.fused_attention` here and now.
@@ -639,8 +660,13 @@ class LlamaConfig:
         return_hidden: bool = False,
         *,
         fused: Any = _DENSE,
+        router: bool = False,
     ) -> tuple[jax.Array, Any]:
-        """Run the scanned layers; returns ``(h, (cache_kv, hidden or None))``.
+        """Run the scanned layers; returns ``(h, (cache_kv, hidden, router))``.
+
+        ``hidden``: with ``return_hidden``, else None; ``router``: with ``router``
+        (a mixture of experts), every layer's router logits ``(L, B T, E)``, else
+        None.
 
         ``fused``: on the training path with fused attention, the mask beyond
         causality (padding and segments, ``(B, T, T)``, or None); the kernel then
@@ -706,11 +732,12 @@ class LlamaConfig:
             pre = "pre_feedforward_layernorm" if self.sandwich_norms else (
                 "post_attention_layernorm"
             )  # fmt: skip
-            x = self._mlp(lp["mlp"], self._norm(h, lp[pre]))
+            x, logits = self._mlp_routed(lp["mlp"], self._norm(h, lp[pre]))
             if self.sandwich_norms:
                 x = self._norm(x, lp["post_feedforward_layernorm"])
             h = h + x
-            return (h if kv is None else (h, *kv)), h if return_hidden else None
+            ys = (h if return_hidden else None, logits if router else None)
+            return (h if kv is None else (h, *kv)), ys
 
         if cache is None and self.remat_policy is not None:  # (decoding: no remat)
             policy = getattr(jax.checkpoint_policies, self.remat_policy)
@@ -724,7 +751,7 @@ class LlamaConfig:
             layer = jax.checkpoint(layer)
         h0 = h
         if cache is None:
-            h, hidden = jax.lax.scan(layer, h, (m["layers"], None, flags))
+            h, (hidden, logits) = jax.lax.scan(layer, h, (m["layers"], None, flags))
             kv = None
         else:
             index = jnp.arange(self.num_layers, dtype=jnp.int32)  # (L,)
@@ -735,11 +762,11 @@ class LlamaConfig:
                 i, slide = xs
                 return layer(carry, (layer_params(stack, i), i, slide))
 
-            (h, k, v), hidden = jax.lax.scan(cached, carry, (index, flags))
+            (h, k, v), (hidden, logits) = jax.lax.scan(cached, carry, (index, flags))
             kv = (k, v)
         if return_hidden:
             hidden = jnp.concatenate([h0[None], hidden], axis=0)  # (L+1, B, T, D)
-        return h, (kv, hidden)
+        return h, (kv, hidden, logits)
 
     def _rope(
         self, positions: jax.Array, theta: float, scaled: bool
@@ -759,16 +786,24 @@ class LlamaConfig:
             x, p["weight"], self.rms_norm_eps, unit_offset=self.norm_unit_offset
         )
 
+    def _mlp_routed(self, mp: Params, x: jax.Array) -> tuple[jax.Array, Any]:
+        """``(MLP(x), router logits (N, E) or None)``.
+
+        A sparse mixture of gated experts (`entrenar.nn.moe`) when
+        ``num_experts``, else `_mlp`.
+        """
+        if not self.num_experts:
+            return self._mlp(mp, x), None
+        act = silu if self.hidden_act == "silu" else gelu_tanh
+        return sparse_moe(
+            mp, x, self.num_experts_per_tok, self.norm_topk_prob,
+            matmul_dtype=self.matmul_dtype, activation=act,
+        )  # fmt: skip
+
     def _mlp(self, mp: Params, x: jax.Array) -> jax.Array:
         """The gated MLP: SwiGLU or GeGLU, biases and a fused gate_up as set."""
         md = self.matmul_dtype
         act = silu if self.hidden_act == "silu" else gelu_tanh
-        if self.num_experts:  # a sparse mixture of gated experts (nn.moe)
-            y, _ = sparse_moe(
-                mp, x, self.num_experts_per_tok, self.norm_topk_prob,
-                matmul_dtype=md, activation=act,
-            )  # fmt: skip
-            return y
         if self.fused_gate_up:  # Phi-3: gate_up_proj = [gate; up]
             gu = linear(x, mp["gate_up_proj"]["weight"], _bias(mp["gate_up_proj"]),
                         matmul_dtype=md)  # fmt: skip

@@ -74,6 +74,15 @@ def _experts_from_hf(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        **_aux_from_hf(hf),
+    )
+
+
+def _aux_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The load-balancing loss switch and weight (transformers' names)."""
+    return dict(
+        output_router_logits=bool(hf.get("output_router_logits", False)),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
     )
 
 
@@ -85,7 +94,8 @@ def _experts_to_hf(c: LlamaConfig) -> dict[str, Any]:
         "moe_intermediate_size": c.expert_size,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "output_router_logits": False,
+        "output_router_logits": c.output_router_logits,
+        "router_aux_loss_coef": c.router_aux_loss_coef,
     }
 
 
@@ -110,6 +120,7 @@ def mixtral_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 8))),
         num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
         norm_topk_prob=True,
+        **_aux_from_hf(hf),
     )
 
 
@@ -130,7 +141,8 @@ def mixtral_to_hf(c: LlamaConfig) -> dict[str, Any]:
         sliding_window=c.sliding_window,
         num_local_experts=c.num_experts,
         num_experts_per_tok=c.num_experts_per_tok,
-        output_router_logits=False,
+        output_router_logits=c.output_router_logits,
+        router_aux_loss_coef=c.router_aux_loss_coef,
     )
     return hf
 

@@ -5,7 +5,10 @@
   (padding: neither attended to nor counted) and, for Llama, ``segment_ids`` and
   ``positions`` of packed rows (Llama's through
   `entrenar.nn.losses.chunked_causal_lm_loss`: the ``(B, T, V)`` logits are never
-  whole). The loss is the mean over counted next-token targets (with
+  whole); a mixture of experts with ``output_router_logits`` adds
+  ``router_aux_loss_coef`` times the routers' load-balancing loss
+  (`entrenar.nn.moe.load_balancing_loss`, as transformers). The loss is the mean
+  over counted next-token targets (with
   ``segment_ids``, never a packed document's first token: `segment_labels`, also
   when the labels default to the input ids) and reports their number as
   ``loss_weight`` (so accumulation and evaluation
@@ -36,6 +39,7 @@ from entrenar.nn.losses import (
     chunked_causal_lm_loss,
     segment_labels,
 )
+from entrenar.nn.moe import load_balancing_loss
 from entrenar.train.step import LossFn
 from entrenar.types import Params, PyTree
 
@@ -52,6 +56,7 @@ def _need(batch: PyTree, keys: tuple[str, ...], what: str) -> None:
 def causal_lm_loss_fn(model: Any) -> LossFn:
     """``loss_fn(params, batch, *, key)`` for a Llama or GPT-2 config."""
     is_llama = isinstance(model, LlamaConfig)
+    routed = is_llama and model.num_experts > 0 and model.output_router_logits
 
     def loss_fn(params: Params, batch: PyTree, *, key: Any) -> Any:
         _need(batch, ("input_ids",), "language-model")
@@ -71,9 +76,16 @@ def causal_lm_loss_fn(model: Any) -> LossFn:
             kwargs["key"] = key
         if key is not None:
             params = lora.with_dropout_keys(params, key=key)
+        aux = None
         if is_llama:  # the head's logits a chunk of tokens at a time, never whole
+            features = model.features(
+                params, tokens, **kwargs, return_router_logits=routed
+            )
+            if routed:  # (B, T, D), (L, B T, E)
+                features, router = features
+                aux = load_balancing_loss(router, model.num_experts_per_tok, mask)
             total = chunked_causal_lm_loss(
-                model.features(params, tokens, **kwargs),  # (B, T, D)
+                features,  # (B, T, D)
                 model.output_weight(params),  # (V, D)
                 labels, "sum", loss_mask=mask, matmul_dtype=model.matmul_dtype,
                 softcap=model.final_logit_softcapping,
@@ -85,7 +97,10 @@ def causal_lm_loss_fn(model: Any) -> LossFn:
         if mask is not None:
             counted = counted & jnp.asarray(mask, bool)[:, 1:]
         n = jnp.sum(counted).astype(jnp.float32)
-        return total / jnp.maximum(n, 1.0), {"loss_weight": n}
+        loss = total / jnp.maximum(n, 1.0)
+        if aux is not None:  # transformers: loss + router_aux_loss_coef * aux_loss
+            loss = loss + model.router_aux_loss_coef * aux.astype(loss.dtype)
+        return loss, {"loss_weight": n}
 
     return loss_fn
 

@@ -126,9 +126,12 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
     if config.fused_qkv:  # Phi-3's attention projections are one module
         doc["lora"]["targets"] = ["qkv_proj", "o_proj"]
     doc["training"].update(max_steps=3, output_dir=str(tmp_path / "out"))
+    in_gguf = written_name(family, nn.architecture(family).gguf_name) is not None
+    if not in_gguf:  # MoE families: no GGUF form yet (specs/models.md)
+        doc["export"]["formats"] = [f for f in doc["export"]["formats"] if f != "gguf"]
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
     result = train_from_yaml(tmp_path / "run.yaml", progress=False)
-    assert set(result.files) >= {"adapter", "gguf", "hf"}
+    assert set(result.files) >= {"adapter", "hf"} | ({"gguf"} if in_gguf else set())
     adapter = json.loads(
         (Path(result.files["adapter"]) / "adapter_config.json").read_text()
     )
@@ -137,6 +140,8 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
     assert hf.architecture == family and hf.tokenizer.chat_template == (
         tok.chat_template
     )
+    if not in_gguf:
+        return
     gguf = load_built(result.files["gguf"])
     assert gguf.architecture == family and gguf.config == hf.config
     for a, b in zip(jax.tree.leaves(gguf.params), jax.tree.leaves(hf.params)):
