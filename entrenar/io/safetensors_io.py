@@ -273,8 +273,15 @@ def release_pages(view: np.ndarray) -> None:
     has copied a tensor out calls this so that the file's pages do not add up to the
     model's size. The pages stay in the page cache and are read back if ``view`` is
     used again, so the values never change. A no-op for an array that is not a view of
-    an `mmap.mmap` (or on a system without ``MADV_DONTNEED``).
+    an `mmap.mmap` (or on a system without ``MADV_DONTNEED``). A stand-in made of
+    such views (``view.parts``: `entrenar.nn.moe_families.ExpertStack`) releases
+    each.
     """
+    parts = getattr(view, "parts", None)
+    if parts is not None:
+        for part in parts:
+            release_pages(part)
+        return
     _advise(view, "MADV_DONTNEED")
 
 

@@ -29,6 +29,7 @@ one scan.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -65,23 +66,146 @@ def _dense(w: Any) -> jax.Array:
     return jnp.asarray(to_dense(w))
 
 
+def tile_rows(m: int, groups: int) -> int:
+    """Rows per tile of `tiled_grouped_matmul`: about the mean rows per group.
+
+    A power of two in ``[8, 256]``: the tiles hold ``M + E C / 2`` rows on average
+    (each group's last tile is part empty), at most ``M + E C``.
+    """
+    mean = max(1, m // max(groups, 1))
+    return int(min(256, max(8, 1 << (mean - 1).bit_length())))
+
+
+def _tiles(
+    sizes: jax.Array, c: int, count: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each tile's ``(group, first row, rows)``: ``count`` tiles of ``c`` rows.
+
+    Group ``e``'s rows ``[o_e, o_e + n_e)`` (sorted rows, ``o`` the exclusive
+    cumulative sizes) are cut into ``ceil(n_e / c)`` tiles; tiles past the last
+    group's hold 0 rows.
+    """
+    sizes = sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)  # (E,)
+    starts = ends - sizes
+    per = (sizes + c - 1) // c  # (E,) tiles of each group
+    tile_end = jnp.cumsum(per)  # (E,)
+    t = jnp.arange(count, dtype=jnp.int32)  # (T,)
+    group = jnp.minimum(
+        jnp.searchsorted(tile_end, t, side="right"), sizes.shape[0] - 1
+    ).astype(jnp.int32)  # (T,)
+    j = t - (tile_end - per)[group]  # the tile's index within its group
+    first = starts[group] + j * c  # (T,)
+    rows = jnp.clip(ends[group] - first, 0, c)
+    rows = jnp.where(t < tile_end[-1], rows, 0)
+    return group, first, rows
+
+
+def _tile_scan(
+    x: jax.Array, w: jax.Array, sizes: jax.Array, c: int, dtype: Any
+) -> jax.Array:
+    """``y_r = x_r w_{g(r)}`` tile by tile: ``x (M, in)``, ``w (E, in, out)``."""
+    m, out = x.shape[0], w.shape[-1]
+    count = -(-m // c) + w.shape[0]
+    group, first, rows = _tiles(sizes, c, count)
+    xp = jnp.pad(x, ((0, c), (0, 0)))  # (M + C, in): a tile never leaves the rows
+    y0 = jnp.zeros((m + c, out), dtype)
+
+    def tile(y: jax.Array, t: Any) -> tuple[jax.Array, None]:
+        g, f, n = t
+        xt = jax.lax.dynamic_slice_in_dim(xp, f, c)  # (C, in)
+        keep = (jnp.arange(c, dtype=jnp.int32) < n)[:, None]
+        yt = jnp.dot(xt, w[g], preferred_element_type=dtype)  # (C, out), accumulated
+        old = jax.lax.dynamic_slice_in_dim(y, f, c)
+        return jax.lax.dynamic_update_slice_in_dim(
+            y, jnp.where(keep, yt, old), f, 0
+        ), None
+
+    y, _ = jax.lax.scan(tile, y0, (group, first, rows))
+    return y[:m]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tiled_grouped_matmul(
+    x: jax.Array, w: jax.Array, sizes: jax.Array, c: int
+) -> jax.Array:
+    """``y_r = x_r w_{g(r)}`` for rows sorted by group: a grouped matmul.
+
+    ``x: (M, in)`` sorted by group, ``w: (E, in, out)``, ``sizes: (E,)`` rows per
+    group summing to ``M`` (as `jax.lax.ragged_dot`). A `jax.lax.scan` over tiles
+    of ``c`` rows, each within one group, multiplies each tile by its group's
+    weight: ``(M + E c) in out`` multiply-adds at most and ``(c, out)`` temporaries,
+    whatever ``E`` (XLA:CPU lowers ``ragged_dot`` to ``E`` dense products of all
+    ``M`` rows, so its FLOPs and temporaries grow with ``E``). The backward pass
+    is the same scan: ``dx`` tile by tile, ``dw[g] += x_tileᵀ g_tile``.
+    Returns ``(M, out)``, accumulated and returned in float32 (float64 for
+    float64 inputs).
+    """
+    return _tile_scan(x, w, sizes, c, _acc(x, w))
+
+
+def _acc(x: jax.Array, w: jax.Array) -> Any:
+    """The accumulation dtype of ``x w``: float32, or float64."""
+    dtype = jnp.result_type(x, w)
+    return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
+
+
+def _tgm_fwd(x: jax.Array, w: jax.Array, sizes: jax.Array, c: int) -> Any:
+    return tiled_grouped_matmul(x, w, sizes, c), (x, w, sizes)
+
+
+def _tgm_bwd(c: int, res: Any, g: jax.Array) -> Any:
+    x, w, sizes = res
+    m = x.shape[0]
+    count = -(-m // c) + w.shape[0]
+    group, first, rows = _tiles(sizes, c, count)
+    acc = _acc(x, w)
+    xp = jnp.pad(x, ((0, c), (0, 0)))  # (M + C, in)
+    gp = jnp.pad(g, ((0, c), (0, 0))).astype(w.dtype)  # (M + C, out), w's dtype
+    dx0 = jnp.zeros(xp.shape, acc)
+    dw0 = jnp.zeros(w.shape, acc)
+
+    def tile(carry: Any, t: Any) -> tuple[Any, None]:
+        dx, dw = carry
+        gi, f, n = t
+        keep = (jnp.arange(c, dtype=jnp.int32) < n)[:, None]
+        zero = jnp.zeros((), x.dtype)
+        xt = jnp.where(keep, jax.lax.dynamic_slice_in_dim(xp, f, c), zero)  # (C, in)
+        gt = jnp.where(keep, jax.lax.dynamic_slice_in_dim(gp, f, c), zero.astype(
+            gp.dtype))  # (C, out)  # fmt: skip
+        dxt = jnp.dot(gt, w[gi].T, preferred_element_type=acc)  # (C, in)
+        old = jax.lax.dynamic_slice_in_dim(dx, f, c)
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, jnp.where(keep, dxt, old), f, 0)
+        dw = dw.at[gi].add(jnp.dot(xt.T, gt, preferred_element_type=dw.dtype))
+        return (dx, dw), None
+
+    (dx, dw), _ = jax.lax.scan(tile, (dx0, dw0), (group, first, rows))
+    return dx[:m].astype(x.dtype), dw.astype(w.dtype), None
+
+
+tiled_grouped_matmul.defvjp(_tgm_fwd, _tgm_bwd)
+
+GROUPED_IMPLS = ("tiles", "ragged_dot")
+"""How `experts_mlp` multiplies the sorted slots: `tiled_grouped_matmul`
+(default) or `jax.lax.ragged_dot` (TPUs' grouped-matmul kernel)."""
+
+
 def _grouped(
-    x: jax.Array, w: Any, sizes: jax.Array, matmul_dtype: str | None
+    x: jax.Array, w: Any, sizes: jax.Array, matmul_dtype: str | None, impl: str
 ) -> jax.Array:
     """``x_r W_{g(r)}ᵀ`` for rows ``x: (M, in)`` sorted by group, ``w: (E, out, in)``.
 
-    `jax.lax.ragged_dot` with ``sizes: (E,)`` rows per group; ``(M, out)`` in
-    ``x``'s dtype (float32 accumulation with a low-precision ``matmul_dtype``).
+    ``sizes: (E,)`` rows per group; ``(M, out)`` in ``x``'s dtype (float32
+    accumulation with a low-precision ``matmul_dtype``).
     """
     wt = jnp.swapaxes(_dense(w), 1, 2)  # (E, in, out)
-    if matmul_dtype is None:
-        return jax.lax.ragged_dot(x, wt.astype(x.dtype), sizes)
-    y = jax.lax.ragged_dot(
-        x.astype(matmul_dtype),
-        wt.astype(matmul_dtype),
-        sizes,
-        preferred_element_type=jnp.float32,
-    )
+    lo = x.dtype if matmul_dtype is None else jnp.dtype(matmul_dtype)
+    xl, wl = x.astype(lo), wt.astype(lo)
+    if impl == "ragged_dot":
+        acc = None if matmul_dtype is None else jnp.float32
+        y = jax.lax.ragged_dot(xl, wl, sizes, preferred_element_type=acc)
+    else:
+        y = tiled_grouped_matmul(xl, wl, sizes, tile_rows(x.shape[0], wt.shape[0]))
     return y.astype(x.dtype)
 
 
@@ -95,6 +219,7 @@ def experts_mlp(
     *,
     activation: Callable[[jax.Array], jax.Array] = silu,
     matmul_dtype: str | None = None,
+    impl: str = "tiles",
 ) -> jax.Array:
     """``Σ_{j<k} weights[n, j] · SwiGLU_{experts[n, j]}(x_n)``, chosen experts only.
 
@@ -107,6 +232,7 @@ def experts_mlp(
         w_down: ``(E, D, I)``.
         activation: the gate's activation (``silu``: SwiGLU).
         matmul_dtype: None, or the low-precision input dtype of the products.
+        impl: one of `GROUPED_IMPLS`.
 
     Returns:
         ``(N, D)`` in ``x``'s dtype.
@@ -118,9 +244,9 @@ def experts_mlp(
     token = order // k  # (N k,) the token of each sorted slot
     sizes = jnp.bincount(flat, length=num).astype(jnp.int32)  # (E,)
     xs = x[token]  # (N k, D)
-    g = _grouped(xs, w_gate, sizes, matmul_dtype)  # (N k, I)
-    u = _grouped(xs, w_up, sizes, matmul_dtype)  # (N k, I)
-    y = _grouped(activation(g) * u, w_down, sizes, matmul_dtype)  # (N k, D)
+    g = _grouped(xs, w_gate, sizes, matmul_dtype, impl)  # (N k, I)
+    u = _grouped(xs, w_up, sizes, matmul_dtype, impl)  # (N k, I)
+    y = _grouped(activation(g) * u, w_down, sizes, matmul_dtype, impl)  # (N k, D)
     w = weights.reshape(-1)[order]  # (N k,) float32
     y = (y.astype(w.dtype) * w[:, None]).astype(x.dtype)  # float32 product (Mixtral)
     return jnp.zeros_like(x).at[token].add(y)  # (N, D)
@@ -134,6 +260,7 @@ def sparse_moe(
     *,
     matmul_dtype: str | None = None,
     activation: Callable[[jax.Array], jax.Array] = silu,
+    impl: str = "tiles",
 ) -> tuple[jax.Array, jax.Array]:
     """One layer's MoE block of ``x: (..., D)``; returns ``(y (..., D), logits)``.
 
@@ -150,7 +277,7 @@ def sparse_moe(
     y = experts_mlp(
         x2, weights, chosen,
         ex["gate_proj"]["weight"], ex["up_proj"]["weight"], ex["down_proj"]["weight"],
-        activation=activation, matmul_dtype=matmul_dtype,
+        activation=activation, matmul_dtype=matmul_dtype, impl=impl,
     )  # (N, D)  # fmt: skip
     if "shared_expert" in mp:
         sp = mp["shared_expert"]

@@ -240,12 +240,55 @@ def _hub_expert(block: str, e: int, proj: str) -> str:
     return f"experts.{e}.{proj}.weight"
 
 
+class ExpertStack:
+    """``np.stack(parts)`` made when read: one layer's ``E`` experts ``(E, out, in)``.
+
+    Stands for the stacked array in a load's ``flat`` dict (``shape``, ``dtype``,
+    ``nbytes``, indexing, ``np.asarray``) without reading the parts until the load
+    copies the leaf, so a load holds one layer's stack beside its final tree, not
+    every layer's (`entrenar.io.safetensors_io.release_pages` releases the parts'
+    mapped pages). The stack last made is kept for the reads of the same leaf that
+    follow (the load asks its dtype, then copies it).
+    """
+
+    _last: ExpertStack | None = None
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        first = parts[0]
+        self.shape = (len(parts), *np.shape(first))
+        self.dtype = np.dtype(first.dtype)
+        self.ndim = len(self.shape)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self._value: np.ndarray | None = None
+
+    def value(self) -> np.ndarray:
+        """The stacked array (made once; the previous stack made is dropped)."""
+        if self._value is None:
+            last = ExpertStack._last
+            if last is not None and last is not self:
+                last._value = None
+            self._value = np.stack([np.asarray(p) for p in self.parts])
+            ExpertStack._last = self
+        return self._value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.value()
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return self.value()[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
 def moe_from_hf_tensors(flat: Mapping[str, Any], config: LlamaConfig) -> dict[str, Any]:
     """A checkpoint's tensors with each layer's experts stacked (module docstring).
 
     Per layer ``i`` and projection: the ``E`` Hub tensors ``(out, in)`` become
-    ``model.layers.{i}.mlp.experts.{proj}.weight (E, out, in)`` (a copy of that
-    layer's experts, read now), or transformers' fused ``gate_up_proj`` is split.
+    ``model.layers.{i}.mlp.experts.{proj}.weight (E, out, in)``, an `ExpertStack`
+    read when the load copies it, or transformers' fused ``gate_up_proj`` is split.
 
     Raises:
         FormatError: a layer holds some of its experts but not all.
@@ -282,7 +325,7 @@ def moe_from_hf_tensors(flat: Mapping[str, Any], config: LlamaConfig) -> dict[st
                     f"missing model.layers.{layer}.{block}.{missing[0]}, ...; the "
                     "checkpoint does not match num_experts"
                 )
-            out[f"{prefix}.{proj}.weight"] = np.stack([rest.pop(n) for n in names])
+            out[f"{prefix}.{proj}.weight"] = ExpertStack([rest.pop(n) for n in names])
         for left in rest:  # not an expert tensor entrenar knows: named as stored
             out[f"model.layers.{layer}.{block}.{left}"] = rest[left]
     return out

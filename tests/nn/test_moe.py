@@ -13,7 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
@@ -92,14 +92,15 @@ def _params(key, d, e, i, shared=0, dtype=jnp.float32):
     shared=st.sampled_from([0, 5]),
     n=st.integers(1, 9),
     seed=st.integers(0, 2**16),
+    impl=st.sampled_from(moe.GROUPED_IMPLS),
 )
-def test_sparse_moe_equals_the_dense_formula(e, data, normalize, shared, n, seed):
+def test_sparse_moe_equals_the_dense_formula(e, data, normalize, shared, n, seed, impl):
     k = data.draw(st.integers(1, e))
     d, i = 6, 4
     key = jax.random.key(seed)
     p = _params(key, d, e, i, shared)
     x = jax.random.normal(jax.random.fold_in(key, 99), (n, d))
-    y, logits = moe.sparse_moe(p, x, k, normalize)
+    y, logits = moe.sparse_moe(p, x, k, normalize, impl=impl)
     want = _dense_reference(p, x, k, normalize)
     np.testing.assert_allclose(np.asarray(y), want, atol=2e-5, rtol=1e-4)
     assert logits.shape == (n, e)
@@ -135,20 +136,52 @@ def x64():
     jax.config.update("jax_enable_x64", False)
 
 
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # x64: all runs
+)
+@given(
+    sizes=st.lists(st.integers(0, 7), min_size=1, max_size=5),
+    c=st.sampled_from([1, 2, 3, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_tiled_grouped_matmul_equals_its_formula(x64, sizes, c, seed):
+    """Values and gradients of the tile scan against the rows multiplied one by one."""
+    rng = np.random.default_rng(seed)
+    m, e = sum(sizes), len(sizes)
+    x = jnp.asarray(rng.normal(size=(m, 3)))
+    w = jnp.asarray(rng.normal(size=(e, 3, 2)))
+    group = np.repeat(np.arange(e), sizes)  # (M,) each sorted row's group
+    s = jnp.asarray(sizes, jnp.int32)
+
+    def tiled(x, w):
+        return jnp.sum(jnp.sin(moe.tiled_grouped_matmul(x, w, s, c)))
+
+    def rows(x, w):  # each row times its group's matrix
+        return jnp.sum(jnp.sin(jnp.einsum("mi,mio->mo", x, w[group])))
+
+    np.testing.assert_allclose(tiled(x, w), rows(x, w), rtol=1e-12)
+    for a, b in zip(jax.grad(tiled, (0, 1))(x, w), jax.grad(rows, (0, 1))(x, w)):
+        np.testing.assert_allclose(a, b, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", moe.GROUPED_IMPLS)
 @pytest.mark.parametrize("normalize,shared", [(True, 0), (False, 3)])
-def test_gradients_equal_finite_differences(x64, normalize, shared):
+def test_gradients_equal_finite_differences(x64, normalize, shared, impl):
     """float64 central differences through router, experts and the shared expert."""
     p = _params(jax.random.key(2), 5, 4, 3, shared, dtype=jnp.float64)
     x = jax.random.normal(jax.random.key(3), (6, 5), jnp.float64)
 
     def f(p, x):
-        y, _ = moe.sparse_moe(p, x, 2, normalize)
+        y, _ = moe.sparse_moe(p, x, 2, normalize, impl=impl)
         return jnp.sum(jnp.sin(y))
 
     check_grads(f, (p, x), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
 
 
-def test_gradients_equal_the_dense_formula(x64):
+@pytest.mark.parametrize("impl", moe.GROUPED_IMPLS)
+def test_gradients_equal_the_dense_formula(x64, impl):
     """jax.grad of the sparse path against jax.grad of the dense formula."""
     p = _params(jax.random.key(4), 5, 6, 3, 4, dtype=jnp.float64)
     x = jax.random.normal(jax.random.key(5), (8, 5), jnp.float64)
@@ -173,7 +206,7 @@ def test_gradients_equal_the_dense_formula(x64):
         return jnp.sum(jnp.sin(out + s * (h @ sp["down_proj"]["weight"].T)))
 
     def sparse(p, x):
-        return jnp.sum(jnp.sin(moe.sparse_moe(p, x, 3, True)[0]))
+        return jnp.sum(jnp.sin(moe.sparse_moe(p, x, 3, True, impl=impl)[0]))
 
     got = jax.grad(sparse, (0, 1))(p, x)
     want = jax.grad(dense, (0, 1))(p, x)
@@ -185,7 +218,11 @@ def _intermediate_sizes(e, n=16, k=2, d=8, i=12):
     """Sizes of the jaxpr's values that are neither weights nor router-shaped."""
     p = _params(jax.random.key(0), d, e, i)
     x = jnp.ones((n, d))
-    jaxpr = jax.make_jaxpr(lambda p, x: moe.sparse_moe(p, x, k, True)[0])(p, x)
+
+    def loss(p, x):
+        return jnp.sum(moe.sparse_moe(p, x, k, True)[0] ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(p, x)  # forward and backward
     sizes, ops = [], set()
 
     def walk(jp):
@@ -204,17 +241,17 @@ def _intermediate_sizes(e, n=16, k=2, d=8, i=12):
 
 
 def test_only_the_chosen_experts_are_in_the_program():
-    """At fixed k the slot-shaped values are the same for E = 3 and E = 40.
+    """At fixed k no value but the weights and router logits grows with E.
 
-    The program multiplies ``(N k, D)`` rows grouped by expert (ragged_dot), never
-    an ``(N, E, I)`` tensor. (How the backend lowers ragged_dot is its own matter:
-    specs/models.md.)
+    The program multiplies tiles of the ``(N k, D)`` sorted slots by their
+    expert's weights in a scan, never an ``(N, E, I)`` tensor (as XLA:CPU's
+    lowering of ``ragged_dot`` does: specs/models.md).
     """
     small, ops = _intermediate_sizes(3)
     big, _ = _intermediate_sizes(40)
-    assert "ragged_dot_general" in ops
-    assert small == big
-    assert max(big) <= 16 * 2 * 12  # N k I: the widest slot activation
+    assert "scan" in ops and "ragged_dot_general" not in ops
+    assert max(big) <= max(small) <= (16 * 2 + 16) * 12  # (N k + C) I: slot rows
+    assert sum(big) <= sum(small)
 
 
 def test_load_balancing_loss_equals_transformers():

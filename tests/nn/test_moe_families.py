@@ -124,3 +124,28 @@ def test_the_loaded_expert_stack_is_the_hub_tensors(tmp_path):
     for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
         want = stored[f"model.layers.1.block_sparse_moe.experts.2.{theirs}.weight"]
         np.testing.assert_array_equal(np.asarray(ex[ours]["weight"][1, 2]), want)
+
+
+def test_a_streaming_nf4_load_of_experts_equals_the_whole_load(tmp_path):
+    """Expert stacks read lazily (ExpertStack) and quantized as they load."""
+    from entrenar import lora, quant
+    from entrenar.runs.models import base_quantizer
+
+    arch = nn.architecture("qwen2_moe")
+    config = dataclasses.replace(
+        arch.tiny(), hidden_size=64, num_heads=4, head_dim=16,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    )  # fmt: skip
+    io.save_hf_folder(tmp_path, config, config.init(jax.random.key(0)))
+    targets = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+    quantize = base_quantizer(lora.LoRAConfig(targets=targets, quantize_base="nf4"))
+    _, streamed = io.load_hf_folder(tmp_path, quantize=quantize)
+    _, whole = io.load_hf_folder(tmp_path, stream=False)
+    ex = streamed["model"]["layers"]["mlp"]["experts"]
+    assert all(quant.is_quantized(ex[p]["weight"]) for p in ex)
+    plain = whole["model"]["layers"]["mlp"]["experts"]
+    for p in ex:  # what BaseQuantize does: NF4 with double quantization
+        want = quant.quantize(plain[p]["weight"], "nf4", double_quant=True)
+        got = ex[p]["weight"]
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=p)
