@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from entrenar.nn.layers import gated_mlp, silu, upcast_dtype
 from entrenar.nn.linear import linear
-from entrenar.nn.weight_node import logical_shape, to_dense
+from entrenar.nn.weight_node import is_weight_node, to_dense
 from entrenar.types import Params
 
 
@@ -185,27 +185,73 @@ def _tgm_bwd(c: int, res: Any, g: jax.Array) -> Any:
 
 tiled_grouped_matmul.defvjp(_tgm_fwd, _tgm_bwd)
 
+
+def tiled_grouped_nodes(
+    x: jax.Array, w: Any, sizes: jax.Array, c: int, num: int, lo: Any
+) -> jax.Array:
+    """`tiled_grouped_matmul` of a weight node ``w`` (E, out, in), expert by expert.
+
+    Each tile makes only its expert's ``(out, in)`` dense (``to_dense`` of the
+    node's leaves at index ``g``: a LoRA adapter folded, an NF4 block dequantized),
+    never the ``(E, out, in)`` stack; the tile is rematerialised in the backward
+    pass (`jax.checkpoint`), so autodiff keeps no weight per tile, and the
+    gradients of the node's float leaves (LoRA's A, B) are accumulated by the
+    scan's transpose. ``lo``: the products' input dtype; float32 accumulation.
+    Returns ``(M, out)``.
+    """
+    m = x.shape[0]
+    count = -(-m // c) + num
+    group, first, rows = _tiles(sizes, c, count)
+    xp = jnp.pad(x, ((0, c), (0, 0)))  # (M + C, in)
+    acc = _acc(x, x)
+
+    @jax.checkpoint
+    def tile(_: None, t: Any) -> tuple[None, jax.Array]:
+        g, f, n = t
+        xt = jax.lax.dynamic_slice_in_dim(xp, f, c).astype(lo)  # (C, in)
+        wg = jnp.asarray(to_dense(jax.tree_util.tree_map(lambda a: a[g], w)))
+        yt = jax.lax.dot_general(
+            xt, wg.astype(lo), (((1,), (1,)), ((), ())), preferred_element_type=acc
+        )  # (C, out): x Wᵀ
+        keep = (jnp.arange(c, dtype=jnp.int32) < n)[:, None]
+        return None, jnp.where(keep, yt, jnp.zeros((), acc))
+
+    _, ys = jax.lax.scan(tile, None, (group, first, rows))  # (T, C, out)
+    at = first[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]  # (T, C) rows
+    at = jnp.where(jnp.arange(c, dtype=jnp.int32)[None, :] < rows[:, None], at, m)
+    y = jnp.zeros((m + 1, ys.shape[-1]), acc)  # row m: the empty slots' sink
+    return y.at[at.reshape(-1)].add(ys.reshape(-1, ys.shape[-1]))[:m]
+
+
 GROUPED_IMPLS = ("tiles", "ragged_dot")
 """How `experts_mlp` multiplies the sorted slots: `tiled_grouped_matmul`
 (default) or `jax.lax.ragged_dot` (TPUs' grouped-matmul kernel)."""
 
 
 def _grouped(
-    x: jax.Array, w: Any, sizes: jax.Array, matmul_dtype: str | None, impl: str
+    x: jax.Array,
+    w: Any,
+    sizes: jax.Array,
+    matmul_dtype: str | None,
+    impl: str,
+    num: int,
 ) -> jax.Array:
     """``x_r W_{g(r)}ᵀ`` for rows ``x: (M, in)`` sorted by group, ``w: (E, out, in)``.
 
     ``sizes: (E,)`` rows per group; ``(M, out)`` in ``x``'s dtype (float32
     accumulation with a low-precision ``matmul_dtype``).
     """
-    wt = jnp.swapaxes(_dense(w), 1, 2)  # (E, in, out)
     lo = x.dtype if matmul_dtype is None else jnp.dtype(matmul_dtype)
+    if impl == "tiles" and is_weight_node(w):  # one expert made dense at a time
+        c = tile_rows(x.shape[0], num)
+        return tiled_grouped_nodes(x, w, sizes, c, num, lo).astype(x.dtype)
+    wt = jnp.swapaxes(_dense(w), 1, 2)  # (E, in, out)
     xl, wl = x.astype(lo), wt.astype(lo)
     if impl == "ragged_dot":
         acc = None if matmul_dtype is None else jnp.float32
         y = jax.lax.ragged_dot(xl, wl, sizes, preferred_element_type=acc)
     else:
-        y = tiled_grouped_matmul(xl, wl, sizes, tile_rows(x.shape[0], wt.shape[0]))
+        y = tiled_grouped_matmul(xl, wl, sizes, tile_rows(x.shape[0], num))
     return y.astype(x.dtype)
 
 
@@ -213,6 +259,7 @@ def experts_mlp(
     x: jax.Array,
     weights: jax.Array,
     experts: jax.Array,
+    num: int,
     w_gate: Any,
     w_up: Any,
     w_down: Any,
@@ -227,6 +274,7 @@ def experts_mlp(
         x: tokens ``(N, D)``.
         weights: ``(N, k)`` routing weights (float32).
         experts: ``(N, k)`` expert ids in ``[0, E)``.
+        num: ``E``.
         w_gate: ``(E, I, D)`` (an array or a weight node).
         w_up: ``(E, I, D)``.
         w_down: ``(E, D, I)``.
@@ -238,15 +286,15 @@ def experts_mlp(
         ``(N, D)`` in ``x``'s dtype.
     """
     k = experts.shape[1]
-    num = logical_shape(w_gate)[0]
     flat = experts.reshape(-1)  # (N k,) slot s = n k + j
     order = jnp.argsort(flat, stable=True)  # (N k,) slots sorted by expert
     token = order // k  # (N k,) the token of each sorted slot
     sizes = jnp.bincount(flat, length=num).astype(jnp.int32)  # (E,)
     xs = x[token]  # (N k, D)
-    g = _grouped(xs, w_gate, sizes, matmul_dtype, impl)  # (N k, I)
-    u = _grouped(xs, w_up, sizes, matmul_dtype, impl)  # (N k, I)
-    y = _grouped(activation(g) * u, w_down, sizes, matmul_dtype, impl)  # (N k, D)
+    g = _grouped(xs, w_gate, sizes, matmul_dtype, impl, num)  # (N k, I)
+    u = _grouped(xs, w_up, sizes, matmul_dtype, impl, num)  # (N k, I)
+    h = activation(g) * u
+    y = _grouped(h, w_down, sizes, matmul_dtype, impl, num)  # (N k, D)
     w = weights.reshape(-1)[order]  # (N k,) float32
     y = (y.astype(w.dtype) * w[:, None]).astype(x.dtype)  # float32 product (Mixtral)
     return jnp.zeros_like(x).at[token].add(y)  # (N, D)
@@ -275,7 +323,7 @@ def sparse_moe(
     weights, chosen = route(logits, k, normalize)  # (N, k) each
     ex = mp["experts"]
     y = experts_mlp(
-        x2, weights, chosen,
+        x2, weights, chosen, logits.shape[-1],
         ex["gate_proj"]["weight"], ex["up_proj"]["weight"], ex["down_proj"]["weight"],
         activation=activation, matmul_dtype=matmul_dtype, impl=impl,
     )  # (N, D)  # fmt: skip

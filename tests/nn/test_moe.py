@@ -270,3 +270,35 @@ def test_load_balancing_loss_equals_transformers():
             jnp.asarray(logits), 2, None if m is None else jnp.asarray(m)
         )
         np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+
+
+def test_lora_on_nf4_experts_is_made_dense_one_expert_at_a_time():
+    """Weight nodes (LoRA over NF4) take the per-expert tile path.
+
+    The same values and LoRA gradients as folding the whole stack first (the
+    ragged_dot path), with no dense ``(E, out, in)`` stack in the program.
+    """
+    from entrenar import lora, quant
+
+    p = _params(jax.random.key(6), 64, 5, 64)
+    p["experts"] = quant.quantize_params(p["experts"], "nf4", double_quant=True)
+    cfg = lora.LoRAConfig(rank=2, targets=("gate_proj", "up_proj", "down_proj"))
+    lp = lora.apply({"m": p}, cfg, key=jax.random.key(7))["m"]
+    bump = jax.tree_util.tree_map(
+        lambda x: x + 0.05 if x.ndim == 3 and x.shape[-1] == 2 else x,
+        lp, is_leaf=lambda x: isinstance(x, jax.Array),
+    )  # fmt: skip
+    trainable, frozen = lora.split(bump)
+    x = jax.random.normal(jax.random.key(8), (11, 64))
+
+    def loss(t, impl):
+        y, _ = moe.sparse_moe(lora.combine(t, frozen), x, 2, True, impl=impl)
+        return jnp.sum(jnp.sin(y))
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(trainable, "tiles"))
+    assert "5,64,64" not in jaxpr.replace(" ", "")  # no dense (E, out, in) stack
+    got = jax.value_and_grad(loss)(trainable, "tiles")
+    want = jax.value_and_grad(loss)(trainable, "ragged_dot")
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
