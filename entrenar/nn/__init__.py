@@ -14,7 +14,8 @@ from entrenar.nn import (  # families register
     gemma,
     losses,
     mistral,
-    moe_families,  # noqa: F401
+    moe,
+    moe_families,
     phi3,
     qwen,
 )
@@ -134,6 +135,8 @@ __all__ = [
     "lowp_matmul",
     "mistral",
     "mlp",
+    "moe",
+    "moe_families",
     "nbytes",
     "normal",
     "phi3",

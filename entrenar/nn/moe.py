@@ -367,4 +367,13 @@ def load_balancing_loss(
     return num * jnp.sum(f * pe)
 
 
-__all__ = ["experts_mlp", "load_balancing_loss", "route", "sparse_moe"]
+__all__ = [
+    "GROUPED_IMPLS",
+    "experts_mlp",
+    "load_balancing_loss",
+    "route",
+    "sparse_moe",
+    "tile_rows",
+    "tiled_grouped_matmul",
+    "tiled_grouped_nodes",
+]

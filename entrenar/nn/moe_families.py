@@ -476,6 +476,7 @@ register_family(
 )
 
 __all__ = [
+    "ExpertStack",
     "mixtral_from_hf",
     "mixtral_to_hf",
     "moe_from_hf_tensors",
