@@ -32,6 +32,7 @@ import numpy as np
 
 from entrenar.errors import FormatError, ShapeError
 from entrenar.nn.host_arrays import host_buffer, to_device
+from entrenar.nn.registry import architecture, architecture_names
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.threads import shared_pool
 from entrenar.tree import key_path_str, list_index
@@ -179,6 +180,14 @@ def _layer_of(leaf: Any, i: int) -> Any:
     return jax.tree_util.tree_map(lambda a: a[i], leaf)
 
 
+def _tensor_names(config: Any) -> Callable[[Mapping[str, Any], Any], Any] | None:
+    """The family's checkpoint-name converter (`Architecture.from_hf_tensors`)."""
+    name = getattr(config, "architecture", None)
+    if not isinstance(name, str) or name not in architecture_names():
+        return None
+    return architecture(name).from_hf_tensors
+
+
 def from_hf_names(
     flat: Mapping[str, Any],
     config: HasParamShapes,
@@ -190,7 +199,10 @@ def from_hf_names(
 
     Shapes are checked against ``config.param_shapes()`` before anything is stacked.
     ``lm_head.weight`` is ignored when the config ties embeddings (some checkpoints
-    store the tied copy), as are derived buffers (`IGNORED_SUFFIXES`).
+    store the tied copy), as are derived buffers (`IGNORED_SUFFIXES`). A family
+    whose checkpoint names differ from its tree (a mixture of experts' per-expert or
+    fused tensors: `entrenar.nn.Architecture.from_hf_tensors`) has them converted
+    first, so a transformers ``state_dict`` of it loads as it is.
 
     Args:
         flat: arrays by Hugging Face name, in the layout ``(out, in)``.
@@ -202,6 +214,9 @@ def from_hf_names(
         FormatError: a name is missing (or unexpected with ``strict``).
         ShapeError: an array's shape differs from the config's.
     """
+    convert = _tensor_names(config)
+    if convert is not None:
+        flat = convert(flat, config)
     used: set[str] = set()
 
     def get(name: str, shape: tuple[int, ...]) -> Any:
