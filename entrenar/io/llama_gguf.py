@@ -368,6 +368,16 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
             "from llama.cpp files"
         )
     p = f"{name}."
+    experts = g.fields.get(f"{p}expert_count")
+    if (experts is not None and experts.value) or any(
+        t.endswith(("_exps.weight", "ffn_gate_inp.weight")) for t in g.tensors
+    ):
+        raise UnsupportedError(
+            f"{g.path}: a mixture of experts ({p}expert_count = "
+            f"{None if experts is None else experts.value}, ffn_*_exps tensors); "
+            "entrenar reads Mixtral and Qwen MoE models from Hugging Face folders, "
+            "not from GGUF files yet"
+        )
     heads = _meta_int(g, f"{p}attention.head_count")
     hidden = _meta_int(g, f"{p}embedding_length")
     n_layers = _meta_int(g, f"{p}block_count")

@@ -87,6 +87,11 @@ NOT_IMPLEMENTED = {
 }
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
 entrenar reads are ``mixtral``, ``qwen2_moe`` and ``qwen3_moe``)."""
+GGUF_MOE = frozenset(
+    {"qwen2moe", "qwen3moe", "deepseek", "deepseek2", "olmoe", "llama4", "gpt-oss",
+     "granitemoe", "dbrx", "phimoe", "jamba"}
+)  # fmt: skip
+"""llama.cpp ``general.architecture`` names of mixtures of experts (refused)."""
 
 
 def register_architecture(arch: Architecture) -> Architecture:
@@ -173,9 +178,15 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
         if arch.gguf_name == name:
             return arch
     known = sorted(a.gguf_name for a in _REGISTRY.values() if a.gguf_name)
+    hint = ""
+    if name in GGUF_MOE:
+        hint = (
+            " (a mixture of experts: entrenar reads mixtral, qwen2_moe and qwen3_moe "
+            "from Hugging Face folders, not GGUF files yet)"
+        )
     raise UnsupportedError(
-        f"{source}: general.architecture {name!r} is not supported; entrenar reads "
-        f"{known}"
+        f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "
+        f"reads {known}"
     )
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from entrenar import io, nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.io.gguf_reader import GGUFField, GGUFValueType
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -149,3 +150,20 @@ def test_a_streaming_nf4_load_of_experts_equals_the_whole_load(tmp_path):
         got = ex[p]["weight"]
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=p)
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen3moe"])
+def test_a_moe_gguf_is_refused_naming_the_experts(arch_name, tmp_path):
+    """Mixtral is written as llama with expert_count; Qwen MoE under its own name."""
+    config = nn.LlamaConfig(**{**nn.decoder_config.TINY_SIZES})
+    io.save_llama_gguf(tmp_path / "a.gguf", config, config.init(jax.random.key(0)))
+    g = io.read_gguf(tmp_path / "a.gguf")
+    fields = {k.replace("llama.", f"{arch_name}."): v for k, v in g.fields.items()}
+    fields["general.architecture"] = GGUFField(arch_name, GGUFValueType.STRING)
+    fields[f"{arch_name}.expert_count"] = GGUFField(4, GGUFValueType.UINT32)
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    io.write_gguf(tmp_path / "moe.gguf", fields, tensors)
+    with pytest.raises(UnsupportedError, match="mixture of experts"):
+        io.load_llama_gguf(tmp_path / "moe.gguf")
