@@ -264,13 +264,15 @@ class ExpertStack:
 
     def value(self) -> np.ndarray:
         """The stacked array (made once; the previous stack made is dropped)."""
-        if self._value is None:
+        value = self._value
+        if value is None:  # (a local: another load may drop self._value meanwhile)
             last = ExpertStack._last
             if last is not None and last is not self:
                 last._value = None
-            self._value = np.stack([np.asarray(p) for p in self.parts])
+            value = np.stack([np.asarray(p) for p in self.parts])  # (E, out, in)
+            self._value = value
             ExpertStack._last = self
-        return self._value
+        return value
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         a = self.value()
