@@ -13,7 +13,8 @@ hyperparameters ``{arch}.*``. The families differ in:
 - **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
   weight (`NORM_SHIFT`), entrenar keeps Hugging Face's ``w``;
 - **what is implied** by the name (`IMPLIED`): Gemma's GeGLU, ``(1 + w)`` norms,
-  sandwich norms, ``√D`` embedding scale and tied head;
+  sandwich norms (Gemma 2/3), ``√D`` embedding scale and tied head (`TIED`: Gemma
+  1's graph has no ``output`` tensor);
 - **tensor names** (`LAYER_STEMS`): Hugging Face module -> ``blk.N.<stem>``, with
   Gemma's four norms (`SANDWICH_STEMS`) and Phi-3's fused ``attn_qkv``/``ffn_up``.
 
@@ -64,7 +65,7 @@ WRITTEN_AS = {"mistral": "llama"}
 """Families without a llama.cpp name of their own, and the name they are written as."""
 PERMUTED = frozenset({"llama"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
-NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 """llama.cpp names whose norm weights are stored plus this."""
 IMPLIED: dict[str, dict[str, Any]] = {
     name: {
@@ -75,7 +76,12 @@ IMPLIED: dict[str, dict[str, Any]] = {
     }
     for name in ("gemma2", "gemma3")
 }
+IMPLIED["gemma"] = {
+    k: v for k, v in IMPLIED["gemma2"].items() if k != "sandwich_norms"
+}  # Gemma 1: Llama's two norms a layer
 """`LlamaConfig` fields a llama.cpp name implies."""
+TIED = frozenset({"gemma"})
+"""llama.cpp names whose graph has no ``output.weight``: the head is the table."""
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 """llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
@@ -159,6 +165,7 @@ __all__ = [
     "SANDWICH_STEMS",
     "SWA_PATTERN",
     "SWITCH_FIELDS",
+    "TIED",
     "WRITTEN_AS",
     "default_layer_types",
     "gguf_names",

@@ -43,6 +43,7 @@ from entrenar.io.gguf_families import (
     PERMUTED,
     SWA_PATTERN,
     SWITCH_FIELDS,
+    TIED,
     gguf_names,
     written_name,
 )
@@ -239,6 +240,11 @@ def _gguf_name(config: Any) -> str:
     gname = written_name(arch.name, arch.gguf_name)
     if gname is None:
         raise UnsupportedError(f"{arch.name} models have no llama.cpp GGUF form")
+    if gname in TIED and not config.tie_word_embeddings:
+        raise UnsupportedError(
+            f"llama.cpp's {gname} ties its output head to the embeddings; this "
+            f"{arch.name} config has tie_word_embeddings=False"
+        )
     for field, value in IMPLIED.get(gname, {}).items():
         if getattr(config, field) != value:
             raise UnsupportedError(

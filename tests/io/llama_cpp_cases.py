@@ -159,7 +159,9 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},  # llama.cpp's llama has no sliding window
     "qwen2": {"sliding_window": None, "layer_types": None},  # nor its qwen2
     "qwen3": {"sliding_window": None, "layer_types": None, "attention_out_bias": False},
-    # llama.cpp's Gemma has no o_proj bias and derives the query scale from d
+    # llama.cpp's Gemma 1 has no biases
+    "gemma": {"attention_bias": False, "attention_out_bias": False},
+    # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d
     "gemma2": {"attention_out_bias": False, "query_pre_attn_scalar": None},
     "gemma3": {"attention_out_bias": False, "query_pre_attn_scalar": None},
     # llama.cpp turns Phi-3's sliding window off, and takes the long factors when

@@ -284,3 +284,21 @@ def test_bad_switches_are_config_errors():
         dataclasses.replace(base, rope_type="llama3", rope_factor=8.0)
     with pytest.raises(ConfigError, match="rope_freq_divisors"):
         dataclasses.replace(base, rope_freq_divisors=(1.0, 2.0))
+
+
+def test_gemma_legacy_gelu_and_missing_head_dim_read_as_transformers():
+    """Gemma 1's legacy ``hidden_act: gelu`` and a missing ``head_dim``.
+
+    transformers reads them as the tanh GELU and 256 (not D / H).
+    """
+    arch = nn.architecture("gemma")
+    hf = {**arch.to_hf(arch.tiny()), "hidden_act": "gelu"}
+    del hf["head_dim"]
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    assert (got.hd, got.hidden_act) == (want.head_dim, want.hidden_act)
+    assert got.hd == 256 and got.hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(UnsupportedError, match="hidden_act 'relu'"):
+        arch.from_hf({**hf, "hidden_act": "relu"})
+    with pytest.raises(UnsupportedError, match="sandwich_norms"):
+        arch.to_hf(dataclasses.replace(arch.tiny(), sandwich_norms=True))
