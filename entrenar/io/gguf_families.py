@@ -8,8 +8,10 @@ hyperparameters ``{arch}.*``. The families differ in:
   as a Llama, is written as ``llama`` (`WRITTEN_AS`) and told apart on reading by
   the ``entrenar.family`` key (below);
 - **q/k rows**: permuted for llama.cpp's interleaved rotary only in the families
-  llama.cpp converts with the permutation (`PERMUTED`: ``llama``); Qwen2/3, Gemma
-  and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
+  llama.cpp converts with the permutation (`PERMUTED`: ``llama``, ``smollm3``);
+  Qwen2/3, Gemma and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
+- **NoPE layers** (`NOPE_PERIOD`): SmolLM3's graph skips rotary on every 4th layer,
+  a rule no key states;
 - **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
   weight (`NORM_SHIFT`), entrenar keeps Hugging Face's ``w``;
 - **what is implied** by the name (`IMPLIED`): Gemma's GeGLU, ``(1 + w)`` norms,
@@ -63,7 +65,7 @@ SANDWICH_STEMS = {
 
 WRITTEN_AS = {"mistral": "llama"}
 """Families without a llama.cpp name of their own, and the name they are written as."""
-PERMUTED = frozenset({"llama"})
+PERMUTED = frozenset({"llama", "smollm3"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
 NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 """llama.cpp names whose norm weights are stored plus this."""
@@ -85,6 +87,9 @@ TIED = frozenset({"gemma"})
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 """llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
+NOPE_PERIOD = {"smollm3": 4}
+"""llama.cpp names whose graph skips rotary on layer ``i`` when ``(i + 1) % n == 0``
+(no key states it: SmolLM3's ``n_no_rope_layer_step``, fixed at 4)."""
 FAMILY_KEY = "entrenar.family"
 """GGUF key of the JSON object of fields llama.cpp's keys cannot state."""
 _TOLD_BY_TENSORS = frozenset(
@@ -144,6 +149,13 @@ def gguf_names(config: Any) -> dict[str, str]:
     return out
 
 
+def default_nope_layers(name: str, n_layers: int) -> tuple[bool, ...] | None:
+    """The NoPE layers llama.cpp's graph assumes for ``name`` (None: none)."""
+    n = NOPE_PERIOD.get(name)
+    nope = tuple(n is not None and (i + 1) % n == 0 for i in range(n_layers))
+    return nope if any(nope) else None
+
+
 def default_layer_types(name: str, n_layers: int) -> tuple[str, ...] | None:
     """The layer types llama.cpp assumes for ``name`` (None: no sliding layers)."""
     n = SWA_PATTERN.get(name)
@@ -160,6 +172,7 @@ __all__ = [
     "GLOBAL_STEMS",
     "IMPLIED",
     "LAYER_STEMS",
+    "NOPE_PERIOD",
     "NORM_SHIFT",
     "PERMUTED",
     "SANDWICH_STEMS",
@@ -168,6 +181,7 @@ __all__ = [
     "TIED",
     "WRITTEN_AS",
     "default_layer_types",
+    "default_nope_layers",
     "gguf_names",
     "layer_stems",
     "written_name",

@@ -54,6 +54,7 @@ from entrenar.io.gguf_families import (
     PERMUTED,
     SWITCH_FIELDS,
     default_layer_types,
+    default_nope_layers,
     gguf_names,
     written_name,
 )
@@ -396,6 +397,7 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         and "blk.0.ffn_gate.weight" not in has,
         **IMPLIED.get(name, {}),
     )
+    fields["nope_layers"] = default_nope_layers(name, n_layers)
     fields |= _rope_fields(g, p, head_dim)
     fields |= _window_fields(g, name, p, n_layers)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):

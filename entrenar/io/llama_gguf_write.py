@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -39,11 +40,13 @@ from entrenar.io.ggml_dequant import GGML_TYPE_IDS
 from entrenar.io.gguf_families import (
     FAMILY_KEY,
     IMPLIED,
+    NOPE_PERIOD,
     NORM_SHIFT,
     PERMUTED,
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
+    default_nope_layers,
     gguf_names,
     written_name,
 )
@@ -244,6 +247,15 @@ def _gguf_name(config: Any) -> str:
         raise UnsupportedError(
             f"llama.cpp's {gname} ties its output head to the embeddings; this "
             f"{arch.name} config has tie_word_embeddings=False"
+        )
+    implied = default_nope_layers(gname, config.num_layers)
+    if gname in NOPE_PERIOD and config.nope_layers != implied:
+        warnings.warn(
+            f"llama.cpp's {gname} skips rotary on every {NOPE_PERIOD[gname]}th layer "
+            f"({implied}); this config's nope_layers are {config.nope_layers}. The "
+            "file keeps them for entrenar (entrenar.family), llama.cpp will not "
+            "follow them",
+            stacklevel=3,
         )
     for field, value in IMPLIED.get(gname, {}).items():
         if getattr(config, field) != value:

@@ -10,7 +10,14 @@ touches weights. Every weight answers the weight-node protocol (`logical_shape`,
 registers in its own package.
 """
 
-from entrenar.nn import gemma, losses, mistral, phi3, qwen  # families register
+from entrenar.nn import (  # families register
+    gemma,
+    losses,
+    mistral,
+    phi3,
+    qwen,
+    smollm3,
+)
 from entrenar.nn.attention import (
     KVCache,
     causal_mask,
@@ -140,6 +147,7 @@ __all__ = [
     "rotate_half",
     "sample_logits",
     "silu",
+    "smollm3",
     "to_bfloat16_weights",
     "to_dense",
     "to_hf_names",

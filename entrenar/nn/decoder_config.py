@@ -28,7 +28,13 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 """Gate activations of the gated MLP: SwiGLU and GeGLU (tanh GELU)."""
 
-_TUPLES = ("rope_short_factor", "rope_long_factor", "rope_freq_divisors", "layer_types")
+_TUPLES = (
+    "rope_short_factor",
+    "rope_long_factor",
+    "rope_freq_divisors",
+    "layer_types",
+    "nope_layers",
+)
 
 
 def as_float(value: Any) -> float:
@@ -102,6 +108,14 @@ def check_switches(c: Any) -> None:
             raise ConfigError(
                 "LlamaConfig.layer_types has sliding layers but sliding_window is None"
             )
+    if c.nope_layers is not None and (
+        len(c.nope_layers) != c.num_layers
+        or not all(isinstance(b, bool) for b in c.nope_layers)
+    ):
+        raise ConfigError(
+            f"LlamaConfig.nope_layers must be {c.num_layers} booleans (one per "
+            f"layer), got {c.nope_layers!r}"
+        )
     if c.hidden_act not in HIDDEN_ACTS:
         raise ConfigError(
             f"LlamaConfig.hidden_act must be one of {HIDDEN_ACTS}, got {c.hidden_act!r}"
@@ -397,6 +411,7 @@ SWITCHES = (
     "qk_norm",
     "sliding_window",
     "layer_types",
+    "nope_layers",
     "hidden_act",
     "norm_unit_offset",
     "sandwich_norms",

@@ -157,6 +157,9 @@ class LlamaConfig:
             ``p - sliding_window < s <= p``; None: no sliding layer.
         layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``;
             None: every layer slides when ``sliding_window`` is set (Mistral).
+        nope_layers: per layer, True where the layer rotates neither queries nor
+            keys (NoPE: SmolLM3's ``no_rope_layers`` zeros); None: every layer
+            rotates.
         hidden_act: the gate's activation, ``"silu"`` (SwiGLU) or
             ``"gelu_pytorch_tanh"`` (GeGLU, tanh GELU: Gemma).
         norm_unit_offset: RMSNorm gains are ``1 + w`` (Gemma; ``init`` makes w 0).
@@ -214,6 +217,7 @@ class LlamaConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    nope_layers: tuple[bool, ...] | None = None
     hidden_act: str = "silu"
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
@@ -600,10 +604,11 @@ class LlamaConfig:
         applies the causal mask (and a sliding window every layer shares) itself.
 
         Per-layer switches (sliding or full attention, local or global rotary
-        base) travel in the scan's ``xs`` when the layers differ. With a ``cache``
-        the scan carries its whole ``(L, B, S, KV, d)`` buffers beside ``h`` and
-        each layer writes its new entries into them at its index, so no layer's
-        cache is copied (it would be, as the scan's ``xs`` and ``ys``).
+        base, rotary or none) travel in the scan's ``xs`` when the layers
+        differ. With a ``cache`` the scan carries its whole ``(L, B, S, KV, d)``
+        buffers beside ``h`` and each layer writes its new entries into them at
+        its index, so no layer's cache is copied (it would be, as the scan's
+        ``xs`` and ``ys``).
         """
         m = params["model"]
         table = m["embed_tokens"]["weight"]  # (V, D), or a TiedEmbedding's table
@@ -630,7 +635,11 @@ class LlamaConfig:
             masks = (allowed, allowed & near)  # (T, S) or (B, T, S)
             if self.rope_local_theta is not None:
                 ropes = (rope, self._rope(positions, self.rope_local_theta, False))
-        flags = jnp.asarray(sliding) if mixed else None  # (L,) bool
+        nope = self.nope_layers or ()
+        flags = (  # (L,) bool each, or None where the layers do not differ
+            jnp.asarray(sliding) if mixed else None,
+            jnp.asarray(nope) if any(nope) else None,
+        )
         every = int(all(sliding))  # 1: every layer slides (Mistral)
 
         kernel_mask: tuple[bool, int | None] = (False, None)  # (causal, window)
@@ -638,7 +647,7 @@ class LlamaConfig:
             kernel_mask = (True, self.sliding_window if every and not mixed else None)
 
         def layer(carry: Any, xs: Any) -> tuple[Any, Any]:
-            lp, index, slide = xs
+            lp, index, (slide, no_rope) = xs
             h, kv = (carry, None) if cache is None else (carry[0], carry[1:])
             mask, tables = masks[every], ropes[every]
             if mixed:  # this layer's mask and rotary tables
@@ -648,6 +657,10 @@ class LlamaConfig:
                         jnp.where(slide, local, full) for full, local in zip(*ropes)
                     )
                     tables = (cos, sin)
+            if no_rope is not None:  # NoPE layer: cos 1, sin 0 rotate nothing
+                cos, sin = tables
+                tables = (jnp.where(no_rope, 1, cos).astype(cos.dtype),
+                          jnp.where(no_rope, 0, sin).astype(sin.dtype))  # fmt: skip
             if kernel_mask[0] and not mixed:  # the kernel's causal mask and window
                 mask = fused
             a, kv = self._attention(

@@ -159,6 +159,14 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},  # llama.cpp's llama has no sliding window
     "qwen2": {"sliding_window": None, "layer_types": None},  # nor its qwen2
     "qwen3": {"sliding_window": None, "layer_types": None, "attention_out_bias": False},
+    # llama.cpp's SmolLM3 has no sliding window and no biases
+    "smollm3": {
+        "sliding_window": None,
+        "layer_types": None,
+        "attention_bias": False,
+        "attention_out_bias": False,
+        "mlp_bias": False,
+    },
     # llama.cpp's Gemma 1 has no biases
     "gemma": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from entrenar import lora, nn
-from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.lora import LoRAWeight
 
 torch = pytest.importorskip("torch")
@@ -302,3 +302,37 @@ def test_gemma_legacy_gelu_and_missing_head_dim_read_as_transformers():
         arch.from_hf({**hf, "hidden_act": "relu"})
     with pytest.raises(UnsupportedError, match="sandwich_norms"):
         arch.to_hf(dataclasses.replace(arch.tiny(), sandwich_norms=True))
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3, 4])
+@pytest.mark.parametrize("window", [None, 4])
+def test_smollm3_nope_and_sliding_layers_follow_transformers_rule(interval, window):
+    """SmolLM3's interval and ``use_sliding_window`` without explicit lists.
+
+    The NoPE and sliding layers are those transformers' SmolLM3Config derives.
+    """
+    arch = nn.architecture("smollm3")
+    seven = dataclasses.replace(
+        arch.tiny(), num_layers=7, layer_types=None, nope_layers=None,
+        sliding_window=window,
+    )  # fmt: skip
+    hf = arch.to_hf(seven)
+    for key in ("no_rope_layers", "layer_types"):
+        del hf[key]
+    hf["no_rope_layer_interval"] = interval
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    nope = got.nope_layers or (False,) * 7
+    assert [int(not x) for x in nope] == want.no_rope_layers
+    slides = [t == "sliding_attention" for t in got.layer_types or ("",) * 7]
+    assert slides == [t == "sliding_attention" for t in want.layer_types]
+    assert got.sliding_window == (window if want.use_sliding_window else None)
+
+
+def test_smollm3_bad_no_rope_layers_are_named():
+    arch = nn.architecture("smollm3")
+    hf = arch.to_hf(arch.tiny())
+    with pytest.raises(FormatError, match="no_rope_layers must list 4 values"):
+        arch.from_hf({**hf, "no_rope_layers": [1, 0]})
+    with pytest.raises(ConfigError, match="nope_layers must be 4 booleans"):
+        dataclasses.replace(arch.tiny(), nope_layers=(True,))

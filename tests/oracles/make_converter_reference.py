@@ -68,6 +68,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             attention_out_bias=False,
         ),
     ),
+    # llama.cpp's SmolLM3 has no sliding window and no biases
+    "smollm3": (
+        "smollm3",
+        dict(
+            sliding_window=None,
+            layer_types=None,
+            attention_bias=False,
+            attention_out_bias=False,
+            mlp_bias=False,
+        ),
+    ),
 }
 """Case -> (family, fields replaced in the family's tiny config)."""
 VOCAB = 320  # the byte-level tiny tokenizer's 303 tokens, rounded up
