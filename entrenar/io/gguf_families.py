@@ -16,9 +16,11 @@ hyperparameters ``{arch}.*``. The families differ in:
   weight (`NORM_SHIFT`), entrenar keeps Hugging Face's ``w``;
 - **what is implied** by the name (`IMPLIED`): Gemma's GeGLU, ``(1 + w)`` norms,
   sandwich norms (Gemma 2/3), ``√D`` embedding scale and tied head (`TIED`: Gemma
-  1's graph has no ``output`` tensor);
+  1's graph has no ``output`` tensor); OLMo 2's output norms and whole-row q/k
+  norms, and its untied head (`UNTIED`);
 - **tensor names** (`LAYER_STEMS`): Hugging Face module -> ``blk.N.<stem>``, with
-  Gemma's four norms (`SANDWICH_STEMS`) and Phi-3's fused ``attn_qkv``/``ffn_up``.
+  Gemma's four norms (`SANDWICH_STEMS`), OLMo 2's two (`POST_NORM_STEMS`) and
+  Phi-3's fused ``attn_qkv``/``ffn_up``.
 
 The writer also stores every switch that differs from Llama's default in
 ``entrenar.family``, a JSON object of `LlamaConfig` fields (`SWITCH_FIELDS`) that
@@ -62,6 +64,12 @@ SANDWICH_STEMS = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 """Gemma 2/3's norms (``sandwich_norms``), replacing `LAYER_STEMS`' entries."""
+POST_NORM_STEMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+"""OLMo 2's norms on the sublayer outputs (``post_norms``), replacing
+`LAYER_STEMS`' entries."""
 
 WRITTEN_AS = {"mistral": "llama"}
 """Families without a llama.cpp name of their own, and the name they are written as."""
@@ -78,12 +86,15 @@ IMPLIED: dict[str, dict[str, Any]] = {
     }
     for name in ("gemma2", "gemma3")
 }
+IMPLIED["olmo2"] = {"post_norms": True, "qk_norm_whole": True}
 IMPLIED["gemma"] = {
     k: v for k, v in IMPLIED["gemma2"].items() if k != "sandwich_norms"
 }  # Gemma 1: Llama's two norms a layer
 """`LlamaConfig` fields a llama.cpp name implies."""
 TIED = frozenset({"gemma"})
 """llama.cpp names whose graph has no ``output.weight``: the head is the table."""
+UNTIED = frozenset({"olmo2"})
+"""llama.cpp names whose graph needs ``output.weight`` (no tied head)."""
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 """llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
@@ -111,10 +122,15 @@ def written_name(family: str, gguf_name: str | None) -> str | None:
 
 
 def layer_stems(config: Any) -> dict[str, str]:
-    """`LAYER_STEMS` for ``config`` (with Gemma's `SANDWICH_STEMS` when it has them)."""
+    """`LAYER_STEMS` for ``config``, with its norms' stems.
+
+    Gemma's `SANDWICH_STEMS` or OLMo 2's `POST_NORM_STEMS` when it has them.
+    """
     stems = dict(LAYER_STEMS)
     if getattr(config, "sandwich_norms", False):
         stems |= SANDWICH_STEMS
+    if getattr(config, "post_norms", False):
+        stems |= POST_NORM_STEMS
     return stems
 
 
@@ -175,10 +191,12 @@ __all__ = [
     "NOPE_PERIOD",
     "NORM_SHIFT",
     "PERMUTED",
+    "POST_NORM_STEMS",
     "SANDWICH_STEMS",
     "SWA_PATTERN",
     "SWITCH_FIELDS",
     "TIED",
+    "UNTIED",
     "WRITTEN_AS",
     "default_layer_types",
     "default_nope_layers",

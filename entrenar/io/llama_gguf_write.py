@@ -46,6 +46,7 @@ from entrenar.io.gguf_families import (
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
+    UNTIED,
     default_nope_layers,
     gguf_names,
     written_name,
@@ -247,6 +248,11 @@ def _gguf_name(config: Any) -> str:
         raise UnsupportedError(
             f"llama.cpp's {gname} ties its output head to the embeddings; this "
             f"{arch.name} config has tie_word_embeddings=False"
+        )
+    if gname in UNTIED and config.tie_word_embeddings:
+        raise UnsupportedError(
+            f"llama.cpp's {gname} needs its own output head; this {arch.name} "
+            "config has tie_word_embeddings=True"
         )
     implied = default_nope_layers(gname, config.num_layers)
     if gname in NOPE_PERIOD and config.nope_layers != implied:

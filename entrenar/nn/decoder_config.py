@@ -116,6 +116,13 @@ def check_switches(c: Any) -> None:
             f"LlamaConfig.nope_layers must be {c.num_layers} booleans (one per "
             f"layer), got {c.nope_layers!r}"
         )
+    if c.qk_norm_whole and not c.qk_norm:
+        raise ConfigError("LlamaConfig.qk_norm_whole needs qk_norm=True")
+    if c.post_norms and c.sandwich_norms:
+        raise ConfigError(
+            "LlamaConfig.post_norms (OLMo 2) and sandwich_norms (Gemma 2/3) exclude "
+            "each other: set one"
+        )
     if c.hidden_act not in HIDDEN_ACTS:
         raise ConfigError(
             f"LlamaConfig.hidden_act must be one of {HIDDEN_ACTS}, got {c.hidden_act!r}"
@@ -409,12 +416,14 @@ SWITCHES = (
     "attention_out_bias",
     "mlp_bias",
     "qk_norm",
+    "qk_norm_whole",
     "sliding_window",
     "layer_types",
     "nope_layers",
     "hidden_act",
     "norm_unit_offset",
     "sandwich_norms",
+    "post_norms",
     "scale_embeddings",
     "query_pre_attn_scalar",
     "attn_logit_softcapping",

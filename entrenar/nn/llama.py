@@ -153,6 +153,9 @@ class LlamaConfig:
         mlp_bias: biases on gate, up and down projections.
         qk_norm: per-head RMSNorm of queries and keys before rotary (``q_norm``,
             ``k_norm``, weights ``(L, d)``: Qwen3, Gemma 3).
+        qk_norm_whole: ``qk_norm`` over the whole projection instead, ``H d``
+            query and ``KV d`` key values at once (weights ``(L, H d)`` and
+            ``(L, KV d)``: OLMo 2).
         sliding_window: a sliding layer's query at ``p`` attends to keys at
             ``p - sliding_window < s <= p``; None: no sliding layer.
         layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``;
@@ -166,6 +169,10 @@ class LlamaConfig:
         sandwich_norms: Gemma 2/3 norms: ``post_attention_layernorm`` on the
             attention output, ``pre_feedforward_layernorm`` before and
             ``post_feedforward_layernorm`` after the MLP.
+        post_norms: OLMo 2's norms: none before attention or the MLP (no
+            ``input_layernorm``); ``post_attention_layernorm`` on the attention
+            output and ``post_feedforward_layernorm`` on the MLP output, each
+            then added to the residual stream.
         scale_embeddings: multiply the embeddings by ``sqrt(D)`` (in ``dtype``).
         query_pre_attn_scalar: attention scores scale ``s^-1/2``; None: ``d^-1/2``.
         attn_logit_softcapping: scores become ``c tanh(scores / c)`` (Gemma 2).
@@ -215,12 +222,14 @@ class LlamaConfig:
     attention_out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     nope_layers: tuple[bool, ...] | None = None
     hidden_act: str = "silu"
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
+    post_norms: bool = False
     scale_embeddings: bool = False
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
@@ -344,7 +353,8 @@ class LlamaConfig:
 
         The family switches add leaves under Hugging Face's names: ``bias`` next
         to the weights, ``self_attn.{q,k}_norm``, Gemma's
-        ``{pre,post}_feedforward_layernorm``; Phi-3's fused ``qkv_proj`` and
+        ``{pre,post}_feedforward_layernorm`` (OLMo 2: the post one, and no
+        ``input_layernorm``); Phi-3's fused ``qkv_proj`` and
         ``gate_up_proj`` replace q/k/v and gate/up.
         """
         v, d, i, n = self.vocab_size, self.hidden_size, self.intermediate_size, 0
@@ -366,9 +376,9 @@ class LlamaConfig:
         if not self.fused_qkv:
             attn["v_proj"] = lin(kvd, d, ab)
         attn["o_proj"] = lin(d, qd, self.attention_out_bias)
-        if self.qk_norm:
-            attn["q_norm"] = {"weight": (n, self.hd)}
-            attn["k_norm"] = {"weight": (n, self.hd)}
+        if self.qk_norm:  # per head, or over the whole projection (OLMo 2)
+            attn["q_norm"] = {"weight": (n, qd if self.qk_norm_whole else self.hd)}
+            attn["k_norm"] = {"weight": (n, kvd if self.qk_norm_whole else self.hd)}
         mlp: dict[str, Any] = (
             {"gate_up_proj": lin(2 * i, d, mb)}
             if self.fused_gate_up
@@ -381,8 +391,11 @@ class LlamaConfig:
             "post_attention_layernorm": {"weight": (n, d)},
             "mlp": mlp,
         }
+        if self.post_norms:  # OLMo 2: no norm before attention
+            del layers["input_layernorm"]
         if self.sandwich_norms:
             layers["pre_feedforward_layernorm"] = {"weight": (n, d)}
+        if self.sandwich_norms or self.post_norms:
             layers["post_feedforward_layernorm"] = {"weight": (n, d)}
         shapes: dict[str, Any] = {
             "model": {
@@ -666,14 +679,15 @@ class LlamaConfig:
             a, kv = self._attention(
                 lp, h, tables, mask, kv, index, pos, kernel_mask=kernel_mask
             )
-            if self.sandwich_norms:
+            post = self.sandwich_norms or self.post_norms
+            if post:
                 a = self._norm(a, lp["post_attention_layernorm"])
             h = h + a  # (B, T, D)
             pre = "pre_feedforward_layernorm" if self.sandwich_norms else (
                 "post_attention_layernorm"
             )  # fmt: skip
-            x = self._mlp(lp["mlp"], self._norm(h, lp[pre]))
-            if self.sandwich_norms:
+            x = self._mlp(lp["mlp"], h if self.post_norms else self._norm(h, lp[pre]))
+            if post:
                 x = self._norm(x, lp["post_feedforward_layernorm"])
             h = h + x
             return (h if kv is None else (h, *kv)), h if return_hidden else None
@@ -779,7 +793,7 @@ class LlamaConfig:
         b, t, _ = h.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
         ap = lp["self_attn"]
-        x = self._norm(h, lp["input_layernorm"])
+        x = h if self.post_norms else self._norm(h, lp["input_layernorm"])
         md = self.matmul_dtype
         if self.fused_qkv:  # Phi-3: qkv_proj = [q; k; v]
             qkv = linear(x, ap["qkv_proj"]["weight"], _bias(ap["qkv_proj"]),
@@ -789,10 +803,13 @@ class LlamaConfig:
             q = linear(x, ap["q_proj"]["weight"], _bias(ap["q_proj"]), matmul_dtype=md)
             k = linear(x, ap["k_proj"]["weight"], _bias(ap["k_proj"]), matmul_dtype=md)
             v = linear(x, ap["v_proj"]["weight"], _bias(ap["v_proj"]), matmul_dtype=md)
+        if self.qk_norm and self.qk_norm_whole:  # OLMo 2: over all H d values
+            q = self._norm(q, ap["q_norm"])  # (B, T, H d)
+            k = self._norm(k, ap["k_norm"])  # (B, T, KV d)
         q = q.reshape(b, t, nh, hd)  # (B, T, H, d)
         k = k.reshape(b, t, nkv, hd)  # (B, T, KV, d)
         v = v.reshape(b, t, nkv, hd)
-        if self.qk_norm:  # per head, before rotary
+        if self.qk_norm and not self.qk_norm_whole:  # per head, before rotary
             q = self._norm(q, ap["q_norm"])
             k = self._norm(k, ap["k_norm"])
         q = rotate(q, rope)

@@ -167,6 +167,8 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
         "attention_out_bias": False,
         "mlp_bias": False,
     },
+    # llama.cpp's OLMo 2 has no biases and takes d = D / H
+    "olmo2": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp's Gemma 1 has no biases
     "gemma": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d

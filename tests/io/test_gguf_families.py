@@ -458,3 +458,10 @@ def test_smollm3_nope_layers_llama_cpp_cannot_follow_are_warned(tmp_path):
     with pytest.warns(UserWarning, match="every 4th layer"):
         io.save_llama_gguf(path, config, config.init(jax.random.key(0)))
     assert io.load_llama_gguf(path)[0] == config  # entrenar.family keeps them
+
+
+def test_a_tied_olmo2_is_refused_for_llama_cpps_untied_graph(tmp_path):
+    tiny = nn.architecture("olmo2").tiny()
+    config = dataclasses.replace(tiny, tie_word_embeddings=True)
+    with pytest.raises(UnsupportedError, match="olmo2 needs its own output head"):
+        io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))

@@ -284,6 +284,10 @@ def test_bad_switches_are_config_errors():
         dataclasses.replace(base, rope_type="llama3", rope_factor=8.0)
     with pytest.raises(ConfigError, match="rope_freq_divisors"):
         dataclasses.replace(base, rope_freq_divisors=(1.0, 2.0))
+    with pytest.raises(ConfigError, match="qk_norm_whole needs qk_norm"):
+        dataclasses.replace(base, qk_norm_whole=True)
+    with pytest.raises(ConfigError, match=r"post_norms .* exclude"):
+        dataclasses.replace(base, post_norms=True, sandwich_norms=True)
 
 
 def test_gemma_legacy_gelu_and_missing_head_dim_read_as_transformers():

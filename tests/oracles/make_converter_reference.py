@@ -79,6 +79,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             mlp_bias=False,
         ),
     ),
+    # llama.cpp's OLMo 2 has no biases
+    "olmo2": ("olmo2", dict(attention_bias=False, attention_out_bias=False)),
 }
 """Case -> (family, fields replaced in the family's tiny config)."""
 VOCAB = 320  # the byte-level tiny tokenizer's 303 tokens, rounded up
