@@ -6,7 +6,8 @@ hyperparameters ``{arch}.*``. The families differ in:
 
 - **the name written**: a family's ``gguf_name``; Mistral, which llama.cpp converts
   as a Llama, is written as ``llama`` (`WRITTEN_AS`) and told apart on reading by
-  the ``entrenar.family`` key (below);
+  the ``entrenar.family`` key (below); OLMo 3 is written as ``olmo2`` and told
+  apart by its sliding layers (`WINDOWED`);
 - **q/k rows**: permuted for llama.cpp's interleaved rotary only in the families
   llama.cpp converts with the permutation (`PERMUTED`: ``llama``, ``smollm3``);
   Qwen2/3, Gemma and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
@@ -71,7 +72,7 @@ POST_NORM_STEMS = {
 """OLMo 2's norms on the sublayer outputs (``post_norms``), replacing
 `LAYER_STEMS`' entries."""
 
-WRITTEN_AS = {"mistral": "llama"}
+WRITTEN_AS = {"mistral": "llama", "olmo3": "olmo2"}
 """Families without a llama.cpp name of their own, and the name they are written as."""
 PERMUTED = frozenset({"llama", "smollm3"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
@@ -95,12 +96,19 @@ TIED = frozenset({"gemma"})
 """llama.cpp names whose graph has no ``output.weight``: the head is the table."""
 UNTIED = frozenset({"olmo2"})
 """llama.cpp names whose graph needs ``output.weight`` (no tied head)."""
-SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 """llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
 NOPE_PERIOD = {"smollm3": 4}
 """llama.cpp names whose graph skips rotary on layer ``i`` when ``(i + 1) % n == 0``
 (no key states it: SmolLM3's ``n_no_rope_layer_step``, fixed at 4)."""
+WINDOWED = {"olmo2": "olmo3"}
+"""llama.cpp names that hold two families: the one a file with sliding layers is
+(llama.cpp's olmo2 runs OLMo 3, whose sliding layers rotate unscaled at
+``rope.freq_base_swa``, default ``rope.freq_base``)."""
+ONE_BASE = frozenset({"olmo2"})
+"""llama.cpp names whose graph rotates the sliding layers at ``rope.freq_base``
+(0.3.36's olmo2 reads ``rope.freq_base_swa`` but does not use it)."""
 FAMILY_KEY = "entrenar.family"
 """GGUF key of the JSON object of fields llama.cpp's keys cannot state."""
 _TOLD_BY_TENSORS = frozenset(
@@ -190,6 +198,7 @@ __all__ = [
     "LAYER_STEMS",
     "NOPE_PERIOD",
     "NORM_SHIFT",
+    "ONE_BASE",
     "PERMUTED",
     "POST_NORM_STEMS",
     "SANDWICH_STEMS",
@@ -197,6 +206,7 @@ __all__ = [
     "SWITCH_FIELDS",
     "TIED",
     "UNTIED",
+    "WINDOWED",
     "WRITTEN_AS",
     "default_layer_types",
     "default_nope_layers",

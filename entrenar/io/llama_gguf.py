@@ -53,6 +53,7 @@ from entrenar.io.gguf_families import (
     NORM_SHIFT,
     PERMUTED,
     SWITCH_FIELDS,
+    WINDOWED,
     default_layer_types,
     default_nope_layers,
     gguf_names,
@@ -410,11 +411,16 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
             fields["rope_local_theta"] = local
     if (name, n_layers) in (("gemma2", 46), ("gemma3", 62)):  # llama.cpp's 27B rule
         fields["query_pre_attn_scalar"] = float(hidden // heads)
+    default = arch.name
+    if name in WINDOWED and fields.get("sliding_window"):  # OLMo 3 in olmo2
+        default = WINDOWED[name]
+        local = _meta_float(g, f"{p}rope.freq_base_swa", fields["rope_theta"])
+        fields["rope_local_theta"] = local  # set even when equal: unscaled
     family = _family_fields(g, name)
     if family.get("rope_type", "default") != "default":
         fields.pop("rope_freq_divisors", None)  # rope_freqs was derived from them
     fields |= family
-    family_arch = nn.architecture(family.get("architecture", arch.name))
+    family_arch = nn.architecture(family.get("architecture", default))
     try:
         return family_arch.make_config(**fields)
     except (ConfigError, TypeError, ValueError) as e:

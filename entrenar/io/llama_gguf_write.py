@@ -42,6 +42,7 @@ from entrenar.io.gguf_families import (
     IMPLIED,
     NOPE_PERIOD,
     NORM_SHIFT,
+    ONE_BASE,
     PERMUTED,
     SWA_PATTERN,
     SWITCH_FIELDS,
@@ -253,6 +254,14 @@ def _gguf_name(config: Any) -> str:
         raise UnsupportedError(
             f"llama.cpp's {gname} needs its own output head; this {arch.name} "
             "config has tie_word_embeddings=True"
+        )
+    local = config.rope_local_theta
+    if gname in ONE_BASE and local is not None and local != config.rope_theta:
+        warnings.warn(
+            f"llama.cpp's {gname} rotates the sliding layers at rope_theta "
+            f"{config.rope_theta:g}, not rope_local_theta {local:g}; the file keeps "
+            "it for entrenar (rope.freq_base_swa), llama.cpp will not follow it",
+            stacklevel=3,
         )
     implied = default_nope_layers(gname, config.num_layers)
     if gname in NOPE_PERIOD and config.nope_layers != implied:

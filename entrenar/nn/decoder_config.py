@@ -293,6 +293,40 @@ def common_from_hf(
     return fields
 
 
+def rope_by_layer_type(
+    hf: Mapping[str, Any], source: str, theta: float
+) -> tuple[dict[str, Any], float | None] | None:
+    """Transformers 5's per-layer-type ``rope_parameters`` (Gemma 3, OLMo 3).
+
+    Returns the global layers' rope fields (with ``rope_theta``, default
+    ``theta``) and the sliding layers' base (None when not given); None when
+    ``rope_parameters`` is not split by layer type.
+
+    Raises:
+        FormatError: ``sliding_attention`` is not an object.
+        UnsupportedError: rope scaling on the sliding layers.
+    """
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping) or not any(t in params for t in LAYER_TYPES):
+        return None
+    full = params.get("full_attention") or {}
+    slide = params.get("sliding_attention") or {}
+    if not isinstance(slide, Mapping):
+        raise FormatError(
+            f"{source}: rope_parameters.sliding_attention = {str(slide)[:40]!r} is "
+            "not an object"
+        )
+    if slide.get("rope_type", "default") != "default":
+        raise UnsupportedError(
+            f"{source}: rope_parameters.sliding_attention.rope_type "
+            f"{slide['rope_type']!r} is not supported (no scaling on local layers)"
+        )
+    fields = rope_from_hf(full, source)
+    fields["rope_theta"] = float(full.get("rope_theta", theta))
+    local = slide.get("rope_theta")
+    return fields, None if local is None else float(local)
+
+
 def common_to_hf(
     c: Any, hf_class: str, model_type: str, allowed: tuple[str, ...]
 ) -> dict[str, Any]:
@@ -447,6 +481,7 @@ __all__ = [
     "common_to_hf",
     "refuse_switches",
     "register_family",
+    "rope_by_layer_type",
     "rope_from_hf",
     "rope_to_hf",
     "sliding_layers",

@@ -25,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from entrenar.errors import FormatError, UnsupportedError
+from entrenar.errors import UnsupportedError
 from entrenar.nn.decoder_config import (
     TINY_SIZES,
     common_from_hf,
     common_to_hf,
     register_family,
-    rope_from_hf,
+    rope_by_layer_type,
 )
 from entrenar.nn.llama import LlamaConfig
 
@@ -180,23 +180,11 @@ def gemma3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         **_gemma_fields(hf, 6),
     }
     local = hf.get("rope_local_base_freq", 10_000.0)
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full = params.get("full_attention") or {}
-        slide = params.get("sliding_attention") or {}
-        if not isinstance(slide, Mapping):
-            raise FormatError(
-                "config.json: rope_parameters.sliding_attention = "
-                f"{str(slide)[:40]!r} is not an object"
-            )
-        if slide.get("rope_type", "default") != "default":
-            raise UnsupportedError(
-                "config.json: rope_parameters.sliding_attention.rope_type "
-                f"{slide['rope_type']!r} is not supported (no scaling on local layers)"
-            )
-        fields.update(rope_from_hf(full, "config.json"))
-        fields["rope_theta"] = float(full.get("rope_theta", fields["rope_theta"]))
-        local = slide.get("rope_theta", local)
+    layered = rope_by_layer_type(hf, "config.json", fields["rope_theta"])
+    if layered is not None:
+        full, slide = layered
+        fields.update(full)
+        local = local if slide is None else slide
     return LlamaConfig(
         **fields, architecture="gemma3", qk_norm=True, rope_local_theta=float(local)
     )

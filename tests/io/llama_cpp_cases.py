@@ -169,6 +169,11 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     },
     # llama.cpp's OLMo 2 has no biases and takes d = D / H
     "olmo2": {"attention_bias": False, "attention_out_bias": False},
+    # llama.cpp 0.3.36's olmo2 graph rotates sliding layers at the global base
+    "olmo3": {
+        "attention_bias": False, "attention_out_bias": False,
+        "rope_local_theta": 500_000.0,
+    },
     # llama.cpp's Gemma 1 has no biases
     "gemma": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d

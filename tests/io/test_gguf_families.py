@@ -275,6 +275,7 @@ def test_a_file_llama_cpps_converter_wrote_reads_to_transformers(case):
     config, params, _ = io.load_llama_gguf(path)
     hf = record["cases"][case]["config.json"]
     from_hf = nn.LlamaConfig.from_hf_config(hf)
+    assert config.architecture == from_hf.architecture  # olmo3 in olmo2's name
     assert config.sliding_window == from_hf.sliding_window
     factor = attention_factor(from_hf)  # None: no scaling of cos and sin
     assert attention_factor(config) == (factor and pytest.approx(factor, 1e-6))
@@ -465,3 +466,13 @@ def test_a_tied_olmo2_is_refused_for_llama_cpps_untied_graph(tmp_path):
     config = dataclasses.replace(tiny, tie_word_embeddings=True)
     with pytest.raises(UnsupportedError, match="olmo2 needs its own output head"):
         io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
+
+
+def test_olmo3_local_base_llama_cpp_does_not_use_is_warned(tmp_path):
+    """llama.cpp 0.3.36's olmo2 graph rotates sliding layers at the global base."""
+    config = nn.architecture("olmo3").tiny()
+    assert config.rope_local_theta != config.rope_theta
+    path = tmp_path / "m.gguf"
+    with pytest.warns(UserWarning, match="rotates the sliding layers at rope_theta"):
+        io.save_llama_gguf(path, config, config.init(jax.random.key(0)))
+    assert io.load_llama_gguf(path)[0] == config

@@ -340,3 +340,26 @@ def test_smollm3_bad_no_rope_layers_are_named():
         arch.from_hf({**hf, "no_rope_layers": [1, 0]})
     with pytest.raises(ConfigError, match="nope_layers must be 4 booleans"):
         dataclasses.replace(arch.tiny(), nope_layers=(True,))
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_olmo3_default_layers_and_rope_follow_transformers(layered):
+    """OLMo 3 without ``layer_types``: transformers' layers, bases and scaling.
+
+    Its rope as ``rope_theta`` + ``rope_scaling`` (old style) or per layer type.
+    """
+    arch = nn.architecture("olmo3")
+    hf = arch.to_hf(dataclasses.replace(arch.tiny(), num_layers=6, layer_types=None))
+    del hf["layer_types"]
+    if not layered:
+        full = hf.pop("rope_parameters")["full_attention"]
+        hf["rope_theta"] = full.pop("rope_theta")
+        hf["rope_scaling"] = full
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    assert list(got.layer_types) == want.layer_types
+    params = want.rope_parameters
+    assert got.rope_theta == params["full_attention"]["rope_theta"]
+    assert got.rope_local_theta == params["sliding_attention"]["rope_theta"]
+    assert got.rope_type == params["full_attention"]["rope_type"] == "yarn"
+    assert params["sliding_attention"]["rope_type"] == "default"

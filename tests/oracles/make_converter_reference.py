@@ -81,6 +81,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # llama.cpp's OLMo 2 has no biases
     "olmo2": ("olmo2", dict(attention_bias=False, attention_out_bias=False)),
+    # llama.cpp's OLMo 3 (its olmo2) has no biases and one rotary base
+    "olmo3": (
+        "olmo3",
+        dict(
+            attention_bias=False, attention_out_bias=False, rope_local_theta=500_000.0
+        ),
+    ),
 }
 """Case -> (family, fields replaced in the family's tiny config)."""
 VOCAB = 320  # the byte-level tiny tokenizer's 303 tokens, rounded up
