@@ -171,7 +171,8 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     "olmo2": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp 0.3.36's olmo2 graph rotates sliding layers at the global base
     "olmo3": {
-        "attention_bias": False, "attention_out_bias": False,
+        "attention_bias": False,
+        "attention_out_bias": False,
         "rope_local_theta": 500_000.0,
     },
     # llama.cpp's Gemma 1 has no biases
