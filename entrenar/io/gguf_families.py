@@ -9,8 +9,11 @@ hyperparameters ``{arch}.*``. The families differ in:
   the ``entrenar.family`` key (below); OLMo 3 is written as ``olmo2`` and told
   apart by its sliding layers (`WINDOWED`);
 - **q/k rows**: permuted for llama.cpp's interleaved rotary only in the families
-  llama.cpp converts with the permutation (`PERMUTED`: ``llama``, ``smollm3``);
+  llama.cpp converts with the permutation (`PERMUTED`: ``llama``, ``smollm3``,
+  ``granite``);
   Qwen2/3, Gemma and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
+- **Granite's multipliers** (`SCALE_KEYS`): ``embedding_scale``,
+  ``residual_scale``, ``attention.scale``, ``logit_scale``;
 - **NoPE layers** (`NOPE_PERIOD`): SmolLM3's graph skips rotary on every 4th layer,
   a rule no key states;
 - **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
@@ -74,7 +77,7 @@ POST_NORM_STEMS = {
 
 WRITTEN_AS = {"mistral": "llama", "olmo3": "olmo2"}
 """Families without a llama.cpp name of their own, and the name they are written as."""
-PERMUTED = frozenset({"llama", "smollm3"})
+PERMUTED = frozenset({"llama", "smollm3", "granite"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
 NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 """llama.cpp names whose norm weights are stored plus this."""
@@ -109,6 +112,15 @@ WINDOWED = {"olmo2": "olmo3"}
 ONE_BASE = frozenset({"olmo2"})
 """llama.cpp names whose graph rotates the sliding layers at ``rope.freq_base``
 (0.3.36's olmo2 reads ``rope.freq_base_swa`` but does not use it)."""
+SCALE_KEYS = {
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "attention_multiplier": "attention.scale",
+    "logits_scaling": "logit_scale",
+}
+"""Granite's multipliers -> llama.cpp's ``{arch}.*`` keys (its converter's names)."""
+SCALED = frozenset({"granite"})
+"""llama.cpp names whose graph reads `SCALE_KEYS` (``logit_scale`` required)."""
 FAMILY_KEY = "entrenar.family"
 """GGUF key of the JSON object of fields llama.cpp's keys cannot state."""
 _TOLD_BY_TENSORS = frozenset(
@@ -202,6 +214,8 @@ __all__ = [
     "PERMUTED",
     "POST_NORM_STEMS",
     "SANDWICH_STEMS",
+    "SCALED",
+    "SCALE_KEYS",
     "SWA_PATTERN",
     "SWITCH_FIELDS",
     "TIED",

@@ -52,6 +52,7 @@ from entrenar.io.gguf_families import (
     IMPLIED,
     NORM_SHIFT,
     PERMUTED,
+    SCALE_KEYS,
     SWITCH_FIELDS,
     WINDOWED,
     default_layer_types,
@@ -157,6 +158,10 @@ FLOAT_RANGES = {
     "rope.scaling.yarn_beta_slow": (0.0, 1e6),
     "attn_logit_softcapping": (0.0, 1e6),
     "final_logit_softcapping": (0.0, 1e6),
+    "embedding_scale": (0.0, 1e6),
+    "residual_scale": (0.0, 1e6),
+    "attention.scale": (0.0, 1e6),
+    "logit_scale": (0.0, 1e6),
 }
 """Open interval ``(low, high)`` a float ``{arch}.*`` hyperparameter must lie in."""
 ROPE_SCALINGS = ("none", "", "linear", "yarn", "longrope")
@@ -405,6 +410,10 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         value = _meta_float(g, f"{p}{key}", None)
         if value is not None:
             fields[key] = value
+    for field, key in SCALE_KEYS.items():  # Granite's multipliers
+        value = _meta_float(g, f"{p}{key}", None)
+        if value is not None:
+            fields[field] = value
     if name == "gemma3" or f"{p}rope.freq_base_swa" in g.fields:
         local = _meta_float(g, f"{p}rope.freq_base_swa", 10000.0)
         if fields.get("sliding_window") and local != fields["rope_theta"]:

@@ -44,6 +44,8 @@ from entrenar.io.gguf_families import (
     NORM_SHIFT,
     ONE_BASE,
     PERMUTED,
+    SCALE_KEYS,
+    SCALED,
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
@@ -215,6 +217,11 @@ def _metadata(
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(c, key) is not None:
             new[p + key] = (getattr(c, key), F32)
+    if gname in SCALED:  # Granite's multipliers; llama.cpp needs logit_scale
+        for field, key in SCALE_KEYS.items():
+            value = getattr(c, field)
+            if value is not None or key == "logit_scale":
+                new[p + key] = (1.0 if value is None else value, F32)
     # The old architecture's keys go; never the tokenizer's or general ones (a
     # tokenizer-only GGUF says general.architecture = "tokenizer").
     archs = {gname, getattr(old, "value", gname)} - {"tokenizer", "general"}

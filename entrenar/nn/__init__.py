@@ -12,6 +12,7 @@ registers in its own package.
 
 from entrenar.nn import (  # families register
     gemma,
+    granite,
     losses,
     mistral,
     olmo,
@@ -122,6 +123,7 @@ __all__ = [
     "gemma",
     "generate",
     "generate_stream",
+    "granite",
     "init_kv_cache",
     "is_weight_node",
     "kaiming_normal",

@@ -116,6 +116,11 @@ def check_switches(c: Any) -> None:
             f"LlamaConfig.nope_layers must be {c.num_layers} booleans (one per "
             f"layer), got {c.nope_layers!r}"
         )
+    if c.attention_multiplier is not None and c.query_pre_attn_scalar is not None:
+        raise ConfigError(
+            "LlamaConfig.attention_multiplier and query_pre_attn_scalar both set the "
+            "attention scale: set one"
+        )
     if c.qk_norm_whole and not c.qk_norm:
         raise ConfigError("LlamaConfig.qk_norm_whole needs qk_norm=True")
     if c.post_norms and c.sandwich_norms:
@@ -133,6 +138,10 @@ def check_switches(c: Any) -> None:
         "final_logit_softcapping",
         "rope_local_theta",
         "rope_attention_factor",
+        "embedding_multiplier",
+        "residual_multiplier",
+        "attention_multiplier",
+        "logits_scaling",
     ):
         value = getattr(c, name)
         if value is not None and not value > 0:
@@ -462,6 +471,10 @@ SWITCHES = (
     "query_pre_attn_scalar",
     "attn_logit_softcapping",
     "final_logit_softcapping",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
     "fused_qkv",
     "fused_gate_up",
 )

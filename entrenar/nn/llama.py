@@ -177,6 +177,15 @@ class LlamaConfig:
         query_pre_attn_scalar: attention scores scale ``s^-1/2``; None: ``d^-1/2``.
         attn_logit_softcapping: scores become ``c tanh(scores / c)`` (Gemma 2).
         final_logit_softcapping: logits become ``c tanh(logits / c)`` (Gemma 2).
+        embedding_multiplier: multiply the embeddings by this (in ``dtype``;
+            Granite).
+        residual_multiplier: each sublayer's output is multiplied by this before
+            it is added to the residual stream (Granite).
+        attention_multiplier: attention scores scale, replacing ``d^-1/2``
+            (Granite; ``query_pre_attn_scalar`` is its other form).
+        logits_scaling: logits are divided by this (Granite); ``features``
+            gives ``RMSNorm(h) / logits_scaling``, so its product with the head
+            is still ``apply``'s logits.
         fused_qkv: one ``qkv_proj`` weight ``(L, (H + 2 KV) d, D)`` (Phi-3).
         fused_gate_up: one ``gate_up_proj`` weight ``(L, 2 I, D)`` (Phi-3).
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
@@ -234,6 +243,10 @@ class LlamaConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
     fused_qkv: bool = False
     fused_gate_up: bool = False
     attention_impl: str = "auto"
@@ -498,13 +511,15 @@ class LlamaConfig:
     ) -> jax.Array:
         """The final normalised hidden states ``RMSNorm(h): (B, T, D)`` in ``dtype``.
 
+        (Divided by ``logits_scaling`` when set: Granite.)
+
         ``apply``'s logits are ``features(...) Wᵀ`` with ``W = output_weight(params)``;
         a loss that never forms the whole ``(B, T, V)`` logits
         (`entrenar.nn.losses.chunked_causal_lm_loss`) takes these two instead.
         Arguments as in `apply`.
         """
         h, _ = self._trunk(params, tokens, mask, segment_ids, positions, False)
-        return self._norm(h, params["model"]["norm"])
+        return self._final(params, h)
 
     def output_weight(self, params: Params) -> Any:
         """The output head's weight ``(V, D)``: ``embed_tokens`` when tied."""
@@ -629,6 +644,8 @@ class LlamaConfig:
         h = embedding(table, tokens).astype(self.dtype)
         if self.scale_embeddings:  # Gemma: × sqrt(D), rounded to the compute dtype
             h = h * jnp.asarray(self.hidden_size**0.5, self.dtype)
+        if self.embedding_multiplier is not None:  # Granite
+            h = h * jnp.asarray(self.embedding_multiplier, self.dtype)
         pos = None if cache is None else cache.pos
         # (B|1, T, 1, d) each: every layer's rotation, computed once (rope_tables)
         rope = self._rope(positions, self.rope_theta, scaled=True)
@@ -682,14 +699,14 @@ class LlamaConfig:
             post = self.sandwich_norms or self.post_norms
             if post:
                 a = self._norm(a, lp["post_attention_layernorm"])
-            h = h + a  # (B, T, D)
+            h = h + self._residual(a)  # (B, T, D)
             pre = "pre_feedforward_layernorm" if self.sandwich_norms else (
                 "post_attention_layernorm"
             )  # fmt: skip
             x = self._mlp(lp["mlp"], h if self.post_norms else self._norm(h, lp[pre]))
             if post:
                 x = self._norm(x, lp["post_feedforward_layernorm"])
-            h = h + x
+            h = h + self._residual(x)
             return (h if kv is None else (h, *kv)), h if return_hidden else None
 
         if cache is None and self.remat_policy is not None:  # (decoding: no remat)
@@ -732,6 +749,19 @@ class LlamaConfig:
         return rope_tables(
             positions, self.hd, theta, f, inv_freq=inv, scale=attention_factor(self)
         )
+
+    def _residual(self, x: jax.Array) -> jax.Array:
+        """A sublayer's output as added to the stream (× ``residual_multiplier``)."""
+        if self.residual_multiplier is None:
+            return x
+        return x * jnp.asarray(self.residual_multiplier, x.dtype)
+
+    def _final(self, params: Params, h: jax.Array) -> jax.Array:
+        """The final norm, and Granite's ``1 / logits_scaling`` folded in."""
+        h = self._norm(h, params["model"]["norm"])
+        if self.logits_scaling is not None:
+            h = h / jnp.asarray(self.logits_scaling, h.dtype)
+        return h
 
     def _norm(self, x: jax.Array, p: Params) -> jax.Array:
         """RMSNorm with the gain ``p["weight"]`` (``1 + w`` for Gemma)."""
@@ -814,7 +844,7 @@ class LlamaConfig:
             k = self._norm(k, ap["k_norm"])
         q = rotate(q, rope)
         k = rotate(k, rope)
-        scale = None
+        scale = self.attention_multiplier  # None: d^-1/2
         if self.query_pre_attn_scalar is not None:
             scale = self.query_pre_attn_scalar**-0.5
         fused = self.uses_fused_attention()
@@ -846,7 +876,7 @@ class LlamaConfig:
         return o, cache_kv
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
-        h = self._norm(h, params["model"]["norm"])
+        h = self._final(params, h)
         w = self.output_weight(params)
         logits = linear(h, w, matmul_dtype=self.matmul_dtype)  # (B, T, V)
         logits = logits.astype(upcast_dtype(h.dtype))

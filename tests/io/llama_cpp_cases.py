@@ -175,6 +175,12 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
         "attention_out_bias": False,
         "rope_local_theta": 500_000.0,
     },
+    # llama.cpp's Granite: no q/k/v biases
+    "granite": {
+        "attention_bias": False,
+        "attention_out_bias": False,
+        "mlp_bias": False,
+    },
     # llama.cpp's Gemma 1 has no biases
     "gemma": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d

@@ -284,6 +284,10 @@ def test_bad_switches_are_config_errors():
         dataclasses.replace(base, rope_type="llama3", rope_factor=8.0)
     with pytest.raises(ConfigError, match="rope_freq_divisors"):
         dataclasses.replace(base, rope_freq_divisors=(1.0, 2.0))
+    with pytest.raises(ConfigError, match="attention_multiplier and query_pre"):
+        dataclasses.replace(base, attention_multiplier=0.1, query_pre_attn_scalar=8.0)
+    with pytest.raises(ConfigError, match="logits_scaling must be > 0"):
+        dataclasses.replace(base, logits_scaling=0.0)
     with pytest.raises(ConfigError, match="qk_norm_whole needs qk_norm"):
         dataclasses.replace(base, qk_norm_whole=True)
     with pytest.raises(ConfigError, match=r"post_norms .* exclude"):

@@ -88,6 +88,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             attention_bias=False, attention_out_bias=False, rope_local_theta=500_000.0
         ),
     ),
+    # llama.cpp's Granite has no q/k/v biases; its converter drops head_dim
+    "granite": (
+        "granite",
+        dict(
+            attention_bias=False,
+            attention_out_bias=False,
+            mlp_bias=False,
+            head_dim=None,
+        ),
+    ),
 }
 """Case -> (family, fields replaced in the family's tiny config)."""
 VOCAB = 320  # the byte-level tiny tokenizer's 303 tokens, rounded up
