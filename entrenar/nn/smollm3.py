@@ -9,7 +9,8 @@ transformers 5.25's rule (``SmolLM3Config.__post_init__``): ``no_rope_layers`` i
 list of ints per layer, 1 where the layer *uses* rotary; when absent, layer ``i``
 uses it unless ``(i + 1) % no_rope_layer_interval == 0`` (interval 4: every fourth
 layer is NoPE). With ``use_sliding_window`` and a ``sliding_window``, the default
-``layer_types`` make the NoPE layers the sliding ones; explicit ``layer_types`` win.
+``layer_types`` make the NoPE layers the sliding ones; explicit ``layer_types`` win,
+and slide whatever ``use_sliding_window`` says (transformers' mask follows them).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from entrenar.errors import FormatError
+from entrenar.errors import FormatError, UnsupportedError
 from entrenar.nn.decoder_config import (
     TINY_SIZES,
     common_from_hf,
@@ -55,12 +56,18 @@ def smollm3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: smollm3`` ``config.json`` as a `LlamaConfig`."""
     n = int(hf["num_hidden_layers"])
     nope = _nope(hf, n)
-    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    types = hf.get("layer_types")
-    if window is None:
-        types = None
-    elif types is None:  # transformers' default: the NoPE layers slide
+    window, types = hf.get("sliding_window"), hf.get("layer_types")
+    if types is None and hf.get("use_sliding_window") and window is not None:
         types = ["sliding_attention" if x else "full_attention" for x in nope]
+    # explicit sliding layer types slide even without use_sliding_window:
+    # transformers' mask follows layer_types (its eager attention does)
+    if not types or "sliding_attention" not in types:
+        window, types = None, None
+    elif window is None:
+        raise UnsupportedError(
+            "config.json: layer_types has sliding layers but sliding_window is "
+            "null; set the window (or make those layers full_attention)"
+        )
     bias = bool(hf.get("attention_bias", False))
     return LlamaConfig(
         **common_from_hf(hf, "config.json", default_theta=2_000_000.0),

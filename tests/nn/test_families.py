@@ -337,6 +337,28 @@ def test_smollm3_nope_and_sliding_layers_follow_transformers_rule(interval, wind
     assert got.sliding_window == (window if want.use_sliding_window else None)
 
 
+def test_smollm3_sliding_layer_types_slide_without_use_sliding_window():
+    """Sliding layer_types slide in transformers whatever use_sliding_window says.
+
+    Eager: 0.0 apart from the sliding model, 0.1 from the full one; before,
+    entrenar read such a file as all full attention.
+    """
+    arch = nn.architecture("smollm3")
+    config = arch.tiny()
+    hf = {**arch.to_hf(config), "use_sliding_window": False}
+    assert arch.from_hf(hf) == config
+    model = _hf_model(hf)
+    params = nn.from_hf_names(
+        {k: v.detach().numpy() for k, v in model.state_dict().items()}, config
+    )
+    tokens, mask = _batch(config.vocab_size)
+    want = _torch_logits(model, tokens, mask)
+    got = np.asarray(config.apply(params, jnp.asarray(tokens), mask=jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], want[mask], atol=TOL, rtol=TOL)
+    with pytest.raises(UnsupportedError, match="sliding_window is null"):
+        arch.from_hf({**hf, "sliding_window": None})
+
+
 def test_smollm3_bad_no_rope_layers_are_named():
     arch = nn.architecture("smollm3")
     hf = arch.to_hf(arch.tiny())
