@@ -71,7 +71,7 @@ def olmo3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: olmo3`` ``config.json`` as a `LlamaConfig`.
 
     ``layer_types`` default to transformers' (layer ``i`` slides unless ``(i + 1)
-    % 4 == 0``); ``sliding_window: null`` means no sliding layer.
+    % 4 == 0``); sliding layers with ``sliding_window: null`` are refused.
     """
     theta = 500_000.0  # transformers' Olmo3Config.default_theta
     fields = common_from_hf({"rms_norm_eps": 1e-5, **hf}, "config.json", theta)
@@ -86,8 +86,14 @@ def olmo3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)
     ]
-    if window is None or "sliding_attention" not in types:
+    if "sliding_attention" not in types:
         window, types, local = None, None, None
+    elif window is None:
+        raise UnsupportedError(
+            "config.json: OLMo 3's layer_types have sliding layers but "
+            "sliding_window is null; set the window (or make every layer "
+            "full_attention)"
+        )
     bias = bool(hf.get("attention_bias", False))
     return LlamaConfig(
         **fields,

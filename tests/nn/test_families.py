@@ -389,3 +389,7 @@ def test_olmo3_default_layers_and_rope_follow_transformers(layered):
     assert got.rope_local_theta == params["sliding_attention"]["rope_theta"]
     assert got.rope_type == params["full_attention"]["rope_type"] == "yarn"
     assert params["sliding_attention"]["rope_type"] == "default"
+    with pytest.raises(UnsupportedError, match="sliding_window is null"):
+        arch.from_hf({**hf, "sliding_window": None})
+    full = {**hf, "sliding_window": None, "layer_types": ["full_attention"] * 6}
+    assert arch.from_hf(full).sliding_window is None
