@@ -6,16 +6,25 @@ hyperparameters ``{arch}.*``. The families differ in:
 
 - **the name written**: a family's ``gguf_name``; Mistral, which llama.cpp converts
   as a Llama, is written as ``llama`` (`WRITTEN_AS`) and told apart on reading by
-  the ``entrenar.family`` key (below);
+  the ``entrenar.family`` key (below); OLMo 3 is written as ``olmo2`` and told
+  apart by its sliding layers (`WINDOWED`);
 - **q/k rows**: permuted for llama.cpp's interleaved rotary only in the families
-  llama.cpp converts with the permutation (`PERMUTED`: ``llama``); Qwen2/3, Gemma
-  and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
+  llama.cpp converts with the permutation (`PERMUTED`: ``llama``, ``smollm3``,
+  ``granite``);
+  Qwen2/3, Gemma and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
+- **Granite's multipliers** (`SCALE_KEYS`): ``embedding_scale``,
+  ``residual_scale``, ``attention.scale``, ``logit_scale``;
+- **NoPE layers** (`NOPE_PERIOD`): SmolLM3's graph skips rotary on every 4th layer,
+  a rule no key states;
 - **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
   weight (`NORM_SHIFT`), entrenar keeps Hugging Face's ``w``;
 - **what is implied** by the name (`IMPLIED`): Gemma's GeGLU, ``(1 + w)`` norms,
-  sandwich norms, ``√D`` embedding scale and tied head;
+  sandwich norms (Gemma 2/3), ``√D`` embedding scale and tied head (`TIED`: Gemma
+  1's graph has no ``output`` tensor); OLMo 2's output norms and whole-row q/k
+  norms, and its untied head (`UNTIED`);
 - **tensor names** (`LAYER_STEMS`): Hugging Face module -> ``blk.N.<stem>``, with
-  Gemma's four norms (`SANDWICH_STEMS`) and Phi-3's fused ``attn_qkv``/``ffn_up``.
+  Gemma's four norms (`SANDWICH_STEMS`), OLMo 2's two (`POST_NORM_STEMS`) and
+  Phi-3's fused ``attn_qkv``/``ffn_up``.
 
 The writer also stores every switch that differs from Llama's default in
 ``entrenar.family``, a JSON object of `LlamaConfig` fields (`SWITCH_FIELDS`) that
@@ -59,12 +68,18 @@ SANDWICH_STEMS = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 """Gemma 2/3's norms (``sandwich_norms``), replacing `LAYER_STEMS`' entries."""
+POST_NORM_STEMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+"""OLMo 2's norms on the sublayer outputs (``post_norms``), replacing
+`LAYER_STEMS`' entries."""
 
-WRITTEN_AS = {"mistral": "llama"}
+WRITTEN_AS = {"mistral": "llama", "olmo3": "olmo2"}
 """Families without a llama.cpp name of their own, and the name they are written as."""
-PERMUTED = frozenset({"llama"})
+PERMUTED = frozenset({"llama", "smollm3", "granite"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
-NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 """llama.cpp names whose norm weights are stored plus this."""
 IMPLIED: dict[str, dict[str, Any]] = {
     name: {
@@ -75,10 +90,37 @@ IMPLIED: dict[str, dict[str, Any]] = {
     }
     for name in ("gemma2", "gemma3")
 }
+IMPLIED["olmo2"] = {"post_norms": True, "qk_norm_whole": True}
+IMPLIED["gemma"] = {
+    k: v for k, v in IMPLIED["gemma2"].items() if k != "sandwich_norms"
+}  # Gemma 1: Llama's two norms a layer
 """`LlamaConfig` fields a llama.cpp name implies."""
-SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+TIED = frozenset({"gemma"})
+"""llama.cpp names whose graph has no ``output.weight``: the head is the table."""
+UNTIED = frozenset({"olmo2"})
+"""llama.cpp names whose graph needs ``output.weight`` (no tied head)."""
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 """llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
+NOPE_PERIOD = {"smollm3": 4}
+"""llama.cpp names whose graph skips rotary on layer ``i`` when ``(i + 1) % n == 0``
+(no key states it: SmolLM3's ``n_no_rope_layer_step``, fixed at 4)."""
+WINDOWED = {"olmo2": "olmo3"}
+"""llama.cpp names that hold two families: the one a file with sliding layers is
+(llama.cpp's olmo2 runs OLMo 3, whose sliding layers rotate unscaled at
+``rope.freq_base_swa``, default ``rope.freq_base``)."""
+ONE_BASE = frozenset({"olmo2"})
+"""llama.cpp names whose graph rotates the sliding layers at ``rope.freq_base``
+(0.3.36's olmo2 reads ``rope.freq_base_swa`` but does not use it)."""
+SCALE_KEYS = {
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "attention_multiplier": "attention.scale",
+    "logits_scaling": "logit_scale",
+}
+"""Granite's multipliers -> llama.cpp's ``{arch}.*`` keys (its converter's names)."""
+SCALED = frozenset({"granite"})
+"""llama.cpp names whose graph reads `SCALE_KEYS` (``logit_scale`` required)."""
 FAMILY_KEY = "entrenar.family"
 """GGUF key of the JSON object of fields llama.cpp's keys cannot state."""
 _TOLD_BY_TENSORS = frozenset(
@@ -100,10 +142,15 @@ def written_name(family: str, gguf_name: str | None) -> str | None:
 
 
 def layer_stems(config: Any) -> dict[str, str]:
-    """`LAYER_STEMS` for ``config`` (with Gemma's `SANDWICH_STEMS` when it has them)."""
+    """`LAYER_STEMS` for ``config``, with its norms' stems.
+
+    Gemma's `SANDWICH_STEMS` or OLMo 2's `POST_NORM_STEMS` when it has them.
+    """
     stems = dict(LAYER_STEMS)
     if getattr(config, "sandwich_norms", False):
         stems |= SANDWICH_STEMS
+    if getattr(config, "post_norms", False):
+        stems |= POST_NORM_STEMS
     return stems
 
 
@@ -138,6 +185,13 @@ def gguf_names(config: Any) -> dict[str, str]:
     return out
 
 
+def default_nope_layers(name: str, n_layers: int) -> tuple[bool, ...] | None:
+    """The NoPE layers llama.cpp's graph assumes for ``name`` (None: none)."""
+    n = NOPE_PERIOD.get(name)
+    nope = tuple(n is not None and (i + 1) % n == 0 for i in range(n_layers))
+    return nope if any(nope) else None
+
+
 def default_layer_types(name: str, n_layers: int) -> tuple[str, ...] | None:
     """The layer types llama.cpp assumes for ``name`` (None: no sliding layers)."""
     n = SWA_PATTERN.get(name)
@@ -154,13 +208,22 @@ __all__ = [
     "GLOBAL_STEMS",
     "IMPLIED",
     "LAYER_STEMS",
+    "NOPE_PERIOD",
     "NORM_SHIFT",
+    "ONE_BASE",
     "PERMUTED",
+    "POST_NORM_STEMS",
     "SANDWICH_STEMS",
+    "SCALED",
+    "SCALE_KEYS",
     "SWA_PATTERN",
     "SWITCH_FIELDS",
+    "TIED",
+    "UNTIED",
+    "WINDOWED",
     "WRITTEN_AS",
     "default_layer_types",
+    "default_nope_layers",
     "gguf_names",
     "layer_stems",
     "written_name",

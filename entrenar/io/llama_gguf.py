@@ -52,8 +52,11 @@ from entrenar.io.gguf_families import (
     IMPLIED,
     NORM_SHIFT,
     PERMUTED,
+    SCALE_KEYS,
     SWITCH_FIELDS,
+    WINDOWED,
     default_layer_types,
+    default_nope_layers,
     gguf_names,
     written_name,
 )
@@ -155,6 +158,10 @@ FLOAT_RANGES = {
     "rope.scaling.yarn_beta_slow": (0.0, 1e6),
     "attn_logit_softcapping": (0.0, 1e6),
     "final_logit_softcapping": (0.0, 1e6),
+    "embedding_scale": (0.0, 1e6),
+    "residual_scale": (0.0, 1e6),
+    "attention.scale": (0.0, 1e6),
+    "logit_scale": (0.0, 1e6),
 }
 """Open interval ``(low, high)`` a float ``{arch}.*`` hyperparameter must lie in."""
 ROPE_SCALINGS = ("none", "", "linear", "yarn", "longrope")
@@ -406,23 +413,33 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         and "blk.0.ffn_gate.weight" not in has,
         **IMPLIED.get(name, {}),
     )
+    fields["nope_layers"] = default_nope_layers(name, n_layers)
     fields |= _rope_fields(g, p, head_dim)
     fields |= _window_fields(g, name, p, n_layers)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = _meta_float(g, f"{p}{key}", None)
         if value is not None:
             fields[key] = value
+    for field, key in SCALE_KEYS.items():  # Granite's multipliers
+        value = _meta_float(g, f"{p}{key}", None)
+        if value is not None:
+            fields[field] = value
     if name == "gemma3" or f"{p}rope.freq_base_swa" in g.fields:
         local = _meta_float(g, f"{p}rope.freq_base_swa", 10000.0)
         if fields.get("sliding_window") and local != fields["rope_theta"]:
             fields["rope_local_theta"] = local
     if (name, n_layers) in (("gemma2", 46), ("gemma3", 62)):  # llama.cpp's 27B rule
         fields["query_pre_attn_scalar"] = float(hidden // heads)
+    default = arch.name
+    if name in WINDOWED and fields.get("sliding_window"):  # OLMo 3 in olmo2
+        default = WINDOWED[name]
+        local = _meta_float(g, f"{p}rope.freq_base_swa", fields["rope_theta"])
+        fields["rope_local_theta"] = local  # set even when equal: unscaled
     family = _family_fields(g, name)
     if family.get("rope_type", "default") != "default":
         fields.pop("rope_freq_divisors", None)  # rope_freqs was derived from them
     fields |= family
-    family_arch = nn.architecture(family.get("architecture", arch.name))
+    family_arch = nn.architecture(family.get("architecture", default))
     try:
         return family_arch.make_config(**fields)
     except (ConfigError, TypeError, ValueError) as e:

@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -39,10 +40,17 @@ from entrenar.io.ggml_dequant import GGML_TYPE_IDS
 from entrenar.io.gguf_families import (
     FAMILY_KEY,
     IMPLIED,
+    NOPE_PERIOD,
     NORM_SHIFT,
+    ONE_BASE,
     PERMUTED,
+    SCALE_KEYS,
+    SCALED,
     SWA_PATTERN,
     SWITCH_FIELDS,
+    TIED,
+    UNTIED,
+    default_nope_layers,
     gguf_names,
     written_name,
 )
@@ -209,6 +217,11 @@ def _metadata(
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(c, key) is not None:
             new[p + key] = (getattr(c, key), F32)
+    if gname in SCALED:  # Granite's multipliers; llama.cpp needs logit_scale
+        for field, key in SCALE_KEYS.items():
+            value = getattr(c, field)
+            if value is not None or key == "logit_scale":
+                new[p + key] = (1.0 if value is None else value, F32)
     # The old architecture's keys go; never the tokenizer's or general ones (a
     # tokenizer-only GGUF says general.architecture = "tokenizer").
     archs = {gname, getattr(old, "value", gname)} - {"tokenizer", "general"}
@@ -239,6 +252,33 @@ def _gguf_name(config: Any) -> str:
     gname = written_name(arch.name, arch.gguf_name)
     if gname is None:
         raise UnsupportedError(f"{arch.name} models have no llama.cpp GGUF form")
+    if gname in TIED and not config.tie_word_embeddings:
+        raise UnsupportedError(
+            f"llama.cpp's {gname} ties its output head to the embeddings; this "
+            f"{arch.name} config has tie_word_embeddings=False"
+        )
+    if gname in UNTIED and config.tie_word_embeddings:
+        raise UnsupportedError(
+            f"llama.cpp's {gname} needs its own output head; this {arch.name} "
+            "config has tie_word_embeddings=True"
+        )
+    local = config.rope_local_theta
+    if gname in ONE_BASE and local is not None and local != config.rope_theta:
+        warnings.warn(
+            f"llama.cpp's {gname} rotates the sliding layers at rope_theta "
+            f"{config.rope_theta:g}, not rope_local_theta {local:g}; the file keeps "
+            "it for entrenar (rope.freq_base_swa), llama.cpp will not follow it",
+            stacklevel=3,
+        )
+    implied = default_nope_layers(gname, config.num_layers)
+    if gname in NOPE_PERIOD and config.nope_layers != implied:
+        warnings.warn(
+            f"llama.cpp's {gname} skips rotary on every {NOPE_PERIOD[gname]}th layer "
+            f"({implied}); this config's nope_layers are {config.nope_layers}. The "
+            "file keeps them for entrenar (entrenar.family), llama.cpp will not "
+            "follow them",
+            stacklevel=3,
+        )
     for field, value in IMPLIED.get(gname, {}).items():
         if getattr(config, field) != value:
             raise UnsupportedError(

@@ -12,12 +12,15 @@ registers in its own package.
 
 from entrenar.nn import (  # families register
     gemma,
+    granite,
     losses,
     mistral,
     moe,
     moe_families,
+    olmo,
     phi3,
     qwen,
+    smollm3,
 )
 from entrenar.nn.attention import (
     KVCache,
@@ -122,6 +125,7 @@ __all__ = [
     "gemma",
     "generate",
     "generate_stream",
+    "granite",
     "init_kv_cache",
     "is_weight_node",
     "kaiming_normal",
@@ -139,6 +143,7 @@ __all__ = [
     "moe_families",
     "nbytes",
     "normal",
+    "olmo",
     "phi3",
     "qwen",
     "register_architecture",
@@ -150,6 +155,7 @@ __all__ = [
     "rotate_half",
     "sample_logits",
     "silu",
+    "smollm3",
     "to_bfloat16_weights",
     "to_dense",
     "to_hf_names",

@@ -28,7 +28,13 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 """Gate activations of the gated MLP: SwiGLU and GeGLU (tanh GELU)."""
 
-_TUPLES = ("rope_short_factor", "rope_long_factor", "rope_freq_divisors", "layer_types")
+_TUPLES = (
+    "rope_short_factor",
+    "rope_long_factor",
+    "rope_freq_divisors",
+    "layer_types",
+    "nope_layers",
+)
 
 
 def as_float(value: Any) -> float:
@@ -102,6 +108,26 @@ def check_switches(c: Any) -> None:
             raise ConfigError(
                 "LlamaConfig.layer_types has sliding layers but sliding_window is None"
             )
+    if c.nope_layers is not None and (
+        len(c.nope_layers) != c.num_layers
+        or not all(isinstance(b, bool) for b in c.nope_layers)
+    ):
+        raise ConfigError(
+            f"LlamaConfig.nope_layers must be {c.num_layers} booleans (one per "
+            f"layer), got {c.nope_layers!r}"
+        )
+    if c.attention_multiplier is not None and c.query_pre_attn_scalar is not None:
+        raise ConfigError(
+            "LlamaConfig.attention_multiplier and query_pre_attn_scalar both set the "
+            "attention scale: set one"
+        )
+    if c.qk_norm_whole and not c.qk_norm:
+        raise ConfigError("LlamaConfig.qk_norm_whole needs qk_norm=True")
+    if c.post_norms and c.sandwich_norms:
+        raise ConfigError(
+            "LlamaConfig.post_norms (OLMo 2) and sandwich_norms (Gemma 2/3) exclude "
+            "each other: set one"
+        )
     if c.hidden_act not in HIDDEN_ACTS:
         raise ConfigError(
             f"LlamaConfig.hidden_act must be one of {HIDDEN_ACTS}, got {c.hidden_act!r}"
@@ -112,6 +138,10 @@ def check_switches(c: Any) -> None:
         "final_logit_softcapping",
         "rope_local_theta",
         "rope_attention_factor",
+        "embedding_multiplier",
+        "residual_multiplier",
+        "attention_multiplier",
+        "logits_scaling",
     ):
         value = getattr(c, name)
         if value is not None and not value > 0:
@@ -272,6 +302,40 @@ def common_from_hf(
     return fields
 
 
+def rope_by_layer_type(
+    hf: Mapping[str, Any], source: str, theta: float
+) -> tuple[dict[str, Any], float | None] | None:
+    """Transformers 5's per-layer-type ``rope_parameters`` (Gemma 3, OLMo 3).
+
+    Returns the global layers' rope fields (with ``rope_theta``, default
+    ``theta``) and the sliding layers' base (None when not given); None when
+    ``rope_parameters`` is not split by layer type.
+
+    Raises:
+        FormatError: ``sliding_attention`` is not an object.
+        UnsupportedError: rope scaling on the sliding layers.
+    """
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping) or not any(t in params for t in LAYER_TYPES):
+        return None
+    full = params.get("full_attention") or {}
+    slide = params.get("sliding_attention") or {}
+    if not isinstance(slide, Mapping):
+        raise FormatError(
+            f"{source}: rope_parameters.sliding_attention = {str(slide)[:40]!r} is "
+            "not an object"
+        )
+    if slide.get("rope_type", "default") != "default":
+        raise UnsupportedError(
+            f"{source}: rope_parameters.sliding_attention.rope_type "
+            f"{slide['rope_type']!r} is not supported (no scaling on local layers)"
+        )
+    fields = rope_from_hf(full, source)
+    fields["rope_theta"] = float(full.get("rope_theta", theta))
+    local = slide.get("rope_theta")
+    return fields, None if local is None else float(local)
+
+
 def common_to_hf(
     c: Any, hf_class: str, model_type: str, allowed: tuple[str, ...]
 ) -> dict[str, Any]:
@@ -400,15 +464,22 @@ SWITCHES = (
     "attention_out_bias",
     "mlp_bias",
     "qk_norm",
+    "qk_norm_whole",
     "sliding_window",
     "layer_types",
+    "nope_layers",
     "hidden_act",
     "norm_unit_offset",
     "sandwich_norms",
+    "post_norms",
     "scale_embeddings",
     "query_pre_attn_scalar",
     "attn_logit_softcapping",
     "final_logit_softcapping",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
     "fused_qkv",
     "fused_gate_up",
     "num_experts",
@@ -430,6 +501,7 @@ __all__ = [
     "common_to_hf",
     "refuse_switches",
     "register_family",
+    "rope_by_layer_type",
     "rope_from_hf",
     "rope_to_hf",
     "sliding_layers",

@@ -1,14 +1,19 @@
-"""Gemma 2 and Gemma 3 (text): Llama with Gemma's norms, GeGLU and local layers.
+"""Gemma 1, 2 and 3 (text): Llama with Gemma's norms, GeGLU and local layers.
 
-Gemma Team, "Gemma 2: Improving Open Language Models at a Practical Size", 2024;
-"Gemma 3 Technical Report", 2025. Both are `LlamaConfig` families:
+Gemma Team, "Gemma: Open Models Based on Gemini Research and Technology", 2024;
+"Gemma 2: Improving Open Language Models at a Practical Size", 2024; "Gemma 3
+Technical Report", 2025. All are `LlamaConfig` families. Gemma 1 (and CodeGemma) is
+Llama with the first three points below (Llama's two norms a layer, scores scaled by
+``d^-1/2``, ``head_dim`` 256 whatever ``D / H``, one KV head on 2B); Gemma 2 and 3
+add the rest:
 
 - embeddings scaled by ``sqrt(D)`` (rounded to the compute dtype);
 - RMSNorm gains ``1 + w``; four norms a layer: ``input_layernorm`` before and
   ``post_attention_layernorm`` after attention, ``pre_feedforward_layernorm``
   before and ``post_feedforward_layernorm`` after the MLP, each output added to
   the residual stream;
-- GeGLU with the tanh GELU; scores scaled by ``query_pre_attn_scalar^-1/2``;
+- GeGLU with the tanh GELU (Gemma 1's ``hidden_act: gelu`` means it too, as
+  transformers reads it); scores scaled by ``query_pre_attn_scalar^-1/2``;
 - sliding-window and global layers alternating (``layer_types``);
 - Gemma 2: attention scores and final logits soft-capped, ``c tanh(x / c)``;
 - Gemma 3: per-head q/k norms, the sliding layers' own rotary base
@@ -20,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from entrenar.errors import FormatError, UnsupportedError
+from entrenar.errors import UnsupportedError
 from entrenar.nn.decoder_config import (
     TINY_SIZES,
     common_from_hf,
     common_to_hf,
     register_family,
-    rope_from_hf,
+    rope_by_layer_type,
 )
 from entrenar.nn.llama import LlamaConfig
 
@@ -103,6 +108,55 @@ def _number(x: float) -> float | int:
     return int(x) if float(x).is_integer() else x
 
 
+_GEMMA1: dict[str, Any] = {k: v for k, v in _GEMMA.items() if k != "sandwich_norms"}
+_GEMMA1_SWITCHES = (
+    "rope_type",
+    "attention_bias",
+    "attention_out_bias",
+    *(k for k in _GEMMA1 if k != "tie_word_embeddings"),
+)
+
+
+def gemma_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
+    """A ``model_type: gemma`` ``config.json`` (Gemma 1, CodeGemma) as a `LlamaConfig`.
+
+    ``hidden_act: gelu`` (the official files' legacy value) is the tanh GELU, as
+    transformers reads it; a missing ``head_dim`` is Gemma's 256.
+    """
+    hf = dict(hf)
+    for key in ("hidden_act", "hidden_activation"):
+        if hf.get(key) == "gelu":
+            hf[key] = _GELU
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedError(
+            "config.json: use_bidirectional_attention is not supported (causal "
+            "attention only)"
+        )
+    bias = bool(hf.get("attention_bias", False))
+    fields = common_from_hf(hf, "config.json", act=_GELU)
+    return LlamaConfig(
+        **{
+            **fields,
+            **_GEMMA1,
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+            "head_dim": int(hf.get("head_dim") or 256),
+            "attention_bias": bias,
+            "attention_out_bias": bias,
+        },
+        architecture="gemma",
+    )
+
+
+def gemma_to_hf(c: LlamaConfig) -> dict[str, Any]:
+    """The ``config.json`` of a Gemma 1 `LlamaConfig`."""
+    for name, want in _GEMMA1.items():
+        if name != "tie_word_embeddings" and getattr(c, name) != want:
+            raise UnsupportedError(
+                f"LlamaConfig.{name} must be {want!r} in a Gemma config"
+            )
+    return common_to_hf(c, "GemmaForCausalLM", "gemma", _GEMMA1_SWITCHES)
+
+
 def gemma2_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: gemma2`` ``config.json`` as a `LlamaConfig`."""
     fields = {**common_from_hf(hf, "config.json", act=_GELU), **_gemma_fields(hf, 2)}
@@ -126,23 +180,11 @@ def gemma3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         **_gemma_fields(hf, 6),
     }
     local = hf.get("rope_local_base_freq", 10_000.0)
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full = params.get("full_attention") or {}
-        slide = params.get("sliding_attention") or {}
-        if not isinstance(slide, Mapping):
-            raise FormatError(
-                "config.json: rope_parameters.sliding_attention = "
-                f"{str(slide)[:40]!r} is not an object"
-            )
-        if slide.get("rope_type", "default") != "default":
-            raise UnsupportedError(
-                "config.json: rope_parameters.sliding_attention.rope_type "
-                f"{slide['rope_type']!r} is not supported (no scaling on local layers)"
-            )
-        fields.update(rope_from_hf(full, "config.json"))
-        fields["rope_theta"] = float(full.get("rope_theta", fields["rope_theta"]))
-        local = slide.get("rope_theta", local)
+    layered = rope_by_layer_type(hf, "config.json", fields["rope_theta"])
+    if layered is not None:
+        full, slide = layered
+        fields.update(full)
+        local = local if slide is None else slide
     return LlamaConfig(
         **fields, architecture="gemma3", qk_norm=True, rope_local_theta=float(local)
     )
@@ -166,6 +208,19 @@ _TINY: dict[str, Any] = dict(
     layer_types=("sliding_attention", "full_attention"),
     query_pre_attn_scalar=24.0,
 )
+
+
+def _tiny_gemma() -> LlamaConfig:
+    """Gemma 1: one KV head (2B's MQA), ``head_dim`` apart from ``D / H``, biases."""
+    return LlamaConfig(
+        **{**TINY_SIZES, "num_kv_heads": 1},
+        **_GEMMA1,
+        architecture="gemma",
+        attention_bias=True,
+        attention_out_bias=True,
+        rope_type="linear",
+        rope_factor=2.0,
+    )
 
 
 def _tiny_gemma2() -> LlamaConfig:
@@ -193,6 +248,16 @@ def _tiny_gemma3() -> LlamaConfig:
 
 register_family(
     LlamaConfig,
+    "gemma",
+    "Gemma 1 / CodeGemma: GeGLU, (1 + w) norms, sqrt(D) embedding scale, tied head",
+    hf_class="GemmaForCausalLM",
+    from_hf=gemma_from_hf,
+    to_hf=gemma_to_hf,
+    tiny=_tiny_gemma,
+    defaults=_GEMMA1,
+)
+register_family(
+    LlamaConfig,
     "gemma2",
     "Gemma 2: sandwich norms, GeGLU, soft-capping, local/global layers",
     hf_class="Gemma2ForCausalLM",
@@ -213,4 +278,11 @@ register_family(
     defaults={**_GEMMA, "qk_norm": True},
 )
 
-__all__ = ["gemma2_from_hf", "gemma2_to_hf", "gemma3_from_hf", "gemma3_to_hf"]
+__all__ = [
+    "gemma2_from_hf",
+    "gemma2_to_hf",
+    "gemma3_from_hf",
+    "gemma3_to_hf",
+    "gemma_from_hf",
+    "gemma_to_hf",
+]

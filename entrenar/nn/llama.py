@@ -154,20 +154,39 @@ class LlamaConfig:
         mlp_bias: biases on gate, up and down projections.
         qk_norm: per-head RMSNorm of queries and keys before rotary (``q_norm``,
             ``k_norm``, weights ``(L, d)``: Qwen3, Gemma 3).
+        qk_norm_whole: ``qk_norm`` over the whole projection instead, ``H d``
+            query and ``KV d`` key values at once (weights ``(L, H d)`` and
+            ``(L, KV d)``: OLMo 2).
         sliding_window: a sliding layer's query at ``p`` attends to keys at
             ``p - sliding_window < s <= p``; None: no sliding layer.
         layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``;
             None: every layer slides when ``sliding_window`` is set (Mistral).
+        nope_layers: per layer, True where the layer rotates neither queries nor
+            keys (NoPE: SmolLM3's ``no_rope_layers`` zeros); None: every layer
+            rotates.
         hidden_act: the gate's activation, ``"silu"`` (SwiGLU) or
             ``"gelu_pytorch_tanh"`` (GeGLU, tanh GELU: Gemma).
         norm_unit_offset: RMSNorm gains are ``1 + w`` (Gemma; ``init`` makes w 0).
         sandwich_norms: Gemma 2/3 norms: ``post_attention_layernorm`` on the
             attention output, ``pre_feedforward_layernorm`` before and
             ``post_feedforward_layernorm`` after the MLP.
+        post_norms: OLMo 2's norms: none before attention or the MLP (no
+            ``input_layernorm``); ``post_attention_layernorm`` on the attention
+            output and ``post_feedforward_layernorm`` on the MLP output, each
+            then added to the residual stream.
         scale_embeddings: multiply the embeddings by ``sqrt(D)`` (in ``dtype``).
         query_pre_attn_scalar: attention scores scale ``s^-1/2``; None: ``d^-1/2``.
         attn_logit_softcapping: scores become ``c tanh(scores / c)`` (Gemma 2).
         final_logit_softcapping: logits become ``c tanh(logits / c)`` (Gemma 2).
+        embedding_multiplier: multiply the embeddings by this (in ``dtype``;
+            Granite).
+        residual_multiplier: each sublayer's output is multiplied by this before
+            it is added to the residual stream (Granite).
+        attention_multiplier: attention scores scale, replacing ``d^-1/2``
+            (Granite; ``query_pre_attn_scalar`` is its other form).
+        logits_scaling: logits are divided by this (Granite); ``features``
+            gives ``RMSNorm(h) / logits_scaling``, so its product with the head
+            is still ``apply``'s logits.
         fused_qkv: one ``qkv_proj`` weight ``(L, (H + 2 KV) d, D)`` (Phi-3).
         fused_gate_up: one ``gate_up_proj`` weight ``(L, 2 I, D)`` (Phi-3).
         num_experts: ``E`` > 0 makes every layer's MLP a sparse mixture of ``E``
@@ -229,15 +248,22 @@ class LlamaConfig:
     attention_out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    nope_layers: tuple[bool, ...] | None = None
     hidden_act: str = "silu"
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
+    post_norms: bool = False
     scale_embeddings: bool = False
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
     fused_qkv: bool = False
     fused_gate_up: bool = False
     attention_impl: str = "auto"
@@ -365,7 +391,8 @@ class LlamaConfig:
 
         The family switches add leaves under Hugging Face's names: ``bias`` next
         to the weights, ``self_attn.{q,k}_norm``, Gemma's
-        ``{pre,post}_feedforward_layernorm``; Phi-3's fused ``qkv_proj`` and
+        ``{pre,post}_feedforward_layernorm`` (OLMo 2: the post one, and no
+        ``input_layernorm``); Phi-3's fused ``qkv_proj`` and
         ``gate_up_proj`` replace q/k/v and gate/up.
         """
         v, d, i, n = self.vocab_size, self.hidden_size, self.intermediate_size, 0
@@ -387,9 +414,9 @@ class LlamaConfig:
         if not self.fused_qkv:
             attn["v_proj"] = lin(kvd, d, ab)
         attn["o_proj"] = lin(d, qd, self.attention_out_bias)
-        if self.qk_norm:
-            attn["q_norm"] = {"weight": (n, self.hd)}
-            attn["k_norm"] = {"weight": (n, self.hd)}
+        if self.qk_norm:  # per head, or over the whole projection (OLMo 2)
+            attn["q_norm"] = {"weight": (n, qd if self.qk_norm_whole else self.hd)}
+            attn["k_norm"] = {"weight": (n, kvd if self.qk_norm_whole else self.hd)}
         mlp: dict[str, Any] = (
             {"gate_up_proj": lin(2 * i, d, mb)}
             if self.fused_gate_up
@@ -404,8 +431,11 @@ class LlamaConfig:
             "post_attention_layernorm": {"weight": (n, d)},
             "mlp": mlp,
         }
+        if self.post_norms:  # OLMo 2: no norm before attention
+            del layers["input_layernorm"]
         if self.sandwich_norms:
             layers["pre_feedforward_layernorm"] = {"weight": (n, d)}
+        if self.sandwich_norms or self.post_norms:
             layers["post_feedforward_layernorm"] = {"weight": (n, d)}
         shapes: dict[str, Any] = {
             "model": {
@@ -536,6 +566,8 @@ class LlamaConfig:
     ) -> Any:
         """The final normalised hidden states ``RMSNorm(h): (B, T, D)`` in ``dtype``.
 
+        (Divided by ``logits_scaling`` when set: Granite.)
+
         ``apply``'s logits are ``features(...) Wᵀ`` with ``W = output_weight(params)``;
         a loss that never forms the whole ``(B, T, V)`` logits
         (`entrenar.nn.losses.chunked_causal_lm_loss`) takes these two instead.
@@ -547,7 +579,7 @@ class LlamaConfig:
             params, tokens, mask, segment_ids, positions, False,
             router=return_router_logits,
         )  # fmt: skip
-        features = self._norm(h, params["model"]["norm"])
+        features = self._final(params, h)
         return (features, logits) if return_router_logits else features
 
     def output_weight(self, params: Params) -> Any:
@@ -673,10 +705,11 @@ class LlamaConfig:
         applies the causal mask (and a sliding window every layer shares) itself.
 
         Per-layer switches (sliding or full attention, local or global rotary
-        base) travel in the scan's ``xs`` when the layers differ. With a ``cache``
-        the scan carries its whole ``(L, B, S, KV, d)`` buffers beside ``h`` and
-        each layer writes its new entries into them at its index, so no layer's
-        cache is copied (it would be, as the scan's ``xs`` and ``ys``).
+        base, rotary or none) travel in the scan's ``xs`` when the layers
+        differ. With a ``cache`` the scan carries its whole ``(L, B, S, KV, d)``
+        buffers beside ``h`` and each layer writes its new entries into them at
+        its index, so no layer's cache is copied (it would be, as the scan's
+        ``xs`` and ``ys``).
         """
         m = params["model"]
         table = m["embed_tokens"]["weight"]  # (V, D), or a TiedEmbedding's table
@@ -684,6 +717,8 @@ class LlamaConfig:
         h = embedding(table, tokens).astype(self.dtype)
         if self.scale_embeddings:  # Gemma: × sqrt(D), rounded to the compute dtype
             h = h * jnp.asarray(self.hidden_size**0.5, self.dtype)
+        if self.embedding_multiplier is not None:  # Granite
+            h = h * jnp.asarray(self.embedding_multiplier, self.dtype)
         pos = None if cache is None else cache.pos
         # (B|1, T, 1, d) each: every layer's rotation, computed once (rope_tables)
         rope = self._rope(positions, self.rope_theta, scaled=True)
@@ -703,7 +738,11 @@ class LlamaConfig:
             masks = (allowed, allowed & near)  # (T, S) or (B, T, S)
             if self.rope_local_theta is not None:
                 ropes = (rope, self._rope(positions, self.rope_local_theta, False))
-        flags = jnp.asarray(sliding) if mixed else None  # (L,) bool
+        nope = self.nope_layers or ()
+        flags = (  # (L,) bool each, or None where the layers do not differ
+            jnp.asarray(sliding) if mixed else None,
+            jnp.asarray(nope) if any(nope) else None,
+        )
         every = int(all(sliding))  # 1: every layer slides (Mistral)
 
         kernel_mask: tuple[bool, int | None] = (False, None)  # (causal, window)
@@ -711,7 +750,7 @@ class LlamaConfig:
             kernel_mask = (True, self.sliding_window if every and not mixed else None)
 
         def layer(carry: Any, xs: Any) -> tuple[Any, Any]:
-            lp, index, slide = xs
+            lp, index, (slide, no_rope) = xs
             h, kv = (carry, None) if cache is None else (carry[0], carry[1:])
             mask, tables = masks[every], ropes[every]
             if mixed:  # this layer's mask and rotary tables
@@ -721,21 +760,28 @@ class LlamaConfig:
                         jnp.where(slide, local, full) for full, local in zip(*ropes)
                     )
                     tables = (cos, sin)
+            if no_rope is not None:  # NoPE layer: cos 1, sin 0 rotate nothing
+                cos, sin = tables
+                tables = (jnp.where(no_rope, 1, cos).astype(cos.dtype),
+                          jnp.where(no_rope, 0, sin).astype(sin.dtype))  # fmt: skip
             if kernel_mask[0] and not mixed:  # the kernel's causal mask and window
                 mask = fused
             a, kv = self._attention(
                 lp, h, tables, mask, kv, index, pos, kernel_mask=kernel_mask
             )
-            if self.sandwich_norms:
+            post = self.sandwich_norms or self.post_norms
+            if post:
                 a = self._norm(a, lp["post_attention_layernorm"])
-            h = h + a  # (B, T, D)
+            h = h + self._residual(a)  # (B, T, D)
             pre = "pre_feedforward_layernorm" if self.sandwich_norms else (
                 "post_attention_layernorm"
             )  # fmt: skip
-            x, logits = self._mlp_routed(lp["mlp"], self._norm(h, lp[pre]))
-            if self.sandwich_norms:
+            x, logits = self._mlp_routed(
+                lp["mlp"], h if self.post_norms else self._norm(h, lp[pre])
+            )
+            if post:
                 x = self._norm(x, lp["post_feedforward_layernorm"])
-            h = h + x
+            h = h + self._residual(x)
             ys = (h if return_hidden else None, logits if router else None)
             return (h if kv is None else (h, *kv)), ys
 
@@ -779,6 +825,19 @@ class LlamaConfig:
         return rope_tables(
             positions, self.hd, theta, f, inv_freq=inv, scale=attention_factor(self)
         )
+
+    def _residual(self, x: jax.Array) -> jax.Array:
+        """A sublayer's output as added to the stream (× ``residual_multiplier``)."""
+        if self.residual_multiplier is None:
+            return x
+        return x * jnp.asarray(self.residual_multiplier, x.dtype)
+
+    def _final(self, params: Params, h: jax.Array) -> jax.Array:
+        """The final norm, and Granite's ``1 / logits_scaling`` folded in."""
+        h = self._norm(h, params["model"]["norm"])
+        if self.logits_scaling is not None:
+            h = h / jnp.asarray(self.logits_scaling, h.dtype)
+        return h
 
     def _norm(self, x: jax.Array, p: Params) -> jax.Array:
         """RMSNorm with the gain ``p["weight"]`` (``1 + w`` for Gemma)."""
@@ -854,7 +913,7 @@ class LlamaConfig:
         b, t, _ = h.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
         ap = lp["self_attn"]
-        x = self._norm(h, lp["input_layernorm"])
+        x = h if self.post_norms else self._norm(h, lp["input_layernorm"])
         md = self.matmul_dtype
         if self.fused_qkv:  # Phi-3: qkv_proj = [q; k; v]
             qkv = linear(x, ap["qkv_proj"]["weight"], _bias(ap["qkv_proj"]),
@@ -864,15 +923,18 @@ class LlamaConfig:
             q = linear(x, ap["q_proj"]["weight"], _bias(ap["q_proj"]), matmul_dtype=md)
             k = linear(x, ap["k_proj"]["weight"], _bias(ap["k_proj"]), matmul_dtype=md)
             v = linear(x, ap["v_proj"]["weight"], _bias(ap["v_proj"]), matmul_dtype=md)
+        if self.qk_norm and self.qk_norm_whole:  # OLMo 2: over all H d values
+            q = self._norm(q, ap["q_norm"])  # (B, T, H d)
+            k = self._norm(k, ap["k_norm"])  # (B, T, KV d)
         q = q.reshape(b, t, nh, hd)  # (B, T, H, d)
         k = k.reshape(b, t, nkv, hd)  # (B, T, KV, d)
         v = v.reshape(b, t, nkv, hd)
-        if self.qk_norm:  # per head, before rotary
+        if self.qk_norm and not self.qk_norm_whole:  # per head, before rotary
             q = self._norm(q, ap["q_norm"])
             k = self._norm(k, ap["k_norm"])
         q = rotate(q, rope)
         k = rotate(k, rope)
-        scale = None
+        scale = self.attention_multiplier  # None: d^-1/2
         if self.query_pre_attn_scalar is not None:
             scale = self.query_pre_attn_scalar**-0.5
         fused = self.uses_fused_attention()
@@ -904,7 +966,7 @@ class LlamaConfig:
         return o, cache_kv
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
-        h = self._norm(h, params["model"]["norm"])
+        h = self._final(params, h)
         w = self.output_weight(params)
         logits = linear(h, w, matmul_dtype=self.matmul_dtype)  # (B, T, V)
         logits = logits.astype(upcast_dtype(h.dtype))

@@ -159,7 +159,31 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},  # llama.cpp's llama has no sliding window
     "qwen2": {"sliding_window": None, "layer_types": None},  # nor its qwen2
     "qwen3": {"sliding_window": None, "layer_types": None, "attention_out_bias": False},
-    # llama.cpp's Gemma has no o_proj bias and derives the query scale from d
+    # llama.cpp's SmolLM3 has no sliding window and no biases
+    "smollm3": {
+        "sliding_window": None,
+        "layer_types": None,
+        "attention_bias": False,
+        "attention_out_bias": False,
+        "mlp_bias": False,
+    },
+    # llama.cpp's OLMo 2 has no biases and takes d = D / H
+    "olmo2": {"attention_bias": False, "attention_out_bias": False},
+    # llama.cpp 0.3.36's olmo2 graph rotates sliding layers at the global base
+    "olmo3": {
+        "attention_bias": False,
+        "attention_out_bias": False,
+        "rope_local_theta": 500_000.0,
+    },
+    # llama.cpp's Granite: no q/k/v biases
+    "granite": {
+        "attention_bias": False,
+        "attention_out_bias": False,
+        "mlp_bias": False,
+    },
+    # llama.cpp's Gemma 1 has no biases
+    "gemma": {"attention_bias": False, "attention_out_bias": False},
+    # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d
     "gemma2": {"attention_out_bias": False, "query_pre_attn_scalar": None},
     "gemma3": {"attention_out_bias": False, "query_pre_attn_scalar": None},
     # llama.cpp turns Phi-3's sliding window off, and takes the long factors when

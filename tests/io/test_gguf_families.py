@@ -250,7 +250,13 @@ def test_a_yarn_file_reads_to_transformers_attention_factor(keep, tmp_path):
 CONVERTED = cases.ROOT / "tests/data/llama_cpp_converted"
 
 
-@pytest.mark.parametrize("case", ["qwen2_yarn", "phi3_no_window"])
+CONVERTED_CASES = sorted(
+    json.loads((CONVERTED / "reference.json").read_text())["cases"]
+)
+FAMILY_CONVERTED = [c for c in CONVERTED_CASES if c in FAMILIES]
+
+
+@pytest.mark.parametrize("case", CONVERTED_CASES)
 def test_a_file_llama_cpps_converter_wrote_reads_to_transformers(case):
     """llama.cpp's converter's file of a tiny model reads to transformers' numbers.
 
@@ -269,16 +275,42 @@ def test_a_file_llama_cpps_converter_wrote_reads_to_transformers(case):
     config, params, _ = io.load_llama_gguf(path)
     hf = record["cases"][case]["config.json"]
     from_hf = nn.LlamaConfig.from_hf_config(hf)
+    assert config.architecture == from_hf.architecture  # olmo3 in olmo2's name
     assert config.sliding_window == from_hf.sliding_window
-    assert attention_factor(config) == pytest.approx(attention_factor(from_hf), 1e-6)
+    factor = attention_factor(from_hf)  # None: no scaling of cos and sin
+    assert attention_factor(config) == (factor and pytest.approx(factor, 1e-6))
     positions = jax.numpy.arange(len(record["how"]["tokens"][0]))
-    np.testing.assert_allclose(
-        np.asarray(rope_inv_freq(config, positions, jax.numpy.float32)),
-        np.asarray(rope_inv_freq(from_hf, positions, jax.numpy.float32)),
-        rtol=1e-6,
-    )
+    inv = [rope_inv_freq(c, positions, jax.numpy.float32) for c in (config, from_hf)]
+    if inv != [None, None]:  # None: unscaled rotary
+        np.testing.assert_allclose(np.asarray(inv[0]), np.asarray(inv[1]), rtol=1e-6)
     got = np.asarray(config.apply(params, np.asarray(record["how"]["tokens"])))
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", FAMILY_CONVERTED)
+def test_entrenar_writes_the_converters_tensors_and_keys(case, tmp_path):
+    """The converter's file read and written again by entrenar is the converter's.
+
+    Same tensor names, shapes and values (q/k rows, Gemma's ``1 + w`` norms, ...)
+    and every ``{arch}.*`` key the converter wrote, with its value; entrenar may
+    add keys (llama.cpp's defaults, written out) and ``entrenar.family``.
+    """
+    config, params, _ = io.load_llama_gguf(CONVERTED / f"{case}.gguf")
+    path = tmp_path / "m.gguf"
+    io.save_llama_gguf(path, config, params, tensor_type="F16")
+    theirs, ours = io.read_gguf(CONVERTED / f"{case}.gguf"), io.read_gguf(path)
+    assert set(ours.tensors) == set(theirs.tensors)
+    for name in theirs.tensors:
+        want = theirs.tensor(name).astype(np.float32)
+        np.testing.assert_array_equal(ours.tensor(name).astype(np.float32), want, name)
+    name = theirs.metadata["general.architecture"]
+    assert ours.metadata["general.architecture"] == name
+    for key, value in theirs.metadata.items():
+        if key.startswith(f"{name}.") and isinstance(value, float):
+            assert ours.metadata[key] == pytest.approx(value, rel=1e-6), key
+        elif key.startswith(f"{name}."):
+            assert ours.metadata[key] == value, key
+    assert io.load_llama_gguf(path)[0] == config
 
 
 def test_mistral_is_written_as_llama_and_read_back_as_mistral(tmp_path):
@@ -408,3 +440,39 @@ def test_a_tokenizer_only_source_gives_the_file_its_tokenizer(tmp_path):
     for key, field in tok.fields.items():
         if key.startswith("tokenizer."):
             assert fields[key].value == field.value, key
+
+
+def test_an_untied_gemma_is_refused_for_llama_cpps_tied_graph(tmp_path):
+    config = dataclasses.replace(
+        nn.architecture("gemma").tiny(), tie_word_embeddings=False
+    )
+    with pytest.raises(UnsupportedError, match="gemma ties its output head"):
+        io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
+
+
+def test_smollm3_nope_layers_llama_cpp_cannot_follow_are_warned(tmp_path):
+    """llama.cpp's SmolLM3 skips rotary on every 4th layer, whatever the file says."""
+    config = dataclasses.replace(
+        nn.architecture("smollm3").tiny(), nope_layers=(True, False, False, False)
+    )
+    path = tmp_path / "m.gguf"
+    with pytest.warns(UserWarning, match="every 4th layer"):
+        io.save_llama_gguf(path, config, config.init(jax.random.key(0)))
+    assert io.load_llama_gguf(path)[0] == config  # entrenar.family keeps them
+
+
+def test_a_tied_olmo2_is_refused_for_llama_cpps_untied_graph(tmp_path):
+    tiny = nn.architecture("olmo2").tiny()
+    config = dataclasses.replace(tiny, tie_word_embeddings=True)
+    with pytest.raises(UnsupportedError, match="olmo2 needs its own output head"):
+        io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
+
+
+def test_olmo3_local_base_llama_cpp_does_not_use_is_warned(tmp_path):
+    """llama.cpp 0.3.36's olmo2 graph rotates sliding layers at the global base."""
+    config = nn.architecture("olmo3").tiny()
+    assert config.rope_local_theta != config.rope_theta
+    path = tmp_path / "m.gguf"
+    with pytest.warns(UserWarning, match="rotates the sliding layers at rope_theta"):
+        io.save_llama_gguf(path, config, config.init(jax.random.key(0)))
+    assert io.load_llama_gguf(path)[0] == config

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from entrenar import lora, nn
-from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.lora import LoRAWeight
 
 torch = pytest.importorskip("torch")
@@ -286,3 +286,112 @@ def test_bad_switches_are_config_errors():
         dataclasses.replace(base, rope_type="llama3", rope_factor=8.0)
     with pytest.raises(ConfigError, match="rope_freq_divisors"):
         dataclasses.replace(base, rope_freq_divisors=(1.0, 2.0))
+    with pytest.raises(ConfigError, match="attention_multiplier and query_pre"):
+        dataclasses.replace(base, attention_multiplier=0.1, query_pre_attn_scalar=8.0)
+    with pytest.raises(ConfigError, match="logits_scaling must be > 0"):
+        dataclasses.replace(base, logits_scaling=0.0)
+    with pytest.raises(ConfigError, match="qk_norm_whole needs qk_norm"):
+        dataclasses.replace(base, qk_norm_whole=True)
+    with pytest.raises(ConfigError, match=r"post_norms .* exclude"):
+        dataclasses.replace(base, post_norms=True, sandwich_norms=True)
+
+
+def test_gemma_legacy_gelu_and_missing_head_dim_read_as_transformers():
+    """Gemma 1's legacy ``hidden_act: gelu`` and a missing ``head_dim``.
+
+    transformers reads them as the tanh GELU and 256 (not D / H).
+    """
+    arch = nn.architecture("gemma")
+    hf = {**arch.to_hf(arch.tiny()), "hidden_act": "gelu"}
+    del hf["head_dim"]
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    assert (got.hd, got.hidden_act) == (want.head_dim, want.hidden_act)
+    assert got.hd == 256 and got.hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(UnsupportedError, match="hidden_act 'relu'"):
+        arch.from_hf({**hf, "hidden_act": "relu"})
+    with pytest.raises(UnsupportedError, match="sandwich_norms"):
+        arch.to_hf(dataclasses.replace(arch.tiny(), sandwich_norms=True))
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3, 4])
+@pytest.mark.parametrize("window", [None, 4])
+def test_smollm3_nope_and_sliding_layers_follow_transformers_rule(interval, window):
+    """SmolLM3's interval and ``use_sliding_window`` without explicit lists.
+
+    The NoPE and sliding layers are those transformers' SmolLM3Config derives.
+    """
+    arch = nn.architecture("smollm3")
+    seven = dataclasses.replace(
+        arch.tiny(), num_layers=7, layer_types=None, nope_layers=None,
+        sliding_window=window,
+    )  # fmt: skip
+    hf = arch.to_hf(seven)
+    for key in ("no_rope_layers", "layer_types"):
+        del hf[key]
+    hf["no_rope_layer_interval"] = interval
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    nope = got.nope_layers or (False,) * 7
+    assert [int(not x) for x in nope] == want.no_rope_layers
+    slides = [t == "sliding_attention" for t in got.layer_types or ("",) * 7]
+    assert slides == [t == "sliding_attention" for t in want.layer_types]
+    assert got.sliding_window == (window if want.use_sliding_window else None)
+
+
+def test_smollm3_sliding_layer_types_slide_without_use_sliding_window():
+    """Sliding layer_types slide in transformers whatever use_sliding_window says.
+
+    Eager: 0.0 apart from the sliding model, 0.1 from the full one; before,
+    entrenar read such a file as all full attention.
+    """
+    arch = nn.architecture("smollm3")
+    config = arch.tiny()
+    hf = {**arch.to_hf(config), "use_sliding_window": False}
+    assert arch.from_hf(hf) == config
+    model = _hf_model(hf)
+    params = nn.from_hf_names(
+        {k: v.detach().numpy() for k, v in model.state_dict().items()}, config
+    )
+    tokens, mask = _batch(config.vocab_size)
+    want = _torch_logits(model, tokens, mask)
+    got = np.asarray(config.apply(params, jnp.asarray(tokens), mask=jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], want[mask], atol=TOL, rtol=TOL)
+    with pytest.raises(UnsupportedError, match="sliding_window is null"):
+        arch.from_hf({**hf, "sliding_window": None})
+
+
+def test_smollm3_bad_no_rope_layers_are_named():
+    arch = nn.architecture("smollm3")
+    hf = arch.to_hf(arch.tiny())
+    with pytest.raises(FormatError, match="no_rope_layers must list 4 values"):
+        arch.from_hf({**hf, "no_rope_layers": [1, 0]})
+    with pytest.raises(ConfigError, match="nope_layers must be 4 booleans"):
+        dataclasses.replace(arch.tiny(), nope_layers=(True,))
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_olmo3_default_layers_and_rope_follow_transformers(layered):
+    """OLMo 3 without ``layer_types``: transformers' layers, bases and scaling.
+
+    Its rope as ``rope_theta`` + ``rope_scaling`` (old style) or per layer type.
+    """
+    arch = nn.architecture("olmo3")
+    hf = arch.to_hf(dataclasses.replace(arch.tiny(), num_layers=6, layer_types=None))
+    del hf["layer_types"]
+    if not layered:
+        full = hf.pop("rope_parameters")["full_attention"]
+        hf["rope_theta"] = full.pop("rope_theta")
+        hf["rope_scaling"] = full
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    assert list(got.layer_types) == want.layer_types
+    params = want.rope_parameters
+    assert got.rope_theta == params["full_attention"]["rope_theta"]
+    assert got.rope_local_theta == params["sliding_attention"]["rope_theta"]
+    assert got.rope_type == params["full_attention"]["rope_type"] == "yarn"
+    assert params["sliding_attention"]["rope_type"] == "default"
+    with pytest.raises(UnsupportedError, match="sliding_window is null"):
+        arch.from_hf({**hf, "sliding_window": None})
+    full = {**hf, "sliding_window": None, "layer_types": ["full_attention"] * 6}
+    assert arch.from_hf(full).sliding_window is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -223,3 +224,30 @@ def test_soft_capped_logits_give_gemma2s_apply_loss_and_gradients() -> None:
                - float(whole(params))) > 1e-2  # fmt: skip
     ga, gb = jax.grad(trainer)(params), jax.grad(whole)(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), ga, gb)
+
+
+def test_granite_logits_scaling_reaches_the_trainers_chunked_loss() -> None:
+    """Granite's ``logits / logits_scaling`` reaches the Trainer's chunked loss.
+
+    It is in `features`, so the loss equals that of ``apply``'s logits.
+    """
+    cfg = nn.architecture("granite").tiny()
+    assert cfg.logits_scaling not in (None, 1.0)
+    params = cfg.init(jax.random.key(0))
+    params = jax.tree.map(lambda a: a * 8, params)  # logits far from uniform
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+
+    def whole(p):
+        return causal_lm_loss(cfg.apply(p, tokens), tokens)
+
+    def trainer(p):
+        loss, _ = causal_lm_loss_fn(cfg)(p, {"input_ids": tokens}, key=None)
+        return loss
+
+    np.testing.assert_allclose(trainer(params), whole(params), rtol=1e-6)
+    unscaled = dataclasses.replace(cfg, logits_scaling=None)
+    assert abs(float(causal_lm_loss(unscaled.apply(params, tokens), tokens))
+               - float(whole(params))) > 1e-2  # fmt: skip
+    ga, gb = jax.grad(trainer)(params), jax.grad(whole)(params)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=2e-5)
+    jax.tree.map(close, ga, gb)  # float32 rounding: gradients up to ~1 here

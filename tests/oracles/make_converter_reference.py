@@ -13,7 +13,11 @@ transformers' numbers, without llama.cpp or a network:
   ``rope.scaling.attn_factor``);
 - ``phi3_no_window``: Phi-3 with ``sliding_window: null`` (as Phi-4's config), which
   the converter writes as ``phi3.attention.sliding_window = 0``; LongRoPE, with 11
-  tokens past the original context of 8, so the long factors are used.
+  tokens past the original context of 8, so the long factors are used;
+- one case per family added since (named after it: ``gemma``, ...), each the
+  family's tiny config less what llama.cpp's graph or converter lacks (commented
+  at the case), so that tests/io/test_gguf_families.py can also check that
+  entrenar writes the converter's tensors and keys.
 
 The weights are drawn with ``torch.manual_seed(0)`` from N(0, 0.2²) and rounded to
 float16 before the folder is saved, so the F16 file holds them exactly. The
@@ -53,6 +57,46 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3_no_window": (
         "phi3",
         dict(sliding_window=None, hidden_size=32, num_heads=2, num_kv_heads=1),
+    ),
+    # the converter's Gemma writes no rope keys and llama.cpp's graph no biases
+    "gemma": (
+        "gemma",
+        dict(
+            rope_type="default",
+            rope_factor=1.0,
+            attention_bias=False,
+            attention_out_bias=False,
+        ),
+    ),
+    # llama.cpp's SmolLM3 has no sliding window and no biases
+    "smollm3": (
+        "smollm3",
+        dict(
+            sliding_window=None,
+            layer_types=None,
+            attention_bias=False,
+            attention_out_bias=False,
+            mlp_bias=False,
+        ),
+    ),
+    # llama.cpp's OLMo 2 has no biases
+    "olmo2": ("olmo2", dict(attention_bias=False, attention_out_bias=False)),
+    # llama.cpp's OLMo 3 (its olmo2) has no biases and one rotary base
+    "olmo3": (
+        "olmo3",
+        dict(
+            attention_bias=False, attention_out_bias=False, rope_local_theta=500_000.0
+        ),
+    ),
+    # llama.cpp's Granite has no q/k/v biases; its converter drops head_dim
+    "granite": (
+        "granite",
+        dict(
+            attention_bias=False,
+            attention_out_bias=False,
+            mlp_bias=False,
+            head_dim=None,
+        ),
     ),
 }
 """Case -> (family, fields replaced in the family's tiny config)."""
