@@ -11,8 +11,33 @@ completion tokens; `make_dpo_loss_fn` packs a model into the conventions'
 batches, its reference the same tree with the LoRA adapters off
 (`without_adapters`) or log-probabilities precomputed with the starting params
 (`reference_logps`). Math: specs/preference.md.
+
+GRPO (online RL, Shao et al. 2024, as TRL's ``GRPOTrainer``): `group_advantages`
+of sampled completions' rewards, `grpo_loss` of per-token log-probabilities
+(`token_logps`), `make_grpo_loss_fn` for the Trainer on `pack_completions`
+batches, and the online loop `GRPO` (`entrenar.preference.grpo_run`).
 """
 
+from entrenar.preference.grpo import (
+    GRPO_LOSS_TYPES,
+    SCALE_REWARDS,
+    check_grpo_settings,
+    group_advantages,
+    grpo_loss,
+)
+from entrenar.preference.grpo_fn import (
+    GRPO_BATCH_KEYS,
+    make_grpo_loss_fn,
+    pack_completions,
+    token_logps,
+)
+from entrenar.preference.grpo_run import (
+    GRPO,
+    GRPOSettings,
+    builtin_reward,
+    completion_metrics,
+    reward_metrics,
+)
 from entrenar.preference.loss import (
     LOSS_TYPES,
     NORMALISED,
@@ -32,15 +57,29 @@ from entrenar.preference.loss_fn import (
 
 __all__ = [
     "BATCH_KEYS",
+    "GRPO",
+    "GRPO_BATCH_KEYS",
+    "GRPO_LOSS_TYPES",
     "LOSS_TYPES",
     "NORMALISED",
+    "SCALE_REWARDS",
+    "GRPOSettings",
     "LossType",
     "Reference",
+    "builtin_reward",
     "check_dpo_settings",
+    "check_grpo_settings",
+    "completion_metrics",
     "dpo_loss",
+    "group_advantages",
+    "grpo_loss",
     "has_adapters",
     "make_dpo_loss_fn",
+    "make_grpo_loss_fn",
+    "pack_completions",
     "reference_logps",
+    "reward_metrics",
     "sequence_logps",
+    "token_logps",
     "without_adapters",
 ]

@@ -1,0 +1,430 @@
+"""Online GRPO: sample, score, step; TRL 1.16's ``GRPOTrainer`` loop on one host.
+
+Each step (`GRPO.step`) takes ``P`` records (``prompt``: a text or a message
+list; any other columns go to the reward functions):
+
+1. tokenizes each prompt (message lists through the chat template with the
+   generation prompt) and samples ``G = num_generations`` completions of each
+   with `entrenar.nn.generate` (batched, KV cache, ``temperature``, ``top_p``,
+   ``top_k``, at most ``max_completion_length`` tokens, ending at the tokenizer's
+   EOS, which is kept), the key folded from the run's seed and the step;
+2. scores the decoded completions with every reward function
+   ``f(prompts, completions, **columns) -> list[float | None]`` (TRL's
+   signature; None: not applicable, NaN in the per-function metric, 0 in the
+   sum), sums them with ``reward_weights`` and forms the group advantages
+   (`entrenar.preference.group_advantages`);
+3. takes one optimizer step on the ``P·G`` rows (`make_grpo_loss_fn`): with one
+   pass per generation ``π_old`` is the policy detached, as TRL's
+   ``num_iterations=1``; the reference (``β > 0``) is the model with its LoRA
+   adapters off, or the starting params kept aside for full fine-tuning.
+
+The metrics of a step carry TRL's names: ``reward``, ``reward_std``,
+``frac_reward_zero_std``, ``rewards/<name>/mean`` and ``/std``,
+``completions/mean_length``, ``min_length``, ``max_length``, ``clipped_ratio``,
+``mean_terminated_length``..., ``kl``, ``entropy``, ``clip_ratio/...``, and
+``loss``, ``step_time``.
+
+Built-in rewards for YAML runs (`builtin_reward`; no code is read from a file):
+
+- ``exact_match`` (``column``): 1 when the completion, stripped, equals the
+  record's ``column`` (stripped), else 0;
+- ``contains`` (``column``): 1 when the record's ``column`` occurs in the completion;
+- ``regex`` (``pattern``, ``fullmatch``): 1 when the pattern (at most 256
+  characters, compiled once) matches the completion's first 4096 characters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entrenar.data.formatting import apply_chat_template
+from entrenar.errors import ConfigError, ShapeError
+from entrenar.nn.generate import generate
+from entrenar.preference.grpo import (
+    SCALE_REWARDS,
+    check_grpo_settings,
+    group_advantages,
+)
+from entrenar.preference.grpo_fn import make_grpo_loss_fn, pack_completions
+from entrenar.preference.loss_fn import Reference, has_adapters
+from entrenar.train import TrainState, make_train_step
+from entrenar.types import Params
+
+RewardFn = Callable[..., Sequence[float | None]]
+"""``f(prompts, completions, **columns) -> one reward (or None) per completion``."""
+
+MAX_PATTERN = 256
+MAX_MATCHED_TEXT = 4096
+LENGTH_BUCKET = 32
+"""Packed rows are padded to a multiple of this many tokens (fewer compilations)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSettings:
+    """TRL's ``GRPOConfig`` names; the defaults are TRL 1.16's unless noted."""
+
+    num_generations: int = 8
+    max_completion_length: int = 256  # TRL: 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    reward_weights: tuple[float, ...] | None = None
+    prompts_per_step: int = 1  # TRL: per_device_train_batch_size / num_generations
+    grad_accum: int = 1
+
+    def __post_init__(self) -> None:
+        check_grpo_settings(
+            beta=self.beta,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            loss_type=self.loss_type,
+            max_completion_length=self.max_completion_length,
+        )
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"num_generations must be >= 2 (the group baseline), got "
+                f"{self.num_generations}"
+            )
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError(
+                f"scale_rewards {self.scale_rewards!r} is not one of {SCALE_REWARDS}"
+            )
+        if self.max_completion_length < 1 or self.prompts_per_step < 1:
+            raise ConfigError("max_completion_length and prompts_per_step must be >= 1")
+        if not self.temperature > 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(
+                f"sampling needs temperature > 0, 0 < top_p <= 1, top_k >= 0; got "
+                f"{self.temperature}, {self.top_p}, {self.top_k}"
+            )
+        rows = self.prompts_per_step * self.num_generations
+        if rows % self.grad_accum:
+            raise ConfigError(
+                f"grad_accum {self.grad_accum} must divide the {rows} completions of "
+                f"a step (prompts_per_step x num_generations)"
+            )
+
+
+def reward_metrics(scores: np.ndarray, names: Sequence[str]) -> dict[str, float]:
+    """``rewards/<name>/mean`` and ``/std`` of each function's ``(N, F)`` scores.
+
+    NaN, where a function returned None, is left out.
+    """
+    out = {}
+    s = np.asarray(scores, np.float64)
+    for i, name in enumerate(names):
+        col = s[:, i][~np.isnan(s[:, i])]
+        out[f"rewards/{name}/mean"] = float(col.mean()) if col.size else math.nan
+        out[f"rewards/{name}/std"] = (
+            float(col.std(ddof=1)) if col.size > 1 else math.nan
+        )
+    return out
+
+
+def completion_metrics(
+    lengths: Sequence[int], ended: Sequence[bool]
+) -> dict[str, float]:
+    """TRL's ``completions/...``: lengths, and those that ended with EOS."""
+    n = np.asarray(lengths, np.float64)
+    done = np.asarray(ended, bool)
+    term = n[done] if done.any() else np.zeros(1)
+    return {
+        "completions/mean_length": float(n.mean()),
+        "completions/min_length": float(n.min()),
+        "completions/max_length": float(n.max()),
+        "completions/clipped_ratio": float(np.mean(~done)),
+        "completions/mean_terminated_length": float(term.mean()),
+        "completions/min_terminated_length": float(term.min()),
+        "completions/max_terminated_length": float(term.max()),
+    }
+
+
+def builtin_reward(kind: str, **options: Any) -> RewardFn:
+    """A reward named in a YAML run (module docstring): no code from the file."""
+    if kind in ("exact_match", "contains"):
+        column = options.pop("column", None)
+        if not isinstance(column, str) or options:
+            raise ConfigError(
+                f"reward {kind!r} takes one option, column: <dataset column>; got "
+                f"column={column!r} and {sorted(options)}"
+            )
+
+        def by_column(prompts: Any, completions: Sequence[str], **cols: Any) -> list:
+            if column not in cols:
+                raise ShapeError(
+                    f"reward {kind!r} reads the column {column!r}, which the records "
+                    f"lack (they have {sorted(cols)})"
+                )
+            want = [str(x).strip() for x in cols[column]]
+            if kind == "exact_match":
+                return [float(c.strip() == w) for c, w in zip(completions, want)]
+            return [float(w in c) for c, w in zip(completions, want)]
+
+        by_column.__name__ = f"{kind}_{column}"
+        return by_column
+    if kind == "regex":
+        pattern = options.pop("pattern", None)
+        full = bool(options.pop("fullmatch", False))
+        if not isinstance(pattern, str) or options:
+            raise ConfigError(
+                f"reward 'regex' takes pattern: <regex> and fullmatch: <bool>; got "
+                f"pattern={pattern!r} and {sorted(options)}"
+            )
+        if len(pattern) > MAX_PATTERN:
+            raise ConfigError(f"regex pattern longer than {MAX_PATTERN} characters")
+        try:
+            rx = re.compile(pattern, re.DOTALL)
+        except re.error as e:
+            raise ConfigError(f"regex pattern {pattern!r} does not compile: {e}") from e
+        match = rx.fullmatch if full else rx.search
+
+        def by_regex(prompts: Any, completions: Sequence[str], **cols: Any) -> list:
+            return [float(match(c[:MAX_MATCHED_TEXT]) is not None) for c in completions]
+
+        by_regex.__name__ = "regex"
+        return by_regex
+    raise ConfigError(
+        f"unknown reward {kind!r}: the built-ins are exact_match, contains, regex "
+        "(Python reward functions are passed to entrenar.preference.GRPO)"
+    )
+
+
+def _encode_prompt(tokenizer: Any, prompt: Any, chat_template: str | None) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, special=True))
+    if isinstance(prompt, list) and all(isinstance(m, Mapping) for m in prompt):
+        return apply_chat_template(
+            tokenizer, prompt, add_generation_prompt=True, chat_template=chat_template
+        )
+    raise ShapeError(
+        f"a GRPO record's prompt must be a text or a list of messages, got "
+        f"{type(prompt).__name__}"
+    )
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class GRPO:
+    """The online loop (module docstring) over a model, its params and rewards.
+
+    Args:
+        model: a Llama-style config (``features``, ``output_weight``,
+            ``apply_cached``).
+        params: the starting params (with `entrenar.lora` adapters for LoRA/QLoRA).
+        optimizer: an ``(init, update)`` pair.
+        tokenizer: ``encode``, ``decode``, ``eos_id``, ``pad_id`` (and a chat
+            template for message prompts).
+        rewards: reward functions (`RewardFn`); their ``__name__`` names the metrics.
+        settings: `GRPOSettings`.
+        trainable: as `TrainState.create` (``"lora"`` trains the adapters only).
+        seed: the run's seed (sampling keys, record order).
+        stop_tokens: ids that end a completion; default the tokenizer's EOS and
+            ``stop_ids``.
+        chat_template: for message prompts; default the tokenizer's.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        params: Params,
+        optimizer: Any,
+        tokenizer: Any,
+        rewards: Sequence[RewardFn],
+        settings: GRPOSettings = GRPOSettings(),
+        *,
+        trainable: Any = None,
+        seed: int = 0,
+        stop_tokens: Sequence[int] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        if not rewards:
+            raise ConfigError("GRPO needs at least one reward function")
+        weights = settings.reward_weights or (1.0,) * len(rewards)
+        if len(weights) != len(rewards):
+            raise ConfigError(
+                f"{len(weights)} reward_weights for {len(rewards)} reward functions"
+            )
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.rewards, self.weights = list(rewards), np.asarray(weights, np.float64)
+        self.names = [
+            getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(rewards)
+        ]
+        self.seed, self.chat_template = seed, chat_template
+        eos = getattr(tokenizer, "eos_id", None)
+        if stop_tokens is None:  # EOS and the generation config's other stops
+            extra = getattr(tokenizer, "stop_ids", ())
+            stop_tokens = [*([] if eos is None else [int(eos)]), *extra]
+        self.stop_tokens = list(dict.fromkeys(int(t) for t in stop_tokens))
+        pad = getattr(tokenizer, "pad_id", None)
+        self.pad_id = int(pad if pad is not None else (eos if eos is not None else 0))
+        self.reference: Reference = (
+            "adapters" if has_adapters(params) else "precomputed"
+        )
+        self.ref_params = (
+            params if settings.beta and self.reference == "precomputed" else None
+        )
+        loss_fn = make_grpo_loss_fn(
+            model, beta=settings.beta, epsilon=settings.epsilon,
+            epsilon_high=settings.epsilon_high, loss_type=settings.loss_type,
+            temperature=settings.temperature, reference=self.reference,
+            max_completion_length=settings.max_completion_length,
+        )  # fmt: skip
+        self._train_step = make_train_step(
+            loss_fn, optimizer, grad_accum=settings.grad_accum
+        )
+        self.state = TrainState.create(
+            params, optimizer, key=jax.random.key(seed), trainable=trainable
+        )
+        self._ref_logps = None
+        if self.ref_params is not None:
+            from entrenar.preference.grpo_fn import token_logps
+
+            self._ref_logps = jax.jit(token_logps, static_argnums=(0, 5))
+
+    @property
+    def params(self) -> Params:
+        """The current params (trainable and frozen together)."""
+        return self.state.params
+
+    def sample(self, prompt_ids: Sequence[Sequence[int]], step: int) -> list[list[int]]:
+        """``G`` completions of each prompt, EOS kept, padding dropped."""
+        s = self.settings
+        rows = [list(p) for p in prompt_ids for _ in range(s.num_generations)]
+        key = jax.random.fold_in(jax.random.key(self.seed), step)
+        out = np.asarray(generate(
+            self.model, self.params, rows, max_new_tokens=s.max_completion_length,
+            key=key, temperature=s.temperature, top_p=s.top_p if s.top_p < 1 else None,
+            top_k=s.top_k or None, stop_tokens=self.stop_tokens, pad_token=self.pad_id,
+            vocab_limit=getattr(self.tokenizer, "vocab_size", None),
+        ))  # fmt: skip  # (B, N)
+        stops = set(self.stop_tokens)
+        completions = []
+        for r in out:
+            ends = [i for i, t in enumerate(r.tolist()) if t in stops]
+            completions.append(r[: ends[0] + 1].tolist() if ends else r.tolist())
+        return completions
+
+    def score(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        completions: Sequence[str],
+        completion_ids: Sequence[Sequence[int]],
+    ) -> np.ndarray:
+        """``(P·G, F)`` rewards of each completion by each function (NaN for None).
+
+        Each function gets ``prompts``, ``completions`` (texts), ``completion_ids``
+        and the records' other columns, one entry per completion, as in TRL.
+        """
+        g = self.settings.num_generations
+        rows = [r for r in records for _ in range(g)]
+        prompts = [r["prompt"] for r in rows]
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+        columns.pop("completion_ids", None)
+        scores = np.zeros((len(rows), len(self.rewards)))
+        for j, f in enumerate(self.rewards):
+            out = list(f(prompts=prompts, completions=list(completions),
+                         completion_ids=[list(c) for c in completion_ids],
+                         **columns))  # fmt: skip
+            if len(out) != len(rows):
+                raise ShapeError(
+                    f"reward {self.names[j]!r} returned {len(out)} rewards for "
+                    f"{len(rows)} completions"
+                )
+            scores[:, j] = [math.nan if v is None else float(v) for v in out]
+        return scores
+
+    def step(self, records: Sequence[Mapping[str, Any]], step: int) -> dict[str, float]:
+        """Sample, score and take one optimizer step; return the step's metrics."""
+        start = time.perf_counter()
+        s = self.settings
+        prompt_ids = [_encode_prompt(self.tokenizer, r["prompt"], self.chat_template)
+                      for r in records]  # fmt: skip
+        completions = self.sample(prompt_ids, step)
+        texts = [self.tokenizer.decode(c) for c in completions]
+        scores = self.score(records, texts, completions)
+        total = np.nansum(scores * self.weights, axis=1)
+        unscorable = np.isnan(scores).all(axis=1)
+        total[unscorable] = np.nan
+        adv, metrics = group_advantages(np.nan_to_num(total), s.num_generations,
+                                        s.scale_rewards)  # fmt: skip
+        adv[unscorable] = 0.0
+        metrics.update(reward_metrics(scores, self.names))
+        stops = set(self.stop_tokens)
+        metrics.update(completion_metrics(
+            [len(c) for c in completions],
+            [bool(c) and c[-1] in stops for c in completions],
+        ))  # fmt: skip
+        rows = [p for p in prompt_ids for _ in range(s.num_generations)]
+        longest = max(len(p) + len(c) for p, c in zip(rows, completions))
+        packed = pack_completions(rows, completions, self.pad_id,
+                                  _round_up(longest, LENGTH_BUCKET))  # fmt: skip
+        batch: dict[str, jax.Array] = {k: jnp.asarray(v) for k, v in packed.items()}
+        batch["advantages"] = jnp.asarray(adv, jnp.float32)
+        if self._ref_logps is not None:
+            batch["ref_logps"] = self._ref_logps(
+                self.model, self.ref_params, batch["input_ids"],
+                batch["attention_mask"], batch["completion_mask"], s.temperature,
+            )  # fmt: skip
+        self.state, step_metrics = self._train_step(self.state, batch)
+        step_metrics.pop("loss_weight", None)
+        metrics.update({k: float(v) for k, v in step_metrics.items()})
+        metrics["step_time"] = time.perf_counter() - start
+        return metrics
+
+    def train(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        steps: int,
+        *,
+        metrics_path: str | Path | None = None,
+        log: Callable[[dict[str, float]], None] | None = None,
+    ) -> list[dict[str, float]]:
+        """Take ``steps`` steps over ``records``, reshuffled each epoch with the seed.
+
+        Each step's metrics are appended to ``metrics_path`` (JSON lines).
+        """
+        p = self.settings.prompts_per_step
+        if len(records) < p:
+            raise ShapeError(f"{len(records)} records for {p} prompts per step")
+        rng = np.random.default_rng(self.seed)
+        order: list[int] = []
+        history = []
+        for i in range(steps):
+            if len(order) < p:
+                order += rng.permutation(len(records)).tolist()
+            take, order = order[:p], order[p:]
+            m = {"step": i + 1, **self.step([records[j] for j in take], i)}
+            history.append(m)
+            if metrics_path is not None:
+                with open(metrics_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(m) + "\n")
+            if log is not None:
+                log(m)
+        return history
+
+
+__all__ = [
+    "GRPO",
+    "GRPOSettings",
+    "RewardFn",
+    "builtin_reward",
+    "completion_metrics",
+    "reward_metrics",
+]
