@@ -30,6 +30,7 @@ from entrenar.io import bounded, gguf_families, smollm2_path
 from entrenar.io.bounded import MAX_CONFIG_BYTES
 from entrenar.lora import LoRAConfig
 from entrenar.optim import OptimizerConfig, ScheduleConfig
+from entrenar.preference import GRPOSettings
 from entrenar.schema import (
     Config,
     convert,
@@ -90,6 +91,9 @@ class TrainSpec(Config):
     preference: PreferenceSection | None = option(
         None, doc="preference fine-tuning (DPO) on prompt/chosen/rejected pairs"
     )
+    grpo: GRPOSettings | None = option(
+        None, doc="online RL (GRPO) on prompts, scored by built-in rewards"
+    )
     training: TrainConfig = option(factory=TrainConfig, doc="the run itself")
     merge: dict[str, Any] | None = option(
         None,
@@ -123,6 +127,7 @@ class TrainSpec(Config):
                     "train the whole student (remove `lora`)"
                 )
         self.check_preference()
+        self.check_grpo()
         if self.training.output_dir is None:
             raise ConfigError("training.output_dir: a run writes its files there")
         if self.model is not None:  # a file's own architecture: after resolve_paths
@@ -155,6 +160,27 @@ class TrainSpec(Config):
         if self.data is not None and self.data.packing:
             raise ConfigError("data.packing: preference pairs are not packed")
 
+    def check_grpo(self) -> None:
+        """A ``grpo`` section is a run of its own over prompt records."""
+        if self.grpo is None:
+            return
+        if not self.grpo.rewards:
+            raise ConfigError("grpo.rewards: name at least one reward")
+        if self.preference is not None or self.distillation is not None:
+            raise ConfigError(
+                "grpo: a run is GRPO, DPO or distillation: keep one of the sections"
+            )
+        if self.data is not None:
+            d = self.data
+            if d.validation is not None or d.validation_split:
+                raise ConfigError(
+                    "data.validation: a GRPO run has no evaluation yet; remove it"
+                )
+            if d.packing:
+                raise ConfigError("data.packing: GRPO samples its own rows")
+        if self.training.max_steps is None:
+            raise ConfigError("training.max_steps: a GRPO run counts its steps")
+
     def check_architecture(self, arch: str | None) -> None:
         """The rules that depend on the model's architecture (None: not known yet).
 
@@ -165,6 +191,8 @@ class TrainSpec(Config):
         if arch is None or self.model is None:
             return
         lm = arch != "mlp"
+        if self.grpo is not None and arch in ("mlp", "gpt2"):
+            raise ConfigError(f"grpo: GRPO trains a Llama-style decoder, not {arch}")
         if self.preference is not None and arch in ("mlp", "gpt2"):
             raise ConfigError(
                 f"preference: DPO trains a Llama-style decoder, not {arch}"

@@ -34,6 +34,7 @@ from entrenar.preference.grpo_fn import (
 from entrenar.preference.grpo_run import (
     GRPO,
     GRPOSettings,
+    RewardSpec,
     builtin_reward,
     completion_metrics,
     reward_metrics,
@@ -66,6 +67,7 @@ __all__ = [
     "GRPOSettings",
     "LossType",
     "Reference",
+    "RewardSpec",
     "builtin_reward",
     "check_dpo_settings",
     "check_grpo_settings",

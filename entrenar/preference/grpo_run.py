@@ -42,7 +42,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -52,12 +52,14 @@ from entrenar.data.formatting import apply_chat_template
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.generate import generate
 from entrenar.preference.grpo import (
-    SCALE_REWARDS,
+    GRPOLossType,
+    ScaleRewards,
     check_grpo_settings,
     group_advantages,
 )
 from entrenar.preference.grpo_fn import make_grpo_loss_fn, pack_completions
 from entrenar.preference.loss_fn import Reference, has_adapters
+from entrenar.schema import Config, option
 from entrenar.train import TrainState, make_train_step
 from entrenar.types import Params
 
@@ -71,52 +73,123 @@ LENGTH_BUCKET = 32
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOSettings:
-    """TRL's ``GRPOConfig`` names; the defaults are TRL 1.16's unless noted."""
+class RewardSpec(Config):
+    """One item of ``grpo.rewards``: a built-in reward (no code is read from YAML)."""
 
-    num_generations: int = 8
-    max_completion_length: int = 256  # TRL: 512
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    loss_type: str = "dapo"
-    scale_rewards: str = "group"
-    reward_weights: tuple[float, ...] | None = None
-    prompts_per_step: int = 1  # TRL: per_device_train_batch_size / num_generations
-    grad_accum: int = 1
+    type: Literal["exact_match", "contains", "regex"] = option(
+        doc="exact_match (the stripped completion equals the record's column), "
+        "contains (the column's text occurs in it) or regex (pattern matches)",
+    )
+    column: str | None = option(
+        None, doc="the dataset column exact_match and contains compare with"
+    )
+    pattern: str | None = option(
+        None, doc="regex's pattern (at most 256 characters; DOTALL)"
+    )
+    fullmatch: bool = option(
+        False, doc="regex: the whole completion must match (else: search)"
+    )
+    weight: float = option(1.0, doc="its weight in the sum (TRL's reward_weights)")
+    name: str | None = option(
+        None, doc="the name of its metrics rewards/<name>/mean and /std"
+    )
 
-    def __post_init__(self) -> None:
-        check_grpo_settings(
-            beta=self.beta,
-            epsilon=self.epsilon,
-            epsilon_high=self.epsilon_high,
-            loss_type=self.loss_type,
-            max_completion_length=self.max_completion_length,
-        )
-        if self.num_generations < 2:
-            raise ConfigError(
-                f"num_generations must be >= 2 (the group baseline), got "
-                f"{self.num_generations}"
+    def build(self) -> RewardFn:
+        """The reward function (`builtin_reward`)."""
+        if self.type == "regex":
+            return builtin_reward(
+                "regex", pattern=self.pattern, fullmatch=self.fullmatch, name=self.name
             )
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ConfigError(
-                f"scale_rewards {self.scale_rewards!r} is not one of {SCALE_REWARDS}"
+        if self.pattern is not None:
+            raise ConfigError(f"reward {self.type!r} reads column:, not pattern:")
+        return builtin_reward(self.type, column=self.column, name=self.name)
+
+    def check(self, path: str) -> None:
+        """The reward builds (its options fit its type)."""
+        try:
+            self.build()
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSettings(Config):
+    """``grpo:``: online RL with verifiable rewards as TRL's GRPOTrainer computes it.
+
+    The names and defaults are TRL 1.16's ``GRPOConfig``'s unless a field says.
+    """
+
+    rewards: tuple[RewardSpec, ...] = option(
+        (),
+        doc="built-in rewards of each completion, summed with their weights: a list "
+        "of {type: exact_match | contains | regex, column, pattern, fullmatch, "
+        "weight, name} (entrenar.preference.RewardSpec); a YAML run needs one",
+    )
+    num_generations: int = option(
+        8, ge=2, doc="G: completions sampled per prompt (the group of the baseline)"
+    )
+    prompts_per_step: int = option(
+        1,
+        ge=1,
+        doc="prompts per optimizer step, P·G completions (TRL: "
+        "per_device_train_batch_size / num_generations)",
+    )
+    max_completion_length: int = option(
+        256, ge=1, doc="at most this many new tokens per completion (TRL: 512)"
+    )
+    temperature: float = option(
+        1.0, gt=0.0, doc="sampling temperature; the log-probs use the same"
+    )
+    top_p: float = option(1.0, gt=0.0, le=1.0, doc="nucleus sampling mass (1: off)")
+    top_k: int = option(0, ge=0, doc="sample among the k likeliest (0: off)")
+    beta: float = option(
+        0.0,
+        ge=0.0,
+        doc="β: the k3 KL to the reference (the adapters off, or the starting "
+        "weights kept aside); TRL's default 0: no reference",
+    )
+    epsilon: float = option(
+        0.2, gt=0.0, lt=1.0, doc="ε: the ratio is clipped to [1 − ε, 1 + ε_high]"
+    )
+    epsilon_high: float | None = option(
+        None, gt=0.0, doc="ε_high (DAPO's clip-higher); default ε"
+    )
+    loss_type: GRPOLossType = option(
+        "dapo", doc="the aggregation of the per-token losses (TRL 1.16's default dapo)"
+    )
+    scale_rewards: ScaleRewards = option(
+        "group",
+        doc="advantages divided by the group's std, the batch's, or not (Dr. GRPO)",
+    )
+    use_bias_correction_kl: bool = option(
+        True, doc="the k3 term times the ratio (TRL 1.16's default, DeepSeek-V3.2)"
+    )
+    reward_weights: tuple[float, ...] | None = option(
+        None,
+        yaml=False,
+        doc="weights of the Python reward functions passed to GRPO (default 1)",
+    )
+    grad_accum: int = option(
+        1, ge=1, yaml=False, doc="micro-batches per step (a run's training.grad_accum)"
+    )
+
+    def check(self, path: str) -> None:
+        """The loss's settings, and micro-batches that divide a step's completions."""
+        try:
+            check_grpo_settings(
+                beta=self.beta,
+                epsilon=self.epsilon,
+                epsilon_high=self.epsilon_high,
+                loss_type=self.loss_type,
+                max_completion_length=self.max_completion_length,
             )
-        if self.max_completion_length < 1 or self.prompts_per_step < 1:
-            raise ConfigError("max_completion_length and prompts_per_step must be >= 1")
-        if not self.temperature > 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ConfigError(
-                f"sampling needs temperature > 0, 0 < top_p <= 1, top_k >= 0; got "
-                f"{self.temperature}, {self.top_p}, {self.top_k}"
-            )
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
         rows = self.prompts_per_step * self.num_generations
         if rows % self.grad_accum:
             raise ConfigError(
-                f"grad_accum {self.grad_accum} must divide the {rows} completions of "
-                f"a step (prompts_per_step x num_generations)"
+                f"{path}: grad_accum {self.grad_accum} must divide the {rows} "
+                f"completions of a step (prompts_per_step x num_generations)"
             )
 
 
@@ -154,8 +227,21 @@ def completion_metrics(
     }
 
 
-def builtin_reward(kind: str, **options: Any) -> RewardFn:
-    """A reward named in a YAML run (module docstring): no code from the file."""
+def builtin_reward(kind: str, *, name: str | None = None, **options: Any) -> RewardFn:
+    """A reward named in a YAML run (module docstring): no code from the file.
+
+    ``name`` names its metrics (``rewards/<name>/mean``); default ``regex``,
+    ``exact_match_<column>``, ``contains_<column>``.
+    """
+    fn = _builtin(kind, **options)
+    if name is not None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise ConfigError(f"reward name {name!r}: letters, digits, _ . - only")
+        fn.__name__ = name
+    return fn
+
+
+def _builtin(kind: str, **options: Any) -> RewardFn:
     if kind in ("exact_match", "contains"):
         column = options.pop("column", None)
         if not isinstance(column, str) or options:
@@ -217,6 +303,20 @@ def _encode_prompt(tokenizer: Any, prompt: Any, chat_template: str | None) -> li
     )
 
 
+def _stops_of(tokenizer: Any) -> list[int]:
+    """The ids that end a completion.
+
+    `entrenar.chat.end_of_turn_ids` when the tokenizer lists its tokens, else its
+    EOS and ``stop_ids``.
+    """
+    if hasattr(tokenizer, "tokens") and hasattr(tokenizer, "token_types"):
+        from entrenar.chat.session import end_of_turn_ids
+
+        return list(end_of_turn_ids(tokenizer))
+    eos = getattr(tokenizer, "eos_id", None)
+    return [*([] if eos is None else [int(eos)]), *getattr(tokenizer, "stop_ids", ())]
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -231,12 +331,14 @@ class GRPO:
         optimizer: an ``(init, update)`` pair.
         tokenizer: ``encode``, ``decode``, ``eos_id``, ``pad_id`` (and a chat
             template for message prompts).
-        rewards: reward functions (`RewardFn`); their ``__name__`` names the metrics.
-        settings: `GRPOSettings`.
+        rewards: Python reward functions (`RewardFn`, weighted by
+            ``settings.reward_weights``); their ``__name__`` names the metrics.
+            ``settings.rewards`` (built-ins) are added after them.
+        settings: `GRPOSettings` (default: TRL's defaults).
         trainable: as `TrainState.create` (``"lora"`` trains the adapters only).
         seed: the run's seed (sampling keys, record order).
-        stop_tokens: ids that end a completion; default the tokenizer's EOS and
-            ``stop_ids``.
+        stop_tokens: ids that end a completion; default the tokenizer's EOS,
+            ``stop_ids`` and end-of-turn control tokens.
         chat_template: for message prompts; default the tokenizer's.
     """
 
@@ -246,20 +348,26 @@ class GRPO:
         params: Params,
         optimizer: Any,
         tokenizer: Any,
-        rewards: Sequence[RewardFn],
-        settings: GRPOSettings = GRPOSettings(),
+        rewards: Sequence[RewardFn] = (),
+        settings: GRPOSettings | None = None,
         *,
         trainable: Any = None,
         seed: int = 0,
         stop_tokens: Sequence[int] | None = None,
         chat_template: str | None = None,
     ) -> None:
-        if not rewards:
-            raise ConfigError("GRPO needs at least one reward function")
-        weights = settings.reward_weights or (1.0,) * len(rewards)
+        settings = GRPOSettings() if settings is None else settings
+        weights = list(settings.reward_weights or (1.0,) * len(rewards))
         if len(weights) != len(rewards):
             raise ConfigError(
                 f"{len(weights)} reward_weights for {len(rewards)} reward functions"
+            )
+        rewards = [*rewards, *(r.build() for r in settings.rewards)]
+        weights += [r.weight for r in settings.rewards]
+        if not rewards:
+            raise ConfigError(
+                "GRPO needs at least one reward: Python functions, or "
+                "settings.rewards (built-ins)"
             )
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.rewards, self.weights = list(rewards), np.asarray(weights, np.float64)
@@ -268,9 +376,8 @@ class GRPO:
         ]
         self.seed, self.chat_template = seed, chat_template
         eos = getattr(tokenizer, "eos_id", None)
-        if stop_tokens is None:  # EOS and the generation config's other stops
-            extra = getattr(tokenizer, "stop_ids", ())
-            stop_tokens = [*([] if eos is None else [int(eos)]), *extra]
+        if stop_tokens is None:  # EOS, the generation config's, end-of-turn tokens
+            stop_tokens = _stops_of(tokenizer)
         self.stop_tokens = list(dict.fromkeys(int(t) for t in stop_tokens))
         pad = getattr(tokenizer, "pad_id", None)
         self.pad_id = int(pad if pad is not None else (eos if eos is not None else 0))
@@ -285,6 +392,7 @@ class GRPO:
             epsilon_high=settings.epsilon_high, loss_type=settings.loss_type,
             temperature=settings.temperature, reference=self.reference,
             max_completion_length=settings.max_completion_length,
+            use_bias_correction_kl=settings.use_bias_correction_kl,
         )  # fmt: skip
         self._train_step = make_train_step(
             loss_fn, optimizer, grad_accum=settings.grad_accum
@@ -424,6 +532,7 @@ __all__ = [
     "GRPO",
     "GRPOSettings",
     "RewardFn",
+    "RewardSpec",
     "builtin_reward",
     "completion_metrics",
     "reward_metrics",

@@ -30,6 +30,7 @@ import numpy as np
 from entrenar import data as data_lib
 from entrenar import lora, nn
 from entrenar.config.spec import TrainSpec
+from entrenar.errors import ConfigError
 from entrenar.runs.build import (
     apply_lora,
     build_data,
@@ -243,6 +244,23 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
         report["steps"] = total_steps(spec, run.steps_per_epoch)
         return report
     check_lm(spec, built)
+    if spec.grpo is not None:  # prompts, and the columns the rewards read
+        recs = list(data_lib.load_records(d.train))
+        missing = [
+            f"{r.column} ({r.type})" for r in spec.grpo.rewards
+            if r.column is not None and recs and r.column not in recs[0]
+        ]  # fmt: skip
+        if not recs or "prompt" not in recs[0] or missing:
+            raise ConfigError(
+                f"data.train: a GRPO run reads records with a prompt and the columns "
+                f"its rewards read; {d.train} lacks "
+                f"{['prompt'] if not recs or 'prompt' not in recs[0] else missing}"
+            )
+        report["data"]["train"] = {"file": d.train, "rows": len(recs), "prompts": 1}
+        per_step = spec.grpo.prompts_per_step
+        report["steps_per_epoch"] = max(1, len(recs) // per_step)
+        report["steps"] = int(spec.training.max_steps or 0)
+        return report
     _check_memory(spec, report)
     if spec.preference is not None:  # pairs kept (TRL drops prompts >= seq_len)
         for name, path in (("train", d.train), ("validation", d.validation)):
@@ -284,7 +302,8 @@ def format_preflight(report: dict[str, Any]) -> list[str]:
         if isinstance(plan, TextPlan):
             lines.append(f"  Data {name}: {_text_line(plan)}")
         else:
-            unit = "preference pairs" if "pairs" in plan else "rows"
+            unit = ("preference pairs" if "pairs" in plan else
+                    "GRPO prompts" if "prompts" in plan else "rows")  # fmt: skip
             lines.append(f"  Data {name}: {plan['rows']:,} {unit}")
     lines.append(
         f"  Steps: {report['steps']:,} ({report['steps_per_epoch']:,} per epoch)"

@@ -11,7 +11,8 @@ The workflow, top to bottom (each step in its own function below):
    (`entrenar.optim`), and the loss: the model's own, distillation from a teacher
    (`entrenar.distill.make_distill_loss_fn`) or DPO on preference pairs
    (`entrenar.preference.make_dpo_loss_fn`, the reference's log-probabilities
-   precomputed here for full fine-tuning);
+   precomputed here for full fine-tuning); a ``grpo`` section runs the online
+   loop instead (`entrenar.runs.online`: sample, score, step);
 5. `entrenar.train.Trainer.fit`: metrics.jsonl, checkpoints/, early stopping, resume;
 6. export: adapter (PEFT), model files, GGUF / HF folder, a quantized copy, loss.png.
 
@@ -224,6 +225,8 @@ def train_from_yaml(
         native.check()
         check_memory(spec)  # training.max_memory: refused before anything loads
         check_mesh(spec)  # training.mesh: the devices and the batch, likewise
+        if spec.grpo is not None:  # online RL: its own loop (entrenar.runs.online)
+            return _grpo(spec, resume=resume, dry_run=dry_run, progress=progress)
         if dry_run:
             prep = prepare(spec)
             _check_exports(spec, prep)
@@ -239,6 +242,25 @@ def train_from_yaml(
             if saved is not None:
                 check_resume_schedule(spec, saved, prep)
             return _train(spec, prep, resume=resume, progress=progress)
+
+
+def _grpo(
+    spec: TrainSpec, *, resume: str | None, dry_run: bool, progress: bool
+) -> RunResult:
+    from entrenar.runs.online import prepare_grpo, train_grpo
+
+    if resume is not None:
+        raise ConfigError("--resume: a grpo run has no checkpoints yet")
+    if spec.training.mesh is not None:
+        raise ConfigError("training.mesh: a grpo run is on one device for now")
+    if dry_run:
+        _, _, records = prepare_grpo(spec)
+        return RunResult(spec, spec.output_dir, {},
+                         metrics={"prompts": len(records)})  # fmt: skip
+    with OutputLock(spec.output_dir, enabled=jax.process_index() == 0):
+        out = train_grpo(spec, progress=progress)
+    _write_json(os.path.join(spec.output_dir, "result.json"), out)
+    return RunResult(spec, spec.output_dir, out["files"], metrics=out["metrics"])
 
 
 def check_mesh(spec: TrainSpec) -> None:

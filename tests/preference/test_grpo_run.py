@@ -119,11 +119,15 @@ def test_builtin_rewards():
 
 
 def test_bad_settings_are_named():
-    with pytest.raises(ConfigError, match="num_generations must be >= 2"):
+    with pytest.raises(ConfigError, match="num_generations: must be >= 2"):
         GRPOSettings(num_generations=1)
     with pytest.raises(ConfigError, match="grad_accum 3 must divide"):
         GRPOSettings(num_generations=4, grad_accum=3)
-    with pytest.raises(ConfigError, match="loss_type 'ppo'"):
+    with pytest.raises(ConfigError, match="loss_type: must be one of"):
         GRPOSettings(loss_type="ppo")
-    with pytest.raises(ConfigError, match="scale_rewards"):
+    with pytest.raises(ConfigError, match="scale_rewards: must be one of"):
         GRPOSettings(scale_rewards="std")
+    with pytest.raises(ConfigError, match="at least one reward"):
+        GRPO(None, {}, None, None, [], GRPOSettings())
+    with pytest.raises(ConfigError, match="2 reward_weights for 1 reward"):
+        GRPO(None, {}, None, None, [low_ids], GRPOSettings(reward_weights=(1.0, 2.0)))
