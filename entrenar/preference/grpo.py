@@ -44,6 +44,7 @@ greatest sequence mean); and from the rewards (`group_advantages`) ``reward``,
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal, get_args
 
 import jax
@@ -87,7 +88,9 @@ def group_advantages(
     """The advantages ``(N,)`` of ``N = P·G`` rewards, ``G`` per prompt in a row.
 
     ``rewards`` holds each completion's total (the weighted sum over reward
-    functions), the ``G`` completions of a prompt next to each other. Returns the
+    functions), the ``G`` completions of a prompt next to each other; NaN marks
+    a completion no function scored, left out of the statistics (TRL's
+    ``nanmean``/``nanstd``) and given advantage 0. Returns the
     advantages (module docstring) and TRL's ``reward``, ``reward_std`` (over the
     batch) and ``frac_reward_zero_std`` (the fraction of completions whose std,
     group or batch as scaled, is 0: they carry no signal).
@@ -107,19 +110,22 @@ def group_advantages(
             f"got shape {r.shape} and G = {num_generations}"
         )
     groups = r.reshape(-1, num_generations)  # (P, G)
-    mean = np.repeat(groups.mean(axis=1), num_generations)  # (N,)
-    if scale_rewards == "batch":
-        std = np.full_like(r, r.std(ddof=1))
-    else:
-        std = np.repeat(groups.std(ddof=1, axis=1), num_generations)
-    adv = r - mean
-    if scale_rewards != "none":
-        adv = adv / (std + STD_EPS)
-    metrics = {
-        "reward": float(r.mean()),
-        "reward_std": float(r.std(ddof=1)) if r.size > 1 else 0.0,
-        "frac_reward_zero_std": float(np.mean(np.isclose(std, 0.0, atol=1e-8))),
-    }
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN group
+        mean = np.repeat(np.nanmean(groups, axis=1), num_generations)  # (N,)
+        if scale_rewards == "batch":
+            std = np.full_like(r, np.nanstd(r, ddof=1))
+        else:
+            std = np.repeat(np.nanstd(groups, ddof=1, axis=1), num_generations)
+        adv = r - mean
+        if scale_rewards != "none":
+            adv = adv / (std + STD_EPS)
+        metrics = {
+            "reward": float(np.nanmean(r)),
+            "reward_std": float(np.nanstd(r, ddof=1)),
+            "frac_reward_zero_std": float(np.mean(np.isclose(std, 0.0, atol=1e-8))),
+        }
+    adv = np.nan_to_num(adv, nan=0.0)  # an unscorable completion: no signal
     return adv, metrics
 
 

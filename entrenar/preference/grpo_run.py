@@ -470,9 +470,7 @@ class GRPO:
         total = np.nansum(scores * self.weights, axis=1)
         unscorable = np.isnan(scores).all(axis=1)
         total[unscorable] = np.nan
-        adv, metrics = group_advantages(np.nan_to_num(total), s.num_generations,
-                                        s.scale_rewards)  # fmt: skip
-        adv[unscorable] = 0.0
+        adv, metrics = group_advantages(total, s.num_generations, s.scale_rewards)
         metrics.update(reward_metrics(scores, self.names))
         stops = set(self.stop_tokens)
         metrics.update(completion_metrics(

@@ -81,6 +81,20 @@ def test_advantages_are_the_papers(scale):
     assert m["frac_reward_zero_std"] == (0.0 if scale == "batch" else 1 / 3)
 
 
+def test_unscorable_completions_are_left_out_and_get_no_advantage():
+    """TRL: a completion no reward function scored (NaN) gets no advantage.
+
+    It is left out of its group's mean and std (``nanmean``, ``nanstd``).
+    """
+    r = np.array([1.0, np.nan, 0.0, 2.0, 0.5, 0.5, 0.5, 0.5])
+    adv, m = group_advantages(r, 4)
+    want = paper_advantages([1.0, 0.0, 2.0], 3, "group")
+    np.testing.assert_allclose(adv[[0, 2, 3]], want, rtol=1e-12)
+    assert adv[1] == 0.0 and not np.any(adv[4:])
+    assert m["reward"] == pytest.approx(np.nanmean(r))
+    assert m["frac_reward_zero_std"] == 0.5
+
+
 @pytest.mark.parametrize("kind", GRPO_LOSS_TYPES)
 @pytest.mark.parametrize(
     ("beta", "corrected"), [(0.0, True), (0.04, True), (0.04, False)]
