@@ -205,3 +205,23 @@ def test_bad_settings_are_named():
         group_advantages(np.zeros(5), 2)
     with pytest.raises(ConfigError, match="scale_rewards 'std'"):
         group_advantages(np.zeros(4), 2, "std")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    r=st.lists(st.floats(-100, 100), min_size=8, max_size=8),
+    a=st.floats(0.1, 10.0),
+    b=st.floats(-50, 50),
+)
+def test_group_advantages_sum_to_zero_and_ignore_affine_rescaling(r, a, b):
+    """Each group's advantages sum to 0, and ignore ``a r + b`` (a > 0).
+
+    Up to TRL's 1e-4 in the denominator, negligible against a spread over 1.
+    """
+    r = np.asarray(r)
+    adv, _ = group_advantages(r, 4)
+    np.testing.assert_allclose(adv.reshape(2, 4).sum(axis=1), 0.0, atol=1e-9)
+    std = r.reshape(2, 4).std(axis=1, ddof=1)
+    if np.all(std > 1.0):  # the 1e-4 negligible against the spread
+        adv2, _ = group_advantages(a * r + b, 4)
+        np.testing.assert_allclose(adv2, adv, rtol=1e-3, atol=1e-3)

@@ -21,6 +21,7 @@ from entrenar import lora, optim
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.io import HFTokenizer
 from entrenar.preference import GRPO, GRPOSettings, builtin_reward
+from entrenar.preference.grpo_run import _encode_prompt
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS), str(TESTS / "io")]
@@ -95,6 +96,40 @@ def test_completions_stop_at_eos_and_metrics_count_them(tokenizer):
     assert run.sample(ids, 0) == comps  # the seed and step fix the draw
     m = run.step(PROMPTS[:2], 0)
     assert 1 <= m["completions/min_length"] <= m["completions/max_length"] <= 5
+
+
+def test_message_prompts_go_through_the_chat_template(tokenizer):
+    """A conversational prompt is sampled after the template's generation prompt."""
+    from entrenar.data.formatting import apply_chat_template
+
+    model = model_of(tokenizer)
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, **columns):
+        seen["prompts"], seen["answer"] = prompts, columns["answer"]
+        return [0.0] * len(completions)
+
+    settings = GRPOSettings(num_generations=2, max_completion_length=3)
+    run = GRPO(model, model.init(jax.random.key(2)), optim.sgd(0.0), tokenizer,
+               [spy], settings)  # fmt: skip
+    talk = [{"role": "user", "content": "Hello"}]
+    m = run.step([{"prompt": talk, "answer": "hi"}], 0)
+    assert seen == {"prompts": [talk, talk], "answer": ["hi", "hi"]}
+    assert m["frac_reward_zero_std"] == 1.0 and m["loss"] == 0.0
+    ids = apply_chat_template(tokenizer, talk, add_generation_prompt=True)
+    assert tokenizer.decode(ids, special=True).endswith("<|im_start|>assistant\n")
+    assert _encode_prompt(tokenizer, talk, None) == ids
+    assert _encode_prompt(tokenizer, "Hello", None) == tokenizer.encode(
+        "Hello", special=True
+    )
+
+    def short(prompts, completions, **columns):
+        return [1.0]
+
+    bad = GRPO(model, model.init(jax.random.key(2)), optim.sgd(0.0), tokenizer,
+               [short], settings)  # fmt: skip
+    with pytest.raises(ShapeError, match="returned 1 rewards for 2 completions"):
+        bad.step([{"prompt": "Hello"}], 0)
 
 
 def test_builtin_rewards():
