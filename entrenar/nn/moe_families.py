@@ -458,7 +458,7 @@ register_family(
     from_hf=qwen3_moe_from_hf,
     to_hf=qwen3_moe_to_hf,
     tiny=_tiny_qwen3_moe,
-    in_gguf=False,  # llama.cpp's qwen3moe tensors are not read yet
+    gguf_name="qwen3moe",
     defaults={"qk_norm": True, "num_experts": 8, "num_experts_per_tok": 2},
     from_hf_tensors=moe_from_hf_tensors,
     to_hf_tensors=moe_to_hf_tensors,
@@ -471,7 +471,7 @@ register_family(
     from_hf=qwen2_moe_from_hf,
     to_hf=qwen2_moe_to_hf,
     tiny=_tiny_qwen2_moe,
-    in_gguf=False,  # llama.cpp's qwen2moe tensors are not read yet
+    gguf_name="qwen2moe",
     defaults={"attention_bias": True, "num_experts": 8, "num_experts_per_tok": 2},
     from_hf_tensors=moe_from_hf_tensors,
     to_hf_tensors=moe_to_hf_tensors,
