@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -229,3 +230,59 @@ def test_a_scaled_routing_is_refused(tmp_path, record):
                     {"llama.expert_weights_scale": GGUFField(2.5, f32)})  # fmt: skip
     with pytest.raises(UnsupportedError, match=r"expert_weights_scale = 2\.5"):
         io.load_llama_gguf(path)
+
+
+KQUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+"""ggml K-quant: bytes per 256 values, and the offsets of its float16 scales."""
+
+
+def _kquant_bytes(kind: str, n: int, seed: int) -> np.ndarray:
+    """``n`` values' worth of random ``kind`` blocks with small, finite scales."""
+    size, scales = KQUANT_BLOCKS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n // 256, size), dtype=np.uint8)
+    for at in scales:  # d (and Q4_K's dmin): 0.001 .. 0.01
+        d = rng.uniform(1e-3, 1e-2, n // 256).astype(np.float16)
+        raw[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(-1)
+
+
+def test_k_quant_experts_read_to_gguf_pys_dequantization(tmp_path):
+    """Q4_K and Q6_K expert tensors read to gguf-py's dequantization.
+
+    A Q4_K_M-like mix (layer 0's down in Q6_K), dequantized on load with and
+    without ``keep_quantized``.
+    """
+    config = dataclasses.replace(
+        nn.architecture("mixtral").tiny(), sliding_window=None, hidden_size=256,
+        intermediate_size=256, head_dim=64,
+    )  # fmt: skip
+    src = tmp_path / "f32.gguf"
+    io.save_llama_gguf(src, config, config.init(jax.random.key(0)))
+    g = io.read_gguf(src)
+    tensors = {}
+    for n, t in g.tensors.items():
+        kind = None
+        if n.endswith("_exps.weight"):
+            kind = "Q6_K" if n == "blk.0.ffn_down_exps.weight" else "Q4_K"
+        raw = (
+            g.raw(n)
+            if kind is None
+            else _kquant_bytes(kind, math.prod(t.shape), len(n))
+        )
+        type_id = t.type_id if kind is None else gguf.GGMLQuantizationType[kind]
+        tensors[n] = io.GGUFTensor(raw, t.shape, int(type_id))
+    path = tmp_path / "k.gguf"
+    io.write_gguf(path, dict(g.fields), tensors)
+    ref = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert ref["blk.0.ffn_down_exps.weight"].tensor_type.name == "Q6_K"
+    assert ref["blk.1.ffn_up_exps.weight"].tensor_type.name == "Q4_K"
+    for keep in (False, True):
+        _, params, _ = io.load_llama_gguf(path, keep_quantized=keep)
+        ex = params["model"]["layers"]["mlp"]["experts"]
+        for proj in ("gate", "up", "down"):
+            got = np.asarray(ex[f"{proj}_proj"]["weight"])  # (L, E, out, in)
+            for i in range(config.num_layers):
+                t = ref[f"blk.{i}.ffn_{proj}_exps.weight"]
+                want = gguf.quants.dequantize(t.data, t.tensor_type)
+                np.testing.assert_array_equal(got[i], want, err_msg=f"{proj} {i}")
