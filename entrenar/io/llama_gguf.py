@@ -390,7 +390,7 @@ def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
             f"{p}expert_count = {e}"
         )
     scale = g.fields.get(f"{p}expert_weights_scale")
-    if scale is not None and float(scale.value) not in (0.0, 1.0):
+    if scale is not None and scale.value not in (0, 0.0, 1, 1.0):  # 0: unset
         raise UnsupportedError(
             f"{g.path}: metadata {p}expert_weights_scale = {scale.value}; entrenar "
             "does not scale the routing weights"

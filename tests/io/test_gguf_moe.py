@@ -224,11 +224,15 @@ def test_more_experts_used_than_there_are_is_refused(tmp_path, record):
         io.load_llama_gguf(path)
 
 
-def test_a_scaled_routing_is_refused(tmp_path, record):
-    f32 = GGUFValueType.FLOAT32
+@pytest.mark.parametrize(
+    ("value", "kind", "shown"),
+    [(2.5, GGUFValueType.FLOAT32, r"2\.5"), ("x", GGUFValueType.STRING, "x")],
+)
+def test_a_scaled_routing_is_refused(value, kind, shown, tmp_path, record):
+    """A scale entrenar does not apply, or not a number, is refused by name."""
     path = _rewrite(_converted("mixtral", record), tmp_path / "x.gguf",
-                    {"llama.expert_weights_scale": GGUFField(2.5, f32)})  # fmt: skip
-    with pytest.raises(UnsupportedError, match=r"expert_weights_scale = 2\.5"):
+                    {"llama.expert_weights_scale": GGUFField(value, kind)})  # fmt: skip
+    with pytest.raises(UnsupportedError, match=f"expert_weights_scale = {shown}"):
         io.load_llama_gguf(path)
 
 
