@@ -60,8 +60,22 @@ LAYER_STEMS = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
-"""Hugging Face module of a layer -> GGUF stem (``blk.N.<stem>.weight``/``.bias``)."""
+"""Hugging Face module of a layer -> GGUF stem (``blk.N.<stem>.weight``/``.bias``).
+
+A mixture of experts (`entrenar.nn.moe`): the router ``ffn_gate_inp (E, D)``, each
+projection's experts as one tensor ``ffn_{gate,up,down}_exps (E, out, in)`` (ggml's
+``ne = {in, out, E}``, llama-arch.cpp; the tree's ``(L, E, out, in)`` leaf a layer at
+a time) and Qwen2-MoE's shared expert ``ffn_*_shexp`` with its gate
+``ffn_gate_inp_shexp (1, D)`` (llama.cpp's ``{n_embd}``)."""
 SANDWICH_STEMS = {
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
@@ -75,7 +89,7 @@ POST_NORM_STEMS = {
 """OLMo 2's norms on the sublayer outputs (``post_norms``), replacing
 `LAYER_STEMS`' entries."""
 
-WRITTEN_AS = {"mistral": "llama", "olmo3": "olmo2"}
+WRITTEN_AS = {"mistral": "llama", "mixtral": "llama", "olmo3": "olmo2"}
 """Families without a llama.cpp name of their own, and the name they are written as."""
 PERMUTED = frozenset({"llama", "smollm3", "granite"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
@@ -121,11 +135,26 @@ SCALE_KEYS = {
 """Granite's multipliers -> llama.cpp's ``{arch}.*`` keys (its converter's names)."""
 SCALED = frozenset({"granite"})
 """llama.cpp names whose graph reads `SCALE_KEYS` (``logit_scale`` required)."""
+MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+"""llama.cpp names that read experts (``{arch}.expert_count > 0``) -> the family: a
+``llama`` file with experts is a Mixtral (llama.cpp's converter writes Mixtral so)."""
+EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+"""Whether llama.cpp renormalises the top-k routing weights of each name: fixed per
+architecture in its graphs (``build_moe_ffn``'s ``norm_w``: src/models/llama.cpp,
+qwen3moe.cpp true, qwen2moe.cpp false), whatever ``expert_weights_norm`` says (these
+three do not read it). A config routing otherwise has no llama.cpp form."""
+SHARED_EXPERT = frozenset({"qwen2moe"})
+"""llama.cpp names whose MoE layers have (and must have) a shared expert."""
+F32_STEMS = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
+"""Matrices llama.cpp keeps in F32 whatever the file's type: the routers (its
+converter's rule for FFN_GATE_INP(_SHEXP), and llama-quant.cpp never quantizes
+``ffn_gate_inp``)."""
 FAMILY_KEY = "entrenar.family"
 """GGUF key of the JSON object of fields llama.cpp's keys cannot state."""
 _TOLD_BY_TENSORS = frozenset(
-    "attention_bias attention_out_bias mlp_bias qk_norm fused_qkv fused_gate_up".split()
-)
+    "attention_bias attention_out_bias mlp_bias qk_norm fused_qkv fused_gate_up "
+    "num_experts shared_expert_intermediate_size".split()
+)  # (the experts' sizes: {arch}.expert_count, expert_shared_feed_forward_length)
 SWITCH_FIELDS = (
     "architecture",
     "rope_type",
@@ -133,7 +162,8 @@ SWITCH_FIELDS = (
     *(s for s in SWITCHES if s != "rope_type" and s not in _TOLD_BY_TENSORS),
 )
 """`LlamaConfig` fields ``entrenar.family`` may hold (nothing else is read from it):
-the switches not told by the tensor table (biases, q/k norms and fused weights are)."""
+the switches not told by the tensor table (biases, q/k norms and fused weights are)
+or the expert keys."""
 
 
 def written_name(family: str, gguf_name: str | None) -> str | None:
@@ -204,10 +234,13 @@ def default_layer_types(name: str, n_layers: int) -> tuple[str, ...] | None:
 
 
 __all__ = [
+    "EXPERT_NORM",
+    "F32_STEMS",
     "FAMILY_KEY",
     "GLOBAL_STEMS",
     "IMPLIED",
     "LAYER_STEMS",
+    "MOE_FAMILIES",
     "NOPE_PERIOD",
     "NORM_SHIFT",
     "ONE_BASE",
@@ -216,6 +249,7 @@ __all__ = [
     "SANDWICH_STEMS",
     "SCALED",
     "SCALE_KEYS",
+    "SHARED_EXPERT",
     "SWA_PATTERN",
     "SWITCH_FIELDS",
     "TIED",

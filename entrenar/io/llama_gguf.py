@@ -48,11 +48,14 @@ from entrenar import nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io.ggml_dequant import dequantize_ggml, dequantize_ggml_into
 from entrenar.io.gguf_families import (
+    EXPERT_NORM,
     FAMILY_KEY,
     IMPLIED,
+    MOE_FAMILIES,
     NORM_SHIFT,
     PERMUTED,
     SCALE_KEYS,
+    SHARED_EXPERT,
     SWITCH_FIELDS,
     WINDOWED,
     default_layer_types,
@@ -354,6 +357,69 @@ def _family_fields(g: GGUFFile, name: str) -> dict[str, Any]:
     return value
 
 
+def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
+    """The mixture-of-experts `LlamaConfig` fields of ``{arch}.expert_*``.
+
+    As llama.cpp reads them (src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp):
+    ``expert_count`` ``E`` and ``expert_used_count`` ``k``; an expert's width
+    ``expert_feed_forward_length`` (``llama``: ``feed_forward_length``; Qwen's
+    default ``n_ff / k``), Qwen2-MoE's shared expert's
+    ``expert_shared_feed_forward_length`` (default ``n_ff``); the renormalisation
+    of the top-k weights fixed by the architecture (`EXPERT_NORM`). Empty for a
+    dense model.
+
+    Raises:
+        FormatError: expert tensors without ``expert_count``, or counts that do not
+            fit (``0 < k <= E``).
+        UnsupportedError: experts in an architecture llama.cpp reads none for, or a
+            routing entrenar does not compute (``expert_weights_scale`` other than
+            1, a gating function other than softmax).
+    """
+    count = g.fields.get(f"{p}expert_count")
+    if count is None or count.value == 0:
+        if any(t.endswith(("_exps.weight", "ffn_gate_inp.weight")) for t in g.tensors):
+            raise FormatError(
+                f"{g.path}: ffn_*_exps expert tensors but no {p}expert_count; the "
+                "file is corrupt"
+            )
+        return {}
+    if name not in MOE_FAMILIES:
+        raise UnsupportedError(
+            f"{g.path}: a mixture of experts ({p}expert_count = {count.value}) in "
+            f"general.architecture {name!r}; entrenar reads experts in "
+            f"{sorted(MOE_FAMILIES)} (Mixtral, Qwen3-MoE, Qwen2-MoE)"
+        )
+    e = _meta_int(g, f"{p}expert_count")
+    k = _meta_int(g, f"{p}expert_used_count")
+    if k > e:
+        raise FormatError(
+            f"{g.path}: metadata {p}expert_used_count = {k} is over "
+            f"{p}expert_count = {e}"
+        )
+    scale = g.fields.get(f"{p}expert_weights_scale")
+    if scale is not None and scale.value not in (0, 0.0, 1, 1.0):  # 0: unset
+        raise UnsupportedError(
+            f"{g.path}: metadata {p}expert_weights_scale = {scale.value}; entrenar "
+            "does not scale the routing weights"
+        )
+    gating = g.fields.get(f"{p}expert_gating_func")
+    if gating is not None and gating.value != 1:  # LLAMA_EXPERT_GATING_FUNC_SOFTMAX
+        raise UnsupportedError(
+            f"{g.path}: metadata {p}expert_gating_func = {gating.value}; entrenar "
+            "routes by softmax (1)"
+        )
+    out: dict[str, Any] = dict(
+        num_experts=e, num_experts_per_tok=k, norm_topk_prob=EXPERT_NORM[name]
+    )
+    if name != "llama":  # Mixtral's experts are feed_forward_length wide
+        key = f"{p}expert_feed_forward_length"
+        out["moe_intermediate_size"] = _meta_int(g, key, max(1, n_ff // k))
+    if name in SHARED_EXPERT:
+        key = f"{p}expert_shared_feed_forward_length"
+        out["shared_expert_intermediate_size"] = _meta_int(g, key, n_ff)
+    return out
+
+
 def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     """The `LlamaConfig` (of its family) a GGUF file's metadata and tensors describe.
 
@@ -375,16 +441,6 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
             "from llama.cpp files"
         )
     p = f"{name}."
-    experts = g.fields.get(f"{p}expert_count")
-    if (experts is not None and experts.value) or any(
-        t.endswith(("_exps.weight", "ffn_gate_inp.weight")) for t in g.tensors
-    ):
-        raise UnsupportedError(
-            f"{g.path}: a mixture of experts ({p}expert_count = "
-            f"{None if experts is None else experts.value}, ffn_*_exps tensors); "
-            "entrenar reads Mixtral and Qwen MoE models from Hugging Face folders, "
-            "not from GGUF files yet"
-        )
     heads = _meta_int(g, f"{p}attention.head_count")
     hidden = _meta_int(g, f"{p}embedding_length")
     n_layers = _meta_int(g, f"{p}block_count")
@@ -416,6 +472,7 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     fields["nope_layers"] = default_nope_layers(name, n_layers)
     fields |= _rope_fields(g, p, head_dim)
     fields |= _window_fields(g, name, p, n_layers)
+    fields |= _expert_fields(g, name, p, fields["intermediate_size"])
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = _meta_float(g, f"{p}{key}", None)
         if value is not None:
@@ -436,6 +493,8 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         local = _meta_float(g, f"{p}rope.freq_base_swa", fields["rope_theta"])
         fields["rope_local_theta"] = local  # set even when equal: unscaled
     family = _family_fields(g, name)
+    if fields.get("num_experts") and "architecture" not in family:
+        family["architecture"] = MOE_FAMILIES[name]  # a llama with experts: Mixtral
     if family.get("rope_type", "default") != "default":
         fields.pop("rope_freq_divisors", None)  # rope_freqs was derived from them
     fields |= family

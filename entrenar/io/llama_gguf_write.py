@@ -38,14 +38,18 @@ from entrenar.errors import (
 )
 from entrenar.io.ggml_dequant import GGML_TYPE_IDS
 from entrenar.io.gguf_families import (
+    EXPERT_NORM,
+    F32_STEMS,
     FAMILY_KEY,
     IMPLIED,
+    MOE_FAMILIES,
     NOPE_PERIOD,
     NORM_SHIFT,
     ONE_BASE,
     PERMUTED,
     SCALE_KEYS,
     SCALED,
+    SHARED_EXPERT,
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
@@ -147,7 +151,8 @@ def _switches(c: LlamaConfig, family: str, gname: str) -> dict[str, Any]:
     """
     defaults = {f.name: f.default for f in dataclasses.fields(c)}
     out: dict[str, Any] = {}
-    if family != gname:
+    implied = c.num_experts and MOE_FAMILIES.get(gname) == family  # llama: Mixtral
+    if family != gname and not implied:
         out["architecture"] = family
     for name in SWITCH_FIELDS:
         value = getattr(c, name)
@@ -159,6 +164,15 @@ def _switches(c: LlamaConfig, family: str, gname: str) -> dict[str, Any]:
         if name != "architecture" and (always or value != defaults[name]):
             out[name] = list(value) if isinstance(value, tuple) else value
     return out
+
+
+def _ffn_length(c: LlamaConfig, gname: str) -> int:
+    """``{arch}.feed_forward_length`` of ``c`` written as ``gname``.
+
+    llama.cpp's llama reads Mixtral's experts' width there (Qwen MoE's experts have
+    ``expert_feed_forward_length``).
+    """
+    return c.expert_size if c.num_experts and gname == "llama" else c.intermediate_size
 
 
 def _metadata(
@@ -180,7 +194,7 @@ def _metadata(
         p + "vocab_size": (c.vocab_size, U32),
         p + "context_length": (c.max_position_embeddings, U32),
         p + "embedding_length": (c.hidden_size, U32),
-        p + "feed_forward_length": (c.intermediate_size, U32),
+        p + "feed_forward_length": (_ffn_length(c, gname), U32),
         p + "block_count": (c.num_layers, U32),
         p + "attention.head_count": (c.num_heads, U32),
         p + "attention.head_count_kv": (c.num_kv_heads, U32),
@@ -189,6 +203,14 @@ def _metadata(
         p + "attention.layer_norm_rms_epsilon": (c.rms_norm_eps, F32),
         "general.file_type": (FILE_TYPES[kind], U32),
     }
+    if c.num_experts:  # as llama.cpp's converter writes them
+        new[p + "expert_count"] = (c.num_experts, U32)
+        new[p + "expert_used_count"] = (c.num_experts_per_tok, U32)
+        if gname != "llama":
+            new[p + "expert_feed_forward_length"] = (c.expert_size, U32)
+        if c.shared_expert_intermediate_size:
+            size = c.shared_expert_intermediate_size
+            new[p + "expert_shared_feed_forward_length"] = (size, U32)
     for k in ("attention.key_length", "attention.value_length"):
         if p + k in fields or c.hd != c.hidden_size // c.num_heads:
             new[p + k] = (c.hd, U32)  # llama.cpp's default is D / H
@@ -285,7 +307,37 @@ def _gguf_name(config: Any) -> str:
                 f"llama.cpp's {gname} has {field}={value!r}; this {arch.name} config "
                 f"has {getattr(config, field)!r}"
             )
+    if config.num_experts:
+        _check_routing(config, arch.name, gname)
     return gname
+
+
+def _check_routing(c: LlamaConfig, family: str, gname: str) -> None:
+    """Refuse experts llama.cpp would compute otherwise (`gguf_families.EXPERT_NORM`).
+
+    llama.cpp renormalises the top-k weights of ``llama`` (Mixtral) and ``qwen3moe``
+    and never those of ``qwen2moe``, whose layers all have a shared expert.
+    """
+    if MOE_FAMILIES.get(gname) != family:
+        raise UnsupportedError(
+            f"a {family} config with num_experts={c.num_experts}: llama.cpp reads "
+            f"experts only in {sorted(MOE_FAMILIES.values())}"
+        )
+    norm = EXPERT_NORM[gname]
+    if c.norm_topk_prob != norm:
+        raise UnsupportedError(
+            f"llama.cpp's {gname} {'always' if norm else 'never'} renormalises the "
+            f"top-k routing weights; this {family} config has norm_topk_prob="
+            f"{c.norm_topk_prob}, which it cannot represent (save a Hugging Face "
+            "folder instead)"
+        )
+    shared = bool(c.shared_expert_intermediate_size)
+    if shared != (gname in SHARED_EXPERT):
+        raise UnsupportedError(
+            f"llama.cpp's {gname} {'needs' if not shared else 'has no'} shared "
+            f"expert; this {family} config has shared_expert_intermediate_size="
+            f"{c.shared_expert_intermediate_size}"
+        )
 
 
 def save_llama_gguf(
@@ -340,8 +392,9 @@ def save_llama_gguf(
     for k in (kind, emb_kind):
         if k not in TENSOR_TYPES:
             raise ConfigError(f"tensor type {k!r}: expected one of {TENSOR_TYPES}")
+    widths = (config.hidden_size, config.intermediate_size, config.expert_size)
     if (kind + emb_kind).count("Q") and (
-        config.hidden_size % 32 or config.intermediate_size % 32
+        any(w % 32 for w in widths) or config.shared_expert_intermediate_size % 32
     ):
         raise ConfigError(
             f"{kind} needs hidden and intermediate sizes that are multiples of 32; "
@@ -386,10 +439,11 @@ def save_llama_gguf(
                 raise FormatError(f"params lack {hf} (config {config})")
             w = tree[key]
             stacked = prefix.startswith("model.layers.")
-            matrix = len(sub) == (3 if stacked else 2)
-            k = (emb_kind if not stacked else kind) if matrix else "F32"
+            matrix = len(sub) >= (3 if stacked else 2)  # experts: (L, E, out, in)
             layer0 = hf.replace("model.layers.", "model.layers.0.", 1)
             stem = names[layer0 if stacked else hf].split(".")[-2]
+            k = (emb_kind if not stacked else kind) if matrix else "F32"
+            k = "F32" if stem in F32_STEMS else k  # the routers, as llama.cpp
             if not stacked:
                 put(names[hf], stored(w, k, hf, stem, tuple(sub)), tuple(sub), k)
                 continue

@@ -91,9 +91,16 @@ class ReadAhead:
             self._thread.start()
 
     def release(self, view: Any) -> None:
-        """Drop ``view``'s pages from this process and count them as read."""
+        """Drop ``view``'s pages from this process and count them as read.
+
+        Its size is read first, from ``nbytes`` (a stand-in such as
+        `entrenar.nn.moe_families.ExpertStack` would otherwise be made again, and
+        kept, by ``np.asarray``, only to be counted).
+        """
+        nbytes = getattr(view, "nbytes", None)
+        nbytes = int(np.asarray(view).nbytes if nbytes is None else nbytes)
         release_pages(view)
-        self.consumed(int(np.asarray(view).nbytes))
+        self.consumed(nbytes)
 
     def consumed(self, nbytes: int) -> None:
         """Count ``nbytes`` as read by the load (read some other way than mapped)."""

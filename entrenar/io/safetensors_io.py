@@ -275,12 +275,15 @@ def release_pages(view: np.ndarray) -> None:
     used again, so the values never change. A no-op for an array that is not a view of
     an `mmap.mmap` (or on a system without ``MADV_DONTNEED``). A stand-in made of
     such views (``view.parts``: `entrenar.nn.moe_families.ExpertStack`) releases
-    each.
+    each, and drops the stack it made of them (``view.drop()``).
     """
     parts = getattr(view, "parts", None)
     if parts is not None:
         for part in parts:
             release_pages(part)
+        drop = getattr(view, "drop", None)
+        if drop is not None:
+            drop()
         return
     _advise(view, "MADV_DONTNEED")
 

@@ -427,6 +427,7 @@ def register_family(
     tiny: Callable[[], Any],
     model_type: str | None = None,
     in_gguf: bool = True,
+    gguf_name: str | None = None,
     defaults: Mapping[str, Any] | None = None,
     from_hf_tensors: Callable[[Mapping[str, Any], Any], dict[str, Any]] | None = None,
     to_hf_tensors: Callable[[Mapping[str, Any], Any], dict[str, Any]] | None = None,
@@ -435,7 +436,8 @@ def register_family(
 
     Its Hugging Face ``model_type`` and GGUF name are ``name`` unless ``model_type``
     says otherwise or ``in_gguf`` is False (llama.cpp writes it as another
-    family); `Architecture.make_config` sets ``architecture=name`` and
+    family); ``gguf_name``: llama.cpp's name when it is not ``name``
+    (``qwen3moe``). `Architecture.make_config` sets ``architecture=name`` and
     ``defaults``. ``from_hf_tensors`` / ``to_hf_tensors``: the family's checkpoint
     names when they are not its tree's (`Architecture`).
     """
@@ -446,7 +448,7 @@ def register_family(
             summary=summary,
             hf_model_types=(model_type or name,),
             hf_class=hf_class,
-            gguf_name=name if in_gguf else None,
+            gguf_name=(gguf_name or name) if in_gguf else None,
             from_hf=from_hf,
             to_hf=to_hf,
             defaults={"architecture": name, **(defaults or {})},

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -248,10 +249,18 @@ class ExpertStack:
     copies the leaf, so a load holds one layer's stack beside its final tree, not
     every layer's (`entrenar.io.safetensors_io.release_pages` releases the parts'
     mapped pages). The stack last made is kept for the reads of the same leaf that
-    follow (the load asks its dtype, then copies it).
+    follow (the load asks its dtype, then copies it), until the load releases it
+    (`drop`, called by `release_pages` once the layer is copied or quantized).
+
+    The load quantizes layers on worker threads, so two stacks are made at once:
+    the one kept is chosen under a lock, and every other is dropped. (Before, two
+    workers could each drop the same previous stack and both keep theirs, and a
+    stack kept so lived as long as the load's tensors: 11 of 24 stacks, 185 MB
+    over a 108 MB tree, on a Qwen3-MoE folder of 8 layers x 16 experts.)
     """
 
     _last: ExpertStack | None = None
+    _lock = threading.Lock()
 
     def __init__(self, parts: list[Any]) -> None:
         self.parts = parts
@@ -263,16 +272,24 @@ class ExpertStack:
         self._value: np.ndarray | None = None
 
     def value(self) -> np.ndarray:
-        """The stacked array (made once; the previous stack made is dropped)."""
+        """The stacked array (made once; the previous stack kept is dropped)."""
         value = self._value
-        if value is None:  # (a local: another load may drop self._value meanwhile)
-            last = ExpertStack._last
-            if last is not None and last is not self:
-                last._value = None
+        if value is None:  # (a local: another thread may drop self._value meanwhile)
             value = np.stack([np.asarray(p) for p in self.parts])  # (E, out, in)
-            self._value = value
-            ExpertStack._last = self
+            with ExpertStack._lock:
+                last = ExpertStack._last
+                if last is not None and last is not self:
+                    last._value = None
+                self._value = value
+                ExpertStack._last = self
         return value
+
+    def drop(self) -> None:
+        """Forget the stack (made again if read again)."""
+        with ExpertStack._lock:
+            self._value = None
+            if ExpertStack._last is self:
+                ExpertStack._last = None
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         a = self.value()
@@ -458,7 +475,7 @@ register_family(
     from_hf=qwen3_moe_from_hf,
     to_hf=qwen3_moe_to_hf,
     tiny=_tiny_qwen3_moe,
-    in_gguf=False,  # llama.cpp's qwen3moe tensors are not read yet
+    gguf_name="qwen3moe",
     defaults={"qk_norm": True, "num_experts": 8, "num_experts_per_tok": 2},
     from_hf_tensors=moe_from_hf_tensors,
     to_hf_tensors=moe_to_hf_tensors,
@@ -471,7 +488,7 @@ register_family(
     from_hf=qwen2_moe_from_hf,
     to_hf=qwen2_moe_to_hf,
     tiny=_tiny_qwen2_moe,
-    in_gguf=False,  # llama.cpp's qwen2moe tensors are not read yet
+    gguf_name="qwen2moe",
     defaults={"attention_bias": True, "num_experts": 8, "num_experts_per_tok": 2},
     from_hf_tensors=moe_from_hf_tensors,
     to_hf_tensors=moe_to_hf_tensors,

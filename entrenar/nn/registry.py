@@ -88,10 +88,11 @@ NOT_IMPLEMENTED = {
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
 entrenar reads are ``mixtral``, ``qwen2_moe`` and ``qwen3_moe``)."""
 GGUF_MOE = frozenset(
-    {"qwen2moe", "qwen3moe", "deepseek", "deepseek2", "olmoe", "llama4", "gpt-oss",
-     "granitemoe", "dbrx", "phimoe", "jamba"}
+    {"deepseek", "deepseek2", "olmoe", "llama4", "gpt-oss", "granitemoe", "dbrx",
+     "phimoe", "jamba"}
 )  # fmt: skip
-"""llama.cpp ``general.architecture`` names of mixtures of experts (refused)."""
+"""llama.cpp ``general.architecture`` names of mixtures of experts entrenar does not
+read (it reads ``llama`` with experts as Mixtral, ``qwen2moe`` and ``qwen3moe``)."""
 
 
 def register_architecture(arch: Architecture) -> Architecture:
@@ -181,8 +182,8 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
     hint = ""
     if name in GGUF_MOE:
         hint = (
-            " (a mixture of experts: entrenar reads mixtral, qwen2_moe and qwen3_moe "
-            "from Hugging Face folders, not GGUF files yet)"
+            " (a mixture of experts: entrenar reads Mixtral (llama with "
+            "expert_count), qwen2moe and qwen3moe)"
         )
     raise UnsupportedError(
         f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "

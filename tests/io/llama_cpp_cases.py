@@ -155,8 +155,17 @@ def tiny_params(config: LlamaConfig, seed: int = TINY_SEED) -> dict:
     return build(config.param_shapes(), "")
 
 
+ROUTING: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"norm_topk_prob": True},
+    "qwen2_moe": {"norm_topk_prob": False},
+}
+"""The top-k renormalisation llama.cpp's qwen3moe (always) and qwen2moe (never)
+compute, where the tiny configs test the other (`gguf_families.EXPERT_NORM`)."""
 FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},  # llama.cpp's llama has no sliding window
+    "mixtral": {"sliding_window": None},
+    "qwen3_moe": ROUTING["qwen3_moe"] | {"attention_out_bias": False},
+    "qwen2_moe": ROUTING["qwen2_moe"] | {"sliding_window": None, "layer_types": None},
     "qwen2": {"sliding_window": None, "layer_types": None},  # nor its qwen2
     "qwen3": {"sliding_window": None, "layer_types": None, "attention_out_bias": False},
     # llama.cpp's SmolLM3 has no sliding window and no biases

@@ -41,6 +41,7 @@ ARCH_BY_NAME = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
 
 def _tiny(family: str) -> tuple[nn.LlamaConfig, dict]:
     config = nn.architecture(family).tiny()
+    config = dataclasses.replace(config, **cases.ROUTING.get(family, {}))
     return config, config.init(jax.random.key(3))
 
 
@@ -83,6 +84,12 @@ def test_names_and_keys_are_llama_cpps(family, tmp_path):
 @pytest.mark.parametrize("kind", ["F32", "Q8_0"])
 def test_a_family_round_trips_through_gguf(family, kind, tmp_path):
     config, params = _tiny(family)
+    if kind != "F32" and config.moe_intermediate_size:  # whole Q8_0 blocks a row
+        shared = 64 if config.shared_expert_intermediate_size else 0
+        config = dataclasses.replace(
+            config, moe_intermediate_size=32, shared_expert_intermediate_size=shared
+        )
+        params = config.init(jax.random.key(3))
     path = tmp_path / "m.gguf"
     io.save_llama_gguf(path, config, params, tensor_type=kind)
     back, loaded, _ = io.load_llama_gguf(path)

@@ -152,18 +152,30 @@ def test_a_streaming_nf4_load_of_experts_equals_the_whole_load(tmp_path):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=p)
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "qwen3moe"])
-def test_a_moe_gguf_is_refused_naming_the_experts(arch_name, tmp_path):
-    """Mixtral is written as llama with expert_count; Qwen MoE under its own name."""
+@pytest.mark.parametrize(
+    ("arch_name", "error", "match"),
+    [
+        ("llama", FormatError, "tensor 'blk.0.ffn_gate_inp.weight' is missing"),
+        ("qwen3moe", FormatError, "tensor 'blk.0.ffn_gate_inp.weight' is missing"),
+        ("qwen2", UnsupportedError, "mixture of experts .* in general.architecture"),
+    ],
+)
+def test_an_expert_count_without_experts_is_refused(arch_name, error, match, tmp_path):
+    """An expert_count in a dense file is refused.
+
+    Mixtral (llama) and Qwen MoE files lack the experts' tensors; Qwen2 reads no
+    experts at all (tests/io/test_gguf_moe.py reads real MoE files).
+    """
     config = nn.LlamaConfig(**{**nn.decoder_config.TINY_SIZES})
     io.save_llama_gguf(tmp_path / "a.gguf", config, config.init(jax.random.key(0)))
     g = io.read_gguf(tmp_path / "a.gguf")
     fields = {k.replace("llama.", f"{arch_name}."): v for k, v in g.fields.items()}
     fields["general.architecture"] = GGUFField(arch_name, GGUFValueType.STRING)
     fields[f"{arch_name}.expert_count"] = GGUFField(4, GGUFValueType.UINT32)
+    fields[f"{arch_name}.expert_used_count"] = GGUFField(2, GGUFValueType.UINT32)
     tensors = {
         n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
     }
     io.write_gguf(tmp_path / "moe.gguf", fields, tensors)
-    with pytest.raises(UnsupportedError, match="mixture of experts"):
+    with pytest.raises(error, match=match):
         io.load_llama_gguf(tmp_path / "moe.gguf")

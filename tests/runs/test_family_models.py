@@ -22,7 +22,7 @@ import yaml
 from entrenar import io, merge, nn
 from entrenar.config import validate
 from entrenar.errors import CompatibilityError, ConfigError
-from entrenar.io.gguf_families import written_name
+from entrenar.io.gguf_families import EXPERT_NORM, written_name
 from entrenar.runs import evaluate_config, load_built, quantize_file, train_from_yaml
 from entrenar.runs.export import write_hf_folder, write_quantized
 from entrenar.runs.inference import generate_text
@@ -41,9 +41,30 @@ FAMILIES = [
 TOKENS = np.arange(9).reshape(1, 9) * 5 % 90
 
 
-def _folder(family: str, path: Path) -> tuple[nn.LlamaConfig, dict]:
-    """An entrenar-written Hugging Face folder of ``family`` with its tokenizer."""
+def _gguf_experts(config: nn.LlamaConfig, width: int) -> nn.LlamaConfig:
+    """``config`` with experts llama.cpp can hold (a dense config as it is).
+
+    Its architecture's routing (`gguf_families.EXPERT_NORM`) and experts ``width``
+    wide (whole Q8_0 blocks).
+    """
+    if not config.num_experts:
+        return config
+    arch = nn.architecture_of(config)
+    return dataclasses.replace(
+        config, norm_topk_prob=EXPERT_NORM[written_name(arch.name, arch.gguf_name)],
+        moe_intermediate_size=config.moe_intermediate_size and width,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size
+        and width,
+    )  # fmt: skip
+
+
+def _folder(family: str, path: Path, gguf: bool = False) -> tuple[nn.LlamaConfig, dict]:
+    """An entrenar-written Hugging Face folder of ``family`` with its tokenizer.
+
+    ``gguf``: a mixture of experts as llama.cpp can hold it (`_gguf_experts`).
+    """
     config = nn.architecture(family).tiny()
+    config = _gguf_experts(config, 32) if gguf else config
     params = config.init(jax.random.key(0))
     hf_cases.write_tokenizer(path / "tok", family)
     tok = io.HFTokenizer.from_folder(path / "tok")
@@ -81,7 +102,7 @@ def test_a_folder_loads_as_its_family_with_its_tokenizer(family, tmp_path):
     ],
 )
 def test_a_folder_exports_to_hf_and_gguf_of_its_family(family, tmp_path):
-    config, params = _folder(family, tmp_path)
+    config, params = _folder(family, tmp_path, gguf=True)
     built = load_built(str(tmp_path / "hf"))
     out = write_hf_folder(built, built.params, str(tmp_path / "out"))
     again = load_built(out)
@@ -127,8 +148,6 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
         doc["lora"]["targets"] = ["qkv_proj", "o_proj"]
     doc["training"].update(max_steps=3, output_dir=str(tmp_path / "out"))
     in_gguf = written_name(family, nn.architecture(family).gguf_name) is not None
-    if not in_gguf:  # MoE families: no GGUF form yet (specs/models.md)
-        doc["export"]["formats"] = [f for f in doc["export"]["formats"] if f != "gguf"]
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
     result = train_from_yaml(tmp_path / "run.yaml", progress=False)
     assert set(result.files) >= {"adapter", "hf"} | ({"gguf"} if in_gguf else set())
@@ -152,13 +171,15 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
 def _sized_folder(family: str, path: Path) -> tuple[Any, io.HFTokenizer]:
     """A folder like `_folder`'s, its vocabulary the tokenizer's and hidden size 64.
 
-    (Rows then split into the quantizers' blocks of 64.) Returns its config and
-    tokenizer.
+    (Rows then split into the quantizers' blocks of 64.) A mixture of experts
+    routes as llama.cpp's architecture does (`gguf_families.EXPERT_NORM`), so its
+    GGUF export is written. Returns its config and tokenizer.
     """
     config = dataclasses.replace(
         nn.architecture(family).tiny(), vocab_size=512, hidden_size=64,
         intermediate_size=128, num_heads=4, head_dim=16,
     )  # fmt: skip
+    config = _gguf_experts(config, 64)
     hf_cases.write_tokenizer(path / "tok", family)
     tok = io.HFTokenizer.from_folder(path / "tok")
     io.save_hf_folder(
