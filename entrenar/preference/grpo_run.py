@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.data.formatting import apply_chat_template
-from entrenar.errors import ConfigError, ShapeError
+from entrenar.errors import ConfigError, FormatError, ShapeError
 from entrenar.nn.generate import generate
 from entrenar.preference.grpo import (
     GRPOLossType,
@@ -370,6 +370,7 @@ class GRPO:
                 "settings.rewards (built-ins)"
             )
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.optimizer = optimizer
         self.rewards, self.weights = list(rewards), np.asarray(weights, np.float64)
         self.names = [
             getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(rewards)
@@ -400,6 +401,10 @@ class GRPO:
         self.state = TrainState.create(
             params, optimizer, key=jax.random.key(seed), trainable=trainable
         )
+        self.history: list[dict[str, float]] = []
+        self._permutations = 0  # the prompt order (`next_prompts`)
+        self._queue: list[int] = []
+        self._rng = np.random.default_rng(seed)
         self._ref_logps = None
         if self.ref_params is not None:
             from entrenar.preference.grpo_fn import token_logps
@@ -494,6 +499,68 @@ class GRPO:
         metrics["step_time"] = time.perf_counter() - start
         return metrics
 
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps taken (the state's step)."""
+        return int(self.state.step)
+
+    def next_prompts(self, count: int, p: int) -> list[int]:
+        """The indices of the next ``p`` of ``count`` records.
+
+        The records are shuffled with the seed, one permutation after another (a
+        generator seeded once, ``numpy.random.default_rng(seed)``); a step takes
+        the ``p`` next indices, crossing into the next permutation when fewer are
+        left.
+        """
+        while len(self._queue) < p:
+            self._queue += self._rng.permutation(count).tolist()
+            self._permutations += 1
+        take, self._queue = self._queue[:p], self._queue[p:]
+        return take
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the next step depends on besides `state` (JSON: a checkpoint's meta).
+
+        The prompt order (permutations drawn, indices left) and the history. The
+        sampling key is ``fold_in(key(seed), step)``: the state's step gives it;
+        the built-in rewards keep no state (Python reward functions' own state,
+        if any, is theirs to save).
+        """
+        return {
+            "step": self.steps_taken,
+            "seed": self.seed,
+            "permutations": self._permutations,
+            "queue": list(self._queue),
+            "history": list(self.history),
+        }
+
+    def load_state_dict(self, meta: Mapping[str, Any], count: int) -> None:
+        """Continue the prompt order and history of `state_dict` over ``count`` records.
+
+        The generator is replayed (``permutations`` draws of ``count``), so the
+        next permutation is the uninterrupted run's.
+
+        Raises:
+            FormatError: ``meta`` is not a `state_dict`, or its indices do not fit
+                ``count`` records (another data file under the same name).
+        """
+        try:
+            drawn, queue = int(meta["permutations"]), [int(i) for i in meta["queue"]]
+            history = [dict(m) for m in meta["history"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(
+                f"a GRPO checkpoint's meta needs permutations, queue and history: {e}"
+            ) from None
+        if any(not 0 <= i < count for i in queue) or drawn < 0:
+            raise FormatError(
+                f"the GRPO checkpoint's prompt order does not fit {count} records "
+                "(the data file changed since it was written?)"
+            )
+        self._rng = np.random.default_rng(self.seed)
+        for _ in range(drawn):
+            self._rng.permutation(count)
+        self._permutations, self._queue, self.history = drawn, queue, history
+
     def train(
         self,
         records: Sequence[Mapping[str, Any]],
@@ -502,28 +569,28 @@ class GRPO:
         metrics_path: str | Path | None = None,
         log: Callable[[dict[str, float]], None] | None = None,
     ) -> list[dict[str, float]]:
-        """Take ``steps`` steps over ``records``, reshuffled each epoch with the seed.
+        """Take ``steps`` more steps over ``records``, in `next_prompts`'s order.
 
-        Each step's metrics are appended to ``metrics_path`` (JSON lines).
+        Each step's metrics are appended to ``history`` and ``metrics_path`` (JSON
+        lines), then passed to ``log``; returns this call's steps' metrics. Calls
+        continue one another (the step count, prompt order and sampling keys).
         """
         p = self.settings.prompts_per_step
         if len(records) < p:
             raise ShapeError(f"{len(records)} records for {p} prompts per step")
-        rng = np.random.default_rng(self.seed)
-        order: list[int] = []
-        history = []
-        for i in range(steps):
-            if len(order) < p:
-                order += rng.permutation(len(records)).tolist()
-            take, order = order[:p], order[p:]
+        out = []
+        for _ in range(steps):
+            i = self.steps_taken
+            take = self.next_prompts(len(records), p)
             m = {"step": i + 1, **self.step([records[j] for j in take], i)}
-            history.append(m)
+            self.history.append(m)
+            out.append(m)
             if metrics_path is not None:
                 with open(metrics_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(m) + "\n")
             if log is not None:
                 log(m)
-        return history
+        return out
 
 
 __all__ = [

@@ -249,8 +249,6 @@ def _grpo(
 ) -> RunResult:
     from entrenar.runs.online import prepare_grpo, train_grpo
 
-    if resume is not None:
-        raise ConfigError("--resume: a grpo run has no checkpoints yet")
     if spec.training.mesh is not None:
         raise ConfigError("training.mesh: a grpo run is on one device for now")
     if dry_run:
@@ -258,7 +256,12 @@ def _grpo(
         return RunResult(spec, spec.output_dir, {},
                          metrics={"prompts": len(records)})  # fmt: skip
     with OutputLock(spec.output_dir, enabled=jax.process_index() == 0):
-        out = train_grpo(spec, progress=progress)
+        if resume is not None:
+            saved = check_resume_config(spec, resume)  # before the model loads
+            then = ((saved or {}).get("training") or {}).get("max_steps")
+            if isinstance(then, int) and then > 0:
+                _warn_schedule_moved(spec, then, int(spec.training.max_steps or 0))
+        out = train_grpo(spec, resume=resume, progress=progress)
     _write_json(os.path.join(spec.output_dir, "result.json"), out)
     return RunResult(spec, spec.output_dir, out["files"], metrics=out["metrics"])
 
@@ -287,13 +290,13 @@ RESUME_REFUSED = (
     "model.path", "model.architecture", "model.config", "model.tokenizer",
     "model.dtype", "lora.enabled", "lora.rank", "lora.alpha", "lora.targets",
     "lora.quantize_base", "lora.init", "lora.rslora", "lora.use_dora",
-    "lora.rank_pattern", "lora.alpha_pattern", "distillation", "preference",
+    "lora.rank_pattern", "lora.alpha_pattern", "distillation", "preference", "grpo",
     "data.train", "data.validation_split", "data.format", "data.text_field",
     "data.prompt_field", "data.completion_field", "data.messages_field",
     "data.features", "data.target", "data.task", "data.normalize", "data.seq_len",
     "data.packing", "data.overflow",
 )  # fmt: skip
-"""Keys whose change makes a resumed run train another model or other examples."""
+"""Keys whose change makes a resumed run train another model, loss or examples."""
 
 RESUME_FREE = (
     "name", "source", "export", "quantization", "training.epochs",
@@ -392,19 +395,24 @@ def check_resume_schedule(
         then = epochs * prep.data.steps_per_epoch
     else:
         return
-    if then == prep.total:
+    _warn_schedule_moved(spec, then, prep.total)
+
+
+def _warn_schedule_moved(spec: TrainSpec, then: int, total: int) -> None:
+    """`check_resume_schedule`'s warning: the rates of ``then`` and ``total`` steps."""
+    if spec.scheduler is None or then == total:
         return
-    old, new = build_schedule(spec, then), build_schedule(spec, prep.total)
-    differ = [s for s in range(min(then, prep.total)) if float(old(s)) != float(new(s))]
+    old, new = build_schedule(spec, then), build_schedule(spec, total)
+    differ = [s for s in range(min(then, total)) if float(old(s)) != float(new(s))]
     if differ:
         warnings.warn(
-            f"the run now has {prep.total} steps, {then} before: scheduler "
+            f"the run now has {total} steps, {then} before: scheduler "
             f"{spec.scheduler.name!r} is laid over the new length, and its learning "
             f"rates differ from those of the schedule the checkpoint was trained on "
             f"(first at step {differ[0] + 1}): the run goes on at other rates than "
             f"planned and will match no uninterrupted run (a schedule that does not "
             f"depend on the length, or a fixed decay_steps, keeps them)",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 

@@ -166,3 +166,58 @@ def test_bad_settings_are_named():
         GRPO(None, {}, None, None, [], GRPOSettings())
     with pytest.raises(ConfigError, match="2 reward_weights for 1 reward"):
         GRPO(None, {}, None, None, [low_ids], GRPOSettings(reward_weights=(1.0, 2.0)))
+
+
+def test_a_resumed_run_samples_what_the_uninterrupted_run_sampled(tokenizer, tmp_path):
+    """Checkpointed after step k and restored into a new GRPO: the same steps after.
+
+    3 prompts, 2 a step (step 2 crosses into the second shuffle). Each reward call
+    records the prompts and completion ids it scores: the resumed run's steps
+    k + 1.. sample the uninterrupted run's completions of the same prompts, and
+    end at the same weights. Restoring the weights and not the prompt order
+    (`GRPO.state_dict`) picks other prompts.
+    """
+    from entrenar.train.checkpoint import Checkpointer
+
+    model = model_of(tokenizer)
+    start = model.init(jax.random.key(3))
+    settings = GRPOSettings(num_generations=4, max_completion_length=4,
+                            prompts_per_step=2, temperature=0.8)  # fmt: skip
+    prompts = PROMPTS[:3]
+
+    def new_run(seen):
+        def record(prompts, completions, completion_ids, **columns):
+            seen.append((list(prompts), [list(c) for c in completion_ids]))
+            return low_ids(prompts, completions, completion_ids)
+
+        return GRPO(model, start, optim.adam(0.05), tokenizer, [record], settings,
+                    seed=5)  # fmt: skip
+
+    full_seen: list = []
+    full = new_run(full_seen)
+    full_hist = full.train(prompts, 5)
+    k = 2
+    first_seen: list = []
+    first = new_run(first_seen)
+    first.train(prompts, k)
+    assert first_seen == full_seen[:k]
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    ckpt.save(first.state, first.state_dict())
+    resumed_seen: list = []
+    resumed = new_run(resumed_seen)
+    state, meta = ckpt.restore(resumed.state)
+    ckpt.close()
+    resumed.state = state
+    resumed.load_state_dict(meta, len(prompts))
+    hist = resumed.train(prompts, 5 - k)
+    assert resumed_seen == full_seen[k:]  # prompts and completions, step by step
+    assert len({str(c) for _, c in full_seen}) == 5  # each step sampled anew
+    for a, b in zip(hist, full_hist[k:]):
+        assert {**a, "step_time": 0} == {**b, "step_time": 0}
+    assert [m["step"] for m in resumed.history] == [1, 2, 3, 4, 5]
+    for x, y in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(full.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    took = [prompts.index({"prompt": p}) for p in resumed_seen[0][0][::4]]
+    assert new_run([]).next_prompts(len(prompts), 2) != took  # the order lost
+    ids = [tokenizer.encode(prompts[i]["prompt"], special=True) for i in took]
+    assert new_run([]).sample(ids, k) != full_seen[k][1]  # the weights lost

@@ -5,6 +5,7 @@ the ``qwen2_split`` tokenizer; the prompts are texts with an ``answer`` column.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -123,3 +124,59 @@ def test_example_config_validates():
     spec = load_config(HERE.parents[1] / "examples" / "configs" / "smollm2-grpo.yaml")
     assert spec.grpo is not None and len(spec.grpo.rewards) == 4
     assert [r.weight for r in spec.grpo.rewards] == [1.0] * 4
+
+
+def _rows(run):
+    lines = (Path(run.output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{**json.loads(x), "step_time": 0} for x in lines]
+
+
+def test_resume_continues_and_refuses_another_grpo_section(folder):
+    """A run extended with --resume latest ends as the longer uninterrupted run.
+
+    Checkpoints every step (2 kept); the resume's config is checked against the
+    run's config.json: another grpo section is refused naming the key, another
+    learning rate or seed is warned about, a fresh start over the checkpoints is
+    refused.
+    """
+    every = {"checkpoint_every": 1, "keep_checkpoints": 2}
+    longer = train_from_yaml(
+        write_run(folder, "long", training={"max_steps": 3, **every}), progress=False
+    )
+    path = write_run(folder, "short", training=every)
+    short = train_from_yaml(path, progress=False)
+    out = Path(short.output_dir)
+    assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"]
+    assert json.loads((out / "config.json").read_text())["grpo"]["num_generations"] == 4
+    there = {**every, "output_dir": str(out)}
+    changed = write_run(folder, "changed", training=there,
+                        grpo={"num_generations": 2})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"grpo.num_generations: 4 then, 2 now"):
+        train_from_yaml(changed, resume="latest", progress=False)
+    with pytest.raises(ConfigError, match="holds checkpoints of another run"):
+        train_from_yaml(path, progress=False)
+    extended = train_from_yaml(path, {"training.max_steps": 3}, resume="latest",
+                               progress=False)  # fmt: skip
+    assert sorted(os.listdir(out / "checkpoints")) == ["2", "3"]
+    assert _rows(extended) == _rows(longer)
+    a = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+    b = Path(longer.output_dir, "adapter", "adapter_model.safetensors").read_bytes()
+    assert a == b
+    assert extended.metrics == longer.metrics
+    for change, key in (({"optimizer": {"lr": 0.1}}, "optimizer.lr"),
+                        ({"training": {**there, "seed": 7}}, "seed")):  # fmt: skip
+        changed = write_run(folder, "changed", **{"training": there, **change})
+        with pytest.warns(UserWarning, match=key):
+            train_from_yaml(changed, {"training.max_steps": 4}, resume="latest",
+                            progress=False)  # fmt: skip
+
+
+def test_resume_warns_when_a_longer_run_moves_the_schedule(folder):
+    """A linear decay laid over 2 steps, extended to 3: step 2's rate moves."""
+    extra = {"training": {"max_steps": 2, "checkpoint_every": 1},
+             "scheduler": {"name": "linear", "end_value": 0.0}}  # fmt: skip
+    path = write_run(folder, "sched", **extra)
+    train_from_yaml(path, progress=False)
+    with pytest.warns(UserWarning, match="now has 3 steps, 2 before"):
+        train_from_yaml(path, {"training.max_steps": 3}, resume="latest",
+                        progress=False)  # fmt: skip

@@ -4,7 +4,7 @@ Usage: ``python killable_cli.py train CONFIG [options]`` (the arguments of
 ``entrenar``). The command runs unchanged; the hooks only announce where it is, on
 stdout and flushed, so that the parent can SIGKILL it at a chosen point:
 
-- ``STEP n`` after each optimizer step (its metrics computed);
+- ``STEP n`` after each optimizer step (its metrics computed; a GRPO step too);
 - ``HANG_AT_CHECKPOINT=n``: checkpoint ``n`` is written completely but orbax stops
   before its final rename, prints ``HANG`` and sleeps (a kill mid-write);
 - ``HANG_AT_CHECKSUMS=n``: checkpoint ``n`` renamed in, its ``checksums.json`` not
@@ -34,6 +34,18 @@ def announce_steps():
         return metrics
 
     Trainer.train_step = train_step
+
+    from entrenar.preference import grpo_run
+
+    grpo_step = grpo_run.GRPO.step
+
+    def step(self, records, index):
+        metrics = grpo_step(self, records, index)
+        jax.block_until_ready(self.state)
+        print(f"STEP {index + 1}", flush=True)
+        return metrics
+
+    grpo_run.GRPO.step = step
 
 
 def hang():

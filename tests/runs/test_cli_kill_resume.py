@@ -77,6 +77,10 @@ def files_of(out):
     return found
 
 
+MEASURED = ("tokens_per_s", "step_time")
+"""Figures of the clock (a GRPO step's step_time), not of the run."""
+
+
 def normalise(rel, data, out):
     """What may differ between two equal runs: their folder, the measured speed."""
     text_like = rel.endswith((".json", ".jsonl"))
@@ -86,7 +90,8 @@ def normalise(rel, data, out):
     if rel == "metrics.jsonl":
         rows = [json.loads(x) for x in text.splitlines()]
         for r in rows:
-            r.pop("tokens_per_s", None)
+            for k in MEASURED:
+                r.pop(k, None)
         return rows
     return json.loads(text)
 
@@ -99,7 +104,7 @@ def checkpoint_state(out, step):
     with ocp.StandardCheckpointer() as ck:
         state = ck.restore(folder / "state")
     meta = json.loads((folder / "meta" / "metadata").read_text())
-    meta["config"].pop("output_dir", None)
+    meta.get("config", {}).pop("output_dir", None)
     return state, meta
 
 
@@ -108,7 +113,7 @@ def assert_same_run(a, b):
     assert sorted(fa) == sorted(fb), "files differ"
     assert "result.json" in fa
     for rel in fa:
-        if rel == "loss.png":
+        if rel in ("loss.png", "reward.png"):
             continue  # a picture of metrics.jsonl, compared below
         assert normalise(rel, fa[rel], a) == normalise(rel, fb[rel], b), rel
     rows = normalise("metrics.jsonl", fa["metrics.jsonl"], a)
@@ -124,8 +129,9 @@ def assert_same_run(a, b):
     for x, y in zip(la, lb):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bit for bit
     for m in (ma, mb):
-        for r in m["history"] + m["window"]:
-            r.pop("tokens_per_s", None)
+        for r in m["history"] + m.get("window", []):
+            for k in MEASURED:
+                r.pop(k, None)
     assert ma == mb
 
 
@@ -149,6 +155,7 @@ def data(tmp_path_factory):
         for a, b in itertools.pairwise(recs)
     ]
     (folder / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (folder / "prompts.jsonl").write_text("\n".join(lines[:5]) + "\n")  # GRPO's
     return folder
 
 
@@ -290,6 +297,28 @@ def dpo_doc(folder, out, lora=False):
     return doc
 
 
+def grpo_doc(folder, out):
+    """GRPO on QLoRA adapters: 2 of 5 prompts x 4 samples a step, β = 0.04.
+
+    The third step takes the last prompt of the first shuffle and the first of the
+    second; a checkpoint every 2 steps (2 kept); linear warm-up and decay.
+    """
+    doc = llama_doc(folder, out, "nf4")
+    doc["data"] = {"train": str(folder / "prompts.jsonl")}
+    doc["lora"].pop("dropout")
+    doc["grpo"] = {
+        "num_generations": 4, "prompts_per_step": 2, "max_completion_length": 5,
+        "beta": 0.04, "temperature": 0.9, "loss_type": "grpo",
+        "rewards": [{"type": "contains", "column": "completion"},
+                    {"type": "regex", "pattern": "e", "weight": 0.5}],
+    }  # fmt: skip
+    doc["training"] = {"max_steps": 7, "checkpoint_every": 2, "keep_checkpoints": 2,
+                       "log_every": 1, "seed": 3, "output_dir": str(out)}  # fmt: skip
+    doc.pop("quantization")
+    doc["export"] = {"formats": ["adapter", "safetensors"]}
+    return doc
+
+
 EXPORTS = ("adapter", "safetensors", "gguf", "hf", "quantized")
 DOCS = {
     "best": best_doc,
@@ -299,6 +328,7 @@ DOCS = {
     "distill": distill_doc,
     "dpo": dpo_doc,
     "dpo_lora": lambda folder, out: dpo_doc(folder, out, lora=True),
+    "grpo": grpo_doc,
 }
 
 
@@ -481,4 +511,36 @@ def test_dpo_qlora_killed_at_a_step(data, uninterrupted, tmp_path):
     lines = killed(cfg, env={"HANG_IN_EXPORT": "adapter"})
     assert steps_run(lines)[0] == a, a  # STEP a printed before its checkpoint
     finish(cfg)
+    assert_same_run(full, out)
+
+
+def test_grpo_killed_at_a_step_mid_checkpoint_and_mid_export(
+    data, uninterrupted, tmp_path
+):
+    """GRPO (QLoRA) killed at a step, mid-checkpoint, then mid-export, resumed.
+
+    The resumed run samples what the uninterrupted one sampled (the sampling key of
+    a step, the prompt order across the reshuffle): metrics.jsonl (rewards,
+    completion lengths, loss, kl), the adapter and the final checkpoint match
+    bit for bit. A resume with another reward list is refused.
+    """
+    full = uninterrupted("grpo")
+    rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert len({r["reward"] for r in rows}) > 2 and any(r["kl"] for r in rows)
+    rng = random.Random()
+    a = rng.randint(1, 5)
+    b = rng.choice([s for s in (2, 4, 6) if s > a])
+    cfg, out = config(data, tmp_path, "grpo", "run")
+    assert steps_run(killed(cfg, kill_at=a, resume=False))[-1] == a
+    lines = killed(cfg, env={"HANG_AT_CHECKPOINT": str(b)})
+    # STEP a is printed before step a's checkpoint: the last is the even step < a
+    assert steps_run(lines)[0] == (a - 1) // 2 * 2 + 1 and lines[-1] == "HANG"
+    lines = killed(cfg, env={"HANG_IN_EXPORT": rng.choice(["adapter", "safetensors"])})
+    assert steps_run(lines)[0] == b - 1, (a, b)  # checkpoint b was never renamed in
+    doc = grpo_doc(data, out)
+    doc["grpo"]["rewards"] = doc["grpo"]["rewards"][:1]
+    _, rc, err = run(write(tmp_path / "other.yaml", doc))
+    assert rc == 2 and "grpo.rewards" in err and "Put the values back" in err, err
+    assert steps_run(finish(cfg)) == [], (a, b)
     assert_same_run(full, out)
