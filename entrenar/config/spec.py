@@ -172,14 +172,25 @@ class TrainSpec(Config):
             )
         if self.data is not None:
             d = self.data
-            if d.validation is not None or d.validation_split:
+            if d.validation_split:
                 raise ConfigError(
-                    "data.validation: a GRPO run has no evaluation yet; remove it"
+                    "data.validation_split: a GRPO run's validation is a prompt "
+                    "file, data.validation"
                 )
             if d.packing:
                 raise ConfigError("data.packing: GRPO samples its own rows")
         if self.training.max_steps is None:
             raise ConfigError("training.max_steps: a GRPO run counts its steps")
+        t = self.training
+        for key, value in (
+            ("early_stopping", t.patience),
+            ("export_best", t.export_best),
+        ):
+            if value:
+                raise ConfigError(
+                    f"training.{key}: a GRPO run's evaluations score rewards, not "
+                    f"an eval_loss to stop or select on; remove {key}"
+                )
 
     def check_architecture(self, arch: str | None) -> None:
         """The rules that depend on the model's architecture (None: not known yet).

@@ -68,6 +68,8 @@ RewardFn = Callable[..., Sequence[float | None]]
 
 MAX_PATTERN = 256
 MAX_MATCHED_TEXT = 4096
+EVAL_KEY = 1 << 31
+"""Evaluation keys are folded from ``fold_in(key(seed), EVAL_KEY)`` (no step's)."""
 LENGTH_BUCKET = 32
 """Packed rows are padded to a multiple of this many tokens (fewer compilations)."""
 
@@ -402,6 +404,7 @@ class GRPO:
             params, optimizer, key=jax.random.key(seed), trainable=trainable
         )
         self.history: list[dict[str, float]] = []
+        self.eval_history: list[dict[str, float]] = []  # for `state_dict`
         self._permutations = 0  # the prompt order (`next_prompts`)
         self._queue: list[int] = []
         self._rng = np.random.default_rng(seed)
@@ -416,11 +419,17 @@ class GRPO:
         """The current params (trainable and frozen together)."""
         return self.state.params
 
-    def sample(self, prompt_ids: Sequence[Sequence[int]], step: int) -> list[list[int]]:
-        """``G`` completions of each prompt, EOS kept, padding dropped."""
+    def sample(
+        self, prompt_ids: Sequence[Sequence[int]], step: int, key: Any = None
+    ) -> list[list[int]]:
+        """``G`` completions of each prompt, EOS kept, padding dropped.
+
+        ``key``: default ``fold_in(key(seed), step)``, step ``step``'s.
+        """
         s = self.settings
         rows = [list(p) for p in prompt_ids for _ in range(s.num_generations)]
-        key = jax.random.fold_in(jax.random.key(self.seed), step)
+        if key is None:
+            key = jax.random.fold_in(jax.random.key(self.seed), step)
         out = np.asarray(generate(
             self.model, self.params, rows, max_new_tokens=s.max_completion_length,
             key=key, temperature=s.temperature, top_p=s.top_p if s.top_p < 1 else None,
@@ -463,13 +472,17 @@ class GRPO:
             scores[:, j] = [math.nan if v is None else float(v) for v in out]
         return scores
 
-    def step(self, records: Sequence[Mapping[str, Any]], step: int) -> dict[str, float]:
-        """Sample, score and take one optimizer step; return the step's metrics."""
-        start = time.perf_counter()
+    def _encode(self, records: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        return [_encode_prompt(self.tokenizer, r["prompt"], self.chat_template)
+                for r in records]  # fmt: skip
+
+    def _rewards(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        completions: Sequence[Sequence[int]],
+    ) -> tuple[np.ndarray, dict[str, float]]:
+        """The advantages of ``completions`` and their reward / length metrics."""
         s = self.settings
-        prompt_ids = [_encode_prompt(self.tokenizer, r["prompt"], self.chat_template)
-                      for r in records]  # fmt: skip
-        completions = self.sample(prompt_ids, step)
         texts = [self.tokenizer.decode(c) for c in completions]
         scores = self.score(records, texts, completions)
         total = np.nansum(scores * self.weights, axis=1)
@@ -482,6 +495,40 @@ class GRPO:
             [len(c) for c in completions],
             [bool(c) and c[-1] in stops for c in completions],
         ))  # fmt: skip
+        return adv, metrics
+
+    def evaluate(
+        self, records: Sequence[Mapping[str, Any]], step: int
+    ) -> dict[str, float]:
+        """The rewards of ``G`` completions of each of ``records``, TRL's ``eval_``.
+
+        Sampled as in training (``prompts_per_step`` prompts at a time) from the
+        current params, with keys of their own: ``fold_in(fold_in(fold_in(
+        key(seed), 2³¹), step), chunk)``, so an evaluation is the same whenever
+        its step is (a resumed run's too) and draws no key of a training step.
+        The metrics are those of a step's sampling and scoring (``reward``,
+        ``reward_std``, ``frac_reward_zero_std``, ``rewards/<name>/mean``,
+        ``completions/...``) over all of ``records`` at once, named ``eval_...``
+        as TRL's evaluation logs them; no loss.
+        """
+        p = self.settings.prompts_per_step
+        root = jax.random.fold_in(
+            jax.random.fold_in(jax.random.key(self.seed), EVAL_KEY), step
+        )
+        completions: list[list[int]] = []
+        for n, i in enumerate(range(0, len(records), p)):
+            ids = self._encode(records[i : i + p])
+            completions += self.sample(ids, step, jax.random.fold_in(root, n))
+        _, metrics = self._rewards(records, completions)
+        return {f"eval_{k}": v for k, v in metrics.items()}
+
+    def step(self, records: Sequence[Mapping[str, Any]], step: int) -> dict[str, float]:
+        """Sample, score and take one optimizer step; return the step's metrics."""
+        start = time.perf_counter()
+        s = self.settings
+        prompt_ids = self._encode(records)
+        completions = self.sample(prompt_ids, step)
+        adv, metrics = self._rewards(records, completions)
         rows = [p for p in prompt_ids for _ in range(s.num_generations)]
         longest = max(len(p) + len(c) for p, c in zip(rows, completions))
         packed = pack_completions(rows, completions, self.pad_id,
@@ -521,7 +568,8 @@ class GRPO:
     def state_dict(self) -> dict[str, Any]:
         """What the next step depends on besides `state` (JSON: a checkpoint's meta).
 
-        The prompt order (permutations drawn, indices left) and the history. The
+        The prompt order (permutations drawn, indices left), the history and the
+        evaluations' (kept by the caller in ``eval_history``). The
         sampling key is ``fold_in(key(seed), step)``: the state's step gives it;
         the built-in rewards keep no state (Python reward functions' own state,
         if any, is theirs to save).
@@ -532,6 +580,7 @@ class GRPO:
             "permutations": self._permutations,
             "queue": list(self._queue),
             "history": list(self.history),
+            "eval_history": list(self.eval_history),
         }
 
     def load_state_dict(self, meta: Mapping[str, Any], count: int) -> None:
@@ -547,6 +596,7 @@ class GRPO:
         try:
             drawn, queue = int(meta["permutations"]), [int(i) for i in meta["queue"]]
             history = [dict(m) for m in meta["history"]]
+            evals = [dict(m) for m in meta.get("eval_history", [])]
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(
                 f"a GRPO checkpoint's meta needs permutations, queue and history: {e}"
@@ -560,6 +610,7 @@ class GRPO:
         for _ in range(drawn):
             self._rng.permutation(count)
         self._permutations, self._queue, self.history = drawn, queue, history
+        self.eval_history = evals
 
     def train(
         self,

@@ -7,7 +7,10 @@ rewards read; ``grpo.rewards`` are built-in rewards only
 (`entrenar.preference.builtin_reward`: no code is read from a file). Each of the
 ``training.max_steps`` steps samples, scores and steps (specs/preference.md);
 metrics.jsonl gets one line per step with TRL's names, reward.png plots the mean
-reward, and ``export`` writes the adapter / model files as for any run.
+reward, and ``export`` writes the adapter / model files as for any run. With
+``data.validation`` (prompt records too) the run evaluates every
+``training.eval_every`` steps (default: after its last step): `GRPO.evaluate`,
+the rewards of sampled completions as TRL's ``eval_reward``... lines.
 
 Checkpoints are the Trainer's (`entrenar.train.checkpoint.Checkpointer`, every
 ``training.checkpoint_every`` steps and at the end, ``keep_checkpoints`` kept):
@@ -42,6 +45,24 @@ from entrenar.train.checkpoint import Checkpointer, resolve_resume
 from entrenar.train.metrics import MetricsWriter
 
 
+def _prompt_records(path: str, key: str) -> list[dict[str, Any]]:
+    records = [dict(r) for r in data_lib.load_records(path)]
+    if not records or "prompt" not in records[0]:
+        raise ConfigError(
+            f"{key}: a GRPO run reads records with a prompt (a text or a message "
+            f"list) and the columns its rewards read; {path} has "
+            f"{sorted(records[0]) if records else 'no records'}"
+        )
+    return records
+
+
+def validation_prompts(spec: TrainSpec) -> list[dict[str, Any]] | None:
+    """``data.validation``'s prompt records (None: the run does not evaluate)."""
+    assert spec.data is not None
+    v = spec.data.validation
+    return None if v is None else _prompt_records(v, "data.validation")
+
+
 def prepare_grpo(spec: TrainSpec) -> tuple[Any, GRPO, list[dict[str, Any]]]:
     """The built model, the `GRPO` loop and the prompt records of a ``grpo`` run."""
     assert spec.model is not None and spec.data is not None and spec.grpo is not None
@@ -53,13 +74,7 @@ def prepare_grpo(spec: TrainSpec) -> tuple[Any, GRPO, list[dict[str, Any]]]:
     if spec.lora is not None and spec.lora.enabled:
         params = apply_lora(spec, params, jax.random.fold_in(key, 1))
         trainable = "lora"
-    records = [dict(r) for r in data_lib.load_records(spec.data.train)]
-    if not records or "prompt" not in records[0]:
-        raise ConfigError(
-            f"data.train: a GRPO run reads records with a prompt (a text or a "
-            f"message list) and the columns its rewards read; {spec.data.train} "
-            f"has {sorted(records[0]) if records else 'no records'}"
-        )
+    records = _prompt_records(spec.data.train, "data.train")
     steps = int(spec.training.max_steps or 0)
     g = spec.grpo
     run = GRPO(
@@ -82,6 +97,7 @@ def train_grpo(
         FormatError, CheckpointError: a checkpoint that does not fit this run.
     """
     built, run, records = prepare_grpo(spec)
+    valid = validation_prompts(spec)
     out_dir, t = spec.output_dir, spec.training
     os.makedirs(out_dir, exist_ok=True)
     steps, every = int(t.max_steps or 0), max(1, t.log_every)
@@ -105,6 +121,14 @@ def train_grpo(
                 line = f"step {step}/{steps} reward {m['reward']:.4f}"
                 print(f"{line} loss {m['loss']:.4g} ({m['step_time']:.1f} s)",
                       flush=True)  # fmt: skip
+            due = step == steps if t.eval_every is None else step % t.eval_every == 0
+            if valid is not None and due:
+                record = {"step": step, **run.evaluate(valid, step)}
+                run.eval_history.append(record)
+                writer.write(record, prefix="eval")
+                if progress:
+                    print(f"step {step}/{steps} eval_reward "
+                          f"{record['eval_reward']:.4f}", flush=True)  # fmt: skip
             if t.checkpoint_every is not None and step % t.checkpoint_every == 0:
                 ckpt.save(run.state, _meta(spec, run))
                 last_saved = step
@@ -122,6 +146,8 @@ def train_grpo(
         extra["tokenizer"] = tokenizer_ref(tokenizer, os.path.join(out_dir, "model"))
     metrics = {"steps": len(hist), "reward_first": hist[0]["reward"],
                "reward_last": hist[-1]["reward"]}  # fmt: skip
+    if run.eval_history:
+        metrics["eval_reward"] = run.eval_history[-1]["eval_reward"]
     files = write_outputs(spec, built, run.params, out_dir, extra=extra,
                           report=metrics)  # fmt: skip
     files["metrics"] = os.path.join(out_dir, "metrics.jsonl")

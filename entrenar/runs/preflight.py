@@ -245,20 +245,23 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
         return report
     check_lm(spec, built)
     if spec.grpo is not None:  # prompts, and the columns the rewards read
-        recs = list(data_lib.load_records(d.train))
-        missing = [
-            f"{r.column} ({r.type})" for r in spec.grpo.rewards
-            if r.column is not None and recs and r.column not in recs[0]
-        ]  # fmt: skip
-        if not recs or "prompt" not in recs[0] or missing:
-            raise ConfigError(
-                f"data.train: a GRPO run reads records with a prompt and the columns "
-                f"its rewards read; {d.train} lacks "
-                f"{['prompt'] if not recs or 'prompt' not in recs[0] else missing}"
-            )
-        report["data"]["train"] = {"file": d.train, "rows": len(recs), "prompts": 1}
-        per_step = spec.grpo.prompts_per_step
-        report["steps_per_epoch"] = max(1, len(recs) // per_step)
+        for name, path in (("train", d.train), ("validation", d.validation)):
+            if path is None:
+                continue
+            recs = list(data_lib.load_records(path))
+            missing = [
+                f"{r.column} ({r.type})" for r in spec.grpo.rewards
+                if r.column is not None and recs and r.column not in recs[0]
+            ]  # fmt: skip
+            if not recs or "prompt" not in recs[0] or missing:
+                raise ConfigError(
+                    f"data.{name}: a GRPO run reads records with a prompt and the "
+                    f"columns its rewards read; {path} lacks "
+                    f"{['prompt'] if not recs or 'prompt' not in recs[0] else missing}"
+                )
+            report["data"][name] = {"file": path, "rows": len(recs), "prompts": 1}
+        prompts = report["data"]["train"]["rows"]
+        report["steps_per_epoch"] = max(1, prompts // spec.grpo.prompts_per_step)
         report["steps"] = int(spec.training.max_steps or 0)
         return report
     _check_memory(spec, report)

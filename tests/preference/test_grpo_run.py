@@ -221,3 +221,49 @@ def test_a_resumed_run_samples_what_the_uninterrupted_run_sampled(tokenizer, tmp
     assert new_run([]).next_prompts(len(prompts), 2) != took  # the order lost
     ids = [tokenizer.encode(prompts[i]["prompt"], special=True) for i in took]
     assert new_run([]).sample(ids, k) != full_seen[k][1]  # the weights lost
+
+
+def test_evaluate_scores_completions_sampled_with_its_own_keys(tokenizer):
+    """`GRPO.evaluate`: ``G`` samples of each prompt, ``prompts_per_step`` at a time.
+
+    Each chunk is sampled with ``fold_in(fold_in(fold_in(key(seed), 2³¹), step),
+    chunk)`` (recomputed here with `generate`), the rewards' mean and std over
+    all completions are eval_reward and eval_reward_std (numpy), and the params
+    are not touched.
+    """
+    from entrenar.nn.generate import generate
+
+    model = model_of(tokenizer)
+    params = model.init(jax.random.key(4))
+    seen = []
+
+    def record(prompts, completions, completion_ids, **columns):
+        seen.append([list(c) for c in completion_ids])
+        return low_ids(prompts, completions, completion_ids)
+
+    settings = GRPOSettings(num_generations=3, max_completion_length=4,
+                            prompts_per_step=2)  # fmt: skip
+    run = GRPO(model, params, optim.sgd(0.1), tokenizer, [record], settings, seed=9)
+    m = run.evaluate(PROMPTS[:3], 5)
+    (comps,) = seen
+    root = jax.random.fold_in(jax.random.fold_in(jax.random.key(9), 2**31), 5)
+    want = []
+    for n, chunk in enumerate((PROMPTS[:2], PROMPTS[2:3])):
+        rows = [tokenizer.encode(r["prompt"], special=True) for r in chunk
+                for _ in range(3)]  # fmt: skip
+        out = np.asarray(generate(model, params, rows, max_new_tokens=4,
+                                  key=jax.random.fold_in(root, n), temperature=1.0,
+                                  stop_tokens=run.stop_tokens, pad_token=run.pad_id,
+                                  vocab_limit=tokenizer.vocab_size))  # fmt: skip
+        for r in out.tolist():
+            ends = [i for i, t in enumerate(r) if t in run.stop_tokens]
+            want.append(r[: ends[0] + 1] if ends else r)
+    assert comps == want and len(comps) == 9
+    assert comps != run.sample([tokenizer.encode("Hello world", special=True)], 5)
+    r = np.asarray(low_ids(None, None, comps))
+    assert m["eval_reward"] == pytest.approx(r.mean())
+    assert m["eval_reward_std"] == pytest.approx(r.std(ddof=1))
+    assert m["eval_completions/mean_length"] == np.mean([len(c) for c in comps])
+    assert "eval_loss" not in m and int(run.state.step) == 0
+    for x, y in zip(jax.tree.leaves(run.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

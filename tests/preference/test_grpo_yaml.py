@@ -104,6 +104,8 @@ def test_train_writes_trls_metrics_and_the_adapter(folder):
         ({"grpo": {"loss_type": "ppo"}}, "grpo.loss_type: must be one of"),
         ({"preference": {"beta": 0.1}}, "a run is GRPO, DPO or distillation"),
         ({"training": {"max_steps": None}}, "training.max_steps: a GRPO run counts"),
+        ({"data": {"validation": "prompts.jsonl"}, "training": {"export_best": True}},
+         "training.export_best: a GRPO run's evaluations score rewards"),
     ],
 )  # fmt: skip
 def test_bad_sections_name_the_key(folder, change, message):
@@ -139,17 +141,19 @@ def test_resume_continues_and_refuses_another_grpo_section(folder):
     learning rate or seed is warned about, a fresh start over the checkpoints is
     refused.
     """
-    every = {"checkpoint_every": 1, "keep_checkpoints": 2}
+    every = {"checkpoint_every": 1, "keep_checkpoints": 2, "eval_every": 1}
+    valid = {"validation": "prompts.jsonl"}
     longer = train_from_yaml(
-        write_run(folder, "long", training={"max_steps": 3, **every}), progress=False
+        write_run(folder, "long", training={"max_steps": 3, **every}, data=valid),
+        progress=False,
     )
-    path = write_run(folder, "short", training=every)
+    path = write_run(folder, "short", training=every, data=valid)
     short = train_from_yaml(path, progress=False)
     out = Path(short.output_dir)
     assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"]
     assert json.loads((out / "config.json").read_text())["grpo"]["num_generations"] == 4
     there = {**every, "output_dir": str(out)}
-    changed = write_run(folder, "changed", training=there,
+    changed = write_run(folder, "changed", training=there, data=valid,
                         grpo={"num_generations": 2})  # fmt: skip
     with pytest.raises(ConfigError, match=r"grpo.num_generations: 4 then, 2 now"):
         train_from_yaml(changed, resume="latest", progress=False)
@@ -159,13 +163,16 @@ def test_resume_continues_and_refuses_another_grpo_section(folder):
                                progress=False)  # fmt: skip
     assert sorted(os.listdir(out / "checkpoints")) == ["2", "3"]
     assert _rows(extended) == _rows(longer)
+    evals = [r for r in _rows(longer) if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [1, 2, 3]  # the evaluations resumed too
     a = (out / "adapter" / "adapter_model.safetensors").read_bytes()
     b = Path(longer.output_dir, "adapter", "adapter_model.safetensors").read_bytes()
     assert a == b
     assert extended.metrics == longer.metrics
     for change, key in (({"optimizer": {"lr": 0.1}}, "optimizer.lr"),
                         ({"training": {**there, "seed": 7}}, "seed")):  # fmt: skip
-        changed = write_run(folder, "changed", **{"training": there, **change})
+        changed = write_run(folder, "changed", **{"training": there, "data": valid,
+                                                  **change})  # fmt: skip
         with pytest.warns(UserWarning, match=key):
             train_from_yaml(changed, {"training.max_steps": 4}, resume="latest",
                             progress=False)  # fmt: skip
@@ -180,3 +187,35 @@ def test_resume_warns_when_a_longer_run_moves_the_schedule(folder):
     with pytest.warns(UserWarning, match="now has 3 steps, 2 before"):
         train_from_yaml(path, {"training.max_steps": 3}, resume="latest",
                         progress=False)  # fmt: skip
+
+
+def test_evaluation_scores_sampled_completions_of_the_validation_prompts(folder):
+    """data.validation: TRL's eval_ metrics after the last step (eval_every unset).
+
+    3 prompts x 4 samples; eval_reward is the weighted sum of the per-reward
+    means; evaluating changes nothing of the training (its lines match a run
+    without validation).
+    """
+    valid = {"validation": "prompts.jsonl"}
+    plain = _rows(train_from_yaml(write_run(folder, "noeval"), progress=False))
+    run = train_from_yaml(write_run(folder, "eval", data=valid), progress=False)
+    rows = _rows(run)
+    evals = [r for r in rows if "eval_reward" in r]
+    assert [r for r in rows if "eval_reward" not in r] == plain
+    assert [r["step"] for r in evals] == [2]
+    e = evals[0]
+    assert e["eval_reward"] == pytest.approx(
+        e["eval_rewards/contains_answer/mean"] + 0.5 * e["eval_rewards/letters/mean"]
+    )
+    assert 1 <= e["eval_completions/mean_length"] <= 6
+    assert "eval_frac_reward_zero_std" in e and "eval_loss" not in e
+    assert run.metrics["eval_reward"] == e["eval_reward"]
+    path = write_run(folder, "eval", data=valid)
+    result = CliRunner().invoke(cli, ["validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "Data validation: 3 GRPO prompts" in result.output
+    (folder / "bare.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+    path = write_run(folder, "eval", data={"validation": "bare.jsonl"})
+    result = CliRunner().invoke(cli, ["validate", str(path)])
+    assert result.exit_code != 0 and "data.validation: " in result.output
+    assert "answer (contains)" in result.output

@@ -117,7 +117,7 @@ def assert_same_run(a, b):
             continue  # a picture of metrics.jsonl, compared below
         assert normalise(rel, fa[rel], a) == normalise(rel, fb[rel], b), rel
     rows = normalise("metrics.jsonl", fa["metrics.jsonl"], a)
-    steps = [(r["step"], "eval_loss" in r) for r in rows]
+    steps = [(r["step"], any(k.startswith("eval_") for k in r)) for r in rows]
     assert len(steps) == len(set(steps)), "a metrics.jsonl line is duplicated"
     ca = sorted(os.listdir(Path(a) / "checkpoints"))
     assert ca == sorted(os.listdir(Path(b) / "checkpoints"))
@@ -301,10 +301,12 @@ def grpo_doc(folder, out):
     """GRPO on QLoRA adapters: 2 of 5 prompts x 4 samples a step, β = 0.04.
 
     The third step takes the last prompt of the first shuffle and the first of the
-    second; a checkpoint every 2 steps (2 kept); linear warm-up and decay.
+    second; a checkpoint every 2 steps (2 kept); linear warm-up and decay; the
+    rewards of the 5 prompts' samples evaluated every 3 steps.
     """
     doc = llama_doc(folder, out, "nf4")
-    doc["data"] = {"train": str(folder / "prompts.jsonl")}
+    doc["data"] = {"train": str(folder / "prompts.jsonl"),
+                   "validation": str(folder / "prompts.jsonl")}  # fmt: skip
     doc["lora"].pop("dropout")
     doc["grpo"] = {
         "num_generations": 4, "prompts_per_step": 2, "max_completion_length": 5,
@@ -313,7 +315,8 @@ def grpo_doc(folder, out):
                     {"type": "regex", "pattern": "e", "weight": 0.5}],
     }  # fmt: skip
     doc["training"] = {"max_steps": 7, "checkpoint_every": 2, "keep_checkpoints": 2,
-                       "log_every": 1, "seed": 3, "output_dir": str(out)}  # fmt: skip
+                       "log_every": 1, "seed": 3, "eval_every": 3,
+                       "output_dir": str(out)}  # fmt: skip
     doc.pop("quantization")
     doc["export"] = {"formats": ["adapter", "safetensors"]}
     return doc
@@ -521,13 +524,15 @@ def test_grpo_killed_at_a_step_mid_checkpoint_and_mid_export(
 
     The resumed run samples what the uninterrupted one sampled (the sampling key of
     a step, the prompt order across the reshuffle): metrics.jsonl (rewards,
-    completion lengths, loss, kl), the adapter and the final checkpoint match
-    bit for bit. A resume with another reward list is refused.
+    completion lengths, loss, kl, evaluations), the adapter, the model and the
+    final checkpoint match bit for bit. A resume with another reward list is refused.
     """
     full = uninterrupted("grpo")
     rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 8))
-    assert len({r["reward"] for r in rows}) > 2 and any(r["kl"] for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3, 3, 4, 5, 6, 6, 7]
+    assert [r["step"] for r in rows if "eval_reward" in r] == [3, 6]
+    steps = [r for r in rows if "loss" in r]
+    assert len({r["reward"] for r in steps}) > 2 and any(r["kl"] for r in steps)
     rng = random.Random()
     a = rng.randint(1, 5)
     b = rng.choice([s for s in (2, 4, 6) if s > a])
