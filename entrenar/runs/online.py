@@ -109,13 +109,13 @@ def train_grpo(
             _resume(spec, run, ckpt, resume, len(records))
         writer = MetricsWriter(out_dir)
         writer.truncate_after(run.steps_taken)  # a killed run's lines after it
-        last_saved = run.steps_taken
+        last_saved = first = run.steps_taken
 
         def log(m: dict[str, float]) -> None:
             nonlocal last_saved
             step = int(m["step"])
             writer.write(m)
-            if step == 1:  # as the Trainer's runs: once the folder is accepted
+            if step == first + 1:  # as the Trainer's runs (this config, resumed too)
                 _write_config(spec)
             if progress and (step % every == 0 or step == steps):
                 line = f"step {step}/{steps} reward {m['reward']:.4f}"

@@ -169,13 +169,16 @@ def test_resume_continues_and_refuses_another_grpo_section(folder):
     b = Path(longer.output_dir, "adapter", "adapter_model.safetensors").read_bytes()
     assert a == b
     assert extended.metrics == longer.metrics
-    for change, key in (({"optimizer": {"lr": 0.1}}, "optimizer.lr"),
-                        ({"training": {**there, "seed": 7}}, "seed")):  # fmt: skip
+    lr = {"optimizer": {"lr": 0.1}}
+    seed = {"training": {**there, "seed": 7}, **lr}
+    for change, key in ((lr, "optimizer.lr"), (seed, "seed")):
         changed = write_run(folder, "changed", **{"training": there, "data": valid,
                                                   **change})  # fmt: skip
         with pytest.warns(UserWarning, match=key):
             train_from_yaml(changed, {"training.max_steps": 4}, resume="latest",
                             progress=False)  # fmt: skip
+    # config.json: the config of the last run that took a step (step 4, lr 0.1)
+    assert json.loads((out / "config.json").read_text())["optimizer"]["lr"] == 0.1
 
 
 def test_resume_warns_when_a_longer_run_moves_the_schedule(folder):
