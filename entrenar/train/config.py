@@ -98,14 +98,15 @@ class TrainConfig(Config):
     )
     eval_every: int | None = option(
         None, ge=1, aliases=("eval_steps",), doc="steps between evaluations (default: "
-        "each epoch's end); needs validation data"
+        "each epoch's end; a grpo run: its last step); needs validation data"
     )  # fmt: skip
     checkpoint_every: int | None = option(
         None,
         ge=1,
         aliases=("save_interval", "save_steps"),
-        doc="steps between checkpoints (default: each epoch's end); one is also "
-        "written when the run ends",
+        doc="steps between checkpoints (default: each epoch's end; a grpo run, "
+        "which has no epochs: none before its end); one is also written when the "
+        "run ends",
     )
     keep_checkpoints: int = option(3, ge=1, doc="most recent checkpoints kept")
     export_best: bool = option(
