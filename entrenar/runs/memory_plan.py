@@ -10,7 +10,8 @@ allocated. The run's two phases each have a peak, and the run's is the larger::
 
 - ``runtime``: the interpreter, JAX, entrenar and the data (`RUNTIME_BYTES`,
   measured), the tokenizer (`TOKEN_BYTES` per token); ``compiler``: what compiling
-  the step holds, XLA's compiler and the executable (`COMPILER_BYTES`, measured);
+  the step holds, XLA's compiler and the executable (`COMPILER_BYTES`, measured;
+  a DPO or GRPO run's larger programs add `memory_pref.preference_extra`);
 - ``weights``: the model's tree as the run holds it: each leaf in ``model.dtype``,
   or NF4 (`quantize_base`, `entrenar.runs.models.base_quantizer`), or as the GGUF
   stores it (``keep_quantized``: `entrenar.quant.from_ggml`'s node of its bytes);
@@ -40,6 +41,11 @@ the plan's ``notes`` say so), the native kernels' own workspaces (outside XLA's
 buffers: 0.05-0.25 GB measured with bfloat16 matmuls), evaluation (a forward step,
 smaller than the train step), distillation teachers and multi-device meshes
 (`plan_memory` refuses them: `UnsupportedError`).
+
+Preference runs: ``step`` is the largest phase of their loop
+(`entrenar.runs.memory_pref`): DPO's train step on ``2B`` rows with the
+reference's forward (or the pass that precomputes its log-probs), GRPO's
+generation with its KV cache, the reference's log-probs and its train step.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from entrenar.config.spec import TrainSpec
 from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.nn.weight_node import logical_shape
 from entrenar.runs.build import build_optimizer, train_config
+from entrenar.runs.memory_pref import dpo_step, grpo_step, preference_extra
 from entrenar.runs.memory_tree import describe, run_tree, weight_nodes
 from entrenar.runs.models import BuiltModel, build_model
 from entrenar.train.config import check_budget, parse_bytes
@@ -280,12 +287,10 @@ def plan_memory(spec: TrainSpec, *, compile_step: bool = True) -> MemoryPlan:
     """
     if spec.model is None or spec.data is None or spec.is_merge:
         raise UnsupportedError("the memory plan is of a training run (model and data)")
-    if spec.distillation is not None or spec.preference is not None:
-        kind = "distillation" if spec.distillation is not None else "preference"
+    if spec.distillation is not None:
         raise UnsupportedError(
-            f"training.max_memory: the memory predictor does not cover {kind} "
-            "runs yet (a teacher, or DPO's two rows per pair and the reference "
-            "forward); remove max_memory"
+            "training.max_memory: the memory predictor does not cover distillation "
+            "runs yet (the teacher's weights and forward); remove max_memory"
         )
     if spec.training.mesh is not None:
         raise UnsupportedError(
@@ -310,11 +315,13 @@ def _plan(spec: TrainSpec, *, compile_step: bool) -> MemoryPlan:
     )
     model = built.config
     frozen = state.frozen
-    if frozen is not None:
+    if frozen is not None and spec.grpo is None:  # GRPO steps its own state
         frozen = jax.eval_shape(lambda f: _compute_frozen(model, f), frozen)
-    bf16 = _new_bf16_bytes(frozen) if frozen is not None else 0
+    bf16 = _new_bf16_bytes(frozen) if frozen is not None and spec.grpo is None else 0
     step, detail = 0, "not compiled"
-    if compile_step:
+    if compile_step and (spec.preference is not None or spec.grpo is not None):
+        step, detail = _preference_step(spec, built, params, optimizer, state, frozen)
+    elif compile_step:
         step, detail = _step_bytes(
             spec, built, optimizer, state, frozen,
             make_train_step, loss_for_model, with_compute_dtype,
@@ -336,7 +343,7 @@ def _plan(spec: TrainSpec, *, compile_step: bool) -> MemoryPlan:
     return MemoryPlan(
         runtime=RUNTIME_BYTES
         + TOKEN_BYTES * len(getattr(built.tokenizer, "tokens", ())),
-        compiler=COMPILER_BYTES,
+        compiler=COMPILER_BYTES + preference_extra(spec, params),
         weights=weights,
         adapters=adapters,
         bf16_copy=bf16,
@@ -349,6 +356,16 @@ def _plan(spec: TrainSpec, *, compile_step: bool) -> MemoryPlan:
         budget=budget_bytes(spec.training.max_memory),
         notes=notes,
     )
+
+
+def _preference_step(
+    spec: TrainSpec, built: BuiltModel, params: Any, optimizer: Any, state: Any,
+    frozen: Any,
+) -> tuple[int, str]:  # fmt: skip
+    """``step`` of a DPO or GRPO run: its largest phase (`memory_pref`)."""
+    if spec.grpo is not None:
+        return grpo_step(spec, built, params, optimizer, state)
+    return dpo_step(spec, built, params, optimizer, state, frozen)
 
 
 def _step_bytes(

@@ -263,6 +263,7 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
         prompts = report["data"]["train"]["rows"]
         report["steps_per_epoch"] = max(1, prompts // spec.grpo.prompts_per_step)
         report["steps"] = int(spec.training.max_steps or 0)
+        _check_memory(spec, report)
         return report
     _check_memory(spec, report)
     if spec.preference is not None:  # pairs kept (TRL drops prompts >= seq_len)

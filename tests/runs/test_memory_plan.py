@@ -15,6 +15,7 @@ import sys
 
 import jax
 import pytest
+import yaml
 from click.testing import CliRunner
 from config_cases import WORDS, write
 
@@ -345,3 +346,100 @@ def test_a_moe_folders_load_peaks_under_its_plan(
     assert got["peak"] <= planned, (got, format_plan(plan))
     # the load ends holding its tree: no layer's stacked experts kept
     assert got["after"] < got["tree"] + STACK_BYTES // 2, got
+
+
+def _pref_doc(tmp_path, path, kind, quantize):
+    """A DPO or GRPO run of ``path``: LoRA on float bases, on NF4 bases, or none."""
+    pairs, prompts = tmp_path / "pairs.jsonl", tmp_path / "prompts.jsonl"
+    pairs.write_text("".join(
+        json.dumps({"prompt": r["prompt"], "chosen": r["completion"],
+                    "rejected": ROWS[i - 1]["completion"]}) + "\n"
+        for i, r in enumerate(ROWS)
+    ))  # fmt: skip
+    prompts.write_text("".join(
+        json.dumps({"prompt": r["prompt"], "answer": r["completion"].split()[0]})
+        + "\n" for r in ROWS
+    ))  # fmt: skip
+    lora_ = {"targets": "all-linear", "quantize_base": quantize}
+    if kind == "dpo":
+        sections = dict(data={"train": str(pairs), "format": "preference",
+                              "batch_size": 8, "seq_len": 64},
+                        preference={"beta": 0.1})  # fmt: skip
+    else:
+        sections = dict(
+            data={"train": str(prompts), "seq_len": 16, "format": "auto"},
+            grpo={"num_generations": 4, "prompts_per_step": 2, "beta": 0.04,
+                  "max_completion_length": 16,
+                  "rewards": [{"type": "contains", "column": "answer"}]},
+        )  # fmt: skip
+    doc = _doc(tmp_path, path, **sections, lora=lora_)
+    if quantize is None:  # full fine-tuning: no lora section, a merged export
+        d = yaml.safe_load(doc.read_text())
+        del d["lora"]
+        d["export"] = {"formats": ["hf"]}
+        doc = write(doc, d)
+    return doc
+
+
+PREF_PEAK = """
+import json, sys
+from entrenar.config import validate
+from entrenar.runs import online, run
+spec = validate(sys.argv[1])
+if spec.grpo is not None:
+    online.train_grpo(spec, progress=False)
+else:
+    run._train(spec, run.prepare(spec), resume=None, progress=False)
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+        print(json.dumps({"peak": int(line.split()[1]) * 1024}))
+"""
+
+
+@pytest.mark.parametrize(
+    "kind, quantize",
+    [
+        ("dpo", "nf4"),
+        pytest.param("dpo", "none", marks=pytest.mark.slow),
+        pytest.param("dpo", None, marks=pytest.mark.slow),
+        pytest.param("grpo", "none", marks=pytest.mark.slow),
+        pytest.param("grpo", "nf4", marks=pytest.mark.slow),
+        pytest.param("grpo", None, marks=pytest.mark.slow),
+    ],
+)
+def test_a_preference_run_peaks_within_its_plan(tmp_path, tiny_gguf, kind, quantize):
+    """DPO and GRPO (LoRA, QLoRA, full): the plan is at or over the measured peak.
+
+    And within `TOLERANCE` of it. The runs' own step is small here (0.01-0.05 GB):
+    this checks the fixed parts hold for a preference run's programs (GRPO's
+    generation, DPO's reference pass) and that nothing they hold is left out.
+    """
+    doc = _pref_doc(tmp_path, tiny_gguf, kind, quantize)
+    plan = plan_memory(validate(doc))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COV_CORE_")}
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR="")
+    res = subprocess.run(
+        [sys.executable, "-c", PREF_PEAK, str(doc)], capture_output=True, text=True,
+        env=env, cwd=tmp_path, check=True,
+    )  # fmt: skip
+    peak = json.loads(res.stdout.strip().splitlines()[-1])["peak"]
+    table = "\n".join(format_plan(plan))
+    msg = f"predicted {plan.peak / 1e9:.3f} GB, measured {peak / 1e9:.3f} GB:\n{table}"
+    assert peak <= plan.peak <= (1 + TOLERANCE) * peak, msg
+
+
+def test_validate_plans_preference_runs(tmp_path, tiny_gguf, monkeypatch):
+    """``max_memory`` on a DPO or GRPO run: a plan (it was refused / not checked)."""
+    runner = CliRunner()
+    _refused_before_loading(monkeypatch)
+    for kind in ("dpo", "grpo"):
+        doc = _pref_doc(tmp_path, tiny_gguf, kind, "nf4")
+        d = yaml.safe_load(doc.read_text())
+        for budget, ok in (("64GB", True), ("0.1GB", False)):
+            d["training"]["max_memory"] = budget
+            res = runner.invoke(cli, ["validate", str(write(doc, d))])
+            assert (res.exit_code == 0) == ok, res.output
+            if ok:
+                assert "Memory: peak ~" in res.output, res.output
+            else:
+                assert "over the budget of 0.10 GB" in res.output, res.output
