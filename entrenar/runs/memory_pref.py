@@ -21,7 +21,8 @@ DPO (``preference:``, `entrenar.preference.make_dpo_loss_fn`):
   (its ``(N,)`` results, 8 bytes a pair, are the data's).
 
 GRPO (``grpo:``, `entrenar.preference.GRPO.step`), ``R = P·G`` rows (prompts per
-step × generations), prompts of up to ``data.seq_len`` tokens (``S``) and
+step × generations), ``S`` the longest prompt of ``data.train`` in tokens (as the
+loop encodes it: `longest_prompt`; the run does not cut prompts) and
 ``C = max_completion_length``:
 
 - generation (`entrenar.nn.generate`): the KV cache of ``R`` rows of
@@ -34,8 +35,7 @@ step × generations), prompts of up to ``data.seq_len`` tokens (``S``) and
   when ``β > 0``, the entropies one row's ``(T, V)`` logits at a time).
 
 GRPO's loop steps its own `TrainState` (no bfloat16 copy of the frozen half:
-`entrenar.runs.memory_plan` counts none). A prompt longer than ``data.seq_len``
-is not cut: the plan then under-counts the cache and the step.
+`entrenar.runs.memory_plan` counts none).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from entrenar import data as data_lib
 from entrenar.config.spec import TrainSpec
 from entrenar.errors import UnsupportedError
 from entrenar.nn.generate import CACHE_BUCKET, context_length, decode_step, prefill
@@ -56,7 +57,7 @@ from entrenar.preference import (
     reference_logps,
     token_logps,
 )
-from entrenar.preference.grpo_run import LENGTH_BUCKET
+from entrenar.preference.grpo_run import LENGTH_BUCKET, _encode_prompt  # the loop's
 from entrenar.preference.loss_fn import Reference
 from entrenar.runs.build import train_config
 from entrenar.runs.models import BuiltModel
@@ -185,11 +186,29 @@ def preference_extra(spec: TrainSpec, params: Any) -> int:
     return DPO_EXTRA_BYTES if has_adapters(params) else 0
 
 
+def longest_prompt(spec: TrainSpec, built: BuiltModel) -> int:
+    """Tokens of ``data.train``'s longest prompt as the GRPO loop encodes it.
+
+    Texts as they are, message lists through the chat template with the generation
+    prompt (`entrenar.preference.grpo_run`); ``data.seq_len`` without a tokenizer.
+    """
+    d = spec.data
+    assert d is not None
+    tok = built.tokenizer
+    if tok is None:
+        return d.seq_len
+    return max(
+        (len(_encode_prompt(tok, r["prompt"], None))
+         for r in data_lib.load_records(d.train) if "prompt" in r),
+        default=d.seq_len,
+    )  # fmt: skip
+
+
 def grpo_shapes(spec: TrainSpec, built: BuiltModel) -> tuple[int, int, int, int]:
     """``(rows, prompt, cache length, packed length)`` of a GRPO step's arrays."""
-    g, d = spec.grpo, spec.data
-    assert g is not None and d is not None
-    rows, prompt = g.prompts_per_step * g.num_generations, d.seq_len
+    g = spec.grpo
+    assert g is not None
+    rows, prompt = g.prompts_per_step * g.num_generations, longest_prompt(spec, built)
     cache = -(-(prompt + g.max_completion_length) // CACHE_BUCKET) * CACHE_BUCKET
     cache = min(cache, context_length(built.config) or cache)
     packed = -(-(prompt + g.max_completion_length) // LENGTH_BUCKET) * LENGTH_BUCKET
@@ -267,5 +286,6 @@ __all__ = [
     "dpo_step",
     "grpo_shapes",
     "grpo_step",
+    "longest_prompt",
     "preference_extra",
 ]
