@@ -443,3 +443,19 @@ def test_validate_plans_preference_runs(tmp_path, tiny_gguf, monkeypatch):
                 assert "Memory: peak ~" in res.output, res.output
             else:
                 assert "over the budget of 0.10 GB" in res.output, res.output
+
+
+def test_grpo_plans_the_longest_prompt_not_seq_len(tmp_path, tiny_gguf):
+    """The loop does not cut prompts: the KV cache is sized by the longest one.
+
+    `generate`'s cache is ``round_up(prompt + max_new_tokens, 32)`` positions; a
+    prompt of ``n > data.seq_len`` tokens must be planned with ``n``.
+    """
+    doc = _pref_doc(tmp_path, tiny_gguf, "grpo", "none")
+    long = " ".join(r["prompt"] for r in ROWS[:6])
+    with open(tmp_path / "prompts.jsonl", "a") as f:
+        f.write(json.dumps({"prompt": long, "answer": "one"}) + "\n")
+    n = len(io.load_tokenizer(WORDS / "tokenizer.gguf").encode(long, special=True))
+    assert n > 16  # data.seq_len of the run
+    plan = plan_memory(validate(doc))
+    assert f"8 rows x {-(-(n + 16) // 32) * 32})" in plan.step_detail, plan.step_detail
