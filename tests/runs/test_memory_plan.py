@@ -410,9 +410,12 @@ for line in open("/proc/self/status"):
 def test_a_preference_run_peaks_within_its_plan(tmp_path, tiny_gguf, kind, quantize):
     """DPO and GRPO (LoRA, QLoRA, full): the plan is at or over the measured peak.
 
-    And within `TOLERANCE` of it. The runs' own step is small here (0.01-0.05 GB):
-    this checks the fixed parts hold for a preference run's programs (GRPO's
-    generation, DPO's reference pass) and that nothing they hold is left out.
+    And within `TOLERANCE` of it, plus `FIXED_NOISE`. The runs' own step is small
+    here (0.01-0.05 GB): this checks the fixed parts hold for a preference run's
+    programs (GRPO's generation, DPO's reference pass) and that nothing they hold
+    is left out. The same run's peak varies by up to 0.05 GB from run to run on a
+    busy machine (DPO full fine-tuning 0.511-0.524 GB, GRPO NF4 0.652-0.692 GB),
+    which the fixed parts must cover, so the upper bound allows it.
     """
     doc = _pref_doc(tmp_path, tiny_gguf, kind, quantize)
     plan = plan_memory(validate(doc))
@@ -425,7 +428,11 @@ def test_a_preference_run_peaks_within_its_plan(tmp_path, tiny_gguf, kind, quant
     peak = json.loads(res.stdout.strip().splitlines()[-1])["peak"]
     table = "\n".join(format_plan(plan))
     msg = f"predicted {plan.peak / 1e9:.3f} GB, measured {peak / 1e9:.3f} GB:\n{table}"
-    assert peak <= plan.peak <= (1 + TOLERANCE) * peak, msg
+    assert peak <= plan.peak <= (1 + TOLERANCE) * peak + FIXED_NOISE, msg
+
+
+FIXED_NOISE = 50_000_000
+"""Run-to-run spread of a tiny preference run's measured peak (bytes)."""
 
 
 def test_validate_plans_preference_runs(tmp_path, tiny_gguf, monkeypatch):
