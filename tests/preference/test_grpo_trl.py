@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entrenar import lora, optim
-from entrenar.nn import from_hf_names, to_hf_names
+from entrenar import optim
+from entrenar.nn import from_hf_names
 from entrenar.preference import (
     group_advantages,
     make_grpo_loss_fn,
@@ -34,6 +34,7 @@ from entrenar.train import TrainState, make_train_step
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS)]
+import trl_replay  # noqa: E402
 from peft_cases import CFG  # noqa: E402
 
 REF = json.loads((TESTS / "data" / "trl_grpo_reference.json").read_text())
@@ -50,17 +51,7 @@ def start_params():
 
 
 def lora_start(tmp_path):
-    from safetensors.numpy import save_file
-
-    folder = tmp_path / "adapter"
-    folder.mkdir()
-    prefix = "lora/init_adapter/"
-    save_file({k[len(prefix) :]: ARR[k] for k in ARR.files if k.startswith(prefix)},
-              str(folder / "adapter_model.safetensors"))  # fmt: skip
-    (folder / "adapter_config.json").write_text(
-        json.dumps(REF["lora"]["adapter_config"])
-    )
-    return lora.load_adapter(folder, start_params())
+    return trl_replay.lora_start(ARR, REF, tmp_path, start_params)
 
 
 def unpad(ids, mask):
@@ -147,40 +138,7 @@ def test_losses_metrics_and_weights_are_trls(run, tmp_path):
         assert (
             max(s["metrics"]["clip_ratio/region_mean"] for s in REF[run]["steps"]) > 0.5
         )
-    prefix = f"{run}/final/"
-    final = {k[len(prefix) :]: ARR[k] for k in ARR.files if k.startswith(prefix)}
-    if run == "lora":
-        ours = _peft_tensors(params)
-        final = {k.replace(".default", ""): v for k, v in final.items()}
-    else:
-        ours = {k: np.asarray(v) for k, v in to_hf_names(params).items()}
-    assert set(ours) == set(final)
-    for k in final:
-        np.testing.assert_allclose(ours[k], final[k], atol=1e-6, rtol=0, err_msg=k)
-    moved = max(float(np.max(np.abs(final[k] - _start(run, k)))) for k in final)
-    assert moved > 1e-3  # the steps changed the weights well beyond the tolerance
-
-
-def _start(run, key):
-    if run == "full":
-        return ARR[f"init/{key}"]
-    init = {
-        k.split("init_adapter/")[1]: ARR[k] for k in ARR.files if "init_adapter" in k
-    }
-    return init.get(
-        key,
-        np.zeros_like(ARR[f"lora/final/{key.replace('.weight', '.default.weight')}"]),
-    )
-
-
-def _peft_tensors(params):
-    out = {}
-    for name, node in to_hf_names(params).items():
-        if isinstance(node, lora.LoRAWeight):
-            module = name[: -len(".weight")]
-            out[f"base_model.model.{module}.lora_A.weight"] = np.asarray(node.a)
-            out[f"base_model.model.{module}.lora_B.weight"] = np.asarray(node.b)
-    return out
+    trl_replay.assert_final_weights(ARR, run, params, atol=1e-6)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
