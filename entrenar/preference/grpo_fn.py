@@ -31,7 +31,7 @@ from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.linear import linear
 from entrenar.nn.losses import IGNORE_INDEX, chunked_causal_lm_loss
 from entrenar.preference.grpo import check_grpo_settings, grpo_loss
-from entrenar.preference.loss_fn import Reference, has_adapters, without_adapters
+from entrenar.preference.loss_fn import Reference, adapters_off
 from entrenar.types import Params, PyTree
 
 GRPO_BATCH_KEYS = ("input_ids", "attention_mask", "completion_mask", "advantages")
@@ -196,12 +196,7 @@ def make_grpo_loss_fn(
                     )
                 ref = jnp.asarray(batch["ref_logps"], logps.dtype)
             else:
-                if not has_adapters(params):
-                    raise ConfigError(
-                        "reference='adapters' needs LoRA adapters in the params; for "
-                        "full fine-tuning use reference='precomputed'"
-                    )
-                base = jax.lax.stop_gradient(without_adapters(params))
+                base = adapters_off(params)
                 ref = token_logps(model, base, ids, mask, completion, temperature)
         old = batch.get("old_logps")
         loss, metrics = grpo_loss(

@@ -62,6 +62,20 @@ def has_adapters(params: Params) -> bool:
     return any(isinstance(x, LoRAWeight) for x in leaves)
 
 
+def adapters_off(params: Params) -> Params:
+    """The reference of ``reference='adapters'``: ``params`` without their adapters.
+
+    Gradient-stopped. Raises `ConfigError` when ``params`` hold no `LoRAWeight`
+    (full fine-tuning has no adapters to turn off: precompute the reference).
+    """
+    if not has_adapters(params):
+        raise ConfigError(
+            "reference='adapters' needs LoRA adapters in the params; for "
+            "full fine-tuning use reference='precomputed'"
+        )
+    return jax.lax.stop_gradient(without_adapters(params))
+
+
 def sequence_logps(
     model: Any,
     params: Params,
@@ -139,12 +153,7 @@ def make_dpo_loss_fn(
             ref_c = jnp.asarray(batch["ref_chosen_logps"], jnp.float32)  # (B,)
             ref_r = jnp.asarray(batch["ref_rejected_logps"], jnp.float32)
         else:
-            if not has_adapters(params):
-                raise ConfigError(
-                    "reference='adapters' needs LoRA adapters in the params; for "
-                    "full fine-tuning use reference='precomputed'"
-                )
-            base = jax.lax.stop_gradient(without_adapters(params))
+            base = adapters_off(params)
             ref = sequence_logps(model, base, ids, mask, completion)  # (2B,)
             ref_c, ref_r = ref[:b], ref[b:]
         policy_params = params
@@ -179,6 +188,7 @@ def reference_logps(
 __all__ = [
     "BATCH_KEYS",
     "Reference",
+    "adapters_off",
     "has_adapters",
     "make_dpo_loss_fn",
     "reference_logps",
