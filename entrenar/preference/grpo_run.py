@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from entrenar.chat.session import end_of_turn_ids
 from entrenar.data.formatting import apply_chat_template
 from entrenar.errors import ConfigError, FormatError, ShapeError
 from entrenar.nn.generate import generate
@@ -312,8 +313,6 @@ def _stops_of(tokenizer: Any) -> list[int]:
     EOS and ``stop_ids``.
     """
     if hasattr(tokenizer, "tokens") and hasattr(tokenizer, "token_types"):
-        from entrenar.chat.session import end_of_turn_ids
-
         return list(end_of_turn_ids(tokenizer))
     eos = getattr(tokenizer, "eos_id", None)
     return [*([] if eos is None else [int(eos)]), *getattr(tokenizer, "stop_ids", ())]
