@@ -144,6 +144,7 @@ def summarize(spec: TrainSpec) -> dict[str, Any]:
             "alpha": spec.lora.alpha,
             "targets": list(spec.lora.targets),
             "quantize_base": spec.lora.quantize_base,
+            "quantize_untargeted": spec.lora.quantize_untargeted,
             "use_dora": spec.lora.use_dora,
         }
         for key in ("rank_pattern", "alpha_pattern"):

@@ -6,7 +6,9 @@ from typing import Any
 
 from entrenar import quant
 from entrenar.errors import ShapeError
+from entrenar.lora.config import BASE_BLOCK
 from entrenar.quant.ggml_mixed import MixedGGMLWeight
+from entrenar.quant.weight import check_blocks
 
 
 def quantize_base(w: Any, scheme: str, name: str) -> Any:
@@ -19,12 +21,23 @@ def quantize_base(w: Any, scheme: str, name: str) -> Any:
     if quant.is_quantized(w) or isinstance(w, (quant.GGMLWeight, MixedGGMLWeight)):
         return w
     try:
-        return quant.quantize(w, scheme, double_quant=scheme == "nf4")
+        return quant.quantize(
+            w, scheme, block_size=BASE_BLOCK, double_quant=scheme == "nf4"
+        )
     except ShapeError as e:
         raise ShapeError(f"QLoRA cannot quantize the base of {name!r}: {e}") from e
+
+
+def divides(shape: tuple[int, ...], scheme: str) -> bool:
+    """Whether `quantize_base` splits a weight of ``shape`` into whole blocks."""
+    try:
+        check_blocks(shape, BASE_BLOCK, scheme)
+    except ShapeError:
+        return False
+    return True
 
 
 is_quantized = quant.is_quantized
 requantize_like = quant.quantize_like  # every option of the node, int8 modes included
 
-__all__ = ["is_quantized", "quantize_base", "requantize_like"]
+__all__ = ["divides", "is_quantized", "quantize_base", "requantize_like"]

@@ -30,6 +30,10 @@ from entrenar.schema import Config, option
 ALL_LINEAR = "all-linear"
 """Target every linear weight except embeddings and the output head."""
 
+BASE_BLOCK = 64
+"""Values per block of a QLoRA base (``quantize_base``; `entrenar.quant.quantize`'s
+default): `lora.apply`, a run's load-time quantizer and the host form all take it."""
+
 _PLAIN = re.compile(r"[A-Za-z0-9_.]+")
 _NOT_LINEAR = re.compile(
     r"(^|\.)(embed_tokens|embed|wte|wpe|lm_head|output)(\.|$)|(^|\.)mlp\.gate$"
@@ -78,6 +82,13 @@ class LoRAConfig(Config):
         doc="store the adapted base weights 4-bit while training (QLoRA: nf4; a "
         "run passes it to lora.apply as quantize)",
     )
+    quantize_untargeted: bool = option(
+        False,
+        doc="with quantize_base: also store 4-bit the linear weights no target "
+        "adapts (every projection and mixture-of-experts stack; not embeddings, the "
+        "output head, norms or routers), as bitsandbytes' load_in_4bit does in a "
+        "PEFT QLoRA run: the frozen model is 4-bit whatever the targets",
+    )
     init: Literal["kaiming", "gaussian"] = option(
         "kaiming", doc="initialisation of A (B starts at zero)"
     )
@@ -116,6 +127,11 @@ class LoRAConfig(Config):
         )
         if not self.targets:
             raise ConfigError(f"{path}.targets: empty; name at least one module")
+        if self.quantize_untargeted and self.quantize_base == "none":
+            raise ConfigError(
+                f"{path}.quantize_untargeted: needs {path}.quantize_base: nf4 or "
+                "int4 (the scheme the frozen weights are stored in)"
+            )
         for t in self.targets:
             if t != ALL_LINEAR and not _PLAIN.fullmatch(t):
                 try:
@@ -166,6 +182,28 @@ def _check_patterns(path: str, patterns: object, valid: Any, want: str) -> None:
             raise ConfigError(f"{path}: {e}") from None
 
 
+_NOT_QUANTIZED = re.compile(
+    r"(^|\.)(embed_tokens|embed|wte|wpe|lm_head|output)(\.|$)"
+    r"|(^|\.)mlp\.(gate|shared_expert_gate)$"
+)
+
+
+def frozen_linear(module: str, per_layer_ndim: int) -> bool:
+    """Whether ``quantize_untargeted`` stores the module's weight 4-bit.
+
+    A projection ``(out, in)`` or a mixture of experts' stack ``(E, out, in)`` per
+    layer; not embeddings, the output head, norms, a MoE router ``mlp.gate`` or
+    Qwen2-MoE's ``shared_expert_gate`` (bitsandbytes' ``load_in_4bit`` keeps the
+    head in float too; the routers are kept so routing is unchanged).
+
+    >>> frozen_linear("model.layers.0.mlp.experts.down_proj", 3)
+    True
+    >>> frozen_linear("model.layers.0.mlp.gate", 2), frozen_linear("lm_head", 2)
+    (False, False)
+    """
+    return per_layer_ndim in (2, 3) and not _NOT_QUANTIZED.search(module)
+
+
 def target_matches(target: str, module: str, per_layer_ndim: int) -> bool:
     r"""Whether one target selects one Hugging Face module name.
 
@@ -192,4 +230,4 @@ def target_matches(target: str, module: str, per_layer_ndim: int) -> bool:
     return search_pattern(target, module)
 
 
-__all__ = ["ALL_LINEAR", "LoRAConfig", "target_matches"]
+__all__ = ["ALL_LINEAR", "BASE_BLOCK", "LoRAConfig", "frozen_linear", "target_matches"]

@@ -24,7 +24,7 @@ import numpy as np
 
 from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.lora import _quant
-from entrenar.lora.config import LoRAConfig, target_matches
+from entrenar.lora.config import LoRAConfig, frozen_linear, target_matches
 from entrenar.lora.names import (
     STACKED_KEYS,
     hf_modules,
@@ -116,6 +116,28 @@ def selects(
     return all(hits)
 
 
+def quantizes_untargeted(
+    name: str,
+    shape: tuple[int, ...],
+    config: LoRAConfig,
+    stacked_keys: tuple[str, ...] = STACKED_KEYS,
+) -> bool:
+    """Whether `apply` stores the leaf ``name`` 4-bit although no target adapts it.
+
+    With ``config.quantize_untargeted`` (and a ``quantize_base`` scheme): a linear
+    weight in `entrenar.lora.config.frozen_linear`'s sense that ``config.targets``
+    do not select and the scheme's blocks divide (a weight they do not divide stays
+    as it is: nothing asked for it by name). Decided from the name and shape alone.
+    """
+    if not config.quantize_untargeted or config.quantize_base == "none":
+        return False
+    modules = hf_modules(name, shape, stacked_keys)
+    per_layer_ndim = len(shape) - (stacked_split(name, stacked_keys) is not None)
+    if not modules or not all(frozen_linear(m, per_layer_ndim) for m in modules):
+        return False
+    return _quant.divides(shape, config.quantize_base)
+
+
 def apply(
     params: Params,
     config: LoRAConfig,
@@ -139,6 +161,8 @@ def apply(
         quantize: ``None``, ``"nf4"`` or ``"int4"``: store the frozen bases of the
             adapted weights as ``entrenar.quant.QuantizedWeight`` (QLoRA; NF4 uses
             double quantization). Bases already quantized are kept as they are.
+            With ``config.quantize_untargeted`` also every other linear weight
+            (`quantizes_untargeted`), as plain ``QuantizedWeight`` leaves.
         stacked_keys: the keys under which layers are stacked along axis 0.
 
     Returns:
@@ -160,12 +184,17 @@ def apply(
         raise ConfigError(f"quantize must be None, 'nf4' or 'int4', got {quantize!r}")
     flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_node)
     names = [n for n, _ in named_weight_leaves(params)]
-    out = []
+    out, wrapped = [], 0
     for i, (name, leaf) in enumerate(zip(names, flat)):
         shape = logical_shape(leaf)
         if not selects(name, shape, config, stacked_keys):
+            if quantize is not None and quantizes_untargeted(
+                name, shape, config, stacked_keys
+            ):  # no adapter, stored 4-bit (bitsandbytes' load_in_4bit)
+                leaf = _quant.quantize_base(leaf, quantize, name)
             out.append(leaf)
             continue
+        wrapped += 1
         if isinstance(leaf, LoRAWeight):
             raise ConfigError(
                 f"{name!r} already has a LoRA adapter; merge it first (lora.fold)"
@@ -185,7 +214,7 @@ def apply(
         if config.use_dora:  # B = 0: ‖W + s·BA‖ = ‖W‖ (of the quantized base)
             node = node.replace(magnitude=dora_norm(node))
         out.append(node)
-    if all(o is f for o, f in zip(out, flat)):
+    if not wrapped:
         raise ConfigError(_no_match_message(config.targets, names, flat))
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -319,6 +348,7 @@ __all__ = [
     "apply",
     "combine",
     "module_ranks",
+    "quantizes_untargeted",
     "split",
     "trainable_mask",
     "with_dropout_keys",

@@ -26,6 +26,8 @@ from entrenar.config.sections import ModelSection
 from entrenar.config.spec import arch_config
 from entrenar.errors import ConfigError, EntrenarError, FormatError
 from entrenar.io.safetensors_io import metadata_from_header
+from entrenar.lora.config import BASE_BLOCK
+from entrenar.lora.transform import quantizes_untargeted
 from entrenar.lora.transform import selects as lora_selects
 from entrenar.nn.hf_names import HostQuantize, Quantize, quantize_leaves
 from entrenar.quant.nf4 import quantize_nf4_host
@@ -160,8 +162,9 @@ def load_built(
 def base_quantizer(config: lora.LoRAConfig | None) -> Quantize | None:
     """The bases a QLoRA run quantizes, for the load to quantize as it reads them.
 
-    A leaf is quantized when `lora.apply` with ``config`` would wrap and quantize it,
-    by the same call (`entrenar.quant.quantize`, NF4 with double quantization), so
+    A leaf is quantized when `lora.apply` with ``config`` would wrap and quantize it
+    (or, with ``quantize_untargeted``, quantize it unwrapped), by the same call
+    (`entrenar.quant.quantize`, NF4 with double quantization), so
     `lora.apply` then finds those bases quantized and keeps them: the tree equals
     quantizing after the load, bit for bit, without a float copy of the model. A
     leaf `lora.apply` would refuse is left to it (its error, as before). None when
@@ -184,14 +187,9 @@ def base_quantizer(config: lora.LoRAConfig | None) -> Quantize | None:
                 check_blocks(shape, BASE_BLOCK, scheme)  # what quantize would refuse
         except EntrenarError:  # a target lora.apply refuses: its error, later
             return None
-        return fn if chosen else None
+        return fn if chosen or quantizes_untargeted(path, shape, config) else None
 
     return quantize
-
-
-BASE_BLOCK = 64
-"""Block size of a QLoRA base (`entrenar.quant.quantize`'s default): the block
-check, the JAX quantizer and the host form all take this one."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,7 +198,10 @@ def _check_lora(spec: TrainSpec, built: BuiltModel) -> int | None:
         return None
     if spec.model is not None and spec.model.keep_quantized:
         spec = dataclasses.replace(
-            spec, lora=dataclasses.replace(spec.lora, quantize_base="none")
+            spec,
+            lora=dataclasses.replace(
+                spec.lora, quantize_base="none", quantize_untargeted=False
+            ),
         )
     shapes = jax.eval_shape(
         lambda p: apply_lora(spec, p, jax.random.key(1)), built.params

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from entrenar import lora, native
+from entrenar import lora, native, quant
 from entrenar.errors import EntrenarError
 from entrenar.runs.models import BaseQuantize, base_quantizer
 
@@ -123,3 +123,56 @@ def test_the_quantizer_is_quant_quantize_with_double_quantization():
         np.testing.assert_array_equal(a, b)
     with native.policy("jax"):
         assert BaseQuantize("nf4").on_host(np.float32, np.float32) is None
+
+
+MOE_PATHS = [
+    "model.layers.mlp.experts.up_proj.weight",
+    "model.layers.mlp.gate.weight",
+    "model.layers.mlp.shared_expert_gate.weight",
+]
+
+
+def reference_quantizes(config: lora.LoRAConfig, path: str, shape) -> bool:
+    """Whether tracing `lora.apply` leaves ``path`` 4-bit (wrapped or not).
+
+    The tree also holds ``model.extra.target.weight``, which ``config`` targets,
+    so that a leaf no target names still sees `apply` run (``quantize_untargeted``).
+    """
+    tree: dict = {"model": {"extra": {"target": {"weight": jax.ShapeDtypeStruct(
+        (64, 64), "float32")}}}}  # fmt: skip
+    node = tree
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = jax.ShapeDtypeStruct(shape, "float32")
+
+    def wrap(t):
+        return lora.apply(
+            t, config, key=jax.random.key(0), quantize=config.quantize_base
+        )
+
+    try:
+        out = jax.eval_shape(wrap, tree)
+    except EntrenarError:
+        return False
+    for key in keys:
+        out = out[key]
+    base = out.base if isinstance(out, lora.LoRAWeight) else out
+    return quant.is_quantized(base)
+
+
+@given(
+    path=st.sampled_from([*PATHS, *MOE_PATHS]),
+    shape=st.lists(DIMS, min_size=1, max_size=4).map(tuple),
+    targets=st.sampled_from(TARGETS),
+    scheme=st.sampled_from(["nf4", "int4"]),
+)
+def test_the_untargeted_choice_is_lora_applys(path, shape, targets, scheme):
+    """With ``quantize_untargeted`` the load quantizes what `lora.apply` would."""
+    targets = [targets] if isinstance(targets, str) else targets
+    config = lora.LoRAConfig(
+        rank=2, targets=[*targets, "extra.target"], quantize_base=scheme,
+        quantize_untargeted=True,
+    )  # fmt: skip
+    fn = base_quantizer(config)(path, shape)
+    assert (fn is not None) == reference_quantizes(config, path, shape)
