@@ -21,7 +21,12 @@ from entrenar import io, lora, quant
 from entrenar.config.spec import TrainSpec
 from entrenar.io.llama_gguf import KEEP_QUANTIZED, _expected  # load_llama_gguf's rules
 from entrenar.io.read_ahead import LEAD_BYTES  # the folder load's read ahead
-from entrenar.nn.hf_names import QUANTIZE_AHEAD, Quantize, quantize_leaves
+from entrenar.nn.hf_names import (
+    QUANTIZE_AHEAD,
+    Quantize,
+    quantize_leaves,
+    stacked_split,
+)
 from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.quant.ggml import BLOCK_BYTES
 from entrenar.quant.ggml_mixed import ROW_FORMATS, MixedGGMLWeight, row_bytes
@@ -100,7 +105,11 @@ def _build(
 
     Also ``(final bytes, transient bytes)`` of each leaf in load order: a float leaf
     holds itself; a quantized one its float fill, the quantizer's temporaries and
-    its node (`_quantize_cost`).
+    its node (`_quantize_cost`); a quantized stack of layers ``(L, ...)`` only the
+    layers in flight, `QUANTIZE_AHEAD` + 1 of them (`entrenar.nn.hf_names.
+    stream_layers` fills and quantizes it a layer at a time: counting the whole
+    float stack planned 19 GB of transient for Qwen3-30B-A3B's NF4 experts, which
+    the load never holds).
     """
     costs: list[tuple[int, int]] = []
 
@@ -118,6 +127,12 @@ def _build(
                 fn = quantize(path, shape)
             if fn is None:
                 costs.append((tree_bytes(node), 0))
+            elif stacked_split(path) is not None and len(shape) > 2:
+                layer = jax.ShapeDtypeStruct((1, *shape[1:]), node.dtype)
+                temp = _quantize_cost(fn, layer)[1]
+                node = jax.eval_shape(fn, node)
+                fill = math.prod(shape[1:]) * itemsize + temp
+                costs.append((tree_bytes(node), (QUANTIZE_AHEAD + 1) * fill))
             else:
                 node, temp = _quantize_cost(fn, node)
                 costs.append((tree_bytes(node), math.prod(shape) * itemsize + temp))
@@ -155,10 +170,11 @@ def _in_flight(folder: Any, quantize: Quantize | None) -> int:
     file's mapped pages and, for a mixture of experts, as the ``(E, out, in)``
     stack made of its experts' tensors (`entrenar.nn.moe_families.ExpertStack`),
     both in the file's dtype; and the read ahead faults in up to `LEAD_BYTES` of
-    the shards beyond what the load has released. The whole-leaf bound of `_build`
-    covers this in float32 and for deep stacks, not for a few layers of large
-    bfloat16 experts (measured: 4 layers of 8 experts 2048 x 512 in bfloat16 peaked
-    0.070 GB over the tree, where the leaf is 0.067 GB).
+    the shards beyond what the load has released. `_build`'s bound (the layers in
+    flight in the model's dtype, with the quantizer's temporaries) covers this in
+    float32, not for large bfloat16 experts (measured: 4 layers of 8 experts
+    2048 x 512 in bfloat16 peaked 0.070 GB over the tree, where the leaf is
+    0.067 GB).
     """
     if quantize is None:
         return 0
