@@ -71,7 +71,13 @@ class Bfloat16Weight:
 
     @classmethod
     def from_array(cls, w: Any) -> Bfloat16Weight:
-        """Round ``w`` to bfloat16 (nearest, ties to even) and keep its bits."""
+        """Round ``w`` to bfloat16 (nearest, ties to even) and keep its bits.
+
+        A bfloat16 JAX array on one CPU device is not copied: its bits are a
+        ``uint16`` view of the same buffer (XLA's eager bitcast would copy it).
+        """
+        if _viewable(w):
+            return cls(jax.device_put(np.asarray(w).view(np.uint16)))
         w16 = jnp.asarray(w).astype(jnp.bfloat16)
         return cls(jax.lax.bitcast_convert_type(w16, jnp.uint16))
 
@@ -93,6 +99,16 @@ class Bfloat16Weight:
     def dtype(self) -> Any:
         """bfloat16, the dtype of `value`."""
         return jnp.dtype(jnp.bfloat16)
+
+
+def _viewable(w: Any) -> bool:
+    """Whether ``w`` is a concrete bfloat16 array in one CPU device's memory."""
+    if not isinstance(w, jax.Array) or isinstance(w, jax.core.Tracer):
+        return False
+    if w.dtype != jnp.bfloat16 or w.is_deleted():
+        return False
+    devices = w.devices()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
 @weight_matmul.register(Bfloat16Weight)
@@ -223,7 +239,10 @@ def to_bfloat16_weights(
 
     Meant for the frozen half of a split tree (`entrenar.lora.split`), used with
     ``matmul_dtype="bfloat16"``: each selected weight is rounded once instead of at
-    every step, and takes half the memory.
+    every step, and takes half the memory. A weight that already is a bfloat16
+    array on one CPU device becomes a node over the same memory
+    (`Bfloat16Weight.from_array`), so a bfloat16 model's frozen half is not held
+    twice by the Trainer, which keeps the half it was given beside this one.
 
     Args:
         params: a parameter tree (``None`` leaves are kept).

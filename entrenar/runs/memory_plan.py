@@ -56,6 +56,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from entrenar import lora, native
@@ -230,7 +231,8 @@ def refusal(plan: MemoryPlan) -> str:
         f"({phase}), over the budget of {gb(plan.budget)}. Parts: {parts}. To fit, "
         "lower data.batch_size or data.seq_len (activations), set "
         "model.remat_policy (e.g. nothing_saveable: keep fewer activations), "
-        "lora.quantize_base: nf4 or model.keep_quantized: true (4-bit bases), fewer "
+        "lora.quantize_base: nf4 or model.keep_quantized: true (4-bit bases; with "
+        "lora.quantize_untargeted: true also the weights no target adapts), fewer "
         "lora.targets or a lower lora.rank (adapters, optimizer), model.dtype: "
         "bfloat16 (halves the float weights), model.matmul_dtype or "
         "training.compute_dtype (the step's temporaries; a bfloat16 matmul_dtype "
@@ -261,11 +263,24 @@ def _batch(spec: TrainSpec, built: BuiltModel) -> dict[str, jax.ShapeDtypeStruct
     return {"x": jax.ShapeDtypeStruct((rows, n_in), np.float32), "y": y}
 
 
-def _new_bf16_bytes(tree: Any) -> int:
-    """Bytes of the leaves `to_bfloat16_weights` adds (``bits``, ``head_t``)."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+def _new_bf16_bytes(before: Any, after: Any) -> int:
+    """Bytes of the leaves `to_bfloat16_weights` adds (``bits``, ``head_t``).
+
+    ``before``/``after``: the frozen half and its converted form. The ``bits`` of a
+    weight that already was bfloat16 are a view of it (`Bfloat16Weight.from_array`),
+    not new memory.
+    """
+    was_bf16 = {
+        key_path_str(p)
+        for p, x in jax.tree_util.tree_flatten_with_path(before)[0]
+        if getattr(x, "dtype", None) == jnp.bfloat16
+    }
+    leaves = jax.tree_util.tree_flatten_with_path(after)[0]
     return sum(
-        tree_bytes(x) for p, x in leaves if key_path_str(p).endswith(("bits", "head_t"))
+        tree_bytes(x)
+        for p, x in leaves
+        if key_path_str(p).endswith("head_t")
+        or (key_path_str(p).endswith("bits") and key_path_str(p)[:-5] not in was_bf16)
     )
 
 
@@ -314,10 +329,12 @@ def _plan(spec: TrainSpec, *, compile_step: bool) -> MemoryPlan:
         lambda p: TrainState.create(p, optimizer, key=key, trainable=trainable), params
     )
     model = built.config
-    frozen = state.frozen
+    frozen = given = state.frozen
     if frozen is not None and spec.grpo is None:  # GRPO steps its own state
         frozen = jax.eval_shape(lambda f: _compute_frozen(model, f), frozen)
-    bf16 = _new_bf16_bytes(frozen) if frozen is not None and spec.grpo is None else 0
+    bf16 = (
+        _new_bf16_bytes(given, frozen) if given is not None and spec.grpo is None else 0
+    )
     step, detail = 0, "not compiled"
     if compile_step and (spec.preference is not None or spec.grpo is not None):
         step, detail = _preference_step(spec, built, params, optimizer, state, frozen)
