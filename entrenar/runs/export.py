@@ -329,7 +329,12 @@ def write_hf_folder(
         src = built.source
         cast = io.folder_dtype(src) if src and os.path.isdir(src) else None
     return io.save_hf_folder(
-        folder, built.config, params, tokenizer=built.tokenizer, dtype=cast
+        folder,
+        built.config,
+        params,
+        tokenizer=built.tokenizer,
+        dtype=cast,
+        source=built.source,
     )
 
 
