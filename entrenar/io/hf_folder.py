@@ -522,8 +522,12 @@ def _wrapped(
 
 
 def _wrapped_config(src: HFFolder, config: Any, text: dict[str, Any]) -> dict[str, Any]:
-    """The source's ``config.json``, its ``text_config`` updated where ``config``
-    writes another value than the source's own (``text``: ``config``'s ``to_hf``)."""
+    """The source's ``config.json``, its ``text_config`` updated where needed.
+
+    Updated where ``config`` writes another value than the source's own config
+    (``text``: ``config``'s ``to_hf``); ``torch_dtype`` / ``dtype`` where the file
+    names one.
+    """
     top = _json_object(os.path.join(src.path, "config.json"))
     to_hf = nn.architecture_of(config).to_hf
     assert to_hf is not None

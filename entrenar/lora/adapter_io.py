@@ -18,7 +18,8 @@ PEFT loads here. The language model of a vision-language checkpoint (``wrapper``
 names them on the ConditionalGeneration model
 (``model.language_model.layers.0.self_attn.q_proj``; the legacy
 ``language_model.model.layers...`` is read too), and its ``target_modules`` is a
-regex over the language model only, so that PEFT leaves the vision tower alone. `load_adapter` checks every name, shape and rank against the base
+regex over the language model only, so that PEFT leaves the vision tower alone.
+`load_adapter` checks every name, shape and rank against the base
 tree and reports everything that does not match in one `CompatibilityError`.
 """
 
@@ -236,9 +237,11 @@ def _peft_tensor(name: str) -> str:
 
 
 def _wrapped_targets(modules: list[str], suffixes: list[str], exact: bool) -> str:
-    """A vision-language model's ``target_modules``: a regex PEFT fullmatches
-    against its module names that picks the adapted language-model modules only
-    (a suffix list would adapt the vision tower's ``q_proj`` too).
+    """A vision-language model's ``target_modules``: a regex of its language model.
+
+    PEFT fullmatches it against its module names; it picks the adapted
+    language-model modules only (a suffix list would adapt the vision tower's
+    ``q_proj`` too).
 
     ``exact``: name each module (other modules share the suffixes).
     """

@@ -149,7 +149,9 @@ def text_config(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     if given is None:
         given = dict(w.absent)
     if not isinstance(given, Mapping):
-        raise FormatError(f"{source}: text_config = {str(given)[:40]!r} is not an object")
+        raise FormatError(
+            f"{source}: text_config = {str(given)[:40]!r} is not an object"
+        )
     text = {**w.text_defaults, **given}
     if text["model_type"] not in w.text_model_types:
         raise FormatError(

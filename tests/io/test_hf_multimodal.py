@@ -88,9 +88,8 @@ def test_gemma3_text_config_keys_left_out_take_transformers_defaults(tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_text_defaults_are_transformers(kind):
     w = multimodal.WRAPPERS[kind]
-    cls = transformers.Gemma3TextConfig if kind == "gemma3" else (
-        transformers.MistralConfig
-    )
+    gemma = kind == "gemma3"
+    cls = transformers.Gemma3TextConfig if gemma else transformers.MistralConfig
     theirs = cls().to_dict() | {"sliding_window_pattern": 6}  # Gemma3's _pattern
     for key, value in w.text_defaults.items():
         assert theirs[key] == value, key
@@ -110,9 +109,7 @@ def test_an_export_is_the_whole_folder_again(kind, tmp_path):
         (src / "preprocessor_config.json").write_text('{"do_resize": true}')
         info, params = io.load_hf_folder(src)
         params = jax.tree.map(lambda a: a * 1.01, params)  # a fine-tuned model
-        io.save_hf_folder(
-            out, info.config, params, source=src, max_shard_bytes=20_000
-        )
+        io.save_hf_folder(out, info.config, params, source=src, max_shard_bytes=20_000)
         assert json.loads((out / "config.json").read_text()) == json.loads(
             (src / "config.json").read_text()
         )
@@ -223,7 +220,9 @@ def test_bad_folders_are_refused_by_name(tmp_path):
     mc.save(model, tmp_path / "hf", layout="in-memory")
     tensors, _ = io.read_safetensors(tmp_path / "hf" / "model.safetensors")
     mixed = {k: np.asarray(v) for k, v in tensors.items()}
-    mixed["language_model.model.norm.weight"] = mixed.pop("model.language_model.norm.weight")
+    mixed["language_model.model.norm.weight"] = mixed.pop(
+        "model.language_model.norm.weight"
+    )
     safetensors.numpy.save_file(mixed, str(tmp_path / "hf" / "model.safetensors"))
     with pytest.raises(FormatError, match="mixes the legacy"):
         io.load_hf_folder(tmp_path / "hf")
