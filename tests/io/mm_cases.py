@@ -114,7 +114,18 @@ def save(m, folder, *, layout: str = "legacy", shard: str | None = None) -> None
     state = {k: v.contiguous() for k, v in m.state_dict().items()}
     if m.config.tie_word_embeddings:
         state.pop("lm_head.weight")
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    if shard is None:
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+        return
+    names = sorted(state)  # two shards and their index
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}  # fmt: skip
+    weight_map = {}
+    for file, part in halves.items():
+        save_file({k: state[k] for k in part}, folder / file, {"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def text_logits(m, tokens: np.ndarray = TOKENS) -> np.ndarray:

@@ -52,8 +52,8 @@ def test_a_folder_loads_its_language_model_with_transformers_logits(
     kind, layout, tie, tmp_path
 ):
     model = mc.model(kind, tie_word_embeddings=tie)
-    shard = "20KB" if layout == multimodal.LEGACY else None
-    mc.save(model, tmp_path, layout=layout, shard=shard)
+    mc.save(model, tmp_path, layout=layout, shard="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()  # sharded
     names = _names(tmp_path)
     head = "language_model.lm_head.weight" if layout == "legacy" else "lm_head.weight"
     assert (head in names) == (not tie)
@@ -74,11 +74,18 @@ def test_a_folder_loads_its_language_model_with_transformers_logits(
 
 def test_gemma3_text_config_keys_left_out_take_transformers_defaults(tmp_path):
     # Gemma 3 4B's text_config names six keys; the rest are Gemma3TextConfig's
-    mc.save(mc.model("gemma3", query_pre_attn_scalar=256), tmp_path)
+    # (6 layers: the 6th global by the default pattern, rotating scaled by 8)
+    made = mc.model(
+        "gemma3", query_pre_attn_scalar=256, num_hidden_layers=6, layer_types=None
+    )
+    mc.save(made, tmp_path)
     mc.keep_text_config(tmp_path)
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path)
+    assert model.config.text_config.layer_types[-1] == "full_attention"
     info, params = io.load_hf_folder(tmp_path)
     assert info.config.query_pre_attn_scalar == 256.0
+    assert info.config.layer_types == tuple(model.config.text_config.layer_types)
+    assert info.config.rope_type == "linear" and info.config.rope_factor == 8.0
     assert info.config.rope_theta == 1e6 and info.config.rope_local_theta == 1e4
     np.testing.assert_allclose(
         _entrenar_logits(info, params), mc.text_logits(model.eval()), atol=1e-5
@@ -281,3 +288,54 @@ def test_a_yaml_run_trains_on_a_gemma3_folder_and_exports_it(tmp_path):
     np.testing.assert_allclose(mc.text_logits(tuned), merged_logits, atol=1e-4)
     assert not np.allclose(merged_logits, mc.text_logits(model), atol=1e-6)
     assert nn.architecture("gemma3").hf_class == "Gemma3ForCausalLM"
+
+
+def test_a_bfloat16_folder_exports_as_bfloat16_with_its_vision_bytes(tmp_path):
+    from entrenar.runs import load_built
+    from entrenar.runs.export import write_hf_folder
+
+    model = mc.model("mistral3").to(torch.bfloat16)
+    mc.save(model, tmp_path / "hf", shard="20KB")
+    built = load_built(str(tmp_path / "hf"))  # float32, as a run loads it
+    out = write_hf_folder(built, built.params, str(tmp_path / "out"))  # dtype auto
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and built.config.param_dtype == "float32"
+    src, got = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+    assert set(src) == set(got)
+    for name, value in src.items():  # every tensor: float32 -> bfloat16 is exact
+        assert value.dtype == got[name].dtype and value.tobytes() == (
+            got[name].tobytes()
+        ), name
+    again = load_built(out)
+    assert again.config == built.config
+
+
+def _tensors(folder) -> dict[str, np.ndarray]:
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        tensors, _ = io.read_safetensors(f)
+        out |= {k: np.asarray(v) for k, v in tensors.items()}
+    return out
+
+
+def test_the_memory_plan_counts_the_language_model_only(tmp_path):
+    import hf_cases
+
+    from entrenar.config import validate
+    from entrenar.runs.memory_plan import plan_memory
+
+    model = mc.model("gemma3", vocab_size=512)
+    mc.save(model, tmp_path / "hf")
+    hf_cases.write_tokenizer(tmp_path / "hf", "gemma3")
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
+    doc = {
+        "model": {"path": str(tmp_path / "hf")},
+        "data": {"train": str(tmp_path / "t.jsonl"), "batch_size": 2, "seq_len": 8},
+        "lora": {"rank": 2, "targets": ["q_proj"]},
+        "training": {"max_steps": 1, "output_dir": str(tmp_path / "out")},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
+    plan = plan_memory(validate(tmp_path / "run.yaml"), compile_step=False)
+    text = [p for n, p in model.named_parameters() if not multimodal.is_vision(n)]
+    vision = [p for n, p in model.named_parameters() if multimodal.is_vision(n)]
+    assert vision and plan.weights == 4 * sum(p.numel() for p in text)  # tied once
