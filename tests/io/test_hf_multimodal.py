@@ -61,7 +61,8 @@ def test_a_folder_loads_its_language_model_with_transformers_logits(
         layout == "legacy"
     )
     info, params = io.load_hf_folder(tmp_path)
-    assert info.architecture.name == {"gemma3": "gemma3", "mistral3": "mistral"}[kind]
+    family = {"gemma3": "gemma3", "mistral3": "mistral"}[kind]
+    assert info.architecture.name == family == io.file_architecture(str(tmp_path))
     assert info.config.hf_wrapper == kind and info.config.tie_word_embeddings == tie
     assert info.multimodal.layout == layout
     vision = [p for n, p in model.named_parameters() if multimodal.is_vision(n)]
