@@ -18,6 +18,11 @@ and each safetensors header (`read_safetensors` maps the data without reading it
 shards of at most ``max_shard_bytes`` with the index when there are several,
 ``generation_config.json`` and the tokenizer files), which
 ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load.
+
+A vision-language folder (Gemma 3 4B+, Mistral Small 3.1/3.2: `entrenar.nn.
+multimodal`) is read as its language model, the vision tower and projector left on
+disk (`HFFolder.multimodal`); its export (``save_hf_folder(..., source=folder)``)
+writes the whole folder again, those tensors copied byte for byte.
 """
 
 from __future__ import annotations

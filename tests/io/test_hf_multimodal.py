@@ -133,6 +133,21 @@ def test_an_export_is_the_whole_folder_again(kind, tmp_path):
                 assert torch.equal(value, ours[name]), name
 
 
+def test_an_export_updates_only_the_text_config_keys_that_changed(tmp_path):
+    import dataclasses
+
+    mc.save(mc.model("gemma3"), tmp_path / "src")
+    info, params = io.load_hf_folder(tmp_path / "src")
+    longer = dataclasses.replace(info.config, max_position_embeddings=128)
+    io.save_hf_folder(tmp_path / "out", longer, params, source=tmp_path / "src")
+    src = json.loads((tmp_path / "src" / "config.json").read_text())
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    src["text_config"]["max_position_embeddings"] = 128
+    assert out == src
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert back.text_config.max_position_embeddings == 128
+
+
 def test_an_export_without_its_source_is_the_language_model_alone(tmp_path):
     model = mc.model("gemma3")
     mc.save(model, tmp_path / "src")
@@ -196,6 +211,27 @@ def test_peft_adapters_both_ways(kind, tmp_path):
         assert set(a.keys()) == set(b.keys())
         for k in a.keys():
             np.testing.assert_array_equal(a.get_tensor(k), b.get_tensor(k))
+
+
+def test_a_dora_adapter_on_the_head_loads_in_peft(tmp_path):
+    model = mc.model("mistral3")  # an untied head
+    mc.save(model, tmp_path / "hf")
+    info, params = io.load_hf_folder(tmp_path / "hf")
+    targets = ("q_proj", "down_proj", "lm_head")
+    cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets=targets, use_dora=True)
+    ours = _with_b(lora.apply(params, cfg, key=jax.random.key(3)))
+    lora.save_adapter(ours, tmp_path / "ad", config=cfg, wrapper="mistral3")
+    saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert saved["target_modules"] == (
+        r"model\.language_model\..*\.(?:down_proj|q_proj)|lm_head"
+    )
+    base = type(model).from_pretrained(tmp_path / "hf").eval()
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "ad").eval()
+    adapted = [n for n, _ in theirs.named_modules() if n.endswith(".lora_A")]
+    assert len(adapted) == 2 * 2 + 1 and "base_model.model.lm_head.lora_A" in adapted
+    np.testing.assert_allclose(
+        mc.text_logits(theirs), _entrenar_logits(info, ours), atol=1e-5
+    )
 
 
 def test_a_legacy_named_adapter_loads_and_a_vision_one_is_refused(tmp_path):
