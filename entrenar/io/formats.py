@@ -36,7 +36,7 @@ from entrenar.io.model import (
     unflatten_params,
 )
 from entrenar.io.safetensors_io import load_model_safetensors, save_model_safetensors
-from entrenar.nn import LlamaConfig
+from entrenar.nn import LlamaConfig, multimodal
 from entrenar.types import Params
 
 # numpy dtype name <-> ggml type id for generic GGUF tensors.
@@ -126,9 +126,11 @@ def file_architecture(path: str) -> str | None:
     if os.path.isdir(path):
         try:
             hf = read_json(os.path.join(path, "config.json"))
-            return (
-                nn.architecture_for_hf(hf, path).name if isinstance(hf, dict) else None
-            )
+            if not isinstance(hf, dict):
+                return None
+            if multimodal.wrapper(hf.get("model_type")) is not None:
+                hf = multimodal.text_config(hf, path)  # its language model's family
+            return nn.architecture_for_hf(hf, path).name
         except EntrenarError:
             return None
     try:

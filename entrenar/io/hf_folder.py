@@ -18,14 +18,21 @@ and each safetensors header (`read_safetensors` maps the data without reading it
 shards of at most ``max_shard_bytes`` with the index when there are several,
 ``generation_config.json`` and the tokenizer files), which
 ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load.
+
+A vision-language folder (Gemma 3 4B+, Mistral Small 3.1/3.2: `entrenar.nn.
+multimodal`) is read as its language model, the vision tower and projector left on
+disk (`HFFolder.multimodal`); its export (``save_hf_folder(..., source=folder)``)
+writes the whole folder again, those tensors copied byte for byte.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -34,7 +41,7 @@ import numpy as np
 from entrenar import nn
 from entrenar.errors import FormatError, ShapeError, UnsupportedError
 from entrenar.io.atomic import atomic_write
-from entrenar.io.bounded import MAX_CONFIG_BYTES, read_json
+from entrenar.io.bounded import MAX_CONFIG_BYTES, read_json, read_text
 from entrenar.io.heap import bound_heap
 from entrenar.io.hf_tokenizer import HFTokenizer, eos_ids_of, tokenizer_files
 from entrenar.io.read_ahead import ReadAhead
@@ -42,14 +49,18 @@ from entrenar.io.safetensors_io import (
     read_safetensors,
     write_safetensors_stream,
 )
+from entrenar.nn import multimodal
 from entrenar.nn.hf_names import (
     Quantize,
     lazy_hf_names,
     quantize_leaves,
     stream_hf_names,
 )
+from entrenar.nn.multimodal import Split
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.types import Params
+
+_LOG = logging.getLogger(__name__)
 
 MAX_INDEX_BYTES = 16 << 20
 """Largest ``model.safetensors.index.json`` read (a 405B model's is about 2 MB)."""
@@ -69,6 +80,9 @@ class HFFolder:
         config: the family's model config.
         files: the safetensors files (full paths), in name order.
         generation: ``generation_config.json`` (``{}`` when absent).
+        multimodal: a vision-language folder's split of its tensors
+            (`entrenar.nn.multimodal.Split`: the language model's layout, the
+            vision tower and projector left on disk); None for a text model.
     """
 
     path: str
@@ -76,6 +90,19 @@ class HFFolder:
     config: Any
     files: tuple[str, ...]
     generation: dict[str, Any]
+    multimodal: Split | None = None
+
+    @property
+    def skipped_note(self) -> str | None:
+        """What a vision-language folder's load leaves out, in one line, or None."""
+        mm = self.multimodal
+        if mm is None:
+            return None
+        return (
+            f"{self.config.hf_wrapper}: the language model only; the vision tower "
+            f"and projector ({len(mm.skipped)} tensors, {mm.skipped_params:,} "
+            "parameters) are not loaded (a Hugging Face export copies them back)"
+        )
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -115,10 +142,15 @@ def read_hf_config(folder: str | os.PathLike[str]) -> tuple[Any, Any]:
             f"{folder}: no config.json; is it a Hugging Face model folder?"
         )
     hf = _json_object(path)
+    wrapper = multimodal.wrapper(hf.get("model_type"))
+    if wrapper is not None:  # a vision-language folder: its language model
+        hf = multimodal.text_config(hf, path)
     arch = nn.architecture_for_hf(hf, path)
     assert arch.from_hf is not None  # architecture_for_hf returns readers only
     try:
         config = arch.from_hf(hf)
+        if wrapper is not None:
+            config = dataclasses.replace(config, hf_wrapper=wrapper.model_type)
     except (UnsupportedError, FormatError) as e:
         raise type(e)(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError, OverflowError) as e:  # missing, mistyped
@@ -180,7 +212,41 @@ def read_hf_folder(folder: str | os.PathLike[str]) -> HFFolder:
     gen_path = os.path.join(folder, "generation_config.json")
     generation = _json_object(gen_path) if os.path.isfile(gen_path) else {}
     eos_ids_of(generation, gen_path)
-    return HFFolder(folder, arch, config, files, generation)
+    split = None
+    if getattr(config, "hf_wrapper", None) is not None:
+        split = multimodal.split_tensors(_headers(files), folder)
+        config = _tied_as_stored(folder, config, "lm_head.weight" in split.text)
+    return HFFolder(folder, arch, config, files, generation, split)
+
+
+def _headers(files: tuple[str, ...]) -> dict[str, Any]:
+    """Every tensor of the (checked) safetensors files, memory-mapped, by name."""
+    flat: dict[str, Any] = {}
+    for file in files:
+        flat.update(read_safetensors(file)[0])
+    return flat
+
+
+def _tied_as_stored(folder: str, config: Any, has_head: bool) -> Any:
+    """A vision-language model's ``tie_word_embeddings`` as transformers 5 loads it.
+
+    Its ConditionalGeneration class ties the head by the top-level
+    ``tie_word_embeddings`` (default true), not the ``text_config``'s, and does
+    not tie a head the checkpoint stores: so the head is tied exactly when the
+    checkpoint has none.
+
+    Raises:
+        FormatError: no head stored and the top-level config says not to tie.
+    """
+    if has_head:
+        return dataclasses.replace(config, tie_word_embeddings=False)
+    top = _json_object(os.path.join(folder, "config.json"))
+    if top.get("tie_word_embeddings", True) is False:
+        raise FormatError(
+            f"{folder}: config.json says tie_word_embeddings: false but the "
+            "weights hold no lm_head.weight (language_model.lm_head.weight)"
+        )
+    return dataclasses.replace(config, tie_word_embeddings=True)
 
 
 def load_hf_folder(
@@ -215,10 +281,10 @@ def load_hf_folder(
         UnsupportedError: a family or feature entrenar does not implement.
     """
     info = read_hf_folder(folder)
-    flat: dict[str, Any] = {}
-    for file in info.files:
-        tensors, _ = read_safetensors(file)
-        flat.update(tensors)
+    flat = _headers(info.files)
+    if info.multimodal is not None:  # the language model only (HFFolder.skipped_note)
+        flat = {name: flat[stored] for name, stored in info.multimodal.text.items()}
+        _LOG.info("%s: %s", info.path, info.skipped_note)
     bound_heap(sum(t.nbytes for t in flat.values()))  # big buffers mapped (io.heap)
     convert = info.architecture.from_hf_tensors
     if convert is not None:  # a family whose checkpoint names differ from its tree
@@ -322,6 +388,7 @@ def save_hf_folder(
     generation: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     dtype: str | None = None,
+    source: str | os.PathLike[str] | None = None,
 ) -> str:
     """Write a Hugging Face folder that ``transformers`` loads (module docstring).
 
@@ -342,6 +409,13 @@ def save_hf_folder(
         dtype: write the float tensors in this dtype (``"bfloat16"``: each folded
             or trained float32 value rounded to nearest, as ``torch``'s ``.to``);
             None: as they are. ``config.json``'s ``torch_dtype`` says which.
+        source: the Hugging Face folder the model was read from. A vision-language
+            model's (``config.hf_wrapper``) export is that whole folder again
+            (`_wrapped`): its ``config.json`` (``text_config`` updated where the
+            model differs), its vision tower and projector copied byte for byte,
+            the language model under its key layout, its processor files. Without
+            the folder (gone, or another model's) it is written text-only as the
+            family's CausalLM, with a `UserWarning` saying so.
 
     Raises:
         UnsupportedError: the family has no Hugging Face form.
@@ -350,15 +424,25 @@ def save_hf_folder(
     arch = nn.architecture_of(config)
     if arch.to_hf is None:
         raise UnsupportedError(f"{arch.name} models have no Hugging Face form")
+    wrapped = _wrapper_source(config, source)
+    if wrapped is None and getattr(config, "hf_wrapper", None) is not None:
+        config = dataclasses.replace(config, hf_wrapper=None)
     os.makedirs(folder, exist_ok=True)
     made = lazy_hf_names(params)  # each tensor made (one layer sliced) when written
     convert = arch.to_hf_tensors
     if convert is not None:  # a family whose names differ (still made lazily)
         made = convert(made, config)
+    kept: dict[str, Any] = {}  # the vision tower and projector, copied as stored
+    if wrapped is not None:
+        made, kept = _wrapped(made, wrapped)
     specs = {k: _spec(made[k], dtype) for k in sorted(made)}  # nothing made
+    specs |= {k: (np.dtype(v.dtype), tuple(v.shape)) for k, v in kept.items()}
+    specs = dict(sorted(specs.items()))
     groups = _shards(specs, max_shard_bytes)
 
     def parts(name: str) -> list[np.ndarray]:
+        if name in kept:
+            return [np.asarray(kept[name])]
         return [np.asarray(_cast(_dense(made[name]()), dtype))]
 
     meta = {"format": "pt"}
@@ -383,6 +467,9 @@ def save_hf_folder(
     }
     if len(dtypes) == 1:
         hf.setdefault("torch_dtype", dtypes.pop())
+    if wrapped is not None:
+        hf = _wrapped_config(wrapped, config, hf)
+        _copy_processor_files(wrapped.path, folder)
     _write_json(os.path.join(folder, "config.json"), hf)
     gen = dict(generation) if generation is not None else _generation(tokenizer)
     _write_json(os.path.join(folder, "generation_config.json"), gen)
@@ -392,6 +479,95 @@ def save_hf_folder(
             with atomic_write(os.path.join(folder, name), "w") as f:
                 f.write(text)
     return folder
+
+
+def _wrapper_source(config: Any, source: Any) -> HFFolder | None:
+    """The vision-language folder a model was read from, or None (warned).
+
+    None for a text model; for a vision-language one (``config.hf_wrapper``) whose
+    ``source`` is not a readable folder of the same ``model_type`` and text
+    sizes, a `UserWarning` says the export is text-only.
+    """
+    kind = getattr(config, "hf_wrapper", None)
+    if kind is None:
+        return None
+    why = "no source folder was given"
+    if source is not None:
+        why = f"its source folder {os.fspath(source)} is gone"
+    if source is not None and os.path.isdir(source):
+        try:
+            src = read_hf_folder(source)
+        except (FormatError, UnsupportedError) as e:
+            why = f"its source folder cannot be read ({e})"
+        else:
+            shapes = src.config.param_shapes() == config.param_shapes()
+            if src.multimodal is not None and src.config.hf_wrapper == kind and shapes:
+                return src
+            why = f"{os.fspath(source)} is not the {kind} folder it was read from"
+    hf_class = nn.architecture_of(config).hf_class
+    warnings.warn(
+        f"a {kind} model's Hugging Face export copies the vision tower and "
+        f"projector from the folder it was read from, but {why}: writing the "
+        f"language model alone, as {hf_class} (load it with AutoModelForCausalLM)",
+        UserWarning,
+        stacklevel=3,
+    )
+    return None
+
+
+def _wrapped(
+    made: dict[str, Any], src: HFFolder
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(language model in src's layout, vision tensors as stored)``."""
+    assert src.multimodal is not None
+    layout = src.multimodal.layout
+    made = {multimodal.wrapped_name(k, layout): v for k, v in made.items()}
+    stored = _headers(src.files)
+    return made, {name: stored[name] for name in src.multimodal.skipped}
+
+
+def _wrapped_config(src: HFFolder, config: Any, text: dict[str, Any]) -> dict[str, Any]:
+    """The source's ``config.json``, its ``text_config`` updated where needed.
+
+    Updated where ``config`` writes another value than the source's own config
+    (``text``: ``config``'s ``to_hf``); ``torch_dtype`` / ``dtype`` where the file
+    names one.
+    """
+    top = _json_object(os.path.join(src.path, "config.json"))
+    to_hf = nn.architecture_of(config).to_hf
+    assert to_hf is not None
+    before = to_hf(src.config)
+    fixed = ("architectures", "model_type", "torch_dtype")
+    changed = {
+        k: v for k, v in text.items() if k not in fixed and before.get(k, v) != v
+    }
+    if changed:
+        top["text_config"] = {**(top.get("text_config") or {}), **changed}
+    if "torch_dtype" in text:  # the language model's dtype, where the file names one
+        for d in (top, top.get("text_config") or {}):
+            for key in ("torch_dtype", "dtype"):
+                if key in d:
+                    d[key] = text["torch_dtype"]
+    return top
+
+
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+)
+"""A vision-language folder's files an export copies as they are (the image
+processor's settings, the processor's chat template)."""
+
+
+def _copy_processor_files(source: str, folder: str) -> None:
+    for name in PROCESSOR_FILES:
+        path = os.path.join(source, name)
+        if os.path.isfile(path):
+            text = read_text(path, max_bytes=MAX_CONFIG_BYTES, what=name)
+            with atomic_write(os.path.join(folder, name), "w") as f:
+                f.write(text)
 
 
 def _generation(tokenizer: Any) -> dict[str, Any]:

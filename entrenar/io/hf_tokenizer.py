@@ -71,6 +71,21 @@ def _token_text(value: Any, where: str) -> str | None:
     raise FormatError(f"{where}: want a token string or {{'content': str}}")
 
 
+def _processor_template(folder: str) -> str | None:
+    """The template of a processor's ``chat_template.json``, or None without one.
+
+    Vision-language folders (Gemma 3, Mistral 3) written before
+    ``chat_template.jinja`` keep the processor's template there,
+    ``{"chat_template": "..."}``; transformers' processor reads it when neither
+    the ``.jinja`` file nor the tokenizer config has one.
+    """
+    path = os.path.join(folder, "chat_template.json")
+    if not os.path.isfile(path):
+        return None
+    value = _optional_json(path).get("chat_template")
+    return _template(value, f"{path}: chat_template")
+
+
 def _template(value: Any, where: str) -> str | None:
     """``chat_template``: a string, or the ``default`` of a list of named ones."""
     if value is None or isinstance(value, str):
@@ -333,6 +348,8 @@ class HFTokenizer(RustTokenizer):
         template = None
         if os.path.isfile(jinja):
             template = read_text(jinja, max_bytes=MAX_TEMPLATE_BYTES, what="template")
+        elif config.get("chat_template") is None:
+            template = _processor_template(folder)
         gen_path = os.path.join(folder, "generation_config.json")
         stop = eos_ids_of(_optional_json(gen_path), gen_path)
         return cls(text, config, source=path, chat_template=template, stop_ids=stop)

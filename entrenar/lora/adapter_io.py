@@ -13,7 +13,13 @@ and for DoRA (``use_dora: true``, PEFT 0.21's names, no ``.weight`` suffix)::
     base_model.model.<m>.lora_magnitude_vector   (out,)   float32
 
 so an adapter trained here loads with ``PeftModel.from_pretrained`` and one saved by
-PEFT loads here. `load_adapter` checks every name, shape and rank against the base
+PEFT loads here. The language model of a vision-language checkpoint (``wrapper``:
+``"gemma3"``, ``"mistral3"``, `entrenar.nn.multimodal`) names its modules as PEFT
+names them on the ConditionalGeneration model
+(``model.language_model.layers.0.self_attn.q_proj``; the legacy
+``language_model.model.layers...`` is read too), and its ``target_modules`` is a
+regex over the language model only, so that PEFT leaves the vision tower alone.
+`load_adapter` checks every name, shape and rank against the base
 tree and reports everything that does not match in one `CompatibilityError`.
 """
 
@@ -49,6 +55,7 @@ from entrenar.lora.names import (
 from entrenar.lora.patterns import check_pattern, check_peft_key, peft_pattern_value
 from entrenar.lora.peft_keys import check_peft_keys
 from entrenar.lora.weight import LoRAWeight, dora_norm, with_layer_ranks
+from entrenar.nn import multimodal
 from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params
 
@@ -95,6 +102,7 @@ def save_adapter(
     task_type: str | None = "CAUSAL_LM",
     stacked_keys: tuple[str, ...] = STACKED_KEYS,
     config: LoRAConfig | None = None,
+    wrapper: str | None = None,
 ) -> None:
     """Write the adapters of ``params`` to the folder ``path`` in PEFT's layout.
 
@@ -113,6 +121,8 @@ def save_adapter(
             are (as PEFT writes its config's); otherwise, and without it, ``r`` and
             ``lora_alpha`` are the most common values and the patterns name each
             module that differs (``re.escape`` of its name).
+        wrapper: the vision-language ``model_type`` the model's language model
+            was read from (``config.hf_wrapper``), or None (module docstring).
 
     A layer whose A and B are both zero (one `load_adapter` filled in for a layer
     the file had no adapter for; for DoRA also ``m = ‖W‖`` exactly) is left out,
@@ -164,11 +174,12 @@ def save_adapter(
                     mag[i] if stacked else mag
                 )
             ranks[m], alphas[m] = r_i, layer_alphas[i]
+    if wrapper is not None:  # PEFT's names on the ConditionalGeneration model
+        tensors = {_peft_tensor(k): v for k, v in tensors.items()}
     if not ranks:
         raise CompatibilityError(
             "save_adapter: every adapter is zero (A = 0 and B = 0): nothing to save"
         )
-    r, alpha, rank_pattern, alpha_pattern = _patterns(ranks, alphas, config)
     suffixes = sorted({m.rsplit(".", 1)[-1] for m in ranks})
     all_modules = {
         m
@@ -179,6 +190,11 @@ def save_adapter(
     targets: list[str] | str = suffixes
     if others:  # a suffix list would adapt more modules: name them exactly
         targets = "|".join(re.escape(m) for m in sorted(ranks))
+    if wrapper is not None:
+        targets = _wrapped_targets(sorted(ranks), suffixes, bool(others))
+        ranks = {multimodal.peft_module(m): k for m, k in ranks.items()}
+        alphas = {multimodal.peft_module(m): k for m, k in alphas.items()}
+    r, alpha, rank_pattern, alpha_pattern = _patterns(ranks, alphas, config)
     written = {
         "peft_type": "LORA",
         "task_type": task_type,
@@ -209,6 +225,34 @@ def save_adapter(
     )
     with atomic_write(os.path.join(folder, CONFIG_NAME), "w") as f:
         f.write(json.dumps(written, indent=2))
+
+
+def _peft_tensor(name: str) -> str:
+    """``base_model.model.<text module>.<part>`` under PEFT's wrapped module name."""
+    m = _TENSOR.fullmatch(name)
+    assert m is not None
+    module = m.group(1)
+    rest = name[len(PREFIX) + len(module) :]
+    return f"{PREFIX}{multimodal.peft_module(module)}{rest}"
+
+
+def _wrapped_targets(modules: list[str], suffixes: list[str], exact: bool) -> str:
+    """A vision-language model's ``target_modules``: a regex of its language model.
+
+    PEFT fullmatches it against its module names; it picks the adapted
+    language-model modules only (a suffix list would adapt the vision tower's
+    ``q_proj`` too).
+
+    ``exact``: name each module (other modules share the suffixes).
+    """
+    if exact:
+        return "|".join(re.escape(multimodal.peft_module(m)) for m in modules)
+    inner = [s for s in suffixes if any(m.endswith("." + s) for m in modules)]
+    tails = "|".join(re.escape(s) for s in inner if s != "lm_head")
+    parts = [rf"model\.language_model\..*\.(?:{tails})"] if tails else []
+    if "lm_head" in modules:
+        parts.append("lm_head")
+    return "|".join(parts)
 
 
 def _patterns(
@@ -351,6 +395,7 @@ def load_adapter(
     base_params: Params,
     *,
     stacked_keys: tuple[str, ...] = STACKED_KEYS,
+    wrapper: str | None = None,
 ) -> Params:
     """Read a PEFT LoRA adapter folder and attach it to ``base_params``.
 
@@ -358,6 +403,10 @@ def load_adapter(
         path: folder with ``adapter_config.json`` and ``adapter_model.safetensors``.
         base_params: the base model's tree (dense or quantized weights).
         stacked_keys: keys under which layers are stacked.
+        wrapper: the vision-language ``model_type`` the base's language model was
+            read from (``config.hf_wrapper``): the adapter's module names are
+            PEFT's on the ConditionalGeneration model, in either key layout
+            (module docstring); one on the vision tower or projector is refused.
 
     Returns:
         ``base_params`` with every adapted weight a `LoRAWeight` (adapters float32).
@@ -381,6 +430,8 @@ def load_adapter(
     header, _ = read_safetensors(wfile)  # validated, memory-mapped
     problems: list[str] = []
     found = _group_by_module(header, problems)
+    if wrapper is not None:
+        found = _text_modules(found, wrapper, problems)
     flat, treedef = jax.tree_util.tree_flatten(base_params, is_leaf=is_weight_node)
     names = [n for n, _ in named_weight_leaves(base_params)]
     per_leaf = _place_modules(found, flat, names, cfg, stacked_keys, problems)
@@ -435,6 +486,33 @@ def _group_by_module(
         names[key] = name
         found[m.group(1)][key[1]] = info
     return found
+
+
+def _text_modules(
+    found: dict[str, dict[str, Any]], wrapper: str, problems: list[str]
+) -> dict[str, dict[str, Any]]:
+    """PEFT's module names on a ConditionalGeneration model as the text model's."""
+    out: dict[str, dict[str, Any]] = {}
+    vision = sorted(m for m in found if multimodal.is_vision(m))
+    if vision:
+        problems.append(
+            f"{len(vision)} modules adapt the {wrapper} vision tower or projector "
+            f"({vision[0]!r}, ...), which entrenar does not load: train the adapter "
+            "on the language model only (PEFT target_modules a regex such as "
+            r"'model\.language_model\..*\.(?:q_proj|v_proj)')"
+        )
+    for mod, parts in found.items():
+        if mod in vision:
+            continue
+        text = multimodal.text_module(mod)
+        if text is None:
+            problems.append(
+                f"module {mod!r} is not of the {wrapper} language model "
+                "(model.language_model.*, language_model.model.*, lm_head)"
+            )
+            continue
+        out[text] = parts
+    return out
 
 
 def _place_modules(

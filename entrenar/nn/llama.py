@@ -129,6 +129,11 @@ class LlamaConfig:
             same, only not faster.
         architecture: the registry name of the family (``"llama"``, ``"qwen2"``,
             ...); `to_hf_config` writes that family's ``config.json``.
+        hf_wrapper: the vision-language ``model_type`` (``"gemma3"``,
+            ``"mistral3"``) whose language model this is, or None
+            (`entrenar.nn.multimodal`): PEFT files name its modules as on the
+            ConditionalGeneration model, a Hugging Face export writes the whole
+            folder again.
         rope_type: rotary scaling (Hugging Face's ``rope_type``): ``"default"``,
             ``"linear"``, ``"dynamic"`` (NTK: the base grows with the sequence
             length), ``"llama3"``, ``"yarn"`` or ``"longrope"`` (specs/models.md).
@@ -232,6 +237,7 @@ class LlamaConfig:
     matmul_dtype: str | None = None
     remat_policy: str | None = None
     architecture: str = "llama"
+    hf_wrapper: str | None = None
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0

@@ -287,7 +287,9 @@ def _adapted_base(spec: Any, adapter: str) -> BuiltModel:
         key=jax.random.key(spec.training.seed),
         quantize=base_quantizer(spec.lora),  # QLoRA: the base the adapter learned on
     )
-    return dataclasses.replace(built, params=lora.load_adapter(adapter, built.params))
+    wrapper = getattr(built.config, "hf_wrapper", None)
+    params = lora.load_adapter(adapter, built.params, wrapper=wrapper)
+    return dataclasses.replace(built, params=params)
 
 
 __all__ = [

@@ -242,6 +242,7 @@ def _write_exports(
             params, folder, base_model_name_or_path=built.source,
             task_type="CAUSAL_LM" if built.is_lm else None,
             config=spec.lora if spec.lora is not None and spec.lora.enabled else None,
+            wrapper=getattr(built.config, "hf_wrapper", None),
         )  # fmt: skip
         written["adapter"] = folder
     folded: list[Params] = []
@@ -329,7 +330,12 @@ def write_hf_folder(
         src = built.source
         cast = io.folder_dtype(src) if src and os.path.isdir(src) else None
     return io.save_hf_folder(
-        folder, built.config, params, tokenizer=built.tokenizer, dtype=cast
+        folder,
+        built.config,
+        params,
+        tokenizer=built.tokenizer,
+        dtype=cast,
+        source=built.source,
     )
 
 

@@ -142,7 +142,8 @@ def load_chat(
         )
     params = decoding_params(built, keep_quantized)
     if adapter is not None:
-        params = lora.load_adapter(adapter, params)
+        wrapper = getattr(built.config, "hf_wrapper", None)
+        params = lora.load_adapter(adapter, params, wrapper=wrapper)
     return chat_lib.ChatModel(
         built.config, params, tok, stop_ids=chat_lib.end_of_turn_ids(tok),
         decode_activations=decode_activations,

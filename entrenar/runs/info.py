@@ -94,11 +94,14 @@ def model_info(path: str, *, tensors: bool = False) -> dict[str, Any]:
     if os.path.isdir(path):
         built = read_header(path)
         items = []
-        for file in io.read_hf_folder(path).files:
+        folder = io.read_hf_folder(path)
+        for file in folder.files:
             for n, a in io.read_safetensors(file)[0].items():
                 items.append((n, tuple(a.shape), str(a.dtype)))
         out: dict[str, Any] = {"path": path, "format": "hf-folder"}
         out["architecture"] = built.architecture
+        if folder.skipped_note is not None:  # a vision-language folder
+            out["not_loaded"] = folder.skipped_note
         out["context_length"] = built.config.max_position_embeddings
         out |= _tokenizer_rows(built.tokenizer)
     elif io.detect_format(path) == io.ModelFormat.GGUF:
