@@ -62,6 +62,7 @@ from entrenar.nn.layers import (
 from entrenar.nn.linear import check_matmul_dtype, linear
 from entrenar.nn.matvec import layer_params
 from entrenar.nn.moe import sparse_moe
+from entrenar.nn.multimodal import WRAPPERS
 from entrenar.nn.registry import architecture, architecture_for_hf
 from entrenar.nn.rope import rope_tables, rotate
 from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
@@ -316,6 +317,11 @@ class LlamaConfig:
             )
         check_switches(self)
         _check_experts(self)
+        if self.hf_wrapper is not None and self.hf_wrapper not in WRAPPERS:
+            raise ConfigError(
+                f"LlamaConfig.hf_wrapper must be None or one of {sorted(WRAPPERS)} "
+                f"(a vision-language folder's model_type), got {self.hf_wrapper!r}"
+            )
         try:
             family = architecture(self.architecture)
         except UnsupportedError as e:

@@ -11,6 +11,7 @@ there; a YAML run trains on such a folder and exports all of it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -376,3 +377,11 @@ def test_the_memory_plan_counts_the_language_model_only(tmp_path):
     text = [p for n, p in model.named_parameters() if not multimodal.is_vision(n)]
     vision = [p for n, p in model.named_parameters() if multimodal.is_vision(n)]
     assert vision and plan.weights == 4 * sum(p.numel() for p in text)  # tied once
+
+
+def test_an_unknown_wrapper_is_refused():
+    """``hf_wrapper`` is a LlamaConfig field (so YAML ``model.config`` reaches it)."""
+    from entrenar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"hf_wrapper must be None or one of"):
+        dataclasses.replace(nn.architecture("gemma3").tiny(), hf_wrapper="llava")
