@@ -206,6 +206,35 @@ def test_skip_nonfinite_keeps_state_and_flags_step():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("kernels", ["auto", "jax"])
+def test_skipping_nonfinite_steps_costs_no_copy_of_the_state(kernels):
+    """The step holds one trainable-sized temporary (the gradient), skip or not.
+
+    Before: ``where(finite, new, old)`` kept the old θ, m and v alive beside the
+    new ones; XLA copied all three before the native AdamW kernel's in-place
+    update (4 temporaries of the parameters' size, 2 on the pure-JAX path).
+    """
+    from entrenar import native
+
+    n = 512
+
+    def loss_fn(p, b, *, key):
+        return jnp.sum(jnp.tanh(p["w"] @ b["x"]))
+
+    tx = adamw(1e-3)
+    p = {"w": jax.ShapeDtypeStruct((n, n), jnp.float32)}
+    opt = jax.eval_shape(tx.init, p)
+    batch = {"x": jax.ShapeDtypeStruct((n, 4), jnp.float32)}
+    args = (p, opt, None, jnp.int32(0), jax.random.key(0), batch)
+    temps = []
+    with native.policy(kernels):
+        for skip in (False, True):
+            step = make_train_step(loss_fn, tx, skip_nonfinite=skip)
+            m = step.jitted.lower(*args).compile().memory_analysis()
+            temps.append(m.temp_size_in_bytes / (n * n * 4))
+    assert temps[1] < temps[0] + 0.5, temps
+
+
 def test_donation_leaves_callers_params_usable_and_step_does_not_recompile():
     p = {"w": jnp.ones(3)}
     tx = sgd(0.1)
