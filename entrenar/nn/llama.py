@@ -147,6 +147,10 @@ class LlamaConfig:
         rope_freq_divisors: explicit per-frequency divisors of the inverse
             frequencies (``d/2`` values, llama.cpp's ``rope_freqs`` tensor), with
             ``rope_type="default"``.
+        partial_rotary_factor: rotary embeddings turn the first ``r = int(d ·
+            factor)`` values of each head (`rotary_dim`) and pass the other
+            ``d - r`` through (Hugging Face's ``partial_rotary_factor``: Phi-4-mini's
+            0.75; llama.cpp's ``rope.dimension_count``); 1: the whole head.
         rope_local_theta: rotary base of the sliding-window layers (Gemma 3's
             ``rope_local_base_freq``; no scaling there); None: ``rope_theta``.
         attention_bias: biases on the q, k and v projections.
@@ -243,6 +247,7 @@ class LlamaConfig:
     rope_short_factor: tuple[float, ...] | None = None
     rope_long_factor: tuple[float, ...] | None = None
     rope_freq_divisors: tuple[float, ...] | None = None
+    partial_rotary_factor: float = 1.0
     rope_local_theta: float | None = None
     attention_bias: bool = False
     attention_out_bias: bool = False
@@ -385,6 +390,15 @@ class LlamaConfig:
     def hd(self) -> int:
         """The head dimension ``d``."""
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """``r = int(d · partial_rotary_factor)``: the rotated values of each head.
+
+        As transformers computes it (``modeling_rope_utils``): the inverse
+        frequencies, and every scaling's, are those of a head of ``r`` values.
+        """
+        return int(self.hd * self.partial_rotary_factor)
 
     def param_shapes(self) -> dict[str, Any]:
         """Nested dict of parameter shapes, the tree of specs/conventions.md.
@@ -720,7 +734,7 @@ class LlamaConfig:
         if self.embedding_multiplier is not None:  # Granite
             h = h * jnp.asarray(self.embedding_multiplier, self.dtype)
         pos = None if cache is None else cache.pos
-        # (B|1, T, 1, d) each: every layer's rotation, computed once (rope_tables)
+        # (B|1, T, 1, r) each: every layer's rotation, computed once (rope_tables)
         rope = self._rope(positions, self.rope_theta, scaled=True)
         sliding = sliding_layers(self)
         mixed = any(sliding) and not all(sliding)
@@ -820,11 +834,12 @@ class LlamaConfig:
         """Rotary tables at ``positions``; ``scaled``: with ``rope_type``'s scaling."""
         f = upcast_dtype(self.dtype)
         if not scaled or (self.rope_type == "default" and not self.rope_freq_divisors):
-            return rope_tables(positions, self.hd, theta, f)
+            return rope_tables(positions, self.rotary_dim, theta, f)
         inv = rope_inv_freq(self, positions, f)
         return rope_tables(
-            positions, self.hd, theta, f, inv_freq=inv, scale=attention_factor(self)
-        )
+            positions, self.rotary_dim, theta, f, inv_freq=inv,
+            scale=attention_factor(self),
+        )  # fmt: skip
 
     def _residual(self, x: jax.Array) -> jax.Array:
         """A sublayer's output as added to the stream (× ``residual_multiplier``)."""
