@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
@@ -167,6 +167,36 @@ def sliding_layers(c: Any) -> tuple[bool, ...]:
     if c.layer_types is None:
         return (True,) * c.num_layers
     return tuple(t == "sliding_attention" for t in c.layer_types)
+
+
+def sliding_from_hf(
+    hf: Mapping[str, Any],
+    source: str,
+    default_types: Sequence[str] | None = None,
+    default_window: int | None = None,
+) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` of a ``config.json``; None, None: no slide.
+
+    The families with sliding layers (Gemma 2/3, OLMo 3, SmolLM3) read them here.
+    ``layer_types`` are the file's, else ``default_types`` (the family's layout);
+    ``sliding_window`` the file's, else ``default_window`` (a ``null`` in the file
+    stays null).
+
+    Raises:
+        UnsupportedError: sliding layers and a ``null`` window (transformers'
+            sliding mask raises for them at the first forward pass).
+    """
+    types = hf.get("layer_types") or default_types
+    window = hf.get("sliding_window", default_window)
+    if not types or "sliding_attention" not in types:
+        return None, None
+    if window is None:
+        raise UnsupportedError(
+            f"{source}: {hf.get('model_type')}'s layer_types have sliding layers but "
+            "sliding_window is null; set the window (or make those layers "
+            "full_attention)"
+        )
+    return int(window), tuple(types)
 
 
 # ------------------------------------------------------------ config.json <-> fields
@@ -563,5 +593,6 @@ __all__ = [
     "rope_by_layer_type",
     "rope_from_hf",
     "rope_to_hf",
+    "sliding_from_hf",
     "sliding_layers",
 ]
