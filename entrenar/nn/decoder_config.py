@@ -572,6 +572,7 @@ SWITCHES = (
     "fused_gate_up",
     "num_experts",
     "shared_expert_intermediate_size",
+    "router_jitter_noise",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 
