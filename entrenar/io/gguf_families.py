@@ -14,6 +14,9 @@ hyperparameters ``{arch}.*``. The families differ in:
   Qwen2/3, Gemma and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
 - **Granite's multipliers** (`SCALE_KEYS`): ``embedding_scale``,
   ``residual_scale``, ``attention.scale``, ``logit_scale``;
+- **partial rotary** (`PARTIAL_ROTARY`): ``rope.dimension_count`` below the head
+  dimension rotates the first values of each head in llama.cpp's Phi-3 graph; the
+  others assert it equals the head dimension;
 - **NoPE layers** (`NOPE_PERIOD`): SmolLM3's graph skips rotary on every 4th layer,
   a rule no key states;
 - **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
@@ -116,6 +119,11 @@ UNTIED = frozenset({"olmo2"})
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 """llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
+PARTIAL_ROTARY = frozenset({"phi3"})
+"""llama.cpp names whose graph rotates ``rope.dimension_count`` values of each head
+and passes the rest (Phi-4-mini: 96 of 128, NEOX layout as Hugging Face's); the
+other graphs entrenar writes assert ``n_rot == n_embd_head`` (llama.cpp's
+``src/models/llama.cpp``)."""
 NOPE_PERIOD = {"smollm3": 4}
 """llama.cpp names whose graph skips rotary on layer ``i`` when ``(i + 1) % n == 0``
 (no key states it: SmolLM3's ``n_no_rope_layer_step``, fixed at 4)."""
@@ -153,8 +161,9 @@ FAMILY_KEY = "entrenar.family"
 """GGUF key of the JSON object of fields llama.cpp's keys cannot state."""
 _TOLD_BY_TENSORS = frozenset(
     "attention_bias attention_out_bias mlp_bias qk_norm fused_qkv fused_gate_up "
-    "num_experts shared_expert_intermediate_size".split()
-)  # (the experts' sizes: {arch}.expert_count, expert_shared_feed_forward_length)
+    "num_experts shared_expert_intermediate_size partial_rotary_factor".split()
+)  # (the experts' sizes: {arch}.expert_count, expert_shared_feed_forward_length;
+# the rotated share: rope.dimension_count)
 SWITCH_FIELDS = (
     "architecture",
     "rope_type",
@@ -244,6 +253,7 @@ __all__ = [
     "NOPE_PERIOD",
     "NORM_SHIFT",
     "ONE_BASE",
+    "PARTIAL_ROTARY",
     "PERMUTED",
     "POST_NORM_STEMS",
     "SANDWICH_STEMS",

@@ -53,6 +53,7 @@ from entrenar.io.gguf_families import (
     IMPLIED,
     MOE_FAMILIES,
     NORM_SHIFT,
+    PARTIAL_ROTARY,
     PERMUTED,
     SCALE_KEYS,
     SHARED_EXPERT,
@@ -218,12 +219,12 @@ def _meta_float(g: GGUFFile, key: str, default: Any) -> Any:
 def _head_dim(g: GGUFFile, p: str, hidden: int, heads: int) -> int:
     """``attention.key_length`` (default ``hidden / heads``), checked for consistency.
 
-    ``rope.dimension_count`` and ``attention.value_length``, when given, must equal it.
+    ``attention.value_length``, when given, must equal it.
 
     Raises:
         FormatError: no key length and a width that ``heads`` does not divide.
-        UnsupportedError: rotary embeddings over part of a head, or values of another
-            width than keys (entrenar rotates and projects whole heads).
+        UnsupportedError: values of another width than keys (entrenar projects
+            whole heads).
     """
     if f"{p}attention.key_length" in g.fields:
         head_dim = _meta_int(g, f"{p}attention.key_length")
@@ -235,13 +236,36 @@ def _head_dim(g: GGUFFile, p: str, hidden: int, heads: int) -> int:
         )
     else:
         head_dim = hidden // heads
-    for key in (f"{p}rope.dimension_count", f"{p}attention.value_length"):
-        if key in g.fields and _meta_int(g, key) != head_dim:
-            raise UnsupportedError(
-                f"{g.path}: metadata {key!r} = {g.fields[key].value} differs from "
-                f"the head dimension {head_dim}; entrenar needs them equal"
-            )
+    key = f"{p}attention.value_length"
+    if key in g.fields and _meta_int(g, key) != head_dim:
+        raise UnsupportedError(
+            f"{g.path}: metadata {key!r} = {g.fields[key].value} differs from "
+            f"the head dimension {head_dim}; entrenar needs them equal"
+        )
     return head_dim
+
+
+def _rotary_dim(g: GGUFFile, name: str, head_dim: int) -> int:
+    """``rope.dimension_count`` (default ``head_dim``): the rotated values of a head.
+
+    Raises:
+        UnsupportedError: fewer than ``head_dim`` in a family whose llama.cpp
+            graph rotates whole heads (`PARTIAL_ROTARY` lists the others), or
+            more, or an odd number.
+    """
+    key = f"{name}.rope.dimension_count"
+    if key not in g.fields:
+        return head_dim
+    n_rot = _meta_int(g, key)
+    if n_rot == head_dim:
+        return n_rot
+    if name not in PARTIAL_ROTARY or not 2 <= n_rot < head_dim or n_rot % 2:
+        raise UnsupportedError(
+            f"{g.path}: metadata {key!r} = {n_rot} differs from the head dimension "
+            f"{head_dim}; entrenar rotates part of a head (an even number of "
+            f"values) only in {sorted(PARTIAL_ROTARY)}, as llama.cpp's graphs do"
+        )
+    return n_rot
 
 
 def _vector(g: GGUFFile, name: str, n: int) -> tuple[float, ...]:
@@ -255,8 +279,26 @@ def _vector(g: GGUFFile, name: str, n: int) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
+def rotary_factor(n_rot: int, head_dim: int) -> float:
+    """The ``partial_rotary_factor`` whose ``int(head_dim · factor)`` is ``n_rot``.
+
+    ``n_rot / head_dim``, one step up where the product rounds below ``n_rot``
+    (``2 / 98 · 98`` is ``1.999…`` in floating point).
+
+    >>> rotary_factor(96, 128), int(98 * rotary_factor(2, 98))
+    (0.75, 2)
+    """
+    factor = n_rot / head_dim
+    while int(head_dim * factor) < n_rot:
+        factor = math.nextafter(factor, math.inf)
+    return factor
+
+
 def _rope_fields(g: GGUFFile, p: str, head_dim: int) -> dict[str, Any]:
-    """Rotary scaling from ``{arch}.rope.scaling.*`` and ``rope_freqs``/factors."""
+    """Rotary scaling from ``{arch}.rope.scaling.*`` and ``rope_freqs``/factors.
+
+    ``head_dim``: the rotated values of a head (``rope.dimension_count``).
+    """
     kind_f = g.fields.get(f"{p}rope.scaling.type")
     kind = "none" if kind_f is None else kind_f.value
     if kind not in ROPE_SCALINGS:
@@ -265,7 +307,7 @@ def _rope_fields(g: GGUFFile, p: str, head_dim: int) -> dict[str, Any]:
             f"{ROPE_SCALINGS[2:]} (or none)"
         )
     out: dict[str, Any] = {}
-    half = head_dim // 2
+    half = head_dim // 2  # the rotated values' (rope.dimension_count)
     if "rope_freqs.weight" in g.tensors:
         out["rope_freq_divisors"] = _vector(g, "rope_freqs.weight", half)
     long, short = "rope_factors_long.weight", "rope_factors_short.weight"
@@ -470,7 +512,10 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         **IMPLIED.get(name, {}),
     )
     fields["nope_layers"] = default_nope_layers(name, n_layers)
-    fields |= _rope_fields(g, p, head_dim)
+    n_rot = _rotary_dim(g, name, head_dim)
+    if n_rot != head_dim:
+        fields["partial_rotary_factor"] = rotary_factor(n_rot, head_dim)
+    fields |= _rope_fields(g, p, n_rot)
     fields |= _window_fields(g, name, p, n_layers)
     fields |= _expert_fields(g, name, p, fields["intermediate_size"])
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -512,7 +557,7 @@ def _expected(
     flat = per_layer_shapes(config)
     names = gguf_names(config)
     out = {names[hf]: (hf, shape) for hf, shape in flat.items()}
-    half = config.hd // 2
+    half = config.rotary_dim // 2
     if "rope_freqs.weight" in g.tensors:
         out["rope_freqs.weight"] = ("", (half,))
     if config.rope_type == "longrope" and "rope_factors_long.weight" in g.tensors:

@@ -46,6 +46,7 @@ from entrenar.io.gguf_families import (
     NOPE_PERIOD,
     NORM_SHIFT,
     ONE_BASE,
+    PARTIAL_ROTARY,
     PERMUTED,
     SCALE_KEYS,
     SCALED,
@@ -125,7 +126,7 @@ def llama3_divisors(c: LlamaConfig) -> tuple[float, ...]:
     ``λ < L / high``, ``factor`` for ``λ > L / low``, else ``1 / ((1 - s) / factor +
     s)`` with ``s = (L / λ - low) / (high - low)`` (``L`` the original context).
     """
-    d, factor = c.hd, c.rope_factor
+    d, factor = c.rotary_dim, c.rope_factor
     low, high = c.rope_low_freq_factor, c.rope_high_freq_factor
     ctx = float(c.rope_original_max_position_embeddings or 8192)
     freqs = 1.0 / (c.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
@@ -198,7 +199,7 @@ def _metadata(
         p + "block_count": (c.num_layers, U32),
         p + "attention.head_count": (c.num_heads, U32),
         p + "attention.head_count_kv": (c.num_kv_heads, U32),
-        p + "rope.dimension_count": (c.hd, U32),
+        p + "rope.dimension_count": (c.rotary_dim, U32),
         p + "rope.freq_base": (c.rope_theta, F32),
         p + "attention.layer_norm_rms_epsilon": (c.rms_norm_eps, F32),
         "general.file_type": (FILE_TYPES[kind], U32),
@@ -283,6 +284,14 @@ def _gguf_name(config: Any) -> str:
         raise UnsupportedError(
             f"llama.cpp's {gname} needs its own output head; this {arch.name} "
             "config has tie_word_embeddings=True"
+        )
+    if config.rotary_dim != config.hd and gname not in PARTIAL_ROTARY:
+        raise UnsupportedError(
+            f"llama.cpp's {gname} rotates whole heads (its graph asserts "
+            f"rope.dimension_count == head_dim); this {arch.name} config rotates "
+            f"{config.rotary_dim} of {config.hd} (partial_rotary_factor "
+            f"{config.partial_rotary_factor}). llama.cpp rotates part of a head in "
+            f"{sorted(PARTIAL_ROTARY)}"
         )
     local = config.rope_local_theta
     if gname in ONE_BASE and local is not None and local != config.rope_theta:

@@ -199,6 +199,7 @@ def apply(
             raise ConfigError(
                 f"{name!r} already has a LoRA adapter; merge it first (lora.fold)"
             )
+        _refuse_expert_dropout(name, shape, config, stacked_keys)
         patterned = bool(config.rank_pattern or config.alpha_pattern)
         ranks, alphas = module_ranks(name, shape, config, stacked_keys)
         lead = shape[:-2]
@@ -217,6 +218,29 @@ def apply(
     if not wrapped:
         raise ConfigError(_no_match_message(config.targets, names, flat))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _refuse_expert_dropout(
+    name: str, shape: tuple[int, ...], config: LoRAConfig, stacked_keys: Any
+) -> None:
+    """Raise `UnsupportedError` for LoRA dropout on a stack of experts.
+
+    An expert stack ``(E, out, in)`` is adapted through its weights: the routed
+    grouped matmuls read ``W + s·B A`` (`entrenar.nn.moe`), so the adapter has no
+    input of its own to drop. PEFT 0.21 refuses the same for the experts it adapts
+    (``target_parameters``, ``ParamWrapper``: "does not work with lora_dropout !=
+    0"), where attention would take it: entrenar once applied it there and
+    skipped it on the experts, silently.
+    """
+    stacked = stacked_split(name, stacked_keys) is not None
+    if config.dropout and len(shape) - int(stacked) > 2:
+        raise UnsupportedError(
+            f"LoRA dropout {config.dropout} on {name!r}, a stack of experts "
+            f"{shape}: the experts' adapters are folded into their weights before "
+            "the routed matmuls, so their input cannot be dropped (PEFT refuses "
+            "lora_dropout with target_parameters too). Set dropout 0, or target "
+            "only the linear modules (attention, dense MLPs)"
+        )
 
 
 def _no_match_message(targets: Any, names: list[str], flat: list[Any]) -> str:

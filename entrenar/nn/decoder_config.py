@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
@@ -53,7 +53,18 @@ def check_switches(c: Any) -> None:
         value = getattr(c, name)
         if value is not None and not isinstance(value, tuple):
             object.__setattr__(c, name, tuple(value))
-    half = c.hd // 2
+    factor = c.partial_rotary_factor
+    if not 0 < as_float(factor) <= 1:
+        raise ConfigError(
+            f"LlamaConfig.partial_rotary_factor must be in (0, 1], got {factor!r}"
+        )
+    if c.rotary_dim < 2 or c.rotary_dim % 2:
+        raise ConfigError(
+            f"LlamaConfig.partial_rotary_factor {factor} rotates int({c.hd} x "
+            f"{factor}) = {c.rotary_dim} values of each head; rotary needs an even "
+            "number >= 2 (pairs)"
+        )
+    half = c.rotary_dim // 2
     if c.rope_type not in ROPE_TYPES:
         raise ConfigError(
             f"LlamaConfig.rope_type must be one of {ROPE_TYPES}, got {c.rope_type!r}"
@@ -74,8 +85,9 @@ def check_switches(c: Any) -> None:
         value = getattr(c, name)
         if value is not None and (len(value) != half or min(value) <= 0):
             raise ConfigError(
-                f"LlamaConfig.{name} must hold head_dim / 2 = {half} positive "
-                f"numbers, got {value!r}"
+                f"LlamaConfig.{name} must hold rotary_dim / 2 = {half} positive "
+                f"numbers (rotary_dim = head_dim x partial_rotary_factor), got "
+                f"{value!r}"
             )
     if c.rope_type == "longrope" and (
         c.rope_short_factor is None or c.rope_long_factor is None
@@ -157,6 +169,36 @@ def sliding_layers(c: Any) -> tuple[bool, ...]:
     return tuple(t == "sliding_attention" for t in c.layer_types)
 
 
+def sliding_from_hf(
+    hf: Mapping[str, Any],
+    source: str,
+    default_types: Sequence[str] | None = None,
+    default_window: int | None = None,
+) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` of a ``config.json``; None, None: no slide.
+
+    The families with sliding layers (Gemma 2/3, OLMo 3, SmolLM3) read them here.
+    ``layer_types`` are the file's, else ``default_types`` (the family's layout);
+    ``sliding_window`` the file's, else ``default_window`` (a ``null`` in the file
+    stays null).
+
+    Raises:
+        UnsupportedError: sliding layers and a ``null`` window (transformers'
+            sliding mask raises for them at the first forward pass).
+    """
+    types = hf.get("layer_types") or default_types
+    window = hf.get("sliding_window", default_window)
+    if not types or "sliding_attention" not in types:
+        return None, None
+    if window is None:
+        raise UnsupportedError(
+            f"{source}: {hf.get('model_type')}'s layer_types have sliding layers but "
+            "sliding_window is null; set the window (or make those layers "
+            "full_attention)"
+        )
+    return int(window), tuple(types)
+
+
 # ------------------------------------------------------------ config.json <-> fields
 ROPE_KEYS = {
     "factor": "rope_factor",
@@ -191,15 +233,12 @@ def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
             f"{source}: rope_scaling.rope_type {kind!r} is not supported; entrenar "
             f"implements {ROPE_TYPES}"
         )
-    partial = scaling.get("partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedError(
-            f"{source}: rope_scaling.partial_rotary_factor {partial} is not "
-            "supported (rotary on the whole head only)"
-        )
     if scaling.get("truncate", True) is False:
         raise UnsupportedError(f"{source}: yarn's truncate=false is not supported")
     out: dict[str, Any] = {"rope_type": kind}
+    partial = scaling.get("partial_rotary_factor")
+    if partial is not None:
+        out["partial_rotary_factor"] = partial_factor(partial, source)
     if kind == "default":
         return out
     for key, field in ROPE_KEYS.items():
@@ -220,6 +259,21 @@ def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
             factor, float(mscale_all)
         )
     return out
+
+
+def partial_factor(value: Any, source: str) -> float:
+    """A ``partial_rotary_factor`` from a ``config.json``, as a float.
+
+    Raises:
+        FormatError: not a number in (0, 1].
+    """
+    factor = as_float(value)
+    if not 0 < factor <= 1:
+        raise FormatError(
+            f"{source}: partial_rotary_factor = {str(value)[:40]!r}, want a number "
+            "in (0, 1] (the share of each head that rotary embeddings turn)"
+        )
+    return factor
 
 
 def rope_to_hf(c: Any) -> dict[str, Any] | None:
@@ -259,13 +313,20 @@ def common_from_hf(
     source: str,
     default_theta: float = 10000.0,
     act: str = "silu",
+    partial_rotary: bool = False,
 ) -> dict[str, Any]:
     """The fields every decoder family shares, from a ``config.json`` dict.
 
     Checks that the activation is the family's ``act`` (`check_hidden_act`); reads
     ``rope_theta`` and ``rope_scaling`` (old style) or ``rope_parameters``
     (transformers 5). A family with per-layer ``rope_parameters`` (Gemma 3) reads
-    its rope fields itself.
+    its rope fields itself. ``partial_rotary_factor`` is read from the rope dict,
+    else from the top level (transformers' order); ``partial_rotary``: the family's
+    transformers model rotates part of a head (Phi-3), else a factor below 1 is
+    refused.
+
+    Raises:
+        UnsupportedError: a partial rotary factor the family cannot follow.
     """
     check_hidden_act(hf, source, act)
     heads = int(hf["num_attention_heads"])
@@ -292,6 +353,20 @@ def common_from_hf(
         initializer_range=float(hf.get("initializer_range", 0.02)),
     )
     rope = rope_from_hf(scaling, source)
+    if (
+        "partial_rotary_factor" not in rope
+        and hf.get("partial_rotary_factor") is not None
+    ):
+        factor = partial_factor(hf["partial_rotary_factor"], source)
+        rope["partial_rotary_factor"] = factor
+    if rope.get("partial_rotary_factor", 1.0) == 1.0:
+        rope.pop("partial_rotary_factor", None)
+    elif not partial_rotary:
+        raise UnsupportedError(
+            f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is not "
+            f"supported for {hf.get('model_type')}: transformers' model rotates "
+            "whole heads (entrenar rotates part of a head for phi3)"
+        )
     old = rope.get("rope_original_max_position_embeddings")
     if rope["rope_type"] == "longrope" and "rope_factor" not in rope and old:
         # transformers' factor when the file gives none (Phi-3-mini-128k and
@@ -331,6 +406,14 @@ def rope_by_layer_type(
             f"{slide['rope_type']!r} is not supported (no scaling on local layers)"
         )
     fields = rope_from_hf(full, source)
+    for key, part in (("full_attention", full), ("sliding_attention", slide)):
+        if part.get("partial_rotary_factor") not in (None, 1, 1.0):
+            raise UnsupportedError(
+                f"{source}: rope_parameters.{key}.partial_rotary_factor "
+                f"{part['partial_rotary_factor']} is not supported (these families "
+                "rotate whole heads)"
+            )
+    fields.pop("partial_rotary_factor", None)
     fields["rope_theta"] = float(full.get("rope_theta", theta))
     local = slide.get("rope_theta")
     return fields, None if local is None else float(local)
@@ -376,6 +459,8 @@ def common_to_hf(
                 "equal"
             )
         hf["attention_bias"] = c.attention_bias
+    if c.partial_rotary_factor != 1.0:  # refuse_switches: the family allows it
+        hf["partial_rotary_factor"] = c.partial_rotary_factor
     return hf
 
 
@@ -461,6 +546,7 @@ def register_family(
 
 SWITCHES = (
     "rope_type",
+    "partial_rotary_factor",
     "rope_local_theta",
     "attention_bias",
     "attention_out_bias",
@@ -486,6 +572,7 @@ SWITCHES = (
     "fused_gate_up",
     "num_experts",
     "shared_expert_intermediate_size",
+    "router_jitter_noise",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 
@@ -501,10 +588,12 @@ __all__ = [
     "check_switches",
     "common_from_hf",
     "common_to_hf",
+    "partial_factor",
     "refuse_switches",
     "register_family",
     "rope_by_layer_type",
     "rope_from_hf",
     "rope_to_hf",
+    "sliding_from_hf",
     "sliding_layers",
 ]

@@ -32,6 +32,7 @@ from entrenar.nn.decoder_config import (
     common_to_hf,
     register_family,
     rope_by_layer_type,
+    sliding_from_hf,
 )
 from entrenar.nn.llama import LlamaConfig
 
@@ -65,10 +66,10 @@ def _gemma_fields(hf: Mapping[str, Any], pattern: int) -> dict[str, Any]:
         )
     n = int(hf["num_hidden_layers"])
     pattern = int(hf.get("sliding_window_pattern", pattern))
-    types = hf.get("layer_types") or [
+    layout = [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
     ]
-    window = hf.get("sliding_window", 4096)
+    window, types = sliding_from_hf(hf, "config.json", layout, 4096)
     bias = bool(hf.get("attention_bias", False))
     caps = ("attn_logit_softcapping", "final_logit_softcapping")
     return {
@@ -78,8 +79,8 @@ def _gemma_fields(hf: Mapping[str, Any], pattern: int) -> dict[str, Any]:
         "attention_bias": bias,
         "attention_out_bias": bias,
         "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 256),
-        "sliding_window": None if window is None else int(window),
-        "layer_types": tuple(types) if window is not None else None,
+        "sliding_window": window,
+        "layer_types": types,
         **{k: None if hf.get(k) is None else float(hf[k]) for k in caps},
     }
 

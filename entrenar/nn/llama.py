@@ -61,7 +61,7 @@ from entrenar.nn.layers import (
 )
 from entrenar.nn.linear import check_matmul_dtype, linear
 from entrenar.nn.matvec import layer_params
-from entrenar.nn.moe import sparse_moe
+from entrenar.nn.moe import router_jitter, sparse_moe
 from entrenar.nn.multimodal import WRAPPERS
 from entrenar.nn.registry import architecture, architecture_for_hf
 from entrenar.nn.rope import rope_tables, rotate
@@ -153,6 +153,10 @@ class LlamaConfig:
         rope_freq_divisors: explicit per-frequency divisors of the inverse
             frequencies (``d/2`` values, llama.cpp's ``rope_freqs`` tensor), with
             ``rope_type="default"``.
+        partial_rotary_factor: rotary embeddings turn the first ``r = int(d ·
+            factor)`` values of each head (`rotary_dim`) and pass the other
+            ``d - r`` through (Hugging Face's ``partial_rotary_factor``: Phi-4-mini's
+            0.75; llama.cpp's ``rope.dimension_count``); 1: the whole head.
         rope_local_theta: rotary base of the sliding-window layers (Gemma 3's
             ``rope_local_base_freq``; no scaling there); None: ``rope_theta``.
         attention_bias: biases on the q, k and v projections.
@@ -211,6 +215,10 @@ class LlamaConfig:
             (`entrenar.nn.moe.load_balancing_loss`), as transformers does when its
             config sets ``output_router_logits`` (off by default there too).
         router_aux_loss_coef: that loss's weight (transformers' default 0.001).
+        router_jitter_noise: ``j`` > 0: while training (a ``key`` given to
+            `apply` / `features`), each MoE block's input is multiplied by noise
+            ``U(1 - j, 1 + j)`` before the router and the experts read it
+            (Mixtral's, `entrenar.nn.moe.router_jitter`); 0: none.
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
             own paths: the native kernel on CPUs), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
@@ -250,6 +258,7 @@ class LlamaConfig:
     rope_short_factor: tuple[float, ...] | None = None
     rope_long_factor: tuple[float, ...] | None = None
     rope_freq_divisors: tuple[float, ...] | None = None
+    partial_rotary_factor: float = 1.0
     rope_local_theta: float | None = None
     attention_bias: bool = False
     attention_out_bias: bool = False
@@ -281,6 +290,7 @@ class LlamaConfig:
     shared_expert_intermediate_size: int = 0
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
+    router_jitter_noise: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -397,6 +407,15 @@ class LlamaConfig:
     def hd(self) -> int:
         """The head dimension ``d``."""
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """``r = int(d · partial_rotary_factor)``: the rotated values of each head.
+
+        As transformers computes it (``modeling_rope_utils``): the inverse
+        frequencies, and every scaling's, are those of a head of ``r`` values.
+        """
+        return int(self.hd * self.partial_rotary_factor)
 
     def param_shapes(self) -> dict[str, Any]:
         """Nested dict of parameter shapes, the tree of specs/conventions.md.
@@ -537,6 +556,7 @@ class LlamaConfig:
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         return_hidden: bool = False,
+        key: Any = None,
     ) -> Any:
         """Causal-attention logits ``(B, T, V)`` (float32 or 64) for ``tokens: (B, T)``.
 
@@ -554,12 +574,14 @@ class LlamaConfig:
                 would get alone.
             return_hidden: also return the hidden states, ``(L + 1, B, T, D)``: the
                 embeddings, then each layer's output (before the final norm).
+            key: training randomness (``router_jitter_noise``); None: the
+                deterministic forward pass of evaluation.
 
         Returns:
             logits, or ``(logits, hidden)`` with ``return_hidden``.
         """
         h, hidden, _ = self._trunk(
-            params, tokens, mask, segment_ids, positions, return_hidden
+            params, tokens, mask, segment_ids, positions, return_hidden, key=key
         )
         logits = self._head(params, h)
         if not return_hidden:
@@ -575,6 +597,7 @@ class LlamaConfig:
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         return_router_logits: bool = False,
+        key: Any = None,
     ) -> Any:
         """The final normalised hidden states ``RMSNorm(h): (B, T, D)`` in ``dtype``.
 
@@ -589,7 +612,7 @@ class LlamaConfig:
         """
         h, _, logits = self._trunk(
             params, tokens, mask, segment_ids, positions, False,
-            router=return_router_logits,
+            router=return_router_logits, key=key,
         )  # fmt: skip
         features = self._final(params, h)
         return (features, logits) if return_router_logits else features
@@ -651,6 +674,7 @@ class LlamaConfig:
         return_hidden: bool,
         *,
         router: bool = False,
+        key: Any = None,
     ) -> tuple[jax.Array, Any, Any]:
         """Check the inputs, build the attention mask, run the layers.
 
@@ -682,7 +706,7 @@ class LlamaConfig:
             fused = _extra_mask(mask, segment_ids, b, t)  # (B, T, T) or None
         h, (_, hidden, logits) = self._layers(
             params, tokens, positions, allowed, None, return_hidden, fused=fused,
-            router=router,
+            router=router, key=key,
         )  # fmt: skip
         return h, hidden, logits
 
@@ -705,6 +729,7 @@ class LlamaConfig:
         *,
         fused: Any = _DENSE,
         router: bool = False,
+        key: Any = None,
     ) -> tuple[jax.Array, Any]:
         """Run the scanned layers; returns ``(h, (cache_kv, hidden, router))``.
 
@@ -721,7 +746,8 @@ class LlamaConfig:
         differ. With a ``cache`` the scan carries its whole ``(L, B, S, KV, d)``
         buffers beside ``h`` and each layer writes its new entries into them at
         its index, so no layer's cache is copied (it would be, as the scan's
-        ``xs`` and ``ys``).
+        ``xs`` and ``ys``). ``key`` (training, ``router_jitter_noise``): each layer
+        jitters with its own key (`_layer_keys`), riding in ``xs`` too.
         """
         m = params["model"]
         table = m["embed_tokens"]["weight"]  # (V, D), or a TiedEmbedding's table
@@ -732,7 +758,7 @@ class LlamaConfig:
         if self.embedding_multiplier is not None:  # Granite
             h = h * jnp.asarray(self.embedding_multiplier, self.dtype)
         pos = None if cache is None else cache.pos
-        # (B|1, T, 1, d) each: every layer's rotation, computed once (rope_tables)
+        # (B|1, T, 1, r) each: every layer's rotation, computed once (rope_tables)
         rope = self._rope(positions, self.rope_theta, scaled=True)
         sliding = sliding_layers(self)
         mixed = any(sliding) and not all(sliding)
@@ -754,6 +780,7 @@ class LlamaConfig:
         flags = (  # (L,) bool each, or None where the layers do not differ
             jnp.asarray(sliding) if mixed else None,
             jnp.asarray(nope) if any(nope) else None,
+            _layer_keys(key, self.num_layers) if self.router_jitter_noise else None,
         )
         every = int(all(sliding))  # 1: every layer slides (Mistral)
 
@@ -762,7 +789,7 @@ class LlamaConfig:
             kernel_mask = (True, self.sliding_window if every and not mixed else None)
 
         def layer(carry: Any, xs: Any) -> tuple[Any, Any]:
-            lp, index, (slide, no_rope) = xs
+            lp, index, (slide, no_rope, jitter) = xs
             h, kv = (carry, None) if cache is None else (carry[0], carry[1:])
             mask, tables = masks[every], ropes[every]
             if mixed:  # this layer's mask and rotary tables
@@ -789,7 +816,7 @@ class LlamaConfig:
                 "post_attention_layernorm"
             )  # fmt: skip
             x, logits = self._mlp_routed(
-                lp["mlp"], h if self.post_norms else self._norm(h, lp[pre])
+                lp["mlp"], h if self.post_norms else self._norm(h, lp[pre]), jitter
             )
             if post:
                 x = self._norm(x, lp["post_feedforward_layernorm"])
@@ -832,11 +859,12 @@ class LlamaConfig:
         """Rotary tables at ``positions``; ``scaled``: with ``rope_type``'s scaling."""
         f = upcast_dtype(self.dtype)
         if not scaled or (self.rope_type == "default" and not self.rope_freq_divisors):
-            return rope_tables(positions, self.hd, theta, f)
+            return rope_tables(positions, self.rotary_dim, theta, f)
         inv = rope_inv_freq(self, positions, f)
         return rope_tables(
-            positions, self.hd, theta, f, inv_freq=inv, scale=attention_factor(self)
-        )
+            positions, self.rotary_dim, theta, f, inv_freq=inv,
+            scale=attention_factor(self),
+        )  # fmt: skip
 
     def _residual(self, x: jax.Array) -> jax.Array:
         """A sublayer's output as added to the stream (× ``residual_multiplier``)."""
@@ -857,14 +885,20 @@ class LlamaConfig:
             x, p["weight"], self.rms_norm_eps, unit_offset=self.norm_unit_offset
         )
 
-    def _mlp_routed(self, mp: Params, x: jax.Array) -> tuple[jax.Array, Any]:
+    def _mlp_routed(
+        self, mp: Params, x: jax.Array, jitter: jax.Array | None = None
+    ) -> tuple[jax.Array, Any]:
         """``(MLP(x), router logits (N, E) or None)``.
 
         A sparse mixture of gated experts (`entrenar.nn.moe`) when
-        ``num_experts``, else `_mlp`.
+        ``num_experts``, else `_mlp`. ``jitter``: the layer's key data ``(2,)``
+        for `entrenar.nn.moe.router_jitter` (training), or None.
         """
         if not self.num_experts:
             return self._mlp(mp, x), None
+        if jitter is not None:  # Mixtral: router and experts read the jittered x
+            key = jax.random.wrap_key_data(jitter)
+            x = router_jitter(x, self.router_jitter_noise, key)
         act = silu if self.hidden_act == "silu" else gelu_tanh
         return sparse_moe(
             mp, x, self.num_experts_per_tok, self.norm_topk_prob,
@@ -1009,7 +1043,14 @@ def _check_experts(c: LlamaConfig) -> None:
         )
     if c.moe_intermediate_size is not None and c.moe_intermediate_size <= 0:
         raise ConfigError("LlamaConfig.moe_intermediate_size must be > 0 or None")
+    jitter = c.router_jitter_noise
+    if not 0 <= as_float(jitter) < 1:
+        raise ConfigError(
+            f"LlamaConfig.router_jitter_noise must be in [0, 1), got {jitter!r}"
+        )
     if not c.num_experts:
+        if jitter:
+            raise ConfigError("LlamaConfig.router_jitter_noise needs num_experts > 0")
         if c.shared_expert_intermediate_size:
             raise ConfigError(
                 "LlamaConfig.shared_expert_intermediate_size needs num_experts > 0"
@@ -1025,6 +1066,25 @@ def _check_experts(c: LlamaConfig) -> None:
             "LlamaConfig.num_experts > 0 takes unfused, bias-free experts; set "
             "fused_gate_up=False and mlp_bias=False"
         )
+
+
+def _layer_keys(key: Any, n: int) -> jax.Array | None:
+    """The scan's per-layer jitter keys, raw data ``(n, 2)``; None without a key.
+
+    ``split(fold_in(key, JITTER_STREAM), n)``: the training step's key also gives
+    the LoRA dropout keys (`entrenar.lora.with_dropout_keys`: ``fold_in(key, i)``
+    for leaf ``i``), so the jitter draws from its own stream.
+    """
+    if key is None:
+        return None
+    if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    key = jax.random.fold_in(key, JITTER_STREAM)
+    return jax.random.key_data(jax.random.split(key, n))
+
+
+JITTER_STREAM = 0x7A17_7E12
+"""`fold_in` data of the router jitter's keys (far above any leaf index)."""
 
 
 def _bias(p: Params) -> Any:

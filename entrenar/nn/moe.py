@@ -25,6 +25,10 @@ tensor. (On TPU that is a grouped-GEMM kernel; XLA:CPU in jax 0.10.2 lowers
 ``E``: specs/models.md, "Mixture of experts".) The weights of a layer are stacked
 ``(E, out, in)``, those of the model ``(L, E, out, in)``, so the layer scan stays
 one scan.
+
+Mixtral's ``router_jitter_noise`` ``j`` (`router_jitter`): while training,
+transformers multiplies the block's input by noise ``u ~ U(1 - j, 1 + j)``, drawn
+for every value, before both the router and the experts see it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,28 @@ from entrenar.nn.layers import gated_mlp, silu, upcast_dtype
 from entrenar.nn.linear import linear
 from entrenar.nn.weight_node import is_weight_node, to_dense
 from entrenar.types import Params
+
+
+def router_jitter(x: jax.Array, noise: float, key: Any) -> jax.Array:
+    """``x ⊙ u``, ``u ~ U(1 - noise, 1 + noise)`` for each value of ``x: (..., D)``.
+
+    Mixtral's training-time jitter (transformers' ``MixtralSparseMoeBlock``:
+    ``hidden_states *= empty_like(hidden_states).uniform_(1 - j, 1 + j)``, then
+    the router and the experts read the product). ``key`` None or ``noise`` 0:
+    ``x`` unchanged (evaluation).
+
+    >>> x = jnp.ones((2, 3))
+    >>> bool(jnp.all(router_jitter(x, 0.1, None) == x))
+    True
+    >>> y = router_jitter(x, 0.1, jax.random.key(0))
+    >>> bool(jnp.all((0.9 <= y) & (y <= 1.1)))
+    True
+    """
+    if key is None or noise == 0:
+        return x
+    f = upcast_dtype(x.dtype)
+    u = jax.random.uniform(key, x.shape, f, 1.0 - noise, 1.0 + noise)
+    return (x.astype(f) * u).astype(x.dtype)
 
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -372,6 +398,7 @@ __all__ = [
     "experts_mlp",
     "load_balancing_loss",
     "route",
+    "router_jitter",
     "sparse_moe",
     "tile_rows",
     "tiled_grouped_matmul",

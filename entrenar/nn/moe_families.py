@@ -111,7 +111,7 @@ def mixtral_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: mixtral`` ``config.json`` as a `LlamaConfig`.
 
     ``router_jitter_noise`` (a training-time input jitter, 0 in Mixtral's own
-    configs) is not applied.
+    configs) is applied while training (`entrenar.nn.moe.router_jitter`).
     """
     window = hf.get("sliding_window")
     return LlamaConfig(
@@ -121,6 +121,7 @@ def mixtral_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 8))),
         num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
         norm_topk_prob=True,
+        router_jitter_noise=float(hf.get("router_jitter_noise") or 0.0),
         **_aux_from_hf(hf),
     )
 
@@ -135,7 +136,7 @@ def mixtral_to_hf(c: LlamaConfig) -> dict[str, Any]:
         )
     hf = common_to_hf(
         c, "MixtralForCausalLM", "mixtral",
-        ("rope_type", "sliding_window", "num_experts"),
+        ("rope_type", "sliding_window", "num_experts", "router_jitter_noise"),
     )  # fmt: skip
     hf["intermediate_size"] = c.expert_size
     hf.update(
@@ -144,6 +145,7 @@ def mixtral_to_hf(c: LlamaConfig) -> dict[str, Any]:
         num_experts_per_tok=c.num_experts_per_tok,
         output_router_logits=c.output_router_logits,
         router_aux_loss_coef=c.router_aux_loss_coef,
+        router_jitter_noise=c.router_jitter_noise,
     )
     return hf
 

@@ -29,6 +29,7 @@ from entrenar.nn.decoder_config import (
     register_family,
     rope_by_layer_type,
     rope_to_hf,
+    sliding_from_hf,
 )
 from entrenar.nn.llama import LlamaConfig
 
@@ -82,18 +83,12 @@ def olmo3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         fields.update(full)
         local = full["rope_theta"] if slide is None else slide
     n = fields["num_layers"]
-    window = hf.get("sliding_window", 4096)
-    types = hf.get("layer_types") or [
+    layout = [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)
     ]
-    if "sliding_attention" not in types:
-        window, types, local = None, None, None
-    elif window is None:
-        raise UnsupportedError(
-            "config.json: OLMo 3's layer_types have sliding layers but "
-            "sliding_window is null; set the window (or make every layer "
-            "full_attention)"
-        )
+    window, types = sliding_from_hf(hf, "config.json", layout, 4096)
+    if types is None:
+        local = None
     bias = bool(hf.get("attention_bias", False))
     return LlamaConfig(
         **fields,
@@ -101,8 +96,8 @@ def olmo3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         architecture="olmo3",
         attention_bias=bias,
         attention_out_bias=bias,
-        sliding_window=None if window is None else int(window),
-        layer_types=None if types is None else tuple(types),
+        sliding_window=window,
+        layer_types=types,
         rope_local_theta=local,
     )
 

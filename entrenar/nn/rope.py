@@ -10,6 +10,12 @@ llama.cpp), so
     ``rotate_half(x) = concat(-x[d/2:], x[:d/2])``,
 
 with ``cos, sin`` of the angles repeated twice along the last axis.
+
+Partial rotary embeddings (Phi-4-mini's ``partial_rotary_factor`` 0.75; GPT-NeoX's
+``rotary_pct``) rotate the first ``r < d`` values of each head so, as a head of
+``r`` values (``θ^(-2i/r)``, pairs ``(x[i], x[i + r/2])``), and pass ``x[r:]``
+through, as transformers' ``apply_rotary_pos_emb`` does when its ``cos`` is
+narrower than the head: `rotate` takes ``r`` from the tables' width.
 """
 
 from __future__ import annotations
@@ -85,9 +91,22 @@ def rope_tables(
 def rotate(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotate ``x: (B, T, H, d)`` by `rope_tables`' ``(cos, sin)``, in their dtype.
 
-    Returned in ``x``'s dtype.
+    Tables ``r < d`` wide rotate ``x[..., :r]`` and pass ``x[..., r:]`` through
+    (partial rotary embeddings). Returned in ``x``'s dtype.
+
+    >>> x = jnp.arange(1.0, 7.0).reshape(1, 1, 1, 6)
+    >>> cos, sin = rope_tables(jnp.array([1]), 4, 1.0)  # r = 4 of d = 6
+    >>> y = rotate(x, (cos, sin))
+    >>> y[..., 4:].tolist() == x[..., 4:].tolist()
+    True
     """
     cos, sin = tables
+    r = cos.shape[-1]
+    if r > x.shape[-1]:
+        raise ShapeError(f"rotary tables {r} wide for heads of {x.shape[-1]} values")
+    if r < x.shape[-1]:  # partial: (B, T, H, r) rotated, (B, T, H, d - r) passed
+        rotated = _rotate(x[..., :r].astype(cos.dtype), cos, sin).astype(x.dtype)
+        return jnp.concatenate([rotated, x[..., r:]], axis=-1)
     return _rotate(x.astype(cos.dtype), cos, sin).astype(x.dtype)  # (B, T, H, d)
 
 

@@ -20,6 +20,11 @@ by a constant (specs/models.md has the formulas):
 ``dynamic`` (NTK) grows the base with the sequence length ``s = max(position) + 1``
 (a traced value under `jax.jit`): ``θ' = θ (factor s / M - (factor - 1))^(d/(d-2))``
 for ``s > M = max_position_embeddings``, ``θ`` otherwise.
+
+With partial rotary embeddings every formula's ``d`` is the rotated width ``r =
+int(d · partial_rotary_factor)`` (`LlamaConfig.rotary_dim`), as transformers'
+``dim`` in each ``_compute_*_parameters``: ``r/2`` frequencies, factors and
+divisors.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def base_inv_freq(head_dim: int, theta: Any, dtype: Any) -> jax.Array:
 
 
 def scaling_divisors(c: Any) -> np.ndarray | None:
-    """The constant divisors of ``ω_i`` for ``c``'s scaling, ``(d/2,)`` float64.
+    """The constant divisors of ``ω_i`` for ``c``'s scaling, ``(r/2,)`` float64.
 
     None for plain rotary embeddings and for ``dynamic``; for ``longrope`` the
     short factors (`rope_inv_freq` switches to the long ones past the original
@@ -51,7 +56,7 @@ def scaling_divisors(c: Any) -> np.ndarray | None:
     >>> scaling_divisors(c).tolist()
     [2.0, 2.0, 2.0, 2.0]
     """
-    d, kind = c.hd, c.rope_type
+    d, kind = c.rotary_dim, c.rope_type
     if c.rope_freq_divisors is not None:
         return np.asarray(c.rope_freq_divisors, np.float64)
     if kind in ("default", "dynamic"):
@@ -113,7 +118,7 @@ def attention_factor(c: Any) -> float:
 
 
 def rope_inv_freq(c: Any, positions: jax.Array, dtype: Any) -> jax.Array | None:
-    """``c``'s inverse frequencies ``(d/2,)`` for ``positions``; None when plain.
+    """``c``'s inverse frequencies ``(r/2,)`` for ``positions``; None when plain.
 
     ``positions`` only matter to ``dynamic`` and ``longrope``, through the
     sequence length ``max(positions) + 1`` (traced).
@@ -124,11 +129,11 @@ def rope_inv_freq(c: Any, positions: jax.Array, dtype: Any) -> jax.Array | None:
         return None
     seq_len = jnp.max(positions).astype(dtype) + 1
     if kind == "dynamic":
-        d, m, factor = c.hd, c.max_position_embeddings, c.rope_factor
+        d, m, factor = c.rotary_dim, c.max_position_embeddings, c.rope_factor
         s = jnp.maximum(seq_len, jnp.asarray(m, dtype))
         grow = (factor * s / m - (factor - 1)) ** (d / (d - 2))
         return base_inv_freq(d, c.rope_theta * grow, dtype)
-    inv = base_inv_freq(c.hd, c.rope_theta, dtype)
+    inv = base_inv_freq(c.rotary_dim, c.rope_theta, dtype)
     if kind == "longrope":
         long = jnp.asarray(np.asarray(c.rope_long_factor), dtype)
         short = jnp.asarray(divisors, dtype)

@@ -18,12 +18,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from entrenar.errors import FormatError, UnsupportedError
+from entrenar.errors import FormatError
 from entrenar.nn.decoder_config import (
     TINY_SIZES,
     common_from_hf,
     common_to_hf,
     register_family,
+    sliding_from_hf,
 )
 from entrenar.nn.llama import LlamaConfig
 
@@ -56,18 +57,12 @@ def smollm3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """A ``model_type: smollm3`` ``config.json`` as a `LlamaConfig`."""
     n = int(hf["num_hidden_layers"])
     nope = _nope(hf, n)
-    window, types = hf.get("sliding_window"), hf.get("layer_types")
-    if types is None and hf.get("use_sliding_window") and window is not None:
-        types = ["sliding_attention" if x else "full_attention" for x in nope]
+    layout = None  # transformers' default: the NoPE layers slide, when asked to
+    if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+        layout = ["sliding_attention" if x else "full_attention" for x in nope]
     # explicit sliding layer types slide even without use_sliding_window:
     # transformers' mask follows layer_types (its eager attention does)
-    if not types or "sliding_attention" not in types:
-        window, types = None, None
-    elif window is None:
-        raise UnsupportedError(
-            "config.json: layer_types has sliding layers but sliding_window is "
-            "null; set the window (or make those layers full_attention)"
-        )
+    window, types = sliding_from_hf(hf, "config.json", layout)
     bias = bool(hf.get("attention_bias", False))
     return LlamaConfig(
         **common_from_hf(hf, "config.json", default_theta=2_000_000.0),
@@ -75,8 +70,8 @@ def smollm3_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         attention_bias=bias,
         attention_out_bias=bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        sliding_window=None if window is None else int(window),
-        layer_types=None if types is None else tuple(types),
+        sliding_window=window,
+        layer_types=types,
         nope_layers=nope if any(nope) else None,
     )
 

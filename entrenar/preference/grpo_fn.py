@@ -31,7 +31,11 @@ from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.linear import linear
 from entrenar.nn.losses import IGNORE_INDEX, chunked_causal_lm_loss
 from entrenar.preference.grpo import check_grpo_settings, grpo_loss
-from entrenar.preference.loss_fn import Reference, adapters_off
+from entrenar.preference.loss_fn import (
+    Reference,
+    adapters_off,
+    refuse_router_jitter,
+)
 from entrenar.types import Params, PyTree
 
 GRPO_BATCH_KEYS = ("input_ids", "attention_mask", "completion_mask", "advantages")
@@ -160,6 +164,7 @@ def make_grpo_loss_fn(
     check_grpo_settings(beta=beta, epsilon=epsilon, epsilon_high=epsilon_high,
                         loss_type=loss_type,
                         max_completion_length=max_completion_length)  # fmt: skip
+    refuse_router_jitter(model, "GRPO")
     if reference not in ("adapters", "precomputed"):
         raise ConfigError(
             f"reference must be 'adapters' or 'precomputed', got {reference!r}"

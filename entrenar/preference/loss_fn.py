@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from entrenar import lora
-from entrenar.errors import ConfigError, ShapeError
+from entrenar.errors import ConfigError, ShapeError, UnsupportedError
 from entrenar.lora import LoRAWeight
 from entrenar.nn.losses import IGNORE_INDEX, chunked_causal_lm_loss
 from entrenar.preference.loss import check_dpo_settings, dpo_loss
@@ -117,6 +117,22 @@ def _rows(batch: PyTree) -> tuple[jax.Array, ...]:
     return tuple(out)
 
 
+def refuse_router_jitter(model: Any, method: str) -> None:
+    """Raise `UnsupportedError` for a model with Mixtral's ``router_jitter_noise``.
+
+    transformers jitters the MoE input of a model in training mode (TRL's policy
+    forward); entrenar applies it in causal-LM training only
+    (`entrenar.train.causal_lm_loss_fn`), not in ``method``'s forward passes.
+    """
+    noise = getattr(model, "router_jitter_noise", 0.0)
+    if noise:
+        raise UnsupportedError(
+            f"{method} does not apply LlamaConfig.router_jitter_noise ({noise}); "
+            "set it to 0 (config.json's router_jitter_noise) to train with "
+            f"{method}, or train this model with the causal-LM loss, which applies it"
+        )
+
+
 def make_dpo_loss_fn(
     model: Any,
     *,
@@ -135,6 +151,7 @@ def make_dpo_loss_fn(
     the policy's forward only (the reference has no adapters).
     """
     check_dpo_settings(beta, loss_type, label_smoothing)
+    refuse_router_jitter(model, "DPO")
     if reference not in ("adapters", "precomputed"):
         raise ConfigError(
             f"reference must be 'adapters' or 'precomputed', got {reference!r}"
@@ -192,6 +209,7 @@ __all__ = [
     "has_adapters",
     "make_dpo_loss_fn",
     "reference_logps",
+    "refuse_router_jitter",
     "sequence_logps",
     "without_adapters",
 ]

@@ -68,6 +68,8 @@ def causal_lm_loss_fn(model: Any) -> LossFn:
             kwargs.update(
                 segment_ids=batch.get("segment_ids"), positions=batch.get("positions")
             )
+            if model.router_jitter_noise:  # Mixtral's training jitter
+                kwargs["key"] = key
             if kwargs["segment_ids"] is not None:  # no target across documents
                 labels = segment_labels(labels, kwargs["segment_ids"])
         elif "segment_ids" in batch:

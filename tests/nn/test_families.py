@@ -395,3 +395,24 @@ def test_olmo3_default_layers_and_rope_follow_transformers(layered):
         arch.from_hf({**hf, "sliding_window": None})
     full = {**hf, "sliding_window": None, "layer_types": ["full_attention"] * 6}
     assert arch.from_hf(full).sliding_window is None
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "olmo3", "smollm3"])
+def test_sliding_layers_with_a_null_window_are_refused_as_transformers_does(name):
+    """One check (`decoder_config.sliding_from_hf`) for every family with layer types.
+
+    transformers' sliding mask fails on such a file at the first forward pass
+    (Gemma 2: ``TypeError``); entrenar's Gemma 2/3 read it as full attention in
+    every layer, silently, before the check was shared.
+    """
+    arch = nn.architecture(name)
+    hf = arch.to_hf(arch.tiny())
+    assert "sliding_attention" in hf["layer_types"]
+    with pytest.raises(
+        UnsupportedError, match="sliding layers but sliding_window is null"
+    ):
+        arch.from_hf({**hf, "sliding_window": None})
+    n = len(hf["layer_types"])
+    full = {**hf, "sliding_window": None, "layer_types": ["full_attention"] * n}
+    read = arch.from_hf(full)
+    assert read.sliding_window is None and read.layer_types is None
