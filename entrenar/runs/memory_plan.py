@@ -23,8 +23,9 @@ allocated. The run's two phases each have a peak, and the run's is the larger::
 - ``bf16_copy``: with ``matmul_dtype: bfloat16`` the Trainer rounds the frozen
   projections to bfloat16 once and keeps them beside the tree it returns
   (`entrenar.nn.to_bfloat16_weights`);
-- ``state_copy``: `TrainState.create` copies the trainable half (the step donates
-  it); ``optimizer``: the optimizer's state over it (``optimizer.init`` traced);
+- ``state_copy``: GRPO's loop copies the trainable half (`TrainState.create`: the
+  step donates it); a run's Trainer takes the arrays instead (``donate_params``),
+  0; ``optimizer``: the optimizer's state over it (``optimizer.init`` traced);
 - ``step``: what the jitted train step allocates beyond its arguments: gradients,
   the activations the remat policy keeps, XLA's temporaries, the batch, outputs not
   aliased to donated inputs. It is XLA's own buffer assignment of the real step
@@ -364,7 +365,7 @@ def _plan(spec: TrainSpec, *, compile_step: bool) -> MemoryPlan:
         weights=weights,
         adapters=adapters,
         bf16_copy=bf16,
-        state_copy=tree_bytes(state.trainable),
+        state_copy=tree_bytes(state.trainable) if spec.grpo is not None else 0,
         optimizer=tree_bytes(state.opt_state),
         step=step,
         load_transient=transient,

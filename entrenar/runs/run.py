@@ -289,7 +289,8 @@ def check_mesh(spec: TrainSpec) -> None:
 RESUME_REFUSED = (
     "model.path", "model.architecture", "model.config", "model.tokenizer",
     "model.dtype", "lora.enabled", "lora.rank", "lora.alpha", "lora.targets",
-    "lora.quantize_base", "lora.init", "lora.rslora", "lora.use_dora",
+    "lora.quantize_base", "lora.quantize_untargeted", "lora.init", "lora.rslora",
+    "lora.use_dora",
     "lora.rank_pattern", "lora.alpha_pattern", "distillation", "preference", "grpo",
     "data.train", "data.validation_split", "data.format", "data.text_field",
     "data.prompt_field", "data.completion_field", "data.messages_field",
@@ -435,8 +436,8 @@ def _train(
     cfg = train_config(spec, progress=progress)
     trainer = Trainer(
         prep.loss, prep.params, prep.optimizer, cfg, trainable=prep.trainable,
-        callbacks=[_ConfigWriter(spec)],
-    )  # fmt: skip
+        callbacks=[_ConfigWriter(spec)], donate_params=True,
+    )  # fmt: skip  # prep.params' trainable arrays are the state's: not held twice
     result = trainer.fit(prep.data.train, prep.data.eval, resume=resume)
     params = result.params
     if spec.distillation is not None:

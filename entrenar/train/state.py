@@ -97,11 +97,15 @@ class TrainState(NamedTuple):
         *,
         key: PRNGKey,
         trainable: Trainable = None,
+        copy: bool = True,
     ) -> TrainState:
         """A state at step 0.
 
         The trainable half is copied (the train step donates it, so the caller's
-        arrays stay usable); the frozen half is shared, never donated.
+        arrays stay usable); the frozen half is shared, never donated. With
+        ``copy=False`` the state takes the caller's trainable arrays as they are:
+        the first step donates them (they are deleted), and the trainable half is
+        not held twice (a full fine-tuning's whole model).
 
         Example:
             >>> import jax, jax.numpy as jnp
@@ -112,7 +116,7 @@ class TrainState(NamedTuple):
             (0, True)
         """
         t, f = partition(params, trainable)
-        t = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), t)
+        t = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=copy), t)
         if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(jnp.asarray(key))
         return cls(t, f, optimizer.init(t), jnp.zeros([], jnp.int32), key)

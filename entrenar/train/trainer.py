@@ -168,7 +168,7 @@ class Trainer:
             ``input_ids``, ``labels``, ``attention_mask``, ...) or any model with
             ``apply(params, x, *, key)`` (``config.loss`` between it and ``y``).
         params: the initial parameter tree (not modified; the trainable half is
-            copied).
+            copied, unless ``donate_params``).
         optimizer: an ``(init, update)`` pair (entrenar.optim or optax).
         config: a `TrainConfig`.
         trainable: None (all), ``"lora"`` or a mask (see `entrenar.train.state`).
@@ -178,6 +178,11 @@ class Trainer:
             by ``sharding_rules`` and every batch is split over its devices
             (`entrenar.distributed`, specs/distributed.md).
         sharding_rules: `entrenar.distributed.ShardingRules` (default ones if None).
+        donate_params: hand the trainable arrays of ``params`` to the train step,
+            which donates them (deleted after the first step; use the result's
+            params): no copy of the trainable half is held beside them, which for
+            a full fine-tuning is the whole model (`entrenar.runs` does this; one
+            device: placing a state on a mesh copies it anyway).
 
     Example:
         >>> import numpy as np
@@ -203,6 +208,7 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         mesh: Any = None,
         sharding_rules: distributed.ShardingRules | None = None,
+        donate_params: bool = False,
     ) -> None:
         self.config = cfg = config if config is not None else TrainConfig()
         if hasattr(loss_fn_or_model, "apply"):
@@ -220,8 +226,9 @@ class Trainer:
         self.loss_fn = with_compute_dtype(loss_fn, cfg.compute_dtype)
         self.optimizer, self.callbacks = optimizer, list(callbacks)
         self.state = TrainState.create(
-            params, optimizer, key=jax.random.key(cfg.seed), trainable=trainable
-        )
+            params, optimizer, key=jax.random.key(cfg.seed), trainable=trainable,
+            copy=not donate_params,
+        )  # fmt: skip
         self.mesh = distributed.resolve_mesh(mesh if mesh is not None else cfg.mesh)
         # The step may read a bfloat16 copy of the frozen half (`_compute_frozen`);
         # the tree `fit` returns keeps the half as given.

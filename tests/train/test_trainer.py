@@ -341,3 +341,26 @@ def test_evaluation_settings_without_eval_data_are_refused(key):
     cfg = TrainConfig(epochs=1, batch_size=4, progress=False, **{key: 2})
     with pytest.raises(ConfigError, match=f"TrainConfig.{key}=2: evaluations need"):
         Trainer(linear_loss, PARAMS, sgd(0.01), cfg).fit(DATA)
+
+
+def test_donated_params_train_as_copied_ones_and_are_not_held_twice():
+    """``donate_params``: the state takes the caller's arrays.
+
+    A run's Trainer does: no second copy of a full fine-tuning's model. The result
+    equals the copying Trainer's.
+    """
+    m = MLP((3, 8, 1))
+    x = np.linspace(-1, 1, 48, dtype=np.float32).reshape(16, 3)
+    data = {"x": x, "y": x.sum(axis=1, keepdims=True)}
+    cfg = TrainConfig(epochs=2, batch_size=8, progress=False)
+    results = []
+    for donate in (False, True):
+        params = m.init(jax.random.key(0))
+        t = Trainer(m, params, adamw(0.05), cfg, donate_params=donate)
+        given = jax.tree_util.tree_leaves(params)
+        held = jax.tree_util.tree_leaves(t.state.trainable)
+        assert all((a is b) == donate for a, b in zip(given, held))
+        results.append(t.fit(data).params)
+        assert all(a.is_deleted() == donate for a in given)
+    for a, b in zip(*(jax.tree_util.tree_leaves(r) for r in results)):
+        np.testing.assert_array_equal(a, b)
