@@ -6,6 +6,13 @@ Ainslie et al., 2023. With ``H`` query heads and ``KV`` key/value heads (``H % K
 
     ``o_h = softmax(q_h k_gᵀ / sqrt(d) + M) v_g``,  ``M = 0`` where allowed, ``-∞`` not.
 
+Attention sinks (gpt-oss; Xiao et al., "Efficient Streaming Language Models with
+Attention Sinks", 2023, in the learned form of OpenAI's gpt-oss): a learned logit
+``z_h`` per query head joins each row's softmax denominator and is then dropped,
+so a head can attend to "nothing"::
+
+    p_hts = exp(s_hts) / (exp(z_h) + Σ_s' exp(s_hts'))     (Σ_s p_hts <= 1)
+
 Scores and the softmax are computed in float32 (float64 for float64 inputs). A
 `KVCache` keeps the keys and values of every layer for ``max_len`` positions; a step
 writes its ``T`` new entries at ``pos`` (one position for all rows, or one per row)
@@ -154,6 +161,7 @@ def cached_attention(
     scale: float | None = None,
     matmul_dtype: str | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`dot_product_attention` on layer ``layer`` of stacked caches, read in place.
 
@@ -175,6 +183,7 @@ def cached_attention(
         scale: score scale, ``1/√d`` by default.
         matmul_dtype: as `dot_product_attention`.
         softcap: as `dot_product_attention` (the sliced JAX path).
+        sinks: as `dot_product_attention` (the sliced JAX path).
 
     Returns:
         ``(B, T, H, dv)`` in ``q``'s dtype.
@@ -188,13 +197,14 @@ def cached_attention(
         )
     _check_heads(q.shape[2], k_buf.shape[3])
     k1, v1 = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k_buf, v_buf))
-    if softcap is None and _native_ok(q, k1, v1, mask, None, matmul_dtype):
+    plain = softcap is None and sinks is None
+    if plain and _native_ok(q, k1, v1, mask, None, matmul_dtype):
         m, how = _kernel_operands(q, k_buf.shape[2], mask, scale, matmul_dtype)
         return _native_cached(q, k_buf, v_buf, layer, m, how)
     k, v = read_cache(k_buf, layer), read_cache(v_buf, layer)  # (B, S, KV, d)
     return dot_product_attention(
         q, k, v, mask, scale=scale, matmul_dtype=matmul_dtype, softcap=softcap,
-        impl="reference",
+        sinks=sinks, impl="reference",
     )  # fmt: skip
 
 
@@ -208,6 +218,7 @@ def dot_product_attention(
     scale: float | None = None,
     matmul_dtype: str | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     impl: str = "auto",
 ) -> jax.Array:
     """Grouped-query attention ``softmax(q kᵀ · scale + bias, masked) v``.
@@ -230,6 +241,9 @@ def dot_product_attention(
             mask and softmax stay in float32.
         softcap: None, or ``c``: scores become ``c tanh(scores / c)`` before the
             bias and mask (Gemma 2's ``attn_logit_softcapping``; the JAX path).
+        sinks: None, or ``(H,)`` attention-sink logits (gpt-oss, module
+            docstring): each joins its head's softmax denominator (the JAX path,
+            or the fused one).
         impl: ``"reference"`` (this module's paths below), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
             cuDNN's kernel on GPUs) or ``"auto"``: fused off the CPU, reference on
@@ -259,12 +273,14 @@ def dot_product_attention(
         and min(k.shape) > 0
     ):
         return fused_attention(
-            q, k, v, mask, bias=bias, scale=scale, matmul_dtype=matmul_dtype
-        )
-    if softcap is None and _native_ok(q, k, v, mask, bias, matmul_dtype):
+            q, k, v, mask, bias=bias, scale=scale, matmul_dtype=matmul_dtype,
+            sinks=sinks,
+        )  # fmt: skip
+    plain = softcap is None and sinks is None
+    if plain and _native_ok(q, k, v, mask, bias, matmul_dtype):
         m, how = _kernel_operands(q, k.shape[1], mask, scale, matmul_dtype)
         return _native_attention(q, k, v, m, how)
-    return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype, softcap)
+    return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype, softcap, sinks)
 
 
 def _check_heads(h: int, kv: int) -> None:
@@ -301,6 +317,7 @@ def _attention_jax(
     scale: float,
     matmul_dtype: str | None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`dot_product_attention` in JAX: batched products and a float32 softmax."""
     b, t, h, d = q.shape
@@ -325,7 +342,13 @@ def _attention_jax(
         else:
             m = (mask if mask.ndim == 3 else mask[None])[:, None, None]  # (B|1,1,1,T,S)
         scores = jnp.where(m, scores, jnp.asarray(_NEG, f))
-    probs = jax.nn.softmax(scores, axis=-1)  # (B, KV, G, T, S)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)  # (B, KV, G, T, S)
+    else:  # the sink's logit joins the denominator, then is dropped
+        z = jnp.broadcast_to(
+            sinks.astype(f).reshape(1, kv, g, 1, 1), (b, kv, g, t, 1)
+        )  # (B, KV, G, T, 1)
+        probs = jax.nn.softmax(jnp.concatenate([scores, z], -1), axis=-1)[..., :s]
     if lowp is not None:
         probs, v = probs.astype(lowp), v.astype(lowp)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=f)

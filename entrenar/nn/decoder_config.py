@@ -197,11 +197,16 @@ def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
             f"{source}: rope_scaling.partial_rotary_factor {partial} is not "
             "supported (rotary on the whole head only)"
         )
-    if scaling.get("truncate", True) is False:
-        raise UnsupportedError(f"{source}: yarn's truncate=false is not supported")
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise FormatError(
+            f"{source}: rope_scaling.truncate = {truncate!r} is not true or false"
+        )
     out: dict[str, Any] = {"rope_type": kind}
     if kind == "default":
         return out
+    if kind == "yarn" and not truncate:  # gpt-oss: fractional correction range
+        out["rope_truncate"] = False
     for key, field in ROPE_KEYS.items():
         value = scaling.get(key)
         if value is None:
@@ -242,6 +247,8 @@ def rope_to_hf(c: Any) -> dict[str, Any] | None:
     if c.rope_type == "yarn":
         out["beta_fast"] = c.rope_beta_fast
         out["beta_slow"] = c.rope_beta_slow
+        if not c.rope_truncate:
+            out["truncate"] = False
     if c.rope_type == "longrope":
         out["short_factor"] = list(c.rope_short_factor)
         out["long_factor"] = list(c.rope_long_factor)
@@ -486,6 +493,9 @@ SWITCHES = (
     "fused_gate_up",
     "num_experts",
     "shared_expert_intermediate_size",
+    "moe_bias",
+    "swiglu_limit",
+    "attention_sinks",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 

@@ -79,14 +79,13 @@ NOT_IMPLEMENTED = {
     "deepseek_v3": _MOE.format("multi-head latent attention, sigmoid routing"),
     "olmoe": _MOE.format("OLMoE's q/k norms over all heads"),
     "llama4": _MOE.format("Llama 4's interleaved MoE and chunked attention"),
-    "gpt_oss": _MOE.format("gpt-oss's attention sinks and clamped SwiGLU"),
     "granitemoe": _MOE.format("Granite's scaled residuals"),
     "jamba": _MOE.format("Mamba layers"),
     "dbrx": _MOE.format("DBRX's fused layout and clipped qkv"),
     "phimoe": _MOE.format("sparsemixer routing"),
 }
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
-entrenar reads are ``mixtral``, ``qwen2_moe`` and ``qwen3_moe``)."""
+entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe`` and ``gpt_oss``)."""
 GGUF_MOE = frozenset(
     {"deepseek", "deepseek2", "olmoe", "llama4", "gpt-oss", "granitemoe", "dbrx",
      "phimoe", "jamba"}
