@@ -90,7 +90,7 @@ def quantize_hf(w: Any) -> tuple[np.ndarray, np.ndarray]:
     scaled = blocks / _scale(e)[..., None]
     codes = np.abs(scaled[..., None] - E2M1).argmin(-1).astype(np.uint8)  # (..., G, 32)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.astype(np.uint8), e
+    return np.ascontiguousarray(packed, np.uint8), np.ascontiguousarray(e)
 
 
 def dequantize_ggml(raw: Any, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:

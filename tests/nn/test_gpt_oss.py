@@ -6,7 +6,8 @@ full fine-tuning, expert LoRA and QLoRA). Here: a folder transformers' own
 ``save_pretrained`` wrote (float32 and bfloat16) loads to its logits; the attention
 sinks on every attention path against transformers' ``eager_attention_forward``
 (values and gradients); the clamped SwiGLU against ``GptOssExperts._apply_gate``;
-the Hub's config.json keys.
+the Hub's config.json keys; MXFP4 experts (the Hub's files) against transformers'
+dequantization and load, and loaded as NF4 for QLoRA.
 """
 
 import dataclasses
@@ -14,18 +15,21 @@ import json
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from entrenar import io, nn
-from entrenar.errors import UnsupportedError
+from entrenar.errors import FormatError, UnsupportedError
 from entrenar.nn.attention import cached_attention, causal_mask, dot_product_attention
 from entrenar.nn.fused_attention import fused_attention
 from entrenar.nn.moe import clamped_swiglu
+from entrenar.quant.mxfp4 import dequantize_hf, quantize_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 T = 12  # longer than the tiny sliding window (4)
 
@@ -262,3 +266,115 @@ def test_the_hubs_config_json_reads_as_transformers_reads_it():
             dataclasses.replace(nn.architecture("mixtral").tiny(), swiglu_limit=7.0)
         )
     json.dumps(arch.to_hf(c))  # a JSON config.json
+
+
+# ----------------------------------------------------------------------- MXFP4
+def test_mxfp4_dequantization_equals_transformers():
+    """Every code and a spread of scales, against ``convert_moe_packed_tensors``."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(3, 8, 4, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, size=(3, 8, 4), dtype=np.uint8)
+    want = mxfp4.convert_moe_packed_tensors(
+        torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+    ).numpy()  # (E, in, out): transformers transposes to its x @ W layout
+    got = dequantize_hf(blocks, scales)  # (E, out, in)
+    np.testing.assert_array_equal(got.swapaxes(1, 2), want)
+    bf16 = dequantize_hf(blocks, scales, ml_dtypes.bfloat16)  # exact in bfloat16
+    np.testing.assert_array_equal(bf16.astype(np.float32), got)
+    b, s = quantize_hf(got)
+    np.testing.assert_array_equal(dequantize_hf(b, s), got)  # MXFP4 values: exact
+    with pytest.raises(FormatError, match="do not pair"):
+        dequantize_hf(blocks, scales[..., :3])
+
+
+def _mxfp4_folder(path):
+    """A tiny gpt-oss folder as the Hub's: MXFP4 experts, quantization_config.
+
+    Returns the config (sizes 64: whole MXFP4 blocks, and NF4's).
+    """
+    config = dataclasses.replace(
+        nn.architecture("gpt_oss").tiny(), hidden_size=64, intermediate_size=64
+    )
+    model = _hf_model(config)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            w = value.numpy().swapaxes(1, 2)  # (E, out, in), the Hub's layout
+            blocks, scales = quantize_hf(w)
+            tensors[f"{name}_blocks"] = torch.from_numpy(blocks)
+            tensors[f"{name}_scales"] = torch.from_numpy(scales)
+        else:
+            tensors[name] = value.to(torch.bfloat16).contiguous()
+    safetensors_torch.save_file(
+        tensors, str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
+    hf = nn.architecture("gpt_oss").to_hf(config)
+    hf["quantization_config"] = HUB_CONFIG["quantization_config"]
+    (path / "config.json").write_text(json.dumps(hf))
+    return config
+
+
+def test_an_mxfp4_folder_gives_transformers_logits(tmp_path):
+    """The Hub's layout, dequantized on load, against transformers' own load.
+
+    transformers without Triton dequantizes MXFP4 (``convert_moe_packed_tensors``);
+    both then compute in float32.
+    """
+    config = _mxfp4_folder(tmp_path)
+    want_model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    info, params = io.load_hf_folder(tmp_path, dtype="float32")
+    assert info.config == dataclasses.replace(config, max_position_embeddings=2048)
+    tokens, mask = _batch(config.vocab_size)
+    want = _logits(want_model, tokens, mask)
+    got = np.asarray(info.config.apply(params, jnp.asarray(tokens), mask=mask))
+    assert np.abs(want[mask]).max() > 0.5
+    np.testing.assert_allclose(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+    ex = want_model.model.layers[1].mlp.experts
+    np.testing.assert_array_equal(  # the experts as transformers dequantized them
+        np.asarray(params["model"]["layers"]["mlp"]["experts"]["up_proj"]["weight"][1]),
+        ex.gate_up_proj.detach().numpy()[:, :, 1::2].swapaxes(1, 2),
+    )
+
+
+def test_an_mxfp4_folder_loads_with_nf4_experts_for_qlora(tmp_path):
+    """QLoRA's load quantizes each MXFP4 stack to NF4 as it reads it.
+
+    The same NF4 bases as quantizing the float load afterwards; no expert stays
+    float.
+    """
+    from entrenar import lora, quant
+    from entrenar.runs.models import base_quantizer
+
+    _mxfp4_folder(tmp_path)
+    targets = ("q_proj", "experts.gate_proj", "experts.up_proj", "experts.down_proj")
+    cfg = lora.LoRAConfig(targets=targets, quantize_base="nf4")
+    _, params = io.load_hf_folder(tmp_path, quantize=base_quantizer(cfg))
+    _, dense = io.load_hf_folder(tmp_path)
+    ex, want = params["model"]["layers"]["mlp"]["experts"], dense["model"]["layers"]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        node = ex[proj]["weight"]
+        assert quant.is_quantized(node) and not quant.is_quantized(ex[proj]["bias"])
+        base = quant.quantize(want["mlp"]["experts"][proj]["weight"], "nf4",
+                              double_quant=True)  # fmt: skip
+        np.testing.assert_array_equal(
+            np.asarray(quant.dequantize(node, jnp.float32)),
+            np.asarray(quant.dequantize(base, jnp.float32)),
+        )
+
+
+def test_mxfp4_tensors_that_do_not_fit_are_named(tmp_path):
+    _mxfp4_folder(tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = safetensors_torch.load_file(str(file))
+    key = "model.layers.1.mlp.experts.down_proj_scales"
+    scales = tensors.pop(key)
+    safetensors_torch.save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(FormatError, match=r"layers\.1\.mlp\.experts\.down_proj: MXFP4"):
+        io.load_hf_folder(tmp_path)
+    tensors[key] = scales[:, :, :1].contiguous()
+    safetensors_torch.save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(FormatError, match=r"down_proj_scales \(4, 64, 1\)"):
+        io.load_hf_folder(tmp_path)
