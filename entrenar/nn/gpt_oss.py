@@ -416,7 +416,7 @@ register_family(
     from_hf=gpt_oss_from_hf,
     to_hf=gpt_oss_to_hf,
     tiny=_tiny_gpt_oss,
-    in_gguf=False,
+    gguf_name="gpt-oss",
     defaults=FAMILY_DEFAULTS,
     from_hf_tensors=gpt_oss_from_hf_tensors,
     to_hf_tensors=gpt_oss_to_hf_tensors,

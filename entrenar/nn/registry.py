@@ -87,11 +87,12 @@ NOT_IMPLEMENTED = {
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
 entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe`` and ``gpt_oss``)."""
 GGUF_MOE = frozenset(
-    {"deepseek", "deepseek2", "olmoe", "llama4", "gpt-oss", "granitemoe", "dbrx",
-     "phimoe", "jamba"}
+    {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
+     "jamba"}
 )  # fmt: skip
 """llama.cpp ``general.architecture`` names of mixtures of experts entrenar does not
-read (it reads ``llama`` with experts as Mixtral, ``qwen2moe`` and ``qwen3moe``)."""
+read (it reads ``llama`` with experts as Mixtral, ``qwen2moe``, ``qwen3moe`` and
+``gpt-oss``)."""
 
 
 def register_architecture(arch: Architecture) -> Architecture:
@@ -182,7 +183,7 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
     if name in GGUF_MOE:
         hint = (
             " (a mixture of experts: entrenar reads Mixtral (llama with "
-            "expert_count), qwen2moe and qwen3moe)"
+            "expert_count), qwen2moe, qwen3moe and gpt-oss)"
         )
     raise UnsupportedError(
         f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "

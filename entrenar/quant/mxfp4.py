@@ -19,7 +19,8 @@ Two byte layouts:
 - GGML (llama.cpp's ``GGML_TYPE_MXFP4``, type 39): 17-byte blocks, the scale byte
   first, then 16 bytes whose low nibbles are values ``0..15`` and high nibbles
   ``16..31`` (as Q4_0). llama.cpp's table is E2M1 doubled with the scale halved
-  (``2^(e - 128)``), the same values.
+  (``2^(e - 128)``): the same values, but for ``e = 255`` (NaN in the MX
+  specification), where ggml's stays finite; `dequantize_ggml` computes ggml's.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def dequantize_ggml(raw: Any, shape: tuple[int, ...], dtype: Any = np.float32) -
     out = np.empty((blocks.shape[0], BLOCK), np.float32)
     out[:, :16] = E2M1[q & 0x0F]
     out[:, 16:] = E2M1[q >> 4]
-    out *= _scale(e)[:, None]
+    out *= 2  # ggml's doubled table and halved scale: e = 255 stays finite
+    half = np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
+    out *= half[:, None]
     return out.reshape(shape).astype(dtype, copy=False)
 
 

@@ -378,3 +378,57 @@ def test_mxfp4_tensors_that_do_not_fit_are_named(tmp_path):
     safetensors_torch.save_file(tensors, str(file), metadata={"format": "pt"})
     with pytest.raises(FormatError, match=r"down_proj_scales \(4, 64, 1\)"):
         io.load_hf_folder(tmp_path)
+
+
+# ------------------------------------------------------------------------ GGUF
+def test_ggml_mxfp4_dequantization_equals_gguf_py():
+    """Type 39 blocks (every scale byte, every code) against llama.cpp's gguf-py."""
+    gguf_quants = pytest.importorskip("gguf.quants")
+    gguf = pytest.importorskip("gguf")
+    from entrenar.io.ggml_dequant import dequantize_ggml
+
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(256, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256)  # E8M0 0 (subnormal) .. 255
+    want = gguf_quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4)
+    got = dequantize_ggml(blocks.reshape(-1), 39, (8, 1024))
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
+
+
+def test_a_gguf_with_mxfp4_experts_loads(tmp_path):
+    """llama.cpp's gpt-oss files keep the experts in MXFP4 (type 39): read them.
+
+    The experts quantized by gguf-py (llama.cpp's converter's quantizer) load as
+    gguf-py dequantizes them; every other tensor as written.
+    """
+    gguf_quants = pytest.importorskip("gguf.quants")
+    gguf = pytest.importorskip("gguf")
+    from entrenar.io.gguf_writer import GGUFTensor, write_gguf
+
+    config = dataclasses.replace(
+        nn.architecture("gpt_oss").tiny(), swiglu_limit=7.0, intermediate_size=32
+    )
+    params = config.init(jax.random.key(0))
+    path = tmp_path / "f32.gguf"
+    io.save_llama_gguf(path, config, params)
+    g = io.read_gguf(path)
+    tensors, want = {}, {}
+    for name, info in g.tensors.items():
+        raw = np.asarray(g.raw(name)).reshape(-1)
+        if "_exps.weight" in name:
+            w = raw.view(np.float32).reshape(info.shape)
+            q = gguf_quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
+            want[name] = gguf_quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4)
+            tensors[name] = GGUFTensor(q.reshape(-1), info.shape, 39)
+        else:
+            tensors[name] = GGUFTensor(raw.copy(), info.shape, info.type_id)
+    write_gguf(tmp_path / "mxfp4.gguf", dict(g.fields), tensors)
+    back, loaded, _ = io.load_llama_gguf(tmp_path / "mxfp4.gguf")
+    assert back == config
+    ex = loaded["model"]["layers"]["mlp"]["experts"]
+    for i in range(config.num_layers):
+        np.testing.assert_array_equal(
+            np.asarray(ex["down_proj"]["weight"][i]),
+            want[f"blk.{i}.ffn_down_exps.weight"],
+        )
+    assert np.abs(want["blk.0.ffn_up_exps.weight"]).max() > 0
