@@ -13,6 +13,10 @@ so a head can attend to "nothing"::
 
     p_hts = exp(s_hts) / (exp(z_h) + Σ_s' exp(s_hts'))     (Σ_s p_hts <= 1)
 
+The JAX path appends ``z_h`` as a score column; the native kernel and the fused
+path attend to one more key whose score is ``z_h`` and whose value is 0
+(`sink_key`, `entrenar.nn.fused_attention`).
+
 Scores and the softmax are computed in float32 (float64 for float64 inputs). A
 `KVCache` keeps the keys and values of every layer for ``max_len`` positions; a step
 writes its ``T`` new entries at ``pos`` (one position for all rows, or one per row)
@@ -276,11 +280,56 @@ def dot_product_attention(
             q, k, v, mask, bias=bias, scale=scale, matmul_dtype=matmul_dtype,
             sinks=sinks,
         )  # fmt: skip
-    plain = softcap is None and sinks is None
-    if plain and _native_ok(q, k, v, mask, bias, matmul_dtype):
+    if softcap is None and _native_ok(q, k, v, mask, bias, matmul_dtype):
+        if sinks is not None:  # the sinks as one more key the kernel attends to
+            q, k, v, mask = sink_key(q, k, v, mask, sinks, scale)
         m, how = _kernel_operands(q, k.shape[1], mask, scale, matmul_dtype)
         return _native_attention(q, k, v, m, how)
     return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype, softcap, sinks)
+
+
+def sink_key(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    sinks: jax.Array,
+    scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Attention sinks as a key ``S`` every query attends to, for plain attention.
+
+    Query head ``h = g G + j`` (``G = H / KV``) gets 2 ``G`` more dimensions, 1 at
+    ``2j`` and ``2j + 1``, 0 elsewhere; key ``S`` of key/value head ``g`` is 0 but
+    for ``(hi, lo)`` of ``z_h / scale`` at ``2j, 2j + 1`` (``hi`` its bfloat16
+    rounding, ``lo`` the rest, so that bfloat16 products keep ``z`` to ``2^-16``),
+    the real keys 0 there; value ``S`` is 0. Then ``scale · q'_h · k'_S = z_h``,
+    ``q'_h · k'_s = q_h · k_s``, and the softmax over ``S + 1`` keys, ``S`` allowed
+    for every query, is the sinks' (module docstring). Gradients reach ``z`` through
+    ``hi + lo``.
+
+    Returns ``(q (B, T, H, d + 2G), k (B, S + 1, KV, d + 2G), v (B, S + 1, KV, dv),
+    mask (B|1, T, S + 1))``.
+    """
+    b, t, h, _ = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    g = h // kv
+    z = (sinks.astype(jnp.float32) / jnp.float32(scale)).reshape(kv, g)  # (KV, G)
+    hi = z.astype(jnp.bfloat16).astype(jnp.float32)
+    pair = jnp.stack([hi, z - hi], -1).reshape(kv, 2 * g)  # (KV, 2G): hi, lo
+    # (KV, G, 2G): row j holds (hi, lo) of head g G + j at 2j, 2j + 1
+    onehot = jnp.repeat(jnp.eye(g, dtype=jnp.float32), 2, axis=1)  # (G, 2G)
+    extra_q = jnp.tile(onehot, (kv, 1)).astype(q.dtype)  # (H, 2G)
+    q = jnp.concatenate([q, jnp.broadcast_to(extra_q, (b, t, h, 2 * g))], -1)
+    sink_k = jnp.concatenate(
+        [jnp.zeros((kv, k.shape[-1]), pair.dtype), pair], -1
+    ).astype(k.dtype)  # (KV, d + 2G)
+    k = jnp.concatenate([k, jnp.zeros((b, s, kv, 2 * g), k.dtype)], -1)
+    k = jnp.concatenate([k, jnp.broadcast_to(sink_k, (b, 1, kv, k.shape[-1]))], 1)
+    v = jnp.concatenate([v, jnp.zeros((b, 1, kv, v.shape[-1]), v.dtype)], 1)
+    m = jnp.ones((1, t, s), bool) if mask is None else mask.astype(bool)
+    m = m if m.ndim == 3 else m[None]  # (B|1, T, S)
+    m = jnp.concatenate([m, jnp.ones((*m.shape[:2], 1), bool)], -1)
+    return q, k, v, m
 
 
 def _check_heads(h: int, kv: int) -> None:
@@ -482,6 +531,7 @@ __all__ = [
     "dot_product_attention",
     "init_kv_cache",
     "read_cache",
+    "sink_key",
     "update_cache_layer",
     "write_cache",
 ]

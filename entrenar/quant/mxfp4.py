@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from entrenar.errors import FormatError
@@ -47,11 +48,19 @@ def _scale(e: np.ndarray) -> np.ndarray:
     return np.ldexp(np.float32(1.0), e.astype(np.int32) - 127).astype(np.float32)
 
 
+_PAIRS = np.stack([E2M1[np.arange(256) & 0x0F], E2M1[np.arange(256) >> 4]], -1)
+"""A byte's two values, ``(256, 2)`` float32: low nibble first (the HF layout)."""
+
+
 def dequantize_hf(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarray:
     """Hugging Face MXFP4 ``blocks (..., G, 16)``, ``scales (..., G)``: ``(..., 32G)``.
 
     The values of transformers' ``convert_moe_packed_tensors`` before its final
     transpose (that is, in the ``(out, in)`` layout the blocks are stored in).
+    One table lookup per byte (`_PAIRS`) and one product per value, in float32; to
+    bfloat16 by keeping the upper 16 bits, exact for these values (a bfloat16's
+    8 exponent bits, and 2 significant bits at most). About 40 M values a second
+    on one contended CPU core (gpt-oss-20b's 19 G expert values: minutes).
 
     Raises:
         FormatError: shapes that do not pair, or bytes that are not uint8.
@@ -66,11 +75,12 @@ def dequantize_hf(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarr
             f"MXFP4 blocks {b.shape} and scales {s.shape} do not pair: blocks are "
             f"(..., G, {BLOCK // 2}) bytes and scales (..., G)"
         )
-    out = np.empty((*b.shape[:-1], BLOCK), np.float32)  # (..., G, 32)
-    out[..., 0::2] = E2M1[b & 0x0F]
-    out[..., 1::2] = E2M1[b >> 4]
-    out *= _scale(s)[..., None]
-    return out.reshape(*b.shape[:-2], -1).astype(dtype, copy=False)
+    out = _PAIRS[b]  # (..., G, 16, 2) float32
+    out *= _scale(s)[..., None, None]
+    out = out.reshape(*b.shape[:-2], -1)  # (..., 32 G)
+    if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16):  # exact: the upper half
+        return (out.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+    return out.astype(dtype, copy=False)
 
 
 def quantize_hf(w: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ import pytest
 
 from entrenar import io, nn
 from entrenar.errors import FormatError, UnsupportedError
+from entrenar.nn import attention
 from entrenar.nn.attention import cached_attention, causal_mask, dot_product_attention
 from entrenar.nn.fused_attention import fused_attention
 from entrenar.nn.moe import clamped_swiglu
@@ -135,12 +136,14 @@ def _inputs(b=2, t=7, s=7, h=4, kv=2, d=8):
 
 
 @pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("path", ["reference", "fused", "cached"])
+@pytest.mark.parametrize("path", ["jax", "reference", "fused", "cached"])
 def test_attention_sinks_equal_transformers_eager(path, window):
     """Sinks on each attention path: values and gradients (q, k, v, sinks).
 
     A left-padded row (its first keys masked) and, with ``window``, a sliding
-    window; ``fused`` takes the window and causality as the kernel's flags.
+    window; ``jax`` appends the sink as a score column, ``reference`` runs the
+    native kernel where it is built (the sink as a key, `sink_key`), ``fused``
+    takes the window and causality as the kernel's flags.
     """
     q, k, v, sinks = _inputs()
     b, t, _, d = q.shape
@@ -155,6 +158,10 @@ def test_attention_sinks_equal_transformers_eager(path, window):
     want, want_grads = _torch_attention(q, k, v, full, sinks, scale)
 
     def run(q, k, v, z):
+        if path == "jax":  # the score column (reference: the kernel's sink key)
+            return attention._attention_jax(
+                q, k, v, jnp.asarray(full), None, scale, None, sinks=z
+            )
         if path == "reference":
             return dot_product_attention(
                 q, k, v, jnp.asarray(full), sinks=z, impl="reference"
@@ -432,3 +439,26 @@ def test_a_gguf_with_mxfp4_experts_loads(tmp_path):
             want[f"blk.{i}.ffn_down_exps.weight"],
         )
     assert np.abs(want["blk.0.ffn_up_exps.weight"]).max() > 0
+
+
+def test_the_sink_key_keeps_the_sink_logit_under_bfloat16_products():
+    """The native path's sink key splits ``z / scale`` in two bfloat16 parts.
+
+    With bfloat16 products it stays within bfloat16 rounding of the JAX path (which
+    keeps ``z`` in float32); one bfloat16 part would move a sink logit of 8 by up
+    to 0.02.
+    """
+    q, k, v, sinks = _inputs(t=16, s=16)
+    sinks = sinks + 8.0
+    mask = jnp.asarray(np.tril(np.ones((16, 16), bool)))
+    args = [jnp.asarray(x) for x in (q, k, v)]
+    plain = attention._attention_jax(*args, mask, None, 8**-0.5, "bfloat16",
+                                     sinks=jnp.asarray(sinks))  # fmt: skip
+    got = dot_product_attention(*args, mask, sinks=jnp.asarray(sinks),
+                                matmul_dtype="bfloat16", impl="reference")  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), np.asarray(plain), atol=2e-3)
+    qk, kk, _, _ = attention.sink_key(*args, mask, jnp.asarray(sinks), 8**-0.5)
+    logit = (
+        np.einsum("hd,gd->hg", np.asarray(qk)[0, 0], np.asarray(kk)[0, -1]) * 8**-0.5
+    )
+    np.testing.assert_allclose(logit[[0, 1, 2, 3], [0, 0, 1, 1]], sinks, rtol=1e-6)
