@@ -346,6 +346,20 @@ def test_an_mxfp4_folder_gives_transformers_logits(tmp_path):
     )
 
 
+def test_entrenar_info_counts_an_mxfp4_folders_parameters(tmp_path):
+    """Two values a block byte, the scales apart: the config's parameter count.
+
+    (Before, the uint8 bytes counted as parameters: 91856 of 137936.)
+    """
+    from entrenar.runs.info import model_info
+
+    config = _mxfp4_folder(tmp_path)
+    info = model_info(str(tmp_path))
+    assert info["architecture"] == "gpt_oss"
+    assert info["parameters"] == config.num_params()
+    assert info["types"]["mxfp4"] == 3 * config.num_layers * 4 * 64 * 64
+
+
 def test_an_mxfp4_folder_loads_with_nf4_experts_for_qlora(tmp_path):
     """QLoRA's load quantizes each MXFP4 stack to NF4 as it reads it.
 
