@@ -134,6 +134,26 @@ def test_parts_are_the_run_s_own_bytes(tmp_path, tiny_gguf):
     )  # fmt: skip
 
 
+def test_adamw_8bit_plans_two_bytes_a_parameter(tmp_path, tiny_gguf):
+    """Full fine-tuning with adamw_8bit plans its state's bytes.
+
+    uint8 m and v plus a float32 absmax per 256 values each for every leaf of 4096
+    values or more, float32 m and v below.
+    """
+    doc = yaml.safe_load(_doc(tmp_path, tiny_gguf).read_text())
+    del doc["lora"]
+    doc["optimizer"] = {"name": "adamw_8bit", "lr": 0.01}
+    doc["export"] = {"formats": ["safetensors"]}
+    spec = validate(write(tmp_path / "full.yaml", doc))
+    plan = plan_memory(spec, compile_step=False)
+    params = nn.LlamaConfig(**CFG).init(jax.random.key(0))
+    sizes = [int(x.size) for x in jax.tree_util.tree_leaves(params)]
+    by_hand = sum(2 * n + 8 * -(-n // 256) if n >= 4096 else 8 * n for n in sizes)
+    assert plan.optimizer - by_hand in range(0, 64)  # + the count and rate scalars
+    n = sum(sizes)
+    assert plan.optimizer < 0.27 * 8 * n  # float32 AdamW: 8 bytes a parameter
+
+
 @pytest.mark.parametrize("kind", ["BF16", "Q8_0"])
 def test_kept_gguf_bases_are_counted_as_stored(tmp_path, kind):
     """``keep_quantized``: the weights are the bytes of the nodes the load keeps.
