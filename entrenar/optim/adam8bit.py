@@ -27,7 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entrenar.optim.base import GradientTransformation, safe_increment
+from entrenar import native
+from entrenar.optim.base import (
+    GradientTransformation,
+    TransformApplyFn,
+    apply_updates,
+    safe_increment,
+)
+from entrenar.optim.masking import Mask, resolve_mask
 from entrenar.optim.transforms import adam_bias_corrections, adam_rule
 from entrenar.types import OptState, Params, Updates
 
@@ -162,6 +169,31 @@ def _zero_moment(p: Any, min_8bit_size: int, block_size: int) -> Any:
     )
 
 
+def adam8bit_rule(
+    g: jax.Array,
+    m: Any,
+    v: Any,
+    bc1: jax.Array,
+    bc2: jax.Array,
+    b1: float,
+    b2: float,
+    eps: float,
+    block_size: int = BLOCK_SIZE,
+) -> tuple[jax.Array, Any, Any]:
+    """One leaf of `scale_by_adam_8bit`: ``(u, m', v')`` (float32 ``u``)."""
+    g = g.astype(jnp.float32)
+    if not isinstance(m, Blockwise8bit):  # a small leaf: float32 Adam
+        return adam_rule(g, m, v, bc1, bc2, b1, b2, eps, 0.0)
+    m_old = dequantize_blocks(m, signed=True, block_size=block_size)
+    v_old = dequantize_blocks(v, signed=False, block_size=block_size)
+    u, m_new, v_new = adam_rule(g, m_old, v_old, bc1, bc2, b1, b2, eps, 0.0)
+    return (
+        u,
+        quantize_blocks(m_new, signed=True, block_size=block_size),
+        quantize_blocks(v_new, signed=False, block_size=block_size),
+    )
+
+
 def scale_by_adam_8bit(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -208,19 +240,6 @@ def scale_by_adam_8bit(
             nu=jax.tree_util.tree_map(zero, params),
         )
 
-    def leaf(g: Any, m: Any, v: Any, bc1: Any, bc2: Any) -> tuple[Any, Any, Any]:
-        g = g.astype(jnp.float32)
-        if not isinstance(m, Blockwise8bit):  # a small leaf: float32 Adam
-            return adam_rule(g, m, v, bc1, bc2, b1, b2, eps, 0.0)
-        m_old = dequantize_blocks(m, signed=True, block_size=block_size)
-        v_old = dequantize_blocks(v, signed=False, block_size=block_size)
-        u, m_new, v_new = adam_rule(g, m_old, v_old, bc1, bc2, b1, b2, eps, 0.0)
-        return (
-            u,
-            quantize_blocks(m_new, signed=True, block_size=block_size),
-            quantize_blocks(v_new, signed=False, block_size=block_size),
-        )
-
     def update(
         updates: Updates, state: OptState, params: Params | None = None
     ) -> tuple[Updates, OptState]:
@@ -230,7 +249,10 @@ def scale_by_adam_8bit(
         g_leaves, treedef = jax.tree_util.tree_flatten(updates)
         m_leaves = treedef.flatten_up_to(state.mu)  # type: ignore[attr-defined]
         v_leaves = treedef.flatten_up_to(state.nu)  # type: ignore[attr-defined]
-        outs = [leaf(*xs, bc1, bc2) for xs in zip(g_leaves, m_leaves, v_leaves)]
+        outs = [
+            adam8bit_rule(g, m, v, bc1, bc2, b1, b2, eps, block_size)
+            for g, m, v in zip(g_leaves, m_leaves, v_leaves)
+        ]
         u, mu, nu = (
             jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
             for i in range(3)
@@ -240,11 +262,153 @@ def scale_by_adam_8bit(
     return GradientTransformation(init, update)
 
 
+@functools.cache
+def _kernel_tables() -> np.ndarray:
+    """The kernel's ``maps`` operand, float32 ``(1024,)``.
+
+    ``map_s, map_u, T_s, T_u``, the thresholds padded with +inf to 256.
+    """
+    inf = np.array([np.inf], np.float32)
+    maps = [dynamic_map(True), dynamic_map(False)]
+    return np.concatenate([*maps, _thresholds(True), inf, _thresholds(False), inf])
+
+
+_CELL_SHIFT = 15
+_CELL0 = 0x407FFFFF >> _CELL_SHIFT  # the cell of -1.0 (its ordered key)
+_CELLS = (0xBF800000 >> _CELL_SHIFT) - _CELL0 + 1  # to 1.0
+
+
+@functools.cache
+def _kernel_cells() -> np.ndarray:
+    """The kernel's ``cells`` operand, int32 ``(2·65026,)`` (gathered 16 at a time).
+
+    Per cell of the float32 line (sign, exponent, 8 mantissa bits), the count of
+    thresholds at or below its least value: the signed map's, then the unsigned's.
+    """
+    keys = (np.arange(_CELLS, dtype=np.uint64) + _CELL0) << _CELL_SHIFT
+    keys = keys.astype(np.uint32)  # the least ordered key of each cell
+    bits = np.where(keys >= 0x80000000, keys ^ 0x80000000, ~keys).astype(np.uint32)
+    least = bits.view(np.float32)
+    counts = [np.searchsorted(_thresholds(s), least, side="right") for s in (1, 0)]
+    for c in counts:  # the kernel's single comparison: one threshold a cell at most
+        assert np.diff(c).max() <= 1
+    return np.concatenate(counts).astype(np.int32)
+
+
+def _leaf_native(
+    p: jax.Array, g: jax.Array, m: Blockwise8bit, v: Blockwise8bit, h: jax.Array
+) -> tuple[jax.Array, Blockwise8bit, Blockwise8bit]:
+    """``entrenar/kernels/adamw8bit.cc``: θ and the four state arrays in place.
+
+    ``h``: ``(1-β1, β1, 1-β2, β2, 1-β1^t, 1-β2^t, ε, λ, -η_t)`` float32.
+    """
+    sds = jax.ShapeDtypeStruct
+    codes, blocks = sds(p.shape, jnp.uint8), sds(m.absmax.shape, jnp.float32)
+    call = jax.ffi.ffi_call(
+        "entrenar_adamw8bit",
+        (sds(p.shape, jnp.float32), codes, blocks, codes, blocks),
+        input_output_aliases={0: 0, 2: 1, 3: 2, 4: 3, 5: 4},
+    )
+    tables, cells = jnp.asarray(_kernel_tables()), jnp.asarray(_kernel_cells())
+    state = (m.codes, m.absmax, v.codes, v.absmax)
+    p_new, cm, am, cv, av = call(p, g, *state, h, tables, cells)
+    return p_new, Blockwise8bit(cm, am), Blockwise8bit(cv, av)
+
+
+def adam8bit_apply(
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    mask: Mask | None,
+    decay: GradientTransformation | None,
+    rate: GradientTransformation,
+    block_size: int = BLOCK_SIZE,
+) -> TransformApplyFn:
+    """The ``apply`` of the chains ``(adam_8bit, [decay,] rate)``: one pass a leaf.
+
+    A float32 8-bit leaf (blocks of 256) goes through the native kernel
+    ``entrenar/kernels/adamw8bit.cc`` when `entrenar.native.use` allows; every other
+    leaf through `adam8bit_rule`, the decay, the rate and `apply_updates` (the
+    chain's operations: bit for bit the chain). The kernel equals the JAX path to
+    float32 rounding (tests/optim/test_optim_adam8bit.py).
+
+    Args:
+        b1: ``β_1``.
+        b2: ``β_2``.
+        eps: ``ε``.
+        weight_decay: ``λ`` (0 for `adam_8bit`).
+        mask: the decay mask, as in `entrenar.optim.adamw`.
+        decay: the chain's `add_decayed_weights` piece (None: the chain has none).
+        rate: the chain's `scale_by_learning_rate` piece.
+        block_size: values per absmax block.
+    """
+
+    def apply(
+        grads: Updates, state: OptState, params: Params
+    ) -> tuple[Params, OptState]:
+        if decay is None:
+            adam_s, rate_s = state
+        else:
+            adam_s, decay_s, rate_s = state
+            _, decay_s = decay.update(grads, decay_s, params)  # pure: only its state
+        count = safe_increment(adam_s.count)
+        c1, c2 = adam_bias_corrections(count, b1, b2)  # () 1 - β1^t, 1 - β2^t
+        neg_lr, rate_s = rate.update(jnp.ones((), jnp.float32), rate_s)  # () -η_t
+        decayed = (
+            jax.tree_util.tree_map(lambda _: True, params)
+            if mask is None or decay is None
+            else resolve_mask(mask, params)
+        )
+
+        def leaf(p: Any, g: Any, m: Any, v: Any, d: bool) -> tuple[Any, Any, Any]:
+            wd = weight_decay if d and decay is not None else 0.0
+            if (
+                isinstance(m, Blockwise8bit)
+                and block_size == BLOCK_SIZE
+                and p.shape == g.shape
+                and native.use("adamw8bit", p, g)
+            ):
+                f = jnp.float32
+                h = [f(1 - b1), f(b1), f(1 - b2), f(b2), c1, c2, f(eps), f(wd)]
+                return _leaf_native(p, g, m, v, jnp.stack([*h, neg_lr]))
+            u, m_new, v_new = adam8bit_rule(g, m, v, c1, c2, b1, b2, eps, block_size)
+            if wd:
+                u = u + wd * jnp.asarray(p).astype(u.dtype)
+            return apply_updates(p, u * neg_lr.astype(u.dtype)), m_new, v_new
+
+        p_leaves, treedef = jax.tree_util.tree_flatten(params)
+        up_to = treedef.flatten_up_to  # type: ignore[attr-defined]
+        outs = [
+            leaf(*xs)
+            for xs in zip(
+                p_leaves,
+                up_to(grads),
+                up_to(adam_s.mu),
+                up_to(adam_s.nu),
+                up_to(decayed),
+                strict=True,
+            )
+        ]
+        new_p, mu, nu = (
+            jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
+            for i in range(3)
+        )
+        adam_s = ScaleByAdam8bitState(count=count, mu=mu, nu=nu)
+        if decay is None:
+            return new_p, (adam_s, rate_s)
+        return new_p, (adam_s, decay_s, rate_s)
+
+    return apply
+
+
 __all__ = [
     "BLOCK_SIZE",
     "MIN_8BIT_SIZE",
     "Blockwise8bit",
     "ScaleByAdam8bitState",
+    "adam8bit_apply",
+    "adam8bit_rule",
     "dequantize_blocks",
     "dynamic_map",
     "quantize_blocks",

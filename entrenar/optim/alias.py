@@ -19,7 +19,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from entrenar.errors import ConfigError
-from entrenar.optim.adam8bit import MIN_8BIT_SIZE, scale_by_adam_8bit
+from entrenar.optim.adam8bit import (
+    MIN_8BIT_SIZE,
+    adam8bit_apply,
+    scale_by_adam_8bit,
+)
 from entrenar.optim.base import GradientTransformation, chain
 from entrenar.optim.fused import adamw_apply
 from entrenar.optim.learning_rate import scale_by_learning_rate
@@ -214,10 +218,9 @@ def adam_8bit(
         >>> round(float(u[0]), 5)  # the first step is -η·sign(g)
         -0.1
     """
-    return chain(
-        scale_by_adam_8bit(b1, b2, eps, min_8bit_size=min_8bit_size),
-        scale_by_learning_rate(learning_rate),
-    )
+    rate = scale_by_learning_rate(learning_rate)
+    tx = chain(scale_by_adam_8bit(b1, b2, eps, min_8bit_size=min_8bit_size), rate)
+    return tx._replace(apply=adam8bit_apply(b1, b2, eps, 0.0, None, None, rate))
 
 
 @OPTIMIZERS.register("adamw_8bit")
@@ -257,11 +260,13 @@ def adamw_8bit(
         >>> round(float(u[0]), 5)  # -η (1 + λθ) = -0.1 · (1 + 1)
         -0.2
     """
-    return chain(
-        scale_by_adam_8bit(b1, b2, eps, min_8bit_size=min_8bit_size),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate),
+    decay = add_decayed_weights(weight_decay, mask)
+    rate = scale_by_learning_rate(learning_rate)
+    tx = chain(
+        scale_by_adam_8bit(b1, b2, eps, min_8bit_size=min_8bit_size), decay, rate
     )
+    apply = adam8bit_apply(b1, b2, eps, weight_decay, mask, decay, rate)
+    return tx._replace(apply=apply)
 
 
 _HF_NAMES = {"adamw_bnb_8bit": "adamw_8bit", "adam_bnb_8bit": "adam_8bit"}
