@@ -122,6 +122,48 @@ def _thresholds(signed: bool) -> np.ndarray:
     return np.where(t.astype(np.float64) > mid, t, up).astype(np.float32)
 
 
+_CELL_SHIFT = 15
+_CELL0 = 0x407FFFFF >> _CELL_SHIFT  # the cell of -1.0 (its ordered key)
+_CELLS = (0xBF800000 >> _CELL_SHIFT) - _CELL0 + 1  # to 1.0: 65026
+
+
+@functools.cache
+def _cells(signed: bool) -> np.ndarray:
+    """Per cell of the float32 line in ``[-1, 1]``, the count of thresholds below.
+
+    int32 ``(65026,)``: the thresholds at or below the cell's least value.
+    A cell is a run of floats sharing sign, exponent and the top 8 mantissa bits
+    (relative width 2^-8, under the maps' smallest relative gap between thresholds,
+    0.53%): it holds at most one threshold (checked), so the nearest code of ``y``
+    is ``cells[cell(y)] + (T[that] ≤ y)``.
+    """
+    keys = (np.arange(_CELLS, dtype=np.uint64) + _CELL0) << _CELL_SHIFT
+    keys = keys.astype(np.uint32)  # the least ordered key of each cell
+    bits = np.where(keys >= 0x80000000, keys ^ 0x80000000, ~keys).astype(np.uint32)
+    counts = np.searchsorted(_thresholds(signed), bits.view(np.float32), "right")
+    assert np.diff(counts).max() <= 1  # one comparison finishes every count
+    return counts.astype(np.int32)
+
+
+def nearest_codes(y: jax.Array, signed: bool) -> jax.Array:
+    """The dynamic map's nearest code of each float32 ``y`` in ``[-1, 1]``, int32.
+
+    ``#{k : T_k ≤ y}`` (`_thresholds`: exact round-to-nearest, ties to the lower
+    code) from the cell table (`_cells`) and one comparison: two gathers a value.
+    The floats are ordered as integers (negative ones bit-flipped) to find the cell.
+
+    >>> nearest_codes(jnp.array([-1.0, 0.0, 0.5, 1.0]), signed=True).tolist()
+    [0, 127, 219, 255]
+    """
+    bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
+    sign = jnp.uint32(0x80000000)
+    key = jnp.where(bits >= sign, ~bits, bits ^ sign)  # ordered as the floats
+    cell = jnp.clip((key >> _CELL_SHIFT).astype(jnp.int32) - _CELL0, 0, _CELLS - 1)
+    k = jnp.asarray(_cells(signed))[cell]
+    t = jnp.asarray(np.append(_thresholds(signed), np.float32(np.inf)))
+    return k + (t[k] <= y).astype(jnp.int32)
+
+
 def quantize_blocks(
     x: jax.Array, signed: bool, block_size: int = BLOCK_SIZE
 ) -> Blockwise8bit:
@@ -142,9 +184,9 @@ def quantize_blocks(
     absmax = jnp.max(jnp.abs(flat), axis=1)  # (blocks,)
     scale = jnp.where(absmax > 0, absmax, 1.0)[:, None]
     normed = flat / scale  # (blocks, B) in [-1, 1]
-    t = jnp.asarray(_thresholds(signed))
-    codes = jnp.searchsorted(t, normed, side="right", method="scan_unrolled")
-    codes = codes.astype(jnp.uint8).reshape(-1)[:n].reshape(x.shape)
+    codes = (
+        nearest_codes(normed, signed).astype(jnp.uint8).reshape(-1)[:n].reshape(x.shape)
+    )
     return Blockwise8bit(codes, absmax.astype(jnp.float32))
 
 
@@ -273,26 +315,10 @@ def _kernel_tables() -> np.ndarray:
     return np.concatenate([*maps, _thresholds(True), inf, _thresholds(False), inf])
 
 
-_CELL_SHIFT = 15
-_CELL0 = 0x407FFFFF >> _CELL_SHIFT  # the cell of -1.0 (its ordered key)
-_CELLS = (0xBF800000 >> _CELL_SHIFT) - _CELL0 + 1  # to 1.0
-
-
 @functools.cache
 def _kernel_cells() -> np.ndarray:
-    """The kernel's ``cells`` operand, int32 ``(2·65026,)`` (gathered 16 at a time).
-
-    Per cell of the float32 line (sign, exponent, 8 mantissa bits), the count of
-    thresholds at or below its least value: the signed map's, then the unsigned's.
-    """
-    keys = (np.arange(_CELLS, dtype=np.uint64) + _CELL0) << _CELL_SHIFT
-    keys = keys.astype(np.uint32)  # the least ordered key of each cell
-    bits = np.where(keys >= 0x80000000, keys ^ 0x80000000, ~keys).astype(np.uint32)
-    least = bits.view(np.float32)
-    counts = [np.searchsorted(_thresholds(s), least, side="right") for s in (1, 0)]
-    for c in counts:  # the kernel's single comparison: one threshold a cell at most
-        assert np.diff(c).max() <= 1
-    return np.concatenate(counts).astype(np.int32)
+    """The kernel's ``cells`` operand: `_cells` of the signed map, then unsigned."""
+    return np.concatenate([_cells(True), _cells(False)])
 
 
 def _leaf_native(
@@ -411,6 +437,7 @@ __all__ = [
     "adam8bit_rule",
     "dequantize_blocks",
     "dynamic_map",
+    "nearest_codes",
     "quantize_blocks",
     "scale_by_adam_8bit",
 ]
