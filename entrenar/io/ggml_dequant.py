@@ -11,7 +11,7 @@ as ``ne[0] / block_size`` blocks of ``type_size`` bytes. The formats, as in ggml
 - ``Q5_0``/``Q5_1`` (32, 22/24 B): as Q4_0/Q4_1 plus ``qh`` (uint32) holding bit 4 of
   value ``j`` in bit ``j``; ``x = d·(q − 16)`` / ``x = d·q + m``.
 - ``MXFP4`` (32, 17 B): ``e`` (E8M0), ``qs[16]`` as Q4_0's nibbles, each an FP4
-  E2M1 code; ``x = E2M1[q]·2^(e − 127)`` (`entrenar.quant.mxfp4`: gpt-oss's experts).
+  E2M1 code; ``x = E2M1[q]·2^(e − 127)`` (`entrenar.nn.mxfp4`: gpt-oss's experts).
 - ``Q2_K`` ... ``Q6_K`` (256 values a super-block), ``BF16``, ``F16``: the decoders
   of `entrenar.quant.kquant` (formats documented there), which the in-graph
   dequantization of a kept `entrenar.quant.GGMLWeight` shares.
@@ -31,8 +31,8 @@ from typing import NamedTuple
 import numpy as np
 
 from entrenar.errors import FormatError, UnsupportedError
-from entrenar.nn import host_arrays
-from entrenar.quant import kquant, mxfp4
+from entrenar.nn import host_arrays, mxfp4
+from entrenar.quant import kquant
 from entrenar.quant.ggml import block_tails
 from entrenar.threads import shared_pool
 
@@ -147,7 +147,7 @@ def _q5_1(b: np.ndarray) -> np.ndarray:
 
 
 def _mxfp4(b: np.ndarray) -> np.ndarray:
-    """MXFP4 blocks ``b: (n, 17)`` -> ``(n, 32)`` (`entrenar.quant.mxfp4`)."""
+    """MXFP4 blocks ``b: (n, 17)`` -> ``(n, 32)`` (`entrenar.nn.mxfp4`)."""
     return mxfp4.dequantize_ggml(b, (b.shape[0], 32))
 
 

@@ -28,7 +28,7 @@ Checkpoint names (transformers' ``save_pretrained`` and the Hub's)::
 
 and in the Hub's MXFP4 files, for ``gate_up_proj`` and ``down_proj``, ``*_blocks
 (E, out, in / 32, 16)`` and ``*_scales (E, out, in / 32)`` uint8 in the ``(out,
-in)`` layout (`entrenar.quant.mxfp4`). `gpt_oss_from_hf_tensors` reads any of them
+in)`` layout (`entrenar.nn.mxfp4`). `gpt_oss_from_hf_tensors` reads any of them
 into the tree's ``mlp.gate`` (the router) and ``mlp.experts.{gate,up,down}_proj.
 {weight (E, out, in), bias (E, out)}``, lazily (`Derived`: made when the load
 copies the leaf); `gpt_oss_to_hf_tensors` writes transformers' float form.
@@ -54,8 +54,8 @@ from entrenar.nn.decoder_config import (
     register_family,
 )
 from entrenar.nn.llama import LlamaConfig
+from entrenar.nn.mxfp4 import dequantize_hf
 from entrenar.nn.weight_node import to_dense
-from entrenar.quant.mxfp4 import dequantize_hf
 
 DEFAULT_ROPE = {
     "rope_type": "yarn",
@@ -78,7 +78,7 @@ HF_DEFAULTS = {
 
 
 def _bf16() -> np.dtype:
-    """bfloat16 as a NumPy dtype: MXFP4's values, exactly (`entrenar.quant.mxfp4`)."""
+    """bfloat16 as a NumPy dtype: MXFP4's values, exactly (`entrenar.nn.mxfp4`)."""
     return np.dtype(ml_dtypes.bfloat16)
 
 

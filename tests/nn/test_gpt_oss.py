@@ -25,7 +25,7 @@ from entrenar.nn import attention
 from entrenar.nn.attention import cached_attention, causal_mask, dot_product_attention
 from entrenar.nn.fused_attention import fused_attention
 from entrenar.nn.moe import clamped_swiglu
-from entrenar.quant.mxfp4 import dequantize_hf, quantize_hf
+from entrenar.nn.mxfp4 import dequantize_hf, quantize_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

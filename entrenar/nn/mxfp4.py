@@ -21,6 +21,10 @@ Two byte layouts:
   ``16..31`` (as Q4_0). llama.cpp's table is E2M1 doubled with the scale halved
   (``2^(e - 128)``): the same values, but for ``e = 255`` (NaN in the MX
   specification), where ggml's stays finite; `dequantize_ggml` computes ggml's.
+
+It sits in `entrenar.nn` (below `entrenar.quant` in the layers, specs/conventions.md)
+because a family reads it: gpt-oss's `from_hf_tensors` decodes the Hub's experts
+(`entrenar.nn.gpt_oss`); it is a pure NumPy codec with no quantizer of its own.
 """
 
 from __future__ import annotations
