@@ -168,6 +168,12 @@ def _adamw_step():
     return lambda: optim.apply_gradients(tx, p, tx.init(p), p)
 
 
+def _adamw8bit_step():
+    tx = optim.adamw_8bit(0.01)
+    p = {"w": jnp.ones((16, 256))}
+    return lambda: optim.apply_gradients(tx, p, tx.init(p), p)
+
+
 SITES = {  # kernel: (its custom-call target, a function that should call it)
     "attention": (
         "entrenar_attention_fwd",
@@ -180,6 +186,7 @@ SITES = {  # kernel: (its custom-call target, a function that should call it)
         ),
     ),
     "adamw": ("entrenar_adamw", _adamw_step()),
+    "adamw8bit": ("entrenar_adamw8bit", _adamw8bit_step()),
     "nf4_matmul": (
         "entrenar_nf4_matmul",
         lambda: quantized_matmul(_nf4(), jnp.ones((2, 128))),

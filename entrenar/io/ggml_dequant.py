@@ -10,6 +10,8 @@ as ``ne[0] / block_size`` blocks of ``type_size`` bytes. The formats, as in ggml
 - ``Q4_1`` (32, 20 B): ``d, m, qs[16]`` as Q4_0; ``x = d·q + m``.
 - ``Q5_0``/``Q5_1`` (32, 22/24 B): as Q4_0/Q4_1 plus ``qh`` (uint32) holding bit 4 of
   value ``j`` in bit ``j``; ``x = d·(q − 16)`` / ``x = d·q + m``.
+- ``MXFP4`` (32, 17 B): ``e`` (E8M0), ``qs[16]`` as Q4_0's nibbles, each an FP4
+  E2M1 code; ``x = E2M1[q]·2^(e − 127)`` (`entrenar.nn.mxfp4`: gpt-oss's experts).
 - ``Q2_K`` ... ``Q6_K`` (256 values a super-block), ``BF16``, ``F16``: the decoders
   of `entrenar.quant.kquant` (formats documented there), which the in-graph
   dequantization of a kept `entrenar.quant.GGMLWeight` shares.
@@ -29,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from entrenar.errors import FormatError, UnsupportedError
-from entrenar.nn import host_arrays
+from entrenar.nn import host_arrays, mxfp4
 from entrenar.quant import kquant
 from entrenar.quant.ggml import block_tails
 from entrenar.threads import shared_pool
@@ -64,6 +66,7 @@ _TYPES = [
     GGMLType(27, "I64", 1, 8),
     GGMLType(28, "F64", 1, 8),
     GGMLType(30, "BF16", 1, 2),
+    GGMLType(39, "MXFP4", 32, 17),
 ]
 GGML_TYPES: dict[int, GGMLType] = {t.id: t for t in _TYPES}
 """Every ggml type id entrenar can size, keyed by id."""
@@ -143,6 +146,11 @@ def _q5_1(b: np.ndarray) -> np.ndarray:
     return d * q.astype(np.float32) + m
 
 
+def _mxfp4(b: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks ``b: (n, 17)`` -> ``(n, 32)`` (`entrenar.nn.mxfp4`)."""
+    return mxfp4.dequantize_ggml(b, (b.shape[0], 32))
+
+
 def _plain(dtype: str):
     def f(b: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(b).view(dtype).astype(np.float32)
@@ -164,6 +172,7 @@ _DEQUANT = {
     12: kquant.q4_k,
     13: kquant.q5_k,
     14: kquant.q6_k,
+    39: _mxfp4,
 }
 DEQUANTIZABLE: tuple[str, ...] = tuple(GGML_TYPES[i].name for i in _DEQUANT)
 """Names of the ggml types `dequantize_ggml` supports."""

@@ -26,8 +26,16 @@ hyperparameters ``{arch}.*``. The families differ in:
   1's graph has no ``output`` tensor); OLMo 2's output norms and whole-row q/k
   norms, and its untied head (`UNTIED`);
 - **tensor names** (`LAYER_STEMS`): Hugging Face module -> ``blk.N.<stem>``, with
-  Gemma's four norms (`SANDWICH_STEMS`), OLMo 2's two (`POST_NORM_STEMS`) and
-  Phi-3's fused ``attn_qkv``/``ffn_up``.
+  Gemma's four norms (`SANDWICH_STEMS`), OLMo 2's two (`POST_NORM_STEMS`),
+  gpt-oss's ``post_attention_norm`` (`FAMILY_STEMS`) and sinks
+  (``blk.N.attn_sinks.weight``, `LEAF_NAMES`), and Phi-3's fused
+  ``attn_qkv``/``ffn_up``;
+- **gpt-oss** (``gpt-oss``, src/models/openai-moe.cpp): its graph fixes the clamped
+  SwiGLU (limit 7, ``α`` 1.702), the biased experts, the sinks and the layers
+  alternating sliding / full (`IMPLIED`, `SWA_PATTERN`), and rounds YaRN's
+  correction range (ggml's ``ggml_rope_yarn_corr_dims`` floors and ceils): a file
+  without ``entrenar.family`` reads with ``rope_truncate=True``, as llama.cpp runs
+  it, where transformers' gpt-oss keeps the range fractional.
 
 The writer also stores every switch that differs from Llama's default in
 ``entrenar.family``, a JSON object of `LlamaConfig` fields (`SWITCH_FIELDS`) that
@@ -92,6 +100,11 @@ POST_NORM_STEMS = {
 """OLMo 2's norms on the sublayer outputs (``post_norms``), replacing
 `LAYER_STEMS`' entries."""
 
+FAMILY_STEMS = {"gpt_oss": {"post_attention_layernorm": "post_attention_norm"}}
+"""Per family (`LlamaConfig.architecture`), stems replacing `LAYER_STEMS`' entries."""
+LEAF_NAMES = {"self_attn.sinks": ("attn_sinks", "weight")}
+"""Layer leaves that are not a module's ``weight``/``bias`` -> (stem, suffix)."""
+
 WRITTEN_AS = {"mistral": "llama", "mixtral": "llama", "olmo3": "olmo2"}
 """Families without a llama.cpp name of their own, and the name they are written as."""
 PERMUTED = frozenset({"llama", "smollm3", "granite"})
@@ -108,6 +121,12 @@ IMPLIED: dict[str, dict[str, Any]] = {
     for name in ("gemma2", "gemma3")
 }
 IMPLIED["olmo2"] = {"post_norms": True, "qk_norm_whole": True}
+IMPLIED["gpt-oss"] = {
+    "attention_sinks": True,
+    "moe_bias": True,
+    "swiglu_limit": 7.0,
+    "swiglu_alpha": 1.702,
+}  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: alpha and limit are constants
 IMPLIED["gemma"] = {
     k: v for k, v in IMPLIED["gemma2"].items() if k != "sandwich_norms"
 }  # Gemma 1: Llama's two norms a layer
@@ -116,7 +135,7 @@ TIED = frozenset({"gemma"})
 """llama.cpp names whose graph has no ``output.weight``: the head is the table."""
 UNTIED = frozenset({"olmo2"})
 """llama.cpp names whose graph needs ``output.weight`` (no tied head)."""
-SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo2": 4, "gpt-oss": 2}
 """llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
 PARTIAL_ROTARY = frozenset({"phi3"})
@@ -143,14 +162,25 @@ SCALE_KEYS = {
 """Granite's multipliers -> llama.cpp's ``{arch}.*`` keys (its converter's names)."""
 SCALED = frozenset({"granite"})
 """llama.cpp names whose graph reads `SCALE_KEYS` (``logit_scale`` required)."""
-MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+MOE_FAMILIES = {
+    "llama": "mixtral",
+    "qwen3moe": "qwen3_moe",
+    "qwen2moe": "qwen2_moe",
+    "gpt-oss": "gpt_oss",
+}
 """llama.cpp names that read experts (``{arch}.expert_count > 0``) -> the family: a
 ``llama`` file with experts is a Mixtral (llama.cpp's converter writes Mixtral so)."""
-EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "gpt-oss": True}
 """Whether llama.cpp renormalises the top-k routing weights of each name: fixed per
 architecture in its graphs (``build_moe_ffn``'s ``norm_w``: src/models/llama.cpp,
 qwen3moe.cpp true, qwen2moe.cpp false), whatever ``expert_weights_norm`` says (these
-three do not read it). A config routing otherwise has no llama.cpp form."""
+three do not read it; gpt-oss's softmax over the top-k logits,
+``SOFTMAX_WEIGHT``, is the renormalised one). A config routing otherwise has no
+llama.cpp form."""
+ONE_WIDTH = frozenset({"gpt-oss"})
+"""llama.cpp names whose every MLP is an expert ``expert_feed_forward_length`` wide:
+the config's ``intermediate_size`` (no ``moe_intermediate_size``), as gpt-oss's
+config.json has it."""
 SHARED_EXPERT = frozenset({"qwen2moe"})
 """llama.cpp names whose MoE layers have (and must have) a shared expert."""
 F32_STEMS = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
@@ -169,6 +199,8 @@ SWITCH_FIELDS = (
     "rope_type",
     *ROPE_KEYS.values(),  # the rope type's parameters
     *(s for s in SWITCHES if s != "rope_type" and s not in _TOLD_BY_TENSORS),
+    "rope_truncate",
+    "swiglu_alpha",
 )
 """`LlamaConfig` fields ``entrenar.family`` may hold (nothing else is read from it):
 the switches not told by the tensor table (biases, q/k norms and fused weights are)
@@ -183,9 +215,11 @@ def written_name(family: str, gguf_name: str | None) -> str | None:
 def layer_stems(config: Any) -> dict[str, str]:
     """`LAYER_STEMS` for ``config``, with its norms' stems.
 
-    Gemma's `SANDWICH_STEMS` or OLMo 2's `POST_NORM_STEMS` when it has them.
+    Gemma's `SANDWICH_STEMS` or OLMo 2's `POST_NORM_STEMS` when it has them, its
+    family's `FAMILY_STEMS` (gpt-oss).
     """
-    stems = dict(LAYER_STEMS)
+    family = getattr(config, "architecture", "")
+    stems = dict(LAYER_STEMS) | FAMILY_STEMS.get(family, {})
     if getattr(config, "sandwich_norms", False):
         stems |= SANDWICH_STEMS
     if getattr(config, "post_norms", False):
@@ -212,6 +246,12 @@ def gguf_names(config: Any) -> dict[str, str]:
                 walk(sub, f"{path}.")
                 continue
             module, _, kind = path.rpartition(".")
+            leaf = LEAF_NAMES.get(path.removeprefix("model.layers."))
+            if leaf is not None:  # gpt-oss's sinks: blk.N.attn_sinks.weight
+                for i in range(config.num_layers):
+                    hf = f"model.layers.{i}.{path.removeprefix('model.layers.')}"
+                    out[hf] = f"blk.{i}.{leaf[0]}.{leaf[1]}"
+                continue
             if module.startswith("model.layers."):
                 stem = stems[module.removeprefix("model.layers.")]
                 for i in range(config.num_layers):
@@ -246,13 +286,16 @@ __all__ = [
     "EXPERT_NORM",
     "F32_STEMS",
     "FAMILY_KEY",
+    "FAMILY_STEMS",
     "GLOBAL_STEMS",
     "IMPLIED",
     "LAYER_STEMS",
+    "LEAF_NAMES",
     "MOE_FAMILIES",
     "NOPE_PERIOD",
     "NORM_SHIFT",
     "ONE_BASE",
+    "ONE_WIDTH",
     "PARTIAL_ROTARY",
     "PERMUTED",
     "POST_NORM_STEMS",

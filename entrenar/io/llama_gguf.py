@@ -53,6 +53,7 @@ from entrenar.io.gguf_families import (
     IMPLIED,
     MOE_FAMILIES,
     NORM_SHIFT,
+    ONE_WIDTH,
     PARTIAL_ROTARY,
     PERMUTED,
     SCALE_KEYS,
@@ -453,7 +454,9 @@ def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
     out: dict[str, Any] = dict(
         num_experts=e, num_experts_per_tok=k, norm_topk_prob=EXPERT_NORM[name]
     )
-    if name != "llama":  # Mixtral's experts are feed_forward_length wide
+    if name in ONE_WIDTH:  # gpt-oss: the experts' width is the model's
+        out["intermediate_size"] = _meta_int(g, f"{p}expert_feed_forward_length", n_ff)
+    elif name != "llama":  # Mixtral's experts are feed_forward_length wide
         key = f"{p}expert_feed_forward_length"
         out["moe_intermediate_size"] = _meta_int(g, key, max(1, n_ff // k))
     if name in SHARED_EXPERT:

@@ -448,7 +448,8 @@ def save_llama_gguf(
                 raise FormatError(f"params lack {hf} (config {config})")
             w = tree[key]
             stacked = prefix.startswith("model.layers.")
-            matrix = len(sub) >= (3 if stacked else 2)  # experts: (L, E, out, in)
+            # experts: (L, E, out, in); their biases (L, E, out) stay F32 (gpt-oss)
+            matrix = key != "bias" and len(sub) >= (3 if stacked else 2)
             layer0 = hf.replace("model.layers.", "model.layers.0.", 1)
             stem = names[layer0 if stacked else hf].split(".")[-2]
             k = (emb_kind if not stacked else kind) if matrix else "F32"

@@ -82,6 +82,7 @@ POLICIES: tuple[str, ...] = typing.get_args(Policy)
 
 SIGNATURES: dict[str, tuple[tuple[str, ...], ...]] = {
     "adamw": (("float32",),) * 4,  # θ, g, m, v
+    "adamw8bit": (("float32",),) * 2,  # θ, g (m and v are uint8 codes)
     # q, k, v, the products' inputs (float32, or rounded to bfloat16)
     "attention": (*(("float32",),) * 3, ("float32", "bfloat16")),
     "softmax_xent": (("float32",), ("integer",), ("bfloat16",)),  # z, y, dz

@@ -38,6 +38,7 @@ from pathlib import Path
 KERNELS: dict[str, tuple[str, dict[str, str]]] = {
     # name: (source file in entrenar/kernels, {custom-call target: C symbol})
     "adamw": ("adamw.cc", {"entrenar_adamw": "EntrenarAdamW"}),
+    "adamw8bit": ("adamw8bit.cc", {"entrenar_adamw8bit": "EntrenarAdamW8bit"}),
     "attention": (
         "attention.cc",
         {

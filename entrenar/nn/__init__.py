@@ -12,6 +12,7 @@ registers in its own package.
 
 from entrenar.nn import (  # families register
     gemma,
+    gpt_oss,
     granite,
     losses,
     mistral,
@@ -125,6 +126,7 @@ __all__ = [
     "gemma",
     "generate",
     "generate_stream",
+    "gpt_oss",
     "granite",
     "init_kv_cache",
     "is_weight_node",

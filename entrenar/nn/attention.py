@@ -6,6 +6,17 @@ Ainslie et al., 2023. With ``H`` query heads and ``KV`` key/value heads (``H % K
 
     ``o_h = softmax(q_h k_gᵀ / sqrt(d) + M) v_g``,  ``M = 0`` where allowed, ``-∞`` not.
 
+Attention sinks (gpt-oss; Xiao et al., "Efficient Streaming Language Models with
+Attention Sinks", 2023, in the learned form of OpenAI's gpt-oss): a learned logit
+``z_h`` per query head joins each row's softmax denominator and is then dropped,
+so a head can attend to "nothing"::
+
+    p_hts = exp(s_hts) / (exp(z_h) + Σ_s' exp(s_hts'))     (Σ_s p_hts <= 1)
+
+The JAX path appends ``z_h`` as a score column; the native kernel and the fused
+path attend to one more key whose score is ``z_h`` and whose value is 0
+(`sink_key`, `entrenar.nn.fused_attention`).
+
 Scores and the softmax are computed in float32 (float64 for float64 inputs). A
 `KVCache` keeps the keys and values of every layer for ``max_len`` positions; a step
 writes its ``T`` new entries at ``pos`` (one position for all rows, or one per row)
@@ -154,6 +165,7 @@ def cached_attention(
     scale: float | None = None,
     matmul_dtype: str | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`dot_product_attention` on layer ``layer`` of stacked caches, read in place.
 
@@ -175,6 +187,7 @@ def cached_attention(
         scale: score scale, ``1/√d`` by default.
         matmul_dtype: as `dot_product_attention`.
         softcap: as `dot_product_attention` (the sliced JAX path).
+        sinks: as `dot_product_attention` (the sliced JAX path).
 
     Returns:
         ``(B, T, H, dv)`` in ``q``'s dtype.
@@ -188,13 +201,14 @@ def cached_attention(
         )
     _check_heads(q.shape[2], k_buf.shape[3])
     k1, v1 = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k_buf, v_buf))
-    if softcap is None and _native_ok(q, k1, v1, mask, None, matmul_dtype):
+    plain = softcap is None and sinks is None
+    if plain and _native_ok(q, k1, v1, mask, None, matmul_dtype):
         m, how = _kernel_operands(q, k_buf.shape[2], mask, scale, matmul_dtype)
         return _native_cached(q, k_buf, v_buf, layer, m, how)
     k, v = read_cache(k_buf, layer), read_cache(v_buf, layer)  # (B, S, KV, d)
     return dot_product_attention(
         q, k, v, mask, scale=scale, matmul_dtype=matmul_dtype, softcap=softcap,
-        impl="reference",
+        sinks=sinks, impl="reference",
     )  # fmt: skip
 
 
@@ -208,6 +222,7 @@ def dot_product_attention(
     scale: float | None = None,
     matmul_dtype: str | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     impl: str = "auto",
 ) -> jax.Array:
     """Grouped-query attention ``softmax(q kᵀ · scale + bias, masked) v``.
@@ -230,6 +245,9 @@ def dot_product_attention(
             mask and softmax stay in float32.
         softcap: None, or ``c``: scores become ``c tanh(scores / c)`` before the
             bias and mask (Gemma 2's ``attn_logit_softcapping``; the JAX path).
+        sinks: None, or ``(H,)`` attention-sink logits (gpt-oss, module
+            docstring): each joins its head's softmax denominator (the JAX path,
+            or the fused one).
         impl: ``"reference"`` (this module's paths below), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
             cuDNN's kernel on GPUs) or ``"auto"``: fused off the CPU, reference on
@@ -259,12 +277,59 @@ def dot_product_attention(
         and min(k.shape) > 0
     ):
         return fused_attention(
-            q, k, v, mask, bias=bias, scale=scale, matmul_dtype=matmul_dtype
-        )
+            q, k, v, mask, bias=bias, scale=scale, matmul_dtype=matmul_dtype,
+            sinks=sinks,
+        )  # fmt: skip
     if softcap is None and _native_ok(q, k, v, mask, bias, matmul_dtype):
+        if sinks is not None:  # the sinks as one more key the kernel attends to
+            q, k, v, mask = sink_key(q, k, v, mask, sinks, scale)
         m, how = _kernel_operands(q, k.shape[1], mask, scale, matmul_dtype)
         return _native_attention(q, k, v, m, how)
-    return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype, softcap)
+    return _attention_jax(q, k, v, mask, bias, scale, matmul_dtype, softcap, sinks)
+
+
+def sink_key(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    sinks: jax.Array,
+    scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Attention sinks as a key ``S`` every query attends to, for plain attention.
+
+    Query head ``h = g G + j`` (``G = H / KV``) gets 2 ``G`` more dimensions, 1 at
+    ``2j`` and ``2j + 1``, 0 elsewhere; key ``S`` of key/value head ``g`` is 0 but
+    for ``(hi, lo)`` of ``z_h / scale`` at ``2j, 2j + 1`` (``hi`` its bfloat16
+    rounding, ``lo`` the rest, so that bfloat16 products keep ``z`` to ``2^-16``),
+    the real keys 0 there; value ``S`` is 0. Then ``scale · q'_h · k'_S = z_h``,
+    ``q'_h · k'_s = q_h · k_s``, and the softmax over ``S + 1`` keys, ``S`` allowed
+    for every query, is the sinks' (module docstring). Gradients reach ``z`` through
+    ``hi + lo``.
+
+    Returns ``(q (B, T, H, d + 2G), k (B, S + 1, KV, d + 2G), v (B, S + 1, KV, dv),
+    mask (B|1, T, S + 1))``.
+    """
+    b, t, h, _ = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    g = h // kv
+    z = (sinks.astype(jnp.float32) / jnp.float32(scale)).reshape(kv, g)  # (KV, G)
+    hi = z.astype(jnp.bfloat16).astype(jnp.float32)
+    pair = jnp.stack([hi, z - hi], -1).reshape(kv, 2 * g)  # (KV, 2G): hi, lo
+    # (KV, G, 2G): row j holds (hi, lo) of head g G + j at 2j, 2j + 1
+    onehot = jnp.repeat(jnp.eye(g, dtype=jnp.float32), 2, axis=1)  # (G, 2G)
+    extra_q = jnp.tile(onehot, (kv, 1)).astype(q.dtype)  # (H, 2G)
+    q = jnp.concatenate([q, jnp.broadcast_to(extra_q, (b, t, h, 2 * g))], -1)
+    sink_k = jnp.concatenate(
+        [jnp.zeros((kv, k.shape[-1]), pair.dtype), pair], -1
+    ).astype(k.dtype)  # (KV, d + 2G)
+    k = jnp.concatenate([k, jnp.zeros((b, s, kv, 2 * g), k.dtype)], -1)
+    k = jnp.concatenate([k, jnp.broadcast_to(sink_k, (b, 1, kv, k.shape[-1]))], 1)
+    v = jnp.concatenate([v, jnp.zeros((b, 1, kv, v.shape[-1]), v.dtype)], 1)
+    m = jnp.ones((1, t, s), bool) if mask is None else mask.astype(bool)
+    m = m if m.ndim == 3 else m[None]  # (B|1, T, S)
+    m = jnp.concatenate([m, jnp.ones((*m.shape[:2], 1), bool)], -1)
+    return q, k, v, m
 
 
 def _check_heads(h: int, kv: int) -> None:
@@ -301,6 +366,7 @@ def _attention_jax(
     scale: float,
     matmul_dtype: str | None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`dot_product_attention` in JAX: batched products and a float32 softmax."""
     b, t, h, d = q.shape
@@ -325,7 +391,13 @@ def _attention_jax(
         else:
             m = (mask if mask.ndim == 3 else mask[None])[:, None, None]  # (B|1,1,1,T,S)
         scores = jnp.where(m, scores, jnp.asarray(_NEG, f))
-    probs = jax.nn.softmax(scores, axis=-1)  # (B, KV, G, T, S)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)  # (B, KV, G, T, S)
+    else:  # the sink's logit joins the denominator, then is dropped
+        z = jnp.broadcast_to(
+            sinks.astype(f).reshape(1, kv, g, 1, 1), (b, kv, g, t, 1)
+        )  # (B, KV, G, T, 1)
+        probs = jax.nn.softmax(jnp.concatenate([scores, z], -1), axis=-1)[..., :s]
     if lowp is not None:
         probs, v = probs.astype(lowp), v.astype(lowp)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=f)
@@ -459,6 +531,7 @@ __all__ = [
     "dot_product_attention",
     "init_kv_cache",
     "read_cache",
+    "sink_key",
     "update_cache_layer",
     "write_cache",
 ]

@@ -233,14 +233,19 @@ def rope_from_hf(scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
             f"{source}: rope_scaling.rope_type {kind!r} is not supported; entrenar "
             f"implements {ROPE_TYPES}"
         )
-    if scaling.get("truncate", True) is False:
-        raise UnsupportedError(f"{source}: yarn's truncate=false is not supported")
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise FormatError(
+            f"{source}: rope_scaling.truncate = {truncate!r} is not true or false"
+        )
     out: dict[str, Any] = {"rope_type": kind}
     partial = scaling.get("partial_rotary_factor")
     if partial is not None:
         out["partial_rotary_factor"] = partial_factor(partial, source)
     if kind == "default":
         return out
+    if kind == "yarn" and not truncate:  # gpt-oss: fractional correction range
+        out["rope_truncate"] = False
     for key, field in ROPE_KEYS.items():
         value = scaling.get(key)
         if value is None:
@@ -296,6 +301,8 @@ def rope_to_hf(c: Any) -> dict[str, Any] | None:
     if c.rope_type == "yarn":
         out["beta_fast"] = c.rope_beta_fast
         out["beta_slow"] = c.rope_beta_slow
+        if not c.rope_truncate:
+            out["truncate"] = False
     if c.rope_type == "longrope":
         out["short_factor"] = list(c.rope_short_factor)
         out["long_factor"] = list(c.rope_long_factor)
@@ -573,6 +580,9 @@ SWITCHES = (
     "num_experts",
     "shared_expert_intermediate_size",
     "router_jitter_noise",
+    "moe_bias",
+    "swiglu_limit",
+    "attention_sinks",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 

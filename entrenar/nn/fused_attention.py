@@ -21,6 +21,12 @@ With bfloat16 inputs JAX's backward pass of this function mixes bfloat16 and
 float32 arrays: its gradient needs JAX's default ``jax_numpy_dtype_promotion``
 (``standard``), not ``strict``.
 
+Attention sinks (gpt-oss: a learned logit ``z_h`` per head in each row's softmax
+denominator, `entrenar.nn.attention`) are one more key: ``k = 0``, ``v = 0``, and
+the bias ``z_h`` on its score, so the kernel's softmax counts ``exp(z_h)`` and the
+output gains nothing from it; the causal mask and window then travel in the mask
+(the kernel's flags need as many keys as queries).
+
 Not here: logit soft-capping (Gemma 2's ``c tanh(scores / c)``) has no form in
 `jax.nn.dot_product_attention` or cuDNN; models that use it take the reference path
 (`use_fused` says False for them).
@@ -110,6 +116,7 @@ def fused_attention(
     scale: float | None = None,
     matmul_dtype: str | None = None,
     implementation: Literal["xla", "cudnn"] | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention by `jax.nn.dot_product_attention`.
 
@@ -133,6 +140,7 @@ def fused_attention(
         implementation: ``"xla"``, ``"cudnn"`` or None: cuDNN where it is a
             candidate (a GPU, bfloat16 or float16 products, ``d`` a multiple of 8
             up to 256) and takes the call when traced, else XLA.
+        sinks: None, or ``(H,)`` attention-sink logits (module docstring).
 
     Returns:
         ``(B, T, H, d)`` in ``q``'s dtype.
@@ -157,6 +165,9 @@ def fused_attention(
             f"implementation must be None, 'xla' or 'cudnn', got {implementation!r}"
         )
     dtype = jnp.dtype(matmul_dtype or q.dtype)
+    if sinks is not None:
+        mask, sink_bias, k, v = _sink_key(q, k, v, mask, bias, sinks, causal, window)
+        bias, causal, window = sink_bias.astype(dtype), False, None
     qi, ki, vi = (x.astype(dtype) for x in (q, k, v))  # one dtype: JAX requires it
     m4 = _mask4(mask)
     # (left, right): t - s <= W - 1, and no bound on the right unless causal
@@ -182,6 +193,50 @@ def fused_attention(
         else:
             out = call("xla")
     return out.astype(q.dtype)  # (B, T, H, d)
+
+
+def _sink_key(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    sinks: jax.Array,
+    causal: bool,
+    window: int | None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The sinks as a key ``S``: ``(mask4, bias, k, v)`` with ``S + 1`` keys.
+
+    ``mask4 (B|1, 1, T, S+1)`` holds ``causal``, ``window`` and ``mask`` (True at
+    the sink), ``bias (B|1, H, T, S+1)`` the sink logits at key ``S`` (0 elsewhere,
+    plus ``bias``), ``k``, ``v`` a zero key and value appended.
+    """
+    _, t, h, _ = q.shape
+    s = k.shape[1]
+    qi = jnp.arange(t)[:, None]
+    ki = jnp.arange(s)[None, :]
+    allowed = jnp.ones((t, s), bool)
+    if causal:
+        allowed = allowed & (ki <= qi)
+    if window is not None:
+        allowed = allowed & (qi - ki < window)
+    m4 = allowed[None, None]  # (1, 1, T, S)
+    extra_mask = _mask4(mask)
+    if extra_mask is not None:
+        m4 = m4 & extra_mask  # (B|1, H|1, T, S)
+    m4 = jnp.concatenate([m4, jnp.ones((*m4.shape[:3], 1), bool)], -1)
+    f = jnp.promote_types(q.dtype, jnp.float32)
+    z = jnp.broadcast_to(sinks.astype(f).reshape(1, h, 1, 1), (1, h, t, 1))
+    extra = jnp.zeros((1, h, t, s), f)
+    if bias is not None:  # broadcastable to (B, H, T, S)
+        extra = extra + jnp.asarray(bias).astype(f)
+    full_bias = jnp.concatenate(
+        [extra, jnp.broadcast_to(z, (*extra.shape[:3], 1))], -1
+    )  # (B|1, H, T, S+1)
+    zero = jnp.zeros((k.shape[0], 1, *k.shape[2:]), k.dtype)
+    k = jnp.concatenate([k, zero], 1)  # (B, S+1, KV, d)
+    v = jnp.concatenate([v, zero.astype(v.dtype)], 1)
+    return m4, full_bias, k, v
 
 
 __all__ = [

@@ -16,6 +16,7 @@ Forward, for tokens ``x: (B, T)`` (specs/models.md has the exact math)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -61,7 +62,7 @@ from entrenar.nn.layers import (
 )
 from entrenar.nn.linear import check_matmul_dtype, linear
 from entrenar.nn.matvec import layer_params
-from entrenar.nn.moe import router_jitter, sparse_moe
+from entrenar.nn.moe import clamped_swiglu, router_jitter, sparse_moe
 from entrenar.nn.multimodal import WRAPPERS
 from entrenar.nn.registry import architecture, architecture_for_hf
 from entrenar.nn.rope import rope_tables, rotate
@@ -147,6 +148,9 @@ class LlamaConfig:
         rope_beta_slow: ``yarn``'s ``beta_slow``.
         rope_attention_factor: ``yarn`` / ``longrope`` scale of ``cos`` and
             ``sin``; None: derived from the factor as Hugging Face does.
+        rope_truncate: ``yarn``'s correction range rounded to whole dimensions
+            (floor / ceil: transformers' default ``truncate: true``); False keeps
+            the fractional bounds (gpt-oss).
         rope_short_factor: ``longrope``'s per-frequency divisors up to the original
             context (``d/2`` values).
         rope_long_factor: ``longrope``'s divisors beyond it.
@@ -219,6 +223,15 @@ class LlamaConfig:
             `apply` / `features`), each MoE block's input is multiplied by noise
             ``U(1 - j, 1 + j)`` before the router and the experts read it
             (Mixtral's, `entrenar.nn.moe.router_jitter`); 0: none.
+        moe_bias: biases on the router (``mlp.gate.bias (L, E)``) and on every
+            expert projection (``mlp.experts.{gate,up,down}_proj.bias (L, E,
+            out)``): gpt-oss.
+        swiglu_limit: None (SwiGLU experts), or gpt-oss's clamped SwiGLU
+            (`entrenar.nn.moe.clamped_swiglu`) with this limit.
+        swiglu_alpha: the clamped SwiGLU's sigmoid gain ``α``.
+        attention_sinks: a learned logit per query head in every attention
+            softmax's denominator (``self_attn.sinks (L, H)``; gpt-oss,
+            `entrenar.nn.attention`).
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
             own paths: the native kernel on CPUs), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
@@ -291,6 +304,11 @@ class LlamaConfig:
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
     router_jitter_noise: float = 0.0
+    rope_truncate: bool = True
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -448,6 +466,8 @@ class LlamaConfig:
         if self.qk_norm:  # per head, or over the whole projection (OLMo 2)
             attn["q_norm"] = {"weight": (n, qd if self.qk_norm_whole else self.hd)}
             attn["k_norm"] = {"weight": (n, kvd if self.qk_norm_whole else self.hd)}
+        if self.attention_sinks:  # gpt-oss: one logit per query head
+            attn["sinks"] = (n, self.num_heads)
         mlp: dict[str, Any] = (
             {"gate_up_proj": lin(2 * i, d, mb)}
             if self.fused_gate_up
@@ -491,6 +511,10 @@ class LlamaConfig:
                 "down_proj": {"weight": (n, e, d, i)},
             },
         }
+        if self.moe_bias:  # gpt-oss: the router's and each expert's biases
+            mlp["gate"]["bias"] = (n, e)
+            for proj, out in (("gate_proj", i), ("up_proj", i), ("down_proj", d)):
+                mlp["experts"][proj]["bias"] = (n, e, out)
         s = self.shared_expert_intermediate_size
         if s:
             mlp["shared_expert"] = {
@@ -900,9 +924,14 @@ class LlamaConfig:
             key = jax.random.wrap_key_data(jitter)
             x = router_jitter(x, self.router_jitter_noise, key)
         act = silu if self.hidden_act == "silu" else gelu_tanh
+        glu = None
+        if self.swiglu_limit is not None:  # gpt-oss
+            glu = functools.partial(
+                clamped_swiglu, limit=self.swiglu_limit, alpha=self.swiglu_alpha
+            )
         return sparse_moe(
             mp, x, self.num_experts_per_tok, self.norm_topk_prob,
-            matmul_dtype=self.matmul_dtype, activation=act,
+            matmul_dtype=self.matmul_dtype, activation=act, glu=glu,
         )  # fmt: skip
 
     def _mlp(self, mp: Params, x: jax.Array) -> jax.Array:
@@ -984,6 +1013,7 @@ class LlamaConfig:
         if self.query_pre_attn_scalar is not None:
             scale = self.query_pre_attn_scalar**-0.5
         fused = self.uses_fused_attention()
+        sinks = ap.get("sinks")  # (H,) or None
         o: jax.Array | None = None
         if cache_kv is not None and index is not None and pos is not None:
             ck = write_cache(cache_kv[0], k, index, pos)  # (L, B, S, KV, d)
@@ -994,18 +1024,19 @@ class LlamaConfig:
             else:  # the layer's keys and values read in place, not copied out
                 o = cached_attention(
                     q, ck, cv, index, allowed, matmul_dtype=md, scale=scale,
-                    softcap=self.attn_logit_softcapping,
+                    softcap=self.attn_logit_softcapping, sinks=sinks,
                 )  # (B, T, H, d)  # fmt: skip
         if o is None and fused:
             causal, window = kernel_mask
             o = fused_attention(
                 q, k, v, allowed, causal=causal, window=window, scale=scale,
                 matmul_dtype=md, implementation=None if cache_kv is None else "xla",
+                sinks=sinks,
             )  # (B, T, H, d)  # fmt: skip
         elif o is None:
             o = dot_product_attention(
                 q, k, v, allowed, matmul_dtype=md, scale=scale,
-                softcap=self.attn_logit_softcapping, impl="reference",
+                softcap=self.attn_logit_softcapping, sinks=sinks, impl="reference",
             )  # (B, T, H, d)  # fmt: skip
         o = linear(o.reshape(b, t, nh * hd), ap["o_proj"]["weight"],
                    _bias(ap["o_proj"]), matmul_dtype=md)  # fmt: skip
@@ -1048,13 +1079,15 @@ def _check_experts(c: LlamaConfig) -> None:
         raise ConfigError(
             f"LlamaConfig.router_jitter_noise must be in [0, 1), got {jitter!r}"
         )
+    if c.swiglu_limit is not None and not c.swiglu_limit > 0:
+        raise ConfigError(
+            f"LlamaConfig.swiglu_limit must be > 0 or None, got {c.swiglu_limit}"
+        )
     if not c.num_experts:
-        if jitter:
-            raise ConfigError("LlamaConfig.router_jitter_noise needs num_experts > 0")
-        if c.shared_expert_intermediate_size:
-            raise ConfigError(
-                "LlamaConfig.shared_expert_intermediate_size needs num_experts > 0"
-            )
+        for name in ("router_jitter_noise", "shared_expert_intermediate_size",
+                     "moe_bias", "swiglu_limit"):  # fmt: skip
+            if getattr(c, name) not in (0, False, None):
+                raise ConfigError(f"LlamaConfig.{name} needs num_experts > 0")
         return
     if not 0 < c.num_experts_per_tok <= c.num_experts:
         raise ConfigError(

@@ -5,17 +5,22 @@ Mixture-of-Experts Layer", 2017 (top-k gating); Fedus et al., "Switch Transforme
 2021 (the load-balancing loss, `load_balancing_loss`); Jiang et al., "Mixtral of
 Experts", 2024 (top-2 of 8 SwiGLU experts, renormalised). Qwen1.5/2-MoE add a shared
 expert behind a sigmoid gate; Qwen3-MoE is Mixtral's block with ``norm_topk_prob``.
+gpt-oss (OpenAI, 2025) adds biases to the router and to every expert projection,
+and its experts apply a clamped SwiGLU (`clamped_swiglu`).
 
 For a token ``x: (D,)`` of a layer with router ``W_r: (E, D)`` and experts
 ``W_gate^e, W_up^e: (I, D)``, ``W_down^e: (D, I)``::
 
-    z = x W_rᵀ                          (E,)   router logits, in the compute dtype
+    z = x W_rᵀ (+ b_r: gpt-oss)         (E,)   router logits, in the compute dtype
     p = softmax(z)                      (E,)   in float32
     S = top-k(p)                               the k largest, ties to the lower index
     w_e = p_e / Σ_{j∈S} p_j  (renormalised: Mixtral; Qwen's norm_topk_prob)
           p_e                (otherwise)
     y = Σ_{e∈S} w_e · (silu(x W_gate^eᵀ) ⊙ x W_up^eᵀ) W_down^eᵀ
       + σ(x W_sgᵀ) · SwiGLU_shared(x)      (Qwen2-MoE's shared expert, W_sg: (1, D))
+
+gpt-oss takes the top ``k`` logits and a softmax over them, which is the
+renormalised ``w_e`` above (``softmax(z)_e / Σ_{j∈S} softmax(z)_j``).
 
 Only the chosen experts are computed: the ``N k`` (token, expert) slots are sorted
 by expert and each projection is one grouped matmul, `jax.lax.ragged_dot`, over the
@@ -85,6 +90,27 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
     if normalize:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return top, experts.astype(jnp.int32)
+
+
+def clamped_swiglu(
+    g: jax.Array, u: jax.Array, limit: float, alpha: float = 1.702
+) -> jax.Array:
+    """gpt-oss's expert activation of gate ``g`` and up ``u`` projections.
+
+    As transformers' ``GptOssExperts._apply_gate`` (and OpenAI's reference)::
+
+        g' = min(g, limit)
+        u' = clip(u, -limit, limit)
+        h  = (u' + 1) · g' σ(α g')          (α = 1.702: the sigmoid form of GELU)
+
+    Returns ``h`` in ``g``'s dtype (the gradient of a clamped value is 0 beyond the
+    limit, as torch's ``clamp``).
+    """
+    lim = jnp.asarray(limit, g.dtype)
+    g = jnp.minimum(g, lim)
+    u = jnp.clip(u, -lim, lim)
+    glu = g * jax.nn.sigmoid(g * jnp.asarray(alpha, g.dtype))
+    return (u + 1) * glu
 
 
 def _dense(w: Any) -> jax.Array:
@@ -293,6 +319,8 @@ def experts_mlp(
     activation: Callable[[jax.Array], jax.Array] = silu,
     matmul_dtype: str | None = None,
     impl: str = "tiles",
+    biases: tuple[Any, Any, Any] | None = None,
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """``Σ_{j<k} weights[n, j] · SwiGLU_{experts[n, j]}(x_n)``, chosen experts only.
 
@@ -307,6 +335,9 @@ def experts_mlp(
         activation: the gate's activation (``silu``: SwiGLU).
         matmul_dtype: None, or the low-precision input dtype of the products.
         impl: one of `GROUPED_IMPLS`.
+        biases: None, or the experts' ``(E, I)``, ``(E, I)``, ``(E, D)`` biases of
+            gate, up and down (gpt-oss): each slot adds its expert's.
+        glu: None (``activation(g) * u``), or ``glu(g, u)`` (`clamped_swiglu`).
 
     Returns:
         ``(N, D)`` in ``x``'s dtype.
@@ -319,8 +350,14 @@ def experts_mlp(
     xs = x[token]  # (N k, D)
     g = _grouped(xs, w_gate, sizes, matmul_dtype, impl, num)  # (N k, I)
     u = _grouped(xs, w_up, sizes, matmul_dtype, impl, num)  # (N k, I)
-    h = activation(g) * u
+    slot_expert = flat[order]  # (N k,) the expert of each sorted slot
+    if biases is not None:
+        g = g + jnp.asarray(biases[0])[slot_expert].astype(g.dtype)
+        u = u + jnp.asarray(biases[1])[slot_expert].astype(u.dtype)
+    h = activation(g) * u if glu is None else glu(g, u)
     y = _grouped(h, w_down, sizes, matmul_dtype, impl, num)  # (N k, D)
+    if biases is not None:
+        y = y + jnp.asarray(biases[2])[slot_expert].astype(y.dtype)
     w = weights.reshape(-1)[order]  # (N k,) float32
     y = (y.astype(w.dtype) * w[:, None]).astype(x.dtype)  # float32 product (Mixtral)
     return jnp.zeros_like(x).at[token].add(y)  # (N, D)
@@ -335,23 +372,32 @@ def sparse_moe(
     matmul_dtype: str | None = None,
     activation: Callable[[jax.Array], jax.Array] = silu,
     impl: str = "tiles",
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One layer's MoE block of ``x: (..., D)``; returns ``(y (..., D), logits)``.
 
     ``mp`` holds ``gate.weight (E, D)`` (the router), ``experts.{gate,up,down}_proj
     .weight`` stacked ``(E, out, in)`` and optionally Qwen2-MoE's
     ``shared_expert.{gate,up,down}_proj.weight`` with ``shared_expert_gate.weight
-    (1, D)``. ``logits: (N, E)`` are the router's (for `load_balancing_loss`).
+    (1, D)``; gpt-oss adds ``gate.bias (E,)`` and the experts' ``bias (E, out)``.
+    ``logits: (N, E)`` are the router's (for `load_balancing_loss`). ``glu``: as
+    `experts_mlp`.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # (N, D)
-    logits = linear(x2, mp["gate"]["weight"], matmul_dtype=matmul_dtype)  # (N, E)
+    router = mp["gate"]
+    logits = linear(x2, router["weight"], router.get("bias"),
+                    matmul_dtype=matmul_dtype)  # (N, E)  # fmt: skip
     weights, chosen = route(logits, k, normalize)  # (N, k) each
     ex = mp["experts"]
+    biases = None
+    if "bias" in ex["gate_proj"]:  # gpt-oss
+        biases = tuple(ex[p]["bias"] for p in ("gate_proj", "up_proj", "down_proj"))
     y = experts_mlp(
         x2, weights, chosen, logits.shape[-1],
         ex["gate_proj"]["weight"], ex["up_proj"]["weight"], ex["down_proj"]["weight"],
-        activation=activation, matmul_dtype=matmul_dtype, impl=impl,
+        activation=activation, matmul_dtype=matmul_dtype, impl=impl, biases=biases,
+        glu=glu,
     )  # (N, D)  # fmt: skip
     if "shared_expert" in mp:
         sp = mp["shared_expert"]
@@ -395,6 +441,7 @@ def load_balancing_loss(
 
 __all__ = [
     "GROUPED_IMPLS",
+    "clamped_swiglu",
     "experts_mlp",
     "load_balancing_loss",
     "route",

@@ -79,7 +79,6 @@ NOT_IMPLEMENTED = {
     "deepseek_v3": _MOE.format("multi-head latent attention, sigmoid routing"),
     "olmoe": _MOE.format("OLMoE's q/k norms over all heads"),
     "llama4": _MOE.format("Llama 4's interleaved MoE and chunked attention"),
-    "gpt_oss": _MOE.format("gpt-oss's attention sinks and clamped SwiGLU"),
     "granitemoe": _MOE.format("Granite's scaled residuals"),
     "jamba": _MOE.format("Mamba layers"),
     "dbrx": _MOE.format("DBRX's fused layout and clipped qkv"),
@@ -100,14 +99,15 @@ NOT_IMPLEMENTED |= {
     "paligemma": _VLM.format("prefix-LM attention over the image and prompt"),
 }
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
-entrenar reads are ``mixtral``, ``qwen2_moe`` and ``qwen3_moe``; the
+entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe`` and ``gpt_oss``; the
 vision-language ones ``gemma3`` and ``mistral3``, by their language model)."""
 GGUF_MOE = frozenset(
-    {"deepseek", "deepseek2", "olmoe", "llama4", "gpt-oss", "granitemoe", "dbrx",
-     "phimoe", "jamba"}
+    {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
+     "jamba"}
 )  # fmt: skip
 """llama.cpp ``general.architecture`` names of mixtures of experts entrenar does not
-read (it reads ``llama`` with experts as Mixtral, ``qwen2moe`` and ``qwen3moe``)."""
+read (it reads ``llama`` with experts as Mixtral, ``qwen2moe``, ``qwen3moe`` and
+``gpt-oss``)."""
 
 
 def register_architecture(arch: Architecture) -> Architecture:
@@ -198,7 +198,7 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
     if name in GGUF_MOE:
         hint = (
             " (a mixture of experts: entrenar reads Mixtral (llama with "
-            "expert_count), qwen2moe and qwen3moe)"
+            "expert_count), qwen2moe, qwen3moe and gpt-oss)"
         )
     raise UnsupportedError(
         f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "

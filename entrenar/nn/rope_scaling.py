@@ -10,7 +10,8 @@ by a constant (specs/models.md has the formulas):
   ``factor``, below ``L / high_freq_factor`` kept, a smooth blend between
   (``L = original_max_position_embeddings``);
 - ``yarn``: a blend of ``ω_i`` and ``ω_i / factor`` along a linear ramp between the
-  correction dimensions of ``beta_fast`` and ``beta_slow``, attention factor
+  correction dimensions of ``beta_fast`` and ``beta_slow`` (floored and ceiled,
+  unless ``rope_truncate`` is False: gpt-oss), attention factor
   ``0.1 ln(factor) + 1``;
 - ``longrope``: ``ω_i / short_factor_i`` while the sequence fits in ``L``,
   ``ω_i / long_factor_i`` beyond, attention factor
@@ -83,8 +84,10 @@ def scaling_divisors(c: Any) -> np.ndarray | None:
             d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(c.rope_theta))
         )
 
-    lo = max(math.floor(correction_dim(c.rope_beta_fast)), 0)
-    hi = min(math.ceil(correction_dim(c.rope_beta_slow)), d - 1)
+    lo, hi = correction_dim(c.rope_beta_fast), correction_dim(c.rope_beta_slow)
+    if c.rope_truncate:  # transformers' truncate (default true)
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
     hi = hi + 0.001 if lo == hi else hi
     ramp = np.clip((np.arange(d // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
     keep = 1 - ramp  # the extrapolated share of each frequency

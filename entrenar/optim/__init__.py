@@ -21,7 +21,21 @@ from entrenar.optim.accumulation import (
     accumulate,
     microbatched_value_and_grad,
 )
-from entrenar.optim.alias import OPTIMIZERS, OptimizerConfig, adam, adamw, sgd
+from entrenar.optim.adam8bit import (
+    Blockwise8bit,
+    ScaleByAdam8bitState,
+    dynamic_map,
+    scale_by_adam_8bit,
+)
+from entrenar.optim.alias import (
+    OPTIMIZERS,
+    OptimizerConfig,
+    adam,
+    adam_8bit,
+    adamw,
+    adamw_8bit,
+    sgd,
+)
 from entrenar.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -88,6 +102,7 @@ __all__ = [
     "AccumulateState",
     "Adam",
     "AdamW",
+    "Blockwise8bit",
     "CosineScheduler",
     "EmptyState",
     "GradientTransformation",
@@ -97,6 +112,7 @@ __all__ = [
     "MaskedState",
     "Optimizer",
     "OptimizerConfig",
+    "ScaleByAdam8bitState",
     "ScaleByAdamState",
     "Schedule",
     "ScheduleConfig",
@@ -104,7 +120,9 @@ __all__ = [
     "TraceState",
     "accumulate",
     "adam",
+    "adam_8bit",
     "adamw",
+    "adamw_8bit",
     "add_decayed_weights",
     "apply_gradients",
     "apply_updates",
@@ -115,6 +133,7 @@ __all__ = [
     "cosine_decay_schedule",
     "cosine_with_min_lr_schedule",
     "cosine_with_restarts_schedule",
+    "dynamic_map",
     "exponential_decay",
     "freeze",
     "get_lr",
@@ -132,6 +151,7 @@ __all__ = [
     "resolve_mask",
     "scale",
     "scale_by_adam",
+    "scale_by_adam_8bit",
     "scale_by_learning_rate",
     "scale_by_momentum",
     "set_lr",

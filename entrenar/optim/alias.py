@@ -1,4 +1,7 @@
-"""The ready-made optimizers: `sgd`, `adam`, `adamw`, each a `chain` of small pieces.
+"""The ready-made optimizers: `sgd`, `adam`, `adamw`, `adam_8bit`, `adamw_8bit`.
+
+Each is a `chain` of small pieces; the 8-bit ones store Adam's moments block-wise in
+8 bits (bitsandbytes' ``Adam8bit``/``AdamW8bit``).
 
 Every ``learning_rate`` is a number or a schedule; the rate sits in the state (read it
 with `get_lr`, change it with `set_lr`). ``state_dtype`` stores the moment buffers in a
@@ -16,6 +19,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from entrenar.errors import ConfigError
+from entrenar.optim.adam8bit import (
+    MIN_8BIT_SIZE,
+    adam8bit_apply,
+    scale_by_adam_8bit,
+)
 from entrenar.optim.base import GradientTransformation, chain
 from entrenar.optim.fused import adamw_apply
 from entrenar.optim.learning_rate import scale_by_learning_rate
@@ -179,6 +187,105 @@ def adamw(
     return tx._replace(apply=apply)
 
 
+@OPTIMIZERS.register("adam_8bit")
+def adam_8bit(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    min_8bit_size: int = MIN_8BIT_SIZE,
+) -> GradientTransformation:
+    r"""`adam` with 8-bit block-wise moments (bitsandbytes' ``Adam8bit``).
+
+    Dettmers et al. (2022), "8-bit Optimizers via Block-wise Quantization": ``m``
+    and ``v`` are stored as uint8 codes of the dynamic map with one float32 absmax
+    per block of 256 values (`entrenar.optim.adam8bit`), ~2 bytes per parameter
+    instead of 8; the step itself runs in float32 from the dequantized moments.
+
+    Args:
+        learning_rate: ``η``: a number or a schedule.
+        b1: ``β_1``.
+        b2: ``β_2``.
+        eps: ``ε``.
+        min_8bit_size: leaves with fewer values keep float32 moments
+            (bitsandbytes' 4096).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> tx = adam_8bit(0.1)
+        >>> u, _ = tx.update(jnp.full(5000, 5.0), tx.init(jnp.zeros(5000)))
+        >>> round(float(u[0]), 5)  # the first step is -η·sign(g)
+        -0.1
+    """
+    rate = scale_by_learning_rate(learning_rate)
+    tx = chain(scale_by_adam_8bit(b1, b2, eps, min_8bit_size=min_8bit_size), rate)
+    return tx._replace(apply=adam8bit_apply(b1, b2, eps, 0.0, None, None, rate))
+
+
+@OPTIMIZERS.register("adamw_8bit")
+def adamw_8bit(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    mask: Mask | None = None,
+    *,
+    min_8bit_size: int = MIN_8BIT_SIZE,
+) -> GradientTransformation:
+    r"""`adamw` with 8-bit block-wise moments (bitsandbytes' ``AdamW8bit``).
+
+    Hugging Face's ``optim="adamw_bnb_8bit"`` (or ``"adamw_8bit"``): the update is
+    `adamw`'s, ``θ_t = θ_{t-1} − η_t (\hat m_t / (\sqrt{\hat v_t} + ε) + λθ_{t-1})``,
+    with ``m`` and ``v`` stored 8-bit between steps as in `adam_8bit` (Dettmers et
+    al., 2022). Equal to bitsandbytes' CPU kernel to float32 rounding (its CUDA
+    kernel shrinks by ``1 − η_t λ`` after the step instead of before: a
+    difference of ``η_t² λ`` times the step).
+
+    Args:
+        learning_rate: ``η``: a number or a schedule.
+        b1: ``β_1``.
+        b2: ``β_2``.
+        eps: ``ε``.
+        weight_decay: ``λ``.
+        mask: decay only the leaves where the mask is True, as in `adamw`.
+        min_8bit_size: leaves with fewer values keep float32 moments.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> tx = adamw_8bit(0.1, weight_decay=0.5)
+        >>> p = jnp.full(5000, 2.0)
+        >>> u, _ = tx.update(jnp.ones(5000), tx.init(p), p)
+        >>> round(float(u[0]), 5)  # -η (1 + λθ) = -0.1 · (1 + 1)
+        -0.2
+    """
+    decay = add_decayed_weights(weight_decay, mask)
+    rate = scale_by_learning_rate(learning_rate)
+    tx = chain(
+        scale_by_adam_8bit(b1, b2, eps, min_8bit_size=min_8bit_size), decay, rate
+    )
+    apply = adam8bit_apply(b1, b2, eps, weight_decay, mask, decay, rate)
+    return tx._replace(apply=apply)
+
+
+_HF_NAMES = {"adamw_bnb_8bit": "adamw_8bit", "adam_bnb_8bit": "adam_8bit"}
+"""Hugging Face's ``optim`` names of the same optimizers."""
+
+
+def _optimizer_name(value: object) -> object:
+    """Accept Hugging Face's ``adamw_bnb_8bit``; refuse its paged optimizers."""
+    if not isinstance(value, str):
+        return value
+    if value.startswith("paged_") and value.endswith("8bit"):
+        raise ConfigError(
+            f"{value!r}: paged optimizers page their state through CUDA unified "
+            "memory, which JAX does not have; adamw_8bit is the same optimizer "
+            "without paging (its state stays on the device)"
+        )
+    return _HF_NAMES.get(value, value)
+
+
 _ARGS = {"beta1": "b1", "beta2": "b2"}
 """The YAML keys (the book's) of arguments named otherwise in the functions."""
 
@@ -193,7 +300,13 @@ class OptimizerConfig(Config):
     {'momentum': 0.9}
     """
 
-    name: Literal["sgd", "adam", "adamw"] = option("adamw", doc="sgd, adam or adamw")
+    name: Literal["sgd", "adam", "adamw", "adam_8bit", "adamw_8bit"] = option(
+        "adamw",
+        normalize=_optimizer_name,
+        doc="sgd, adam, adamw, or adam_8bit/adamw_8bit: Adam's moments stored 8-bit "
+        "per block of 256 (bitsandbytes' Adam8bit/AdamW8bit; Hugging Face's "
+        "adamw_bnb_8bit is adamw_8bit)",
+    )
     lr: float = option(
         1e-3,
         gt=0.0,
@@ -205,26 +318,26 @@ class OptimizerConfig(Config):
     )
     nesterov: bool | None = option(None, doc="sgd: Nesterov momentum (default false)")
     beta1: float | None = option(
-        None, ge=0.0, lt=1.0, doc="adam/adamw: β₁ (default 0.9)"
+        None, ge=0.0, lt=1.0, doc="adam/adamw(_8bit): β₁ (default 0.9)"
     )
     beta2: float | None = option(
-        None, ge=0.0, lt=1.0, doc="adam/adamw: β₂ (default 0.999)"
+        None, ge=0.0, lt=1.0, doc="adam/adamw(_8bit): β₂ (default 0.999)"
     )
     eps: float | None = option(
-        None, gt=0.0, aliases=("epsilon",), doc="adam/adamw: ε (default 1e-8)"
+        None, gt=0.0, aliases=("epsilon",), doc="adam/adamw(_8bit): ε (default 1e-8)"
     )
     weight_decay: float | None = option(
         None,
         ge=0.0,
-        doc="decoupled decay for adamw (default 0.01), L2 gradient term for sgd "
-        "(default 0); adam has none. Not on biases and norm weights (HF Trainer's "
-        "rule) unless decay_norms_and_biases",
+        doc="decoupled decay for adamw/adamw_8bit (default 0.01), L2 gradient term "
+        "for sgd (default 0); adam has none. Not on biases and norm weights "
+        "(HF Trainer's rule) unless decay_norms_and_biases",
     )
     decay_norms_and_biases: bool = option(
         False,
-        doc="adamw/sgd: decay every trainable leaf (optax's and torch's default on "
-        "all parameters) instead of all but biases and norm weights (HF Trainer's "
-        "get_decay_parameter_names)",
+        doc="adamw/adamw_8bit/sgd: decay every trainable leaf (optax's and torch's "
+        "default on all parameters) instead of all but biases and norm weights "
+        "(HF Trainer's get_decay_parameter_names)",
     )
 
     def arguments(self) -> dict[str, Any]:
@@ -247,9 +360,10 @@ class OptimizerConfig(Config):
                     f"{path}.{key}: {self.name} does not use {key} (only "
                     f"{' and '.join(users)}); remove it"
                 )
-        if self.decay_norms_and_biases and self.name == "adam":
+        if self.decay_norms_and_biases and self.name in ("adam", "adam_8bit"):
             raise ConfigError(
-                f"{path}.decay_norms_and_biases: adam has no weight decay; remove it"
+                f"{path}.decay_norms_and_biases: {self.name} has no weight decay; "
+                "remove it"
             )
 
     def build(
@@ -267,4 +381,12 @@ def _arguments(fn: Callable[..., Any]) -> Any:
     return inspect.signature(fn).parameters
 
 
-__all__ = ["OPTIMIZERS", "OptimizerConfig", "adam", "adamw", "sgd"]
+__all__ = [
+    "OPTIMIZERS",
+    "OptimizerConfig",
+    "adam",
+    "adam_8bit",
+    "adamw",
+    "adamw_8bit",
+    "sgd",
+]

@@ -53,14 +53,23 @@ def kernel_report(policy: str) -> dict[str, str]:
 
 
 def _tensor_rows(items: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
+    """``tensors``, ``parameters`` and the values of each type.
+
+    A Hugging Face MXFP4 pair (gpt-oss's experts: ``*_blocks`` uint8, two values a
+    byte, and their ``*_scales``) counts as ``mxfp4`` values, its scales apart
+    (``mxfp4_scales``, not parameters).
+    """
     types: dict[str, int] = {}
-    for _, shape, kind in items:
-        types[kind] = types.get(kind, 0) + math.prod(shape)
-    return {
-        "tensors": len(items),
-        "parameters": sum(math.prod(s) for _, s, _ in items),
-        "types": types,
-    }
+    params = 0
+    for name, shape, kind in items:
+        n = math.prod(shape)
+        if kind == "uint8" and name.endswith("_blocks"):
+            kind, n = "mxfp4", 2 * n
+        elif kind == "uint8" and name.endswith("_scales"):
+            kind, n = "mxfp4_scales", n
+        types[kind] = types.get(kind, 0) + n
+        params += 0 if kind == "mxfp4_scales" else n
+    return {"tensors": len(items), "parameters": params, "types": types}
 
 
 def _first_line(template: Any) -> str | None:

@@ -102,7 +102,8 @@ def test_missing_file(tmp_path):
 def test_unknown_optimizer(tmp_path):
     msg = _broken(tmp_path, "optimizer", "name", "adamm")
     assert msg == (
-        "optimizer.name: must be one of ['sgd', 'adam', 'adamw'], got 'adamm'; "
+        "optimizer.name: must be one of ['sgd', 'adam', 'adamw', 'adam_8bit', "
+        "'adamw_8bit'], got 'adamm'; "
         "did you mean 'adam'?"
     )
 

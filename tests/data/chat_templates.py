@@ -275,6 +275,114 @@ QWEN3 = """{%- if tools %}
 {%- endif %}"""
 
 
+HARMONY = """{#- gpt-oss's harmony format: system, developer, channels, tool calls #}
+{%- macro ts_type(spec) -%}
+    {%- if spec.type == "array" -%}
+        {%- if spec['items'] -%}{{- ts_type(spec['items']) + "[]" -}}{%- else -%}{{- "any[]" -}}{%- endif -%}
+    {%- elif spec.type is defined and spec.type is iterable and spec.type is not string and spec.type is not mapping -%}
+        {{- spec.type | join(" | ") -}}
+    {%- elif spec.type == "string" -%}
+        {%- if spec.enum -%}{{- '"' + spec.enum | join('" | "') + '"' -}}{%- else -%}{{- "string" -}}{%- endif -%}
+    {%- elif spec.type in ["number", "integer"] -%}{{- "number" -}}
+    {%- elif spec.type == "boolean" -%}{{- "boolean" -}}
+    {%- elif spec.type == "object" and spec.properties -%}
+        {{- "{\\n" -}}
+        {%- for name, sub in spec.properties.items() -%}
+            {{- name -}}{%- if name not in (spec.required or []) -%}{{- "?" -}}{%- endif -%}
+            {{- ": " + ts_type(sub) -}}{%- if not loop.last -%}{{- ", " -}}{%- endif -%}
+        {%- endfor -%}
+        {{- "}" -}}
+    {%- else -%}{{- "any" -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro tool_namespace(name, tools) -%}
+    {{- "## " + name + "\\n\\nnamespace " + name + " {\\n\\n" }}
+    {%- for tool in tools %}
+        {%- set tool = tool.function %}
+        {{- "// " + (tool.description or "") + "\\ntype " + tool.name + " = " }}
+        {%- if tool.parameters and tool.parameters.properties %}
+            {{- "(_: {\\n" }}
+            {%- for pname, spec in tool.parameters.properties.items() %}
+                {{- pname }}{%- if pname not in (tool.parameters.required or []) -%}{{- "?" }}{%- endif -%}
+                {{- ": " + ts_type(spec) }}
+                {%- if spec.default is defined %}{{- ", // default: " + spec.default | tojson }}{%- endif %}
+                {{- ",\\n" }}
+            {%- endfor %}
+            {{- "}) => any;\\n\\n" }}
+        {%- else %}
+            {{- "() => any;\\n\\n" }}
+        {%- endif %}
+    {%- endfor %}
+    {{- "} // namespace " + name }}
+{%- endmacro -%}
+{%- macro system_message() -%}
+    {%- if model_identity is not defined %}{%- set model_identity = "You are a helpful model." %}{%- endif %}
+    {{- model_identity + "\\nKnowledge cutoff: 2024-06\\nCurrent date: " + strftime_now("%Y-%m-%d") + "\\n\\n" }}
+    {%- if reasoning_effort is not defined %}{%- set reasoning_effort = "medium" %}{%- endif %}
+    {{- "Reasoning: " + reasoning_effort + "\\n\\n" }}
+    {%- if builtin_tools %}
+        {%- set have = namespace(browser=false, python=false) %}
+        {%- for t in builtin_tools %}
+            {%- if t == "browser" %}{%- set have.browser = true %}{%- elif t == "python" %}{%- set have.python = true %}{%- endif %}
+        {%- endfor %}
+        {{- "# Tools\\n\\n" }}
+        {%- if have.browser %}{{- "## browser\\n\\n" }}{%- endif %}
+        {%- if have.python %}{{- "## python\\n\\n" }}{%- endif %}
+    {%- endif -%}
+    {{- "# Valid channels: analysis, commentary, final. Channel must be included for every message." }}
+    {%- if tools -%}{{- "\\nCalls to these tools must go to the commentary channel: 'functions'." }}{%- endif -%}
+{%- endmacro -%}
+{{- "<|start|>system<|message|>" + system_message() + "<|end|>" }}
+{%- if messages[0].role in ["developer", "system"] %}
+    {%- set developer_message = messages[0].content %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set developer_message = "" %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if developer_message or tools %}
+    {{- "<|start|>developer<|message|>" }}
+    {%- if developer_message %}{{- "# Instructions\\n\\n" + developer_message + "\\n\\n" }}{%- endif %}
+    {%- if tools -%}{{- "# Tools\\n\\n" + tool_namespace("functions", tools) }}{%- endif -%}
+    {{- "<|end|>" }}
+{%- endif %}
+{%- set last_call = namespace(name=none) %}
+{%- for message in loop_messages -%}
+    {%- if message.role == "assistant" -%}
+        {%- if "content" in message and ("<|channel|>analysis<|message|>" in message.content or "<|channel|>final<|message|>" in message.content) %}
+            {{- raise_exception("Pass analysis text in the 'thinking' field, not <|channel|> tags in 'content'.") }}
+        {%- endif %}
+        {%- if "tool_calls" in message %}
+            {%- set later = namespace(final=false) %}
+            {%- for future in loop_messages[loop.index:] %}
+                {%- if future.role == "assistant" and "tool_calls" not in future %}{%- set later.final = true %}{%- endif %}
+            {%- endfor %}
+            {%- set call = message.tool_calls[0] %}
+            {%- if call.function %}{%- set call = call.function %}{%- endif %}
+            {%- if message.thinking and not later.final %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant to=functions." + call.name + "<|channel|>commentary json<|message|>" }}
+            {{- call.arguments | tojson + "<|call|>" }}
+            {%- set last_call.name = call.name %}
+        {%- elif loop.last and not add_generation_prompt %}
+            {%- if "thinking" in message %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
+        {%- else %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" -%}
+        {%- if last_call.name is none %}{{- raise_exception("A tool message must follow a tool call.") }}{%- endif %}
+        {{- "<|start|>functions." + last_call.name + " to=assistant<|channel|>commentary<|message|>" + message.content | tojson + "<|end|>" }}
+    {%- elif message.role == "user" -%}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"""
+
+
 FAMILY_TEMPLATES = dict(
     llama31=LLAMA31,
     qwen25=QWEN25,
@@ -284,6 +392,7 @@ FAMILY_TEMPLATES = dict(
     gemma3=GEMMA3,
     phi3=PHI3,
     smollm2=SMOLLM2,
+    harmony=HARMONY,
 )
 
 # Training variants in the style of TRL's ``chat_templates/*_training.jinja``: the

@@ -158,6 +158,8 @@ def tiny_params(config: LlamaConfig, seed: int = TINY_SEED) -> dict:
 ROUTING: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"norm_topk_prob": True},
     "qwen2_moe": {"norm_topk_prob": False},
+    # llama.cpp's gpt-oss clamps at 7 (a constant); whole Q8_0 blocks a row
+    "gpt_oss": {"swiglu_limit": 7.0, "intermediate_size": 32},
 }
 """The top-k renormalisation llama.cpp's qwen3moe (always) and qwen2moe (never)
 compute, where the tiny configs test the other (`gguf_families.EXPERT_NORM`)."""
@@ -176,6 +178,9 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
         "attention_out_bias": False,
         "mlp_bias": False,
     },
+    # llama.cpp's gpt-oss clamps at 7 and rounds YaRN's correction range (ggml's
+    # ggml_rope_yarn_corr_dims), where transformers' gpt-oss does not
+    "gpt_oss": {"swiglu_limit": 7.0, "rope_truncate": True},
     # llama.cpp's OLMo 2 has no biases and takes d = D / H
     "olmo2": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp 0.3.36's olmo2 graph rotates sliding layers at the global base

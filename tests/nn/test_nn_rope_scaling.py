@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from entrenar import nn
-from entrenar.errors import UnsupportedError
+from entrenar.errors import FormatError, UnsupportedError
 from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq, scaling_divisors
 
 transformers = pytest.importorskip("transformers")
@@ -175,8 +175,33 @@ def test_yarn_mscale_gives_transformers_attention_factor(extra):
     assert attention_factor(read) == pytest.approx(want_scale, rel=1e-12)
 
 
-def test_yarn_truncate_false_is_refused():
-    hf = nn.architecture("llama").to_hf(dataclasses.replace(BASE, **CASES["yarn"]))
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_yarn_truncate_false_equals_transformers(gpt_oss):
+    """``truncate: false`` keeps the fractional correction range, as transformers.
+
+    Before, entrenar refused it. gpt-oss's own settings (head_dim 64, base 150000,
+    factor 32 from 4096) put the range at [8.09, 17.40], which truncation would
+    widen to [8, 18]: the frequencies differ by up to 13%.
+    """
+    config = dataclasses.replace(BASE, **CASES["yarn"])
+    if gpt_oss:
+        config = dataclasses.replace(
+            config, rope_theta=150000.0, rope_factor=32.0,
+            rope_original_max_position_embeddings=4096,
+        )  # fmt: skip
+    hf = nn.architecture("llama").to_hf(config)
     hf["rope_scaling"]["truncate"] = False
-    with pytest.raises(UnsupportedError, match="truncate=false"):
+    read = nn.LlamaConfig.from_hf_config(hf)
+    assert read == dataclasses.replace(config, rope_truncate=False)
+    assert nn.architecture("llama").to_hf(read)["rope_scaling"]["truncate"] is False
+    want, want_scale = rope_utils.ROPE_INIT_FUNCTIONS["yarn"](
+        transformers.AutoConfig.for_model(**hf), None
+    )
+    got = rope_inv_freq(read, jnp.arange(16, dtype=jnp.int32), jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=2e-6)
+    assert attention_factor(read) == pytest.approx(want_scale, rel=1e-12)
+    truncated = rope_inv_freq(config, jnp.arange(16, dtype=jnp.int32), jnp.float32)
+    assert np.abs(np.asarray(truncated) / want.numpy() - 1).max() > 1e-3
+    hf["rope_scaling"]["truncate"] = "no"
+    with pytest.raises(FormatError, match="truncate = 'no'"):
         nn.LlamaConfig.from_hf_config(hf)

@@ -322,8 +322,14 @@ def grpo_doc(folder, out):
     return doc
 
 
+def gpt2_8bit_doc(folder, out):
+    """`gpt2_doc` with 8-bit AdamW: uint8 moments in the checkpoints."""
+    return gpt2_doc(folder, out) | {"optimizer": {"name": "adamw_8bit", "lr": 0.01}}
+
+
 EXPORTS = ("adapter", "safetensors", "gguf", "hf", "quantized")
 DOCS = {
+    "gpt2_8bit": gpt2_8bit_doc,
     "best": best_doc,
     "gpt2": gpt2_doc,
     "lora": llama_doc,
@@ -400,6 +406,19 @@ def test_full_fine_tuning_killed_at_a_step_and_mid_checkpoint(
     assert meta is None or meta["bad_evals"] == 1
     result = json.loads((out / "result.json").read_text())["metrics"]
     assert result["stopped_early"] and result["steps"] == 20
+
+
+def test_adamw_8bit_killed_at_a_step(data, uninterrupted, tmp_path):
+    """The 8-bit optimizer state (codes and absmax) resumes bit for bit."""
+    full = uninterrupted("gpt2_8bit")
+    a = random.Random().randint(2, 13)
+    cfg, out = config(data, tmp_path, "gpt2_8bit", "run")
+    assert steps_run(killed(cfg, kill_at=a, resume=False))[-1] == a
+    assert steps_run(finish(cfg))[0] == a, a  # step a is trained again
+    assert_same_run(full, out)
+    state, _ = checkpoint_state(out, 20)
+    codes = [x for x in jax.tree_util.tree_leaves(state) if x.dtype == np.uint8]
+    assert len(codes) >= 4  # m and v of wte and the MLPs
 
 
 def test_lora_killed_before_checksums_and_mid_export(data, uninterrupted, tmp_path):

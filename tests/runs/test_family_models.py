@@ -22,7 +22,7 @@ import yaml
 from entrenar import io, merge, nn
 from entrenar.config import validate
 from entrenar.errors import CompatibilityError, ConfigError
-from entrenar.io.gguf_families import EXPERT_NORM, written_name
+from entrenar.io.gguf_families import EXPERT_NORM, IMPLIED, written_name
 from entrenar.runs import evaluate_config, load_built, quantize_file, train_from_yaml
 from entrenar.runs.export import write_hf_folder, write_quantized
 from entrenar.runs.inference import generate_text
@@ -44,14 +44,18 @@ TOKENS = np.arange(9).reshape(1, 9) * 5 % 90
 def _gguf_experts(config: nn.LlamaConfig, width: int) -> nn.LlamaConfig:
     """``config`` with experts llama.cpp can hold (a dense config as it is).
 
-    Its architecture's routing (`gguf_families.EXPERT_NORM`) and experts ``width``
-    wide (whole Q8_0 blocks).
+    Its architecture's routing (`gguf_families.EXPERT_NORM`), what its graph fixes
+    (`gguf_families.IMPLIED`: gpt-oss's clamp) and experts ``width`` wide (whole
+    Q8_0 blocks).
     """
-    if not config.num_experts:
-        return config
     arch = nn.architecture_of(config)
+    name = written_name(arch.name, arch.gguf_name)
+    if not config.num_experts or name is None:  # dense, or no GGUF form
+        return config
+    if config.intermediate_size % width:  # gpt-oss: its experts' width
+        config = dataclasses.replace(config, intermediate_size=width)
     return dataclasses.replace(
-        config, norm_topk_prob=EXPERT_NORM[written_name(arch.name, arch.gguf_name)],
+        config, norm_topk_prob=EXPERT_NORM[name], **IMPLIED.get(name, {}),
         moe_intermediate_size=config.moe_intermediate_size and width,
         shared_expert_intermediate_size=config.shared_expert_intermediate_size
         and width,
@@ -148,6 +152,10 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
         doc["lora"]["targets"] = ["qkv_proj", "o_proj"]
     doc["training"].update(max_steps=3, output_dir=str(tmp_path / "out"))
     in_gguf = written_name(family, nn.architecture(family).gguf_name) is not None
+    if not in_gguf:  # a family llama.cpp has no form of (the run refuses the export)
+        doc["export"]["formats"] = [
+            f for f in doc["export"]["formats"] if not f.startswith("gguf")
+        ]
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
     result = train_from_yaml(tmp_path / "run.yaml", progress=False)
     assert set(result.files) >= {"adapter", "hf"} | ({"gguf"} if in_gguf else set())

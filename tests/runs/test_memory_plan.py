@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -134,6 +135,37 @@ def test_parts_are_the_run_s_own_bytes(tmp_path, tiny_gguf):
         plan.runtime + COMPILER_BYTES + plan.weights + plan.adapters
         + plan.bf16_copy + plan.state_copy + plan.optimizer + plan.step
     )  # fmt: skip
+
+
+def test_adamw_8bit_plans_two_bytes_a_parameter(tmp_path, tiny_gguf):
+    """Full fine-tuning with adamw_8bit plans its state's bytes.
+
+    uint8 m and v plus a float32 absmax per 256 values each for every leaf of 4096
+    values or more, float32 m and v below.
+    """
+    doc = yaml.safe_load(_doc(tmp_path, tiny_gguf).read_text())
+    del doc["lora"]
+    doc["optimizer"] = {"name": "adamw_8bit", "lr": 0.01}
+    doc["export"] = {"formats": ["safetensors"]}
+    doc["training"] |= {"grad_accum": 2, "grad_clip": 1.0}
+    path = write(tmp_path / "full.yaml", doc)
+    spec = validate(path)
+    plan = plan_memory(spec, compile_step=False)
+    params = nn.LlamaConfig(**CFG).init(jax.random.key(0))
+    sizes = [int(x.size) for x in jax.tree_util.tree_leaves(params)]
+    by_hand = sum(2 * n + 8 * -(-n // 256) if n >= 4096 else 8 * n for n in sizes)
+    assert plan.optimizer - by_hand in range(0, 64)  # + the count and rate scalars
+    n = sum(sizes)
+    assert plan.optimizer < 0.27 * 8 * n  # float32 AdamW: 8 bytes a parameter
+    # the run itself (micro-batches and clipping around the optimizer) holds them
+    r = run_mod.train_from_yaml(path, progress=False)
+    opt_state = r.train.state.opt_state
+    assert tree_bytes(opt_state) == plan.optimizer
+    leaves = jax.tree_util.tree_leaves(opt_state)
+    assert sum(x.dtype == jax.numpy.uint8 for x in leaves) == 2 * sum(
+        n >= 4096 for n in sizes
+    )
+    assert r.metrics["steps"] == 2 and np.isfinite(r.metrics["train_loss"])
 
 
 @pytest.mark.parametrize("kind", ["BF16", "Q8_0"])

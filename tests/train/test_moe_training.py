@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")
 
 
 def _models(family, **fields):
@@ -108,12 +108,16 @@ def test_full_finetuning_steps_equal_transformers(family, aux):
         params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
 
 
-def test_expert_lora_equals_peft_target_parameters(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_expert_lora_equals_peft_target_parameters(family, tmp_path):
     """Per-expert LoRA on experts.down_proj against PEFT's ParamWrapper.
 
-    No PEFT file form is written for it (PEFT adapts gate and up fused): refused.
+    gpt-oss stores ``down_proj (E, I, D)`` transposed (``is_transposed``): PEFT's
+    delta is then ``(B_e A_e)ᵀ``, entrenar's ``B_e A_e`` on ``(E, D, I)``, the same
+    factors. No PEFT file form is written for it (PEFT adapts gate and up fused):
+    refused.
     """
-    config, params, model = _models("qwen3_moe")
+    config, params, model = _models(family)
     cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets=("q_proj", "experts.down_proj"))
     lp = lora.apply(params, cfg, key=jax.random.key(3))
     rng = np.random.default_rng(5)
@@ -181,8 +185,19 @@ def test_expert_lora_equals_peft_target_parameters(tmp_path):
         lora.save_adapter(lp, tmp_path)
 
 
-def test_qlora_run_on_attention_and_experts(tmp_path):
-    """A YAML run: NF4 expert stacks, LoRA on them, a folder transformers loads."""
+QLORA_SIZES = {
+    "qwen2_moe": {"intermediate_size": 128, "moe_intermediate_size": 64,
+                  "shared_expert_intermediate_size": 64},
+    "gpt_oss": {"intermediate_size": 64},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_qlora_run_on_attention_and_experts(family, tmp_path):
+    """A YAML run: NF4 expert stacks, LoRA on them, a folder transformers loads.
+
+    (gpt-oss: the experts' biases stay float, only their weights are quantized.)
+    """
     import sys
     from pathlib import Path
 
@@ -194,11 +209,10 @@ def test_qlora_run_on_attention_and_experts(tmp_path):
     from entrenar.runs.models import base_quantizer
 
     config = dataclasses.replace(
-        nn.architecture("qwen2_moe").tiny(), vocab_size=512, hidden_size=64,
-        intermediate_size=128, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64, num_heads=4, head_dim=16,
+        nn.architecture(family).tiny(), vocab_size=512, hidden_size=64,
+        num_heads=4, head_dim=16, **QLORA_SIZES[family],
     )  # fmt: skip
-    hf_cases.write_tokenizer(tmp_path / "tok", "qwen2_moe")
+    hf_cases.write_tokenizer(tmp_path / "tok", family)
     tok = io.HFTokenizer.from_folder(tmp_path / "tok")
     io.save_hf_folder(tmp_path / "hf", config, config.init(jax.random.key(0)),
                       tokenizer=tok)  # fmt: skip
@@ -229,6 +243,8 @@ def test_qlora_run_on_attention_and_experts(tmp_path):
     node = ex["down_proj"]["weight"]  # LoRA on an NF4 stack (L, E, D, I)
     assert isinstance(node, lora.LoRAWeight) and quant.is_quantized(node.base)
     assert node.a.shape == (2, 4, 4, 64)  # (L, E, r, I): an adapter per expert
+    if config.moe_bias:
+        assert not quant.is_quantized(ex["down_proj"]["bias"])
     back = load_built(result.files["hf"])
     model = transformers.AutoModelForCausalLM.from_pretrained(result.files["hf"])
     tokens = np.arange(9).reshape(1, 9) * 5 % 90

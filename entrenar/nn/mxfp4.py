@@ -1,0 +1,135 @@
+"""MXFP4: the OCP microscaling 4-bit float format of gpt-oss's expert weights.
+
+OCP "Microscaling Formats (MX) Specification" v1.0, 2023. A block of 32 values
+shares one E8M0 scale (a byte ``e``: ``2^(e - 127)``); each value is an FP4 E2M1
+code (1 sign, 2 exponent, 1 mantissa bits), two codes to a byte::
+
+    code  0..7 -> +{0, 0.5, 1, 1.5, 2, 3, 4, 6},  8..15 -> the same, negative
+    w = E2M1[code] · 2^(e - 127)
+
+Every such value is a bfloat16 (8 exponent bits, and E2M1's 1 mantissa bit), so
+dequantizing to bfloat16 or float32 is exact (barring scales below 2^-126).
+
+Two byte layouts:
+
+- Hugging Face (the Hub's gpt-oss files, transformers' ``convert_moe_packed_tensors``):
+  ``*_blocks (..., G, 16)`` uint8 and ``*_scales (..., G)`` uint8; byte ``j`` of a
+  block holds value ``2j`` in its low nibble and ``2j + 1`` in its high nibble; the
+  ``G`` blocks of 32 make the last axis ``32 G``.
+- GGML (llama.cpp's ``GGML_TYPE_MXFP4``, type 39): 17-byte blocks, the scale byte
+  first, then 16 bytes whose low nibbles are values ``0..15`` and high nibbles
+  ``16..31`` (as Q4_0). llama.cpp's table is E2M1 doubled with the scale halved
+  (``2^(e - 128)``): the same values, but for ``e = 255`` (NaN in the MX
+  specification), where ggml's stays finite; `dequantize_ggml` computes ggml's.
+
+It sits in `entrenar.nn` (below `entrenar.quant` in the layers, specs/conventions.md)
+because a family reads it: gpt-oss's `from_hf_tensors` decodes the Hub's experts
+(`entrenar.nn.gpt_oss`); it is a pure NumPy codec with no quantizer of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from entrenar.errors import FormatError
+
+E2M1 = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)  # fmt: skip
+"""The 16 FP4 E2M1 values by code."""
+
+BLOCK = 32
+"""Values per MXFP4 block (one E8M0 scale)."""
+
+
+def _scale(e: np.ndarray) -> np.ndarray:
+    """E8M0 bytes ``(...)`` as float32 ``2^(e - 127)``."""
+    return np.ldexp(np.float32(1.0), e.astype(np.int32) - 127).astype(np.float32)
+
+
+_PAIRS = np.stack([E2M1[np.arange(256) & 0x0F], E2M1[np.arange(256) >> 4]], -1)
+"""A byte's two values, ``(256, 2)`` float32: low nibble first (the HF layout)."""
+
+
+def dequantize_hf(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarray:
+    """Hugging Face MXFP4 ``blocks (..., G, 16)``, ``scales (..., G)``: ``(..., 32G)``.
+
+    The values of transformers' ``convert_moe_packed_tensors`` before its final
+    transpose (that is, in the ``(out, in)`` layout the blocks are stored in).
+    One table lookup per byte (`_PAIRS`) and one product per value, in float32; to
+    bfloat16 by keeping the upper 16 bits, exact for these values (a bfloat16's
+    8 exponent bits, and 2 significant bits at most). About 40 M values a second
+    on one contended CPU core (gpt-oss-20b's 19 G expert values: minutes).
+
+    Raises:
+        FormatError: shapes that do not pair, or bytes that are not uint8.
+    """
+    b, s = np.asarray(blocks), np.asarray(scales)
+    if b.dtype != np.uint8 or s.dtype != np.uint8:
+        raise FormatError(
+            f"MXFP4 blocks and scales must be uint8, got {b.dtype} and {s.dtype}"
+        )
+    if b.ndim < 2 or b.shape[-1] != BLOCK // 2 or b.shape[:-1] != s.shape:
+        raise FormatError(
+            f"MXFP4 blocks {b.shape} and scales {s.shape} do not pair: blocks are "
+            f"(..., G, {BLOCK // 2}) bytes and scales (..., G)"
+        )
+    out = _PAIRS[b]  # (..., G, 16, 2) float32
+    out *= _scale(s)[..., None, None]
+    out = out.reshape(*b.shape[:-2], -1)  # (..., 32 G)
+    if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16):  # exact: the upper half
+        return (out.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+    return out.astype(dtype, copy=False)
+
+
+def quantize_hf(w: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``w (..., K)`` (``K`` a multiple of 32) as Hugging Face ``(blocks, scales)``.
+
+    Each block's scale is the smallest power of two with ``max |w| / scale <= 6``,
+    each value the nearest E2M1 code (ties to the lower code). For tests and
+    writers: values already MXFP4 (`dequantize_hf`'s) come back bit for bit.
+    """
+    w = np.asarray(w, np.float32)
+    if w.shape[-1] % BLOCK:
+        raise FormatError(f"MXFP4 needs a last axis multiple of {BLOCK}, got {w.shape}")
+    blocks = w.reshape(*w.shape[:-1], -1, BLOCK)  # (..., G, 32)
+    amax = np.abs(blocks).max(-1)  # (..., G)
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(np.where(amax > 0, amax / 6.0, 1.0)))
+    e = np.clip(e + 127, 0, 254).astype(np.uint8)  # (..., G)
+    scaled = blocks / _scale(e)[..., None]
+    codes = np.abs(scaled[..., None] - E2M1).argmin(-1).astype(np.uint8)  # (..., G, 32)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return np.ascontiguousarray(packed, np.uint8), np.ascontiguousarray(e)
+
+
+def dequantize_ggml(raw: Any, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+    """GGML MXFP4 bytes (17-byte blocks, module docstring) -> ``shape`` values.
+
+    Raises:
+        FormatError: a byte count that is not ``17 · size / 32``.
+    """
+    size = int(np.prod(shape))
+    data = np.frombuffer(np.asarray(raw).tobytes(), np.uint8)
+    if size % BLOCK or data.size != size // BLOCK * 17:
+        raise FormatError(
+            f"MXFP4 data of {data.size} bytes does not hold shape {shape} "
+            f"({size // BLOCK} blocks of 17 bytes)"
+        )
+    blocks = data.reshape(-1, 17)
+    e, q = blocks[:, 0], blocks[:, 1:]  # (n,), (n, 16)
+    out = np.empty((blocks.shape[0], BLOCK), np.float32)
+    out[:, :16] = E2M1[q & 0x0F]
+    out[:, 16:] = E2M1[q >> 4]
+    out *= 2  # ggml's doubled table and halved scale: e = 255 stays finite
+    half = np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
+    out *= half[:, None]
+    return out.reshape(shape).astype(dtype, copy=False)
+
+
+__all__ = ["BLOCK", "E2M1", "dequantize_ggml", "dequantize_hf", "quantize_hf"]
