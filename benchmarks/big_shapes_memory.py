@@ -14,8 +14,9 @@ the plan and the measured peak (``VmHWM`` of a fresh ``entrenar train`` process,
 
 Cases: Qwen3-30B-A3B QLoRA on q/k/v/o with ``lora.quantize_untargeted`` (its
 experts NF4 without adapters) and without it; Llama-3-8B bfloat16 LoRA (not
-quantized) on every linear layer. Batch 1 x 2048 (measured runs 1 x 512),
-``nothing_saveable``, bfloat16 matmuls, AdamW.
+quantized) on every linear layer; TinyLlama-1.1B full fine-tuning in float32 with
+AdamW and with ``adamw_8bit``. Batch 1 x 2048 (measured runs 1 x 512),
+``nothing_saveable``, bfloat16 matmuls, AdamW unless named.
 
 Usage: ``python benchmarks/big_shapes_memory.py [--cases ...] [--measure]
 [--layers 4] [--out /tmp/entrenar-big-shapes]``.
@@ -48,6 +49,11 @@ LLAMA3_8B = dict(
     num_heads=32, num_kv_heads=8, intermediate_size=14336, rope_theta=500000.0,
     max_position_embeddings=8192, tie_word_embeddings=False, rms_norm_eps=1e-5,
 )  # fmt: skip
+TINYLLAMA_1B = dict(
+    family="llama", vocab_size=32000, hidden_size=2048, num_layers=22, num_heads=32,
+    num_kv_heads=4, intermediate_size=5632, rope_theta=10000.0,
+    max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5,
+)  # fmt: skip
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 CASES: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b-qlora-attn-untargeted": dict(
@@ -58,6 +64,10 @@ CASES: dict[str, dict[str, Any]] = {
     ),
     "llama3-8b-bf16-lora-all": dict(
         shape=LLAMA3_8B, targets="all-linear", quantize="none", untargeted=False
+    ),
+    "tinyllama-1.1b-f32-full-adamw": dict(shape=TINYLLAMA_1B, dtype="float32"),
+    "tinyllama-1.1b-f32-full-adamw_8bit": dict(
+        shape=TINYLLAMA_1B, dtype="float32", optimizer="adamw_8bit"
     ),
 }
 
@@ -70,7 +80,7 @@ def write_sparse_folder(folder: str, shape: dict[str, Any], layers: int) -> None
     from entrenar.io.gguf_tokenizer import hf_json_from_gguf
     from entrenar.nn.hf_names import per_layer_shapes
 
-    fields = {k: v for k, v in shape.items() if k != "family"}
+    fields = {k: v for k, v in shape.items() if k not in ("family", "num_layers")}
     cfg = nn.architecture(shape["family"]).make_config(**fields, num_layers=layers)
     header, offset = {}, 0
     for name, dims in sorted(per_layer_shapes(cfg).items()):
@@ -104,19 +114,20 @@ def write_sparse_folder(folder: str, shape: dict[str, Any], layers: int) -> None
 def write_yaml(case: str, folder: str, seq: int, out: str) -> str:
     c = CASES[case]
     doc = {
-        "model": {"path": folder, "dtype": "bfloat16", "matmul_dtype": "bfloat16",
-                  "remat_policy": "nothing_saveable"},
+        "model": {"path": folder, "dtype": c.get("dtype", "bfloat16"),
+                  "matmul_dtype": "bfloat16", "remat_policy": "nothing_saveable"},
         "data": {"train": os.path.join(HERE, "..", "examples", "data", "iso_dates",
                                        "train.jsonl"),
                  "format": "chat", "batch_size": 1, "seq_len": seq},
-        "lora": {"rank": 16, "alpha": 32, "targets": c["targets"],
-                 "quantize_base": c["quantize"],
-                 "quantize_untargeted": c["untargeted"]},
-        "optimizer": {"name": "adamw", "lr": 1e-4},
+        "optimizer": {"name": c.get("optimizer", "adamw"), "lr": 1e-4},
         "training": {"max_steps": 2, "log_every": 1,
                      "output_dir": os.path.join(out, "runs", case)},
-        "export": {"formats": ["adapter"]},
+        "export": {"formats": ["adapter" if "targets" in c else "safetensors"]},
     }  # fmt: skip
+    if "targets" in c:  # LoRA; else full fine-tuning
+        doc["lora"] = {"rank": 16, "alpha": 32, "targets": c["targets"],
+                       "quantize_base": c["quantize"],
+                       "quantize_untargeted": c["untargeted"]}  # fmt: skip
     path = os.path.join(out, f"{case}-{os.path.basename(folder)}-{seq}.yaml")
     with open(path, "w") as f:
         json.dump(doc, f)  # JSON is YAML
