@@ -212,9 +212,12 @@ def test_tied_embedding_gives_the_array_s_logits_loss_and_gradients():
 
 
 def test_a_bfloat16_array_becomes_a_node_over_the_same_memory():
-    """Before: `from_array` copied a bfloat16 leaf (XLA's eager bitcast), so the
-    Trainer, keeping the frozen half it was given, held a bfloat16 model twice
-    (the memory plan of Qwen3-30B-A3B's attention-only LoRA: 58.6 GB of copy)."""
+    """A bfloat16 leaf's bits are a view of it, not a copy.
+
+    Before: `from_array` copied it (XLA's eager bitcast), so the Trainer, keeping
+    the frozen half it was given, held a bfloat16 model twice (the memory plan of
+    Qwen3-30B-A3B's attention-only LoRA: 58.6 GB of copy).
+    """
     w = jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128) / 7
     w16 = w.astype(jnp.bfloat16)
     node = Bfloat16Weight.from_array(w16)
