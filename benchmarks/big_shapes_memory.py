@@ -152,7 +152,8 @@ def main() -> None:
         if args.measure:
             runs.append((args.layers, 512, True))
         for layers, seq, measured in runs:
-            folder = os.path.join(args.out, f"{shape['family']}-{layers}")
+            name = f"{shape['family']}-{shape['hidden_size']}-{layers}"
+            folder = os.path.join(args.out, name)
             if not os.path.exists(os.path.join(folder, "config.json")):
                 write_sparse_folder(folder, shape, layers)
             yaml = write_yaml(case, folder, seq, args.out)
