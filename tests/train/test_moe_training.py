@@ -27,36 +27,13 @@ from entrenar.train import causal_lm_loss_fn
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+import moe_cases  # noqa: E402  (needs torch and transformers)
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")
 
 
-def _models(family, **fields):
-    """Our tiny config and params, and transformers' model with the same weights."""
-    arch = nn.architecture(family)
-    config = dataclasses.replace(arch.tiny(), **fields)
-    hf_cfg = transformers.AutoConfig.for_model(**arch.to_hf(config))
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    flat = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    params = nn.from_hf_names(arch.from_hf_tensors(flat, config), config)
-    return config, jax.tree.map(jnp.asarray, params), model
-
-
-def _batch(vocab):
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, size=(2, 10)).astype(np.int64)
-    mask = np.ones((2, 10), np.int64)
-    mask[1, :3] = 0  # left padding
-    labels = np.where(mask == 1, tokens, -100)
-    labels[1, 3] = -100  # predicted from a padded position: counted by neither
-    return tokens, mask, labels
+_models, _batch = moe_cases.models, moe_cases.batch
 
 
 def _torch_grads(model, config):
