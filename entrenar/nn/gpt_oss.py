@@ -54,6 +54,7 @@ from entrenar.nn.decoder_config import (
     register_family,
 )
 from entrenar.nn.llama import LlamaConfig
+from entrenar.nn.moe_families import Derived
 from entrenar.nn.mxfp4 import dequantize_hf
 from entrenar.nn.weight_node import to_dense
 
@@ -169,53 +170,6 @@ def gpt_oss_to_hf(c: LlamaConfig) -> dict[str, Any]:
 
 # ------------------------------------------------------------- tensor names
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.(router|experts)\.(.+)$")
-
-
-class Derived:
-    """An array made from checkpoint tensors when read (`ExpertStack`'s protocol).
-
-    Stands for the made array in a load's ``flat`` dict: ``shape``, ``dtype``,
-    ``nbytes``, indexing and ``np.asarray`` without reading ``parts`` until the
-    load copies the leaf; ``drop`` (called by
-    `entrenar.io.safetensors_io.release_pages`) forgets the made array.
-    """
-
-    def __init__(
-        self,
-        parts: list[Any],
-        shape: tuple[int, ...],
-        dtype: Any,
-        make: Callable[..., np.ndarray],
-    ) -> None:
-        self.parts = parts
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-        self.ndim = len(self.shape)
-        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
-        self._make = make
-        self._value: np.ndarray | None = None
-
-    def value(self) -> np.ndarray:
-        """The made array (kept until `drop`)."""
-        value = self._value
-        if value is None:
-            value = np.ascontiguousarray(self._make(*self.parts))
-            self._value = value
-        return value
-
-    def drop(self) -> None:
-        """Forget the made array."""
-        self._value = None
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        a = self.value()
-        return a if dtype is None else a.astype(dtype)
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        return self.value()[index]
-
-    def __len__(self) -> int:
-        return self.shape[0]
 
 
 def _gate_up(fused: Any, parity: int, bias: bool) -> np.ndarray:
@@ -424,7 +378,6 @@ register_family(
 
 __all__ = [
     "DEFAULT_ROPE",
-    "Derived",
     "gpt_oss_from_hf",
     "gpt_oss_from_hf_tensors",
     "gpt_oss_to_hf",

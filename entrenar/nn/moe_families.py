@@ -243,7 +243,54 @@ def _hub_expert(block: str, e: int, proj: str) -> str:
     return f"experts.{e}.{proj}.weight"
 
 
-class ExpertStack:
+class Derived:
+    """An array made from checkpoint tensors when read (gpt-oss's, `ExpertStack`).
+
+    Stands for the made array in a load's ``flat`` dict: ``shape``, ``dtype``,
+    ``nbytes``, indexing and ``np.asarray`` without reading ``parts`` until the
+    load copies the leaf; ``drop`` (called by
+    `entrenar.io.safetensors_io.release_pages`) forgets the made array.
+    """
+
+    def __init__(
+        self,
+        parts: list[Any],
+        shape: tuple[int, ...],
+        dtype: Any,
+        make: Callable[..., np.ndarray],
+    ) -> None:
+        self.parts = parts
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.ndim = len(self.shape)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self._make = make
+        self._value: np.ndarray | None = None
+
+    def value(self) -> np.ndarray:
+        """The made array (kept until `drop`)."""
+        value = self._value
+        if value is None:
+            value = np.ascontiguousarray(self._make(*self.parts))
+            self._value = value
+        return value
+
+    def drop(self) -> None:
+        """Forget the made array."""
+        self._value = None
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.value()
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return self.value()[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
+class ExpertStack(Derived):
     """``np.stack(parts)`` made when read: one layer's ``E`` experts ``(E, out, in)``.
 
     Stands for the stacked array in a load's ``flat`` dict (``shape``, ``dtype``,
@@ -265,19 +312,15 @@ class ExpertStack:
     _lock = threading.Lock()
 
     def __init__(self, parts: list[Any]) -> None:
-        self.parts = parts
         first = parts[0]
-        self.shape = (len(parts), *np.shape(first))
-        self.dtype = np.dtype(first.dtype)
-        self.ndim = len(self.shape)
-        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
-        self._value: np.ndarray | None = None
+        shape = (len(parts), *np.shape(first))
+        super().__init__(parts, shape, first.dtype, _stack)
 
     def value(self) -> np.ndarray:
         """The stacked array (made once; the previous stack kept is dropped)."""
         value = self._value
         if value is None:  # (a local: another thread may drop self._value meanwhile)
-            value = np.stack([np.asarray(p) for p in self.parts])  # (E, out, in)
+            value = self._make(*self.parts)  # (E, out, in)
             with ExpertStack._lock:
                 last = ExpertStack._last
                 if last is not None and last is not self:
@@ -293,15 +336,10 @@ class ExpertStack:
             if ExpertStack._last is self:
                 ExpertStack._last = None
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        a = self.value()
-        return a if dtype is None else a.astype(dtype)
 
-    def __getitem__(self, index: Any) -> np.ndarray:
-        return self.value()[index]
-
-    def __len__(self) -> int:
-        return self.shape[0]
+def _stack(*parts: Any) -> np.ndarray:
+    """One layer's experts stacked: ``(E, out, in)``."""
+    return np.stack([np.asarray(p) for p in parts])
 
 
 def moe_from_hf_tensors(flat: Mapping[str, Any], config: LlamaConfig) -> dict[str, Any]:
@@ -497,6 +535,7 @@ register_family(
 )
 
 __all__ = [
+    "Derived",
     "ExpertStack",
     "mixtral_from_hf",
     "mixtral_to_hf",
