@@ -182,12 +182,6 @@ def _check_patterns(path: str, patterns: object, valid: Any, want: str) -> None:
             raise ConfigError(f"{path}: {e}") from None
 
 
-_NOT_QUANTIZED = re.compile(
-    r"(^|\.)(embed_tokens|embed|wte|wpe|lm_head|output)(\.|$)"
-    r"|(^|\.)mlp\.(gate|shared_expert_gate)$"
-)
-
-
 def frozen_linear(module: str, per_layer_ndim: int) -> bool:
     """Whether ``quantize_untargeted`` stores the module's weight 4-bit.
 
@@ -201,7 +195,9 @@ def frozen_linear(module: str, per_layer_ndim: int) -> bool:
     >>> frozen_linear("model.layers.0.mlp.gate", 2), frozen_linear("lm_head", 2)
     (False, False)
     """
-    return per_layer_ndim in (2, 3) and not _NOT_QUANTIZED.search(module)
+    if module == "shared_expert_gate" or module.endswith(".shared_expert_gate"):
+        return False
+    return per_layer_ndim in (2, 3) and not _NOT_LINEAR.search(module)
 
 
 def target_matches(target: str, module: str, per_layer_ndim: int) -> bool:
