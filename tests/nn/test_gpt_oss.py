@@ -63,6 +63,24 @@ def _logits(model, tokens, mask):
         return model(torch.from_numpy(tokens), **kw).logits.float().numpy()
 
 
+def _folder_equals_transformers(path, config):
+    """Load ``path`` with entrenar and transformers; the logits agree within 1e-5.
+
+    Returns transformers' model and entrenar's parameters for further checks.
+    """
+    want_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    info, params = io.load_hf_folder(path, dtype="float32")
+    assert info.config == dataclasses.replace(config, max_position_embeddings=2048)
+    tokens, mask = _batch(config.vocab_size)
+    want = _logits(want_model, tokens, mask)
+    got = np.asarray(info.config.apply(params, jnp.asarray(tokens), mask=mask))
+    assert np.abs(want[mask]).max() > 0.5
+    np.testing.assert_allclose(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+    return want_model, params
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_transformers_folder_gives_its_logits(dtype, tmp_path):
     """A ``save_pretrained`` folder (transformers' layout) loads to its logits.
@@ -73,16 +91,7 @@ def test_a_transformers_folder_gives_its_logits(dtype, tmp_path):
     config = nn.architecture("gpt_oss").tiny()
     model = _hf_model(config)
     model.to(getattr(torch, dtype)).save_pretrained(tmp_path)
-    want_model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    info, params = io.load_hf_folder(tmp_path, dtype="float32")
-    assert info.config == dataclasses.replace(config, max_position_embeddings=2048)
-    tokens, mask = _batch(config.vocab_size)
-    want = _logits(want_model, tokens, mask)
-    got = np.asarray(info.config.apply(params, jnp.asarray(tokens), mask=mask))
-    assert np.abs(want[mask]).max() > 0.5
-    np.testing.assert_allclose(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+    _folder_equals_transformers(tmp_path, config)
 
 
 def test_the_tiny_models_clamp_is_reached():
@@ -329,16 +338,7 @@ def test_an_mxfp4_folder_gives_transformers_logits(tmp_path):
     both then compute in float32.
     """
     config = _mxfp4_folder(tmp_path)
-    want_model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    info, params = io.load_hf_folder(tmp_path, dtype="float32")
-    assert info.config == dataclasses.replace(config, max_position_embeddings=2048)
-    tokens, mask = _batch(config.vocab_size)
-    want = _logits(want_model, tokens, mask)
-    got = np.asarray(info.config.apply(params, jnp.asarray(tokens), mask=mask))
-    assert np.abs(want[mask]).max() > 0.5
-    np.testing.assert_allclose(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+    want_model, params = _folder_equals_transformers(tmp_path, config)
     ex = want_model.model.layers[1].mlp.experts
     np.testing.assert_array_equal(  # the experts as transformers dequantized them
         np.asarray(params["model"]["layers"]["mlp"]["experts"]["up_proj"]["weight"][1]),
