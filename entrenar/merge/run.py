@@ -61,6 +61,7 @@ from entrenar.merge.leaves import (
 )
 from entrenar.merge.recipe import METHODS, ModelRef, Recipe, load_recipe, parse_recipe
 from entrenar.merge.schedule import map_setting
+from entrenar.nn import multimodal
 from entrenar.nn.weight_node import logical_dtype, logical_shape
 
 HF_FILES = (
@@ -148,9 +149,30 @@ def open_model(ref: ModelRef) -> Source:
         model = load_model(path)
         src = Source(path, model.metadata, named_leaves(model.params)[0])
     if ref.adapter:
-        params = lora.load_adapter(ref.adapter, unflatten_params(src.leaves))
-        src.leaves = named_leaves(lora.fold(params))[0]
+        src.leaves = _fold_adapter(ref.adapter, src)
     return src
+
+
+def _fold_adapter(adapter: str, src: Source) -> dict[str, Any]:
+    """``src``'s leaves with ``adapter`` folded in, under their stored names.
+
+    A vision-language folder (`entrenar.nn.multimodal`) stores its language model
+    as ``language_model.model.*`` or ``model.language_model.*``, and its PEFT
+    adapter names modules as the ConditionalGeneration model does: the adapter is
+    folded into the language model under the text family's names, and the vision
+    tower and projector pass through unchanged.
+    """
+    wrapper = multimodal.wrapper(src.metadata.architecture) if src.folder else None
+    if wrapper is None:
+        params = lora.load_adapter(adapter, unflatten_params(src.leaves))
+        return named_leaves(lora.fold(params))[0]
+    split = multimodal.split_tensors(src.leaves, src.path)
+    text = unflatten_params({t: src.leaves[s] for t, s in split.text.items()})
+    params = lora.load_adapter(adapter, text, wrapper=wrapper.model_type)
+    folded = named_leaves(lora.fold(params))[0]
+    leaves = {name: src.leaves[name] for name in split.skipped}
+    leaves.update((split.text[t], v) for t, v in folded.items())
+    return leaves
 
 
 def build_plan(recipe: Recipe, refs: Sequence[ModelRef]) -> Plan:

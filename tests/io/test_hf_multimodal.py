@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from entrenar import io, lora, nn
+from entrenar import io, lora, merge, nn
 from entrenar.errors import CompatibilityError, FormatError, UnsupportedError
 from entrenar.lora.weight import LoRAWeight
 from entrenar.nn import multimodal
@@ -212,6 +212,45 @@ def test_peft_adapters_both_ways(kind, tmp_path):
         assert set(a.keys()) == set(b.keys())
         for k in a.keys():
             np.testing.assert_array_equal(a.get_tensor(k), b.get_tensor(k))
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    [("gemma3", multimodal.LEGACY), ("mistral3", multimodal.IN_MEMORY)],
+)
+def test_entrenar_merge_folds_a_peft_adapter_into_the_whole_folder(
+    kind, layout, tmp_path
+):
+    """``model+adapter`` in a merge recipe: PEFT's ``merge_and_unload``, folder kept.
+
+    The adapter (PEFT 0.21, on the ConditionalGeneration model) names the language
+    model's modules as ``model.language_model.*`` whichever layout the folder stores.
+    """
+    model = mc.model(kind)
+    mc.save(model, tmp_path / "hf", layout=layout)
+    base = mc.text_logits(model)
+    targets = r"model\.language_model\..*\.(?:q_proj|up_proj)"
+    made = peft.get_peft_model(
+        model, peft.LoraConfig(r=2, target_modules=targets, init_lora_weights=False)
+    ).eval()
+    made.save_pretrained(tmp_path / "ad")
+    want = mc.text_logits(made.merge_and_unload())
+    recipe = {
+        "merge_method": "linear",
+        "models": [
+            {"model": f"{tmp_path}/hf+{tmp_path}/ad", "parameters": {"weight": 1}}
+        ],
+        "dtype": "float32",
+    }
+    merge.run_recipe(recipe, str(tmp_path / "out"))
+    assert _names(tmp_path / "out") == _names(tmp_path / "hf")  # the stored layout
+    back = type(model).from_pretrained(tmp_path / "out").eval()
+    assert np.abs(want - base).max() > 1e-2  # the adapter matters
+    np.testing.assert_allclose(mc.text_logits(back), want, atol=1e-5)
+    theirs, ours = model.state_dict(), back.state_dict()
+    for name, value in theirs.items():
+        if multimodal.is_vision(name):
+            assert torch.equal(value, ours[name]), name
 
 
 def test_a_dora_adapter_on_the_head_loads_in_peft(tmp_path):
