@@ -535,9 +535,11 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             raise RequestError(411, "a Content-Length header is required")
-        if not length.strip().isdigit():
+        digits = length.strip()
+        if not (digits.isascii() and digits.isdigit()):  # not "²", "+5", "-1", "1e3"
             raise RequestError(400, f"bad Content-Length {length!r:.40}")
-        n = int(length)
+        # 19 digits or more: past any limit (and past what int() converts, at 4300)
+        n = int(digits) if len(digits.lstrip("0")) <= 18 else 10**18
         if n > app.max_body_bytes:
             raise RequestError(
                 413, f"the body is {n} bytes; at most {app.max_body_bytes} are accepted"

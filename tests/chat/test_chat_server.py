@@ -324,8 +324,11 @@ def test_content_length_is_required_and_capped(table):
     assert out.startswith(b"HTTP/1.0 411") and b"Content-Length" in out
     out = raw_request(table, head + b"Content-Length: 1000000000\r\n\r\n{")
     assert out.startswith(b"HTTP/1.0 413") and b'"error"' in out
-    out = raw_request(table, head + b"Content-Length: -1\r\n\r\n")
-    assert out.startswith(b"HTTP/1.0 400")
+    for bad in (b"-1", b"+5", b"1e3", "\u00b2".encode("latin-1"), b"0x10"):
+        out = raw_request(table, head + b"Content-Length: " + bad + b"\r\n\r\n")
+        assert out.startswith(b"HTTP/1.0 400") and b"Content-Length" in out, bad
+    out = raw_request(table, head + b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n")
+    assert out.startswith(b"HTTP/1.0 413")
     out = raw_request(table, head + b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
     assert out.startswith(b"HTTP/1.0 411")
 
@@ -395,3 +398,43 @@ def test_the_command_default_limit_is_the_library_default():
     serve = cli.commands["serve"]
     (option,) = [p for p in serve.params if p.name == "max_tokens_limit"]
     assert option.default == DEFAULT_MAX_TOKENS_LIMIT
+
+
+def test_a_busy_server_answers_503():
+    """A request waits for the generation in progress at most queue_timeout.
+
+    Past max_connections a connection is refused at once.
+    """
+    server, url = _serve(TABLE_CHAT, queue_timeout=0.2, max_connections=2,
+                         socket_timeout=5.0)  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    try:
+        with server.app.lock:  # a generation in progress
+            status, out = post(url + "/v1/chat/completions", body)
+            assert status == 503 and out["error"]["type"] == "server_busy"
+        host, port = url.removeprefix("http://").split(":")
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        time.sleep(0.2)  # both accepted and waiting for their request lines
+        out = raw_request(url, b"GET /health HTTP/1.0\r\n\r\n")
+        assert out.startswith(b"HTTP/1.0 503") and b"too many connections" in out
+        for s in held:
+            s.close()
+        time.sleep(0.2)
+        assert post(url + "/v1/chat/completions", body)[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_client_gone_mid_stream_frees_the_server(smol):
+    chat, url, _ = smol
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"messages": MESSAGES, "max_tokens": LIMIT, "stream": True})
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body.encode())  # fmt: skip
+        assert s.recv(12) == b"HTTP/1.0 200"
+    want = chat.reply(MESSAGES, max_new_tokens=3).text
+    status, out = post(url + "/v1/chat/completions",
+                       {"messages": MESSAGES, "max_tokens": 3})  # fmt: skip
+    assert status == 200 and out["choices"][0]["message"]["content"] == want
