@@ -22,6 +22,8 @@ from pathlib import Path
 
 import jax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from entrenar import io, nn
 from entrenar.chat.server import DEFAULT_MAX_TOKENS_LIMIT, make_server
@@ -438,3 +440,52 @@ def test_a_client_gone_mid_stream_frees_the_server(smol):
     status, out = post(url + "/v1/chat/completions",
                        {"messages": MESSAGES, "max_tokens": 3})  # fmt: skip
     assert status == 200 and out["choices"][0]["message"]["content"] == want
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
+    | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+FIELDS = ("messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+          "top_k", "min_p", "repetition_penalty", "seed", "stop", "n", "stream",
+          "stream_options", "logprobs", "model", "prompt")  # fmt: skip
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+     "content": st.text(max_size=6) | JSON},
+)  # fmt: skip
+FIELD_VALUES = {
+    "messages": st.lists(MESSAGE, max_size=2) | JSON,
+    "max_tokens": st.integers(-2, 3) | JSON,
+    "temperature": st.floats(-1, 3) | JSON,
+    "top_p": st.floats(-0.5, 1.5) | JSON,
+    "top_k": st.integers(-2, 1 << 31) | JSON,
+    "min_p": st.floats(-0.5, 1.5) | JSON,
+    "repetition_penalty": st.floats(-1, 200) | JSON,
+    "seed": st.integers(-(1 << 64), 1 << 64) | JSON,
+    "stop": st.lists(st.text(max_size=3), max_size=5) | JSON,
+}
+
+
+@st.composite
+def bodies(draw):
+    names = draw(st.lists(st.sampled_from(FIELDS), unique=True, max_size=6))
+    body = {n: draw(FIELD_VALUES.get(n, JSON)) for n in names}
+    body.update(draw(st.dictionaries(st.text(max_size=5), JSON, max_size=2)))
+    return body
+
+
+@settings(max_examples=60, deadline=None)
+@given(body=bodies(), chat=st.booleans())
+def test_any_body_is_answered_or_refused_with_400(table, body, chat):
+    """Whatever JSON object comes, the answer is 200 or a 400 naming the field."""
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    status, out = post(table + route, {**body, "stream": False})
+    assert status in (200, 400), out
+    if status == 400:
+        err = out["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
+        assert err["param"] is None or err["message"].startswith(err["param"]) or (
+            err["param"] in ("messages", "prompt"))  # fmt: skip
