@@ -234,9 +234,10 @@ def serve_cmd(
 
     The routes and limits are those of `entrenar.chat.server` (specs/chat.md):
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
-    One request is generated at a time. Ctrl-C stops the server.
+    One request is generated at a time. Ctrl-C (or SIGTERM) stops the server.
     """
     import os
+    import signal
 
     from entrenar.chat.server import make_server
     from entrenar.runs.inference import load_chat
@@ -258,6 +259,11 @@ def serve_cmd(
         f"serving {name} on http://{host}:{server.server_port}/v1 (Ctrl-C stops)"
     )
     sys.stdout.flush()
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM (docker stop, systemd)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

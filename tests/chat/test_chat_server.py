@@ -8,6 +8,7 @@ character). Requests go through urllib and raw sockets, as a client would send t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,7 +26,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from entrenar import io, nn
+from entrenar import io, lora, nn
+from entrenar.chat import ChatModel
 from entrenar.chat.server import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from entrenar.cli import cli
 from entrenar.runs.inference import generate_text, load_chat
@@ -370,12 +372,41 @@ def test_concurrent_requests_take_turns(smol):
         (200, want)] * 3  # fmt: skip
 
 
-def test_entrenar_serve_answers_and_stops_on_ctrl_c(smol):
-    """The command loads MODEL as `entrenar chat` does; SIGINT ends it cleanly."""
-    chat, _, model = smol
+@pytest.fixture(scope="module")
+def adapter(smol_tiny, tmp_path_factory):
+    """A PEFT adapter for the tiny model whose B is not zero (it changes replies)."""
+    chat = ChatModel.from_gguf(smol_tiny)
+    params = lora.apply(chat.params, lora.LoRAConfig(rank=2, alpha=4),
+                        key=jax.random.key(2))  # fmt: skip
+
+    def nonzero_b(x):
+        if not isinstance(x, lora.LoRAWeight):
+            return x
+        b = jax.random.normal(jax.random.key(3), x.b.shape, x.b.dtype)
+        return dataclasses.replace(x, b=b * 4)
+
+    params = jax.tree_util.tree_map(
+        nonzero_b, params, is_leaf=lambda x: isinstance(x, lora.LoRAWeight)
+    )
+    path = tmp_path_factory.mktemp("adapter")
+    lora.save_adapter(params, path)
+    return path
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_entrenar_serve_answers_and_stops_on_a_signal(smol, adapter, stop):
+    """MODEL and --adapter are loaded as `entrenar chat` loads them (load_chat).
+
+    Ctrl-C (SIGINT) or SIGTERM ends the server cleanly.
+    """
+    base, _, model = smol
+    chat = load_chat(str(model), adapter=str(adapter))
+    want = chat.reply(MESSAGES, max_new_tokens=5)  # the limit is the default
+    assert want.token_ids != base.reply(MESSAGES, max_new_tokens=5).token_ids
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     cmd = [sys.executable, "-m", "entrenar", "serve", str(model), "--port", "0",
-           "--model-name", "mine", "--max-tokens-limit", "5"]  # fmt: skip
+           "--adapter", str(adapter), "--model-name", "mine",
+           "--max-tokens-limit", "5"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)  # fmt: skip
     try:
@@ -384,9 +415,8 @@ def test_entrenar_serve_answers_and_stops_on_ctrl_c(smol):
         url = line.split()[3].removesuffix("/v1")
         status, out = post(url + "/v1/chat/completions", {"messages": MESSAGES})
         assert status == 200 and out["model"] == "mine"
-        want = chat.reply(MESSAGES, max_new_tokens=5)  # the limit is the default
         assert out["choices"][0]["message"]["content"] == want.text
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         assert proc.wait(timeout=30) == 0
         assert "stopped" in proc.stderr.read()
     finally:
