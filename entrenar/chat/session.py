@@ -444,10 +444,65 @@ class ChatModel:
         ``reply(...).text``: a piece that may be the start of a stop string is held
         back until the next tokens decide.
         """
+        return iter(self.stream_reply(messages, system=system,
+                                      max_new_tokens=max_new_tokens, chat=chat,
+                                      **options))  # fmt: skip
+
+    def stream_reply(
+        self,
+        messages: Messages,
+        *,
+        system: str | None = None,
+        max_new_tokens: int | None = None,
+        chat: bool = True,
+        **options: Any,
+    ) -> ReplyStream:
+        """`stream`, with the whole `Reply` once the pieces are exhausted.
+
+        The same checks as `stream`, before this returns. Iterating the result
+        yields the pieces of `stream`; after the last, its ``reply`` is the `Reply`
+        that `reply` gives for the same request (token ids, finish reason, prompt
+        length): what a server reports after streaming (`entrenar.chat.server`).
+        """
         prompt = self.encode(messages, system=system, chat=chat)
         steps = self._decode([prompt], max_new_tokens, options)
         stop = tuple(options.get("stop", ()) or ())
-        return stream_text(self.tokenizer, steps, self.stops, stop)
+        return ReplyStream(self.tokenizer, steps, self.stops, stop, len(prompt))
+
+
+class ReplyStream:
+    """The text pieces of one reply as they come, then its `Reply`.
+
+    Iterate once: the pieces are `stream_text`'s of the decoding ``steps``; the ids
+    it reads are kept, and when it ends, ``reply`` is `_reply` of them, as
+    `ChatModel.reply` cuts the ids of a whole decode (a stop token or stop string ends
+    both at the same step). ``reply`` is None until then.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        steps: Iterable[np.ndarray],
+        stops: Sequence[int],
+        stop_strings: Sequence[str],
+        prompt_tokens: int,
+    ) -> None:
+        self.tokenizer, self.steps = tokenizer, steps
+        self.stops, self.stop_strings = tuple(stops), tuple(stop_strings)
+        self.prompt_tokens = prompt_tokens
+        self.reply: Reply | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        ids: list[int] = []
+
+        def kept() -> Iterator[np.ndarray]:
+            for row in self.steps:
+                ids.append(int(row[0]))
+                yield row
+
+        yield from stream_text(self.tokenizer, kept(), self.stops, self.stop_strings)
+        self.reply = _reply(self.tokenizer, ids, self.stops, self.stop_strings,
+                            self.prompt_tokens)  # fmt: skip
 
 
 SAMPLING_OPTIONS = (
@@ -468,6 +523,7 @@ __all__ = [
     "SAMPLING_OPTIONS",
     "ChatModel",
     "Reply",
+    "ReplyStream",
     "as_messages",
     "end_of_turn_ids",
     "stream_text",

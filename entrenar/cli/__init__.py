@@ -1,13 +1,13 @@
 """The ``entrenar`` command: a thin click layer over `entrenar.runs` and the library.
 
 Subcommands: ``train``, ``validate``, ``info``, ``quantize``, ``merge``, ``generate``,
-``chat``, ``eval``, ``plot`` (``entrenar COMMAND --help`` for each). Exit codes: 0 ok,
-1 the run failed, 2 usage or configuration error; errors print one line unless
-``--verbose``.
+``chat``, ``serve``, ``eval``, ``plot`` (``entrenar COMMAND --help`` for each). Exit
+codes: 0 ok, 1 the run failed, 2 usage or configuration error; errors print one line
+unless ``--verbose``.
 Not imported by ``import entrenar``.
 """
 
-from entrenar.cli import decode_cmds as _decode_cmds  # generate, chat
+from entrenar.cli import decode_cmds as _decode_cmds  # generate, chat, serve
 from entrenar.cli import inspect as _inspect  # registers validate, info
 from entrenar.cli import model_cmds as _model_cmds  # quantize, merge
 from entrenar.cli import run_cmds as _run_cmds  # registers train, eval, plot

@@ -1,4 +1,4 @@
-"""``entrenar generate`` and ``entrenar chat``: text from a language model.
+"""``entrenar generate``, ``entrenar chat`` and ``entrenar serve``: text from a model.
 
 Both take the same decoding options (`sampling_options`): temperature, top-k, top-p,
 min-p, repetition penalty, stop strings and the seed, passed to
@@ -188,10 +188,95 @@ def chat_cmd(model: str, system: str | None, **options: Any) -> None:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+@command("serve")
+@click.argument("model", type=ModelPath())
+@click.option(
+    "--adapter",
+    type=click.Path(exists=True, file_okay=False),
+    help="A PEFT adapter folder to apply to MODEL.",
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True),
+    help="A .gguf or Hugging Face folder whose tokenizer to use (default: MODEL's "
+    "own).",
+)
+@weight_options
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="The address to listen on (0.0.0.0: every interface; the server has no "
+    "authentication).",
+)
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+    help="The port (0: any free one, printed at the start).",
+)  # fmt: skip
+@click.option(
+    "--max-tokens-limit",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="The most tokens one request may ask for (also the default max_tokens, "
+    "capped by what is left of the context).",
+)
+@click.option(
+    "--model-name",
+    help="The model's name in replies and /v1/models (default: MODEL's file name).",
+)
+def serve_cmd(
+    model: str, adapter: str | None, tokenizer: str | None, keep_quantized: bool,
+    decode_activations: str | None, host: str, port: int, max_tokens_limit: int,
+    model_name: str | None,
+) -> None:  # fmt: skip
+    """Serve MODEL over HTTP with OpenAI's API (/v1/chat/completions and more).
+
+    The routes and limits are those of `entrenar.chat.server` (specs/chat.md):
+    POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+    One request is generated at a time. Ctrl-C (or SIGTERM) stops the server.
+    """
+    import os
+    import signal
+
+    from entrenar.chat.server import make_server
+    from entrenar.runs.inference import load_chat
+
+    session = load_chat(
+        model, adapter=adapter, tokenizer=tokenizer, keep_quantized=keep_quantized,
+        decode_activations=decode_activations,
+    )  # fmt: skip
+    name = model_name or os.path.basename(os.path.normpath(model))
+    server = make_server(session, host=host, port=port, model_name=name,
+                         max_tokens_limit=max_tokens_limit)  # fmt: skip
+    if not getattr(session.tokenizer, "chat_template", None):
+        click.echo(
+            f"{model} has no chat template: /v1/chat/completions will refuse "
+            "requests; /v1/completions continues plain text",
+            err=True,
+        )
+    click.echo(
+        f"serving {name} on http://{host}:{server.server_port}/v1 (Ctrl-C stops)"
+    )
+    sys.stdout.flush()
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM (docker stop, systemd)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        click.echo("stopped", err=True)
+    finally:
+        server.server_close()
+
+
 __all__ = [
     "DECODE_ACTIVATIONS",
     "chat_cmd",
     "generate_cmd",
     "sampling_options",
+    "serve_cmd",
     "weight_options",
 ]

@@ -1,0 +1,745 @@
+"""An OpenAI-compatible HTTP server for a `ChatModel` (``entrenar serve``).
+
+`make_server` returns a `http.server.ThreadingHTTPServer` (standard library only)
+that answers the part of OpenAI's API that chat tools use, as llama.cpp's
+``llama-server`` and vLLM do:
+
+- ``GET /v1/models``: the one model served, under its name;
+- ``POST /v1/chat/completions``: ``messages`` rendered through the model's chat
+  template (`ChatModel.reply`); ``max_tokens`` (or ``max_completion_tokens``),
+  ``temperature``, ``top_p``, ``seed``, ``stop``, ``n`` (1 only), ``stream``
+  (Server-Sent Events: ``data: {...}`` chunks, then ``data: [DONE]``) with
+  ``stream_options.include_usage``; vLLM's ``top_k``, ``min_p`` and
+  ``repetition_penalty`` too;
+- ``POST /v1/completions``: a ``prompt`` string continued as plain text (what
+  ``entrenar generate`` without ``--chat`` does), the same options;
+- ``GET /health``: ``{"status": "ok"}``.
+
+Replies carry OpenAI's fields (``id``, ``object``, ``created``, ``model``,
+``choices[index, message | delta | text, finish_reason]``, ``usage``). A greedy
+request (``temperature`` 0, the default) gives `ChatModel.reply`'s text token for
+token; a sampled one draws with ``jax.random.key(seed)``, so the same seed gives the
+same text (no seed: a random one).
+
+Every request is untrusted, and nothing it sends can hang the server:
+
+- the body needs a ``Content-Length`` (411 without), at most ``max_body_bytes`` (413),
+  read within ``socket_timeout`` per read and ``2 * socket_timeout`` in all (408);
+- it is strict UTF-8 JSON, an object nested at most `MAX_JSON_DEPTH` deep
+  (`entrenar.io.bounded.parse_json`);
+- each field the server reads is checked (type and range) and a bad one is a 400
+  with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` naming
+  it; fields it does not know are ignored, as OpenAI does; options that would change
+  the answer and are not implemented (``n`` > 1, ``logprobs``, ``echo``, ``suffix``,
+  frequency and presence penalties) are refused rather than ignored;
+- ``max_tokens`` is at most ``max_tokens_limit`` and must fit the context with the
+  prompt (400 otherwise; absent: the smaller of the two);
+- one generation runs at a time (a lock: the model's compiled decoding is shared);
+  a request waits for it at most ``queue_timeout`` seconds (503 after), and at most
+  ``max_connections`` connections are served at once (503 beyond);
+- a client that stops reading a stream meets the socket timeout, and the generation
+  ends there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Generator, Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from entrenar.chat.session import ChatModel, Reply
+from entrenar.errors import (
+    ConfigError,
+    FormatError,
+    ShapeError,
+    TemplateError,
+)
+from entrenar.io.bounded import parse_json
+from entrenar.nn import context_length
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+"""Largest request body accepted by default (1 MiB; ``max_body_bytes``)."""
+
+MAX_JSON_DEPTH = 16
+"""Deepest nesting of a request's JSON (a chat request needs 4: body, messages,
+message, content parts)."""
+
+DEFAULT_MAX_TOKENS_LIMIT = 2048
+"""The most tokens one request may ask for by default (``max_tokens_limit``)."""
+
+MAX_STOP_STRINGS = 4
+"""OpenAI's limit on ``stop`` strings."""
+
+MAX_STOP_CHARS = 256
+"""Longest stop string accepted."""
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The message roles a chat request may use (``developer`` is OpenAI's newer name for
+``system``, passed to the template as ``system``)."""
+
+
+class RequestError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": None,
+            }
+        }
+
+
+def _bad(param: str, message: str) -> RequestError:
+    return RequestError(400, f"{param}: {message}", param)
+
+
+# ---------------------------------------------------------------------------
+# Request fields
+
+
+def _number(
+    body: Mapping[str, Any], name: str, default: float, lo: float, hi: float
+) -> float:
+    """A number field in ``[lo, hi]`` (absent or null: ``default``)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(name, f"expected a number, got {v!r:.40}")
+    if not lo <= v <= hi:
+        raise _bad(name, f"must be between {lo} and {hi}, got {v}")
+    return float(v)
+
+
+def _integer(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    """An integer field in ``[lo, hi]``, or None when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(name, f"expected an integer, got {v!r:.40}")
+    if not lo <= v <= hi:
+        raise _bad(name, f"must be between {lo} and {hi}, got {v}")
+    return v
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise _bad(name, f"expected true or false, got {v!r:.40}")
+    return bool(v)
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """``stop``: a string or a list of at most `MAX_STOP_STRINGS` strings."""
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop", f"expected a string or a list of strings, got {v!r:.40}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise _bad("stop", f"each string must have 1 to {MAX_STOP_CHARS} characters")
+    return tuple(stops)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """Refuse options that would change the answer and are not implemented."""
+    if body.get("n") is not None and _integer(body, "n", 1, 1 << 30) != 1:
+        raise _bad("n", "only n=1 is supported (one choice per request)")
+    if body.get("best_of") is not None and _integer(body, "best_of", 1, 1 << 30) != 1:
+        raise _bad("best_of", "only best_of=1 is supported")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0:
+            raise _bad(name, "not supported; use repetition_penalty (vLLM's option)")
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
+        if body.get(name) not in (None, False, 0, "", []):
+            raise _bad(name, "not supported by this server")
+
+
+def _content(m: Mapping[str, Any], j: int) -> str:
+    """A message's ``content``: a string, or the text of its text parts joined."""
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    where = f"messages[{j}].content"
+    if not isinstance(c, list):
+        raise _bad(where, f"expected a string or a list of parts, got {c!r:.40}")
+    texts = []
+    for part in c:
+        if not (
+            isinstance(part, Mapping)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise _bad(
+                where,
+                f'only {{"type": "text", "text": ...}} parts are '
+                f"supported, got {part!r:.60}",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+    """``messages``: a non-empty list of ``{"role", "content"}`` objects."""
+    msgs = body.get("messages")
+    if msgs is None:
+        raise _bad("messages", "required (a list of {role, content} objects)")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", f"expected a non-empty list, got {msgs!r:.40}")
+    out = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, Mapping):
+            raise _bad(f"messages[{j}]", f"expected an object, got {m!r:.40}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(
+                f"messages[{j}].role",
+                f"expected one of {', '.join(ROLES)}, got {role!r:.40}",
+            )
+        role = "system" if role == "developer" else role
+        out.append({"role": role, "content": _content(m, j)})
+    return out
+
+
+def _prompt(body: Mapping[str, Any]) -> str:
+    """``prompt``: a string (or a list of one string)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if not isinstance(p, str) or not p:
+        raise _bad("prompt", f"expected a non-empty string, got {p!r:.40}")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A checked generation request.
+
+    Attributes:
+        prompt: the conversation (chat) or the text to continue (completions).
+        chat: whether ``prompt`` is rendered through the chat template.
+        max_tokens: the field as sent (None: absent), checked against the limits
+            once the prompt's length is known (`Server.max_new_tokens`).
+        max_tokens_field: its name in the request (``max_tokens`` or
+            ``max_completion_tokens``), for the error that names it.
+        options: `ChatModel.reply`'s sampling options and ``stop`` (no key).
+        seed: the sampling seed (None: a random one).
+        stream: answer with Server-Sent Events.
+        include_usage: ``stream_options.include_usage``.
+    """
+
+    prompt: str | list[dict[str, str]]
+    chat: bool
+    max_tokens: int | None
+    max_tokens_field: str
+    options: dict[str, Any]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(body: Any, *, chat: bool) -> Request:
+    """Check a chat (``chat``) or completion request body; raise `RequestError`."""
+    if not isinstance(body, Mapping):
+        raise RequestError(400, f"the body must be a JSON object, got {body!r:.40}")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise _bad("model", f"expected a string, got {body['model']!r:.40}")
+    _refuse_unsupported(body)
+    prompt: str | list[dict[str, str]] = _messages(body) if chat else _prompt(body)
+    name = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        name = "max_completion_tokens"
+    max_tokens = _integer(body, name, 1, 1 << 62)
+    temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise _bad("top_p", "must be greater than 0")
+    options = dict(
+        temperature=temperature,
+        top_p=None if top_p == 1 else top_p,
+        top_k=_integer(body, "top_k", -1, 1 << 30),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0) or None,
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 100.0),
+        stop=_stop(body),
+    )
+    if options["top_k"] in (-1, 0):  # vLLM's "off"
+        options["top_k"] = None
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, Mapping):
+        raise _bad("stream_options", f"expected an object, got {stream_options!r:.40}")
+    return Request(
+        prompt=prompt,
+        chat=chat,
+        max_tokens=max_tokens,
+        max_tokens_field=name,
+        options=options,
+        seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1),
+        stream=_flag(body, "stream"),
+        include_usage=_flag(stream_options or {}, "include_usage"),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Responses
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    """OpenAI's ``usage``: prompt tokens, generated tokens, and their sum.
+
+    The generated tokens include the end-of-turn token when one came (the model
+    produced it; `Reply.token_ids`).
+    """
+    n = len(reply.token_ids)
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": reply.prompt_tokens + n,
+    }
+
+
+def _choice(
+    chat: bool, text: str | None, finish: str | None, stream: bool, first: bool = False
+) -> dict[str, Any]:
+    """One ``choices`` entry of a reply or a stream chunk."""
+    if not chat:
+        return {
+            "index": 0,
+            "text": text or "",
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+    if not stream:
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if text is not None:
+        delta["content"] = text
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+@dataclasses.dataclass
+class Server:
+    """What the request handler serves: the model, its name and the limits.
+
+    Attributes:
+        chat_model: the `ChatModel` that answers.
+        model_name: the ``model`` of every reply and of ``/v1/models``.
+        max_tokens_limit: the most tokens a request may ask for.
+        max_body_bytes: the largest request body.
+        socket_timeout: seconds one read or write on a connection may wait.
+        queue_timeout: seconds a request waits for the generation in progress.
+        lock: one generation at a time.
+    """
+
+    chat_model: ChatModel
+    model_name: str
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+    max_body_bytes: int = MAX_BODY_BYTES
+    socket_timeout: float = 30.0
+    queue_timeout: float = 300.0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def max_new_tokens(self, request: Request, prompt_tokens: int) -> int:
+        """``max_tokens`` checked against the limit and the room left in the context.
+
+        Absent: the smaller of ``max_tokens_limit`` and the room left.
+        """
+        name = request.max_tokens_field
+        param = "messages" if request.chat else "prompt"
+        ctx = context_length(self.chat_model.model)
+        room = self.max_tokens_limit if ctx is None else ctx - prompt_tokens
+        if room < 1:
+            raise _bad(
+                param,
+                f"the prompt is {prompt_tokens} tokens and fills the "
+                f"model's context of {ctx} tokens; shorten it",
+            )
+        n = request.max_tokens
+        if n is None:
+            return min(self.max_tokens_limit, room)
+        if n > self.max_tokens_limit:
+            raise _bad(
+                name,
+                f"{n} is more than this server's limit of "
+                f"{self.max_tokens_limit} tokens",
+            )
+        if n > room:
+            raise _bad(
+                name,
+                f"the prompt ({prompt_tokens} tokens) plus {n} new tokens "
+                f"exceeds the model's context of {ctx} tokens",
+            )
+        return n
+
+    def generate(self, request: Request) -> Generator[str | Reply, None, None]:
+        """The reply's text pieces, then its `Reply` (callers hold ``lock``).
+
+        The checks (template, length) raise before the first piece.
+        """
+        import jax
+
+        cm = self.chat_model
+        try:
+            prompt_tokens = len(cm.encode(request.prompt, chat=request.chat))
+            n = self.max_new_tokens(request, prompt_tokens)
+            key = None
+            if request.options["temperature"] > 0:
+                seed = secrets.randbits(63) if request.seed is None else request.seed
+                key = jax.random.key(seed)
+            stream = cm.stream_reply(
+                request.prompt,
+                max_new_tokens=n,
+                chat=request.chat,
+                key=key,
+                **request.options,
+            )
+        except (FormatError, TemplateError, ShapeError, ConfigError) as e:
+            param = "messages" if request.chat else "prompt"
+            raise RequestError(400, str(e), param) from None
+        yield from stream
+        assert stream.reply is not None
+        yield stream.reply
+
+
+# ---------------------------------------------------------------------------
+# HTTP
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """The routes of the module docstring."""
+
+    server: _HTTPServer
+    server_version = "entrenar"
+    protocol_version = "HTTP/1.0"  # one request per connection: nothing held idle
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.app.socket_timeout)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.info("%s %s", self.address_string(), format % args)
+
+    # -- sending
+
+    def _send_json(self, status: int, obj: Any) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error(self, e: RequestError) -> None:
+        self.close_connection = True
+        self._send_json(e.status, e.body())
+
+    def _event(self, obj: Any) -> None:
+        text = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+        self.wfile.write(f"data: {text}\n\n".encode())
+        self.wfile.flush()
+
+    # -- routes
+
+    def do_GET(self) -> None:
+        app = self.server.app
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            self._send_json(200, {"status": "ok"})
+        elif path == "/v1/models":
+            self._send_json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": app.model_name,
+                            "object": "model",
+                            "created": app.created,
+                            "owned_by": "entrenar",
+                        }
+                    ],
+                },
+            )
+        else:
+            self._send_error(
+                RequestError(404, f"no route GET {path:.100}", None, "not_found_error")
+            )
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        routes = {"/v1/chat/completions": True, "/v1/completions": False}
+        self._streaming = False
+        try:
+            if path not in routes:
+                raise RequestError(
+                    404, f"no route POST {path:.100}", None, "not_found_error"
+                )
+            request = parse_request(self._read_json(), chat=routes[path])
+            self._answer(request)
+        except RequestError as e:
+            self._send_error(e)
+        except OSError as e:  # the client went away or stalled (timeouts included)
+            log.info("%s: connection ended: %s", self.address_string(), e)
+            self.close_connection = True
+        except Exception:  # a bug or a failed generation: a 500, not a dropped line
+            log.exception("%s %s failed", self.command, path)
+            failed = RequestError(
+                500,
+                "the generation failed (see the server's log)",
+                None,
+                "server_error",
+            )
+            if self._streaming:
+                self._event(failed.body())
+            else:
+                self._send_error(failed)
+
+    def _read_json(self) -> Any:
+        """The body, within the limits of the module docstring."""
+        app = self.server.app
+        if self.headers.get("Transfer-Encoding"):
+            raise RequestError(411, "send the body with a Content-Length, not chunked")
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise RequestError(411, "a Content-Length header is required")
+        digits = length.strip()
+        if not (digits.isascii() and digits.isdigit()):  # not "²", "+5", "-1", "1e3"
+            raise RequestError(400, f"bad Content-Length {length!r:.40}")
+        # 19 digits or more: past any limit (and past what int() converts, at 4300)
+        n = int(digits) if len(digits.lstrip("0")) <= 18 else 10**18
+        if n > app.max_body_bytes:
+            raise RequestError(
+                413, f"the body is {n} bytes; at most {app.max_body_bytes} are accepted"
+            )
+        deadline = time.monotonic() + 2 * app.socket_timeout
+        chunks, got = [], 0
+        while got < n:
+            if time.monotonic() > deadline:
+                raise RequestError(408, "the body came too slowly")
+            try:
+                chunk = self.rfile.read1(min(n - got, 1 << 16))
+            except TimeoutError:
+                raise RequestError(408, "the body came too slowly") from None
+            if not chunk:
+                raise RequestError(400, f"the body ended after {got} of {n} bytes")
+            chunks.append(chunk)
+            got += len(chunk)
+        try:
+            text = b"".join(chunks).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(
+                400, f"the body is not UTF-8 ({e.reason} at byte {e.start})"
+            ) from None
+        try:
+            return parse_json(text, "the body", max_depth=MAX_JSON_DEPTH)
+        except FormatError as e:
+            raise RequestError(400, str(e)) from None
+
+    def _answer(self, request: Request) -> None:
+        """Generate under the lock, and send the reply or the stream."""
+        app = self.server.app
+        if not app.lock.acquire(timeout=app.queue_timeout):
+            raise RequestError(
+                503, "the server is busy; try again later", None, "server_busy"
+            )
+        pieces = app.generate(request)
+        try:
+            first = next(pieces)  # the checks run here, before any header is sent
+            rid = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
+            head = {"id": rid, "created": int(time.time()), "model": app.model_name}
+            if request.stream:
+                self._stream(request, head, _chain(first, pieces))
+            else:
+                self._whole(request, head, [first, *pieces])
+        finally:
+            pieces.close()  # a client gone mid-stream: the decoding ends here
+            app.lock.release()
+
+    def _whole(
+        self, request: Request, head: dict[str, Any], items: list[str | Reply]
+    ) -> None:
+        reply = items[-1]
+        assert isinstance(reply, Reply)
+        text = "".join(p for p in items[:-1] if isinstance(p, str))
+        kind = "chat.completion" if request.chat else "text_completion"
+        self._send_json(
+            200,
+            {
+                **head,
+                "object": kind,
+                "choices": [_choice(request.chat, text, reply.finish_reason, False)],
+                "usage": _usage(reply),
+            },
+        )
+
+    def _stream(
+        self, request: Request, head: dict[str, Any], items: Iterator[str | Reply]
+    ) -> None:
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self._streaming = True
+        kind = "chat.completion.chunk" if request.chat else "text_completion"
+
+        def chunk(*choices: dict[str, Any], **extra: Any) -> dict[str, Any]:
+            return {**head, "object": kind, "choices": list(choices), **extra}
+
+        if request.chat:
+            self._event(chunk(_choice(True, "", None, True, first=True)))
+        for item in items:
+            if isinstance(item, Reply):
+                self._event(
+                    chunk(_choice(request.chat, None, item.finish_reason, True))
+                )
+                if request.include_usage:
+                    self._event(chunk(usage=_usage(item)))
+            else:
+                self._event(chunk(_choice(request.chat, item, None, True)))
+        self._event("[DONE]")
+
+
+def _chain(first: str | Reply, rest: Iterator[str | Reply]) -> Iterator[str | Reply]:
+    yield first
+    yield from rest
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """`ThreadingHTTPServer` with the `Server` it serves and a connection bound."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(
+        self, address: tuple[str, int], app: Server, max_connections: int
+    ) -> None:
+        self.app = app
+        self.slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):  # too many: refuse at once
+            try:
+                request.settimeout(1.0)
+                body = json.dumps(
+                    RequestError(
+                        503,
+                        "too many connections; try again later",
+                        None,
+                        "server_busy",
+                    ).body()
+                )
+                request.sendall(
+                    f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: "
+                    f"application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                    f"{body}".encode()
+                )
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def make_server(
+    chat_model: ChatModel,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    model_name: str = "entrenar",
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    socket_timeout: float = 30.0,
+    queue_timeout: float = 300.0,
+    max_connections: int = 32,
+) -> ThreadingHTTPServer:
+    """An HTTP server answering OpenAI's API with ``chat_model`` (module docstring).
+
+    Run it with ``serve_forever()`` (in a thread, or the main one); ``port=0`` takes a
+    free port (``server.server_address[1]``); ``shutdown()`` then ``server_close()``
+    stops it.
+
+    Args:
+        chat_model: the model that answers.
+        host: the address to listen on (the default answers this machine only).
+        port: the port (0: any free one).
+        model_name: the model's name in replies and ``/v1/models``.
+        max_tokens_limit: the most tokens one request may ask for.
+        max_body_bytes: the largest request body (413 beyond).
+        socket_timeout: seconds one read or write on a connection may wait.
+        queue_timeout: seconds a request waits for the generation in progress.
+        max_connections: connections served at once (503 beyond).
+
+    Raises:
+        ConfigError: a limit below 1.
+    """
+    for name, v in (
+        ("max_tokens_limit", max_tokens_limit),
+        ("max_body_bytes", max_body_bytes),
+        ("max_connections", max_connections),
+        ("socket_timeout", socket_timeout),
+        ("queue_timeout", queue_timeout),
+    ):
+        if not v > 0:
+            raise ConfigError(f"make_server: {name} must be > 0, got {v}")
+    app = Server(
+        chat_model,
+        model_name,
+        max_tokens_limit=max_tokens_limit,
+        max_body_bytes=max_body_bytes,
+        socket_timeout=socket_timeout,
+        queue_timeout=queue_timeout,
+    )
+    return _HTTPServer((host, port), app, max_connections)
+
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS_LIMIT",
+    "MAX_BODY_BYTES",
+    "MAX_JSON_DEPTH",
+    "Request",
+    "RequestError",
+    "Server",
+    "make_server",
+    "parse_request",
+]
