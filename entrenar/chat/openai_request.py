@@ -1,0 +1,256 @@
+"""The requests of OpenAI's API that `entrenar.chat.server` answers, checked.
+
+`parse_request` turns a decoded JSON body of ``POST /v1/chat/completions``
+(``chat``) or ``POST /v1/completions`` into a `Request`, or raises `RequestError`
+with the HTTP status and OpenAI's error fields (``param`` names the field). Every
+field the server reads is checked for type and range; fields it does not know are
+ignored, as OpenAI does; options that would change the answer and are not
+implemented (``n`` > 1, ``logprobs``, ``echo``, ``suffix``, ``tools``, frequency and
+presence penalties) are refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+MAX_STOP_STRINGS = 4
+"""OpenAI's limit on ``stop`` strings."""
+
+MAX_STOP_CHARS = 256
+"""Longest stop string accepted."""
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The message roles a chat request may use (``developer`` is OpenAI's newer name for
+``system``, passed to the template as ``system``)."""
+
+
+class RequestError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": None,
+            }
+        }
+
+
+def field_error(param: str, message: str) -> RequestError:
+    """A 400 naming the field ``param``."""
+    return RequestError(400, f"{param}: {message}", param)
+
+
+def _number(
+    body: Mapping[str, Any], name: str, default: float, lo: float, hi: float
+) -> float:
+    """A number field in ``[lo, hi]`` (absent or null: ``default``)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise field_error(name, f"expected a number, got {v!r:.40}")
+    if not lo <= v <= hi:
+        raise field_error(name, f"must be between {lo} and {hi}, got {v}")
+    return float(v)
+
+
+def _integer(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    """An integer field in ``[lo, hi]``, or None when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise field_error(name, f"expected an integer, got {v!r:.40}")
+    if not lo <= v <= hi:
+        raise field_error(name, f"must be between {lo} and {hi}, got {v}")
+    return v
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise field_error(name, f"expected true or false, got {v!r:.40}")
+    return bool(v)
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """``stop``: a string or a list of at most `MAX_STOP_STRINGS` strings."""
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise field_error(
+            "stop", f"expected a string or a list of strings, got {v!r:.40}"
+        )
+    if len(stops) > MAX_STOP_STRINGS:
+        raise field_error(
+            "stop", f"at most {MAX_STOP_STRINGS} strings, got {len(stops)}"
+        )
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise field_error(
+            "stop", f"each string must have 1 to {MAX_STOP_CHARS} characters"
+        )
+    return tuple(stops)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """Refuse options that would change the answer and are not implemented."""
+    if body.get("n") is not None and _integer(body, "n", 1, 1 << 30) != 1:
+        raise field_error("n", "only n=1 is supported (one choice per request)")
+    if body.get("best_of") is not None and _integer(body, "best_of", 1, 1 << 30) != 1:
+        raise field_error("best_of", "only best_of=1 is supported")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0:
+            raise field_error(
+                name, "not supported; use repetition_penalty (vLLM's option)"
+            )
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
+        if body.get(name) not in (None, False, 0, "", []):
+            raise field_error(name, "not supported by this server")
+
+
+def _content(m: Mapping[str, Any], j: int) -> str:
+    """A message's ``content``: a string, or the text of its text parts joined."""
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    where = f"messages[{j}].content"
+    if not isinstance(c, list):
+        raise field_error(where, f"expected a string or a list of parts, got {c!r:.40}")
+    texts = []
+    for part in c:
+        if not (
+            isinstance(part, Mapping)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise field_error(
+                where,
+                f'only {{"type": "text", "text": ...}} parts are '
+                f"supported, got {part!r:.60}",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+    """``messages``: a non-empty list of ``{"role", "content"}`` objects."""
+    msgs = body.get("messages")
+    if msgs is None:
+        raise field_error("messages", "required (a list of {role, content} objects)")
+    if not isinstance(msgs, list) or not msgs:
+        raise field_error("messages", f"expected a non-empty list, got {msgs!r:.40}")
+    out = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, Mapping):
+            raise field_error(f"messages[{j}]", f"expected an object, got {m!r:.40}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise field_error(
+                f"messages[{j}].role",
+                f"expected one of {', '.join(ROLES)}, got {role!r:.40}",
+            )
+        role = "system" if role == "developer" else role
+        out.append({"role": role, "content": _content(m, j)})
+    return out
+
+
+def _prompt(body: Mapping[str, Any]) -> str:
+    """``prompt``: a string (or a list of one string)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if not isinstance(p, str) or not p:
+        raise field_error("prompt", f"expected a non-empty string, got {p!r:.40}")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A checked generation request.
+
+    Attributes:
+        prompt: the conversation (chat) or the text to continue (completions).
+        chat: whether ``prompt`` is rendered through the chat template.
+        max_tokens: the field as sent (None: absent), checked against the limits
+            once the prompt's length is known (`Server.max_new_tokens`).
+        max_tokens_field: its name in the request (``max_tokens`` or
+            ``max_completion_tokens``), for the error that names it.
+        options: `ChatModel.reply`'s sampling options and ``stop`` (no key).
+        seed: the sampling seed (None: a random one).
+        stream: answer with Server-Sent Events.
+        include_usage: ``stream_options.include_usage``.
+    """
+
+    prompt: str | list[dict[str, str]]
+    chat: bool
+    max_tokens: int | None
+    max_tokens_field: str
+    options: dict[str, Any]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(body: Any, *, chat: bool) -> Request:
+    """Check a chat (``chat``) or completion request body; raise `RequestError`."""
+    if not isinstance(body, Mapping):
+        raise RequestError(400, f"the body must be a JSON object, got {body!r:.40}")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise field_error("model", f"expected a string, got {body['model']!r:.40}")
+    _refuse_unsupported(body)
+    prompt: str | list[dict[str, str]] = _messages(body) if chat else _prompt(body)
+    name = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        name = "max_completion_tokens"
+    max_tokens = _integer(body, name, 1, 1 << 62)
+    temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise field_error("top_p", "must be greater than 0")
+    options = dict(
+        temperature=temperature,
+        top_p=None if top_p == 1 else top_p,
+        top_k=_integer(body, "top_k", -1, 1 << 30),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0) or None,
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 100.0),
+        stop=_stop(body),
+    )
+    if options["top_k"] in (-1, 0):  # vLLM's "off"
+        options["top_k"] = None
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, Mapping):
+        raise field_error(
+            "stream_options", f"expected an object, got {stream_options!r:.40}"
+        )
+    return Request(
+        prompt=prompt,
+        chat=chat,
+        max_tokens=max_tokens,
+        max_tokens_field=name,
+        options=options,
+        seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1),
+        stream=_flag(body, "stream"),
+        include_usage=_flag(stream_options or {}, "include_usage"),
+    )
+
+
+__all__ = ["ROLES", "Request", "RequestError", "field_error", "parse_request"]
