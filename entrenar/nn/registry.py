@@ -76,7 +76,6 @@ _REGISTRY: dict[str, Architecture] = {}
 _MOE = " (a mixture of experts entrenar does not implement: {})"
 NOT_IMPLEMENTED = {
     "deepseek_v2": _MOE.format("multi-head latent attention, grouped routing"),
-    "deepseek_v3": _MOE.format("multi-head latent attention, sigmoid routing"),
     "olmoe": _MOE.format("OLMoE's q/k norms over all heads"),
     "llama4": _MOE.format("Llama 4's interleaved MoE and chunked attention"),
     "granitemoe": _MOE.format("Granite's scaled residuals"),
@@ -99,7 +98,8 @@ NOT_IMPLEMENTED |= {
     "paligemma": _VLM.format("prefix-LM attention over the image and prompt"),
 }
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
-entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe`` and ``gpt_oss``; the
+entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss`` and
+``deepseek_v3``; the
 vision-language ones ``gemma3`` and ``mistral3``, by their language model)."""
 GGUF_MOE = frozenset(
     {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
