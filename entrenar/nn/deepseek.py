@@ -616,7 +616,8 @@ def deepseek_from_hf_tensors(
     """A checkpoint's tensors under the tree's names (module docstring).
 
     The multi-token-prediction layers ``L .. L + num_nextn_predict_layers - 1``
-    are dropped; the experts stacked (`moe_from_hf_tensors`).
+    are dropped, and so is the empty shared MLP transformers builds for
+    ``n_shared_experts`` 0; the experts are stacked (`moe_from_hf_tensors`).
     """
     n, extra = config.num_layers, config.num_nextn_predict_layers
     kept = {}
@@ -624,6 +625,8 @@ def deepseek_from_hf_tensors(
         m = _LAYER.match(name)
         if m is not None and n <= int(m.group(1)) < n + extra:
             continue
+        if ".shared_experts." in name and 0 in getattr(value, "shape", ()):
+            continue  # n_shared_experts 0: transformers' empty shared MLP
         kept[name] = value
     return moe_from_hf_tensors(kept, config)
 

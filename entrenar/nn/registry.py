@@ -195,7 +195,12 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
             return arch
     known = sorted(a.gguf_name for a in _REGISTRY.values() if a.gguf_name)
     hint = ""
-    if name in GGUF_MOE:
+    if name == "deepseek2":
+        hint = (
+            " (llama.cpp's DeepSeek-V2/V3 graph: entrenar reads DeepSeek-V3 from a "
+            "Hugging Face folder, model_type deepseek_v3, not from GGUF)"
+        )
+    elif name in GGUF_MOE:
         hint = (
             " (a mixture of experts: entrenar reads Mixtral (llama with "
             "expert_count), qwen2moe, qwen3moe and gpt-oss)"
