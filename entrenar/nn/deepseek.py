@@ -4,7 +4,7 @@ DeepSeek-AI, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Expert
 Language Model", 2024 (multi-head latent attention, DeepSeekMoE); "DeepSeek-V3
 Technical Report", 2024 (sigmoid routing with a bias for the choice only, the
 auxiliary-loss-free balancing). transformers 5.25's ``modeling_deepseek_v3.py`` is
-the reference; `DeepseekV3Config` is a `LlamaConfig` (norms, embeddings, head,
+the reference; `DeepseekConfig` is a `LlamaConfig` (norms, embeddings, head,
 rotary tables, training and generation entry points) with its own layers.
 
 Multi-head latent attention (MLA) of ``x: (T, D)``, ``H`` heads, key head
@@ -96,12 +96,18 @@ from entrenar.nn.rope_scaling import yarn_mscale
 from entrenar.nn.weight_node import to_dense
 from entrenar.types import Params, PRNGKey
 
-SCORING = ("sigmoid",)
-"""Router scorings `DeepseekV3Config` implements (DeepSeek-V3's ``noaux_tc``)."""
+TOPK_METHODS = {
+    "noaux_tc": "sigmoid",
+    "greedy": "softmax",
+    "group_limited_greedy": "softmax",
+}
+"""The routings `DeepseekConfig` implements and the scoring each takes: V3's
+sigmoid with the correction bias, V2's softmax top-k (of all experts, or of the
+``topk_group`` groups with the largest maximum)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config(LlamaConfig):
+class DeepseekConfig(LlamaConfig):
     """DeepSeek-V3's switches on top of `LlamaConfig` (module docstring).
 
     ``head_dim`` is the rotary width ``qk_rope_head_dim`` (set from it; the rotary
@@ -126,7 +132,9 @@ class DeepseekV3Config(LlamaConfig):
         n_group: expert groups of the router.
         topk_group: groups a token's experts are chosen from.
         routed_scaling_factor: the routed experts' weights are multiplied by it.
-        scoring_func: ``"sigmoid"`` (DeepSeek-V3).
+        scoring_func: ``"sigmoid"`` (DeepSeek-V3) or ``"softmax"`` (V2).
+        topk_method: one of `TOPK_METHODS`: ``"noaux_tc"`` (V3), ``"greedy"`` or
+            ``"group_limited_greedy"`` (V2).
         num_nextn_predict_layers: multi-token-prediction layers the checkpoint
             holds after the last layer (skipped on load; kept for the config).
     """
@@ -144,6 +152,7 @@ class DeepseekV3Config(LlamaConfig):
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
     num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -218,13 +227,15 @@ class DeepseekV3Config(LlamaConfig):
     def _moe_layer_shapes(self) -> dict[str, Any]:
         e, d, i = self.num_experts, self.hidden_size, self.expert_size
         mlp: dict[str, Any] = {
-            "gate": {"weight": (e, d), "e_score_correction_bias": (e,)},
+            "gate": {"weight": (e, d)},
             "experts": {
                 "gate_proj": {"weight": (e, i, d)},
                 "up_proj": {"weight": (e, i, d)},
                 "down_proj": {"weight": (e, d, i)},
             },
         }
+        if self.topk_method == "noaux_tc":  # V3: the choice's bias
+            mlp["gate"]["e_score_correction_bias"] = (e,)
         if self.n_shared_experts:
             mlp["shared_experts"] = _mlp(d, i * self.n_shared_experts)
         return mlp
@@ -234,7 +245,7 @@ class DeepseekV3Config(LlamaConfig):
         params = super().init(key)
         for lp in params["model"]["layers"]:
             gate = lp["mlp"].get("gate")
-            if gate is not None:
+            if gate is not None and "e_score_correction_bias" in gate:
                 b = gate["e_score_correction_bias"]
                 gate["e_score_correction_bias"] = jnp.zeros_like(b)
         return params
@@ -379,7 +390,7 @@ class DeepseekV3Config(LlamaConfig):
         x2 = x.reshape(-1, shape[-1])  # (N, D)
         gate = mp["gate"]
         weights, chosen = self.route(
-            x2, gate["weight"], gate["e_score_correction_bias"]
+            x2, gate["weight"], gate.get("e_score_correction_bias")
         )  # (N, k) each
         ex = mp["experts"]
         y = experts_mlp(
@@ -395,21 +406,30 @@ class DeepseekV3Config(LlamaConfig):
         return y.reshape(shape)
 
     def route(
-        self, x: jax.Array, w: Any, bias: jax.Array
+        self, x: jax.Array, w: Any, bias: jax.Array | None
     ) -> tuple[jax.Array, jax.Array]:
-        """Group-limited sigmoid routing of ``x: (N, D)`` (module docstring).
+        """The routing of ``x: (N, D)`` (module docstring; V2's: `TOPK_METHODS`).
 
-        Returns ``(weights (N, k) float32, experts (N, k) int32)``. The router's
-        product is in float32 (transformers keeps ``gate.weight`` in float32).
+        ``bias``: V3's correction bias ``(E,)`` (None for V2). Returns ``(weights
+        (N, k) float32, experts (N, k) int32)``. The router's product is in
+        float32 (transformers keeps ``gate.weight`` in float32).
         """
         f = upcast_dtype(x.dtype)
         wr = jnp.asarray(to_dense(w)).astype(f)  # (E, D)
-        s = jax.nn.sigmoid(linear(x.astype(f), wr))  # (N, E)
-        choice = jax.lax.stop_gradient(s + jnp.asarray(bias).astype(f))  # (N, E)
-        n, e, g = s.shape[0], self.num_experts, self.n_group
-        if g > 1:
+        logits = linear(x.astype(f), wr)  # (N, E)
+        n, e, g = logits.shape[0], self.num_experts, self.n_group
+        if self.scoring_func == "softmax":  # V2
+            s = jax.nn.softmax(logits, axis=-1)  # (N, E)
+            choice = jax.lax.stop_gradient(s)
+        else:  # V3: the bias moves the choice only
+            s = jax.nn.sigmoid(logits)
+            choice = jax.lax.stop_gradient(s + jnp.asarray(bias).astype(f))
+        if g > 1 and self.topk_method != "greedy":
             by_group = choice.reshape(n, g, e // g)  # (N, G, E/G)
-            group = jax.lax.top_k(by_group, 2)[0].sum(-1)  # (N, G)
+            if self.topk_method == "noaux_tc":  # V3: a group's top-2 sum
+                group = jax.lax.top_k(by_group, 2)[0].sum(-1)  # (N, G)
+            else:  # V2: a group's maximum
+                group = by_group.max(-1)
             _, best = jax.lax.top_k(group, self.topk_group)  # (N, topk_group)
             keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], best].set(True)
             keep = jnp.repeat(keep, e // g, axis=1)  # (N, E)
@@ -435,58 +455,64 @@ def _linear(x: jax.Array, p: Params, md: str | None) -> jax.Array:
     return linear(x, p["weight"], p.get("bias"), matmul_dtype=md)
 
 
-def _check_deepseek(c: DeepseekV3Config) -> None:
+def _check_deepseek(c: DeepseekConfig) -> None:
     """Raise `ConfigError` for DeepSeek-V3 fields that do not fit together."""
     if c.head_dim != c.qk_rope_head_dim:
         raise ConfigError(
-            f"DeepseekV3Config.head_dim is the rotary width qk_rope_head_dim = "
+            f"DeepseekConfig.head_dim is the rotary width qk_rope_head_dim = "
             f"{c.qk_rope_head_dim}; got head_dim {c.head_dim} (leave it None)"
         )
     if c.num_kv_heads != c.num_heads:
         raise ConfigError(
-            "DeepseekV3Config.num_kv_heads must equal num_heads: latent attention "
+            "DeepseekConfig.num_kv_heads must equal num_heads: latent attention "
             f"expands keys and values to every head (got {c.num_kv_heads} of "
             f"{c.num_heads})"
         )
     for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
         if getattr(c, name) <= 0:
-            raise ConfigError(f"DeepseekV3Config.{name} must be > 0")
+            raise ConfigError(f"DeepseekConfig.{name} must be > 0")
     if c.q_lora_rank is not None and c.q_lora_rank <= 0:
-        raise ConfigError("DeepseekV3Config.q_lora_rank must be > 0 or None")
+        raise ConfigError("DeepseekConfig.q_lora_rank must be > 0 or None")
     if c.v_head_dim > c.qk_head_dim:
         raise ConfigError(
-            f"DeepseekV3Config.v_head_dim {c.v_head_dim} exceeds the key head "
+            f"DeepseekConfig.v_head_dim {c.v_head_dim} exceeds the key head "
             f"qk_nope_head_dim + qk_rope_head_dim = {c.qk_head_dim}"
         )
     if not 0 <= c.first_k_dense_replace <= c.num_layers:
         raise ConfigError(
-            f"DeepseekV3Config.first_k_dense_replace must be in [0, num_layers = "
+            f"DeepseekConfig.first_k_dense_replace must be in [0, num_layers = "
             f"{c.num_layers}], got {c.first_k_dense_replace}"
         )
-    if c.scoring_func not in SCORING:
+    if TOPK_METHODS.get(c.topk_method) != c.scoring_func:
         raise ConfigError(
-            f"DeepseekV3Config.scoring_func must be one of {SCORING}, got "
-            f"{c.scoring_func!r}"
+            f"DeepseekConfig.topk_method {c.topk_method!r} with scoring_func "
+            f"{c.scoring_func!r}: the routings are {TOPK_METHODS} (method: scoring)"
+        )
+    if c.scoring_func == "softmax" and c.norm_topk_prob:
+        raise ConfigError(
+            "DeepseekConfig.norm_topk_prob with softmax scoring: transformers' "
+            "DeepSeek-V2 never renormalises (DeepSeek's own code does); set it False"
         )
     if not 0 < as_float(c.routed_scaling_factor) < float("inf"):
         raise ConfigError(
-            "DeepseekV3Config.routed_scaling_factor must be a finite number > 0"
+            "DeepseekConfig.routed_scaling_factor must be a finite number > 0"
         )
     if c.num_experts:
         e, g = c.num_experts, c.n_group
-        if g <= 0 or e % g or (g > 1 and e // g < 2):
+        pair = c.topk_method == "noaux_tc" and g > 1
+        if g <= 0 or e % g or (pair and e // g < 2):
             raise ConfigError(
-                f"DeepseekV3Config.n_group {g} must divide num_experts {e} into "
-                "groups of at least 2 (a group's score is its top-2 sum)"
+                f"DeepseekConfig.n_group {g} must divide num_experts {e} into "
+                "groups (of at least 2 for noaux_tc: a group's score is its top-2 sum)"
             )
         if not 0 < c.topk_group <= g:
             raise ConfigError(
-                f"DeepseekV3Config.topk_group must be in [1, n_group = {g}], got "
+                f"DeepseekConfig.topk_group must be in [1, n_group = {g}], got "
                 f"{c.topk_group}"
             )
         if c.num_experts_per_tok > c.topk_group * (e // g):
             raise ConfigError(
-                f"DeepseekV3Config.num_experts_per_tok {c.num_experts_per_tok} "
+                f"DeepseekConfig.num_experts_per_tok {c.num_experts_per_tok} "
                 f"exceeds the experts of topk_group = {c.topk_group} groups"
             )
     off = {"sliding_window": c.sliding_window, "layer_types": c.layer_types,
@@ -504,7 +530,7 @@ def _check_deepseek(c: DeepseekV3Config) -> None:
     on = sorted(k for k, v in off.items() if v not in (None, False, 0, 0.0))
     if on:
         raise ConfigError(
-            f"DeepseekV3Config does not take {on}: DeepSeek-V3's layers have none "
+            f"DeepseekConfig does not take {on}: DeepSeek-V3's layers have none "
             "of them (and no auxiliary router loss)"
         )
 
@@ -516,8 +542,75 @@ def _rope_mscale_all_dim(hf: Mapping[str, Any]) -> float:
     return float(value or 0.0)
 
 
-def deepseek_v3_from_hf(hf: Mapping[str, Any]) -> DeepseekV3Config:
-    """A ``model_type: deepseek_v3`` ``config.json`` as a `DeepseekV3Config`.
+def _refuse_quantized(hf: Mapping[str, Any], model_type: str) -> None:
+    """Raise `UnsupportedError` for a quantized checkpoint (the Hub's FP8 ones)."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        raise UnsupportedError(
+            f"config.json: quantization_config (quant_method {method!r}) is not "
+            f"supported for {model_type}: entrenar reads float checkpoints "
+            "(bfloat16, float32); dequantize the FP8 weights to bfloat16 first"
+        )
+
+
+def _from_hf(
+    hf: Mapping[str, Any], family: str, d: Mapping[str, Any], **fields: Any
+) -> DeepseekConfig:
+    """The fields both families' ``config.json`` share; ``d``: their defaults."""
+    heads = int(hf.get("num_attention_heads", 128))
+    base = {"num_key_value_heads": heads, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": d["max_position_embeddings"]}  # fmt: skip
+    hf = {**base, **hf, "head_dim": None}  # head_dim: qk_rope_head_dim
+    q_rank = hf.get("q_lora_rank", 1536)
+    n = int(hf["num_hidden_layers"])
+    bias = bool(hf.get("attention_bias", False))
+    return DeepseekConfig(
+        **common_from_hf(hf, "config.json"),
+        architecture=family,
+        attention_bias=bias,
+        attention_out_bias=bias,
+        q_lora_rank=None if q_rank is None else int(q_rank),
+        kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(hf.get("qk_rope_head_dim", 64)),
+        v_head_dim=int(hf.get("v_head_dim") or 128),
+        rope_mscale_all_dim=_rope_mscale_all_dim(hf),
+        first_k_dense_replace=min(
+            n, int(hf.get("first_k_dense_replace", d["first_k_dense_replace"]) or 0)
+        ),
+        num_experts=int(hf.get("n_routed_experts", hf.get("num_experts", 0)) or 0)
+        or d["n_routed_experts"],
+        num_experts_per_tok=int(hf.get("num_experts_per_tok") or d["top_k"]),
+        moe_intermediate_size=int(
+            hf.get("moe_intermediate_size", d["moe_intermediate_size"])
+        ),
+        n_shared_experts=int(hf.get("n_shared_experts", d["n_shared_experts"]) or 0),
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(
+            hf.get("routed_scaling_factor", d["routed_scaling_factor"])
+        ),
+        num_nextn_predict_layers=int(
+            hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
+        ),
+        **fields,
+    )
+
+
+V3_DEFAULTS = dict(max_position_embeddings=4096, first_k_dense_replace=3,
+                   n_routed_experts=256, top_k=8, moe_intermediate_size=2048,
+                   n_shared_experts=1, routed_scaling_factor=2.5)  # fmt: skip
+"""transformers' `DeepseekV3Config` defaults entrenar reads."""
+
+V2_DEFAULTS = dict(max_position_embeddings=2048, first_k_dense_replace=0,
+                   n_routed_experts=64, top_k=2, moe_intermediate_size=1407,
+                   n_shared_experts=2, routed_scaling_factor=1.0)  # fmt: skip
+"""transformers' `DeepseekV2Config` defaults entrenar reads."""
+
+
+def deepseek_v3_from_hf(hf: Mapping[str, Any]) -> DeepseekConfig:
+    """A ``model_type: deepseek_v3`` ``config.json`` as a `DeepseekConfig`.
 
     transformers' `DeepseekV3Config` defaults where a key is missing.
 
@@ -526,14 +619,7 @@ def deepseek_v3_from_hf(hf: Mapping[str, Any]) -> DeepseekV3Config:
             Kimi-K2), a scoring other than sigmoid, or ``topk_method`` other than
             ``noaux_tc``.
     """
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
-        raise UnsupportedError(
-            f"config.json: quantization_config (quant_method {method!r}) is not "
-            "supported for deepseek_v3: entrenar reads float checkpoints (bfloat16, "
-            "float32); dequantize the FP8 weights to bfloat16 first"
-        )
+    _refuse_quantized(hf, "deepseek_v3")
     scoring = hf.get("scoring_func", "sigmoid")
     method = hf.get("topk_method", "noaux_tc")
     if scoring != "sigmoid" or method != "noaux_tc":
@@ -542,43 +628,52 @@ def deepseek_v3_from_hf(hf: Mapping[str, Any]) -> DeepseekV3Config:
             "supported for deepseek_v3; transformers' DeepseekV3 routes with "
             "'sigmoid' / 'noaux_tc'"
         )
-    heads = int(hf.get("num_attention_heads", 128))
-    defaults = {"num_key_value_heads": heads, "rms_norm_eps": 1e-6,
-                "max_position_embeddings": 4096}  # fmt: skip
-    hf = {**defaults, **hf, "head_dim": None}  # head_dim: qk_rope_head_dim
-    q_rank = hf.get("q_lora_rank", 1536)
-    n = int(hf["num_hidden_layers"])
-    return DeepseekV3Config(
-        **common_from_hf(hf, "config.json"),
-        architecture="deepseek_v3",
-        attention_bias=bool(hf.get("attention_bias", False)),
-        attention_out_bias=bool(hf.get("attention_bias", False)),
-        q_lora_rank=None if q_rank is None else int(q_rank),
-        kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
-        qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 128)),
-        qk_rope_head_dim=int(hf.get("qk_rope_head_dim", 64)),
-        v_head_dim=int(hf.get("v_head_dim") or 128),
+    return _from_hf(
+        hf, "deepseek_v3", V3_DEFAULTS,
         rope_interleave=bool(hf.get("rope_interleave", True)),
-        rope_mscale_all_dim=_rope_mscale_all_dim(hf),
-        first_k_dense_replace=min(n, int(hf.get("first_k_dense_replace", 3))),
-        num_experts=int(hf.get("n_routed_experts", 256)),
-        num_experts_per_tok=int(hf.get("num_experts_per_tok") or 8),
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
-        n_shared_experts=int(hf.get("n_shared_experts") or 0),
-        n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
-        num_nextn_predict_layers=int(
-            hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
-        ),
-    )
+    )  # fmt: skip
 
 
-def deepseek_v3_to_hf(c: DeepseekV3Config) -> dict[str, Any]:
-    """The ``config.json`` of a `DeepseekV3Config` (transformers' keys)."""
+def deepseek_v2_from_hf(hf: Mapping[str, Any]) -> DeepseekConfig:
+    """A ``model_type: deepseek_v2`` ``config.json`` (DeepSeek-V2, V2-Lite).
+
+    transformers' `DeepseekV2Config` defaults where a key is missing; the rope
+    pairs are always interleaved (its ``apply_rotary_emb`` turns complex pairs).
+
+    Raises:
+        UnsupportedError: a quantized checkpoint, a ``topk_method`` other than
+            ``greedy`` / ``group_limited_greedy``, ``norm_topk_prob`` true (which
+            transformers ignores and DeepSeek's code applies) or ``mlp_bias``.
+    """
+    _refuse_quantized(hf, "deepseek_v2")
+    method = hf.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedError(
+            f"config.json: topk_method {method!r} is not supported for deepseek_v2; "
+            "transformers' DeepseekV2 routes with 'greedy' or 'group_limited_greedy'"
+        )
+    if hf.get("norm_topk_prob"):
+        raise UnsupportedError(
+            "config.json: norm_topk_prob true is not supported for deepseek_v2: "
+            "transformers 5.25 ignores it and DeepSeek's code renormalises, so the "
+            "model is ambiguous"
+        )
+    if hf.get("mlp_bias"):
+        raise UnsupportedError(
+            "config.json: mlp_bias true is not supported for deepseek_v2 (DeepSeek's "
+            "checkpoints have none)"
+        )
+    return _from_hf(
+        hf, "deepseek_v2", V2_DEFAULTS, rope_interleave=True, norm_topk_prob=False,
+        scoring_func="softmax", topk_method=method,
+    )  # fmt: skip
+
+
+def _to_hf(c: DeepseekConfig, hf_class: str, model_type: str) -> dict[str, Any]:
+    """The ``config.json`` entries both families write."""
     allowed = ("rope_type", "attention_bias", "attention_out_bias", "num_experts")
-    hf = common_to_hf(c, "DeepseekV3ForCausalLM", "deepseek_v3", allowed)
+    hf = common_to_hf(c, hf_class, model_type, allowed)
     del hf["head_dim"]  # transformers sets it to qk_rope_head_dim
     if hf["rope_scaling"] is not None and c.rope_mscale_all_dim:
         hf["rope_scaling"]["mscale_all_dim"] = c.rope_mscale_all_dim
@@ -589,7 +684,6 @@ def deepseek_v3_to_hf(c: DeepseekV3Config) -> dict[str, Any]:
         qk_nope_head_dim=c.qk_nope_head_dim,
         qk_rope_head_dim=c.qk_rope_head_dim,
         v_head_dim=c.v_head_dim,
-        rope_interleave=c.rope_interleave,
         first_k_dense_replace=c.first_k_dense_replace,
         n_routed_experts=c.num_experts,
         num_experts_per_tok=c.num_experts_per_tok,
@@ -599,10 +693,40 @@ def deepseek_v3_to_hf(c: DeepseekV3Config) -> dict[str, Any]:
         n_group=c.n_group,
         topk_group=c.topk_group,
         routed_scaling_factor=c.routed_scaling_factor,
-        scoring_func=c.scoring_func,
-        topk_method="noaux_tc",
+        topk_method=c.topk_method,
         num_nextn_predict_layers=c.num_nextn_predict_layers,
     )
+    return hf
+
+
+def _refuse_other(c: DeepseekConfig, family: str, v3: bool) -> None:
+    """Raise `UnsupportedError` for a routing the family's file cannot hold."""
+    if (c.scoring_func == "sigmoid") != v3:
+        raise UnsupportedError(
+            f"{family}'s config.json cannot hold scoring_func {c.scoring_func!r} / "
+            f"topk_method {c.topk_method!r}: deepseek_v3 routes with sigmoid, "
+            "deepseek_v2 with softmax"
+        )
+    if not v3 and not c.rope_interleave:
+        raise UnsupportedError(
+            "deepseek_v2's config.json has no rope_interleave: its rope pairs are "
+            "interleaved; set rope_interleave=True"
+        )
+
+
+def deepseek_v3_to_hf(c: DeepseekConfig) -> dict[str, Any]:
+    """The ``config.json`` of a DeepSeek-V3 `DeepseekConfig` (transformers' keys)."""
+    _refuse_other(c, "deepseek_v3", True)
+    hf = _to_hf(c, "DeepseekV3ForCausalLM", "deepseek_v3")
+    hf.update(rope_interleave=c.rope_interleave, scoring_func=c.scoring_func)
+    return hf
+
+
+def deepseek_v2_to_hf(c: DeepseekConfig) -> dict[str, Any]:
+    """The ``config.json`` of a DeepSeek-V2 `DeepseekConfig` (transformers' keys)."""
+    _refuse_other(c, "deepseek_v2", False)
+    hf = _to_hf(c, "DeepseekV2ForCausalLM", "deepseek_v2")
+    hf.update(scoring_func=c.scoring_func, mlp_bias=False)
     return hf
 
 
@@ -611,7 +735,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def deepseek_from_hf_tensors(
-    flat: Mapping[str, Any], config: DeepseekV3Config
+    flat: Mapping[str, Any], config: DeepseekConfig
 ) -> dict[str, Any]:
     """A checkpoint's tensors under the tree's names (module docstring).
 
@@ -632,21 +756,21 @@ def deepseek_from_hf_tensors(
 
 
 def deepseek_to_hf_tensors(
-    made: Mapping[str, Callable[[], Any]], config: DeepseekV3Config
+    made: Mapping[str, Callable[[], Any]], config: DeepseekConfig
 ) -> dict[str, Callable[[], Any]]:
     """``{name: make}`` with each MoE layer's experts under the Hub's names."""
     return moe_to_hf_tensors(made, config)
 
 
 # -------------------------------------------------------------------- family
-def _tiny_deepseek_v3() -> DeepseekV3Config:
+def _tiny_deepseek_v3() -> DeepseekConfig:
     """Every DeepSeek-V3 feature on, at the conformance tests' sizes.
 
     A low-rank query, a dense first layer then MoE layers, a shared expert, 8
     experts in 4 groups of which 2 are searched, top-3, a routed scale, YaRN with
     ``mscale_all_dim``, interleaved rope pairs, ``d_v`` below ``d_qk``.
     """
-    return DeepseekV3Config(
+    return DeepseekConfig(
         **{
             **TINY_SIZES,
             "num_kv_heads": TINY_SIZES["num_heads"],
@@ -675,14 +799,38 @@ def _tiny_deepseek_v3() -> DeepseekV3Config:
     )
 
 
-FAMILY_DEFAULTS = dict(
+def _tiny_deepseek_v2() -> DeepseekConfig:
+    """Every DeepSeek-V2 feature on, at the conformance tests' sizes.
+
+    V2-Lite's plain ``q_proj``, a dense first layer, shared experts, softmax top-3
+    of 8 experts limited to 2 of 4 groups (their maxima), a routed scale, YaRN
+    with ``mscale`` and ``mscale_all_dim``.
+    """
+    return dataclasses.replace(
+        _tiny_deepseek_v3(),
+        architecture="deepseek_v2",
+        q_lora_rank=None,
+        rope_attention_factor=yarn_mscale(4.0, 0.707) / yarn_mscale(4.0, 0.8),
+        scoring_func="softmax",
+        topk_method="group_limited_greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+    )
+
+
+V3_FAMILY = dict(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=None,
     n_shared_experts=1, first_k_dense_replace=1,
 )  # fmt: skip
 """A from-scratch DeepSeek-V3 model's switches (`Architecture.make_config`)."""
 
+V2_FAMILY = dict(
+    V3_FAMILY, scoring_func="softmax", topk_method="greedy", norm_topk_prob=False
+)
+"""A from-scratch DeepSeek-V2 model's switches."""
+
 register_family(
-    DeepseekV3Config,
+    DeepseekConfig,
     "deepseek_v3",
     "DeepSeek-V3 (V3/R1, Kimi-K2, Moonlight): multi-head latent attention, "
     "DeepSeekMoE with sigmoid group-limited routing and shared experts",
@@ -691,15 +839,32 @@ register_family(
     to_hf=deepseek_v3_to_hf,
     tiny=_tiny_deepseek_v3,
     in_gguf=False,  # llama.cpp's deepseek2: not read or written yet
-    defaults=FAMILY_DEFAULTS,
+    defaults=V3_FAMILY,
+    from_hf_tensors=deepseek_from_hf_tensors,
+    to_hf_tensors=deepseek_to_hf_tensors,
+)
+register_family(
+    DeepseekConfig,
+    "deepseek_v2",
+    "DeepSeek-V2 (V2, V2-Lite): multi-head latent attention, DeepSeekMoE with "
+    "softmax (group-limited) routing and shared experts",
+    hf_class="DeepseekV2ForCausalLM",
+    from_hf=deepseek_v2_from_hf,
+    to_hf=deepseek_v2_to_hf,
+    tiny=_tiny_deepseek_v2,
+    in_gguf=False,
+    defaults=V2_FAMILY,
     from_hf_tensors=deepseek_from_hf_tensors,
     to_hf_tensors=deepseek_to_hf_tensors,
 )
 
 __all__ = [
-    "DeepseekV3Config",
+    "TOPK_METHODS",
+    "DeepseekConfig",
     "deepseek_from_hf_tensors",
     "deepseek_to_hf_tensors",
+    "deepseek_v2_from_hf",
+    "deepseek_v2_to_hf",
     "deepseek_v3_from_hf",
     "deepseek_v3_to_hf",
 ]

@@ -356,8 +356,9 @@ class LlamaConfig:
             raise ConfigError(f"LlamaConfig.architecture: {e}") from None
         if family.config_class is not type(self):
             raise ConfigError(
-                f"{type(self).__name__}.architecture {self.architecture!r} is a "
-                f"{family.config_class.__name__} family"
+                f"{type(self).__name__}.architecture {self.architecture!r} is not a "
+                f"{type(self).__name__} family (it is a "
+                f"{family.config_class.__name__})"
             )
 
     # ----------------------------------------------------------------- presets

@@ -75,7 +75,6 @@ _REGISTRY: dict[str, Architecture] = {}
 
 _MOE = " (a mixture of experts entrenar does not implement: {})"
 NOT_IMPLEMENTED = {
-    "deepseek_v2": _MOE.format("multi-head latent attention, grouped routing"),
     "olmoe": _MOE.format("OLMoE's q/k norms over all heads"),
     "llama4": _MOE.format("Llama 4's interleaved MoE and chunked attention"),
     "granitemoe": _MOE.format("Granite's scaled residuals"),
@@ -98,8 +97,8 @@ NOT_IMPLEMENTED |= {
     "paligemma": _VLM.format("prefix-LM attention over the image and prompt"),
 }
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
-entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss`` and
-``deepseek_v3``; the
+entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``,
+``deepseek_v2`` and ``deepseek_v3``; the
 vision-language ones ``gemma3`` and ``mistral3``, by their language model)."""
 GGUF_MOE = frozenset(
     {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
@@ -197,8 +196,9 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
     hint = ""
     if name == "deepseek2":
         hint = (
-            " (llama.cpp's DeepSeek-V2/V3 graph: entrenar reads DeepSeek-V3 from a "
-            "Hugging Face folder, model_type deepseek_v3, not from GGUF)"
+            " (llama.cpp's DeepSeek-V2/V3 graph: entrenar reads DeepSeek-V2 and V3 "
+            "from a Hugging Face folder, model_type deepseek_v2 / deepseek_v3, not "
+            "from GGUF)"
         )
     elif name in GGUF_MOE:
         hint = (

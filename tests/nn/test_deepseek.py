@@ -28,14 +28,18 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 ARCH = nn.architecture("deepseek_v3")
+V2 = nn.architecture("deepseek_v2")
 T = 12
-VARIANTS = {
-    "tiny": {},  # q_lora_rank, a dense first layer, 4 groups, YaRN, interleaved
-    "plain": dict(q_lora_rank=None, rope_interleave=False, rope_type="default",
-                  rope_factor=1.0, rope_original_max_position_embeddings=None,
-                  rope_mscale_all_dim=0.0, first_k_dense_replace=0, n_group=1,
-                  topk_group=1, norm_topk_prob=False, n_shared_experts=0,
-                  attention_bias=True, attention_out_bias=True),
+_PLAIN = dict(rope_type="default", rope_factor=1.0, rope_mscale_all_dim=0.0,
+              rope_original_max_position_embeddings=None, rope_attention_factor=None,
+              first_k_dense_replace=0, n_group=1, topk_group=1, n_shared_experts=0,
+              attention_bias=True, attention_out_bias=True)  # fmt: skip
+VARIANTS = {  # (family, fields over its tiny config)
+    "v3": ("deepseek_v3", {}),  # q_lora_rank, a dense layer, 4 groups, YaRN
+    "v3-plain": ("deepseek_v3", dict(_PLAIN, q_lora_rank=None, rope_interleave=False,
+                                     norm_topk_prob=False)),
+    "v2": ("deepseek_v2", {}),  # q_proj, group-limited softmax, YaRN + mscale
+    "v2-plain": ("deepseek_v2", dict(_PLAIN, q_lora_rank=8, topk_method="greedy")),
 }  # fmt: skip
 
 
@@ -61,8 +65,10 @@ def _hf_model(config_dict, state=None):
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def case(request):
     """``(config, params, transformers model)`` of one variant."""
-    config = dataclasses.replace(ARCH.tiny(), **VARIANTS[request.param])
-    model = _hf_model(ARCH.to_hf(config))
+    family, fields = VARIANTS[request.param]
+    arch = nn.architecture(family)
+    config = dataclasses.replace(arch.tiny(), **fields)
+    model = _hf_model(arch.to_hf(config))
     flat = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return config, nn.from_hf_names(flat, config), model
 
@@ -92,6 +98,20 @@ def test_logits_equal_transformers_in_float32(case):
     )
     assert np.abs(want[mask]).max() > 0.5  # not a degenerate model
     np.testing.assert_allclose(got[mask], want[mask], atol=5e-6, rtol=1e-5)
+
+
+def test_v2_groups_change_the_experts():
+    """V2's group-limited choice (groups by their maximum) differs from greedy."""
+    config = V2.tiny()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(64, config.hidden_size)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(config.num_experts, config.hidden_size)))
+    _, chosen = config.route(x, w, None)
+    greedy = dataclasses.replace(config, topk_method="greedy")
+    _, anywhere = greedy.route(x, w, None)
+    assert (np.sort(chosen, -1) != np.sort(anywhere, -1)).any()
+    groups = np.asarray(chosen) // (config.num_experts // config.n_group)
+    assert max(len(set(g)) for g in groups.tolist()) <= config.topk_group
 
 
 def test_the_correction_bias_and_the_groups_change_the_experts():
@@ -165,7 +185,8 @@ def test_a_folder_has_the_hubs_names_and_transformers_reads_it(case, tmp_path):
         names |= set(io.read_safetensors(str(f))[0])
     last = config.num_layers - 1
     assert f"model.layers.{last}.mlp.experts.7.gate_proj.weight" in names
-    assert f"model.layers.{last}.mlp.gate.e_score_correction_bias" in names
+    bias = f"model.layers.{last}.mlp.gate.e_score_correction_bias"
+    assert (bias in names) == (config.architecture == "deepseek_v3")
     if config.first_k_dense_replace:
         assert "model.layers.0.mlp.gate_proj.weight" in names
     back = transformers.AutoModelForCausalLM.from_pretrained(
@@ -291,6 +312,13 @@ def test_other_routing_methods_are_refused():
     hf = ARCH.to_hf(ARCH.tiny()) | {"scoring_func": "softmax"}
     with pytest.raises(UnsupportedError, match="scoring_func 'softmax'"):
         ARCH.from_hf(hf)
+    v2 = V2.to_hf(V2.tiny())
+    with pytest.raises(UnsupportedError, match="topk_method 'noaux_tc'"):
+        V2.from_hf(v2 | {"topk_method": "noaux_tc"})
+    with pytest.raises(UnsupportedError, match="norm_topk_prob true"):
+        V2.from_hf(v2 | {"norm_topk_prob": True})
+    with pytest.raises(UnsupportedError, match=r"deepseek_v2's config\.json cannot"):
+        V2.to_hf(ARCH.tiny())  # sigmoid routing under V2's name
 
 
 @pytest.mark.parametrize(
@@ -304,6 +332,7 @@ def test_other_routing_methods_are_refused():
         (dict(v_head_dim=40), "v_head_dim 40 exceeds"),
         (dict(first_k_dense_replace=4), "first_k_dense_replace must be in"),
         (dict(output_router_logits=True), "output_router_logits"),
+        (dict(scoring_func="softmax"), "topk_method 'noaux_tc' with scoring_func"),
     ],
 )
 def test_config_errors_name_the_field(fields, named):
@@ -312,7 +341,9 @@ def test_config_errors_name_the_field(fields, named):
 
 
 def test_a_llama_config_cannot_be_a_deepseek_model():
-    with pytest.raises(ConfigError, match="DeepseekV3Config family"):
+    with pytest.raises(
+        ConfigError, match=r"not a LlamaConfig family \(it is a DeepseekConfig\)"
+    ):
         nn.LlamaConfig(architecture="deepseek_v3")
 
 
@@ -320,7 +351,9 @@ def test_gguf_export_is_refused(tmp_path):
     config = ARCH.tiny()
     with pytest.raises(UnsupportedError, match=r"deepseek_v3 .*no llama\.cpp GGUF"):
         io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
-    with pytest.raises(UnsupportedError, match="Hugging Face folder, model_type deep"):
+    with pytest.raises(
+        UnsupportedError, match="Hugging Face folder, model_type deepseek_v2"
+    ):
         nn.architecture_for_gguf("deepseek2", "m.gguf")
 
 
@@ -344,3 +377,30 @@ def test_the_config_round_trips_a_hub_style_file():
     assert ARCH.from_hf(ARCH.to_hf(config)) == config
     written = transformers.AutoConfig.for_model(**ARCH.to_hf(config)).to_dict()
     assert ARCH.from_hf(written) == config
+
+
+def test_a_v2_lite_config_reads():
+    """DeepSeek-V2-Lite's config.json keys (q_lora_rank null, greedy, YaRN 40)."""
+    hub = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
+        "n_routed_experts": 64, "routed_scaling_factor": 1.0, "kv_lora_rank": 512,
+        "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "topk_method": "greedy", "n_group": 1,
+        "topk_group": 1, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+        "norm_topk_prob": False, "scoring_func": "softmax", "hidden_act": "silu",
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "tie_word_embeddings": False,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40,
+                         "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+    }  # fmt: skip
+    config = V2.from_hf(hub)
+    assert config.rope_attention_factor == pytest.approx(1.0)  # mscale ratio
+    m = 0.1 * 0.707 * np.log(40) + 1  # the softmax scale's YaRN factor
+    assert config.softmax_scale() == pytest.approx(192**-0.5 * m * m)
+    assert V2.from_hf(V2.to_hf(config)) == config
+    written = transformers.AutoConfig.for_model(**V2.to_hf(config)).to_dict()
+    assert V2.from_hf(written) == config

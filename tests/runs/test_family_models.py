@@ -150,7 +150,7 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
     doc["data"].update(train=str(tmp_path / "chat.jsonl"), batch_size=4, seq_len=64)
     if config.fused_qkv:  # Phi-3's attention projections are one module
         doc["lora"]["targets"] = ["qkv_proj", "o_proj"]
-    if family == "deepseek_v3":  # latent attention's projections
+    if family.startswith("deepseek"):  # latent attention's projections
         doc["lora"]["targets"] = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
                                   "kv_b_proj", "o_proj"]  # fmt: skip
     doc["training"].update(max_steps=3, output_dir=str(tmp_path / "out"))
@@ -179,10 +179,12 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
         np.testing.assert_allclose(a, b, atol=step)
 
 
-SIZED = {  # DeepSeek-V3: head_dim is the rotary width; latent widths of 64
-    "deepseek_v3": dict(head_dim=None, q_lora_rank=64, kv_lora_rank=64,
-                        qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=64),
-}  # fmt: skip
+_DEEPSEEK = dict(
+    head_dim=None, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=16,
+    v_head_dim=16, moe_intermediate_size=64,
+)  # fmt: skip
+SIZED = {"deepseek_v3": _DEEPSEEK, "deepseek_v2": _DEEPSEEK}
+"""DeepSeek: head_dim is the rotary width; latent widths of 64."""
 
 
 def _sized_folder(family: str, path: Path) -> tuple[Any, io.HFTokenizer]:
