@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (DeepSeek-V3/R1, Kimi-K2, Moonlight): latent attention and DeepSeekMoE.
+"""DeepSeek-V2 and V3 (V2-Lite, V3/R1, Kimi-K2, Moonlight): MLA and DeepSeekMoE.
 
 DeepSeek-AI, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts
 Language Model", 2024 (multi-head latent attention, DeepSeekMoE); "DeepSeek-V3
@@ -37,6 +37,11 @@ SwiGLU MLP of ``intermediate_size``), router ``W_r: (E, D)``, correction bias
           without it s_e · routed_scaling_factor)
     y   = Σ_{e∈S} w_e SwiGLU_e(x) + SwiGLU_shared(x)    (shared: n_shared_experts ×
                                                           moe_intermediate_size wide)
+
+DeepSeek-V2 (``deepseek_v2``, transformers' ``modeling_deepseek_v2.py``) scores with
+``softmax(x W_rᵀ)``, no bias, and takes the top ``k`` of all experts (``greedy``) or
+of the ``topk_group`` groups with the largest maximum (``group_limited_greedy``);
+``w_e = s_e · routed_scaling_factor``, never renormalised (`TOPK_METHODS`).
 
 The routed experts run entrenar's grouped product (`entrenar.nn.moe.experts_mlp`:
 the tiled scan with its own VJP), their weights stacked ``(E, out, in)`` per layer.
