@@ -823,11 +823,14 @@ def per_layer_shapes(config: HasParamShapes) -> dict[str, tuple[int, ...]]:
     """
     flat: dict[str, tuple[int, ...]] = {}
 
-    def walk(tree: Mapping[str, Any], prefix: str) -> None:
+    def walk(tree: Mapping[str, Any], prefix: str, stacked: bool = True) -> None:
         for k, v in tree.items():
             if isinstance(v, Mapping):
-                walk(v, f"{prefix}{k}.")
-            elif prefix.startswith("model.layers."):
+                walk(v, f"{prefix}{k}.", stacked)
+            elif isinstance(v, list):  # unstacked layers, one dict each
+                for i, sub in enumerate(v):
+                    walk(sub, f"{prefix}{k}.{i}.", False)
+            elif stacked and prefix.startswith("model.layers."):
                 rest = f"{prefix}{k}".removeprefix("model.layers.")
                 for i in range(config.num_layers):
                     flat[f"model.layers.{i}.{rest}"] = tuple(v[1:])

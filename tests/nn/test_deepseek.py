@@ -404,3 +404,11 @@ def test_a_v2_lite_config_reads():
     assert V2.from_hf(V2.to_hf(config)) == config
     written = transformers.AutoConfig.for_model(**V2.to_hf(config)).to_dict()
     assert V2.from_hf(written) == config
+
+
+def test_per_layer_shapes_spell_out_the_list_of_layers():
+    from entrenar.nn.hf_names import per_layer_shapes
+
+    config = ARCH.tiny()
+    flat = nn.to_hf_names(config.init(jax.random.key(0)))
+    assert per_layer_shapes(config) == {k: tuple(v.shape) for k, v in flat.items()}
