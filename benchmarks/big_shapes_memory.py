@@ -13,10 +13,12 @@ the plan and the measured peak (``VmHWM`` of a fresh ``entrenar train`` process,
 2 steps) of the same width with ``--layers`` layers.
 
 Cases: Qwen3-30B-A3B QLoRA on q/k/v/o with ``lora.quantize_untargeted`` (its
-experts NF4 without adapters) and without it; Llama-3-8B bfloat16 LoRA (not
-quantized) on every linear layer; TinyLlama-1.1B full fine-tuning in float32 with
-AdamW and with ``adamw_8bit``. Batch 1 x 2048 (measured runs 1 x 512),
-``nothing_saveable``, bfloat16 matmuls, AdamW unless named.
+experts NF4 without adapters) and without it; Moonlight-16B-A3B and
+DeepSeek-V2-Lite QLoRA on the latent attention's projections, untargeted NF4;
+Llama-3-8B bfloat16 LoRA (not quantized) on every linear layer; TinyLlama-1.1B
+full fine-tuning in float32 with AdamW and with ``adamw_8bit``. Batch 1 x 2048
+(measured runs 1 x 512), ``nothing_saveable``, bfloat16 matmuls, AdamW unless
+named.
 
 Usage: ``python benchmarks/big_shapes_memory.py [--cases ...] [--measure]
 [--layers 4] [--out /tmp/entrenar-big-shapes]``.
@@ -54,13 +56,34 @@ TINYLLAMA_1B = dict(
     num_kv_heads=4, intermediate_size=5632, rope_theta=10000.0,
     max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5,
 )  # fmt: skip
+MOONLIGHT_16B_A3B = dict(
+    family="deepseek_v3", vocab_size=163840, hidden_size=2048, num_layers=27,
+    num_heads=16, num_kv_heads=16, intermediate_size=11264,
+    moe_intermediate_size=1408, num_experts=64, num_experts_per_tok=6,
+    n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=None,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    routed_scaling_factor=2.446, rope_theta=50000.0, max_position_embeddings=8192,
+    tie_word_embeddings=False, rms_norm_eps=1e-5,
+)  # fmt: skip
+DEEPSEEK_V2_LITE = dict(
+    MOONLIGHT_16B_A3B, family="deepseek_v2", vocab_size=102400,
+    intermediate_size=10944, routed_scaling_factor=1.0, rope_theta=10000.0,
+    max_position_embeddings=163840, rms_norm_eps=1e-6,
+)  # fmt: skip
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLA = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 CASES: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b-qlora-attn-untargeted": dict(
         shape=QWEN3_30B_A3B, targets=ATTENTION, quantize="nf4", untargeted=True
     ),
     "qwen3-30b-a3b-qlora-attn": dict(
         shape=QWEN3_30B_A3B, targets=ATTENTION, quantize="nf4", untargeted=False
+    ),
+    "moonlight-16b-a3b-qlora-attn-untargeted": dict(
+        shape=MOONLIGHT_16B_A3B, targets=MLA, quantize="nf4", untargeted=True
+    ),
+    "deepseek-v2-lite-qlora-attn-untargeted": dict(
+        shape=DEEPSEEK_V2_LITE, targets=MLA, quantize="nf4", untargeted=True
     ),
     "llama3-8b-bf16-lora-all": dict(
         shape=LLAMA3_8B, targets="all-linear", quantize="none", untargeted=False

@@ -11,6 +11,7 @@ registers in its own package.
 """
 
 from entrenar.nn import (  # families register
+    deepseek,
     gemma,
     gpt_oss,
     granite,
@@ -116,6 +117,7 @@ __all__ = [
     "conv1d_transpose",
     "cross_entropy",
     "decode_step",
+    "deepseek",
     "dot_product_attention",
     "dropout",
     "embedding",

@@ -240,6 +240,10 @@ def from_hf_names(
             path = f"{prefix}{name}"
             if isinstance(sub, Mapping):
                 tree[name] = build(sub, f"{path}.", stacked or name.endswith(".__L__"))
+            elif isinstance(sub, list):  # unstacked layers, one dict each
+                tree[name] = [
+                    build(s, f"{path}.{i}.", False) for i, s in enumerate(sub)
+                ]
             elif stacked:
                 layer_prefix, _, rest = path.partition(".__L__.")
                 per = [
@@ -341,6 +345,10 @@ def stream_hf_names(
             if isinstance(sub, Mapping):
                 node[name] = {}
                 walk(sub, node[name], f"{path}.", stacked or name.endswith(".__L__"))
+            elif isinstance(sub, list):  # unstacked layers, one dict each
+                node[name] = [{} for _ in sub]
+                for i, s in enumerate(sub):
+                    walk(s, node[name][i], f"{path}.{i}.", False)
             elif stacked:
                 head, _, rest = path.partition(".__L__.")
                 names = [
@@ -815,11 +823,14 @@ def per_layer_shapes(config: HasParamShapes) -> dict[str, tuple[int, ...]]:
     """
     flat: dict[str, tuple[int, ...]] = {}
 
-    def walk(tree: Mapping[str, Any], prefix: str) -> None:
+    def walk(tree: Mapping[str, Any], prefix: str, stacked: bool = True) -> None:
         for k, v in tree.items():
             if isinstance(v, Mapping):
-                walk(v, f"{prefix}{k}.")
-            elif prefix.startswith("model.layers."):
+                walk(v, f"{prefix}{k}.", stacked)
+            elif isinstance(v, list):  # unstacked layers, one dict each
+                for i, sub in enumerate(v):
+                    walk(sub, f"{prefix}{k}.{i}.", False)
+            elif stacked and prefix.startswith("model.layers."):
                 rest = f"{prefix}{k}".removeprefix("model.layers.")
                 for i in range(config.num_layers):
                     flat[f"model.layers.{i}.{rest}"] = tuple(v[1:])
@@ -870,7 +881,10 @@ def _unmark(tree: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = k.removesuffix(".__L__")
-        out[key] = _unmark(v) if isinstance(v, Mapping) else v
+        if isinstance(v, list):
+            out[key] = [_unmark(x) for x in v]
+        else:
+            out[key] = _unmark(v) if isinstance(v, Mapping) else v
     return out
 
 

@@ -354,10 +354,11 @@ class LlamaConfig:
             family = architecture(self.architecture)
         except UnsupportedError as e:
             raise ConfigError(f"LlamaConfig.architecture: {e}") from None
-        if family.config_class is not LlamaConfig:
+        if family.config_class is not type(self):
             raise ConfigError(
-                f"LlamaConfig.architecture {self.architecture!r} is not a LlamaConfig "
-                "family"
+                f"{type(self).__name__}.architecture {self.architecture!r} is not a "
+                f"{type(self).__name__} family (it is a "
+                f"{family.config_class.__name__})"
             )
 
     # ----------------------------------------------------------------- presets

@@ -75,8 +75,6 @@ _REGISTRY: dict[str, Architecture] = {}
 
 _MOE = " (a mixture of experts entrenar does not implement: {})"
 NOT_IMPLEMENTED = {
-    "deepseek_v2": _MOE.format("multi-head latent attention, grouped routing"),
-    "deepseek_v3": _MOE.format("multi-head latent attention, sigmoid routing"),
     "olmoe": _MOE.format("OLMoE's q/k norms over all heads"),
     "llama4": _MOE.format("Llama 4's interleaved MoE and chunked attention"),
     "granitemoe": _MOE.format("Granite's scaled residuals"),
@@ -99,7 +97,8 @@ NOT_IMPLEMENTED |= {
     "paligemma": _VLM.format("prefix-LM attention over the image and prompt"),
 }
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
-entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe`` and ``gpt_oss``; the
+entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``,
+``deepseek_v2`` and ``deepseek_v3``; the
 vision-language ones ``gemma3`` and ``mistral3``, by their language model)."""
 GGUF_MOE = frozenset(
     {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
@@ -195,7 +194,13 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
             return arch
     known = sorted(a.gguf_name for a in _REGISTRY.values() if a.gguf_name)
     hint = ""
-    if name in GGUF_MOE:
+    if name == "deepseek2":
+        hint = (
+            " (llama.cpp's DeepSeek-V2/V3 graph: entrenar reads DeepSeek-V2 and V3 "
+            "from a Hugging Face folder, model_type deepseek_v2 / deepseek_v3, not "
+            "from GGUF)"
+        )
+    elif name in GGUF_MOE:
         hint = (
             " (a mixture of experts: entrenar reads Mixtral (llama with "
             "expert_count), qwen2moe, qwen3moe and gpt-oss)"

@@ -120,6 +120,9 @@ def _build(
             if isinstance(v, dict):
                 out[k] = walk(v, f"{path}.")
                 continue
+            if isinstance(v, list):  # unstacked layers (DeepSeek's), each whole
+                out[k] = [walk(x, f"{path}.{i}.") for i, x in enumerate(v)]
+                continue
             shape = tuple(int(s) for s in v)
             node = make(path, shape)
             fn = None
@@ -195,7 +198,13 @@ def _in_flight(folder: Any, quantize: Quantize | None) -> int:
             if isinstance(v, dict):
                 walk(v, f"{path_}.")
                 continue
+            if isinstance(v, list):  # unstacked layers: each leaf is read whole
+                for i, x in enumerate(v):
+                    walk(x, f"{path_}.{i}.")
+                continue
             shape = tuple(int(n) for n in v)
+            if stacked_split(path_) is None:  # an unstacked leaf: `_build` counts it
+                continue
             if prefix.startswith("model.layers.") and quantize(path_, shape):
                 copies = 2 if len(shape) == 4 else 1  # experts: pages and stack
                 layer = max(layer, copies * math.prod(shape[1:]) * wide)

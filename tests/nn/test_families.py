@@ -29,6 +29,19 @@ peft = pytest.importorskip("peft")
 T = 12  # longer than every tiny sliding window (4)
 TOL = 1e-4
 KNOWN_GAPS = {"gpt2": "GPT-2 registers no tiny/from_hf/to_hf yet (entrenar/nn/gpt2.py)"}
+# PEFT 0.21 reads gate_proj / up_proj / down_proj targets of a DeepSeek model as
+# its fused experts' (transformers 5's conversion): the dense and shared MLPs get no
+# adapter there, so the family's adapters go on its attention projections
+TARGETS = {
+    "deepseek_v3": [
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+    ],
+    "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
 LANGUAGE_MODELS = [a for a in nn.architectures() if a.hf_class is not None]
 FAMILIES = [a for a in LANGUAGE_MODELS if a.name not in KNOWN_GAPS]
 
@@ -136,7 +149,8 @@ def test_cached_generation_equals_transformers(family):
 def adapted(family, tmp_path_factory):
     """A LoRA tree on every linear layer (B non-zero) and PEFT's twin of it."""
     config, params, hf_dict, state = family
-    cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets="all-linear")
+    targets = TARGETS.get(config.architecture, "all-linear")
+    cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets=targets)
     lp = lora.apply(params, cfg, key=jax.random.key(3))
     rng = np.random.default_rng(5)
 
@@ -207,7 +221,8 @@ def test_dora_logits_and_gradients_equal_peft(family, tmp_path):
     The families' biases (Qwen2's q/k/v) stay outside DoRA's rescaling, as in PEFT.
     """
     config, params, hf_dict, state = family
-    cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets="all-linear", use_dora=True)
+    targets = TARGETS.get(config.architecture, "all-linear")
+    cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets=targets, use_dora=True)
     lp = lora.apply(params, cfg, key=jax.random.key(3))
     rng = np.random.default_rng(5)
 

@@ -72,7 +72,7 @@ def test_dense_layers_are_refused_naming_the_key(family, extra, named):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["deepseek_v3", "deepseek_v2", "olmoe", "llama4",
+    "model_type", ["olmoe", "llama4",
                    "granitemoe", "jamba", "dbrx", "phimoe"],
 )  # fmt: skip
 def test_other_moe_model_types_are_refused_by_name(model_type, tmp_path):

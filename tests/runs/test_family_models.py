@@ -150,6 +150,9 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
     doc["data"].update(train=str(tmp_path / "chat.jsonl"), batch_size=4, seq_len=64)
     if config.fused_qkv:  # Phi-3's attention projections are one module
         doc["lora"]["targets"] = ["qkv_proj", "o_proj"]
+    if family.startswith("deepseek"):  # latent attention's projections
+        doc["lora"]["targets"] = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                  "kv_b_proj", "o_proj"]  # fmt: skip
     doc["training"].update(max_steps=3, output_dir=str(tmp_path / "out"))
     in_gguf = written_name(family, nn.architecture(family).gguf_name) is not None
     if not in_gguf:  # a family llama.cpp has no form of (the run refuses the export)
@@ -176,6 +179,14 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
         np.testing.assert_allclose(a, b, atol=step)
 
 
+_DEEPSEEK = dict(
+    head_dim=None, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=16,
+    v_head_dim=16, moe_intermediate_size=64,
+)  # fmt: skip
+SIZED = {"deepseek_v3": _DEEPSEEK, "deepseek_v2": _DEEPSEEK}
+"""DeepSeek: head_dim is the rotary width; latent widths of 64."""
+
+
 def _sized_folder(family: str, path: Path) -> tuple[Any, io.HFTokenizer]:
     """A folder like `_folder`'s, its vocabulary the tokenizer's and hidden size 64.
 
@@ -185,7 +196,7 @@ def _sized_folder(family: str, path: Path) -> tuple[Any, io.HFTokenizer]:
     """
     config = dataclasses.replace(
         nn.architecture(family).tiny(), vocab_size=512, hidden_size=64,
-        intermediate_size=128, num_heads=4, head_dim=16,
+        intermediate_size=128, num_heads=4, **SIZED.get(family, {"head_dim": 16}),
     )  # fmt: skip
     config = _gguf_experts(config, 64)
     hf_cases.write_tokenizer(path / "tok", family)

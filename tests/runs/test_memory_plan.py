@@ -8,6 +8,7 @@ same run in a fresh process; a run over its budget is refused before loading.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -503,3 +504,18 @@ def test_grpo_plans_the_longest_prompt_not_seq_len(tmp_path, tiny_gguf):
     assert n > 16  # data.seq_len of the run
     plan = plan_memory(validate(doc))
     assert f"8 rows x {-(-(n + 16) // 32) * 32})" in plan.step_detail, plan.step_detail
+
+
+def test_a_deepseek_folder_is_planned(tmp_path):
+    """DeepSeek's layers are a list of unstacked layers: the plan walks them.
+
+    Before, `plan_memory` read the list as a shape (TypeError in memory_tree).
+    """
+    config = dataclasses.replace(nn.architecture("deepseek_v3").tiny(), vocab_size=320)
+    folder = tmp_path / "hf"
+    io.save_hf_folder(folder, config, config.init(jax.random.key(0)))
+    targets = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    doc = _doc(tmp_path, folder, lora={"targets": targets, "quantize_base": "none"})
+    plan = plan_memory(validate(doc), compile_step=False)
+    _, params = io.load_hf_folder(folder)
+    assert plan.weights == tree_bytes(params)
