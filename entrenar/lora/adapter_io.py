@@ -54,7 +54,7 @@ from entrenar.lora.names import (
 )
 from entrenar.lora.patterns import check_pattern, check_peft_key, peft_pattern_value
 from entrenar.lora.peft_keys import check_peft_keys
-from entrenar.lora.weight import LoRAWeight, dora_norm, with_layer_ranks
+from entrenar.lora.weight import LoRAWeight, eager_dora_norm, with_layer_ranks
 from entrenar.nn import multimodal
 from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params
@@ -81,7 +81,7 @@ def _untouched_magnitudes(x: LoRAWeight) -> np.ndarray:
     if not x.dora:
         return np.ones(n, bool)
     m = np.asarray(x.magnitude, np.float32).reshape(n, -1)
-    norm = np.asarray(dora_norm(x), np.float32).reshape(n, -1)
+    norm = np.asarray(eager_dora_norm(x), np.float32).reshape(n, -1)
     return (m == norm).all(axis=1)
 
 
@@ -630,7 +630,8 @@ def _lora_leaf(
     node = with_layer_ranks(node, tuple(ranks), tuple(alphas))  # plain if all agree
     if not cfg.get("use_dora", False):
         return node
-    mag = np.array(dora_norm(node), np.float32).reshape(n, out)  # layers w/o tensors
+    # the layers without tensors
+    mag = np.array(eager_dora_norm(node), np.float32).reshape(n, out)
     for j, m in layers.items():
         mag[j] = np.asarray(found[m][MAGNITUDE], dtype=np.float32)
     lead = tuple(node.a.shape[:-2])

@@ -32,7 +32,7 @@ from entrenar.lora.names import (
     stacked_split,
 )
 from entrenar.lora.patterns import peft_pattern_value
-from entrenar.lora.weight import LoRAWeight, dora_norm, with_layer_ranks
+from entrenar.lora.weight import LoRAWeight, eager_dora_norm, with_layer_ranks
 from entrenar.nn.weight_node import is_weight_node, logical_shape
 from entrenar.types import Params, PRNGKey
 
@@ -213,7 +213,7 @@ def apply(
         if patterned:  # one rank and alpha per module, padded within a stack
             node = with_layer_ranks(node, ranks, alphas)
         if config.use_dora:  # B = 0: ‖W + s·BA‖ = ‖W‖ (of the quantized base)
-            node = node.replace(magnitude=dora_norm(node))
+            node = node.replace(magnitude=eager_dora_norm(node))
         out.append(node)
     if not wrapped:
         raise ConfigError(_no_match_message(config.targets, names, flat))

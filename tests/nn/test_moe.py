@@ -84,6 +84,11 @@ def _params(key, d, e, i, shared=0, dtype=jnp.float32):
     return p
 
 
+# one program per example: run op by op, each example's new shapes compiled (or read
+# from the persistent cache) every small operation of the module, ~100 per example
+_sparse_moe = jax.jit(moe.sparse_moe, static_argnums=(2, 3), static_argnames="impl")
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     e=st.integers(1, 6),
@@ -100,7 +105,7 @@ def test_sparse_moe_equals_the_dense_formula(e, data, normalize, shared, n, seed
     key = jax.random.key(seed)
     p = _params(key, d, e, i, shared)
     x = jax.random.normal(jax.random.fold_in(key, 99), (n, d))
-    y, logits = moe.sparse_moe(p, x, k, normalize, impl=impl)
+    y, logits = _sparse_moe(p, x, k, normalize, impl=impl)
     want = _dense_reference(p, x, k, normalize)
     np.testing.assert_allclose(np.asarray(y), want, atol=2e-5, rtol=1e-4)
     assert logits.shape == (n, e)
@@ -161,8 +166,11 @@ def test_tiled_grouped_matmul_equals_its_formula(x64, sizes, c, seed):
     def rows(x, w):  # each row times its group's matrix
         return jnp.sum(jnp.sin(jnp.einsum("mi,mio->mo", x, w[group])))
 
-    np.testing.assert_allclose(tiled(x, w), rows(x, w), rtol=1e-12)
-    for a, b in zip(jax.grad(tiled, (0, 1))(x, w), jax.grad(rows, (0, 1))(x, w)):
+    (vt, gt), (vr, gr) = (
+        jax.jit(jax.value_and_grad(f, (0, 1)))(x, w) for f in (tiled, rows)
+    )
+    np.testing.assert_allclose(vt, vr, rtol=1e-12)
+    for a, b in zip(gt, gr):
         np.testing.assert_allclose(a, b, atol=1e-12)
 
 
@@ -177,7 +185,10 @@ def test_gradients_equal_finite_differences(x64, normalize, shared, impl):
         y, _ = moe.sparse_moe(p, x, 2, normalize, impl=impl)
         return jnp.sum(jnp.sin(y))
 
-    check_grads(f, (p, x), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+    # jitted: each of check_grads' evaluations one program, not one per operation
+    check_grads(
+        jax.jit(f), (p, x), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("impl", moe.GROUPED_IMPLS)
@@ -208,8 +219,8 @@ def test_gradients_equal_the_dense_formula(x64, impl):
     def sparse(p, x):
         return jnp.sum(jnp.sin(moe.sparse_moe(p, x, 3, True, impl=impl)[0]))
 
-    got = jax.grad(sparse, (0, 1))(p, x)
-    want = jax.grad(dense, (0, 1))(p, x)
+    got = jax.jit(jax.grad(sparse, (0, 1)))(p, x)
+    want = jax.jit(jax.grad(dense, (0, 1)))(p, x)
     err = jax.tree_util.tree_map(lambda a, b: float(jnp.abs(a - b).max()), got, want)
     assert max(jax.tree_util.tree_leaves(err)) < 1e-12, err
 

@@ -14,6 +14,7 @@ which rotates 12 of 16 values.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -118,8 +119,8 @@ def test_rotation_is_transformers_apply_rotary_pos_emb(d, factor, seed):
     q = rng.standard_normal((2, 5, 3, d))  # (B, T, H, d)
     positions = rng.integers(0, 1000, size=(2, 5))
     with jax.enable_x64(True):
-        cos, sin = rope_tables(jnp.asarray(positions), r, 500.0, jnp.float64)
-        got = np.asarray(rotate(jnp.asarray(q), (cos, sin)))
+        cos, sin, got = _tables_and_rotation(jnp.asarray(positions), jnp.asarray(q), r)
+        got = np.asarray(got)
         assert got.dtype == np.float64
     tq = torch.from_numpy(q).transpose(1, 2)  # (B, H, T, d)
     tc = torch.from_numpy(np.array(cos[:, :, 0]))  # (B, T, r)
@@ -127,6 +128,16 @@ def test_rotation_is_transformers_apply_rotary_pos_emb(d, factor, seed):
     want, _ = phi3_modeling.apply_rotary_pos_emb(tq, tq, tc, ts)
     np.testing.assert_allclose(got, want.transpose(1, 2).numpy(), atol=1e-12)
     np.testing.assert_array_equal(got[..., r:], q[..., r:])  # passed through
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _tables_and_rotation(positions, q, r):
+    """``r``-wide float64 tables and ``q`` rotated: one program per shape and ``r``.
+
+    Op by op, each example ran (and looked up) each operation on its own.
+    """
+    cos, sin = rope_tables(positions, r, 500.0, jnp.float64)
+    return cos, sin, rotate(q, (cos, sin))
 
 
 def test_rotation_gradient_is_the_inverse_rotation():

@@ -171,12 +171,18 @@ def test_on_policy_gradient_is_the_policy_gradient(adv, n):
     ρ = 1 and, for ``grpo``, ∇ = −A / n per token: the group-baseline policy gradient.
     """
     lp = jnp.full((1, n), -1.3)
-    g = jax.grad(
-        lambda x: grpo_loss(
-            x, None, None, jnp.array([adv]), jnp.ones((1, n)), loss_type="grpo"
-        )[0]
-    )(lp)
+    g = _grpo_gradient(lp, jnp.array([adv]), jnp.ones((1, n)))
     np.testing.assert_allclose(np.asarray(g), -adv / n, rtol=1e-6, atol=1e-7)
+
+
+@jax.jit
+def _grpo_gradient(lp, adv, mask):
+    """``∂ grpo_loss / ∂ lp``, one program per shape (op by op: one per operation)."""
+
+    def loss(x):
+        return grpo_loss(x, None, None, adv, mask, loss_type="grpo")[0]
+
+    return jax.grad(loss)(lp)
 
 
 def test_dapo_normaliser_is_the_generation_batchs_token_count():
