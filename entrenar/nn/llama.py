@@ -171,6 +171,9 @@ class LlamaConfig:
         qk_norm_whole: ``qk_norm`` over the whole projection instead, ``H d``
             query and ``KV d`` key values at once (weights ``(L, H d)`` and
             ``(L, KV d)``: OLMo 2).
+        clip_qkv: None, or ``c``: queries, keys and values are clipped to
+            ``[-c, c]`` after their projections (and q/k norms), before rotary
+            (OLMoE's ``clip_qkv``).
         sliding_window: a sliding layer's query at ``p`` attends to keys at
             ``p - sliding_window < s <= p``; None: no sliding layer.
         layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``;
@@ -278,6 +281,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     qk_norm_whole: bool = False
+    clip_qkv: float | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     nope_layers: tuple[bool, ...] | None = None
@@ -1001,6 +1005,9 @@ class LlamaConfig:
         if self.qk_norm and self.qk_norm_whole:  # OLMo 2: over all H d values
             q = self._norm(q, ap["q_norm"])  # (B, T, H d)
             k = self._norm(k, ap["k_norm"])  # (B, T, KV d)
+        if self.clip_qkv is not None:  # OLMoE: after the norms, before rotary
+            c = jnp.asarray(self.clip_qkv, q.dtype)
+            q, k, v = (jnp.clip(a, -c, c) for a in (q, k, v))
         q = q.reshape(b, t, nh, hd)  # (B, T, H, d)
         k = k.reshape(b, t, nkv, hd)  # (B, T, KV, d)
         v = v.reshape(b, t, nkv, hd)

@@ -77,9 +77,7 @@ _MOE = " (a mixture of experts entrenar does not implement: {})"
 NOT_IMPLEMENTED = {
     "deepseek_v2": _MOE.format("multi-head latent attention, grouped routing"),
     "deepseek_v3": _MOE.format("multi-head latent attention, sigmoid routing"),
-    "olmoe": _MOE.format("OLMoE's q/k norms over all heads"),
     "llama4": _MOE.format("Llama 4's interleaved MoE and chunked attention"),
-    "granitemoe": _MOE.format("Granite's scaled residuals"),
     "jamba": _MOE.format("Mamba layers"),
     "dbrx": _MOE.format("DBRX's fused layout and clipped qkv"),
     "phimoe": _MOE.format("sparsemixer routing"),
