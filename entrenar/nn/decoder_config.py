@@ -584,6 +584,7 @@ SWITCHES = (
     "fused_gate_up",
     "num_experts",
     "shared_expert_intermediate_size",
+    "shared_mlp_intermediate_size",
     "router_jitter_noise",
     "moe_bias",
     "swiglu_limit",

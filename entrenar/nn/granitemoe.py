@@ -18,10 +18,19 @@ up]`` along the rows), ``output_linear.weight (E, D, I)`` and the router
 ``router.weight``. `granitemoe_from_hf_tensors` reads either into the tree's
 ``mlp.gate`` and stacked ``mlp.experts.{gate,up,down}_proj.weight (E, out, in)``;
 `granitemoe_to_hf_tensors` writes the Hub form.
+
+``granitemoeshared`` (transformers' ``GraniteMoeSharedForCausalLM``, the Granite
+MoE models with a shared expert) adds, when ``shared_intermediate_size`` ``S`` >
+0, an ungated SwiGLU beside the experts: ``shared_mlp.input_linear.weight (2S, D)``
+(``[gate; up]``) and ``shared_mlp.output_linear.weight (D, S)``, kept under those
+names in the tree (`LlamaConfig.shared_mlp_intermediate_size`), so that LoRA on
+them is PEFT's on the same modules. The layer's MLP output is ``MoE(x) +
+shared_mlp(x)``, then scaled by ``residual_multiplier``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping
@@ -44,16 +53,23 @@ from entrenar.nn.weight_node import to_dense
 
 _SWITCHES = ("rope_type", "attention_bias", "attention_out_bias", "num_experts",
              *MULTIPLIERS)  # fmt: skip
+_SHARED = "granitemoeshared"
 
 
 def granitemoe_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
-    """A ``model_type: granitemoe`` ``config.json`` as a `LlamaConfig`."""
+    """A ``model_type: granitemoe`` or ``granitemoeshared`` ``config.json``."""
     bias = bool(hf.get("attention_bias", False))
-    scales: dict[str, Any] = {k: float(hf.get(k) or 1.0) for k in MULTIPLIERS}
+    scales: dict[str, Any] = {
+        k: 1.0 if hf.get(k) is None else float(hf[k]) for k in MULTIPLIERS
+    }
+    shared = hf.get("model_type") == _SHARED
     return LlamaConfig(
         **common_from_hf(hf, "config.json"),
         **scales,
-        architecture="granitemoe",
+        architecture=_SHARED if shared else "granitemoe",
+        shared_mlp_intermediate_size=(
+            int(hf.get("shared_intermediate_size") or 0) if shared else 0
+        ),
         attention_bias=bias,
         attention_out_bias=bias,
         num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 8))),
@@ -85,7 +101,14 @@ def granitemoe_to_hf(c: LlamaConfig) -> dict[str, Any]:
             "Granite MoE's experts are intermediate_size wide: set "
             f"moe_intermediate_size None (it is {c.moe_intermediate_size})"
         )
-    hf = common_to_hf(c, "GraniteMoeForCausalLM", "granitemoe", _SWITCHES)
+    if c.architecture == _SHARED:
+        hf = common_to_hf(
+            c, "GraniteMoeSharedForCausalLM", _SHARED,
+            (*_SWITCHES, "shared_mlp_intermediate_size"),
+        )  # fmt: skip
+        hf["shared_intermediate_size"] = c.shared_mlp_intermediate_size
+    else:
+        hf = common_to_hf(c, "GraniteMoeForCausalLM", "granitemoe", _SWITCHES)
     for key in MULTIPLIERS:
         value = getattr(c, key)
         hf[key] = 1.0 if value is None else value
@@ -202,6 +225,13 @@ def _tiny() -> LlamaConfig:
     )
 
 
+def _tiny_shared() -> LlamaConfig:
+    """The Granite MoE tiny with a shared expert 40 wide."""
+    return dataclasses.replace(
+        _tiny(), architecture=_SHARED, shared_mlp_intermediate_size=40
+    )
+
+
 register_family(
     LlamaConfig,
     "granitemoe",
@@ -211,6 +241,19 @@ register_family(
     to_hf=granitemoe_to_hf,
     tiny=_tiny,
     in_gguf=False,  # llama.cpp's granitemoe: not read yet (registry.GGUF_MOE)
+    defaults={"num_experts": 8, "num_experts_per_tok": 2},
+    from_hf_tensors=granitemoe_from_hf_tensors,
+    to_hf_tensors=granitemoe_to_hf_tensors,
+)
+register_family(
+    LlamaConfig,
+    _SHARED,
+    "Granite MoE shared: Granite MoE with an ungated shared expert beside the experts",
+    hf_class="GraniteMoeSharedForCausalLM",
+    from_hf=granitemoe_from_hf,
+    to_hf=granitemoe_to_hf,
+    tiny=_tiny_shared,
+    in_gguf=False,  # llama.cpp converts it as granitemoe with ffn_*_shexp
     defaults={"num_experts": 8, "num_experts_per_tok": 2},
     from_hf_tensors=granitemoe_from_hf_tensors,
     to_hf_tensors=granitemoe_to_hf_tensors,

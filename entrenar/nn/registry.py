@@ -196,7 +196,8 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
     if name in GGUF_MOE:
         hint = (
             " (a mixture of experts: entrenar reads Mixtral (llama with "
-            "expert_count), qwen2moe, qwen3moe and gpt-oss)"
+            "expert_count), qwen2moe, qwen3moe and gpt-oss from GGUF; OLMoE and "
+            "Granite MoE from Hugging Face folders only)"
         )
     raise UnsupportedError(
         f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "

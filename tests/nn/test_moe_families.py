@@ -21,13 +21,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared")
 HUB_EXPERT = {  # a name of layer 1's experts in the Hub's (save_pretrained's) form
     "mixtral": "block_sparse_moe.experts.3.w2.weight",
     "qwen3_moe": "mlp.experts.3.down_proj.weight",
     "qwen2_moe": "mlp.experts.3.down_proj.weight",
     "olmoe": "mlp.experts.3.down_proj.weight",
     "granitemoe": "block_sparse_moe.input_linear.weight",
+    "granitemoeshared": "shared_mlp.input_linear.weight",
 }
 
 
@@ -109,6 +110,8 @@ def test_moe_fields_that_do_not_fit_are_config_errors():
         {"fused_gate_up": True},
         {"mlp_bias": True},
         {"num_experts": 0, "shared_expert_intermediate_size": 8},
+        {"num_experts": 0, "shared_mlp_intermediate_size": 8},
+        {"shared_mlp_intermediate_size": -1},
     ):
         with pytest.raises(ConfigError, match="LlamaConfig"):
             nn.LlamaConfig(**{**tiny.__dict__, **bad})
@@ -248,6 +251,7 @@ def test_the_loaded_granitemoe_stacks_are_the_hub_fused_tensors(tmp_path):
         ("olmoe", {"qk_norm_whole": False}, "qk_norm_whole must be True"),
         ("granitemoe", {"norm_topk_prob": False}, "norm_topk_prob=False"),
         ("granitemoe", {"clip_qkv": 1.0}, "clip_qkv=1.0 has no GraniteMoe"),
+        ("granitemoe", {"shared_mlp_intermediate_size": 8}, "GraniteMoe sets"),
     ],
 )
 def test_configs_without_a_config_json_form_are_refused(family, change, named):
@@ -263,3 +267,21 @@ def test_olmoe_heads_narrower_than_hidden_over_heads_are_refused_when_read():
         arch.from_hf(hf)
     with pytest.raises(ConfigError, match="clip_qkv must be > 0"):
         dataclasses.replace(arch.tiny(), clip_qkv=0.0)
+
+
+@pytest.mark.parametrize("name", ["olmoe", "granitemoe"])
+def test_olmoe_and_granitemoe_gguf_files_are_refused_naming_the_folder_form(
+    name, tmp_path
+):
+    config = nn.LlamaConfig(**{**nn.decoder_config.TINY_SIZES})
+    io.save_llama_gguf(tmp_path / "a.gguf", config, config.init(jax.random.key(0)))
+    g = io.read_gguf(tmp_path / "a.gguf")
+    fields = {k.replace("llama.", f"{name}."): v for k, v in g.fields.items()}
+    fields["general.architecture"] = GGUFField(name, GGUFValueType.STRING)
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    io.write_gguf(tmp_path / "moe.gguf", fields, tensors)
+    want = f"'{name}' is not supported .*Granite MoE from Hugging Face folders only"
+    with pytest.raises(UnsupportedError, match=want):
+        io.load_llama_gguf(tmp_path / "moe.gguf")

@@ -30,7 +30,8 @@ peft = pytest.importorskip("peft")
 import moe_cases  # noqa: E402  (needs torch and transformers)
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe",
+       "granitemoeshared")  # fmt: skip
 
 
 _models, _batch = moe_cases.models, moe_cases.batch
