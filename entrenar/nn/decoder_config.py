@@ -135,6 +135,10 @@ def check_switches(c: Any) -> None:
         )
     if c.qk_norm_whole and not c.qk_norm:
         raise ConfigError("LlamaConfig.qk_norm_whole needs qk_norm=True")
+    if c.clip_qkv is not None and not as_float(c.clip_qkv) > 0:
+        raise ConfigError(
+            f"LlamaConfig.clip_qkv must be > 0 or None, got {c.clip_qkv!r}"
+        )
     if c.post_norms and c.sandwich_norms:
         raise ConfigError(
             "LlamaConfig.post_norms (OLMo 2) and sandwich_norms (Gemma 2/3) exclude "
@@ -560,6 +564,7 @@ SWITCHES = (
     "mlp_bias",
     "qk_norm",
     "qk_norm_whole",
+    "clip_qkv",
     "sliding_window",
     "layer_types",
     "nope_layers",
@@ -579,6 +584,7 @@ SWITCHES = (
     "fused_gate_up",
     "num_experts",
     "shared_expert_intermediate_size",
+    "shared_mlp_intermediate_size",
     "router_jitter_noise",
     "moe_bias",
     "swiglu_limit",

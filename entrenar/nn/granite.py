@@ -8,8 +8,8 @@ IBM, "Granite 3.0 Language Models", 2024. A `LlamaConfig` with
 - ``attention_multiplier`` ``m_a``: scores ``q kᵀ · m_a`` (in place of ``d^-1/2``);
 - ``logits_scaling`` ``s``: logits ``RMSNorm(h) Wᵀ / s``.
 
-Granite's MoE models (``granitemoe*``) and Granite 4's hybrid Mamba layers are
-other architectures, not this one.
+Granite's MoE models (``granitemoe``, ``granitemoeshared``) are
+`entrenar.nn.granitemoe`; Granite 4's hybrid Mamba layers are not implemented.
 """
 
 from __future__ import annotations

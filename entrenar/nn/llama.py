@@ -171,6 +171,9 @@ class LlamaConfig:
         qk_norm_whole: ``qk_norm`` over the whole projection instead, ``H d``
             query and ``KV d`` key values at once (weights ``(L, H d)`` and
             ``(L, KV d)``: OLMo 2).
+        clip_qkv: None, or ``c``: queries, keys and values are clipped to
+            ``[-c, c]`` after their projections (and q/k norms), before rotary
+            (OLMoE's ``clip_qkv``).
         sliding_window: a sliding layer's query at ``p`` attends to keys at
             ``p - sliding_window < s <= p``; None: no sliding layer.
         layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``;
@@ -214,6 +217,11 @@ class LlamaConfig:
         shared_expert_intermediate_size: > 0 adds Qwen2-MoE's shared expert
             (``mlp.shared_expert``, that wide) behind the sigmoid gate
             ``mlp.shared_expert_gate.weight (L, 1, D)``.
+        shared_mlp_intermediate_size: ``S`` > 0 adds Granite MoE shared's
+            ungated shared expert beside the MoE block, as its checkpoints hold
+            it: ``shared_mlp.input_linear.weight (L, 2 S, D)`` (``[gate; up]``)
+            and ``shared_mlp.output_linear.weight (L, D, S)``; the layer's MLP
+            output is ``MoE(x) + SwiGLU_shared(x)``.
         output_router_logits: the training loss adds ``router_aux_loss_coef``
             times the Switch load-balancing loss of the routers
             (`entrenar.nn.moe.load_balancing_loss`), as transformers does when its
@@ -278,6 +286,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     qk_norm_whole: bool = False
+    clip_qkv: float | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     nope_layers: tuple[bool, ...] | None = None
@@ -301,6 +310,7 @@ class LlamaConfig:
     norm_topk_prob: bool = True
     moe_intermediate_size: int | None = None
     shared_expert_intermediate_size: int = 0
+    shared_mlp_intermediate_size: int = 0
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
     router_jitter_noise: float = 0.0
@@ -483,6 +493,12 @@ class LlamaConfig:
             "post_attention_layernorm": {"weight": (n, d)},
             "mlp": mlp,
         }
+        s = self.shared_mlp_intermediate_size
+        if s:  # Granite MoE shared: beside the MoE block, fused [gate; up]
+            layers["shared_mlp"] = {
+                "input_linear": {"weight": (n, 2 * s, d)},
+                "output_linear": {"weight": (n, d, s)},
+            }
         if self.post_norms:  # OLMo 2: no norm before attention
             del layers["input_layernorm"]
         if self.sandwich_norms:
@@ -840,9 +856,10 @@ class LlamaConfig:
             pre = "pre_feedforward_layernorm" if self.sandwich_norms else (
                 "post_attention_layernorm"
             )  # fmt: skip
-            x, logits = self._mlp_routed(
-                lp["mlp"], h if self.post_norms else self._norm(h, lp[pre]), jitter
-            )
+            xm = h if self.post_norms else self._norm(h, lp[pre])
+            x, logits = self._mlp_routed(lp["mlp"], xm, jitter)
+            if "shared_mlp" in lp:  # Granite MoE shared: beside the experts
+                x = x + self._shared_mlp(lp["shared_mlp"], xm)
             if post:
                 x = self._norm(x, lp["post_feedforward_layernorm"])
             h = h + self._residual(x)
@@ -935,6 +952,17 @@ class LlamaConfig:
             matmul_dtype=self.matmul_dtype, activation=act, glu=glu,
         )  # fmt: skip
 
+    def _shared_mlp(self, sp: Params, x: jax.Array) -> jax.Array:
+        """Granite MoE shared's ``shared_mlp`` of ``x: (..., D)``.
+
+        ``[g; u] = x W_inᵀ`` (``W_in: (2 S, D)``), then ``(act(g) ⊙ u) W_outᵀ``.
+        """
+        md = self.matmul_dtype
+        act = silu if self.hidden_act == "silu" else gelu_tanh
+        gu = linear(x, sp["input_linear"]["weight"], matmul_dtype=md)  # (..., 2 S)
+        g, u = jnp.split(gu, 2, axis=-1)  # (..., S) each
+        return linear(act(g) * u, sp["output_linear"]["weight"], matmul_dtype=md)
+
     def _mlp(self, mp: Params, x: jax.Array) -> jax.Array:
         """The gated MLP: SwiGLU or GeGLU, biases and a fused gate_up as set."""
         md = self.matmul_dtype
@@ -1002,6 +1030,9 @@ class LlamaConfig:
         if self.qk_norm and self.qk_norm_whole:  # OLMo 2: over all H d values
             q = self._norm(q, ap["q_norm"])  # (B, T, H d)
             k = self._norm(k, ap["k_norm"])  # (B, T, KV d)
+        if self.clip_qkv is not None:  # OLMoE: after the norms, before rotary
+            c = jnp.asarray(self.clip_qkv, q.dtype)
+            q, k, v = (jnp.clip(a, -c, c) for a in (q, k, v))
         q = q.reshape(b, t, nh, hd)  # (B, T, H, d)
         k = k.reshape(b, t, nkv, hd)  # (B, T, KV, d)
         v = v.reshape(b, t, nkv, hd)
@@ -1069,9 +1100,11 @@ def _extra_mask(
 
 def _check_experts(c: LlamaConfig) -> None:
     """Raise `ConfigError` for mixture-of-experts fields that do not fit together."""
-    if c.num_experts < 0 or c.shared_expert_intermediate_size < 0:
+    if min(c.num_experts, c.shared_expert_intermediate_size,
+           c.shared_mlp_intermediate_size) < 0:  # fmt: skip
         raise ConfigError(
-            "LlamaConfig.num_experts and shared_expert_intermediate_size must be >= 0"
+            "LlamaConfig.num_experts, shared_expert_intermediate_size and "
+            "shared_mlp_intermediate_size must be >= 0"
         )
     if c.moe_intermediate_size is not None and c.moe_intermediate_size <= 0:
         raise ConfigError("LlamaConfig.moe_intermediate_size must be > 0 or None")
@@ -1086,7 +1119,8 @@ def _check_experts(c: LlamaConfig) -> None:
         )
     if not c.num_experts:
         for name in ("router_jitter_noise", "shared_expert_intermediate_size",
-                     "moe_bias", "swiglu_limit"):  # fmt: skip
+                     "shared_mlp_intermediate_size", "moe_bias",
+                     "swiglu_limit"):  # fmt: skip
             if getattr(c, name) not in (0, False, None):
                 raise ConfigError(f"LlamaConfig.{name} needs num_experts > 0")
         return

@@ -75,9 +75,7 @@ _REGISTRY: dict[str, Architecture] = {}
 
 _MOE = " (a mixture of experts entrenar does not implement: {})"
 NOT_IMPLEMENTED = {
-    "olmoe": _MOE.format("OLMoE's q/k norms over all heads"),
     "llama4": _MOE.format("Llama 4's interleaved MoE and chunked attention"),
-    "granitemoe": _MOE.format("Granite's scaled residuals"),
     "jamba": _MOE.format("Mamba layers"),
     "dbrx": _MOE.format("DBRX's fused layout and clipped qkv"),
     "phimoe": _MOE.format("sparsemixer routing"),
@@ -98,8 +96,8 @@ NOT_IMPLEMENTED |= {
 }
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
 entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``,
-``deepseek_v2`` and ``deepseek_v3``; the
-vision-language ones ``gemma3`` and ``mistral3``, by their language model)."""
+``deepseek_v2``, ``deepseek_v3``, ``olmoe``, ``granitemoe`` and ``granitemoeshared``;
+the vision-language ones ``gemma3`` and ``mistral3``, by their language model)."""
 GGUF_MOE = frozenset(
     {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
      "jamba"}
@@ -203,7 +201,8 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
     elif name in GGUF_MOE:
         hint = (
             " (a mixture of experts: entrenar reads Mixtral (llama with "
-            "expert_count), qwen2moe, qwen3moe and gpt-oss)"
+            "expert_count), qwen2moe, qwen3moe and gpt-oss from GGUF; OLMoE and "
+            "Granite MoE from Hugging Face folders only)"
         )
     raise UnsupportedError(
         f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "

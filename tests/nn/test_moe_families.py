@@ -21,7 +21,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared")
+HUB_EXPERT = {  # a name of layer 1's experts in the Hub's (save_pretrained's) form
+    "mixtral": "block_sparse_moe.experts.3.w2.weight",
+    "qwen3_moe": "mlp.experts.3.down_proj.weight",
+    "qwen2_moe": "mlp.experts.3.down_proj.weight",
+    "olmoe": "mlp.experts.3.down_proj.weight",
+    "granitemoe": "block_sparse_moe.input_linear.weight",
+    "granitemoeshared": "shared_mlp.input_linear.weight",
+}
 
 
 def _names(folder):
@@ -40,9 +48,7 @@ def test_entrenar_writes_the_names_transformers_writes(family, tmp_path):
     io.save_hf_folder(tmp_path / "ours", config, config.init(jax.random.key(0)))
     theirs = _names(tmp_path / "hf")
     assert _names(tmp_path / "ours") == theirs
-    block = "block_sparse_moe" if family == "mixtral" else "mlp"
-    proj = "w2" if family == "mixtral" else "down_proj"
-    assert f"model.layers.1.{block}.experts.3.{proj}.weight" in theirs
+    assert f"model.layers.1.{HUB_EXPERT[family]}" in theirs
 
 
 def test_a_missing_expert_is_named(tmp_path):
@@ -72,8 +78,7 @@ def test_dense_layers_are_refused_naming_the_key(family, extra, named):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["olmoe", "llama4",
-                   "granitemoe", "jamba", "dbrx", "phimoe"],
+    "model_type", ["llama4", "jamba", "dbrx", "phimoe"],
 )  # fmt: skip
 def test_other_moe_model_types_are_refused_by_name(model_type, tmp_path):
     hf = {**nn.architecture("mixtral").to_hf(nn.architecture("mixtral").tiny())}
@@ -104,6 +109,8 @@ def test_moe_fields_that_do_not_fit_are_config_errors():
         {"fused_gate_up": True},
         {"mlp_bias": True},
         {"num_experts": 0, "shared_expert_intermediate_size": 8},
+        {"num_experts": 0, "shared_mlp_intermediate_size": 8},
+        {"shared_mlp_intermediate_size": -1},
     ):
         with pytest.raises(ConfigError, match="LlamaConfig"):
             nn.LlamaConfig(**{**tiny.__dict__, **bad})
@@ -178,4 +185,102 @@ def test_an_expert_count_without_experts_is_refused(arch_name, error, match, tmp
     }
     io.write_gguf(tmp_path / "moe.gguf", fields, tensors)
     with pytest.raises(error, match=match):
+        io.load_llama_gguf(tmp_path / "moe.gguf")
+
+
+def _hf_logits(arch, config, **changes):
+    """The logits of transformers' model of ``config`` (seeded), ``changes`` set."""
+    hf_cfg = transformers.AutoConfig.for_model(**{**arch.to_hf(config), **changes})
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    tokens = torch.arange(10).reshape(1, 10) * 7 % config.vocab_size
+    with torch.no_grad():
+        return model(tokens).logits.numpy(), model
+
+
+def test_olmoe_clip_qkv_bites_and_equals_transformers():
+    """The tiny's clip_qkv changes transformers' logits, and entrenar follows it."""
+    arch = nn.architecture("olmoe")
+    config = arch.tiny()
+    want, model = _hf_logits(arch, config)
+    unclipped, _ = _hf_logits(arch, config, clip_qkv=None)
+    assert np.abs(want - unclipped).max() > 1e-3  # the clip is not a no-op here
+    flat = {k: v.numpy() for k, v in model.state_dict().items()}
+    params = nn.from_hf_names(arch.from_hf_tensors(flat, config), config)
+    tokens = np.arange(10).reshape(1, 10) * 7 % config.vocab_size
+    got = np.asarray(config.apply(params, tokens))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    off = np.asarray(dataclasses.replace(config, clip_qkv=None).apply(params, tokens))
+    np.testing.assert_allclose(off, unclipped, atol=1e-5, rtol=1e-5)
+
+
+def test_the_loaded_granitemoe_stacks_are_the_hub_fused_tensors(tmp_path):
+    """input_linear (E, 2I, D) is [gate; up]; router.layer is the router."""
+    arch = nn.architecture("granitemoe")
+    _, model = _hf_logits(arch, arch.tiny())
+    model.save_pretrained(tmp_path)
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    _, params = io.load_hf_folder(tmp_path)
+    mlp = params["model"]["layers"]["mlp"]
+    fused = stored["model.layers.1.block_sparse_moe.input_linear.weight"]
+    i = fused.shape[1] // 2
+    ex = mlp["experts"]
+    np.testing.assert_array_equal(
+        np.asarray(ex["gate_proj"]["weight"][1]), fused[:, :i]
+    )
+    np.testing.assert_array_equal(np.asarray(ex["up_proj"]["weight"][1]), fused[:, i:])
+    np.testing.assert_array_equal(
+        np.asarray(ex["down_proj"]["weight"][1]),
+        stored["model.layers.1.block_sparse_moe.output_linear.weight"],
+    )
+    np.testing.assert_array_equal(
+        np.asarray(mlp["gate"]["weight"][1]),
+        stored["model.layers.1.block_sparse_moe.router.layer.weight"],
+    )
+
+
+@pytest.mark.parametrize(
+    "family,change,named",
+    [
+        ("olmoe", {"head_dim": 16}, "head_dim 16 has no OLMoE"),
+        ("olmoe", {"moe_intermediate_size": 24}, "intermediate_size wide"),
+        ("olmoe", {"qk_norm_whole": False}, "qk_norm_whole must be True"),
+        ("granitemoe", {"norm_topk_prob": False}, "norm_topk_prob=False"),
+        ("granitemoe", {"clip_qkv": 1.0}, "clip_qkv=1.0 has no GraniteMoe"),
+        ("granitemoe", {"shared_mlp_intermediate_size": 8}, "GraniteMoe sets"),
+    ],
+)
+def test_configs_without_a_config_json_form_are_refused(family, change, named):
+    arch = nn.architecture(family)
+    with pytest.raises(UnsupportedError, match=named):
+        arch.to_hf(dataclasses.replace(arch.tiny(), **change))
+
+
+def test_olmoe_heads_narrower_than_hidden_over_heads_are_refused_when_read():
+    arch = nn.architecture("olmoe")
+    hf = {**arch.to_hf(arch.tiny()), "head_dim": 16}
+    with pytest.raises(UnsupportedError, match="head_dim 16 is not hidden_size"):
+        arch.from_hf(hf)
+    with pytest.raises(ConfigError, match="clip_qkv must be > 0"):
+        dataclasses.replace(arch.tiny(), clip_qkv=0.0)
+
+
+@pytest.mark.parametrize("name", ["olmoe", "granitemoe"])
+def test_olmoe_and_granitemoe_gguf_files_are_refused_naming_the_folder_form(
+    name, tmp_path
+):
+    config = nn.LlamaConfig(**{**nn.decoder_config.TINY_SIZES})
+    io.save_llama_gguf(tmp_path / "a.gguf", config, config.init(jax.random.key(0)))
+    g = io.read_gguf(tmp_path / "a.gguf")
+    fields = {k.replace("llama.", f"{name}."): v for k, v in g.fields.items()}
+    fields["general.architecture"] = GGUFField(name, GGUFValueType.STRING)
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    io.write_gguf(tmp_path / "moe.gguf", fields, tensors)
+    want = f"'{name}' is not supported .*Granite MoE from Hugging Face folders only"
+    with pytest.raises(UnsupportedError, match=want):
         io.load_llama_gguf(tmp_path / "moe.gguf")

@@ -30,7 +30,8 @@ peft = pytest.importorskip("peft")
 import moe_cases  # noqa: E402  (needs torch and transformers)
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe",
+       "granitemoeshared")  # fmt: skip
 
 
 _models, _batch = moe_cases.models, moe_cases.batch
@@ -85,7 +86,7 @@ def test_full_finetuning_steps_equal_transformers(family, aux):
         params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "olmoe", "granitemoe"])
 def test_expert_lora_equals_peft_target_parameters(family, tmp_path):
     """Per-expert LoRA on experts.down_proj against PEFT's ParamWrapper.
 
@@ -107,9 +108,10 @@ def test_expert_lora_equals_peft_target_parameters(family, tmp_path):
         return x
 
     lp = jax.tree.map(fill, lp, is_leaf=lambda x: isinstance(x, lora.LoRAWeight))
+    block = "block_sparse_moe" if family == "granitemoe" else "mlp"
     pcfg = peft.LoraConfig(
         r=2, lora_alpha=4, target_modules=["q_proj"],
-        target_parameters=["mlp.experts.down_proj"],
+        target_parameters=[f"{block}.experts.down_proj"],
     )  # fmt: skip
     pm = peft.get_peft_model(model, pcfg)
     layers = lp["model"]["layers"]
@@ -120,7 +122,7 @@ def test_expert_lora_equals_peft_target_parameters(family, tmp_path):
     e, r = config.num_experts, 2
     with torch.no_grad():
         for i, layer in enumerate(pm.base_model.model.model.layers):
-            ex = layer.mlp.experts
+            ex = getattr(layer, block).experts
             a = np.asarray(down.a[i]).reshape(e * r, -1)  # (E r, I): expert-major
             b = np.asarray(down.b[i]).transpose(1, 2, 0).reshape(-1, r * e)  # (D, r E)
             ex.lora_A["default"].weight.copy_(torch.from_numpy(a))
@@ -146,7 +148,7 @@ def test_expert_lora_equals_peft_target_parameters(family, tmp_path):
     np.testing.assert_allclose(float(loss), out.loss.item(), rtol=1e-5)
     gd = g["model"]["layers"]["mlp"]["experts"]["down_proj"]["weight"]
     for i, layer in enumerate(pm.base_model.model.model.layers):
-        ex = layer.mlp.experts
+        ex = getattr(layer, block).experts
         ga = ex.lora_A["default"].weight.grad.numpy().reshape(e, r, -1)
         gb = (
             ex.lora_B["default"]
@@ -166,10 +168,11 @@ QLORA_SIZES = {
     "qwen2_moe": {"intermediate_size": 128, "moe_intermediate_size": 64,
                   "shared_expert_intermediate_size": 64},
     "gpt_oss": {"intermediate_size": 64},
+    "granitemoe": {"intermediate_size": 64},  # fused input_linear written back
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "granitemoe"])
 def test_qlora_run_on_attention_and_experts(family, tmp_path):
     """A YAML run: NF4 expert stacks, LoRA on them, a folder transformers loads.
 
