@@ -16,12 +16,15 @@ Cases: Qwen3-30B-A3B QLoRA on q/k/v/o with ``lora.quantize_untargeted`` (its
 experts NF4 without adapters) and without it; Moonlight-16B-A3B and
 DeepSeek-V2-Lite QLoRA on the latent attention's projections, untargeted NF4;
 Llama-3-8B bfloat16 LoRA (not quantized) on every linear layer; TinyLlama-1.1B
-full fine-tuning in float32 with AdamW and with ``adamw_8bit``. Batch 1 x 2048
-(measured runs 1 x 512), ``nothing_saveable``, bfloat16 matmuls, AdamW unless
-named.
+full fine-tuning in float32 with AdamW and with ``adamw_8bit``; the models people
+QLoRA on one 24 GB GPU (``<model>-qlora-all``: Qwen2.5-14B, Qwen3-14B,
+Mistral-Small-24B, Gemma-3-27B's text model, Qwen2.5-32B, Qwen3-32B), NF4 bases with
+``quantize_untargeted``, rank 16 on every linear layer. Batch 1 x 2048 (``--seqs``
+adds lengths planned whole; measured runs 1 x 512), ``nothing_saveable``, bfloat16
+matmuls, AdamW unless named.
 
 Usage: ``python benchmarks/big_shapes_memory.py [--cases ...] [--measure]
-[--layers 4] [--out /tmp/entrenar-big-shapes]``.
+[--layers 4] [--seqs 2048,512] [--out /tmp/entrenar-big-shapes]``.
 """
 
 from __future__ import annotations
@@ -70,6 +73,40 @@ DEEPSEEK_V2_LITE = dict(
     intermediate_size=10944, routed_scaling_factor=1.0, rope_theta=10000.0,
     max_position_embeddings=163840, rms_norm_eps=1e-6,
 )  # fmt: skip
+QWEN25_14B = dict(
+    family="qwen2", vocab_size=152064, hidden_size=5120, num_layers=48,
+    num_heads=40, num_kv_heads=8, intermediate_size=13824, rope_theta=1e6,
+    max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
+)  # fmt: skip
+QWEN3_14B = dict(
+    family="qwen3", vocab_size=151936, hidden_size=5120, num_layers=40,
+    num_heads=40, num_kv_heads=8, head_dim=128, intermediate_size=17408,
+    rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+)  # fmt: skip
+MISTRAL_SMALL_24B = dict(
+    family="mistral", vocab_size=131072, hidden_size=5120, num_layers=40,
+    num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=32768,
+    rope_theta=1e8, max_position_embeddings=32768, tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+)  # fmt: skip
+GEMMA3_27B = dict(
+    family="gemma3", vocab_size=262208, hidden_size=5376, num_layers=62,
+    num_heads=32, num_kv_heads=16, head_dim=128, intermediate_size=21504,
+    query_pre_attn_scalar=168.0, sliding_window=1024, rope_theta=1e6,
+    max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-6,
+)  # fmt: skip
+QWEN25_32B = dict(
+    family="qwen2", vocab_size=152064, hidden_size=5120, num_layers=64,
+    num_heads=40, num_kv_heads=8, intermediate_size=27648, rope_theta=1e6,
+    max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-5,
+)  # fmt: skip
+QWEN3_32B = dict(
+    family="qwen3", vocab_size=151936, hidden_size=5120, num_layers=64,
+    num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=25600,
+    rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+)  # fmt: skip
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLA = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 CASES: dict[str, dict[str, Any]] = {
@@ -88,6 +125,19 @@ CASES: dict[str, dict[str, Any]] = {
     "llama3-8b-bf16-lora-all": dict(
         shape=LLAMA3_8B, targets="all-linear", quantize="none", untargeted=False
     ),
+    **{
+        f"{name}-qlora-all": dict(
+            shape=shape, targets="all-linear", quantize="nf4", untargeted=True
+        )
+        for name, shape in [
+            ("qwen2.5-14b", QWEN25_14B),
+            ("qwen3-14b", QWEN3_14B),
+            ("mistral-small-24b", MISTRAL_SMALL_24B),
+            ("gemma3-27b", GEMMA3_27B),
+            ("qwen2.5-32b", QWEN25_32B),
+            ("qwen3-32b", QWEN3_32B),
+        ]
+    },
     "tinyllama-1.1b-f32-full-adamw": dict(shape=TINYLLAMA_1B, dtype="float32"),
     "tinyllama-1.1b-f32-full-adamw_8bit": dict(
         shape=TINYLLAMA_1B, dtype="float32", optimizer="adamw_8bit"
@@ -164,6 +214,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--measure", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seqs", default="2048", help="sequence lengths planned whole")
     ap.add_argument("--out", default="/tmp/entrenar-big-shapes")
     args = ap.parse_args()
     print(f"CPU: {cpu_name()}; load average {os.getloadavg()[0]:.1f}", flush=True)
@@ -171,11 +222,12 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for case in args.cases.split(","):
         shape = CASES[case]["shape"]
-        runs = [(shape["num_layers"], 2048, False)]
+        runs = [(shape["num_layers"], int(n), False) for n in args.seqs.split(",")]
         if args.measure:
             runs.append((args.layers, 512, True))
         for layers, seq, measured in runs:
-            name = f"{shape['family']}-{shape['hidden_size']}-{layers}"
+            name = f"{shape['family']}-{shape['hidden_size']}-"
+            name += f"{shape['intermediate_size']}-{layers}"
             folder = os.path.join(args.out, name)
             if not os.path.exists(os.path.join(folder, "config.json")):
                 write_sparse_folder(folder, shape, layers)

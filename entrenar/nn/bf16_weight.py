@@ -48,8 +48,8 @@ from entrenar.tree import key_path_str
 
 DEFAULT_WEIGHTS = re.compile(r"(_proj|lm_head)\.weight(\.base)?$")
 """Names `to_bfloat16_weights` converts by default: Llama's projections (a LoRA
-weight's frozen ``base`` included) and an untied ``lm_head``; not embeddings (read by
-index, in float32) nor norms."""
+weight's frozen ``base`` included) and an untied ``lm_head`` (a plain bfloat16
+array, `_rounded_head`); not embeddings (read by index, in float32) nor norms."""
 
 
 @register_weight_node
@@ -229,6 +229,18 @@ def _tied_matmul(
     return weight_matmul(w.table, x)
 
 
+def _rounded_head(w: Any) -> jax.Array:
+    """An untied ``lm_head`` ``(V, D)`` rounded to a plain bfloat16 array.
+
+    Not `Bfloat16Weight`'s ``uint16`` bits: the head is read whole, never sliced in
+    the layer scan, and XLA:CPU copies a ``uint16`` -> bfloat16 bitcast of it at
+    every step (`TiedEmbedding.head_t`'s reason): 1.56 GB of Qwen2.5-32B's
+    152,064 x 5,120 head in the step's temporaries. A head that already is bfloat16
+    is kept as it is (the same memory).
+    """
+    return jnp.asarray(w, jnp.bfloat16)
+
+
 def to_bfloat16_weights(
     params: Any,
     predicate: Callable[[str, Any], bool] | None = None,
@@ -284,6 +296,8 @@ def to_bfloat16_weights(
             if predicate is not None
             else DEFAULT_WEIGHTS.search(name) is not None
         )
+        if chosen and leaf.ndim == 2 and name.endswith("lm_head.weight"):
+            return _rounded_head(leaf)
         return Bfloat16Weight.from_array(leaf) if chosen else leaf
 
     tied = lambda x: isinstance(x, TiedEmbedding)  # noqa: E731  (kept whole)

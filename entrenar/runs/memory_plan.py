@@ -265,7 +265,7 @@ def _batch(spec: TrainSpec, built: BuiltModel) -> dict[str, jax.ShapeDtypeStruct
 
 
 def _new_bf16_bytes(before: Any, after: Any) -> int:
-    """Bytes of the leaves `to_bfloat16_weights` adds (``bits``, ``head_t``).
+    """Bytes of the leaves `to_bfloat16_weights` adds (``bits``, ``head_t``, a head).
 
     ``before``/``after``: the frozen half and its converted form. The ``bits`` of a
     weight that already was bfloat16 are a view of it (`Bfloat16Weight.from_array`),
@@ -276,12 +276,20 @@ def _new_bf16_bytes(before: Any, after: Any) -> int:
         for p, x in jax.tree_util.tree_flatten_with_path(before)[0]
         if getattr(x, "dtype", None) == jnp.bfloat16
     }
+    names = {
+        key_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(before)[0]
+    }
     leaves = jax.tree_util.tree_flatten_with_path(after)[0]
     return sum(
         tree_bytes(x)
         for p, x in leaves
         if key_path_str(p).endswith("head_t")
         or (key_path_str(p).endswith("bits") and key_path_str(p)[:-5] not in was_bf16)
+        or (
+            key_path_str(p) in names
+            and key_path_str(p) not in was_bf16
+            and getattr(x, "dtype", None) == jnp.bfloat16
+        )  # an untied lm_head rounded to a plain bfloat16 array
     )
 
 

@@ -67,6 +67,28 @@ def _saveable(state: TrainState) -> dict[str, Any]:
     }
 
 
+def _registry(ocp: Any) -> Any:
+    """The handlers of a checkpoint's items: ``state`` written uncompressed.
+
+    Orbax compresses arrays with zstd by default, and holds each array's compressed
+    bytes until the checkpoint's data file is written: a host copy of about the
+    whole state (0.41 GB over a 0.44 GB float32 state with AdamW; 0.72 GB over
+    1 GB of random float32) at the moment of the save. Trained float weights
+    hardly compress (zstd saves a few percent of their random mantissas), so the
+    arrays are written as they are: the save holds almost nothing beyond the state
+    (0.01 GB) and is several times faster. Checkpoints written compressed (older
+    entrenar) restore unchanged: the codec is in each array's metadata.
+    """
+    state = ocp.PyTreeCheckpointHandler(use_compression=False)
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("state", ocp.args.PyTreeSave, state)
+    registry.add("state", ocp.args.PyTreeRestore, state)
+    meta = ocp.JsonCheckpointHandler()
+    registry.add("meta", ocp.args.JsonSave, meta)
+    registry.add("meta", ocp.args.JsonRestore, meta)
+    return registry
+
+
 @contextlib.contextmanager
 def _quiet_orbax() -> Iterator[None]:
     """Silence orbax's thread tracebacks (absl): its errors are raised here."""
@@ -129,7 +151,9 @@ class Checkpointer:
         )
         self._ocp = ocp
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, handler_registry=_registry(ocp)
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             # orbax reads every step's _CHECKPOINT_METADATA here, unchecked
             raise CheckpointError(
@@ -172,7 +196,7 @@ class Checkpointer:
                 self._manager.save(
                     step,
                     args=ocp.args.Composite(
-                        state=ocp.args.StandardSave(_saveable(state)),
+                        state=ocp.args.PyTreeSave(_saveable(state)),
                         meta=ocp.args.JsonSave(meta),
                     ),
                     force=True,
@@ -268,7 +292,12 @@ class Checkpointer:
             out = self._manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract),
+                    state=ocp.args.PyTreeRestore(
+                        abstract,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(
+                            abstract
+                        ),
+                    ),
                     meta=ocp.args.JsonRestore(),
                 ),
             )

@@ -65,6 +65,24 @@ def partition(params: Params, trainable: Trainable = None) -> tuple[Params, Para
     return t, f
 
 
+_take = jax.jit(lambda x: x, donate_argnums=0)
+
+
+def _owned(x: Any) -> jax.Array:
+    """``x`` in memory XLA owns, so that a train step can update it in place.
+
+    A loaded leaf aliases the load's page-aligned host buffer (`to_device`); XLA
+    cannot donate memory it does not own, so a step given it would write its output
+    beside it: a second trainable half at the first step's peak. The donated
+    identity costs nothing for an array XLA owns (the output is the input) and
+    copies one that it does not, whose buffer goes with ``x`` (deleted): one leaf
+    at a time, not the half.
+    """
+    return jax.block_until_ready(
+        _take(x if isinstance(x, jax.Array) else jnp.asarray(x))
+    )
+
+
 def combine(trainable: Params, frozen: Params) -> Params:
     """Inverse of `partition`: the whole tree (``lora.combine`` covers both kinds)."""
     if frozen is None:
@@ -103,9 +121,10 @@ class TrainState(NamedTuple):
 
         The trainable half is copied (the train step donates it, so the caller's
         arrays stay usable); the frozen half is shared, never donated. With
-        ``copy=False`` the state takes the caller's trainable arrays as they are:
-        the first step donates them (they are deleted), and the trainable half is
-        not held twice (a full fine-tuning's whole model).
+        ``copy=False`` the state takes the caller's trainable arrays (they are
+        deleted), moved a leaf at a time into memory XLA owns where they alias a
+        host buffer (`_owned`), so that the trainable half is never held twice (a
+        full fine-tuning's whole model), not even by the first step.
 
         Example:
             >>> import jax, jax.numpy as jnp
@@ -116,7 +135,9 @@ class TrainState(NamedTuple):
             (0, True)
         """
         t, f = partition(params, trainable)
-        t = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=copy), t)
+        t = jax.tree_util.tree_map(
+            lambda x: jnp.array(x, copy=True) if copy else _owned(x), t
+        )
         if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(jnp.asarray(key))
         return cls(t, f, optimizer.init(t), jnp.zeros([], jnp.int32), key)

@@ -229,3 +229,27 @@ def test_a_bfloat16_array_becomes_a_node_over_the_same_memory():
     np.testing.assert_array_equal(Bfloat16Weight.from_array(w).bits, node.bits)
     traced = jax.jit(lambda x: Bfloat16Weight.from_array(x).bits)(w16)
     np.testing.assert_array_equal(traced, node.bits)
+
+
+def test_an_untied_head_is_a_plain_bfloat16_array():
+    """``lm_head`` becomes ``round_bf16(W)`` as a bfloat16 array, not uint16 bits.
+
+    The loss reads the head whole; from `Bfloat16Weight`'s bits XLA:CPU made a
+    bfloat16 copy of the whole ``(V, D)`` head in the step's temporaries (1.26 GB
+    of the 2.72 GB step of 4 layers of Qwen2.5-32B at 1 x 512, XLA's buffer
+    assignment; a tiny program fuses the bitcast, so this checks the node's
+    form). Values: torch's bfloat16 rounding of the float32 head.
+    """
+    import torch
+
+    params = TINY.init(jax.random.key(0))
+    head = np.array(params["lm_head"]["weight"])  # (V, D) float32
+    frozen = to_bfloat16_weights(params)
+    got = frozen["lm_head"]["weight"]
+    assert isinstance(got, jax.Array) and got.dtype == jnp.bfloat16
+    want = torch.from_numpy(head).to(torch.bfloat16).view(torch.int16).numpy()
+    np.testing.assert_array_equal(np.asarray(got).view(np.int16), want)
+    # already bfloat16: the same memory
+    bf = jnp.asarray(head, jnp.bfloat16)
+    same = to_bfloat16_weights({"lm_head": {"weight": bf}})["lm_head"]["weight"]
+    assert same.unsafe_buffer_pointer() == bf.unsafe_buffer_pointer()
