@@ -49,7 +49,9 @@ the tiled scan with its own VJP), their weights stacked ``(E, out, in)`` per lay
 Layers differ (dense or MoE), so the tree holds them as a list, one unstacked
 layer each, under Hugging Face's own names (``model.layers.{i}.self_attn.q_a_proj
 .weight``), and the forward pass runs them one after the other (one compiled body
-per layer, where the other families scan one stacked body). The Hub's per-expert
+per layer, where the other families scan one stacked body; XLA:CPU's
+memory-minimising scheduler, which ``import entrenar`` selects, keeps the step's
+temporaries from growing with each layer: specs/models.md). The Hub's per-expert
 tensors (``mlp.experts.{e}.{gate,up,down}_proj.weight``) and transformers'
 in-memory fused ``gate_up_proj`` read as the stacks (`moe_from_hf_tensors`); a
 folder is written with the Hub's names. The multi-token-prediction layers a
