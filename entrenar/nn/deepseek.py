@@ -188,7 +188,7 @@ class DeepseekConfig(LlamaConfig):
 
     def param_shapes(self) -> dict[str, Any]:
         """The tree: ``model.layers`` a list of per-layer dicts (module docstring)."""
-        v, d = self.vocab_size, self.hidden_size
+        d = self.hidden_size
         layers = [
             {
                 "input_layernorm": {"weight": (d,)},
@@ -200,16 +200,7 @@ class DeepseekConfig(LlamaConfig):
             }
             for i in range(self.num_layers)
         ]  # fmt: skip
-        shapes: dict[str, Any] = {
-            "model": {
-                "embed_tokens": {"weight": (v, d)},
-                "layers": layers,
-                "norm": {"weight": (d,)},
-            }
-        }
-        if not self.tie_word_embeddings:
-            shapes["lm_head"] = {"weight": (v, d)}
-        return shapes
+        return self._model_shapes(layers)
 
     def _attention_shapes(self) -> dict[str, Any]:
         d, h, r = self.hidden_size, self.num_heads, self.kv_lora_rank

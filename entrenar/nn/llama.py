@@ -455,8 +455,7 @@ class LlamaConfig:
         ``input_layernorm``); Phi-3's fused ``qkv_proj`` and
         ``gate_up_proj`` replace q/k/v and gate/up.
         """
-        v, d, i, n = self.vocab_size, self.hidden_size, self.intermediate_size, 0
-        n = self.num_layers
+        d, i, n = self.hidden_size, self.intermediate_size, self.num_layers
         qd, kvd = self.num_heads * self.hd, self.num_kv_heads * self.hd
 
         def lin(out: int, fan_in: int, bias: bool) -> dict[str, Any]:
@@ -505,6 +504,11 @@ class LlamaConfig:
             layers["pre_feedforward_layernorm"] = {"weight": (n, d)}
         if self.sandwich_norms or self.post_norms:
             layers["post_feedforward_layernorm"] = {"weight": (n, d)}
+        return self._model_shapes(layers)
+
+    def _model_shapes(self, layers: Any) -> dict[str, Any]:
+        """The whole tree around ``layers``: embeddings, final norm, untied head."""
+        v, d = self.vocab_size, self.hidden_size
         shapes: dict[str, Any] = {
             "model": {
                 "embed_tokens": {"weight": (v, d)},
