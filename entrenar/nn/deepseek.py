@@ -288,11 +288,8 @@ class DeepseekConfig(LlamaConfig):
             step: Callable[..., Any] = functools.partial(
                 self._layer, i, rope, mask, pos, kernel
             )
-            if cache is None and self.remat_policy is not None:
-                policy = getattr(jax.checkpoint_policies, self.remat_policy)
-                step = jax.checkpoint(step, policy=policy)
-            elif cache is None and self.remat:
-                step = jax.checkpoint(step)
+            if cache is None:  # (decoding: no remat)
+                step = self._remat(step)
             h, kv = step(lp, h, kv)
             hidden.append(h)
         stacked = jnp.stack(hidden) if return_hidden else None  # (L + 1, B, T, D)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -506,6 +506,22 @@ class LlamaConfig:
             layers["post_feedforward_layernorm"] = {"weight": (n, d)}
         return self._model_shapes(layers)
 
+    def _remat(self, layer: Callable[..., Any]) -> Callable[..., Any]:
+        """``layer`` rematerialised as ``remat`` / ``remat_policy`` ask (or as is).
+
+        A ``dots*`` policy also saves the attention kernel's named outputs
+        (`ATTENTION_NAME`): attention is a product too.
+        """
+        if self.remat_policy is not None:
+            policy = getattr(jax.checkpoint_policies, self.remat_policy)
+            if self.remat_policy.startswith("dots"):
+                policy = jax.checkpoint_policies.save_from_both_policies(
+                    policy,
+                    jax.checkpoint_policies.save_only_these_names(ATTENTION_NAME),
+                )
+            return jax.checkpoint(layer, policy=policy)
+        return jax.checkpoint(layer) if self.remat else layer
+
     def _model_shapes(self, layers: Any) -> dict[str, Any]:
         """The whole tree around ``layers``: embeddings, final norm, untied head."""
         v, d = self.vocab_size, self.hidden_size
@@ -870,16 +886,8 @@ class LlamaConfig:
             ys = (h if return_hidden else None, logits if router else None)
             return (h if kv is None else (h, *kv)), ys
 
-        if cache is None and self.remat_policy is not None:  # (decoding: no remat)
-            policy = getattr(jax.checkpoint_policies, self.remat_policy)
-            if self.remat_policy.startswith("dots"):  # attention is a product too
-                policy = jax.checkpoint_policies.save_from_both_policies(
-                    policy,
-                    jax.checkpoint_policies.save_only_these_names(ATTENTION_NAME),
-                )
-            layer = jax.checkpoint(layer, policy=policy)
-        elif cache is None and self.remat:
-            layer = jax.checkpoint(layer)
+        if cache is None:  # (decoding: no remat)
+            layer = self._remat(layer)
         h0 = h
         if cache is None:
             h, (hidden, logits) = jax.lax.scan(layer, h, (m["layers"], None, flags))

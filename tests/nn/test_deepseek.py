@@ -478,3 +478,28 @@ def test_a_scheduler_flag_of_the_users_is_kept():
     )
     theirs = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
     assert _fresh_python(code, XLA_FLAGS=theirs) == repr(theirs)
+
+
+@pytest.mark.skipif(
+    not native.load("attention"), reason="no C++ compiler: the kernel is off"
+)
+def test_dots_saveable_keeps_the_attention_kernels_forward():
+    """``dots_saveable`` saves the native attention's named outputs, as for Llama.
+
+    DeepSeek's layers take `LlamaConfig._remat`; before, their own copy of the
+    policy lacked `attention.ATTENTION_NAME`, and the backward pass ran each
+    layer's forward kernel again (6 forward calls for 3 layers).
+    """
+    cfg = dataclasses.replace(
+        nn.architecture("deepseek_v3").tiny(), remat_policy="dots_saveable"
+    )
+    params = cfg.init(jax.random.key(0))
+    tokens = jnp.arange(16).reshape(2, 8) % cfg.vocab_size
+
+    def loss(p):
+        return jnp.mean(cfg.apply(p, tokens) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    n = cfg.num_layers
+    assert hlo.count('custom_call_target="entrenar_attention_fwd"') == n
+    assert hlo.count('custom_call_target="entrenar_attention_bwd"') == n
