@@ -54,6 +54,7 @@ from entrenar.lora.names import (
 )
 from entrenar.lora.patterns import check_pattern, check_peft_key, peft_pattern_value
 from entrenar.lora.peft_keys import check_peft_keys
+from entrenar.lora.peft_moe import check_peft_loadable
 from entrenar.lora.weight import LoRAWeight, eager_dora_norm, with_layer_ranks
 from entrenar.nn import multimodal
 from entrenar.nn.weight_node import is_weight_node, logical_shape
@@ -94,6 +95,34 @@ def _adapted(params: Params, stacked_keys: tuple[str, ...]):
     return out
 
 
+def check_saveable(
+    params: Params,
+    model_type: str | None = None,
+    stacked_keys: tuple[str, ...] = STACKED_KEYS,
+) -> None:
+    """Refuse adapters no PEFT file holds as trained (before anything is written).
+
+    A stack of experts' adapters (one A, B per expert), and adapters PEFT 0.21
+    would drop when it loads the file for this ``model_type``
+    (`entrenar.lora.peft_moe`).
+
+    Raises:
+        CompatibilityError: naming the module and what to do instead.
+    """
+    modules = []
+    for name, x, names in _adapted(params, stacked_keys):
+        if np.ndim(x.a) > 2 + (stacked_split(name, stacked_keys) is not None):
+            raise CompatibilityError(
+                f"save_adapter: {name} adapts a stack of experts (one A, B per "
+                "expert); PEFT 0.21 adapts transformers' fused experts "
+                "(target_parameters) with another parameterisation (one adapter on "
+                "gate_up_proj), so no PEFT file holds it: merge it instead (export "
+                "formats [hf] or [safetensors])"
+            )
+        modules += names
+    check_peft_loadable(modules, model_type)
+
+
 def save_adapter(
     params: Params,
     path: str | os.PathLike[str],
@@ -103,6 +132,7 @@ def save_adapter(
     stacked_keys: tuple[str, ...] = STACKED_KEYS,
     config: LoRAConfig | None = None,
     wrapper: str | None = None,
+    model_type: str | None = None,
 ) -> None:
     """Write the adapters of ``params`` to the folder ``path`` in PEFT's layout.
 
@@ -123,6 +153,8 @@ def save_adapter(
             module that differs (``re.escape`` of its name).
         wrapper: the vision-language ``model_type`` the model's language model
             was read from (``config.hf_wrapper``), or None (module docstring).
+        model_type: the model's Hugging Face ``model_type``: adapters PEFT would
+            drop when it loads this model type are refused (`peft_moe`).
 
     A layer whose A and B are both zero (one `load_adapter` filled in for a layer
     the file had no adapter for; for DoRA also ``m = ‖W‖`` exactly) is left out,
@@ -131,8 +163,9 @@ def save_adapter(
     ``use_dora: true``.
 
     Raises:
-        CompatibilityError: no adapter in ``params`` (or only zero ones), or
-            adapters mix rsLoRA or DoRA settings.
+        CompatibilityError: no adapter in ``params`` (or only zero ones),
+            adapters mix rsLoRA or DoRA settings, or PEFT would drop some
+            (``model_type``).
     """
     folder = os.fspath(path)
     adapted = _adapted(params, stacked_keys)
@@ -147,16 +180,9 @@ def save_adapter(
             "PEFT stores one use_dora for all adapters; got DoRA and plain LoRA "
             "adapters in one tree: save them as two adapters"
         )
+    check_saveable(params, model_type, stacked_keys)
     tensors, ranks, alphas = {}, {}, {}
-    for name, x, modules in adapted:
-        if np.ndim(x.a) > 2 + (stacked_split(name, stacked_keys) is not None):
-            raise CompatibilityError(
-                f"save_adapter: {name} adapts a stack of experts (one A, B per "
-                "expert); PEFT 0.21 adapts transformers' fused experts "
-                "(target_parameters) with another parameterisation (one adapter on "
-                "gate_up_proj), so no PEFT file holds it: merge it instead (export "
-                "formats [hf] or [safetensors])"
-            )
+    for _, x, modules in adapted:
         a, b = np.asarray(x.a, np.float32), np.asarray(x.b, np.float32)
         mag = None if not x.dora else np.asarray(x.magnitude, np.float32)
         untouched = _untouched_magnitudes(x)

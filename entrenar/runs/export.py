@@ -14,10 +14,16 @@ from typing import Any
 import jax
 
 from entrenar import io, lora, nn, quant
-from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.errors import (
+    CompatibilityError,
+    ConfigError,
+    FormatError,
+    UnsupportedError,
+)
 from entrenar.io.atomic import remove_temporaries
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.lock import OutputLock
+from entrenar.lora.adapter_io import check_saveable
 from entrenar.runs.models import BuiltModel, dicts_from_lists, save_built
 from entrenar.types import Params
 
@@ -105,6 +111,40 @@ def check_quantizable(spec: Any, built: BuiltModel, params: Params) -> None:
             f"written after training would fail: set {hint} or another "
             f"quantization.scheme, or quantization.enabled: false"
         )
+
+
+def hf_model_type(config: Any) -> str | None:
+    """The Hugging Face ``model_type`` of a model config, or None if it has none.
+
+    A vision-language folder's language model has its wrapper's (``gemma3``).
+    """
+    wrapper = getattr(config, "hf_wrapper", None)
+    if wrapper is not None:
+        return str(wrapper)
+    try:
+        types = nn.architecture_of(config).hf_model_types
+    except UnsupportedError:  # a config of no registered architecture
+        return None
+    return types[0] if types else None
+
+
+def check_adapter_export(spec: Any, built: BuiltModel, params: Params) -> None:
+    """Refuse, before training, an ``adapter`` export PEFT could not load.
+
+    `entrenar.lora.adapter_io.check_saveable`: a stack of experts' adapters, or
+    adapters on a 2-D MLP of a mixture of experts whose PEFT config PEFT 0.21
+    rewrites (`entrenar.lora.peft_moe`), would fail after training or be dropped
+    by PEFT.
+
+    Raises:
+        ConfigError: naming ``export.formats`` and what to change.
+    """
+    if "adapter" not in spec.export.formats or not has_adapters(params):
+        return
+    try:
+        check_saveable(params, hf_model_type(built.config))
+    except CompatibilityError as e:
+        raise ConfigError(f"export.formats: 'adapter': {e}") from None
 
 
 def write_quantized(
@@ -243,6 +283,7 @@ def _write_exports(
             task_type="CAUSAL_LM" if built.is_lm else None,
             config=spec.lora if spec.lora is not None and spec.lora.enabled else None,
             wrapper=getattr(built.config, "hf_wrapper", None),
+            model_type=hf_model_type(built.config),
         )  # fmt: skip
         written["adapter"] = folder
     folded: list[Params] = []

@@ -49,7 +49,11 @@ from entrenar.runs.build import (
     total_steps,
     train_config,
 )
-from entrenar.runs.export import check_quantizable, write_outputs
+from entrenar.runs.export import (
+    check_adapter_export,
+    check_quantizable,
+    write_outputs,
+)
 from entrenar.runs.memory_plan import check_memory
 from entrenar.runs.merging import run_merge
 from entrenar.runs.models import (
@@ -491,6 +495,7 @@ def _check_exports(spec: TrainSpec, prep: Prepared) -> None:
     """What the exports after training would refuse, refused before it."""
     params = prep.params["student"] if spec.distillation is not None else prep.params
     check_quantizable(spec, prep.built, params)
+    check_adapter_export(spec, prep.built, params)
 
 
 def _plan(prep: Prepared) -> dict[str, Any]:

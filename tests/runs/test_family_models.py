@@ -417,3 +417,24 @@ def test_a_bfloat16_base_exports_a_bfloat16_hf_folder(tmp_path):
             logits[dtype] = model(torch.from_numpy(TOKENS)).logits.float().numpy()
     scale = np.abs(logits["float32"]).max()
     np.testing.assert_allclose(logits["auto"], logits["float32"], atol=0.01 * scale)
+
+
+def test_an_adapter_export_peft_would_drop_is_refused_before_training(tmp_path):
+    """DeepSeek's dense MLP adapters: PEFT 0.21 would not load them (peft_moe)."""
+    _sized_folder("deepseek_v3", tmp_path)
+    rows = [{"messages": hf_cases.MESSAGES[:2]}] * 4
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doc = json.loads(json.dumps(RECIPE))
+    doc["model"] = {"path": str(tmp_path / "hf")}
+    doc["data"].update(train=str(tmp_path / "chat.jsonl"), batch_size=2, seq_len=64)
+    doc["lora"]["targets"] = ["q_a_proj", "mlp.gate_proj", "shared_experts.up_proj"]
+    doc["training"].update(max_steps=3, output_dir=str(tmp_path / "out"))
+    doc["export"]["formats"] = ["adapter"]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"export\.formats: 'adapter'.*gate_proj"):
+        train_from_yaml(tmp_path / "run.yaml", progress=False)
+    assert not list((tmp_path / "out").glob("**/*.safetensors"))
+    assert not (tmp_path / "out" / "checkpoints").exists()  # no step was taken
+    doc["export"]["formats"] = ["hf"]  # merged, the same adapters are kept
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
+    assert set(train_from_yaml(tmp_path / "run.yaml", progress=False).files) >= {"hf"}
