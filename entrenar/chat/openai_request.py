@@ -36,9 +36,11 @@ class RequestError(Exception):
         message: str,
         param: str | None = None,
         kind: str = "invalid_request_error",
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code = code
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error object."""
@@ -47,7 +49,7 @@ class RequestError(Exception):
                 "message": self.message,
                 "type": self.kind,
                 "param": self.param,
-                "code": None,
+                "code": self.code,
             }
         }
 

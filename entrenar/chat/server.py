@@ -15,6 +15,13 @@ that answers the part of OpenAI's API that chat tools use, as llama.cpp's
   ``entrenar generate`` without ``--chat`` does), the same options;
 - ``GET /health``: ``{"status": "ok"}``.
 
+With an ``api_key`` (``entrenar serve --api-key``, or ``ENTRENAR_API_KEY``), every
+``/v1/`` route requires the header ``Authorization: Bearer <api_key>`` (what
+OpenAI's clients send for their ``api_key``), compared in constant time
+(`secrets.compare_digest`); a missing or wrong key is a 401 with OpenAI's body
+(``code: "invalid_api_key"``), before the body is read. ``/health`` stays open (as
+in llama.cpp's ``llama-server`` and vLLM), for load balancers.
+
 Replies carry OpenAI's fields (``id``, ``object``, ``created``, ``model``,
 ``choices[index, message | delta | text, finish_reason]``, ``usage``). A greedy
 request (``temperature`` 0, the default) gives `ChatModel.reply`'s text token for
@@ -136,6 +143,7 @@ class Server:
         max_body_bytes: the largest request body.
         socket_timeout: seconds one read or write on a connection may wait.
         queue_timeout: seconds a request waits for the generation in progress.
+        api_key: the key ``/v1/`` routes require, or None (module docstring).
         lock: one generation at a time.
     """
 
@@ -145,6 +153,7 @@ class Server:
     max_body_bytes: int = MAX_BODY_BYTES
     socket_timeout: float = 30.0
     queue_timeout: float = 300.0
+    api_key: str | None = dataclasses.field(default=None, repr=False)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -230,9 +239,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- sending
 
-    def _send_json(self, status: int, obj: Any) -> None:
+    def _send_json(
+        self, status: int, obj: Any, headers: dict[str, str] | None = None
+    ) -> None:
         data = json.dumps(obj, ensure_ascii=False).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -249,9 +262,34 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- routes
 
+    def _authorized(self, path: str) -> bool:
+        """Whether the request may use ``path``; a 401 was sent if not."""
+        key = self.server.app.api_key
+        if key is None or not path.startswith("/v1/"):
+            return True
+        given = self.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode(), key.encode()
+        ):
+            return True
+        error = RequestError(
+            401,
+            "a missing or wrong API key: send the header 'Authorization: Bearer "
+            "<key>' with the server's --api-key",
+            None,
+            "invalid_request_error",
+            code="invalid_api_key",
+        )
+        self.close_connection = True
+        self._send_json(error.status, error.body(), {"WWW-Authenticate": "Bearer"})
+        return False
+
     def do_GET(self) -> None:
         app = self.server.app
         path = self.path.split("?", 1)[0]
+        if not self._authorized(path):
+            return
         if path == "/health":
             self._send_json(200, {"status": "ok"})
         elif path == "/v1/models":
@@ -278,6 +316,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         routes = {"/v1/chat/completions": True, "/v1/completions": False}
         self._streaming = False
+        if not self._authorized(path):
+            return
         try:
             if path not in routes:
                 raise RequestError(
@@ -468,6 +508,7 @@ def make_server(
     socket_timeout: float = 30.0,
     queue_timeout: float = 300.0,
     max_connections: int = 32,
+    api_key: str | None = None,
 ) -> ThreadingHTTPServer:
     """An HTTP server answering OpenAI's API with ``chat_model`` (module docstring).
 
@@ -485,10 +526,19 @@ def make_server(
         socket_timeout: seconds one read or write on a connection may wait.
         queue_timeout: seconds a request waits for the generation in progress.
         max_connections: connections served at once (503 beyond).
+        api_key: the key every ``/v1/`` request must send as ``Authorization:
+            Bearer <api_key>`` (module docstring); None: no key.
 
     Raises:
-        ConfigError: a limit below 1.
+        ConfigError: a limit below 1, or an empty or non-printable-ASCII key.
     """
+    if api_key is not None and not (
+        api_key and api_key.isascii() and api_key.isprintable() and " " not in api_key
+    ):
+        raise ConfigError(
+            "make_server: api_key must be a non-empty string of printable ASCII "
+            "characters without spaces (an HTTP header carries it)"
+        )
     for name, v in (
         ("max_tokens_limit", max_tokens_limit),
         ("max_body_bytes", max_body_bytes),
@@ -505,6 +555,7 @@ def make_server(
         max_body_bytes=max_body_bytes,
         socket_timeout=socket_timeout,
         queue_timeout=queue_timeout,
+        api_key=api_key,
     )
     return _HTTPServer((host, port), app, max_connections)
 

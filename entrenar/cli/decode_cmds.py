@@ -206,8 +206,14 @@ def chat_cmd(model: str, system: str | None, **options: Any) -> None:
     "--host",
     default="127.0.0.1",
     show_default=True,
-    help="The address to listen on (0.0.0.0: every interface; the server has no "
-    "authentication).",
+    help="The address to listen on (0.0.0.0: every interface; set --api-key then).",
+)
+@click.option(
+    "--api-key",
+    envvar="ENTRENAR_API_KEY",
+    help="A key every /v1/ request must send as 'Authorization: Bearer KEY' (an "
+    "OpenAI client's api_key); default: $ENTRENAR_API_KEY, else none. /health stays "
+    "open.",
 )
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
@@ -227,8 +233,8 @@ def chat_cmd(model: str, system: str | None, **options: Any) -> None:
 )
 def serve_cmd(
     model: str, adapter: str | None, tokenizer: str | None, keep_quantized: bool,
-    decode_activations: str | None, host: str, port: int, max_tokens_limit: int,
-    model_name: str | None,
+    decode_activations: str | None, host: str, api_key: str | None, port: int,
+    max_tokens_limit: int, model_name: str | None,
 ) -> None:  # fmt: skip
     """Serve MODEL over HTTP with OpenAI's API (/v1/chat/completions and more).
 
@@ -248,7 +254,14 @@ def serve_cmd(
     )  # fmt: skip
     name = model_name or os.path.basename(os.path.normpath(model))
     server = make_server(session, host=host, port=port, model_name=name,
-                         max_tokens_limit=max_tokens_limit)  # fmt: skip
+                         max_tokens_limit=max_tokens_limit,
+                         api_key=api_key)  # fmt: skip
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(
+            f"warning: serving on {host} without --api-key: anyone who can reach "
+            "this port can use the model",
+            err=True,
+        )
     if not getattr(session.tokenizer, "chat_template", None):
         click.echo(
             f"{model} has no chat template: /v1/chat/completions will refuse "

@@ -30,6 +30,7 @@ from entrenar import io, lora, nn
 from entrenar.chat import ChatModel
 from entrenar.chat.server import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from entrenar.cli import cli
+from entrenar.errors import ConfigError
 from entrenar.runs.inference import generate_text, load_chat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -519,3 +520,66 @@ def test_any_body_is_answered_or_refused_with_400(table, body, chat):
         assert err["type"] == "invalid_request_error" and err["message"]
         assert err["param"] is None or err["message"].startswith(err["param"]) or (
             err["param"] in ("messages", "prompt"))  # fmt: skip
+
+
+KEY = "sk-entrenar-test-0123"
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    server, url = _serve(TABLE_CHAT, max_tokens_limit=LIMIT, api_key=KEY)
+    yield url
+    server.shutdown()
+    server.server_close()
+
+
+def _get(url, headers=None):
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+     {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}],
+)  # fmt: skip
+def test_an_api_key_is_required_on_v1_routes(keyed, headers):
+    status, out, got = _get(keyed + "/v1/models", headers)
+    assert status == 401 and out["error"]["code"] == "invalid_api_key"
+    assert got["WWW-Authenticate"] == "Bearer"
+    body = {"messages": MESSAGES, "max_tokens": 2}
+    status, out = post(keyed + "/v1/chat/completions", body, headers=headers)
+    assert status == 401 and "--api-key" in out["error"]["message"]
+
+
+def test_the_right_key_is_served_and_health_is_open(keyed):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert _get(keyed + "/v1/models", auth)[0] == 200
+    assert _get(keyed + "/health")[:2] == (200, {"status": "ok"})
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, out = post(keyed + "/v1/chat/completions", body, headers=auth)
+    assert status == 200 and out["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_the_key_is_checked_before_the_body_is_read(keyed):
+    """No key: 401 at once, even for a body past the size limit (no 413, no wait)."""
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n"
+    )
+    assert raw_request(keyed, head).startswith(b"HTTP/1.0 401")
+
+
+@pytest.mark.parametrize("key", ["", "two words", "clé", "a\nb"])
+def test_a_key_a_header_cannot_carry_is_refused(key):
+    with pytest.raises(ConfigError, match="api_key"):
+        make_server(TABLE_CHAT, port=0, api_key=key)
+
+
+def test_the_command_reads_the_key_from_its_environment_variable():
+    serve = cli.commands["serve"]
+    (option,) = [p for p in serve.params if p.name == "api_key"]
+    assert option.envvar == "ENTRENAR_API_KEY" and not option.required
