@@ -83,6 +83,7 @@ from entrenar.nn.registry import (
     register_architecture,
 )
 from entrenar.nn.rope import apply_rope, rope_angles, rope_tables, rotate, rotate_half
+from entrenar.nn.scoring import TokenLogprobs, token_logprobs
 from entrenar.nn.weight_node import (
     is_weight_node,
     logical_dtype,
@@ -104,6 +105,7 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "TiedEmbedding",
+    "TokenLogprobs",
     "apply_rope",
     "architecture",
     "architecture_for_gguf",
@@ -167,6 +169,7 @@ __all__ = [
     "to_bfloat16_weights",
     "to_dense",
     "to_hf_names",
+    "token_logprobs",
     "update_cache_layer",
     "weight_matmul",
     "xavier_normal",

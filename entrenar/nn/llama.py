@@ -1087,9 +1087,18 @@ class LlamaConfig:
         return o, cache_kv
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
-        h = self._final(params, h)
+        return self.logits_of_features(params, self._final(params, h))
+
+    def logits_of_features(self, params: Params, h: jax.Array) -> jax.Array:
+        """`apply`'s logits ``(..., V)`` from `features` ``h: (..., D)``.
+
+        ``h Wᵀ`` (``W = output_weight(params)``, in ``matmul_dtype``) in float32
+        (float64 for a float64 model), soft-capped for Gemma 2. Scoring a few
+        positions of a long sequence (`entrenar.nn.scoring`) takes `features` once
+        and this on chunks of positions.
+        """
         w = self.output_weight(params)
-        logits = linear(h, w, matmul_dtype=self.matmul_dtype)  # (B, T, V)
+        logits = linear(h, w, matmul_dtype=self.matmul_dtype)  # (..., V)
         logits = logits.astype(upcast_dtype(h.dtype))
         if self.final_logit_softcapping is not None:  # Gemma 2
             c = jnp.asarray(self.final_logit_softcapping, logits.dtype)
