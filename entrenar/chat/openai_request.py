@@ -5,8 +5,8 @@
 with the HTTP status and OpenAI's error fields (``param`` names the field). Every
 field the server reads is checked for type and range; fields it does not know are
 ignored, as OpenAI does; options that would change the answer and are not
-implemented (``n`` > 1, ``logprobs``, ``echo``, ``suffix``, ``tools``, frequency and
-presence penalties) are refused rather than ignored.
+implemented (``n`` > 1, ``suffix``, ``tools``, frequency and presence penalties,
+``logprobs`` or ``echo`` with ``stream``) are refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ MAX_STOP_STRINGS = 4
 
 MAX_STOP_CHARS = 256
 """Longest stop string accepted."""
+
+MAX_PROMPTS = 64
+"""Most prompts one completion request may batch (each is one choice)."""
+
+MAX_LOGPROBS = 20
+"""Most alternatives per token (``logprobs`` / ``top_logprobs``; OpenAI's limit)."""
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """The message roles a chat request may use (``developer`` is OpenAI's newer name for
@@ -124,7 +130,7 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
             raise field_error(
                 name, "not supported; use repetition_penalty (vLLM's option)"
             )
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
+    for name in ("suffix", "tools", "functions"):
         if body.get(name) not in (None, False, 0, "", []):
             raise field_error(name, "not supported by this server")
 
@@ -175,14 +181,53 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def _prompt(body: Mapping[str, Any]) -> str:
-    """``prompt``: a string (or a list of one string)."""
+def _is_ids(x: Any) -> bool:
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+    )
+
+
+def _prompts(body: Mapping[str, Any]) -> tuple[str | list[int], ...]:
+    """``prompt``: a string, a list of token ids, or a list of either (a batch).
+
+    OpenAI's four forms; each prompt of a batch is one choice (``index``).
+    """
     p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
-    if not isinstance(p, str) or not p:
-        raise field_error("prompt", f"expected a non-empty string, got {p!r:.40}")
-    return p
+    if isinstance(p, str) or _is_ids(p):
+        p = [p]
+    if not isinstance(p, list) or not p:
+        raise field_error(
+            "prompt",
+            f"expected a string, a list of token ids, or a list of either; got "
+            f"{p!r:.40}",
+        )
+    if len(p) > MAX_PROMPTS:
+        raise field_error("prompt", f"at most {MAX_PROMPTS} prompts, got {len(p)}")
+    for j, one in enumerate(p):
+        if not ((isinstance(one, str) and one) or _is_ids(one)):
+            raise field_error(
+                "prompt",
+                f"prompt[{j}]: expected a non-empty string or a non-empty list of "
+                f"token ids, got {one!r:.40}",
+            )
+    return tuple(p)
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """How many alternatives per token to report, or None for no ``logprobs``.
+
+    Completions: ``logprobs`` is that number (0 to `MAX_LOGPROBS`). Chat:
+    ``logprobs`` is a flag and ``top_logprobs`` the number (it needs the flag).
+    """
+    if not chat:
+        return _integer(body, "logprobs", 0, MAX_LOGPROBS)
+    on = _flag(body, "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not on:
+        raise field_error("top_logprobs", "needs logprobs: true")
+    return (top or 0) if on else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +235,9 @@ class Request:
     """A checked generation request.
 
     Attributes:
-        prompt: the conversation (chat) or the text to continue (completions).
-        chat: whether ``prompt`` is rendered through the chat template.
+        prompts: the conversation (chat: one), or the texts or token ids to
+            continue (completions: a batch, each one choice).
+        chat: whether the prompts are rendered through the chat template.
         max_tokens: the field as sent (None: absent), checked against the limits
             once the prompt's length is known (`Server.max_new_tokens`).
         max_tokens_field: its name in the request (``max_tokens`` or
@@ -200,9 +246,13 @@ class Request:
         seed: the sampling seed (None: a random one).
         stream: answer with Server-Sent Events.
         include_usage: ``stream_options.include_usage``.
+        logprobs: alternatives per token to report with each token's
+            log-probability, or None: no ``logprobs`` (`_logprobs`).
+        echo: completions: the prompt is part of the choice (its text, and its
+            tokens' log-probabilities with ``logprobs``).
     """
 
-    prompt: str | list[dict[str, str]]
+    prompts: tuple[str | list[int] | list[dict[str, str]], ...]
     chat: bool
     max_tokens: int | None
     max_tokens_field: str
@@ -210,6 +260,8 @@ class Request:
     seed: int | None
     stream: bool
     include_usage: bool
+    logprobs: int | None = None
+    echo: bool = False
 
 
 def parse_request(body: Any, *, chat: bool) -> Request:
@@ -219,11 +271,21 @@ def parse_request(body: Any, *, chat: bool) -> Request:
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise field_error("model", f"expected a string, got {body['model']!r:.40}")
     _refuse_unsupported(body)
-    prompt: str | list[dict[str, str]] = _messages(body) if chat else _prompt(body)
+    prompts = (_messages(body),) if chat else _prompts(body)
+    echo = False if chat else _flag(body, "echo")
+    if chat and body.get("echo") not in (None, False):
+        raise field_error("echo", "only /v1/completions echoes the prompt")
+    logprobs = _logprobs(body, chat)
+    stream = _flag(body, "stream")
+    if stream and len(prompts) > 1:
+        raise field_error("prompt", "stream takes one prompt")
+    if stream and (logprobs is not None or echo):
+        param = "echo" if echo else "logprobs"
+        raise field_error(param, "not supported with stream")
     name = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
-    max_tokens = _integer(body, name, 1, 1 << 62)
+    max_tokens = _integer(body, name, 0 if echo else 1, 1 << 62)
     temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
@@ -244,14 +306,16 @@ def parse_request(body: Any, *, chat: bool) -> Request:
             "stream_options", f"expected an object, got {stream_options!r:.40}"
         )
     return Request(
-        prompt=prompt,
+        prompts=prompts,
         chat=chat,
         max_tokens=max_tokens,
         max_tokens_field=name,
         options=options,
         seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1),
-        stream=_flag(body, "stream"),
+        stream=stream,
         include_usage=_flag(stream_options or {}, "include_usage"),
+        logprobs=logprobs,
+        echo=echo,
     )
 
 

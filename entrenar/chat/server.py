@@ -11,8 +11,14 @@ that answers the part of OpenAI's API that chat tools use, as llama.cpp's
   (Server-Sent Events: ``data: {...}`` chunks, then ``data: [DONE]``) with
   ``stream_options.include_usage``; vLLM's ``top_k``, ``min_p`` and
   ``repetition_penalty`` too;
-- ``POST /v1/completions``: a ``prompt`` string continued as plain text (what
-  ``entrenar generate`` without ``--chat`` does), the same options;
+- ``POST /v1/completions``: a ``prompt`` continued as plain text (what ``entrenar
+  generate`` without ``--chat`` does), the same options; the prompt a string or
+  token ids, or a batch of either (one choice each), ``echo`` (the prompt's text
+  first; ``max_tokens`` may then be 0);
+- ``logprobs`` (completions: the number of alternatives; chat: ``logprobs`` and
+  ``top_logprobs``): each listed token's log-probability under the raw model and
+  its most likely alternatives (`entrenar.chat.openai_logprobs`), what
+  lm-evaluation-harness's ``local-completions`` model reads;
 - ``GET /health``: ``{"status": "ok"}``.
 
 With an ``api_key`` (``entrenar serve --api-key``, or ``ENTRENAR_API_KEY``), every
@@ -38,8 +44,9 @@ Every request is untrusted, and nothing it sends can hang the server:
   `entrenar.chat.openai_request`) and a bad one is a 400
   with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` naming
   it; fields it does not know are ignored, as OpenAI does; options that would change
-  the answer and are not implemented (``n`` > 1, ``logprobs``, ``echo``, ``suffix``,
-  frequency and presence penalties) are refused rather than ignored;
+  the answer and are not implemented (``n`` > 1, ``suffix``, ``tools``, frequency
+  and presence penalties, ``logprobs`` or ``echo`` with ``stream``) are refused
+  rather than ignored;
 - ``max_tokens`` is at most ``max_tokens_limit`` and must fit the context with the
   prompt (400 otherwise; absent: the smaller of the two);
 - one generation runs at a time (a lock: the model's compiled decoding is shared);
@@ -62,6 +69,12 @@ from collections.abc import Generator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from entrenar.chat.openai_logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    empty_scores,
+)
 from entrenar.chat.openai_request import (
     Request,
     RequestError,
@@ -77,6 +90,7 @@ from entrenar.errors import (
 )
 from entrenar.io.bounded import parse_json
 from entrenar.nn import context_length
+from entrenar.nn.scoring import token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +180,15 @@ class Server:
         param = "messages" if request.chat else "prompt"
         ctx = context_length(self.chat_model.model)
         room = self.max_tokens_limit if ctx is None else ctx - prompt_tokens
-        if room < 1:
+        if room < (request.max_tokens != 0):
             raise field_error(
                 param,
                 f"the prompt is {prompt_tokens} tokens and fills the "
                 f"model's context of {ctx} tokens; shorten it",
             )
         n = request.max_tokens
+        if n == 0 and room >= 0:  # echo: the prompt's log-probabilities only
+            return 0
         if n is None:
             return min(self.max_tokens_limit, room)
         if n > self.max_tokens_limit:
@@ -189,23 +205,26 @@ class Server:
             )
         return n
 
-    def generate(self, request: Request) -> Generator[str | Reply, None, None]:
-        """The reply's text pieces, then its `Reply` (callers hold ``lock``).
+    def generate(
+        self, request: Request, prompt: Any
+    ) -> Generator[str | Reply, None, None]:
+        """The reply's text pieces to ``prompt``, then its `Reply`.
 
-        The checks (template, length) raise before the first piece.
+        Callers hold ``lock``. The checks (template, length) raise before the
+        first piece.
         """
         import jax
 
         cm = self.chat_model
         try:
-            prompt_tokens = len(cm.encode(request.prompt, chat=request.chat))
+            prompt_tokens = len(cm.encode(prompt, chat=request.chat))
             n = self.max_new_tokens(request, prompt_tokens)
             key = None
             if request.options["temperature"] > 0:
                 seed = secrets.randbits(63) if request.seed is None else request.seed
                 key = jax.random.key(seed)
             stream = cm.stream_reply(
-                request.prompt,
+                prompt,
                 max_new_tokens=n,
                 chat=request.chat,
                 key=key,
@@ -217,6 +236,59 @@ class Server:
         yield from stream
         assert stream.reply is not None
         yield stream.reply
+
+    def choice(self, request: Request, prompt: Any, index: int) -> tuple[dict, Reply]:
+        """One whole choice of a request that does not stream, and its `Reply`.
+
+        With ``echo`` the prompt's text comes first; with ``logprobs`` the tokens'
+        log-probabilities (`entrenar.chat.openai_logprobs`).
+        """
+        pieces = self.generate(request, prompt)
+        try:
+            *parts, reply = list(pieces)
+        finally:
+            pieces.close()
+        assert isinstance(reply, Reply)
+        text = "".join(p for p in parts if isinstance(p, str))
+        cm = self.chat_model
+        if request.echo:
+            ids = cm.encode(prompt, chat=False)
+            text = (
+                prompt if isinstance(prompt, str) else cm.tokenizer.decode(ids)
+            ) + text
+        out = _choice(request.chat, text, reply.finish_reason, False)
+        out["index"] = index
+        if request.logprobs is not None:
+            out["logprobs"] = self._logprobs(request, prompt, reply)
+        return out, reply
+
+    def _logprobs(self, request: Request, prompt: Any, reply: Reply) -> dict:
+        """The ``logprobs`` object of one choice (module `openai_logprobs`)."""
+        cm = self.chat_model
+        prompt_ids = cm.encode(prompt, chat=request.chat)
+        gen = list(reply.token_ids)
+        if (
+            request.chat
+            and gen
+            and reply.finish_reason == "stop"
+            and gen[-1] in cm.stops
+        ):
+            gen = gen[:-1]  # the closing end-of-turn token: not in the reply
+        ids = prompt_ids + gen
+        first = 0 if request.echo else len(prompt_ids)
+        start = max(first, 1)
+        top = request.logprobs or 0
+        scores = empty_scores(top)
+        if start < len(ids):
+            scores = token_logprobs(
+                cm.model, cm.params, ids, start=start, top=top,
+                vocab_limit=len(cm.tokenizer.tokens),
+                decode_activations=cm.decode_activations,
+            )  # fmt: skip
+        texts = TokenTexts(cm.tokenizer)
+        if request.chat:
+            return chat_logprobs(texts, gen, scores)
+        return completion_logprobs(texts, ids, scores, first)
 
 
 # ---------------------------------------------------------------------------
@@ -391,34 +463,35 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(
                 503, "the server is busy; try again later", None, "server_busy"
             )
-        pieces = app.generate(request)
+        rid = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
+        head = {"id": rid, "created": int(time.time()), "model": app.model_name}
         try:
-            first = next(pieces)  # the checks run here, before any header is sent
-            rid = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
-            head = {"id": rid, "created": int(time.time()), "model": app.model_name}
-            if request.stream:
+            if not request.stream:
+                self._whole(request, head)
+                return
+            pieces = app.generate(request, request.prompts[0])
+            try:
+                first = next(pieces)  # the checks run here, before any header
                 self._stream(request, head, _chain(first, pieces))
-            else:
-                self._whole(request, head, [first, *pieces])
+            finally:
+                pieces.close()  # a client gone mid-stream: the decoding ends here
         finally:
-            pieces.close()  # a client gone mid-stream: the decoding ends here
             app.lock.release()
 
-    def _whole(
-        self, request: Request, head: dict[str, Any], items: list[str | Reply]
-    ) -> None:
-        reply = items[-1]
-        assert isinstance(reply, Reply)
-        text = "".join(p for p in items[:-1] if isinstance(p, str))
+    def _whole(self, request: Request, head: dict[str, Any]) -> None:
+        """Every prompt's choice, then one reply (nothing is sent on an error)."""
+        choices, usage = (
+            [],
+            dict.fromkeys(("prompt_tokens", "completion_tokens", "total_tokens"), 0),
+        )
+        for i, prompt in enumerate(request.prompts):
+            choice, reply = self.server.app.choice(request, prompt, i)
+            choices.append(choice)
+            for k, v in _usage(reply).items():
+                usage[k] += v
         kind = "chat.completion" if request.chat else "text_completion"
         self._send_json(
-            200,
-            {
-                **head,
-                "object": kind,
-                "choices": [_choice(request.chat, text, reply.finish_reason, False)],
-                "usage": _usage(reply),
-            },
+            200, {**head, "object": kind, "choices": choices, "usage": usage}
         )
 
     def _stream(

@@ -81,6 +81,13 @@ def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _is_token_ids(x: Any) -> bool:
+    """A list or tuple of Python ints (not bools): a prompt given as token ids."""
+    return isinstance(x, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in x
+    )
+
+
 def as_messages(prompt: Messages, system: str | None = None) -> list[dict[str, Any]]:
     """A user string (plus an optional system prompt) as a message list.
 
@@ -290,15 +297,19 @@ class ChatModel:
         as single tokens, and no BOS added when the template begins with one
         (`entrenar.data.chat_add_bos`). Without: ``messages`` is plain text to
         continue, tokenized as text (control tokens not parsed, BOS as the
-        tokenizer's default).
+        tokenizer's default), or a list of token ids, taken as they are (each
+        checked to lie in the vocabulary: `ConfigError` otherwise).
         """
         if chat:
             text = self.render(messages, system=system)
             bos = data.chat_add_bos(self.tokenizer, [text])  # one BOS, not two
             return list(self.tokenizer.encode(text, add_bos=bos, special=True))
+        if _is_token_ids(messages) and system is None:
+            return self._checked_ids(messages)  # type: ignore[arg-type]
         if not isinstance(messages, str) or system is not None:
             raise ConfigError(
-                "chat=False continues plain text: pass a string and no system prompt"
+                "chat=False continues plain text: pass a string (or a list of token "
+                "ids) and no system prompt"
             )
         ids = list(self.tokenizer.encode(messages))
         if not ids:  # nothing to continue (no text, and the tokenizer adds no BOS)
@@ -306,6 +317,17 @@ class ChatModel:
                 f"the prompt {messages!r} gives no tokens; give text to continue"
             )
         return ids
+
+    def _checked_ids(self, ids: Sequence[int]) -> list[int]:
+        """Token ids given as the prompt, each checked against the vocabulary."""
+        n = min(len(self.tokenizer.tokens), self.model.vocab_size)
+        bad = [i for i in ids if not 0 <= i < n]
+        if not ids or bad:
+            raise ConfigError(
+                f"a prompt of token ids needs at least one id in [0, {n}); got "
+                f"{len(ids)} ids" + (f", {bad[0]} among them" if bad else "")
+            )
+        return [int(i) for i in ids]
 
     def _limit(self, longest: int, max_new_tokens: int | None) -> int:
         """``max_new_tokens``, or the default capped by the context; checked."""

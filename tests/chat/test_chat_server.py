@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -259,7 +261,11 @@ BAD_FIELDS = [
     ({"stop": [""]}, "stop", "1 to"),
     ({"stream": "yes"}, "stream", "true or false"),
     ({"n": 2}, "n", "n=1"),
-    ({"logprobs": True}, "logprobs", "not supported"),
+    ({"logprobs": True, "stream": True}, "logprobs", "not supported with stream"),
+    ({"logprobs": 3}, "logprobs", "true or false"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between"),
+    ({"echo": True}, "echo", "only /v1/completions"),
     ({"presence_penalty": 1.0}, "presence_penalty", "repetition_penalty"),
     ({"model": 3}, "model", "string"),
 ]  # fmt: skip
@@ -583,3 +589,132 @@ def test_the_command_reads_the_key_from_its_environment_variable():
     serve = cli.commands["serve"]
     (option,) = [p for p in serve.params if p.name == "api_key"]
     assert option.envvar == "ENTRENAR_API_KEY" and not option.required
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": []}, "prompt", "expected a string"),
+    ({"prompt": [[]]}, "prompt", "prompt[0]"),
+    ({"prompt": [1, "a"]}, "prompt", "prompt[0]"),
+    ({"prompt": [True]}, "prompt", "prompt[0]"),
+    ({"prompt": ["a"] * 65}, "prompt", "at most 64"),
+    ({"prompt": ["a", "b"], "stream": True}, "prompt", "one prompt"),
+    ({"logprobs": 21}, "logprobs", "between"),
+    ({"logprobs": True}, "logprobs", "integer"),
+    ({"echo": 1}, "echo", "true or false"),
+    ({"echo": True, "stream": True}, "echo", "not supported with stream"),
+    ({"max_tokens": 0}, "max_tokens", "between"),
+    ({"echo": True, "max_tokens": -1}, "max_tokens", "between"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), BAD_COMPLETIONS)
+def test_bad_completion_fields_are_400_naming_the_field(table, fields, param, words):
+    status, out = post(table + "/v1/completions", {"prompt": "Hi", **fields})
+    assert status == 400, out
+    err = out["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_token_ids_outside_the_vocabulary_are_400(smol):
+    _, url, _ = smol
+    status, out = post(url + "/v1/completions", {"prompt": [1, 10**9]})
+    assert status == 400 and out["error"]["param"] == "prompt", out
+    assert "10000" in out["error"]["message"] or "among them" in out["error"]["message"]
+
+
+def _reference(chat, ids, start):
+    """float64 log-softmax of the model's own logits for ids[start:]."""
+    z = np.asarray(chat.model.apply(chat.params, jnp.asarray(ids)[None]), np.float64)[0]
+    z = z[:, : len(chat.tokenizer.tokens)]
+    m = z.max(-1, keepdims=True)
+    lp = z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
+    return lp[np.arange(start - 1, len(ids) - 1), np.asarray(ids[start:])]
+
+
+def test_completion_logprobs_are_the_models(smol):
+    chat, url, _ = smol
+    prompt = "The capital of France is"
+    body = {"prompt": prompt, "max_tokens": 5, "logprobs": 3}
+    status, out = post(url + "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    gen = chat.reply(prompt, chat=False, max_new_tokens=5).token_ids
+    ids = chat.encode(prompt, chat=False) + list(gen)
+    assert len(lp["tokens"]) == len(gen) == out["usage"]["completion_tokens"]
+    want = _reference(chat, ids, len(ids) - len(gen))
+    np.testing.assert_allclose(lp["token_logprobs"], want, atol=1e-4)
+    for own, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert 3 <= len(top) <= 4 and max(top.values()) == pytest.approx(own)  # greedy
+    assert lp["text_offset"] == list(
+        np.cumsum([0] + [len(t) for t in lp["tokens"]])[:-1]
+    )
+    if choice["finish_reason"] == "length":
+        assert "".join(lp["tokens"]) == choice["text"]
+
+
+def test_echo_scores_the_prompt_as_lm_evaluation_harness_asks(smol):
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, max_tokens 1.
+
+    It sums ``token_logprobs[ctxlen:-1]`` (the continuation) of each choice and
+    checks each against the top alternative (is_greedy).
+    """
+    chat, url, _ = smol
+    pairs = [("The capital of France is", " Paris"), ("Once upon a", " time")]
+    prompts, ctxlens = [], []
+    for ctx, cont in pairs:
+        c = chat.encode(ctx, chat=False)
+        prompts.append(c + chat.encode(cont, chat=False))
+        ctxlens.append(len(c))
+    body = {"prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True,
+            "temperature": 0, "seed": 1234}  # fmt: skip
+    status, out = post(url + "/v1/completions", body)
+    assert status == 200, out
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice, ids, n in zip(choices, prompts, ctxlens):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1  # the prompt, then one new token
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        got = sum(lp["token_logprobs"][n:-1])
+        assert got == pytest.approx(_reference(chat, ids, n).sum(), abs=1e-4)
+        assert choice["text"].startswith(chat.tokenizer.decode(ids))
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert usage["completion_tokens"] == 2
+
+
+def test_echo_with_no_new_tokens(smol):
+    chat, url, _ = smol
+    prompt = "Once upon a"
+    body = {"prompt": prompt, "max_tokens": 0, "logprobs": 0, "echo": True}
+    status, out = post(url + "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    ids = chat.encode(prompt, chat=False)
+    assert choice["text"] == prompt and out["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    np.testing.assert_allclose(lp["token_logprobs"][1:], _reference(chat, ids, 1),
+                               atol=1e-4)  # fmt: skip
+    assert [len(t) for t in lp["top_logprobs"][1:]] == [1] * (len(ids) - 1)
+
+
+def test_chat_logprobs_are_the_replys_tokens(smol):
+    chat, url, _ = smol
+    body = {"messages": MESSAGES, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}
+    status, out = post(url + "/v1/chat/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    content = choice["logprobs"]["content"]
+    reply = chat.reply(MESSAGES, max_new_tokens=6)
+    gen = list(reply.token_ids)
+    if reply.finish_reason == "stop" and gen[-1] in chat.stops:
+        gen = gen[:-1]
+    assert len(content) == len(gen)
+    ids = chat.encode(MESSAGES) + gen
+    want = _reference(chat, ids, len(ids) - len(gen)) if gen else []
+    np.testing.assert_allclose([c["logprob"] for c in content], want, atol=1e-4)
+    for c in content:
+        assert len(c["top_logprobs"]) == 2
+        assert c["top_logprobs"][0]["logprob"] == pytest.approx(c["logprob"])
+    assert b"".join(bytes(c["bytes"]) for c in content).decode() == reply.text
