@@ -5,8 +5,9 @@
 with the HTTP status and OpenAI's error fields (``param`` names the field). Every
 field the server reads is checked for type and range; fields it does not know are
 ignored, as OpenAI does; options that would change the answer and are not
-implemented (``n`` > 1, ``suffix``, ``tools``, frequency and presence penalties,
-``logprobs`` or ``echo`` with ``stream``) are refused rather than ignored.
+implemented (``best_of`` > 1, ``suffix``, ``tools``, frequency and presence
+penalties, ``logprobs``, ``echo`` or ``n`` > 1 with ``stream``) are refused rather
+than ignored.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ MAX_STOP_CHARS = 256
 """Longest stop string accepted."""
 
 MAX_PROMPTS = 64
-"""Most prompts one completion request may batch (each is one choice)."""
+"""Most choices one request may ask for: prompts of a completion batch times ``n``."""
 
 MAX_LOGPROBS = 20
 """Most alternatives per token (``logprobs`` / ``top_logprobs``; OpenAI's limit)."""
@@ -121,8 +122,6 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """Refuse options that would change the answer and are not implemented."""
-    if body.get("n") is not None and _integer(body, "n", 1, 1 << 30) != 1:
-        raise field_error("n", "only n=1 is supported (one choice per request)")
     if body.get("best_of") is not None and _integer(body, "best_of", 1, 1 << 30) != 1:
         raise field_error("best_of", "only best_of=1 is supported")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -250,6 +249,8 @@ class Request:
             log-probability, or None: no ``logprobs`` (`_logprobs`).
         echo: completions: the prompt is part of the choice (its text, and its
             tokens' log-probabilities with ``logprobs``).
+        n: choices per prompt (sample ``j`` of a seeded request draws with
+            ``fold_in(key(seed), j)`` for ``j >= 1``).
     """
 
     prompts: tuple[str | list[int] | list[dict[str, str]], ...]
@@ -262,6 +263,7 @@ class Request:
     include_usage: bool
     logprobs: int | None = None
     echo: bool = False
+    n: int = 1
 
 
 def parse_request(body: Any, *, chat: bool) -> Request:
@@ -279,6 +281,13 @@ def parse_request(body: Any, *, chat: bool) -> Request:
     stream = _flag(body, "stream")
     if stream and len(prompts) > 1:
         raise field_error("prompt", "stream takes one prompt")
+    n = _integer(body, "n", 1, MAX_PROMPTS) or 1
+    if n * len(prompts) > MAX_PROMPTS:
+        raise field_error(
+            "n", f"{len(prompts)} prompts x n={n} is more than {MAX_PROMPTS} choices"
+        )
+    if stream and n > 1:
+        raise field_error("n", "stream takes n=1")
     if stream and (logprobs is not None or echo):
         param = "echo" if echo else "logprobs"
         raise field_error(param, "not supported with stream")
@@ -316,6 +325,7 @@ def parse_request(body: Any, *, chat: bool) -> Request:
         include_usage=_flag(stream_options or {}, "include_usage"),
         logprobs=logprobs,
         echo=echo,
+        n=n,
     )
 
 

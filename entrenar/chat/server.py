@@ -7,7 +7,7 @@ that answers the part of OpenAI's API that chat tools use, as llama.cpp's
 - ``GET /v1/models``: the one model served, under its name;
 - ``POST /v1/chat/completions``: ``messages`` rendered through the model's chat
   template (`ChatModel.reply`); ``max_tokens`` (or ``max_completion_tokens``),
-  ``temperature``, ``top_p``, ``seed``, ``stop``, ``n`` (1 only), ``stream``
+  ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``, ``stream``
   (Server-Sent Events: ``data: {...}`` chunks, then ``data: [DONE]``) with
   ``stream_options.include_usage``; vLLM's ``top_k``, ``min_p`` and
   ``repetition_penalty`` too;
@@ -44,9 +44,9 @@ Every request is untrusted, and nothing it sends can hang the server:
   `entrenar.chat.openai_request`) and a bad one is a 400
   with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` naming
   it; fields it does not know are ignored, as OpenAI does; options that would change
-  the answer and are not implemented (``n`` > 1, ``suffix``, ``tools``, frequency
-  and presence penalties, ``logprobs`` or ``echo`` with ``stream``) are refused
-  rather than ignored;
+  the answer and are not implemented (``best_of`` > 1, ``suffix``, ``tools``,
+  frequency and presence penalties, ``logprobs``, ``echo`` or ``n`` > 1 with
+  ``stream``) are refused rather than ignored;
 - ``max_tokens`` is at most ``max_tokens_limit`` and must fit the context with the
   prompt (400 otherwise; absent: the smaller of the two);
 - one generation runs at a time (a lock: the model's compiled decoding is shared);
@@ -206,9 +206,11 @@ class Server:
         return n
 
     def generate(
-        self, request: Request, prompt: Any
+        self, request: Request, prompt: Any, sample: int = 0
     ) -> Generator[str | Reply, None, None]:
         """The reply's text pieces to ``prompt``, then its `Reply`.
+
+        ``sample``: which of the request's ``n`` choices (its key is folded in).
 
         Callers hold ``lock``. The checks (template, length) raise before the
         first piece.
@@ -223,6 +225,8 @@ class Server:
             if request.options["temperature"] > 0:
                 seed = secrets.randbits(63) if request.seed is None else request.seed
                 key = jax.random.key(seed)
+                if sample:
+                    key = jax.random.fold_in(key, sample)
             stream = cm.stream_reply(
                 prompt,
                 max_new_tokens=n,
@@ -237,13 +241,15 @@ class Server:
         assert stream.reply is not None
         yield stream.reply
 
-    def choice(self, request: Request, prompt: Any, index: int) -> tuple[dict, Reply]:
+    def choice(
+        self, request: Request, prompt: Any, index: int, sample: int = 0
+    ) -> tuple[dict, Reply]:
         """One whole choice of a request that does not stream, and its `Reply`.
 
         With ``echo`` the prompt's text comes first; with ``logprobs`` the tokens'
         log-probabilities (`entrenar.chat.openai_logprobs`).
         """
-        pieces = self.generate(request, prompt)
+        pieces = self.generate(request, prompt, sample)
         try:
             *parts, reply = list(pieces)
         finally:
@@ -485,10 +491,16 @@ class _Handler(BaseHTTPRequestHandler):
             dict.fromkeys(("prompt_tokens", "completion_tokens", "total_tokens"), 0),
         )
         for i, prompt in enumerate(request.prompts):
-            choice, reply = self.server.app.choice(request, prompt, i)
-            choices.append(choice)
-            for k, v in _usage(reply).items():
-                usage[k] += v
+            for j in range(request.n):  # OpenAI's order: prompt by prompt
+                choice, reply = self.server.app.choice(
+                    request, prompt, i * request.n + j, j
+                )
+                choices.append(choice)
+                used = _usage(reply)
+                if j:  # a prompt counts once, however many choices it has
+                    used["total_tokens"] -= used.pop("prompt_tokens")
+                for k, v in used.items():
+                    usage[k] += v
         kind = "chat.completion" if request.chat else "text_completion"
         self._send_json(
             200, {**head, "object": kind, "choices": choices, "usage": usage}

@@ -260,7 +260,9 @@ BAD_FIELDS = [
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"stop": [""]}, "stop", "1 to"),
     ({"stream": "yes"}, "stream", "true or false"),
-    ({"n": 2}, "n", "n=1"),
+    ({"n": 2, "stream": True}, "n", "n=1"),
+    ({"n": 65}, "n", "between"),
+    ({"n": 0}, "n", "between"),
     ({"logprobs": True, "stream": True}, "logprobs", "not supported with stream"),
     ({"logprobs": 3}, "logprobs", "true or false"),
     ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
@@ -598,6 +600,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [True]}, "prompt", "prompt[0]"),
     ({"prompt": ["a"] * 65}, "prompt", "at most 64"),
     ({"prompt": ["a", "b"], "stream": True}, "prompt", "one prompt"),
+    ({"prompt": ["a", "b"], "n": 33}, "n", "more than 64 choices"),
     ({"logprobs": 21}, "logprobs", "between"),
     ({"logprobs": True}, "logprobs", "integer"),
     ({"echo": 1}, "echo", "true or false"),
@@ -718,3 +721,21 @@ def test_chat_logprobs_are_the_replys_tokens(smol):
         assert len(c["top_logprobs"]) == 2
         assert c["top_logprobs"][0]["logprob"] == pytest.approx(c["logprob"])
     assert b"".join(bytes(c["bytes"]) for c in content).decode() == reply.text
+
+
+def test_n_choices_per_prompt_sample_with_folded_seeds(smol):
+    """``n``: choice ``i n + j`` is sample ``j`` of prompt ``i``; sample 0 is n=1's."""
+    _, url, _ = smol
+    body = {"prompt": ["Once upon a", "The capital of"], "max_tokens": 4,
+            "temperature": 1.0, "seed": 7}  # fmt: skip
+    status, out = post(url + "/v1/completions", {**body, "n": 3})
+    assert status == 200, out
+    texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+    assert len(texts) == 6 and len(set(texts[:3])) > 1  # the samples differ
+    one = post(url + "/v1/completions", body)[1]
+    assert [c["text"] for c in one["choices"]] == [texts[0], texts[3]]
+    again = post(url + "/v1/completions", {**body, "n": 3})[1]
+    assert [c["text"] for c in again["choices"]] == texts  # seeded: reproducible
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == one["usage"]["prompt_tokens"]  # once a prompt
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
