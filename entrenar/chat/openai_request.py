@@ -5,9 +5,9 @@
 with the HTTP status and OpenAI's error fields (``param`` names the field). Every
 field the server reads is checked for type and range; fields it does not know are
 ignored, as OpenAI does; options that would change the answer and are not
-implemented (``best_of`` > 1, ``suffix``, ``tools``, frequency and presence
-penalties, ``logprobs``, ``echo`` or ``n`` > 1 with ``stream``) are refused rather
-than ignored.
+implemented (``best_of`` > 1, ``suffix``, ``functions``, a ``tool_choice`` other
+than ``auto`` / ``none``, frequency and presence penalties, ``logprobs``, ``echo``,
+``n`` > 1 or ``tools`` with ``stream``) are refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from entrenar.errors import FormatError
+from entrenar.io.bounded import parse_json
+
 MAX_STOP_STRINGS = 4
 """OpenAI's limit on ``stop`` strings."""
 
@@ -25,6 +28,9 @@ MAX_STOP_CHARS = 256
 
 MAX_PROMPTS = 64
 """Most choices one request may ask for: prompts of a completion batch times ``n``."""
+
+MAX_TOOLS = 128
+"""Most ``tools`` a request may list, and most ``tool_calls`` in one message."""
 
 MAX_LOGPROBS = 20
 """Most alternatives per token (``logprobs`` / ``top_logprobs``; OpenAI's limit)."""
@@ -129,7 +135,7 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
             raise field_error(
                 name, "not supported; use repetition_penalty (vLLM's option)"
             )
-    for name in ("suffix", "tools", "functions"):
+    for name in ("suffix", "functions"):
         if body.get(name) not in (None, False, 0, "", []):
             raise field_error(name, "not supported by this server")
 
@@ -158,8 +164,85 @@ def _content(m: Mapping[str, Any], j: int) -> str:
     return "".join(texts)
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
-    """``messages``: a non-empty list of ``{"role", "content"}`` objects."""
+def _tool_calls(m: Mapping[str, Any], j: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, their arguments as objects.
+
+    OpenAI sends ``function.arguments`` as a JSON string; chat templates read it
+    as a mapping (transformers' convention), so it is parsed (as vLLM does).
+    """
+    where = f"messages[{j}].tool_calls"
+    calls = m.get("tool_calls")
+    if not isinstance(calls, list) or len(calls) > MAX_TOOLS:
+        raise field_error(where, f"expected a list of at most {MAX_TOOLS} calls")
+    out = []
+    for k, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, Mapping) else None
+        name = f.get("name") if isinstance(f, Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise field_error(
+                f"{where}[{k}]", 'expected {"type": "function", "function": {"name", '
+                '"arguments"}}'
+            )  # fmt: skip
+        assert isinstance(f, Mapping)
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = parse_json(args, f"{where}[{k}].function.arguments",
+                                  max_depth=16)  # fmt: skip
+            except FormatError as e:
+                raise field_error(f"{where}[{k}].function.arguments", str(e)) from None
+        if not isinstance(args, Mapping):
+            raise field_error(
+                f"{where}[{k}].function.arguments", "expected a JSON object"
+            )
+        call = {"type": "function", "function": {"name": name, "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...] | None:
+    """``tools`` (function schemas for the template) under ``tool_choice``.
+
+    None when absent, empty, or ``tool_choice: "none"`` (no call is parsed then,
+    and the template lists none).
+    """
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise field_error(
+            "tool_choice", 'only "auto" and "none" are supported, got '
+            f"{choice!r:.40}"
+        )  # fmt: skip
+    tools = body.get("tools")
+    if tools is None or choice == "none":
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise field_error("tools", f"expected a list of at most {MAX_TOOLS} tools")
+    for k, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, Mapping) else None
+        ok = (
+            isinstance(t, Mapping)
+            and t.get("type") == "function"
+            and isinstance(f, Mapping)
+            and isinstance(f.get("name"), str)
+            and bool(f["name"])
+            and isinstance(f.get("parameters", {}), Mapping)
+        )
+        if not ok:
+            raise field_error(
+                f"tools[{k}]", 'expected {"type": "function", "function": {"name", '
+                '"description", "parameters"}}'
+            )  # fmt: skip
+    return tuple(dict(t) for t in tools) or None
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``messages``: a non-empty list of ``{"role", "content"}`` objects.
+
+    An assistant message may carry ``tool_calls`` (then ``content`` may be null);
+    a ``tool`` message its ``tool_call_id`` and ``name``.
+    """
     msgs = body.get("messages")
     if msgs is None:
         raise field_error("messages", "required (a list of {role, content} objects)")
@@ -176,7 +259,16 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
                 f"expected one of {', '.join(ROLES)}, got {role!r:.40}",
             )
         role = "system" if role == "developer" else role
-        out.append({"role": role, "content": _content(m, j)})
+        msg: dict[str, Any] = {"role": role}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m, j)
+            msg["content"] = None if m.get("content") is None else _content(m, j)
+        else:
+            msg["content"] = _content(m, j)
+        for key in ("tool_call_id", "name"):
+            if role == "tool" and isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
     return out
 
 
@@ -251,9 +343,10 @@ class Request:
             tokens' log-probabilities with ``logprobs``).
         n: choices per prompt (sample ``j`` of a seeded request draws with
             ``fold_in(key(seed), j)`` for ``j >= 1``).
+        tools: chat: the function schemas the template lists, or None.
     """
 
-    prompts: tuple[str | list[int] | list[dict[str, str]], ...]
+    prompts: tuple[str | list[int] | list[dict[str, Any]], ...]
     chat: bool
     max_tokens: int | None
     max_tokens_field: str
@@ -264,6 +357,7 @@ class Request:
     logprobs: int | None = None
     echo: bool = False
     n: int = 1
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 def parse_request(body: Any, *, chat: bool) -> Request:
@@ -288,6 +382,11 @@ def parse_request(body: Any, *, chat: bool) -> Request:
         )
     if stream and n > 1:
         raise field_error("n", "stream takes n=1")
+    tools = _tools(body) if chat else None
+    if not chat and body.get("tools") is not None:
+        raise field_error("tools", "only /v1/chat/completions takes tools")
+    if stream and tools is not None:
+        raise field_error("tools", "not supported with stream")
     if stream and (logprobs is not None or echo):
         param = "echo" if echo else "logprobs"
         raise field_error(param, "not supported with stream")
@@ -326,6 +425,7 @@ def parse_request(body: Any, *, chat: bool) -> Request:
         logprobs=logprobs,
         echo=echo,
         n=n,
+        tools=tools,
     )
 
 

@@ -15,6 +15,11 @@ that answers the part of OpenAI's API that chat tools use, as llama.cpp's
   generate`` without ``--chat`` does), the same options; the prompt a string or
   token ids, or a batch of either (one choice each), ``echo`` (the prompt's text
   first; ``max_tokens`` may then be 0);
+- ``tools`` (chat, not streamed): function schemas passed to the chat template;
+  with a ``tool_call_parser`` (``entrenar serve --tool-call-parser hermes``, the
+  model's format: `entrenar.chat.tool_calls`) a reply holding calls comes back as
+  OpenAI's ``message.tool_calls`` with ``finish_reason: "tool_calls"``; assistant
+  messages may carry ``tool_calls`` and ``tool`` messages their results;
 - ``logprobs`` (completions: the number of alternatives; chat: ``logprobs`` and
   ``top_logprobs``): each listed token's log-probability under the raw model and
   its most likely alternatives (`entrenar.chat.openai_logprobs`), what
@@ -82,6 +87,7 @@ from entrenar.chat.openai_request import (
     parse_request,
 )
 from entrenar.chat.session import ChatModel, Reply
+from entrenar.chat.tool_calls import PARSERS, parse_tool_calls
 from entrenar.errors import (
     ConfigError,
     FormatError,
@@ -158,6 +164,9 @@ class Server:
         socket_timeout: seconds one read or write on a connection may wait.
         queue_timeout: seconds a request waits for the generation in progress.
         api_key: the key ``/v1/`` routes require, or None (module docstring).
+        tool_call_parser: the format of the model's function calls
+            (`entrenar.chat.tool_calls.PARSERS`), or None: requests with
+            ``tools`` are refused.
         lock: one generation at a time.
     """
 
@@ -168,6 +177,7 @@ class Server:
     socket_timeout: float = 30.0
     queue_timeout: float = 300.0
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    tool_call_parser: str | None = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -218,8 +228,14 @@ class Server:
         import jax
 
         cm = self.chat_model
+        if request.tools is not None and self.tool_call_parser is None:
+            raise field_error(
+                "tools",
+                "this server reads no function calls: start it with "
+                f"--tool-call-parser ({' or '.join(PARSERS)}, the model's format)",
+            )
         try:
-            prompt_tokens = len(cm.encode(prompt, chat=request.chat))
+            prompt_tokens = len(self._prompt_ids(request, prompt))
             n = self.max_new_tokens(request, prompt_tokens)
             key = None
             if request.options["temperature"] > 0:
@@ -229,6 +245,7 @@ class Server:
                     key = jax.random.fold_in(key, sample)
             stream = cm.stream_reply(
                 prompt,
+                tools=request.tools,
                 max_new_tokens=n,
                 chat=request.chat,
                 key=key,
@@ -264,14 +281,31 @@ class Server:
             ) + text
         out = _choice(request.chat, text, reply.finish_reason, False)
         out["index"] = index
+        if request.tools is not None and self.tool_call_parser is not None:
+            found = parse_tool_calls(text, self.tool_call_parser)
+            if found is not None:
+                content, calls = found
+                out["message"]["content"] = content
+                out["message"]["tool_calls"] = [
+                    {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                     "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls
+                ]  # fmt: skip
+                out["finish_reason"] = "tool_calls"
         if request.logprobs is not None:
             out["logprobs"] = self._logprobs(request, prompt, reply)
         return out, reply
 
+    def _prompt_ids(self, request: Request, prompt: Any) -> list[int]:
+        """The prompt's token ids, as the generation reads it."""
+        return self.chat_model.encode(
+            prompt, chat=request.chat, tools=request.tools if request.chat else None
+        )
+
     def _logprobs(self, request: Request, prompt: Any, reply: Reply) -> dict:
         """The ``logprobs`` object of one choice (module `openai_logprobs`)."""
         cm = self.chat_model
-        prompt_ids = cm.encode(prompt, chat=request.chat)
+        prompt_ids = self._prompt_ids(request, prompt)
         gen = list(reply.token_ids)
         if (
             request.chat
@@ -594,6 +628,7 @@ def make_server(
     queue_timeout: float = 300.0,
     max_connections: int = 32,
     api_key: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> ThreadingHTTPServer:
     """An HTTP server answering OpenAI's API with ``chat_model`` (module docstring).
 
@@ -613,10 +648,19 @@ def make_server(
         max_connections: connections served at once (503 beyond).
         api_key: the key every ``/v1/`` request must send as ``Authorization:
             Bearer <api_key>`` (module docstring); None: no key.
+        tool_call_parser: the model's function-call format for requests with
+            ``tools`` (`entrenar.chat.tool_calls.PARSERS`); None: such requests
+            are refused.
 
     Raises:
-        ConfigError: a limit below 1, or an empty or non-printable-ASCII key.
+        ConfigError: a limit below 1, an empty or non-printable-ASCII key, or an
+            unknown tool-call parser.
     """
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ConfigError(
+            f"make_server: tool_call_parser must be one of {PARSERS}, got "
+            f"{tool_call_parser!r}"
+        )
     if api_key is not None and not (
         api_key and api_key.isascii() and api_key.isprintable() and " " not in api_key
     ):
@@ -641,6 +685,7 @@ def make_server(
         socket_timeout=socket_timeout,
         queue_timeout=queue_timeout,
         api_key=api_key,
+        tool_call_parser=tool_call_parser,
     )
     return _HTTPServer((host, port), app, max_connections)
 

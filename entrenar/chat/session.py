@@ -60,6 +60,8 @@ DEFAULT_MAX_NEW_TOKENS = 256
 """Replies stop here when no end-of-turn token came (``max_new_tokens=None``)."""
 
 Messages = str | Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]] | None
+"""Function schemas for the chat template's ``tools`` (OpenAI's ``tools`` entries)."""
 
 
 def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
@@ -281,15 +283,27 @@ class ChatModel:
         return end_of_turn_ids(self.tokenizer) if self.stop_ids is None else (
             self.stop_ids)  # fmt: skip
 
-    def render(self, messages: Messages, *, system: str | None = None) -> str:
-        """The prompt text: the conversation plus the opening of the assistant turn."""
+    def render(
+        self, messages: Messages, *, system: str | None = None, tools: Tools = None
+    ) -> str:
+        """The prompt text: the conversation plus the opening of the assistant turn.
+
+        ``tools``: function schemas the template lists (its ``tools`` variable, as
+        transformers' ``apply_chat_template(tools=...)``); None: none.
+        """
         return data.render_chat(
             as_messages(messages, system), self.template, add_generation_prompt=True,
+            tools=None if tools is None else list(tools),
             **data.special_texts(self.tokenizer),
         )  # fmt: skip
 
     def encode(
-        self, messages: Messages, *, system: str | None = None, chat: bool = True
+        self,
+        messages: Messages,
+        *,
+        system: str | None = None,
+        chat: bool = True,
+        tools: Tools = None,
     ) -> list[int]:
         """Token ids of the prompt.
 
@@ -301,9 +315,11 @@ class ChatModel:
         checked to lie in the vocabulary: `ConfigError` otherwise).
         """
         if chat:
-            text = self.render(messages, system=system)
+            text = self.render(messages, system=system, tools=tools)
             bos = data.chat_add_bos(self.tokenizer, [text])  # one BOS, not two
             return list(self.tokenizer.encode(text, add_bos=bos, special=True))
+        if tools is not None:
+            raise ConfigError("tools are listed by the chat template: pass chat=True")
         if _is_token_ids(messages) and system is None:
             return self._checked_ids(messages)  # type: ignore[arg-type]
         if not isinstance(messages, str) or system is not None:
@@ -376,6 +392,7 @@ class ChatModel:
         stop: Sequence[str] = (),
         key: PRNGKey | None = None,
         chat: bool = True,
+        tools: Tools = None,
     ) -> Reply:
         """Generate the assistant's reply to ``messages`` (a string is one user turn).
 
@@ -399,6 +416,7 @@ class ChatModel:
             stop: strings that end the reply.
             key: the sampling key.
             chat: render through the chat template (else continue plain text).
+            tools: function schemas for the template (`render`).
 
         Raises:
             ShapeError: prompt + ``max_new_tokens`` exceeds the model's context.
@@ -411,7 +429,7 @@ class ChatModel:
                        stop=stop, key=key)  # fmt: skip
         return self.replies(
             [messages], system=system, max_new_tokens=max_new_tokens, chat=chat,
-            batch_size=1, **options,
+            batch_size=1, tools=tools, **options,
         )[0]  # fmt: skip
 
     def replies(
@@ -422,6 +440,7 @@ class ChatModel:
         max_new_tokens: int | None = None,
         chat: bool = True,
         batch_size: int = 16,
+        tools: Tools = None,
         **options: Any,
     ) -> list[Reply]:
         """`reply` to each conversation, ``batch_size`` prompts decoded at once.
@@ -434,7 +453,8 @@ class ChatModel:
         """
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        prompts = [self.encode(m, system=system, chat=chat) for m in conversations]
+        prompts = [self.encode(m, system=system, chat=chat, tools=tools)
+                   for m in conversations]  # fmt: skip
         stop = tuple(options.get("stop", ()) or ())
         out: list[Reply] = []
         for s in range(0, len(prompts), batch_size):
@@ -460,8 +480,8 @@ class ChatModel:
     ) -> Iterator[str]:
         """Yield the reply's text piece by piece as tokens come (same arguments).
 
-        ``options``: the sampling and ``stop`` arguments of `reply`. The checks
-        (messages, template, length) run before this returns, so a bad request
+        ``options``: the sampling, ``stop`` and ``tools`` arguments of `reply`. The
+        checks (messages, template, length) run before this returns, so a bad request
         raises here, not at the first ``next``. ``"".join(stream(...))`` equals
         ``reply(...).text``: a piece that may be the start of a stop string is held
         back until the next tokens decide.
@@ -486,7 +506,8 @@ class ChatModel:
         that `reply` gives for the same request (token ids, finish reason, prompt
         length): what a server reports after streaming (`entrenar.chat.server`).
         """
-        prompt = self.encode(messages, system=system, chat=chat)
+        tools = options.pop("tools", None)
+        prompt = self.encode(messages, system=system, chat=chat, tools=tools)
         steps = self._decode([prompt], max_new_tokens, options)
         stop = tuple(options.get("stop", ()) or ())
         return ReplyStream(self.tokenizer, steps, self.stops, stop, len(prompt))

@@ -216,6 +216,12 @@ def chat_cmd(model: str, system: str | None, **options: Any) -> None:
     "open.",
 )
 @click.option(
+    "--tool-call-parser",
+    type=click.Choice(["hermes", "llama3_json"]),
+    help="The model's function-call format, for requests with tools: hermes "
+    "(Qwen2.5/3, Hermes) or llama3_json (Llama 3.1-3.3). Default: tools refused.",
+)
+@click.option(
     "--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
     help="The port (0: any free one, printed at the start).",
 )  # fmt: skip
@@ -233,8 +239,9 @@ def chat_cmd(model: str, system: str | None, **options: Any) -> None:
 )
 def serve_cmd(
     model: str, adapter: str | None, tokenizer: str | None, keep_quantized: bool,
-    decode_activations: str | None, host: str, api_key: str | None, port: int,
-    max_tokens_limit: int, model_name: str | None,
+    decode_activations: str | None, host: str, api_key: str | None,
+    tool_call_parser: str | None, port: int, max_tokens_limit: int,
+    model_name: str | None,
 ) -> None:  # fmt: skip
     """Serve MODEL over HTTP with OpenAI's API (/v1/chat/completions and more).
 
@@ -254,8 +261,8 @@ def serve_cmd(
     )  # fmt: skip
     name = model_name or os.path.basename(os.path.normpath(model))
     server = make_server(session, host=host, port=port, model_name=name,
-                         max_tokens_limit=max_tokens_limit,
-                         api_key=api_key)  # fmt: skip
+                         max_tokens_limit=max_tokens_limit, api_key=api_key,
+                         tool_call_parser=tool_call_parser)  # fmt: skip
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(
             f"warning: serving on {host} without --api-key: anyone who can reach "
