@@ -214,7 +214,7 @@ def read_hf_folder(folder: str | os.PathLike[str]) -> HFFolder:
     eos_ids_of(generation, gen_path)
     split = None
     if getattr(config, "hf_wrapper", None) is not None:
-        split = multimodal.split_tensors(_headers(files), folder)
+        split = multimodal.split_tensors(_headers(files), folder, config.hf_wrapper)
         config = _tied_as_stored(folder, config, "lm_head.weight" in split.text)
     return HFFolder(folder, arch, config, files, generation, split)
 
@@ -231,20 +231,21 @@ def _tied_as_stored(folder: str, config: Any, has_head: bool) -> Any:
     """A vision-language model's ``tie_word_embeddings`` as transformers 5 loads it.
 
     Its ConditionalGeneration class ties the head by the top-level
-    ``tie_word_embeddings`` (default true), not the ``text_config``'s, and does
-    not tie a head the checkpoint stores: so the head is tied exactly when the
-    checkpoint has none.
+    ``tie_word_embeddings`` (`multimodal.ties_head`), and does not tie a head
+    the checkpoint stores: so the head is tied exactly when the checkpoint has
+    none.
 
     Raises:
-        FormatError: no head stored and the top-level config says not to tie.
+        FormatError: no head stored and the config says not to tie.
     """
     if has_head:
         return dataclasses.replace(config, tie_word_embeddings=False)
     top = _json_object(os.path.join(folder, "config.json"))
-    if top.get("tie_word_embeddings", True) is False:
+    if not multimodal.ties_head(top):
         raise FormatError(
-            f"{folder}: config.json says tie_word_embeddings: false but the "
-            "weights hold no lm_head.weight (language_model.lm_head.weight)"
+            f"{folder}: config.json's tie_word_embeddings is false (or absent, "
+            f"false for {top['model_type']}) but the weights hold no lm_head.weight "
+            "(language_model.lm_head.weight)"
         )
     return dataclasses.replace(config, tie_word_embeddings=True)
 
@@ -521,7 +522,8 @@ def _wrapped(
     """``(language model in src's layout, vision tensors as stored)``."""
     assert src.multimodal is not None
     layout = src.multimodal.layout
-    made = {multimodal.wrapped_name(k, layout): v for k, v in made.items()}
+    kind = src.multimodal.kind
+    made = {multimodal.wrapped_name(k, layout, kind): v for k, v in made.items()}
     stored = _headers(src.files)
     return made, {name: stored[name] for name in src.multimodal.skipped}
 
@@ -541,7 +543,13 @@ def _wrapped_config(src: HFFolder, config: Any, text: dict[str, Any]) -> dict[st
     changed = {
         k: v for k, v in text.items() if k not in fixed and before.get(k, v) != v
     }
-    if changed:
+    if (
+        changed
+        and "text_config" not in top
+        and multimodal.WRAPPERS[str(top["model_type"])].absent is None
+    ):  # Qwen2-VL's flat config.json: the text keys at the top
+        top.update(changed)
+    elif changed:
         top["text_config"] = {**(top.get("text_config") or {}), **changed}
     if "torch_dtype" in text:  # the language model's dtype, where the file names one
         for d in (top, top.get("text_config") or {}):

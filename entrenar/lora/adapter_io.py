@@ -493,7 +493,7 @@ def _text_modules(
 ) -> dict[str, dict[str, Any]]:
     """PEFT's module names on a ConditionalGeneration model as the text model's."""
     out: dict[str, dict[str, Any]] = {}
-    vision = sorted(m for m in found if multimodal.is_vision(m))
+    vision = sorted(m for m in found if multimodal.is_vision(m, wrapper))
     if vision:
         problems.append(
             f"{len(vision)} modules adapt the {wrapper} vision tower or projector "
@@ -504,7 +504,7 @@ def _text_modules(
     for mod, parts in found.items():
         if mod in vision:
             continue
-        text = multimodal.text_module(mod)
+        text = multimodal.text_module(mod, wrapper)
         if text is None:
             problems.append(
                 f"module {mod!r} is not of the {wrapper} language model "
