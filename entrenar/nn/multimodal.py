@@ -67,6 +67,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from entrenar.errors import FormatError
+from entrenar.nn.multimodal_defaults import (
+    GEMMA3_TEXT,
+    LLAMA_TEXT,
+    MINISTRAL3_TEXT,
+    MISTRAL_SMALL,
+    MISTRAL_TEXT,
+    QWEN2_TEXT,
+    QWEN2_VL_FLAT,
+    QWEN2_VL_TEXT,
+    QWEN3_VL_TEXT,
+)
 
 LEGACY, IN_MEMORY = "legacy", "in-memory"
 """The two key layouts (module docstring)."""
@@ -126,140 +137,6 @@ class Wrapper:
     flat_keys: tuple[str, ...] = ()
 
 
-_LLAMA_TEXT: dict[str, Any] = {  # LlamaConfig's (LLaVA 1.5's text_config: 5 keys)
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "hidden_act": "silu",
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "initializer_range": 0.02,
-}
-_MISTRAL_TEXT: dict[str, Any] = {
-    "model_type": "mistral",
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "hidden_act": "silu",
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "sliding_window": 4096,
-    "initializer_range": 0.02,
-}
-_QWEN2_TEXT: dict[str, Any] = {
-    "model_type": "qwen2",
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 22016,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "hidden_act": "silu",
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "use_sliding_window": False,
-    "max_window_layers": 28,
-    "initializer_range": 0.02,
-}
-_GEMMA3_TEXT: dict[str, Any] = {
-    "model_type": "gemma3_text",
-    "vocab_size": 262208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-    "final_logit_softcapping": None,
-    "attn_logit_softcapping": None,
-    "initializer_range": 0.02,
-}
-_MINISTRAL3_TEXT: dict[str, Any] = {  # Ministral3Config's (its rope: the family's)
-    "model_type": "ministral3",
-    "vocab_size": 131072,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 34,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 262144,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "sliding_window": None,
-    "initializer_range": 0.02,
-}
-_MISTRAL_SMALL: dict[str, Any] = {  # Mistral3Config's text_config when none is given
-    "head_dim": 128,
-    "hidden_size": 5120,
-    "intermediate_size": 32768,
-    "max_position_embeddings": 131072,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 40,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 1000000000.0,
-    "sliding_window": None,
-    "vocab_size": 131072,
-}
-_QWEN2_VL_TEXT: dict[str, Any] = {  # Qwen2VLTextConfig's = Qwen2_5_VLTextConfig's
-    "vocab_size": 152064,
-    "hidden_size": 8192,
-    "intermediate_size": 29568,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "hidden_act": "silu",
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-5,
-    "use_sliding_window": False,
-    "max_window_layers": 80,
-    "initializer_range": 0.02,
-}
-_QWEN3_VL_TEXT: dict[str, Any] = {
-    "model_type": "qwen3_vl_text",
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 22016,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 128000,
-    "rms_norm_eps": 1e-6,
-    "attention_bias": False,
-    "initializer_range": 0.02,
-}
-_QWEN2_VL_FLAT = (  # Qwen2VLTextConfig's fields, and the rope keys transformers adds
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "hidden_act",
-    "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache",
-    "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
-    "attention_dropout", "rope_parameters", "bos_token_id", "eos_token_id",
-    "pad_token_id", "rope_scaling", "rope_theta",
-)  # fmt: skip
-
 _LLAVA_NAMES: tuple[tuple[str, str | None, str], ...] = (
     ("language_model.model.", LEGACY, "model."),
     ("language_model.lm_head.", LEGACY, "lm_head."),
@@ -274,33 +151,33 @@ _QWEN2_VL_NAMES: tuple[tuple[str, str | None, str], ...] = (
 _QWEN3_VL_NAMES = (_QWEN2_VL_NAMES[0], _QWEN2_VL_NAMES[2])
 _LLAVA_VISION = ("vision_tower", "multi_modal_projector")
 _LLAVA_TEXTS = {
-    "llama": Text("llama", _LLAMA_TEXT),
-    "mistral": Text("mistral", _MISTRAL_TEXT),
-    "qwen2": Text("qwen2", _QWEN2_TEXT),
+    "llama": Text("llama", LLAMA_TEXT),
+    "mistral": Text("mistral", MISTRAL_TEXT),
+    "qwen2": Text("qwen2", QWEN2_TEXT),
 }
 
 
 def _qwen_vl(model_type: str, hf_class: str, text: str, *, tie: bool) -> Wrapper:
     """Qwen2-VL and Qwen2.5-VL (text_config ``<model_type>_text``, read as qwen2)."""
-    defaults = {"model_type": text, **_QWEN2_VL_TEXT}
+    defaults = {"model_type": text, **QWEN2_VL_TEXT}
     qwen2 = Text("qwen2", defaults, 1e6, "chunked", ("head_dim",))
     return Wrapper(
         model_type, hf_class, {text: qwen2}, text, None, _QWEN2_VL_NAMES,
-        ("visual",), tie, _QWEN2_VL_FLAT,
+        ("visual",), tie, QWEN2_VL_FLAT,
     )  # fmt: skip
 
 
 WRAPPERS: dict[str, Wrapper] = {
     "gemma3": Wrapper(
         "gemma3", "Gemma3ForConditionalGeneration",
-        {"gemma3_text": Text("gemma3_text", _GEMMA3_TEXT)}, "gemma3_text", {},
+        {"gemma3_text": Text("gemma3_text", GEMMA3_TEXT)}, "gemma3_text", {},
         _LLAVA_NAMES, _LLAVA_VISION, True,
     ),
     "mistral3": Wrapper(
         "mistral3", "Mistral3ForConditionalGeneration",
-        {"mistral": Text("mistral", _MISTRAL_TEXT),
-         "ministral3": Text("ministral3", _MINISTRAL3_TEXT)},
-        "mistral", _MISTRAL_SMALL, _LLAVA_NAMES, _LLAVA_VISION, True,
+        {"mistral": Text("mistral", MISTRAL_TEXT),
+         "ministral3": Text("ministral3", MINISTRAL3_TEXT)},
+        "mistral", MISTRAL_SMALL, _LLAVA_NAMES, _LLAVA_VISION, True,
     ),
     "llava": Wrapper(
         "llava", "LlavaForConditionalGeneration", _LLAVA_TEXTS, "llama", {},
@@ -320,7 +197,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "qwen3_vl": Wrapper(
         "qwen3_vl", "Qwen3VLForConditionalGeneration",
         {"qwen3_vl_text": Text(
-            "qwen3", _QWEN3_VL_TEXT, 5e5, "interleaved",
+            "qwen3", QWEN3_VL_TEXT, 5e5, "interleaved",
             ("use_sliding_window", "sliding_window", "layer_types",
              "max_window_layers"),
         )},
