@@ -286,6 +286,8 @@ def load_hf_folder(
     if info.multimodal is not None:  # the language model only (HFFolder.skipped_note)
         flat = {name: flat[stored] for name, stored in info.multimodal.text.items()}
         _LOG.info("%s: %s", info.path, info.skipped_note)
+        if multimodal.WRAPPERS[info.multimodal.kind].fused_experts:
+            flat = multimodal.orient_experts(flat, info.config)  # Qwen3-VL-MoE
     bound_heap(sum(t.nbytes for t in flat.values()))  # big buffers mapped (io.heap)
     convert = info.architecture.from_hf_tensors
     if convert is not None:  # a family whose checkpoint names differ from its tree
@@ -431,7 +433,9 @@ def save_hf_folder(
     os.makedirs(folder, exist_ok=True)
     made = lazy_hf_names(params)  # each tensor made (one layer sliced) when written
     convert = arch.to_hf_tensors
-    if convert is not None:  # a family whose names differ (still made lazily)
+    if wrapped is not None and _fused_experts(wrapped):  # Qwen3-VL-MoE's own names
+        made = multimodal.fuse_experts(made, config, _text_shapes(wrapped), _dense)
+    elif convert is not None:  # a family whose names differ (still made lazily)
         made = convert(made, config)
     kept: dict[str, Any] = {}  # the vision tower and projector, copied as stored
     if wrapped is not None:
@@ -514,6 +518,19 @@ def _wrapper_source(config: Any, source: Any) -> HFFolder | None:
         stacklevel=3,
     )
     return None
+
+
+def _fused_experts(src: HFFolder) -> bool:
+    """Whether a wrapper stores its experts fused (`multimodal.fuse_experts`)."""
+    assert src.multimodal is not None
+    return multimodal.WRAPPERS[src.multimodal.kind].fused_experts
+
+
+def _text_shapes(src: HFFolder) -> dict[str, tuple[int, ...]]:
+    """The source's language-model tensor shapes, by text family name."""
+    assert src.multimodal is not None
+    stored = _headers(src.files)
+    return {t: tuple(stored[s].shape) for t, s in src.multimodal.text.items()}
 
 
 def _wrapped(

@@ -17,6 +17,7 @@ llava_next     LLaVA-NeXT (1.6)                    llama, mistral, qwen2
 qwen2_vl       Qwen2-VL                            qwen2_vl_text (qwen2)
 qwen2_5_vl     Qwen2.5-VL                          qwen2_5_vl_text (qwen2)
 qwen3_vl       Qwen3-VL (dense)                    qwen3_vl_text (qwen3)
+qwen3_vl_moe   Qwen3-VL-MoE (30B-A3B, 235B-A22B)   qwen3_vl_moe_text (qwen3_moe)
 =============  ==================================  ===============================
 
 **Qwen-VL's multimodal rotary (M-RoPE).** Qwen2-VL (Wang et al., 2024, sec. 2.1)
@@ -42,8 +43,9 @@ Key layouts of the language model's tensors (``<m>``: the text family's name und
       legacy (the Hub's; transformers 5's save_pretrained):
         model.<m>  lm_head.weight  visual.<v>
       in memory: model.language_model.<m>  lm_head.weight  model.visual.<v>
-    qwen3_vl (no conversion: the Hub's files are the in-memory names):
+    qwen3_vl, qwen3_vl_moe (no renaming: the Hub's files are the in-memory names):
         model.language_model.<m>  lm_head.weight  model.visual.<v>
+      (Qwen3-VL-MoE's experts fused, either way round: `orient_experts`)
 
 PEFT names modules by the in-memory layout for every wrapper
 (``base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight``);
@@ -62,9 +64,14 @@ tensors are stored).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
 
 from entrenar.errors import FormatError
 from entrenar.nn.multimodal_defaults import (
@@ -76,6 +83,7 @@ from entrenar.nn.multimodal_defaults import (
     QWEN2_TEXT,
     QWEN2_VL_FLAT,
     QWEN2_VL_TEXT,
+    QWEN3_VL_MOE_TEXT,
     QWEN3_VL_TEXT,
 )
 
@@ -98,6 +106,10 @@ class Text:
             to ``d/2``) or ``"interleaved"`` (Qwen3-VL): multimodal rotary, read
             as the plain rotary it is on text (module docstring); None: none.
         drop: keys transformers' text class does not read, which the family would.
+        fixed: keys set whatever the file says (Qwen3-VL-MoE's router always
+            renormalises: ``norm_topk_prob`` true).
+        aliases: ``{file key: the key the family reads}`` (``num_local_experts``,
+            what transformers 5.25 writes for ``num_experts``).
     """
 
     family: str
@@ -105,6 +117,8 @@ class Text:
     theta: float | None = None
     mrope: str | None = None
     drop: tuple[str, ...] = ()
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +138,8 @@ class Wrapper:
         tie_default: the top-level ``tie_word_embeddings`` when absent.
         flat_keys: the text config's fields, read from the top level when the
             file has no ``text_config`` (``absent`` None).
+        fused_experts: the experts are stored fused, ``mlp.experts.gate_up_proj``
+            and ``down_proj``, either way round (`orient_experts`, `fuse_experts`).
     """
 
     model_type: str
@@ -135,6 +151,7 @@ class Wrapper:
     vision: tuple[str, ...]
     tie_default: bool
     flat_keys: tuple[str, ...] = ()
+    fused_experts: bool = False
 
 
 _LLAVA_NAMES: tuple[tuple[str, str | None, str], ...] = (
@@ -203,6 +220,17 @@ WRAPPERS: dict[str, Wrapper] = {
         )},
         "qwen3_vl_text", {}, _QWEN3_VL_NAMES, ("visual",), False,
     ),
+    "qwen3_vl_moe": Wrapper(
+        "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
+        {"qwen3_vl_moe_text": Text(
+            "qwen3_moe", QWEN3_VL_MOE_TEXT, 5e5, "interleaved",
+            ("use_sliding_window", "sliding_window", "layer_types",
+             "max_window_layers", "norm_topk_prob"),
+            {"norm_topk_prob": True}, {"num_local_experts": "num_experts"},
+        )},
+        "qwen3_vl_moe_text", {}, _QWEN3_VL_NAMES, ("visual",), False,
+        fused_experts=True,
+    ),
 }  # fmt: skip
 """The vision-language model types whose language model entrenar reads."""
 
@@ -239,9 +267,11 @@ def text_config(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
             f"{source}: a {w.model_type} text_config of model_type {kind!r}; "
             f"entrenar reads {list(w.texts)} there"
         )
+    given = {text.aliases.get(k, k): v for k, v in given.items()}
     out = {**text.defaults, **given, "model_type": text.family}
     for key in text.drop:
         out.pop(key, None)
+    out.update(text.fixed)
     if text.theta is not None:  # transformers: the rope dict's, the top's, default
         rope = out.get("rope_parameters") or out.get("rope_scaling")
         theta = rope.get("rope_theta") if isinstance(rope, Mapping) else None
@@ -399,6 +429,81 @@ def text_module(module: str, kind: str) -> str | None:
     return None if found is None else found[1][:-1]
 
 
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_STACKED = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(gate|up|down)_proj\.weight$"
+)
+
+
+def _fused_shapes(config: Any) -> dict[str, tuple[int, int, int]]:
+    """One layer's fused experts' shapes in transformers' memory."""
+    e, i, d = config.num_experts, config.expert_size, config.hidden_size
+    return {"gate_up_proj": (e, 2 * i, d), "down_proj": (e, d, i)}
+
+
+def orient_experts(flat: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """Qwen3-VL-MoE's fused experts in transformers' in-memory orientation.
+
+    The Hub's files store ``gate_up_proj (E, D, 2I)`` and ``down_proj (E, I, D)``
+    (its first implementation's ``bmm`` layout), transformers 5.25's
+    ``save_pretrained`` ``(E, 2I, D)`` and ``(E, D, I)``; as transformers'
+    ``Transpose(1, 2, check_dims=True)`` does, a tensor of the in-memory shape is
+    kept and any other is transposed (a lazy view of the memory-mapped file).
+    """
+    want = _fused_shapes(config)
+    out = dict(flat)
+    for name, value in flat.items():
+        m = _FUSED.match(name)
+        if m is not None and tuple(value.shape) != want[m.group(2)]:
+            out[name] = np.swapaxes(value, 1, 2)
+    return out
+
+
+def fuse_experts(
+    made: Mapping[str, Callable[[], Any]],
+    config: Any,
+    stored: Mapping[str, tuple[int, ...]],
+    dense: Callable[[Any], Any],
+) -> dict[str, Callable[[], Any]]:
+    """The tree's stacked experts as Qwen3-VL-MoE's fused tensors, lazily.
+
+    ``made``: ``{tree name: make}`` (``model.layers.0.mlp.experts.gate_proj.weight
+    (E, I, D)``); ``stored``: the source's shapes by text name, so each fused
+    tensor is written the way round the source stored it (`orient_experts`);
+    ``dense``: a weight node -> its array.
+    """
+    want = _fused_shapes(config)
+    out: dict[str, Callable[[], Any]] = {}
+    parts: dict[tuple[int, str], Callable[[], Any]] = {}
+    for name, make in made.items():
+        m = _STACKED.match(name)
+        if m is None:
+            out[name] = make
+        else:
+            parts[(int(m.group(1)), m.group(2))] = make
+    for layer in sorted({i for i, _ in parts}):
+        fused = {  # (E, 2I, D), (E, D, I)
+            "gate_up_proj": [parts[(layer, "gate")], parts[(layer, "up")]],
+            "down_proj": [parts[(layer, "down")]],
+        }
+        for proj, makes in fused.items():
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            flip = tuple(stored.get(name, want[proj])) != want[proj]
+            out[name] = functools.partial(_joined, makes, dense, flip)
+    return out
+
+
+def _joined(
+    makes: list[Callable[[], Any]], dense: Callable[[Any], Any], flip: bool
+) -> Any:
+    """``makes``' arrays joined on axis 1, axes 1 and 2 swapped if ``flip``.
+
+    In jax.numpy, so a writer can trace it for its shape (`jax.eval_shape`).
+    """
+    joined = jnp.concatenate([jnp.asarray(dense(make())) for make in makes], axis=1)
+    return jnp.swapaxes(joined, 1, 2) if flip else joined
+
+
 def ties_head(hf: Mapping[str, Any]) -> bool:
     """Whether transformers ties a wrapper's head (when the weights hold none).
 
@@ -418,7 +523,9 @@ __all__ = [
     "Split",
     "Text",
     "Wrapper",
+    "fuse_experts",
     "is_vision",
+    "orient_experts",
     "peft_module",
     "split_tensors",
     "text_config",

@@ -135,6 +135,25 @@ QWEN3_VL_TEXT: dict[str, Any] = {
     "attention_bias": False,
     "initializer_range": 0.02,
 }
+QWEN3_VL_MOE_TEXT: dict[str, Any] = {  # its num_experts: "num_local_experts" too
+    "model_type": "qwen3_vl_moe_text",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 128000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 1408,
+    "num_experts_per_tok": 4,
+    "num_experts": 60,
+    "initializer_range": 0.02,
+}
 QWEN2_VL_FLAT = (  # Qwen2VLTextConfig's fields, and the rope keys transformers adds
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "hidden_act",
@@ -153,5 +172,6 @@ __all__ = [
     "QWEN2_TEXT",
     "QWEN2_VL_FLAT",
     "QWEN2_VL_TEXT",
+    "QWEN3_VL_MOE_TEXT",
     "QWEN3_VL_TEXT",
 ]

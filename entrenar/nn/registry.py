@@ -83,13 +83,10 @@ NOT_IMPLEMENTED = {
 _VLM = (
     " (a vision-language model whose language model entrenar does not read: {}; "
     "entrenar reads the language model of gemma3, mistral3, llava, llava_next, "
-    "qwen2_vl, qwen2_5_vl and qwen3_vl folders)"
+    "qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe folders)"
 )
 NOT_IMPLEMENTED |= {
     "mllama": _VLM.format("Llama 3.2 Vision's cross-attention layers"),
-    "qwen3_vl_moe": _VLM.format(
-        "Qwen3-VL-MoE's experts (fused gate_up_proj stored transposed)"
-    ),
     "gemma3n": _VLM.format("Gemma 3n's per-layer embeddings and AltUp"),
     "paligemma": _VLM.format("prefix-LM attention over the image and prompt"),
 }
@@ -97,7 +94,8 @@ NOT_IMPLEMENTED |= {
 entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``,
 ``deepseek_v2``, ``deepseek_v3``, ``olmoe``, ``granitemoe`` and ``granitemoeshared``;
 the vision-language ones ``gemma3``, ``mistral3``, ``llava``, ``llava_next``,
-``qwen2_vl``, ``qwen2_5_vl`` and ``qwen3_vl``, by their language model)."""
+``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_vl_moe``, by their language
+model)."""
 GGUF_MOE = frozenset(
     {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
      "jamba"}

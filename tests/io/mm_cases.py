@@ -2,10 +2,11 @@
 
 ``save(model(kind), folder, layout=...)`` writes a ConditionalGeneration model of
 one of `KINDS` (Gemma 3, Mistral 3, Ministral 3, LLaVA, LLaVA-NeXT, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL) of a few kilobytes in float32: the Hub's (legacy) key layout
-as transformers 5's ``save_pretrained`` writes it, or the in-memory layout
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) of a few kilobytes in float32: the Hub's
+(legacy) key layout as transformers 5's ``save_pretrained`` writes it, or the
+in-memory layout
 (``model.language_model.*``, what transformers 4.52-4.57 saved), written from the
-model's own ``state_dict`` (Qwen3-VL has only that one).
+model's own ``state_dict`` (Qwen3-VL and Qwen3-VL-MoE have only that one).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ QWEN3_TEXT = dict(
         "rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True
     },
 )  # fmt: skip
+QWEN3_MOE_TEXT = dict(  # experts 24 wide: gate_up (4, 48, 32) is not square
+    QWEN3_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24
+)
 LLAMA_TEXT = dict(MISTRAL_TEXT, model_type="llama", rope_theta=1e4)
 CLIP = dict(
     model_type="clip_vision_model",
@@ -109,16 +113,19 @@ MINISTRAL3_ROPE = {  # Ministral3Config's, but the query scale from position 4
 
 KINDS = (
     "gemma3", "mistral3", "ministral3", "llava", "llava_next", "qwen2_vl",
-    "qwen2_5_vl", "qwen3_vl",
+    "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
 )  # fmt: skip
 """Each wrapper, and ``ministral3`` (a ``mistral3`` folder of Ministral 3)."""
 WRAPPER = {k: k for k in KINDS} | {"ministral3": "mistral3"}
 FAMILY = {
     "gemma3": "gemma3", "mistral3": "mistral", "ministral3": "ministral3",
     "llava": "llama", "llava_next": "mistral", "qwen2_vl": "qwen2",
-    "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3",
+    "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
 }  # fmt: skip
-LAYOUTS = {k: ("legacy", "in-memory") for k in KINDS} | {"qwen3_vl": ("in-memory",)}
+LAYOUTS = {k: ("legacy", "in-memory") for k in KINDS} | {
+    "qwen3_vl": ("in-memory",),
+    "qwen3_vl_moe": ("in-memory",),
+}
 """The key layouts transformers 5.25 loads for each (Qwen3-VL: its own names)."""
 TIE_DEFAULT = {"gemma3": True}
 
@@ -168,9 +175,11 @@ def config(kind: str, **text):
             tie_word_embeddings=tie,
             **extra,
         )
-    if kind == "qwen3_vl":
-        return t.Qwen3VLConfig(
-            text_config={**QWEN3_TEXT, **text},
+    if kind in ("qwen3_vl", "qwen3_vl_moe"):
+        moe = kind == "qwen3_vl_moe"
+        cls = t.Qwen3VLMoeConfig if moe else t.Qwen3VLConfig
+        return cls(
+            text_config={**(QWEN3_MOE_TEXT if moe else QWEN3_TEXT), **text},
             vision_config=dict(
                 depth=2,
                 hidden_size=16,
@@ -227,6 +236,7 @@ CLASSES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
 
 

@@ -137,6 +137,38 @@ def test_qwen2_vl_flat_config_json_reads_and_exports_flat(tmp_path):
     assert back.config.text_config.max_position_embeddings == 128
 
 
+def test_qwen3_vl_moe_hub_experts_are_read_and_written_the_hub_way_round(tmp_path):
+    """Qwen3-VL-MoE's experts, stored the Hub's way round, in and out.
+
+    The Hub's fused experts are (E, D, 2I) / (E, I, D), transformers' own (E, 2I, D)
+    / (E, D, I): each read as transformers does, and written back as stored.
+    """
+    from safetensors.torch import load_file, save_file
+
+    model = mc.model("qwen3_vl_moe")
+    mc.save(model, tmp_path / "src")
+    file = tmp_path / "src" / "model.safetensors"
+    state = load_file(file)
+    fused = [k for k in state if ".mlp.experts." in k]
+    assert len(fused) == 4 and state[fused[0]].shape[0] == 4
+    hub = {k: v.transpose(1, 2).contiguous() if k in fused else v
+           for k, v in state.items()}  # fmt: skip
+    save_file(hub, file, metadata={"format": "pt"})
+    back = type(model).from_pretrained(tmp_path / "src").eval()
+    want = mc.text_logits(model)
+    np.testing.assert_allclose(mc.text_logits(back), want, atol=1e-6)
+    info, params = io.load_hf_folder(tmp_path / "src")
+    assert info.config.num_experts == 4 and info.config.norm_topk_prob
+    np.testing.assert_allclose(_entrenar_logits(info, params), want, atol=1e-5)
+    io.save_hf_folder(tmp_path / "out", info.config, params, source=tmp_path / "src")
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in hub.items()}
+    for k in fused:
+        assert torch.equal(out[k], hub[k]), k
+    again = type(model).from_pretrained(tmp_path / "out").eval()
+    np.testing.assert_allclose(mc.text_logits(again), want, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("kind", "section"), [("qwen2_vl", [2, 2, 2]), ("qwen2_5_vl", "16,24,24")]
 )
@@ -178,6 +210,7 @@ TEXT_CLASSES = {
     "qwen2_vl_text": "Qwen2VLTextConfig",
     "qwen2_5_vl_text": "Qwen2_5_VLTextConfig",
     "qwen3_vl_text": "Qwen3VLTextConfig",
+    "qwen3_vl_moe_text": "Qwen3VLMoeTextConfig",
 }
 
 
@@ -192,6 +225,7 @@ def test_text_defaults_are_transformers(kind):
     for text_type, text in w.texts.items():
         made = getattr(transformers, TEXT_CLASSES[text_type])()
         theirs = made.to_dict() | {"sliding_window_pattern": 6}  # Gemma3's _pattern
+        theirs.setdefault("num_experts", theirs.get("num_local_experts"))
         for key, value in text.defaults.items():
             if key == "sliding_window" and not theirs.get("use_sliding_window", 1):
                 continue  # Qwen2Config: no window unless use_sliding_window
@@ -279,8 +313,11 @@ def _with_b(params, seed: int = 5):
 
 @pytest.mark.parametrize(
     "kind",
-    ["gemma3", "mistral3", "ministral3", "llava_next", "qwen2_5_vl", "qwen3_vl"],
-)
+    [
+        "gemma3", "mistral3", "ministral3", "llava_next", "qwen2_5_vl", "qwen3_vl",
+        "qwen3_vl_moe",
+    ],
+)  # fmt: skip
 def test_peft_adapters_both_ways(kind, tmp_path):
     model = mc.model(kind)
     mc.save(model, tmp_path / "hf")
@@ -429,7 +466,7 @@ def test_bad_folders_are_refused_by_name(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(FormatError, match="text_config of model_type 'llama'"):
         io.read_hf_folder(tmp_path / "hf")
-    for model_type, why in (("mllama", "cross-attention"), ("qwen3_vl_moe", "experts")):
+    for model_type, why in (("mllama", "cross-attention"), ("paligemma", "prefix-LM")):
         (tmp_path / "hf" / "config.json").write_text(
             json.dumps({"model_type": model_type})
         )
