@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import mm_cases as mc
@@ -86,6 +87,24 @@ def test_a_folder_loads_its_language_model_with_transformers_logits(
     assert "not loaded" in model_info(str(tmp_path))["not_loaded"]
     np.testing.assert_allclose(
         _entrenar_logits(info, params), mc.text_logits(model), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [("llava", "qwen2"), ("llava", "mistral"), ("llava_next", "llama")],
+)
+def test_llava_reads_each_of_its_text_families(kind, text, tmp_path):
+    window = {"sliding_window": 4} if text == "mistral" else {}
+    model = mc.model(kind, model_type=text, **window)
+    assert model.config.text_config.model_type == text
+    mc.save(model, tmp_path)
+    info, params = io.load_hf_folder(tmp_path)
+    assert info.architecture.name == text and info.config.hf_wrapper == kind
+    assert info.config.attention_bias == (text == "qwen2")
+    assert info.config.sliding_window == window.get("sliding_window")
+    np.testing.assert_allclose(
+        _entrenar_logits(info, params), mc.text_logits(model), atol=1e-5
     )
 
 
@@ -474,24 +493,27 @@ def test_bad_folders_are_refused_by_name(tmp_path):
             io.read_hf_folder(tmp_path / "hf")
 
 
-def test_a_yaml_run_trains_on_a_gemma3_folder_and_exports_it(tmp_path):
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl"])
+def test_a_yaml_run_trains_on_a_vision_language_folder_and_exports_it(kind, tmp_path):
     import hf_cases
 
     from entrenar.runs import train_from_yaml
     from entrenar.runs.info import model_info
 
     vocab = 512  # the tiny tokenizer's ids fit
-    model = mc.model("gemma3", vocab_size=vocab)
+    model = mc.model(kind, vocab_size=vocab)
+    cls = type(model)
     hf = tmp_path / "hf"
     mc.save(model, hf)
-    hf_cases.write_tokenizer(hf, "gemma3")
+    hf_cases.write_tokenizer(hf, "gemma3" if kind == "gemma3" else "qwen")
     tok_cfg = json.loads((hf / "tokenizer_config.json").read_text())
     template = tok_cfg.pop("chat_template")  # the processor's file keeps it
     (hf / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     (hf / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     assert io.HFTokenizer.from_folder(hf).chat_template == template
     info = model_info(str(hf))
-    assert info["architecture"] == "gemma3" and "not loaded" in info["not_loaded"]
+    assert info["architecture"] == mc.FAMILY[kind]
+    assert "not loaded" in info["not_loaded"]
     rows = [{"messages": hf_cases.MESSAGES[:2]}] * 8
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     doc = {
@@ -506,16 +528,16 @@ def test_a_yaml_run_trains_on_a_gemma3_folder_and_exports_it(tmp_path):
     result = train_from_yaml(tmp_path / "run.yaml", progress=False)
     assert result.metrics["steps"] == 3 and np.isfinite(result.metrics["train_loss"])
     out = result.files["hf"]
-    back = transformers.Gemma3ForConditionalGeneration.from_pretrained(out).eval()
+    assert _names(hf) == _names(Path(out))  # the source's key layout
+    back = cls.from_pretrained(out).eval()
     for name, value in model.state_dict().items():
-        if multimodal.is_vision(name, "gemma3"):
+        if multimodal.is_vision(name, kind):
             assert torch.equal(value, back.state_dict()[name]), name
-    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(hf).eval()
+    base = cls.from_pretrained(hf).eval()
     tuned = peft.PeftModel.from_pretrained(base, result.files["adapter"]).eval()
     merged_logits = mc.text_logits(back, mc.TOKENS)
     np.testing.assert_allclose(mc.text_logits(tuned), merged_logits, atol=1e-4)
     assert not np.allclose(merged_logits, mc.text_logits(model), atol=1e-6)
-    assert nn.architecture("gemma3").hf_class == "Gemma3ForCausalLM"
 
 
 def test_a_bfloat16_folder_exports_as_bfloat16_with_its_vision_bytes(tmp_path):
