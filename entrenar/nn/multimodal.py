@@ -73,7 +73,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from entrenar.errors import FormatError
+from entrenar.errors import FormatError, UnsupportedError
 from entrenar.nn.multimodal_defaults import (
     GEMMA3_TEXT,
     LLAMA_TEXT,
@@ -250,8 +250,18 @@ def text_config(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         FormatError: ``text_config`` is not an object, names a text
             ``model_type`` the wrapper does not hold, or an ``mrope_section``
             transformers cannot apply.
+        UnsupportedError: a ``quantization_config`` (FP8, AWQ, GPTQ, ... files).
     """
     w = WRAPPERS[str(hf["model_type"])]
+    quant = hf.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        raise UnsupportedError(
+            f"{source}: quantization_config (quant_method {method!r}) is not "
+            f"supported for a {w.model_type} folder: entrenar reads float weights; "
+            "use the checkpoint's bfloat16 release (Ministral 3: the -BF16 or -Base "
+            "folders)"
+        )
     given = hf.get("text_config", None)
     if given is None:
         flat = {k: hf[k] for k in w.flat_keys if k in hf}

@@ -485,6 +485,12 @@ def test_bad_folders_are_refused_by_name(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(FormatError, match="text_config of model_type 'llama'"):
         io.read_hf_folder(tmp_path / "hf")
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}  # Ministral 3's
+    (tmp_path / "hf" / "config.json").write_text(
+        json.dumps({**cfg, "quantization_config": fp8})
+    )
+    with pytest.raises(UnsupportedError, match=r"quant_method 'fp8'.*mistral3"):
+        io.read_hf_folder(tmp_path / "hf")
     for model_type, why in (("mllama", "cross-attention"), ("paligemma", "prefix-LM")):
         (tmp_path / "hf" / "config.json").write_text(
             json.dumps({"model_type": model_type})
