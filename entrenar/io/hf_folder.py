@@ -19,8 +19,9 @@ shards of at most ``max_shard_bytes`` with the index when there are several,
 ``generation_config.json`` and the tokenizer files), which
 ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load.
 
-A vision-language folder (Gemma 3 4B+, Mistral Small 3.1/3.2: `entrenar.nn.
-multimodal`) is read as its language model, the vision tower and projector left on
+A vision-language folder (Gemma 3 4B+, Mistral Small 3.1/3.2, Ministral 3, LLaVA,
+LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE): `entrenar.nn.multimodal`) is read as
+its language model, the vision tower and projector left on
 disk (`HFFolder.multimodal`); its export (``save_hf_folder(..., source=folder)``)
 writes the whole folder again, those tensors copied byte for byte.
 """

@@ -132,7 +132,8 @@ class LlamaConfig:
         architecture: the registry name of the family (``"llama"``, ``"qwen2"``,
             ...); `to_hf_config` writes that family's ``config.json``.
         hf_wrapper: the vision-language ``model_type`` (``"gemma3"``,
-            ``"mistral3"``) whose language model this is, or None
+            ``"qwen2_5_vl"``, ... `entrenar.nn.multimodal.WRAPPERS`) whose
+            language model this is, or None
             (`entrenar.nn.multimodal`): PEFT files name its modules as on the
             ConditionalGeneration model, a Hugging Face export writes the whole
             folder again.
