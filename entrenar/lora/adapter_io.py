@@ -18,8 +18,8 @@ PEFT loads here. The language model of a vision-language checkpoint (``wrapper``
 PEFT names them on the ConditionalGeneration model
 (``model.language_model.layers.0.self_attn.q_proj``; the legacy
 ``language_model.model.layers...``, Qwen2-VL's ``model.layers...``, is read too), and
-its ``target_modules`` is a
-regex over the language model only, so that PEFT leaves the vision tower alone.
+its ``target_modules`` is a regex over the language model only, so that PEFT leaves
+the vision tower alone.
 `load_adapter` checks every name, shape and rank against the base
 tree and reports everything that does not match in one `CompatibilityError`.
 """
