@@ -19,8 +19,9 @@ shards of at most ``max_shard_bytes`` with the index when there are several,
 ``generation_config.json`` and the tokenizer files), which
 ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load.
 
-A vision-language folder (Gemma 3 4B+, Mistral Small 3.1/3.2: `entrenar.nn.
-multimodal`) is read as its language model, the vision tower and projector left on
+A vision-language folder (Gemma 3 4B+, Mistral Small 3.1/3.2, Ministral 3, LLaVA,
+LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE): `entrenar.nn.multimodal`) is read as
+its language model, the vision tower and projector left on
 disk (`HFFolder.multimodal`); its export (``save_hf_folder(..., source=folder)``)
 writes the whole folder again, those tensors copied byte for byte.
 """
@@ -214,7 +215,7 @@ def read_hf_folder(folder: str | os.PathLike[str]) -> HFFolder:
     eos_ids_of(generation, gen_path)
     split = None
     if getattr(config, "hf_wrapper", None) is not None:
-        split = multimodal.split_tensors(_headers(files), folder)
+        split = multimodal.split_tensors(_headers(files), folder, config.hf_wrapper)
         config = _tied_as_stored(folder, config, "lm_head.weight" in split.text)
     return HFFolder(folder, arch, config, files, generation, split)
 
@@ -231,20 +232,21 @@ def _tied_as_stored(folder: str, config: Any, has_head: bool) -> Any:
     """A vision-language model's ``tie_word_embeddings`` as transformers 5 loads it.
 
     Its ConditionalGeneration class ties the head by the top-level
-    ``tie_word_embeddings`` (default true), not the ``text_config``'s, and does
-    not tie a head the checkpoint stores: so the head is tied exactly when the
-    checkpoint has none.
+    ``tie_word_embeddings`` (`multimodal.ties_head`), and does not tie a head
+    the checkpoint stores: so the head is tied exactly when the checkpoint has
+    none.
 
     Raises:
-        FormatError: no head stored and the top-level config says not to tie.
+        FormatError: no head stored and the config says not to tie.
     """
     if has_head:
         return dataclasses.replace(config, tie_word_embeddings=False)
     top = _json_object(os.path.join(folder, "config.json"))
-    if top.get("tie_word_embeddings", True) is False:
+    if not multimodal.ties_head(top):
         raise FormatError(
-            f"{folder}: config.json says tie_word_embeddings: false but the "
-            "weights hold no lm_head.weight (language_model.lm_head.weight)"
+            f"{folder}: config.json's tie_word_embeddings is false (or absent, "
+            f"false for {top['model_type']}) but the weights hold no lm_head.weight "
+            "(language_model.lm_head.weight)"
         )
     return dataclasses.replace(config, tie_word_embeddings=True)
 
@@ -285,6 +287,8 @@ def load_hf_folder(
     if info.multimodal is not None:  # the language model only (HFFolder.skipped_note)
         flat = {name: flat[stored] for name, stored in info.multimodal.text.items()}
         _LOG.info("%s: %s", info.path, info.skipped_note)
+        if multimodal.WRAPPERS[info.multimodal.kind].fused_experts:
+            flat = multimodal.orient_experts(flat, info.config)  # Qwen3-VL-MoE
     bound_heap(sum(t.nbytes for t in flat.values()))  # big buffers mapped (io.heap)
     convert = info.architecture.from_hf_tensors
     if convert is not None:  # a family whose checkpoint names differ from its tree
@@ -430,7 +434,9 @@ def save_hf_folder(
     os.makedirs(folder, exist_ok=True)
     made = lazy_hf_names(params)  # each tensor made (one layer sliced) when written
     convert = arch.to_hf_tensors
-    if convert is not None:  # a family whose names differ (still made lazily)
+    if wrapped is not None and _fused_experts(wrapped):  # Qwen3-VL-MoE's own names
+        made = multimodal.fuse_experts(made, config, _text_shapes(wrapped), _dense)
+    elif convert is not None:  # a family whose names differ (still made lazily)
         made = convert(made, config)
     kept: dict[str, Any] = {}  # the vision tower and projector, copied as stored
     if wrapped is not None:
@@ -515,13 +521,27 @@ def _wrapper_source(config: Any, source: Any) -> HFFolder | None:
     return None
 
 
+def _fused_experts(src: HFFolder) -> bool:
+    """Whether a wrapper stores its experts fused (`multimodal.fuse_experts`)."""
+    assert src.multimodal is not None
+    return multimodal.WRAPPERS[src.multimodal.kind].fused_experts
+
+
+def _text_shapes(src: HFFolder) -> dict[str, tuple[int, ...]]:
+    """The source's language-model tensor shapes, by text family name."""
+    assert src.multimodal is not None
+    stored = _headers(src.files)
+    return {t: tuple(stored[s].shape) for t, s in src.multimodal.text.items()}
+
+
 def _wrapped(
     made: dict[str, Any], src: HFFolder
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(language model in src's layout, vision tensors as stored)``."""
     assert src.multimodal is not None
     layout = src.multimodal.layout
-    made = {multimodal.wrapped_name(k, layout): v for k, v in made.items()}
+    kind = src.multimodal.kind
+    made = {multimodal.wrapped_name(k, layout, kind): v for k, v in made.items()}
     stored = _headers(src.files)
     return made, {name: stored[name] for name in src.multimodal.skipped}
 
@@ -541,7 +561,13 @@ def _wrapped_config(src: HFFolder, config: Any, text: dict[str, Any]) -> dict[st
     changed = {
         k: v for k, v in text.items() if k not in fixed and before.get(k, v) != v
     }
-    if changed:
+    if (
+        changed
+        and "text_config" not in top
+        and multimodal.WRAPPERS[str(top["model_type"])].absent is None
+    ):  # Qwen2-VL's flat config.json: the text keys at the top
+        top.update(changed)
+    elif changed:
         top["text_config"] = {**(top.get("text_config") or {}), **changed}
     if "torch_dtype" in text:  # the language model's dtype, where the file names one
         for d in (top, top.get("text_config") or {}):

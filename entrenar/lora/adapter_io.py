@@ -14,11 +14,12 @@ and for DoRA (``use_dora: true``, PEFT 0.21's names, no ``.weight`` suffix)::
 
 so an adapter trained here loads with ``PeftModel.from_pretrained`` and one saved by
 PEFT loads here. The language model of a vision-language checkpoint (``wrapper``:
-``"gemma3"``, ``"mistral3"``, `entrenar.nn.multimodal`) names its modules as PEFT
-names them on the ConditionalGeneration model
+``"gemma3"``, ``"qwen2_5_vl"``, ..., `entrenar.nn.multimodal`) names its modules as
+PEFT names them on the ConditionalGeneration model
 (``model.language_model.layers.0.self_attn.q_proj``; the legacy
-``language_model.model.layers...`` is read too), and its ``target_modules`` is a
-regex over the language model only, so that PEFT leaves the vision tower alone.
+``language_model.model.layers...``, Qwen2-VL's ``model.layers...``, is read too), and
+its ``target_modules`` is a regex over the language model only, so that PEFT leaves
+the vision tower alone.
 `load_adapter` checks every name, shape and rank against the base
 tree and reports everything that does not match in one `CompatibilityError`.
 """
@@ -519,7 +520,7 @@ def _text_modules(
 ) -> dict[str, dict[str, Any]]:
     """PEFT's module names on a ConditionalGeneration model as the text model's."""
     out: dict[str, dict[str, Any]] = {}
-    vision = sorted(m for m in found if multimodal.is_vision(m))
+    vision = sorted(m for m in found if multimodal.is_vision(m, wrapper))
     if vision:
         problems.append(
             f"{len(vision)} modules adapt the {wrapper} vision tower or projector "
@@ -530,11 +531,11 @@ def _text_modules(
     for mod, parts in found.items():
         if mod in vision:
             continue
-        text = multimodal.text_module(mod)
+        text = multimodal.text_module(mod, wrapper)
         if text is None:
             problems.append(
                 f"module {mod!r} is not of the {wrapper} language model "
-                "(model.language_model.*, language_model.model.*, lm_head)"
+                "(model.language_model.*, lm_head, or the file's legacy names)"
             )
             continue
         out[text] = parts

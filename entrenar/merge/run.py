@@ -166,7 +166,7 @@ def _fold_adapter(adapter: str, src: Source) -> dict[str, Any]:
     if wrapper is None:
         params = lora.load_adapter(adapter, unflatten_params(src.leaves))
         return named_leaves(lora.fold(params))[0]
-    split = multimodal.split_tensors(src.leaves, src.path)
+    split = multimodal.split_tensors(src.leaves, src.path, wrapper.model_type)
     text = unflatten_params({t: src.leaves[s] for t, s in split.text.items()})
     params = lora.load_adapter(adapter, text, wrapper=wrapper.model_type)
     folded = named_leaves(lora.fold(params))[0]

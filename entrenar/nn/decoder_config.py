@@ -133,6 +133,16 @@ def check_switches(c: Any) -> None:
             "LlamaConfig.attention_multiplier and query_pre_attn_scalar both set the "
             "attention scale: set one"
         )
+    if c.query_scale_beta is not None and not (
+        as_float(c.query_scale_beta) > 0
+        and isinstance(c.query_scale_length, int)
+        and c.query_scale_length > 0
+    ):
+        raise ConfigError(
+            "LlamaConfig.query_scale_beta must be > 0 with a positive int "
+            f"query_scale_length, got {c.query_scale_beta!r} and "
+            f"{c.query_scale_length!r}"
+        )
     if c.qk_norm_whole and not c.qk_norm:
         raise ConfigError("LlamaConfig.qk_norm_whole needs qk_norm=True")
     if c.clip_qkv is not None and not as_float(c.clip_qkv) > 0:
@@ -589,6 +599,7 @@ SWITCHES = (
     "moe_bias",
     "swiglu_limit",
     "attention_sinks",
+    "query_scale_beta",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 

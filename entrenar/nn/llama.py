@@ -132,7 +132,8 @@ class LlamaConfig:
         architecture: the registry name of the family (``"llama"``, ``"qwen2"``,
             ...); `to_hf_config` writes that family's ``config.json``.
         hf_wrapper: the vision-language ``model_type`` (``"gemma3"``,
-            ``"mistral3"``) whose language model this is, or None
+            ``"qwen2_5_vl"``, ... `entrenar.nn.multimodal.WRAPPERS`) whose
+            language model this is, or None
             (`entrenar.nn.multimodal`): PEFT files name its modules as on the
             ConditionalGeneration model, a Hugging Face export writes the whole
             folder again.
@@ -240,6 +241,12 @@ class LlamaConfig:
         attention_sinks: a learned logit per query head in every attention
             softmax's denominator (``self_attn.sinks (L, H)``; gpt-oss,
             `entrenar.nn.attention`).
+        query_scale_beta: Ministral 3's position-dependent query scale (Llama
+            4's attention temperature): after rotary, the query at position
+            ``p`` is multiplied by ``1 + β ln(1 + ⌊p / query_scale_length⌋)``
+            (1 within the first ``query_scale_length`` positions); None: none.
+        query_scale_length: that scale's period ``L`` (Ministral 3: the rope's
+            ``original_max_position_embeddings``, 16384).
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
             own paths: the native kernel on CPUs), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
@@ -319,6 +326,8 @@ class LlamaConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     attention_sinks: bool = False
+    query_scale_beta: float | None = None
+    query_scale_length: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -821,6 +830,7 @@ class LlamaConfig:
         pos = None if cache is None else cache.pos
         # (B|1, T, 1, r) each: every layer's rotation, computed once (rope_tables)
         rope = self._rope(positions, self.rope_theta, scaled=True)
+        q_scale = self._query_scale(positions)  # (B|1, T, 1, 1) or None
         sliding = sliding_layers(self)
         mixed = any(sliding) and not all(sliding)
         masks = (allowed, allowed)  # (full, sliding)
@@ -867,8 +877,9 @@ class LlamaConfig:
             if kernel_mask[0] and not mixed:  # the kernel's causal mask and window
                 mask = fused
             a, kv = self._attention(
-                lp, h, tables, mask, kv, index, pos, kernel_mask=kernel_mask
-            )
+                lp, h, tables, mask, kv, index, pos, kernel_mask=kernel_mask,
+                q_scale=q_scale,
+            )  # fmt: skip
             post = self.sandwich_norms or self.post_norms
             if post:
                 a = self._norm(a, lp["post_attention_layernorm"])
@@ -919,6 +930,19 @@ class LlamaConfig:
             positions, self.rotary_dim, theta, f, inv_freq=inv,
             scale=attention_factor(self),
         )  # fmt: skip
+
+    def _query_scale(self, positions: jax.Array) -> jax.Array | None:
+        """Ministral 3's query scale ``1 + β ln(1 + ⌊p / L⌋)`` at ``positions``.
+
+        transformers' ``get_llama_4_attn_scale``; ``(B|1, T, 1, 1)`` in float32,
+        or None without ``query_scale_beta``.
+        """
+        if self.query_scale_beta is None or self.query_scale_length is None:
+            return None
+        p = positions if positions.ndim == 2 else positions[None]  # (B|1, T)
+        periods = jnp.floor(p.astype(jnp.float32) / self.query_scale_length)
+        scale = 1 + self.query_scale_beta * jnp.log1p(periods)
+        return scale[:, :, None, None]
 
     def _residual(self, x: jax.Array) -> jax.Array:
         """A sublayer's output as added to the stream (× ``residual_multiplier``)."""
@@ -1018,6 +1042,7 @@ class LlamaConfig:
         index: jax.Array | None,
         pos: jax.Array | None,
         kernel_mask: tuple[bool, int | None] = (False, None),
+        q_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
         """Self-attention of ``h: (B, T, D)``; returns ``(output, cache_kv)``.
 
@@ -1025,6 +1050,7 @@ class LlamaConfig:
         into which the new entries are written at layer ``index`` and ``pos``.
         ``kernel_mask``: ``(causal, window)`` that fused attention applies on top
         of ``allowed`` (the reference path gets them inside ``allowed``).
+        ``q_scale``: `_query_scale`'s, multiplying the rotated queries.
         """
         b, t, _ = h.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
@@ -1053,6 +1079,8 @@ class LlamaConfig:
             k = self._norm(k, ap["k_norm"])
         q = rotate(q, rope)
         k = rotate(k, rope)
+        if q_scale is not None:  # Ministral 3: (B|1, T, 1, 1)
+            q = q * q_scale.astype(q.dtype)
         scale = self.attention_multiplier  # None: d^-1/2
         if self.query_pre_attn_scalar is not None:
             scale = self.query_pre_attn_scalar**-0.5

@@ -82,22 +82,20 @@ NOT_IMPLEMENTED = {
 }
 _VLM = (
     " (a vision-language model whose language model entrenar does not read: {}; "
-    "entrenar reads the language model of gemma3 and mistral3 folders)"
+    "entrenar reads the language model of gemma3, mistral3, llava, llava_next, "
+    "qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe folders)"
 )
 NOT_IMPLEMENTED |= {
     "mllama": _VLM.format("Llama 3.2 Vision's cross-attention layers"),
-    "qwen2_vl": _VLM.format("multimodal rotary positions (M-RoPE)"),
-    "qwen2_5_vl": _VLM.format("multimodal rotary positions (M-RoPE)"),
-    "qwen3_vl": _VLM.format("interleaved multimodal rotary positions, DeepStack"),
-    "qwen3_vl_moe": _VLM.format("interleaved multimodal rotary positions, MoE"),
     "gemma3n": _VLM.format("Gemma 3n's per-layer embeddings and AltUp"),
-    "llava": _VLM.format("LLaVA's language model is not read yet"),
     "paligemma": _VLM.format("prefix-LM attention over the image and prompt"),
 }
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
 entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``,
 ``deepseek_v2``, ``deepseek_v3``, ``olmoe``, ``granitemoe`` and ``granitemoeshared``;
-the vision-language ones ``gemma3`` and ``mistral3``, by their language model)."""
+the vision-language ones ``gemma3``, ``mistral3``, ``llava``, ``llava_next``,
+``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_vl_moe``, by their language
+model)."""
 GGUF_MOE = frozenset(
     {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
      "jamba"}
