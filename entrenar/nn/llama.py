@@ -858,7 +858,8 @@ class LlamaConfig:
         if any(sliding):
             # a query at index p sees keys at p - W < s <= p (cache: p = position)
             q_index = jnp.arange(tokens.shape[1]) if cache is None else positions
-            k_index = jnp.arange(allowed.shape[-1])  # (S,)
+            q_index = q_index.astype(jnp.int32)  # int64 positions under x64
+            k_index = jnp.arange(allowed.shape[-1], dtype=jnp.int32)  # (S,)
             window = self.sliding_window or 0  # set: some layer slides
             if q_index.ndim == 1:
                 near = (q_index[:, None] - k_index[None, :]) < window  # (T, S)
