@@ -168,6 +168,16 @@ LOGIT_SCALE = frozenset({"command-r", "cohere2"})
 LAYER_NORM_EPS = "attention.layer_norm_epsilon"
 """The ``ε`` key of a model whose norms are LayerNorms (`LlamaConfig.layer_norm`;
 RMSNorm's is ``attention.layer_norm_rms_epsilon``)."""
+SCALING_NONE = frozenset({"command-r", "cohere2"})
+"""llama.cpp names whose converter writes ``rope.scaling.type`` ``none`` for
+unscaled rotary (entrenar writes it too, so the keys are the converter's)."""
+HEAD_KEYS = frozenset({"cohere2"})
+"""llama.cpp names whose converter writes ``attention.key_length`` and
+``value_length`` always (transformers' Cohere2Config sets ``head_dim``); entrenar
+writes them too, elsewhere only for ``d != D / H``."""
+SQUARE_ATTENTION = frozenset({"command-r", "cohere2"})
+"""llama.cpp names whose graph takes ``attn_output`` as ``{D, D}``: the heads must
+fill the width (``H d = D``)."""
 QK_NORM_LAYERS = {"command-r": 64}
 """llama.cpp names whose graph loads per-head q/k norms (``attn_q_norm {d, H}``,
 `LlamaConfig.qk_norm_heads`) exactly when the model has at least this many layers
@@ -327,6 +337,7 @@ __all__ = [
     "FAMILY_KEY",
     "FAMILY_STEMS",
     "GLOBAL_STEMS",
+    "HEAD_KEYS",
     "IMPLIED",
     "LAYER_NORM_EPS",
     "LAYER_STEMS",
@@ -345,7 +356,9 @@ __all__ = [
     "SANDWICH_STEMS",
     "SCALED",
     "SCALE_KEYS",
+    "SCALING_NONE",
     "SHARED_EXPERT",
+    "SQUARE_ATTENTION",
     "SWA_PATTERN",
     "SWITCH_FIELDS",
     "TIED",

@@ -41,6 +41,7 @@ from entrenar.io.gguf_families import (
     EXPERT_NORM,
     F32_STEMS,
     FAMILY_KEY,
+    HEAD_KEYS,
     IMPLIED,
     LAYER_NORM_EPS,
     LOGIT_SCALE,
@@ -54,7 +55,9 @@ from entrenar.io.gguf_families import (
     QK_NORM_LAYERS,
     SCALE_KEYS,
     SCALED,
+    SCALING_NONE,
     SHARED_EXPERT,
+    SQUARE_ATTENTION,
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
@@ -221,8 +224,14 @@ def _metadata(
             size = c.shared_expert_intermediate_size
             new[p + "expert_shared_feed_forward_length"] = (size, U32)
     for k in ("attention.key_length", "attention.value_length"):
-        if p + k in fields or c.hd != c.hidden_size // c.num_heads:
+        if (
+            p + k in fields
+            or c.hd != c.hidden_size // c.num_heads
+            or (gname in HEAD_KEYS)
+        ):
             new[p + k] = (c.hd, U32)  # llama.cpp's default is D / H
+    if c.rope_type == "default" and gname in SCALING_NONE:
+        new[p + "rope.scaling.type"] = ("none", STR)  # as the converter writes
     if c.rope_type in ("linear", "yarn"):
         new[p + "rope.scaling.type"] = (c.rope_type, STR)
         new[p + "rope.scaling.factor"] = (c.rope_factor, F32)
@@ -318,6 +327,15 @@ def _gguf_name(config: Any) -> str:
             f"({implied}); this config's nope_layers are {config.nope_layers}. The "
             "file keeps them for entrenar (entrenar.family), llama.cpp will not "
             "follow them",
+            stacklevel=3,
+        )
+    width = config.num_heads * config.hd
+    if gname in SQUARE_ATTENTION and width != config.hidden_size:
+        warnings.warn(
+            f"llama.cpp's {gname} needs the heads to fill the width (attn_output "
+            f"{{D, D}}); this {arch.name} config has {config.num_heads} heads of "
+            f"{config.hd} = {width} for D = {config.hidden_size}, so llama.cpp will "
+            "refuse the file; entrenar reads it back",
             stacklevel=3,
         )
     layers = QK_NORM_LAYERS.get(gname)
