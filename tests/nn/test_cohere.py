@@ -267,3 +267,29 @@ def test_cohere2_without_sliding_layers_has_no_rotary():
     assert got.sliding_window is None and got.nope_layers == (True, True)
     assert cohere2_nope_layers(got) == (True, True)
     assert arch.from_hf(arch.to_hf(got)) == got
+
+
+def test_per_head_qk_norm_gains_are_never_adapted_or_quantized():
+    """Cohere's ``q_norm (L, H, d)`` looks like a stack of matrices, but is a norm.
+
+    LoRA's ``all-linear``, QLoRA's ``quantize_untargeted`` and `quant.quantize_params`'
+    default leave it a float array (before: adapted, 4-bit, and the GGUF writer
+    stored it Q8_0, which llama.cpp's LayerNorm cannot read).
+    """
+    from entrenar import lora, quant
+
+    config = dataclasses.replace(
+        nn.architecture("cohere").tiny(), hidden_size=64, head_dim=64
+    )  # d = 64: whole quantization blocks
+    params = config.init(jax.random.key(0))
+    cfg = lora.LoRAConfig(
+        rank=2, targets="all-linear", quantize_base="nf4", quantize_untargeted=True
+    )
+    for tree in (
+        lora.apply(params, cfg, key=jax.random.key(1)),
+        quant.quantize_params(params, "nf4"),
+    ):
+        attn = tree["model"]["layers"]["self_attn"]
+        for norm in ("q_norm", "k_norm"):
+            assert isinstance(attn[norm]["weight"], jax.Array), norm
+        assert not isinstance(attn["q_proj"]["weight"], jax.Array)
