@@ -30,6 +30,14 @@ hyperparameters ``{arch}.*``. The families differ in:
   gpt-oss's ``post_attention_norm`` (`FAMILY_STEMS`) and sinks
   (``blk.N.attn_sinks.weight``, `LEAF_NAMES`), and Phi-3's fused
   ``attn_qkv``/``ffn_up``;
+- **Cohere** (``command-r``, ``cohere2``: src/models/command-r.cpp, cohere2.cpp):
+  the name implies LayerNorms without bias (``attention.layer_norm_epsilon``,
+  `LAYER_NORM_EPS`), parallel layers, llama.cpp's NORM rotary on Hugging Face's
+  unpermuted rows (Cohere's pairs are interleaved already) and a tied head;
+  ``logit_scale`` *multiplies* the logits (`LOGIT_SCALE`; Granite's divides);
+  command-r's per-head q/k norms ``attn_q_norm {d, H}`` exist exactly when the
+  model has 64 layers or more (`QK_NORM_LAYERS`), cohere2 rotates only its sliding
+  layers (`NOPE_FULL`; the layout is ``attention.sliding_window_pattern``);
 - **gpt-oss** (``gpt-oss``, src/models/openai-moe.cpp): its graph fixes the clamped
   SwiGLU (limit 7, ``α`` 1.702), the biased experts, the sinks and the layers
   alternating sliding / full (`IMPLIED`, `SWA_PATTERN`), and rounds YaRN's
@@ -130,12 +138,17 @@ IMPLIED["gpt-oss"] = {
 IMPLIED["gemma"] = {
     k: v for k, v in IMPLIED["gemma2"].items() if k != "sandwich_norms"
 }  # Gemma 1: Llama's two norms a layer
+IMPLIED["command-r"] = IMPLIED["cohere2"] = {
+    "layer_norm": True,
+    "parallel_residual": True,
+    "rope_interleave": True,
+}  # entrenar.nn.cohere.COHERE
 """`LlamaConfig` fields a llama.cpp name implies."""
-TIED = frozenset({"gemma"})
+TIED = frozenset({"gemma", "command-r", "cohere2"})
 """llama.cpp names whose graph has no ``output.weight``: the head is the table."""
 UNTIED = frozenset({"olmo2"})
 """llama.cpp names whose graph needs ``output.weight`` (no tied head)."""
-SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo2": 4, "gpt-oss": 2}
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo2": 4, "gpt-oss": 2, "cohere2": 4}
 """llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
 PARTIAL_ROTARY = frozenset({"phi3"})
@@ -146,6 +159,29 @@ other graphs entrenar writes assert ``n_rot == n_embd_head`` (llama.cpp's
 NOPE_PERIOD = {"smollm3": 4}
 """llama.cpp names whose graph skips rotary on layer ``i`` when ``(i + 1) % n == 0``
 (no key states it: SmolLM3's ``n_no_rope_layer_step``, fixed at 4)."""
+NOPE_FULL = frozenset({"cohere2"})
+"""llama.cpp names whose graph rotates the sliding layers only: every
+full-attention layer is NoPE (`LlamaConfig.nope_layers`, derived from the layout)."""
+LOGIT_SCALE = frozenset({"command-r", "cohere2"})
+"""llama.cpp names whose ``logit_scale`` multiplies the logits
+(`LlamaConfig.logit_scale`); Granite's (`SCALE_KEYS`) divides them."""
+LAYER_NORM_EPS = "attention.layer_norm_epsilon"
+"""The ``ε`` key of a model whose norms are LayerNorms (`LlamaConfig.layer_norm`;
+RMSNorm's is ``attention.layer_norm_rms_epsilon``)."""
+SCALING_NONE = frozenset({"command-r", "cohere2"})
+"""llama.cpp names whose converter writes ``rope.scaling.type`` ``none`` for
+unscaled rotary (entrenar writes it too, so the keys are the converter's)."""
+HEAD_KEYS = frozenset({"cohere2"})
+"""llama.cpp names whose converter writes ``attention.key_length`` and
+``value_length`` always (transformers' Cohere2Config sets ``head_dim``); entrenar
+writes them too, elsewhere only for ``d != D / H``."""
+SQUARE_ATTENTION = frozenset({"command-r", "cohere2"})
+"""llama.cpp names whose graph takes ``attn_output`` as ``{D, D}``: the heads must
+fill the width (``H d = D``)."""
+QK_NORM_LAYERS = {"command-r": 64}
+"""llama.cpp names whose graph loads per-head q/k norms (``attn_q_norm {d, H}``,
+`LlamaConfig.qk_norm_heads`) exactly when the model has at least this many layers
+(Command-R+'s 64: src/models/command-r.cpp)."""
 WINDOWED = {"olmo2": "olmo3"}
 """llama.cpp names that hold two families: the one a file with sliding layers is
 (llama.cpp's olmo2 runs OLMo 3, whose sliding layers rotate unscaled at
@@ -271,6 +307,19 @@ def default_nope_layers(name: str, n_layers: int) -> tuple[bool, ...] | None:
     return nope if any(nope) else None
 
 
+def full_layers_nope(
+    name: str, layer_types: tuple[str, ...] | None, n_layers: int
+) -> tuple[bool, ...] | None:
+    """`NOPE_FULL`'s NoPE layers: the full-attention ones (None: none).
+
+    ``layer_types`` None: every layer attends fully.
+    """
+    if name not in NOPE_FULL:
+        return None
+    nope = tuple(t != "sliding_attention" for t in layer_types or ("",) * n_layers)
+    return nope if any(nope) else None
+
+
 def default_layer_types(name: str, n_layers: int) -> tuple[str, ...] | None:
     """The layer types llama.cpp assumes for ``name`` (None: no sliding layers)."""
     n = SWA_PATTERN.get(name)
@@ -288,10 +337,14 @@ __all__ = [
     "FAMILY_KEY",
     "FAMILY_STEMS",
     "GLOBAL_STEMS",
+    "HEAD_KEYS",
     "IMPLIED",
+    "LAYER_NORM_EPS",
     "LAYER_STEMS",
     "LEAF_NAMES",
+    "LOGIT_SCALE",
     "MOE_FAMILIES",
+    "NOPE_FULL",
     "NOPE_PERIOD",
     "NORM_SHIFT",
     "ONE_BASE",
@@ -299,10 +352,13 @@ __all__ = [
     "PARTIAL_ROTARY",
     "PERMUTED",
     "POST_NORM_STEMS",
+    "QK_NORM_LAYERS",
     "SANDWICH_STEMS",
     "SCALED",
     "SCALE_KEYS",
+    "SCALING_NONE",
     "SHARED_EXPERT",
+    "SQUARE_ATTENTION",
     "SWA_PATTERN",
     "SWITCH_FIELDS",
     "TIED",
@@ -311,6 +367,7 @@ __all__ = [
     "WRITTEN_AS",
     "default_layer_types",
     "default_nope_layers",
+    "full_layers_nope",
     "gguf_names",
     "layer_stems",
     "written_name",

@@ -51,17 +51,22 @@ from entrenar.io.gguf_families import (
     EXPERT_NORM,
     FAMILY_KEY,
     IMPLIED,
+    LAYER_NORM_EPS,
+    LOGIT_SCALE,
     MOE_FAMILIES,
+    NOPE_FULL,
     NORM_SHIFT,
     ONE_WIDTH,
     PARTIAL_ROTARY,
     PERMUTED,
+    QK_NORM_LAYERS,
     SCALE_KEYS,
     SHARED_EXPERT,
     SWITCH_FIELDS,
     WINDOWED,
     default_layer_types,
     default_nope_layers,
+    full_layers_nope,
     gguf_names,
     written_name,
 )
@@ -156,6 +161,7 @@ FLOAT_RANGES = {
     "rope.freq_base": (1.0, 1e12),
     "rope.freq_base_swa": (1.0, 1e12),
     "attention.layer_norm_rms_epsilon": (0.0, 1.0),
+    LAYER_NORM_EPS: (0.0, 1.0),
     "rope.scaling.factor": (0.0, 1e6),
     "rope.scaling.attn_factor": (0.0, 1e3),
     "rope.scaling.yarn_attn_factor": (0.0, 1e3),
@@ -493,6 +499,10 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     n_vocab = emb.shape[0] if emb is not None and len(emb.shape) == 2 else None
     head_dim = _head_dim(g, p, hidden, heads)
     has = set(g.tensors)
+    implied = IMPLIED.get(name, {})
+    eps = LAYER_NORM_EPS if implied.get("layer_norm") else (
+        "attention.layer_norm_rms_epsilon"
+    )  # fmt: skip
     fields: dict[str, Any] = dict(
         vocab_size=_meta_int(g, f"{p}vocab_size", n_vocab),
         hidden_size=hidden,
@@ -502,7 +512,7 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         num_kv_heads=_meta_int(g, f"{p}attention.head_count_kv", heads),
         head_dim=head_dim,
         rope_theta=_meta_float(g, f"{p}rope.freq_base", 10000.0),
-        rms_norm_eps=_meta_float(g, f"{p}attention.layer_norm_rms_epsilon", 1e-5),
+        rms_norm_eps=_meta_float(g, p + eps, 1e-5),
         tie_word_embeddings="output.weight" not in has,
         max_position_embeddings=_meta_int(g, f"{p}context_length", 2048),
         attention_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & has),
@@ -512,20 +522,27 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         fused_qkv="blk.0.attn_qkv.weight" in has,
         fused_gate_up="blk.0.ffn_up.weight" in has
         and "blk.0.ffn_gate.weight" not in has,
-        **IMPLIED.get(name, {}),
+        **implied,
     )
     fields["nope_layers"] = default_nope_layers(name, n_layers)
+    if name in QK_NORM_LAYERS:  # Command-R+: a gain per head, {d, H}
+        fields["qk_norm_heads"] = fields["qk_norm"]
     n_rot = _rotary_dim(g, name, head_dim)
     if n_rot != head_dim:
         fields["partial_rotary_factor"] = rotary_factor(n_rot, head_dim)
     fields |= _rope_fields(g, p, n_rot)
     fields |= _window_fields(g, name, p, n_layers)
+    if name in NOPE_FULL:  # Cohere 2: the full-attention layers do not rotate
+        types = fields.get("layer_types")
+        fields["nope_layers"] = full_layers_nope(name, types, n_layers)
     fields |= _expert_fields(g, name, p, fields["intermediate_size"])
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = _meta_float(g, f"{p}{key}", None)
         if value is not None:
             fields[key] = value
     for field, key in SCALE_KEYS.items():  # Granite's multipliers
+        if name in LOGIT_SCALE and key == "logit_scale":
+            field = "logit_scale"  # Cohere's multiplies the logits
         value = _meta_float(g, f"{p}{key}", None)
         if value is not None:
             fields[field] = value

@@ -41,21 +41,29 @@ from entrenar.io.gguf_families import (
     EXPERT_NORM,
     F32_STEMS,
     FAMILY_KEY,
+    HEAD_KEYS,
     IMPLIED,
+    LAYER_NORM_EPS,
+    LOGIT_SCALE,
     MOE_FAMILIES,
+    NOPE_FULL,
     NOPE_PERIOD,
     NORM_SHIFT,
     ONE_BASE,
     PARTIAL_ROTARY,
     PERMUTED,
+    QK_NORM_LAYERS,
     SCALE_KEYS,
     SCALED,
+    SCALING_NONE,
     SHARED_EXPERT,
+    SQUARE_ATTENTION,
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
     UNTIED,
     default_nope_layers,
+    full_layers_nope,
     gguf_names,
     written_name,
 )
@@ -201,7 +209,10 @@ def _metadata(
         p + "attention.head_count_kv": (c.num_kv_heads, U32),
         p + "rope.dimension_count": (c.rotary_dim, U32),
         p + "rope.freq_base": (c.rope_theta, F32),
-        p + "attention.layer_norm_rms_epsilon": (c.rms_norm_eps, F32),
+        p + (LAYER_NORM_EPS if c.layer_norm else "attention.layer_norm_rms_epsilon"): (
+            c.rms_norm_eps,
+            F32,
+        ),
         "general.file_type": (FILE_TYPES[kind], U32),
     }
     if c.num_experts:  # as llama.cpp's converter writes them
@@ -213,8 +224,14 @@ def _metadata(
             size = c.shared_expert_intermediate_size
             new[p + "expert_shared_feed_forward_length"] = (size, U32)
     for k in ("attention.key_length", "attention.value_length"):
-        if p + k in fields or c.hd != c.hidden_size // c.num_heads:
+        if (
+            p + k in fields
+            or c.hd != c.hidden_size // c.num_heads
+            or (gname in HEAD_KEYS)
+        ):
             new[p + k] = (c.hd, U32)  # llama.cpp's default is D / H
+    if c.rope_type == "default" and gname in SCALING_NONE:
+        new[p + "rope.scaling.type"] = ("none", STR)  # as the converter writes
     if c.rope_type in ("linear", "yarn"):
         new[p + "rope.scaling.type"] = (c.rope_type, STR)
         new[p + "rope.scaling.factor"] = (c.rope_factor, F32)
@@ -240,6 +257,8 @@ def _metadata(
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(c, key) is not None:
             new[p + key] = (getattr(c, key), F32)
+    if gname in LOGIT_SCALE:  # Cohere's multiplies; cohere2 needs it
+        new[p + "logit_scale"] = (c.logit_scale or 1.0, F32)
     if gname in SCALED:  # Granite's multipliers; llama.cpp needs logit_scale
         for field, key in SCALE_KEYS.items():
             value = getattr(c, field)
@@ -310,6 +329,37 @@ def _gguf_name(config: Any) -> str:
             "follow them",
             stacklevel=3,
         )
+    width = config.num_heads * config.hd
+    if gname in SQUARE_ATTENTION and width != config.hidden_size:
+        warnings.warn(
+            f"llama.cpp's {gname} needs the heads to fill the width (attn_output "
+            f"{{D, D}}); this {arch.name} config has {config.num_heads} heads of "
+            f"{config.hd} = {width} for D = {config.hidden_size}, so llama.cpp will "
+            "refuse the file; entrenar reads it back",
+            stacklevel=3,
+        )
+    layers = QK_NORM_LAYERS.get(gname)
+    if layers is not None and config.qk_norm != (config.num_layers >= layers):
+        warnings.warn(
+            f"llama.cpp's {gname} loads per-head q/k norms exactly when a model has "
+            f"{layers} layers or more; this {arch.name} config has "
+            f"{config.num_layers} layers and qk_norm={config.qk_norm}, so llama.cpp "
+            "will refuse the file (a missing or unexpected attn_q_norm tensor); "
+            "entrenar reads it back",
+            stacklevel=3,
+        )
+    if gname in NOPE_FULL:
+        types = tuple(
+            "sliding_attention" if s else "full_attention"
+            for s in sliding_layers(config)
+        )
+        nope = full_layers_nope(gname, types, config.num_layers)
+        if config.nope_layers != nope:
+            raise UnsupportedError(
+                f"llama.cpp's {gname} rotates the sliding layers only (NoPE layers "
+                f"{nope}); this {arch.name} config has nope_layers "
+                f"{config.nope_layers}"
+            )
     for field, value in IMPLIED.get(gname, {}).items():
         if getattr(config, field) != value:
             raise UnsupportedError(
@@ -448,10 +498,15 @@ def save_llama_gguf(
                 raise FormatError(f"params lack {hf} (config {config})")
             w = tree[key]
             stacked = prefix.startswith("model.layers.")
-            # experts: (L, E, out, in); their biases (L, E, out) stay F32 (gpt-oss)
-            matrix = key != "bias" and len(sub) >= (3 if stacked else 2)
             layer0 = hf.replace("model.layers.", "model.layers.0.", 1)
             stem = names[layer0 if stacked else hf].split(".")[-2]
+            # experts: (L, E, out, in); their biases (L, E, out) stay F32 (gpt-oss),
+            # and norms (Cohere's per-head q/k gains (L, H, d)), as llama.cpp's
+            matrix = (
+                key != "bias"
+                and not stem.endswith("norm")
+                and len(sub) >= (3 if stacked else 2)
+            )
             k = (emb_kind if not stacked else kind) if matrix else "F32"
             k = "F32" if stem in F32_STEMS else k  # the routers, as llama.cpp
             if not stacked:

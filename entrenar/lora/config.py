@@ -6,9 +6,11 @@ are the Hugging Face names: for a stacked leaf (under a ``layers`` key, leading 
 when it matches every one of those names:
 
 - ``"all-linear"``: every candidate with a 2-D ``(out, in)`` matrix per layer, except
-  embeddings, the output head (PEFT's ``all-linear``) and a mixture of experts'
-  router ``mlp.gate`` (frozen, as PEFT leaves Qwen MoE routers; the experts'
-  ``(E, out, in)`` stacks are not 2-D: target them by name, ``experts.down_proj``);
+  embeddings, the output head (PEFT's ``all-linear``), norms (Cohere's per-head q/k
+  norm gains are ``(H, d)``: ``*norm`` modules are LayerNorms, not linear) and a
+  mixture of experts' router ``mlp.gate`` (frozen, as PEFT leaves Qwen MoE routers;
+  the experts' ``(E, out, in)`` stacks are not 2-D: target them by name,
+  ``experts.down_proj``);
 - a dotted name made of ``[A-Za-z0-9_.]`` only (``"q_proj"``, ``"self_attn.v_proj"``):
   the module name equals it or ends with ``"." + target`` (PEFT's list semantics);
 - anything else is a regular expression searched in the module name
@@ -37,6 +39,7 @@ default): `lora.apply`, a run's load-time quantizer and the host form all take i
 _PLAIN = re.compile(r"[A-Za-z0-9_.]+")
 _NOT_LINEAR = re.compile(
     r"(^|\.)(embed_tokens|embed|wte|wpe|lm_head|output)(\.|$)|(^|\.)mlp\.gate$"
+    r"|(^|\.)\w*norm$"
 )
 
 
@@ -217,6 +220,8 @@ def target_matches(target: str, module: str, per_layer_ndim: int) -> bool:
     >>> target_matches("all-linear", "model.embed_tokens", 2)
     False
     >>> target_matches("all-linear", "model.layers.0.mlp.gate", 2)  # a MoE router
+    False
+    >>> target_matches("all-linear", "model.layers.0.self_attn.q_norm", 2)  # (H, d)
     False
     """
     if target == ALL_LINEAR:

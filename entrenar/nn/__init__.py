@@ -11,6 +11,7 @@ registers in its own package.
 """
 
 from entrenar.nn import (  # families register
+    cohere,
     deepseek,
     gemma,
     gpt_oss,
@@ -117,6 +118,7 @@ __all__ = [
     "causal_lm_loss",
     "causal_mask",
     "check_length",
+    "cohere",
     "context_length",
     "conv1d_transpose",
     "cross_entropy",

@@ -145,6 +145,21 @@ def check_switches(c: Any) -> None:
         )
     if c.qk_norm_whole and not c.qk_norm:
         raise ConfigError("LlamaConfig.qk_norm_whole needs qk_norm=True")
+    if c.qk_norm_heads and (not c.qk_norm or c.qk_norm_whole):
+        raise ConfigError(
+            "LlamaConfig.qk_norm_heads (a gain per head) needs qk_norm=True and "
+            "qk_norm_whole=False"
+        )
+    if c.rope_interleave and c.rotary_dim != c.hd:
+        raise ConfigError(
+            "LlamaConfig.rope_interleave rotates whole heads; set "
+            f"partial_rotary_factor=1 (got {factor})"
+        )
+    if c.parallel_residual and (c.post_norms or c.sandwich_norms):
+        raise ConfigError(
+            "LlamaConfig.parallel_residual (Cohere: one norm before attention and "
+            "the MLP) excludes post_norms and sandwich_norms"
+        )
     if c.clip_qkv is not None and not as_float(c.clip_qkv) > 0:
         raise ConfigError(
             f"LlamaConfig.clip_qkv must be > 0 or None, got {c.clip_qkv!r}"
@@ -168,6 +183,7 @@ def check_switches(c: Any) -> None:
         "residual_multiplier",
         "attention_multiplier",
         "logits_scaling",
+        "logit_scale",
     ):
         value = getattr(c, name)
         if value is not None and not value > 0:
@@ -600,6 +616,11 @@ SWITCHES = (
     "swiglu_limit",
     "attention_sinks",
     "query_scale_beta",
+    "layer_norm",
+    "parallel_residual",
+    "qk_norm_heads",
+    "rope_interleave",
+    "logit_scale",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 

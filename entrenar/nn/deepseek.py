@@ -667,7 +667,10 @@ def deepseek_v2_from_hf(hf: Mapping[str, Any]) -> DeepseekConfig:
 
 def _to_hf(c: DeepseekConfig, hf_class: str, model_type: str) -> dict[str, Any]:
     """The ``config.json`` entries both families write."""
-    allowed = ("rope_type", "attention_bias", "attention_out_bias", "num_experts")
+    allowed = (
+        "rope_type", "attention_bias", "attention_out_bias", "num_experts",
+        "rope_interleave",
+    )  # fmt: skip
     hf = common_to_hf(c, hf_class, model_type, allowed)
     del hf["head_dim"]  # transformers sets it to qk_rope_head_dim
     if hf["rope_scaling"] is not None and c.rope_mscale_all_dim:

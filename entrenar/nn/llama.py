@@ -56,6 +56,7 @@ from entrenar.nn.layers import (
     embedding,
     gated_mlp,
     gelu_tanh,
+    layer_norm,
     rms_norm,
     silu,
     upcast_dtype,
@@ -247,6 +248,23 @@ class LlamaConfig:
             (1 within the first ``query_scale_length`` positions); None: none.
         query_scale_length: that scale's period ``L`` (Ministral 3: the rope's
             ``original_max_position_embeddings``, 16384).
+        layer_norm: every norm (the layers', the final one, the q/k norms) is a
+            LayerNorm with a gain and no bias, ``(x - μ) / sqrt(σ² + ε) · w`` in
+            float32 (Cohere's ``CohereLayerNorm``), in place of RMSNorm; ``ε`` is
+            ``rms_norm_eps``.
+        parallel_residual: attention and the MLP read the same
+            ``input_layernorm`` output and both add to the stream, ``h = h +
+            Attn(x) + MLP(x)`` with ``x = Norm(h)`` (Cohere); no
+            ``post_attention_layernorm``.
+        qk_norm_heads: ``qk_norm``'s gains are per head, ``q_norm (L, H, d)``
+            and ``k_norm (L, KV, d)``, each head normalised over its ``d`` values
+            (Cohere's ``use_qk_norm``).
+        rope_interleave: rotary pairs are ``(x[2i], x[2i+1])`` (GPT-J's layout,
+            Cohere's ``rotate_half``), not ``(x[i], x[i + d/2])``: queries and keys
+            are reordered to ``[x_0, x_2, ...; x_1, x_3, ...]`` before the
+            half-split rotation, which leaves every score as the pairs give it.
+        logit_scale: logits are multiplied by this (Cohere's ``logit_scale``);
+            ``features`` carries the factor, as for ``logits_scaling``.
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
             own paths: the native kernel on CPUs), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
@@ -328,6 +346,11 @@ class LlamaConfig:
     attention_sinks: bool = False
     query_scale_beta: float | None = None
     query_scale_length: int | None = None
+    layer_norm: bool = False
+    parallel_residual: bool = False
+    qk_norm_heads: bool = False
+    rope_interleave: bool = False
+    logit_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -461,7 +484,8 @@ class LlamaConfig:
         The family switches add leaves under Hugging Face's names: ``bias`` next
         to the weights, ``self_attn.{q,k}_norm``, Gemma's
         ``{pre,post}_feedforward_layernorm`` (OLMo 2: the post one, and no
-        ``input_layernorm``); Phi-3's fused ``qkv_proj`` and
+        ``input_layernorm``; Cohere's parallel layers: no
+        ``post_attention_layernorm``); Phi-3's fused ``qkv_proj`` and
         ``gate_up_proj`` replace q/k/v and gate/up.
         """
         d, i, n = self.hidden_size, self.intermediate_size, self.num_layers
@@ -482,7 +506,10 @@ class LlamaConfig:
         if not self.fused_qkv:
             attn["v_proj"] = lin(kvd, d, ab)
         attn["o_proj"] = lin(d, qd, self.attention_out_bias)
-        if self.qk_norm:  # per head, or over the whole projection (OLMo 2)
+        if self.qk_norm_heads:  # Cohere: a gain per head
+            attn["q_norm"] = {"weight": (n, self.num_heads, self.hd)}
+            attn["k_norm"] = {"weight": (n, self.num_kv_heads, self.hd)}
+        elif self.qk_norm:  # per head, or over the whole projection (OLMo 2)
             attn["q_norm"] = {"weight": (n, qd if self.qk_norm_whole else self.hd)}
             attn["k_norm"] = {"weight": (n, kvd if self.qk_norm_whole else self.hd)}
         if self.attention_sinks:  # gpt-oss: one logit per query head
@@ -509,6 +536,8 @@ class LlamaConfig:
             }
         if self.post_norms:  # OLMo 2: no norm before attention
             del layers["input_layernorm"]
+        if self.parallel_residual:  # Cohere: one norm for attention and the MLP
+            del layers["post_attention_layernorm"]
         if self.sandwich_norms:
             layers["pre_feedforward_layernorm"] = {"weight": (n, d)}
         if self.sandwich_norms or self.post_norms:
@@ -671,7 +700,8 @@ class LlamaConfig:
     ) -> Any:
         """The final normalised hidden states ``RMSNorm(h): (B, T, D)`` in ``dtype``.
 
-        (Divided by ``logits_scaling`` when set: Granite.)
+        (Divided by ``logits_scaling`` when set: Granite; multiplied by
+        ``logit_scale``: Cohere.)
 
         ``apply``'s logits are ``features(...) Wᵀ`` with ``W = output_weight(params)``;
         a loss that never forms the whole ``(B, T, V)`` logits
@@ -838,7 +868,8 @@ class LlamaConfig:
         if any(sliding):
             # a query at index p sees keys at p - W < s <= p (cache: p = position)
             q_index = jnp.arange(tokens.shape[1]) if cache is None else positions
-            k_index = jnp.arange(allowed.shape[-1])  # (S,)
+            q_index = q_index.astype(jnp.int32)  # int64 positions under x64
+            k_index = jnp.arange(allowed.shape[-1], dtype=jnp.int32)  # (S,)
             window = self.sliding_window or 0  # set: some layer slides
             if q_index.ndim == 1:
                 near = (q_index[:, None] - k_index[None, :]) < window  # (T, S)
@@ -876,6 +907,8 @@ class LlamaConfig:
                           jnp.where(no_rope, 0, sin).astype(sin.dtype))  # fmt: skip
             if kernel_mask[0] and not mixed:  # the kernel's causal mask and window
                 mask = fused
+            if self.parallel_residual:  # Cohere: the MLP reads attention's input
+                xm = self._norm(h, lp["input_layernorm"])
             a, kv = self._attention(
                 lp, h, tables, mask, kv, index, pos, kernel_mask=kernel_mask,
                 q_scale=q_scale,
@@ -887,7 +920,10 @@ class LlamaConfig:
             pre = "pre_feedforward_layernorm" if self.sandwich_norms else (
                 "post_attention_layernorm"
             )  # fmt: skip
-            xm = h if self.post_norms else self._norm(h, lp[pre])
+            if self.post_norms:
+                xm = h
+            elif not self.parallel_residual:
+                xm = self._norm(h, lp[pre])
             x, logits = self._mlp_routed(lp["mlp"], xm, jitter)
             if "shared_mlp" in lp:  # Granite MoE shared: beside the experts
                 x = x + self._shared_mlp(lp["shared_mlp"], xm)
@@ -951,14 +987,21 @@ class LlamaConfig:
         return x * jnp.asarray(self.residual_multiplier, x.dtype)
 
     def _final(self, params: Params, h: jax.Array) -> jax.Array:
-        """The final norm, and Granite's ``1 / logits_scaling`` folded in."""
+        """The final norm; Granite's ``1 / logits_scaling``, Cohere's logit_scale."""
         h = self._norm(h, params["model"]["norm"])
         if self.logits_scaling is not None:
             h = h / jnp.asarray(self.logits_scaling, h.dtype)
+        if self.logit_scale is not None:
+            h = h * jnp.asarray(self.logit_scale, h.dtype)
         return h
 
     def _norm(self, x: jax.Array, p: Params) -> jax.Array:
-        """RMSNorm with the gain ``p["weight"]`` (``1 + w`` for Gemma)."""
+        """RMSNorm with the gain ``p["weight"]`` (``1 + w`` for Gemma), or LayerNorm.
+
+        ``layer_norm``: Cohere's LayerNorm with a gain and no bias.
+        """
+        if self.layer_norm:
+            return layer_norm(x, p["weight"], None, self.rms_norm_eps)
         return rms_norm(
             x, p["weight"], self.rms_norm_eps, unit_offset=self.norm_unit_offset
         )
@@ -1075,8 +1118,10 @@ class LlamaConfig:
         k = k.reshape(b, t, nkv, hd)  # (B, T, KV, d)
         v = v.reshape(b, t, nkv, hd)
         if self.qk_norm and not self.qk_norm_whole:  # per head, before rotary
-            q = self._norm(q, ap["q_norm"])
+            q = self._norm(q, ap["q_norm"])  # gains (d,) or (H, d): qk_norm_heads
             k = self._norm(k, ap["k_norm"])
+        if self.rope_interleave:  # pairs (x[2i], x[2i+1]) as halves, q and k alike
+            q, k = _deinterleave(q), _deinterleave(k)
         q = rotate(q, rope)
         k = rotate(k, rope)
         if q_scale is not None:  # Ministral 3: (B|1, T, 1, 1)
@@ -1202,6 +1247,16 @@ def _layer_keys(key: Any, n: int) -> jax.Array | None:
 
 JITTER_STREAM = 0x7A17_7E12
 """`fold_in` data of the router jitter's keys (far above any leaf index)."""
+
+
+def _deinterleave(x: jax.Array) -> jax.Array:
+    """``[x_0, x_2, ...; x_1, x_3, ...]`` of ``x: (..., d)``: pairs as halves.
+
+    Interleaved rotary pairs become the halves `entrenar.nn.rope.rotate` turns.
+    Queries and keys get the same order, so ``q · k`` is unchanged and the rotation
+    of pair ``i`` is that of ``(x[2i], x[2i+1])``.
+    """
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
 def _bias(p: Params) -> Any:

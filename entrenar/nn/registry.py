@@ -79,6 +79,9 @@ NOT_IMPLEMENTED = {
     "jamba": _MOE.format("Mamba layers"),
     "dbrx": _MOE.format("DBRX's fused layout and clipped qkv"),
     "phimoe": _MOE.format("sparsemixer routing"),
+    "cohere2_moe": _MOE.format(
+        "Cohere 2 MoE's dense prefix layers and averaged shared experts"
+    ),
 }
 _VLM = (
     " (a vision-language model whose language model entrenar does not read: {}; "
@@ -98,7 +101,7 @@ the vision-language ones ``gemma3``, ``mistral3``, ``llava``, ``llava_next``,
 model)."""
 GGUF_MOE = frozenset(
     {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
-     "jamba"}
+     "jamba", "cohere2moe"}
 )  # fmt: skip
 """llama.cpp ``general.architecture`` names of mixtures of experts entrenar does not
 read (it reads ``llama`` with experts as Mixtral, ``qwen2moe``, ``qwen3moe`` and

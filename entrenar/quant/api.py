@@ -265,6 +265,18 @@ def quantizable(x: Any, block: int, *, lead_axes: int = 0) -> bool:
     )
 
 
+def _is_norm(name: str) -> bool:
+    """Whether the leaf at dotted path ``name`` is a norm's gain (``*norm.weight``).
+
+    Most are vectors; Cohere's per-head q/k norm gains are ``(H, d)`` matrices.
+
+    >>> _is_norm("model.layers.self_attn.q_norm.weight"), _is_norm("lm_head.weight")
+    (True, False)
+    """
+    module, _, _ = name.rpartition(".")
+    return module.rpartition(".")[2].endswith("norm")
+
+
 def layer_axes(name: str) -> int:
     """Leading layer axes of the leaf at the dotted path ``name``: 1 in a layer stack.
 
@@ -290,7 +302,8 @@ def quantize_params(
     """A new tree whose selected weights are `QuantizedWeight` nodes.
 
     By default every non-empty floating leaf with at least two axes whose last axis
-    splits into whole blocks is quantized (weights, not biases or norms); in a layer
+    splits into whole blocks is quantized (weights, not biases or norms: a
+    ``*norm.weight`` stays, whatever its shape); in a layer
     stack (`layer_axes`) the axes are counted per layer, so a stacked norm ``(L, D)``
     stays as it is and a projection ``(L, out, in)`` is quantized.
     ``predicate(name, leaf)`` (``name`` the dotted path) chooses instead.
@@ -306,7 +319,9 @@ def quantize_params(
         block = 1
 
     select = predicate or (
-        lambda name, x: quantizable(x, block, lead_axes=layer_axes(name))
+        lambda name, x: (
+            quantizable(x, block, lead_axes=layer_axes(name)) and not _is_norm(name)
+        )
     )
 
     def rule(path: tuple[Any, ...], x: Any) -> Any:

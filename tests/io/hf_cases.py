@@ -7,7 +7,8 @@ with its special tokens, ``tokenizer_config.json`` and chat template:
 - byte-level BPE (GPT-2 bytes, no normalizer) for Llama 3 and Qwen2/3, split by the
   GPT-2 regex; the ``llama3_split`` and ``qwen2_split`` styles split by those
   families' own regexes (with Llama 3's ``ignore_merges``, Qwen2's NFC normalizer),
-  as their files do;
+  as their files do; Cohere's (Command-R, Aya, Command-R7B): NFC, each digit its own
+  piece, then GPT-2 bytes (transformers' ``CohereTokenizer``);
 - SentencePiece-style BPE (``▁`` for spaces, ``<0xNN>`` byte fallback) for Mistral,
   Phi-3 (a ``▁`` prepended, as Llama 2's tokenizer does; its chat tokens ``rstrip``
   as in Phi-3's file) and Gemma (none prepended).
@@ -57,6 +58,13 @@ GEMMA_TEMPLATE = (
     "'assistant' else m['role'] %}{{ '<start_of_turn>' + role + '\n' + "
     "m['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+COHERE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% set role = 'CHATBOT' %}{% else %}{% set role = m['role'] | upper %}{% endif %}"
+    "{{ '<|START_OF_TURN_TOKEN|><|' + role + '_TOKEN|>' + m['content'] | trim + "
+    "'<|END_OF_TURN_TOKEN|>' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{% endif %}"
 )
 PHI3_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + '\n' + m['content'] + "
@@ -114,6 +122,15 @@ STYLES: dict[str, dict[str, Any]] = {
         template=PHI3_TEMPLATE, cls="LlamaTokenizer",
         generation_eos=["<|endoftext|>", "<|end|>"],
     ),
+    "cohere": dict(
+        kind="byte", digits=True, nfc=True,
+        specials=["<PAD>", "<UNK>", "<BOS_TOKEN>", "<EOS_TOKEN>",
+                  "<|START_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>",
+                  "<|SYSTEM_TOKEN|>", "<|END_OF_TURN_TOKEN|>"],
+        bos="<BOS_TOKEN>", eos="<|END_OF_TURN_TOKEN|>", pad="<PAD>", unk="<UNK>",
+        template=COHERE_TEMPLATE, cls="CohereTokenizer",
+        generation_eos=["<|END_OF_TURN_TOKEN|>", "<EOS_TOKEN>"],
+    ),
     "gemma": dict(
         kind="sp", prepend=False,
         specials=["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>",
@@ -133,6 +150,8 @@ FAMILY_STYLE = {
     "mixtral": "mistral",
     "qwen2_moe": "qwen",
     "qwen3_moe": "qwen",
+    "cohere": "cohere",
+    "cohere2": "cohere",
 }
 
 
@@ -146,7 +165,12 @@ def tokenizer_json(style: dict[str, Any]) -> str:
         regex = SPLIT_REGEX.get(style.get("pre", "gpt2"))
         t = hf.Tokenizer(models.BPE(ignore_merges=style.get("ignore_merges", False)))
         t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        if regex is not None:  # Llama 3's and Qwen2's: a Split, then bytes
+        if style.get("digits"):  # Cohere's: each digit alone, then bytes
+            t.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False)]
+            )  # fmt: skip
+        elif regex is not None:  # Llama 3's and Qwen2's: a Split, then bytes
             split = pre_tokenizers.Split(hf.Regex(regex), behavior="isolated")
             t.pre_tokenizer = pre_tokenizers.Sequence(
                 [split, pre_tokenizers.ByteLevel(False, use_regex=False)]

@@ -200,6 +200,15 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d
     "gemma2": {"attention_out_bias": False, "query_pre_attn_scalar": None},
     "gemma3": {"attention_out_bias": False, "query_pre_attn_scalar": None},
+    # llama.cpp's Cohere graphs have q/k/v biases at most (no o_proj bias), and
+    # command-r's per-head q/k norms only with 64 layers (FAMILY_CASES)
+    "cohere": {
+        "attention_bias": False,
+        "attention_out_bias": False,
+        "qk_norm": False,
+        "qk_norm_heads": False,
+    },
+    "cohere2": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp turns Phi-3's sliding window off, and takes the long factors when
     # its context (256 at least) passes the original one
     "phi3": {
@@ -218,6 +227,10 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen2",
         dict(rope_type="yarn", rope_factor=4.0,
              rope_original_max_position_embeddings=4, rope_attention_factor=0.8),
+    ),
+    # Command-R+: llama.cpp's command-r loads per-head q/k norms at 64 layers
+    "cohere_qk_norm": (
+        "cohere", dict(num_layers=64, qk_norm=True, qk_norm_heads=True),
     ),
 }  # fmt: skip
 """Cases beyond each family's own: name -> (family, fields replaced)."""

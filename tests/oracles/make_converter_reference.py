@@ -98,8 +98,46 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             head_dim=None,
         ),
     ),
+    # llama.cpp's Cohere graphs: no o_proj bias (the converter keeps biases), no
+    # rope scaling (the converter writes none), d = D / H (attn_output {D, D}; the
+    # cohere2 converter rotates D / H values); command-r's q/k norms need 64 layers
+    "cohere": (
+        "cohere",
+        dict(
+            head_dim=None,
+            attention_bias=False,
+            attention_out_bias=False,
+            qk_norm=False,
+            qk_norm_heads=False,
+            rope_type="default",
+            rope_factor=1.0,
+        ),
+    ),
+    # the converter writes no layer pattern (llama.cpp's default, period 4: four
+    # layers, the last full) and drops biases
+    "cohere2": (
+        "cohere2",
+        dict(
+            num_layers=4,
+            head_dim=None,
+            layer_types=("sliding_attention",) * 3 + ("full_attention",),
+            nope_layers=(False, False, False, True),
+            attention_bias=False,
+            attention_out_bias=False,
+            rope_type="default",
+            rope_factor=1.0,
+        ),
+    ),
 }
 """Case -> (family, fields replaced in the family's tiny config)."""
+HUB_KEYS: dict[str, dict[str, Any]] = {
+    "cohere": {"head_dim": None},
+    "cohere2": {"head_dim": None, "rotary_pct": 1.0},
+}
+"""config.json keys set as the Hub's files have them, after ``save_pretrained``
+(None: no such key): Cohere's files have no ``head_dim`` (``D / H``; the converter
+would write it as ``attention.key_length``), Command-R7B's has ``rotary_pct``, which
+the cohere2 converter reads (transformers ignores it)."""
 VOCAB = 320  # the byte-level tiny tokenizer's 303 tokens, rounded up
 
 CONVERT = r"""
@@ -151,6 +189,14 @@ def _folder(case: str, folder: Path) -> Any:
         for p in model.parameters():
             p.copy_(p.normal_(0.0, 0.2).half().float())
     model.save_pretrained(folder)
+    if case in HUB_KEYS:
+        hf = json.loads((folder / "config.json").read_text())
+        for key, value in HUB_KEYS[case].items():
+            if value is None:
+                hf.pop(key, None)
+            else:
+                hf[key] = value
+        (folder / "config.json").write_text(json.dumps(hf, indent=2))
     return model
 
 

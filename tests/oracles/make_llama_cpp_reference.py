@@ -16,7 +16,8 @@ that tests/io/test_io_llama_gguf.py and tests/io/test_io_tokenizer.py compare ag
   (every 16th vocabulary column, and the top-8 of each position);
 - ``llama_cpp_families.json`` / ``.npz`` (tests/io/test_gguf_families.py): for each
   registered family entrenar writes as GGUF (and each of
-  ``llama_cpp_cases.FAMILY_CASES``: Qwen2 with yarn and an attention factor), its
+  ``llama_cpp_cases.FAMILY_CASES``: Qwen2 with yarn and an attention factor,
+  Command-R+'s per-head q/k norms at 64 layers), its
   tiny model (``llama_cpp_cases.family_config``) written by entrenar under the
   family's llama.cpp architecture, and llama.cpp's logits for it.
   ``--only-families`` writes only these two files.
