@@ -50,6 +50,7 @@ from entrenar.io.ggml_dequant import dequantize_ggml, dequantize_ggml_into
 from entrenar.io.gguf_families import (
     EXPERT_NORM,
     FAMILY_KEY,
+    FF_EXPERTS,
     IMPLIED,
     MOE_FAMILIES,
     NORM_SHIFT,
@@ -58,11 +59,15 @@ from entrenar.io.gguf_families import (
     PERMUTED,
     SCALE_KEYS,
     SHARED_EXPERT,
+    SHARED_MLP,
+    SPLIT_STEMS,
     SWITCH_FIELDS,
+    WHOLE_HEADS,
     WINDOWED,
     default_layer_types,
     default_nope_layers,
     gguf_names,
+    split_names,
     written_name,
 )
 from entrenar.io.gguf_reader import GGUFFile, GGUFMetadata, GGUFValueType, read_gguf
@@ -403,13 +408,14 @@ def _family_fields(g: GGUFFile, name: str) -> dict[str, Any]:
 def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
     """The mixture-of-experts `LlamaConfig` fields of ``{arch}.expert_*``.
 
-    As llama.cpp reads them (src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp):
-    ``expert_count`` ``E`` and ``expert_used_count`` ``k``; an expert's width
-    ``expert_feed_forward_length`` (``llama``: ``feed_forward_length``; Qwen's
-    default ``n_ff / k``), Qwen2-MoE's shared expert's
-    ``expert_shared_feed_forward_length`` (default ``n_ff``); the renormalisation
-    of the top-k weights fixed by the architecture (`EXPERT_NORM`). Empty for a
-    dense model.
+    As llama.cpp reads them (src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp,
+    olmoe.cpp, granite.cpp): ``expert_count`` ``E`` and ``expert_used_count``
+    ``k``; an expert's width ``expert_feed_forward_length`` (`FF_EXPERTS`:
+    ``feed_forward_length``; Qwen's default ``n_ff / k``), Qwen2-MoE's shared
+    expert's ``expert_shared_feed_forward_length`` (default ``n_ff``), Granite MoE
+    shared's ungated ``shared_mlp`` of that width (default 0: none, `SHARED_MLP`);
+    the renormalisation of the top-k weights fixed by the architecture
+    (`EXPERT_NORM`). Empty for a dense model.
 
     Raises:
         FormatError: expert tensors without ``expert_count``, or counts that do not
@@ -430,7 +436,8 @@ def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
         raise UnsupportedError(
             f"{g.path}: a mixture of experts ({p}expert_count = {count.value}) in "
             f"general.architecture {name!r}; entrenar reads experts in "
-            f"{sorted(MOE_FAMILIES)} (Mixtral, Qwen3-MoE, Qwen2-MoE)"
+            f"{sorted(MOE_FAMILIES)} (Mixtral as llama, Qwen3-MoE, Qwen2-MoE, "
+            "gpt-oss, OLMoE, Granite MoE)"
         )
     e = _meta_int(g, f"{p}expert_count")
     k = _meta_int(g, f"{p}expert_used_count")
@@ -456,12 +463,15 @@ def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
     )
     if name in ONE_WIDTH:  # gpt-oss: the experts' width is the model's
         out["intermediate_size"] = _meta_int(g, f"{p}expert_feed_forward_length", n_ff)
-    elif name != "llama":  # Mixtral's experts are feed_forward_length wide
+    elif name not in FF_EXPERTS:  # Mixtral's are feed_forward_length wide
         key = f"{p}expert_feed_forward_length"
         out["moe_intermediate_size"] = _meta_int(g, key, max(1, n_ff // k))
     if name in SHARED_EXPERT:
         key = f"{p}expert_shared_feed_forward_length"
         out["shared_expert_intermediate_size"] = _meta_int(g, key, n_ff)
+    if name in SHARED_MLP:  # Granite MoE shared: an ungated MLP beside
+        key = f"{p}expert_shared_feed_forward_length"
+        out["shared_mlp_intermediate_size"] = _meta_int(g, key, 0)
     return out
 
 
@@ -512,8 +522,10 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         fused_qkv="blk.0.attn_qkv.weight" in has,
         fused_gate_up="blk.0.ffn_up.weight" in has
         and "blk.0.ffn_gate.weight" not in has,
-        **IMPLIED.get(name, {}),
     )
+    fields |= IMPLIED.get(name, {})  # over the tensor table's (OLMoE's o bias)
+    if name in WHOLE_HEADS and head_dim * heads == hidden:
+        fields["head_dim"] = None  # OLMoE's: D / H, as its config.json reader
     fields["nope_layers"] = default_nope_layers(name, n_layers)
     n_rot = _rotary_dim(g, name, head_dim)
     if n_rot != head_dim:
@@ -543,6 +555,8 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     family = _family_fields(g, name)
     if fields.get("num_experts") and "architecture" not in family:
         family["architecture"] = MOE_FAMILIES[name]  # a llama with experts: Mixtral
+        if fields.get("shared_mlp_intermediate_size"):  # Granite MoE shared
+            family["architecture"] = SHARED_MLP[name]
     if family.get("rope_type", "default") != "default":
         fields.pop("rope_freq_divisors", None)  # rope_freqs was derived from them
     fields |= family
@@ -559,7 +573,11 @@ def _expected(
     """GGUF name -> (Hugging Face name, shape of one tensor) for every tensor."""
     flat = per_layer_shapes(config)
     names = gguf_names(config)
-    out = {names[hf]: (hf, shape) for hf, shape in flat.items()}
+    out = {names[hf]: (hf, shape) for hf, shape in flat.items() if hf in names}
+    for hf, halves in split_names(config).items():  # Granite MoE shared's [gate; up]
+        rows, *rest = flat[hf]
+        for half in halves:  # its name: "" (read by `_load_tree`'s `halves`)
+            out[half] = ("", (rows // 2, *rest))
     half = config.rotary_dim // 2
     if "rope_freqs.weight" in g.tensors:
         out["rope_freqs.weight"] = ("", (half,))
@@ -975,10 +993,20 @@ def _load_tree(
         read_into(gname, buf)
         return GGMLWeight(to_device(buf), _type(gname))
 
-    def copied(path_: str, names: list[str], shape: tuple[int, ...]) -> Fill:
-        """A stacked leaf dequantized and cast into its buffer, layer by layer."""
+    def copied(
+        path_: str,
+        names: list[str],
+        shape: tuple[int, ...],
+        readers: list[Reader] | None = None,
+    ) -> Fill:
+        """A stacked leaf dequantized and cast into its buffer, layer by layer.
+
+        ``readers``: each layer's (default: ``names`` read whole).
+        """
         yield  # allocated at the first layer's turn
-        leaf = StackedLeaf(path_, shape, final, [reader(n, shape[1:]) for n in names])
+        if readers is None:
+            readers = [reader(n, shape[1:]) for n in names]
+        leaf = StackedLeaf(path_, shape, final, readers)
         for i in range(shape[0]):
             if i > 0:
                 yield  # the other leaves' layer i - 1
@@ -1023,6 +1051,36 @@ def _load_tree(
             )
         )
 
+    split = split_names(config)
+
+    def halves(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Fill:
+        """A leaf stored as two tensors of row halves (`SPLIT_STEMS`), by layer.
+
+        Each layer's ``[a; b]`` is dequantized (a kept type too) and joined.
+        """
+        half = (shape[1] // 2, *shape[2:])
+
+        def joined(a: str, b: str) -> Reader:
+            def read() -> Any:
+                rows = np.concatenate([one(a, half), one(b, half)])  # (2 S, D)
+                return rows if final == np.float32 else jnp.asarray(rows, dtype)
+
+            return read
+
+        pairs = [split[f"model.layers.{i}.{hf_stem}"] for i in range(shape[0])]
+        layers = [joined(a, b) for a, b in pairs]
+        if stream and (quantize is None or quantize(path_, shape) is None):
+            return copied(path_, [], shape, layers)
+        if stream:
+            return _at_once(
+                lambda: stream_layers(
+                    [StackedLeaf(path_, shape, final, layers, quantize)]
+                )[0]
+            )
+        return _at_once(
+            lambda: jnp.asarray(np.stack([r() for r in layers]), dtype=dtype)
+        )
+
     fills: list[tuple[dict[str, Any], str, Fill]] = []  # the stacked leaves
     aside: list[tuple[dict[str, Any], str, concurrent.futures.Future[Any]]] = []
 
@@ -1048,7 +1106,9 @@ def _load_tree(
                 # layer i + 1: the file's order, so it is read front to back
                 out[k] = None  # its place in the tree
                 stem = path_.removeprefix("model.layers.")
-                fills.append((out, k, stacked(path_, stem, tuple(v))))
+                split_leaf = stem.rpartition(".")[0] in SPLIT_STEMS  # two halves
+                leaf = (halves if split_leaf else stacked)(path_, stem, tuple(v))
+                fills.append((out, k, leaf))
             elif (
                 keep_quantized and len(v) == 2 and _type(by_hf[path_]) in KQUANT_FORMATS
             ):

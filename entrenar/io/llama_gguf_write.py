@@ -41,6 +41,7 @@ from entrenar.io.gguf_families import (
     EXPERT_NORM,
     F32_STEMS,
     FAMILY_KEY,
+    FF_EXPERTS,
     IMPLIED,
     MOE_FAMILIES,
     NOPE_PERIOD,
@@ -51,12 +52,15 @@ from entrenar.io.gguf_families import (
     SCALE_KEYS,
     SCALED,
     SHARED_EXPERT,
+    SHARED_MLP,
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
     UNTIED,
+    WHOLE_HEADS,
     default_nope_layers,
     gguf_names,
+    split_names,
     written_name,
 )
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_gguf
@@ -112,6 +116,13 @@ def _layer_bytes(stored: Any, w: Any, i: int, *args: Any) -> np.ndarray:
     return stored(layer, *args)
 
 
+def _half_bytes(layer: Any, j: int, kind: str, name: str) -> np.ndarray:
+    """Stored bytes of rows half ``j`` (0: the first) of one layer's ``(2 S, X)``."""
+    w = np.asarray(to_dense(layer), np.float32)  # a quantized base dequantized
+    rows = w.shape[0] // 2
+    return _to_bytes(w[j * rows : (j + 1) * rows], kind, name).reshape(-1)
+
+
 def _order_key(name: str) -> tuple[int, int, str]:
     """token_embd, rope tensors, blk.0.*, blk.1.*, ..., output_norm, output."""
     if name.startswith("blk."):
@@ -152,7 +163,10 @@ def _switches(c: LlamaConfig, family: str, gname: str) -> dict[str, Any]:
     """
     defaults = {f.name: f.default for f in dataclasses.fields(c)}
     out: dict[str, Any] = {}
-    implied = c.num_experts and MOE_FAMILIES.get(gname) == family  # llama: Mixtral
+    implied = c.num_experts and (
+        MOE_FAMILIES.get(gname) == family  # llama: Mixtral
+        or (SHARED_MLP.get(gname) == family and c.shared_mlp_intermediate_size)
+    )  # the family the reader takes the file for
     if family != gname and not implied:
         out["architecture"] = family
     for name in SWITCH_FIELDS:
@@ -170,10 +184,12 @@ def _switches(c: LlamaConfig, family: str, gname: str) -> dict[str, Any]:
 def _ffn_length(c: LlamaConfig, gname: str) -> int:
     """``{arch}.feed_forward_length`` of ``c`` written as ``gname``.
 
-    llama.cpp's llama reads Mixtral's experts' width there (Qwen MoE's experts have
-    ``expert_feed_forward_length``).
+    llama.cpp's llama, olmoe and granitemoe read their experts' width there
+    (`FF_EXPERTS`; Qwen MoE's experts have ``expert_feed_forward_length``).
     """
-    return c.expert_size if c.num_experts and gname == "llama" else c.intermediate_size
+    if c.num_experts and gname in FF_EXPERTS:
+        return c.expert_size
+    return c.intermediate_size
 
 
 def _metadata(
@@ -207,11 +223,11 @@ def _metadata(
     if c.num_experts:  # as llama.cpp's converter writes them
         new[p + "expert_count"] = (c.num_experts, U32)
         new[p + "expert_used_count"] = (c.num_experts_per_tok, U32)
-        if gname != "llama":
+        if gname not in FF_EXPERTS:
             new[p + "expert_feed_forward_length"] = (c.expert_size, U32)
-        if c.shared_expert_intermediate_size:
-            size = c.shared_expert_intermediate_size
-            new[p + "expert_shared_feed_forward_length"] = (size, U32)
+        shared = c.shared_expert_intermediate_size or c.shared_mlp_intermediate_size
+        if shared:  # Qwen2-MoE's gated shared expert, Granite MoE shared's MLP
+            new[p + "expert_shared_feed_forward_length"] = (shared, U32)
     for k in ("attention.key_length", "attention.value_length"):
         if p + k in fields or c.hd != c.hidden_size // c.num_heads:
             new[p + k] = (c.hd, U32)  # llama.cpp's default is D / H
@@ -310,6 +326,12 @@ def _gguf_name(config: Any) -> str:
             "follow them",
             stacklevel=3,
         )
+    if gname in WHOLE_HEADS and config.hd * config.num_heads != config.hidden_size:
+        raise UnsupportedError(
+            f"llama.cpp's {gname} takes heads hidden_size / num_heads wide; this "
+            f"{arch.name} config has head_dim {config.hd} x {config.num_heads} heads "
+            f"for hidden_size {config.hidden_size}"
+        )
     for field, value in IMPLIED.get(gname, {}).items():
         if getattr(config, field) != value:
             raise UnsupportedError(
@@ -327,10 +349,10 @@ def _check_routing(c: LlamaConfig, family: str, gname: str) -> None:
     llama.cpp renormalises the top-k weights of ``llama`` (Mixtral) and ``qwen3moe``
     and never those of ``qwen2moe``, whose layers all have a shared expert.
     """
-    if MOE_FAMILIES.get(gname) != family:
+    if family not in (MOE_FAMILIES.get(gname), SHARED_MLP.get(gname)):
         raise UnsupportedError(
             f"a {family} config with num_experts={c.num_experts}: llama.cpp reads "
-            f"experts only in {sorted(MOE_FAMILIES.values())}"
+            f"experts only in {sorted({*MOE_FAMILIES.values(), *SHARED_MLP.values()})}"
         )
     norm = EXPERT_NORM[gname]
     if c.norm_topk_prob != norm:
@@ -401,10 +423,11 @@ def save_llama_gguf(
     for k in (kind, emb_kind):
         if k not in TENSOR_TYPES:
             raise ConfigError(f"tensor type {k!r}: expected one of {TENSOR_TYPES}")
-    widths = (config.hidden_size, config.intermediate_size, config.expert_size)
-    if (kind + emb_kind).count("Q") and (
-        any(w % 32 for w in widths) or config.shared_expert_intermediate_size % 32
-    ):
+    widths = (
+        *(config.hidden_size, config.intermediate_size, config.expert_size),
+        *(config.shared_expert_intermediate_size, config.shared_mlp_intermediate_size),
+    )  # (the shared experts' 0: none)
+    if (kind + emb_kind).count("Q") and any(w % 32 for w in widths):
         raise ConfigError(
             f"{kind} needs hidden and intermediate sizes that are multiples of 32; "
             "write F16 or F32 instead"
@@ -414,6 +437,7 @@ def save_llama_gguf(
     if tokenizer is not None and (src is None or TOKENS not in src.fields):
         tok_fields = gguf_tokenizer_fields(tokenizer, vocab_size=config.vocab_size)
     names = gguf_names(config)
+    split = split_names(config)  # Granite MoE shared's [gate; up]: two tensors
     permute = gname in PERMUTED
     shift = NORM_SHIFT.get(gname, 0.0)
     perm_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
@@ -448,6 +472,16 @@ def save_llama_gguf(
                 raise FormatError(f"params lack {hf} (config {config})")
             w = tree[key]
             stacked = prefix.startswith("model.layers.")
+            if stacked and hf.replace("model.layers.", "model.layers.0.", 1) in split:
+                for i in range(config.num_layers):  # each layer's two halves
+                    hf_i = hf.replace("model.layers.", f"model.layers.{i}.", 1)
+                    for j, half in enumerate(split[hf_i]):
+                        shape = (sub[1] // 2, *sub[2:])
+                        make = functools.partial(
+                            _layer_bytes, _half_bytes, w, i, j, kind, hf_i
+                        )
+                        put(half, make, shape, kind)
+                continue
             # experts: (L, E, out, in); their biases (L, E, out) stay F32 (gpt-oss)
             matrix = key != "bias" and len(sub) >= (3 if stacked else 2)
             layer0 = hf.replace("model.layers.", "model.layers.0.", 1)

@@ -160,9 +160,12 @@ ROUTING: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"norm_topk_prob": False},
     # llama.cpp's gpt-oss clamps at 7 (a constant); whole Q8_0 blocks a row
     "gpt_oss": {"swiglu_limit": 7.0, "intermediate_size": 32},
+    # llama.cpp's olmoe has no o_proj bias and clips nothing
+    "olmoe": {"clip_qkv": None, "attention_out_bias": False},
 }
 """The top-k renormalisation llama.cpp's qwen3moe (always) and qwen2moe (never)
-compute, where the tiny configs test the other (`gguf_families.EXPERT_NORM`)."""
+compute, where the tiny configs test the other (`gguf_families.EXPERT_NORM`), and
+what else a family's tiny has that llama.cpp's graph lacks (GGUF refuses it)."""
 FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},  # llama.cpp's llama has no sliding window
     "mixtral": {"sliding_window": None},
@@ -195,6 +198,7 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
         "attention_out_bias": False,
         "mlp_bias": False,
     },
+    "olmoe": ROUTING["olmoe"],
     # llama.cpp's Gemma 1 has no biases
     "gemma": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d
