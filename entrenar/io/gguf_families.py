@@ -219,8 +219,8 @@ EXPERT_NORM = {
 """Whether llama.cpp renormalises the top-k routing weights of each name: fixed per
 architecture in its graphs (``build_moe_ffn``'s ``norm_w``: src/models/llama.cpp,
 qwen3moe.cpp, granite.cpp true, qwen2moe.cpp, olmoe.cpp false), whatever
-``expert_weights_norm`` says (these do not read it; gpt-oss's softmax over the top-k logits,
-``SOFTMAX_WEIGHT``, is the renormalised one). A config routing otherwise has no
+``expert_weights_norm`` says (these do not read it; gpt-oss's softmax over the top-k
+logits, ``SOFTMAX_WEIGHT``, is the renormalised one). A config routing otherwise has no
 llama.cpp form."""
 FF_EXPERTS = frozenset({"llama", "olmoe", "granitemoe"})
 """llama.cpp names whose experts are ``feed_forward_length`` wide (their graphs
