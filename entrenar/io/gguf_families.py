@@ -175,9 +175,11 @@ NOPE_PERIOD = {"smollm3": 4}
 """llama.cpp names whose graph skips rotary on layer ``i`` when ``(i + 1) % n == 0``
 (no key states it: SmolLM3's ``n_no_rope_layer_step``, fixed at 4)."""
 WHOLE_HEADS = frozenset({"olmoe"})
-"""llama.cpp names whose heads are ``embedding_length / head_count`` wide (olmoe.cpp
-sizes ``attn_q`` ``{n_embd, n_embd}``): read with ``head_dim`` None, as the
-family's ``config.json`` reader makes it; a config with other heads is refused."""
+"""llama.cpp names whose heads are ``embedding_length / head_count`` wide and whose
+keys have every head (olmoe.cpp sizes ``attn_q`` ``{n_embd, n_embd}`` and
+``attn_k_norm`` ``{n_embd}``: no grouped-query attention, as OLMoE-1B-7B has none):
+read with ``head_dim`` None, as the family's ``config.json`` reader makes it; a
+config with other heads, or fewer KV heads, is refused."""
 SHARED_MLP = {"granitemoe": "granitemoeshared"}
 """llama.cpp names that hold two families: the one a file with
 ``expert_shared_feed_forward_length`` > 0 is (Granite MoE shared's ungated

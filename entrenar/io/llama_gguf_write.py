@@ -326,11 +326,15 @@ def _gguf_name(config: Any) -> str:
             "follow them",
             stacklevel=3,
         )
-    if gname in WHOLE_HEADS and config.hd * config.num_heads != config.hidden_size:
+    if gname in WHOLE_HEADS and (
+        config.hd * config.num_heads != config.hidden_size
+        or config.num_kv_heads != config.num_heads
+    ):
         raise UnsupportedError(
-            f"llama.cpp's {gname} takes heads hidden_size / num_heads wide; this "
-            f"{arch.name} config has head_dim {config.hd} x {config.num_heads} heads "
-            f"for hidden_size {config.hidden_size}"
+            f"llama.cpp's {gname} takes heads hidden_size / num_heads wide and as "
+            f"many KV heads (its k norm is hidden_size wide); this {arch.name} "
+            f"config has head_dim {config.hd}, {config.num_heads} heads and "
+            f"{config.num_kv_heads} KV heads for hidden_size {config.hidden_size}"
         )
     for field, value in IMPLIED.get(gname, {}).items():
         if getattr(config, field) != value:

@@ -160,8 +160,8 @@ ROUTING: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"norm_topk_prob": False},
     # llama.cpp's gpt-oss clamps at 7 (a constant); whole Q8_0 blocks a row
     "gpt_oss": {"swiglu_limit": 7.0, "intermediate_size": 32},
-    # llama.cpp's olmoe has no o_proj bias and clips nothing
-    "olmoe": {"clip_qkv": None, "attention_out_bias": False},
+    # llama.cpp's olmoe has no o_proj bias, clips nothing and has no GQA
+    "olmoe": {"clip_qkv": None, "attention_out_bias": False, "num_kv_heads": 4},
 }
 """The top-k renormalisation llama.cpp's qwen3moe (always) and qwen2moe (never)
 compute, where the tiny configs test the other (`gguf_families.EXPERT_NORM`), and

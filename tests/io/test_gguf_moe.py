@@ -301,8 +301,11 @@ def test_k_quant_experts_read_to_gguf_pys_dequantization(tmp_path):
 
 # ------------------------------------------------------ OLMoE, Granite MoE (shared)
 NEW = ["olmoe", "granitemoe", "granitemoeshared"]
-LLAMA_CPP_ONLY = {"olmoe": dict(clip_qkv=None, attention_out_bias=False)}
-"""What OLMoE's tiny drops for GGUF (llama.cpp's olmoe has neither)."""
+LLAMA_CPP_ONLY = {
+    "olmoe": dict(clip_qkv=None, attention_out_bias=False, num_kv_heads=4)
+}
+"""What OLMoE's tiny drops for GGUF (llama.cpp's olmoe has no clipping, no o_proj
+bias and no grouped-query attention)."""
 
 
 def _tiny_new(family: str) -> tuple[nn.LlamaConfig, dict]:
@@ -386,6 +389,7 @@ def test_granitemoeshared_shared_mlp_is_the_converters_two_halves(tmp_path):
         (dict(clip_qkv=0.9), "olmoe has clip_qkv=None"),
         (dict(attention_out_bias=True), "olmoe has attention_out_bias=False"),
         (dict(norm_topk_prob=True), "olmoe never renormalises"),
+        (dict(num_kv_heads=2), "as many KV heads"),
     ],
 )
 def test_an_olmoe_llama_cpp_cannot_run_is_refused(change, match, tmp_path):

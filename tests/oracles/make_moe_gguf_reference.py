@@ -56,15 +56,17 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(
         norm_topk_prob=False, sliding_window=None, layer_types=None, head_dim=8
     ),
-    "olmoe": dict(clip_qkv=None, attention_bias=False, attention_out_bias=False),
+    "olmoe": dict(
+        clip_qkv=None, attention_bias=False, attention_out_bias=False, num_kv_heads=4
+    ),
     "granitemoe": dict(head_dim=None),
     "granitemoeshared": dict(head_dim=None),
 }
 """Family -> fields replaced in its tiny config: llama.cpp's routing, no windows
 (llama.cpp's llama and qwen2moe have none), Qwen3-MoE without biases (as released),
 Qwen2-MoE's heads ``D / H`` wide (llama.cpp's qwen2moe sizes q as ``(D, D)``),
-OLMoE without clipping or biases (olmoe.cpp has neither an o_proj bias nor a clamp;
-transformers' attention_bias is all four), Granite MoE's heads ``D / H`` wide (its
+OLMoE without clipping, biases or GQA (olmoe.cpp has neither an o_proj bias nor a
+clamp, transformers' attention_bias is all four, and its k norm is n_embd wide), Granite MoE's heads ``D / H`` wide (its
 converter drops ``head_dim``)."""
 
 RUN_LLAMA_CPP = r"""
