@@ -127,6 +127,7 @@ WRITTEN_AS = {
     "mixtral": "llama",
     "olmo3": "olmo2",
     "granitemoeshared": "granitemoe",
+    "deepseek_v2": "deepseek2",  # told apart by its softmax gating
 }
 """Families without a llama.cpp name of their own, and the name they are written as."""
 PERMUTED = frozenset({"llama", "smollm3", "granite", "granitemoe"})

@@ -75,6 +75,7 @@ from entrenar.io.heap import bound_heap, host_buffer, to_device, trim_heap
 from entrenar.io.read_ahead import ReadAhead
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
+from entrenar.nn.deepseek import DeepseekConfig
 from entrenar.nn.hf_names import (
     CHUNK_BYTES,
     Quantize,
@@ -166,6 +167,8 @@ FLOAT_RANGES = {
     "rope.scaling.yarn_attn_factor": (0.0, 1e3),
     "rope.scaling.yarn_beta_fast": (0.0, 1e6),
     "rope.scaling.yarn_beta_slow": (0.0, 1e6),
+    "rope.scaling.yarn_log_multiplier": (-100.0, 100.0),
+    "expert_weights_scale": (0.0, 1e6),
     "attn_logit_softcapping": (0.0, 1e6),
     "final_logit_softcapping": (0.0, 1e6),
     "embedding_scale": (0.0, 1e6),
@@ -490,6 +493,10 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     """
     name = _arch_name(g)
     arch = nn.architecture_for_gguf(name, g.path)
+    if name == "deepseek2":  # DeepSeek-V2/V3's latent attention: its own keys
+        from entrenar.io.deepseek_gguf import deepseek_config_from_gguf
+
+        return deepseek_config_from_gguf(g)
     if arch.config_class is not LlamaConfig:
         raise UnsupportedError(
             f"{g.path}: general.architecture {name!r} is not a decoder entrenar loads "
@@ -576,8 +583,8 @@ def _expected(
     out = {names[hf]: (hf, shape) for hf, shape in flat.items() if hf in names}
     for hf, halves in split_names(config).items():  # Granite MoE shared's [gate; up]
         rows, *rest = flat[hf]
-        for half in halves:  # its name: "" (read by `_load_tree`'s `halves`)
-            out[half] = ("", (rows // 2, *rest))
+        for part in halves:  # its name: "" (read by `_load_tree`'s `halves`)
+            out[part] = ("", (rows // 2, *rest))
     half = config.rotary_dim // 2
     if "rope_freqs.weight" in g.tensors:
         out["rope_freqs.weight"] = ("", (half,))
@@ -588,7 +595,12 @@ def _expected(
 
 
 def _check_tensors(g: GGUFFile, config: LlamaConfig) -> None:
-    want = _expected(g, config)
+    if isinstance(config, DeepseekConfig):
+        from entrenar.io.deepseek_gguf import expected_tensors
+
+        want = expected_tensors(g, config)
+    else:
+        want = _expected(g, config)
     p = f"{_arch_name(g)}.*"
     for name, (_, shape) in want.items():
         if name not in g.tensors:
@@ -773,6 +785,12 @@ def load_llama_gguf(
     ahead = _ahead().submit(jax.devices)
     try:
         g, config = read_llama_header(path)
+        if isinstance(config, DeepseekConfig):  # a list of unstacked layers
+            from entrenar.io.deepseek_gguf import load_deepseek_tree
+
+            return load_deepseek_tree(
+                g, config, dtype=dtype, quantize=quantize, release=reading.release
+            )
         if whole is None:  # a GGUFFile already parsed: its tensors in the file's order
             stored = sorted(g.tensors.values(), key=lambda t: t.offset)
             reading.read([g.raw(t.name) for t in stored])

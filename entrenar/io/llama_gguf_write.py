@@ -36,6 +36,14 @@ from entrenar.errors import (
     QuantizationError,
     UnsupportedError,
 )
+from entrenar.io.deepseek_gguf import NAME as DEEPSEEK
+from entrenar.io.deepseek_gguf import (
+    check_deepseek_gguf,
+    deepseek_keys,
+    deepseek_layer_tensors,
+    family_json,
+    row_widths,
+)
 from entrenar.io.ggml_dequant import GGML_TYPE_IDS
 from entrenar.io.gguf_families import (
     EXPERT_NORM,
@@ -69,6 +77,7 @@ from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
 from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig, to_dense
 from entrenar.nn.decoder_config import sliding_layers
+from entrenar.nn.deepseek import DeepseekConfig
 from entrenar.nn.rope_scaling import attention_factor, yarn_mscale
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.quant import GGMLWeight, QuantizedWeight, dequantize, quantize, to_ggml
@@ -375,6 +384,47 @@ def _check_routing(c: LlamaConfig, family: str, gname: str) -> None:
         )
 
 
+def _save_deepseek(
+    path: str | os.PathLike[str],
+    config: DeepseekConfig,
+    params: Params,
+    src: GGUFFile | None,
+    kind: str,
+    emb_kind: str,
+    name: str,
+    tok_fields: dict[str, GGUFField],
+) -> None:
+    """`save_llama_gguf` of DeepSeek-V2/V3 (`entrenar.io.deepseek_gguf`)."""
+    check_deepseek_gguf(config)
+    if (kind + emb_kind).count("Q") and any(w % 32 for w in row_widths(config)):
+        raise ConfigError(
+            f"{kind} needs rows of whole 32-value blocks; this {config.architecture} "
+            f"config has rows {row_widths(config)} wide: write F16 or F32 instead"
+        )
+    fields: dict[str, GGUFField] = dict(src.fields) if src else {}
+    old = fields.get("general.architecture")
+    archs = {DEEPSEEK, getattr(old, "value", DEEPSEEK)} - {"tokenizer", "general"}
+    stale = tuple(f"{a}." for a in archs)
+    for k in [k for k in fields if k.startswith(stale) or k == FAMILY_KEY]:
+        del fields[k]
+    fields["general.architecture"] = GGUFField(DEEPSEEK, STR)
+    if name or "general.name" not in fields:
+        fields["general.name"] = GGUFField(
+            name or f"entrenar-{config.architecture}", STR
+        )
+    fields |= deepseek_keys(config, FILE_TYPES[kind])
+    switches = _switches(config, config.architecture, DEEPSEEK)
+    fields[FAMILY_KEY] = GGUFField(family_json(config, switches), STR)
+    made = deepseek_layer_tensors(config, params, kind, emb_kind, _to_bytes)
+    tensors = {
+        n: GGUFTensor(make, shape, GGML_TYPE_IDS[k])
+        for n, (make, shape, k) in made.items()
+    }
+    same = src is not None and set(src.tensors) == set(tensors)
+    order = list(src.tensors) if same and src else sorted(tensors, key=_order_key)
+    write_gguf(path, fields | tok_fields, {n: tensors[n] for n in order})
+
+
 def save_llama_gguf(
     path: str | os.PathLike[str],
     config: LlamaConfig,
@@ -421,12 +471,19 @@ def save_llama_gguf(
         UnsupportedError: a family with no llama.cpp form, or a tokenizer llama.cpp
             has no form for.
     """
-    gname = _gguf_name(config)
     kind = tensor_type.upper()
     emb_kind = (embedding_type or tensor_type).upper()
     for k in (kind, emb_kind):
         if k not in TENSOR_TYPES:
             raise ConfigError(f"tensor type {k!r}: expected one of {TENSOR_TYPES}")
+    if isinstance(config, DeepseekConfig):  # MLA and a list of layers: its own
+        src = read_gguf(source) if isinstance(source, (str, os.PathLike)) else source
+        tok: dict[str, GGUFField] = {}
+        if tokenizer is not None and (src is None or TOKENS not in src.fields):
+            tok = gguf_tokenizer_fields(tokenizer, vocab_size=config.vocab_size)
+        _save_deepseek(path, config, params, src, kind, emb_kind, name, tok)
+        return
+    gname = _gguf_name(config)
     widths = (
         *(config.hidden_size, config.intermediate_size, config.expert_size),
         *(config.shared_expert_intermediate_size, config.shared_mlp_intermediate_size),
