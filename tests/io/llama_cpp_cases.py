@@ -199,6 +199,8 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
         "mlp_bias": False,
     },
     "olmoe": ROUTING["olmoe"],
+    # llama.cpp's deepseek2 ranks groups by their top-2 sum, V2 by its maximum
+    "deepseek_v2": {"topk_method": "greedy"},
     # llama.cpp's Gemma 1 has no biases
     "gemma": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d
@@ -249,10 +251,12 @@ def family_params(config: LlamaConfig, seed: int = TINY_SEED) -> dict:
         wide = (*shape[:-1], -(-shape[-1] // 32) * 32)
         return seeded_weight(name, wide, seed)[..., : shape[-1]]
 
-    def build(tree: dict, prefix: str) -> dict:
+    def build(tree: Any, prefix: str) -> Any:
+        if isinstance(tree, list):  # DeepSeek's unstacked layers
+            return [build(t, f"{prefix}{i}.") for i, t in enumerate(tree)]
         return {
             k: build(v, f"{prefix}{k}.")
-            if isinstance(v, dict)
+            if isinstance(v, (dict, list))
             else weight(prefix + k, tuple(v))
             for k, v in tree.items()
         }
@@ -268,7 +272,7 @@ def gguf_families() -> list[str]:
     return [
         a.name
         for a in architectures()
-        if a.config_class is LlamaConfig
+        if issubclass(a.config_class, LlamaConfig)  # DeepseekConfig too
         and a.tiny is not None
         and written_name(a.name, a.gguf_name)
     ]
