@@ -29,10 +29,11 @@ from entrenar.runs.models import base_quantizer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "llama_cpp_moe"
 FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
-            "granitemoeshared"]  # fmt: skip
+            "granitemoeshared", "deepseek_v3", "deepseek_v2"]  # fmt: skip
 NAMES = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
          "olmoe": "olmoe", "granitemoe": "granitemoe",
-         "granitemoeshared": "granitemoe"}  # fmt: skip
+         "granitemoeshared": "granitemoe", "deepseek_v3": "deepseek2",
+         "deepseek_v2": "deepseek2"}  # fmt: skip
 EXTRA_KEYS = {"vocab_size", "rope.dimension_count"}
 """``{arch}.*`` keys entrenar writes for every family and the converter leaves to
 llama.cpp's defaults for Qwen (the embedding's rows, the head dimension)."""
@@ -64,7 +65,8 @@ def test_the_converters_file_reads_to_transformers(family, record):
     """
     rec, arrays = record
     config, params, _ = io.load_llama_gguf(_converted(family, record))
-    hf = nn.LlamaConfig.from_hf_config(rec["cases"][family]["config.json"])
+    folder = rec["cases"][family]["config.json"]
+    hf = nn.architecture_for_hf(folder, "config.json").from_hf(folder)
     assert config.architecture == family
     for field in ("num_experts", "num_experts_per_tok", "norm_topk_prob",
                   "expert_size", "shared_expert_intermediate_size",

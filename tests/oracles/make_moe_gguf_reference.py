@@ -1,7 +1,7 @@
 r"""Record llama.cpp's converter and logits on tiny mixture-of-experts GGUF files.
 
 For each MoE family (``mixtral``, ``qwen3_moe``, ``qwen2_moe``, ``olmoe``,
-``granitemoe``, ``granitemoeshared``) this script
+``granitemoe``, ``granitemoeshared``, ``deepseek_v3``, ``deepseek_v2``) this script
 
 1. writes a tiny random transformers model (``CASES``: the family's tiny config with
    the routing llama.cpp implements: Mixtral and Qwen3-MoE renormalise their top-k
@@ -61,13 +61,22 @@ CASES: dict[str, dict[str, Any]] = {
     ),
     "granitemoe": dict(head_dim=None),
     "granitemoeshared": dict(head_dim=None),
+    "deepseek_v3": dict(rope_attention_factor=1.0),
+    "deepseek_v2": dict(
+        rope_attention_factor=1.0, q_lora_rank=24, topk_method="greedy", n_group=1,
+        topk_group=1,
+    ),
 }
 """Family -> fields replaced in its tiny config: llama.cpp's routing, no windows
 (llama.cpp's llama and qwen2moe have none), Qwen3-MoE without biases (as released),
 Qwen2-MoE's heads ``D / H`` wide (llama.cpp's qwen2moe sizes q as ``(D, D)``),
 OLMoE without clipping, biases or GQA (olmoe.cpp has neither an o_proj bias nor a
 clamp, transformers' attention_bias is all four, and its k norm is n_embd wide), Granite MoE's heads ``D / H`` wide (its
-converter drops ``head_dim``)."""
+converter drops ``head_dim``), DeepSeek with YaRN's ``cos``/``sin`` unscaled (as
+the released configs, ``mscale`` = ``mscale_all_dim``: the converter writes no
+attention factor llama.cpp reads), V2 with a low-rank query (llama.cpp needs
+``q_lora_rank`` but for 26/27-layer models, and the converter writes none for
+``q_proj``) and greedy routing over one group (llama.cpp ranks groups as V3)."""
 
 RUN_LLAMA_CPP = r"""
 import json, sys
