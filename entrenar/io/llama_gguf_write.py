@@ -405,14 +405,16 @@ def _save_deepseek(
     old = fields.get("general.architecture")
     archs = {DEEPSEEK, getattr(old, "value", DEEPSEEK)} - {"tokenizer", "general"}
     stale = tuple(f"{a}." for a in archs)
-    for k in [k for k in fields if k.startswith(stale) or k == FAMILY_KEY]:
-        del fields[k]
+    new = deepseek_keys(config, FILE_TYPES[kind])
+    for k in [k for k in fields if k.startswith(stale)]:
+        if k not in new:  # (the others keep their places)
+            del fields[k]
     fields["general.architecture"] = GGUFField(DEEPSEEK, STR)
     if name or "general.name" not in fields:
         fields["general.name"] = GGUFField(
             name or f"entrenar-{config.architecture}", STR
         )
-    fields |= deepseek_keys(config, FILE_TYPES[kind])
+    fields |= new
     switches = _switches(config, config.architecture, DEEPSEEK)
     fields[FAMILY_KEY] = GGUFField(family_json(config, switches), STR)
     made = deepseek_layer_tensors(config, params, kind, emb_kind, _to_bytes)

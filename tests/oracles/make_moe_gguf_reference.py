@@ -71,12 +71,13 @@ CASES: dict[str, dict[str, Any]] = {
 (llama.cpp's llama and qwen2moe have none), Qwen3-MoE without biases (as released),
 Qwen2-MoE's heads ``D / H`` wide (llama.cpp's qwen2moe sizes q as ``(D, D)``),
 OLMoE without clipping, biases or GQA (olmoe.cpp has neither an o_proj bias nor a
-clamp, transformers' attention_bias is all four, and its k norm is n_embd wide), Granite MoE's heads ``D / H`` wide (its
-converter drops ``head_dim``), DeepSeek with YaRN's ``cos``/``sin`` unscaled (as
-the released configs, ``mscale`` = ``mscale_all_dim``: the converter writes no
-attention factor llama.cpp reads), V2 with a low-rank query (llama.cpp needs
-``q_lora_rank`` but for 26/27-layer models, and the converter writes none for
-``q_proj``) and greedy routing over one group (llama.cpp ranks groups as V3)."""
+clamp, transformers' attention_bias is all four, and its k norm is n_embd wide),
+Granite MoE's heads ``D / H`` wide (its converter drops ``head_dim``), DeepSeek with
+YaRN's ``cos``/``sin`` unscaled (as the released configs, ``mscale`` =
+``mscale_all_dim``: the converter writes no attention factor llama.cpp reads), V2
+with a low-rank query (llama.cpp needs ``q_lora_rank`` but for 26/27-layer models,
+and the converter writes none for ``q_proj``) and greedy routing over one group
+(llama.cpp ranks groups as V3)."""
 
 RUN_LLAMA_CPP = r"""
 import json, sys
