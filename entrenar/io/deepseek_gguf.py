@@ -66,10 +66,12 @@ from entrenar import nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io.ggml_dequant import dequantize_ggml
 from entrenar.io.gguf_families import FAMILY_KEY, SWITCH_FIELDS
+from entrenar.io.gguf_meta import meta_float, meta_int
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFMetadata, GGUFValueType
 from entrenar.nn.deepseek import DeepseekConfig
 from entrenar.nn.hf_names import Quantize, per_layer_shapes, quantize_leaves
 from entrenar.nn.rope_scaling import attention_factor, yarn_mscale
+from entrenar.nn.weight_node import to_dense
 from entrenar.types import Params
 
 NAME = "deepseek2"
@@ -282,8 +284,6 @@ def deepseek_config_from_gguf(g: GGUFFile) -> DeepseekConfig:
         UnsupportedError: a legacy file (one ``attn_kv_b``), a gating or rotary
             scaling entrenar does not compute, V2 routing with groups.
     """
-    from entrenar.io.llama_gguf import _meta_float, _meta_int  # (no cycle at import)
-
     p = f"{NAME}."
     if f"{p}attention.key_length_mla" not in g.fields or "blk.0.attn_kv_b.weight" in (
         g.tensors
@@ -293,9 +293,9 @@ def deepseek_config_from_gguf(g: GGUFFile) -> DeepseekConfig:
             f"{p}attention.key_length_mla); entrenar reads the split attn_k_b / "
             "attn_v_b llama.cpp's converter writes: convert the model again"
         )
-    heads = _meta_int(g, f"{p}attention.head_count")
-    n_rot = _meta_int(g, f"{p}rope.dimension_count")
-    d_qk = _meta_int(g, f"{p}attention.key_length_mla")
+    heads = meta_int(g, f"{p}attention.head_count")
+    n_rot = meta_int(g, f"{p}rope.dimension_count")
+    d_qk = meta_int(g, f"{p}attention.key_length_mla")
     if d_qk <= n_rot:
         raise FormatError(
             f"{g.path}: {p}attention.key_length_mla = {d_qk} is not over "
@@ -304,25 +304,25 @@ def deepseek_config_from_gguf(g: GGUFFile) -> DeepseekConfig:
     q_rank = g.fields.get(f"{p}attention.q_lora_rank")
     emb = g.tensors.get("token_embd.weight")
     n_vocab = emb.shape[0] if emb is not None and len(emb.shape) == 2 else None
-    n_layers = _meta_int(g, f"{p}block_count")
+    n_layers = meta_int(g, f"{p}block_count")
     fields: dict[str, Any] = dict(
-        vocab_size=_meta_int(g, f"{p}vocab_size", n_vocab),
-        hidden_size=_meta_int(g, f"{p}embedding_length"),
-        intermediate_size=_meta_int(g, f"{p}feed_forward_length"),
+        vocab_size=meta_int(g, f"{p}vocab_size", n_vocab),
+        hidden_size=meta_int(g, f"{p}embedding_length"),
+        intermediate_size=meta_int(g, f"{p}feed_forward_length"),
         num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=heads,
-        rope_theta=_meta_float(g, f"{p}rope.freq_base", 10000.0),
-        rms_norm_eps=_meta_float(g, f"{p}attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=meta_float(g, f"{p}rope.freq_base", 10000.0),
+        rms_norm_eps=meta_float(g, f"{p}attention.layer_norm_rms_epsilon", 1e-6),
         tie_word_embeddings="output.weight" not in g.tensors,
-        max_position_embeddings=_meta_int(g, f"{p}context_length", 2048),
+        max_position_embeddings=meta_int(g, f"{p}context_length", 2048),
         q_lora_rank=None
         if q_rank is None or q_rank.value == 0
-        else _meta_int(g, f"{p}attention.q_lora_rank"),
-        kv_lora_rank=_meta_int(g, f"{p}attention.kv_lora_rank"),
+        else meta_int(g, f"{p}attention.q_lora_rank"),
+        kv_lora_rank=meta_int(g, f"{p}attention.kv_lora_rank"),
         qk_nope_head_dim=d_qk - n_rot,
         qk_rope_head_dim=n_rot,
-        v_head_dim=_meta_int(g, f"{p}attention.value_length_mla"),
+        v_head_dim=meta_int(g, f"{p}attention.value_length_mla"),
         first_k_dense_replace=_count(g, f"{p}leading_dense_block_count", 0),
     )
     fields |= _expert_fields(g, p, n_layers)
@@ -338,8 +338,6 @@ def deepseek_config_from_gguf(g: GGUFFile) -> DeepseekConfig:
 
 def _expert_fields(g: GGUFFile, p: str, n_layers: int) -> dict[str, Any]:
     """The routing (``_family``: the family it implies, V2 or V3)."""
-    from entrenar.io.llama_gguf import _meta_float, _meta_int
-
     count = g.fields.get(f"{p}expert_count")
     gating = g.fields.get(f"{p}expert_gating_func")
     kind = 1 if gating is None else gating.value  # llama.cpp's default: softmax
@@ -356,8 +354,8 @@ def _expert_fields(g: GGUFFile, p: str, n_layers: int) -> dict[str, Any]:
         out |= {"scoring_func": "softmax", "topk_method": "greedy"}
     if count is None or count.value == 0:
         return out | {"num_experts": 0, "first_k_dense_replace": n_layers}
-    groups = _meta_int(g, f"{p}expert_group_count", 1)
-    used = _meta_int(g, f"{p}expert_group_used_count", groups)
+    groups = meta_int(g, f"{p}expert_group_count", 1)
+    used = meta_int(g, f"{p}expert_group_used_count", groups)
     if not v3 and used < groups:
         raise UnsupportedError(
             f"{g.path}: softmax routing with {p}expert_group_count = {groups} and "
@@ -365,12 +363,12 @@ def _expert_fields(g: GGUFFile, p: str, n_layers: int) -> dict[str, Any]:
             "their top two scores, which DeepSeek-V2's routing does not"
         )
     norm = g.fields.get(f"{p}expert_weights_norm")
-    scale = _meta_float(g, f"{p}expert_weights_scale", 1.0)
+    scale = meta_float(g, f"{p}expert_weights_scale", 1.0)
     return out | {
-        "num_experts": _meta_int(g, f"{p}expert_count"),
-        "num_experts_per_tok": _meta_int(g, f"{p}expert_used_count"),
-        "moe_intermediate_size": _meta_int(g, f"{p}expert_feed_forward_length"),
-        "n_shared_experts": _meta_int(g, f"{p}expert_shared_count"),
+        "num_experts": meta_int(g, f"{p}expert_count"),
+        "num_experts_per_tok": meta_int(g, f"{p}expert_used_count"),
+        "moe_intermediate_size": meta_int(g, f"{p}expert_feed_forward_length"),
+        "n_shared_experts": meta_int(g, f"{p}expert_shared_count"),
         "n_group": groups if v3 else 1,
         "topk_group": used if v3 else 1,
         "routed_scaling_factor": scale,
@@ -380,8 +378,6 @@ def _expert_fields(g: GGUFFile, p: str, n_layers: int) -> dict[str, Any]:
 
 def _rope_fields(g: GGUFFile, p: str) -> dict[str, Any]:
     """YaRN's fields (`yarn_fields`), or none."""
-    from entrenar.io.llama_gguf import _meta_float, _meta_int
-
     kind = g.fields.get(f"{p}rope.scaling.type")
     name = "none" if kind is None else kind.value
     if name in ("none", ""):
@@ -391,17 +387,17 @@ def _rope_fields(g: GGUFFile, p: str) -> dict[str, Any]:
             f"{g.path}: metadata {p}rope.scaling.type = {name!r}; entrenar reads "
             "DeepSeek with yarn (or none)"
         )
-    f = _meta_float(g, f"{p}rope.scaling.factor", 1.0)
-    a = _meta_float(g, f"{p}rope.scaling.attn_factor", 1.0)
-    log_mul = _meta_float(g, f"{p}rope.scaling.yarn_log_multiplier", None)
+    f = meta_float(g, f"{p}rope.scaling.factor", 1.0)
+    a = meta_float(g, f"{p}rope.scaling.attn_factor", 1.0)
+    log_mul = meta_float(g, f"{p}rope.scaling.yarn_log_multiplier", None)
     return {
         "rope_type": "yarn",
         "rope_factor": f,
-        "rope_original_max_position_embeddings": _meta_int(
+        "rope_original_max_position_embeddings": meta_int(
             g, f"{p}rope.scaling.original_context_length"
         ),
-        "rope_beta_fast": _meta_float(g, f"{p}rope.scaling.yarn_beta_fast", 32.0),
-        "rope_beta_slow": _meta_float(g, f"{p}rope.scaling.yarn_beta_slow", 1.0),
+        "rope_beta_fast": meta_float(g, f"{p}rope.scaling.yarn_beta_fast", 32.0),
+        "rope_beta_slow": meta_float(g, f"{p}rope.scaling.yarn_beta_slow", 1.0),
         **yarn_fields(f, a, log_mul),
     }
 
@@ -594,8 +590,6 @@ def _kv_b_part(
     w: Any, c: DeepseekConfig, j: int, kind: str, to_bytes: Any, name: str
 ) -> Any:
     def make() -> np.ndarray:
-        from entrenar.nn import to_dense
-
         part = split_kv_b(np.asarray(to_dense(w), np.float32), c)[j]
         return np.ascontiguousarray(to_bytes(np.ascontiguousarray(part), kind, name))
 
