@@ -385,6 +385,21 @@ def test_granitemoeshared_shared_mlp_is_the_converters_two_halves(tmp_path):
     assert g.metadata["general.architecture"] == "granitemoe"
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "BF16"])
+def test_granitemoeshared_halves_load_alike_every_way(kind, tmp_path):
+    """Streamed, unstreamed and ``keep_quantized`` (the halves joined dense)."""
+    config, params = _tiny_new("granitemoeshared")
+    path = tmp_path / "a.gguf"
+    io.save_llama_gguf(path, config, params, tensor_type=kind)
+    _, streamed, _ = io.load_llama_gguf(path)
+    _, whole, _ = io.load_llama_gguf(path, stream=False)
+    jax.tree.map(np.testing.assert_array_equal, whole, streamed)
+    _, kept, _ = io.load_llama_gguf(path, keep_quantized=True)
+    shared = kept["model"]["layers"]["shared_mlp"]["input_linear"]["weight"]
+    want = streamed["model"]["layers"]["shared_mlp"]["input_linear"]["weight"]
+    np.testing.assert_array_equal(np.asarray(shared), np.asarray(want))
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
