@@ -269,9 +269,7 @@ def test_olmoe_heads_narrower_than_hidden_over_heads_are_refused_when_read():
 
 
 @pytest.mark.parametrize("name", ["dbrx", "phimoe"])
-def test_moe_gguf_files_entrenar_does_not_implement_are_refused_by_name(
-    name, tmp_path
-):
+def test_moe_gguf_files_entrenar_does_not_implement_are_refused_by_name(name, tmp_path):
     config = nn.LlamaConfig(**{**nn.decoder_config.TINY_SIZES})
     io.save_llama_gguf(tmp_path / "a.gguf", config, config.init(jax.random.key(0)))
     g = io.read_gguf(tmp_path / "a.gguf")

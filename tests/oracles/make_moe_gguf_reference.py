@@ -63,7 +63,10 @@ CASES: dict[str, dict[str, Any]] = {
     "granitemoeshared": dict(head_dim=None),
     "deepseek_v3": dict(rope_attention_factor=1.0),
     "deepseek_v2": dict(
-        rope_attention_factor=1.0, q_lora_rank=24, topk_method="greedy", n_group=1,
+        rope_attention_factor=1.0,
+        q_lora_rank=24,
+        topk_method="greedy",
+        n_group=1,
         topk_group=1,
     ),
 }
