@@ -697,6 +697,10 @@ def load_llama_gguf(
             leaf dequantized whole, then quantized): the same tree; the reference
             the streaming load is tested against.
 
+    A ``deepseek2`` file (DeepSeek-V2/V3, `entrenar.io.deepseek_gguf`) has a list of
+    unstacked layers: every tensor is dequantized into ``dtype`` (``keep_quantized``
+    and ``stream`` do not apply), then ``quantize``d as asked.
+
     Returns:
         ``(config, params, tokenizer_info)``: the tree of ``config.param_shapes()``
         (q/k rows in Hugging Face order, Gemma's norms as Hugging Face stores them)

@@ -2,7 +2,9 @@
 
 The file is written under the family's llama.cpp name
 (`entrenar.io.gguf_families.written_name`: ``llama``, ``qwen2``, ``qwen3``,
-``gemma2``, ``gemma3``, ``phi3``; Mistral as ``llama``), with the family's tensor
+``gemma2``, ``gemma3``, ``phi3``, ``olmoe``, ``granitemoe``, ...; Mistral as
+``llama``, Granite MoE shared as ``granitemoe``; DeepSeek-V2/V3 as ``deepseek2``
+through `entrenar.io.deepseek_gguf`), with the family's tensor
 names and conventions (q/k rows permuted only for ``llama``, Gemma's norms stored as
 ``1 + w``). Metadata: every field of the ``source`` GGUF (tokenizer, chat template,
 general.*) is copied with its type, except its ``{arch}.*`` hyperparameters, which are
