@@ -217,8 +217,6 @@ def check_deepseek_gguf(c: DeepseekConfig) -> None:
             f"{c.topk_group} of {c.n_group} groups: llama.cpp ranks a group by the "
             "sum of its top two scores, DeepSeek-V2 by its maximum"
         )
-    elif c.num_experts and c.first_k_dense_replace >= c.num_layers:
-        why = "no MoE layer (first_k_dense_replace = num_layers) with num_experts set"
     if why is not None:
         raise UnsupportedError(
             f"this {family} config has no llama.cpp GGUF form: {why}"
@@ -363,7 +361,9 @@ def _expert_fields(g: GGUFFile, p: str, n_layers: int) -> dict[str, Any]:
             "their top two scores, which DeepSeek-V2's routing does not"
         )
     norm = g.fields.get(f"{p}expert_weights_norm")
-    scale = meta_float(g, f"{p}expert_weights_scale", 1.0)
+    key = f"{p}expert_weights_scale"
+    f = g.fields.get(key)  # 0: unset (llama.cpp scales by neither 0 nor 1)
+    scale = 1.0 if f is None or f.value == 0 else meta_float(g, key, 1.0)
     return out | {
         "num_experts": meta_int(g, f"{p}expert_count"),
         "num_experts_per_tok": meta_int(g, f"{p}expert_used_count"),
@@ -390,6 +390,7 @@ def _rope_fields(g: GGUFFile, p: str) -> dict[str, Any]:
     f = meta_float(g, f"{p}rope.scaling.factor", 1.0)
     a = meta_float(g, f"{p}rope.scaling.attn_factor", 1.0)
     log_mul = meta_float(g, f"{p}rope.scaling.yarn_log_multiplier", None)
+    log_mul = log_mul or None  # 0: unset, as llama.cpp reads it
     return {
         "rope_type": "yarn",
         "rope_factor": f,
