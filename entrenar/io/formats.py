@@ -21,7 +21,9 @@ import numpy as np
 from entrenar import nn
 from entrenar.errors import EntrenarError, FormatError, UnsupportedError
 from entrenar.io.bounded import read_json
-from entrenar.io.gguf_families import FAMILY_KEY, MOE_FAMILIES
+from entrenar.io.deepseek_gguf import NAME as DEEPSEEK
+from entrenar.io.deepseek_gguf import deepseek_family
+from entrenar.io.gguf_families import FAMILY_KEY, MOE_FAMILIES, SHARED_MLP
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_gguf
 from entrenar.io.gguf_writer import GGUFTensor, write_gguf
 from entrenar.io.json_yaml import load_json, load_yaml, save_json, save_yaml
@@ -109,7 +111,12 @@ def _gguf_family(g: GGUFFile) -> str | None:
         return None
     if isinstance(family, str) and family in nn.architecture_names():
         return family
+    if name == DEEPSEEK:  # V2 (softmax gating) or V3 (sigmoid)
+        return deepseek_family(g.metadata)
     experts = g.metadata.get(f"{name}.expert_count")
+    shared = g.metadata.get(f"{name}.expert_shared_feed_forward_length")
+    if isinstance(shared, int) and shared > 0 and name in SHARED_MLP:
+        return SHARED_MLP[str(name)]  # Granite MoE shared, written as granitemoe
     if isinstance(experts, int) and experts > 0 and name in MOE_FAMILIES:
         return MOE_FAMILIES[str(name)]  # llama.cpp writes Mixtral as llama
     return arch.name

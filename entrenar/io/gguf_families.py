@@ -38,6 +38,17 @@ hyperparameters ``{arch}.*``. The families differ in:
   command-r's per-head q/k norms ``attn_q_norm {d, H}`` exist exactly when the
   model has 64 layers or more (`QK_NORM_LAYERS`), cohere2 rotates only its sliding
   layers (`NOPE_FULL`; the layout is ``attention.sliding_window_pattern``);
+- **OLMoE** (``olmoe``, src/models/olmoe.cpp): OLMo 2's whole-row q/k norms before
+  the mixture (pre-norm layers, not OLMo 2's post norms), experts
+  ``feed_forward_length`` wide, top-k weights never renormalised; its graph has no
+  ``attn_output`` bias and no q/k/v clipping (`IMPLIED`: a config with either is
+  refused on writing);
+- **Granite MoE** (``granitemoe``, src/models/granite.cpp's graph): Granite's
+  multipliers and permuted q/k, experts ``feed_forward_length`` wide, top-k
+  renormalised; Granite MoE shared is written under the same name with
+  ``expert_shared_feed_forward_length`` and ``ffn_{gate,up,down}_shexp``
+  (`SHARED_MLP`), its fused ``shared_mlp.input_linear`` ``[gate; up]`` split into
+  two tensors (`SPLIT_STEMS`);
 - **gpt-oss** (``gpt-oss``, src/models/openai-moe.cpp): its graph fixes the clamped
   SwiGLU (limit 7, ``α`` 1.702), the biased experts, the sinks and the layers
   alternating sliding / full (`IMPLIED`, `SWA_PATTERN`), and rounds YaRN's
@@ -87,6 +98,7 @@ LAYER_STEMS = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "shared_mlp.output_linear": "ffn_down_shexp",
 }
 """Hugging Face module of a layer -> GGUF stem (``blk.N.<stem>.weight``/``.bias``).
 
@@ -108,14 +120,25 @@ POST_NORM_STEMS = {
 """OLMo 2's norms on the sublayer outputs (``post_norms``), replacing
 `LAYER_STEMS`' entries."""
 
+SPLIT_STEMS = {"shared_mlp.input_linear": ("ffn_gate_shexp", "ffn_up_shexp")}
+"""Layer modules stored fused in the tree and as row halves in GGUF: Granite MoE
+shared's ``shared_mlp.input_linear (L, 2S, D)`` is ``[gate; up]``, llama.cpp's
+``ffn_gate_shexp`` and ``ffn_up_shexp`` ``(S, D)`` each (its converter splits it)."""
+
 FAMILY_STEMS = {"gpt_oss": {"post_attention_layernorm": "post_attention_norm"}}
 """Per family (`LlamaConfig.architecture`), stems replacing `LAYER_STEMS`' entries."""
 LEAF_NAMES = {"self_attn.sinks": ("attn_sinks", "weight")}
 """Layer leaves that are not a module's ``weight``/``bias`` -> (stem, suffix)."""
 
-WRITTEN_AS = {"mistral": "llama", "mixtral": "llama", "olmo3": "olmo2"}
+WRITTEN_AS = {
+    "mistral": "llama",
+    "mixtral": "llama",
+    "olmo3": "olmo2",
+    "granitemoeshared": "granitemoe",
+    "deepseek_v2": "deepseek2",  # told apart by its softmax gating
+}
 """Families without a llama.cpp name of their own, and the name they are written as."""
-PERMUTED = frozenset({"llama", "smollm3", "granite"})
+PERMUTED = frozenset({"llama", "smollm3", "granite", "granitemoe"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
 NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 """llama.cpp names whose norm weights are stored plus this."""
@@ -129,6 +152,12 @@ IMPLIED: dict[str, dict[str, Any]] = {
     for name in ("gemma2", "gemma3")
 }
 IMPLIED["olmo2"] = {"post_norms": True, "qk_norm_whole": True}
+IMPLIED["olmoe"] = {
+    "qk_norm": True,
+    "qk_norm_whole": True,
+    "attention_out_bias": False,  # olmoe.cpp: build_attn(wo, NULL)
+    "clip_qkv": None,  # olmoe.cpp reads no attention.clamp_kqv
+}
 IMPLIED["gpt-oss"] = {
     "attention_sinks": True,
     "moe_bias": True,
@@ -182,6 +211,16 @@ QK_NORM_LAYERS = {"command-r": 64}
 """llama.cpp names whose graph loads per-head q/k norms (``attn_q_norm {d, H}``,
 `LlamaConfig.qk_norm_heads`) exactly when the model has at least this many layers
 (Command-R+'s 64: src/models/command-r.cpp)."""
+WHOLE_HEADS = frozenset({"olmoe"})
+"""llama.cpp names whose heads are ``embedding_length / head_count`` wide and whose
+keys have every head (olmoe.cpp sizes ``attn_q`` ``{n_embd, n_embd}`` and
+``attn_k_norm`` ``{n_embd}``: no grouped-query attention, as OLMoE-1B-7B has none):
+read with ``head_dim`` None, as the family's ``config.json`` reader makes it; a
+config with other heads, or fewer KV heads, is refused."""
+SHARED_MLP = {"granitemoe": "granitemoeshared"}
+"""llama.cpp names that hold two families: the one a file with
+``expert_shared_feed_forward_length`` > 0 is (Granite MoE shared's ungated
+``shared_mlp``, `entrenar.nn.LlamaConfig.shared_mlp_intermediate_size`)."""
 WINDOWED = {"olmo2": "olmo3"}
 """llama.cpp names that hold two families: the one a file with sliding layers is
 (llama.cpp's olmo2 runs OLMo 3, whose sliding layers rotate unscaled at
@@ -196,23 +235,37 @@ SCALE_KEYS = {
     "logits_scaling": "logit_scale",
 }
 """Granite's multipliers -> llama.cpp's ``{arch}.*`` keys (its converter's names)."""
-SCALED = frozenset({"granite"})
+SCALED = frozenset({"granite", "granitemoe"})
 """llama.cpp names whose graph reads `SCALE_KEYS` (``logit_scale`` required)."""
 MOE_FAMILIES = {
     "llama": "mixtral",
     "qwen3moe": "qwen3_moe",
     "qwen2moe": "qwen2_moe",
     "gpt-oss": "gpt_oss",
+    "olmoe": "olmoe",
+    "granitemoe": "granitemoe",
 }
 """llama.cpp names that read experts (``{arch}.expert_count > 0``) -> the family: a
 ``llama`` file with experts is a Mixtral (llama.cpp's converter writes Mixtral so)."""
-EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "gpt-oss": True}
+EXPERT_NORM = {
+    "llama": True,
+    "qwen3moe": True,
+    "qwen2moe": False,
+    "gpt-oss": True,
+    "olmoe": False,
+    "granitemoe": True,
+}
 """Whether llama.cpp renormalises the top-k routing weights of each name: fixed per
 architecture in its graphs (``build_moe_ffn``'s ``norm_w``: src/models/llama.cpp,
-qwen3moe.cpp true, qwen2moe.cpp false), whatever ``expert_weights_norm`` says (these
-three do not read it; gpt-oss's softmax over the top-k logits,
-``SOFTMAX_WEIGHT``, is the renormalised one). A config routing otherwise has no
+qwen3moe.cpp, granite.cpp true, qwen2moe.cpp, olmoe.cpp false), whatever
+``expert_weights_norm`` says (these do not read it; gpt-oss's softmax over the top-k
+logits, ``SOFTMAX_WEIGHT``, is the renormalised one). A config routing otherwise has no
 llama.cpp form."""
+FF_EXPERTS = frozenset({"llama", "olmoe", "granitemoe"})
+"""llama.cpp names whose experts are ``feed_forward_length`` wide (their graphs
+size ``ffn_*_exps`` by ``n_ff``; the converter writes no
+``expert_feed_forward_length``): Mixtral, OLMoE and Granite MoE, whose configs
+have no ``moe_intermediate_size``."""
 ONE_WIDTH = frozenset({"gpt-oss"})
 """llama.cpp names whose every MLP is an expert ``expert_feed_forward_length`` wide:
 the config's ``intermediate_size`` (no ``moe_intermediate_size``), as gpt-oss's
@@ -266,14 +319,26 @@ def layer_stems(config: Any) -> dict[str, str]:
 def gguf_names(config: Any) -> dict[str, str]:
     """Hugging Face tensor name (layer ``N`` as ``layers.N``) -> GGUF tensor name.
 
-    Every leaf of ``config.param_shapes()`` gets a name; the layer names are given
-    for every layer.
+    Every leaf of ``config.param_shapes()`` gets a name, but those stored as two
+    tensors (`SPLIT_STEMS`, `split_names`); the layer names are given for every
+    layer.
 
     Raises:
         KeyError: a module with no GGUF name (a family this table lacks).
     """
+    return _names(config)[0]
+
+
+def split_names(config: Any) -> dict[str, tuple[str, str]]:
+    """Hugging Face name -> the GGUF names of its two row halves (`SPLIT_STEMS`)."""
+    return _names(config)[1]
+
+
+def _names(config: Any) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+    """`gguf_names` and `split_names` of ``config``."""
     stems = layer_stems(config)
     out: dict[str, str] = {}
+    split: dict[str, tuple[str, str]] = {}
 
     def walk(tree: dict[str, Any], prefix: str) -> None:
         for key, sub in tree.items():
@@ -288,6 +353,13 @@ def gguf_names(config: Any) -> dict[str, str]:
                     hf = f"model.layers.{i}.{path.removeprefix('model.layers.')}"
                     out[hf] = f"blk.{i}.{leaf[0]}.{leaf[1]}"
                 continue
+            halves = SPLIT_STEMS.get(module.removeprefix("model.layers."))
+            if halves is not None:  # Granite MoE shared's [gate; up]
+                for i in range(config.num_layers):
+                    hf = f"model.layers.{i}.{module.removeprefix('model.layers.')}"
+                    a, b = (f"blk.{i}.{h}.{kind}" for h in halves)
+                    split[f"{hf}.{kind}"] = (a, b)
+                continue
             if module.startswith("model.layers."):
                 stem = stems[module.removeprefix("model.layers.")]
                 for i in range(config.num_layers):
@@ -297,7 +369,7 @@ def gguf_names(config: Any) -> dict[str, str]:
                 out[path] = f"{GLOBAL_STEMS[module]}.{kind}"
 
     walk(config.param_shapes(), "")
-    return out
+    return out, split
 
 
 def default_nope_layers(name: str, n_layers: int) -> tuple[bool, ...] | None:
@@ -336,6 +408,7 @@ __all__ = [
     "F32_STEMS",
     "FAMILY_KEY",
     "FAMILY_STEMS",
+    "FF_EXPERTS",
     "GLOBAL_STEMS",
     "HEAD_KEYS",
     "IMPLIED",
@@ -358,11 +431,14 @@ __all__ = [
     "SCALE_KEYS",
     "SCALING_NONE",
     "SHARED_EXPERT",
+    "SHARED_MLP",
+    "SPLIT_STEMS",
     "SQUARE_ATTENTION",
     "SWA_PATTERN",
     "SWITCH_FIELDS",
     "TIED",
     "UNTIED",
+    "WHOLE_HEADS",
     "WINDOWED",
     "WRITTEN_AS",
     "default_layer_types",
@@ -370,5 +446,6 @@ __all__ = [
     "full_layers_nope",
     "gguf_names",
     "layer_stems",
+    "split_names",
     "written_name",
 ]

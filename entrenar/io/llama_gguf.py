@@ -46,10 +46,16 @@ import numpy as np
 
 from entrenar import nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.io.deepseek_gguf import (
+    deepseek_config_from_gguf,
+    expected_tensors,
+    load_deepseek_tree,
+)
 from entrenar.io.ggml_dequant import dequantize_ggml, dequantize_ggml_into
 from entrenar.io.gguf_families import (
     EXPERT_NORM,
     FAMILY_KEY,
+    FF_EXPERTS,
     IMPLIED,
     LAYER_NORM_EPS,
     LOGIT_SCALE,
@@ -62,19 +68,25 @@ from entrenar.io.gguf_families import (
     QK_NORM_LAYERS,
     SCALE_KEYS,
     SHARED_EXPERT,
+    SHARED_MLP,
+    SPLIT_STEMS,
     SWITCH_FIELDS,
+    WHOLE_HEADS,
     WINDOWED,
     default_layer_types,
     default_nope_layers,
     full_layers_nope,
     gguf_names,
+    split_names,
     written_name,
 )
-from entrenar.io.gguf_reader import GGUFFile, GGUFMetadata, GGUFValueType, read_gguf
+from entrenar.io.gguf_meta import meta_float, meta_int
+from entrenar.io.gguf_reader import GGUFFile, GGUFMetadata, read_gguf
 from entrenar.io.heap import bound_heap, host_buffer, to_device, trim_heap
 from entrenar.io.read_ahead import ReadAhead
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
+from entrenar.nn.deepseek import DeepseekConfig
 from entrenar.nn.hf_names import (
     CHUNK_BYTES,
     Quantize,
@@ -144,37 +156,6 @@ def unpermuted_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.swapaxes(w, -2, -3)  # (.., n, 2, d/2, X)
 
 
-INT_LIMITS = {
-    "vocab_size": 1 << 24,
-    "embedding_length": 1 << 20,
-    "feed_forward_length": 1 << 22,
-    "block_count": 1 << 12,
-    "attention.head_count": 1 << 12,
-    "attention.head_count_kv": 1 << 12,
-    "attention.key_length": 1 << 16,
-    "attention.sliding_window": 1 << 27,
-    "context_length": 1 << 27,
-    "rope.scaling.original_context_length": 1 << 27,
-}
-"""Largest value entrenar accepts for each integer ``{arch}.*`` hyperparameter."""
-FLOAT_RANGES = {
-    "rope.freq_base": (1.0, 1e12),
-    "rope.freq_base_swa": (1.0, 1e12),
-    "attention.layer_norm_rms_epsilon": (0.0, 1.0),
-    LAYER_NORM_EPS: (0.0, 1.0),
-    "rope.scaling.factor": (0.0, 1e6),
-    "rope.scaling.attn_factor": (0.0, 1e3),
-    "rope.scaling.yarn_attn_factor": (0.0, 1e3),
-    "rope.scaling.yarn_beta_fast": (0.0, 1e6),
-    "rope.scaling.yarn_beta_slow": (0.0, 1e6),
-    "attn_logit_softcapping": (0.0, 1e6),
-    "final_logit_softcapping": (0.0, 1e6),
-    "embedding_scale": (0.0, 1e6),
-    "residual_scale": (0.0, 1e6),
-    "attention.scale": (0.0, 1e6),
-    "logit_scale": (0.0, 1e6),
-}
-"""Open interval ``(low, high)`` a float ``{arch}.*`` hyperparameter must lie in."""
 ROPE_SCALINGS = ("none", "", "linear", "yarn", "longrope")
 """``{arch}.rope.scaling.type`` values entrenar reads."""
 
@@ -184,43 +165,6 @@ def _arch_name(g: GGUFFile) -> str:
     if f is None or not isinstance(f.value, str):
         raise FormatError(f"{g.path}: metadata 'general.architecture' is missing")
     return f.value
-
-
-def _meta_int(g: GGUFFile, key: str, default: int | None = None) -> int:
-    """An integer hyperparameter: present (or defaulted), ``0 < value <= limit``."""
-    f = g.fields.get(key)
-    if f is None:
-        if default is None:
-            raise FormatError(f"{g.path}: metadata {key!r} is missing")
-        return default
-    limit = INT_LIMITS.get(key.split(".", 1)[1], 1 << 31)
-    if isinstance(f.value, bool) or not isinstance(f.value, int) or f.value <= 0:
-        raise FormatError(f"{g.path}: metadata {key!r} = {f.value!r}, want an int > 0")
-    if f.value > limit:
-        raise FormatError(
-            f"{g.path}: metadata {key!r} = {f.value} is over the limit of {limit}; "
-            "the file is corrupt or not a model entrenar can load"
-        )
-    return int(f.value)
-
-
-def _meta_float(g: GGUFFile, key: str, default: Any) -> Any:
-    """A float hyperparameter: a finite number inside `FLOAT_RANGES`' interval."""
-    f = g.fields.get(key)
-    if f is None:
-        return default
-    if f.type not in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
-        raise FormatError(f"{g.path}: metadata {key!r} = {f.value!r} is not a float")
-    low, high = FLOAT_RANGES[key.split(".", 1)[1]]
-    value = float(f.value)
-    if f.type == GGUFValueType.FLOAT32 and math.isfinite(value):
-        value = float(str(np.float32(value)))  # 1e-06, not 9.99999997e-07
-    if not (math.isfinite(value) and low < value < high):
-        raise FormatError(
-            f"{g.path}: metadata {key!r} = {value!r}, want a finite number in "
-            f"({low:g}, {high:g}); the file is corrupt"
-        )
-    return value
 
 
 def _head_dim(g: GGUFFile, p: str, hidden: int, heads: int) -> int:
@@ -234,7 +178,7 @@ def _head_dim(g: GGUFFile, p: str, hidden: int, heads: int) -> int:
             whole heads).
     """
     if f"{p}attention.key_length" in g.fields:
-        head_dim = _meta_int(g, f"{p}attention.key_length")
+        head_dim = meta_int(g, f"{p}attention.key_length")
     elif hidden % heads:
         raise FormatError(
             f"{g.path}: metadata '{p}embedding_length' = {hidden} is not a "
@@ -244,7 +188,7 @@ def _head_dim(g: GGUFFile, p: str, hidden: int, heads: int) -> int:
     else:
         head_dim = hidden // heads
     key = f"{p}attention.value_length"
-    if key in g.fields and _meta_int(g, key) != head_dim:
+    if key in g.fields and meta_int(g, key) != head_dim:
         raise UnsupportedError(
             f"{g.path}: metadata {key!r} = {g.fields[key].value} differs from "
             f"the head dimension {head_dim}; entrenar needs them equal"
@@ -263,7 +207,7 @@ def _rotary_dim(g: GGUFFile, name: str, head_dim: int) -> int:
     key = f"{name}.rope.dimension_count"
     if key not in g.fields:
         return head_dim
-    n_rot = _meta_int(g, key)
+    n_rot = meta_int(g, key)
     if n_rot == head_dim:
         return n_rot
     if name not in PARTIAL_ROTARY or not 2 <= n_rot < head_dim or n_rot % 2:
@@ -327,20 +271,20 @@ def _rope_fields(g: GGUFFile, p: str, head_dim: int) -> dict[str, Any]:
     if kind in ("none", ""):
         return out
     out["rope_type"] = kind
-    out["rope_factor"] = _meta_float(g, f"{p}rope.scaling.factor", 1.0)
+    out["rope_factor"] = meta_float(g, f"{p}rope.scaling.factor", 1.0)
     orig = f"{p}rope.scaling.original_context_length"
     if orig in g.fields or kind != "linear":
-        out["rope_original_max_position_embeddings"] = _meta_int(g, orig)
-    attn = _meta_float(g, f"{p}rope.scaling.attn_factor", None)
+        out["rope_original_max_position_embeddings"] = meta_int(g, orig)
+    attn = meta_float(g, f"{p}rope.scaling.attn_factor", None)
     if kind == "yarn" and attn is not None:  # llama.cpp: × yarn_mscale(factor)
         attn = None if attn == 1.0 else attn * yarn_mscale(out["rope_factor"])
     elif kind == "yarn":  # the converter's copy of config.json's attention_factor
-        attn = _meta_float(g, f"{p}rope.scaling.yarn_attn_factor", None)
+        attn = meta_float(g, f"{p}rope.scaling.yarn_attn_factor", None)
     if attn is not None:
         out["rope_attention_factor"] = attn
     if kind == "yarn":
-        out["rope_beta_fast"] = _meta_float(g, f"{p}rope.scaling.yarn_beta_fast", 32.0)
-        out["rope_beta_slow"] = _meta_float(g, f"{p}rope.scaling.yarn_beta_slow", 1.0)
+        out["rope_beta_fast"] = meta_float(g, f"{p}rope.scaling.yarn_beta_fast", 32.0)
+        out["rope_beta_slow"] = meta_float(g, f"{p}rope.scaling.yarn_beta_slow", 1.0)
     return out
 
 
@@ -355,7 +299,7 @@ def _window_fields(g: GGUFFile, name: str, p: str, n_layers: int) -> dict[str, A
     f = g.fields.get(key)
     if f is not None and f.value == 0 and not isinstance(f.value, (bool, float)):
         return {}
-    window = _meta_int(g, key) if f is not None else default
+    window = meta_int(g, key) if f is not None else default
     if window is None:
         return {}
     types = default_layer_types(name, n_layers)
@@ -409,13 +353,14 @@ def _family_fields(g: GGUFFile, name: str) -> dict[str, Any]:
 def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
     """The mixture-of-experts `LlamaConfig` fields of ``{arch}.expert_*``.
 
-    As llama.cpp reads them (src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp):
-    ``expert_count`` ``E`` and ``expert_used_count`` ``k``; an expert's width
-    ``expert_feed_forward_length`` (``llama``: ``feed_forward_length``; Qwen's
-    default ``n_ff / k``), Qwen2-MoE's shared expert's
-    ``expert_shared_feed_forward_length`` (default ``n_ff``); the renormalisation
-    of the top-k weights fixed by the architecture (`EXPERT_NORM`). Empty for a
-    dense model.
+    As llama.cpp reads them (src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp,
+    olmoe.cpp, granite.cpp): ``expert_count`` ``E`` and ``expert_used_count``
+    ``k``; an expert's width ``expert_feed_forward_length`` (`FF_EXPERTS`:
+    ``feed_forward_length``; Qwen's default ``n_ff / k``), Qwen2-MoE's shared
+    expert's ``expert_shared_feed_forward_length`` (default ``n_ff``), Granite MoE
+    shared's ungated ``shared_mlp`` of that width (default 0: none, `SHARED_MLP`);
+    the renormalisation of the top-k weights fixed by the architecture
+    (`EXPERT_NORM`). Empty for a dense model.
 
     Raises:
         FormatError: expert tensors without ``expert_count``, or counts that do not
@@ -436,10 +381,11 @@ def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
         raise UnsupportedError(
             f"{g.path}: a mixture of experts ({p}expert_count = {count.value}) in "
             f"general.architecture {name!r}; entrenar reads experts in "
-            f"{sorted(MOE_FAMILIES)} (Mixtral, Qwen3-MoE, Qwen2-MoE)"
+            f"{sorted(MOE_FAMILIES)} (Mixtral as llama, Qwen3-MoE, Qwen2-MoE, "
+            "gpt-oss, OLMoE, Granite MoE)"
         )
-    e = _meta_int(g, f"{p}expert_count")
-    k = _meta_int(g, f"{p}expert_used_count")
+    e = meta_int(g, f"{p}expert_count")
+    k = meta_int(g, f"{p}expert_used_count")
     if k > e:
         raise FormatError(
             f"{g.path}: metadata {p}expert_used_count = {k} is over "
@@ -461,13 +407,16 @@ def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
         num_experts=e, num_experts_per_tok=k, norm_topk_prob=EXPERT_NORM[name]
     )
     if name in ONE_WIDTH:  # gpt-oss: the experts' width is the model's
-        out["intermediate_size"] = _meta_int(g, f"{p}expert_feed_forward_length", n_ff)
-    elif name != "llama":  # Mixtral's experts are feed_forward_length wide
+        out["intermediate_size"] = meta_int(g, f"{p}expert_feed_forward_length", n_ff)
+    elif name not in FF_EXPERTS:  # Mixtral's are feed_forward_length wide
         key = f"{p}expert_feed_forward_length"
-        out["moe_intermediate_size"] = _meta_int(g, key, max(1, n_ff // k))
+        out["moe_intermediate_size"] = meta_int(g, key, max(1, n_ff // k))
     if name in SHARED_EXPERT:
         key = f"{p}expert_shared_feed_forward_length"
-        out["shared_expert_intermediate_size"] = _meta_int(g, key, n_ff)
+        out["shared_expert_intermediate_size"] = meta_int(g, key, n_ff)
+    if name in SHARED_MLP:  # Granite MoE shared: an ungated MLP beside
+        key = f"{p}expert_shared_feed_forward_length"
+        out["shared_mlp_intermediate_size"] = meta_int(g, key, 0)
     return out
 
 
@@ -486,15 +435,17 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     """
     name = _arch_name(g)
     arch = nn.architecture_for_gguf(name, g.path)
+    if name == "deepseek2":  # DeepSeek-V2/V3's latent attention: its own keys
+        return deepseek_config_from_gguf(g)
     if arch.config_class is not LlamaConfig:
         raise UnsupportedError(
             f"{g.path}: general.architecture {name!r} is not a decoder entrenar loads "
             "from llama.cpp files"
         )
     p = f"{name}."
-    heads = _meta_int(g, f"{p}attention.head_count")
-    hidden = _meta_int(g, f"{p}embedding_length")
-    n_layers = _meta_int(g, f"{p}block_count")
+    heads = meta_int(g, f"{p}attention.head_count")
+    hidden = meta_int(g, f"{p}embedding_length")
+    n_layers = meta_int(g, f"{p}block_count")
     emb = g.tensors.get("token_embd.weight")
     n_vocab = emb.shape[0] if emb is not None and len(emb.shape) == 2 else None
     head_dim = _head_dim(g, p, hidden, heads)
@@ -504,17 +455,17 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         "attention.layer_norm_rms_epsilon"
     )  # fmt: skip
     fields: dict[str, Any] = dict(
-        vocab_size=_meta_int(g, f"{p}vocab_size", n_vocab),
+        vocab_size=meta_int(g, f"{p}vocab_size", n_vocab),
         hidden_size=hidden,
-        intermediate_size=_meta_int(g, f"{p}feed_forward_length"),
+        intermediate_size=meta_int(g, f"{p}feed_forward_length"),
         num_layers=n_layers,
         num_heads=heads,
-        num_kv_heads=_meta_int(g, f"{p}attention.head_count_kv", heads),
+        num_kv_heads=meta_int(g, f"{p}attention.head_count_kv", heads),
         head_dim=head_dim,
-        rope_theta=_meta_float(g, f"{p}rope.freq_base", 10000.0),
-        rms_norm_eps=_meta_float(g, p + eps, 1e-5),
+        rope_theta=meta_float(g, f"{p}rope.freq_base", 10000.0),
+        rms_norm_eps=meta_float(g, p + eps, 1e-5),
         tie_word_embeddings="output.weight" not in has,
-        max_position_embeddings=_meta_int(g, f"{p}context_length", 2048),
+        max_position_embeddings=meta_int(g, f"{p}context_length", 2048),
         attention_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & has),
         attention_out_bias="blk.0.attn_output.bias" in has,
         mlp_bias="blk.0.ffn_down.bias" in has,
@@ -522,8 +473,10 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         fused_qkv="blk.0.attn_qkv.weight" in has,
         fused_gate_up="blk.0.ffn_up.weight" in has
         and "blk.0.ffn_gate.weight" not in has,
-        **implied,
     )
+    fields |= IMPLIED.get(name, {})  # over the tensor table's (OLMoE's o bias)
+    if name in WHOLE_HEADS and head_dim * heads == hidden:
+        fields["head_dim"] = None  # OLMoE's: D / H, as its config.json reader
     fields["nope_layers"] = default_nope_layers(name, n_layers)
     if name in QK_NORM_LAYERS:  # Command-R+: a gain per head, {d, H}
         fields["qk_norm_heads"] = fields["qk_norm"]
@@ -537,17 +490,17 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         fields["nope_layers"] = full_layers_nope(name, types, n_layers)
     fields |= _expert_fields(g, name, p, fields["intermediate_size"])
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        value = _meta_float(g, f"{p}{key}", None)
+        value = meta_float(g, f"{p}{key}", None)
         if value is not None:
             fields[key] = value
     for field, key in SCALE_KEYS.items():  # Granite's multipliers
         if name in LOGIT_SCALE and key == "logit_scale":
             field = "logit_scale"  # Cohere's multiplies the logits
-        value = _meta_float(g, f"{p}{key}", None)
+        value = meta_float(g, f"{p}{key}", None)
         if value is not None:
             fields[field] = value
     if name == "gemma3" or f"{p}rope.freq_base_swa" in g.fields:
-        local = _meta_float(g, f"{p}rope.freq_base_swa", 10000.0)
+        local = meta_float(g, f"{p}rope.freq_base_swa", 10000.0)
         if fields.get("sliding_window") and local != fields["rope_theta"]:
             fields["rope_local_theta"] = local
     if (name, n_layers) in (("gemma2", 46), ("gemma3", 62)):  # llama.cpp's 27B rule
@@ -555,11 +508,13 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     default = arch.name
     if name in WINDOWED and fields.get("sliding_window"):  # OLMo 3 in olmo2
         default = WINDOWED[name]
-        local = _meta_float(g, f"{p}rope.freq_base_swa", fields["rope_theta"])
+        local = meta_float(g, f"{p}rope.freq_base_swa", fields["rope_theta"])
         fields["rope_local_theta"] = local  # set even when equal: unscaled
     family = _family_fields(g, name)
     if fields.get("num_experts") and "architecture" not in family:
         family["architecture"] = MOE_FAMILIES[name]  # a llama with experts: Mixtral
+        if fields.get("shared_mlp_intermediate_size"):  # Granite MoE shared
+            family["architecture"] = SHARED_MLP[name]
     if family.get("rope_type", "default") != "default":
         fields.pop("rope_freq_divisors", None)  # rope_freqs was derived from them
     fields |= family
@@ -576,7 +531,11 @@ def _expected(
     """GGUF name -> (Hugging Face name, shape of one tensor) for every tensor."""
     flat = per_layer_shapes(config)
     names = gguf_names(config)
-    out = {names[hf]: (hf, shape) for hf, shape in flat.items()}
+    out = {names[hf]: (hf, shape) for hf, shape in flat.items() if hf in names}
+    for hf, halves in split_names(config).items():  # Granite MoE shared's [gate; up]
+        rows, *rest = flat[hf]
+        for part in halves:  # its name: "" (read by `_load_tree`'s `halves`)
+            out[part] = ("", (rows // 2, *rest))
     half = config.rotary_dim // 2
     if "rope_freqs.weight" in g.tensors:
         out["rope_freqs.weight"] = ("", (half,))
@@ -587,7 +546,10 @@ def _expected(
 
 
 def _check_tensors(g: GGUFFile, config: LlamaConfig) -> None:
-    want = _expected(g, config)
+    if isinstance(config, DeepseekConfig):
+        want = expected_tensors(g, config)
+    else:
+        want = _expected(g, config)
     p = f"{_arch_name(g)}.*"
     for name, (_, shape) in want.items():
         if name not in g.tensors:
@@ -751,6 +713,10 @@ def load_llama_gguf(
             leaf dequantized whole, then quantized): the same tree; the reference
             the streaming load is tested against.
 
+    A ``deepseek2`` file (DeepSeek-V2/V3, `entrenar.io.deepseek_gguf`) has a list of
+    unstacked layers: every tensor is dequantized into ``dtype`` (``keep_quantized``
+    and ``stream`` do not apply), then ``quantize``d as asked.
+
     Returns:
         ``(config, params, tokenizer_info)``: the tree of ``config.param_shapes()``
         (q/k rows in Hugging Face order, Gemma's norms as Hugging Face stores them)
@@ -772,6 +738,10 @@ def load_llama_gguf(
     ahead = _ahead().submit(jax.devices)
     try:
         g, config = read_llama_header(path)
+        if isinstance(config, DeepseekConfig):  # a list of unstacked layers
+            return load_deepseek_tree(
+                g, config, dtype=dtype, quantize=quantize, release=reading.release
+            )
         if whole is None:  # a GGUFFile already parsed: its tensors in the file's order
             stored = sorted(g.tensors.values(), key=lambda t: t.offset)
             reading.read([g.raw(t.name) for t in stored])
@@ -992,10 +962,20 @@ def _load_tree(
         read_into(gname, buf)
         return GGMLWeight(to_device(buf), _type(gname))
 
-    def copied(path_: str, names: list[str], shape: tuple[int, ...]) -> Fill:
-        """A stacked leaf dequantized and cast into its buffer, layer by layer."""
+    def copied(
+        path_: str,
+        names: list[str],
+        shape: tuple[int, ...],
+        readers: list[Reader] | None = None,
+    ) -> Fill:
+        """A stacked leaf dequantized and cast into its buffer, layer by layer.
+
+        ``readers``: each layer's (default: ``names`` read whole).
+        """
         yield  # allocated at the first layer's turn
-        leaf = StackedLeaf(path_, shape, final, [reader(n, shape[1:]) for n in names])
+        if readers is None:
+            readers = [reader(n, shape[1:]) for n in names]
+        leaf = StackedLeaf(path_, shape, final, readers)
         for i in range(shape[0]):
             if i > 0:
                 yield  # the other leaves' layer i - 1
@@ -1040,6 +1020,36 @@ def _load_tree(
             )
         )
 
+    split = split_names(config)
+
+    def halves(path_: str, hf_stem: str, shape: tuple[int, ...]) -> Fill:
+        """A leaf stored as two tensors of row halves (`SPLIT_STEMS`), by layer.
+
+        Each layer's ``[a; b]`` is dequantized (a kept type too) and joined.
+        """
+        half = (shape[1] // 2, *shape[2:])
+
+        def joined(a: str, b: str) -> Reader:
+            def read() -> Any:
+                rows = np.concatenate([one(a, half), one(b, half)])  # (2 S, D)
+                return rows if final == np.float32 else jnp.asarray(rows, dtype)
+
+            return read
+
+        pairs = [split[f"model.layers.{i}.{hf_stem}"] for i in range(shape[0])]
+        layers = [joined(a, b) for a, b in pairs]
+        if stream and (quantize is None or quantize(path_, shape) is None):
+            return copied(path_, [], shape, layers)
+        if stream:
+            return _at_once(
+                lambda: stream_layers(
+                    [StackedLeaf(path_, shape, final, layers, quantize)]
+                )[0]
+            )
+        return _at_once(
+            lambda: jnp.asarray(np.stack([r() for r in layers]), dtype=dtype)
+        )
+
     fills: list[tuple[dict[str, Any], str, Fill]] = []  # the stacked leaves
     aside: list[tuple[dict[str, Any], str, concurrent.futures.Future[Any]]] = []
 
@@ -1065,7 +1075,9 @@ def _load_tree(
                 # layer i + 1: the file's order, so it is read front to back
                 out[k] = None  # its place in the tree
                 stem = path_.removeprefix("model.layers.")
-                fills.append((out, k, stacked(path_, stem, tuple(v))))
+                split_leaf = stem.rpartition(".")[0] in SPLIT_STEMS  # two halves
+                leaf = (halves if split_leaf else stacked)(path_, stem, tuple(v))
+                fills.append((out, k, leaf))
             elif (
                 keep_quantized and len(v) == 2 and _type(by_hf[path_]) in KQUANT_FORMATS
             ):

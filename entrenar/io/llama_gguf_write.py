@@ -2,7 +2,9 @@
 
 The file is written under the family's llama.cpp name
 (`entrenar.io.gguf_families.written_name`: ``llama``, ``qwen2``, ``qwen3``,
-``gemma2``, ``gemma3``, ``phi3``; Mistral as ``llama``), with the family's tensor
+``gemma2``, ``gemma3``, ``phi3``, ``olmoe``, ``granitemoe``, ...; Mistral as
+``llama``, Granite MoE shared as ``granitemoe``; DeepSeek-V2/V3 as ``deepseek2``
+through `entrenar.io.deepseek_gguf`), with the family's tensor
 names and conventions (q/k rows permuted only for ``llama``, Gemma's norms stored as
 ``1 + w``). Metadata: every field of the ``source`` GGUF (tokenizer, chat template,
 general.*) is copied with its type, except its ``{arch}.*`` hyperparameters, which are
@@ -36,11 +38,20 @@ from entrenar.errors import (
     QuantizationError,
     UnsupportedError,
 )
+from entrenar.io.deepseek_gguf import NAME as DEEPSEEK
+from entrenar.io.deepseek_gguf import (
+    check_deepseek_gguf,
+    deepseek_keys,
+    deepseek_layer_tensors,
+    family_json,
+    row_widths,
+)
 from entrenar.io.ggml_dequant import GGML_TYPE_IDS
 from entrenar.io.gguf_families import (
     EXPERT_NORM,
     F32_STEMS,
     FAMILY_KEY,
+    FF_EXPERTS,
     HEAD_KEYS,
     IMPLIED,
     LAYER_NORM_EPS,
@@ -57,14 +68,17 @@ from entrenar.io.gguf_families import (
     SCALED,
     SCALING_NONE,
     SHARED_EXPERT,
+    SHARED_MLP,
     SQUARE_ATTENTION,
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
     UNTIED,
+    WHOLE_HEADS,
     default_nope_layers,
     full_layers_nope,
     gguf_names,
+    split_names,
     written_name,
 )
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_gguf
@@ -73,6 +87,7 @@ from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
 from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig, to_dense
 from entrenar.nn.decoder_config import sliding_layers
+from entrenar.nn.deepseek import DeepseekConfig
 from entrenar.nn.rope_scaling import attention_factor, yarn_mscale
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.quant import GGMLWeight, QuantizedWeight, dequantize, quantize, to_ggml
@@ -120,6 +135,13 @@ def _layer_bytes(stored: Any, w: Any, i: int, *args: Any) -> np.ndarray:
     return stored(layer, *args)
 
 
+def _half_bytes(layer: Any, j: int, kind: str, name: str) -> np.ndarray:
+    """Stored bytes of rows half ``j`` (0: the first) of one layer's ``(2 S, X)``."""
+    w = np.asarray(to_dense(layer), np.float32)  # a quantized base dequantized
+    rows = w.shape[0] // 2
+    return _to_bytes(w[j * rows : (j + 1) * rows], kind, name).reshape(-1)
+
+
 def _order_key(name: str) -> tuple[int, int, str]:
     """token_embd, rope tensors, blk.0.*, blk.1.*, ..., output_norm, output."""
     if name.startswith("blk."):
@@ -160,7 +182,10 @@ def _switches(c: LlamaConfig, family: str, gname: str) -> dict[str, Any]:
     """
     defaults = {f.name: f.default for f in dataclasses.fields(c)}
     out: dict[str, Any] = {}
-    implied = c.num_experts and MOE_FAMILIES.get(gname) == family  # llama: Mixtral
+    implied = c.num_experts and (
+        MOE_FAMILIES.get(gname) == family  # llama: Mixtral
+        or (SHARED_MLP.get(gname) == family and c.shared_mlp_intermediate_size)
+    )  # the family the reader takes the file for
     if family != gname and not implied:
         out["architecture"] = family
     for name in SWITCH_FIELDS:
@@ -178,10 +203,12 @@ def _switches(c: LlamaConfig, family: str, gname: str) -> dict[str, Any]:
 def _ffn_length(c: LlamaConfig, gname: str) -> int:
     """``{arch}.feed_forward_length`` of ``c`` written as ``gname``.
 
-    llama.cpp's llama reads Mixtral's experts' width there (Qwen MoE's experts have
-    ``expert_feed_forward_length``).
+    llama.cpp's llama, olmoe and granitemoe read their experts' width there
+    (`FF_EXPERTS`; Qwen MoE's experts have ``expert_feed_forward_length``).
     """
-    return c.expert_size if c.num_experts and gname == "llama" else c.intermediate_size
+    if c.num_experts and gname in FF_EXPERTS:
+        return c.expert_size
+    return c.intermediate_size
 
 
 def _metadata(
@@ -218,11 +245,11 @@ def _metadata(
     if c.num_experts:  # as llama.cpp's converter writes them
         new[p + "expert_count"] = (c.num_experts, U32)
         new[p + "expert_used_count"] = (c.num_experts_per_tok, U32)
-        if gname != "llama":
+        if gname not in FF_EXPERTS:
             new[p + "expert_feed_forward_length"] = (c.expert_size, U32)
-        if c.shared_expert_intermediate_size:
-            size = c.shared_expert_intermediate_size
-            new[p + "expert_shared_feed_forward_length"] = (size, U32)
+        shared = c.shared_expert_intermediate_size or c.shared_mlp_intermediate_size
+        if shared:  # Qwen2-MoE's gated shared expert, Granite MoE shared's MLP
+            new[p + "expert_shared_feed_forward_length"] = (shared, U32)
     for k in ("attention.key_length", "attention.value_length"):
         if (
             p + k in fields
@@ -360,6 +387,16 @@ def _gguf_name(config: Any) -> str:
                 f"{nope}); this {arch.name} config has nope_layers "
                 f"{config.nope_layers}"
             )
+    if gname in WHOLE_HEADS and (
+        config.hd * config.num_heads != config.hidden_size
+        or config.num_kv_heads != config.num_heads
+    ):
+        raise UnsupportedError(
+            f"llama.cpp's {gname} takes heads hidden_size / num_heads wide and as "
+            f"many KV heads (its k norm is hidden_size wide); this {arch.name} "
+            f"config has head_dim {config.hd}, {config.num_heads} heads and "
+            f"{config.num_kv_heads} KV heads for hidden_size {config.hidden_size}"
+        )
     for field, value in IMPLIED.get(gname, {}).items():
         if getattr(config, field) != value:
             raise UnsupportedError(
@@ -377,10 +414,10 @@ def _check_routing(c: LlamaConfig, family: str, gname: str) -> None:
     llama.cpp renormalises the top-k weights of ``llama`` (Mixtral) and ``qwen3moe``
     and never those of ``qwen2moe``, whose layers all have a shared expert.
     """
-    if MOE_FAMILIES.get(gname) != family:
+    if family not in (MOE_FAMILIES.get(gname), SHARED_MLP.get(gname)):
         raise UnsupportedError(
             f"a {family} config with num_experts={c.num_experts}: llama.cpp reads "
-            f"experts only in {sorted(MOE_FAMILIES.values())}"
+            f"experts only in {sorted({*MOE_FAMILIES.values(), *SHARED_MLP.values()})}"
         )
     norm = EXPERT_NORM[gname]
     if c.norm_topk_prob != norm:
@@ -397,6 +434,49 @@ def _check_routing(c: LlamaConfig, family: str, gname: str) -> None:
             f"expert; this {family} config has shared_expert_intermediate_size="
             f"{c.shared_expert_intermediate_size}"
         )
+
+
+def _save_deepseek(
+    path: str | os.PathLike[str],
+    config: DeepseekConfig,
+    params: Params,
+    src: GGUFFile | None,
+    kind: str,
+    emb_kind: str,
+    name: str,
+    tok_fields: dict[str, GGUFField],
+) -> None:
+    """`save_llama_gguf` of DeepSeek-V2/V3 (`entrenar.io.deepseek_gguf`)."""
+    check_deepseek_gguf(config)
+    if (kind + emb_kind).count("Q") and any(w % 32 for w in row_widths(config)):
+        raise ConfigError(
+            f"{kind} needs rows of whole 32-value blocks; this {config.architecture} "
+            f"config has rows {row_widths(config)} wide: write F16 or F32 instead"
+        )
+    fields: dict[str, GGUFField] = dict(src.fields) if src else {}
+    old = fields.get("general.architecture")
+    archs = {DEEPSEEK, getattr(old, "value", DEEPSEEK)} - {"tokenizer", "general"}
+    stale = tuple(f"{a}." for a in archs)
+    new = deepseek_keys(config, FILE_TYPES[kind])
+    for k in [k for k in fields if k.startswith(stale)]:
+        if k not in new:  # (the others keep their places)
+            del fields[k]
+    fields["general.architecture"] = GGUFField(DEEPSEEK, STR)
+    if name or "general.name" not in fields:
+        fields["general.name"] = GGUFField(
+            name or f"entrenar-{config.architecture}", STR
+        )
+    fields |= new
+    switches = _switches(config, config.architecture, DEEPSEEK)
+    fields[FAMILY_KEY] = GGUFField(family_json(config, switches), STR)
+    made = deepseek_layer_tensors(config, params, kind, emb_kind, _to_bytes)
+    tensors = {
+        n: GGUFTensor(make, shape, GGML_TYPE_IDS[k])
+        for n, (make, shape, k) in made.items()
+    }
+    same = src is not None and set(src.tensors) == set(tensors)
+    order = list(src.tensors) if same and src else sorted(tensors, key=_order_key)
+    write_gguf(path, fields | tok_fields, {n: tensors[n] for n in order})
 
 
 def save_llama_gguf(
@@ -445,16 +525,24 @@ def save_llama_gguf(
         UnsupportedError: a family with no llama.cpp form, or a tokenizer llama.cpp
             has no form for.
     """
-    gname = _gguf_name(config)
     kind = tensor_type.upper()
     emb_kind = (embedding_type or tensor_type).upper()
     for k in (kind, emb_kind):
         if k not in TENSOR_TYPES:
             raise ConfigError(f"tensor type {k!r}: expected one of {TENSOR_TYPES}")
-    widths = (config.hidden_size, config.intermediate_size, config.expert_size)
-    if (kind + emb_kind).count("Q") and (
-        any(w % 32 for w in widths) or config.shared_expert_intermediate_size % 32
-    ):
+    if isinstance(config, DeepseekConfig):  # MLA and a list of layers: its own
+        src = read_gguf(source) if isinstance(source, (str, os.PathLike)) else source
+        tok: dict[str, GGUFField] = {}
+        if tokenizer is not None and (src is None or TOKENS not in src.fields):
+            tok = gguf_tokenizer_fields(tokenizer, vocab_size=config.vocab_size)
+        _save_deepseek(path, config, params, src, kind, emb_kind, name, tok)
+        return
+    gname = _gguf_name(config)
+    widths = (
+        *(config.hidden_size, config.intermediate_size, config.expert_size),
+        *(config.shared_expert_intermediate_size, config.shared_mlp_intermediate_size),
+    )  # (the shared experts' 0: none)
+    if (kind + emb_kind).count("Q") and any(w % 32 for w in widths):
         raise ConfigError(
             f"{kind} needs hidden and intermediate sizes that are multiples of 32; "
             "write F16 or F32 instead"
@@ -464,6 +552,7 @@ def save_llama_gguf(
     if tokenizer is not None and (src is None or TOKENS not in src.fields):
         tok_fields = gguf_tokenizer_fields(tokenizer, vocab_size=config.vocab_size)
     names = gguf_names(config)
+    split = split_names(config)  # Granite MoE shared's [gate; up]: two tensors
     permute = gname in PERMUTED
     shift = NORM_SHIFT.get(gname, 0.0)
     perm_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
@@ -498,6 +587,16 @@ def save_llama_gguf(
                 raise FormatError(f"params lack {hf} (config {config})")
             w = tree[key]
             stacked = prefix.startswith("model.layers.")
+            if stacked and hf.replace("model.layers.", "model.layers.0.", 1) in split:
+                for i in range(config.num_layers):  # each layer's two halves
+                    hf_i = hf.replace("model.layers.", f"model.layers.{i}.", 1)
+                    for j, half in enumerate(split[hf_i]):
+                        shape = (sub[1] // 2, *sub[2:])
+                        make = functools.partial(
+                            _layer_bytes, _half_bytes, w, i, j, kind, hf_i
+                        )
+                        put(half, make, shape, kind)
+                continue
             layer0 = hf.replace("model.layers.", "model.layers.0.", 1)
             stem = names[layer0 if stacked else hf].split(".")[-2]
             # experts: (L, E, out, in); their biases (L, E, out) stay F32 (gpt-oss),

@@ -836,7 +836,7 @@ register_family(
     from_hf=deepseek_v3_from_hf,
     to_hf=deepseek_v3_to_hf,
     tiny=_tiny_deepseek_v3,
-    in_gguf=False,  # llama.cpp's deepseek2: not read or written yet
+    gguf_name="deepseek2",  # V2 too: entrenar.io.deepseek_gguf
     defaults=V3_FAMILY,
     from_hf_tensors=deepseek_from_hf_tensors,
     to_hf_tensors=deepseek_to_hf_tensors,
@@ -850,7 +850,7 @@ register_family(
     from_hf=deepseek_v2_from_hf,
     to_hf=deepseek_v2_to_hf,
     tiny=_tiny_deepseek_v2,
-    in_gguf=False,
+    in_gguf=False,  # written as deepseek2 (gguf_families.WRITTEN_AS)
     defaults=V2_FAMILY,
     from_hf_tensors=deepseek_from_hf_tensors,
     to_hf_tensors=deepseek_to_hf_tensors,

@@ -240,7 +240,6 @@ register_family(
     from_hf=granitemoe_from_hf,
     to_hf=granitemoe_to_hf,
     tiny=_tiny,
-    in_gguf=False,  # llama.cpp's granitemoe: not read yet (registry.GGUF_MOE)
     defaults={"num_experts": 8, "num_experts_per_tok": 2},
     from_hf_tensors=granitemoe_from_hf_tensors,
     to_hf_tensors=granitemoe_to_hf_tensors,
@@ -253,7 +252,7 @@ register_family(
     from_hf=granitemoe_from_hf,
     to_hf=granitemoe_to_hf,
     tiny=_tiny_shared,
-    in_gguf=False,  # llama.cpp converts it as granitemoe with ffn_*_shexp
+    in_gguf=False,  # written as granitemoe with ffn_*_shexp (gguf_families)
     defaults={"num_experts": 8, "num_experts_per_tok": 2},
     from_hf_tensors=granitemoe_from_hf_tensors,
     to_hf_tensors=granitemoe_to_hf_tensors,

@@ -138,7 +138,6 @@ register_family(
     from_hf=olmoe_from_hf,
     to_hf=olmoe_to_hf,
     tiny=_tiny,
-    in_gguf=False,  # llama.cpp's olmoe: not read yet (registry.GGUF_MOE)
     defaults={**_OLMOE, "num_experts": 64, "num_experts_per_tok": 8,
               "norm_topk_prob": False, "router_aux_loss_coef": 0.01},
     from_hf_tensors=moe_from_hf_tensors,

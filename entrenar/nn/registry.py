@@ -100,12 +100,11 @@ the vision-language ones ``gemma3``, ``mistral3``, ``llava``, ``llava_next``,
 ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_vl_moe``, by their language
 model)."""
 GGUF_MOE = frozenset(
-    {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
-     "jamba", "cohere2moe"}
+    {"deepseek", "deepseek2", "llama4", "dbrx", "phimoe", "jamba", "cohere2moe"}
 )  # fmt: skip
 """llama.cpp ``general.architecture`` names of mixtures of experts entrenar does not
-read (it reads ``llama`` with experts as Mixtral, ``qwen2moe``, ``qwen3moe`` and
-``gpt-oss``)."""
+read (it reads ``llama`` with experts as Mixtral, ``qwen2moe``, ``qwen3moe``,
+``gpt-oss``, ``olmoe`` and ``granitemoe``, Granite MoE shared included)."""
 
 
 def register_architecture(arch: Architecture) -> Architecture:
@@ -195,15 +194,16 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
     hint = ""
     if name == "deepseek2":
         hint = (
-            " (llama.cpp's DeepSeek-V2/V3 graph: entrenar reads DeepSeek-V2 and V3 "
-            "from a Hugging Face folder, model_type deepseek_v2 / deepseek_v3, not "
-            "from GGUF)"
+            " (llama.cpp's DeepSeek-V2/V3 graph, multi-head latent attention with "
+            "attn_k_b/attn_v_b split from kv_b_proj: entrenar reads DeepSeek-V2 and "
+            "V3 from a Hugging Face folder, model_type deepseek_v2 / deepseek_v3, "
+            "not from GGUF)"
         )
     elif name in GGUF_MOE:
         hint = (
-            " (a mixture of experts: entrenar reads Mixtral (llama with "
-            "expert_count), qwen2moe, qwen3moe and gpt-oss from GGUF; OLMoE and "
-            "Granite MoE from Hugging Face folders only)"
+            " (a mixture of experts entrenar does not implement; it reads Mixtral "
+            "(llama with expert_count), qwen2moe, qwen3moe, gpt-oss, olmoe and "
+            "granitemoe from GGUF)"
         )
     raise UnsupportedError(
         f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "

@@ -160,9 +160,12 @@ ROUTING: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"norm_topk_prob": False},
     # llama.cpp's gpt-oss clamps at 7 (a constant); whole Q8_0 blocks a row
     "gpt_oss": {"swiglu_limit": 7.0, "intermediate_size": 32},
+    # llama.cpp's olmoe has no o_proj bias, clips nothing and has no GQA
+    "olmoe": {"clip_qkv": None, "attention_out_bias": False, "num_kv_heads": 4},
 }
 """The top-k renormalisation llama.cpp's qwen3moe (always) and qwen2moe (never)
-compute, where the tiny configs test the other (`gguf_families.EXPERT_NORM`)."""
+compute, where the tiny configs test the other (`gguf_families.EXPERT_NORM`), and
+what else a family's tiny has that llama.cpp's graph lacks (GGUF refuses it)."""
 FAMILY_LIMITS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},  # llama.cpp's llama has no sliding window
     "mixtral": {"sliding_window": None},
@@ -195,6 +198,9 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
         "attention_out_bias": False,
         "mlp_bias": False,
     },
+    "olmoe": ROUTING["olmoe"],
+    # llama.cpp's deepseek2 ranks groups by their top-2 sum, V2 by its maximum
+    "deepseek_v2": {"topk_method": "greedy"},
     # llama.cpp's Gemma 1 has no biases
     "gemma": {"attention_bias": False, "attention_out_bias": False},
     # llama.cpp's Gemma 2/3 have no o_proj bias and derives the query scale from d
@@ -258,10 +264,12 @@ def family_params(config: LlamaConfig, seed: int = TINY_SEED) -> dict:
         wide = (*shape[:-1], -(-shape[-1] // 32) * 32)
         return seeded_weight(name, wide, seed)[..., : shape[-1]]
 
-    def build(tree: dict, prefix: str) -> dict:
+    def build(tree: Any, prefix: str) -> Any:
+        if isinstance(tree, list):  # DeepSeek's unstacked layers
+            return [build(t, f"{prefix}{i}.") for i, t in enumerate(tree)]
         return {
             k: build(v, f"{prefix}{k}.")
-            if isinstance(v, dict)
+            if isinstance(v, (dict, list))
             else weight(prefix + k, tuple(v))
             for k, v in tree.items()
         }
@@ -277,7 +285,7 @@ def gguf_families() -> list[str]:
     return [
         a.name
         for a in architectures()
-        if a.config_class is LlamaConfig
+        if issubclass(a.config_class, LlamaConfig)  # DeepseekConfig too
         and a.tiny is not None
         and written_name(a.name, a.gguf_name)
     ]

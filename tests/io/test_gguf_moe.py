@@ -1,4 +1,7 @@
-"""Mixture-of-experts GGUF files (Mixtral as ``llama``, ``qwen3moe``, ``qwen2moe``).
+"""Mixture-of-experts GGUF files: Mixtral (``llama``), Qwen MoE, OLMoE, Granite MoE.
+
+Mixtral as ``llama``, ``qwen3moe``, ``qwen2moe``, ``olmoe`` and ``granitemoe``
+(Granite MoE shared included).
 
 References, recorded by tests/oracles/make_moe_gguf_reference.py into
 tests/data/llama_cpp_moe: llama.cpp's own converter's F16 files of tiny random
@@ -25,8 +28,12 @@ from entrenar.io.gguf_reader import GGUFField, GGUFValueType
 from entrenar.runs.models import base_quantizer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "llama_cpp_moe"
-FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe"]
-NAMES = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
+            "granitemoeshared", "deepseek_v3", "deepseek_v2"]  # fmt: skip
+NAMES = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
+         "olmoe": "olmoe", "granitemoe": "granitemoe",
+         "granitemoeshared": "granitemoe", "deepseek_v3": "deepseek2",
+         "deepseek_v2": "deepseek2"}  # fmt: skip
 EXTRA_KEYS = {"vocab_size", "rope.dimension_count"}
 """``{arch}.*`` keys entrenar writes for every family and the converter leaves to
 llama.cpp's defaults for Qwen (the embedding's rows, the head dimension)."""
@@ -58,10 +65,12 @@ def test_the_converters_file_reads_to_transformers(family, record):
     """
     rec, arrays = record
     config, params, _ = io.load_llama_gguf(_converted(family, record))
-    hf = nn.LlamaConfig.from_hf_config(rec["cases"][family]["config.json"])
+    folder = rec["cases"][family]["config.json"]
+    hf = nn.architecture_for_hf(folder, "config.json").from_hf(folder)
     assert config.architecture == family
     for field in ("num_experts", "num_experts_per_tok", "norm_topk_prob",
-                  "expert_size", "shared_expert_intermediate_size"):  # fmt: skip
+                  "expert_size", "shared_expert_intermediate_size",
+                  "shared_mlp_intermediate_size", "head_dim"):  # fmt: skip
         assert getattr(config, field) == getattr(hf, field), field
     tokens = np.asarray(rec["how"]["tokens"])
     got = np.asarray(config.apply(params, tokens))
@@ -290,3 +299,126 @@ def test_k_quant_experts_read_to_gguf_pys_dequantization(tmp_path):
                 t = ref[f"blk.{i}.ffn_{proj}_exps.weight"]
                 want = gguf.quants.dequantize(t.data, t.tensor_type)
                 np.testing.assert_array_equal(got[i], want, err_msg=f"{proj} {i}")
+
+
+# ------------------------------------------------------ OLMoE, Granite MoE (shared)
+NEW = ["olmoe", "granitemoe", "granitemoeshared"]
+LLAMA_CPP_ONLY = {
+    "olmoe": dict(clip_qkv=None, attention_out_bias=False, num_kv_heads=4)
+}
+"""What OLMoE's tiny drops for GGUF (llama.cpp's olmoe has no clipping, no o_proj
+bias and no grouped-query attention)."""
+
+
+def _tiny_new(family: str) -> tuple[nn.LlamaConfig, dict]:
+    """The family's tiny with rows of whole 32-value blocks (hidden 64, shared 32)."""
+    config = dataclasses.replace(
+        nn.architecture(family).tiny(), hidden_size=64,
+        **LLAMA_CPP_ONLY.get(family, {}),
+    )  # fmt: skip
+    if config.shared_mlp_intermediate_size:
+        config = dataclasses.replace(config, shared_mlp_intermediate_size=32)
+    return config, config.init(jax.random.key(5))
+
+
+def _stored(w, kind: str):
+    """What ``kind`` stores of ``w``: entrenar's rounding or quantization, as f32."""
+    a = np.asarray(w, np.float32)
+    if kind == "F32":
+        return a
+    if kind in ("F16", "BF16"):
+        dt = np.float16 if kind == "F16" else jax.numpy.bfloat16
+        return np.asarray(a.astype(dt), np.float32)
+    q = quant.quantize(a, kind.lower())
+    return np.asarray(quant.dequantize(q, np.float32))
+
+
+@pytest.mark.parametrize("family", NEW)
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_new_moe_families_round_trip_bit_exact(family, kind, tmp_path):
+    """Written in each type and read back: each matrix is its stored rounding.
+
+    Bit for bit: F32 as it was, F16/BF16 rounded, Q8_0/Q4_0/Q4_1 as
+    `entrenar.quant` quantizes and dequantizes it (norms, biases and the routers
+    stay F32). Read and written again, the file is the same bytes.
+    """
+    config, params = _tiny_new(family)
+    path = tmp_path / "a.gguf"
+    io.save_llama_gguf(path, config, params, tensor_type=kind)
+    back, loaded, _ = io.load_llama_gguf(path)
+    assert back == config
+    assert io.file_architecture(str(path)) == family
+
+    def check(kp, want, got):
+        name = jax.tree_util.keystr(kp)
+        table = "embed" in name or "lm_head" in name
+        router = "'gate'" in name and "experts" not in name  # kept F32
+        stored = np.asarray(want, np.float32)  # norms, biases: F32
+        if table:
+            stored = _stored(stored, kind)
+        elif want.ndim >= 3 and not router:  # (L, ...) a layer at a time
+            stored = np.stack([_stored(w, kind) for w in stored])
+        np.testing.assert_array_equal(np.asarray(got), stored, err_msg=name)
+
+    jax.tree_util.tree_map_with_path(check, params, loaded)
+    again = tmp_path / "b.gguf"
+    io.save_llama_gguf(again, back, loaded, source=path, tensor_type=kind)
+    assert again.read_bytes() == path.read_bytes()
+
+
+def test_granitemoeshared_shared_mlp_is_the_converters_two_halves(tmp_path):
+    """``shared_mlp.input_linear (2S, D)`` is stored as ffn_gate_shexp, ffn_up_shexp."""
+    config, params = _tiny_new("granitemoeshared")
+    path = tmp_path / "a.gguf"
+    io.save_llama_gguf(path, config, params)
+    g = io.read_gguf(path)
+    fused = np.asarray(
+        params["model"]["layers"]["shared_mlp"]["input_linear"]["weight"]
+    )
+    s = config.shared_mlp_intermediate_size
+    for i in range(config.num_layers):
+        np.testing.assert_array_equal(g.tensor(f"blk.{i}.ffn_gate_shexp.weight"),
+                                      fused[i, :s])  # fmt: skip
+        np.testing.assert_array_equal(g.tensor(f"blk.{i}.ffn_up_shexp.weight"),
+                                      fused[i, s:])  # fmt: skip
+    assert g.metadata["granitemoe.expert_shared_feed_forward_length"] == s
+    assert g.metadata["general.architecture"] == "granitemoe"
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "BF16"])
+def test_granitemoeshared_halves_load_alike_every_way(kind, tmp_path):
+    """Streamed, unstreamed and ``keep_quantized`` (the halves joined dense)."""
+    config, params = _tiny_new("granitemoeshared")
+    path = tmp_path / "a.gguf"
+    io.save_llama_gguf(path, config, params, tensor_type=kind)
+    _, streamed, _ = io.load_llama_gguf(path)
+    _, whole, _ = io.load_llama_gguf(path, stream=False)
+    jax.tree.map(np.testing.assert_array_equal, whole, streamed)
+    _, kept, _ = io.load_llama_gguf(path, keep_quantized=True)
+    shared = kept["model"]["layers"]["shared_mlp"]["input_linear"]["weight"]
+    want = streamed["model"]["layers"]["shared_mlp"]["input_linear"]["weight"]
+    np.testing.assert_array_equal(np.asarray(shared), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(clip_qkv=0.9), "olmoe has clip_qkv=None"),
+        (dict(attention_out_bias=True), "olmoe has attention_out_bias=False"),
+        (dict(norm_topk_prob=True), "olmoe never renormalises"),
+        (dict(num_kv_heads=2), "as many KV heads"),
+    ],
+)
+def test_an_olmoe_llama_cpp_cannot_run_is_refused(change, match, tmp_path):
+    config, _ = _tiny_new("olmoe")
+    config = dataclasses.replace(config, **change)
+    with pytest.raises(UnsupportedError, match=match):
+        io.save_llama_gguf(tmp_path / "x.gguf", config, config.init(jax.random.key(0)))
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_granitemoe_routing_llama_cpp_cannot_compute_is_refused(tmp_path):
+    config, _ = _tiny_new("granitemoe")
+    config = dataclasses.replace(config, norm_topk_prob=False)
+    with pytest.raises(UnsupportedError, match="granitemoe always renormalises"):
+        io.save_llama_gguf(tmp_path / "x.gguf", config, config.init(jax.random.key(0)))

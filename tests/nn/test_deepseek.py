@@ -347,14 +347,14 @@ def test_a_llama_config_cannot_be_a_deepseek_model():
         nn.LlamaConfig(architecture="deepseek_v3")
 
 
-def test_gguf_export_is_refused(tmp_path):
+def test_gguf_is_llama_cpps_deepseek2(tmp_path):
+    """Both families are llama.cpp's deepseek2 (tests/io/test_gguf_deepseek.py)."""
+    assert nn.architecture_for_gguf("deepseek2", "m.gguf").name == "deepseek_v3"
     config = ARCH.tiny()
-    with pytest.raises(UnsupportedError, match=r"deepseek_v3 .*no llama\.cpp GGUF"):
-        io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
-    with pytest.raises(
-        UnsupportedError, match="Hugging Face folder, model_type deepseek_v2"
-    ):
-        nn.architecture_for_gguf("deepseek2", "m.gguf")
+    io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
+    assert io.read_gguf(tmp_path / "m.gguf").metadata["general.architecture"] == (
+        "deepseek2"
+    )
 
 
 def test_the_config_round_trips_a_hub_style_file():

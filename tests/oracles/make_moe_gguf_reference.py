@@ -1,6 +1,7 @@
 r"""Record llama.cpp's converter and logits on tiny mixture-of-experts GGUF files.
 
-For each MoE family (``mixtral``, ``qwen3_moe``, ``qwen2_moe``) this script
+For each MoE family (``mixtral``, ``qwen3_moe``, ``qwen2_moe``, ``olmoe``,
+``granitemoe``, ``granitemoeshared``, ``deepseek_v3``, ``deepseek_v2``) this script
 
 1. writes a tiny random transformers model (``CASES``: the family's tiny config with
    the routing llama.cpp implements: Mixtral and Qwen3-MoE renormalise their top-k
@@ -25,6 +26,9 @@ network. Usage (the recorded files were made so)::
     .venv/bin/python tests/oracles/make_moe_gguf_reference.py \
         --llama-cpp /path/to/vendor/llama.cpp --llama-python /tmp/llvenv/bin/python \
         --out tests/data/llama_cpp_moe
+
+``--only olmoe granitemoe`` records those cases alone, keeping the other cases'
+files, arrays and record as they are.
 """
 
 from __future__ import annotations
@@ -52,10 +56,31 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(
         norm_topk_prob=False, sliding_window=None, layer_types=None, head_dim=8
     ),
+    "olmoe": dict(
+        clip_qkv=None, attention_bias=False, attention_out_bias=False, num_kv_heads=4
+    ),
+    "granitemoe": dict(head_dim=None),
+    "granitemoeshared": dict(head_dim=None),
+    "deepseek_v3": dict(rope_attention_factor=1.0),
+    "deepseek_v2": dict(
+        rope_attention_factor=1.0,
+        q_lora_rank=24,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+    ),
 }
 """Family -> fields replaced in its tiny config: llama.cpp's routing, no windows
 (llama.cpp's llama and qwen2moe have none), Qwen3-MoE without biases (as released),
-Qwen2-MoE's heads ``D / H`` wide (llama.cpp's qwen2moe sizes q as ``(D, D)``)."""
+Qwen2-MoE's heads ``D / H`` wide (llama.cpp's qwen2moe sizes q as ``(D, D)``),
+OLMoE without clipping, biases or GQA (olmoe.cpp has neither an o_proj bias nor a
+clamp, transformers' attention_bias is all four, and its k norm is n_embd wide),
+Granite MoE's heads ``D / H`` wide (its converter drops ``head_dim``), DeepSeek with
+YaRN's ``cos``/``sin`` unscaled (as the released configs, ``mscale`` =
+``mscale_all_dim``: the converter writes no attention factor llama.cpp reads), V2
+with a low-rank query (llama.cpp needs ``q_lora_rank`` but for 26/27-layer models,
+and the converter writes none for ``q_proj``) and greedy routing over one group
+(llama.cpp ranks groups as V3)."""
 
 RUN_LLAMA_CPP = r"""
 import json, sys
@@ -105,6 +130,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, required=True)
     parser.add_argument("--llama-python", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", nargs="+", choices=list(CASES), default=None)
     args = parser.parse_args()
     import numpy as np
     import torch
@@ -124,8 +150,13 @@ def main() -> None:
         "cases": {},
     }
     arrays: dict[str, np.ndarray] = {}
+    if args.only:  # the other cases as recorded
+        record = json.loads((args.out / "reference.json").read_text())
+        record["how"]["command_" + "_".join(args.only)] = " ".join(sys.argv)
+        with np.load(args.out / "reference.npz") as z:
+            arrays = dict(z)
     with tempfile.TemporaryDirectory() as tmp:
-        for family in CASES:
+        for family in args.only or CASES:
             folder = Path(tmp) / family
             model = _folder(family, folder)
             converted = args.out / f"{family}.gguf"

@@ -41,6 +41,17 @@ FAMILIES = [
 TOKENS = np.arange(9).reshape(1, 9) * 5 % 90
 
 
+GGUF_FORM = {
+    # llama.cpp's olmoe: no o_proj bias (an OLMoE's one attention_bias is all four),
+    # no clipping, no GQA
+    "olmoe": dict(attention_bias=False, attention_out_bias=False, clip_qkv=None,
+                  num_kv_heads=4),
+    # llama.cpp ranks groups by their top-2 sum, DeepSeek-V2 by its maximum
+    "deepseek_v2": dict(topk_method="greedy"),
+}  # fmt: skip
+"""What a family's tiny drops to have a GGUF form (the writer refuses the rest)."""
+
+
 def _gguf_experts(config: nn.LlamaConfig, width: int) -> nn.LlamaConfig:
     """``config`` with experts llama.cpp can hold (a dense config as it is).
 
@@ -52,6 +63,11 @@ def _gguf_experts(config: nn.LlamaConfig, width: int) -> nn.LlamaConfig:
     name = written_name(arch.name, arch.gguf_name)
     if not config.num_experts or name is None:  # dense, or no GGUF form
         return config
+    config = dataclasses.replace(config, **GGUF_FORM.get(arch.name, {}))
+    if name == "deepseek2":  # its routing keys are its own (io.deepseek_gguf)
+        return config
+    if config.shared_mlp_intermediate_size:  # Granite MoE shared's
+        config = dataclasses.replace(config, shared_mlp_intermediate_size=width)
     if config.intermediate_size % width:  # gpt-oss: its experts' width
         config = dataclasses.replace(config, intermediate_size=width)
     return dataclasses.replace(
@@ -180,11 +196,12 @@ def test_the_main_jobs_recipe_runs_on_each_familys_folder(family, tmp_path):
 
 
 _DEEPSEEK = dict(
-    head_dim=None, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=16,
+    head_dim=None, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
     v_head_dim=16, moe_intermediate_size=64,
 )  # fmt: skip
 SIZED = {"deepseek_v3": _DEEPSEEK, "deepseek_v2": _DEEPSEEK}
-"""DeepSeek: head_dim is the rotary width; latent widths of 64."""
+"""DeepSeek: head_dim is the rotary width; latent widths of 64 (and GGUF's attn_k_b
+rows, d_n, of whole Q8_0 blocks)."""
 
 
 def _sized_folder(family: str, path: Path) -> tuple[Any, io.HFTokenizer]:
