@@ -99,12 +99,11 @@ entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``,
 the vision-language ones ``gemma3``, ``mistral3``, ``llava``, ``llava_next``,
 ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_vl_moe``, by their language
 model)."""
-GGUF_MOE = frozenset(
-    {"deepseek", "deepseek2", "llama4", "dbrx", "phimoe", "jamba", "cohere2moe"}
-)  # fmt: skip
+GGUF_MOE = frozenset({"deepseek", "llama4", "dbrx", "phimoe", "jamba", "cohere2moe"})
 """llama.cpp ``general.architecture`` names of mixtures of experts entrenar does not
 read (it reads ``llama`` with experts as Mixtral, ``qwen2moe``, ``qwen3moe``,
-``gpt-oss``, ``olmoe`` and ``granitemoe``, Granite MoE shared included)."""
+``gpt-oss``, ``olmoe``, ``granitemoe`` (Granite MoE shared included) and
+``deepseek2``)."""
 
 
 def register_architecture(arch: Architecture) -> Architecture:
@@ -192,18 +191,11 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
             return arch
     known = sorted(a.gguf_name for a in _REGISTRY.values() if a.gguf_name)
     hint = ""
-    if name == "deepseek2":
-        hint = (
-            " (llama.cpp's DeepSeek-V2/V3 graph, multi-head latent attention with "
-            "attn_k_b/attn_v_b split from kv_b_proj: entrenar reads DeepSeek-V2 and "
-            "V3 from a Hugging Face folder, model_type deepseek_v2 / deepseek_v3, "
-            "not from GGUF)"
-        )
-    elif name in GGUF_MOE:
+    if name in GGUF_MOE:
         hint = (
             " (a mixture of experts entrenar does not implement; it reads Mixtral "
-            "(llama with expert_count), qwen2moe, qwen3moe, gpt-oss, olmoe and "
-            "granitemoe from GGUF)"
+            "(llama with expert_count), qwen2moe, qwen3moe, gpt-oss, olmoe, "
+            "granitemoe and deepseek2 from GGUF)"
         )
     raise UnsupportedError(
         f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "
