@@ -13,6 +13,8 @@ registers in its own package.
 from entrenar.nn import (  # families register
     deepseek,
     gemma,
+    glm,
+    glm4_moe,
     gpt_oss,
     granite,
     granitemoe,
@@ -130,6 +132,8 @@ __all__ = [
     "gemma",
     "generate",
     "generate_stream",
+    "glm",
+    "glm4_moe",
     "gpt_oss",
     "granite",
     "granitemoe",

@@ -139,10 +139,10 @@ def check_switches(c: Any) -> None:
         raise ConfigError(
             f"LlamaConfig.clip_qkv must be > 0 or None, got {c.clip_qkv!r}"
         )
-    if c.post_norms and c.sandwich_norms:
+    if c.post_norms + c.sandwich_norms + c.glm_norms > 1:
         raise ConfigError(
-            "LlamaConfig.post_norms (OLMo 2) and sandwich_norms (Gemma 2/3) exclude "
-            "each other: set one"
+            "LlamaConfig.post_norms (OLMo 2), sandwich_norms (Gemma 2/3) and "
+            "glm_norms (GLM-4) exclude each other: set one"
         )
     if c.hidden_act not in HIDDEN_ACTS:
         raise ConfigError(
@@ -558,6 +558,7 @@ def register_family(
 SWITCHES = (
     "rope_type",
     "partial_rotary_factor",
+    "rope_interleave",
     "rope_local_theta",
     "attention_bias",
     "attention_out_bias",
@@ -572,6 +573,7 @@ SWITCHES = (
     "norm_unit_offset",
     "sandwich_norms",
     "post_norms",
+    "glm_norms",
     "scale_embeddings",
     "query_pre_attn_scalar",
     "attn_logit_softcapping",

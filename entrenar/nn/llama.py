@@ -65,7 +65,7 @@ from entrenar.nn.matvec import layer_params
 from entrenar.nn.moe import clamped_swiglu, router_jitter, sparse_moe
 from entrenar.nn.multimodal import WRAPPERS
 from entrenar.nn.registry import architecture, architecture_for_hf
-from entrenar.nn.rope import rope_tables, rotate
+from entrenar.nn.rope import interleaved_as_halves, rope_tables, rotate
 from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
 from entrenar.types import Params, PRNGKey
 
@@ -161,6 +161,12 @@ class LlamaConfig:
             factor)`` values of each head (`rotary_dim`) and pass the other
             ``d - r`` through (Hugging Face's ``partial_rotary_factor``: Phi-4-mini's
             0.75; llama.cpp's ``rope.dimension_count``); 1: the whole head.
+        rope_interleave: the rotated values come in interleaved pairs ``(x_0,
+            x_1), (x_2, x_3), ...`` that one frequency turns (GLM-4's, GPT-J's
+            layout; transformers' ``repeat_interleave`` of ``cos`` / ``sin``):
+            they are taken as ``[x_0, x_2, ...; x_1, x_3, ...]`` and rotated half
+            against half, queries and keys alike, so the scores are the pairs'
+            (the cache holds keys in that order); False: Hugging Face's halves.
         rope_local_theta: rotary base of the sliding-window layers (Gemma 3's
             ``rope_local_base_freq``; no scaling there); None: ``rope_theta``.
         attention_bias: biases on the q, k and v projections.
@@ -191,6 +197,10 @@ class LlamaConfig:
             ``input_layernorm``); ``post_attention_layernorm`` on the attention
             output and ``post_feedforward_layernorm`` on the MLP output, each
             then added to the residual stream.
+        glm_norms: GLM-4's norms: Gemma 2's four under GLM-4's names,
+            ``post_self_attn_layernorm`` on the attention output,
+            ``post_attention_layernorm`` before and ``post_mlp_layernorm`` after
+            the MLP.
         scale_embeddings: multiply the embeddings by ``sqrt(D)`` (in ``dtype``).
         query_pre_attn_scalar: attention scores scale ``s^-1/2``; None: ``d^-1/2``.
         attn_logit_softcapping: scores become ``c tanh(scores / c)`` (Gemma 2).
@@ -280,6 +290,7 @@ class LlamaConfig:
     rope_long_factor: tuple[float, ...] | None = None
     rope_freq_divisors: tuple[float, ...] | None = None
     partial_rotary_factor: float = 1.0
+    rope_interleave: bool = False
     rope_local_theta: float | None = None
     attention_bias: bool = False
     attention_out_bias: bool = False
@@ -294,6 +305,7 @@ class LlamaConfig:
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
     post_norms: bool = False
+    glm_norms: bool = False
     scale_embeddings: bool = False
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
@@ -500,11 +512,36 @@ class LlamaConfig:
             }
         if self.post_norms:  # OLMo 2: no norm before attention
             del layers["input_layernorm"]
-        if self.sandwich_norms:
-            layers["pre_feedforward_layernorm"] = {"weight": (n, d)}
-        if self.sandwich_norms or self.post_norms:
-            layers["post_feedforward_layernorm"] = {"weight": (n, d)}
+        after_attn, before_mlp, after_mlp = self.norm_names
+        for name in (after_attn, before_mlp, after_mlp):
+            if name is not None:
+                layers[name] = {"weight": (n, d)}
         return self._model_shapes(layers)
+
+    @property
+    def norm_names(self) -> tuple[str | None, str | None, str | None]:
+        """A layer's norms on the attention output, before and after the MLP.
+
+        Hugging Face's names (None: no such norm): Llama's
+        ``post_attention_layernorm`` is the one before the MLP; Gemma 2's and
+        OLMo 2's of that name normalise the attention output; GLM-4's
+        (``glm_norms``) the MLP input again.
+        """
+        if self.glm_norms:
+            return (
+                "post_self_attn_layernorm",
+                "post_attention_layernorm",
+                "post_mlp_layernorm",
+            )
+        if self.sandwich_norms:
+            return (
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            )
+        if self.post_norms:
+            return ("post_attention_layernorm", None, "post_feedforward_layernorm")
+        return (None, "post_attention_layernorm", None)
 
     def _remat(self, layer: Callable[..., Any]) -> Callable[..., Any]:
         """``layer`` rematerialised as ``remat`` / ``remat_policy`` ask (or as is).
@@ -869,19 +906,16 @@ class LlamaConfig:
             a, kv = self._attention(
                 lp, h, tables, mask, kv, index, pos, kernel_mask=kernel_mask
             )
-            post = self.sandwich_norms or self.post_norms
-            if post:
-                a = self._norm(a, lp["post_attention_layernorm"])
+            after_attn, before_mlp, after_mlp = self.norm_names
+            if after_attn is not None:  # Gemma 2, OLMo 2, GLM-4
+                a = self._norm(a, lp[after_attn])
             h = h + self._residual(a)  # (B, T, D)
-            pre = "pre_feedforward_layernorm" if self.sandwich_norms else (
-                "post_attention_layernorm"
-            )  # fmt: skip
-            xm = h if self.post_norms else self._norm(h, lp[pre])
+            xm = h if before_mlp is None else self._norm(h, lp[before_mlp])
             x, logits = self._mlp_routed(lp["mlp"], xm, jitter)
             if "shared_mlp" in lp:  # Granite MoE shared: beside the experts
                 x = x + self._shared_mlp(lp["shared_mlp"], xm)
-            if post:
-                x = self._norm(x, lp["post_feedforward_layernorm"])
+            if after_mlp is not None:
+                x = self._norm(x, lp[after_mlp])
             h = h + self._residual(x)
             ys = (h if return_hidden else None, logits if router else None)
             return (h if kv is None else (h, *kv)), ys
@@ -1026,10 +1060,25 @@ class LlamaConfig:
         ``kernel_mask``: ``(causal, window)`` that fused attention applies on top
         of ``allowed`` (the reference path gets them inside ``allowed``).
         """
-        b, t, _ = h.shape
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
-        ap = lp["self_attn"]
         x = h if self.post_norms else self._norm(h, lp["input_layernorm"])
+        return self._gqa(
+            lp["self_attn"], x, rope, allowed, cache_kv, index, pos, kernel_mask
+        )
+
+    def _gqa(
+        self,
+        ap: Params,
+        x: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        allowed: jax.Array,
+        cache_kv: tuple[jax.Array, jax.Array] | None,
+        index: jax.Array | None,
+        pos: jax.Array | None,
+        kernel_mask: tuple[bool, int | None] = (False, None),
+    ) -> tuple[jax.Array, Any]:
+        """`_attention` of the normed ``x: (B, T, D)``; ``ap``: ``self_attn``'s tree."""
+        b, t, _ = x.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
         md = self.matmul_dtype
         if self.fused_qkv:  # Phi-3: qkv_proj = [q; k; v]
             qkv = linear(x, ap["qkv_proj"]["weight"], _bias(ap["qkv_proj"]),
@@ -1051,6 +1100,11 @@ class LlamaConfig:
         if self.qk_norm and not self.qk_norm_whole:  # per head, before rotary
             q = self._norm(q, ap["q_norm"])
             k = self._norm(k, ap["k_norm"])
+        if self.rope_interleave:  # GLM: the pairs as halves (same scores)
+            q, k = (
+                interleaved_as_halves(q, self.rotary_dim),
+                interleaved_as_halves(k, self.rotary_dim),
+            )
         q = rotate(q, rope)
         k = rotate(k, rope)
         scale = self.attention_multiplier  # None: d^-1/2
