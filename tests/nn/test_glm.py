@@ -213,8 +213,8 @@ def test_interleaved_rotary_is_transformers_glm_rotary():
     cos, sin = rope_tables(jnp.arange(5), r, 10000.0, jnp.float32)
     ours_q = rotate(interleaved_as_halves(jnp.asarray(q), r), (cos, sin))
     ours_k = rotate(interleaved_as_halves(jnp.asarray(k), r), (cos, sin))
-    tc = torch.from_numpy(np.asarray(cos)[:, :, 0])  # (1, T, r)
-    ts = torch.from_numpy(np.asarray(sin)[:, :, 0])
+    tc = torch.from_numpy(np.array(cos)[:, :, 0])  # (1, T, r)
+    ts = torch.from_numpy(np.array(sin)[:, :, 0])
     tq, tk = modeling_glm.apply_rotary_pos_emb(
         torch.from_numpy(q).transpose(1, 2), torch.from_numpy(k).transpose(1, 2),
         tc, ts,
