@@ -1070,7 +1070,7 @@ class LlamaConfig:
         ap: Params,
         x: jax.Array,
         rope: tuple[jax.Array, jax.Array],
-        allowed: jax.Array,
+        allowed: jax.Array | None,
         cache_kv: tuple[jax.Array, jax.Array] | None,
         index: jax.Array | None,
         pos: jax.Array | None,

@@ -229,7 +229,7 @@ def test_interleaved_rotary_is_transformers_glm_rotary():
 
 @pytest.mark.parametrize("family", ["glm", "glm4", "glm4_moe"])
 def test_the_partial_rotary_factor_defaults_to_a_half(family):
-    """transformers' GLM configs set 0.5 when the file has none; a file's wins."""
+    """The GLM configs of transformers set 0.5 when a file has none; a file's wins."""
     arch = nn.architecture(family)
     hf = arch.to_hf(arch.tiny())
     del hf["partial_rotary_factor"]
