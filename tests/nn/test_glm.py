@@ -279,3 +279,8 @@ def test_a_glm_file_cannot_hold_other_switches(family, fields, named):
 def test_the_norm_switches_exclude_each_other():
     with pytest.raises(ConfigError, match="exclude each other"):
         dataclasses.replace(nn.architecture("glm4").tiny(), sandwich_norms=True)
+
+
+def test_a_glm4moe_gguf_is_refused_by_name():
+    with pytest.raises(UnsupportedError, match=r"'glm4moe'.*GLM-4\.5 \(glm4_moe\)"):
+        nn.architecture_for_gguf("glm4moe", "x.gguf")
