@@ -96,12 +96,11 @@ NOT_IMPLEMENTED |= {
 }
 """Hugging Face ``model_type`` values refused with a reason (the MoE families
 entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``,
-``deepseek_v2``, ``deepseek_v3``, ``glm4_moe``, ``olmoe``, ``granitemoe`` and
-``granitemoeshared``;
+``deepseek_v2``, ``deepseek_v3``, ``olmoe``, ``granitemoe`` and ``granitemoeshared``;
 the vision-language ones ``gemma3`` and ``mistral3``, by their language model)."""
 GGUF_MOE = frozenset(
     {"deepseek", "deepseek2", "olmoe", "llama4", "granitemoe", "dbrx", "phimoe",
-     "jamba", "glm4moe"}
+     "jamba"}
 )  # fmt: skip
 """llama.cpp ``general.architecture`` names of mixtures of experts entrenar does not
 read (it reads ``llama`` with experts as Mixtral, ``qwen2moe``, ``qwen3moe`` and
@@ -202,8 +201,8 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
     elif name in GGUF_MOE:
         hint = (
             " (a mixture of experts: entrenar reads Mixtral (llama with "
-            "expert_count), qwen2moe, qwen3moe and gpt-oss from GGUF; OLMoE, "
-            "Granite MoE and GLM-4.5 (glm4_moe) from Hugging Face folders only)"
+            "expert_count), qwen2moe, qwen3moe and gpt-oss from GGUF; OLMoE and "
+            "Granite MoE from Hugging Face folders only)"
         )
     raise UnsupportedError(
         f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "
