@@ -67,9 +67,8 @@ class Glm4MoeConfig(DeepseekMoeConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        on = [n for n in SWITCHES if n not in _SWITCHES and getattr(self, n) != (
-            defaults[n]
-        )]  # fmt: skip
+        off = [n for n in SWITCHES if n not in _SWITCHES]
+        on = [n for n in off if getattr(self, n) != defaults[n]]
         if self.output_router_logits:
             on.append("output_router_logits")
         if self.topk_method != "noaux_tc":

@@ -281,10 +281,45 @@ def test_the_norm_switches_exclude_each_other():
         dataclasses.replace(nn.architecture("glm4").tiny(), sandwich_norms=True)
 
 
-def test_a_glm4moe_gguf_is_refused_by_name():
+def test_a_glm4moe_gguf_is_refused_by_name(tmp_path):
     """llama.cpp's glm4moe is not read yet (GLM-4.5 from Hugging Face folders)."""
     with pytest.raises(UnsupportedError, match="'glm4moe' is not supported"):
         nn.architecture_for_gguf("glm4moe", "x.gguf")
     config = MOE.tiny()
-    with pytest.raises(UnsupportedError, match="glm4_moe models have no llama.cpp"):
-        io.save_llama_gguf("x.gguf", config, config.init(jax.random.key(0)))
+    with pytest.raises(UnsupportedError, match=r"glm4_moe models have no llama\.cpp"):
+        io.save_llama_gguf(tmp_path / "x.gguf", config, config.init(jax.random.key(0)))
+
+
+AIR = {  # GLM-4.5-Air's config.json (the Hub's keys, transformers 4.x style)
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+    "attention_bias": True, "first_k_dense_replace": 1, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944,
+    "max_position_embeddings": 131072, "moe_intermediate_size": 1408, "n_group": 1,
+    "n_routed_experts": 128, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 46,
+    "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 1000000, "routed_scaling_factor": 1.0, "tie_word_embeddings": False,
+    "topk_group": 1, "torch_dtype": "bfloat16", "use_qk_norm": False,
+    "vocab_size": 151552,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "billions"),
+    [
+        ({}, (105, 108)),  # GLM-4.5-Air: 106B without its MTP layer
+        (dict(hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
+              n_routed_experts=160, num_hidden_layers=92, first_k_dense_replace=3,
+              routed_scaling_factor=2.5, use_qk_norm=True), (350, 356)),  # GLM-4.5
+    ],
+)  # fmt: skip
+def test_a_hub_style_config_reads(fields, billions):
+    hf = AIR | fields
+    config = nn.architecture_for_hf(hf, "config.json").from_hf(hf)
+    assert isinstance(config, Glm4MoeConfig)
+    assert (config.hd, config.rotary_dim) == (128, 64)
+    assert config.num_nextn_predict_layers == 1
+    assert config.qk_norm == hf["use_qk_norm"]
+    assert billions[0] < config.num_params() / 1e9 < billions[1]
+    assert MOE.from_hf(MOE.to_hf(config)) == config
