@@ -98,6 +98,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             head_dim=None,
         ),
     ),
+    # GLM-4 as it is: biases, 12 of 16 values rotated in pairs, four norms
+    "glm4": ("glm4", {}),
 }
 """Case -> (family, fields replaced in the family's tiny config)."""
 VOCAB = 320  # the byte-level tiny tokenizer's 303 tokens, rounded up
