@@ -12,6 +12,7 @@ hyperparameters ``{arch}.*``. The families differ in:
   llama.cpp converts with the permutation (`PERMUTED`: ``llama``, ``smollm3``,
   ``granite``);
   Qwen2/3, Gemma and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
+  GLM-4's interleaved pairs are llama.cpp's own (NORM) layout, kept as they are;
 - **Granite's multipliers** (`SCALE_KEYS`): ``embedding_scale``,
   ``residual_scale``, ``attention.scale``, ``logit_scale``;
 - **partial rotary** (`PARTIAL_ROTARY`): ``rope.dimension_count`` below the head
@@ -26,7 +27,8 @@ hyperparameters ``{arch}.*``. The families differ in:
   1's graph has no ``output`` tensor); OLMo 2's output norms and whole-row q/k
   norms, and its untied head (`UNTIED`);
 - **tensor names** (`LAYER_STEMS`): Hugging Face module -> ``blk.N.<stem>``, with
-  Gemma's four norms (`SANDWICH_STEMS`), OLMo 2's two (`POST_NORM_STEMS`),
+  Gemma's four norms (`SANDWICH_STEMS`), GLM-4's (`GLM_STEMS`), OLMo 2's two
+  (`POST_NORM_STEMS`),
   gpt-oss's ``post_attention_norm`` (`FAMILY_STEMS`) and sinks
   (``blk.N.attn_sinks.weight``, `LEAF_NAMES`), and Phi-3's fused
   ``attn_qkv``/``ffn_up``;
@@ -124,6 +126,13 @@ SPLIT_STEMS = {"shared_mlp.input_linear": ("ffn_gate_shexp", "ffn_up_shexp")}
 """Layer modules stored fused in the tree and as row halves in GGUF: Granite MoE
 shared's ``shared_mlp.input_linear (L, 2S, D)`` is ``[gate; up]``, llama.cpp's
 ``ffn_gate_shexp`` and ``ffn_up_shexp`` ``(S, D)`` each (its converter splits it)."""
+GLM_STEMS = {
+    "post_self_attn_layernorm": "post_attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "post_mlp_layernorm": "post_ffw_norm",
+}
+"""GLM-4's norms (``glm_norms``), replacing `LAYER_STEMS`' entries: llama.cpp's
+``attn_post_norm``, ``ffn_norm`` and ``ffn_post_norm`` (src/models/glm4.cpp)."""
 
 FAMILY_STEMS = {"gpt_oss": {"post_attention_layernorm": "post_attention_norm"}}
 """Per family (`LlamaConfig.architecture`), stems replacing `LAYER_STEMS`' entries."""
@@ -158,6 +167,7 @@ IMPLIED["olmoe"] = {
     "attention_out_bias": False,  # olmoe.cpp: build_attn(wo, NULL)
     "clip_qkv": None,  # olmoe.cpp reads no attention.clamp_kqv
 }
+IMPLIED["glm4"] = {"glm_norms": True, "rope_interleave": True}  # LLAMA_ROPE_TYPE_NORM
 IMPLIED["gpt-oss"] = {
     "attention_sinks": True,
     "moe_bias": True,
@@ -180,10 +190,12 @@ UNTIED = frozenset({"olmo2"})
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo2": 4, "gpt-oss": 2, "cohere2": 4}
 """llama.cpp's default sliding-layer period: layer ``i`` slides unless ``(i + 1) % n
 == 0`` (as Hugging Face's Gemma configs lay them out)."""
-PARTIAL_ROTARY = frozenset({"phi3"})
+PARTIAL_ROTARY = frozenset({"phi3", "glm4"})
 """llama.cpp names whose graph rotates ``rope.dimension_count`` values of each head
-and passes the rest (Phi-4-mini: 96 of 128, NEOX layout as Hugging Face's); the
-other graphs entrenar writes assert ``n_rot == n_embd_head`` (llama.cpp's
+and passes the rest (Phi-4-mini: 96 of 128, NEOX layout as Hugging Face's; GLM-4:
+half of each head in adjacent pairs, llama.cpp's NORM rotary, which is Hugging
+Face's interleaved GLM layout, so its q/k rows are not permuted); the other graphs
+entrenar writes assert ``n_rot == n_embd_head`` (llama.cpp's
 ``src/models/llama.cpp``)."""
 NOPE_PERIOD = {"smollm3": 4}
 """llama.cpp names whose graph skips rotary on layer ``i`` when ``(i + 1) % n == 0``
@@ -304,8 +316,8 @@ def written_name(family: str, gguf_name: str | None) -> str | None:
 def layer_stems(config: Any) -> dict[str, str]:
     """`LAYER_STEMS` for ``config``, with its norms' stems.
 
-    Gemma's `SANDWICH_STEMS` or OLMo 2's `POST_NORM_STEMS` when it has them, its
-    family's `FAMILY_STEMS` (gpt-oss).
+    Gemma's `SANDWICH_STEMS`, OLMo 2's `POST_NORM_STEMS` or GLM-4's `GLM_STEMS`
+    when it has them, its family's `FAMILY_STEMS` (gpt-oss).
     """
     family = getattr(config, "architecture", "")
     stems = dict(LAYER_STEMS) | FAMILY_STEMS.get(family, {})
@@ -313,6 +325,8 @@ def layer_stems(config: Any) -> dict[str, str]:
         stems |= SANDWICH_STEMS
     if getattr(config, "post_norms", False):
         stems |= POST_NORM_STEMS
+    if getattr(config, "glm_norms", False):
+        stems |= GLM_STEMS
     return stems
 
 
@@ -409,6 +423,7 @@ __all__ = [
     "FAMILY_KEY",
     "FAMILY_STEMS",
     "FF_EXPERTS",
+    "GLM_STEMS",
     "GLOBAL_STEMS",
     "HEAD_KEYS",
     "IMPLIED",

@@ -150,11 +150,6 @@ def check_switches(c: Any) -> None:
             "LlamaConfig.qk_norm_heads (a gain per head) needs qk_norm=True and "
             "qk_norm_whole=False"
         )
-    if c.rope_interleave and c.rotary_dim != c.hd:
-        raise ConfigError(
-            "LlamaConfig.rope_interleave rotates whole heads; set "
-            f"partial_rotary_factor=1 (got {factor})"
-        )
     if c.parallel_residual and (c.post_norms or c.sandwich_norms):
         raise ConfigError(
             "LlamaConfig.parallel_residual (Cohere: one norm before attention and "
@@ -164,10 +159,10 @@ def check_switches(c: Any) -> None:
         raise ConfigError(
             f"LlamaConfig.clip_qkv must be > 0 or None, got {c.clip_qkv!r}"
         )
-    if c.post_norms and c.sandwich_norms:
+    if c.post_norms + c.sandwich_norms + c.glm_norms > 1:
         raise ConfigError(
-            "LlamaConfig.post_norms (OLMo 2) and sandwich_norms (Gemma 2/3) exclude "
-            "each other: set one"
+            "LlamaConfig.post_norms (OLMo 2), sandwich_norms (Gemma 2/3) and "
+            "glm_norms (GLM-4) exclude each other: set one"
         )
     if c.hidden_act not in HIDDEN_ACTS:
         raise ConfigError(
@@ -584,6 +579,7 @@ def register_family(
 SWITCHES = (
     "rope_type",
     "partial_rotary_factor",
+    "rope_interleave",
     "rope_local_theta",
     "attention_bias",
     "attention_out_bias",
@@ -598,6 +594,7 @@ SWITCHES = (
     "norm_unit_offset",
     "sandwich_norms",
     "post_norms",
+    "glm_norms",
     "scale_embeddings",
     "query_pre_attn_scalar",
     "attn_logit_softcapping",
@@ -619,7 +616,6 @@ SWITCHES = (
     "layer_norm",
     "parallel_residual",
     "qk_norm_heads",
-    "rope_interleave",
     "logit_scale",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""

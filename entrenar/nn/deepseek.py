@@ -25,38 +25,10 @@ they are taken as ``[x_0, x_2, ...; x_1, x_3, ...]`` and rotated half against ha
 which is transformers' ``apply_rotary_pos_emb_interleave`` (the rotated keys stay in
 that order; queries and keys alike, so the scores are those of the pairs).
 
-DeepSeekMoE of layer ``l >= first_k_dense_replace`` (the first layers have a dense
-SwiGLU MLP of ``intermediate_size``), router ``W_r: (E, D)``, correction bias
-``b: (E,)`` (``e_score_correction_bias``, a buffer in transformers), ``G`` groups::
-
-    s   = σ(x W_rᵀ)                        (E,)  in float32
-    s'  = s + b                                   the choice only
-    g_j = Σ top-2(s' of group j)            (G,)  group scores
-    S   = top-k(s' masked to the topk_group best groups)
-    w_e = s_e / (Σ_{j∈S} s_j + 1e-20) · routed_scaling_factor    (norm_topk_prob;
-          without it s_e · routed_scaling_factor)
-    y   = Σ_{e∈S} w_e SwiGLU_e(x) + SwiGLU_shared(x)    (shared: n_shared_experts ×
-                                                          moe_intermediate_size wide)
-
-DeepSeek-V2 (``deepseek_v2``, transformers' ``modeling_deepseek_v2.py``) scores with
-``softmax(x W_rᵀ)``, no bias, and takes the top ``k`` of all experts (``greedy``) or
-of the ``topk_group`` groups with the largest maximum (``group_limited_greedy``);
-``w_e = s_e · routed_scaling_factor``, never renormalised (`TOPK_METHODS`).
-
-The routed experts run entrenar's grouped product (`entrenar.nn.moe.experts_mlp`:
-the tiled scan with its own VJP), their weights stacked ``(E, out, in)`` per layer.
-
-Layers differ (dense or MoE), so the tree holds them as a list, one unstacked
-layer each, under Hugging Face's own names (``model.layers.{i}.self_attn.q_a_proj
-.weight``), and the forward pass runs them one after the other (one compiled body
-per layer, where the other families scan one stacked body; XLA:CPU's
-memory-minimising scheduler, which ``import entrenar`` selects, keeps the step's
-temporaries from growing with each layer: specs/models.md). The Hub's per-expert
-tensors (``mlp.experts.{e}.{gate,up,down}_proj.weight``) and transformers'
-in-memory fused ``gate_up_proj`` read as the stacks (`moe_from_hf_tensors`); a
-folder is written with the Hub's names. The multi-token-prediction layers a
-checkpoint may hold past the last layer (``num_nextn_predict_layers``) are not
-part of the model and are skipped, as transformers skips them.
+The MLP is DeepSeekMoE (`entrenar.nn.deepseek_moe.DeepseekMoeConfig`: dense
+layers first, then routed experts chosen by V3's sigmoid or V2's softmax routing
+plus shared experts; the layers unrolled, Hugging Face's names, the
+multi-token-prediction layers skipped), which GLM-4.5 shares.
 
 The KV cache holds each layer's expanded keys ``(B, S, H, d_qk)`` and values
 ``(B, S, H, d_v)`` (not the compressed latent): every attention path entrenar has
@@ -68,9 +40,7 @@ and its output sliced back).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -84,38 +54,28 @@ from entrenar.nn.attention import (
     init_kv_cache,
     write_cache,
 )
-from entrenar.nn.bf16_weight import TiedEmbedding
 from entrenar.nn.decoder_config import (
     TINY_SIZES,
-    as_float,
     common_from_hf,
     common_to_hf,
     register_family,
 )
+from entrenar.nn.deepseek_moe import (
+    TOPK_METHODS,
+    DeepseekMoeConfig,
+    deepseek_moe_from_hf_tensors,
+    deepseek_moe_to_hf_tensors,
+)
 from entrenar.nn.fused_attention import fused_attention
-from entrenar.nn.layers import embedding, gated_mlp, upcast_dtype
 from entrenar.nn.linear import linear
-from entrenar.nn.llama import _DENSE, LlamaConfig
-from entrenar.nn.moe import experts_mlp
-from entrenar.nn.moe_families import moe_from_hf_tensors, moe_to_hf_tensors
-from entrenar.nn.rope import rotate
+from entrenar.nn.rope import interleaved_as_halves, rotate
 from entrenar.nn.rope_scaling import yarn_mscale
-from entrenar.nn.weight_node import to_dense
-from entrenar.types import Params, PRNGKey
-
-TOPK_METHODS = {
-    "noaux_tc": "sigmoid",
-    "greedy": "softmax",
-    "group_limited_greedy": "softmax",
-}
-"""The routings `DeepseekConfig` implements and the scoring each takes: V3's
-sigmoid with the correction bias, V2's softmax top-k (of all experts, or of the
-``topk_group`` groups with the largest maximum)."""
+from entrenar.types import Params
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekConfig(LlamaConfig):
-    """DeepSeek-V3's switches on top of `LlamaConfig` (module docstring).
+class DeepseekConfig(DeepseekMoeConfig):
+    """DeepSeek-V3's attention on top of `DeepseekMoeConfig` (module docstring).
 
     ``head_dim`` is the rotary width ``qk_rope_head_dim`` (set from it; the rotary
     tables and scalings read it), ``num_kv_heads`` equals ``num_heads`` (MLA
@@ -134,16 +94,6 @@ class DeepseekConfig(LlamaConfig):
             docstring; transformers' default, the checkpoints' layout).
         rope_mscale_all_dim: YaRN's ``mscale_all_dim``: the softmax scale is
             multiplied by ``(0.1 mscale_all_dim ln(factor) + 1)²``; 0: not.
-        first_k_dense_replace: the first layers, with a dense MLP.
-        n_shared_experts: shared experts (one SwiGLU that many experts wide).
-        n_group: expert groups of the router.
-        topk_group: groups a token's experts are chosen from.
-        routed_scaling_factor: the routed experts' weights are multiplied by it.
-        scoring_func: ``"sigmoid"`` (DeepSeek-V3) or ``"softmax"`` (V2).
-        topk_method: one of `TOPK_METHODS`: ``"noaux_tc"`` (V3), ``"greedy"`` or
-            ``"group_limited_greedy"`` (V2).
-        num_nextn_predict_layers: multi-token-prediction layers the checkpoint
-            holds after the last layer (skipped on load; kept for the config).
     """
 
     q_lora_rank: int | None = None
@@ -153,14 +103,6 @@ class DeepseekConfig(LlamaConfig):
     v_head_dim: int = 128
     rope_interleave: bool = True
     rope_mscale_all_dim: float = 0.0
-    first_k_dense_replace: int = 0
-    n_shared_experts: int = 0
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    scoring_func: str = "sigmoid"
-    topk_method: str = "noaux_tc"
-    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -182,26 +124,6 @@ class DeepseekConfig(LlamaConfig):
             scale = scale * m * m
         return scale
 
-    def is_moe_layer(self, i: int) -> bool:
-        """Whether layer ``i`` has the mixture of experts (else a dense MLP)."""
-        return i >= self.first_k_dense_replace and self.num_experts > 0
-
-    def param_shapes(self) -> dict[str, Any]:
-        """The tree: ``model.layers`` a list of per-layer dicts (module docstring)."""
-        d = self.hidden_size
-        layers = [
-            {
-                "input_layernorm": {"weight": (d,)},
-                "self_attn": self._attention_shapes(),
-                "post_attention_layernorm": {"weight": (d,)},
-                "mlp": self._moe_layer_shapes() if self.is_moe_layer(i) else _mlp(
-                    d, self.intermediate_size
-                ),
-            }
-            for i in range(self.num_layers)
-        ]  # fmt: skip
-        return self._model_shapes(layers)
-
     def _attention_shapes(self) -> dict[str, Any]:
         d, h, r = self.hidden_size, self.num_heads, self.kv_lora_rank
         bias = self.attention_bias
@@ -222,32 +144,6 @@ class DeepseekConfig(LlamaConfig):
         attn["o_proj"] = lin(d, h * self.v_head_dim, bias)
         return attn
 
-    def _moe_layer_shapes(self) -> dict[str, Any]:
-        e, d, i = self.num_experts, self.hidden_size, self.expert_size
-        mlp: dict[str, Any] = {
-            "gate": {"weight": (e, d)},
-            "experts": {
-                "gate_proj": {"weight": (e, i, d)},
-                "up_proj": {"weight": (e, i, d)},
-                "down_proj": {"weight": (e, d, i)},
-            },
-        }
-        if self.topk_method == "noaux_tc":  # V3: the choice's bias
-            mlp["gate"]["e_score_correction_bias"] = (e,)
-        if self.n_shared_experts:
-            mlp["shared_experts"] = _mlp(d, i * self.n_shared_experts)
-        return mlp
-
-    def init(self, key: PRNGKey) -> Params:
-        """`LlamaConfig.init`, with the routers' correction biases 0."""
-        params = super().init(key)
-        for lp in params["model"]["layers"]:
-            gate = lp["mlp"].get("gate")
-            if gate is not None and "e_score_correction_bias" in gate:
-                b = gate["e_score_correction_bias"]
-                gate["e_score_correction_bias"] = jnp.zeros_like(b)
-        return params
-
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """A cache of expanded keys ``(L, B, S, H, d_qk)`` and values ``(.., d_v)``."""
         n, h = self.num_layers, self.num_heads
@@ -256,72 +152,7 @@ class DeepseekConfig(LlamaConfig):
         return KVCache(k.k, v.v, k.pos)
 
     # ------------------------------------------------------------------- model
-    def _layers(
-        self,
-        params: Params,
-        tokens: jax.Array,
-        positions: jax.Array,
-        allowed: jax.Array,
-        cache: KVCache | None,
-        return_hidden: bool = False,
-        *,
-        fused: Any = _DENSE,
-        router: bool = False,
-        key: Any = None,
-    ) -> tuple[jax.Array, Any]:
-        """The layers one after the other; `LlamaConfig._layers`' contract.
-
-        Returns ``(h, (cache_kv, hidden, None))``: no router logits (the family
-        has no auxiliary loss: `_check_deepseek`).
-        """
-        m = params["model"]
-        table = m["embed_tokens"]["weight"]
-        table = table.table if isinstance(table, TiedEmbedding) else table
-        h = embedding(table, tokens).astype(self.dtype)  # (B, T, D)
-        rope = self._rope(positions, self.rope_theta, scaled=True)  # (B|1,T,1,d_r)
-        kernel = fused is not _DENSE and cache is None  # fused: causal in the kernel
-        mask = fused if kernel else allowed
-        kv = None if cache is None else (cache.k, cache.v)
-        pos = None if cache is None else cache.pos
-        hidden = [h]
-        for i, lp in enumerate(m["layers"]):
-            step: Callable[..., Any] = functools.partial(
-                self._layer, i, rope, mask, pos, kernel
-            )
-            if cache is None:  # (decoding: no remat)
-                step = self._remat(step)
-            h, kv = step(lp, h, kv)
-            hidden.append(h)
-        stacked = jnp.stack(hidden) if return_hidden else None  # (L + 1, B, T, D)
-        return h, (kv, stacked, None)
-
-    def _layer(
-        self,
-        i: int,
-        rope: tuple[jax.Array, jax.Array],
-        mask: jax.Array | None,
-        pos: jax.Array | None,
-        kernel: bool,
-        lp: Params,
-        h: jax.Array,
-        kv: tuple[jax.Array, jax.Array] | None,
-    ) -> tuple[jax.Array, Any]:
-        """Layer ``i``: ``h + MLA(RMSNorm(h))``, then ``+ MLP or MoE(RMSNorm(.))``."""
-        x = self._norm(h, lp["input_layernorm"])
-        a, kv = self._mla(lp["self_attn"], x, rope, mask, kv, i, pos, kernel)
-        h = h + a
-        x = self._norm(h, lp["post_attention_layernorm"])
-        mp, md = lp["mlp"], self.matmul_dtype
-        if "experts" in mp:
-            y = self._deepseek_moe(mp, x)
-        else:
-            y = gated_mlp(
-                x, mp["gate_proj"]["weight"], mp["up_proj"]["weight"],
-                mp["down_proj"]["weight"], matmul_dtype=md,
-            )  # fmt: skip
-        return h + y, kv
-
-    def _mla(
+    def _self_attention(
         self,
         ap: Params,
         x: jax.Array,
@@ -377,73 +208,7 @@ class DeepseekConfig(LlamaConfig):
         """Interleaved rope pairs as halves: ``[x_0, x_2, ...; x_1, x_3, ...]``."""
         if not self.rope_interleave:
             return x
-        return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-
-    def _deepseek_moe(self, mp: Params, x: jax.Array) -> jax.Array:
-        """DeepSeekMoE of ``x: (B, T, D)``: routed experts plus the shared ones."""
-        shape, md = x.shape, self.matmul_dtype
-        x2 = x.reshape(-1, shape[-1])  # (N, D)
-        gate = mp["gate"]
-        weights, chosen = self.route(
-            x2, gate["weight"], gate.get("e_score_correction_bias")
-        )  # (N, k) each
-        ex = mp["experts"]
-        y = experts_mlp(
-            x2, weights, chosen, self.num_experts, ex["gate_proj"]["weight"],
-            ex["up_proj"]["weight"], ex["down_proj"]["weight"], matmul_dtype=md,
-        )  # (N, D)  # fmt: skip
-        if "shared_experts" in mp:
-            sp = mp["shared_experts"]
-            y = y + gated_mlp(
-                x2, sp["gate_proj"]["weight"], sp["up_proj"]["weight"],
-                sp["down_proj"]["weight"], matmul_dtype=md,
-            )  # fmt: skip
-        return y.reshape(shape)
-
-    def route(
-        self, x: jax.Array, w: Any, bias: jax.Array | None
-    ) -> tuple[jax.Array, jax.Array]:
-        """The routing of ``x: (N, D)`` (module docstring; V2's: `TOPK_METHODS`).
-
-        ``bias``: V3's correction bias ``(E,)`` (None for V2). Returns ``(weights
-        (N, k) float32, experts (N, k) int32)``. The router's product is in
-        float32 (transformers keeps ``gate.weight`` in float32).
-        """
-        f = upcast_dtype(x.dtype)
-        wr = jnp.asarray(to_dense(w)).astype(f)  # (E, D)
-        logits = linear(x.astype(f), wr)  # (N, E)
-        n, e, g = logits.shape[0], self.num_experts, self.n_group
-        if self.scoring_func == "softmax":  # V2
-            s = jax.nn.softmax(logits, axis=-1)  # (N, E)
-            choice = jax.lax.stop_gradient(s)
-        else:  # V3: the bias moves the choice only
-            s = jax.nn.sigmoid(logits)
-            choice = jax.lax.stop_gradient(s + jnp.asarray(bias).astype(f))
-        if g > 1 and self.topk_method != "greedy":
-            by_group = choice.reshape(n, g, e // g)  # (N, G, E/G)
-            if self.topk_method == "noaux_tc":  # V3: a group's top-2 sum
-                group = jax.lax.top_k(by_group, 2)[0].sum(-1)  # (N, G)
-            else:  # V2: a group's maximum
-                group = by_group.max(-1)
-            _, best = jax.lax.top_k(group, self.topk_group)  # (N, topk_group)
-            keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], best].set(True)
-            keep = jnp.repeat(keep, e // g, axis=1)  # (N, E)
-            choice = jnp.where(keep, choice, -jnp.inf)
-        _, experts = jax.lax.top_k(choice, self.num_experts_per_tok)  # (N, k)
-        weights = jnp.take_along_axis(s, experts, axis=-1)  # (N, k)
-        if self.norm_topk_prob:
-            weights = weights / (jnp.sum(weights, -1, keepdims=True) + 1e-20)
-        weights = weights * jnp.asarray(self.routed_scaling_factor, f)
-        return weights, experts.astype(jnp.int32)
-
-
-def _mlp(d: int, i: int) -> dict[str, Any]:
-    """A SwiGLU block's shapes, ``I = i`` wide."""
-    return {
-        "gate_proj": {"weight": (i, d)},
-        "up_proj": {"weight": (i, d)},
-        "down_proj": {"weight": (d, i)},
-    }
+        return interleaved_as_halves(x, x.shape[-1])
 
 
 def _linear(x: jax.Array, p: Params, md: str | None) -> jax.Array:
@@ -473,43 +238,6 @@ def _check_deepseek(c: DeepseekConfig) -> None:
             f"DeepseekConfig.v_head_dim {c.v_head_dim} exceeds the key head "
             f"qk_nope_head_dim + qk_rope_head_dim = {c.qk_head_dim}"
         )
-    if not 0 <= c.first_k_dense_replace <= c.num_layers:
-        raise ConfigError(
-            f"DeepseekConfig.first_k_dense_replace must be in [0, num_layers = "
-            f"{c.num_layers}], got {c.first_k_dense_replace}"
-        )
-    if TOPK_METHODS.get(c.topk_method) != c.scoring_func:
-        raise ConfigError(
-            f"DeepseekConfig.topk_method {c.topk_method!r} with scoring_func "
-            f"{c.scoring_func!r}: the routings are {TOPK_METHODS} (method: scoring)"
-        )
-    if c.scoring_func == "softmax" and c.norm_topk_prob:
-        raise ConfigError(
-            "DeepseekConfig.norm_topk_prob with softmax scoring: transformers' "
-            "DeepSeek-V2 never renormalises (DeepSeek's own code does); set it False"
-        )
-    if not 0 < as_float(c.routed_scaling_factor) < float("inf"):
-        raise ConfigError(
-            "DeepseekConfig.routed_scaling_factor must be a finite number > 0"
-        )
-    if c.num_experts:
-        e, g = c.num_experts, c.n_group
-        pair = c.topk_method == "noaux_tc" and g > 1
-        if g <= 0 or e % g or (pair and e // g < 2):
-            raise ConfigError(
-                f"DeepseekConfig.n_group {g} must divide num_experts {e} into "
-                "groups (of at least 2 for noaux_tc: a group's score is its top-2 sum)"
-            )
-        if not 0 < c.topk_group <= g:
-            raise ConfigError(
-                f"DeepseekConfig.topk_group must be in [1, n_group = {g}], got "
-                f"{c.topk_group}"
-            )
-        if c.num_experts_per_tok > c.topk_group * (e // g):
-            raise ConfigError(
-                f"DeepseekConfig.num_experts_per_tok {c.num_experts_per_tok} "
-                f"exceeds the experts of topk_group = {c.topk_group} groups"
-            )
     off = {"sliding_window": c.sliding_window, "layer_types": c.layer_types,
            "nope_layers": c.nope_layers, "qk_norm": c.qk_norm,
            "fused_qkv": c.fused_qkv, "fused_gate_up": c.fused_gate_up,
@@ -519,6 +247,7 @@ def _check_deepseek(c: DeepseekConfig) -> None:
            "router_jitter_noise": c.router_jitter_noise,
            "output_router_logits": c.output_router_logits,
            "sandwich_norms": c.sandwich_norms, "post_norms": c.post_norms,
+           "glm_norms": c.glm_norms,
            "partial_rotary_factor": c.partial_rotary_factor != 1.0,
            "rope_local_theta": c.rope_local_theta,
            "hidden_act": c.hidden_act != "silu"}  # fmt: skip
@@ -728,36 +457,8 @@ def deepseek_v2_to_hf(c: DeepseekConfig) -> dict[str, Any]:
     return hf
 
 
-# ------------------------------------------------------------- tensor names
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def deepseek_from_hf_tensors(
-    flat: Mapping[str, Any], config: DeepseekConfig
-) -> dict[str, Any]:
-    """A checkpoint's tensors under the tree's names (module docstring).
-
-    The multi-token-prediction layers ``L .. L + num_nextn_predict_layers - 1``
-    are dropped, and so is the empty shared MLP transformers builds for
-    ``n_shared_experts`` 0; the experts are stacked (`moe_from_hf_tensors`).
-    """
-    n, extra = config.num_layers, config.num_nextn_predict_layers
-    kept = {}
-    for name, value in flat.items():
-        m = _LAYER.match(name)
-        if m is not None and n <= int(m.group(1)) < n + extra:
-            continue
-        if ".shared_experts." in name and 0 in getattr(value, "shape", ()):
-            continue  # n_shared_experts 0: transformers' empty shared MLP
-        kept[name] = value
-    return moe_from_hf_tensors(kept, config)
-
-
-def deepseek_to_hf_tensors(
-    made: Mapping[str, Callable[[], Any]], config: DeepseekConfig
-) -> dict[str, Callable[[], Any]]:
-    """``{name: make}`` with each MoE layer's experts under the Hub's names."""
-    return moe_to_hf_tensors(made, config)
+deepseek_from_hf_tensors = deepseek_moe_from_hf_tensors
+deepseek_to_hf_tensors = deepseek_moe_to_hf_tensors
 
 
 # -------------------------------------------------------------------- family

@@ -66,7 +66,7 @@ from entrenar.nn.matvec import layer_params
 from entrenar.nn.moe import clamped_swiglu, router_jitter, sparse_moe
 from entrenar.nn.multimodal import WRAPPERS
 from entrenar.nn.registry import architecture, architecture_for_hf
-from entrenar.nn.rope import rope_tables, rotate
+from entrenar.nn.rope import interleaved_as_halves, rope_tables, rotate
 from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
 from entrenar.types import Params, PRNGKey
 
@@ -163,6 +163,13 @@ class LlamaConfig:
             factor)`` values of each head (`rotary_dim`) and pass the other
             ``d - r`` through (Hugging Face's ``partial_rotary_factor``: Phi-4-mini's
             0.75; llama.cpp's ``rope.dimension_count``); 1: the whole head.
+        rope_interleave: the rotated values come in interleaved pairs ``(x_0,
+            x_1), (x_2, x_3), ...`` that one frequency turns (GLM-4's, GPT-J's
+            layout, Cohere's; transformers' ``repeat_interleave`` of ``cos`` /
+            ``sin``):
+            they are taken as ``[x_0, x_2, ...; x_1, x_3, ...]`` and rotated half
+            against half, queries and keys alike, so the scores are the pairs'
+            (the cache holds keys in that order); False: Hugging Face's halves.
         rope_local_theta: rotary base of the sliding-window layers (Gemma 3's
             ``rope_local_base_freq``; no scaling there); None: ``rope_theta``.
         attention_bias: biases on the q, k and v projections.
@@ -193,6 +200,10 @@ class LlamaConfig:
             ``input_layernorm``); ``post_attention_layernorm`` on the attention
             output and ``post_feedforward_layernorm`` on the MLP output, each
             then added to the residual stream.
+        glm_norms: GLM-4's norms: Gemma 2's four under GLM-4's names,
+            ``post_self_attn_layernorm`` on the attention output,
+            ``post_attention_layernorm`` before and ``post_mlp_layernorm`` after
+            the MLP.
         scale_embeddings: multiply the embeddings by ``sqrt(D)`` (in ``dtype``).
         query_pre_attn_scalar: attention scores scale ``s^-1/2``; None: ``d^-1/2``.
         attn_logit_softcapping: scores become ``c tanh(scores / c)`` (Gemma 2).
@@ -259,10 +270,6 @@ class LlamaConfig:
         qk_norm_heads: ``qk_norm``'s gains are per head, ``q_norm (L, H, d)``
             and ``k_norm (L, KV, d)``, each head normalised over its ``d`` values
             (Cohere's ``use_qk_norm``).
-        rope_interleave: rotary pairs are ``(x[2i], x[2i+1])`` (GPT-J's layout,
-            Cohere's ``rotate_half``), not ``(x[i], x[i + d/2])``: queries and keys
-            are reordered to ``[x_0, x_2, ...; x_1, x_3, ...]`` before the
-            half-split rotation, which leaves every score as the pairs give it.
         logit_scale: logits are multiplied by this (Cohere's ``logit_scale``);
             ``features`` carries the factor, as for ``logits_scaling``.
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
@@ -305,6 +312,7 @@ class LlamaConfig:
     rope_long_factor: tuple[float, ...] | None = None
     rope_freq_divisors: tuple[float, ...] | None = None
     partial_rotary_factor: float = 1.0
+    rope_interleave: bool = False
     rope_local_theta: float | None = None
     attention_bias: bool = False
     attention_out_bias: bool = False
@@ -319,6 +327,7 @@ class LlamaConfig:
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
     post_norms: bool = False
+    glm_norms: bool = False
     scale_embeddings: bool = False
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
@@ -349,7 +358,6 @@ class LlamaConfig:
     layer_norm: bool = False
     parallel_residual: bool = False
     qk_norm_heads: bool = False
-    rope_interleave: bool = False
     logit_scale: float | None = None
 
     def __post_init__(self) -> None:
@@ -538,11 +546,38 @@ class LlamaConfig:
             del layers["input_layernorm"]
         if self.parallel_residual:  # Cohere: one norm for attention and the MLP
             del layers["post_attention_layernorm"]
-        if self.sandwich_norms:
-            layers["pre_feedforward_layernorm"] = {"weight": (n, d)}
-        if self.sandwich_norms or self.post_norms:
-            layers["post_feedforward_layernorm"] = {"weight": (n, d)}
+        after_attn, before_mlp, after_mlp = self.norm_names
+        for name in (after_attn, before_mlp, after_mlp):
+            if name is not None:
+                layers[name] = {"weight": (n, d)}
         return self._model_shapes(layers)
+
+    @property
+    def norm_names(self) -> tuple[str | None, str | None, str | None]:
+        """A layer's norms on the attention output, before and after the MLP.
+
+        Hugging Face's names (None: no such norm): Llama's
+        ``post_attention_layernorm`` is the one before the MLP; Gemma 2's and
+        OLMo 2's of that name normalise the attention output; GLM-4's
+        (``glm_norms``) the MLP input again.
+        """
+        if self.glm_norms:
+            return (
+                "post_self_attn_layernorm",
+                "post_attention_layernorm",
+                "post_mlp_layernorm",
+            )
+        if self.sandwich_norms:
+            return (
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            )
+        if self.post_norms:
+            return ("post_attention_layernorm", None, "post_feedforward_layernorm")
+        if self.parallel_residual:  # Cohere: the MLP reads input_layernorm's output
+            return (None, None, None)
+        return (None, "post_attention_layernorm", None)
 
     def _remat(self, layer: Callable[..., Any]) -> Callable[..., Any]:
         """``layer`` rematerialised as ``remat`` / ``remat_policy`` ask (or as is).
@@ -913,22 +948,17 @@ class LlamaConfig:
                 lp, h, tables, mask, kv, index, pos, kernel_mask=kernel_mask,
                 q_scale=q_scale,
             )  # fmt: skip
-            post = self.sandwich_norms or self.post_norms
-            if post:
-                a = self._norm(a, lp["post_attention_layernorm"])
+            after_attn, before_mlp, after_mlp = self.norm_names
+            if after_attn is not None:  # Gemma 2, OLMo 2, GLM-4
+                a = self._norm(a, lp[after_attn])
             h = h + self._residual(a)  # (B, T, D)
-            pre = "pre_feedforward_layernorm" if self.sandwich_norms else (
-                "post_attention_layernorm"
-            )  # fmt: skip
-            if self.post_norms:
-                xm = h
-            elif not self.parallel_residual:
-                xm = self._norm(h, lp[pre])
+            if not self.parallel_residual:  # (Cohere's MLP reads attention's input)
+                xm = h if before_mlp is None else self._norm(h, lp[before_mlp])
             x, logits = self._mlp_routed(lp["mlp"], xm, jitter)
             if "shared_mlp" in lp:  # Granite MoE shared: beside the experts
                 x = x + self._shared_mlp(lp["shared_mlp"], xm)
-            if post:
-                x = self._norm(x, lp["post_feedforward_layernorm"])
+            if after_mlp is not None:
+                x = self._norm(x, lp[after_mlp])
             h = h + self._residual(x)
             ys = (h if return_hidden else None, logits if router else None)
             return (h if kv is None else (h, *kv)), ys
@@ -1095,10 +1125,27 @@ class LlamaConfig:
         of ``allowed`` (the reference path gets them inside ``allowed``).
         ``q_scale``: `_query_scale`'s, multiplying the rotated queries.
         """
-        b, t, _ = h.shape
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
-        ap = lp["self_attn"]
         x = h if self.post_norms else self._norm(h, lp["input_layernorm"])
+        return self._gqa(
+            lp["self_attn"], x, rope, allowed, cache_kv, index, pos, kernel_mask,
+            q_scale,
+        )  # fmt: skip
+
+    def _gqa(
+        self,
+        ap: Params,
+        x: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        allowed: jax.Array | None,
+        cache_kv: tuple[jax.Array, jax.Array] | None,
+        index: jax.Array | None,
+        pos: jax.Array | None,
+        kernel_mask: tuple[bool, int | None] = (False, None),
+        q_scale: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """`_attention` of the normed ``x: (B, T, D)``; ``ap``: ``self_attn``'s tree."""
+        b, t, _ = x.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.hd
         md = self.matmul_dtype
         if self.fused_qkv:  # Phi-3: qkv_proj = [q; k; v]
             qkv = linear(x, ap["qkv_proj"]["weight"], _bias(ap["qkv_proj"]),
@@ -1120,8 +1167,11 @@ class LlamaConfig:
         if self.qk_norm and not self.qk_norm_whole:  # per head, before rotary
             q = self._norm(q, ap["q_norm"])  # gains (d,) or (H, d): qk_norm_heads
             k = self._norm(k, ap["k_norm"])
-        if self.rope_interleave:  # pairs (x[2i], x[2i+1]) as halves, q and k alike
-            q, k = _deinterleave(q), _deinterleave(k)
+        if self.rope_interleave:  # GLM: the pairs as halves (same scores)
+            q, k = (
+                interleaved_as_halves(q, self.rotary_dim),
+                interleaved_as_halves(k, self.rotary_dim),
+            )
         q = rotate(q, rope)
         k = rotate(k, rope)
         if q_scale is not None:  # Ministral 3: (B|1, T, 1, 1)
@@ -1247,16 +1297,6 @@ def _layer_keys(key: Any, n: int) -> jax.Array | None:
 
 JITTER_STREAM = 0x7A17_7E12
 """`fold_in` data of the router jitter's keys (far above any leaf index)."""
-
-
-def _deinterleave(x: jax.Array) -> jax.Array:
-    """``[x_0, x_2, ...; x_1, x_3, ...]`` of ``x: (..., d)``: pairs as halves.
-
-    Interleaved rotary pairs become the halves `entrenar.nn.rope.rotate` turns.
-    Queries and keys get the same order, so ``q · k`` is unchanged and the rotation
-    of pair ``i`` is that of ``(x[2i], x[2i+1])``.
-    """
-    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
 def _bias(p: Params) -> Any:

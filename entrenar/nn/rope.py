@@ -110,6 +110,21 @@ def rotate(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
     return _rotate(x.astype(cos.dtype), cos, sin).astype(x.dtype)  # (B, T, H, d)
 
 
+def interleaved_as_halves(x: jax.Array, r: int) -> jax.Array:
+    """The first ``r`` values of each head, interleaved pairs, as halves.
+
+    ``[x_0, x_2, ..., x_{r-2}, x_1, x_3, ..., x_{r-1}, x_r, ...]``: rotating that
+    half against half (`rotate`) turns each pair ``(x_{2i}, x_{2i+1})`` by the
+    angle of frequency ``i``, as GPT-J-style rotary (GLM-4; transformers'
+    ``rotate_half`` of ``x[..., 0::2]``, ``x[..., 1::2]``) does, in another order
+    of the values. Queries and keys permuted alike keep their dot products.
+
+    >>> interleaved_as_halves(jnp.arange(6.0), 4).tolist()
+    [0.0, 2.0, 1.0, 3.0, 4.0, 5.0]
+    """
+    return jnp.concatenate([x[..., 0:r:2], x[..., 1:r:2], x[..., r:]], axis=-1)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotate queries or keys ``x: (B, T, H, d)`` at ``positions: (T,)`` or ``(B, T)``.
 
@@ -142,4 +157,11 @@ def _rotate_bwd(res: Any, g: jax.Array) -> Any:
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
-__all__ = ["apply_rope", "rope_angles", "rope_tables", "rotate", "rotate_half"]
+__all__ = [
+    "apply_rope",
+    "interleaved_as_halves",
+    "rope_angles",
+    "rope_tables",
+    "rotate",
+    "rotate_half",
+]

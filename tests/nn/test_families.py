@@ -29,9 +29,9 @@ peft = pytest.importorskip("peft")
 T = 12  # longer than every tiny sliding window (4)
 TOL = 1e-4
 KNOWN_GAPS = {"gpt2": "GPT-2 registers no tiny/from_hf/to_hf yet (entrenar/nn/gpt2.py)"}
-# PEFT 0.21 reads gate_proj / up_proj / down_proj targets of a DeepSeek model as
-# its fused experts' (transformers 5's conversion): the dense and shared MLPs get no
-# adapter there, so the family's adapters go on its attention projections
+# PEFT 0.21 reads gate_proj / up_proj / down_proj targets of a DeepSeek or GLM-4.5
+# model as its fused experts' (transformers 5's conversion): the dense and shared
+# MLPs get no adapter there, so the family's adapters go on its attention projections
 TARGETS = {
     "deepseek_v3": [
         "q_a_proj",
@@ -41,6 +41,7 @@ TARGETS = {
         "o_proj",
     ],
     "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "glm4_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],  # the same conversion
 }
 LANGUAGE_MODELS = [a for a in nn.architectures() if a.hf_class is not None]
 FAMILIES = [a for a in LANGUAGE_MODELS if a.name not in KNOWN_GAPS]

@@ -128,6 +128,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             rope_factor=1.0,
         ),
     ),
+    # GLM-4 as it is: biases, 12 of 16 values rotated in pairs, four norms
+    "glm4": ("glm4", {}),
 }
 """Case -> (family, fields replaced in the family's tiny config)."""
 HUB_KEYS: dict[str, dict[str, Any]] = {
