@@ -227,8 +227,12 @@ def test_switches_that_do_not_fit_are_config_errors():
     tiny = nn.architecture("cohere").tiny()
     with pytest.raises(ConfigError, match=r"qk_norm_heads .* needs qk_norm"):
         dataclasses.replace(tiny, qk_norm=False)
-    with pytest.raises(ConfigError, match="rope_interleave rotates whole heads"):
-        dataclasses.replace(tiny, partial_rotary_factor=0.5)
+    # interleaved pairs over part of each head are GLM's: a LlamaConfig may have
+    # them, Cohere's config.json may not
+    with pytest.raises(UnsupportedError, match=r"partial_rotary_factor=0\.5 has no"):
+        nn.architecture("cohere").to_hf(
+            dataclasses.replace(tiny, partial_rotary_factor=0.5)
+        )
     with pytest.raises(ConfigError, match=r"parallel_residual .* excludes"):
         dataclasses.replace(tiny, post_norms=True)
     with pytest.raises(ConfigError, match="logit_scale must be > 0"):
