@@ -24,6 +24,7 @@ from entrenar.nn import (  # families register
     olmoe,
     phi3,
     qwen,
+    seed_oss,
     smollm3,
 )
 from entrenar.nn.attention import (
@@ -164,6 +165,7 @@ __all__ = [
     "rotate",
     "rotate_half",
     "sample_logits",
+    "seed_oss",
     "silu",
     "smollm3",
     "to_bfloat16_weights",

@@ -431,13 +431,18 @@ def rope_by_layer_type(
 
 
 def common_to_hf(
-    c: Any, hf_class: str, model_type: str, allowed: tuple[str, ...]
+    c: Any,
+    hf_class: str,
+    model_type: str,
+    allowed: tuple[str, ...],
+    split_bias: bool = False,
 ) -> dict[str, Any]:
     """The ``config.json`` entries every decoder family shares.
 
     ``allowed``: the switches the family's file holds (`refuse_switches`). A family
     that allows ``attention_out_bias`` has one ``attention_bias`` entry for q, k, v
-    and o_proj, written here.
+    and o_proj, written here; ``split_bias``: two entries, ``attention_bias`` (q, k,
+    v) and ``attention_out_bias`` (o_proj: Seed-OSS).
 
     Raises:
         UnsupportedError: a switch off its default that the file cannot hold.
@@ -462,7 +467,10 @@ def common_to_hf(
         "max_position_embeddings": c.max_position_embeddings,
         "initializer_range": c.initializer_range,
     }
-    if "attention_out_bias" in allowed:
+    if split_bias:
+        hf["attention_bias"] = c.attention_bias
+        hf["attention_out_bias"] = c.attention_out_bias
+    elif "attention_out_bias" in allowed:
         if c.attention_bias != c.attention_out_bias:
             raise UnsupportedError(
                 f"{family}'s config.json has one attention_bias for q, k, v and "

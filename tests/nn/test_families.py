@@ -431,3 +431,26 @@ def test_sliding_layers_with_a_null_window_are_refused_as_transformers_does(name
     full = {**hf, "sliding_window": None, "layer_types": ["full_attention"] * n}
     read = arch.from_hf(full)
     assert read.sliding_window is None and read.layer_types is None
+
+
+def test_seed_oss_defaults_follow_transformers():
+    """A Seed-OSS file without head_dim or bias keys reads as transformers does.
+
+    transformers: ``head_dim`` 128 (not ``D / H``; null: ``D / H``), biased q/k/v,
+    unbiased o_proj and MLP. The tiny model's o_proj has no bias: one written with
+    ``attention_bias`` for o_proj too would have loaded transformers' state dict
+    with an ``o_proj.bias`` entrenar's tree lacks (fails in the family fixture).
+    """
+    arch = nn.architecture("seed_oss")
+    hf = arch.to_hf(arch.tiny())
+    for key in ("head_dim", "attention_bias", "attention_out_bias", "mlp_bias"):
+        del hf[key]
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    assert got.hd == want.head_dim == 128
+    assert (got.attention_bias, got.attention_out_bias, got.mlp_bias) == (
+        want.attention_bias, want.attention_out_bias, want.mlp_bias,
+    ) == (True, False, False)  # fmt: skip
+    assert arch.from_hf({**hf, "head_dim": None}).hd == 8  # 32 / 4
+    split = dataclasses.replace(arch.tiny(), attention_out_bias=True)
+    assert arch.from_hf(arch.to_hf(split)) == split
