@@ -293,6 +293,12 @@ def _gguf_name(config: Any) -> str:
             f"{config.partial_rotary_factor}). llama.cpp rotates part of a head in "
             f"{sorted(PARTIAL_ROTARY)}"
         )
+    if config.rope_interleave:
+        raise UnsupportedError(
+            f"this {arch.name} config rotates interleaved pairs (rope_interleave); "
+            f"entrenar writes llama.cpp's {gname} q/k rows only in Hugging Face's "
+            "half-split layout"
+        )
     local = config.rope_local_theta
     if gname in ONE_BASE and local is not None and local != config.rope_theta:
         warnings.warn(

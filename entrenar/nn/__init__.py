@@ -12,6 +12,7 @@ registers in its own package.
 
 from entrenar.nn import (  # families register
     deepseek,
+    ernie,
     gemma,
     gpt_oss,
     granite,
@@ -126,6 +127,7 @@ __all__ = [
     "dot_product_attention",
     "dropout",
     "embedding",
+    "ernie",
     "fans",
     "from_hf_names",
     "gated_mlp",

@@ -597,6 +597,7 @@ SWITCHES = (
     "moe_bias",
     "swiglu_limit",
     "attention_sinks",
+    "rope_interleave",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 

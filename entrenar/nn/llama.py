@@ -65,7 +65,7 @@ from entrenar.nn.matvec import layer_params
 from entrenar.nn.moe import clamped_swiglu, router_jitter, sparse_moe
 from entrenar.nn.multimodal import WRAPPERS
 from entrenar.nn.registry import architecture, architecture_for_hf
-from entrenar.nn.rope import rope_tables, rotate
+from entrenar.nn.rope import deinterleave, rope_tables, rotate
 from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
 from entrenar.types import Params, PRNGKey
 
@@ -240,6 +240,13 @@ class LlamaConfig:
         attention_sinks: a learned logit per query head in every attention
             softmax's denominator (``self_attn.sinks (L, H)``; gpt-oss,
             `entrenar.nn.attention`).
+        rope_interleave: the rotated values of each query and key head come in
+            pairs ``(x_0, x_1), (x_2, x_3), ...`` that one frequency turns (the
+            paper's layout; ERNIE 4.5's checkpoints), not Hugging Face's halves
+            ``(x_i, x_{i + r/2})``: they are taken as ``[x_0, x_2, ...; x_1, x_3,
+            ...]`` before the half-split rotation (`entrenar.nn.rope.deinterleave`),
+            queries and keys alike, so the scores are those of the pairs and the
+            weights keep the checkpoint's layout.
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
             own paths: the native kernel on CPUs), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
@@ -319,6 +326,7 @@ class LlamaConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     attention_sinks: bool = False
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -1051,6 +1059,9 @@ class LlamaConfig:
         if self.qk_norm and not self.qk_norm_whole:  # per head, before rotary
             q = self._norm(q, ap["q_norm"])
             k = self._norm(k, ap["k_norm"])
+        if self.rope_interleave:  # ERNIE 4.5: pairs (x_2i, x_2i+1) as halves
+            q = deinterleave(q, self.rotary_dim)
+            k = deinterleave(k, self.rotary_dim)
         q = rotate(q, rope)
         k = rotate(k, rope)
         scale = self.attention_multiplier  # None: d^-1/2

@@ -79,6 +79,7 @@ NOT_IMPLEMENTED = {
     "jamba": _MOE.format("Mamba layers"),
     "dbrx": _MOE.format("DBRX's fused layout and clipped qkv"),
     "phimoe": _MOE.format("sparsemixer routing"),
+    "ernie4_5_moe": _MOE.format("ERNIE 4.5's MoE; the dense ernie4_5 is read"),
 }
 _VLM = (
     " (a vision-language model whose language model entrenar does not read: {}; "

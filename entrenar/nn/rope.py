@@ -110,6 +110,24 @@ def rotate(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
     return _rotate(x.astype(cos.dtype), cos, sin).astype(x.dtype)  # (B, T, H, d)
 
 
+def deinterleave(x: jax.Array, r: int) -> jax.Array:
+    """The first ``r`` values of ``x: (..., d)`` as halves: evens, then odds.
+
+    ``[x_0, x_2, ..., x_{r-2}, x_1, x_3, ..., x_{r-1}, x_r, ..., x_{d-1}]``: the
+    interleaved rotary pairs ``(x_2i, x_2i+1)`` become `rotate`'s ``(x_i, x_{i +
+    r/2})``, so ``rotate(deinterleave(x))`` is the interleaved rotation of ``x``
+    with its values reordered (transformers' ERNIE 4.5 ``apply_rotary_pos_emb``).
+    Applied to queries and keys alike it leaves every score ``q · k`` as is.
+
+    >>> deinterleave(jnp.arange(6.0), 4).tolist()
+    [0.0, 2.0, 1.0, 3.0, 4.0, 5.0]
+    """
+    parts = [x[..., 0:r:2], x[..., 1:r:2]]
+    if r < x.shape[-1]:
+        parts.append(x[..., r:])
+    return jnp.concatenate(parts, axis=-1)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotate queries or keys ``x: (B, T, H, d)`` at ``positions: (T,)`` or ``(B, T)``.
 
@@ -142,4 +160,11 @@ def _rotate_bwd(res: Any, g: jax.Array) -> Any:
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
-__all__ = ["apply_rope", "rope_angles", "rope_tables", "rotate", "rotate_half"]
+__all__ = [
+    "apply_rope",
+    "deinterleave",
+    "rope_angles",
+    "rope_tables",
+    "rotate",
+    "rotate_half",
+]

@@ -460,6 +460,19 @@ def test_an_untied_gemma_is_refused_for_llama_cpps_tied_graph(tmp_path):
         io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
 
 
+def test_interleaved_rotary_is_refused_and_families_without_gguf_too(tmp_path):
+    """ERNIE 4.5's pairs: entrenar writes llama.cpp's q/k rows half-split only."""
+    config = dataclasses.replace(nn.architecture("llama").tiny(), rope_interleave=True)
+    with pytest.raises(UnsupportedError, match="rope_interleave"):
+        io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
+    for name in ("ernie4_5", "seed_oss"):
+        config = nn.architecture(name).tiny()
+        with pytest.raises(UnsupportedError, match=r"no llama\.cpp GGUF form"):
+            io.save_llama_gguf(
+                tmp_path / "m.gguf", config, config.init(jax.random.key(0))
+            )
+
+
 def test_smollm3_nope_layers_llama_cpp_cannot_follow_are_warned(tmp_path):
     """llama.cpp's SmolLM3 skips rotary on every 4th layer, whatever the file says."""
     config = dataclasses.replace(
