@@ -293,6 +293,11 @@ def _gguf_name(config: Any) -> str:
             f"{config.partial_rotary_factor}). llama.cpp rotates part of a head in "
             f"{sorted(PARTIAL_ROTARY)}"
         )
+    if config.ungated_mlp:
+        raise UnsupportedError(
+            f"this {arch.name} config's MLP has no gate (ungated_mlp); llama.cpp's "
+            f"{gname} graph needs ffn_gate"
+        )
     if config.rope_interleave:
         raise UnsupportedError(
             f"this {arch.name} config rotates interleaved pairs (rope_interleave); "

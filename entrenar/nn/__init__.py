@@ -11,6 +11,7 @@ registers in its own package.
 """
 
 from entrenar.nn import (  # families register
+    arcee,
     deepseek,
     ernie,
     gemma,
@@ -109,6 +110,7 @@ __all__ = [
     "TiedEmbedding",
     "TokenLogprobs",
     "apply_rope",
+    "arcee",
     "architecture",
     "architecture_for_gguf",
     "architecture_for_hf",

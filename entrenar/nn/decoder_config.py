@@ -25,8 +25,8 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """Values of `LlamaConfig.layer_types` (Hugging Face's own)."""
 
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
-"""Gate activations of the gated MLP: SwiGLU and GeGLU (tanh GELU)."""
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
+"""MLP activations: SwiGLU and GeGLU (tanh GELU) gates, the squared ReLU (Arcee)."""
 
 _TUPLES = (
     "rope_short_factor",
@@ -143,6 +143,14 @@ def check_switches(c: Any) -> None:
         raise ConfigError(
             "LlamaConfig.post_norms (OLMo 2) and sandwich_norms (Gemma 2/3) exclude "
             "each other: set one"
+        )
+    if c.ungated_mlp and (
+        c.fused_gate_up or c.num_experts or c.shared_mlp_intermediate_size
+    ):
+        raise ConfigError(
+            "LlamaConfig.ungated_mlp (Arcee's up/down MLP) is for dense layers "
+            "without a fused gate_up_proj: unset fused_gate_up, num_experts and "
+            "shared_mlp_intermediate_size"
         )
     if c.hidden_act not in HIDDEN_ACTS:
         raise ConfigError(
@@ -598,6 +606,7 @@ SWITCHES = (
     "swiglu_limit",
     "attention_sinks",
     "rope_interleave",
+    "ungated_mlp",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 

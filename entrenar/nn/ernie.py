@@ -50,7 +50,9 @@ def ernie4_5_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         **common_from_hf(hf, "config.json", default_theta=500_000.0),
         architecture="ernie4_5",
         rope_interleave=True,
-        **dict.fromkeys(_BIASES, bias),
+        attention_bias=bias,
+        attention_out_bias=bias,
+        mlp_bias=bias,
     )
 
 

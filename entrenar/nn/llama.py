@@ -56,6 +56,7 @@ from entrenar.nn.layers import (
     embedding,
     gated_mlp,
     gelu_tanh,
+    relu2,
     rms_norm,
     silu,
     upcast_dtype,
@@ -77,6 +78,13 @@ REMAT_POLICIES = (
     "dots_with_no_batch_dims_saveable",
 )
 """`jax.checkpoint_policies` names `LlamaConfig.remat_policy` accepts."""
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": silu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "relu2": relu2,
+}
+"""`LlamaConfig.hidden_act` -> its function (`decoder_config.HIDDEN_ACTS`)."""
 
 _DENSE: Any = object()
 """`LlamaConfig._layers`' default ``fused``: every layer's mask is dense."""
@@ -182,7 +190,8 @@ class LlamaConfig:
             keys (NoPE: SmolLM3's ``no_rope_layers`` zeros); None: every layer
             rotates.
         hidden_act: the gate's activation, ``"silu"`` (SwiGLU) or
-            ``"gelu_pytorch_tanh"`` (GeGLU, tanh GELU: Gemma).
+            ``"gelu_pytorch_tanh"`` (GeGLU, tanh GELU: Gemma); or ``"relu2"``,
+            the squared ReLU (Arcee's ungated MLP).
         norm_unit_offset: RMSNorm gains are ``1 + w`` (Gemma; ``init`` makes w 0).
         sandwich_norms: Gemma 2/3 norms: ``post_attention_layernorm`` on the
             attention output, ``pre_feedforward_layernorm`` before and
@@ -247,6 +256,9 @@ class LlamaConfig:
             ...]`` before the half-split rotation (`entrenar.nn.rope.deinterleave`),
             queries and keys alike, so the scores are those of the pairs and the
             weights keep the checkpoint's layout.
+        ungated_mlp: the MLP is ``act(x W_upᵀ + b_up) W_downᵀ + b_down`` with no
+            ``gate_proj`` (Arcee AFM: ``up_proj``, ``down_proj`` only); dense
+            layers only (no experts, no fused ``gate_up_proj``).
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
             own paths: the native kernel on CPUs), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
@@ -327,6 +339,7 @@ class LlamaConfig:
     swiglu_alpha: float = 1.702
     attention_sinks: bool = False
     rope_interleave: bool = False
+    ungated_mlp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -491,6 +504,8 @@ class LlamaConfig:
             if self.fused_gate_up
             else {"gate_proj": lin(i, d, mb), "up_proj": lin(i, d, mb)}
         )
+        if self.ungated_mlp:  # Arcee: up and down only
+            del mlp["gate_proj"]
         mlp["down_proj"] = lin(d, i, mb)
         if self.num_experts:
             mlp = self._moe_shapes()
@@ -961,7 +976,7 @@ class LlamaConfig:
         if jitter is not None:  # Mixtral: router and experts read the jittered x
             key = jax.random.wrap_key_data(jitter)
             x = router_jitter(x, self.router_jitter_noise, key)
-        act = silu if self.hidden_act == "silu" else gelu_tanh
+        act = ACTIVATIONS[self.hidden_act]
         glu = None
         if self.swiglu_limit is not None:  # gpt-oss
             glu = functools.partial(
@@ -978,7 +993,7 @@ class LlamaConfig:
         ``[g; u] = x W_inᵀ`` (``W_in: (2 S, D)``), then ``(act(g) ⊙ u) W_outᵀ``.
         """
         md = self.matmul_dtype
-        act = silu if self.hidden_act == "silu" else gelu_tanh
+        act = ACTIVATIONS[self.hidden_act]
         gu = linear(x, sp["input_linear"]["weight"], matmul_dtype=md)  # (..., 2 S)
         g, u = jnp.split(gu, 2, axis=-1)  # (..., S) each
         return linear(act(g) * u, sp["output_linear"]["weight"], matmul_dtype=md)
@@ -986,7 +1001,11 @@ class LlamaConfig:
     def _mlp(self, mp: Params, x: jax.Array) -> jax.Array:
         """The gated MLP: SwiGLU or GeGLU, biases and a fused gate_up as set."""
         md = self.matmul_dtype
-        act = silu if self.hidden_act == "silu" else gelu_tanh
+        act = ACTIVATIONS[self.hidden_act]
+        if self.ungated_mlp:  # Arcee: act(x W_upᵀ + b_up) W_downᵀ + b_down
+            up, down = mp["up_proj"], mp["down_proj"]
+            u = act(linear(x, up["weight"], _bias(up), matmul_dtype=md))  # (..., I)
+            return linear(u, down["weight"], _bias(down), matmul_dtype=md)
         if self.fused_gate_up:  # Phi-3: gate_up_proj = [gate; up]
             gu = linear(x, mp["gate_up_proj"]["weight"], _bias(mp["gate_up_proj"]),
                         matmul_dtype=md)  # fmt: skip

@@ -465,7 +465,10 @@ def test_interleaved_rotary_is_refused_and_families_without_gguf_too(tmp_path):
     config = dataclasses.replace(nn.architecture("llama").tiny(), rope_interleave=True)
     with pytest.raises(UnsupportedError, match="rope_interleave"):
         io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
-    for name in ("ernie4_5", "seed_oss"):
+    ungated = dataclasses.replace(config, rope_interleave=False, ungated_mlp=True)
+    with pytest.raises(UnsupportedError, match="needs ffn_gate"):
+        io.save_llama_gguf(tmp_path / "m.gguf", ungated, config.init(jax.random.key(0)))
+    for name in ("ernie4_5", "seed_oss", "arcee"):
         config = nn.architecture(name).tiny()
         with pytest.raises(UnsupportedError, match=r"no llama\.cpp GGUF form"):
             io.save_llama_gguf(

@@ -456,13 +456,14 @@ def test_seed_oss_defaults_follow_transformers():
     assert arch.from_hf(arch.to_hf(split)) == split
 
 
-@pytest.mark.parametrize("name", ["ernie4_5"])
+@pytest.mark.parametrize("name", ["ernie4_5", "arcee"])
 def test_full_finetuning_gradients_equal_transformers(name):
     """Every weight's gradient of the masked next-token loss, as torch's.
 
     For the families whose switches change the training graph beyond what the
     LoRA/DoRA checks reach (every weight, embeddings and norms too): ERNIE 4.5's
-    interleaved rotary (the reordering's transpose).
+    interleaved rotary (the reordering's transpose), Arcee's ungated squared-ReLU
+    MLP.
     """
     arch = nn.architecture(name)
     config = arch.tiny()
@@ -492,3 +493,53 @@ def test_full_finetuning_gradients_equal_transformers(name):
         np.testing.assert_allclose(
             np.asarray(ours[key]), want, atol=2e-6, rtol=1e-4, err_msg=key
         )
+
+
+def test_ernie4_5_defaults_and_refusals():
+    """A file without head_dim, use_bias, tie or rope keys reads as transformers'.
+
+    transformers: ``head_dim`` 128, no biases, a tied head, θ 500000, ε 1e-5.
+    """
+    arch = nn.architecture("ernie4_5")
+    hf = arch.to_hf(arch.tiny())
+    for key in ("head_dim", "use_bias", "tie_word_embeddings", "rope_theta",
+                "rope_scaling", "rms_norm_eps"):  # fmt: skip
+        del hf[key]
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    assert got.hd == want.head_dim == 128
+    assert got.tie_word_embeddings == want.tie_word_embeddings is True
+    assert got.rope_theta == want.rope_parameters["rope_theta"] == 500_000.0
+    assert got.rms_norm_eps == want.rms_norm_eps == 1e-5
+    assert not (got.attention_bias or got.attention_out_bias or got.mlp_bias)
+    assert got.rope_interleave
+    tiny = arch.tiny()
+    with pytest.raises(UnsupportedError, match="rope_interleave must be True"):
+        arch.to_hf(dataclasses.replace(tiny, rope_interleave=False))
+    with pytest.raises(UnsupportedError, match="one use_bias"):
+        arch.to_hf(dataclasses.replace(tiny, mlp_bias=False))
+    with pytest.raises(UnsupportedError, match="rope_interleave"):  # llama's file
+        nn.architecture("llama").to_hf(
+            dataclasses.replace(nn.architecture("llama").tiny(), rope_interleave=True)
+        )
+    with pytest.raises(UnsupportedError, match="ernie4_5_moe"):
+        nn.LlamaConfig.from_hf_config({**hf, "model_type": "ernie4_5_moe"})
+
+
+def test_arcee_refusals():
+    """Other activations, a gated MLP, and the ungated MLP where it cannot be."""
+    arch = nn.architecture("arcee")
+    tiny = arch.tiny()
+    hf = arch.to_hf(tiny)
+    with pytest.raises(UnsupportedError, match="hidden_act 'silu'"):
+        arch.from_hf({**hf, "hidden_act": "silu"})
+    with pytest.raises(UnsupportedError, match="ungated_mlp must be True"):
+        arch.to_hf(dataclasses.replace(tiny, ungated_mlp=False))
+    with pytest.raises(UnsupportedError, match="ungated_mlp"):  # llama's file
+        llama = dataclasses.replace(tiny, architecture="llama", hidden_act="silu")
+        nn.architecture("llama").to_hf(llama)
+    with pytest.raises(ConfigError, match="ungated_mlp"):
+        dataclasses.replace(tiny, num_experts=4)
+    with pytest.raises(ConfigError, match="ungated_mlp"):
+        dataclasses.replace(tiny, fused_gate_up=True)
+    assert "gate_proj" not in tiny.param_shapes()["model"]["layers"]["mlp"]
