@@ -456,14 +456,14 @@ def test_seed_oss_defaults_follow_transformers():
     assert arch.from_hf(arch.to_hf(split)) == split
 
 
-@pytest.mark.parametrize("name", ["ernie4_5", "arcee"])
+@pytest.mark.parametrize("name", ["ernie4_5", "arcee", "exaone4"])
 def test_full_finetuning_gradients_equal_transformers(name):
     """Every weight's gradient of the masked next-token loss, as torch's.
 
     For the families whose switches change the training graph beyond what the
     LoRA/DoRA checks reach (every weight, embeddings and norms too): ERNIE 4.5's
     interleaved rotary (the reordering's transpose), Arcee's ungated squared-ReLU
-    MLP.
+    MLP, EXAONE 4's post-norms with per-head q/k norms and NoPE global layers.
     """
     arch = nn.architecture(name)
     config = arch.tiny()
@@ -543,3 +543,52 @@ def test_arcee_refusals():
     with pytest.raises(ConfigError, match="ungated_mlp"):
         dataclasses.replace(tiny, fused_gate_up=True)
     assert "gate_proj" not in tiny.param_shapes()["model"]["layers"]["mlp"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # transformers' default: period 4, window 4096
+        {"sliding_window_pattern": 3},
+        {"sliding_window": None, "layer_types": ["full_attention"] * 6},
+        {"layer_types": ["full_attention"] * 6},  # a window, no sliding layer
+        {"layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+    ],
+)
+def test_exaone4_layers_and_nope_follow_transformers(extra):
+    """Which layers slide and which rotate, as transformers' Exaone4Attention.
+
+    transformers rotates a layer when ``sliding_window`` is null or the layer
+    slides; its mask slides the ``sliding_attention`` layers. Each case reads
+    back from entrenar's own file (`exaone4_to_hf`) as the same config.
+    """
+    arch = nn.architecture("exaone4")
+    hf = arch.to_hf(arch.tiny())
+    for key in ("sliding_window", "layer_types"):
+        del hf[key]
+    hf = {**hf, "num_hidden_layers": 6, **extra}
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    rotates = [want.sliding_window is None or t == "sliding_attention"
+               for t in want.layer_types]  # fmt: skip
+    assert [not x for x in got.nope_layers or (False,) * 6] == rotates
+    slides = [t == "sliding_attention" for t in want.layer_types]
+    assert list(nn.decoder_config.sliding_layers(got)) == slides
+    if any(slides):
+        assert got.sliding_window == want.sliding_window
+    assert arch.from_hf(arch.to_hf(got)) == got
+
+
+def test_exaone4_refusals():
+    arch = nn.architecture("exaone4")
+    tiny = arch.tiny()
+    hf = arch.to_hf(tiny)
+    del hf["layer_types"]
+    with pytest.raises(UnsupportedError, match="sliding_window_pattern 'LLLG'"):
+        arch.from_hf({**hf, "sliding_window_pattern": "LLLG"})
+    with pytest.raises(UnsupportedError, match="nope_layers must be"):
+        arch.to_hf(dataclasses.replace(tiny, nope_layers=None))
+    with pytest.raises(UnsupportedError, match="qk_norm_whole must be False"):
+        arch.to_hf(dataclasses.replace(tiny, qk_norm_whole=True))
+    with pytest.raises(UnsupportedError, match="attention_bias"):
+        arch.to_hf(dataclasses.replace(tiny, attention_bias=True))
