@@ -592,3 +592,33 @@ def test_exaone4_refusals():
         arch.to_hf(dataclasses.replace(tiny, qk_norm_whole=True))
     with pytest.raises(UnsupportedError, match="attention_bias"):
         arch.to_hf(dataclasses.replace(tiny, attention_bias=True))
+
+
+@pytest.mark.parametrize("name", ["seed_oss", "ernie4_5", "arcee", "exaone4"])
+def test_an_adapter_peft_saved_gives_peft_logits_here(name, tmp_path):
+    """The other way round from the fixtures' checks: PEFT writes, entrenar reads.
+
+    A LoRA on every linear layer of the transformers model (B non-zero), saved by
+    ``save_pretrained``, loaded by `lora.load_adapter` onto the same weights: the
+    logits of PEFT's model. ERNIE 4.5's q/k adapters stay in the interleaved
+    layout (the reordering is in the forward pass), Arcee's have no gate_proj.
+    """
+    arch = nn.architecture(name)
+    config = arch.tiny()
+    model = _hf_model(arch.to_hf(config))
+    params = nn.from_hf_names(
+        {k: v.detach().numpy() for k, v in model.state_dict().items()}, config
+    )
+    pcfg = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False
+    )
+    peft_model = peft.get_peft_model(model, pcfg).eval()
+    tokens, mask = _batch(config.vocab_size)
+    want = _torch_logits(peft_model, tokens, mask)
+    with peft_model.disable_adapter():
+        base = _torch_logits(peft_model, tokens, mask)
+    assert np.abs(want - base).max() > 1e-3  # the adapter matters
+    peft_model.save_pretrained(str(tmp_path))
+    loaded = lora.load_adapter(tmp_path, params)
+    got = np.asarray(config.apply(loaded, jnp.asarray(tokens), mask=jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], want[mask], atol=TOL, rtol=TOL)
