@@ -19,6 +19,8 @@ hyperparameters ``{arch}.*``. The families differ in:
   others assert it equals the head dimension;
 - **NoPE layers** (`NOPE_PERIOD`): SmolLM3's graph skips rotary on every 4th layer,
   a rule no key states;
+- **biases a graph does not load** (`UNBIASED`): Seed-OSS's o_proj and MLP
+  biases (a config with them is refused);
 - **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
   weight (`NORM_SHIFT`), entrenar keeps Hugging Face's ``w``;
 - **what is implied** by the name (`IMPLIED`): Gemma's GeGLU, ``(1 + w)`` norms,
@@ -27,7 +29,7 @@ hyperparameters ``{arch}.*``. The families differ in:
   norms, and its untied head (`UNTIED`);
 - **tensor names** (`LAYER_STEMS`): Hugging Face module -> ``blk.N.<stem>``, with
   Gemma's four norms (`SANDWICH_STEMS`), OLMo 2's two (`POST_NORM_STEMS`),
-  gpt-oss's ``post_attention_norm`` (`FAMILY_STEMS`) and sinks
+  gpt-oss's and Seed-OSS's ``post_attention_norm`` (`FAMILY_STEMS`), gpt-oss's sinks
   (``blk.N.attn_sinks.weight``, `LEAF_NAMES`), and Phi-3's fused
   ``attn_qkv``/``ffn_up``;
 - **gpt-oss** (``gpt-oss``, src/models/openai-moe.cpp): its graph fixes the clamped
@@ -100,7 +102,10 @@ POST_NORM_STEMS = {
 """OLMo 2's norms on the sublayer outputs (``post_norms``), replacing
 `LAYER_STEMS`' entries."""
 
-FAMILY_STEMS = {"gpt_oss": {"post_attention_layernorm": "post_attention_norm"}}
+FAMILY_STEMS = {
+    "gpt_oss": {"post_attention_layernorm": "post_attention_norm"},
+    "seed_oss": {"post_attention_layernorm": "post_attention_norm"},
+}
 """Per family (`LlamaConfig.architecture`), stems replacing `LAYER_STEMS`' entries."""
 LEAF_NAMES = {"self_attn.sinks": ("attn_sinks", "weight")}
 """Layer leaves that are not a module's ``weight``/``bias`` -> (stem, suffix)."""
@@ -131,6 +136,9 @@ IMPLIED["gemma"] = {
     k: v for k, v in IMPLIED["gemma2"].items() if k != "sandwich_norms"
 }  # Gemma 1: Llama's two norms a layer
 """`LlamaConfig` fields a llama.cpp name implies."""
+UNBIASED = {"seed_oss": ("attention_out_bias", "mlp_bias")}
+"""llama.cpp names whose graph loads none of these biases (src/models/seed-oss.cpp:
+q/k/v biases only)."""
 TIED = frozenset({"gemma"})
 """llama.cpp names whose graph has no ``output.weight``: the head is the table."""
 UNTIED = frozenset({"olmo2"})
@@ -306,6 +314,7 @@ __all__ = [
     "SWA_PATTERN",
     "SWITCH_FIELDS",
     "TIED",
+    "UNBIASED",
     "UNTIED",
     "WINDOWED",
     "WRITTEN_AS",

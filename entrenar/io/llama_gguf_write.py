@@ -54,6 +54,7 @@ from entrenar.io.gguf_families import (
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
+    UNBIASED,
     UNTIED,
     default_nope_layers,
     gguf_names,
@@ -293,6 +294,12 @@ def _gguf_name(config: Any) -> str:
             f"{config.partial_rotary_factor}). llama.cpp rotates part of a head in "
             f"{sorted(PARTIAL_ROTARY)}"
         )
+    for field in UNBIASED.get(gname, ()):
+        if getattr(config, field):
+            raise UnsupportedError(
+                f"llama.cpp's {gname} loads no {field.removesuffix('_bias')} bias; "
+                f"this {arch.name} config has {field}=True"
+            )
     if config.ungated_mlp:
         raise UnsupportedError(
             f"this {arch.name} config's MLP has no gate (ungated_mlp); llama.cpp's "

@@ -11,6 +11,9 @@ grouped-query attention, scores ``d^-1/2``) with
   and an unbiased o_proj;
 - ``head_dim`` 128 when the file has none (not ``D / H``: the 36B model's 5120 / 80
   = 64 would be wrong);
+- llama.cpp's ``seed_oss`` (GGUF) has q/k/v biases but none on o_proj or the
+  MLP, and names the MLP's norm ``post_attention_norm``
+  (`entrenar.io.gguf_families`);
 - ``attention_dropout`` and ``residual_dropout`` (0.1 in the 36B config), which only
   act in transformers' training mode; entrenar's forward has no dropout (as for
   every family), so fine-tuning runs without them.
@@ -61,13 +64,12 @@ def seed_oss_to_hf(c: LlamaConfig) -> dict[str, Any]:
 
 
 def _tiny() -> LlamaConfig:
-    """The 36B model's biases (q/k/v, no o_proj), MLP biases, linear rope, untied."""
+    """The 36B model's biases (q/k/v, none on o_proj or the MLP), linear rope."""
     return LlamaConfig(
         **TINY_SIZES,
         architecture="seed_oss",
         attention_bias=True,
         attention_out_bias=False,
-        mlp_bias=True,
         rope_type="linear",
         rope_factor=2.0,
     )
@@ -81,7 +83,6 @@ register_family(
     from_hf=seed_oss_from_hf,
     to_hf=seed_oss_to_hf,
     tiny=_tiny,
-    in_gguf=False,  # llama.cpp's seed_oss: not read or written yet
 )
 
 __all__ = ["seed_oss_from_hf", "seed_oss_to_hf"]
