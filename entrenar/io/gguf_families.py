@@ -20,7 +20,10 @@ hyperparameters ``{arch}.*``. The families differ in:
 - **NoPE layers** (`NOPE_PERIOD`): SmolLM3's graph skips rotary on every 4th layer,
   a rule no key states;
 - **biases a graph does not load** (`UNBIASED`): Seed-OSS's o_proj and MLP
-  biases (a config with them is refused);
+  biases, ERNIE 4.5's MLP biases (a config with them is refused);
+- **ERNIE 4.5's interleaved pairs** (``rope_interleave``, implied by ``ernie4_5``):
+  llama.cpp's NORM rotary turns the same pairs, so its q/k rows are written
+  unpermuted; other names refuse ``rope_interleave``;
 - **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
   weight (`NORM_SHIFT`), entrenar keeps Hugging Face's ``w``;
 - **what is implied** by the name (`IMPLIED`): Gemma's GeGLU, ``(1 + w)`` norms,
@@ -132,13 +135,14 @@ IMPLIED["gpt-oss"] = {
     "swiglu_limit": 7.0,
     "swiglu_alpha": 1.702,
 }  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: alpha and limit are constants
+IMPLIED["ernie4_5"] = {"rope_interleave": True}  # NORM rotary, rows as HF's
 IMPLIED["gemma"] = {
     k: v for k, v in IMPLIED["gemma2"].items() if k != "sandwich_norms"
 }  # Gemma 1: Llama's two norms a layer
 """`LlamaConfig` fields a llama.cpp name implies."""
-UNBIASED = {"seed_oss": ("attention_out_bias", "mlp_bias")}
+UNBIASED = {"seed_oss": ("attention_out_bias", "mlp_bias"), "ernie4_5": ("mlp_bias",)}
 """llama.cpp names whose graph loads none of these biases (src/models/seed-oss.cpp:
-q/k/v biases only)."""
+q/k/v biases only; ernie4-5.cpp: q/k/v/o)."""
 TIED = frozenset({"gemma"})
 """llama.cpp names whose graph has no ``output.weight``: the head is the table."""
 UNTIED = frozenset({"olmo2"})

@@ -305,7 +305,7 @@ def _gguf_name(config: Any) -> str:
             f"this {arch.name} config's MLP has no gate (ungated_mlp); llama.cpp's "
             f"{gname} graph needs ffn_gate"
         )
-    if config.rope_interleave:
+    if config.rope_interleave and not IMPLIED.get(gname, {}).get("rope_interleave"):
         raise UnsupportedError(
             f"this {arch.name} config rotates interleaved pairs (rope_interleave); "
             f"entrenar writes llama.cpp's {gname} q/k rows only in Hugging Face's "

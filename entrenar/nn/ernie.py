@@ -12,6 +12,9 @@ SwiGLU, grouped-query attention, scores ``d^-1/2``) with
 - transformers' defaults where the file is silent: ``head_dim`` 128 (not ``D/H``),
   a tied head, ``rope_theta`` 500000, ``rms_norm_eps`` 1e-5.
 
+llama.cpp's ``ernie4_5`` (GGUF) rotates interleaved pairs itself (its NORM rotary):
+q/k rows are written as the checkpoint has them, and it loads no MLP biases.
+
 ERNIE 4.5's mixtures of experts (``ernie4_5_moe``, ``ernie4_5_vl_moe``) are not
 implemented (refused by `entrenar.nn.registry`).
 """
@@ -83,14 +86,13 @@ def ernie4_5_to_hf(c: LlamaConfig) -> dict[str, Any]:
 
 
 def _tiny() -> LlamaConfig:
-    """Interleaved rotary (yarn), every bias, tied (the 0.3B model's head)."""
+    """Interleaved rotary (yarn), tied; no biases (the 0.3B model's; llama.cpp's
+    graph has no MLP biases: `test_ernie4_5_defaults_and_refusals` checks
+    ``use_bias``)."""
     return LlamaConfig(
         **TINY_SIZES,
         architecture="ernie4_5",
         rope_interleave=True,
-        attention_bias=True,
-        attention_out_bias=True,
-        mlp_bias=True,
         tie_word_embeddings=True,
         rms_norm_eps=1e-5,
         rope_theta=500_000.0,
@@ -108,7 +110,6 @@ register_family(
     from_hf=ernie4_5_from_hf,
     to_hf=ernie4_5_to_hf,
     tiny=_tiny,
-    in_gguf=False,  # llama.cpp's ernie4_5: not read or written yet
     defaults={"rope_interleave": True},
 )
 

@@ -471,7 +471,10 @@ def test_interleaved_rotary_is_refused_and_families_without_gguf_too(tmp_path):
     seed = dataclasses.replace(nn.architecture("seed_oss").tiny(), mlp_bias=True)
     with pytest.raises(UnsupportedError, match="seed_oss loads no mlp bias"):
         io.save_llama_gguf(tmp_path / "m.gguf", seed, seed.init(jax.random.key(0)))
-    for name in ("ernie4_5", "arcee", "exaone4"):
+    ernie = dataclasses.replace(nn.architecture("ernie4_5").tiny(), mlp_bias=True)
+    with pytest.raises(UnsupportedError, match="ernie4_5 loads no mlp bias"):
+        io.save_llama_gguf(tmp_path / "m.gguf", ernie, ernie.init(jax.random.key(0)))
+    for name in ("arcee", "exaone4"):
         config = nn.architecture(name).tiny()
         with pytest.raises(UnsupportedError, match=r"no llama\.cpp GGUF form"):
             io.save_llama_gguf(

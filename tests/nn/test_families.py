@@ -513,11 +513,16 @@ def test_ernie4_5_defaults_and_refusals():
     assert got.rms_norm_eps == want.rms_norm_eps == 1e-5
     assert not (got.attention_bias or got.attention_out_bias or got.mlp_bias)
     assert got.rope_interleave
+    biased = arch.from_hf({**hf, "use_bias": True})  # every projection's, as torch's
+    model = _hf_model(arch.to_hf(biased))
+    ours = set(nn.to_hf_names(biased.init(jax.random.key(0))))
+    assert set(model.state_dict()) - {"lm_head.weight"} == ours  # tied
+    assert sum(k.endswith(".bias") for k in model.state_dict()) == 7 * 2
     tiny = arch.tiny()
     with pytest.raises(UnsupportedError, match="rope_interleave must be True"):
         arch.to_hf(dataclasses.replace(tiny, rope_interleave=False))
     with pytest.raises(UnsupportedError, match="one use_bias"):
-        arch.to_hf(dataclasses.replace(tiny, mlp_bias=False))
+        arch.to_hf(dataclasses.replace(tiny, mlp_bias=True))
     with pytest.raises(UnsupportedError, match="rope_interleave"):  # llama's file
         nn.architecture("llama").to_hf(
             dataclasses.replace(nn.architecture("llama").tiny(), rope_interleave=True)
