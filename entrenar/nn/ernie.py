@@ -86,9 +86,11 @@ def ernie4_5_to_hf(c: LlamaConfig) -> dict[str, Any]:
 
 
 def _tiny() -> LlamaConfig:
-    """Interleaved rotary (yarn), tied; no biases (the 0.3B model's; llama.cpp's
-    graph has no MLP biases: `test_ernie4_5_defaults_and_refusals` checks
-    ``use_bias``)."""
+    """Interleaved rotary (yarn), tied, no biases (the 0.3B model's).
+
+    llama.cpp's graph has no MLP biases; `test_ernie4_5_defaults_and_refusals`
+    checks ``use_bias``.
+    """
     return LlamaConfig(
         **TINY_SIZES,
         architecture="ernie4_5",
