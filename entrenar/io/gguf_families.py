@@ -10,7 +10,7 @@ hyperparameters ``{arch}.*``. The families differ in:
   apart by its sliding layers (`WINDOWED`);
 - **q/k rows**: permuted for llama.cpp's interleaved rotary only in the families
   llama.cpp converts with the permutation (`PERMUTED`: ``llama``, ``smollm3``,
-  ``granite``);
+  ``granite``, ``arcee``);
   Qwen2/3, Gemma and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
 - **Granite's multipliers** (`SCALE_KEYS`): ``embedding_scale``,
   ``residual_scale``, ``attention.scale``, ``logit_scale``;
@@ -24,6 +24,9 @@ hyperparameters ``{arch}.*``. The families differ in:
 - **ERNIE 4.5's interleaved pairs** (``rope_interleave``, implied by ``ernie4_5``):
   llama.cpp's NORM rotary turns the same pairs, so its q/k rows are written
   unpermuted; other names refuse ``rope_interleave``;
+- **Arcee's MLP** (implied by ``arcee``): ``ffn_up`` and ``ffn_down`` with no
+  ``ffn_gate`` is its ungated squared-ReLU MLP there (Phi-3's fused ``gate_up``
+  elsewhere); other names refuse ``ungated_mlp``;
 - **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
   weight (`NORM_SHIFT`), entrenar keeps Hugging Face's ``w``;
 - **what is implied** by the name (`IMPLIED`): Gemma's GeGLU, ``(1 + w)`` norms,
@@ -115,7 +118,7 @@ LEAF_NAMES = {"self_attn.sinks": ("attn_sinks", "weight")}
 
 WRITTEN_AS = {"mistral": "llama", "mixtral": "llama", "olmo3": "olmo2"}
 """Families without a llama.cpp name of their own, and the name they are written as."""
-PERMUTED = frozenset({"llama", "smollm3", "granite"})
+PERMUTED = frozenset({"llama", "smollm3", "granite", "arcee"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
 NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 """llama.cpp names whose norm weights are stored plus this."""
@@ -136,13 +139,18 @@ IMPLIED["gpt-oss"] = {
     "swiglu_alpha": 1.702,
 }  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: alpha and limit are constants
 IMPLIED["ernie4_5"] = {"rope_interleave": True}  # NORM rotary, rows as HF's
+IMPLIED["arcee"] = {"ungated_mlp": True, "hidden_act": "relu2"}  # LLM_FFN_RELU_SQR
 IMPLIED["gemma"] = {
     k: v for k, v in IMPLIED["gemma2"].items() if k != "sandwich_norms"
 }  # Gemma 1: Llama's two norms a layer
 """`LlamaConfig` fields a llama.cpp name implies."""
-UNBIASED = {"seed_oss": ("attention_out_bias", "mlp_bias"), "ernie4_5": ("mlp_bias",)}
+UNBIASED = {
+    "seed_oss": ("attention_out_bias", "mlp_bias"),
+    "ernie4_5": ("mlp_bias",),
+    "arcee": ("attention_out_bias", "mlp_bias"),
+}
 """llama.cpp names whose graph loads none of these biases (src/models/seed-oss.cpp:
-q/k/v biases only; ernie4-5.cpp: q/k/v/o)."""
+q/k/v biases only; ernie4-5.cpp: q/k/v/o; arcee.cpp: q/k/v)."""
 TIED = frozenset({"gemma"})
 """llama.cpp names whose graph has no ``output.weight``: the head is the table."""
 UNTIED = frozenset({"olmo2"})

@@ -300,7 +300,7 @@ def _gguf_name(config: Any) -> str:
                 f"llama.cpp's {gname} loads no {field.removesuffix('_bias')} bias; "
                 f"this {arch.name} config has {field}=True"
             )
-    if config.ungated_mlp:
+    if config.ungated_mlp and not IMPLIED.get(gname, {}).get("ungated_mlp"):
         raise UnsupportedError(
             f"this {arch.name} config's MLP has no gate (ungated_mlp); llama.cpp's "
             f"{gname} graph needs ffn_gate"

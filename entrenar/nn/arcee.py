@@ -8,7 +8,8 @@ scores ``d^-1/2``, ``attention_bias`` on q/k/v/o) with the MLP
     m = relu(x W_upᵀ + b_up)² W_downᵀ + b_down
 
 (``ungated_mlp``, ``hidden_act: relu2``; no ``gate_proj``). AFM-4.5B's rotary is
-YaRN; ``rms_norm_eps`` defaults to 1e-5.
+YaRN; ``rms_norm_eps`` defaults to 1e-5. llama.cpp's ``arcee`` (GGUF) permutes q/k
+rows as Llama's and loads q/k/v biases only.
 """
 
 from __future__ import annotations
@@ -63,15 +64,16 @@ def arcee_to_hf(c: LlamaConfig) -> dict[str, Any]:
 
 
 def _tiny() -> LlamaConfig:
-    """The squared-ReLU up/down MLP, all biases, YaRN (AFM-4.5B's), untied."""
+    """The squared-ReLU up/down MLP, YaRN (AFM-4.5B's), untied, no biases.
+
+    As AFM-4.5B (and llama.cpp's graph, which loads no o_proj or MLP bias);
+    `test_full_finetuning_gradients_equal_transformers` has a biased variant.
+    """
     return LlamaConfig(
         **TINY_SIZES,
         **_ARCEE,
         architecture="arcee",
         rms_norm_eps=1e-5,
-        attention_bias=True,
-        attention_out_bias=True,
-        mlp_bias=True,
         rope_type="yarn",
         rope_factor=2.0,
         rope_original_max_position_embeddings=8,
@@ -86,7 +88,6 @@ register_family(
     from_hf=arcee_from_hf,
     to_hf=arcee_to_hf,
     tiny=_tiny,
-    in_gguf=False,  # llama.cpp's arcee: not read or written yet
     defaults=_ARCEE,
 )
 

@@ -474,7 +474,10 @@ def test_interleaved_rotary_is_refused_and_families_without_gguf_too(tmp_path):
     ernie = dataclasses.replace(nn.architecture("ernie4_5").tiny(), mlp_bias=True)
     with pytest.raises(UnsupportedError, match="ernie4_5 loads no mlp bias"):
         io.save_llama_gguf(tmp_path / "m.gguf", ernie, ernie.init(jax.random.key(0)))
-    for name in ("arcee", "exaone4"):
+    arcee = dataclasses.replace(nn.architecture("arcee").tiny(), mlp_bias=True)
+    with pytest.raises(UnsupportedError, match="arcee loads no mlp bias"):
+        io.save_llama_gguf(tmp_path / "m.gguf", arcee, arcee.init(jax.random.key(0)))
+    for name in ("exaone4",):
         config = nn.architecture(name).tiny()
         with pytest.raises(UnsupportedError, match=r"no llama\.cpp GGUF form"):
             io.save_llama_gguf(

@@ -456,17 +456,24 @@ def test_seed_oss_defaults_follow_transformers():
     assert arch.from_hf(arch.to_hf(split)) == split
 
 
-@pytest.mark.parametrize("name", ["ernie4_5", "arcee", "exaone4"])
-def test_full_finetuning_gradients_equal_transformers(name):
+BIASED = {"attention_bias": True, "attention_out_bias": True, "mlp_bias": True}
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("ernie4_5", {}), ("arcee", {}), ("arcee", BIASED), ("exaone4", {})],
+)
+def test_full_finetuning_gradients_equal_transformers(name, extra):
     """Every weight's gradient of the masked next-token loss, as torch's.
 
     For the families whose switches change the training graph beyond what the
     LoRA/DoRA checks reach (every weight, embeddings and norms too): ERNIE 4.5's
     interleaved rotary (the reordering's transpose), Arcee's ungated squared-ReLU
-    MLP, EXAONE 4's post-norms with per-head q/k norms and NoPE global layers.
+    MLP (with biases too: its tiny has none, as AFM-4.5B), EXAONE 4's post-norms
+    with per-head q/k norms and NoPE global layers.
     """
     arch = nn.architecture(name)
-    config = arch.tiny()
+    config = dataclasses.replace(arch.tiny(), **extra)
     model = _hf_model(arch.to_hf(config))
     flat = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     params = nn.from_hf_names(flat, config)
