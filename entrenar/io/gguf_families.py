@@ -10,7 +10,7 @@ hyperparameters ``{arch}.*``. The families differ in:
   apart by its sliding layers (`WINDOWED`);
 - **q/k rows**: permuted for llama.cpp's interleaved rotary only in the families
   llama.cpp converts with the permutation (`PERMUTED`: ``llama``, ``smollm3``,
-  ``granite``);
+  ``granite``, ``arcee``);
   Qwen2/3, Gemma and Phi-3 use NEOX (half-split) rotary, as Hugging Face does;
   GLM-4's interleaved pairs are llama.cpp's own (NORM) layout, kept as they are;
 - **Granite's multipliers** (`SCALE_KEYS`): ``embedding_scale``,
@@ -20,6 +20,14 @@ hyperparameters ``{arch}.*``. The families differ in:
   others assert it equals the head dimension;
 - **NoPE layers** (`NOPE_PERIOD`): SmolLM3's graph skips rotary on every 4th layer,
   a rule no key states;
+- **biases a graph does not load** (`UNBIASED`): Seed-OSS's o_proj and MLP
+  biases, ERNIE 4.5's MLP biases (a config with them is refused);
+- **ERNIE 4.5's interleaved pairs** (``rope_interleave``, implied by ``ernie4_5``):
+  llama.cpp's NORM rotary turns the same pairs, so its q/k rows are written
+  unpermuted; other names refuse ``rope_interleave``;
+- **Arcee's MLP** (implied by ``arcee``): ``ffn_up`` and ``ffn_down`` with no
+  ``ffn_gate`` is its ungated squared-ReLU MLP there (Phi-3's fused ``gate_up``
+  elsewhere); other names refuse ``ungated_mlp``;
 - **norm weights**: llama.cpp's Gemma converters store ``1 + w`` for every RMSNorm
   weight (`NORM_SHIFT`), entrenar keeps Hugging Face's ``w``;
 - **what is implied** by the name (`IMPLIED`): Gemma's GeGLU, ``(1 + w)`` norms,
@@ -28,8 +36,8 @@ hyperparameters ``{arch}.*``. The families differ in:
   norms, and its untied head (`UNTIED`);
 - **tensor names** (`LAYER_STEMS`): Hugging Face module -> ``blk.N.<stem>``, with
   Gemma's four norms (`SANDWICH_STEMS`), GLM-4's (`GLM_STEMS`), OLMo 2's two
-  (`POST_NORM_STEMS`),
-  gpt-oss's ``post_attention_norm`` (`FAMILY_STEMS`) and sinks
+  (`POST_NORM_STEMS`), gpt-oss's and Seed-OSS's ``post_attention_norm``
+  (`FAMILY_STEMS`), gpt-oss's sinks
   (``blk.N.attn_sinks.weight``, `LEAF_NAMES`), and Phi-3's fused
   ``attn_qkv``/``ffn_up``;
 - **Cohere** (``command-r``, ``cohere2``: src/models/command-r.cpp, cohere2.cpp):
@@ -134,7 +142,10 @@ GLM_STEMS = {
 """GLM-4's norms (``glm_norms``), replacing `LAYER_STEMS`' entries: llama.cpp's
 ``attn_post_norm``, ``ffn_norm`` and ``ffn_post_norm`` (src/models/glm4.cpp)."""
 
-FAMILY_STEMS = {"gpt_oss": {"post_attention_layernorm": "post_attention_norm"}}
+FAMILY_STEMS = {
+    "gpt_oss": {"post_attention_layernorm": "post_attention_norm"},
+    "seed_oss": {"post_attention_layernorm": "post_attention_norm"},
+}
 """Per family (`LlamaConfig.architecture`), stems replacing `LAYER_STEMS`' entries."""
 LEAF_NAMES = {"self_attn.sinks": ("attn_sinks", "weight")}
 """Layer leaves that are not a module's ``weight``/``bias`` -> (stem, suffix)."""
@@ -147,7 +158,7 @@ WRITTEN_AS = {
     "deepseek_v2": "deepseek2",  # told apart by its softmax gating
 }
 """Families without a llama.cpp name of their own, and the name they are written as."""
-PERMUTED = frozenset({"llama", "smollm3", "granite", "granitemoe"})
+PERMUTED = frozenset({"llama", "smollm3", "granite", "granitemoe", "arcee"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
 NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 """llama.cpp names whose norm weights are stored plus this."""
@@ -174,6 +185,8 @@ IMPLIED["gpt-oss"] = {
     "swiglu_limit": 7.0,
     "swiglu_alpha": 1.702,
 }  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: alpha and limit are constants
+IMPLIED["ernie4_5"] = {"rope_interleave": True}  # NORM rotary, rows as HF's
+IMPLIED["arcee"] = {"ungated_mlp": True, "hidden_act": "relu2"}  # LLM_FFN_RELU_SQR
 IMPLIED["gemma"] = {
     k: v for k, v in IMPLIED["gemma2"].items() if k != "sandwich_norms"
 }  # Gemma 1: Llama's two norms a layer
@@ -183,6 +196,13 @@ IMPLIED["command-r"] = IMPLIED["cohere2"] = {
     "rope_interleave": True,
 }  # entrenar.nn.cohere.COHERE
 """`LlamaConfig` fields a llama.cpp name implies."""
+UNBIASED = {
+    "seed_oss": ("attention_out_bias", "mlp_bias"),
+    "ernie4_5": ("mlp_bias",),
+    "arcee": ("attention_out_bias", "mlp_bias"),
+}
+"""llama.cpp names whose graph loads none of these biases (src/models/seed-oss.cpp:
+q/k/v biases only; ernie4-5.cpp: q/k/v/o; arcee.cpp: q/k/v)."""
 TIED = frozenset({"gemma", "command-r", "cohere2"})
 """llama.cpp names whose graph has no ``output.weight``: the head is the table."""
 UNTIED = frozenset({"olmo2"})
@@ -452,6 +472,7 @@ __all__ = [
     "SWA_PATTERN",
     "SWITCH_FIELDS",
     "TIED",
+    "UNBIASED",
     "UNTIED",
     "WHOLE_HEADS",
     "WINDOWED",

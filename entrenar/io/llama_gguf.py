@@ -472,6 +472,7 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         qk_norm="blk.0.attn_q_norm.weight" in has,
         fused_qkv="blk.0.attn_qkv.weight" in has,
         fused_gate_up="blk.0.ffn_up.weight" in has
+        and not IMPLIED.get(name, {}).get("ungated_mlp")
         and "blk.0.ffn_gate.weight" not in has,
     )
     fields |= IMPLIED.get(name, {})  # over the tensor table's (OLMoE's o bias)

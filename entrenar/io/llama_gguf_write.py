@@ -73,6 +73,7 @@ from entrenar.io.gguf_families import (
     SWA_PATTERN,
     SWITCH_FIELDS,
     TIED,
+    UNBIASED,
     UNTIED,
     WHOLE_HEADS,
     default_nope_layers,
@@ -338,6 +339,23 @@ def _gguf_name(config: Any) -> str:
             f"{config.rotary_dim} of {config.hd} (partial_rotary_factor "
             f"{config.partial_rotary_factor}). llama.cpp rotates part of a head in "
             f"{sorted(PARTIAL_ROTARY)}"
+        )
+    for field in UNBIASED.get(gname, ()):
+        if getattr(config, field):
+            raise UnsupportedError(
+                f"llama.cpp's {gname} loads no {field.removesuffix('_bias')} bias; "
+                f"this {arch.name} config has {field}=True"
+            )
+    if config.ungated_mlp and not IMPLIED.get(gname, {}).get("ungated_mlp"):
+        raise UnsupportedError(
+            f"this {arch.name} config's MLP has no gate (ungated_mlp); llama.cpp's "
+            f"{gname} graph needs ffn_gate"
+        )
+    if config.rope_interleave and not IMPLIED.get(gname, {}).get("rope_interleave"):
+        raise UnsupportedError(
+            f"this {arch.name} config rotates interleaved pairs (rope_interleave); "
+            f"entrenar writes llama.cpp's {gname} q/k rows only in Hugging Face's "
+            "half-split layout"
         )
     local = config.rope_local_theta
     if gname in ONE_BASE and local is not None and local != config.rope_theta:

@@ -11,8 +11,11 @@ registers in its own package.
 """
 
 from entrenar.nn import (  # families register
+    arcee,
     cohere,
     deepseek,
+    ernie,
+    exaone,
     gemma,
     glm,
     glm4_moe,
@@ -27,6 +30,7 @@ from entrenar.nn import (  # families register
     olmoe,
     phi3,
     qwen,
+    seed_oss,
     smollm3,
 )
 from entrenar.nn.attention import (
@@ -110,6 +114,7 @@ __all__ = [
     "TiedEmbedding",
     "TokenLogprobs",
     "apply_rope",
+    "arcee",
     "architecture",
     "architecture_for_gguf",
     "architecture_for_hf",
@@ -129,6 +134,8 @@ __all__ = [
     "dot_product_attention",
     "dropout",
     "embedding",
+    "ernie",
+    "exaone",
     "fans",
     "from_hf_names",
     "gated_mlp",
@@ -170,6 +177,7 @@ __all__ = [
     "rotate",
     "rotate_half",
     "sample_logits",
+    "seed_oss",
     "silu",
     "smollm3",
     "to_bfloat16_weights",

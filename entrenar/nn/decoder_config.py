@@ -25,8 +25,8 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """Values of `LlamaConfig.layer_types` (Hugging Face's own)."""
 
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
-"""Gate activations of the gated MLP: SwiGLU and GeGLU (tanh GELU)."""
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
+"""MLP activations: SwiGLU and GeGLU (tanh GELU) gates, the squared ReLU (Arcee)."""
 
 _TUPLES = (
     "rope_short_factor",
@@ -163,6 +163,14 @@ def check_switches(c: Any) -> None:
         raise ConfigError(
             "LlamaConfig.post_norms (OLMo 2), sandwich_norms (Gemma 2/3) and "
             "glm_norms (GLM-4) exclude each other: set one"
+        )
+    if c.ungated_mlp and (
+        c.fused_gate_up or c.num_experts or c.shared_mlp_intermediate_size
+    ):
+        raise ConfigError(
+            "LlamaConfig.ungated_mlp (Arcee's up/down MLP) is for dense layers "
+            "without a fused gate_up_proj: unset fused_gate_up, num_experts and "
+            "shared_mlp_intermediate_size"
         )
     if c.hidden_act not in HIDDEN_ACTS:
         raise ConfigError(
@@ -452,13 +460,18 @@ def rope_by_layer_type(
 
 
 def common_to_hf(
-    c: Any, hf_class: str, model_type: str, allowed: tuple[str, ...]
+    c: Any,
+    hf_class: str,
+    model_type: str,
+    allowed: tuple[str, ...],
+    split_bias: bool = False,
 ) -> dict[str, Any]:
     """The ``config.json`` entries every decoder family shares.
 
     ``allowed``: the switches the family's file holds (`refuse_switches`). A family
     that allows ``attention_out_bias`` has one ``attention_bias`` entry for q, k, v
-    and o_proj, written here.
+    and o_proj, written here; ``split_bias``: two entries, ``attention_bias`` (q, k,
+    v) and ``attention_out_bias`` (o_proj: Seed-OSS).
 
     Raises:
         UnsupportedError: a switch off its default that the file cannot hold.
@@ -483,7 +496,10 @@ def common_to_hf(
         "max_position_embeddings": c.max_position_embeddings,
         "initializer_range": c.initializer_range,
     }
-    if "attention_out_bias" in allowed:
+    if split_bias:
+        hf["attention_bias"] = c.attention_bias
+        hf["attention_out_bias"] = c.attention_out_bias
+    elif "attention_out_bias" in allowed:
         if c.attention_bias != c.attention_out_bias:
             raise UnsupportedError(
                 f"{family}'s config.json has one attention_bias for q, k, v and "
@@ -617,6 +633,7 @@ SWITCHES = (
     "parallel_residual",
     "qk_norm_heads",
     "logit_scale",
+    "ungated_mlp",
 )
 """`LlamaConfig` fields that make a family differ from Llama."""
 

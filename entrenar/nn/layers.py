@@ -140,6 +140,14 @@ def silu(x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
+def relu2(x: jax.Array) -> jax.Array:
+    """Squared ReLU ``max(x, 0)²``: transformers' ``relu2`` (Arcee AFM).
+
+    So et al., "Primer: Searching for Efficient Transformers", 2021.
+    """
+    return jnp.square(jax.nn.relu(x))
+
+
 def mlp(
     x: jax.Array,
     w_in: Any,
@@ -198,6 +206,7 @@ __all__ = [
     "gelu_tanh",
     "layer_norm",
     "mlp",
+    "relu2",
     "rms_norm",
     "silu",
     "upcast_dtype",

@@ -57,6 +57,7 @@ from entrenar.nn.layers import (
     gated_mlp,
     gelu_tanh,
     layer_norm,
+    relu2,
     rms_norm,
     silu,
     upcast_dtype,
@@ -78,6 +79,13 @@ REMAT_POLICIES = (
     "dots_with_no_batch_dims_saveable",
 )
 """`jax.checkpoint_policies` names `LlamaConfig.remat_policy` accepts."""
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": silu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "relu2": relu2,
+}
+"""`LlamaConfig.hidden_act` -> its function (`decoder_config.HIDDEN_ACTS`)."""
 
 _DENSE: Any = object()
 """`LlamaConfig._layers`' default ``fused``: every layer's mask is dense."""
@@ -165,7 +173,8 @@ class LlamaConfig:
             0.75; llama.cpp's ``rope.dimension_count``); 1: the whole head.
         rope_interleave: the rotated values come in interleaved pairs ``(x_0,
             x_1), (x_2, x_3), ...`` that one frequency turns (GLM-4's, GPT-J's
-            layout, Cohere's; transformers' ``repeat_interleave`` of ``cos`` /
+            layout, Cohere's, ERNIE 4.5's; transformers' ``repeat_interleave`` of
+            ``cos`` /
             ``sin``):
             they are taken as ``[x_0, x_2, ...; x_1, x_3, ...]`` and rotated half
             against half, queries and keys alike, so the scores are the pairs'
@@ -191,7 +200,8 @@ class LlamaConfig:
             keys (NoPE: SmolLM3's ``no_rope_layers`` zeros); None: every layer
             rotates.
         hidden_act: the gate's activation, ``"silu"`` (SwiGLU) or
-            ``"gelu_pytorch_tanh"`` (GeGLU, tanh GELU: Gemma).
+            ``"gelu_pytorch_tanh"`` (GeGLU, tanh GELU: Gemma); or ``"relu2"``,
+            the squared ReLU (Arcee's ungated MLP).
         norm_unit_offset: RMSNorm gains are ``1 + w`` (Gemma; ``init`` makes w 0).
         sandwich_norms: Gemma 2/3 norms: ``post_attention_layernorm`` on the
             attention output, ``pre_feedforward_layernorm`` before and
@@ -272,6 +282,9 @@ class LlamaConfig:
             (Cohere's ``use_qk_norm``).
         logit_scale: logits are multiplied by this (Cohere's ``logit_scale``);
             ``features`` carries the factor, as for ``logits_scaling``.
+        ungated_mlp: the MLP is ``act(x W_upᵀ + b_up) W_downᵀ + b_down`` with no
+            ``gate_proj`` (Arcee AFM: ``up_proj``, ``down_proj`` only); dense
+            layers only (no experts, no fused ``gate_up_proj``).
         attention_impl: ``"reference"`` (`entrenar.nn.dot_product_attention`'s
             own paths: the native kernel on CPUs), ``"fused"``
             (`entrenar.nn.fused_attention`: `jax.nn.dot_product_attention`,
@@ -359,6 +372,7 @@ class LlamaConfig:
     parallel_residual: bool = False
     qk_norm_heads: bool = False
     logit_scale: float | None = None
+    ungated_mlp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -527,6 +541,8 @@ class LlamaConfig:
             if self.fused_gate_up
             else {"gate_proj": lin(i, d, mb), "up_proj": lin(i, d, mb)}
         )
+        if self.ungated_mlp:  # Arcee: up and down only
+            del mlp["gate_proj"]
         mlp["down_proj"] = lin(d, i, mb)
         if self.num_experts:
             mlp = self._moe_shapes()
@@ -1050,7 +1066,7 @@ class LlamaConfig:
         if jitter is not None:  # Mixtral: router and experts read the jittered x
             key = jax.random.wrap_key_data(jitter)
             x = router_jitter(x, self.router_jitter_noise, key)
-        act = silu if self.hidden_act == "silu" else gelu_tanh
+        act = ACTIVATIONS[self.hidden_act]
         glu = None
         if self.swiglu_limit is not None:  # gpt-oss
             glu = functools.partial(
@@ -1067,7 +1083,7 @@ class LlamaConfig:
         ``[g; u] = x W_inᵀ`` (``W_in: (2 S, D)``), then ``(act(g) ⊙ u) W_outᵀ``.
         """
         md = self.matmul_dtype
-        act = silu if self.hidden_act == "silu" else gelu_tanh
+        act = ACTIVATIONS[self.hidden_act]
         gu = linear(x, sp["input_linear"]["weight"], matmul_dtype=md)  # (..., 2 S)
         g, u = jnp.split(gu, 2, axis=-1)  # (..., S) each
         return linear(act(g) * u, sp["output_linear"]["weight"], matmul_dtype=md)
@@ -1075,7 +1091,11 @@ class LlamaConfig:
     def _mlp(self, mp: Params, x: jax.Array) -> jax.Array:
         """The gated MLP: SwiGLU or GeGLU, biases and a fused gate_up as set."""
         md = self.matmul_dtype
-        act = silu if self.hidden_act == "silu" else gelu_tanh
+        act = ACTIVATIONS[self.hidden_act]
+        if self.ungated_mlp:  # Arcee: act(x W_upᵀ + b_up) W_downᵀ + b_down
+            up, down = mp["up_proj"], mp["down_proj"]
+            u = act(linear(x, up["weight"], _bias(up), matmul_dtype=md))  # (..., I)
+            return linear(u, down["weight"], _bias(down), matmul_dtype=md)
         if self.fused_gate_up:  # Phi-3: gate_up_proj = [gate; up]
             gu = linear(x, mp["gate_up_proj"]["weight"], _bias(mp["gate_up_proj"]),
                         matmul_dtype=md)  # fmt: skip
@@ -1167,7 +1187,7 @@ class LlamaConfig:
         if self.qk_norm and not self.qk_norm_whole:  # per head, before rotary
             q = self._norm(q, ap["q_norm"])  # gains (d,) or (H, d): qk_norm_heads
             k = self._norm(k, ap["k_norm"])
-        if self.rope_interleave:  # GLM: the pairs as halves (same scores)
+        if self.rope_interleave:  # GLM, ERNIE 4.5: pairs as halves (same scores)
             q, k = (
                 interleaved_as_halves(q, self.rotary_dim),
                 interleaved_as_halves(k, self.rotary_dim),

@@ -82,6 +82,7 @@ NOT_IMPLEMENTED = {
     "cohere2_moe": _MOE.format(
         "Cohere 2 MoE's dense prefix layers and averaged shared experts"
     ),
+    "ernie4_5_moe": _MOE.format("ERNIE 4.5's MoE; the dense ernie4_5 is read"),
 }
 _VLM = (
     " (a vision-language model whose language model entrenar does not read: {}; "

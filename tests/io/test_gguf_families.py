@@ -463,6 +463,31 @@ def test_an_untied_gemma_is_refused_for_llama_cpps_tied_graph(tmp_path):
         io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
 
 
+def test_interleaved_rotary_is_refused_and_families_without_gguf_too(tmp_path):
+    """ERNIE 4.5's pairs: entrenar writes llama.cpp's q/k rows half-split only."""
+    config = dataclasses.replace(nn.architecture("llama").tiny(), rope_interleave=True)
+    with pytest.raises(UnsupportedError, match="rope_interleave"):
+        io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
+    ungated = dataclasses.replace(config, rope_interleave=False, ungated_mlp=True)
+    with pytest.raises(UnsupportedError, match="needs ffn_gate"):
+        io.save_llama_gguf(tmp_path / "m.gguf", ungated, config.init(jax.random.key(0)))
+    seed = dataclasses.replace(nn.architecture("seed_oss").tiny(), mlp_bias=True)
+    with pytest.raises(UnsupportedError, match="seed_oss loads no mlp bias"):
+        io.save_llama_gguf(tmp_path / "m.gguf", seed, seed.init(jax.random.key(0)))
+    ernie = dataclasses.replace(nn.architecture("ernie4_5").tiny(), mlp_bias=True)
+    with pytest.raises(UnsupportedError, match="ernie4_5 loads no mlp bias"):
+        io.save_llama_gguf(tmp_path / "m.gguf", ernie, ernie.init(jax.random.key(0)))
+    arcee = dataclasses.replace(nn.architecture("arcee").tiny(), mlp_bias=True)
+    with pytest.raises(UnsupportedError, match="arcee loads no mlp bias"):
+        io.save_llama_gguf(tmp_path / "m.gguf", arcee, arcee.init(jax.random.key(0)))
+    for name in ("exaone4",):
+        config = nn.architecture(name).tiny()
+        with pytest.raises(UnsupportedError, match=r"no llama\.cpp GGUF form"):
+            io.save_llama_gguf(
+                tmp_path / "m.gguf", config, config.init(jax.random.key(0))
+            )
+
+
 def test_smollm3_nope_layers_llama_cpp_cannot_follow_are_warned(tmp_path):
     """llama.cpp's SmolLM3 skips rotary on every 4th layer, whatever the file says."""
     config = dataclasses.replace(

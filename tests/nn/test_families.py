@@ -432,3 +432,206 @@ def test_sliding_layers_with_a_null_window_are_refused_as_transformers_does(name
     full = {**hf, "sliding_window": None, "layer_types": ["full_attention"] * n}
     read = arch.from_hf(full)
     assert read.sliding_window is None and read.layer_types is None
+
+
+def test_seed_oss_defaults_follow_transformers():
+    """A Seed-OSS file without head_dim or bias keys reads as transformers does.
+
+    transformers: ``head_dim`` 128 (not ``D / H``; null: ``D / H``), biased q/k/v,
+    unbiased o_proj and MLP. The tiny model's o_proj has no bias: one written with
+    ``attention_bias`` for o_proj too would have loaded transformers' state dict
+    with an ``o_proj.bias`` entrenar's tree lacks (fails in the family fixture).
+    """
+    arch = nn.architecture("seed_oss")
+    hf = arch.to_hf(arch.tiny())
+    for key in ("head_dim", "attention_bias", "attention_out_bias", "mlp_bias"):
+        del hf[key]
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    assert got.hd == want.head_dim == 128
+    assert (got.attention_bias, got.attention_out_bias, got.mlp_bias) == (
+        want.attention_bias, want.attention_out_bias, want.mlp_bias,
+    ) == (True, False, False)  # fmt: skip
+    assert arch.from_hf({**hf, "head_dim": None}).hd == 8  # 32 / 4
+    split = dataclasses.replace(arch.tiny(), attention_out_bias=True)
+    assert arch.from_hf(arch.to_hf(split)) == split
+
+
+BIASED = {"attention_bias": True, "attention_out_bias": True, "mlp_bias": True}
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("ernie4_5", {}), ("arcee", {}), ("arcee", BIASED), ("exaone4", {})],
+)
+def test_full_finetuning_gradients_equal_transformers(name, extra):
+    """Every weight's gradient of the masked next-token loss, as torch's.
+
+    For the families whose switches change the training graph beyond what the
+    LoRA/DoRA checks reach (every weight, embeddings and norms too): ERNIE 4.5's
+    interleaved rotary (the reordering's transpose), Arcee's ungated squared-ReLU
+    MLP (with biases too: its tiny has none, as AFM-4.5B), EXAONE 4's post-norms
+    with per-head q/k norms and NoPE global layers.
+    """
+    arch = nn.architecture(name)
+    config = dataclasses.replace(arch.tiny(), **extra)
+    model = _hf_model(arch.to_hf(config))
+    flat = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    params = nn.from_hf_names(flat, config)
+    tokens, mask = _batch(config.vocab_size)
+    w = (mask[:, 1:] & mask[:, :-1]).astype(np.float32)
+
+    def loss(p):
+        logits = config.apply(p, jnp.asarray(tokens), mask=jnp.asarray(mask))
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        return -jnp.sum(picked * w) / jnp.sum(w)
+
+    ours = nn.to_hf_names(jax.jit(jax.grad(loss))(params))
+    logits = model(
+        torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask.astype(int))
+    ).logits
+    logp = torch.log_softmax(logits[:, :-1], -1)
+    picked = logp.gather(-1, torch.from_numpy(tokens[:, 1:, None]))[..., 0]
+    tw = torch.from_numpy(w)
+    (-(picked * tw).sum() / tw.sum()).backward()
+    grads = {k: p.grad.numpy() for k, p in model.named_parameters()}
+    assert set(grads) == set(ours)
+    for key, want in grads.items():
+        np.testing.assert_allclose(
+            np.asarray(ours[key]), want, atol=2e-6, rtol=1e-4, err_msg=key
+        )
+
+
+def test_ernie4_5_defaults_and_refusals():
+    """A file without head_dim, use_bias, tie or rope keys reads as transformers'.
+
+    transformers: ``head_dim`` 128, no biases, a tied head, θ 500000, ε 1e-5.
+    """
+    arch = nn.architecture("ernie4_5")
+    hf = arch.to_hf(arch.tiny())
+    for key in ("head_dim", "use_bias", "tie_word_embeddings", "rope_theta",
+                "rope_scaling", "rms_norm_eps"):  # fmt: skip
+        del hf[key]
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    assert got.hd == want.head_dim == 128
+    assert got.tie_word_embeddings == want.tie_word_embeddings is True
+    assert got.rope_theta == want.rope_parameters["rope_theta"] == 500_000.0
+    assert got.rms_norm_eps == want.rms_norm_eps == 1e-5
+    assert not (got.attention_bias or got.attention_out_bias or got.mlp_bias)
+    assert got.rope_interleave
+    biased = arch.from_hf({**hf, "use_bias": True})  # every projection's, as torch's
+    model = _hf_model(arch.to_hf(biased))
+    ours = set(nn.to_hf_names(biased.init(jax.random.key(0))))
+    assert set(model.state_dict()) - {"lm_head.weight"} == ours  # tied
+    assert sum(k.endswith(".bias") for k in model.state_dict()) == 7 * 2
+    tiny = arch.tiny()
+    with pytest.raises(UnsupportedError, match="rope_interleave must be True"):
+        arch.to_hf(dataclasses.replace(tiny, rope_interleave=False))
+    with pytest.raises(UnsupportedError, match="one use_bias"):
+        arch.to_hf(dataclasses.replace(tiny, mlp_bias=True))
+    with pytest.raises(UnsupportedError, match="rope_interleave"):  # llama's file
+        nn.architecture("llama").to_hf(
+            dataclasses.replace(nn.architecture("llama").tiny(), rope_interleave=True)
+        )
+    with pytest.raises(UnsupportedError, match="ernie4_5_moe"):
+        nn.LlamaConfig.from_hf_config({**hf, "model_type": "ernie4_5_moe"})
+
+
+def test_arcee_refusals():
+    """Other activations, a gated MLP, and the ungated MLP where it cannot be."""
+    arch = nn.architecture("arcee")
+    tiny = arch.tiny()
+    hf = arch.to_hf(tiny)
+    with pytest.raises(UnsupportedError, match="hidden_act 'silu'"):
+        arch.from_hf({**hf, "hidden_act": "silu"})
+    with pytest.raises(UnsupportedError, match="ungated_mlp must be True"):
+        arch.to_hf(dataclasses.replace(tiny, ungated_mlp=False))
+    with pytest.raises(UnsupportedError, match="ungated_mlp"):  # llama's file
+        llama = dataclasses.replace(tiny, architecture="llama", hidden_act="silu")
+        nn.architecture("llama").to_hf(llama)
+    with pytest.raises(ConfigError, match="ungated_mlp"):
+        dataclasses.replace(tiny, num_experts=4)
+    with pytest.raises(ConfigError, match="ungated_mlp"):
+        dataclasses.replace(tiny, fused_gate_up=True)
+    assert "gate_proj" not in tiny.param_shapes()["model"]["layers"]["mlp"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # transformers' default: period 4, window 4096
+        {"sliding_window_pattern": 3},
+        {"sliding_window": None, "layer_types": ["full_attention"] * 6},
+        {"layer_types": ["full_attention"] * 6},  # a window, no sliding layer
+        {"layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+    ],
+)
+def test_exaone4_layers_and_nope_follow_transformers(extra):
+    """Which layers slide and which rotate, as transformers' Exaone4Attention.
+
+    transformers rotates a layer when ``sliding_window`` is null or the layer
+    slides; its mask slides the ``sliding_attention`` layers. Each case reads
+    back from entrenar's own file (`exaone4_to_hf`) as the same config.
+    """
+    arch = nn.architecture("exaone4")
+    hf = arch.to_hf(arch.tiny())
+    for key in ("sliding_window", "layer_types"):
+        del hf[key]
+    hf = {**hf, "num_hidden_layers": 6, **extra}
+    want = transformers.AutoConfig.for_model(**hf)
+    got = arch.from_hf(hf)
+    rotates = [want.sliding_window is None or t == "sliding_attention"
+               for t in want.layer_types]  # fmt: skip
+    assert [not x for x in got.nope_layers or (False,) * 6] == rotates
+    slides = [t == "sliding_attention" for t in want.layer_types]
+    assert list(nn.decoder_config.sliding_layers(got)) == slides
+    if any(slides):
+        assert got.sliding_window == want.sliding_window
+    assert arch.from_hf(arch.to_hf(got)) == got
+
+
+def test_exaone4_refusals():
+    arch = nn.architecture("exaone4")
+    tiny = arch.tiny()
+    hf = arch.to_hf(tiny)
+    del hf["layer_types"]
+    with pytest.raises(UnsupportedError, match="sliding_window_pattern 'LLLG'"):
+        arch.from_hf({**hf, "sliding_window_pattern": "LLLG"})
+    with pytest.raises(UnsupportedError, match="nope_layers must be"):
+        arch.to_hf(dataclasses.replace(tiny, nope_layers=None))
+    with pytest.raises(UnsupportedError, match="qk_norm_whole must be False"):
+        arch.to_hf(dataclasses.replace(tiny, qk_norm_whole=True))
+    with pytest.raises(UnsupportedError, match="attention_bias"):
+        arch.to_hf(dataclasses.replace(tiny, attention_bias=True))
+
+
+@pytest.mark.parametrize("name", ["seed_oss", "ernie4_5", "arcee", "exaone4"])
+def test_an_adapter_peft_saved_gives_peft_logits_here(name, tmp_path):
+    """The other way round from the fixtures' checks: PEFT writes, entrenar reads.
+
+    A LoRA on every linear layer of the transformers model (B non-zero), saved by
+    ``save_pretrained``, loaded by `lora.load_adapter` onto the same weights: the
+    logits of PEFT's model. ERNIE 4.5's q/k adapters stay in the interleaved
+    layout (the reordering is in the forward pass), Arcee's have no gate_proj.
+    """
+    arch = nn.architecture(name)
+    config = arch.tiny()
+    model = _hf_model(arch.to_hf(config))
+    params = nn.from_hf_names(
+        {k: v.detach().numpy() for k, v in model.state_dict().items()}, config
+    )
+    pcfg = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False
+    )
+    peft_model = peft.get_peft_model(model, pcfg).eval()
+    tokens, mask = _batch(config.vocab_size)
+    want = _torch_logits(peft_model, tokens, mask)
+    with peft_model.disable_adapter():
+        base = _torch_logits(peft_model, tokens, mask)
+    assert np.abs(want - base).max() > 1e-3  # the adapter matters
+    peft_model.save_pretrained(str(tmp_path))
+    loaded = lora.load_adapter(tmp_path, params)
+    got = np.asarray(config.apply(loaded, jnp.asarray(tokens), mask=jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], want[mask], atol=TOL, rtol=TOL)
