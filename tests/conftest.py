@@ -26,7 +26,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
@@ -59,6 +61,44 @@ jax.config.update(
 jax.config.update(
     "jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"])
 )
+
+
+def _atomic_cache_put() -> None:
+    """Make JAX's persistent cache write each entry whole (temp file + rename).
+
+    JAX 0.8's ``LRUCache.put`` writes ``<key>-cache`` in place (``write_bytes``), and
+    without its size bound (``-1`` above) takes no lock: an xdist worker that finds
+    the file while another is still writing it reads a torn program, and a process
+    killed mid-write (a timeout, Ctrl-C) leaves one behind for every later run. XLA
+    deserializes such bytes without checking them and the worker dies (SIGSEGV in
+    ``get_executable_and_time``, seen twice in one session). Written to a temporary
+    name in the same folder and renamed, a reader sees the whole entry or none.
+    """
+    try:
+        from jax._src import lru_cache
+    except ImportError:  # another JAX layout: keep JAX's own put
+        return
+    cache_cls = getattr(lru_cache, "LRUCache", None)
+    put = getattr(cache_cls, "put", None)
+    if put is None or getattr(put, "_entrenar_atomic", False):
+        return
+
+    def atomic_put(self: Any, key: str, value: bytes) -> None:
+        if getattr(self, "eviction_enabled", True):  # JAX's locked path as it is
+            return put(self, key, value)
+        path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+        if not key or path.exists():
+            return put(self, key, value)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(value)
+        os.replace(tmp, path)
+        return None
+
+    atomic_put._entrenar_atomic = True  # type: ignore[attr-defined]
+    cache_cls.put = atomic_put
+
+
+_atomic_cache_put()
 
 settings.register_profile(
     "entrenar",
@@ -117,7 +157,11 @@ def prune_compilation_cache(folder: str, bound: int = CACHE_BOUND) -> int:
     entries = []
     with os.scandir(folder) as it:
         for e in it:
-            if e.name.endswith("-cache") and e.is_file():
+            if e.name.endswith(".tmp") and e.is_file():  # a writer killed (an hour)
+                if time.time() - e.stat().st_mtime > 3600:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(e.path)
+            elif e.name.endswith("-cache") and e.is_file():
                 st = e.stat()
                 entries.append((max(st.st_atime, st.st_mtime), st.st_size, e.path))
     total = sum(size for _, size, _ in entries)
