@@ -489,20 +489,23 @@ def test_export_best_killed_at_a_step_and_mid_export(
     """
     full = uninterrupted("best")
     result = json.loads((full / "result.json").read_text())["metrics"]
-    assert result["best_step"] == result["exported_step"] == 6, result
-    assert sorted(os.listdir(full / "checkpoints")) == ["6", "8"]
+    best = result["best_step"]  # 6 or 7: their eval losses differ in the 5th digit
+    assert best == result["exported_step"] and 2 <= best < 8, result
+    kept = sorted({str(best), "8"})
+    assert sorted(os.listdir(full / "checkpoints")) == kept
     rng = random.Random()
     a, kind = rng.randint(2, 7), rng.choice(EXPORTS)
     cfg, out = config(data, tmp_path, "best", "run")
     if first == "step":
         killed(cfg, kill_at=a, resume=False)
     else:
-        killed(cfg, env={"HANG_AT_CHECKPOINT": "6"}, resume=False)
-        assert "6.orbax-checkpoint-tmp" in " ".join(os.listdir(out / "checkpoints"))
+        killed(cfg, env={"HANG_AT_CHECKPOINT": str(best)}, resume=False)
+        tmp = f"{best}.orbax-checkpoint-tmp"
+        assert tmp in " ".join(os.listdir(out / "checkpoints"))
     killed(cfg, env={"HANG_IN_EXPORT": kind})
     finish(cfg)
     assert_same_run(full, out)
-    assert sorted(os.listdir(out / "checkpoints")) == ["6", "8"], (a, kind)
+    assert sorted(os.listdir(out / "checkpoints")) == kept, (a, kind)
 
 
 def test_dpo_killed_at_a_step_and_mid_checkpoint(data, uninterrupted, tmp_path):
