@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
-from entrenar.nn.generate import dynamic_rope_start, long_rope_switch
+from entrenar.nn.generate import _round_up, dynamic_rope_start, long_rope_switch
 from entrenar.nn.matvec import check_activations, traced_activations
 from entrenar.types import Params
 
@@ -57,10 +57,6 @@ class TokenLogprobs(NamedTuple):
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 @functools.partial(
