@@ -22,6 +22,7 @@ with that floor and 34 with none; the small entries add a few MB).
 """
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -175,6 +176,48 @@ def prune_compilation_cache(folder: str, bound: int = CACHE_BOUND) -> int:
         total -= size
         deleted += 1
     return deleted
+
+
+def _map_count() -> int | None:
+    """The number of memory mappings of this process (Linux), else None."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return None
+
+
+def _map_limit() -> int:
+    """The kernel's bound on one process's mappings (``vm.max_map_count``)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+MAP_BOUND = _map_limit() // 4
+"""Mappings past which a test's end drops JAX's programs (`_bound_jit_code`)."""
+
+
+@pytest.fixture(autouse=True)
+def _bound_jit_code() -> Iterator[None]:
+    """Keep an xdist worker's JIT code under the kernel's mapping limit.
+
+    XLA:CPU maps each compiled object's code and data as separate mappings (three per
+    object, thousands per model test), and a long-lived worker keeps every program
+    its tests compiled through JAX's in-memory caches. One worker of `make test` ran
+    past ``vm.max_map_count`` (65,530) during tests/nn/test_nn_scoring.py: the next
+    ``mmap`` failed and the worker died inside XLA (a compile, a cache read or write:
+    three CI runs, always after tests/nn/test_nn_generate_transformers.py, which alone
+    adds ~40,000). Past `MAP_BOUND` a test's end calls `jax.clear_caches`, so the
+    programs can be freed; later tests get them back from the persistent cache.
+    """
+    yield
+    count = _map_count()
+    if count is not None and count > MAP_BOUND:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_configure(config: pytest.Config) -> None:
