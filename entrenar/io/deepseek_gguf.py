@@ -441,7 +441,9 @@ def load_deepseek_tree(
     GLM-4.5's ``glm4moe`` gives its own).
     """
     config = dataclasses.replace(config, param_dtype=dtype)
-    names = gguf_tensor_names(config) if names is None else names
+    if names is None:  # deepseek2's own table
+        assert isinstance(config, DeepseekConfig)
+        names = gguf_tensor_names(config)
     shapes = per_layer_shapes(config)
 
     def one(name: str) -> np.ndarray:
@@ -557,7 +559,9 @@ def deepseek_layer_tensors(
     ``to_bytes(w, kind, name)`` converts one array (`llama_gguf_write`);
     ``names`` as `load_deepseek_tree`'s.
     """
-    names = gguf_tensor_names(config) if names is None else names
+    if names is None:  # deepseek2's own table
+        assert isinstance(config, DeepseekConfig)
+        names = gguf_tensor_names(config)
     flat: dict[str, Any] = {}
 
     def walk(tree: Any, prefix: str) -> None:
