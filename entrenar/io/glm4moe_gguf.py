@@ -200,7 +200,11 @@ def glm4moe_config_from_gguf(g: GGUFFile) -> Glm4MoeConfig:
         ("rope.dimension_sections", "M-RoPE (GLM-4.5V's vision positions)"),
     ):
         f = g.fields.get(p + key)
-        if f is not None and f.value not in ("none", "", [0, 0, 0, 0]):
+        v = None if f is None else f.value
+        off = v in ("none", "") or (
+            isinstance(v, (list, tuple)) and not any(v)
+        )  # (sections all 0: llama.cpp's use_mrope() is false)
+        if v is not None and not off:
             raise UnsupportedError(
                 f"{g.path}: metadata {p}{key} = {f.value!r}: entrenar reads GLM-4.5 "
                 f"without {what}"

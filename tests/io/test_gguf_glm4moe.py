@@ -217,6 +217,12 @@ def test_a_quantized_type_needs_rows_of_whole_blocks(tmp_path):
          "expert_gating_func = 1"),
         ({"glm4moe.rope.scaling.type": GGUFField("yarn", GGUFValueType.STRING)},
          (), UnsupportedError, "rope.scaling.type = 'yarn'"),
+        ({"glm4moe.rope.dimension_sections": GGUFField(
+            [8, 8, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32)},
+         (), UnsupportedError, "M-RoPE"),
+        ({"glm4moe.rope.dimension_sections": GGUFField(
+            [0, 0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32)},
+         (), None, ""),
         ({}, ("blk.0.attn_norm.weight",), UnsupportedError, "without its trunk"),
         ({"glm4moe.nextn_predict_layers": GGUFField(4, U32)}, (), FormatError,
          "leaves no layer"),
@@ -228,6 +234,9 @@ def test_a_glm4moe_file_entrenar_cannot_read_is_refused(
     fields, tensors_drop, error, match, tmp_path
 ):
     *_, path = _rewritten(tmp_path, fields, tensors_drop=tensors_drop)
+    if error is None:  # (sections all 0: no M-RoPE, read)
+        assert io.load_llama_gguf(path)[0].architecture == "glm4_moe"
+        return
     with pytest.raises(error, match=match):
         io.load_llama_gguf(path)
 
