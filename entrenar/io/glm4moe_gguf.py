@@ -206,7 +206,7 @@ def glm4moe_config_from_gguf(g: GGUFFile) -> Glm4MoeConfig:
         )  # (sections all 0: llama.cpp's use_mrope() is false)
         if v is not None and not off:
             raise UnsupportedError(
-                f"{g.path}: metadata {p}{key} = {f.value!r}: entrenar reads GLM-4.5 "
+                f"{g.path}: metadata {p}{key} = {v!r}: entrenar reads GLM-4.5 "
                 f"without {what}"
             )
     heads = meta_int(g, f"{p}attention.head_count")
