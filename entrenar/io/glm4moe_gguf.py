@@ -71,6 +71,7 @@ from entrenar.nn.hf_names import per_layer_shapes
 NAME = "glm4moe"
 """llama.cpp's ``general.architecture`` of GLM-4.5 / 4.5-Air / 4.6."""
 FAMILY = "glm4_moe"
+"""entrenar's family (`entrenar.nn.glm4_moe`) of a ``glm4moe`` file."""
 LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     **{
