@@ -69,6 +69,7 @@ from entrenar.io.gguf_families import FAMILY_KEY, SWITCH_FIELDS
 from entrenar.io.gguf_meta import meta_float, meta_int
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFMetadata, GGUFValueType
 from entrenar.nn.deepseek import DeepseekConfig
+from entrenar.nn.deepseek_moe import DeepseekMoeConfig
 from entrenar.nn.hf_names import Quantize, per_layer_shapes, quantize_leaves
 from entrenar.nn.rope_scaling import attention_factor, yarn_mscale
 from entrenar.nn.weight_node import to_dense
@@ -224,7 +225,7 @@ def check_deepseek_gguf(c: DeepseekConfig) -> None:
 
 
 # ------------------------------------------------------------------- reading
-def _count(g: GGUFFile, key: str, default: int) -> int:
+def count_key(g: GGUFFile, key: str, default: int) -> int:
     """A count that may be 0 (``leading_dense_block_count``): an int in [0, 2^31)."""
     f = g.fields.get(key)
     if f is None:
@@ -321,7 +322,7 @@ def deepseek_config_from_gguf(g: GGUFFile) -> DeepseekConfig:
         qk_nope_head_dim=d_qk - n_rot,
         qk_rope_head_dim=n_rot,
         v_head_dim=meta_int(g, f"{p}attention.value_length_mla"),
-        first_k_dense_replace=_count(g, f"{p}leading_dense_block_count", 0),
+        first_k_dense_replace=count_key(g, f"{p}leading_dense_block_count", 0),
     )
     fields |= _expert_fields(g, p, n_layers)
     fields |= _rope_fields(g, p)
@@ -361,9 +362,7 @@ def _expert_fields(g: GGUFFile, p: str, n_layers: int) -> dict[str, Any]:
             "their top two scores, which DeepSeek-V2's routing does not"
         )
     norm = g.fields.get(f"{p}expert_weights_norm")
-    key = f"{p}expert_weights_scale"
-    f = g.fields.get(key)  # 0: unset (llama.cpp scales by neither 0 nor 1)
-    scale = 1.0 if f is None or f.value == 0 else meta_float(g, key, 1.0)
+    scale = expert_scale(g, f"{p}expert_weights_scale")
     return out | {
         "num_experts": meta_int(g, f"{p}expert_count"),
         "num_experts_per_tok": meta_int(g, f"{p}expert_used_count"),
@@ -374,6 +373,12 @@ def _expert_fields(g: GGUFFile, p: str, n_layers: int) -> dict[str, Any]:
         "routed_scaling_factor": scale,
         "norm_topk_prob": bool(norm is not None and norm.value),
     }
+
+
+def expert_scale(g: GGUFFile, key: str) -> float:
+    """``{arch}.expert_weights_scale``: 1 where missing or 0 (llama.cpp's unset)."""
+    f = g.fields.get(key)  # 0: unset (llama.cpp scales by neither 0 nor 1)
+    return 1.0 if f is None or f.value == 0 else float(meta_float(g, key, 1.0))
 
 
 def _rope_fields(g: GGUFFile, p: str) -> dict[str, Any]:
@@ -421,19 +426,24 @@ def expected_tensors(
 
 def load_deepseek_tree(
     g: GGUFFile,
-    config: DeepseekConfig,
+    config: DeepseekMoeConfig,
     *,
     dtype: str,
     quantize: Quantize | None,
     release: Any,
-) -> tuple[DeepseekConfig, Params, Mapping[str, Any]]:
-    """The tree of a checked ``deepseek2`` file, tensor by tensor.
+    names: Mapping[str, Any] | None = None,
+) -> tuple[Any, Params, Mapping[str, Any]]:
+    """The tree of a checked file of unstacked layers, tensor by tensor.
 
-    Every tensor is dequantized into ``dtype`` (a kept type included: DeepSeek's
-    unstacked layers are read whole), then ``quantize`` applied.
+    Every tensor is dequantized into ``dtype`` (a kept type included: the
+    unstacked layers are read whole), then ``quantize`` applied. ``names``:
+    Hugging Face name -> GGUF name (default `gguf_tensor_names`, ``deepseek2``'s;
+    GLM-4.5's ``glm4moe`` gives its own).
     """
     config = dataclasses.replace(config, param_dtype=dtype)
-    names = gguf_tensor_names(config)
+    if names is None:  # deepseek2's own table
+        assert isinstance(config, DeepseekConfig)
+        names = gguf_tensor_names(config)
     shapes = per_layer_shapes(config)
 
     def one(name: str) -> np.ndarray:
@@ -537,17 +547,21 @@ def family_json(c: DeepseekConfig, switches: dict[str, Any]) -> str:
 
 
 def deepseek_layer_tensors(
-    config: DeepseekConfig,
+    config: DeepseekMoeConfig,
     params: Params,
     kind: str,
     emb_kind: str,
     to_bytes: Any,
+    names: Mapping[str, Any] | None = None,
 ) -> dict[str, tuple[Any, tuple[int, ...], str]]:
     """GGUF name -> ``(make bytes, shape, type)`` of every tensor of ``params``.
 
-    ``to_bytes(w, kind, name)`` converts one array (`llama_gguf_write`).
+    ``to_bytes(w, kind, name)`` converts one array (`llama_gguf_write`);
+    ``names`` as `load_deepseek_tree`'s.
     """
-    names = gguf_tensor_names(config)
+    if names is None:  # deepseek2's own table
+        assert isinstance(config, DeepseekConfig)
+        names = gguf_tensor_names(config)
     flat: dict[str, Any] = {}
 
     def walk(tree: Any, prefix: str) -> None:
@@ -569,6 +583,7 @@ def deepseek_layer_tensors(
     for hf, name in names.items():
         w, shape = flat[hf], shapes[hf]
         if isinstance(name, tuple):  # kv_b_proj: (H, r, d_n) and (H, d_v, r)
+            assert isinstance(config, DeepseekConfig)  # (MLA's only)
             for j, n in enumerate(name):
                 part = _kv_b_part(w, config, j, kind, to_bytes, hf)
                 out[n] = (part, kv_b_shapes(config)[j], kind)
@@ -620,9 +635,11 @@ __all__ = [
     "LAYER",
     "NAME",
     "check_deepseek_gguf",
+    "count_key",
     "deepseek_config_from_gguf",
     "deepseek_family",
     "expected_tensors",
+    "expert_scale",
     "gguf_tensor_names",
     "join_kv_b",
     "load_deepseek_tree",

@@ -82,11 +82,18 @@ from entrenar.io.gguf_families import (
 )
 from entrenar.io.gguf_meta import meta_float, meta_int
 from entrenar.io.gguf_reader import GGUFFile, GGUFMetadata, read_gguf
+from entrenar.io.glm4moe_gguf import NAME as GLM4MOE
+from entrenar.io.glm4moe_gguf import expected_tensors as glm4moe_tensors
+from entrenar.io.glm4moe_gguf import gguf_tensor_names as glm4moe_names
+from entrenar.io.glm4moe_gguf import (
+    glm4moe_config_from_gguf,
+)
 from entrenar.io.heap import bound_heap, host_buffer, to_device, trim_heap
 from entrenar.io.read_ahead import ReadAhead
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
 from entrenar.nn.deepseek import DeepseekConfig
+from entrenar.nn.glm4_moe import Glm4MoeConfig
 from entrenar.nn.hf_names import (
     CHUNK_BYTES,
     Quantize,
@@ -437,6 +444,8 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     arch = nn.architecture_for_gguf(name, g.path)
     if name == "deepseek2":  # DeepSeek-V2/V3's latent attention: its own keys
         return deepseek_config_from_gguf(g)
+    if name == GLM4MOE:  # GLM-4.5's unrolled layers: its own keys
+        return glm4moe_config_from_gguf(g)
     if arch.config_class is not LlamaConfig:
         raise UnsupportedError(
             f"{g.path}: general.architecture {name!r} is not a decoder entrenar loads "
@@ -549,6 +558,8 @@ def _expected(
 def _check_tensors(g: GGUFFile, config: LlamaConfig) -> None:
     if isinstance(config, DeepseekConfig):
         want = expected_tensors(g, config)
+    elif isinstance(config, Glm4MoeConfig):  # MTP layers listed (skipped)
+        want = glm4moe_tensors(g, config)
     else:
         want = _expected(g, config)
     p = f"{_arch_name(g)}.*"
@@ -714,7 +725,8 @@ def load_llama_gguf(
             leaf dequantized whole, then quantized): the same tree; the reference
             the streaming load is tested against.
 
-    A ``deepseek2`` file (DeepSeek-V2/V3, `entrenar.io.deepseek_gguf`) has a list of
+    A ``deepseek2`` file (DeepSeek-V2/V3, `entrenar.io.deepseek_gguf`) and a
+    ``glm4moe`` file (GLM-4.5, `entrenar.io.glm4moe_gguf`) have a list of
     unstacked layers: every tensor is dequantized into ``dtype`` (``keep_quantized``
     and ``stream`` do not apply), then ``quantize``d as asked.
 
@@ -743,6 +755,11 @@ def load_llama_gguf(
             return load_deepseek_tree(
                 g, config, dtype=dtype, quantize=quantize, release=reading.release
             )
+        if isinstance(config, Glm4MoeConfig):  # (DeepSeekMoE's list too)
+            return load_deepseek_tree(
+                g, config, dtype=dtype, quantize=quantize, release=reading.release,
+                names=glm4moe_names(config),
+            )  # fmt: skip
         if whole is None:  # a GGUFFile already parsed: its tensors in the file's order
             stored = sorted(g.tensors.values(), key=lambda t: t.offset)
             reading.read([g.raw(t.name) for t in stored])

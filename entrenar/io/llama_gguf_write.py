@@ -4,7 +4,8 @@ The file is written under the family's llama.cpp name
 (`entrenar.io.gguf_families.written_name`: ``llama``, ``qwen2``, ``qwen3``,
 ``gemma2``, ``gemma3``, ``phi3``, ``olmoe``, ``granitemoe``, ...; Mistral as
 ``llama``, Granite MoE shared as ``granitemoe``; DeepSeek-V2/V3 as ``deepseek2``
-through `entrenar.io.deepseek_gguf`), with the family's tensor
+through `entrenar.io.deepseek_gguf`, GLM-4.5 as ``glm4moe`` through
+`entrenar.io.glm4moe_gguf`), with the family's tensor
 names and conventions (q/k rows permuted only for ``llama``, Gemma's norms stored as
 ``1 + w``). Metadata: every field of the ``source`` GGUF (tokenizer, chat template,
 general.*) is copied with its type, except its ``{arch}.*`` hyperparameters, which are
@@ -85,10 +86,16 @@ from entrenar.io.gguf_families import (
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType, read_gguf
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.gguf_writer import GGUFTensor, tensor_from_array, write_gguf
+from entrenar.io.glm4moe_gguf import NAME as GLM4MOE
+from entrenar.io.glm4moe_gguf import check_glm4moe_gguf, glm4moe_keys
+from entrenar.io.glm4moe_gguf import family_json as glm4moe_family_json
+from entrenar.io.glm4moe_gguf import gguf_tensor_names as glm4moe_names
+from entrenar.io.glm4moe_gguf import row_widths as glm4moe_row_widths
 from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig, to_dense
 from entrenar.nn.decoder_config import sliding_layers
 from entrenar.nn.deepseek import DeepseekConfig
+from entrenar.nn.glm4_moe import Glm4MoeConfig
 from entrenar.nn.rope_scaling import attention_factor, yarn_mscale
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.quant import GGMLWeight, QuantizedWeight, dequantize, quantize, to_ggml
@@ -454,9 +461,9 @@ def _check_routing(c: LlamaConfig, family: str, gname: str) -> None:
         )
 
 
-def _save_deepseek(
+def _save_unrolled(
     path: str | os.PathLike[str],
-    config: DeepseekConfig,
+    config: DeepseekConfig | Glm4MoeConfig,
     params: Params,
     src: GGUFFile | None,
     kind: str,
@@ -464,30 +471,46 @@ def _save_deepseek(
     name: str,
     tok_fields: dict[str, GGUFField],
 ) -> None:
-    """`save_llama_gguf` of DeepSeek-V2/V3 (`entrenar.io.deepseek_gguf`)."""
-    check_deepseek_gguf(config)
-    if (kind + emb_kind).count("Q") and any(w % 32 for w in row_widths(config)):
+    """`save_llama_gguf` of a list of unstacked layers.
+
+    DeepSeek-V2/V3 (`entrenar.io.deepseek_gguf`) or GLM-4.5
+    (`entrenar.io.glm4moe_gguf`).
+    """
+    if isinstance(config, DeepseekConfig):
+        check_deepseek_gguf(config)
+        arch, widths = DEEPSEEK, row_widths(config)
+        new = deepseek_keys(config, FILE_TYPES[kind])
+        names = None
+    else:
+        check_glm4moe_gguf(config)
+        arch, widths = GLM4MOE, glm4moe_row_widths(config)
+        new = glm4moe_keys(config, FILE_TYPES[kind])
+        names = glm4moe_names(config)
+    if (kind + emb_kind).count("Q") and any(w % 32 for w in widths):
         raise ConfigError(
             f"{kind} needs rows of whole 32-value blocks; this {config.architecture} "
-            f"config has rows {row_widths(config)} wide: write F16 or F32 instead"
+            f"config has rows {widths} wide: write F16 or F32 instead"
         )
     fields: dict[str, GGUFField] = dict(src.fields) if src else {}
     old = fields.get("general.architecture")
-    archs = {DEEPSEEK, getattr(old, "value", DEEPSEEK)} - {"tokenizer", "general"}
+    archs = {arch, getattr(old, "value", arch)} - {"tokenizer", "general"}
     stale = tuple(f"{a}." for a in archs)
-    new = deepseek_keys(config, FILE_TYPES[kind])
     for k in [k for k in fields if k.startswith(stale)]:
         if k not in new:  # (the others keep their places)
             del fields[k]
-    fields["general.architecture"] = GGUFField(DEEPSEEK, STR)
+    fields["general.architecture"] = GGUFField(arch, STR)
     if name or "general.name" not in fields:
         fields["general.name"] = GGUFField(
             name or f"entrenar-{config.architecture}", STR
         )
     fields |= new
-    switches = _switches(config, config.architecture, DEEPSEEK)
-    fields[FAMILY_KEY] = GGUFField(family_json(config, switches), STR)
-    made = deepseek_layer_tensors(config, params, kind, emb_kind, _to_bytes)
+    switches = _switches(config, config.architecture, arch)
+    if isinstance(config, DeepseekConfig):
+        family = family_json(config, switches)
+    else:
+        family = glm4moe_family_json(config, switches)
+    fields[FAMILY_KEY] = GGUFField(family, STR)
+    made = deepseek_layer_tensors(config, params, kind, emb_kind, _to_bytes, names)
     tensors = {
         n: GGUFTensor(make, shape, GGML_TYPE_IDS[k])
         for n, (make, shape, k) in made.items()
@@ -548,12 +571,12 @@ def save_llama_gguf(
     for k in (kind, emb_kind):
         if k not in TENSOR_TYPES:
             raise ConfigError(f"tensor type {k!r}: expected one of {TENSOR_TYPES}")
-    if isinstance(config, DeepseekConfig):  # MLA and a list of layers: its own
+    if isinstance(config, (DeepseekConfig, Glm4MoeConfig)):  # a list of layers
         src = read_gguf(source) if isinstance(source, (str, os.PathLike)) else source
         tok: dict[str, GGUFField] = {}
         if tokenizer is not None and (src is None or TOKENS not in src.fields):
             tok = gguf_tokenizer_fields(tokenizer, vocab_size=config.vocab_size)
-        _save_deepseek(path, config, params, src, kind, emb_kind, name, tok)
+        _save_unrolled(path, config, params, src, kind, emb_kind, name, tok)
         return
     gname = _gguf_name(config)
     widths = (

@@ -237,7 +237,7 @@ register_family(
     from_hf=glm4_moe_from_hf,
     to_hf=glm4_moe_to_hf,
     tiny=_tiny,
-    in_gguf=False,  # llama.cpp's glm4moe: not read or written yet
+    gguf_name="glm4moe",  # entrenar.io.glm4moe_gguf
     defaults=_FAMILY,
     from_hf_tensors=deepseek_moe_from_hf_tensors,
     to_hf_tensors=deepseek_moe_to_hf_tensors,

@@ -100,13 +100,11 @@ entrenar reads are ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``,
 the vision-language ones ``gemma3``, ``mistral3``, ``llava``, ``llava_next``,
 ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_vl_moe``, by their language
 model)."""
-GGUF_MOE = frozenset(
-    {"deepseek", "llama4", "dbrx", "phimoe", "jamba", "cohere2moe", "glm4moe"}
-)  # fmt: skip
+GGUF_MOE = frozenset({"deepseek", "llama4", "dbrx", "phimoe", "jamba", "cohere2moe"})
 """llama.cpp ``general.architecture`` names of mixtures of experts entrenar does not
 read (it reads ``llama`` with experts as Mixtral, ``qwen2moe``, ``qwen3moe``,
-``gpt-oss``, ``olmoe``, ``granitemoe`` (Granite MoE shared included) and
-``deepseek2``)."""
+``gpt-oss``, ``olmoe``, ``granitemoe`` (Granite MoE shared included), ``deepseek2``
+and ``glm4moe``)."""
 
 
 def register_architecture(arch: Architecture) -> Architecture:
@@ -198,8 +196,7 @@ def architecture_for_gguf(name: str, source: str) -> Architecture:
         hint = (
             " (a mixture of experts entrenar does not implement; it reads Mixtral "
             "(llama with expert_count), qwen2moe, qwen3moe, gpt-oss, olmoe, "
-            "granitemoe and deepseek2 from GGUF; GLM-4.5's glm4moe from a Hugging "
-            "Face folder only, model_type glm4_moe)"
+            "granitemoe, deepseek2 and glm4moe from GGUF)"
         )
     raise UnsupportedError(
         f"{source}: general.architecture {name!r} is not supported{hint}; entrenar "

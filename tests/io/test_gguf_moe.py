@@ -1,7 +1,9 @@
 """Mixture-of-experts GGUF files: Mixtral (``llama``), Qwen MoE, OLMoE, Granite MoE.
 
 Mixtral as ``llama``, ``qwen3moe``, ``qwen2moe``, ``olmoe`` and ``granitemoe``
-(Granite MoE shared included).
+(Granite MoE shared included); the converter's files of ``deepseek2`` and
+``glm4moe`` (GLM-4.5: a file declaring its MTP layer, without its tensors, as the
+converter writes a folder of the trunk) too.
 
 References, recorded by tests/oracles/make_moe_gguf_reference.py into
 tests/data/llama_cpp_moe: llama.cpp's own converter's F16 files of tiny random
@@ -29,11 +31,11 @@ from entrenar.runs.models import base_quantizer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "llama_cpp_moe"
 FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
-            "granitemoeshared", "deepseek_v3", "deepseek_v2"]  # fmt: skip
+            "granitemoeshared", "deepseek_v3", "deepseek_v2", "glm4_moe"]  # fmt: skip
 NAMES = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
          "olmoe": "olmoe", "granitemoe": "granitemoe",
          "granitemoeshared": "granitemoe", "deepseek_v3": "deepseek2",
-         "deepseek_v2": "deepseek2"}  # fmt: skip
+         "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe"}  # fmt: skip
 EXTRA_KEYS = {"vocab_size", "rope.dimension_count"}
 """``{arch}.*`` keys entrenar writes for every family and the converter leaves to
 llama.cpp's defaults for Qwen (the embedding's rows, the head dimension)."""

@@ -19,6 +19,7 @@ import pytest
 
 from entrenar import io, nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.io.glm4moe_gguf import glm4moe_keys
 from entrenar.nn.glm4_moe import Glm4MoeConfig
 from entrenar.nn.rope import interleaved_as_halves, rope_tables, rotate
 
@@ -281,13 +282,9 @@ def test_the_norm_switches_exclude_each_other():
         dataclasses.replace(nn.architecture("glm4").tiny(), sandwich_norms=True)
 
 
-def test_a_glm4moe_gguf_is_refused_by_name(tmp_path):
-    """llama.cpp's glm4moe is not read yet (GLM-4.5 from Hugging Face folders)."""
-    with pytest.raises(UnsupportedError, match=r"'glm4moe' is not supported.*glm4_moe"):
-        nn.architecture_for_gguf("glm4moe", "x.gguf")
-    config = MOE.tiny()
-    with pytest.raises(UnsupportedError, match=r"glm4_moe models have no llama\.cpp"):
-        io.save_llama_gguf(tmp_path / "x.gguf", config, config.init(jax.random.key(0)))
+def test_glm4moe_is_the_gguf_name_of_glm4_moe():
+    """llama.cpp's glm4moe is read and written (tests/io/test_gguf_glm4moe.py)."""
+    assert nn.architecture_for_gguf("glm4moe", "x.gguf").name == "glm4_moe"
 
 
 AIR = {  # GLM-4.5-Air's config.json (the Hub's keys, transformers 4.x style)
@@ -323,3 +320,11 @@ def test_a_hub_style_config_reads(fields, billions):
     assert config.qk_norm == hf["use_qk_norm"]
     assert billions[0] < config.num_params() / 1e9 < billions[1]
     assert MOE.from_hf(MOE.to_hf(config)) == config
+    keys = {k: f.value for k, f in glm4moe_keys(config, 1).items()}  # the converter's
+    assert keys["glm4moe.block_count"] == hf["num_hidden_layers"] + 1
+    assert keys["glm4moe.nextn_predict_layers"] == 1
+    assert keys["glm4moe.rope.dimension_count"] == 64
+    assert keys["glm4moe.attention.key_length"] == 128
+    assert keys["glm4moe.leading_dense_block_count"] == hf["first_k_dense_replace"]
+    assert keys["glm4moe.expert_group_count"] == keys["glm4moe.expert_group_used_count"]
+    assert keys["glm4moe.expert_weights_scale"] == hf["routed_scaling_factor"]

@@ -1,7 +1,8 @@
 r"""Record llama.cpp's converter and logits on tiny mixture-of-experts GGUF files.
 
 For each MoE family (``mixtral``, ``qwen3_moe``, ``qwen2_moe``, ``olmoe``,
-``granitemoe``, ``granitemoeshared``, ``deepseek_v3``, ``deepseek_v2``) this script
+``granitemoe``, ``granitemoeshared``, ``deepseek_v3``, ``deepseek_v2``,
+``glm4_moe``) this script
 
 1. writes a tiny random transformers model (``CASES``: the family's tiny config with
    the routing llama.cpp implements: Mixtral and Qwen3-MoE renormalise their top-k
@@ -69,6 +70,7 @@ CASES: dict[str, dict[str, Any]] = {
         n_group=1,
         topk_group=1,
     ),
+    "glm4_moe": {},
 }
 """Family -> fields replaced in its tiny config: llama.cpp's routing, no windows
 (llama.cpp's llama and qwen2moe have none), Qwen3-MoE without biases (as released),

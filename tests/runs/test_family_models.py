@@ -66,6 +66,8 @@ def _gguf_experts(config: nn.LlamaConfig, width: int) -> nn.LlamaConfig:
     config = dataclasses.replace(config, **GGUF_FORM.get(arch.name, {}))
     if name == "deepseek2":  # its routing keys are its own (io.deepseek_gguf)
         return config
+    if name == "glm4moe":  # its routing keys are its own (io.glm4moe_gguf)
+        return dataclasses.replace(config, moe_intermediate_size=width)
     if config.shared_mlp_intermediate_size:  # Granite MoE shared's
         config = dataclasses.replace(config, shared_mlp_intermediate_size=width)
     if config.intermediate_size % width:  # gpt-oss: its experts' width
