@@ -314,14 +314,15 @@ def _write_exports(
         if adapted:  # measures how much of the update the type keeps; warns if little
             kept = lora.save_folded_gguf(
                 path, built.config, params, source=source, tensor_type=ex.gguf_type,
-                name=name, tokenizer=tok,
+                expert_type=ex.gguf_expert_type, name=name, tokenizer=tok,
             )  # fmt: skip
             if report is not None:
                 report["gguf_update_kept"] = round(float(kept.kept), 4)
         else:
             io.save_llama_gguf(
                 path, built.config, params, source=source,  # folds layer by layer
-                tensor_type=ex.gguf_type, name=name, tokenizer=tok,
+                tensor_type=ex.gguf_type, expert_type=ex.gguf_expert_type,
+                name=name, tokenizer=tok,
             )  # fmt: skip
         written["gguf"] = path
     if "hf" in ex.formats:
