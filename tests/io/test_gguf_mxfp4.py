@@ -37,7 +37,9 @@ STEMS = {p: f"ffn_{p[:-5]}_exps" for p in EXPERTS}
 
 def tiny(family: str = "gpt_oss", width: int = 64, **extra):
     """The family's tiny model as llama.cpp runs it, rows ``width`` values wide."""
-    c = architecture(family).tiny()
+    make = architecture(family).tiny
+    assert make is not None
+    c = make()
     extra = cases.FAMILY_LIMITS.get(family, {}) | extra
     c = dataclasses.replace(c, hidden_size=width, intermediate_size=width, **extra)
     return c, cases.family_params(c)

@@ -169,7 +169,8 @@ def _families(llama_cpp, path: str, cases) -> tuple[dict, dict]:
 
     ``cases.family_config`` (the family's ``tiny()`` at SmolLM2's vocabulary, less
     what llama.cpp does not implement) with ``cases.family_params``, written as F32
-    (MXFP4 experts for the cases of ``cases.WRITE_TYPES``) under the family's llama.cpp architecture with SmolLM2's tokenizer; its logits at
+    (MXFP4 experts for the cases of ``cases.WRITE_TYPES``) under the family's
+    llama.cpp architecture with SmolLM2's tokenizer; its logits at
     ``cases.TINY_IDS`` (every ``TINY_COLUMN_STEP``-th column and the top-8 of each
     position), computed with a float32 KV cache, and the file's SHA-256.
     """
