@@ -512,8 +512,25 @@ def _save_deepseek(
     write_gguf(path, fields | tok_fields, {n: tensors[n] for n in order})
 
 
-def _expert_kind(config: LlamaConfig, expert_type: str | None, kind: str) -> str:
-    """``expert_type`` checked (`save_llama_gguf`'s Raises); None: ``kind``."""
+def check_expert_type(
+    config: LlamaConfig, expert_type: str | None, tensor_type: str = "F32"
+) -> str:
+    """The type `save_llama_gguf` writes ``config``'s expert stacks in, checked.
+
+    None gives ``tensor_type``. Runs call it before training (`entrenar.runs.
+    export.check_gguf_export`), so an ``export.gguf_expert_type`` the model cannot
+    take fails at once rather than after training.
+
+    Raises:
+        ConfigError: a type not in `EXPERT_TYPES`, a config without experts, or a
+            quantized type for experts whose rows (``hidden_size``, ``expert_size``)
+            are not whole 32-value blocks.
+        UnsupportedError: another type than ``tensor_type`` for DeepSeek's experts.
+
+    >>> check_expert_type(LlamaConfig(num_experts=8, num_experts_per_tok=2), "mxfp4")
+    'MXFP4'
+    """
+    kind = tensor_type.upper()
     if expert_type is None:
         return kind
     exp_kind = expert_type.upper()
@@ -521,16 +538,25 @@ def _expert_kind(config: LlamaConfig, expert_type: str | None, kind: str) -> str
         raise ConfigError(
             f"expert type {expert_type!r}: expected one of {EXPERT_TYPES}"
         )
+    family = getattr(config, "architecture", type(config).__name__)
     if not getattr(config, "num_experts", 0):
         raise ConfigError(
             f"expert_type={expert_type!r} is for a mixture of experts; this "
-            f"{config.architecture} config has no experts (num_experts="
+            f"{family} config has no experts (num_experts="
             f"{getattr(config, 'num_experts', 0)}): leave expert_type unset"
         )
     if isinstance(config, DeepseekConfig) and exp_kind != kind:
         raise UnsupportedError(
-            f"expert_type {exp_kind} for {config.architecture}: entrenar writes "
-            "DeepSeek's experts in tensor_type only; leave expert_type unset"
+            f"expert_type {exp_kind} for {family}: entrenar writes DeepSeek's "
+            "experts in tensor_type only; leave expert_type unset"
+        )
+    widths = (config.hidden_size, config.expert_size)
+    if exp_kind not in ("F32", "F16", "BF16") and any(w % 32 for w in widths):
+        raise ConfigError(
+            f"expert_type {exp_kind} needs experts' rows of whole 32-value blocks; "
+            f"this {family} config has hidden_size {config.hidden_size} and "
+            f"expert_size {config.expert_size}: write the experts in F16 or F32 "
+            "instead"
         )
     return exp_kind
 
@@ -594,7 +620,7 @@ def save_llama_gguf(
     for k in (kind, emb_kind):
         if k not in TENSOR_TYPES:
             raise ConfigError(f"tensor type {k!r}: expected one of {TENSOR_TYPES}")
-    exp_kind = _expert_kind(config, expert_type, kind)
+    exp_kind = check_expert_type(config, expert_type, kind)
     if isinstance(config, DeepseekConfig):  # MLA and a list of layers: its own
         src = read_gguf(source) if isinstance(source, (str, os.PathLike)) else source
         tok: dict[str, GGUFField] = {}
@@ -603,17 +629,6 @@ def save_llama_gguf(
         _save_deepseek(path, config, params, src, kind, emb_kind, name, tok)
         return
     gname = _gguf_name(config)
-    if (
-        expert_type is not None
-        and exp_kind not in ("F32", "F16", "BF16")
-        and (config.hidden_size % 32 or config.expert_size % 32)
-    ):
-        raise ConfigError(
-            f"expert_type {exp_kind} needs experts' rows of whole 32-value blocks; "
-            f"this {config.architecture} config has hidden_size {config.hidden_size}"
-            f" and expert_size {config.expert_size}: write the experts in F16 or "
-            "F32 instead"
-        )
     widths = (
         *(config.hidden_size, config.intermediate_size, config.expert_size),
         *(config.shared_expert_intermediate_size, config.shared_mlp_intermediate_size),

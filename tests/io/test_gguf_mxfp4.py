@@ -19,15 +19,19 @@ import jax.numpy as jnp
 import llama_cpp_cases as cases
 import numpy as np
 import pytest
+from config_cases import wine_doc, write
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from entrenar import io, lora
+from entrenar.config.summary import validate
 from entrenar.errors import ConfigError, UnsupportedError
 from entrenar.lora import LoRAConfig, fold_retention, save_folded_gguf
 from entrenar.nn import architecture
 from entrenar.nn.mxfp4 import dequantize_ggml, quantize_ggml
+from entrenar.runs.export import check_gguf_export, write_outputs
+from entrenar.runs.models import BuiltModel
 from entrenar.tree import tree_named_leaves
 
 MXFP4 = GGMLQuantizationType.MXFP4
@@ -172,3 +176,36 @@ def test_configs_mxfp4_cannot_hold_are_refused(tmp_path):
     with pytest.raises(UnsupportedError, match="DeepSeek's experts in tensor_type"):
         io.save_llama_gguf(path, ds, cases.family_params(ds), expert_type="MXFP4")
     assert not path.with_suffix(".gguf.tmp").exists()
+
+
+def _run_spec(tmp_path, **export):
+    """A validated run (a gpt-oss from scratch on text) with ``export`` set."""
+    doc = wine_doc(tmp_path / "run")
+    doc["model"] = {"architecture": "gpt_oss", "config": {"hidden_size": 64}}
+    doc["data"] = {"train": doc["data"]["train"], "format": "text"}
+    doc["training"].pop("eval_every", None)
+    doc["export"] = {"formats": ["gguf"], **export}
+    return validate(write(tmp_path / "run.yaml", doc))
+
+
+def test_a_runs_export_section_writes_mxfp4_experts(tmp_path):
+    """``export: {formats: [gguf], gguf_expert_type: MXFP4}`` reaches the writer."""
+    c, params = tiny()
+    spec = _run_spec(tmp_path, gguf_type="F16", gguf_expert_type="MXFP4")
+    built = BuiltModel("gpt_oss", c, params)
+    check_gguf_export(spec, built)  # fine
+    files = write_outputs(spec, built, params, str(tmp_path / "out"))
+    f = io.read_gguf(files["gguf"])
+    assert f.metadata["general.file_type"] == 38
+    assert f.tensors["blk.0.ffn_down_exps.weight"].type_id == 39
+    assert f.tensors["blk.0.attn_q.weight"].type_id == 1
+
+
+def test_a_run_refuses_an_expert_type_before_training(tmp_path):
+    spec = _run_spec(tmp_path, gguf_expert_type="MXFP4")
+    dense, params = tiny("llama")
+    with pytest.raises(ConfigError, match=r"^export\.gguf_expert_type: .* no experts"):
+        check_gguf_export(spec, BuiltModel("llama", dense, params))
+    odd, params = tiny(width=48)
+    with pytest.raises(ConfigError, match=r"^export\.gguf_expert_type: .* 32-value"):
+        check_gguf_export(spec, BuiltModel("gpt_oss", odd, params))
