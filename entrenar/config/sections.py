@@ -318,6 +318,15 @@ class ExportSection(Config):
         doc="GGUF tensor type of the matrices (Q8_0 keeps a LoRA's effect; Q4 types "
         "may lose it)",
     )
+    gguf_expert_type: (
+        Literal["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MXFP4"] | None
+    ) = option(
+        None,
+        doc="GGUF tensor type of a mixture of experts' stacks (ffn_*_exps); unset: "
+        "gguf_type. MXFP4 writes them as llama.cpp's gpt-oss files do (4.25 bits a "
+        "value; general.file_type MOSTLY_MXFP4_MOE); refused for a model without "
+        "experts",
+    )
 
     hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto",

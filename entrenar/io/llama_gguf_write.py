@@ -16,7 +16,11 @@ as llama.cpp's converter writes it, a ``rope_freqs`` tensor of per-frequency
 divisors. Tensors: norms, biases and vectors are F32 (as llama.cpp writes them);
 matrices are stored in ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1), quantized
 by `entrenar.quant` (bit-exact with llama.cpp's reference quantizers). A weight
-already held as a `QuantizedWeight` of that scheme is written as is.
+already held as a `QuantizedWeight` of that scheme is written as is. A mixture of
+experts' stacks (``ffn_{gate,up,down}_exps``) may take their own ``expert_type``,
+MXFP4 among them (`entrenar.nn.mxfp4.quantize_ggml`, ggml's reference quantizer
+byte for byte), as llama.cpp's gpt-oss files hold them (``general.file_type``
+``MOSTLY_MXFP4_MOE``).
 """
 
 from __future__ import annotations
@@ -95,7 +99,9 @@ from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig, to_dense
 from entrenar.nn.decoder_config import sliding_layers
 from entrenar.nn.deepseek import DeepseekConfig
+from entrenar.nn.deepseek_moe import DeepseekMoeConfig
 from entrenar.nn.glm4_moe import Glm4MoeConfig
+from entrenar.nn.mxfp4 import quantize_ggml as mxfp4_bytes
 from entrenar.nn.rope_scaling import attention_factor, yarn_mscale
 from entrenar.nn.weight_node import is_weight_node
 from entrenar.quant import GGMLWeight, QuantizedWeight, dequantize, quantize, to_ggml
@@ -103,8 +109,14 @@ from entrenar.types import Params
 
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 """Tensor types `save_llama_gguf` writes."""
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
-"""llama.cpp's ``general.file_type`` (``llama_ftype``) of each tensor type."""
+EXPERT_TYPES = (*TENSOR_TYPES, "MXFP4")
+"""Types `save_llama_gguf` writes a mixture of experts' stacks in."""
+FILE_TYPES = {
+    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32, "MXFP4": 38,
+}  # fmt: skip
+"""llama.cpp's ``general.file_type`` (``llama_ftype``) of each tensor type; MXFP4
+experts make a file ``MOSTLY_MXFP4_MOE`` (38) whatever the other tensors' type, as
+llama.cpp's converter and ``llama-quantize`` mark them."""
 U32, F32, STR = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
 TOKENS = "tokenizer.ggml.tokens"
 
@@ -121,6 +133,10 @@ def _to_bytes(w: Any, kind: str, name: str) -> np.ndarray:
         w = np.asarray(to_dense(w), np.float32)
     elif is_weight_node(w) and not isinstance(w, QuantizedWeight):
         w = to_dense(w)  # a LoRA adapter folded into its base, ...
+    if kind == "MXFP4":  # gpt-oss's experts as llama.cpp ships them
+        if isinstance(w, QuantizedWeight):
+            w = dequantize(w, np.float32)
+        return mxfp4_bytes(w, name)
     if kind in ("Q8_0", "Q4_0", "Q4_1"):
         if not (isinstance(w, QuantizedWeight) and w.scheme == kind.lower()):
             a = dequantize(w, np.float32) if isinstance(w, QuantizedWeight) else w
@@ -520,6 +536,56 @@ def _save_unrolled(
     write_gguf(path, fields | tok_fields, {n: tensors[n] for n in order})
 
 
+def check_expert_type(
+    config: LlamaConfig, expert_type: str | None, tensor_type: str = "F32"
+) -> str:
+    """The type `save_llama_gguf` writes ``config``'s expert stacks in, checked.
+
+    None gives ``tensor_type``. Runs call it before training (`entrenar.runs.
+    export.check_gguf_export`), so an ``export.gguf_expert_type`` the model cannot
+    take fails at once rather than after training.
+
+    Raises:
+        ConfigError: a type not in `EXPERT_TYPES`, a config without experts, or a
+            quantized type for experts whose rows (``hidden_size``, ``expert_size``)
+            are not whole 32-value blocks.
+        UnsupportedError: another type than ``tensor_type`` for the experts of
+            DeepSeek or GLM-4.5 (their own writer).
+
+    >>> check_expert_type(LlamaConfig(num_experts=8, num_experts_per_tok=2), "mxfp4")
+    'MXFP4'
+    """
+    kind = tensor_type.upper()
+    if expert_type is None:
+        return kind
+    exp_kind = expert_type.upper()
+    if exp_kind not in EXPERT_TYPES:
+        raise ConfigError(
+            f"expert type {expert_type!r}: expected one of {EXPERT_TYPES}"
+        )
+    family = getattr(config, "architecture", type(config).__name__)
+    if not getattr(config, "num_experts", 0):
+        raise ConfigError(
+            f"expert_type={expert_type!r} is for a mixture of experts; this "
+            f"{family} config has no experts (num_experts="
+            f"{getattr(config, 'num_experts', 0)}): leave expert_type unset"
+        )
+    if isinstance(config, DeepseekMoeConfig) and exp_kind != kind:
+        raise UnsupportedError(
+            f"expert_type {exp_kind} for {family}: entrenar writes DeepSeek's and "
+            "GLM-4.5's experts in tensor_type only; leave expert_type unset"
+        )
+    widths = (config.hidden_size, config.expert_size)
+    if exp_kind not in ("F32", "F16", "BF16") and any(w % 32 for w in widths):
+        raise ConfigError(
+            f"expert_type {exp_kind} needs experts' rows of whole 32-value blocks; "
+            f"this {family} config has hidden_size {config.hidden_size} and "
+            f"expert_size {config.expert_size}: write the experts in F16 or F32 "
+            "instead"
+        )
+    return exp_kind
+
+
 def save_llama_gguf(
     path: str | os.PathLike[str],
     config: LlamaConfig,
@@ -528,6 +594,7 @@ def save_llama_gguf(
     source: str | os.PathLike[str] | GGUFFile | None = None,
     tensor_type: str = "F32",
     embedding_type: str | None = None,
+    expert_type: str | None = None,
     name: str = "",
     tokenizer: Any = None,
 ) -> None:
@@ -556,11 +623,18 @@ def save_llama_gguf(
             away.
         embedding_type: type of ``token_embd`` and ``output`` (default
             ``tensor_type``); llama.cpp's own Q4 files keep these in Q8_0 or better.
+        expert_type: type of a mixture of experts' stacks ``ffn_{gate,up,down}_exps``
+            (`EXPERT_TYPES`; default ``tensor_type``; their biases stay F32).
+            ``"MXFP4"`` writes them as llama.cpp's gpt-oss files hold them
+            (`entrenar.nn.mxfp4.quantize_ggml`, 4.25 bits a value; gpt-oss-20b
+            about 12 GB with Q8_0 elsewhere, against 21 GB all Q8_0), and makes the
+            file's ``general.file_type`` ``MOSTLY_MXFP4_MOE`` (38).
         name: ``general.name``; default: keep the source's.
 
     Raises:
-        ConfigError: an unknown ``tensor_type``, or a row length that does not split
-            into 32-value blocks for a quantized type.
+        ConfigError: an unknown ``tensor_type`` or ``expert_type``, a row length
+            that does not split into 32-value blocks for a quantized type, or an
+            ``expert_type`` for a config without experts.
         FormatError: ``params`` lacks a tensor of ``config``, or ``tokenizer`` has
             more tokens than ``config.vocab_size``.
         UnsupportedError: a family with no llama.cpp form, or a tokenizer llama.cpp
@@ -571,6 +645,7 @@ def save_llama_gguf(
     for k in (kind, emb_kind):
         if k not in TENSOR_TYPES:
             raise ConfigError(f"tensor type {k!r}: expected one of {TENSOR_TYPES}")
+    exp_kind = check_expert_type(config, expert_type, kind)
     if isinstance(config, (DeepseekConfig, Glm4MoeConfig)):  # a list of layers
         src = read_gguf(source) if isinstance(source, (str, os.PathLike)) else source
         tok: dict[str, GGUFField] = {}
@@ -649,6 +724,7 @@ def save_llama_gguf(
             )
             k = (emb_kind if not stacked else kind) if matrix else "F32"
             k = "F32" if stem in F32_STEMS else k  # the routers, as llama.cpp
+            k = exp_kind if matrix and stem.endswith("_exps") else k
             if not stacked:
                 put(names[hf], stored(w, k, hf, stem, tuple(sub)), tuple(sub), k)
                 continue
@@ -676,8 +752,15 @@ def save_llama_gguf(
     same = src is not None and set(src.tensors) == set(tensors)
     order = list(src.tensors) if same and src else sorted(tensors, key=_order_key)
     tensors = {n: tensors[n] for n in order}
-    fields = _metadata(src, config, gname, kind, name) | tok_fields
+    file_kind = "MXFP4" if exp_kind == "MXFP4" else kind
+    fields = _metadata(src, config, gname, file_kind, name) | tok_fields
     write_gguf(path, fields, tensors)
 
 
-__all__ = ["FILE_TYPES", "TENSOR_TYPES", "llama3_divisors", "save_llama_gguf"]
+__all__ = [
+    "EXPERT_TYPES",
+    "FILE_TYPES",
+    "TENSOR_TYPES",
+    "llama3_divisors",
+    "save_llama_gguf",
+]

@@ -17,7 +17,10 @@ each layer as it writes it (never a dense copy of the model; both measure and wr
 a stacked weight one layer at a time), warning (naming the measured figures and a
 type that keeps more) when the type keeps less than ``min_kept`` of the update. Q8_0
 keeps a short fine-tune of a 4-bit SmolLM2 (~99%), Q4_1 erases most of it
-(benchmarks/results/main_job.md).
+(benchmarks/results/main_job.md). A mixture of experts written with its own
+``expert_type`` (MXFP4: gpt-oss's experts as llama.cpp ships them) is measured as
+written: its expert stacks (``mlp.experts.{gate,up,down}_proj``) in ``expert_type``,
+the other weights in ``tensor_type``.
 """
 
 from __future__ import annotations
@@ -29,17 +32,20 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entrenar import io, quant
 from entrenar.errors import ConfigError
 from entrenar.lora.fold import update
 from entrenar.lora.names import named_weight_leaves
 from entrenar.lora.weight import LoRAWeight
+from entrenar.nn import mxfp4
 from entrenar.nn.weight_node import to_dense
 from entrenar.types import Params
 
 _CASTS = {"F32": jnp.float32, "F16": jnp.float16, "BF16": jnp.bfloat16}
 _BLOCKS = ("Q8_0", "Q4_0", "Q4_1")
+_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 class Retention(NamedTuple):
@@ -61,18 +67,40 @@ def stored(w: jax.Array, tensor_type: str) -> jax.Array:
         return w.astype(_CASTS[kind]).astype(jnp.float32)
     if kind in _BLOCKS:
         return quant.dequantize(quant.quantize(w, kind.lower()), jnp.float32)
+    if kind == "MXFP4":  # experts only (`entrenar.io.save_llama_gguf`'s expert_type)
+        a = np.asarray(w, np.float32)  # (..., in): rows of whole 32-value blocks
+        back = mxfp4.dequantize_ggml(mxfp4.quantize_ggml(a), a.shape)
+        return jnp.asarray(back)
     raise ConfigError(
-        f"tensor type {tensor_type!r}: expected one of {(*_CASTS, *_BLOCKS)}"
+        f"tensor type {tensor_type!r}: expected one of {(*_CASTS, *_BLOCKS, 'MXFP4')}"
     )
 
 
-def fold_retention(params: Params, tensor_type: str) -> Retention:
+def _is_expert_stack(path: str) -> bool:
+    """``path`` (a dotted tree path) names a mixture of experts' weight stack.
+
+    >>> _is_expert_stack("model.layers.mlp.experts.down_proj.weight")
+    True
+    >>> _is_expert_stack("model.layers.mlp.shared_expert.down_proj.weight")
+    False
+    """
+    *_, group, proj, leaf = ["", "", *path.split(".")]
+    return group == "experts" and proj in _PROJS and leaf == "weight"
+
+
+def fold_retention(
+    params: Params, tensor_type: str, expert_type: str | None = None
+) -> Retention:
     """Measure how much of every adapter's update survives folding into ``tensor_type``.
 
     Args:
         params: a tree with `LoRAWeight` nodes (dense or quantized bases).
         tensor_type: ``"F32"``, ``"F16"``, ``"BF16"``, ``"Q8_0"``, ``"Q4_0"`` or
             ``"Q4_1"`` (as `entrenar.io.save_llama_gguf` writes).
+        expert_type: the type of the experts' stacks (``"MXFP4"`` or one of the
+            above; default ``tensor_type``), as `entrenar.io.save_llama_gguf`'s
+            ``expert_type``; the `Retention` then measures both types together,
+            and its ``tensor_type`` names the other weights' type.
 
     Raises:
         ConfigError: no adapter in ``params``, or an unknown tensor type.
@@ -85,13 +113,14 @@ def fold_retention(params: Params, tensor_type: str) -> Retention:
     """
     dot = sq = err = 0.0
     n = 0
-    for _, x in named_weight_leaves(params):
+    for path, x in named_weight_leaves(params):
         if not isinstance(x, LoRAWeight):
             continue
+        kind = expert_type if expert_type and _is_expert_stack(path) else tensor_type
         for m in _matrices(x):  # a stacked leaf one layer at a time
             base = to_dense(m.base).astype(jnp.float32)  # (out, in)
             d = update(m)  # s·BA; DoRA: its rescaled fold minus W
-            e = stored(base + d, tensor_type) - base  # what the file adds to W
+            e = stored(base + d, kind) - base  # what the file adds to W
             dot += float(jnp.vdot(e, d))
             sq += float(jnp.vdot(d, d))
             err += float(jnp.sum((e - d) ** 2))
@@ -123,6 +152,7 @@ def save_folded_gguf(
     *,
     source: str | os.PathLike[str] | None = None,
     tensor_type: str = "Q8_0",
+    expert_type: str | None = None,
     min_kept: float = 0.9,
     name: str = "",
     tokenizer: Any = None,
@@ -136,6 +166,9 @@ def save_folded_gguf(
         source: the base GGUF, whose tokenizer and chat template are copied.
         tensor_type: type of the matrices (default Q8_0: 8.5 bits a value, about
             145 MB for SmolLM2-135M, and it keeps a fine-tune of a 4-bit base).
+        expert_type: type of a mixture of experts' stacks (default
+            ``tensor_type``; ``"MXFP4"`` as llama.cpp's gpt-oss files), measured
+            with the rest (`fold_retention`).
         min_kept: warn (`UserWarning`) when `fold_retention` ``.kept`` is lower.
         name: ``general.name`` (default: keep the source's).
         tokenizer: the tokenizer to write when ``source`` has none (see
@@ -145,20 +178,23 @@ def save_folded_gguf(
         The `Retention` of ``tensor_type``, measured before writing.
     """
     kind = tensor_type.upper()
-    r = fold_retention(params, kind)
+    experts = expert_type.upper() if expert_type else None
+    r = fold_retention(params, kind, experts)
     if r.kept < min_kept:
         better = fold_retention(params, "Q8_0" if kind != "Q8_0" else "F16")
+        what = f"{kind} with {experts} experts" if experts not in (None, kind) else kind
         warnings.warn(
-            f"{os.fspath(path)}: {kind} keeps {r.kept:.0%} of the LoRA update "
+            f"{os.fspath(path)}: {what} keeps {r.kept:.0%} of the LoRA update "
             f"(error {r.residual:.0%} of the update's size), so the exported model "
             f"loses much of the fine-tune; {better.tensor_type} keeps "
-            f"{better.kept:.0%} (tensor_type={better.tensor_type!r})",
+            f"{better.kept:.0%} (tensor_type={better.tensor_type!r}"
+            f"{', expert_type=None' if experts else ''})",
             UserWarning,
             stacklevel=2,
         )
     io.save_llama_gguf(  # folds each layer as it writes it: no dense copy
-        path, config, params, source=source, tensor_type=kind, name=name,
-        tokenizer=tokenizer,
+        path, config, params, source=source, tensor_type=kind, expert_type=experts,
+        name=name, tokenizer=tokenizer,
     )  # fmt: skip
     return r
 

@@ -22,9 +22,13 @@ Two byte layouts:
   (``2^(e - 128)``): the same values, but for ``e = 255`` (NaN in the MX
   specification), where ggml's stays finite; `dequantize_ggml` computes ggml's.
 
+`quantize_ggml` is the GGML layout's quantizer (the GGUF writer's MXFP4 experts,
+`entrenar.io.save_llama_gguf`), byte for byte ggml's ``quantize_row_mxfp4_ref`` and
+gguf-py's ``gguf.quants.quantize(x, GGMLQuantizationType.MXFP4)``.
+
 It sits in `entrenar.nn` (below `entrenar.quant` in the layers, specs/conventions.md)
 because a family reads it: gpt-oss's `from_hf_tensors` decodes the Hub's experts
-(`entrenar.nn.gpt_oss`); it is a pure NumPy codec with no quantizer of its own.
+(`entrenar.nn.gpt_oss`); it is a pure NumPy codec.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from entrenar.errors import FormatError
+from entrenar.errors import FormatError, QuantizationError
 
 E2M1 = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -132,4 +136,94 @@ def dequantize_ggml(raw: Any, shape: tuple[int, ...], dtype: Any = np.float32) -
     return out.reshape(shape).astype(dtype, copy=False)
 
 
-__all__ = ["BLOCK", "E2M1", "dequantize_ggml", "dequantize_hf", "quantize_hf"]
+_MIDPOINTS = np.array([0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 10.0], np.float32)
+"""Midpoints of ggml's doubled E2M1 magnitudes ``0, 1, 2, 3, 4, 6, 8, 12``."""
+_ABOVE = np.array([1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], np.float32)
+"""The doubled magnitude above each of `_MIDPOINTS`."""
+_CHUNK = 1 << 16
+"""Blocks quantized at a time by `quantize_ggml` (bounds its temporaries)."""
+
+
+def _ggml_blocks(x: np.ndarray) -> np.ndarray:
+    """Finite float32 blocks ``x: (n, 32)`` -> GGML MXFP4 bytes ``(n, 17)``."""
+    amax = np.abs(x).max(-1)  # (n,)
+    with np.errstate(divide="ignore"):
+        # float32 log2, as ggml's log2f and gguf-py's np.log2 of float32 compute it
+        k = np.floor(np.log2(np.where(amax > 0, amax, np.float32(1))))
+    e = np.where(amax > 0, k.astype(np.int32) - 2 + 127, 0)
+    e = np.maximum(e, 0)  # amax < 2^-125: the smallest scale (module docs, no wrap)
+    d = np.ldexp(np.float32(1.0), e - 128).astype(np.float32)[:, None]  # (n, 1)
+    ax = np.abs(x)
+    mag = np.zeros(x.shape, np.uint8)  # index into 0, 1, 2, 3, 4, 6, 8, 12
+    with np.errstate(over="ignore"):
+        for m, up in zip(_MIDPOINTS, _ABOVE, strict=True):
+            # m·d is exact; a tie (ax == m·d) keeps the lower code; a code whose
+            # value overflows float32 (8 and 12 at e = 253) is never taken, as
+            # ggml's infinite error for it
+            mag += (ax > m * d) & np.isfinite(up * d)
+    codes = np.where((x < 0) & (mag > 0), mag | 8, mag).astype(np.uint8)  # (n, 32)
+    out = np.empty((x.shape[0], 17), np.uint8)
+    out[:, 0] = e
+    out[:, 1:] = codes[:, :16] | (codes[:, 16:] << 4)  # Q4_0's nibbles
+    return out
+
+
+def quantize_ggml(w: Any, name: str = "tensor") -> np.ndarray:
+    """``w (..., K)`` (``K`` a multiple of 32) as GGML MXFP4 bytes ``(..., K/32·17)``.
+
+    ggml's ``quantize_row_mxfp4_ref`` (OCP MX v1.0's scale rule), vectorized: each
+    32-value block (of float32 values, as ggml quantizes) gets the E8M0 exponent
+    ``e = floor(log2(amax)) - 2 + 127`` (``log2`` in float32; 0 for an all-zero
+    block), each value the nearest of the doubled E2M1 codes times
+    ``d = 2^(e - 128)``, a tie going to the first code in the table's order (the
+    smaller magnitude; zero as code 0, never -0's code 8). The nearest code is
+    found by comparing ``|x|`` with the codes' midpoints times ``d`` (exact
+    products), which picks the code ggml's rounded errors pick (every error that
+    decides is computed exactly: Sterbenz's lemma on neighbouring codes).
+
+    Where ggml's ``uint8_t`` exponent would wrap: finite float32 values give
+    ``e <= 253`` (253 for ``amax`` within float32's log2 rounding of ``2^128``,
+    where the codes 4 and 6 would overflow float32 and, as in ggml, are not
+    taken: such values become ``1.5 · 2^127``), so the top of E8M0 (255, NaN in
+    the MX specification) is never reached; values beyond float32's range are
+    refused with NaN and Inf. A block with ``0 < amax < 2^-125`` gives
+    ``e < 0``, which ggml and gguf-py wrap (a scale near ``2^100``), and which
+    this clamps to ``e = 0``: the smallest scale, each value the nearest code
+    times ``2^-128`` (off by ``2^-128`` at most: the block stays within its range,
+    below ``2^-125``, rather than turning into ``2^100``-sized values).
+
+    Args:
+        w: values, any float dtype (converted to float32).
+        name: the tensor, for the error.
+
+    Raises:
+        FormatError: a last axis that is not a multiple of 32.
+        QuantizationError: NaN or Inf (or values beyond float32) in ``w``.
+    """
+    a = np.asarray(w)
+    if a.ndim == 0 or a.shape[-1] % BLOCK:
+        raise FormatError(
+            f"{name}: MXFP4 needs a last axis multiple of {BLOCK}, got {a.shape}"
+        )
+    with np.errstate(over="ignore"):
+        flat = np.asarray(a, np.float32).reshape(-1, BLOCK)  # (n, 32)
+    out = np.empty((flat.shape[0], 17), np.uint8)
+    for s in range(0, flat.shape[0], _CHUNK):
+        x = flat[s : s + _CHUNK]
+        if not np.isfinite(x).all():
+            raise QuantizationError(
+                f"{name} holds NaN or Inf (or values beyond float32's range); "
+                "cannot write MXFP4"
+            )
+        out[s : s + _CHUNK] = _ggml_blocks(x)
+    return out.reshape(*a.shape[:-1], -1)
+
+
+__all__ = [
+    "BLOCK",
+    "E2M1",
+    "dequantize_ggml",
+    "dequantize_hf",
+    "quantize_ggml",
+    "quantize_hf",
+]

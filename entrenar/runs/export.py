@@ -22,6 +22,7 @@ from entrenar.errors import (
 )
 from entrenar.io.atomic import remove_temporaries
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
+from entrenar.io.llama_gguf_write import check_expert_type
 from entrenar.io.lock import OutputLock
 from entrenar.lora.adapter_io import check_saveable
 from entrenar.runs.models import BuiltModel, dicts_from_lists, save_built
@@ -145,6 +146,25 @@ def check_adapter_export(spec: Any, built: BuiltModel, params: Params) -> None:
         check_saveable(params, hf_model_type(built.config))
     except CompatibilityError as e:
         raise ConfigError(f"export.formats: 'adapter': {e}") from None
+
+
+def check_gguf_export(spec: Any, built: BuiltModel) -> None:
+    """Refuse, before training, an ``export.gguf_expert_type`` the model cannot take.
+
+    `entrenar.io.llama_gguf_write.check_expert_type`: a model without experts, or
+    experts whose rows are not whole 32-value blocks for MXFP4 or a Q type, would
+    train to the end and then fail to export.
+
+    Raises:
+        ConfigError: naming ``export.gguf_expert_type`` and what to change.
+    """
+    ex = spec.export
+    if "gguf" not in ex.formats or ex.gguf_expert_type is None:
+        return
+    try:
+        check_expert_type(built.config, ex.gguf_expert_type, ex.gguf_type)
+    except (ConfigError, UnsupportedError) as e:
+        raise ConfigError(f"export.gguf_expert_type: {e}") from None
 
 
 def write_quantized(
@@ -314,14 +334,15 @@ def _write_exports(
         if adapted:  # measures how much of the update the type keeps; warns if little
             kept = lora.save_folded_gguf(
                 path, built.config, params, source=source, tensor_type=ex.gguf_type,
-                name=name, tokenizer=tok,
+                expert_type=ex.gguf_expert_type, name=name, tokenizer=tok,
             )  # fmt: skip
             if report is not None:
                 report["gguf_update_kept"] = round(float(kept.kept), 4)
         else:
             io.save_llama_gguf(
                 path, built.config, params, source=source,  # folds layer by layer
-                tensor_type=ex.gguf_type, name=name, tokenizer=tok,
+                tensor_type=ex.gguf_type, expert_type=ex.gguf_expert_type,
+                name=name, tokenizer=tok,
             )  # fmt: skip
         written["gguf"] = path
     if "hf" in ex.formats:
@@ -382,6 +403,7 @@ def write_hf_folder(
 
 __all__ = [
     "GGML_SCHEMES",
+    "check_gguf_export",
     "check_quantizable",
     "gguf_tokenizer",
     "has_adapters",

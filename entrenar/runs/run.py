@@ -51,6 +51,7 @@ from entrenar.runs.build import (
 )
 from entrenar.runs.export import (
     check_adapter_export,
+    check_gguf_export,
     check_quantizable,
     write_outputs,
 )
@@ -496,6 +497,7 @@ def _check_exports(spec: TrainSpec, prep: Prepared) -> None:
     params = prep.params["student"] if spec.distillation is not None else prep.params
     check_quantizable(spec, prep.built, params)
     check_adapter_export(spec, prep.built, params)
+    check_gguf_export(spec, prep.built)
 
 
 def _plan(prep: Prepared) -> dict[str, Any]:

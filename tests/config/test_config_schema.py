@@ -81,6 +81,12 @@ def test_wrong_type(tmp_path):
     )
 
 
+def test_gguf_expert_type_is_a_type_or_unset(tmp_path):
+    msg = _broken(tmp_path, "export", "gguf_expert_type", "MXFP8")
+    assert msg.startswith("export.gguf_expert_type: "), msg
+    assert "'MXFP4'" in msg
+
+
 def test_negative_lr(tmp_path):
     assert _broken(tmp_path, "optimizer", "lr", -1) == (
         "optimizer.lr: must be > 0, got -1"
@@ -251,6 +257,7 @@ def test_every_section_key_is_documented():
         "grad_accum",
         "quantize_base",
         "gguf_type",
+        "gguf_expert_type",
         "temperature",
         "seq_len",
         "warmup_steps",

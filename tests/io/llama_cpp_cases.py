@@ -238,8 +238,24 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "cohere_qk_norm": (
         "cohere", dict(num_layers=64, qk_norm=True, qk_norm_heads=True),
     ),
+    # MXFP4 experts (WRITE_TYPES): gpt-oss as llama.cpp ships it, and the other
+    # MoE graphs, whose experts llama.cpp multiplies in any ggml type
+    "gpt_oss_mxfp4": ("gpt_oss", {}),
+    "mixtral_mxfp4": ("mixtral", {}),
+    "qwen3_moe_mxfp4": ("qwen3_moe", dict(moe_intermediate_size=32)),
 }  # fmt: skip
 """Cases beyond each family's own: name -> (family, fields replaced)."""
+WRITE_TYPES: dict[str, dict[str, str]] = {
+    "gpt_oss_mxfp4": {"expert_type": "MXFP4"},
+    "mixtral_mxfp4": {"expert_type": "MXFP4"},
+    "qwen3_moe_mxfp4": {"expert_type": "MXFP4"},
+}
+"""`save_llama_gguf` types of a case other than F32 everywhere."""
+
+
+def write_types(family: str) -> dict[str, str]:
+    """``save_llama_gguf``'s type arguments for ``family`` (a family or a case)."""
+    return {"tensor_type": "F32"} | WRITE_TYPES.get(family, {})
 
 
 def family_config(family: str) -> LlamaConfig:

@@ -17,7 +17,8 @@ that tests/io/test_io_llama_gguf.py and tests/io/test_io_tokenizer.py compare ag
 - ``llama_cpp_families.json`` / ``.npz`` (tests/io/test_gguf_families.py): for each
   registered family entrenar writes as GGUF (and each of
   ``llama_cpp_cases.FAMILY_CASES``: Qwen2 with yarn and an attention factor,
-  Command-R+'s per-head q/k norms at 64 layers), its
+  Command-R+'s per-head q/k norms at 64 layers, gpt-oss, Mixtral and Qwen3-MoE
+  with MXFP4 experts), its
   tiny model (``llama_cpp_cases.family_config``) written by entrenar under the
   family's llama.cpp architecture, and llama.cpp's logits for it.
   ``--only-families`` writes only these two files.
@@ -168,7 +169,8 @@ def _families(llama_cpp, path: str, cases) -> tuple[dict, dict]:
 
     ``cases.family_config`` (the family's ``tiny()`` at SmolLM2's vocabulary, less
     what llama.cpp does not implement) with ``cases.family_params``, written as F32
-    under the family's llama.cpp architecture with SmolLM2's tokenizer; its logits at
+    (MXFP4 experts for the cases of ``cases.WRITE_TYPES``) under the family's
+    llama.cpp architecture with SmolLM2's tokenizer; its logits at
     ``cases.TINY_IDS`` (every ``TINY_COLUMN_STEP``-th column and the top-8 of each
     position), computed with a float32 KV cache, and the file's SHA-256.
     """
@@ -183,7 +185,7 @@ def _families(llama_cpp, path: str, cases) -> tuple[dict, dict]:
             f = Path(tmp) / f"{family}.gguf"
             save_llama_gguf(
                 f, config, cases.family_params(config), source=source,
-                tensor_type="F32",
+                **cases.write_types(family),
             )  # fmt: skip
             ll = llama_cpp.Llama(
                 str(f), logits_all=True, n_ctx=32, verbose=False,
