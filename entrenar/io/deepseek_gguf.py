@@ -511,8 +511,9 @@ def deepseek_keys(c: DeepseekConfig, kind_id: int) -> dict[str, GGUFField]:
         if c.norm_topk_prob:
             new["expert_weights_norm"] = (True, GGUFValueType.BOOL)
         if c.topk_method == "noaux_tc" or c.n_group == 1:  # (V2's: not applied)
-            new["expert_group_count"] = (c.n_group, u32)
-            new["expert_group_used_count"] = (c.topk_group, u32)
+            groups, used = written_groups(c.n_group, c.topk_group)
+            new["expert_group_count"] = (groups, u32)
+            new["expert_group_used_count"] = (used, u32)
     if c.rope_type == "yarn":
         a, log_mul = yarn_keys(c)
         new |= {
@@ -536,13 +537,34 @@ def deepseek_keys(c: DeepseekConfig, kind_id: int) -> dict[str, GGUFField]:
     return out
 
 
+def written_groups(n_group: int, topk_group: int) -> tuple[int, int]:
+    """``(expert_group_count, expert_group_used_count)`` as a file states them.
+
+    Keeping every group (``topk_group >= n_group > 1``) is the routing of one
+    group, and llama.cpp's loader asserts ``n_group_used < n_expert_groups`` when
+    there are several: such a config is written as one group (its groups kept in
+    ``entrenar.family``).
+
+    >>> written_groups(8, 4), written_groups(4, 4), written_groups(1, 1)
+    ((8, 4), (1, 1), (1, 1))
+    """
+    if n_group > 1 and topk_group >= n_group:
+        return 1, 1
+    return n_group, topk_group
+
+
 def family_json(c: DeepseekConfig, switches: dict[str, Any]) -> str:
-    """``entrenar.family``: the switches and `EXTRA_FIELDS` off their defaults."""
+    """``entrenar.family``: the switches and `EXTRA_FIELDS` off their defaults.
+
+    The groups are kept whenever the keys state other ones (`written_groups`).
+    """
     defaults = {f.name: f.default for f in dataclasses.fields(c)}
     out = dict(switches, architecture=c.architecture)
     for name in EXTRA_FIELDS:
         if getattr(c, name) != defaults[name]:
             out[name] = getattr(c, name)
+    if written_groups(c.n_group, c.topk_group) != (c.n_group, c.topk_group):
+        out |= {"n_group": c.n_group, "topk_group": c.topk_group}
     return json.dumps(out)
 
 

@@ -61,7 +61,7 @@ import numpy as np
 
 from entrenar import nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
-from entrenar.io.deepseek_gguf import GLOBAL, count_key, expert_scale
+from entrenar.io.deepseek_gguf import GLOBAL, count_key, expert_scale, written_groups
 from entrenar.io.gguf_families import FAMILY_KEY, SWITCH_FIELDS
 from entrenar.io.gguf_meta import meta_float, meta_int
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType
@@ -122,9 +122,7 @@ def mtp_tensors(g: GGUFFile, config: Glm4MoeConfig) -> set[str]:
 
 def _groups(c: Glm4MoeConfig) -> tuple[int, int]:
     """``(expert_group_count, expert_group_used_count)``: every group kept is one."""
-    if c.topk_group >= c.n_group:
-        return 1, 1
-    return c.n_group, c.topk_group
+    return written_groups(c.n_group, c.topk_group)
 
 
 # ------------------------------------------------------------------- checks

@@ -136,6 +136,21 @@ def test_a_deepseek_round_trips_bit_exact(family, kind, tmp_path):
     assert again.read_bytes() == path.read_bytes()
 
 
+def test_every_group_kept_is_written_as_one(tmp_path):
+    """V3 routing over all 4 of 4 groups: keys 1/1 (llama.cpp asserts fewer used).
+
+    The same routing; ``entrenar.family`` keeps the config's groups.
+    """
+    config, params = _tiny("deepseek_v3", topk_group=4)
+    path = tmp_path / "a.gguf"
+    io.save_llama_gguf(path, config, params)
+    fields = io.read_gguf(path).fields
+    assert fields["deepseek2.expert_group_count"].value == 1
+    assert fields["deepseek2.expert_group_used_count"].value == 1
+    back, loaded, _ = io.load_llama_gguf(path)
+    assert back == config
+
+
 @pytest.mark.parametrize(
     ("family", "drop"),
     [("deepseek_v3", ()), ("deepseek_v2", ()),
