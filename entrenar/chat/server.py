@@ -70,7 +70,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -87,7 +87,12 @@ from entrenar.chat.openai_request import (
     parse_request,
 )
 from entrenar.chat.session import ChatModel, Reply
-from entrenar.chat.tool_calls import PARSERS, parse_tool_calls
+from entrenar.chat.tool_calls import (
+    PARSERS,
+    ToolCall,
+    ToolCallStream,
+    parse_tool_calls,
+)
 from entrenar.errors import (
     ConfigError,
     FormatError,
@@ -110,6 +115,10 @@ message, content parts)."""
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 """The most tokens one request may ask for by default (``max_tokens_limit``)."""
 
+Item = tuple[str, int] | Reply
+"""What `Server.generate` yields: a text piece and the tokens generated so far, or
+the `Reply` at the end."""
+
 # ---------------------------------------------------------------------------
 # Responses
 
@@ -129,19 +138,24 @@ def _usage(reply: Reply) -> dict[str, int]:
 
 
 def _choice(
-    chat: bool, text: str | None, finish: str | None, stream: bool, first: bool = False
+    chat: bool,
+    text: str | None,
+    finish: str | None,
+    stream: bool,
+    first: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
     """One ``choices`` entry of a reply or a stream chunk."""
     if not chat:
         return {
-            "index": 0,
+            "index": index,
             "text": text or "",
             "logprobs": None,
             "finish_reason": finish,
         }
     if not stream:
         return {
-            "index": 0,
+            "index": index,
             "message": {"role": "assistant", "content": text},
             "logprobs": None,
             "finish_reason": finish,
@@ -149,7 +163,34 @@ def _choice(
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if text is not None:
         delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def _tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` entries of ``calls`` (each a fresh ``id``)."""
+    return [
+        {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+         "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]  # fmt: skip
+
+
+def _add_usage(total: dict[str, int], reply: Reply, sample: int) -> None:
+    """Add one choice's `_usage` to ``total`` (a prompt counts once: sample 0)."""
+    used = _usage(reply)
+    if sample:
+        used["total_tokens"] -= used.pop("prompt_tokens")
+    for k, v in used.items():
+        total[k] = total.get(k, 0) + v
+
+
+def _logprobs_slice(lp: dict[str, Any], chat: bool, a: int, b: int) -> dict | None:
+    """The entries ``a:b`` of a choice's ``logprobs`` object; None when empty."""
+    if b <= a:
+        return None
+    if chat:
+        return {"content": lp["content"][a:b], "refusal": None}
+    return {k: v[a:b] for k, v in lp.items()}
 
 
 @dataclasses.dataclass
@@ -215,19 +256,12 @@ class Server:
             )
         return n
 
-    def generate(
-        self, request: Request, prompt: Any, sample: int = 0
-    ) -> Generator[str | Reply, None, None]:
-        """The reply's text pieces to ``prompt``, then its `Reply`.
+    def check(self, request: Request, prompt: Any) -> int:
+        """Raise the `RequestError` that generating for ``prompt`` would.
 
-        ``sample``: which of the request's ``n`` choices (its key is folded in).
-
-        Callers hold ``lock``. The checks (template, length) raise before the
-        first piece.
+        Returns the ``max_new_tokens`` of its generation. A stream checks every
+        prompt before it sends its header.
         """
-        import jax
-
-        cm = self.chat_model
         if request.tools is not None and self.tool_call_parser is None:
             raise field_error(
                 "tools",
@@ -236,7 +270,28 @@ class Server:
             )
         try:
             prompt_tokens = len(self._prompt_ids(request, prompt))
-            n = self.max_new_tokens(request, prompt_tokens)
+        except (FormatError, TemplateError, ShapeError, ConfigError) as e:
+            param = "messages" if request.chat else "prompt"
+            raise RequestError(400, str(e), param) from None
+        return self.max_new_tokens(request, prompt_tokens)
+
+    def generate(
+        self, request: Request, prompt: Any, sample: int = 0
+    ) -> Generator[Item, None, None]:
+        """The reply's text pieces to ``prompt``, then its `Reply`.
+
+        Each piece comes with the number of tokens generated so far (those that
+        made it and the ones before). ``sample``: which of the request's ``n``
+        choices (its key is folded in).
+
+        Callers hold ``lock``. The checks (template, length) raise before the
+        first piece.
+        """
+        import jax
+
+        cm = self.chat_model
+        n = self.check(request, prompt)
+        try:
             key = None
             if request.options["temperature"] > 0:
                 seed = secrets.randbits(63) if request.seed is None else request.seed
@@ -254,7 +309,8 @@ class Server:
         except (FormatError, TemplateError, ShapeError, ConfigError) as e:
             param = "messages" if request.chat else "prompt"
             raise RequestError(400, str(e), param) from None
-        yield from stream
+        for piece in stream:
+            yield piece, len(stream.ids)
         assert stream.reply is not None
         yield stream.reply
 
@@ -272,29 +328,27 @@ class Server:
         finally:
             pieces.close()
         assert isinstance(reply, Reply)
-        text = "".join(p for p in parts if isinstance(p, str))
-        cm = self.chat_model
+        text = "".join(p[0] for p in parts if isinstance(p, tuple))
         if request.echo:
-            ids = cm.encode(prompt, chat=False)
-            text = (
-                prompt if isinstance(prompt, str) else cm.tokenizer.decode(ids)
-            ) + text
-        out = _choice(request.chat, text, reply.finish_reason, False)
-        out["index"] = index
+            text = self.echo_text(prompt) + text
+        out = _choice(request.chat, text, reply.finish_reason, False, index=index)
         if request.tools is not None and self.tool_call_parser is not None:
             found = parse_tool_calls(text, self.tool_call_parser)
             if found is not None:
                 content, calls = found
                 out["message"]["content"] = content
-                out["message"]["tool_calls"] = [
-                    {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                     "function": {"name": c.name, "arguments": c.arguments}}
-                    for c in calls
-                ]  # fmt: skip
+                out["message"]["tool_calls"] = _tool_calls(calls)
                 out["finish_reason"] = "tool_calls"
         if request.logprobs is not None:
-            out["logprobs"] = self._logprobs(request, prompt, reply)
+            out["logprobs"] = self.logprobs(request, prompt, reply)
         return out, reply
+
+    def echo_text(self, prompt: Any) -> str:
+        """The text ``echo`` puts before a completion: the prompt's, or its ids'."""
+        if isinstance(prompt, str):
+            return prompt
+        cm = self.chat_model
+        return cm.tokenizer.decode(cm.encode(prompt, chat=False))
 
     def _prompt_ids(self, request: Request, prompt: Any) -> list[int]:
         """The prompt's token ids, as the generation reads it."""
@@ -302,7 +356,7 @@ class Server:
             prompt, chat=request.chat, tools=request.tools if request.chat else None
         )
 
-    def _logprobs(self, request: Request, prompt: Any, reply: Reply) -> dict:
+    def logprobs(self, request: Request, prompt: Any, reply: Reply) -> dict:
         """The ``logprobs`` object of one choice (module `openai_logprobs`)."""
         cm = self.chat_model
         prompt_ids = self._prompt_ids(request, prompt)
@@ -438,7 +492,10 @@ class _Handler(BaseHTTPRequestHandler):
             request = parse_request(self._read_json(), chat=routes[path])
             self._answer(request)
         except RequestError as e:
-            self._send_error(e)
+            if self._streaming:  # a choice after the first (its checks passed)
+                self._event(e.body())
+            else:
+                self._send_error(e)
         except OSError as e:  # the client went away or stalled (timeouts included)
             log.info("%s: connection ended: %s", self.address_string(), e)
             self.close_connection = True
@@ -509,9 +566,11 @@ class _Handler(BaseHTTPRequestHandler):
             if not request.stream:
                 self._whole(request, head)
                 return
+            for prompt in request.prompts[1:]:  # every prompt, before any header
+                app.check(request, prompt)
             pieces = app.generate(request, request.prompts[0])
             try:
-                first = next(pieces)  # the checks run here, before any header
+                first = next(pieces)  # the first prompt's checks run here
                 self._stream(request, head, _chain(first, pieces))
             finally:
                 pieces.close()  # a client gone mid-stream: the decoding ends here
@@ -520,29 +579,31 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _whole(self, request: Request, head: dict[str, Any]) -> None:
         """Every prompt's choice, then one reply (nothing is sent on an error)."""
-        choices, usage = (
-            [],
-            dict.fromkeys(("prompt_tokens", "completion_tokens", "total_tokens"), 0),
-        )
+        choices: list[dict[str, Any]] = []
+        usage = dict.fromkeys(("prompt_tokens", "completion_tokens", "total_tokens"), 0)
         for i, prompt in enumerate(request.prompts):
             for j in range(request.n):  # OpenAI's order: prompt by prompt
                 choice, reply = self.server.app.choice(
                     request, prompt, i * request.n + j, j
                 )
                 choices.append(choice)
-                used = _usage(reply)
-                if j:  # a prompt counts once, however many choices it has
-                    used["total_tokens"] -= used.pop("prompt_tokens")
-                for k, v in used.items():
-                    usage[k] += v
+                _add_usage(usage, reply, j)
         kind = "chat.completion" if request.chat else "text_completion"
         self._send_json(
             200, {**head, "object": kind, "choices": choices, "usage": usage}
         )
 
     def _stream(
-        self, request: Request, head: dict[str, Any], items: Iterator[str | Reply]
+        self,
+        request: Request,
+        head: dict[str, Any],
+        first: Generator[Item, None, None],
     ) -> None:
+        """Every choice's chunks, one choice after another, then usage and [DONE].
+
+        ``first``: the pieces of the first choice, already started.
+        """
+        app = self.server.app
         self.close_connection = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -550,25 +611,93 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self._streaming = True
         kind = "chat.completion.chunk" if request.chat else "text_completion"
-
-        def chunk(*choices: dict[str, Any], **extra: Any) -> dict[str, Any]:
-            return {**head, "object": kind, "choices": list(choices), **extra}
-
-        if request.chat:
-            self._event(chunk(_choice(True, "", None, True, first=True)))
-        for item in items:
-            if isinstance(item, Reply):
-                self._event(
-                    chunk(_choice(request.chat, None, item.finish_reason, True))
-                )
-                if request.include_usage:
-                    self._event(chunk(usage=_usage(item)))
-            else:
-                self._event(chunk(_choice(request.chat, item, None, True)))
+        usage = dict.fromkeys(("prompt_tokens", "completion_tokens", "total_tokens"), 0)
+        for i, prompt in enumerate(request.prompts):
+            for j in range(request.n):
+                pieces = first if i == j == 0 else app.generate(request, prompt, j)
+                try:
+                    reply = self._stream_choice(
+                        request, head, kind, prompt, i * request.n + j, pieces
+                    )
+                finally:
+                    pieces.close()
+                _add_usage(usage, reply, j)
+        if request.include_usage:
+            self._event({**head, "object": kind, "choices": [], "usage": usage})
         self._event("[DONE]")
 
+    def _stream_choice(
+        self,
+        request: Request,
+        head: dict[str, Any],
+        kind: str,
+        prompt: Any,
+        index: int,
+        pieces: Iterator[Item],
+    ) -> Reply:
+        """Send one choice's chunks; its `Reply`.
 
-def _chain(first: str | Reply, rest: Iterator[str | Reply]) -> Iterator[str | Reply]:
+        Without ``logprobs`` each piece is sent as it comes. With them, the
+        choice is generated whole first and scored in one pass, as a reply that
+        does not stream (`Server.logprobs`), so the chunks' entries, joined, are
+        that reply's; each chunk carries the entries of the tokens generated since
+        the chunk before (the prompt's first, with ``echo``).
+        """
+        app, chat = self.server.app, request.chat
+        items: Iterable[Item] = pieces
+        lp: dict[str, Any] | None = None
+        if request.logprobs is not None:
+            items = list(pieces)
+            last = items[-1]
+            assert isinstance(last, Reply)
+            lp = app.logprobs(request, prompt, last)
+        skip = len(app.chat_model.encode(prompt, chat=False)) if request.echo else 0
+        sent = 0  # logprobs entries sent
+
+        def send(text: str | None, upto: int | None = None, **choice: Any) -> None:
+            nonlocal sent
+            out = _choice(chat, text, None, True, index=index)
+            out.update(choice)
+            if lp is not None:
+                total = len(lp["content"] if chat else lp["tokens"])
+                end = total if upto is None else min(upto, total)
+                out["logprobs"] = _logprobs_slice(lp, chat, sent, end)
+                sent = max(sent, end)
+            self._event({**head, "object": kind, "choices": [out]})
+
+        if chat:
+            send("", 0, delta={"role": "assistant", "content": ""})
+        if request.echo:
+            send(app.echo_text(prompt), skip)
+        tools = None
+        if request.tools is not None and app.tool_call_parser is not None:
+            tools = ToolCallStream(app.tool_call_parser)
+        reply: Reply | None = None
+        for item in items:
+            if isinstance(item, Reply):
+                reply = item
+                break
+            piece, count = item
+            if tools is not None:
+                piece = tools.feed(piece)
+            if piece:
+                send(piece, skip + count)
+        assert reply is not None  # `Server.generate` ends with it
+        finish: str = reply.finish_reason
+        if tools is not None:
+            rest, calls = tools.finish()
+            if rest:
+                send(rest)
+            if calls:
+                send(None, delta={"tool_calls": [
+                    {"index": k, **call} for k, call in enumerate(_tool_calls(calls))
+                ]})  # fmt: skip
+                finish = "tool_calls"
+        send(None, finish_reason=finish)
+        return reply
+
+
+def _chain(first: Item, rest: Iterator[Item]) -> Generator[Item, None, None]:
     yield first
     yield from rest
 

@@ -21,6 +21,16 @@ A reply whose call does not parse (invalid JSON, no ``name``, arguments that are
 an object, a block cut off by ``max_tokens``) has no calls: all of it is content,
 as vLLM answers then. The JSON is parsed within `entrenar.io.bounded`'s limits
 (depth `MAX_DEPTH`); the text is the reply's, so at most ``max_tokens`` tokens.
+
+`ToolCallStream` does the same for a streamed reply: its text pieces pass through
+as content until a call could be beginning (hermes: the text from a ``<tool_call>``,
+or from an end of the text that could begin one, and the whitespace before it;
+llama3_json: a reply whose first non-space character opens a JSON object or
+``<|python_tag|>``); what is held back is parsed whole at the end, by
+`parse_tool_calls`, and comes back as calls, or as content when it does not parse.
+The content streamed then equals the one `parse_tool_calls` gives (but for the
+leading whitespace of content followed by calls, which `parse_tool_calls` strips
+and a stream has already sent).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from typing import Any
 
 from entrenar.errors import FormatError
 from entrenar.io.bounded import parse_json
+from entrenar.nn.generate import partial_stop
 
 PARSERS = ("hermes", "llama3_json")
 """The tool-call formats `parse_tool_calls` reads."""
@@ -150,4 +161,75 @@ def parse_tool_calls(
     raise ValueError(f"unknown tool-call parser {parser!r}; one of {PARSERS}")
 
 
-__all__ = ["MAX_DEPTH", "PARSERS", "ToolCall", "parse_tool_calls"]
+HERMES_OPEN = "<tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolCallStream:
+    """A streamed reply's content pieces, then its calls (module docstring).
+
+    `feed` each text piece and send what it returns as content; `finish` gives the
+    rest of the content and the calls (``[]``: none, the held text was content).
+    """
+
+    def __init__(self, parser: str) -> None:
+        if parser not in PARSERS:
+            raise ValueError(f"unknown tool-call parser {parser!r}; one of {PARSERS}")
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of text sent as content
+        self.calls_at: int | None = None  # hermes: where the first block opens
+        self.mode: str | None = None  # llama3_json: "content" or "calls", once known
+
+    def feed(self, piece: str) -> str:
+        """Add a piece of the reply; the content that may be sent now."""
+        before = len(self.text)
+        self.text += piece
+        end = self._safe(before)
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def _safe(self, before: int) -> int:
+        """How much of the text is content for sure (``before``: the text's old end)."""
+        text = self.text
+        if self.parser == "llama3_json":
+            if self.mode is None:
+                s = text.lstrip()
+                body = s.removeprefix(PYTHON_TAG).lstrip()
+                if not s or PYTHON_TAG.startswith(s) or (s.startswith(PYTHON_TAG)
+                                                         and not body):  # fmt: skip
+                    return 0  # may still open a call
+                self.mode = "calls" if body.startswith("{") else "content"
+            return len(text) if self.mode == "content" else 0
+        if self.calls_at is None:  # search only where the new piece can complete it
+            at = text.find(HERMES_OPEN, max(0, before - len(HERMES_OPEN) + 1))
+            self.calls_at = None if at < 0 else at
+        end = self.calls_at
+        if end is None:
+            end = len(text) - partial_stop(text[-len(HERMES_OPEN) :], [HERMES_OPEN])
+        while end > self.sent and text[end - 1].isspace():  # may precede a call
+            end -= 1
+        return end
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The content not sent yet and the calls of the whole reply."""
+        found = parse_tool_calls(self.text, self.parser)
+        if found is None:  # no call, or one that does not parse: all content
+            rest, self.sent = self.text[self.sent :], len(self.text)
+            return rest, []
+        content, calls = found
+        content, sent = content or "", self.text[: self.sent].lstrip()
+        rest = content[len(sent) :] if content.startswith(sent) else ""
+        self.sent = len(self.text)
+        return rest, calls
+
+
+__all__ = [
+    "MAX_DEPTH",
+    "PARSERS",
+    "ToolCall",
+    "ToolCallStream",
+    "parse_tool_calls",
+]
