@@ -15,15 +15,23 @@ that answers the part of OpenAI's API that chat tools use, as llama.cpp's
   generate`` without ``--chat`` does), the same options; the prompt a string or
   token ids, or a batch of either (one choice each), ``echo`` (the prompt's text
   first; ``max_tokens`` may then be 0);
-- ``tools`` (chat, not streamed): function schemas passed to the chat template;
-  with a ``tool_call_parser`` (``entrenar serve --tool-call-parser hermes``, the
-  model's format: `entrenar.chat.tool_calls`) a reply holding calls comes back as
-  OpenAI's ``message.tool_calls`` with ``finish_reason: "tool_calls"``; assistant
-  messages may carry ``tool_calls`` and ``tool`` messages their results;
+- ``tools`` (chat): function schemas passed to the chat template; with a
+  ``tool_call_parser`` (``entrenar serve --tool-call-parser hermes``, the model's
+  format: `entrenar.chat.tool_calls`) a reply holding calls comes back as OpenAI's
+  ``message.tool_calls`` with ``finish_reason: "tool_calls"`` (streamed: content
+  until a call could begin, then the calls in one ``delta.tool_calls`` chunk,
+  `entrenar.chat.tool_calls.ToolCallStream`); assistant messages may carry
+  ``tool_calls`` and ``tool`` messages their results;
 - ``logprobs`` (completions: the number of alternatives; chat: ``logprobs`` and
   ``top_logprobs``): each listed token's log-probability under the raw model and
   its most likely alternatives (`entrenar.chat.openai_logprobs`), what
-  lm-evaluation-harness's ``local-completions`` model reads;
+  lm-evaluation-harness's ``local-completions`` model reads; streamed, a choice is
+  generated whole and scored in one pass first, then each chunk carries the entries
+  of its tokens (the prompt's first with ``echo``), so the chunks' entries joined are
+  the unstreamed reply's;
+- every option streams: with ``n`` > 1 or a batch of prompts the choices are
+  generated and sent one after another, each chunk under its choice's ``index``,
+  each choice ending with its own ``finish_reason`` chunk, ``usage`` once at the end;
 - ``GET /health``: ``{"status": "ok"}``.
 
 With an ``api_key`` (``entrenar serve --api-key``, or ``ENTRENAR_API_KEY``), every
@@ -49,9 +57,9 @@ Every request is untrusted, and nothing it sends can hang the server:
   `entrenar.chat.openai_request`) and a bad one is a 400
   with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` naming
   it; fields it does not know are ignored, as OpenAI does; options that would change
-  the answer and are not implemented (``best_of`` > 1, ``suffix``, ``tools``,
-  frequency and presence penalties, ``logprobs``, ``echo`` or ``n`` > 1 with
-  ``stream``) are refused rather than ignored;
+  the answer and are not implemented (``best_of`` > 1, ``suffix``, ``functions``,
+  frequency and presence penalties) are refused rather than ignored; a stream checks
+  every prompt before its header;
 - ``max_tokens`` is at most ``max_tokens_limit`` and must fit the context with the
   prompt (400 otherwise; absent: the smaller of the two);
 - one generation runs at a time (a lock: the model's compiled decoding is shared);
