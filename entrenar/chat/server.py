@@ -75,6 +75,7 @@ import dataclasses
 import json
 import logging
 import secrets
+import string
 import threading
 import time
 import uuid
@@ -119,6 +120,8 @@ MAX_BODY_BYTES = 1 << 20
 MAX_JSON_DEPTH = 16
 """Deepest nesting of a request's JSON (a chat request needs 4: body, messages,
 message, content parts)."""
+
+ALPHANUMERIC = string.ascii_letters + string.digits
 
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 """The most tokens one request may ask for by default (``max_tokens_limit``)."""
@@ -174,10 +177,21 @@ def _choice(
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
-def _tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """OpenAI's ``tool_calls`` entries of ``calls`` (each a fresh ``id``)."""
+def _call_id(parser: str) -> str:
+    """A fresh call ``id``: ``call_`` and 24 hex digits, or 9 letters and digits.
+
+    The second for ``mistral``: Mistral's chat templates accept no other id back
+    (vLLM's ids for it).
+    """
+    if parser == "mistral":
+        return "".join(secrets.choice(ALPHANUMERIC) for _ in range(9))
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _tool_calls(calls: list[ToolCall], parser: str) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` entries of ``calls`` (each a fresh `_call_id`)."""
     return [
-        {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+        {"id": _call_id(parser), "type": "function",
          "function": {"name": c.name, "arguments": c.arguments}}
         for c in calls
     ]  # fmt: skip
@@ -345,7 +359,7 @@ class Server:
             if found is not None:
                 content, calls = found
                 out["message"]["content"] = content
-                out["message"]["tool_calls"] = _tool_calls(calls)
+                out["message"]["tool_calls"] = _tool_calls(calls, self.tool_call_parser)
                 out["finish_reason"] = "tool_calls"
         if request.logprobs is not None:
             out["logprobs"] = self.logprobs(request, prompt, reply)
@@ -698,7 +712,8 @@ class _Handler(BaseHTTPRequestHandler):
                 send(rest)
             if calls:
                 send(None, delta={"tool_calls": [
-                    {"index": k, **call} for k, call in enumerate(_tool_calls(calls))
+                    {"index": k, **call}
+                    for k, call in enumerate(_tool_calls(calls, tools.parser))
                 ]})  # fmt: skip
                 finish = "tool_calls"
         send(None, finish_reason=finish)

@@ -15,7 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from entrenar.chat import ChatModel
-from entrenar.chat.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from entrenar.chat.tool_calls import (
+    PARSERS,
+    ToolCall,
+    ToolCallStream,
+    parse_tool_calls,
+)
 from entrenar.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,6 +70,31 @@ def test_llama3_json(text, want):
     assert parse_tool_calls(text, "llama3_json") == want
 
 
+MISTRAL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (f"[TOOL_CALLS]{MISTRAL}", (None, [WEATHER])),
+        (f"[TOOL_CALLS] {MISTRAL}\n", (None, [WEATHER])),
+        (MISTRAL, (None, [WEATHER])),  # the control token left out of the text
+        (f"Let me check.[TOOL_CALLS]{MISTRAL}", ("Let me check.", [WEATHER])),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": '
+         '"{\\"a\\": 1}"}]', (None, [ToolCall("f", "{}"), ToolCall("g", '{"a": 1}')])),
+        ("The weather is fine.", None),
+        ("[1] The weather is fine.", None),
+        ("[TOOL_CALLS][]", None),  # no call
+        ('[TOOL_CALLS]{"name": "f", "arguments": {}}', None),  # not a list
+        (f"[TOOL_CALLS]{MISTRAL} trailing", None),
+        ('[TOOL_CALLS][{"name": "f", "arguments": [1]}]', None),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {}}', None),  # cut off
+    ],
+)  # fmt: skip
+def test_mistral(text, want):
+    assert parse_tool_calls(text, "mistral") == want
+
+
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="hermes"):
         parse_tool_calls("x", "xml")
@@ -73,7 +103,7 @@ def test_an_unknown_parser_is_refused():
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet='<>/tool_cal{}[]":;, \\abn', max_size=300))
 def test_any_text_is_parsed_or_left_as_content(text):
-    for parser in ("hermes", "llama3_json"):
+    for parser in PARSERS:
         found = parse_tool_calls(text, parser)
         assert found is None or all(isinstance(c, ToolCall) for c in found[1])
 
@@ -88,11 +118,12 @@ def _streamed(text: str, cuts: list[int], parser: str) -> tuple[list[str], str, 
 
 
 PIECES = ["<tool_call>", "</tool_call>", CALL, "\n", " ", "Hi", "<tool", "<", "{",
-          '{"name": "f", "parameters": {}}', "<|python_tag|>", ";"]  # fmt: skip
+          '{"name": "f", "parameters": {}}', "<|python_tag|>", ";", "[", "[TOOL",
+          "[TOOL_CALLS]"]  # fmt: skip
 CALLS = ["", f"<tool_call>{CALL}</tool_call>", f"<tool_call>\n{CALL}\n</tool_call>\n",
          f"<tool_call>{CALL}</tool_call> <tool_call>{CALL}</tool_call>",
          '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}',
-         "<|python_tag|>" + CALL]  # fmt: skip
+         "<|python_tag|>" + CALL, "[TOOL_CALLS]" + MISTRAL, MISTRAL]  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
@@ -108,7 +139,7 @@ def test_a_streamed_reply_gives_the_whole_replys_calls(parts, calls, cuts):
     whitespace before it knows.)
     """
     text = "".join(parts) + calls
-    for parser in ("hermes", "llama3_json"):
+    for parser in PARSERS:
         sent, rest, got = _streamed(text, cuts, parser)
         found = parse_tool_calls(text, parser)
         content = "".join(sent) + rest
@@ -265,6 +296,11 @@ STREAMED = [
      "tool_calls"),
     ("llama3_json", "The weather is fine.", "stop"),
     ("llama3_json", '{"name": "f", "parameters": {}} trailing', "stop"),
+    ("mistral", f"[TOOL_CALLS]{MISTRAL}", "tool_calls"),
+    ("mistral", f"Let me check. [TOOL_CALLS]{MISTRAL}", "tool_calls"),
+    ("mistral", MISTRAL, "tool_calls"),
+    ("mistral", "[TOOL_CALLS] oops", "stop"),
+    ("mistral", "It is [18] C [TOOL", "stop"),
 ]  # fmt: skip
 
 
@@ -286,6 +322,13 @@ def test_streamed_tool_calls_equal_the_whole_replys(parser, text, finish, logpro
             assert len(calls) == 1  # every call in one delta, before the finish
             assert [c["index"] for c in calls[0]] == list(range(len(calls[0])))
             assert "tool_calls" in deltas[-2] and deltas[-1] == {}
+            ids = [
+                c["id"] for c in calls[0] + out["choices"][0]["message"]["tool_calls"]
+            ]
+            if parser == "mistral":  # what Mistral's templates accept back
+                assert all(len(i) == 9 and i.isalnum() for i in ids), ids
+            else:
+                assert all(i.startswith("call_") for i in ids), ids
         else:
             assert sent == text and calls == []
         if logprobs:  # every token's entry, the closing end-of-turn's left out
