@@ -42,7 +42,8 @@ OpenAI's clients send for their ``api_key``), compared in constant time
 in llama.cpp's ``llama-server`` and vLLM), for load balancers.
 
 Replies carry OpenAI's fields (``id``, ``object``, ``created``, ``model``,
-``choices[index, message | delta | text, finish_reason]``, ``usage``). A greedy
+``choices[index, message | delta | text, finish_reason]``, ``usage``;
+`entrenar.chat.openai_response` builds them and a stream's chunks). A greedy
 request (``temperature`` 0, the default) gives `ChatModel.reply`'s text token for
 token; a sampled one draws with ``jax.random.key(seed)``, so the same seed gives the
 same text (no seed: a random one).
@@ -75,11 +76,10 @@ import dataclasses
 import json
 import logging
 import secrets
-import string
 import threading
 import time
 import uuid
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -95,11 +95,16 @@ from entrenar.chat.openai_request import (
     field_error,
     parse_request,
 )
+from entrenar.chat.openai_response import (
+    ChoiceStream,
+    Item,
+    add_usage,
+    choice_entry,
+    tool_calls,
+)
 from entrenar.chat.session import ChatModel, Reply
 from entrenar.chat.tool_calls import (
     PARSERS,
-    ToolCall,
-    ToolCallStream,
     parse_tool_calls,
 )
 from entrenar.errors import (
@@ -121,98 +126,8 @@ MAX_JSON_DEPTH = 16
 """Deepest nesting of a request's JSON (a chat request needs 4: body, messages,
 message, content parts)."""
 
-ALPHANUMERIC = string.ascii_letters + string.digits
-
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 """The most tokens one request may ask for by default (``max_tokens_limit``)."""
-
-Item = tuple[str, int] | Reply
-"""What `Server.generate` yields: a text piece and the tokens generated so far, or
-the `Reply` at the end."""
-
-# ---------------------------------------------------------------------------
-# Responses
-
-
-def _usage(reply: Reply) -> dict[str, int]:
-    """OpenAI's ``usage``: prompt tokens, generated tokens, and their sum.
-
-    The generated tokens include the end-of-turn token when one came (the model
-    produced it; `Reply.token_ids`).
-    """
-    n = len(reply.token_ids)
-    return {
-        "prompt_tokens": reply.prompt_tokens,
-        "completion_tokens": n,
-        "total_tokens": reply.prompt_tokens + n,
-    }
-
-
-def _choice(
-    chat: bool,
-    text: str | None,
-    finish: str | None,
-    stream: bool,
-    first: bool = False,
-    index: int = 0,
-) -> dict[str, Any]:
-    """One ``choices`` entry of a reply or a stream chunk."""
-    if not chat:
-        return {
-            "index": index,
-            "text": text or "",
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    if not stream:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    delta: dict[str, Any] = {"role": "assistant"} if first else {}
-    if text is not None:
-        delta["content"] = text
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-
-def _call_id(parser: str) -> str:
-    """A fresh call ``id``: ``call_`` and 24 hex digits, or 9 letters and digits.
-
-    The second for ``mistral``: Mistral's chat templates accept no other id back
-    (vLLM's ids for it).
-    """
-    if parser == "mistral":
-        return "".join(secrets.choice(ALPHANUMERIC) for _ in range(9))
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def _tool_calls(calls: list[ToolCall], parser: str) -> list[dict[str, Any]]:
-    """OpenAI's ``tool_calls`` entries of ``calls`` (each a fresh `_call_id`)."""
-    return [
-        {"id": _call_id(parser), "type": "function",
-         "function": {"name": c.name, "arguments": c.arguments}}
-        for c in calls
-    ]  # fmt: skip
-
-
-def _add_usage(total: dict[str, int], reply: Reply, sample: int) -> None:
-    """Add one choice's `_usage` to ``total`` (a prompt counts once: sample 0)."""
-    used = _usage(reply)
-    if sample:
-        used["total_tokens"] -= used.pop("prompt_tokens")
-    for k, v in used.items():
-        total[k] = total.get(k, 0) + v
-
-
-def _logprobs_slice(lp: dict[str, Any], chat: bool, a: int, b: int) -> dict | None:
-    """The entries ``a:b`` of a choice's ``logprobs`` object; None when empty."""
-    if b <= a:
-        return None
-    if chat:
-        return {"content": lp["content"][a:b], "refusal": None}
-    return {k: v[a:b] for k, v in lp.items()}
 
 
 @dataclasses.dataclass
@@ -353,13 +268,13 @@ class Server:
         text = "".join(p[0] for p in parts if isinstance(p, tuple))
         if request.echo:
             text = self.echo_text(prompt) + text
-        out = _choice(request.chat, text, reply.finish_reason, False, index=index)
+        out = choice_entry(request.chat, text, reply.finish_reason, False, index=index)
         if request.tools is not None and self.tool_call_parser is not None:
             found = parse_tool_calls(text, self.tool_call_parser)
             if found is not None:
                 content, calls = found
                 out["message"]["content"] = content
-                out["message"]["tool_calls"] = _tool_calls(calls, self.tool_call_parser)
+                out["message"]["tool_calls"] = tool_calls(calls, self.tool_call_parser)
                 out["finish_reason"] = "tool_calls"
         if request.logprobs is not None:
             out["logprobs"] = self.logprobs(request, prompt, reply)
@@ -609,7 +524,7 @@ class _Handler(BaseHTTPRequestHandler):
                     request, prompt, i * request.n + j, j
                 )
                 choices.append(choice)
-                _add_usage(usage, reply, j)
+                add_usage(usage, reply, j)
         kind = "chat.completion" if request.chat else "text_completion"
         self._send_json(
             200, {**head, "object": kind, "choices": choices, "usage": usage}
@@ -638,86 +553,19 @@ class _Handler(BaseHTTPRequestHandler):
             for j in range(request.n):
                 pieces = first if i == j == 0 else app.generate(request, prompt, j)
                 try:
-                    reply = self._stream_choice(
-                        request, head, kind, prompt, i * request.n + j, pieces
+                    chunks = ChoiceStream(
+                        app, request, prompt, i * request.n + j, pieces
                     )
+                    for entry in chunks:
+                        self._event({**head, "object": kind, "choices": [entry]})
+                    reply = chunks.reply
+                    assert reply is not None  # the entries were exhausted
                 finally:
                     pieces.close()
-                _add_usage(usage, reply, j)
+                add_usage(usage, reply, j)
         if request.include_usage:
             self._event({**head, "object": kind, "choices": [], "usage": usage})
         self._event("[DONE]")
-
-    def _stream_choice(
-        self,
-        request: Request,
-        head: dict[str, Any],
-        kind: str,
-        prompt: Any,
-        index: int,
-        pieces: Iterator[Item],
-    ) -> Reply:
-        """Send one choice's chunks; its `Reply`.
-
-        Without ``logprobs`` each piece is sent as it comes. With them, the
-        choice is generated whole first and scored in one pass, as a reply that
-        does not stream (`Server.logprobs`), so the chunks' entries, joined, are
-        that reply's; each chunk carries the entries of the tokens generated since
-        the chunk before (the prompt's first, with ``echo``).
-        """
-        app, chat = self.server.app, request.chat
-        items: Iterable[Item] = pieces
-        lp: dict[str, Any] | None = None
-        if request.logprobs is not None:
-            items = list(pieces)
-            last = items[-1]
-            assert isinstance(last, Reply)
-            lp = app.logprobs(request, prompt, last)
-        skip = len(app.chat_model.encode(prompt, chat=False)) if request.echo else 0
-        sent = 0  # logprobs entries sent
-
-        def send(text: str | None, upto: int | None = None, **choice: Any) -> None:
-            nonlocal sent
-            out = _choice(chat, text, None, True, index=index)
-            out.update(choice)
-            if lp is not None:
-                total = len(lp["content"] if chat else lp["tokens"])
-                end = total if upto is None else min(upto, total)
-                out["logprobs"] = _logprobs_slice(lp, chat, sent, end)
-                sent = max(sent, end)
-            self._event({**head, "object": kind, "choices": [out]})
-
-        if chat:
-            send("", 0, delta={"role": "assistant", "content": ""})
-        if request.echo:
-            send(app.echo_text(prompt), skip)
-        tools = None
-        if request.tools is not None and app.tool_call_parser is not None:
-            tools = ToolCallStream(app.tool_call_parser)
-        reply: Reply | None = None
-        for item in items:
-            if isinstance(item, Reply):
-                reply = item
-                break
-            piece, count = item
-            if tools is not None:
-                piece = tools.feed(piece)
-            if piece:
-                send(piece, skip + count)
-        assert reply is not None  # `Server.generate` ends with it
-        finish: str = reply.finish_reason
-        if tools is not None:
-            rest, calls = tools.finish()
-            if rest:
-                send(rest)
-            if calls:
-                send(None, delta={"tool_calls": [
-                    {"index": k, **call}
-                    for k, call in enumerate(_tool_calls(calls, tools.parser))
-                ]})  # fmt: skip
-                finish = "tool_calls"
-        send(None, finish_reason=finish)
-        return reply
 
 
 def _chain(first: Item, rest: Iterator[Item]) -> Generator[Item, None, None]:
