@@ -813,6 +813,10 @@ def test_streamed_completion_logprobs_join_to_the_whole_replys(smol, echo):
     assert len(lp["tokens"]) > 7 if echo else len(lp["tokens"]) == 7
     chunks = [e for e in events[:-2] if e["choices"]]
     assert len(chunks) > 2  # pieces, not one chunk
+    for c in chunks:  # each chunk's entries are its own text's tokens
+        lp = c["choices"][0]["logprobs"] or {"tokens": []}
+        if not any(t.startswith("bytes:") for t in lp["tokens"]):
+            assert "".join(lp["tokens"]) == c["choices"][0]["text"]
     if echo:  # the prompt's text and tokens come first (vLLM)
         first = chunks[0]["choices"][0]
         assert first["text"] == body["prompt"]
