@@ -6,8 +6,9 @@ with the HTTP status and OpenAI's error fields (``param`` names the field). Ever
 field the server reads is checked for type and range; fields it does not know are
 ignored, as OpenAI does; options that would change the answer and are not
 implemented (``best_of`` > 1, ``suffix``, ``functions``, a ``tool_choice`` other
-than ``auto`` / ``none``, frequency and presence penalties, ``logprobs``, ``echo``,
-``n`` > 1 or ``tools`` with ``stream``) are refused rather than ignored.
+than ``auto`` / ``none``, frequency and presence penalties) are refused rather than
+ignored. Every option combines with ``stream`` (``logprobs``, ``echo``, ``n`` > 1,
+a batch of prompts, ``tools``), as in OpenAI's and vLLM's servers.
 """
 
 from __future__ import annotations
@@ -373,23 +374,14 @@ def parse_request(body: Any, *, chat: bool) -> Request:
         raise field_error("echo", "only /v1/completions echoes the prompt")
     logprobs = _logprobs(body, chat)
     stream = _flag(body, "stream")
-    if stream and len(prompts) > 1:
-        raise field_error("prompt", "stream takes one prompt")
     n = _integer(body, "n", 1, MAX_PROMPTS) or 1
     if n * len(prompts) > MAX_PROMPTS:
         raise field_error(
             "n", f"{len(prompts)} prompts x n={n} is more than {MAX_PROMPTS} choices"
         )
-    if stream and n > 1:
-        raise field_error("n", "stream takes n=1")
     tools = _tools(body) if chat else None
     if not chat and body.get("tools") is not None:
         raise field_error("tools", "only /v1/chat/completions takes tools")
-    if stream and tools is not None:
-        raise field_error("tools", "not supported with stream")
-    if stream and (logprobs is not None or echo):
-        param = "echo" if echo else "logprobs"
-        raise field_error(param, "not supported with stream")
     name = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"

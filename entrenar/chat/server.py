@@ -15,15 +15,23 @@ that answers the part of OpenAI's API that chat tools use, as llama.cpp's
   generate`` without ``--chat`` does), the same options; the prompt a string or
   token ids, or a batch of either (one choice each), ``echo`` (the prompt's text
   first; ``max_tokens`` may then be 0);
-- ``tools`` (chat, not streamed): function schemas passed to the chat template;
-  with a ``tool_call_parser`` (``entrenar serve --tool-call-parser hermes``, the
-  model's format: `entrenar.chat.tool_calls`) a reply holding calls comes back as
-  OpenAI's ``message.tool_calls`` with ``finish_reason: "tool_calls"``; assistant
-  messages may carry ``tool_calls`` and ``tool`` messages their results;
+- ``tools`` (chat): function schemas passed to the chat template; with a
+  ``tool_call_parser`` (``entrenar serve --tool-call-parser hermes``, the model's
+  format: `entrenar.chat.tool_calls`) a reply holding calls comes back as OpenAI's
+  ``message.tool_calls`` with ``finish_reason: "tool_calls"`` (streamed: content
+  until a call could begin, then the calls in one ``delta.tool_calls`` chunk,
+  `entrenar.chat.tool_calls.ToolCallStream`); assistant messages may carry
+  ``tool_calls`` and ``tool`` messages their results;
 - ``logprobs`` (completions: the number of alternatives; chat: ``logprobs`` and
   ``top_logprobs``): each listed token's log-probability under the raw model and
   its most likely alternatives (`entrenar.chat.openai_logprobs`), what
-  lm-evaluation-harness's ``local-completions`` model reads;
+  lm-evaluation-harness's ``local-completions`` model reads; streamed, a choice is
+  generated whole and scored in one pass first, then each chunk carries the entries
+  of its tokens (the prompt's first with ``echo``), so the chunks' entries joined are
+  the unstreamed reply's;
+- every option streams: with ``n`` > 1 or a batch of prompts the choices are
+  generated and sent one after another, each chunk under its choice's ``index``,
+  each choice ending with its own ``finish_reason`` chunk, ``usage`` once at the end;
 - ``GET /health``: ``{"status": "ok"}``.
 
 With an ``api_key`` (``entrenar serve --api-key``, or ``ENTRENAR_API_KEY``), every
@@ -34,7 +42,8 @@ OpenAI's clients send for their ``api_key``), compared in constant time
 in llama.cpp's ``llama-server`` and vLLM), for load balancers.
 
 Replies carry OpenAI's fields (``id``, ``object``, ``created``, ``model``,
-``choices[index, message | delta | text, finish_reason]``, ``usage``). A greedy
+``choices[index, message | delta | text, finish_reason]``, ``usage``;
+`entrenar.chat.openai_response` builds them and a stream's chunks). A greedy
 request (``temperature`` 0, the default) gives `ChatModel.reply`'s text token for
 token; a sampled one draws with ``jax.random.key(seed)``, so the same seed gives the
 same text (no seed: a random one).
@@ -49,9 +58,9 @@ Every request is untrusted, and nothing it sends can hang the server:
   `entrenar.chat.openai_request`) and a bad one is a 400
   with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` naming
   it; fields it does not know are ignored, as OpenAI does; options that would change
-  the answer and are not implemented (``best_of`` > 1, ``suffix``, ``tools``,
-  frequency and presence penalties, ``logprobs``, ``echo`` or ``n`` > 1 with
-  ``stream``) are refused rather than ignored;
+  the answer and are not implemented (``best_of`` > 1, ``suffix``, ``functions``,
+  frequency and presence penalties) are refused rather than ignored; a stream checks
+  every prompt before its header;
 - ``max_tokens`` is at most ``max_tokens_limit`` and must fit the context with the
   prompt (400 otherwise; absent: the smaller of the two);
 - one generation runs at a time (a lock: the model's compiled decoding is shared);
@@ -86,8 +95,18 @@ from entrenar.chat.openai_request import (
     field_error,
     parse_request,
 )
+from entrenar.chat.openai_response import (
+    ChoiceStream,
+    Item,
+    add_usage,
+    choice_entry,
+    tool_calls,
+)
 from entrenar.chat.session import ChatModel, Reply
-from entrenar.chat.tool_calls import PARSERS, parse_tool_calls
+from entrenar.chat.tool_calls import (
+    PARSERS,
+    parse_tool_calls,
+)
 from entrenar.errors import (
     ConfigError,
     FormatError,
@@ -109,47 +128,6 @@ message, content parts)."""
 
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 """The most tokens one request may ask for by default (``max_tokens_limit``)."""
-
-# ---------------------------------------------------------------------------
-# Responses
-
-
-def _usage(reply: Reply) -> dict[str, int]:
-    """OpenAI's ``usage``: prompt tokens, generated tokens, and their sum.
-
-    The generated tokens include the end-of-turn token when one came (the model
-    produced it; `Reply.token_ids`).
-    """
-    n = len(reply.token_ids)
-    return {
-        "prompt_tokens": reply.prompt_tokens,
-        "completion_tokens": n,
-        "total_tokens": reply.prompt_tokens + n,
-    }
-
-
-def _choice(
-    chat: bool, text: str | None, finish: str | None, stream: bool, first: bool = False
-) -> dict[str, Any]:
-    """One ``choices`` entry of a reply or a stream chunk."""
-    if not chat:
-        return {
-            "index": 0,
-            "text": text or "",
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    if not stream:
-        return {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    delta: dict[str, Any] = {"role": "assistant"} if first else {}
-    if text is not None:
-        delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
 @dataclasses.dataclass
@@ -215,19 +193,12 @@ class Server:
             )
         return n
 
-    def generate(
-        self, request: Request, prompt: Any, sample: int = 0
-    ) -> Generator[str | Reply, None, None]:
-        """The reply's text pieces to ``prompt``, then its `Reply`.
+    def check(self, request: Request, prompt: Any) -> int:
+        """Raise the `RequestError` that generating for ``prompt`` would.
 
-        ``sample``: which of the request's ``n`` choices (its key is folded in).
-
-        Callers hold ``lock``. The checks (template, length) raise before the
-        first piece.
+        Returns the ``max_new_tokens`` of its generation. A stream checks every
+        prompt before it sends its header.
         """
-        import jax
-
-        cm = self.chat_model
         if request.tools is not None and self.tool_call_parser is None:
             raise field_error(
                 "tools",
@@ -236,7 +207,28 @@ class Server:
             )
         try:
             prompt_tokens = len(self._prompt_ids(request, prompt))
-            n = self.max_new_tokens(request, prompt_tokens)
+        except (FormatError, TemplateError, ShapeError, ConfigError) as e:
+            param = "messages" if request.chat else "prompt"
+            raise RequestError(400, str(e), param) from None
+        return self.max_new_tokens(request, prompt_tokens)
+
+    def generate(
+        self, request: Request, prompt: Any, sample: int = 0
+    ) -> Generator[Item, None, None]:
+        """The reply's text pieces to ``prompt``, then its `Reply`.
+
+        Each piece comes with the number of tokens generated so far (those that
+        made it and the ones before). ``sample``: which of the request's ``n``
+        choices (its key is folded in).
+
+        Callers hold ``lock``. The checks (template, length) raise before the
+        first piece.
+        """
+        import jax
+
+        cm = self.chat_model
+        n = self.check(request, prompt)
+        try:
             key = None
             if request.options["temperature"] > 0:
                 seed = secrets.randbits(63) if request.seed is None else request.seed
@@ -254,7 +246,8 @@ class Server:
         except (FormatError, TemplateError, ShapeError, ConfigError) as e:
             param = "messages" if request.chat else "prompt"
             raise RequestError(400, str(e), param) from None
-        yield from stream
+        for piece in stream:
+            yield piece, len(stream.ids)
         assert stream.reply is not None
         yield stream.reply
 
@@ -272,29 +265,27 @@ class Server:
         finally:
             pieces.close()
         assert isinstance(reply, Reply)
-        text = "".join(p for p in parts if isinstance(p, str))
-        cm = self.chat_model
+        text = "".join(p[0] for p in parts if isinstance(p, tuple))
         if request.echo:
-            ids = cm.encode(prompt, chat=False)
-            text = (
-                prompt if isinstance(prompt, str) else cm.tokenizer.decode(ids)
-            ) + text
-        out = _choice(request.chat, text, reply.finish_reason, False)
-        out["index"] = index
+            text = self.echo_text(prompt) + text
+        out = choice_entry(request.chat, text, reply.finish_reason, False, index=index)
         if request.tools is not None and self.tool_call_parser is not None:
             found = parse_tool_calls(text, self.tool_call_parser)
             if found is not None:
                 content, calls = found
                 out["message"]["content"] = content
-                out["message"]["tool_calls"] = [
-                    {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                     "function": {"name": c.name, "arguments": c.arguments}}
-                    for c in calls
-                ]  # fmt: skip
+                out["message"]["tool_calls"] = tool_calls(calls, self.tool_call_parser)
                 out["finish_reason"] = "tool_calls"
         if request.logprobs is not None:
-            out["logprobs"] = self._logprobs(request, prompt, reply)
+            out["logprobs"] = self.logprobs(request, prompt, reply)
         return out, reply
+
+    def echo_text(self, prompt: Any) -> str:
+        """The text ``echo`` puts before a completion: the prompt's, or its ids'."""
+        if isinstance(prompt, str):
+            return prompt
+        cm = self.chat_model
+        return cm.tokenizer.decode(cm.encode(prompt, chat=False))
 
     def _prompt_ids(self, request: Request, prompt: Any) -> list[int]:
         """The prompt's token ids, as the generation reads it."""
@@ -302,7 +293,7 @@ class Server:
             prompt, chat=request.chat, tools=request.tools if request.chat else None
         )
 
-    def _logprobs(self, request: Request, prompt: Any, reply: Reply) -> dict:
+    def logprobs(self, request: Request, prompt: Any, reply: Reply) -> dict:
         """The ``logprobs`` object of one choice (module `openai_logprobs`)."""
         cm = self.chat_model
         prompt_ids = self._prompt_ids(request, prompt)
@@ -438,7 +429,10 @@ class _Handler(BaseHTTPRequestHandler):
             request = parse_request(self._read_json(), chat=routes[path])
             self._answer(request)
         except RequestError as e:
-            self._send_error(e)
+            if self._streaming:  # a choice after the first (its checks passed)
+                self._event(e.body())
+            else:
+                self._send_error(e)
         except OSError as e:  # the client went away or stalled (timeouts included)
             log.info("%s: connection ended: %s", self.address_string(), e)
             self.close_connection = True
@@ -509,9 +503,11 @@ class _Handler(BaseHTTPRequestHandler):
             if not request.stream:
                 self._whole(request, head)
                 return
+            for prompt in request.prompts[1:]:  # every prompt, before any header
+                app.check(request, prompt)
             pieces = app.generate(request, request.prompts[0])
             try:
-                first = next(pieces)  # the checks run here, before any header
+                first = next(pieces)  # the first prompt's checks run here
                 self._stream(request, head, _chain(first, pieces))
             finally:
                 pieces.close()  # a client gone mid-stream: the decoding ends here
@@ -520,29 +516,31 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _whole(self, request: Request, head: dict[str, Any]) -> None:
         """Every prompt's choice, then one reply (nothing is sent on an error)."""
-        choices, usage = (
-            [],
-            dict.fromkeys(("prompt_tokens", "completion_tokens", "total_tokens"), 0),
-        )
+        choices: list[dict[str, Any]] = []
+        usage = dict.fromkeys(("prompt_tokens", "completion_tokens", "total_tokens"), 0)
         for i, prompt in enumerate(request.prompts):
             for j in range(request.n):  # OpenAI's order: prompt by prompt
                 choice, reply = self.server.app.choice(
                     request, prompt, i * request.n + j, j
                 )
                 choices.append(choice)
-                used = _usage(reply)
-                if j:  # a prompt counts once, however many choices it has
-                    used["total_tokens"] -= used.pop("prompt_tokens")
-                for k, v in used.items():
-                    usage[k] += v
+                add_usage(usage, reply, j)
         kind = "chat.completion" if request.chat else "text_completion"
         self._send_json(
             200, {**head, "object": kind, "choices": choices, "usage": usage}
         )
 
     def _stream(
-        self, request: Request, head: dict[str, Any], items: Iterator[str | Reply]
+        self,
+        request: Request,
+        head: dict[str, Any],
+        first: Generator[Item, None, None],
     ) -> None:
+        """Every choice's chunks, one choice after another, then usage and [DONE].
+
+        ``first``: the pieces of the first choice, already started.
+        """
+        app = self.server.app
         self.close_connection = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -550,25 +548,27 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self._streaming = True
         kind = "chat.completion.chunk" if request.chat else "text_completion"
-
-        def chunk(*choices: dict[str, Any], **extra: Any) -> dict[str, Any]:
-            return {**head, "object": kind, "choices": list(choices), **extra}
-
-        if request.chat:
-            self._event(chunk(_choice(True, "", None, True, first=True)))
-        for item in items:
-            if isinstance(item, Reply):
-                self._event(
-                    chunk(_choice(request.chat, None, item.finish_reason, True))
-                )
-                if request.include_usage:
-                    self._event(chunk(usage=_usage(item)))
-            else:
-                self._event(chunk(_choice(request.chat, item, None, True)))
+        usage = dict.fromkeys(("prompt_tokens", "completion_tokens", "total_tokens"), 0)
+        for i, prompt in enumerate(request.prompts):
+            for j in range(request.n):
+                pieces = first if i == j == 0 else app.generate(request, prompt, j)
+                try:
+                    chunks = ChoiceStream(
+                        app, request, prompt, i * request.n + j, pieces
+                    )
+                    for entry in chunks:
+                        self._event({**head, "object": kind, "choices": [entry]})
+                    reply = chunks.reply
+                    assert reply is not None  # the entries were exhausted
+                finally:
+                    pieces.close()
+                add_usage(usage, reply, j)
+        if request.include_usage:
+            self._event({**head, "object": kind, "choices": [], "usage": usage})
         self._event("[DONE]")
 
 
-def _chain(first: str | Reply, rest: Iterator[str | Reply]) -> Iterator[str | Reply]:
+def _chain(first: Item, rest: Iterator[Item]) -> Generator[Item, None, None]:
     yield first
     yield from rest
 

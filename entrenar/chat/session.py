@@ -517,9 +517,11 @@ class ReplyStream:
     """The text pieces of one reply as they come, then its `Reply`.
 
     Iterate once: the pieces are `stream_text`'s of the decoding ``steps``; the ids
-    it reads are kept, and when it ends, ``reply`` is `_reply` of them, as
-    `ChatModel.reply` cuts the ids of a whole decode (a stop token or stop string ends
-    both at the same step). ``reply`` is None until then.
+    it reads are kept in ``ids`` (when a piece comes, ``ids`` holds the tokens that
+    made it and those before: what a server's streamed log-probabilities are cut
+    by), and when it ends, ``reply`` is `_reply` of them, as `ChatModel.reply` cuts
+    the ids of a whole decode (a stop token or stop string ends both at the same
+    step). ``reply`` is None until then.
     """
 
     def __init__(
@@ -533,18 +535,17 @@ class ReplyStream:
         self.tokenizer, self.steps = tokenizer, steps
         self.stops, self.stop_strings = tuple(stops), tuple(stop_strings)
         self.prompt_tokens = prompt_tokens
+        self.ids: list[int] = []
         self.reply: Reply | None = None
 
     def __iter__(self) -> Iterator[str]:
-        ids: list[int] = []
-
         def kept() -> Iterator[np.ndarray]:
             for row in self.steps:
-                ids.append(int(row[0]))
+                self.ids.append(int(row[0]))
                 yield row
 
         yield from stream_text(self.tokenizer, kept(), self.stops, self.stop_strings)
-        self.reply = _reply(self.tokenizer, ids, self.stops, self.stop_strings,
+        self.reply = _reply(self.tokenizer, self.ids, self.stops, self.stop_strings,
                             self.prompt_tokens)  # fmt: skip
 
 

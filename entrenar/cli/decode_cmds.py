@@ -217,9 +217,10 @@ def chat_cmd(model: str, system: str | None, **options: Any) -> None:
 )
 @click.option(
     "--tool-call-parser",
-    type=click.Choice(["hermes", "llama3_json"]),
+    type=click.Choice(["hermes", "llama3_json", "mistral"]),
     help="The model's function-call format, for requests with tools: hermes "
-    "(Qwen2.5/3, Hermes) or llama3_json (Llama 3.1-3.3). Default: tools refused.",
+    "(Qwen2.5/3, Hermes), llama3_json (Llama 3.1-3.3) or mistral ([TOOL_CALLS] and a "
+    "JSON list: Mistral's v3 tokenizer models). Default: tools refused.",
 )
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=8080, show_default=True,

@@ -114,6 +114,67 @@ def post_stream(url, body):
     return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in events[:-1]]
 
 
+def join_stream(events):
+    """(choices, usage): what a stream's chunks add up to, each choice by index.
+
+    A choice is ``{index, text, tool_calls, logprobs, finish_reason}`` (`as_joined`
+    gives a whole reply's in the same shape); each chunk holds one choice, and
+    nothing of a choice comes after its finish.
+    """
+    assert events[-1] == "[DONE]"
+    choices, usage = {}, None
+    for e in events[:-1]:
+        if not e["choices"]:
+            assert usage is None and e is events[-2]  # once, last
+            usage = e["usage"]
+            continue
+        (c,) = e["choices"]
+        got = choices.setdefault(c["index"], {"index": c["index"], "text": "",
+                                              "tool_calls": [], "logprobs": None,
+                                              "finish_reason": None})  # fmt: skip
+        assert got["finish_reason"] is None, "a chunk after the choice's finish"
+        delta = c.get("delta", {})
+        got["text"] += c.get("text", "") + (delta.get("content") or "")
+        got["tool_calls"] += [dict(c) for c in delta.get("tool_calls", [])]
+        if c["logprobs"] is not None:
+            lp = got["logprobs"] = got["logprobs"] or {}
+            for k, v in c["logprobs"].items():
+                if k != "refusal":
+                    lp[k] = lp.get(k, []) + v
+        got["finish_reason"] = c["finish_reason"]
+    return [choices[i] for i in sorted(choices)], usage
+
+
+def as_joined(choice):
+    """A whole reply's choice in `join_stream`'s shape (tool call ids left out)."""
+    message = choice.get("message", {})
+    lp = choice["logprobs"]
+    calls = message.get("tool_calls", [])
+    return {
+        "index": choice["index"],
+        "text": choice.get("text", "") + (message.get("content") or ""),
+        "tool_calls": [{"index": k, "type": c["type"], "function": c["function"]}
+                       for k, c in enumerate(calls)],
+        "logprobs": None if lp is None else
+        {k: v for k, v in lp.items() if k != "refusal"},
+        "finish_reason": choice["finish_reason"],
+    }  # fmt: skip
+
+
+def stream_equals_whole(url, body):
+    """Post ``body`` whole and streamed; assert they agree; (whole reply, events)."""
+    status, out = post(url, body)
+    assert status == 200, out
+    events = post_stream(url, {**body, "stream_options": {"include_usage": True}})
+    choices, usage = join_stream(events)
+    for c in choices:
+        for call in c["tool_calls"]:
+            assert isinstance(call.pop("id"), str)
+    assert choices == [as_joined(c) for c in out["choices"]]
+    assert usage == out["usage"]
+    return out, events
+
+
 def raw_request(url, data: bytes, timeout=10.0) -> bytes:
     """Send bytes as they are; what the server answers before closing."""
     host, port = url.removeprefix("http://").split(":")
@@ -260,10 +321,8 @@ BAD_FIELDS = [
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"stop": [""]}, "stop", "1 to"),
     ({"stream": "yes"}, "stream", "true or false"),
-    ({"n": 2, "stream": True}, "n", "n=1"),
     ({"n": 65}, "n", "between"),
     ({"n": 0}, "n", "between"),
-    ({"logprobs": True, "stream": True}, "logprobs", "not supported with stream"),
     ({"logprobs": 3}, "logprobs", "true or false"),
     ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between"),
@@ -599,12 +658,10 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, "a"]}, "prompt", "prompt[0]"),
     ({"prompt": [True]}, "prompt", "prompt[0]"),
     ({"prompt": ["a"] * 65}, "prompt", "at most 64"),
-    ({"prompt": ["a", "b"], "stream": True}, "prompt", "one prompt"),
     ({"prompt": ["a", "b"], "n": 33}, "n", "more than 64 choices"),
     ({"logprobs": 21}, "logprobs", "between"),
     ({"logprobs": True}, "logprobs", "integer"),
     ({"echo": 1}, "echo", "true or false"),
-    ({"echo": True, "stream": True}, "echo", "not supported with stream"),
     ({"max_tokens": 0}, "max_tokens", "between"),
     ({"echo": True, "max_tokens": -1}, "max_tokens", "between"),
 ]  # fmt: skip
@@ -739,3 +796,85 @@ def test_n_choices_per_prompt_sample_with_folded_seeds(smol):
     usage = out["usage"]
     assert usage["prompt_tokens"] == one["usage"]["prompt_tokens"]  # once a prompt
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+# ---------------------------------------------------------------------------
+# Streams equal the whole replies
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_completion_logprobs_join_to_the_whole_replys(smol, echo):
+    """Seeded sampling: the chunks' ``logprobs`` lists, joined, are the reply's."""
+    _, url, _ = smol
+    body = {"prompt": "The capital of France is", "max_tokens": 7, "logprobs": 3,
+            "temperature": 1.0, "seed": 11, "echo": echo}  # fmt: skip
+    out, events = stream_equals_whole(url + "/v1/completions", body)
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) > 7 if echo else len(lp["tokens"]) == 7
+    chunks = [e for e in events[:-2] if e["choices"]]
+    assert len(chunks) > 2  # pieces, not one chunk
+    for c in chunks:  # each chunk's entries are its own text's tokens
+        lp = c["choices"][0]["logprobs"] or {"tokens": []}
+        if not any(t.startswith("bytes:") for t in lp["tokens"]):
+            assert "".join(lp["tokens"]) == c["choices"][0]["text"]
+    if echo:  # the prompt's text and tokens come first (vLLM)
+        first = chunks[0]["choices"][0]
+        assert first["text"] == body["prompt"]
+        assert first["logprobs"]["token_logprobs"][0] is None
+        assert first["logprobs"]["text_offset"][0] == 0
+
+
+def test_streamed_echo_with_no_new_tokens(smol):
+    _, url, _ = smol
+    body = {"prompt": "Once upon a", "max_tokens": 0, "logprobs": 0, "echo": True}
+    out, _ = stream_equals_whole(url + "/v1/completions", body)
+    assert out["choices"][0]["text"] == "Once upon a"
+
+
+def test_streamed_chat_logprobs_join_to_the_whole_replys(smol):
+    _, url, _ = smol
+    body = {"messages": MESSAGES, "max_tokens": 6, "logprobs": True,
+            "top_logprobs": 2, "temperature": 0.8, "seed": 5}  # fmt: skip
+    out, events = stream_equals_whole(url + "/v1/chat/completions", body)
+    assert len(out["choices"][0]["logprobs"]["content"]) == 6
+    first = events[0]["choices"][0]
+    assert first["delta"] == {"role": "assistant", "content": ""}
+    assert first["logprobs"] is None
+
+
+def test_streamed_chat_logprobs_of_a_reply_ending_its_turn(table):
+    """The closing end-of-turn token is in no chunk's entries, as in the reply's."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    body = {"messages": msgs, "logprobs": True, "top_logprobs": 1}
+    out, _ = stream_equals_whole(table + "/v1/chat/completions", body)
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert len(out["choices"][0]["logprobs"]["content"]) == 4  # O, K, é's 2 bytes
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_n_choices_join_to_the_whole_replys(smol, route):
+    """``n`` > 1 and a batch of prompts: each choice's chunks under its index."""
+    _, url, _ = smol
+    body = {"max_tokens": 5, "temperature": 1.0, "seed": 7, "n": 3}
+    if route == "/v1/completions":
+        body["prompt"] = ["Once upon a", "The capital of"]
+    else:
+        body["messages"] = MESSAGES
+    out, events = stream_equals_whole(url + route, body)
+    indexes = [e["choices"][0]["index"] for e in events[:-2]]
+    assert indexes == sorted(indexes)  # one choice after another
+    assert set(indexes) == set(range(len(out["choices"])))
+    assert len({c["text"] if "text" in c else c["message"]["content"]
+                for c in out["choices"]}) > 1  # fmt: skip
+    finishes = [e["choices"][0]["finish_reason"] for e in events[:-2]]
+    assert sum(f is not None for f in finishes) == len(out["choices"])
+
+
+def test_streamed_stop_strings_and_logprobs(smol):
+    """A stop string's completing token: in the reply's entries and the stream's."""
+    chat, url, _ = smol
+    full = chat.reply(MESSAGES, max_new_tokens=12).text
+    body = {"messages": MESSAGES, "max_tokens": 12, "stop": full[3:5],
+            "logprobs": True}  # fmt: skip
+    out, _ = stream_equals_whole(url + "/v1/chat/completions", body)
+    assert out["choices"][0]["finish_reason"] == "stop"

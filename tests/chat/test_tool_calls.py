@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -14,12 +15,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from entrenar.chat import ChatModel
-from entrenar.chat.tool_calls import ToolCall, parse_tool_calls
+from entrenar.chat.tool_calls import (
+    PARSERS,
+    ToolCall,
+    ToolCallStream,
+    parse_tool_calls,
+)
 from entrenar.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_chat import END, TOKENIZER
-from test_chat_server import _serve, post
+from test_chat_server import _serve, post, stream_equals_whole
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 WEATHER = ToolCall("get_weather", '{"city": "Paris"}')
@@ -64,6 +70,31 @@ def test_llama3_json(text, want):
     assert parse_tool_calls(text, "llama3_json") == want
 
 
+MISTRAL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (f"[TOOL_CALLS]{MISTRAL}", (None, [WEATHER])),
+        (f"[TOOL_CALLS] {MISTRAL}\n", (None, [WEATHER])),
+        (MISTRAL, (None, [WEATHER])),  # the control token left out of the text
+        (f"Let me check.[TOOL_CALLS]{MISTRAL}", ("Let me check.", [WEATHER])),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": '
+         '"{\\"a\\": 1}"}]', (None, [ToolCall("f", "{}"), ToolCall("g", '{"a": 1}')])),
+        ("The weather is fine.", None),
+        ("[1] The weather is fine.", None),
+        ("[TOOL_CALLS][]", None),  # no call
+        ('[TOOL_CALLS]{"name": "f", "arguments": {}}', None),  # not a list
+        (f"[TOOL_CALLS]{MISTRAL} trailing", None),
+        ('[TOOL_CALLS][{"name": "f", "arguments": [1]}]', None),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {}}', None),  # cut off
+    ],
+)  # fmt: skip
+def test_mistral(text, want):
+    assert parse_tool_calls(text, "mistral") == want
+
+
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="hermes"):
         parse_tool_calls("x", "xml")
@@ -72,9 +103,63 @@ def test_an_unknown_parser_is_refused():
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet='<>/tool_cal{}[]":;, \\abn', max_size=300))
 def test_any_text_is_parsed_or_left_as_content(text):
-    for parser in ("hermes", "llama3_json"):
+    for parser in PARSERS:
         found = parse_tool_calls(text, parser)
         assert found is None or all(isinstance(c, ToolCall) for c in found[1])
+
+
+def _streamed(text: str, cuts: list[int], parser: str) -> tuple[list[str], str, list]:
+    """The content pieces `ToolCallStream` sends for ``text`` cut at ``cuts``."""
+    bounds = [0, *sorted({min(c, len(text)) for c in cuts}), len(text)]
+    stream = ToolCallStream(parser)
+    sent = [stream.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
+    rest, calls = stream.finish()
+    return [p for p in sent if p], rest, calls
+
+
+PIECES = ["<tool_call>", "</tool_call>", CALL, "\n", " ", "Hi", "<tool", "<", "{",
+          '{"name": "f", "parameters": {}}', "<|python_tag|>", ";", "[", "[TOOL",
+          "[TOOL_CALLS]"]  # fmt: skip
+CALLS = ["", f"<tool_call>{CALL}</tool_call>", f"<tool_call>\n{CALL}\n</tool_call>\n",
+         f"<tool_call>{CALL}</tool_call> <tool_call>{CALL}</tool_call>",
+         '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}',
+         "<|python_tag|>" + CALL, "[TOOL_CALLS]" + MISTRAL, MISTRAL]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(PIECES), max_size=6),
+    st.sampled_from(CALLS),
+    st.lists(st.integers(0, 200), max_size=16),
+)
+def test_a_streamed_reply_gives_the_whole_replys_calls(parts, calls, cuts):
+    """Any text cut anywhere: the content sent and the calls are the whole text's.
+
+    (`parse_tool_calls` strips the content before calls; a stream sends its leading
+    whitespace before it knows.)
+    """
+    text = "".join(parts) + calls
+    for parser in PARSERS:
+        sent, rest, got = _streamed(text, cuts, parser)
+        found = parse_tool_calls(text, parser)
+        content = "".join(sent) + rest
+        if found is None:
+            assert content == text and got == []
+            continue
+        assert got == found[1]
+        assert content.lstrip() == (found[0] or "")  # no part of a call was sent
+
+
+def test_content_streams_until_a_call_could_begin():
+    text = f"Let me check.\n<tool_call>{CALL}</tool_call>"
+    sent, rest, calls = _streamed(text, list(range(len(text))), "hermes")
+    assert "".join(sent) == "Let me check." and rest == "" and calls == [WEATHER]
+    # a piece per character; a space waits for the next (it may precede a call)
+    assert sent == ["L", "e", "t", " m", "e", " c", "h", "e", "c", "k", "."]
+    sent, rest, calls = _streamed("a <tool b", list(range(9)), "hermes")
+    assert sent == ["a", " <tool", " b"] and calls == []  # "<tool" held, then sent
+    sent, rest, calls = _streamed("The weather", list(range(11)), "llama3_json")
+    assert "".join(sent) == "The weather" and rest == "" and calls == []
 
 
 def test_many_open_tags_are_parsed_in_one_pass():
@@ -190,7 +275,6 @@ def test_a_calls_result_goes_back_to_the_template(tools_url):
 
 BAD_TOOLS = [
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", '"auto" and "none"'),
-    ({"tools": TOOLS, "stream": True}, "tools", "not supported with stream"),
     ({"tools": [{"type": "function"}]}, "tools[0]", "expected"),
     ({"tools": "get_weather"}, "tools", "list"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]},
@@ -199,6 +283,59 @@ BAD_TOOLS = [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages[0].tool_calls[0].function.arguments", "JSON"),
 ]  # fmt: skip
+
+
+STREAMED = [
+    ("hermes", f"<tool_call>\n{CALL}\n</tool_call>", "tool_calls"),
+    ("hermes", f"Let me check.\n<tool_call>{CALL}</tool_call>\n", "tool_calls"),
+    ("hermes", f"<tool_call>{CALL}</tool_call><tool_call>{CALL}</tool_call>",
+     "tool_calls"),
+    ("hermes", "<tool_call>{not json}</tool_call>", "stop"),  # falls back to content
+    ("hermes", "It is 18 C <tool in Paris.", "stop"),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     "tool_calls"),
+    ("llama3_json", "The weather is fine.", "stop"),
+    ("llama3_json", '{"name": "f", "parameters": {}} trailing', "stop"),
+    ("mistral", f"[TOOL_CALLS]{MISTRAL}", "tool_calls"),
+    ("mistral", f"Let me check. [TOOL_CALLS]{MISTRAL}", "tool_calls"),
+    ("mistral", MISTRAL, "tool_calls"),
+    ("mistral", "[TOOL_CALLS] oops", "stop"),
+    ("mistral", "It is [18] C [TOOL", "stop"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text", "finish"), STREAMED)
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_streamed_tool_calls_equal_the_whole_replys(parser, text, finish, logprobs):
+    """Through the server: the same content, calls, finish and token entries."""
+    chat = _scripted(text, ASK, TOOLS)
+    server, url = _serve(chat, tool_call_parser=parser)
+    try:
+        body = {"messages": ASK, "tools": TOOLS, "logprobs": logprobs}
+        out, events = stream_equals_whole(url + "/v1/chat/completions", body)
+        assert out["choices"][0]["finish_reason"] == finish
+        deltas = [e["choices"][0]["delta"] for e in events[:-2]]
+        sent = "".join(d.get("content") or "" for d in deltas)
+        calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+        if finish == "tool_calls":
+            assert "<tool_call>" not in sent and "{" not in sent
+            assert len(calls) == 1  # every call in one delta, before the finish
+            assert [c["index"] for c in calls[0]] == list(range(len(calls[0])))
+            assert "tool_calls" in deltas[-2] and deltas[-1] == {}
+            ids = [
+                c["id"] for c in calls[0] + out["choices"][0]["message"]["tool_calls"]
+            ]
+            if parser == "mistral":  # what Mistral's templates accept back
+                assert all(len(i) == 9 and i.isalnum() for i in ids), ids
+            else:
+                assert all(i.startswith("call_") for i in ids), ids
+        else:
+            assert sent == text and calls == []
+        if logprobs:  # every token's entry, the closing end-of-turn's left out
+            assert len(out["choices"][0]["logprobs"]["content"]) == len(text)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize(("fields", "param", "words"), BAD_TOOLS)
