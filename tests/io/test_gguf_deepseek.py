@@ -149,6 +149,10 @@ def test_every_group_kept_is_written_as_one(tmp_path):
     assert fields["deepseek2.expert_group_used_count"].value == 1
     back, loaded, _ = io.load_llama_gguf(path)
     assert back == config
+    one = dataclasses.replace(config, n_group=1, topk_group=1)  # what the keys say
+    np.testing.assert_array_equal(
+        np.asarray(one.apply(loaded, TOKENS)), np.asarray(config.apply(params, TOKENS))
+    )
 
 
 @pytest.mark.parametrize(
