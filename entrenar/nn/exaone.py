@@ -143,7 +143,6 @@ register_family(
     from_hf=exaone4_from_hf,
     to_hf=exaone4_to_hf,
     tiny=_tiny,
-    in_gguf=False,  # llama.cpp's exaone4: not read or written yet
     defaults=_EXAONE4,
 )
 

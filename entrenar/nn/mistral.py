@@ -154,7 +154,7 @@ register_family(
     from_hf=ministral3_from_hf,
     to_hf=ministral3_to_hf,
     tiny=_tiny_ministral3,
-    in_gguf=False,  # llama.cpp's mistral3 graph is not read here
+    gguf_name="mistral3",  # llama.cpp's name (its converter's Ministral3Model)
 )
 
 __all__ = ["ministral3_from_hf", "ministral3_to_hf", "mistral_from_hf", "mistral_to_hf"]
