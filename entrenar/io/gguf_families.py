@@ -263,10 +263,10 @@ RMSNorm's is ``attention.layer_norm_rms_epsilon``)."""
 SCALING_NONE = frozenset({"command-r", "cohere2"})
 """llama.cpp names whose converter writes ``rope.scaling.type`` ``none`` for
 unscaled rotary (entrenar writes it too, so the keys are the converter's)."""
-HEAD_KEYS = frozenset({"cohere2"})
+HEAD_KEYS = frozenset({"cohere2", "exaone4"})
 """llama.cpp names whose converter writes ``attention.key_length`` and
-``value_length`` always (transformers' Cohere2Config sets ``head_dim``); entrenar
-writes them too, elsewhere only for ``d != D / H``."""
+``value_length`` always (transformers' Cohere2Config and Exaone4Config set
+``head_dim``); entrenar writes them too, elsewhere only for ``d != D / H``."""
 SQUARE_ATTENTION = frozenset({"command-r", "cohere2", "exaone4"})
 """llama.cpp names whose graph takes ``attn_output`` as ``{D, D}``: the heads must
 fill the width (``H d = D``)."""
