@@ -37,6 +37,7 @@ import functools
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -329,13 +330,22 @@ def _window_fields(g: GGUFFile, name: str, p: str, n_layers: int) -> dict[str, A
     return {"sliding_window": window, "layer_types": types}
 
 
-def _swa_layers(fields: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
+def _swa_layers(g: GGUFFile, fields: dict[str, Any], name: str) -> dict[str, Any]:
     """`gguf_families.SWA_LAYERS`: the window keys as llama.cpp's graph takes them.
 
     At the family's layer count the sliding layers rotate and the others are NoPE;
-    at any other llama.cpp ignores the window keys: no window, every layer rotates.
+    at any other llama.cpp ignores the window keys (warned): no window, every layer
+    rotates.
     """
-    if SWA_LAYERS[name][0] != n_layers or not fields.get("sliding_window"):
+    count, n_layers = SWA_LAYERS[name][0], fields["num_layers"]
+    if count != n_layers and fields.get("sliding_window"):
+        warnings.warn(
+            f"{g.path}: llama.cpp's {name} slides only at {count} layers and ignores "
+            f"'{name}.attention.sliding_window' at {n_layers}; read as it runs the "
+            "file: every layer global and rotating",
+            stacklevel=4,
+        )
+    if count != n_layers or not fields.get("sliding_window"):
         return {"sliding_window": None, "layer_types": None, "nope_layers": None}
     nope = tuple(t != "sliding_attention" for t in fields["layer_types"])
     return {"nope_layers": nope if any(nope) else None}
@@ -521,7 +531,7 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         types = fields.get("layer_types")
         fields["nope_layers"] = full_layers_nope(name, types, n_layers)
     if name in SWA_LAYERS:  # EXAONE 4: sliding layers at 64 layers only
-        fields |= _swa_layers(fields, name, n_layers)
+        fields |= _swa_layers(g, fields, name)
     if name in YARN_LOG_MUL and fields.get("rope_type") == "yarn":
         fields |= _yarn_log_mul(g, p, fields["rope_factor"])
     temperature = f"{p}attention.temperature_scale"

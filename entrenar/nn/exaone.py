@@ -18,7 +18,8 @@ Non-reasoning and Reasoning Modes", 2025. A `LlamaConfig` with
 
 A ``sliding_window_pattern`` string (``"LLLG"``) without ``layer_types`` is
 refused, as transformers 5.25 cannot read it either; EXAONE 4.5 (vision) and
-EXAONE MoE are other model types.
+EXAONE MoE are other model types. GGUF: llama.cpp's ``exaone4``, which slides only
+at 64 layers (`entrenar.io.gguf_families.SWA_LAYERS`).
 """
 
 from __future__ import annotations

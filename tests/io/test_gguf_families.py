@@ -502,6 +502,33 @@ def test_exaone4_layouts_llama_cpp_computes_otherwise_are_refused(tmp_path):
         io.save_llama_gguf(tmp_path / "m.gguf", big, big.init(jax.random.key(0)))
 
 
+def test_an_exaone4_window_llama_cpp_ignores_is_read_as_it_runs(tmp_path):
+    """Below 64 layers llama.cpp's exaone4 ignores the window keys (warned)."""
+    config = dataclasses.replace(
+        nn.architecture("exaone4").tiny(), **cases.ROUTING["exaone4"]
+    )
+    path = tmp_path / "m.gguf"
+    io.save_llama_gguf(path, config, config.init(jax.random.key(0)))
+    g = io.read_gguf(path)
+    fields = {k: f for k, f in g.fields.items() if k != FAMILY_KEY}
+    window = type(g.fields["exaone4.block_count"])  # GGUFField
+    uint, array, boolean = (
+        io.GGUFValueType.UINT32, io.GGUFValueType.ARRAY, io.GGUFValueType.BOOL
+    )  # fmt: skip
+    fields["exaone4.attention.sliding_window"] = window(4, uint)
+    fields["exaone4.attention.sliding_window_pattern"] = window(
+        [True, False], array, boolean
+    )
+    windowed = tmp_path / "w.gguf"
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    io.write_gguf(windowed, fields, tensors)
+    with pytest.warns(UserWarning, match="slides only at 64 layers"):
+        back, _, _ = io.load_llama_gguf(windowed)
+    assert (back.sliding_window, back.layer_types, back.nope_layers) == (None,) * 3
+
+
 def test_ministral3_variants_llama_cpp_lacks_are_refused(tmp_path):
     """llama.cpp's mistral3 has no window; one period for yarn and the scale."""
     tiny = nn.architecture("ministral3").tiny()
