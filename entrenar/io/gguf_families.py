@@ -288,6 +288,11 @@ WINDOWED = {"olmo2": "olmo3"}
 """llama.cpp names that hold two families: the one a file with sliding layers is
 (llama.cpp's olmo2 runs OLMo 3, whose sliding layers rotate unscaled at
 ``rope.freq_base_swa``, default ``rope.freq_base``)."""
+UNSCALED = {"mistral3": "mistral"}
+"""llama.cpp names that hold two families: the one a file without
+``attention.temperature_scale`` is (llama.cpp's converter writes Mistral Small
+3.1/3.2's language model as ``mistral3`` too, without Ministral 3's query scale; a
+file entrenar wrote names its family in ``entrenar.family``)."""
 ONE_BASE = frozenset({"olmo2"})
 """llama.cpp names whose graph rotates the sliding layers at ``rope.freq_base``
 (0.3.36's olmo2 reads ``rope.freq_base_swa`` but does not use it)."""
@@ -510,6 +515,7 @@ __all__ = [
     "TEMPERATURE",
     "TIED",
     "UNBIASED",
+    "UNSCALED",
     "UNTIED",
     "WHOLE_HEADS",
     "WINDOWED",

@@ -74,6 +74,7 @@ from entrenar.io.gguf_families import (
     SWA_LAYERS,
     SWITCH_FIELDS,
     TEMPERATURE,
+    UNSCALED,
     WHOLE_HEADS,
     WINDOWED,
     YARN_LOG_MUL,
@@ -560,6 +561,8 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     if (name, n_layers) in (("gemma2", 46), ("gemma3", 62)):  # llama.cpp's 27B rule
         fields["query_pre_attn_scalar"] = float(hidden // heads)
     default = arch.name
+    if name in UNSCALED and not fields.get("query_scale_beta"):
+        default = UNSCALED[name]  # Mistral Small 3.1/3.2 in mistral3
     if name in WINDOWED and fields.get("sliding_window"):  # OLMo 3 in olmo2
         default = WINDOWED[name]
         local = meta_float(g, f"{p}rope.freq_base_swa", fields["rope_theta"])

@@ -529,6 +529,25 @@ def test_an_exaone4_window_llama_cpp_ignores_is_read_as_it_runs(tmp_path):
     assert (back.sliding_window, back.layer_types, back.nope_layers) == (None,) * 3
 
 
+def test_a_mistral3_file_without_the_query_scale_is_a_mistral(tmp_path):
+    """llama.cpp's converter writes Mistral Small 3.1/3.2's text model as mistral3."""
+    tiny = nn.architecture("ministral3").tiny()
+    params = tiny.init(jax.random.key(0))
+    unscaled = dataclasses.replace(tiny, query_scale_beta=None, query_scale_length=None)
+    path = tmp_path / "m.gguf"
+    io.save_llama_gguf(path, unscaled, params)
+    assert io.load_llama_gguf(path)[0] == unscaled  # entrenar.family names it
+    g = io.read_gguf(path)
+    fields = {k: f for k, f in g.fields.items() if k != FAMILY_KEY}
+    plain = tmp_path / "plain.gguf"
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    io.write_gguf(plain, fields, tensors)
+    back = io.load_llama_gguf(plain)[0]
+    assert back == dataclasses.replace(unscaled, architecture="mistral")
+
+
 def test_ministral3_variants_llama_cpp_lacks_are_refused(tmp_path):
     """llama.cpp's mistral3 has no window; one period for yarn and the scale."""
     tiny = nn.architecture("ministral3").tiny()
