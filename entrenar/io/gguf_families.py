@@ -59,6 +59,14 @@ hyperparameters ``{arch}.*``. The families differ in:
   ``expert_shared_feed_forward_length`` and ``ffn_{gate,up,down}_shexp``
   (`SHARED_MLP`), its fused ``shared_mlp.input_linear`` ``[gate; up]`` split into
   two tensors (`SPLIT_STEMS`);
+- **EXAONE 4.0** (``exaone4``, src/models/exaone4.cpp): OLMo 2's output norms
+  (implied) with per-head q/k norms, NEOX rotary on Hugging Face's rows; sliding
+  layers only at 64 layers (`SWA_LAYERS`), where the global ones are NoPE; at any
+  other count every layer attends fully and rotates (a config with a window or
+  NoPE layers there is refused);
+- **Ministral 3** (``mistral3``, src/models/mistral3.cpp): Llama's permuted q/k,
+  Llama 4's query scale (`TEMPERATURE`), YaRN's ``yarn_log_multiplier``
+  (`YARN_LOG_MUL`), no sliding window (`NO_WINDOW`);
 - **gpt-oss** (``gpt-oss``, src/models/openai-moe.cpp): its graph fixes the clamped
   SwiGLU (limit 7, ``α`` 1.702), the biased experts, the sinks and the layers
   alternating sliding / full (`IMPLIED`, `SWA_PATTERN`), and rounds YaRN's
@@ -158,7 +166,7 @@ WRITTEN_AS = {
     "deepseek_v2": "deepseek2",  # told apart by its softmax gating
 }
 """Families without a llama.cpp name of their own, and the name they are written as."""
-PERMUTED = frozenset({"llama", "smollm3", "granite", "granitemoe", "arcee"})
+PERMUTED = frozenset({"llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3"})
 """llama.cpp names whose q/k rows are permuted (interleaved rotary)."""
 NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 """llama.cpp names whose norm weights are stored plus this."""
@@ -185,6 +193,7 @@ IMPLIED["gpt-oss"] = {
     "swiglu_limit": 7.0,
     "swiglu_alpha": 1.702,
 }  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: alpha and limit are constants
+IMPLIED["exaone4"] = {"post_norms": True, "qk_norm_whole": False}  # per-head q/k
 IMPLIED["ernie4_5"] = {"rope_interleave": True}  # NORM rotary, rows as HF's
 IMPLIED["arcee"] = {"ungated_mlp": True, "hidden_act": "relu2"}  # LLM_FFN_RELU_SQR
 IMPLIED["gemma"] = {
@@ -217,12 +226,34 @@ half of each head in adjacent pairs, llama.cpp's NORM rotary, which is Hugging
 Face's interleaved GLM layout, so its q/k rows are not permuted); the other graphs
 entrenar writes assert ``n_rot == n_embd_head`` (llama.cpp's
 ``src/models/llama.cpp``)."""
+SWA_LAYERS = {"exaone4": (64, 4)}
+"""llama.cpp names whose graph has sliding layers only at one layer count -> (that
+count, the default sliding period): EXAONE 4.0 32B's 64 (src/models/exaone4.cpp).
+There ``attention.sliding_window`` (default 4096) and
+``attention.sliding_window_pattern`` (booleans, or a period: default 4) lay them out
+and only the sliding layers rotate (the global ones are NoPE, as in transformers'
+EXAONE 4 with a window); at any other count llama.cpp ignores both keys and every
+layer attends fully and rotates (EXAONE 4.0 1.2B, ``sliding_window`` null)."""
 NOPE_PERIOD = {"smollm3": 4}
 """llama.cpp names whose graph skips rotary on layer ``i`` when ``(i + 1) % n == 0``
 (no key states it: SmolLM3's ``n_no_rope_layer_step``, fixed at 4)."""
 NOPE_FULL = frozenset({"cohere2"})
 """llama.cpp names whose graph rotates the sliding layers only: every
 full-attention layer is NoPE (`LlamaConfig.nope_layers`, derived from the layout)."""
+TEMPERATURE = frozenset({"mistral3"})
+"""llama.cpp names whose graph multiplies each query after rotary by Llama 4's
+``1 + β ln(1 + ⌊p / L⌋)`` (`LlamaConfig.query_scale_beta`, ``query_scale_length``):
+``β`` is ``attention.temperature_scale``, ``L`` llama.cpp's ``n_ctx_orig_yarn``
+(``rope.scaling.original_context_length``, default ``context_length``;
+src/models/mistral3.cpp, llm_graph_input_attn_temp)."""
+YARN_LOG_MUL = frozenset({"mistral3"})
+"""llama.cpp names that read ``rope.scaling.yarn_log_multiplier`` ``m`` (the
+converter writes Ministral 3's ``mscale_all_dim``): llama.cpp then scales yarn's cos
+and sin by ``attn_factor · yarn_mscale(s) / (0.1 m ln s + 1)`` (llama-context.cpp,
+``mscale`` taken as 1), not ``attn_factor · yarn_mscale(s)``."""
+NO_WINDOW = frozenset({"mistral3"})
+"""llama.cpp names whose graph has no sliding window (a config with one is
+refused)."""
 LOGIT_SCALE = frozenset({"command-r", "cohere2"})
 """llama.cpp names whose ``logit_scale`` multiplies the logits
 (`LlamaConfig.logit_scale`); Granite's (`SCALE_KEYS`) divides them."""
@@ -232,11 +263,11 @@ RMSNorm's is ``attention.layer_norm_rms_epsilon``)."""
 SCALING_NONE = frozenset({"command-r", "cohere2"})
 """llama.cpp names whose converter writes ``rope.scaling.type`` ``none`` for
 unscaled rotary (entrenar writes it too, so the keys are the converter's)."""
-HEAD_KEYS = frozenset({"cohere2"})
+HEAD_KEYS = frozenset({"cohere2", "exaone4"})
 """llama.cpp names whose converter writes ``attention.key_length`` and
-``value_length`` always (transformers' Cohere2Config sets ``head_dim``); entrenar
-writes them too, elsewhere only for ``d != D / H``."""
-SQUARE_ATTENTION = frozenset({"command-r", "cohere2"})
+``value_length`` always (transformers' Cohere2Config and Exaone4Config set
+``head_dim``); entrenar writes them too, elsewhere only for ``d != D / H``."""
+SQUARE_ATTENTION = frozenset({"command-r", "cohere2", "exaone4"})
 """llama.cpp names whose graph takes ``attn_output`` as ``{D, D}``: the heads must
 fill the width (``H d = D``)."""
 QK_NORM_LAYERS = {"command-r": 64}
@@ -257,6 +288,11 @@ WINDOWED = {"olmo2": "olmo3"}
 """llama.cpp names that hold two families: the one a file with sliding layers is
 (llama.cpp's olmo2 runs OLMo 3, whose sliding layers rotate unscaled at
 ``rope.freq_base_swa``, default ``rope.freq_base``)."""
+UNSCALED = {"mistral3": "mistral"}
+"""llama.cpp names that hold two families: the one a file without
+``attention.temperature_scale`` is (llama.cpp's converter writes Mistral Small
+3.1/3.2's language model as ``mistral3`` too, without Ministral 3's query scale; a
+file entrenar wrote names its family in ``entrenar.family``)."""
 ONE_BASE = frozenset({"olmo2"})
 """llama.cpp names whose graph rotates the sliding layers at ``rope.freq_base``
 (0.3.36's olmo2 reads ``rope.freq_base_swa`` but does not use it)."""
@@ -429,6 +465,9 @@ def full_layers_nope(
 def default_layer_types(name: str, n_layers: int) -> tuple[str, ...] | None:
     """The layer types llama.cpp assumes for ``name`` (None: no sliding layers)."""
     n = SWA_PATTERN.get(name)
+    count, period = SWA_LAYERS.get(name, (None, None))
+    if count == n_layers:
+        n = period
     if n is None:
         return None
     return tuple(
@@ -455,6 +494,7 @@ __all__ = [
     "NOPE_FULL",
     "NOPE_PERIOD",
     "NORM_SHIFT",
+    "NO_WINDOW",
     "ONE_BASE",
     "ONE_WIDTH",
     "PARTIAL_ROTARY",
@@ -469,14 +509,18 @@ __all__ = [
     "SHARED_MLP",
     "SPLIT_STEMS",
     "SQUARE_ATTENTION",
+    "SWA_LAYERS",
     "SWA_PATTERN",
     "SWITCH_FIELDS",
+    "TEMPERATURE",
     "TIED",
     "UNBIASED",
+    "UNSCALED",
     "UNTIED",
     "WHOLE_HEADS",
     "WINDOWED",
     "WRITTEN_AS",
+    "YARN_LOG_MUL",
     "default_layer_types",
     "default_nope_layers",
     "full_layers_nope",

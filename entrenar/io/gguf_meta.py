@@ -46,6 +46,7 @@ FLOAT_RANGES = {
     "residual_scale": (0.0, 1e6),
     "attention.scale": (0.0, 1e6),
     "logit_scale": (0.0, 1e6),
+    "attention.temperature_scale": (0.0, 1e3),
 }
 """Open interval ``(low, high)`` a float ``{arch}.*`` hyperparameter must lie in."""
 

@@ -37,6 +37,7 @@ import functools
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -70,9 +71,13 @@ from entrenar.io.gguf_families import (
     SHARED_EXPERT,
     SHARED_MLP,
     SPLIT_STEMS,
+    SWA_LAYERS,
     SWITCH_FIELDS,
+    TEMPERATURE,
+    UNSCALED,
     WHOLE_HEADS,
     WINDOWED,
+    YARN_LOG_MUL,
     default_layer_types,
     default_nope_layers,
     full_layers_nope,
@@ -302,7 +307,8 @@ def _window_fields(g: GGUFFile, name: str, p: str, n_layers: int) -> dict[str, A
     family model without a window (Phi-4, ``sliding_window: null``).
     """
     key = f"{p}attention.sliding_window"
-    default = 4096 if name == "gemma2" else None  # llama.cpp's default for Gemma 2
+    swa = SWA_LAYERS.get(name, (None,))[0] == n_layers  # EXAONE 4.0 32B's
+    default = 4096 if name == "gemma2" or swa else None  # llama.cpp's default
     f = g.fields.get(key)
     if f is not None and f.value == 0 and not isinstance(f.value, (bool, float)):
         return {}
@@ -330,6 +336,42 @@ def _window_fields(g: GGUFFile, name: str, p: str, n_layers: int) -> dict[str, A
                 f"{n_layers} booleans or a period"
             )
     return {"sliding_window": window, "layer_types": types}
+
+
+def _swa_layers(g: GGUFFile, fields: dict[str, Any], name: str) -> dict[str, Any]:
+    """`gguf_families.SWA_LAYERS`: the window keys as llama.cpp's graph takes them.
+
+    At the family's layer count the sliding layers rotate and the others are NoPE;
+    at any other llama.cpp ignores the window keys (warned): no window, every layer
+    rotates.
+    """
+    count, n_layers = SWA_LAYERS[name][0], fields["num_layers"]
+    if count != n_layers and fields.get("sliding_window"):
+        warnings.warn(
+            f"{g.path}: llama.cpp's {name} slides only at {count} layers and ignores "
+            f"'{name}.attention.sliding_window' at {n_layers}; read as it runs the "
+            "file: every layer global and rotating",
+            stacklevel=4,
+        )
+    if count != n_layers or not fields.get("sliding_window"):
+        return {"sliding_window": None, "layer_types": None, "nope_layers": None}
+    nope = tuple(t != "sliding_attention" for t in fields["layer_types"])
+    return {"nope_layers": nope if any(nope) else None}
+
+
+def _yarn_log_mul(g: GGUFFile, p: str, factor: float) -> dict[str, Any]:
+    """YaRN's attention factor under ``rope.scaling.yarn_log_multiplier`` ``m``.
+
+    llama.cpp (llama-context.cpp, ``mscale`` 1) scales cos and sin by
+    ``attn_factor · yarn_mscale(s) / (0.1 m ln s + 1)``; without the key the generic
+    rule (`_rope_fields`) holds.
+    """
+    m = meta_float(g, f"{p}rope.scaling.yarn_log_multiplier", None)
+    if not m:  # llama.cpp: 0 is none
+        return {}
+    attn = meta_float(g, f"{p}rope.scaling.attn_factor", 1.0)
+    scale = yarn_mscale(factor) / yarn_mscale(factor, m)
+    return {"rope_attention_factor": attn * scale}
 
 
 def _family_fields(g: GGUFFile, name: str) -> dict[str, Any]:
@@ -498,6 +540,18 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     if name in NOPE_FULL:  # Cohere 2: the full-attention layers do not rotate
         types = fields.get("layer_types")
         fields["nope_layers"] = full_layers_nope(name, types, n_layers)
+    if name in SWA_LAYERS:  # EXAONE 4: sliding layers at 64 layers only
+        fields |= _swa_layers(g, fields, name)
+    if name in YARN_LOG_MUL and fields.get("rope_type") == "yarn":
+        fields |= _yarn_log_mul(g, p, fields["rope_factor"])
+    temperature = f"{p}attention.temperature_scale"
+    if name in TEMPERATURE and temperature in g.fields:  # Llama 4's (Ministral 3)
+        beta = meta_float(g, temperature, None)
+        orig = f"{p}rope.scaling.original_context_length"
+        fields["query_scale_beta"] = beta
+        fields["query_scale_length"] = meta_int(
+            g, orig, fields["max_position_embeddings"]
+        )
     fields |= _expert_fields(g, name, p, fields["intermediate_size"])
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = meta_float(g, f"{p}{key}", None)
@@ -516,6 +570,8 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
     if (name, n_layers) in (("gemma2", 46), ("gemma3", 62)):  # llama.cpp's 27B rule
         fields["query_pre_attn_scalar"] = float(hidden // heads)
     default = arch.name
+    if name in UNSCALED and not fields.get("query_scale_beta"):
+        default = UNSCALED[name]  # Mistral Small 3.1/3.2 in mistral3
     if name in WINDOWED and fields.get("sliding_window"):  # OLMo 3 in olmo2
         default = WINDOWED[name]
         local = meta_float(g, f"{p}rope.freq_base_swa", fields["rope_theta"])

@@ -62,6 +62,7 @@ from entrenar.io.gguf_families import (
     LAYER_NORM_EPS,
     LOGIT_SCALE,
     MOE_FAMILIES,
+    NO_WINDOW,
     NOPE_FULL,
     NOPE_PERIOD,
     NORM_SHIFT,
@@ -75,12 +76,15 @@ from entrenar.io.gguf_families import (
     SHARED_EXPERT,
     SHARED_MLP,
     SQUARE_ATTENTION,
+    SWA_LAYERS,
     SWA_PATTERN,
     SWITCH_FIELDS,
+    TEMPERATURE,
     TIED,
     UNBIASED,
     UNTIED,
     WHOLE_HEADS,
+    YARN_LOG_MUL,
     default_nope_layers,
     full_layers_nope,
     gguf_names,
@@ -296,6 +300,17 @@ def _metadata(
         a = c.rope_attention_factor
         new[p + "rope.scaling.attn_factor"] = (a / yarn_mscale(c.rope_factor), F32)
         new[p + "rope.scaling.yarn_attn_factor"] = (a, F32)
+        if gname in YARN_LOG_MUL:  # Ministral 3's mscale_all_dim 1, as converted:
+            # llama.cpp's factor is then attn_factor itself
+            del new[p + "rope.scaling.attn_factor"]
+            new[p + "rope.scaling.yarn_log_multiplier"] = (1.0, F32)
+            if a != 1.0:
+                new[p + "rope.scaling.attn_factor"] = (a, F32)
+    if gname in TEMPERATURE and c.query_scale_beta is not None:
+        new[p + "attention.temperature_scale"] = (c.query_scale_beta, F32)
+        if c.rope_type not in ("yarn", "longrope"):  # llama.cpp's n_ctx_orig_yarn
+            orig = c.query_scale_length
+            new[p + "rope.scaling.original_context_length"] = (orig, U32)
     if c.rope_type == "longrope":  # llama.cpp's converter writes Phi-3's always
         new[p + "rope.scaling.attn_factor"] = (attention_factor(c), F32)
     if c.rope_type == "yarn":
@@ -324,7 +339,7 @@ def _metadata(
             del fields[k]
     for k, (v, t) in new.items():
         fields[k] = GGUFField(v, t)
-    if c.sliding_window is not None and gname in SWA_PATTERN:
+    if c.sliding_window is not None and (gname in SWA_PATTERN or gname in SWA_LAYERS):
         fields[p + "attention.sliding_window_pattern"] = GGUFField(
             list(sliding_layers(c)), GGUFValueType.ARRAY, GGUFValueType.BOOL
         )
@@ -428,6 +443,32 @@ def _gguf_name(config: Any) -> str:
                 f"{nope}); this {arch.name} config has nope_layers "
                 f"{config.nope_layers}"
             )
+    if gname in SWA_LAYERS:
+        _check_swa_layers(config, arch.name, gname)
+    if gname in NO_WINDOW and config.sliding_window is not None:
+        raise UnsupportedError(
+            f"llama.cpp's {gname} has no sliding window; this {arch.name} config has "
+            f"sliding_window={config.sliding_window} (set it to None, or save a "
+            "Hugging Face folder)"
+        )
+    if gname in TEMPERATURE and config.query_scale_beta is not None:
+        orig = (
+            config.rope_original_max_position_embeddings
+            if config.rope_type in ("yarn", "longrope")
+            else config.query_scale_length
+        )
+        if config.query_scale_length != orig:
+            raise UnsupportedError(
+                f"llama.cpp's {gname} takes the query scale's period from "
+                "rope.scaling.original_context_length; this config has "
+                f"LlamaConfig.query_scale_length {config.query_scale_length} and "
+                f"rope_original_max_position_embeddings {orig}"
+            )
+    if config.query_scale_beta is not None and gname not in TEMPERATURE:
+        raise UnsupportedError(
+            f"llama.cpp's {gname} has no query scale; this {arch.name} config has "
+            f"query_scale_beta={config.query_scale_beta}"
+        )
     if gname in WHOLE_HEADS and (
         config.hd * config.num_heads != config.hidden_size
         or config.num_kv_heads != config.num_heads
@@ -447,6 +488,36 @@ def _gguf_name(config: Any) -> str:
     if config.num_experts:
         _check_routing(config, arch.name, gname)
     return gname
+
+
+def _check_swa_layers(c: LlamaConfig, family: str, gname: str) -> None:
+    """Refuse layouts llama.cpp's ``gname`` computes otherwise (`SWA_LAYERS`).
+
+    EXAONE 4: at 64 layers llama.cpp slides by the file's pattern and rotates only
+    the sliding layers (so a config needs a window, its global layers NoPE); at any
+    other count it rotates and attends fully everywhere (no window, no NoPE).
+    """
+    count, _ = SWA_LAYERS[gname]
+    slides = sliding_layers(c)
+    if c.num_layers == count:
+        nope = tuple(not s for s in slides)
+        if c.sliding_window is None or (c.nope_layers or (False,) * count) != nope:
+            raise UnsupportedError(
+                f"llama.cpp's {gname} lays a {count}-layer model out as EXAONE 4.0 "
+                "32B: sliding layers (attention.sliding_window_pattern) that "
+                "rotate and global NoPE ones; this config has sliding_window="
+                f"{c.sliding_window} and nope_layers={c.nope_layers} (set "
+                "sliding_window, layer_types and nope_layers so, or save a Hugging "
+                "Face folder)"
+            )
+    elif c.sliding_window is not None or any(c.nope_layers or ()):
+        raise UnsupportedError(
+            f"llama.cpp's {gname} has sliding layers only at {count} layers (EXAONE "
+            f"4.0 32B); at {c.num_layers} it attends fully and rotates every layer, "
+            f"where this {family} config has sliding_window={c.sliding_window} and "
+            f"nope_layers={c.nope_layers} (set sliding_window, layer_types and "
+            "nope_layers to None, as EXAONE 4.0 1.2B, or save a Hugging Face folder)"
+        )
 
 
 def _check_routing(c: LlamaConfig, family: str, gname: str) -> None:

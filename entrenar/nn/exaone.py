@@ -18,7 +18,8 @@ Non-reasoning and Reasoning Modes", 2025. A `LlamaConfig` with
 
 A ``sliding_window_pattern`` string (``"LLLG"``) without ``layer_types`` is
 refused, as transformers 5.25 cannot read it either; EXAONE 4.5 (vision) and
-EXAONE MoE are other model types.
+EXAONE MoE are other model types. GGUF: llama.cpp's ``exaone4``, which slides only
+at 64 layers (`entrenar.io.gguf_families.SWA_LAYERS`).
 """
 
 from __future__ import annotations
@@ -143,7 +144,6 @@ register_family(
     from_hf=exaone4_from_hf,
     to_hf=exaone4_to_hf,
     tiny=_tiny,
-    in_gguf=False,  # llama.cpp's exaone4: not read or written yet
     defaults=_EXAONE4,
 )
 

@@ -9,7 +9,8 @@ Ministral 3 (3B/8B/14B, December 2025; ``model_type: ministral3``, the
 rotary and Llama 4's attention temperature, each query multiplied after rotary by
 ``1 + β ln(1 + ⌊p / L⌋)`` (``rope_parameters.llama_4_scaling_beta`` β = 0.1, ``L``
 its ``original_max_position_embeddings`` = 16384; `LlamaConfig.query_scale_beta`):
-1 within the pre-training context, growing by ``β ln 2`` at ``L``.
+1 within the pre-training context, growing by ``β ln 2`` at ``L``. GGUF: llama.cpp's
+``mistral3`` (``attention.temperature_scale`` β; ``L`` its YaRN original context).
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ register_family(
     from_hf=ministral3_from_hf,
     to_hf=ministral3_to_hf,
     tiny=_tiny_ministral3,
-    in_gguf=False,  # llama.cpp's mistral3 graph is not read here
+    gguf_name="mistral3",  # llama.cpp's name (its converter's Ministral3Model)
 )
 
 __all__ = ["ministral3_from_hf", "ministral3_to_hf", "mistral_from_hf", "mistral_to_hf"]

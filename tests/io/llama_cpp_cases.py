@@ -162,6 +162,15 @@ ROUTING: dict[str, dict[str, Any]] = {
     "gpt_oss": {"swiglu_limit": 7.0, "intermediate_size": 32},
     # llama.cpp's olmoe has no o_proj bias, clips nothing and has no GQA
     "olmoe": {"clip_qkv": None, "attention_out_bias": False, "num_kv_heads": 4},
+    # llama.cpp's exaone4 slides only at 64 layers (FAMILY_CASES' exaone4_swa):
+    # EXAONE 4.0 1.2B's layout, every layer global and rotating; heads filling
+    # the width (its attn_output is {D, D})
+    "exaone4": {
+        "sliding_window": None,
+        "layer_types": None,
+        "nope_layers": None,
+        "hidden_size": 64,
+    },
 }
 """The top-k renormalisation llama.cpp's qwen3moe (always) and qwen2moe (never)
 compute, where the tiny configs test the other (`gguf_families.EXPERT_NORM`), and
@@ -199,6 +208,7 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
         "mlp_bias": False,
     },
     "olmoe": ROUTING["olmoe"],
+    "exaone4": ROUTING["exaone4"],
     # llama.cpp's deepseek2 ranks groups by their top-2 sum, V2 by its maximum
     "deepseek_v2": {"topk_method": "greedy"},
     # llama.cpp's Gemma 1 has no biases
@@ -226,6 +236,16 @@ FAMILY_LIMITS: dict[str, dict[str, Any]] = {
 """What each family's tiny config drops for llama.cpp: features its graph lacks."""
 
 
+EXAONE4_SWA: dict[str, Any] = dict(
+    sliding_window=4,
+    layer_types=tuple(
+        "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(64)
+    ),
+    nope_layers=tuple((i + 1) % 4 == 0 for i in range(64)),
+)
+"""EXAONE 4.0 32B's 64 layers (window 4 here): llama.cpp's exaone4 default."""
+
+
 FAMILY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # yarn with config.json's attention_factor: llama.cpp multiplies the file's
     # rope.scaling.attn_factor by its own 0.1 ln(factor) + 1
@@ -243,6 +263,16 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss_mxfp4": ("gpt_oss", {}),
     "mixtral_mxfp4": ("mixtral", {}),
     "qwen3_moe_mxfp4": ("qwen3_moe", dict(moe_intermediate_size=32)),
+    # EXAONE 4.0 32B's layout: llama.cpp's exaone4 slides (window 4, every layer
+    # but each 4th) and rotates only the sliding layers at 64 layers
+    "exaone4_swa": ("exaone4", dict(num_layers=64, **EXAONE4_SWA)),
+    # Ministral 3's mscale = mscale_all_dim: the converter's yarn_log_multiplier 1
+    "ministral3_mscale": ("ministral3", dict(rope_attention_factor=1.0)),
+    # unscaled rotary: the query scale's period in original_context_length
+    "ministral3_unscaled": (
+        "ministral3", dict(rope_type="default", rope_factor=1.0,
+                           rope_original_max_position_embeddings=None),
+    ),
 }  # fmt: skip
 """Cases beyond each family's own: name -> (family, fields replaced)."""
 WRITE_TYPES: dict[str, dict[str, str]] = {
@@ -267,10 +297,8 @@ def family_config(family: str) -> LlamaConfig:
     """
     family, extra = FAMILY_CASES.get(family, (family, {}))
     tiny = architecture(family).tiny()
-    return dataclasses.replace(
-        tiny, vocab_size=49152, hidden_size=64, intermediate_size=128,
-        **FAMILY_LIMITS.get(family, {}) | extra,
-    )  # fmt: skip
+    widths = dict(vocab_size=49152, hidden_size=64, intermediate_size=128)
+    return dataclasses.replace(tiny, **widths | FAMILY_LIMITS.get(family, {}) | extra)
 
 
 def family_params(config: LlamaConfig, seed: int = TINY_SEED) -> dict:

@@ -21,7 +21,7 @@ import llama_cpp_cases as cases
 import numpy as np
 import pytest
 
-from entrenar import io, nn
+from entrenar import io, nn, quant
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_families import FAMILY_KEY, gguf_names, written_name
 from entrenar.nn.rope_scaling import attention_factor, rope_inv_freq
@@ -484,37 +484,139 @@ def test_interleaved_rotary_is_refused_and_families_without_gguf_too(tmp_path):
     arcee = dataclasses.replace(nn.architecture("arcee").tiny(), mlp_bias=True)
     with pytest.raises(UnsupportedError, match="arcee loads no mlp bias"):
         io.save_llama_gguf(tmp_path / "m.gguf", arcee, arcee.init(jax.random.key(0)))
-    for name in ("exaone4",):
-        config = nn.architecture(name).tiny()
-        with pytest.raises(UnsupportedError, match=r"no llama\.cpp GGUF form"):
-            io.save_llama_gguf(
-                tmp_path / "m.gguf", config, config.init(jax.random.key(0))
-            )
+    glm = nn.architecture("glm").tiny()  # llama.cpp's chatglm: not written
+    with pytest.raises(UnsupportedError, match=r"no llama\.cpp GGUF form"):
+        io.save_llama_gguf(tmp_path / "m.gguf", glm, glm.init(jax.random.key(0)))
 
 
-def test_smollm3_nope_layers_llama_cpp_cannot_follow_are_warned(tmp_path):
-    """llama.cpp's SmolLM3 skips rotary on every 4th layer, whatever the file says."""
+def test_exaone4_layouts_llama_cpp_computes_otherwise_are_refused(tmp_path):
+    """llama.cpp's exaone4 slides only at 64 layers, and then rotates only those."""
+    tiny = dataclasses.replace(  # 2 layers: one sliding, one NoPE
+        nn.architecture("exaone4").tiny(), hidden_size=64
+    )
+    with pytest.raises(UnsupportedError, match="sliding layers only at 64 layers"):
+        io.save_llama_gguf(tmp_path / "m.gguf", tiny, tiny.init(jax.random.key(0)))
+    window = dataclasses.replace(  # a window, every layer global: all NoPE
+        tiny, layer_types=None, nope_layers=(True, True)
+    )
+    with pytest.raises(UnsupportedError, match=r"nope_layers=\(True, True\)"):
+        io.save_llama_gguf(tmp_path / "m.gguf", window, tiny.init(jax.random.key(0)))
+    big = dataclasses.replace(tiny, num_layers=64, **cases.ROUTING["exaone4"])
+    with pytest.raises(UnsupportedError, match=r"as EXAONE 4\.0 32B"):
+        io.save_llama_gguf(tmp_path / "m.gguf", big, big.init(jax.random.key(0)))
+
+
+def test_an_exaone4_window_llama_cpp_ignores_is_read_as_it_runs(tmp_path):
+    """Below 64 layers llama.cpp's exaone4 ignores the window keys (warned)."""
     config = dataclasses.replace(
-        nn.architecture("smollm3").tiny(), nope_layers=(True, False, False, False)
+        nn.architecture("exaone4").tiny(), **cases.ROUTING["exaone4"]
     )
     path = tmp_path / "m.gguf"
-    with pytest.warns(UserWarning, match="every 4th layer"):
-        io.save_llama_gguf(path, config, config.init(jax.random.key(0)))
-    assert io.load_llama_gguf(path)[0] == config  # entrenar.family keeps them
+    io.save_llama_gguf(path, config, config.init(jax.random.key(0)))
+    g = io.read_gguf(path)
+    fields = {k: f for k, f in g.fields.items() if k != FAMILY_KEY}
+    window = type(g.fields["exaone4.block_count"])  # GGUFField
+    uint, array, boolean = (
+        io.GGUFValueType.UINT32, io.GGUFValueType.ARRAY, io.GGUFValueType.BOOL
+    )  # fmt: skip
+    fields["exaone4.attention.sliding_window"] = window(4, uint)
+    fields["exaone4.attention.sliding_window_pattern"] = window(
+        [True, False], array, boolean
+    )
+    windowed = tmp_path / "w.gguf"
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    io.write_gguf(windowed, fields, tensors)
+    with pytest.warns(UserWarning, match="slides only at 64 layers"):
+        back, _, _ = io.load_llama_gguf(windowed)
+    assert (back.sliding_window, back.layer_types, back.nope_layers) == (None,) * 3
 
 
-def test_a_tied_olmo2_is_refused_for_llama_cpps_untied_graph(tmp_path):
-    tiny = nn.architecture("olmo2").tiny()
-    config = dataclasses.replace(tiny, tie_word_embeddings=True)
-    with pytest.raises(UnsupportedError, match="olmo2 needs its own output head"):
-        io.save_llama_gguf(tmp_path / "m.gguf", config, config.init(jax.random.key(0)))
-
-
-def test_olmo3_local_base_llama_cpp_does_not_use_is_warned(tmp_path):
-    """llama.cpp 0.3.36's olmo2 graph rotates sliding layers at the global base."""
-    config = nn.architecture("olmo3").tiny()
-    assert config.rope_local_theta != config.rope_theta
+def test_a_mistral3_file_without_the_query_scale_is_a_mistral(tmp_path):
+    """llama.cpp's converter writes Mistral Small 3.1/3.2's text model as mistral3."""
+    tiny = nn.architecture("ministral3").tiny()
+    params = tiny.init(jax.random.key(0))
+    unscaled = dataclasses.replace(tiny, query_scale_beta=None, query_scale_length=None)
     path = tmp_path / "m.gguf"
-    with pytest.warns(UserWarning, match="rotates the sliding layers at rope_theta"):
-        io.save_llama_gguf(path, config, config.init(jax.random.key(0)))
-    assert io.load_llama_gguf(path)[0] == config
+    io.save_llama_gguf(path, unscaled, params)
+    assert io.load_llama_gguf(path)[0] == unscaled  # entrenar.family names it
+    g = io.read_gguf(path)
+    fields = {k: f for k, f in g.fields.items() if k != FAMILY_KEY}
+    plain = tmp_path / "plain.gguf"
+    tensors = {
+        n: io.GGUFTensor(g.raw(n), t.shape, t.type_id) for n, t in g.tensors.items()
+    }
+    io.write_gguf(plain, fields, tensors)
+    back = io.load_llama_gguf(plain)[0]
+    assert back == dataclasses.replace(unscaled, architecture="mistral")
+
+
+def test_ministral3_variants_llama_cpp_lacks_are_refused(tmp_path):
+    """llama.cpp's mistral3 has no window; one period for yarn and the scale."""
+    tiny = nn.architecture("ministral3").tiny()
+    params = tiny.init(jax.random.key(0))
+    window = dataclasses.replace(tiny, sliding_window=4)
+    with pytest.raises(UnsupportedError, match="mistral3 has no sliding window"):
+        io.save_llama_gguf(tmp_path / "m.gguf", window, params)
+    period = dataclasses.replace(tiny, query_scale_length=8)
+    with pytest.raises(UnsupportedError, match="query_scale_length 8"):
+        io.save_llama_gguf(tmp_path / "m.gguf", period, params)
+    llama = dataclasses.replace(tiny, architecture="llama")
+    with pytest.raises(UnsupportedError, match="llama has no query scale"):
+        io.save_llama_gguf(tmp_path / "m.gguf", llama, params)
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q8_0"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dataclasses.replace(
+            nn.architecture("exaone4").tiny(), hidden_size=64, num_layers=64,
+            **cases.EXAONE4_SWA,
+        ),
+        dataclasses.replace(
+            nn.architecture("ministral3").tiny(), rope_attention_factor=1.0
+        ),  # Ministral 3's mscale = mscale_all_dim: yarn_log_multiplier 1
+        dataclasses.replace(
+            nn.architecture("ministral3").tiny(), rope_type="default",
+            rope_factor=1.0, rope_original_max_position_embeddings=None,
+        ),  # the scale's period in original_context_length without yarn
+    ],
+    ids=["exaone4_swa", "ministral3_mscale", "ministral3_unscaled"],
+)  # fmt: skip
+def test_exaone4_and_ministral3_variants_round_trip(config, kind, tmp_path):
+    """Written in each type and read back: each matrix is its stored rounding.
+
+    Bit for bit: F32 as it was, F16/BF16 rounded, Q8_0 as `entrenar.quant`
+    quantizes and dequantizes it (norms stay F32); written again, the same bytes.
+    """
+    params = config.init(jax.random.key(5))
+    path = tmp_path / "a.gguf"
+    io.save_llama_gguf(path, config, params, tensor_type=kind)
+    back, loaded, _ = io.load_llama_gguf(path)
+    assert back == config
+    assert io.file_architecture(str(path)) == config.architecture
+
+    def stored(w):
+        a = np.asarray(w, np.float32)
+        if kind in ("F16", "BF16"):
+            dt = np.float16 if kind == "F16" else jax.numpy.bfloat16
+            return np.asarray(a.astype(dt), np.float32)
+        if kind == "Q8_0":
+            return np.asarray(quant.dequantize(quant.quantize(a, "q8_0"), np.float32))
+        return a
+
+    def check(kp, want, got):
+        name = jax.tree_util.keystr(kp)
+        want = np.asarray(want, np.float32)
+        if "embed" in name or "lm_head" in name:
+            want = stored(want)
+        elif want.ndim == 3:  # (L, out, in) a layer at a time
+            want = np.stack([stored(w) for w in want])
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+
+    jax.tree_util.tree_map_with_path(check, params, loaded)
+    again = tmp_path / "b.gguf"
+    io.save_llama_gguf(again, back, loaded, source=path, tensor_type=kind)
+    assert again.read_bytes() == path.read_bytes()

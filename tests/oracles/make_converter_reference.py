@@ -130,16 +130,49 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # GLM-4 as it is: biases, 12 of 16 values rotated in pairs, four norms
     "glm4": ("glm4", {}),
+    # llama.cpp's exaone4 slides only at 64 layers: EXAONE 4.0 1.2B's layout
+    # (every layer global, rotating; llama3 rope as rope_freqs), heads filling D
+    "exaone4": (
+        "exaone4",
+        dict(sliding_window=None, layer_types=None, nope_layers=None, hidden_size=64),
+    ),
+    # EXAONE 4.0 32B's 64 layers (the converter writes the pattern as booleans),
+    # narrow so the file stays small
+    "exaone4_swa": (
+        "exaone4",
+        dict(
+            num_layers=64, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
+            intermediate_size=16, sliding_window=4,
+            layer_types=tuple(
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                for i in range(64)
+            ),
+            nope_layers=tuple((i + 1) % 4 == 0 for i in range(64)),
+        ),
+    ),  # fmt: skip
+    # Ministral 3 with the Hub's rope_parameters (HUB_KEYS): yarn with mscale =
+    # mscale_all_dim = 1, which the converter writes as yarn_log_multiplier
+    "ministral3": ("ministral3", dict(rope_attention_factor=1.0)),
 }
 """Case -> (family, fields replaced in the family's tiny config)."""
 HUB_KEYS: dict[str, dict[str, Any]] = {
     "cohere": {"head_dim": None},
     "cohere2": {"head_dim": None, "rotary_pct": 1.0},
+    "ministral3": {
+        "rope_parameters": {
+            "rope_type": "yarn", "type": "yarn", "factor": 16.0,
+            "original_max_position_embeddings": 4, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1, "rope_theta": 10000.0,
+        },
+    },  # fmt: skip
 }
 """config.json keys set as the Hub's files have them, after ``save_pretrained``
 (None: no such key): Cohere's files have no ``head_dim`` (``D / H``; the converter
 would write it as ``attention.key_length``), Command-R7B's has ``rotary_pct``, which
-the cohere2 converter reads (transformers ignores it)."""
+the cohere2 converter reads (transformers ignores it); Ministral 3's rope has
+``mscale`` and ``mscale_all_dim`` (their ratio, 1, is the ``attention_factor``
+entrenar writes), which the converter needs."""
 VOCAB = 320  # the byte-level tiny tokenizer's 303 tokens, rounded up
 
 CONVERT = r"""

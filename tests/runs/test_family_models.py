@@ -48,12 +48,16 @@ GGUF_FORM = {
                   num_kv_heads=4),
     # llama.cpp ranks groups by their top-2 sum, DeepSeek-V2 by its maximum
     "deepseek_v2": dict(topk_method="greedy"),
+    # llama.cpp's exaone4 slides only at 64 layers (EXAONE 4.0 1.2B's layout
+    # here), its attn_output is {D, D}
+    "exaone4": dict(sliding_window=None, layer_types=None, nope_layers=None,
+                    hidden_size=64),
 }  # fmt: skip
 """What a family's tiny drops to have a GGUF form (the writer refuses the rest)."""
 
 
 def _gguf_experts(config: nn.LlamaConfig, width: int) -> nn.LlamaConfig:
-    """``config`` with experts llama.cpp can hold (a dense config as it is).
+    """``config`` as llama.cpp can hold it (`GGUF_FORM`), with its experts.
 
     Its architecture's routing (`gguf_families.EXPERT_NORM`), what its graph fixes
     (`gguf_families.IMPLIED`: gpt-oss's clamp) and experts ``width`` wide (whole
@@ -61,9 +65,11 @@ def _gguf_experts(config: nn.LlamaConfig, width: int) -> nn.LlamaConfig:
     """
     arch = nn.architecture_of(config)
     name = written_name(arch.name, arch.gguf_name)
-    if not config.num_experts or name is None:  # dense, or no GGUF form
+    if name is None:  # no GGUF form
         return config
     config = dataclasses.replace(config, **GGUF_FORM.get(arch.name, {}))
+    if not config.num_experts:  # dense
+        return config
     if name == "deepseek2":  # its routing keys are its own (io.deepseek_gguf)
         return config
     if name == "glm4moe":  # its routing keys are its own (io.glm4moe_gguf)
