@@ -141,8 +141,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "exaone4_swa": (
         "exaone4",
         dict(
-            num_layers=64, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
-            intermediate_size=16, sliding_window=4,
+            num_layers=64,
+            hidden_size=16,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=8,
+            intermediate_size=16,
+            sliding_window=4,
             layer_types=tuple(
                 "full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                 for i in range(64)
@@ -160,10 +165,16 @@ HUB_KEYS: dict[str, dict[str, Any]] = {
     "cohere2": {"head_dim": None, "rotary_pct": 1.0},
     "ministral3": {
         "rope_parameters": {
-            "rope_type": "yarn", "type": "yarn", "factor": 16.0,
-            "original_max_position_embeddings": 4, "beta_fast": 32.0,
-            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-            "llama_4_scaling_beta": 0.1, "rope_theta": 10000.0,
+            "rope_type": "yarn",
+            "type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 4,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+            "rope_theta": 10000.0,
         },
     },  # fmt: skip
 }
