@@ -154,7 +154,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             ),
             nope_layers=tuple((i + 1) % 4 == 0 for i in range(64)),
         ),
-    ),  # fmt: skip
+    ),
     # Ministral 3 with the Hub's rope_parameters (HUB_KEYS): yarn with mscale =
     # mscale_all_dim = 1, which the converter writes as yarn_log_multiplier
     "ministral3": ("ministral3", dict(rope_attention_factor=1.0)),
@@ -176,7 +176,7 @@ HUB_KEYS: dict[str, dict[str, Any]] = {
             "llama_4_scaling_beta": 0.1,
             "rope_theta": 10000.0,
         },
-    },  # fmt: skip
+    },
 }
 """config.json keys set as the Hub's files have them, after ``save_pretrained``
 (None: no such key): Cohere's files have no ``head_dim`` (``D / H``; the converter
