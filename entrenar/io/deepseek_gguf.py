@@ -66,7 +66,7 @@ from entrenar import nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io.ggml_dequant import dequantize_ggml
 from entrenar.io.gguf_families import FAMILY_KEY, SWITCH_FIELDS
-from entrenar.io.gguf_meta import meta_float, meta_int
+from entrenar.io.gguf_meta import family_fields, meta_float, meta_int
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFMetadata, GGUFValueType
 from entrenar.nn.deepseek import DeepseekConfig
 from entrenar.nn.deepseek_moe import DeepseekMoeConfig
@@ -249,29 +249,6 @@ def deepseek_family(metadata: Mapping[str, Any]) -> str:
     return "deepseek_v3" if gating == GATING["sigmoid"] else "deepseek_v2"
 
 
-def _family(g: GGUFFile) -> dict[str, Any]:
-    """``entrenar.family``: `SWITCH_FIELDS` and `EXTRA_FIELDS` only."""
-    f = g.fields.get(FAMILY_KEY)
-    if f is None:
-        return {}
-    try:
-        value = json.loads(f.value) if isinstance(f.value, str) else None
-    except (ValueError, RecursionError):
-        value = None
-    allowed = {*SWITCH_FIELDS, *EXTRA_FIELDS}
-    if not isinstance(value, dict) or set(value) - allowed:
-        raise FormatError(
-            f"{g.path}: metadata {FAMILY_KEY!r} must be a JSON object of "
-            f"{sorted(allowed)}"
-        )
-    if value.get("architecture", "deepseek_v3") not in ("deepseek_v2", "deepseek_v3"):
-        raise FormatError(
-            f"{g.path}: metadata {FAMILY_KEY!r} names family "
-            f"{value['architecture']!r}, not one written as {NAME!r}"
-        )
-    return value
-
-
 def deepseek_config_from_gguf(g: GGUFFile) -> DeepseekConfig:
     """The `DeepseekConfig` of a ``deepseek2`` GGUF's keys and tensor table.
 
@@ -326,7 +303,7 @@ def deepseek_config_from_gguf(g: GGUFFile) -> DeepseekConfig:
     )
     fields |= _expert_fields(g, p, n_layers)
     fields |= _rope_fields(g, p)
-    fields |= _family(g)
+    fields |= family_fields(g, NAME, {*SWITCH_FIELDS, *EXTRA_FIELDS})
     family = fields.pop("_family")
     family = fields.pop("architecture", family)
     try:

@@ -7,12 +7,16 @@ its default or a `FormatError` naming the file and the key.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
-from entrenar.errors import FormatError
+from entrenar import nn
+from entrenar.errors import FormatError, UnsupportedError
+from entrenar.io.gguf_families import FAMILY_KEY, written_name
 from entrenar.io.gguf_reader import GGUFFile, GGUFValueType
 
 INT_LIMITS = {
@@ -89,3 +93,40 @@ def meta_float(g: GGUFFile, key: str, default: Any) -> Any:
 
 
 __all__ = ["FLOAT_RANGES", "INT_LIMITS", "meta_float", "meta_int"]
+
+
+def family_fields(g: GGUFFile, name: str, allowed: Collection[str]) -> dict[str, Any]:
+    """The ``entrenar.family`` object of a file entrenar wrote (``{}`` without one).
+
+    Its keys must be among ``allowed`` (the fields the reader applies over the
+    file's keys), and its ``architecture``, when given, a family written as
+    ``general.architecture`` ``name``.
+
+    Raises:
+        FormatError: not a JSON object of ``allowed``, or another architecture's
+            family (or none entrenar knows).
+    """
+    f = g.fields.get(FAMILY_KEY)
+    if f is None:
+        return {}
+    try:
+        value = json.loads(f.value) if isinstance(f.value, str) else None
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict) or set(value) - set(allowed):
+        raise FormatError(
+            f"{g.path}: metadata {FAMILY_KEY!r} must be a JSON object of "
+            f"{sorted(allowed)}"
+        )
+    family = value.get("architecture")
+    if family is not None:
+        try:
+            arch = nn.architecture(str(family))
+        except UnsupportedError:
+            arch = None
+        if arch is None or written_name(arch.name, arch.gguf_name) != name:
+            raise FormatError(
+                f"{g.path}: metadata {FAMILY_KEY!r} names family {family!r}, which "
+                f"is not written as general.architecture {name!r}"
+            )
+    return value

@@ -62,8 +62,8 @@ import numpy as np
 from entrenar import nn
 from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io.deepseek_gguf import GLOBAL, count_key, expert_scale, written_groups
-from entrenar.io.gguf_families import FAMILY_KEY, SWITCH_FIELDS
-from entrenar.io.gguf_meta import meta_float, meta_int
+from entrenar.io.gguf_families import SWITCH_FIELDS
+from entrenar.io.gguf_meta import family_fields, meta_float, meta_int
 from entrenar.io.gguf_reader import GGUFField, GGUFFile, GGUFValueType
 from entrenar.nn.glm4_moe import Glm4MoeConfig
 from entrenar.nn.hf_names import per_layer_shapes
@@ -149,29 +149,6 @@ def check_glm4moe_gguf(c: Glm4MoeConfig) -> None:
 
 
 # ------------------------------------------------------------------- reading
-def _family(g: GGUFFile) -> dict[str, Any]:
-    """``entrenar.family``: `SWITCH_FIELDS` and `EXTRA_FIELDS` only."""
-    f = g.fields.get(FAMILY_KEY)
-    if f is None:
-        return {}
-    try:
-        value = json.loads(f.value) if isinstance(f.value, str) else None
-    except (ValueError, RecursionError):
-        value = None
-    allowed = {*SWITCH_FIELDS, *EXTRA_FIELDS}
-    if not isinstance(value, dict) or set(value) - allowed:
-        raise FormatError(
-            f"{g.path}: metadata {FAMILY_KEY!r} must be a JSON object of "
-            f"{sorted(allowed)}"
-        )
-    if value.get("architecture", FAMILY) != FAMILY:
-        raise FormatError(
-            f"{g.path}: metadata {FAMILY_KEY!r} names family "
-            f"{value['architecture']!r}, not one written as {NAME!r}"
-        )
-    return value
-
-
 def glm4moe_config_from_gguf(g: GGUFFile) -> Glm4MoeConfig:
     """The `Glm4MoeConfig` of a ``glm4moe`` GGUF's keys and tensor table.
 
@@ -259,7 +236,7 @@ def glm4moe_config_from_gguf(g: GGUFFile) -> Glm4MoeConfig:
         ),
         num_nextn_predict_layers=nextn,
     )
-    fields |= _family(g)
+    fields |= family_fields(g, NAME, {*SWITCH_FIELDS, *EXTRA_FIELDS})
     fields.pop("architecture", None)
     try:
         return nn.architecture(FAMILY).make_config(**fields)

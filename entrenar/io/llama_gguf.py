@@ -34,7 +34,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import json
 import math
 import os
 import warnings
@@ -55,7 +54,6 @@ from entrenar.io.deepseek_gguf import (
 from entrenar.io.ggml_dequant import dequantize_ggml, dequantize_ggml_into
 from entrenar.io.gguf_families import (
     EXPERT_NORM,
-    FAMILY_KEY,
     FF_EXPERTS,
     IMPLIED,
     LAYER_NORM_EPS,
@@ -83,9 +81,8 @@ from entrenar.io.gguf_families import (
     full_layers_nope,
     gguf_names,
     split_names,
-    written_name,
 )
-from entrenar.io.gguf_meta import meta_float, meta_int
+from entrenar.io.gguf_meta import family_fields, meta_float, meta_int
 from entrenar.io.gguf_reader import GGUFFile, GGUFMetadata, read_gguf
 from entrenar.io.glm4moe_gguf import NAME as GLM4MOE
 from entrenar.io.glm4moe_gguf import expected_tensors as glm4moe_tensors
@@ -374,31 +371,6 @@ def _yarn_log_mul(g: GGUFFile, p: str, factor: float) -> dict[str, Any]:
     return {"rope_attention_factor": attn * scale}
 
 
-def _family_fields(g: GGUFFile, name: str) -> dict[str, Any]:
-    """The ``entrenar.family`` JSON object (`gguf_families.SWITCH_FIELDS` only)."""
-    f = g.fields.get(FAMILY_KEY)
-    if f is None:
-        return {}
-    try:
-        value = json.loads(f.value) if isinstance(f.value, str) else None
-    except (ValueError, RecursionError):
-        value = None
-    if not isinstance(value, dict) or set(value) - set(SWITCH_FIELDS):
-        raise FormatError(
-            f"{g.path}: metadata {FAMILY_KEY!r} must be a JSON object of "
-            f"{list(SWITCH_FIELDS)}"
-        )
-    family = value.get("architecture")
-    if family is not None:
-        arch = nn.architecture(str(family))
-        if written_name(arch.name, arch.gguf_name) != name:
-            raise FormatError(
-                f"{g.path}: metadata {FAMILY_KEY!r} names family {family!r}, which is "
-                f"not written as general.architecture {name!r}"
-            )
-    return value
-
-
 def _expert_fields(g: GGUFFile, name: str, p: str, n_ff: int) -> dict[str, Any]:
     """The mixture-of-experts `LlamaConfig` fields of ``{arch}.expert_*``.
 
@@ -576,7 +548,7 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         default = WINDOWED[name]
         local = meta_float(g, f"{p}rope.freq_base_swa", fields["rope_theta"])
         fields["rope_local_theta"] = local  # set even when equal: unscaled
-    family = _family_fields(g, name)
+    family = family_fields(g, name, SWITCH_FIELDS)
     if fields.get("num_experts") and "architecture" not in family:
         family["architecture"] = MOE_FAMILIES[name]  # a llama with experts: Mixtral
         if fields.get("shared_mlp_intermediate_size"):  # Granite MoE shared
