@@ -120,11 +120,6 @@ def mtp_tensors(g: GGUFFile, config: Glm4MoeConfig) -> set[str]:
     return {t for t in g.tensors if (m := _BLK.match(t)) and int(m.group(1)) >= n}
 
 
-def _groups(c: Glm4MoeConfig) -> tuple[int, int]:
-    """``(expert_group_count, expert_group_used_count)``: every group kept is one."""
-    return written_groups(c.n_group, c.topk_group)
-
-
 # ------------------------------------------------------------------- checks
 def check_glm4moe_gguf(c: Glm4MoeConfig) -> None:
     """Refuse a config llama.cpp's glm4moe would compute otherwise (docstring).
@@ -262,7 +257,7 @@ def expected_tensors(
 def glm4moe_keys(c: Glm4MoeConfig, kind_id: int) -> dict[str, GGUFField]:
     """The ``glm4moe.*`` keys of ``c`` (module docstring), as the converter's."""
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    groups, used = _groups(c)
+    groups, used = written_groups(c.n_group, c.topk_group)
     new: dict[str, tuple[Any, GGUFValueType]] = {
         "vocab_size": (c.vocab_size, u32),
         "block_count": (c.num_layers + c.num_nextn_predict_layers, u32),
@@ -296,7 +291,7 @@ def glm4moe_keys(c: Glm4MoeConfig, kind_id: int) -> dict[str, GGUFField]:
 def family_json(c: Glm4MoeConfig, switches: dict[str, Any]) -> str:
     """``entrenar.family``: the switches and `EXTRA_FIELDS` the keys do not give."""
     out = dict(switches, architecture=c.architecture)
-    if _groups(c) != (c.n_group, c.topk_group):
+    if written_groups(c.n_group, c.topk_group) != (c.n_group, c.topk_group):
         out |= {"n_group": c.n_group, "topk_group": c.topk_group}
     scale = float(c.routed_scaling_factor)
     if float(str(np.float32(scale))) != scale:  # as `meta_float` reads the key
