@@ -108,6 +108,8 @@ KV_B = ("attn_k_b.weight", "attn_v_b.weight")
 """``self_attn.kv_b_proj.weight`` as llama.cpp's two tensors (module docstring)."""
 F32_NAMES = ("ffn_gate_inp.weight", "exp_probs_b.bias")
 """Kept F32 whatever the file's type (the converter's rule for the router)."""
+EXPERT_STACK = re.compile(r"\.ffn_(gate|up|down)_exps\.weight$")
+"""The routed experts' stacks, which ``expert_type`` may write in their own type."""
 GATING = {"softmax": 1, "sigmoid": 2}
 """``scoring_func`` -> llama.cpp's ``expert_gating_func``."""
 EXTRA_FIELDS = (
@@ -552,11 +554,13 @@ def deepseek_layer_tensors(
     emb_kind: str,
     to_bytes: Any,
     names: Mapping[str, Any] | None = None,
+    exp_kind: str | None = None,
 ) -> dict[str, tuple[Any, tuple[int, ...], str]]:
     """GGUF name -> ``(make bytes, shape, type)`` of every tensor of ``params``.
 
     ``to_bytes(w, kind, name)`` converts one array (`llama_gguf_write`);
-    ``names`` as `load_deepseek_tree`'s.
+    ``names`` as `load_deepseek_tree`'s. The routed experts' stacks
+    (``ffn_{gate,up,down}_exps``) are written in ``exp_kind`` (None: ``kind``).
     """
     if names is None:  # deepseek2's own table
         assert isinstance(config, DeepseekConfig)
@@ -590,6 +594,8 @@ def deepseek_layer_tensors(
         table = hf in GLOBAL and len(shape) == 2
         k = (emb_kind if table else kind) if len(shape) >= 2 else "F32"
         k = "F32" if name.endswith(F32_NAMES) else k
+        if exp_kind is not None and EXPERT_STACK.search(name):
+            k = exp_kind
         out[name] = (_part(w, k, to_bytes, hf), tuple(shape), k)
     return out
 

@@ -103,7 +103,6 @@ from entrenar.io.llama_gguf import permute_qk
 from entrenar.nn import LlamaConfig, to_dense
 from entrenar.nn.decoder_config import sliding_layers
 from entrenar.nn.deepseek import DeepseekConfig
-from entrenar.nn.deepseek_moe import DeepseekMoeConfig
 from entrenar.nn.glm4_moe import Glm4MoeConfig
 from entrenar.nn.mxfp4 import quantize_ggml as mxfp4_bytes
 from entrenar.nn.rope_scaling import attention_factor, yarn_mscale
@@ -555,23 +554,25 @@ def _save_unrolled(
     src: GGUFFile | None,
     kind: str,
     emb_kind: str,
+    exp_kind: str,
     name: str,
     tok_fields: dict[str, GGUFField],
 ) -> None:
     """`save_llama_gguf` of a list of unstacked layers.
 
     DeepSeek-V2/V3 (`entrenar.io.deepseek_gguf`) or GLM-4.5
-    (`entrenar.io.glm4moe_gguf`).
+    (`entrenar.io.glm4moe_gguf`); the routed experts in ``exp_kind``.
     """
+    file_kind = "MXFP4" if exp_kind == "MXFP4" else kind
     if isinstance(config, DeepseekConfig):
         check_deepseek_gguf(config)
         arch, widths = DEEPSEEK, row_widths(config)
-        new = deepseek_keys(config, FILE_TYPES[kind])
+        new = deepseek_keys(config, FILE_TYPES[file_kind])
         names = None
     else:
         check_glm4moe_gguf(config)
         arch, widths = GLM4MOE, glm4moe_row_widths(config)
-        new = glm4moe_keys(config, FILE_TYPES[kind])
+        new = glm4moe_keys(config, FILE_TYPES[file_kind])
         names = glm4moe_names(config)
     if (kind + emb_kind).count("Q") and any(w % 32 for w in widths):
         raise ConfigError(
@@ -597,7 +598,9 @@ def _save_unrolled(
     else:
         family = glm4moe_family_json(config, switches)
     fields[FAMILY_KEY] = GGUFField(family, STR)
-    made = deepseek_layer_tensors(config, params, kind, emb_kind, _to_bytes, names)
+    made = deepseek_layer_tensors(
+        config, params, kind, emb_kind, _to_bytes, names, exp_kind
+    )
     tensors = {
         n: GGUFTensor(make, shape, GGML_TYPE_IDS[k])
         for n, (make, shape, k) in made.items()
@@ -620,8 +623,6 @@ def check_expert_type(
         ConfigError: a type not in `EXPERT_TYPES`, a config without experts, or a
             quantized type for experts whose rows (``hidden_size``, ``expert_size``)
             are not whole 32-value blocks.
-        UnsupportedError: another type than ``tensor_type`` for the experts of
-            DeepSeek or GLM-4.5 (their own writer).
 
     >>> check_expert_type(LlamaConfig(num_experts=8, num_experts_per_tok=2), "mxfp4")
     'MXFP4'
@@ -640,11 +641,6 @@ def check_expert_type(
             f"expert_type={expert_type!r} is for a mixture of experts; this "
             f"{family} config has no experts (num_experts="
             f"{getattr(config, 'num_experts', 0)}): leave expert_type unset"
-        )
-    if isinstance(config, DeepseekMoeConfig) and exp_kind != kind:
-        raise UnsupportedError(
-            f"expert_type {exp_kind} for {family}: entrenar writes DeepSeek's and "
-            "GLM-4.5's experts in tensor_type only; leave expert_type unset"
         )
     widths = (config.hidden_size, config.expert_size)
     if exp_kind not in ("F32", "F16", "BF16") and any(w % 32 for w in widths):
@@ -722,7 +718,7 @@ def save_llama_gguf(
         tok: dict[str, GGUFField] = {}
         if tokenizer is not None and (src is None or TOKENS not in src.fields):
             tok = gguf_tokenizer_fields(tokenizer, vocab_size=config.vocab_size)
-        _save_unrolled(path, config, params, src, kind, emb_kind, name, tok)
+        _save_unrolled(path, config, params, src, kind, emb_kind, exp_kind, name, tok)
         return
     gname = _gguf_name(config)
     widths = (

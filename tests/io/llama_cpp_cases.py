@@ -263,6 +263,10 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss_mxfp4": ("gpt_oss", {}),
     "mixtral_mxfp4": ("mixtral", {}),
     "qwen3_moe_mxfp4": ("qwen3_moe", dict(moe_intermediate_size=32)),
+    # and the routed experts of the families written layer by layer (shared
+    # experts, dense layers and attention stay F32)
+    "deepseek_v3_mxfp4": ("deepseek_v3", dict(moe_intermediate_size=32)),
+    "glm4_moe_mxfp4": ("glm4_moe", dict(moe_intermediate_size=32)),
     # EXAONE 4.0 32B's layout: llama.cpp's exaone4 slides (window 4, every layer
     # but each 4th) and rotates only the sliding layers at 64 layers
     "exaone4_swa": ("exaone4", dict(num_layers=64, **EXAONE4_SWA)),
@@ -279,6 +283,8 @@ WRITE_TYPES: dict[str, dict[str, str]] = {
     "gpt_oss_mxfp4": {"expert_type": "MXFP4"},
     "mixtral_mxfp4": {"expert_type": "MXFP4"},
     "qwen3_moe_mxfp4": {"expert_type": "MXFP4"},
+    "deepseek_v3_mxfp4": {"expert_type": "MXFP4"},
+    "glm4_moe_mxfp4": {"expert_type": "MXFP4"},
 }
 """`save_llama_gguf` types of a case other than F32 everywhere."""
 

@@ -26,7 +26,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from entrenar import io, lora
 from entrenar.config.summary import validate
-from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.errors import ConfigError
 from entrenar.lora import LoRAConfig, fold_retention, save_folded_gguf
 from entrenar.nn import architecture
 from entrenar.nn.mxfp4 import dequantize_ggml, quantize_ggml
@@ -175,10 +175,41 @@ def test_configs_mxfp4_cannot_hold_are_refused(tmp_path):
     c, params = tiny()
     with pytest.raises(ConfigError, match="expert type 'Q4_K'"):
         io.save_llama_gguf(path, c, params, expert_type="Q4_K")
-    ds = architecture("deepseek_v2").tiny()
-    with pytest.raises(UnsupportedError, match="experts in tensor_type only"):
+    ds = dataclasses.replace(architecture("deepseek_v2").tiny(), hidden_size=64)
+    with pytest.raises(ConfigError, match="expert_size 12: write the experts in F16"):
         io.save_llama_gguf(path, ds, cases.family_params(ds), expert_type="MXFP4")
     assert not path.with_suffix(".gguf.tmp").exists()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_layer_by_layer_families_take_mxfp4_experts(family, tmp_path):
+    """DeepSeek's and GLM-4.5's writer: routed experts MXFP4, shared ones not."""
+    c = dataclasses.replace(
+        architecture(family).tiny(), hidden_size=64, moe_intermediate_size=32
+    )
+    params = cases.family_params(c)
+    path = tmp_path / "mx.gguf"
+    io.save_llama_gguf(path, c, params, tensor_type="F16", expert_type="MXFP4")
+    g = io.read_gguf(path)
+    assert g.metadata["general.file_type"] == 38  # MOSTLY_MXFP4_MOE
+    types = {n: t.type_id for n, t in g.tensors.items()}
+    moe = range(c.first_k_dense_replace, c.num_layers)
+    assert {types[f"blk.{i}.{s}.weight"] for i in moe for s in STEMS.values()} == {39}
+    assert {types[f"blk.{i}.ffn_{p}_shexp.weight"] for i in moe for p in
+            ("gate", "up", "down")} == {1}  # fmt: skip
+    assert types[f"blk.{moe[0]}.ffn_gate_inp.weight"] == 0  # the router: F32
+    _, back, _ = io.load_llama_gguf(path)
+    stacks = [
+        (name, a) for name, a in tree_named_leaves(params)
+        if re.search(r"\.experts\.\w+_proj\.weight$", name)
+    ]  # fmt: skip
+    assert len(stacks) == 3 * len(moe)
+    for name, a in stacks:
+        b = np.asarray(dict(tree_named_leaves(back))[name])
+        np.testing.assert_array_equal(b, mx(a), err_msg=name)
+    again = tmp_path / "again.gguf"  # the values read back requantize to the bytes
+    io.save_llama_gguf(again, c, back, tensor_type="F16", expert_type="MXFP4")
+    assert again.read_bytes() == path.read_bytes()
 
 
 def _run_spec(tmp_path, **export):
