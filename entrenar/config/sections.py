@@ -328,6 +328,12 @@ class ExportSection(Config):
         "experts",
     )
 
+    hf_expert_type: Literal["MXFP4"] | None = option(
+        None,
+        doc="MXFP4: the hf folder holds gpt-oss's expert stacks as the Hub's MXFP4 "
+        "blocks and scales with its quantization_config (4.25 bits a value, as "
+        "openai/gpt-oss ships them); unset: in hf_dtype. gpt-oss only",
+    )
     hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto",
         doc="dtype of the hf folder's float tensors; auto: the base Hugging Face "

@@ -28,6 +28,7 @@ writes the whole folder again, those tensors copied byte for byte.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -44,6 +45,7 @@ from entrenar.errors import FormatError, ShapeError, UnsupportedError
 from entrenar.io.atomic import atomic_write
 from entrenar.io.bounded import MAX_CONFIG_BYTES, read_json, read_text
 from entrenar.io.heap import bound_heap
+from entrenar.io.hf_mxfp4 import QUANTIZATION_CONFIG, check_hf_expert_type, mxfp4_stacks
 from entrenar.io.hf_tokenizer import HFTokenizer, eos_ids_of, tokenizer_files
 from entrenar.io.read_ahead import ReadAhead
 from entrenar.io.safetensors_io import (
@@ -393,6 +395,7 @@ def save_hf_folder(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     dtype: str | None = None,
     source: str | os.PathLike[str] | None = None,
+    expert_type: str | None = None,
 ) -> str:
     """Write a Hugging Face folder that ``transformers`` loads (module docstring).
 
@@ -420,14 +423,21 @@ def save_hf_folder(
             the language model under its key layout, its processor files. Without
             the folder (gone, or another model's) it is written text-only as the
             family's CausalLM, with a `UserWarning` saying so.
+        expert_type: ``"MXFP4"``: gpt-oss's expert stacks as the Hub's MXFP4
+            blocks and scales, with its ``quantization_config``
+            (`entrenar.io.hf_mxfp4`); None: in ``dtype`` like the rest.
 
     Raises:
-        UnsupportedError: the family has no Hugging Face form.
+        UnsupportedError: the family has no Hugging Face form, or ``expert_type``
+            for a family other than gpt-oss.
+        ConfigError: an ``expert_type`` other than MXFP4, or expert rows that are
+            not whole 32-value blocks.
     """
     folder = os.fspath(folder)
     arch = nn.architecture_of(config)
     if arch.to_hf is None:
         raise UnsupportedError(f"{arch.name} models have no Hugging Face form")
+    experts = check_hf_expert_type(config, expert_type)
     wrapped = _wrapper_source(config, source)
     if wrapped is None and getattr(config, "hf_wrapper", None) is not None:
         config = dataclasses.replace(config, hf_wrapper=None)
@@ -442,6 +452,8 @@ def save_hf_folder(
     if wrapped is not None:
         made, kept = _wrapped(made, wrapped)
     specs = {k: _spec(made[k], dtype) for k in sorted(made)}  # nothing made
+    if experts == "MXFP4":
+        made, specs = mxfp4_stacks(made, specs)
     specs |= {k: (np.dtype(v.dtype), tuple(v.shape)) for k, v in kept.items()}
     specs = dict(sorted(specs.items()))
     groups = _shards(specs, max_shard_bytes)
@@ -467,6 +479,8 @@ def save_hf_folder(
         )
     hf = arch.to_hf(config)
     hf.setdefault("architectures", [arch.hf_class] if arch.hf_class else [])
+    if experts == "MXFP4":
+        hf["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
     # numpy's bfloat16 is of kind "V", not "f": named here so a bfloat16 model says so
     dtypes = {
         dt.name for dt, _ in specs.values() if dt.kind == "f" or dt.name == "bfloat16"

@@ -49,6 +49,8 @@ E2M1 = np.array(
 
 BLOCK = 32
 """Values per MXFP4 block (one E8M0 scale)."""
+_CHUNK = 1 << 16
+"""Blocks quantized at a time by the quantizers (bounds their temporaries)."""
 
 
 def _scale(e: np.ndarray) -> np.ndarray:
@@ -91,25 +93,61 @@ def dequantize_hf(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarr
     return out.astype(dtype, copy=False)
 
 
-def quantize_hf(w: Any) -> tuple[np.ndarray, np.ndarray]:
+_HF_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+"""Midpoints of the E2M1 magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6``."""
+
+
+def _hf_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Finite float32 blocks ``x: (n, 32)`` -> HF ``(blocks (n, 16), scales (n,))``."""
+    amax = np.abs(x).max(-1)  # (n,)
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(np.where(amax > 0, amax / np.float32(6.0), 1.0)))
+    e = np.clip(e + 127, 0, 254).astype(np.uint8)  # (n,)
+    scaled = np.abs(x) / _scale(e)[:, None]  # (n, 32), |w| / 2^(e - 127)
+    mag = np.zeros(x.shape, np.uint8)  # index into 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    for m in _HF_MIDPOINTS:
+        mag += scaled > m  # a tie keeps the lower code
+    codes = np.where((x < 0) & (mag > 0), mag | 8, mag).astype(np.uint8)  # (n, 32)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), e
+
+
+def quantize_hf(w: Any, name: str = "tensor") -> tuple[np.ndarray, np.ndarray]:
     """``w (..., K)`` (``K`` a multiple of 32) as Hugging Face ``(blocks, scales)``.
 
-    Each block's scale is the smallest power of two with ``max |w| / scale <= 6``,
-    each value the nearest E2M1 code (ties to the lower code). For tests and
-    writers: values already MXFP4 (`dequantize_hf`'s) come back bit for bit.
+    Each block's scale is the smallest power of two with ``max |w| / scale <= 6``
+    (no value clips; the rounding-up scale rule of transformers' MXFP4 quantizer),
+    each value the nearest E2M1 code (a tie to the smaller magnitude; zero as
+    code 0, never -0's code 8). Values already MXFP4 (`dequantize_hf`'s) come
+    back as the same values. Quantized ``_CHUNK`` blocks at a time, so the
+    temporaries stay small beside ``w`` (a gpt-oss-20b layer's experts).
+
+    Args:
+        w: values, any float dtype (converted to float32).
+        name: the tensor, for the error.
+
+    Raises:
+        FormatError: a last axis that is not a multiple of 32.
+        QuantizationError: NaN or Inf (or values beyond float32) in ``w``.
     """
-    w = np.asarray(w, np.float32)
-    if w.shape[-1] % BLOCK:
-        raise FormatError(f"MXFP4 needs a last axis multiple of {BLOCK}, got {w.shape}")
-    blocks = w.reshape(*w.shape[:-1], -1, BLOCK)  # (..., G, 32)
-    amax = np.abs(blocks).max(-1)  # (..., G)
-    with np.errstate(divide="ignore"):
-        e = np.ceil(np.log2(np.where(amax > 0, amax / 6.0, 1.0)))
-    e = np.clip(e + 127, 0, 254).astype(np.uint8)  # (..., G)
-    scaled = blocks / _scale(e)[..., None]
-    codes = np.abs(scaled[..., None] - E2M1).argmin(-1).astype(np.uint8)  # (..., G, 32)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return np.ascontiguousarray(packed, np.uint8), np.ascontiguousarray(e)
+    a = np.asarray(w)
+    if a.ndim == 0 or a.shape[-1] % BLOCK:
+        raise FormatError(
+            f"{name}: MXFP4 needs a last axis multiple of {BLOCK}, got {a.shape}"
+        )
+    with np.errstate(over="ignore"):
+        flat = np.asarray(a, np.float32).reshape(-1, BLOCK)  # (n, 32)
+    blocks = np.empty((flat.shape[0], BLOCK // 2), np.uint8)
+    scales = np.empty(flat.shape[0], np.uint8)
+    for s in range(0, flat.shape[0], _CHUNK):
+        x = flat[s : s + _CHUNK]
+        if not np.isfinite(x).all():
+            raise QuantizationError(
+                f"{name} holds NaN or Inf (or values beyond float32's range); "
+                "cannot write MXFP4"
+            )
+        blocks[s : s + _CHUNK], scales[s : s + _CHUNK] = _hf_blocks(x)
+    groups = (*a.shape[:-1], a.shape[-1] // BLOCK)
+    return blocks.reshape(*groups, BLOCK // 2), scales.reshape(groups)
 
 
 def dequantize_ggml(raw: Any, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
@@ -140,8 +178,6 @@ _MIDPOINTS = np.array([0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 10.0], np.float32)
 """Midpoints of ggml's doubled E2M1 magnitudes ``0, 1, 2, 3, 4, 6, 8, 12``."""
 _ABOVE = np.array([1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], np.float32)
 """The doubled magnitude above each of `_MIDPOINTS`."""
-_CHUNK = 1 << 16
-"""Blocks quantized at a time by `quantize_ggml` (bounds its temporaries)."""
 
 
 def _ggml_blocks(x: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ from entrenar.errors import (
 )
 from entrenar.io.atomic import remove_temporaries
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
+from entrenar.io.hf_mxfp4 import check_hf_expert_type
 from entrenar.io.llama_gguf_write import check_expert_type
 from entrenar.io.lock import OutputLock
 from entrenar.lora.adapter_io import check_saveable
@@ -165,6 +166,24 @@ def check_gguf_export(spec: Any, built: BuiltModel) -> None:
         check_expert_type(built.config, ex.gguf_expert_type, ex.gguf_type)
     except (ConfigError, UnsupportedError) as e:
         raise ConfigError(f"export.gguf_expert_type: {e}") from None
+
+
+def check_hf_export(spec: Any, built: BuiltModel) -> None:
+    """Refuse, before training, an ``export.hf_expert_type`` the model cannot take.
+
+    `entrenar.io.hf_mxfp4.check_hf_expert_type`: MXFP4 experts are gpt-oss's
+    form, with rows of whole 32-value blocks.
+
+    Raises:
+        ConfigError: naming ``export.hf_expert_type`` and what to change.
+    """
+    ex = spec.export
+    if "hf" not in ex.formats or ex.hf_expert_type is None:
+        return
+    try:
+        check_hf_expert_type(built.config, ex.hf_expert_type)
+    except (ConfigError, UnsupportedError) as e:
+        raise ConfigError(f"export.hf_expert_type: {e}") from None
 
 
 def write_quantized(
@@ -347,7 +366,11 @@ def _write_exports(
         written["gguf"] = path
     if "hf" in ex.formats:
         written["hf"] = write_hf_folder(
-            built, params, os.path.join(out_dir, "hf"), dtype=ex.hf_dtype
+            built,
+            params,
+            os.path.join(out_dir, "hf"),
+            dtype=ex.hf_dtype,
+            expert_type=ex.hf_expert_type,
         )
     q = spec.quantization
     if q is not None and q.enabled:
@@ -363,7 +386,12 @@ def _write_exports(
 
 
 def write_hf_folder(
-    built: BuiltModel, params: Params, folder: str, *, dtype: str = "auto"
+    built: BuiltModel,
+    params: Params,
+    folder: str,
+    *,
+    dtype: str = "auto",
+    expert_type: str | None = None,
 ) -> str:
     """A Hugging Face folder of the model's family (`entrenar.io.save_hf_folder`).
 
@@ -377,6 +405,8 @@ def write_hf_folder(
     Hugging Face folder's ``torch_dtype`` (a run loads a bfloat16 folder as float32
     by default, ``model.dtype``; the folder written is bfloat16 like its base, each
     trained or folded value rounded to nearest), else as the params are.
+    ``expert_type`` (``export.hf_expert_type``): ``"MXFP4"`` writes gpt-oss's
+    experts as the Hub's MXFP4 tensors (`entrenar.io.hf_mxfp4`).
 
     Raises:
         ConfigError: a family with no Hugging Face form (an mlp).
@@ -398,12 +428,14 @@ def write_hf_folder(
         tokenizer=built.tokenizer,
         dtype=cast,
         source=built.source,
+        expert_type=expert_type,
     )
 
 
 __all__ = [
     "GGML_SCHEMES",
     "check_gguf_export",
+    "check_hf_export",
     "check_quantizable",
     "gguf_tokenizer",
     "has_adapters",

@@ -52,6 +52,7 @@ from entrenar.runs.build import (
 from entrenar.runs.export import (
     check_adapter_export,
     check_gguf_export,
+    check_hf_export,
     check_quantizable,
     write_outputs,
 )
@@ -498,6 +499,7 @@ def _check_exports(spec: TrainSpec, prep: Prepared) -> None:
     check_quantizable(spec, prep.built, params)
     check_adapter_export(spec, prep.built, params)
     check_gguf_export(spec, prep.built)
+    check_hf_export(spec, prep.built)
 
 
 def _plan(prep: Prepared) -> dict[str, Any]:

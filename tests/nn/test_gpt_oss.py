@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from entrenar import io, nn
-from entrenar.errors import FormatError, UnsupportedError
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.nn import attention
 from entrenar.nn.attention import cached_attention, causal_mask, dot_product_attention
 from entrenar.nn.fused_attention import fused_attention
@@ -399,6 +399,91 @@ def test_mxfp4_tensors_that_do_not_fit_are_named(tmp_path):
     safetensors_torch.save_file(tensors, str(file), metadata={"format": "pt"})
     with pytest.raises(FormatError, match=r"down_proj_scales \(4, 64, 1\)"):
         io.load_hf_folder(tmp_path)
+
+
+def test_a_folder_written_with_mxfp4_experts_is_the_hubs_layout(tmp_path):
+    """``save_hf_folder(expert_type="MXFP4")``: the Hub's tensors and config.
+
+    Written from a float model: the experts read back (by entrenar and by
+    transformers, which dequantizes them on the CPU) as their MXFP4 values, to the
+    same logits; the other tensors as written in bfloat16. Rewritten from a Hub
+    MXFP4 folder: the experts' values exactly.
+    """
+    config = dataclasses.replace(
+        nn.architecture("gpt_oss").tiny(), hidden_size=64, intermediate_size=64
+    )
+    src = tmp_path / "float"
+    src.mkdir()
+    model = _hf_model(config)
+    model.save_pretrained(src)
+    _, params = io.load_hf_folder(src, dtype="float32")
+    out = tmp_path / "mx"
+    io.save_hf_folder(out, config, params, dtype="bfloat16", expert_type="MXFP4")
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["quantization_config"] == HUB_CONFIG["quantization_config"]
+    stored = safetensors_torch.load_file(str(out / "model.safetensors"))
+    ex = "model.layers.1.mlp.experts"
+    assert stored[f"{ex}.gate_up_proj_blocks"].dtype == torch.uint8
+    assert tuple(stored[f"{ex}.gate_up_proj_blocks"].shape) == (4, 128, 2, 16)
+    assert tuple(stored[f"{ex}.down_proj_scales"].shape) == (4, 64, 2)
+    assert f"{ex}.gate_up_proj" not in stored
+    assert stored[f"{ex}.gate_up_proj_bias"].dtype == torch.bfloat16
+    _, back = io.load_hf_folder(out, dtype="float32")
+    experts, want = back["model"]["layers"]["mlp"]["experts"], params["model"]["layers"]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        w = np.asarray(want["mlp"]["experts"][proj]["weight"], np.float32)
+        mx = dequantize_hf(*quantize_hf(w))  # (L, E, out, in): along in, as stored
+        np.testing.assert_array_equal(np.asarray(experts[proj]["weight"]), mx)
+        assert not np.array_equal(mx, w)
+    _folder_equals_transformers(out, config)  # transformers reads the same values
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    _mxfp4_folder(hub)
+    info, loaded = io.load_hf_folder(hub, dtype="float32")
+    again = tmp_path / "again"
+    io.save_hf_folder(again, info.config, loaded, dtype="bfloat16", expert_type="mxfp4")
+    first = safetensors_torch.load_file(str(hub / "model.safetensors"))
+    second = safetensors_torch.load_file(str(again / "model.safetensors"))
+    assert sorted(first) == sorted(second)
+    for name in [n[: -len("_blocks")] for n in first if n.endswith("_blocks")]:
+        values = [  # the same values (a block whose largest code is 3 may come
+            dequantize_hf(  # back as 6 at half the scale: the same numbers)
+                f[f"{name}_blocks"].numpy(), f[f"{name}_scales"].numpy()
+            )
+            for f in (first, second)
+        ]
+        np.testing.assert_array_equal(*values, err_msg=name)
+
+
+def test_mxfp4_experts_are_refused_where_the_folder_cannot_hold_them(tmp_path):
+    llama = nn.architecture("llama").tiny()
+    params = llama.init(jax.random.key(0))
+    with pytest.raises(UnsupportedError, match="a llama folder holds its experts"):
+        io.save_hf_folder(tmp_path / "a", llama, params, expert_type="MXFP4")
+    odd = nn.architecture("gpt_oss").tiny()
+    odd = dataclasses.replace(odd, hidden_size=64, intermediate_size=48)
+    with pytest.raises(ConfigError, match="expert_size 48: leave the expert type"):
+        io.save_hf_folder(tmp_path / "b", odd, odd.init(jax.random.key(0)),
+                          expert_type="MXFP4")  # fmt: skip
+    with pytest.raises(ConfigError, match="expected 'MXFP4'"):
+        io.save_hf_folder(tmp_path / "c", odd, {}, expert_type="Q4_0")
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+    # a run refuses it before training (`runs.run._check_exports`)
+    from config_cases import wine_doc, write
+
+    from entrenar.config.summary import validate
+    from entrenar.runs.export import check_hf_export
+    from entrenar.runs.models import BuiltModel
+
+    doc = wine_doc(tmp_path / "run")
+    doc["model"] = {"architecture": "llama", "config": {"hidden_size": 64}}
+    doc["data"] = {"train": doc["data"]["train"], "format": "text"}
+    doc["training"].pop("eval_every", None)
+    doc["export"] = {"formats": ["hf"], "hf_expert_type": "MXFP4"}
+    spec = validate(write(tmp_path / "run.yaml", doc))
+    with pytest.raises(ConfigError, match=r"^export\.hf_expert_type: .*llama folder"):
+        check_hf_export(spec, BuiltModel("llama", llama, params))
 
 
 # ------------------------------------------------------------------------ GGUF

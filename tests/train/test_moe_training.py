@@ -176,7 +176,8 @@ QLORA_SIZES = {
 def test_qlora_run_on_attention_and_experts(family, tmp_path):
     """A YAML run: NF4 expert stacks, LoRA on them, a folder transformers loads.
 
-    (gpt-oss: the experts' biases stay float, only their weights are quantized.)
+    (gpt-oss: the experts' biases stay float, only their weights are quantized;
+    the folder holds its experts as the Hub's MXFP4, which transformers dequantizes.)
     """
     import sys
     from pathlib import Path
@@ -209,6 +210,8 @@ def test_qlora_run_on_attention_and_experts(family, tmp_path):
         "training": {"max_steps": 3, "output_dir": str(tmp_path / "out")},
         "export": {"formats": ["hf"]},
     }  # fmt: skip
+    if family == "gpt_oss":  # the Hub's MXFP4 experts, as openai/gpt-oss ships them
+        doc["export"]["hf_expert_type"] = "MXFP4"
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
     quantize = base_quantizer(
         lora.LoRAConfig(targets=tuple(targets), quantize_base="nf4")
@@ -226,6 +229,9 @@ def test_qlora_run_on_attention_and_experts(family, tmp_path):
     if config.moe_bias:
         assert not quant.is_quantized(ex["down_proj"]["bias"])
     back = load_built(result.files["hf"])
+    hf_config = json.loads((Path(result.files["hf"]) / "config.json").read_text())
+    mxfp4 = hf_config.get("quantization_config", {}).get("quant_method") == "mxfp4"
+    assert mxfp4 == (family == "gpt_oss")
     model = transformers.AutoModelForCausalLM.from_pretrained(result.files["hf"])
     tokens = np.arange(9).reshape(1, 9) * 5 % 90
     with torch.no_grad():
