@@ -20,19 +20,27 @@ transformers load:
 Each stack is quantized when its shard is written (one layer's experts in float32
 at a time, then its blocks and scales). Only gpt-oss has this form: transformers'
 MXFP4 integration reads gpt-oss's experts and nothing else.
+
+`entrenar.merge`, which merges a folder's stored tensors one by one, reads each
+pair as one float stack (`read_mxfp4_stacks`: an `MXFP4Stack`, dequantized when
+its turn comes), so MXFP4 and float folders of one model merge together, and
+writes the merged stacks as MXFP4 again when the base folder held them so
+(`write_mxfp4_stacks`, `mxfp4_stacks`).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from entrenar import nn
-from entrenar.errors import ConfigError, UnsupportedError
-from entrenar.nn.mxfp4 import BLOCK, quantize_hf
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
+from entrenar.nn.mxfp4 import BLOCK, dequantize_hf, quantize_hf
 from entrenar.nn.weight_node import is_weight_node
 
 QUANTIZATION_CONFIG: dict[str, Any] = {
@@ -135,4 +143,76 @@ class _Pair:
         return out
 
 
-__all__ = ["QUANTIZATION_CONFIG", "check_hf_expert_type", "mxfp4_stacks"]
+class MXFP4Stack:
+    """A stored ``{name}_blocks`` / ``{name}_scales`` pair read as its float stack.
+
+    ``shape`` and ``dtype`` are the float stack's (transformers' ``(E, in, out)``,
+    bfloat16, which holds every MXFP4 value exactly); ``np.asarray`` dequantizes
+    it then (`nn.mxfp4.dequantize_hf`), so a reader that takes a model tensor by
+    tensor (`entrenar.merge`) holds one stack's values at a time.
+    """
+
+    def __init__(self, name: str, blocks: Any, scales: Any) -> None:
+        b, s = np.shape(blocks), np.shape(scales)
+        if len(b) != 4 or b[-1] != BLOCK // 2 or b[:-1] != s:
+            raise FormatError(
+                f"{name}_blocks {b} / {name}_scales {s}: MXFP4 expert stacks are "
+                f"(E, out, in / {BLOCK}, {BLOCK // 2}) and (E, out, in / {BLOCK}) "
+                "uint8"
+            )
+        self.name, self.blocks, self.scales = name, blocks, scales
+        self.shape = (b[0], b[2] * BLOCK, b[1])  # (E, in, out)
+        self.dtype = np.dtype(ml_dtypes.bfloat16)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        w = dequantize_hf(self.blocks, self.scales, ml_dtypes.bfloat16)  # (E, out, in)
+        w = np.ascontiguousarray(np.swapaxes(w, 1, 2))  # (E, in, out)
+        return w if dtype is None else w.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"MXFP4Stack({self.name!r}, shape={self.shape})"
+
+
+def read_mxfp4_stacks(leaves: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``leaves`` (stored names) with each `STACK` pair as one `MXFP4Stack`.
+
+    Raises:
+        FormatError: a stack's blocks without its scales or the reverse, naming
+            ``where`` (the file) and the tensor.
+    """
+    out = dict(leaves)
+    for name in list(out):
+        stem, _, part = name.rpartition("_")
+        if part not in ("blocks", "scales") or not STACK.match(stem):
+            continue
+        if stem in out:  # (its pair, read already)
+            continue
+        blocks = out.pop(f"{stem}_blocks", None)
+        scales = out.pop(f"{stem}_scales", None)
+        if blocks is None or scales is None:
+            raise FormatError(
+                f"{where}: {stem} has MXFP4 {part} without its "
+                f"{'scales' if part == 'blocks' else 'blocks'}"
+            )
+        out[stem] = MXFP4Stack(stem, blocks, scales)
+    return out
+
+
+def write_mxfp4_stacks(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """``tensors`` (transformers' names) with each float `STACK` as its MXFP4 pair."""
+    values: dict[str, Callable[[], Any]] = {
+        k: functools.partial(lambda v: v, v) for k, v in tensors.items()
+    }
+    specs = {k: (np.dtype(np.float32), tuple(np.shape(v))) for k, v in tensors.items()}
+    made, _ = mxfp4_stacks(values, specs)
+    return {k: make() for k, make in made.items()}
+
+
+__all__ = [
+    "QUANTIZATION_CONFIG",
+    "MXFP4Stack",
+    "check_hf_expert_type",
+    "mxfp4_stacks",
+    "read_mxfp4_stacks",
+    "write_mxfp4_stacks",
+]

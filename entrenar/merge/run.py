@@ -15,11 +15,12 @@ merge whose base is such a folder.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +41,12 @@ from entrenar.io import (
     save_model,
     save_safetensors,
     unflatten_params,
+)
+from entrenar.io.hf_mxfp4 import (
+    MXFP4Stack,
+    mxfp4_stacks,
+    read_mxfp4_stacks,
+    write_mxfp4_stacks,
 )
 from entrenar.io.lock import OutputLock
 from entrenar.io.model import STORAGE_DTYPES
@@ -83,6 +90,7 @@ class Source:
     metadata: ModelMetadata
     leaves: dict[str, Any]
     folder: str | None = None
+    mxfp4: bool = False  # a folder whose expert stacks are MXFP4 pairs
 
 
 def _open_folder(folder: str, where: str) -> Source:
@@ -126,7 +134,9 @@ def _open_folder(folder: str, where: str) -> Source:
         except (ValueError, AttributeError, RecursionError):
             raise FormatError(f"{where}{cfg}: not a JSON object") from None
     meta = ModelMetadata(os.path.basename(os.path.normpath(folder)), arch)
-    return Source(folder, meta, leaves, folder)
+    stacks = read_mxfp4_stacks(leaves, f"{where}{folder}")
+    mxfp4 = any(isinstance(v, MXFP4Stack) for v in stacks.values())
+    return Source(folder, meta, stacks, folder, mxfp4)
 
 
 def open_model(ref: ModelRef) -> Source:
@@ -232,6 +242,8 @@ def _write(model: Model, output: str, base: Source, out_dtype: str | None) -> No
         )
     os.makedirs(output, exist_ok=True)
     tensors = flatten_params(model.params)
+    if base.mxfp4:  # the merged expert stacks as MXFP4 again, as the base's
+        tensors = write_mxfp4_stacks(tensors)
     save_safetensors(
         tensors, os.path.join(output, "model.safetensors"), {"format": "pt"}
     )
@@ -454,7 +466,7 @@ class _LeafMerger:
         """Merge leaf ``name``; unless ``keep_inputs``, drop it from the sources."""
         got = [s.leaves[name] if keep_inputs else s.leaves.pop(name)
                for s in self.sources]  # fmt: skip
-        xs = got
+        xs = [np.asarray(x) if isinstance(x, MXFP4Stack) else x for x in got]
         dt = logical_dtype(xs[0])
         if not is_floating(dt):
             return np.asarray(same_values(name, xs))
@@ -472,8 +484,10 @@ class _LeafMerger:
             )
         if not keep_inputs:
             for x in got:  # a mapped file's pages, read for this leaf, given back
-                if isinstance(x, np.ndarray):
-                    release_pages(x)
+                parts = [x.blocks, x.scales] if isinstance(x, MXFP4Stack) else [x]
+                for a in parts:
+                    if isinstance(a, np.ndarray):
+                        release_pages(a)
         return out
 
 
@@ -484,7 +498,7 @@ def _streamable(sources: Sequence[Source]) -> bool:
     the tree gives them back).
     """
     leaves = sources[0].leaves
-    if not all(isinstance(x, np.ndarray | jax.Array) for s in sources
+    if not all(isinstance(x, np.ndarray | jax.Array | MXFP4Stack) for s in sources
                for x in s.leaves.values()):  # fmt: skip
         return False
     stand_ins = {name: np.zeros((0,), np.float32) for name in leaves}
@@ -522,12 +536,17 @@ def merge_streamed(recipe: Recipe, sources: Sequence[Source], output: str) -> Mo
         name: (merger.out_dtype(logical_dtype(x)), tuple(logical_shape(x)))
         for name, x in lead.leaves.items()
     }
+    made: dict[str, Callable[[], Any]] = {
+        name: functools.partial(merger, name) for name in specs
+    }
+    if lead.mxfp4:  # the merged expert stacks as MXFP4 again, as the base's
+        made, specs = mxfp4_stacks(made, specs)
     if fmt is None:
         os.makedirs(output, exist_ok=True)
         path, meta = os.path.join(output, "model.safetensors"), {"format": "pt"}
     else:
         path, meta = output, header_metadata(lead_meta)
-    write_safetensors_stream(path, specs, lambda name: [merger(name)], meta)
+    write_safetensors_stream(path, specs, lambda name: [made[name]()], meta)
     if fmt is None:
         _copy_hf_files(lead.folder or "", output)
     tensors, _ = read_safetensors(path)
