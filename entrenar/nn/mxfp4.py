@@ -33,6 +33,8 @@ because a family reads it: gpt-oss's `from_hf_tensors` decodes the Hub's experts
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -93,6 +95,37 @@ def dequantize_hf(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarr
     return out.astype(dtype, copy=False)
 
 
+def _float32_blocks(
+    w: Any, name: str
+) -> tuple[tuple[int, ...], Iterator[tuple[slice, np.ndarray]]]:
+    """``w``'s shape and its float32 blocks ``(n, 32)``, ``_CHUNK`` at a time.
+
+    Raises:
+        FormatError: a last axis that is not a multiple of 32.
+        QuantizationError: (as the chunks are taken) NaN or Inf, or values beyond
+            float32's range, in ``w``.
+    """
+    a = np.asarray(w)
+    if a.ndim == 0 or a.shape[-1] % BLOCK:
+        raise FormatError(
+            f"{name}: MXFP4 needs a last axis multiple of {BLOCK}, got {a.shape}"
+        )
+    with np.errstate(over="ignore"):
+        flat = np.asarray(a, np.float32).reshape(-1, BLOCK)  # (n, 32)
+
+    def chunks() -> Iterator[tuple[slice, np.ndarray]]:
+        for s in range(0, flat.shape[0], _CHUNK):
+            x = flat[s : s + _CHUNK]
+            if not np.isfinite(x).all():
+                raise QuantizationError(
+                    f"{name} holds NaN or Inf (or values beyond float32's range); "
+                    "cannot write MXFP4"
+                )
+            yield slice(s, s + _CHUNK), x
+
+    return a.shape, chunks()
+
+
 _HF_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 """Midpoints of the E2M1 magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6``."""
 
@@ -129,24 +162,12 @@ def quantize_hf(w: Any, name: str = "tensor") -> tuple[np.ndarray, np.ndarray]:
         FormatError: a last axis that is not a multiple of 32.
         QuantizationError: NaN or Inf (or values beyond float32) in ``w``.
     """
-    a = np.asarray(w)
-    if a.ndim == 0 or a.shape[-1] % BLOCK:
-        raise FormatError(
-            f"{name}: MXFP4 needs a last axis multiple of {BLOCK}, got {a.shape}"
-        )
-    with np.errstate(over="ignore"):
-        flat = np.asarray(a, np.float32).reshape(-1, BLOCK)  # (n, 32)
-    blocks = np.empty((flat.shape[0], BLOCK // 2), np.uint8)
-    scales = np.empty(flat.shape[0], np.uint8)
-    for s in range(0, flat.shape[0], _CHUNK):
-        x = flat[s : s + _CHUNK]
-        if not np.isfinite(x).all():
-            raise QuantizationError(
-                f"{name} holds NaN or Inf (or values beyond float32's range); "
-                "cannot write MXFP4"
-            )
-        blocks[s : s + _CHUNK], scales[s : s + _CHUNK] = _hf_blocks(x)
-    groups = (*a.shape[:-1], a.shape[-1] // BLOCK)
+    shape, chunks = _float32_blocks(w, name)
+    n = math.prod(shape) // BLOCK
+    blocks, scales = np.empty((n, BLOCK // 2), np.uint8), np.empty(n, np.uint8)
+    for at, x in chunks:
+        blocks[at], scales[at] = _hf_blocks(x)
+    groups = (*shape[:-1], shape[-1] // BLOCK)
     return blocks.reshape(*groups, BLOCK // 2), scales.reshape(groups)
 
 
@@ -236,23 +257,11 @@ def quantize_ggml(w: Any, name: str = "tensor") -> np.ndarray:
         FormatError: a last axis that is not a multiple of 32.
         QuantizationError: NaN or Inf (or values beyond float32) in ``w``.
     """
-    a = np.asarray(w)
-    if a.ndim == 0 or a.shape[-1] % BLOCK:
-        raise FormatError(
-            f"{name}: MXFP4 needs a last axis multiple of {BLOCK}, got {a.shape}"
-        )
-    with np.errstate(over="ignore"):
-        flat = np.asarray(a, np.float32).reshape(-1, BLOCK)  # (n, 32)
-    out = np.empty((flat.shape[0], 17), np.uint8)
-    for s in range(0, flat.shape[0], _CHUNK):
-        x = flat[s : s + _CHUNK]
-        if not np.isfinite(x).all():
-            raise QuantizationError(
-                f"{name} holds NaN or Inf (or values beyond float32's range); "
-                "cannot write MXFP4"
-            )
-        out[s : s + _CHUNK] = _ggml_blocks(x)
-    return out.reshape(*a.shape[:-1], -1)
+    shape, chunks = _float32_blocks(w, name)
+    out = np.empty((math.prod(shape) // BLOCK, 17), np.uint8)
+    for at, x in chunks:
+        out[at] = _ggml_blocks(x)
+    return out.reshape(*shape[:-1], -1)
 
 
 __all__ = [
