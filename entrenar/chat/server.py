@@ -50,8 +50,11 @@ same text (no seed: a random one).
 
 Every request is untrusted, and nothing it sends can hang the server:
 
-- the body needs a ``Content-Length`` (411 without), at most ``max_body_bytes`` (413),
-  read within ``socket_timeout`` per read and ``2 * socket_timeout`` in all (408);
+- the request (its line, headers and body) must arrive within ``2 *
+  socket_timeout`` of the connection, each read within ``socket_timeout``
+  (`_DeadlineReader`): a client that trickles its headers a byte at a time
+  (slowloris) is cut off then, one that trickles its body gets a 408;
+- the body needs a ``Content-Length`` (411 without), at most ``max_body_bytes`` (413);
 - it is strict UTF-8 JSON, an object nested at most `MAX_JSON_DEPTH` deep
   (`entrenar.io.bounded.parse_json`);
 - each field the server reads is checked (type and range;
@@ -73,6 +76,7 @@ Every request is untrusted, and nothing it sends can hang the server:
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import secrets
@@ -326,6 +330,35 @@ class Server:
 # HTTP
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A connection's bytes, every one of them by ``deadline`` (`time.monotonic`).
+
+    The socket timeout bounds one read; this bounds them all, so a client sending
+    a byte just within each timeout cannot hold a connection (and one of the
+    ``max_connections`` slots) for ever. Past the deadline a read raises
+    `TimeoutError` (``http.server`` then drops the connection; `_read_json`
+    answers 408). Each read waits at most ``timeout``, which the socket keeps
+    afterwards for the replies it writes.
+    """
+
+    def __init__(self, sock: Any, timeout: float, deadline: float) -> None:
+        super().__init__()
+        self.sock, self.timeout, self.deadline = sock, timeout, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request came too slowly")
+        self.sock.settimeout(min(self.timeout, left))
+        try:
+            return int(self.sock.recv_into(buffer))
+        finally:
+            self.sock.settimeout(self.timeout)
+
+
 class _Handler(BaseHTTPRequestHandler):
     """The routes of the module docstring."""
 
@@ -335,7 +368,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.connection.settimeout(self.server.app.socket_timeout)
+        timeout = self.server.app.socket_timeout
+        self.connection.settimeout(timeout)
+        self.rfile.close()  # the socket's own file: closed, or it keeps the socket open
+        self.rfile = io.BufferedReader(
+            _DeadlineReader(self.connection, timeout, time.monotonic() + 2 * timeout)
+        )
 
     def log_message(self, format: str, *args: Any) -> None:
         log.info("%s %s", self.address_string(), format % args)
@@ -466,11 +504,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(
                 413, f"the body is {n} bytes; at most {app.max_body_bytes} are accepted"
             )
-        deadline = time.monotonic() + 2 * app.socket_timeout
         chunks, got = [], 0
-        while got < n:
-            if time.monotonic() > deadline:
-                raise RequestError(408, "the body came too slowly")
+        while got < n:  # within the request's deadline (`_DeadlineReader`)
             try:
                 chunk = self.rfile.read1(min(n - got, 1 << 16))
             except TimeoutError:

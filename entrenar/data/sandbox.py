@@ -56,6 +56,8 @@ MAX_TEMPLATE_CHARS = 1 << 20
 
 _INT_BITS = 14_300  # about 4,300 decimal digits, Python's int/str conversion limit
 _BIG_FIELD = re.compile(r"\d{7,}")  # a width or precision of 1,000,000 or more
+_FIELD_NUMBER = re.compile(r"\d+")  # a width or precision (or any number) in a format
+_NESTED_FIELD = re.compile(r"\{[^{}]*\{")  # a field inside a format spec: {:{}}
 _FORBIDDEN = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)
 
 
@@ -120,12 +122,24 @@ def _joined_len(items: list[Any], sep: str) -> int:
 
 
 def _check_format(fmt: Any, args: Iterable[Any], what: str) -> None:
-    """A ``%``/``format`` string without huge widths, whose result fits."""
+    """A ``%``/``format`` string without huge widths, whose result fits.
+
+    The result is at most the format's length, plus its arguments' texts, plus
+    every width and precision: each number written in the format (``%999999s``,
+    ``{:999999}``, ``%.999999f``), and each integer argument when a width may come
+    from the arguments (``%*s``, ``{:{}}``). Widths under the `_BIG_FIELD` bound
+    add up: a thousand ``%999999s`` built a gigabyte before the result was checked.
+    """
     if not isinstance(fmt, str):
         return
     if _BIG_FIELD.search(fmt):
         raise TemplateError(f"{what}: a width or precision of 1,000,000 or more")
-    _refuse_size(len(fmt) + sum(_text_len(a) for a in args), what)
+    args = list(args)
+    total = len(fmt) + sum(_text_len(a) for a in args)
+    total += sum(int(digits) for digits in _FIELD_NUMBER.findall(fmt))
+    if "*" in fmt or _NESTED_FIELD.search(fmt):
+        total += sum(min(abs(a), 1 << 62) for a in args if _is_int(a))
+    _refuse_size(total, what)
 
 
 def _check_replace(s: Any, old: Any, new: Any, what: str) -> None:

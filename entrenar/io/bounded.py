@@ -47,8 +47,13 @@ MAX_INT_DIGITS = 4300
 
 _YAML_INT = "tag:yaml.org,2002:int"
 _YAML_MERGE = "tag:yaml.org,2002:merge"
-_JSON_BIG_INT = re.compile(rf"-?\d{{{MAX_INT_DIGITS + 1},}}")
-_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+# Both scan in linear time on any text: a search starts only at the first digit of a
+# run (a start inside one would rescan it: quadratic in its length), and a string
+# token takes an unterminated string to the end of the text (``"?``), so no search
+# restarts at each quote inside it (a quote then ``\\"`` repeated: quadratic, an hour
+# for 1 MiB).
+_JSON_BIG_INT = re.compile(rf"(?<!\d)-?\d{{{MAX_INT_DIGITS + 1},}}")
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]', re.DOTALL)
 
 
 class _BoundedLoader(yaml.SafeLoader):

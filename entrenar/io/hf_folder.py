@@ -131,11 +131,63 @@ def _json_object(path: str, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]
     return value
 
 
+COUNT_LIMITS = {
+    "num_layers": 1 << 12,
+    "num_heads": 1 << 12,
+    "num_kv_heads": 1 << 12,
+    "num_experts": 1 << 16,
+    "num_experts_per_tok": 1 << 16,
+    "n_shared_experts": 1 << 16,
+    "n_group": 1 << 16,
+    "topk_group": 1 << 16,
+    "first_k_dense_replace": 1 << 12,
+    "num_nextn_predict_layers": 1 << 12,
+}
+"""Largest value of a config's counts that a load loops over before it compares the
+config with the checkpoint's tensors (the GGUF reader's `INT_LIMITS` for the same
+counts); every other integer field is below ``2**31``."""
+
+
+def check_config_values(config: Any, path: str) -> None:
+    """Refuse a config whose numbers no checkpoint has, before anything uses them.
+
+    Every float field (and float in a tuple field) must be finite: a NaN YaRN
+    ``beta_fast`` or an infinite Llama 4 ``llama_4_scaling_beta`` gave NaN logits
+    from a load that succeeded. Every integer must lie below ``2**31``, and the
+    counts of `COUNT_LIMITS` below their limit: a ``n_routed_experts`` or
+    ``num_hidden_layers`` of 10^9 had the load build a name per expert or layer
+    (minutes, gigabytes) before any tensor's shape was compared.
+
+    Raises:
+        FormatError: naming ``path``, the field and its value.
+    """
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        limit = COUNT_LIMITS.get(f.name, (1 << 31) - 1)
+        for x in value if isinstance(value, tuple) else (value,):
+            if isinstance(x, bool):
+                continue
+            if isinstance(x, float) and not math.isfinite(x):
+                raise FormatError(
+                    f"{path}: {type(config).__name__}.{f.name} = {x!r}: want a "
+                    "finite number; the config.json is corrupt"
+                )
+            if isinstance(x, int) and not -limit <= x <= limit:
+                raise FormatError(
+                    f"{path}: {type(config).__name__}.{f.name} = {x} is over the "
+                    f"limit of {limit}; the config.json is corrupt or not a model "
+                    "entrenar can load"
+                )
+
+
 def read_hf_config(folder: str | os.PathLike[str]) -> tuple[Any, Any]:
     """``(architecture, config)`` of a folder's ``config.json``.
 
+    Its numbers are checked (`check_config_values`) before it is returned.
+
     Raises:
-        FormatError: no or an invalid ``config.json``, or fields of the wrong type.
+        FormatError: no or an invalid ``config.json``, fields of the wrong type, or
+            values out of range.
         UnsupportedError: a ``model_type`` no family reads, or a feature the family
             does not implement (named by the family's ``from_hf``).
     """
@@ -160,6 +212,7 @@ def read_hf_config(folder: str | os.PathLike[str]) -> tuple[Any, Any]:
         raise FormatError(
             f"{path}: cannot read it as a {arch.name} config ({type(e).__name__}: {e})"
         ) from None
+    check_config_values(config, path)
     return arch, config
 
 
@@ -633,8 +686,10 @@ def _write_json(path: str, value: Any) -> None:
 
 
 __all__ = [
+    "COUNT_LIMITS",
     "DEFAULT_SHARD_BYTES",
     "HFFolder",
+    "check_config_values",
     "load_hf_folder",
     "load_hf_llama",
     "read_hf_config",

@@ -422,6 +422,58 @@ def test_a_stalled_client_does_not_hold_the_server(smol):
         assert time.monotonic() - start < 5
 
 
+def _trickle(s, first: bytes, limit: float = 5.0) -> tuple[float, bytes]:
+    """(seconds until the server closed, what it answered) of a trickled request.
+
+    ``first`` goes at once, then a byte every 0.1 s.
+    """
+    s.sendall(first)
+    s.settimeout(0.1)
+    start, out = time.monotonic(), b""
+    while time.monotonic() - start < limit:
+        try:
+            s.sendall(b"X")
+            chunk = s.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:  # reset: the server closed the connection
+            break
+        if not chunk:
+            break
+        out += chunk
+    return time.monotonic() - start, out
+
+
+def test_a_client_trickling_its_request_is_cut_off():
+    """Slowloris: a byte within each socket timeout (0.3 s here), for ever.
+
+    The request must arrive within 2 socket timeouts: trickled headers are cut off,
+    a trickled body is a 408 (each byte reset the timeout before, and the headers
+    held the connection and one of the ``max_connections`` slots for ever).
+    """
+    server, url = _serve(TABLE_CHAT, socket_timeout=0.3, max_connections=2)
+    host, port = url.removeprefix("http://").split(":")
+    head = b"POST /v1/chat/completions HTTP/1.0\r\n"
+    try:
+        with (
+            socket.create_connection((host, int(port))) as a,
+            socket.create_connection((host, int(port))) as b,
+        ):
+            results = []
+            t = threading.Thread(target=lambda: results.append(_trickle(a, head)))
+            t.start()
+            took, out = _trickle(b, head + b"Content-Length: 1000\r\n\r\n")
+            t.join(10)
+        assert out.startswith(b"HTTP/1.0 408") and b"too slowly" in out, out
+        assert took < 2.0
+        assert results[0][0] < 2.0 and results[0][1] == b""
+        body = {"messages": [{"role": "user", "content": "Hi"}]}
+        assert post(url + "/v1/chat/completions", body)[0] == 200  # slots free
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_concurrent_requests_take_turns(smol):
     chat, url, _ = smol
     want = chat.reply(MESSAGES, max_new_tokens=6).text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import tracemalloc
 
 import jinja2.ext
 import pytest
@@ -74,6 +75,34 @@ def test_templates_that_would_exhaust_memory_are_refused_first(
 ):
     with deadline(20), pytest.raises(TemplateError, match=match):
         render_chat(CHAT, template)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ('%999999s' * 1000) % ((1,) * 1000) }}",
+        "{{ ('{:999999}' * 1000).format(*([1] * 1000)) }}",
+        "{{ ('%999999s' * 1000) | format(*([1] * 1000)) }}",
+        "{{ '%*s' % (999999999, 'x') }}",
+        "{{ '%-*d' | format(999999999, 1) }}",
+        "{{ '{0:{1}}'.format('x', 999999999) }}",
+        "{{ '{:>{w}}'.format_map({'w': 999999999}) }}",
+    ],
+)
+def test_format_widths_are_added_up_before_formatting(template, deadline):
+    """Widths under a million each, or taken from the arguments, add up.
+
+    Before, a gigabyte was built before the result's size was checked.
+    """
+    tracemalloc.start()
+    try:
+        with deadline(20), pytest.raises(TemplateError, match="would make"):
+            render_chat(CHAT, template)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20
+    assert render_chat(CHAT, "{{ '%d %5s|{:>4}' % (2024, 'x') }}") == "2024     x|{:>4}"
 
 
 @pytest.mark.parametrize("tag", ["include 'x'", "import 'x' as y", "extends 'x'"])

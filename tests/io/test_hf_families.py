@@ -11,6 +11,7 @@ each family's tiny tokenizer (tests/io/hf_cases.py) gives ``AutoTokenizer``'s id
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import hf_cases
@@ -243,3 +244,45 @@ def test_bad_tokenizer_files_name_the_file_and_the_field(tmp_path):
     (tmp_path / "tokenizer.json").write_text("[1, 2")
     with pytest.raises(FormatError, match=r"tokenizer\.json line 1"):
         io.HFTokenizer.from_folder(tmp_path)
+
+
+# ------------------------------------------------------------------ hostile config.json
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    """The folder entrenar wrote for each family's tiny config, by family."""
+    out = {}
+    for family in ("deepseek_v3", "gpt_oss", "ministral3", "glm4_moe"):
+        config = nn.architecture(family).tiny()
+        folder = tmp_path_factory.mktemp(family)
+        io.save_hf_folder(folder, config, config.init(jax.random.key(0)))
+        out[family] = folder
+    return out
+
+
+@pytest.mark.parametrize(
+    ("family", "key", "value", "match"),
+    [
+        # each built a name per expert or layer (minutes, gigabytes) before any
+        # tensor's shape was compared
+        ("deepseek_v3", "n_routed_experts", 10**9, "num_experts = 1000000000 is over"),
+        ("deepseek_v3", "num_hidden_layers", 10**9, "num_layers = 1000000000 is over"),
+        ("glm4_moe", "hidden_size", 10**12, r"hidden_size = 10+ is over the limit"),
+        # each loaded, and its logits were NaN
+        ("gpt_oss", "rope_scaling.beta_fast", math.nan, "rope_beta_fast = nan"),
+        ("ministral3", "rope_parameters.llama_4_scaling_beta", math.inf, "= inf"),
+    ],
+)
+def test_a_config_json_with_impossible_numbers_is_refused_before_loading(
+    tiny_folders, tmp_path, family, key, value, match, deadline
+):
+    folder = tmp_path / family
+    shutil.copytree(tiny_folders[family], folder)
+    config = json.loads((folder / "config.json").read_text())
+    *path, last = key.split(".")
+    node = config
+    for k in path:
+        node = node[k]
+    node[last] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with deadline(20), pytest.raises(FormatError, match=r"config\.json: .*" + match):
+        io.load_hf_folder(folder)

@@ -94,6 +94,27 @@ def test_json_brackets_inside_strings_do_not_count():
     assert bounded.parse_json(text, "f.json") == {"a": "[" * 500 + '"]'}
 
 
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        # an unterminated string of escaped quotes (then brackets, so the depth is
+        # scanned): the token regex restarted at each quote, an hour for 1 MiB
+        ('"' + '\\"' * 500_000 + "[" * 20, r"column 1: invalid JSON \(Unterminated"),
+        # runs of 4300 digits before a longer one: the integer regex rescanned
+        # each run from each of its digits, 12 s of CPU for 1 MiB
+        (
+            "[" + ("9" * 4300 + ",") * 240 + "9" * 4301 + "]",
+            r"column 1032242: invalid JSON \(an integer of 4301 digits",
+        ),
+    ],
+)
+def test_json_limits_scan_a_hostile_megabyte_in_linear_time(text, match, deadline):
+    start = time.process_time()
+    with deadline(20), pytest.raises(FormatError, match=r"^f\.json line 1, " + match):
+        bounded.parse_json(text, "f.json", max_depth=16)
+    assert time.process_time() - start < 1.0
+
+
 def test_json_deeper_than_python_parses_without_a_depth_limit():
     text = "[" * 100_000 + "]" * 100_000
     with pytest.raises(FormatError, match=r"invalid JSON \(nests too deeply"):
