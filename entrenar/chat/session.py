@@ -182,6 +182,12 @@ def _reply(
     stopped = bool(out) and out[-1] in stops
     text = tokenizer.decode(out[:-1] if stopped else out)
     cut = find_stop(text, stop_strings)
+    if cut is not None and not stopped:  # ends at the token that completed it
+        while (
+            len(out) > 1
+            and find_stop(tokenizer.decode(out[:-1]), stop_strings) is not None
+        ):
+            out = out[:-1]  # a batch's pad after the row stopped (`replies`)
     return Reply(
         text=text if cut is None else text[:cut],
         token_ids=tuple(out),

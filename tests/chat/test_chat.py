@@ -141,6 +141,16 @@ def test_logprobs_are_the_decodings_and_stream_as_they_come():
         CHAT.stream_reply("Hi").logprobs(0, 1)
 
 
+def test_a_batched_reply_cut_by_a_stop_string_ends_at_its_token():
+    """Rows go on after one stops at a stop string: its reply keeps no padding."""
+    prompts = ["a\n", "zz"]  # row 0 says "OK" and stops at "K"; row 1 goes on
+    both = CHAT.replies(prompts, chat=False, stop=["K"], max_new_tokens=8, logprobs=1)
+    for prompt, got in zip(prompts, both):
+        alone = CHAT.reply(prompt, chat=False, stop=["K"], max_new_tokens=8)
+        assert got == alone and len(got.logprobs.logprobs) == len(got.token_ids)
+    assert both[0].token_ids == (ord("O"), ord("K"))
+
+
 @pytest.mark.parametrize("style", ["mistral", "gemma"])
 def test_byte_fallback_tokens_stream_as_the_full_decode(style, tmp_path):
     """A stream of <0xNN> tokens joins to their full decode.
