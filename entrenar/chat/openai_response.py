@@ -14,10 +14,13 @@ after another (OpenAI's and vLLM's order when ``n`` > 1 or a batch of prompts):
    whole arguments of each call), when it found them;
 4. the choice's ``finish_reason`` (``"tool_calls"`` when calls came).
 
-With ``logprobs`` the choice is generated whole first, then scored in one pass
-(`Server.logprobs`, as a reply that does not stream), and each entry carries the
-log-probabilities of the tokens generated since the entry before (`logprobs_slice`
-cuts the lists): joined, they are the unstreamed reply's, exactly.
+With ``logprobs`` each entry carries the log-probabilities of the tokens generated
+since the entry before (`entrenar.chat.openai_logprobs.ChoiceLogprobs`), as the
+decoding steps compute them (`ReplyStream.logprobs`): a piece's entry carries the
+tokens that made its text, sent as soon as they are generated (the prompt's, with
+``echo``, from one forward pass first); the last entry any tokens left (a closing
+stop token of a completion, the tokens of a stop string). Joined, they are the
+unstreamed reply's (`Server.logprobs`), exactly: both are the same decoding's.
 """
 
 from __future__ import annotations
@@ -25,18 +28,21 @@ from __future__ import annotations
 import secrets
 import string
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
+from entrenar.chat.openai_logprobs import ChoiceLogprobs, listed_ids
 from entrenar.chat.openai_request import Request
-from entrenar.chat.session import ChatModel, Reply
+from entrenar.chat.session import ChatModel, Reply, ReplyStream
 from entrenar.chat.tool_calls import ToolCall, ToolCallStream
+from entrenar.nn.sampling import TokenLogprobs
 
 ALPHANUMERIC = string.ascii_letters + string.digits
 
-Item = tuple[str, int] | Reply
-"""What `Server.generate` yields: a text piece and the tokens generated so far, or
-the `Reply` at the end."""
+Item = tuple[str, ReplyStream] | Reply
+"""What `Server.generate` yields: a text piece and the stream that made it (its
+``ids``, the tokens generated so far, and their `ReplyStream.logprobs`), or the
+`Reply` at the end."""
 
 
 def usage(reply: Reply) -> dict[str, int]:
@@ -111,23 +117,16 @@ def add_usage(total: dict[str, int], reply: Reply, sample: int) -> None:
         total[k] = total.get(k, 0) + v
 
 
-def logprobs_slice(lp: dict[str, Any], chat: bool, a: int, b: int) -> dict | None:
-    """The entries ``a:b`` of a choice's ``logprobs`` object; None when empty."""
-    if b <= a:
-        return None
-    if chat:
-        return {"content": lp["content"][a:b], "refusal": None}
-    return {k: v[a:b] for k, v in lp.items()}
-
-
 class ChoiceSource(Protocol):
     """What `ChoiceStream` reads of `entrenar.chat.server.Server`."""
 
     chat_model: ChatModel
     tool_call_parser: str | None
 
-    def logprobs(self, request: Request, prompt: Any, reply: Reply) -> dict:
-        """The ``logprobs`` object of one whole choice."""
+    def prompt_logprobs(
+        self, request: Request, prompt: Any
+    ) -> tuple[list[int], TokenLogprobs]:
+        """An echoed prompt's ids and the scores of each but the first."""
         ...
 
     def echo_text(self, prompt: Any) -> str:
@@ -156,60 +155,76 @@ class ChoiceStream:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         app, request, chat = self.app, self.request, self.request.chat
-        items: Iterable[Item] = self.pieces
-        lp: dict[str, Any] | None = None
+        stops = app.chat_model.stops
+        lp = None
         if request.logprobs is not None:
-            items = list(self.pieces)
-            last = items[-1]
-            assert isinstance(last, Reply)
-            lp = app.logprobs(request, self.prompt, last)
-        skip = 0  # the prompt's entries, before the generated tokens'
-        if request.echo:
-            skip = len(app.chat_model.encode(self.prompt, chat=False))
-        sent = 0  # logprobs entries sent
+            lp = ChoiceLogprobs(app.chat_model.tokenizer, chat)
+        sent = 0  # generated tokens whose entries were sent
 
-        def entry(text: str | None, upto: int | None = None, **fields: Any) -> dict:
+        def entry(
+            text: str | None,
+            made: ReplyStream | Reply | None = None,
+            **fields: Any,
+        ) -> dict:
+            """A chunk's choice, with the entries of ``made``'s new tokens.
+
+            With ``logprobs``: those of the (listed) tokens ``made`` has generated
+            since the chunk before.
+            """
             nonlocal sent
             out = choice_entry(chat, text, None, True, index=self.index)
             out.update(fields)
-            if lp is not None:
-                total = len(lp["content"] if chat else lp["tokens"])
-                end = total if upto is None else min(upto, total)
-                out["logprobs"] = logprobs_slice(lp, chat, sent, end)
-                sent = max(sent, end)
+            if lp is not None and made is not None:
+                ids = made.ids if isinstance(made, ReplyStream) else made.token_ids
+                end = len(listed_ids(ids, stops, chat))
+                if end > sent:
+                    scores = (made.logprobs(sent, end) if isinstance(made, ReplyStream)
+                              else _cut(made.logprobs, sent, end))  # fmt: skip
+                    out["logprobs"] = lp.run(ids[sent:end], scores)
+                    sent = end
             return out
 
         if chat:
-            yield entry("", 0, delta={"role": "assistant", "content": ""})
+            yield entry("", delta={"role": "assistant", "content": ""})
         if request.echo:
-            yield entry(app.echo_text(self.prompt), skip)
+            out = entry(app.echo_text(self.prompt))
+            if lp is not None:
+                ids, scores = app.prompt_logprobs(request, self.prompt)
+                out["logprobs"] = lp.run(ids, scores, context=False)
+            yield out
         tools = None
         if request.tools is not None and app.tool_call_parser is not None:
             tools = ToolCallStream(app.tool_call_parser)
         reply: Reply | None = None
-        for item in items:
+        for item in self.pieces:
             if isinstance(item, Reply):
                 reply = item
                 break
-            piece, count = item
+            piece, made = item
             if tools is not None:
                 piece = tools.feed(piece)
             if piece:
-                yield entry(piece, skip + count)
+                yield entry(piece, made)
         assert reply is not None  # `Server.generate` ends with it
         finish: str = reply.finish_reason
         if tools is not None:
             rest, calls = tools.finish()
             if rest:
-                yield entry(rest)
+                yield entry(rest, reply)
             if calls:
-                yield entry(None, delta={"tool_calls": [
+                yield entry(None, reply, delta={"tool_calls": [
                     {"index": k, **call}
                     for k, call in enumerate(tool_calls(calls, tools.parser))
                 ]})  # fmt: skip
                 finish = "tool_calls"
-        yield entry(None, finish_reason=finish)
+        yield entry(None, reply, finish_reason=finish)
         self.reply = reply
+
+
+def _cut(scores: TokenLogprobs | None, start: int, stop: int) -> TokenLogprobs:
+    """Entries ``start:stop`` of a `Reply`'s log-probabilities."""
+    assert scores is not None  # the reply was asked for them
+    return TokenLogprobs(*(x[start:stop] for x in scores))
 
 
 __all__ = [
@@ -220,7 +235,6 @@ __all__ = [
     "add_usage",
     "call_id",
     "choice_entry",
-    "logprobs_slice",
     "tool_calls",
     "usage",
 ]

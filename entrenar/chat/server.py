@@ -25,10 +25,11 @@ that answers the part of OpenAI's API that chat tools use, as llama.cpp's
 - ``logprobs`` (completions: the number of alternatives; chat: ``logprobs`` and
   ``top_logprobs``): each listed token's log-probability under the raw model and
   its most likely alternatives (`entrenar.chat.openai_logprobs`), what
-  lm-evaluation-harness's ``local-completions`` model reads; streamed, a choice is
-  generated whole and scored in one pass first, then each chunk carries the entries
-  of its tokens (the prompt's first with ``echo``), so the chunks' entries joined are
-  the unstreamed reply's;
+  lm-evaluation-harness's ``local-completions`` model reads: a generated token's
+  from the decoding step that chose it, an echoed prompt's from one forward pass;
+  streamed, each chunk carries the entries of the tokens that made its text, as
+  they are generated (the prompt's first with ``echo``), so the chunks' entries
+  joined are the unstreamed reply's;
 - every option streams: with ``n`` > 1 or a batch of prompts the choices are
   generated and sent one after another, each chunk under its choice's ``index``,
   each choice ending with its own ``finish_reason`` chunk, ``usage`` once at the end;
@@ -88,10 +89,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from entrenar.chat.openai_logprobs import (
-    TokenTexts,
-    chat_logprobs,
-    completion_logprobs,
+    ChoiceLogprobs,
     empty_scores,
+    join_logprobs,
+    listed_ids,
 )
 from entrenar.chat.openai_request import (
     Request,
@@ -119,6 +120,7 @@ from entrenar.errors import (
 )
 from entrenar.io.bounded import parse_json
 from entrenar.nn import context_length
+from entrenar.nn.sampling import TokenLogprobs
 from entrenar.nn.scoring import token_logprobs
 
 log = logging.getLogger(__name__)
@@ -221,9 +223,10 @@ class Server:
     ) -> Generator[Item, None, None]:
         """The reply's text pieces to ``prompt``, then its `Reply`.
 
-        Each piece comes with the number of tokens generated so far (those that
-        made it and the ones before). ``sample``: which of the request's ``n``
-        choices (its key is folded in).
+        Each piece comes with its `ReplyStream`, whose ``ids`` are the tokens
+        generated so far (those that made it and the ones before) and, with
+        ``logprobs``, whose `ReplyStream.logprobs` are theirs. ``sample``: which of
+        the request's ``n`` choices (its key is folded in).
 
         Callers hold ``lock``. The checks (template, length) raise before the
         first piece.
@@ -245,13 +248,14 @@ class Server:
                 max_new_tokens=n,
                 chat=request.chat,
                 key=key,
+                logprobs=request.logprobs,
                 **request.options,
             )
         except (FormatError, TemplateError, ShapeError, ConfigError) as e:
             param = "messages" if request.chat else "prompt"
             raise RequestError(400, str(e), param) from None
         for piece in stream:
-            yield piece, len(stream.ids)
+            yield piece, stream
         assert stream.reply is not None
         yield stream.reply
 
@@ -297,33 +301,41 @@ class Server:
             prompt, chat=request.chat, tools=request.tools if request.chat else None
         )
 
-    def logprobs(self, request: Request, prompt: Any, reply: Reply) -> dict:
-        """The ``logprobs`` object of one choice (module `openai_logprobs`)."""
+    def prompt_logprobs(
+        self, request: Request, prompt: Any
+    ) -> tuple[list[int], TokenLogprobs]:
+        """An echoed prompt's ids and the scores of each but the first.
+
+        One forward pass over the prompt (`entrenar.nn.token_logprobs`).
+        """
         cm = self.chat_model
-        prompt_ids = self._prompt_ids(request, prompt)
-        gen = list(reply.token_ids)
-        if (
-            request.chat
-            and gen
-            and reply.finish_reason == "stop"
-            and gen[-1] in cm.stops
-        ):
-            gen = gen[:-1]  # the closing end-of-turn token: not in the reply
-        ids = prompt_ids + gen
-        first = 0 if request.echo else len(prompt_ids)
-        start = max(first, 1)
+        ids = self._prompt_ids(request, prompt)
         top = request.logprobs or 0
-        scores = empty_scores(top)
-        if start < len(ids):
-            scores = token_logprobs(
-                cm.model, cm.params, ids, start=start, top=top,
-                vocab_limit=len(cm.tokenizer.tokens),
-                decode_activations=cm.decode_activations,
-            )  # fmt: skip
-        texts = TokenTexts(cm.tokenizer)
-        if request.chat:
-            return chat_logprobs(texts, gen, scores)
-        return completion_logprobs(texts, ids, scores, first)
+        if len(ids) < 2:
+            return ids, empty_scores(top)
+        return ids, token_logprobs(
+            cm.model, cm.params, ids, start=1, top=top,
+            vocab_limit=len(cm.tokenizer.tokens),
+            decode_activations=cm.decode_activations,
+        )  # fmt: skip
+
+    def logprobs(self, request: Request, prompt: Any, reply: Reply) -> dict:
+        """The ``logprobs`` object of one whole choice (module `openai_logprobs`).
+
+        The echoed prompt's (`prompt_logprobs`), then the generated tokens' from
+        the decoding (`Reply.logprobs`): chat's leave out a closing end-of-turn
+        token (`listed_ids`).
+        """
+        out = ChoiceLogprobs(self.chat_model.tokenizer, request.chat)
+        parts = []
+        if request.echo:
+            parts.append(out.run(*self.prompt_logprobs(request, prompt), context=False))
+        gen = listed_ids(reply.token_ids, self.chat_model.stops, request.chat)
+        assert reply.logprobs is not None  # asked by `generate`
+        parts.append(out.run(gen, reply.logprobs))
+        joined = join_logprobs(parts)
+        assert joined is not None
+        return joined
 
 
 # ---------------------------------------------------------------------------

@@ -38,8 +38,9 @@ import numpy as np
 from entrenar import data, io, lora
 from entrenar.errors import ConfigError
 from entrenar.nn import check_length, context_length, generate_stream
-from entrenar.nn.generate import find_stop, partial_stop
+from entrenar.nn.generate import StepLogprobs, find_stop, partial_stop
 from entrenar.nn.matvec import check_activations
+from entrenar.nn.sampling import TokenLogprobs
 from entrenar.quant.matvec import quantize_tied_head
 from entrenar.types import Params, PRNGKey
 
@@ -166,8 +167,13 @@ def _reply(
     stops: Sequence[int],
     stop_strings: Sequence[str],
     prompt_tokens: int,
+    scores: StepLogprobs | None = None,
+    row: int = 0,
 ) -> Reply:
-    """The `Reply` of one row's generated ids (cut at a stop token or string)."""
+    """The `Reply` of one row's generated ids (cut at a stop token or string).
+
+    ``scores``: the decoding's log-probabilities (row ``row`` is this reply's).
+    """
     out = list(out)
     for i, t in enumerate(out):
         if t in stops:
@@ -176,11 +182,18 @@ def _reply(
     stopped = bool(out) and out[-1] in stops
     text = tokenizer.decode(out[:-1] if stopped else out)
     cut = find_stop(text, stop_strings)
+    if cut is not None and not stopped:  # ends at the token that completed it
+        while (
+            len(out) > 1
+            and find_stop(tokenizer.decode(out[:-1]), stop_strings) is not None
+        ):
+            out = out[:-1]  # a batch's pad after the row stopped (`replies`)
     return Reply(
         text=text if cut is None else text[:cut],
         token_ids=tuple(out),
         finish_reason="stop" if stopped or cut is not None else "length",
         prompt_tokens=prompt_tokens,
+        logprobs=None if scores is None else scores.row(row, 0, len(out)),
     )
 
 
@@ -196,12 +209,16 @@ class Reply:
         finish_reason: ``"stop"`` (an end-of-turn token or a stop string) or
             ``"length"`` (``max_new_tokens`` reached first).
         prompt_tokens: length of the rendered, tokenized prompt.
+        logprobs: asked for (``logprobs=k``), the raw log-probability of each of
+            ``token_ids`` and its ``k`` likeliest alternatives, from the decoding
+            steps that chose them (`entrenar.nn.StepLogprobs`); else None.
     """
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: Literal["stop", "length"]
     prompt_tokens: int
+    logprobs: TokenLogprobs | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,8 +375,12 @@ class ChatModel:
         prompts: list[list[int]],
         max_new_tokens: int | None,
         options: Mapping[str, Any],
+        scores: StepLogprobs | None = None,
     ) -> Iterator[np.ndarray]:
-        """The steps of `entrenar.nn.generate_stream` for these prompts (checked)."""
+        """The steps of `entrenar.nn.generate_stream` for these prompts (checked).
+
+        ``scores``: receives each step's log-probabilities (`StepLogprobs`).
+        """
         unknown = set(options) - set(SAMPLING_OPTIONS)
         if unknown:
             raise ConfigError(
@@ -375,7 +396,7 @@ class ChatModel:
             stop_tokens=self.stops, stop_strings=stop,
             tokenizer=self.tokenizer if stop else None,
             vocab_limit=len(self.tokenizer.tokens),  # a padded embedding's rows
-            decode_activations=self.decode_activations, **opts,
+            decode_activations=self.decode_activations, logprobs=scores, **opts,
         )  # fmt: skip
 
     def reply(
@@ -393,6 +414,7 @@ class ChatModel:
         key: PRNGKey | None = None,
         chat: bool = True,
         tools: Tools = None,
+        logprobs: int | None = None,
     ) -> Reply:
         """Generate the assistant's reply to ``messages`` (a string is one user turn).
 
@@ -417,6 +439,9 @@ class ChatModel:
             key: the sampling key.
             chat: render through the chat template (else continue plain text).
             tools: function schemas for the template (`render`).
+            logprobs: report each generated token's raw log-probability and this
+                many likeliest alternatives (0 to 20) in `Reply.logprobs`, as the
+                decoding steps compute them; None: none.
 
         Raises:
             ShapeError: prompt + ``max_new_tokens`` exceeds the model's context.
@@ -429,7 +454,7 @@ class ChatModel:
                        stop=stop, key=key)  # fmt: skip
         return self.replies(
             [messages], system=system, max_new_tokens=max_new_tokens, chat=chat,
-            batch_size=1, tools=tools, **options,
+            batch_size=1, tools=tools, logprobs=logprobs, **options,
         )[0]  # fmt: skip
 
     def replies(
@@ -441,6 +466,7 @@ class ChatModel:
         chat: bool = True,
         batch_size: int = 16,
         tools: Tools = None,
+        logprobs: int | None = None,
         **options: Any,
     ) -> list[Reply]:
         """`reply` to each conversation, ``batch_size`` prompts decoded at once.
@@ -449,7 +475,8 @@ class ChatModel:
         positions); each greedy reply equals `reply` to the same conversation (the
         default ``max_new_tokens`` is capped by the longest prompt of its batch).
         ``options``: the sampling and ``stop`` arguments of `reply`; with sampling,
-        row ``r`` of a batch draws with ``fold_in(step_key, r)``.
+        row ``r`` of a batch draws with ``fold_in(step_key, r)``. ``logprobs``: as
+        in `reply`.
         """
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -459,10 +486,12 @@ class ChatModel:
         out: list[Reply] = []
         for s in range(0, len(prompts), batch_size):
             chunk = prompts[s : s + batch_size]
-            steps = list(self._decode(chunk, max_new_tokens, options))
+            scores = None if logprobs is None else StepLogprobs(logprobs)
+            steps = list(self._decode(chunk, max_new_tokens, options, scores))
             ids = np.stack(steps, axis=1) if steps else np.zeros((len(chunk), 0))
             out += [_reply(self.tokenizer, [int(t) for t in ids[i]], self.stops,
-                           stop, len(p)) for i, p in enumerate(chunk)]  # fmt: skip
+                           stop, len(p), scores, i)
+                    for i, p in enumerate(chunk)]  # fmt: skip
         return out
 
     def __call__(self, messages: Messages, **kwargs: Any) -> str:
@@ -497,6 +526,7 @@ class ChatModel:
         system: str | None = None,
         max_new_tokens: int | None = None,
         chat: bool = True,
+        logprobs: int | None = None,
         **options: Any,
     ) -> ReplyStream:
         """`stream`, with the whole `Reply` once the pieces are exhausted.
@@ -504,13 +534,17 @@ class ChatModel:
         The same checks as `stream`, before this returns. Iterating the result
         yields the pieces of `stream`; after the last, its ``reply`` is the `Reply`
         that `reply` gives for the same request (token ids, finish reason, prompt
-        length): what a server reports after streaming (`entrenar.chat.server`).
+        length, log-probabilities): what a server reports after streaming
+        (`entrenar.chat.server`). ``logprobs``: as in `reply`; while streaming,
+        `ReplyStream.logprobs` gives those of the tokens read so far.
         """
         tools = options.pop("tools", None)
         prompt = self.encode(messages, system=system, chat=chat, tools=tools)
-        steps = self._decode([prompt], max_new_tokens, options)
+        scores = None if logprobs is None else StepLogprobs(logprobs)
+        steps = self._decode([prompt], max_new_tokens, options, scores)
         stop = tuple(options.get("stop", ()) or ())
-        return ReplyStream(self.tokenizer, steps, self.stops, stop, len(prompt))
+        return ReplyStream(self.tokenizer, steps, self.stops, stop, len(prompt),
+                           scores)  # fmt: skip
 
 
 class ReplyStream:
@@ -519,9 +553,10 @@ class ReplyStream:
     Iterate once: the pieces are `stream_text`'s of the decoding ``steps``; the ids
     it reads are kept in ``ids`` (when a piece comes, ``ids`` holds the tokens that
     made it and those before: what a server's streamed log-probabilities are cut
-    by), and when it ends, ``reply`` is `_reply` of them, as `ChatModel.reply` cuts
-    the ids of a whole decode (a stop token or stop string ends both at the same
-    step). ``reply`` is None until then.
+    by; `logprobs` gives theirs as they come, when ``scores`` collects them), and
+    when it ends, ``reply`` is `_reply` of them, as `ChatModel.reply` cuts the ids
+    of a whole decode (a stop token or stop string ends both at the same step).
+    ``reply`` is None until then.
     """
 
     def __init__(
@@ -531,12 +566,23 @@ class ReplyStream:
         stops: Sequence[int],
         stop_strings: Sequence[str],
         prompt_tokens: int,
+        scores: StepLogprobs | None = None,
     ) -> None:
         self.tokenizer, self.steps = tokenizer, steps
         self.stops, self.stop_strings = tuple(stops), tuple(stop_strings)
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens, self.scores = prompt_tokens, scores
         self.ids: list[int] = []
         self.reply: Reply | None = None
+
+    def logprobs(self, start: int, stop: int) -> TokenLogprobs:
+        """The log-probabilities of ``ids[start:stop]`` (tokens already read).
+
+        Raises:
+            ConfigError: the stream was made without ``logprobs``.
+        """
+        if self.scores is None:
+            raise ConfigError("this stream has no log-probabilities: ask logprobs=")
+        return self.scores.row(0, start, min(stop, len(self.ids)))
 
     def __iter__(self) -> Iterator[str]:
         def kept() -> Iterator[np.ndarray]:
@@ -546,7 +592,7 @@ class ReplyStream:
 
         yield from stream_text(self.tokenizer, kept(), self.stops, self.stop_strings)
         self.reply = _reply(self.tokenizer, self.ids, self.stops, self.stop_strings,
-                            self.prompt_tokens)  # fmt: skip
+                            self.prompt_tokens, self.scores)  # fmt: skip
 
 
 SAMPLING_OPTIONS = (

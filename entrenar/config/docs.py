@@ -106,7 +106,7 @@ ARCH_TABLES
 | `tensorboard/` | the same metrics as TensorBoard events (`training.tensorboard: true`) |
 | `checkpoints/<step>/` | resumable train states (`--resume latest` or a path) |
 | `model.safetensors`, `model.json` | the trained model (LoRA adapters folded in); its metadata holds the architecture (`custom.model_config` or `custom.llama_config`), a language model's tokenizer (`custom.tokenizer`: `model.tokenizer`, else the GGUF or Hugging Face folder it was read from, relative to the file) and, for tabular data, the feature columns, target and normalisation (`custom.tabular`) |
-| `model.gguf` | a Llama-style decoder (llama, mistral, qwen2/3, gemma2/3, phi3) as llama.cpp reads it, under its family's GGUF architecture, matrices in `export.gguf_type` |
+| `model.gguf` | a Llama-style decoder (llama, mistral, qwen2/3, gemma2/3, phi3) as llama.cpp reads it, under its family's GGUF architecture, matrices in `export.gguf_type`; a config the writer would refuse (no llama.cpp form, a layout llama.cpp computes otherwise, rows not whole blocks of the type, an expert type the model cannot take: `io.check_llama_gguf`) is refused before training, and by `validate`, with the writer's message (`runs.export.check_gguf_export`), as is a GGUF `quantization` copy |
 | `hf/` | a Hugging Face folder of the model's family (`config.json` naming its class, e.g. `LlamaForCausalLM`, `Qwen2ForCausalLM`; `model.safetensors`; `generation_config.json`; with a tokenizer, `tokenizer.json` and `tokenizer_config.json` with the chat template) |
 | `adapter/` | the LoRA adapter in PEFT's layout |
 | `model-<scheme>.<ext>` | the `quantization` copy: a llama.cpp GGUF for a Llama-style decoder in q8_0/q4_0/q4_1, else an entrenar model file whose quantized weights are stored as their arrays (`<name>.codes`, `<name>.scales`, `<name>.offsets`, ...) with `custom.quantization[<name>] = {scheme, block_size, dtype, granularity}` |
@@ -137,7 +137,8 @@ recipe or a bare recipe file.
   (`entrenar.runs.preflight`), without loading weights: keys, values and files; the
   model file's header (a GGUF's magic, version, metadata and tensor table; a Hugging
   Face folder's `config.json` and safetensors headers) and the tokenizer; the `lora`
-  targets and QLoRA bases and a distillation teacher, on those headers; every row of
+  targets and QLoRA bases, a distillation teacher and a GGUF export the writer would
+  refuse (`runs.export.check_gguf_export`), on those headers; every row of
   every data file parsed and the fields its format reads checked (an invalid JSON line,
   an empty file, a missing field: an error naming file, line and column); `N` evenly
   spaced rows (1000 by default, 0 for all) through the loader `train` builds. It

@@ -49,7 +49,7 @@ from entrenar.io.llama_gguf import (
     unpermute_qk,
     unpermuted_rows,
 )
-from entrenar.io.llama_gguf_write import save_llama_gguf
+from entrenar.io.llama_gguf_write import check_llama_gguf, save_llama_gguf
 from entrenar.io.model import (
     Model,
     ModelFormat,
@@ -83,6 +83,7 @@ __all__ = [
     "ModelMetadata",
     "SaveConfig",
     "atomic_write",
+    "check_llama_gguf",
     "dequantize_ggml",
     "detect_format",
     "file_architecture",

@@ -21,6 +21,12 @@ experts' stacks (``ffn_{gate,up,down}_exps``) may take their own ``expert_type``
 MXFP4 among them (`entrenar.nn.mxfp4.quantize_ggml`, ggml's reference quantizer
 byte for byte), as llama.cpp's gpt-oss files hold them (``general.file_type``
 ``MOSTLY_MXFP4_MOE``).
+
+What the writer refuses for a config and its types (a family without a llama.cpp
+form, a layout llama.cpp would compute otherwise, rows that are not whole blocks of
+a quantized type, an expert type the model cannot take) is `check_llama_gguf`, which
+the writer runs first and a run runs before training (`entrenar.runs.export.
+check_gguf_export`), so a run that cannot be exported fails before its first step.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import json
 import math
 import os
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -564,21 +570,14 @@ def _save_unrolled(
     (`entrenar.io.glm4moe_gguf`); the routed experts in ``exp_kind``.
     """
     file_kind = "MXFP4" if exp_kind == "MXFP4" else kind
-    if isinstance(config, DeepseekConfig):
-        check_deepseek_gguf(config)
-        arch, widths = DEEPSEEK, row_widths(config)
+    if isinstance(config, DeepseekConfig):  # checked: `check_llama_gguf`
+        arch = DEEPSEEK
         new = deepseek_keys(config, FILE_TYPES[file_kind])
         names = None
     else:
-        check_glm4moe_gguf(config)
-        arch, widths = GLM4MOE, glm4moe_row_widths(config)
+        arch = GLM4MOE
         new = glm4moe_keys(config, FILE_TYPES[file_kind])
         names = glm4moe_names(config)
-    if (kind + emb_kind).count("Q") and any(w % 32 for w in widths):
-        raise ConfigError(
-            f"{kind} needs rows of whole 32-value blocks; this {config.architecture} "
-            f"config has rows {widths} wide: write F16 or F32 instead"
-        )
     fields: dict[str, GGUFField] = dict(src.fields) if src else {}
     old = fields.get("general.architecture")
     archs = {arch, getattr(old, "value", arch)} - {"tokenizer", "general"}
@@ -653,6 +652,80 @@ def check_expert_type(
     return exp_kind
 
 
+class GGUFTypes(NamedTuple):
+    """What `check_llama_gguf` found: the types to write and llama.cpp's name."""
+
+    kind: str
+    """``tensor_type`` (upper case): the matrices'."""
+    emb_kind: str
+    """``token_embd`` and ``output``'s."""
+    exp_kind: str
+    """A mixture of experts' stacks' (`check_expert_type`)."""
+    gname: str
+    """llama.cpp's architecture name the file is written under."""
+
+
+def check_llama_gguf(
+    config: Any,
+    *,
+    tensor_type: str = "F32",
+    embedding_type: str | None = None,
+    expert_type: str | None = None,
+) -> GGUFTypes:
+    """Raise what `save_llama_gguf` would refuse for ``config`` and these types.
+
+    Reads the config only (no tensor): `save_llama_gguf` runs it before anything
+    else, and a run before training (`entrenar.runs.export.check_gguf_export`), so
+    the two refuse the same inputs with the same error. The checks: the types
+    (`TENSOR_TYPES`, `check_expert_type`); the family's llama.cpp form and the
+    layouts llama.cpp would compute otherwise (`entrenar.io.deepseek_gguf.
+    check_deepseek_gguf`, `entrenar.io.glm4moe_gguf.check_glm4moe_gguf`, and for
+    the `LlamaConfig` families the tying, rotary, biases, sliding windows, NoPE
+    layers, query scale, heads and routing each llama.cpp graph takes, module
+    `entrenar.io.gguf_families`); rows of whole 32-value blocks for a quantized
+    type. The `UserWarning` of a file llama.cpp will not follow exactly is given
+    here too.
+
+    Raises:
+        ConfigError: an unknown type, an expert type the model cannot take, or
+            rows that are not whole blocks of a quantized type.
+        UnsupportedError: a family with no llama.cpp form, or a layout its
+            llama.cpp graph computes otherwise (naming the field).
+    """
+    kind = tensor_type.upper()
+    emb_kind = (embedding_type or tensor_type).upper()
+    for k in (kind, emb_kind):
+        if k not in TENSOR_TYPES:
+            raise ConfigError(f"tensor type {k!r}: expected one of {TENSOR_TYPES}")
+    exp_kind = check_expert_type(config, expert_type, kind)
+    quantized = bool((kind + emb_kind).count("Q"))
+    if isinstance(config, (DeepseekConfig, Glm4MoeConfig)):  # a list of layers
+        if isinstance(config, DeepseekConfig):
+            check_deepseek_gguf(config)
+            gname, rows = DEEPSEEK, row_widths(config)
+        else:
+            check_glm4moe_gguf(config)
+            gname, rows = GLM4MOE, glm4moe_row_widths(config)
+        if quantized and any(w % 32 for w in rows):
+            raise ConfigError(
+                f"{kind} needs rows of whole 32-value blocks; this "
+                f"{config.architecture} config has rows {rows} wide: write F16 or "
+                "F32 instead"
+            )
+        return GGUFTypes(kind, emb_kind, exp_kind, gname)
+    gname = _gguf_name(config)
+    widths = (
+        *(config.hidden_size, config.intermediate_size, config.expert_size),
+        *(config.shared_expert_intermediate_size, config.shared_mlp_intermediate_size),
+    )  # (the shared experts' 0: none)
+    if quantized and any(w % 32 for w in widths):
+        raise ConfigError(
+            f"{kind} needs hidden and intermediate sizes that are multiples of 32; "
+            "write F16 or F32 instead"
+        )
+    return GGUFTypes(kind, emb_kind, exp_kind, gname)
+
+
 def save_llama_gguf(
     path: str | os.PathLike[str],
     config: LlamaConfig,
@@ -701,18 +774,18 @@ def save_llama_gguf(
     Raises:
         ConfigError: an unknown ``tensor_type`` or ``expert_type``, a row length
             that does not split into 32-value blocks for a quantized type, or an
-            ``expert_type`` for a config without experts.
+            ``expert_type`` for a config without experts (`check_llama_gguf`,
+            first).
         FormatError: ``params`` lacks a tensor of ``config``, or ``tokenizer`` has
             more tokens than ``config.vocab_size``.
-        UnsupportedError: a family with no llama.cpp form, or a tokenizer llama.cpp
-            has no form for.
+        UnsupportedError: a family with no llama.cpp form or a layout llama.cpp
+            computes otherwise (`check_llama_gguf`), or a tokenizer llama.cpp has
+            no form for.
     """
-    kind = tensor_type.upper()
-    emb_kind = (embedding_type or tensor_type).upper()
-    for k in (kind, emb_kind):
-        if k not in TENSOR_TYPES:
-            raise ConfigError(f"tensor type {k!r}: expected one of {TENSOR_TYPES}")
-    exp_kind = check_expert_type(config, expert_type, kind)
+    kind, emb_kind, exp_kind, gname = check_llama_gguf(
+        config, tensor_type=tensor_type, embedding_type=embedding_type,
+        expert_type=expert_type,
+    )  # fmt: skip
     if isinstance(config, (DeepseekConfig, Glm4MoeConfig)):  # a list of layers
         src = read_gguf(source) if isinstance(source, (str, os.PathLike)) else source
         tok: dict[str, GGUFField] = {}
@@ -720,16 +793,6 @@ def save_llama_gguf(
             tok = gguf_tokenizer_fields(tokenizer, vocab_size=config.vocab_size)
         _save_unrolled(path, config, params, src, kind, emb_kind, exp_kind, name, tok)
         return
-    gname = _gguf_name(config)
-    widths = (
-        *(config.hidden_size, config.intermediate_size, config.expert_size),
-        *(config.shared_expert_intermediate_size, config.shared_mlp_intermediate_size),
-    )  # (the shared experts' 0: none)
-    if (kind + emb_kind).count("Q") and any(w % 32 for w in widths):
-        raise ConfigError(
-            f"{kind} needs hidden and intermediate sizes that are multiples of 32; "
-            "write F16 or F32 instead"
-        )
     src = read_gguf(source) if isinstance(source, (str, os.PathLike)) else source
     tok_fields = {}
     if tokenizer is not None and (src is None or TOKENS not in src.fields):
@@ -828,6 +891,9 @@ __all__ = [
     "EXPERT_TYPES",
     "FILE_TYPES",
     "TENSOR_TYPES",
+    "GGUFTypes",
+    "check_expert_type",
+    "check_llama_gguf",
     "llama3_divisors",
     "save_llama_gguf",
 ]

@@ -176,9 +176,15 @@ def save_folded_gguf(
 
     Returns:
         The `Retention` of ``tensor_type``, measured before writing.
+
+    Raises:
+        ConfigError, UnsupportedError: what `entrenar.io.check_llama_gguf`
+            refuses, before anything is measured.
     """
     kind = tensor_type.upper()
     experts = expert_type.upper() if expert_type else None
+    # what the writer would refuse, before the retention is measured
+    io.check_llama_gguf(config, tensor_type=kind, expert_type=experts)
     r = fold_retention(params, kind, experts)
     if r.kept < min_kept:
         better = fold_retention(params, "Q8_0" if kind != "Q8_0" else "F16")

@@ -42,6 +42,7 @@ from entrenar.nn.attention import (
 )
 from entrenar.nn.bf16_weight import Bfloat16Weight, TiedEmbedding, to_bfloat16_weights
 from entrenar.nn.generate import (
+    StepLogprobs,
     check_length,
     context_length,
     decode_step,
@@ -111,6 +112,7 @@ __all__ = [
     "KVCache",
     "Llama",
     "LlamaConfig",
+    "StepLogprobs",
     "TiedEmbedding",
     "TokenLogprobs",
     "apply_rope",

@@ -21,7 +21,12 @@ of a batch begins with (a system prompt, the chat template's opening) run once
 The next token is chosen by `entrenar.nn.sampling` (greedy, temperature, top-k,
 top-p, min-p, repetition penalty) inside the jitted step; row ``r`` at step ``s``
 draws with ``fold_in(fold_in(key, s), r)``, so a run is reproducible from its key
-and a row draws the same in any batch at the same index. A row ends at a stop token
+and a row draws the same in any batch at the same index. Asked for them
+(``logprobs=StepLogprobs(top=k)``), the same step also returns each chosen token's
+log-probability under the raw logits and the ``k`` likeliest alternatives
+(`entrenar.nn.sampling.raw_logprobs`), so only ``(B, 1 + 2k)`` numbers reach the
+host per step, never a ``(B, V)`` row; not asked, the step computes none of it.
+A row ends at a stop token
 (kept, then ``pad_token``), at a stop string (with a ``tokenizer``: the decoded text
 of the row contains it), or after ``max_new_tokens``; the loop ends when every row
 has. A request longer than the model's context is refused before any work.
@@ -50,6 +55,7 @@ jitted steps, so runs with either choice keep their own compilations.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Iterator, Sequence
@@ -61,7 +67,16 @@ import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.matvec import check_activations, traced_activations
-from entrenar.nn.sampling import Sampling, Structure, choose, sample_logits, seen_tokens
+from entrenar.nn.sampling import (
+    MAX_TOP,
+    Sampling,
+    Structure,
+    TokenLogprobs,
+    choose,
+    raw_logprobs,
+    sample_logits,
+    seen_tokens,
+)
 from entrenar.types import Params, PRNGKey
 
 PROMPT_BUCKET = 32
@@ -79,6 +94,66 @@ PREFIX_BUCKET = 16
 
 Prompt = jax.Array | np.ndarray | Sequence[Sequence[int]]
 """``(B, T)`` token ids, or a list of token lists of different lengths."""
+
+
+Scores = tuple[jax.Array, jax.Array, jax.Array] | None
+"""A step's `raw_logprobs` of its chosen tokens ``(B,), (B, k), (B, k)``, or None."""
+
+
+@dataclasses.dataclass
+class StepLogprobs:
+    """Where `generate_stream` leaves each step's log-probabilities, when asked.
+
+    ``generate_stream(..., logprobs=StepLogprobs(top=k))``: before each ``(B,)``
+    row is yielded, ``steps`` gains its `TokenLogprobs` of ``B`` entries: each
+    chosen token's log-probability under the raw model (no temperature, filter or
+    penalty: vLLM's default ``raw_logprobs``; ids at or past ``vocab_limit``
+    impossible) and the ``top`` likeliest tokens with theirs (descending, ties to
+    the smaller id). Computed inside the compiled steps (`raw_logprobs`), at
+    ``top = 0`` or `MAX_TOP` there (one compilation for any ``1 <= top <= 20``),
+    cut to ``top`` on the host. A row's entries after it ended are meaningless.
+
+    Attributes:
+        top: the alternatives to keep per token, 0 to `MAX_TOP`.
+        steps: one `TokenLogprobs` of ``B`` entries per step yielded.
+    """
+
+    top: int = 0
+    steps: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Check ``top`` (`ConfigError`)."""
+        if not 0 <= self.top <= MAX_TOP:
+            raise ConfigError(f"logprobs top must be in [0, {MAX_TOP}], got {self.top}")
+
+    @property
+    def computed(self) -> int:
+        """The alternatives the compiled steps compute: 0 or `MAX_TOP`."""
+        return 0 if self.top == 0 else MAX_TOP
+
+    def add(self, scores: Scores) -> None:
+        """Keep one step's scores (host copies, cut to ``top``)."""
+        assert scores is not None
+        own, ids, lp = (np.asarray(x) for x in scores)
+        self.steps.append(TokenLogprobs(own, ids[:, : self.top], lp[:, : self.top]))
+
+    def row(self, r: int, start: int = 0, stop: int | None = None) -> TokenLogprobs:
+        """Row ``r``'s entries of steps ``start:stop`` as one `TokenLogprobs`."""
+        steps = self.steps[start:stop]
+        if not steps:
+            return TokenLogprobs(np.zeros(0, np.float32),
+                                 np.zeros((0, self.top), np.int32),
+                                 np.zeros((0, self.top), np.float32))  # fmt: skip
+        return TokenLogprobs(*(np.stack([field[r] for field in fields])
+                               for fields in zip(*steps)))  # fmt: skip
+
+
+def _scores(logits: jax.Array, chosen: jax.Array, structure: Structure,
+            logprobs: int | None) -> Scores:  # fmt: skip
+    """`raw_logprobs` of ``chosen: (B,)`` under ``logits: (B, V)``, when asked."""
+    if logprobs is None:
+        return None
+    return raw_logprobs(logits, chosen, logprobs, structure[5])
 
 
 def _rows_cache(cache: Any, rows: int, pos: jax.Array) -> Any:
@@ -122,7 +197,7 @@ def _see(seen: jax.Array | None, tokens: jax.Array) -> jax.Array | None:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "structure", "rewind", "decode_activations"),
+    static_argnames=("model", "structure", "rewind", "decode_activations", "logprobs"),
     donate_argnames=("cache",),
 )
 def prefill(
@@ -140,16 +215,18 @@ def prefill(
     rewind: bool,
     decode_activations: str | None = None,
     step: jax.Array | int = 0,
-) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
+    logprobs: int | None = None,
+) -> tuple[jax.Array, Any, jax.Array | None, jax.Array, Scores]:
     """Run the right-padded prompts ``ids: (B, Tb)`` of lengths ``lens: (B,)``.
 
     ``prefix: (P,)``: tokens every row shares, already in ``cache`` (`share_prefix`;
     ``(0,)`` when none): ``ids`` are what follows them. Returns the first new token
     ``(B,)``, the cache (its ``pos`` rewound to ``P + lens`` when ``rewind``: per
     row when ``pos`` is ``(B,)``, else all rows to the first's), the seen-token
-    mask (with a repetition penalty) and ``done``. ``decode_activations``: see the
-    module docstring. ``step``: the decoding step the token is drawn for (key
-    ``fold_in(key, step)``; not 0 when `generate` recomputes a longrope cache).
+    mask (with a repetition penalty), ``done`` and the token's `Scores` (with
+    ``logprobs``, the alternatives to compute; else None). ``decode_activations``:
+    see the module docstring. ``step``: the decoding step the token is drawn for
+    (key ``fold_in(key, step)``; not 0 when `generate` recomputes a longrope cache).
     """
     with traced_activations(decode_activations):
         if _takes_logits_at(model):  # the head on each row's last token only
@@ -169,7 +246,8 @@ def prefill(
                                   last.shape[-1])  # fmt: skip
     k = None if key is None else jax.random.fold_in(key, step)
     nxt = choose(last, seen, k, values, structure)  # (B,)
-    return nxt, cache, _see(seen, nxt), _is_stop(nxt, stops)
+    scores = _scores(last, nxt, structure, logprobs)
+    return nxt, cache, _see(seen, nxt), _is_stop(nxt, stops), scores
 
 
 @functools.partial(jax.jit, static_argnames=("model", "rows", "decode_activations"))
@@ -196,7 +274,7 @@ def share_prefix(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "structure", "decode_activations"),
+    static_argnames=("model", "structure", "decode_activations", "logprobs"),
     donate_argnames=("cache",),
 )
 def decode_step(
@@ -214,16 +292,18 @@ def decode_step(
     *,
     structure: Structure,
     decode_activations: str | None = None,
-) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
+    logprobs: int | None = None,
+) -> tuple[jax.Array, Any, jax.Array | None, jax.Array, Scores]:
     """Feed ``tokens: (B,)``, choose the next ones; rows already ``done`` get ``pad``.
 
-    Returns ``(next (B,), cache, seen, done)`` as `prefill` does.
+    Returns ``(next (B,), cache, seen, done, scores)`` as `prefill` does.
     """
     with traced_activations(decode_activations):
         logits, cache = model.apply_cached(params, tokens[:, None], cache)  # (B,1,V)
     k = None if key is None else jax.random.fold_in(key, step)
     nxt = jnp.where(done, pad, choose(logits[:, -1], seen, k, values, structure))
-    return nxt, cache, _see(seen, nxt), done | _is_stop(nxt, stops)
+    scores = _scores(logits[:, -1], nxt, structure, logprobs)
+    return nxt, cache, _see(seen, nxt), done | _is_stop(nxt, stops), scores
 
 
 def context_length(model: Any) -> int | None:
@@ -382,12 +462,14 @@ def generate_stream(
     pad_token: int = 0,
     max_len: int | None = None,
     decode_activations: str | None = None,
+    logprobs: StepLogprobs | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield the next token of each row, ``(B,)`` int, one step at a time.
 
     Same arguments and rules as `generate` (which collects these steps). The checks
     run when the generator is created, before the first ``next``: a request beyond
-    the model's context raises there.
+    the model's context raises there. ``logprobs``: each step's scores are added to
+    its ``steps`` before the step's row is yielded (`StepLogprobs`).
     """
     if decode_activations is not None:
         check_activations(decode_activations, "decode_activations")
@@ -437,7 +519,7 @@ def generate_stream(
     lens = np.asarray([len(r) for r in rows], np.int32)
     stops = np.asarray(list(stop_tokens), np.int32)
     run = _Run(model, params, key, sampling, stops, pad_token, ragged, max_len,
-               decode_activations)  # fmt: skip
+               decode_activations, logprobs)  # fmt: skip
     if switch is not None and t0 <= switch:
         run.recompute_at = switch + 1 - t0  # the step whose input crosses L
     texts = _Texts(tokenizer, tuple(stop_strings), set(stops.tolist()), len(rows))
@@ -516,9 +598,12 @@ class _Run:
         ragged: bool,
         max_len: int,
         decode_activations: str | None,
+        logprobs: StepLogprobs | None = None,
     ) -> None:
         self.model, self.params, self.key = model, params, key
         self.activations = decode_activations
+        self.logprobs = logprobs
+        self.top = None if logprobs is None else logprobs.computed  # static
         self.structure, self.values = sampling.structure(), sampling.values()
         self.stops, self.pad = jnp.asarray(stops), jnp.int32(pad)
         self.ragged, self.max_len = ragged, max_len
@@ -552,23 +637,28 @@ class _Run:
             )  # fmt: skip
         else:
             cache = self.cache(b)
-        nxt, cache, seen, done = prefill(
+        nxt, cache, seen, done, scores = prefill(
             self.model, self.params, jnp.asarray(ids), jnp.asarray(lens),
             cache, self.key, self.values, self.stops, jnp.asarray(prefix),
             structure=self.structure, rewind=rewind,
-            decode_activations=self.activations,
+            decode_activations=self.activations, logprobs=self.top,
         )  # fmt: skip
         was_done = np.zeros(b, bool)
         fed: list[np.ndarray] = []  # the tokens chosen so far, (B,) a step
         for step in range(max_new):
             if step and step == self.recompute_at:
-                nxt, cache, seen, done = self.recompute(prefix, ids, lens, fed, done)
+                nxt, cache, seen, done, scores = self.recompute(
+                    prefix, ids, lens, fed, done
+                )
             elif step:
-                nxt, cache, seen, done = decode_step(
+                nxt, cache, seen, done, scores = decode_step(
                     self.model, self.params, nxt, cache, seen, done, self.key,
                     jnp.int32(step), self.values, self.stops, self.pad,
                     structure=self.structure, decode_activations=self.activations,
+                    logprobs=self.top,
                 )  # fmt: skip
+            if self.logprobs is not None:
+                self.logprobs.add(scores)
             row = np.where(was_done, int(self.pad), np.asarray(nxt))  # (B,)
             fed.append(np.asarray(nxt))
             by_text = texts.stopped(row, ~was_done)
@@ -586,7 +676,7 @@ class _Run:
         lens: np.ndarray,
         fed: list[np.ndarray],
         done: jax.Array,
-    ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
+    ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array, Scores]:
         """Step ``len(fed)`` by a fresh `prefill` of every row's tokens so far.
 
         When a longrope sequence crosses `long_rope_switch`'s ``L``, the keys
@@ -603,14 +693,14 @@ class _Run:
         full = np.zeros((len(rows), tb), np.int32)  # (B, Tb) right-padded
         for i, r in enumerate(rows):
             full[i, : len(r)] = r
-        nxt, cache, seen, stop = prefill(
+        nxt, cache, seen, stop, scores = prefill(
             self.model, self.params, jnp.asarray(full), jnp.asarray(n),
             self.cache(len(rows)), self.key, self.values, self.stops,
             jnp.zeros((0,), jnp.int32), structure=self.structure,
             rewind=self.ragged or tb != int(n.max()),
-            decode_activations=self.activations, step=step,
+            decode_activations=self.activations, step=step, logprobs=self.top,
         )  # fmt: skip
-        return jnp.where(done, self.pad, nxt), cache, seen, done | stop
+        return jnp.where(done, self.pad, nxt), cache, seen, done | stop, scores
 
 
 def generate(
@@ -632,6 +722,7 @@ def generate(
     pad_token: int = 0,
     max_len: int | None = None,
     decode_activations: str | None = None,
+    logprobs: StepLogprobs | None = None,
 ) -> jax.Array:
     """Continue each prompt; return the new tokens ``(B, N)``, ``N <= max_new_tokens``.
 
@@ -667,6 +758,9 @@ def generate(
             does (faster; a near tie of two logits can go the other way);
             ``"float32"``: by ``x`` as is; None: the process setting
             (`entrenar.nn.matvec.set_activations`).
+        logprobs: a `StepLogprobs` to receive each step's raw log-probabilities
+            of the chosen tokens and their ``top`` alternatives; None: none are
+            computed.
 
     Raises:
         ShapeError: ``T0 + max_new_tokens`` exceeds the model's `context_length`
@@ -680,7 +774,7 @@ def generate(
         repetition_penalty=repetition_penalty, vocab_limit=vocab_limit,
         stop_tokens=stop_tokens,
         stop_strings=stop_strings, tokenizer=tokenizer, pad_token=pad_token,
-        max_len=max_len, decode_activations=decode_activations,
+        max_len=max_len, decode_activations=decode_activations, logprobs=logprobs,
     )  # fmt: skip
     out = list(steps)
     if not out:
@@ -694,6 +788,8 @@ __all__ = [
     "PROMPT_BUCKET",
     "Prompt",
     "Sampling",
+    "Scores",
+    "StepLogprobs",
     "check_length",
     "context_length",
     "decode_step",

@@ -5,22 +5,44 @@ scores whose softmax is the sampling distribution, in Hugging Face's order and w
 its formulas (`RepetitionPenaltyLogitsProcessor`, then `TemperatureLogitsWarper`,
 `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`); `choose` draws one
 token per row inside ``jit`` (row ``r`` with key ``fold_in(key, r)``), or takes the
-argmax when greedy. Everything is array code over the whole vocabulary: no Python
-loop per token. The exact math is in ``specs/models.md`` (Generation).
+argmax when greedy. `raw_logprobs` reports the chosen tokens' log-probabilities
+under the raw logits (before any of those steps), and the most likely alternatives:
+what `entrenar.nn.token_logprobs` and a decoding step asked for them return.
+Everything is array code over the whole vocabulary: no Python loop per token. The
+exact math is in ``specs/models.md`` (Generation).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entrenar.errors import ConfigError
 from entrenar.types import PRNGKey
 
 Structure = tuple[bool, int | None, bool, bool, bool, int | None]
 """`Sampling.structure`: greedy, top_k, top_p?, min_p?, penalized, vocab_limit."""
+
+MAX_TOP = 20
+"""The most alternatives per token (OpenAI's ``top_logprobs`` limit)."""
+
+
+class TokenLogprobs(NamedTuple):
+    """Scores of ``N`` tokens, each given the tokens before it (`raw_logprobs`).
+
+    Attributes:
+        logprobs: ``(N,)`` float32, ``log p(x_t | x_<t)`` for each scored token.
+        top_ids: ``(N, top)`` int32, the most likely tokens at that position.
+        top_logprobs: ``(N, top)`` float32, their log-probabilities (descending).
+    """
+
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +197,42 @@ def sample_logits(
     return choose(logits, seen, key, s.values(), s.structure())
 
 
+def raw_logprobs(
+    logits: jax.Array,
+    tokens: jax.Array,
+    top: int,
+    vocab_limit: int | jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of ``tokens: (N,)`` under ``logits: (N, V)``, and the best.
+
+    With ``z`` the logits in float32, ids at or past ``vocab_limit`` set to
+    ``-inf`` (rows of a padded embedding)::
+
+        lp = z - logsumexp(z)        own[n] = lp[n, tokens[n]]
+
+    and the ``top`` largest ``lp[n]`` with their ids (`jax.lax.top_k`: descending,
+    ties to the smaller id; all ``V`` when ``top > V``). The raw model's
+    probabilities: no temperature, filter or penalty (vLLM's default
+    ``raw_logprobs``). Returns ``own (N,)``, ``top_ids (N, top)`` int32 and
+    ``top_lp (N, top)``; ``top`` is static.
+
+    >>> own, ids, lp = raw_logprobs(jnp.log(jnp.array([[0.5, 0.25, 0.25]])),
+    ...                             jnp.array([2]), top=2)
+    >>> own.tolist(), ids.tolist(), lp.tolist()
+    ([-1.3862943649291992], [[0, 1]], [[-0.6931471824645996, -1.3862943649291992]])
+    """
+    z = logits.astype(jnp.float32)  # (N, V)
+    if vocab_limit is not None:
+        z = jnp.where(jnp.arange(z.shape[-1]) < vocab_limit, z, -jnp.inf)
+    lp = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)  # (N, V)
+    own = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]  # (N,)
+    if top == 0:
+        n = z.shape[0]
+        return own, jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), jnp.float32)
+    top_lp, top_ids = jax.lax.top_k(lp, min(top, z.shape[-1]))  # (N, top)
+    return own, top_ids.astype(jnp.int32), top_lp
+
+
 def seen_tokens(ids: jax.Array, valid: jax.Array, vocab: int) -> jax.Array:
     """``(B, V)`` bool: which tokens occur among ``ids: (B, T)`` where ``valid``."""
     b = ids.shape[0]
@@ -183,4 +241,13 @@ def seen_tokens(ids: jax.Array, valid: jax.Array, vocab: int) -> jax.Array:
     return seen.at[rows, jnp.clip(ids, 0, vocab - 1)].max(valid)
 
 
-__all__ = ["Sampling", "choose", "process_logits", "sample_logits", "seen_tokens"]
+__all__ = [
+    "MAX_TOP",
+    "Sampling",
+    "TokenLogprobs",
+    "choose",
+    "process_logits",
+    "raw_logprobs",
+    "sample_logits",
+    "seen_tokens",
+]

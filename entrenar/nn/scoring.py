@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,27 +36,11 @@ import numpy as np
 from entrenar.errors import ConfigError, ShapeError
 from entrenar.nn.generate import _round_up, dynamic_rope_start, long_rope_switch
 from entrenar.nn.matvec import check_activations, traced_activations
+from entrenar.nn.sampling import MAX_TOP, TokenLogprobs, raw_logprobs
 from entrenar.types import Params
 
 BUCKET = 64
 """Sequences and scored positions are padded to multiples of this many tokens."""
-
-MAX_TOP = 20
-"""The most alternatives per position (OpenAI's ``top_logprobs`` limit)."""
-
-
-class TokenLogprobs(NamedTuple):
-    """Scores of tokens ``start .. T-1`` of a sequence (module docstring).
-
-    Attributes:
-        logprobs: ``(N,)`` float32, ``log p(x_t | x_<t)`` for each scored token.
-        top_ids: ``(N, top)`` int32, the most likely tokens at that position.
-        top_logprobs: ``(N, top)`` float32, their log-probabilities (descending).
-    """
-
-    logprobs: np.ndarray
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
 
 
 @functools.partial(
@@ -90,17 +74,12 @@ def _score(
 
     def one(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         hc, yc = xs  # (chunk, D), (chunk,)
-        z = head(hc).astype(jnp.float32)  # (chunk, V)
-        z = jnp.where(jnp.arange(z.shape[-1]) < vocab_limit, z, -jnp.inf)
-        lp = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
-        own = jnp.take_along_axis(lp, yc[:, None], axis=-1)[:, 0]  # (chunk,)
-        top_lp, top_ids = jax.lax.top_k(lp, max(top, 1))  # (chunk, top)
-        return own, top_ids.astype(jnp.int32), top_lp
+        return raw_logprobs(head(hc), yc, top, vocab_limit)  # (chunk,), (chunk, top)
 
     n = at.shape[0]
     chunks = (h.reshape(n // chunk, chunk, -1), targets.reshape(n // chunk, chunk))
     own, top_ids, top_lp = jax.lax.map(one, chunks)
-    return own.reshape(n), top_ids.reshape(n, -1), top_lp.reshape(n, -1)
+    return own.reshape(n), top_ids.reshape(n, top), top_lp.reshape(n, top)
 
 
 def token_logprobs(

@@ -23,7 +23,7 @@ from entrenar.errors import (
 from entrenar.io.atomic import remove_temporaries
 from entrenar.io.gguf_tokenizer import gguf_tokenizer_fields
 from entrenar.io.hf_mxfp4 import check_hf_expert_type
-from entrenar.io.llama_gguf_write import check_expert_type
+from entrenar.io.llama_gguf_write import check_expert_type, check_llama_gguf
 from entrenar.io.lock import OutputLock
 from entrenar.lora.adapter_io import check_saveable
 from entrenar.runs.models import BuiltModel, dicts_from_lists, save_built
@@ -150,22 +150,49 @@ def check_adapter_export(spec: Any, built: BuiltModel, params: Params) -> None:
 
 
 def check_gguf_export(spec: Any, built: BuiltModel) -> None:
-    """Refuse, before training, an ``export.gguf_expert_type`` the model cannot take.
+    """Refuse, before training, a GGUF the run would fail to write after it.
 
-    `entrenar.io.llama_gguf_write.check_expert_type`: a model without experts, or
-    experts whose rows are not whole 32-value blocks for MXFP4 or a Q type, would
+    `entrenar.io.check_llama_gguf`, which the writer itself runs first, on the
+    config alone: ``export.formats: [gguf]`` in ``export.gguf_type`` and
+    ``export.gguf_expert_type``, and ``quantization`` in a GGML scheme (a
+    ``model-<scheme>.gguf``). A family llama.cpp has no form for, a layout its
+    graph would compute otherwise (EXAONE 4's sliding layers, GLM-4.5's rotary
+    scaling, Ministral 3's query scale period, ...), rows that are not whole
+    blocks of a quantized type, or an expert type the model cannot take would
     train to the end and then fail to export.
 
     Raises:
-        ConfigError: naming ``export.gguf_expert_type`` and what to change.
+        ConfigError: naming the key (``export.gguf_expert_type``,
+            ``export.formats``, ``quantization.scheme``), with the writer's
+            message.
     """
     ex = spec.export
-    if "gguf" not in ex.formats or ex.gguf_expert_type is None:
+    if "gguf" in ex.formats:
+        if ex.gguf_expert_type is not None:
+            try:
+                check_expert_type(built.config, ex.gguf_expert_type, ex.gguf_type)
+            except (ConfigError, UnsupportedError) as e:
+                raise ConfigError(f"export.gguf_expert_type: {e}") from None
+        try:
+            check_llama_gguf(
+                built.config, tensor_type=ex.gguf_type, expert_type=ex.gguf_expert_type
+            )
+        except (ConfigError, UnsupportedError) as e:
+            raise ConfigError(
+                f"export.formats: 'gguf' would fail after training: {e}"
+            ) from None
+    q = spec.quantization
+    if q is None or not q.enabled:
         return
-    try:
-        check_expert_type(built.config, ex.gguf_expert_type, ex.gguf_type)
-    except (ConfigError, UnsupportedError) as e:
-        raise ConfigError(f"export.gguf_expert_type: {e}") from None
+    scheme = q.resolved_scheme
+    if built.is_decoder and scheme in GGML_SCHEMES:  # `write_quantized`'s .gguf
+        try:
+            check_llama_gguf(built.config, tensor_type=scheme)
+        except (ConfigError, UnsupportedError) as e:
+            raise ConfigError(
+                f"quantization.scheme: {scheme} writes a llama.cpp GGUF, which "
+                f"would fail after training: {e}"
+            ) from None
 
 
 def check_hf_export(spec: Any, built: BuiltModel) -> None:

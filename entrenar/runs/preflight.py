@@ -6,10 +6,12 @@ It runs what `train_from_yaml` runs, without the weights and without training:
 1. the model from its header alone (`build_model` with ``header_only``): a GGUF's
    magic, version, metadata and tensor table, never its tensors; the tokenizer; the
    rules that depend on the architecture and on the precision settings;
-2. ``training.max_memory``: the predicted peak memory of the run
+2. the exports the config asks for that need no weights: a GGUF the writer would
+   refuse for this config (`entrenar.runs.export.check_gguf_export`);
+3. ``training.max_memory``: the predicted peak memory of the run
    (`entrenar.runs.memory_plan`), over the budget a `ConfigError` with its parts;
-3. tabular data: `build_data` itself (every row read and converted);
-4. text data: every row of every file parsed (`entrenar.data.load_records`) and the
+4. tabular data: `build_data` itself (every row read and converted);
+5. text data: every row of every file parsed (`entrenar.data.load_records`) and the
    fields its format reads checked (`entrenar.data.record_fields`); an evenly
    spaced sample of rows (every row, up to ``sample``) tokenized and laid out by the
    loader training builds (`text_loader`), its counts scaled to the whole file.
@@ -41,6 +43,7 @@ from entrenar.runs.build import (
     text_loader,
     total_steps,
 )
+from entrenar.runs.export import check_gguf_export, check_hf_export
 from entrenar.runs.memory_plan import MemoryPlan, check_memory, gb
 from entrenar.runs.models import BuiltModel, build_model, read_header
 from entrenar.tree import tree_size
@@ -229,6 +232,8 @@ def preflight(spec: TrainSpec, *, sample: int = SAMPLE_ROWS) -> dict[str, Any]:
     d = spec.data
     built = build_model(spec.model, key=jax.random.key(0), header_only=True)
     spec.check_architecture(built.architecture)
+    check_gguf_export(spec, built)  # the GGUF written after training
+    check_hf_export(spec, built)  # and the Hugging Face folder
     trainable = _check_lora(spec, built)
     report: dict[str, Any] = {"model": _model_facts(built), "data": {}}
     if trainable is not None:

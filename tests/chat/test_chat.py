@@ -115,6 +115,42 @@ def test_stream_yields_whole_characters_and_joins_to_the_reply():
     assert "".join(pieces) == CHAT("Hi")
 
 
+def test_logprobs_are_the_decodings_and_stream_as_they_come():
+    """``logprobs=k``: the raw log-softmax of each step's logits, stream or whole."""
+    reply = CHAT.reply("Hi", logprobs=2)
+    prev = [ord("\n"), *reply.token_ids[:-1]]  # the token before each one
+    z = np.asarray(CHAT.params, np.float64)[prev]  # (N, V) the table's rows
+    want = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    n = np.arange(len(prev))
+    np.testing.assert_allclose(reply.logprobs.logprobs, want[n, list(reply.token_ids)],
+                               atol=1e-5)  # fmt: skip
+    np.testing.assert_array_equal(reply.logprobs.top_ids[:, 0], reply.token_ids)
+    stream = CHAT.stream_reply("Hi", logprobs=2)
+    for _ in stream:  # each piece's tokens are scored when it comes
+        got = stream.logprobs(0, len(stream.ids))
+        np.testing.assert_array_equal(got.logprobs, reply.logprobs.logprobs[n < len(
+            stream.ids)])  # fmt: skip
+    assert stream.reply == reply
+    np.testing.assert_array_equal(stream.reply.logprobs.top_ids, reply.logprobs.top_ids)
+    both = CHAT.replies(["Hi", "Yo"], logprobs=0)  # one length: TableLM has no pos
+    assert both[0] == reply and both[0].logprobs.top_ids.shape == (len(prev), 0)
+    np.testing.assert_array_equal(both[0].logprobs.logprobs, reply.logprobs.logprobs)
+    assert len(both[1].logprobs.logprobs) == len(both[1].token_ids)
+    assert CHAT.reply("Hi").logprobs is None
+    with pytest.raises(ConfigError, match="logprobs"):
+        CHAT.stream_reply("Hi").logprobs(0, 1)
+
+
+def test_a_batched_reply_cut_by_a_stop_string_ends_at_its_token():
+    """Rows go on after one stops at a stop string: its reply keeps no padding."""
+    prompts = ["a\n", "zz"]  # row 0 says "OK" and stops at "K"; row 1 goes on
+    both = CHAT.replies(prompts, chat=False, stop=["K"], max_new_tokens=8, logprobs=1)
+    for prompt, got in zip(prompts, both):
+        alone = CHAT.reply(prompt, chat=False, stop=["K"], max_new_tokens=8)
+        assert got == alone and len(got.logprobs.logprobs) == len(got.token_ids)
+    assert both[0].token_ids == (ord("O"), ord("K"))
+
+
 @pytest.mark.parametrize("style", ["mistral", "gemma"])
 def test_byte_fallback_tokens_stream_as_the_full_decode(style, tmp_path):
     """A stream of <0xNN> tokens joins to their full decode.

@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 
 from entrenar import io, lora, nn
 from entrenar.chat import ChatModel
-from entrenar.chat.server import DEFAULT_MAX_TOKENS_LIMIT, make_server
+from entrenar.chat.openai_request import parse_request
+from entrenar.chat.openai_response import ChoiceStream
+from entrenar.chat.server import DEFAULT_MAX_TOKENS_LIMIT, Server, make_server
 from entrenar.cli import cli
 from entrenar.errors import ConfigError
 from entrenar.runs.inference import generate_text, load_chat
@@ -903,16 +905,21 @@ def test_streamed_chat_logprobs_of_a_reply_ending_its_turn(table):
     assert len(out["choices"][0]["logprobs"]["content"]) == 4  # O, K, é's 2 bytes
 
 
+@pytest.mark.parametrize("logprobs", [False, True], ids=["", "logprobs"])
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-def test_streamed_n_choices_join_to_the_whole_replys(smol, route):
+def test_streamed_n_choices_join_to_the_whole_replys(smol, route, logprobs):
     """``n`` > 1 and a batch of prompts: each choice's chunks under its index."""
     _, url, _ = smol
     body = {"max_tokens": 5, "temperature": 1.0, "seed": 7, "n": 3}
     if route == "/v1/completions":
         body["prompt"] = ["Once upon a", "The capital of"]
+        body |= {"logprobs": 2} if logprobs else {}
     else:
         body["messages"] = MESSAGES
+        body |= {"logprobs": True, "top_logprobs": 2} if logprobs else {}
     out, events = stream_equals_whole(url + route, body)
+    if logprobs:
+        assert all(c["logprobs"] is not None for c in out["choices"])
     indexes = [e["choices"][0]["index"] for e in events[:-2]]
     assert indexes == sorted(indexes)  # one choice after another
     assert set(indexes) == set(range(len(out["choices"])))
@@ -930,3 +937,58 @@ def test_streamed_stop_strings_and_logprobs(smol):
             "logprobs": True}  # fmt: skip
     out, _ = stream_equals_whole(url + "/v1/chat/completions", body)
     assert out["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_streamed_logprobs_come_with_their_tokens(smol, chat):
+    """Each text chunk carries its tokens' entries while the decoding goes on.
+
+    The entries sent are those of every token generated so far (a choice's
+    entries are not computed after it ends), in OpenAI's shape, and equal the
+    float64 log-softmax of the model's logits.
+    """
+    cm, _, _ = smol
+    app = Server(cm, "tiny", max_tokens_limit=LIMIT)
+    body = {"max_tokens": 10, "temperature": 0.9, "seed": 3}
+    if chat:
+        body |= {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2}
+    else:
+        body |= {"prompt": "Once upon a", "logprobs": 2}
+    request = parse_request(body, chat=chat)
+    (prompt,) = request.prompts
+    items = []
+
+    def pieces():
+        for item in app.generate(request, prompt):
+            items.append(item)
+            yield item
+
+    sent, live = [], 0
+    for entry in ChoiceStream(app, request, prompt, 0, pieces()):
+        lp = entry["logprobs"]
+        if lp is None:
+            continue
+        if chat:
+            assert set(lp) == {"content", "refusal"} and lp["refusal"] is None
+            assert {k for c in lp["content"] for k in c} == {
+                "token", "logprob", "bytes", "top_logprobs"}  # fmt: skip
+            assert all(len(c["top_logprobs"]) == 2 for c in lp["content"])
+            sent += [c["logprob"] for c in lp["content"]]
+        else:
+            assert set(lp) == {"tokens", "token_logprobs", "top_logprobs",
+                               "text_offset"}  # fmt: skip
+            assert len({len(v) for v in lp.values()}) == 1
+            sent += lp["token_logprobs"]
+        if entry["finish_reason"] is None and isinstance(items[-1], tuple):
+            stream = items[-1][1]  # a piece's chunk: its generation goes on
+            assert stream.reply is None
+            assert len(sent) == len(stream.ids)  # every token so far, no more
+            live += 1
+    reply = items[-1]
+    assert live >= 2, "the entries came at the end, not with their tokens"
+    gen = list(reply.token_ids)
+    if chat and reply.finish_reason == "stop":
+        gen = gen[:-1]
+    ids = cm.encode(prompt, chat=chat) + gen
+    np.testing.assert_allclose(sent, _reference(cm, ids, len(ids) - len(gen)),
+                               atol=1e-4)  # fmt: skip
