@@ -3,7 +3,8 @@
 Each case is a config that passes validation but that `entrenar.io.save_llama_gguf`
 refuses (`entrenar.io.check_llama_gguf`, which the writer runs first): EXAONE 4's
 sliding layers at a layer count where llama.cpp attends fully, GLM-4.5 with rotary
-scaling, Ministral 3 with a sliding window, DeepSeek's experts in MXFP4, and a
+scaling, Ministral 3 with a sliding window, DeepSeek's experts in MXFP4 at rows
+that are not whole blocks, and a
 quantized GGUF copy whose rows are not whole blocks. A YAML run asking for that
 export fails before its first step (no checkpoint, no metrics), `entrenar
 validate`'s preflight with it, and the writer still refuses the same inputs with
@@ -48,11 +49,11 @@ CASES = {
         {"export": {"formats": ["gguf"], "gguf_type": "F32"}},
         "export.formats: 'gguf'", "has no sliding window",
     ),
-    "deepseek_mxfp4_experts": (
+    "deepseek_mxfp4_experts_12_wide": (  # (MXFP4 needs rows of 32-value blocks)
         "deepseek_v3", {},
         {"export": {"formats": ["gguf"], "gguf_type": "F16",
                     "gguf_expert_type": "MXFP4"}},
-        "export.gguf_expert_type", "experts in tensor_type only",
+        "export.gguf_expert_type", "experts' rows of whole 32-value blocks",
     ),
     "deepseek_q8_0_copy": (
         "deepseek_v3", {}, {"quantization": {"scheme": "q8_0"}},
