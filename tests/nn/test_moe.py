@@ -63,25 +63,40 @@ def _dense_reference(p, x, k, normalize):
     return out
 
 
-def _params(key, d, e, i, shared=0, dtype=jnp.float32):
-    ks = jax.random.split(key, 8)
-    n = lambda k, s, sd=0.3: (sd * jax.random.normal(k, s)).astype(dtype)  # noqa: E731
+def _params(seed, d, e, i, shared=0, dtype=jnp.float32):
+    """Router, expert stacks and (``shared`` > 0) a gated shared expert, from numpy.
+
+    Drawn with numpy, not ``jax.random``: each eager ``jax.random.normal`` of a new
+    shape compiles its own small programs (about ten per call of this function), and
+    most examples here have new shapes.
+    """
+    rng = np.random.default_rng(seed)
+
+    def n(s, sd=0.3):
+        return jnp.asarray((sd * rng.normal(size=s)).astype(dtype))
+
     p = {
-        "gate": {"weight": n(ks[0], (e, d), 1.0)},
+        "gate": {"weight": n((e, d), 1.0)},
         "experts": {
-            "gate_proj": {"weight": n(ks[1], (e, i, d))},
-            "up_proj": {"weight": n(ks[2], (e, i, d))},
-            "down_proj": {"weight": n(ks[3], (e, d, i))},
+            "gate_proj": {"weight": n((e, i, d))},
+            "up_proj": {"weight": n((e, i, d))},
+            "down_proj": {"weight": n((e, d, i))},
         },
     }
     if shared:
         p["shared_expert"] = {
-            "gate_proj": {"weight": n(ks[4], (shared, d))},
-            "up_proj": {"weight": n(ks[5], (shared, d))},
-            "down_proj": {"weight": n(ks[6], (d, shared))},
+            "gate_proj": {"weight": n((shared, d))},
+            "up_proj": {"weight": n((shared, d))},
+            "down_proj": {"weight": n((d, shared))},
         }
-        p["shared_expert_gate"] = {"weight": n(ks[7], (1, d))}
+        p["shared_expert_gate"] = {"weight": n((1, d))}
     return p
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+    """Standard normal inputs from numpy (no compilation: see `_params`)."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=shape).astype(dtype))
 
 
 # one program per example: run op by op, each example's new shapes compiled (or read
@@ -102,9 +117,8 @@ _sparse_moe = jax.jit(moe.sparse_moe, static_argnums=(2, 3), static_argnames="im
 def test_sparse_moe_equals_the_dense_formula(e, data, normalize, shared, n, seed, impl):
     k = data.draw(st.integers(1, e))
     d, i = 6, 4
-    key = jax.random.key(seed)
-    p = _params(key, d, e, i, shared)
-    x = jax.random.normal(jax.random.fold_in(key, 99), (n, d))
+    p = _params(seed, d, e, i, shared)
+    x = _normal(seed + 2**17, (n, d))
     y, logits = _sparse_moe(p, x, k, normalize, impl=impl)
     want = _dense_reference(p, x, k, normalize)
     np.testing.assert_allclose(np.asarray(y), want, atol=2e-5, rtol=1e-4)
@@ -126,11 +140,11 @@ def test_route_matches_softmax_top_k():
 
 
 def test_batched_input_keeps_its_shape():
-    p = _params(jax.random.key(0), 6, 4, 3)
-    x = jax.random.normal(jax.random.key(1), (2, 3, 6))
-    y, logits = moe.sparse_moe(p, x, 2, True)
+    p = _params(0, 6, 4, 3)
+    x = _normal(1, (2, 3, 6))
+    y, logits = _sparse_moe(p, x, 2, True)
     assert y.shape == (2, 3, 6) and logits.shape == (6, 4)
-    flat, _ = moe.sparse_moe(p, x.reshape(6, 6), 2, True)
+    flat, _ = _sparse_moe(p, x.reshape(6, 6), 2, True)
     np.testing.assert_allclose(np.asarray(y).reshape(6, 6), np.asarray(flat))
 
 
@@ -178,8 +192,8 @@ def test_tiled_grouped_matmul_equals_its_formula(x64, sizes, c, seed):
 @pytest.mark.parametrize("normalize,shared", [(True, 0), (False, 3)])
 def test_gradients_equal_finite_differences(x64, normalize, shared, impl):
     """float64 central differences through router, experts and the shared expert."""
-    p = _params(jax.random.key(2), 5, 4, 3, shared, dtype=jnp.float64)
-    x = jax.random.normal(jax.random.key(3), (6, 5), jnp.float64)
+    p = _params(2, 5, 4, 3, shared, dtype=jnp.float64)
+    x = _normal(3, (6, 5), jnp.float64)
 
     def f(p, x):
         y, _ = moe.sparse_moe(p, x, 2, normalize, impl=impl)
@@ -194,8 +208,8 @@ def test_gradients_equal_finite_differences(x64, normalize, shared, impl):
 @pytest.mark.parametrize("impl", moe.GROUPED_IMPLS)
 def test_gradients_equal_the_dense_formula(x64, impl):
     """jax.grad of the sparse path against jax.grad of the dense formula."""
-    p = _params(jax.random.key(4), 5, 6, 3, 4, dtype=jnp.float64)
-    x = jax.random.normal(jax.random.key(5), (8, 5), jnp.float64)
+    p = _params(4, 5, 6, 3, 4, dtype=jnp.float64)
+    x = _normal(5, (8, 5), jnp.float64)
 
     def dense(p, x):  # every expert on every token, combined by the top-k matrix
         logits = x @ p["gate"]["weight"].T  # (N, E)
@@ -227,7 +241,7 @@ def test_gradients_equal_the_dense_formula(x64, impl):
 
 def _intermediate_sizes(e, n=16, k=2, d=8, i=12):
     """Sizes of the jaxpr's values that are neither weights nor router-shaped."""
-    p = _params(jax.random.key(0), d, e, i)
+    p = _params(0, d, e, i)
     x = jnp.ones((n, d))
 
     def loss(p, x):
@@ -291,7 +305,7 @@ def test_lora_on_nf4_experts_is_made_dense_one_expert_at_a_time():
     """
     from entrenar import lora, quant
 
-    p = _params(jax.random.key(6), 64, 5, 64)
+    p = _params(6, 64, 5, 64)
     p["experts"] = quant.quantize_params(p["experts"], "nf4", double_quant=True)
     cfg = lora.LoRAConfig(rank=2, targets=("gate_proj", "up_proj", "down_proj"))
     lp = lora.apply({"m": p}, cfg, key=jax.random.key(7))["m"]
@@ -300,7 +314,7 @@ def test_lora_on_nf4_experts_is_made_dense_one_expert_at_a_time():
         lp, is_leaf=lambda x: isinstance(x, jax.Array),
     )  # fmt: skip
     trainable, frozen = lora.split(bump)
-    x = jax.random.normal(jax.random.key(8), (11, 64))
+    x = _normal(8, (11, 64))
 
     def loss(t, impl):
         y, _ = moe.sparse_moe(lora.combine(t, frozen), x, 2, True, impl=impl)
