@@ -60,6 +60,7 @@ from entrenar.nn.layers import (
     relu2,
     rms_norm,
     silu,
+    token_chunked,
     upcast_dtype,
 )
 from entrenar.nn.linear import check_matmul_dtype, linear
@@ -1058,11 +1059,14 @@ class LlamaConfig:
         """``(MLP(x), router logits (N, E) or None)``.
 
         A sparse mixture of gated experts (`entrenar.nn.moe`) when
-        ``num_experts``, else `_mlp`. ``jitter``: the layer's key data ``(2,)``
-        for `entrenar.nn.moe.router_jitter` (training), or None.
+        ``num_experts``, else `_mlp` over chunks of tokens when ``tokens x I`` is
+        large (`entrenar.nn.layers.token_chunked`: the backward pass's float32
+        ``(tokens, I)`` temporaries bounded to a chunk). ``jitter``: the layer's
+        key data ``(2,)`` for `entrenar.nn.moe.router_jitter` (training), or None.
         """
         if not self.num_experts:
-            return self._mlp(mp, x), None
+            mlp = functools.partial(self._mlp, mp)
+            return token_chunked(mlp, x, self.intermediate_size), None
         if jitter is not None:  # Mixtral: router and experts read the jittered x
             key = jax.random.wrap_key_data(jitter)
             x = router_jitter(x, self.router_jitter_noise, key)
