@@ -139,6 +139,12 @@ class LlamaConfig:
             CPUs with AMX (Intel Sapphire Rapids and later) XLA:CPU runs these
             dots several times faster than float32; elsewhere the results are the
             same, only not faster.
+        tied_head_copy: with ``matmul_dtype`` and ``tie_word_embeddings``, a
+            training step keeps the tied head as a transposed bfloat16 copy
+            ``(D, V)`` of the table (`entrenar.nn.TiedEmbedding`; XLA:CPU's head
+            input gradient is faster from it); False: a bfloat16 table is the
+            head itself, read ``(V, D)``, and no copy is held (Gemma-3-27B:
+            2.82 GB; the step slower, benchmarks/results/big_shapes.md).
         architecture: the registry name of the family (``"llama"``, ``"qwen2"``,
             ...); `to_hf_config` writes that family's ``config.json``.
         hf_wrapper: the vision-language ``model_type`` (``"gemma3"``,
@@ -312,6 +318,7 @@ class LlamaConfig:
     remat: bool = False
     matmul_dtype: str | None = None
     remat_policy: str | None = None
+    tied_head_copy: bool = True
     architecture: str = "llama"
     hf_wrapper: str | None = None
     rope_type: str = "default"
