@@ -19,9 +19,10 @@ Llama-3-8B bfloat16 LoRA (not quantized) on every linear layer; TinyLlama-1.1B
 full fine-tuning in float32 with AdamW and with ``adamw_8bit``; the models people
 QLoRA on one 24 GB GPU (``<model>-qlora-all``: Qwen2.5-14B, Qwen3-14B,
 Mistral-Small-24B, Gemma-3-27B's text model, Qwen2.5-32B, Qwen3-32B), NF4 bases with
-``quantize_untargeted``, rank 16 on every linear layer. Batch 1 x 2048 (``--seqs``
-adds lengths planned whole; measured runs 1 x 512), ``nothing_saveable``, bfloat16
-matmuls, AdamW unless named.
+``quantize_untargeted``, rank 16 on every linear layer; Gemma-3-27B again with
+``model.tied_head_copy: false`` (no transposed copy of the tied head). Batch 1 x 2048
+(``--seqs`` adds lengths planned whole; measured runs 1 x 512), ``nothing_saveable``,
+bfloat16 matmuls, AdamW unless named.
 
 Usage: ``python benchmarks/big_shapes_memory.py [--cases ...] [--measure]
 [--layers 4] [--seqs 2048,512] [--out /tmp/entrenar-big-shapes]``.
@@ -138,6 +139,13 @@ CASES: dict[str, dict[str, Any]] = {
             ("qwen3-32b", QWEN3_32B),
         ]
     },
+    "gemma3-27b-qlora-all-no-head-copy": dict(
+        shape=GEMMA3_27B,
+        targets="all-linear",
+        quantize="nf4",
+        untargeted=True,
+        model={"tied_head_copy": False},
+    ),
     "tinyllama-1.1b-f32-full-adamw": dict(shape=TINYLLAMA_1B, dtype="float32"),
     "tinyllama-1.1b-f32-full-adamw_8bit": dict(
         shape=TINYLLAMA_1B, dtype="float32", optimizer="adamw_8bit"
@@ -188,7 +196,8 @@ def write_yaml(case: str, folder: str, seq: int, out: str) -> str:
     c = CASES[case]
     doc = {
         "model": {"path": folder, "dtype": c.get("dtype", "bfloat16"),
-                  "matmul_dtype": "bfloat16", "remat_policy": "nothing_saveable"},
+                  "matmul_dtype": "bfloat16", "remat_policy": "nothing_saveable",
+                  **c.get("model", {})},
         "data": {"train": os.path.join(HERE, "..", "examples", "data", "iso_dates",
                                        "train.jsonl"),
                  "format": "chat", "batch_size": 1, "seq_len": seq},

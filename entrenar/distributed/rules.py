@@ -272,7 +272,7 @@ def _tied_specs(
     return dataclasses.replace(
         x,
         table=_node_specs(name, x.table, mesh, rules, undivided),
-        head_t=PartitionSpec(*head),
+        head_t=None if x.head_t is None else PartitionSpec(*head),
     )
 
 

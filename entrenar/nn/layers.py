@@ -8,6 +8,7 @@ embedding tables are plain arrays.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -197,6 +198,58 @@ def gated_mlp(
     return linear(g * u, w_down, bd, matmul_dtype=matmul_dtype)  # (..., D)
 
 
+MLP_CHUNK_ELEMENTS = 1 << 23
+"""Most ``tokens x width`` of one chunk in `token_chunked` (8.4M: 32 MB a float32
+``(chunk, I)`` temporary). Read at call time, so a test may lower it."""
+
+
+def token_chunked(
+    fn: Callable[[jax.Array], jax.Array],
+    x: jax.Array,
+    width: int,
+    max_elements: int | None = None,
+) -> jax.Array:
+    """``fn(x)`` for a per-token ``fn``, run over chunks of tokens when they are many.
+
+    ``fn`` maps ``(N, D) -> (N, E)`` token by token (an MLP). When ``N · width``
+    (``width``: ``fn``'s widest intermediate, the MLP's ``I``) is at most
+    ``max_elements`` (default `MLP_CHUNK_ELEMENTS`) it is ``fn(x)`` unchanged.
+    Otherwise the ``N = prod(x.shape[:-1])`` tokens are padded with zeros to
+    ``C · chunk`` (``C = ceil(N · width / max_elements)`` chunks, ``chunk =
+    ceil(N / C)``, balanced) and ``jax.lax.map`` runs a `jax.checkpoint`-ed ``fn``
+    over them: the forward pass keeps only each chunk's input, and the backward
+    pass recomputes one chunk's intermediates at a time, so a layer's ``(N, I)``
+    float32 temporaries (nine in a gated MLP's backward pass) become ``(chunk,
+    I)``. The math is the same per token; the weights' gradients are summed chunk
+    by chunk (float rounding apart).
+
+    Args:
+        fn: a function of ``(..., D)`` acting on each token independently.
+        x: ``(..., D)``.
+        width: ``fn``'s intermediate width.
+        max_elements: most ``chunk x width``; None: `MLP_CHUNK_ELEMENTS`.
+
+    Returns:
+        ``fn(x)``, ``(..., E)``.
+
+    Example:
+        >>> y = token_chunked(jnp.tanh, jnp.ones((2, 5, 3)), 4, max_elements=8)
+        >>> y.shape, bool(jnp.allclose(y, jnp.tanh(1.0)))
+        ((2, 5, 3), True)
+    """
+    limit = MLP_CHUNK_ELEMENTS if max_elements is None else max_elements
+    *lead, d = x.shape
+    n = math.prod(lead)
+    if n * width <= limit:
+        return fn(x)
+    chunks = min(n, -(-n * width // limit))
+    chunk = -(-n // chunks)  # (the last chunk is not mostly padding)
+    pad = chunks * chunk - n
+    xs = jnp.pad(x.reshape(n, d), ((0, pad), (0, 0))).reshape(chunks, chunk, d)
+    ys = jax.lax.map(jax.checkpoint(fn), xs)  # (C, chunk, E)
+    return ys.reshape(chunks * chunk, -1)[:n].reshape(*lead, -1)  # (..., E)
+
+
 __all__ = [
     "Activation",
     "dropout",
@@ -209,5 +262,6 @@ __all__ = [
     "relu2",
     "rms_norm",
     "silu",
+    "token_chunked",
     "upcast_dtype",
 ]

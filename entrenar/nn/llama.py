@@ -60,6 +60,7 @@ from entrenar.nn.layers import (
     relu2,
     rms_norm,
     silu,
+    token_chunked,
     upcast_dtype,
 )
 from entrenar.nn.linear import check_matmul_dtype, linear
@@ -138,6 +139,12 @@ class LlamaConfig:
             CPUs with AMX (Intel Sapphire Rapids and later) XLA:CPU runs these
             dots several times faster than float32; elsewhere the results are the
             same, only not faster.
+        tied_head_copy: with ``matmul_dtype`` and ``tie_word_embeddings``, a
+            training step keeps the tied head as a transposed bfloat16 copy
+            ``(D, V)`` of the table (`entrenar.nn.TiedEmbedding`; XLA:CPU's head
+            input gradient is faster from it); False: a bfloat16 table is the
+            head itself, read ``(V, D)``, and no copy is held (Gemma-3-27B:
+            2.82 GB; the step slower, benchmarks/results/big_shapes.md).
         architecture: the registry name of the family (``"llama"``, ``"qwen2"``,
             ...); `to_hf_config` writes that family's ``config.json``.
         hf_wrapper: the vision-language ``model_type`` (``"gemma3"``,
@@ -311,6 +318,7 @@ class LlamaConfig:
     remat: bool = False
     matmul_dtype: str | None = None
     remat_policy: str | None = None
+    tied_head_copy: bool = True
     architecture: str = "llama"
     hf_wrapper: str | None = None
     rope_type: str = "default"
@@ -1058,11 +1066,14 @@ class LlamaConfig:
         """``(MLP(x), router logits (N, E) or None)``.
 
         A sparse mixture of gated experts (`entrenar.nn.moe`) when
-        ``num_experts``, else `_mlp`. ``jitter``: the layer's key data ``(2,)``
-        for `entrenar.nn.moe.router_jitter` (training), or None.
+        ``num_experts``, else `_mlp` over chunks of tokens when ``tokens x I`` is
+        large (`entrenar.nn.layers.token_chunked`: the backward pass's float32
+        ``(tokens, I)`` temporaries bounded to a chunk). ``jitter``: the layer's
+        key data ``(2,)`` for `entrenar.nn.moe.router_jitter` (training), or None.
         """
         if not self.num_experts:
-            return self._mlp(mp, x), None
+            mlp = functools.partial(self._mlp, mp)
+            return token_chunked(mlp, x, self.intermediate_size), None
         if jitter is not None:  # Mixtral: router and experts read the jittered x
             key = jax.random.wrap_key_data(jitter)
             x = router_jitter(x, self.router_jitter_noise, key)

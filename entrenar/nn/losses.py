@@ -464,6 +464,7 @@ def chunked_causal_lm_loss(
         weight = weight.value()  # (V, D) bfloat16, never differentiated
     elif isinstance(weight, TiedEmbedding):  # the rounded head (D, V), or the table
         transposed = matmul_dtype is not None and softcap is None
+        transposed = transposed and weight.transposed  # (else the table, (V, D))
         weight = weight.head_value() if transposed else weight.table
     if softcap is None and isinstance(weight, jax.Array | np.ndarray):
         w = jnp.asarray(weight)

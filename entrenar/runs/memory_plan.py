@@ -237,7 +237,8 @@ def refusal(plan: MemoryPlan) -> str:
         "lora.targets or a lower lora.rank (adapters, optimizer), model.dtype: "
         "bfloat16 (halves the float weights), model.matmul_dtype or "
         "training.compute_dtype (the step's temporaries; a bfloat16 matmul_dtype "
-        "also keeps the bf16 copy); `entrenar info --memory CONFIG` shows each part; "
+        "also keeps the bf16 copy), model.tied_head_copy: false (a tied head's "
+        "transposed copy); `entrenar info --memory CONFIG` shows each part; "
         "or raise training.max_memory"
     )
 

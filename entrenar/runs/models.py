@@ -415,12 +415,17 @@ def build_model(
 
 
 def with_precision(built: BuiltModel, section: ModelSection) -> BuiltModel:
-    """Apply ``matmul_dtype`` and ``remat_policy`` (a `LlamaConfig` family's)."""
-    if section.matmul_dtype == "float32" and section.remat_policy is None:
+    """Apply ``matmul_dtype``, ``remat_policy``, ``tied_head_copy`` (LlamaConfig's)."""
+    if (
+        section.matmul_dtype == "float32"
+        and section.remat_policy is None
+        and section.tied_head_copy
+    ):
         return built
     if not built.is_decoder:
         raise ConfigError(
-            f"model.matmul_dtype / model.remat_policy apply to a Llama-style decoder "
+            f"model.matmul_dtype / model.remat_policy / model.tied_head_copy apply "
+            f"to a Llama-style decoder "
             f"(llama, qwen2, ...), not {built.architecture}; remove them"
         )
     md = section.matmul_dtype
@@ -430,6 +435,7 @@ def with_precision(built: BuiltModel, section: ModelSection) -> BuiltModel:
             built.config,
             matmul_dtype=None if matmul_dtype == "float32" else matmul_dtype,
             remat_policy=section.remat_policy,
+            tied_head_copy=section.tied_head_copy,
         )
     except ConfigError as e:
         raise ConfigError(f"model: {e}") from None

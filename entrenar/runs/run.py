@@ -311,7 +311,7 @@ RESUME_FREE = (
     "training.keep_checkpoints", "training.log_every", "training.early_stopping",
     "training.export_best", "training.output_dir", "training.mesh",
     "training.max_memory", "training.tensorboard", "model.kernels",
-    "model.remat_policy",
+    "model.remat_policy", "model.tied_head_copy",
     # the Trainer warns about these itself (the data order)
     "training.seed", "training.grad_accum", "data.batch_size", "data.shuffle",
 )  # fmt: skip

@@ -49,13 +49,16 @@ def _compute_frozen(model: Any, frozen: Params) -> Params:
     every frozen projection to bfloat16 at each step; rounding them once instead
     (`entrenar.nn.to_bfloat16_weights`) gives the same losses and gradients, skips
     that work and halves those weights' memory (specs/models.md). A tied embedding
-    becomes a `entrenar.nn.TiedEmbedding`: float32 rows, bfloat16 head.
+    becomes a `entrenar.nn.TiedEmbedding`: float32 rows, bfloat16 head (no
+    transposed copy with ``LlamaConfig.tied_head_copy`` False).
     """
     if frozen is None or getattr(model, "matmul_dtype", None) != "bfloat16":
         return frozen
     tied = getattr(model, "tie_word_embeddings", False)
     return nn.to_bfloat16_weights(
-        frozen, tied_embedding="model.embed_tokens.weight" if tied else None
+        frozen,
+        tied_embedding="model.embed_tokens.weight" if tied else None,
+        tied_head_copy=getattr(model, "tied_head_copy", True),
     )
 
 

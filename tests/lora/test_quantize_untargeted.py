@@ -190,3 +190,38 @@ def test_a_run_trains_and_plans_a_4bit_frozen_model(tmp_path):
         back.params["model"]["layers"]["mlp"]["down_proj"]["weight"],
         quant.dequantize(mlp, jnp.float32), rtol=1e-6, atol=1e-9,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_the_mlp_over_chunks_of_tokens_changes_nothing(family, monkeypatch):
+    """`nn.layers.token_chunked`: logits and adapter gradients as the whole MLP.
+
+    A QLoRA step's setup (NF4, every linear layer adapted, bfloat16 matmuls) with
+    the chunk bound lowered so each layer's MLP runs over 3 chunks of 8 tokens
+    (24 tokens x I 128 over 1024); adapters random so every gradient is non-zero.
+    """
+    config = _config(family, matmul_dtype="bfloat16")
+    q = _qlora(config.init(jax.random.key(0)), "all-linear")
+    t, f = lora.split(q)
+    leaves, treedef = jax.tree_util.tree_flatten(t)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    t = jax.tree_util.tree_unflatten(treedef, [
+        0.05 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)
+    ])  # fmt: skip
+    tokens = jnp.arange(24).reshape(2, 12) * 7 % SIZES["vocab_size"]
+
+    def fn(t):
+        logits = config.apply(lora.combine(t, f), tokens)
+        return nn.causal_lm_loss(logits, tokens), logits
+
+    (l1, z1), g1 = jax.value_and_grad(fn, has_aux=True)(t)
+    monkeypatch.setattr(nn.layers, "MLP_CHUNK_ELEMENTS", 1024)
+    (l2, z2), g2 = jax.value_and_grad(fn, has_aux=True)(t)
+    jaxpr = str(jax.make_jaxpr(fn)(t))
+    assert "length=3" in jaxpr  # the chunked path ran (lax.map over 3 chunks)
+    np.testing.assert_allclose(z2, z1, atol=2e-6, rtol=1e-6)
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    diff = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+               for a, b in zip(jax.tree_util.tree_leaves(g2),
+                               jax.tree_util.tree_leaves(g1)))  # fmt: skip
+    assert diff < 1e-5, diff

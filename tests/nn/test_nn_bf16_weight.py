@@ -211,6 +211,45 @@ def test_tied_embedding_gives_the_array_s_logits_loss_and_gradients():
     )
 
 
+def test_a_tied_head_without_its_copy_gives_the_same_loss_and_gradients():
+    """``tied_head_copy=False``: the head reads the bfloat16 table itself (V, D).
+
+    No transposed copy in the tree; the loss and the adapters' gradients as with
+    the copy (the same bfloat16 values, another layout); logits too.
+    """
+    params = TIED.init(jax.random.key(0))
+    params = lora.apply(params, lora.LoRAConfig(rank=4, alpha=8), key=jax.random.key(1))
+    trainable, frozen = lora.split(params)
+    trainable = jax.tree_util.tree_map(lambda a: a + 0.01, trainable)
+    name = "model.embed_tokens.weight"
+    f32 = to_bfloat16_weights(frozen, tied_embedding=name, tied_head_copy=False)
+    assert f32["model"]["embed_tokens"]["weight"].head_t is not None  # kept
+    frozen = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), frozen)
+    copy = to_bfloat16_weights(frozen, tied_embedding=name)
+    table = to_bfloat16_weights(frozen, tied_embedding=name, tied_head_copy=False)
+    node = table["model"]["embed_tokens"]["weight"]
+    assert isinstance(node, TiedEmbedding) and node.head_t is None
+    assert node.table is frozen["model"]["embed_tokens"]["weight"]  # not a copy
+    assert copy["model"]["embed_tokens"]["weight"].head_t is not None
+    tokens = jnp.arange(24).reshape(2, 12) % TIED.vocab_size
+
+    def loss(t, f):
+        p = lora.combine(t, f)
+        return nn.losses.chunked_causal_lm_loss(
+            TIED.features(p, tokens), TIED.output_weight(p), tokens, chunk=8,
+            matmul_dtype="bfloat16",
+        )  # fmt: skip
+
+    step = jax.jit(jax.value_and_grad(loss))
+    (l0, g0), (l1, g1) = step(trainable, copy), step(trainable, table)
+    assert abs(float(l0) - float(l1)) < 1e-6
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    z0 = TIED.apply(lora.combine(trainable, copy), tokens)
+    z1 = TIED.apply(lora.combine(trainable, table), tokens)
+    np.testing.assert_allclose(z0, z1, rtol=1e-6, atol=1e-6)
+
+
 def test_a_bfloat16_array_becomes_a_node_over_the_same_memory():
     """A bfloat16 leaf's bits are a view of it, not a copy.
 

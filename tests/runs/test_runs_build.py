@@ -149,7 +149,10 @@ def test_train_config_carries_the_training_section(wine_yaml):
 
 
 def test_model_precision_options_reach_the_llama_config(monkeypatch):
-    """``model.matmul_dtype`` / ``remat_policy``: LlamaConfig's, "auto" by the CPU."""
+    """``model.matmul_dtype`` / ``remat_policy`` / ``tied_head_copy``: LlamaConfig's.
+
+    ``matmul_dtype: auto`` by the CPU.
+    """
     import entrenar.runs.models as models
     from entrenar import nn
     from entrenar.config.sections import ModelSection
@@ -168,6 +171,9 @@ def test_model_precision_options_reach_the_llama_config(monkeypatch):
         ),
     ).config
     assert (got.matmul_dtype, got.remat_policy) == ("bfloat16", "dots_saveable")
+    assert got.tied_head_copy  # the default
+    no_copy = ModelSection(architecture="llama", tied_head_copy=False)
+    assert not models.with_precision(built, no_copy).config.tied_head_copy
     for flag, want in (("bfloat16", "bfloat16"), (None, None)):
         monkeypatch.setattr(nn, "auto_matmul_dtype", lambda flag=flag: flag)
         auto = ModelSection(architecture="llama", matmul_dtype="auto")
