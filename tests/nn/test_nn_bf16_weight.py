@@ -158,6 +158,19 @@ def test_lora_fold_reads_a_bfloat16_base():
 TIED = dataclasses.replace(TINY, vocab_size=96, tie_word_embeddings=True)
 
 
+def _tied_loss_step(tokens):
+    """``step(trainable, frozen)``: the tied model's chunked loss and its gradient."""
+
+    def loss(t, f):
+        p = lora.combine(t, f)
+        return nn.losses.chunked_causal_lm_loss(
+            TIED.features(p, tokens), TIED.output_weight(p), tokens, chunk=8,
+            matmul_dtype="bfloat16",
+        )  # fmt: skip
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
 def test_tied_embedding_gives_the_array_s_logits_loss_and_gradients():
     """Rows read in float32, the head from the rounded, transposed copy: same numbers.
 
@@ -173,14 +186,7 @@ def test_tied_embedding_gives_the_array_s_logits_loss_and_gradients():
     assert node.head_t.shape == (64, 96) and node.head_t.dtype == jnp.bfloat16
     tokens = jnp.arange(24).reshape(2, 12) % TIED.vocab_size
 
-    def loss(t, f):
-        p = lora.combine(t, f)
-        return nn.losses.chunked_causal_lm_loss(
-            TIED.features(p, tokens), TIED.output_weight(p), tokens, chunk=8,
-            matmul_dtype="bfloat16",
-        )  # fmt: skip
-
-    step = jax.jit(jax.value_and_grad(loss))
+    step = _tied_loss_step(tokens)
     (l0, g0), (l1, g1) = step(trainable, frozen), step(trainable, node_tree)
     assert abs(float(l0) - float(l1)) < 1e-5
     for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
@@ -233,14 +239,7 @@ def test_a_tied_head_without_its_copy_gives_the_same_loss_and_gradients():
     assert copy["model"]["embed_tokens"]["weight"].head_t is not None
     tokens = jnp.arange(24).reshape(2, 12) % TIED.vocab_size
 
-    def loss(t, f):
-        p = lora.combine(t, f)
-        return nn.losses.chunked_causal_lm_loss(
-            TIED.features(p, tokens), TIED.output_weight(p), tokens, chunk=8,
-            matmul_dtype="bfloat16",
-        )  # fmt: skip
-
-    step = jax.jit(jax.value_and_grad(loss))
+    step = _tied_loss_step(tokens)
     (l0, g0), (l1, g1) = step(trainable, copy), step(trainable, table)
     assert abs(float(l0) - float(l1)) < 1e-6
     for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
