@@ -30,7 +30,6 @@ writes the merged stacks as MXFP4 again when the base folder held them so
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -119,6 +118,13 @@ def mxfp4_stacks(
     return made, specs
 
 
+def _quantize_stack(w: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A float stack ``(E, in, out)`` (or its weight node) as its stored pair."""
+    w = nn.to_dense(w) if is_weight_node(w) else w
+    stack = np.swapaxes(np.asarray(w, np.float32), 1, 2)  # (E, out, in)
+    return quantize_hf(stack, name)
+
+
 class _Pair:
     """One stack's blocks and scales, quantized once when the first is made."""
 
@@ -128,10 +134,7 @@ class _Pair:
 
     def _quantized(self) -> tuple[np.ndarray, np.ndarray]:
         if self.kept is None:
-            w = self.make()
-            w = nn.to_dense(w) if is_weight_node(w) else w
-            stack = np.swapaxes(np.asarray(w, np.float32), 1, 2)  # (E, out, in)
-            self.kept = quantize_hf(stack, self.name)
+            self.kept = _quantize_stack(self.make(), self.name)
         return self.kept
 
     def blocks(self) -> np.ndarray:
@@ -200,12 +203,13 @@ def read_mxfp4_stacks(leaves: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def write_mxfp4_stacks(tensors: Mapping[str, Any]) -> dict[str, Any]:
     """``tensors`` (transformers' names) with each float `STACK` as its MXFP4 pair."""
-    values: dict[str, Callable[[], Any]] = {
-        k: functools.partial(lambda v: v, v) for k, v in tensors.items()
-    }
-    specs = {k: (np.dtype(np.float32), tuple(np.shape(v))) for k, v in tensors.items()}
-    made, _ = mxfp4_stacks(values, specs)
-    return {k: make() for k, make in made.items()}
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        if STACK.match(name):
+            out[f"{name}_blocks"], out[f"{name}_scales"] = _quantize_stack(value, name)
+        else:
+            out[name] = value
+    return out
 
 
 __all__ = [

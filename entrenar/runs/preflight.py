@@ -7,7 +7,8 @@ It runs what `train_from_yaml` runs, without the weights and without training:
    magic, version, metadata and tensor table, never its tensors; the tokenizer; the
    rules that depend on the architecture and on the precision settings;
 2. the exports the config asks for that need no weights: a GGUF the writer would
-   refuse for this config (`entrenar.runs.export.check_gguf_export`);
+   refuse for this config (`entrenar.runs.export.check_gguf_export`), or an
+   ``export.hf_expert_type`` the model cannot take (`check_hf_export`);
 3. ``training.max_memory``: the predicted peak memory of the run
    (`entrenar.runs.memory_plan`), over the budget a `ConfigError` with its parts;
 4. tabular data: `build_data` itself (every row read and converted);
