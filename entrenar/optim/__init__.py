@@ -11,7 +11,8 @@ Optimizers are `chain`s of small pieces (`scale_by_adam`, `trace`,
 `add_decayed_weights`, `scale_by_learning_rate`, `clip_by_global_norm`); the learning
 rate lives in the state (`get_lr`, `set_lr`). `freeze` gives frozen leaves no update and
 no state; `accumulate` averages ``k`` micro-batch gradients per step. `SGD`, `Adam`,
-`AdamW` wrap them for the Tensor API (``opt.step(tensors)``). `OptimizerConfig` and
+`AdamW` (and the 8-bit `Adam8bit`, `AdamW8bit`) wrap them for the Tensor API
+(``opt.step(tensors)``). `OptimizerConfig` and
 `ScheduleConfig` (a run's ``optimizer:`` and ``scheduler:``) build them by name from
 the registries `OPTIMIZERS` and `SCHEDULES`. Math: specs/optimizers.md.
 """
@@ -84,7 +85,7 @@ from entrenar.optim.schedules import (
     warmup,
     warmup_cosine_decay_schedule,
 )
-from entrenar.optim.stateful import SGD, Adam, AdamW, Optimizer
+from entrenar.optim.stateful import SGD, Adam, Adam8bit, AdamW, AdamW8bit, Optimizer
 from entrenar.optim.transforms import (
     ScaleByAdamState,
     TraceState,
@@ -101,7 +102,9 @@ __all__ = [
     "SGD",
     "AccumulateState",
     "Adam",
+    "Adam8bit",
     "AdamW",
+    "AdamW8bit",
     "Blockwise8bit",
     "CosineScheduler",
     "EmptyState",

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from entrenar.errors import ConfigError, ShapeError
-from entrenar.optim.alias import adam, adamw, sgd
+from entrenar.optim.adam8bit import MIN_8BIT_SIZE
+from entrenar.optim.alias import adam, adam_8bit, adamw, adamw_8bit, sgd
 from entrenar.optim.base import GradientTransformation, apply_gradients
 from entrenar.optim.learning_rate import set_lr
 from entrenar.types import OptState
@@ -185,4 +186,54 @@ class AdamW(Optimizer):
         return cls(lr)
 
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+class Adam8bit(Optimizer):
+    """Adam with 8-bit block-wise moments for tensors (bitsandbytes' ``Adam8bit``).
+
+    The update is `adam`'s; ``m`` and ``v`` are kept between steps as uint8 codes of
+    the dynamic map with one float32 absmax per block of 256 values (Dettmers et al.,
+    2022, "8-bit Optimizers via Block-wise Quantization"; `adam_8bit`), about 2 bytes
+    a parameter instead of 8. Tensors with fewer than ``min_8bit_size`` values keep
+    float32 moments.
+    """
+
+    def __init__(
+        self,
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        *,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+    ):
+        tx = adam_8bit(lr, beta1, beta2, eps, min_8bit_size=min_8bit_size)
+        super().__init__(tx, lr)
+
+
+class AdamW8bit(Optimizer):
+    """AdamW with 8-bit block-wise moments for tensors (bitsandbytes' ``AdamW8bit``).
+
+    `adamw_8bit`'s update, ``θ ← θ − η (m̂ / (√v̂ + ε) + λθ)``, with the moments
+    stored 8-bit between steps as in `Adam8bit`.
+
+        opt = AdamW8bit(lr=1e-3, weight_decay=0.01)
+        backward(loss)
+        opt.step(params)
+    """
+
+    def __init__(
+        self,
+        lr: float,
+        weight_decay: float = 0.01,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        *,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+    ):
+        tx = adamw_8bit(
+            lr, beta1, beta2, eps, weight_decay, min_8bit_size=min_8bit_size
+        )
+        super().__init__(tx, lr)
+
+
+__all__ = ["SGD", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "Optimizer"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,3 +144,56 @@ def test_step_during_a_live_tape_raises_before_touching_the_state():
         opt.step([w])
     np.testing.assert_array_equal(np.asarray(opt.state_of(w)[0].trace), before)
     del y
+
+
+@pytest.mark.parametrize(
+    ("name", "make_tensor_opt", "make_tx"),
+    [
+        (
+            "adam8bit",
+            lambda: eo.Adam8bit(0.02, beta2=0.99),
+            lambda: eo.adam_8bit(0.02, b2=0.99),
+        ),
+        (
+            "adamw8bit",
+            lambda: eo.AdamW8bit(0.02, weight_decay=0.1),
+            lambda: eo.adamw_8bit(0.02, weight_decay=0.1),
+        ),
+    ],
+)
+def test_8bit_wrappers_are_the_pure_8bit_optimizers_step_for_step(
+    name, make_tensor_opt, make_tx
+):
+    """The 8-bit wrappers give the pure optimizers' params and 8-bit states.
+
+    `Adam8bit`/`AdamW8bit` on tensors against `adam_8bit`/`adamw_8bit` on arrays:
+    uint8 codes + absmax for the 5,000-value tensor, float32 moments for the small
+    one, with a learning-rate change on the way.
+    """
+    rng = np.random.default_rng(1)
+    big0 = rng.normal(size=(50, 100)).astype(np.float32)  # over min_8bit_size
+    x = rng.normal(size=(7, 50)).astype(np.float32)
+    big, small = Tensor(big0, requires_grad=True), Tensor(B0, requires_grad=True)
+    opt, tx = make_tensor_opt(), make_tx()
+
+    def pure_loss(p):
+        y = jnp.asarray(x) @ p["big"][:, :4] + p["small"]  # (7, 4)
+        return (y * y).mean()
+
+    params = {"big": jnp.asarray(big0), "small": jnp.asarray(B0)}
+    state = tx.init(params)
+    for lr in [0.02, 0.02, 0.005, 0.005]:
+        opt.set_lr(lr)
+        backward(((Tensor(x) @ big[:, :4] + small) ** 2).mean())
+        opt.step([big, small])
+        opt.zero_grad([big, small])
+        grads = jax.grad(pure_loss)(params)
+        state = eo.set_lr(state, lr)
+        updates, state = tx.update(grads, state, params)
+        params = eo.apply_updates(params, updates)
+        np.testing.assert_allclose(big.numpy(), params["big"], rtol=0, atol=2e-7)
+        np.testing.assert_allclose(small.numpy(), params["small"], rtol=0, atol=2e-7)
+    moments = opt.state_of(big)[0].mu
+    assert isinstance(moments, eo.Blockwise8bit) and moments.codes.dtype == np.uint8
+    assert isinstance(opt.state_of(small)[0].mu, jax.Array)
+    assert not np.allclose(big.numpy(), big0)  # it trained
