@@ -230,6 +230,7 @@ def bf16_copy(out: str) -> None:
     report: dict = {}
     cfg = lora.LoRAConfig(rank=4, alpha=8, targets=lora.ALL_LINEAR, dropout=0.1)
     bf16 = dataclasses.replace(ADAPTED, matmul_dtype="bfloat16")
+    refs: dict = {}  # one-device runs: the untied LoRA one serves both its meshes
     for name, tied, quantize, spec in (
         ("lora_fsdp8", False, None, {"fsdp": 8}),
         ("lora_data2_fsdp4", False, None, {"data": 2, "fsdp": 4}),
@@ -241,7 +242,9 @@ def bf16_copy(out: str) -> None:
         params = lora.apply(base, cfg, key=jax.random.key(1), quantize=quantize)
         shapes = {np.shape(w) for w in jax.tree_util.tree_leaves(base)
                   if np.ndim(w) == 3}  # fmt: skip
-        ref = _bf16_fit(model, params, None, copy=True)
+        if (tied, quantize) not in refs:
+            refs[tied, quantize] = _bf16_fit(model, params, None, copy=True)
+        ref = refs[tied, quantize]
         run = _bf16_fit(model, params, spec, copy=True)
         alive = _wide_float32(shapes)  # before `plain`, which keeps them placed
         plain = _bf16_fit(model, params, spec, copy=False)

@@ -28,9 +28,14 @@ RESUMES = {1: "null", 4: '{"data": 2, "fsdp": 2}'}  # devices: mesh
 
 
 def _start(args, out, devices):
-    flags = f"--xla_force_host_platform_device_count={devices}"
+    flags = (
+        f"--xla_force_host_platform_device_count={devices} "
+        "--xla_cpu_use_fusion_emitters=false"
+    )
     # tiny models: every run compiles without most XLA optimizations, meshes and the
-    # one-device reference alike (cold cache: 133 -> 87 CPU-s for the module)
+    # one-device reference alike (cold cache: 133 -> 87 CPU-s for the module), and
+    # with XLA:CPU's older elemental fusion emitter, as test_family_meshes.py's
+    # (95.6 -> 57.8 CPU-s)
     env = {
         **os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags,
         "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
