@@ -439,9 +439,9 @@ def load_hf_folder(
             flat = multimodal.orient_experts(flat, info.config)  # Qwen3-VL-MoE
     bound_heap(sum(t.nbytes for t in flat.values()))  # big buffers mapped (io.heap)
     convert = info.architecture.from_hf_tensors
-    if convert is not None:  # a family whose checkpoint names differ from its tree
-        flat = convert(flat, info.config)
     try:
+        if convert is not None:  # a family whose checkpoint names differ from its tree
+            flat = convert(flat, info.config)
         if stream:
             with ReadAhead() as ahead:  # the files read on a thread as the load goes
                 params = stream_hf_names(
