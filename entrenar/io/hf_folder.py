@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -148,6 +149,92 @@ config with the checkpoint's tensors (the GGUF reader's `INT_LIMITS` for the sam
 counts); every other integer field is below ``2**31``."""
 
 
+HF_COUNTS = {
+    "vocab_size": None,
+    "hidden_size": None,
+    "intermediate_size": None,
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "head_dim": None,
+    "max_position_embeddings": None,
+    "original_max_position_embeddings": None,
+    "sliding_window": None,
+    "sliding_window_pattern": "num_layers",
+    "max_window_layers": "num_layers",
+    "no_rope_layer_interval": "num_layers",
+    "decoder_sparse_step": "num_layers",
+    "num_experts": "num_experts",
+    "num_local_experts": "num_experts",
+    "n_routed_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": None,
+    "shared_expert_intermediate_size": None,
+    "shared_intermediate_size": None,
+    "n_shared_experts": "n_shared_experts",
+    "n_group": "n_group",
+    "topk_group": "topk_group",
+    "first_k_dense_replace": "first_k_dense_replace",
+    "num_nextn_predict_layers": "num_nextn_predict_layers",
+    "q_lora_rank": None,
+    "kv_lora_rank": None,
+    "qk_nope_head_dim": None,
+    "qk_rope_head_dim": None,
+    "v_head_dim": None,
+    "n_positions": None,
+    "n_embd": None,
+    "n_layer": "num_layers",
+    "n_head": "num_heads",
+}
+"""The counts and sizes of a ``config.json`` the families read, by key, with the
+`COUNT_LIMITS` entry that bounds each (None: below ``2**31``); `check_hf_counts`
+checks them before a family's ``from_hf`` loops over any."""
+
+_ROPE_DICTS = ("rope_scaling", "rope_parameters")
+
+
+def check_hf_counts(hf: Mapping[str, Any], path: str, prefix: str = "") -> None:
+    """Refuse a negative or huge count of `HF_COUNTS` in a ``config.json`` dict.
+
+    Looks at the top level and the rope dicts (``rope_scaling``,
+    ``rope_parameters`` and its per-layer-type parts), where
+    ``original_max_position_embeddings`` lives. Only integers are checked (a
+    string or float is the family reader's to refuse). No checkpoint has a
+    negative count; today's loads took several silently (a negative
+    ``max_position_embeddings`` or ``original_max_position_embeddings`` gave a
+    rotary scaling of a negative context; a negative ``n_shared_experts`` a
+    shared expert ``-12`` wide) or refused them deep inside under another
+    name, and a ``num_hidden_layers`` of ``2**31 - 1`` had Gemma 2's reader
+    build a list per layer (minutes, tens of GB) before `check_config_values`.
+
+    Raises:
+        FormatError: naming ``path``, the key (under ``prefix``) and its value.
+    """
+    dicts: list[tuple[str, Mapping[str, Any]]] = [(prefix, hf)]
+    for name in _ROPE_DICTS:
+        rope = hf.get(name)
+        if isinstance(rope, Mapping):
+            dicts.append((f"{prefix}{name}.", rope))
+            dicts.extend(
+                (f"{prefix}{name}.{k}.", v)
+                for k, v in rope.items()
+                if isinstance(v, Mapping)
+            )
+    for where, d in dicts:
+        for key, field in HF_COUNTS.items():
+            x = d.get(key)
+            if not isinstance(x, int) or isinstance(x, bool):
+                continue
+            limit = COUNT_LIMITS.get(field or "", (1 << 31) - 1)
+            if not 0 <= x <= limit:
+                want = "a count >= 0" if x < 0 else f"at most {limit}"
+                raise FormatError(
+                    f"{path}: {where}{key} = {x}: want {want}; the config.json is "
+                    "corrupt or not a model entrenar can load (compare it with the "
+                    "checkpoint's original config.json)"
+                )
+
+
 def check_config_values(config: Any, path: str) -> None:
     """Refuse a config whose numbers no checkpoint has, before anything uses them.
 
@@ -156,7 +243,9 @@ def check_config_values(config: Any, path: str) -> None:
     from a load that succeeded. Every integer must lie below ``2**31``, and the
     counts of `COUNT_LIMITS` below their limit: a ``n_routed_experts`` or
     ``num_hidden_layers`` of 10^9 had the load build a name per expert or layer
-    (minutes, gigabytes) before any tensor's shape was compared.
+    (minutes, gigabytes) before any tensor's shape was compared. No integer
+    field is negative (none has a negative meaning; `check_hf_counts` names the
+    ``config.json`` keys the families read, this catches every field).
 
     Raises:
         FormatError: naming ``path``, the field and its value.
@@ -172,18 +261,19 @@ def check_config_values(config: Any, path: str) -> None:
                     f"{path}: {type(config).__name__}.{f.name} = {x!r}: want a "
                     "finite number; the config.json is corrupt"
                 )
-            if isinstance(x, int) and not -limit <= x <= limit:
+            if isinstance(x, int) and not 0 <= x <= limit:
+                what = "negative" if x < 0 else f"over the limit of {limit}"
                 raise FormatError(
-                    f"{path}: {type(config).__name__}.{f.name} = {x} is over the "
-                    f"limit of {limit}; the config.json is corrupt or not a model "
-                    "entrenar can load"
+                    f"{path}: {type(config).__name__}.{f.name} = {x} is {what}; "
+                    "the config.json is corrupt or not a model entrenar can load"
                 )
 
 
 def read_hf_config(folder: str | os.PathLike[str]) -> tuple[Any, Any]:
     """``(architecture, config)`` of a folder's ``config.json``.
 
-    Its numbers are checked (`check_config_values`) before it is returned.
+    Its counts are checked (`check_hf_counts`) before the family reads them, its
+    numbers (`check_config_values`) before it is returned.
 
     Raises:
         FormatError: no or an invalid ``config.json``, fields of the wrong type, or
@@ -198,8 +288,11 @@ def read_hf_config(folder: str | os.PathLike[str]) -> tuple[Any, Any]:
         )
     hf = _json_object(path)
     wrapper = multimodal.wrapper(hf.get("model_type"))
+    prefix = ""
     if wrapper is not None:  # a vision-language folder: its language model
+        prefix = "text_config." if isinstance(hf.get("text_config"), dict) else ""
         hf = multimodal.text_config(hf, path)
+    check_hf_counts(hf, path, prefix)
     arch = nn.architecture_for_hf(hf, path)
     assert arch.from_hf is not None  # architecture_for_hf returns readers only
     try:
@@ -346,9 +439,9 @@ def load_hf_folder(
             flat = multimodal.orient_experts(flat, info.config)  # Qwen3-VL-MoE
     bound_heap(sum(t.nbytes for t in flat.values()))  # big buffers mapped (io.heap)
     convert = info.architecture.from_hf_tensors
-    if convert is not None:  # a family whose checkpoint names differ from its tree
-        flat = convert(flat, info.config)
     try:
+        if convert is not None:  # a family whose checkpoint names differ from its tree
+            flat = convert(flat, info.config)
         if stream:
             with ReadAhead() as ahead:  # the files read on a thread as the load goes
                 params = stream_hf_names(
@@ -688,8 +781,10 @@ def _write_json(path: str, value: Any) -> None:
 __all__ = [
     "COUNT_LIMITS",
     "DEFAULT_SHARD_BYTES",
+    "HF_COUNTS",
     "HFFolder",
     "check_config_values",
+    "check_hf_counts",
     "load_hf_folder",
     "load_hf_llama",
     "read_hf_config",

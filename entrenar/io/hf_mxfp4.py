@@ -57,6 +57,7 @@ STACK = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)
 """The expert stacks stored as MXFP4 (transformers' names, before the suffixes)."""
 
 Spec = tuple[np.dtype, tuple[int, ...]]
+_BYTES = (np.dtype(np.uint8), np.dtype(np.uint8))
 
 
 def check_hf_expert_type(config: Any, expert_type: str | None) -> str | None:
@@ -155,20 +156,27 @@ class MXFP4Stack:
     tensor (`entrenar.merge`) holds one stack's values at a time.
     """
 
-    def __init__(self, name: str, blocks: Any, scales: Any) -> None:
+    def __init__(self, name: str, blocks: Any, scales: Any, where: str = "") -> None:
         b, s = np.shape(blocks), np.shape(scales)
-        if len(b) != 4 or b[-1] != BLOCK // 2 or b[:-1] != s:
+        dtypes = (
+            np.dtype(getattr(blocks, "dtype", None)),
+            np.dtype(getattr(scales, "dtype", None)),
+        )
+        if len(b) != 4 or b[-1] != BLOCK // 2 or b[:-1] != s or dtypes != _BYTES:
             raise FormatError(
-                f"{name}_blocks {b} / {name}_scales {s}: MXFP4 expert stacks are "
-                f"(E, out, in / {BLOCK}, {BLOCK // 2}) and (E, out, in / {BLOCK}) "
-                "uint8"
+                f"{where}: {name}_blocks {b} {dtypes[0]} / {name}_scales {s} "
+                f"{dtypes[1]}: MXFP4 expert stacks are (E, out, in / {BLOCK}, "
+                f"{BLOCK // 2}) and (E, out, in / {BLOCK}) uint8"
             )
-        self.name, self.blocks, self.scales = name, blocks, scales
+        self.name, self.blocks, self.scales, self.where = name, blocks, scales, where
         self.shape = (b[0], b[2] * BLOCK, b[1])  # (E, in, out)
         self.dtype = np.dtype(ml_dtypes.bfloat16)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        w = dequantize_hf(self.blocks, self.scales, ml_dtypes.bfloat16)  # (E, out, in)
+        try:  # (E, out, in)
+            w = dequantize_hf(self.blocks, self.scales, ml_dtypes.bfloat16)
+        except FormatError as e:  # scales out of range
+            raise FormatError(f"{self.where}: {self.name}: {e}") from None
         w = np.ascontiguousarray(np.swapaxes(w, 1, 2))  # (E, in, out)
         return w if dtype is None else w.astype(dtype)
 
@@ -180,7 +188,8 @@ def read_mxfp4_stacks(leaves: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``leaves`` (stored names) with each `STACK` pair as one `MXFP4Stack`.
 
     Raises:
-        FormatError: a stack's blocks without its scales or the reverse, naming
+        FormatError: a stack's blocks without its scales or the reverse, or a
+            pair not of uint8 ``(E, out, G, 16)`` / ``(E, out, G)``, naming
             ``where`` (the file) and the tensor.
     """
     out = dict(leaves)
@@ -197,7 +206,7 @@ def read_mxfp4_stacks(leaves: Mapping[str, Any], where: str) -> dict[str, Any]:
                 f"{where}: {stem} has MXFP4 {part} without its "
                 f"{'scales' if part == 'blocks' else 'blocks'}"
             )
-        out[stem] = MXFP4Stack(stem, blocks, scales)
+        out[stem] = MXFP4Stack(stem, blocks, scales, where)
     return out
 
 

@@ -185,12 +185,21 @@ def _swap(a: Any) -> np.ndarray:
     return np.swapaxes(np.asarray(a), 1, 2)
 
 
-def _mxfp4(blocks: Any, scales: Any, rows: slice | None = None) -> np.ndarray:
-    """MXFP4 ``(E, out, G, 16)`` blocks -> bfloat16 ``(E, out, 32 G)`` (rows kept)."""
+def _mxfp4(
+    blocks: Any, scales: Any, name: str, rows: slice | None = None
+) -> np.ndarray:
+    """MXFP4 ``(E, out, G, 16)`` blocks -> bfloat16 ``(E, out, 32 G)`` (rows kept).
+
+    Raises:
+        FormatError: scales out of range (`dequantize_hf`), naming ``name``.
+    """
     b, s = np.asarray(blocks), np.asarray(scales)
     if rows is not None:
         b, s = b[:, rows], s[:, rows]
-    return dequantize_hf(b, s, _bf16())
+    try:
+        return dequantize_hf(b, s, _bf16())
+    except FormatError as e:
+        raise FormatError(f"{name}: {e}") from None
 
 
 def _check_pair(name: str, blocks: Any, scales: Any, shape: tuple[int, ...]) -> None:
@@ -198,6 +207,13 @@ def _check_pair(name: str, blocks: Any, scales: Any, shape: tuple[int, ...]) -> 
     e, out, fan_in = shape
     want_b, want_s = (e, out, fan_in // 32, 16), (e, out, fan_in // 32)
     got_b, got_s = tuple(np.shape(blocks)), tuple(np.shape(scales))
+    for part, x in (("blocks", blocks), ("scales", scales)):
+        dtype = np.dtype(getattr(x, "dtype", None))
+        if dtype != np.uint8:
+            raise FormatError(
+                f"{name}_{part} is {dtype}: MXFP4 blocks and scales are uint8 "
+                "bytes; the checkpoint is corrupt"
+            )
     if got_b != want_b or got_s != want_s:
         raise FormatError(
             f"{name}_blocks {got_b} / {name}_scales {got_s}: MXFP4 experts of "
@@ -241,13 +257,16 @@ def gpt_oss_from_hf_tensors(
                 _check_pair(f"{p}.{key}", blocks, scales, shape)
                 if key == "down_proj":
                     out[f"{p}.down_proj.weight"] = Derived(
-                        [blocks, scales], (e, d, i), bf16, _mxfp4
-                    )
+                        [blocks, scales], (e, d, i), bf16,
+                        lambda b, s, n=f"{p}.down_proj": _mxfp4(b, s, n),
+                    )  # fmt: skip
                     continue
                 for proj, parity in (("gate_proj", 0), ("up_proj", 1)):
                     out[f"{p}.{proj}.weight"] = Derived(
                         [blocks, scales], (e, i, d), bf16,
-                        lambda b, s, r=slice(parity, None, 2): _mxfp4(b, s, r),
+                        lambda b, s, r=slice(parity, None, 2), n=f"{p}.{key}": (
+                            _mxfp4(b, s, n, r)
+                        ),
                     )  # fmt: skip
             elif key in rest:
                 w = rest.pop(key)

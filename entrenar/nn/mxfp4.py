@@ -53,6 +53,10 @@ BLOCK = 32
 """Values per MXFP4 block (one E8M0 scale)."""
 _CHUNK = 1 << 16
 """Blocks quantized at a time by the quantizers (bounds their temporaries)."""
+MAX_SCALE = 252
+"""Largest E8M0 scale byte `dequantize_hf` reads: ``6 · 2^125`` is the largest
+finite product in float32; 253 and 254 overflow it for the larger codes, and 255 is
+the MX specification's NaN (no trained weight is near ``2^126``)."""
 
 
 def _scale(e: np.ndarray) -> np.ndarray:
@@ -75,7 +79,8 @@ def dequantize_hf(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarr
     on one contended CPU core (gpt-oss-20b's 19 G expert values: minutes).
 
     Raises:
-        FormatError: shapes that do not pair, or bytes that are not uint8.
+        FormatError: shapes that do not pair, bytes that are not uint8, or a scale
+            byte above `MAX_SCALE` (the values would be NaN or infinite).
     """
     b, s = np.asarray(blocks), np.asarray(scales)
     if b.dtype != np.uint8 or s.dtype != np.uint8:
@@ -86,6 +91,13 @@ def dequantize_hf(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarr
         raise FormatError(
             f"MXFP4 blocks {b.shape} and scales {s.shape} do not pair: blocks are "
             f"(..., G, {BLOCK // 2}) bytes and scales (..., G)"
+        )
+    top = int(s.max()) if s.size else 0
+    if top > MAX_SCALE:
+        raise FormatError(
+            f"MXFP4 scales hold the byte {top}: E8M0 255 is NaN (MX v1.0) and 253 "
+            "or 254 overflow float32 (weights of 2^126 and more); the checkpoint is "
+            f"corrupt (scales must be at most {MAX_SCALE})"
         )
     out = _PAIRS[b]  # (..., G, 16, 2) float32
     out *= _scale(s)[..., None, None]
@@ -267,6 +279,7 @@ def quantize_ggml(w: Any, name: str = "tensor") -> np.ndarray:
 __all__ = [
     "BLOCK",
     "E2M1",
+    "MAX_SCALE",
     "dequantize_ggml",
     "dequantize_hf",
     "quantize_ggml",

@@ -10,6 +10,7 @@ each family's tiny tokenizer (tests/io/hf_cases.py) gives ``AutoTokenizer``'s id
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -251,7 +252,7 @@ def test_bad_tokenizer_files_name_the_file_and_the_field(tmp_path):
 def tiny_folders(tmp_path_factory):
     """The folder entrenar wrote for each family's tiny config, by family."""
     out = {}
-    for family in ("deepseek_v3", "gpt_oss", "ministral3", "glm4_moe"):
+    for family in ("deepseek_v3", "gpt_oss", "ministral3", "glm4_moe", "gemma2"):
         config = nn.architecture(family).tiny()
         folder = tmp_path_factory.mktemp(family)
         io.save_hf_folder(folder, config, config.init(jax.random.key(0)))
@@ -264,9 +265,24 @@ def tiny_folders(tmp_path_factory):
     [
         # each built a name per expert or layer (minutes, gigabytes) before any
         # tensor's shape was compared
-        ("deepseek_v3", "n_routed_experts", 10**9, "num_experts = 1000000000 is over"),
-        ("deepseek_v3", "num_hidden_layers", 10**9, "num_layers = 1000000000 is over"),
-        ("glm4_moe", "hidden_size", 10**12, r"hidden_size = 10+ is over the limit"),
+        ("deepseek_v3", "n_routed_experts", 10**9, "experts = 10+: want at most 65536"),
+        ("deepseek_v3", "num_hidden_layers", 10**9, "layers = 10+: want at most 4096"),
+        ("glm4_moe", "hidden_size", 10**12, "size = 10+: want at most 2147483647"),
+        # Gemma 2's reader built a list per layer first (10^8: 7 s, 950 MB)
+        ("gemma2", "num_hidden_layers", 10**8, "num_hidden_layers = 10+: want at most"),
+        # refused deep inside under entrenar's names, or as a shape of -12 rows
+        ("deepseek_v3", "num_hidden_layers", -1, "num_hidden_layers = -1: want a"),
+        ("glm4_moe", "n_shared_experts", -1, "n_shared_experts = -1: want a count"),
+        # each loaded: a rotary scaled for a negative context (DeepSeek's forward
+        # pass then raised a bare "math domain error")
+        ("gpt_oss", "max_position_embeddings", -1, "max_position_embeddings = -1"),
+        (
+            "deepseek_v3",
+            "rope_scaling.original_max_position_embeddings",
+            -8,
+            "rope_scaling.original_max_position_embeddings = -8: want",
+        ),
+        ("glm4_moe", "num_nextn_predict_layers", -2, "predict_layers = -2: want"),
         # each loaded, and its logits were NaN
         ("gpt_oss", "rope_scaling.beta_fast", math.nan, "rope_beta_fast = nan"),
         ("ministral3", "rope_parameters.llama_4_scaling_beta", math.inf, "= inf"),
@@ -286,3 +302,16 @@ def test_a_config_json_with_impossible_numbers_is_refused_before_loading(
     (folder / "config.json").write_text(json.dumps(config))
     with deadline(20), pytest.raises(FormatError, match=r"config\.json: .*" + match):
         io.load_hf_folder(folder)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_nextn_predict_layers", -1), ("rope_original_max_position_embeddings", -3)],
+)
+def test_a_config_with_a_negative_count_is_refused_by_field(field, value):
+    # the fields a config.json key outside HF_COUNTS could fill: none is negative
+    config = dataclasses.replace(
+        nn.architecture("deepseek_v3").tiny(), **{field: value}
+    )
+    with pytest.raises(FormatError, match=rf"c\.json: DeepseekConfig\.{field} = "):
+        io.hf_folder.check_config_values(config, "c.json")

@@ -91,3 +91,24 @@ def test_blocks_without_their_scales_are_named(tmp_path):
     safetensors.numpy.save_file(tensors, str(file), metadata={"format": "pt"})
     with pytest.raises(FormatError, match=r"gate_up_proj has MXFP4 blocks without"):
         _linear(a, b, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("key", "change", "match"),
+    [  # the first two merged into NaN / infinite experts; the last named no file
+        ("down_proj_scales", lambda t: np.full_like(t, 255), "the byte 255: E8M0"),
+        ("gate_up_proj_scales", lambda t: np.full_like(t, 254), "the byte 254"),
+        ("down_proj_blocks", lambda t: t.view(np.int8), r"down_proj_blocks \(.*int8"),
+    ],
+)
+def test_mxfp4_bytes_that_are_no_weights_are_refused_by_file(
+    tmp_path, key, change, match
+):
+    a, b = _folders(tmp_path)
+    file = a / "model.safetensors"
+    tensors = safetensors.numpy.load_file(str(file))
+    name = f"model.layers.1.mlp.experts.{key}"
+    tensors[name] = change(tensors[name])
+    safetensors.numpy.save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(FormatError, match=rf"{a}: model\.layers\.1.*{match}"):
+        _linear(b, a, tmp_path / "out")

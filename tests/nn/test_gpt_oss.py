@@ -401,6 +401,27 @@ def test_mxfp4_tensors_that_do_not_fit_are_named(tmp_path):
         io.load_hf_folder(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("key", "change", "match"),
+    [  # each loaded before: the first two with NaN / infinite experts
+        ("down_proj_scales", lambda t: torch.full_like(t, 255), "the byte 255: E8M0"),
+        ("gate_up_proj_scales", lambda t: t.clone().fill_(254), "the byte 254"),
+        ("down_proj_blocks", lambda t: t.view(torch.int8), "down_proj_blocks is int8"),
+    ],
+)
+def test_mxfp4_bytes_that_are_no_weights_are_refused_by_name(
+    tmp_path, key, change, match
+):
+    _mxfp4_folder(tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = safetensors_torch.load_file(str(file))
+    name = f"model.layers.1.mlp.experts.{key}"
+    tensors[name] = change(tensors[name]).contiguous()
+    safetensors_torch.save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(FormatError, match=rf"{tmp_path}: model\.layers\.1.*{match}"):
+        io.load_hf_folder(tmp_path)
+
+
 def test_a_folder_written_with_mxfp4_experts_is_the_hubs_layout(tmp_path):
     """``save_hf_folder(expert_type="MXFP4")``: the Hub's tensors and config.
 
