@@ -146,6 +146,16 @@ CASES: dict[str, dict[str, Any]] = {
         untargeted=True,
         model={"tied_head_copy": False},
     ),
+    **{
+        f"{name}-qlora-all-bf16-saved": dict(
+            shape=shape,
+            targets="all-linear",
+            quantize="nf4",
+            untargeted=True,
+            model={"remat_saved_dtype": "bfloat16"},
+        )
+        for name, shape in [("qwen2.5-32b", QWEN25_32B), ("qwen3-32b", QWEN3_32B)]
+    },
     "tinyllama-1.1b-f32-full-adamw": dict(shape=TINYLLAMA_1B, dtype="float32"),
     "tinyllama-1.1b-f32-full-adamw_8bit": dict(
         shape=TINYLLAMA_1B, dtype="float32", optimizer="adamw_8bit"
