@@ -94,6 +94,13 @@ class ModelSection(Config):
         "forward pass and loss are unchanged, gradients are the layers' at the "
         "rounded inputs; LlamaConfig.remat_saved_dtype",
     )
+    mlp_chunk_elements: int | None = option(
+        None,
+        doc="llama only, dense MLPs: run the MLP over chunks of at most this many "
+        "tokens x intermediate_size values (null: 8388608, 2^23); lower: less memory "
+        "in the backward pass, more recomputation (NF4 weights dequantized per "
+        "chunk), the same values; LlamaConfig.mlp_chunk_elements",
+    )
     kernels: Policy = option(
         "auto",
         doc="native C++ kernels (entrenar.native): auto (each where it builds here "

@@ -108,6 +108,11 @@ class DeepseekMoeConfig(LlamaConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_moe(self)
+        if self.mlp_chunk_elements is not None:  # its dense layers run whole
+            raise ConfigError(
+                f"{type(self).__name__}.mlp_chunk_elements: this family's dense "
+                f"MLPs are not run over chunks of tokens; remove it"
+            )
 
     # ------------------------------------------------------------------ shapes
     def is_moe_layer(self, i: int) -> bool:

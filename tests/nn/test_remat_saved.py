@@ -20,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from entrenar import lora, nn
@@ -147,3 +148,27 @@ def test_the_yaml_field_reaches_the_llama_config():
         models.with_precision(
             built, ModelSection(architecture="llama", remat_saved_dtype="bfloat16")
         )
+
+
+def test_mlp_chunk_elements_sets_the_chunks_of_tokens():
+    """``mlp_chunk_elements``: `token_chunked`'s bound, the same logits; refusals."""
+    base = dataclasses.replace(nn.architecture("qwen2").tiny(), **SIZES)
+    params = base.init(jax.random.key(0))
+    tokens = jnp.arange(24).reshape(2, 12) * 7 % base.vocab_size
+    chunked = dataclasses.replace(base, mlp_chunk_elements=1024)  # 24 x 128: 3
+    assert "length=3" in str(jax.make_jaxpr(chunked.apply)(params, tokens))
+    assert "length=3" not in str(jax.make_jaxpr(base.apply)(params, tokens))
+    want = base.apply(params, tokens)
+    np.testing.assert_allclose(chunked.apply(params, tokens), want, atol=2e-6)
+    for config, fields, match in [
+        (base, dict(mlp_chunk_elements=0), "positive"),
+        (base, dict(mlp_chunk_elements=True), "positive"),
+        (nn.architecture("qwen3_moe").tiny(), dict(mlp_chunk_elements=64),
+         "experts"),
+        (nn.architecture("deepseek_v3").tiny(), dict(mlp_chunk_elements=64),
+         "experts"),
+        (nn.architecture("deepseek_v3").tiny(),
+         dict(mlp_chunk_elements=64, num_experts=0), "not run over chunks"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            dataclasses.replace(config, **fields)
