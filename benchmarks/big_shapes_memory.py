@@ -20,7 +20,9 @@ full fine-tuning in float32 with AdamW and with ``adamw_8bit``; the models peopl
 QLoRA on one 24 GB GPU (``<model>-qlora-all``: Qwen2.5-14B, Qwen3-14B,
 Mistral-Small-24B, Gemma-3-27B's text model, Qwen2.5-32B, Qwen3-32B), NF4 bases with
 ``quantize_untargeted``, rank 16 on every linear layer; Gemma-3-27B again with
-``model.tied_head_copy: false`` (no transposed copy of the tied head). Batch 1 x 2048
+``model.tied_head_copy: false`` (no transposed copy of the tied head); Qwen2.5-32B and
+Qwen3-32B with ``model.remat_saved_dtype: bfloat16`` (``-bf16-saved``), and with it
+``model.mlp_chunk_elements: 4194304`` and ``adamw_8bit`` (``-24gb``). Batch 1 x 2048
 (``--seqs`` adds lengths planned whole; measured runs 1 x 512), ``nothing_saveable``,
 bfloat16 matmuls, AdamW unless named.
 
@@ -146,6 +148,27 @@ CASES: dict[str, dict[str, Any]] = {
         untargeted=True,
         model={"tied_head_copy": False},
     ),
+    **{
+        f"{name}-qlora-all-bf16-saved": dict(
+            shape=shape,
+            targets="all-linear",
+            quantize="nf4",
+            untargeted=True,
+            model={"remat_saved_dtype": "bfloat16"},
+        )
+        for name, shape in [("qwen2.5-32b", QWEN25_32B), ("qwen3-32b", QWEN3_32B)]
+    },
+    **{
+        f"{name}-qlora-all-24gb": dict(
+            shape=shape,
+            targets="all-linear",
+            quantize="nf4",
+            untargeted=True,
+            model={"remat_saved_dtype": "bfloat16", "mlp_chunk_elements": 1 << 22},
+            optimizer="adamw_8bit",
+        )
+        for name, shape in [("qwen2.5-32b", QWEN25_32B), ("qwen3-32b", QWEN3_32B)]
+    },
     "tinyllama-1.1b-f32-full-adamw": dict(shape=TINYLLAMA_1B, dtype="float32"),
     "tinyllama-1.1b-f32-full-adamw_8bit": dict(
         shape=TINYLLAMA_1B, dtype="float32", optimizer="adamw_8bit"

@@ -12,12 +12,19 @@ per variant:
 - ``no-head-copy``: the default bound, the tied head read from the table
   (``tied_head_copy=False``), for a tied shape.
 
+With ``--remat-saved`` the variants are instead every layer recomputed
+(``remat_policy="nothing_saveable"``): ``nothing-saveable`` (the default bound),
+``bf16-saved`` (``remat_saved_dtype="bfloat16"``: the layer inputs kept as
+bfloat16) and ``bf16-saved-half-bound`` (also ``mlp_chunk_elements`` half the
+bound).
+
 Timed steps alternate between the variants (``--rounds`` rounds, one step of
 each), so a change in the machine's load touches all alike; prints the median
 wall and CPU (user + sys) seconds of each, and the XLA temporaries of each step.
 
     python benchmarks/mlp_chunks_step.py [--shape smollm2|qwen2.5-0.5b]
         [--layers 4] [--batch 1] [--seq 2048] [--rounds 5] [--bound N]
+        [--remat-saved]
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ SHAPES = {
 }  # fmt: skip
 
 
-def build(a: argparse.Namespace, bound: int, head_copy: bool) -> tuple[Any, ...]:
+def build(
+    a: argparse.Namespace, bound: int, head_copy: bool, **fields: Any
+) -> tuple[Any, ...]:
     """The compiled step and its arguments for one variant."""
     import jax
 
@@ -53,7 +62,7 @@ def build(a: argparse.Namespace, bound: int, head_copy: bool) -> tuple[Any, ...]
     from entrenar.nn import losses as nn_losses
 
     cfg = LlamaConfig(**SHAPES[a.shape], num_layers=a.layers, rope_theta=1e4,
-                      matmul_dtype="bfloat16")  # fmt: skip
+                      matmul_dtype="bfloat16", **fields)  # fmt: skip
     params = lora.apply(
         cfg.init(jax.random.key(0)),
         lora.LoRAConfig(rank=16, alpha=32, targets="all-linear", quantize_base="nf4",
@@ -101,11 +110,24 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bound", type=int, default=nn.layers.MLP_CHUNK_ELEMENTS)
+    ap.add_argument("--remat-saved", action="store_true")
     a = ap.parse_args()
-    variants = {"whole": (1 << 62, True), "chunked": (a.bound, True)}
-    if SHAPES[a.shape]["tie_word_embeddings"]:
-        variants["no-head-copy"] = (a.bound, False)
-    built = {k: build(a, *v) for k, v in variants.items()}
+    variants: dict[str, tuple[int, bool, dict[str, Any]]]
+    if a.remat_saved:
+        remat = {"remat_policy": "nothing_saveable"}
+        saved = {**remat, "remat_saved_dtype": "bfloat16"}
+        variants = {
+            "nothing-saveable": (a.bound, True, remat),
+            "bf16-saved": (a.bound, True, saved),
+            "bf16-saved-half-bound": (
+                a.bound, True, {**saved, "mlp_chunk_elements": a.bound // 2}
+            ),
+        }  # fmt: skip
+    else:
+        variants = {"whole": (1 << 62, True, {}), "chunked": (a.bound, True, {})}
+        if SHAPES[a.shape]["tie_word_embeddings"]:
+            variants["no-head-copy"] = (a.bound, False, {})
+    built = {k: build(a, b, h, **f) for k, (b, h, f) in variants.items()}
     wall: dict[str, list[float]] = {k: [] for k in built}
     cpu: dict[str, list[float]] = {k: [] for k in built}
     for r in range(a.rounds + 1):  # round 0: warm-up

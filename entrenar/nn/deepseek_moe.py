@@ -58,7 +58,7 @@ from entrenar.nn.bf16_weight import TiedEmbedding
 from entrenar.nn.decoder_config import as_float
 from entrenar.nn.layers import embedding, gated_mlp, upcast_dtype
 from entrenar.nn.linear import linear
-from entrenar.nn.llama import _DENSE, LlamaConfig
+from entrenar.nn.llama import _DENSE, LlamaConfig, _saved_as
 from entrenar.nn.moe import experts_mlp
 from entrenar.nn.moe_families import moe_from_hf_tensors, moe_to_hf_tensors
 from entrenar.nn.weight_node import to_dense
@@ -108,6 +108,11 @@ class DeepseekMoeConfig(LlamaConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_moe(self)
+        if self.mlp_chunk_elements is not None:  # its dense layers run whole
+            raise ConfigError(
+                f"{type(self).__name__}.mlp_chunk_elements: this family's dense "
+                f"MLPs are not run over chunks of tokens; remove it"
+            )
 
     # ------------------------------------------------------------------ shapes
     def is_moe_layer(self, i: int) -> bool:
@@ -193,9 +198,18 @@ class DeepseekMoeConfig(LlamaConfig):
             step: Callable[..., Any] = functools.partial(
                 self._layer, i, rope, mask, pos, kernel
             )
-            if cache is None:  # (decoding: no remat)
-                step = self._remat(step)
-            h, kv = step(lp, h, kv)
+            if cache is None and self.remat_saved_dtype is not None:
+                # the layer kept as bf16(h) (`_saved_as`); rope and mask its arguments
+                def layer(shared: Any, h: jax.Array, lp: Params, i: int = i) -> Any:
+                    rope, mask = shared
+                    return self._layer(i, rope, mask, None, kernel, lp, h, None)
+
+                saved = _saved_as(layer, self.remat_saved_dtype, self.dtype)
+                h, kv = saved((rope, mask), h, lp)
+            else:
+                if cache is None:  # (decoding: no remat)
+                    step = self._remat(step)
+                h, kv = step(lp, h, kv)
             hidden.append(h)
         stacked = jnp.stack(hidden) if return_hidden else None  # (L + 1, B, T, D)
         return h, (kv, stacked, None)

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from entrenar.errors import ConfigError, ShapeError, UnsupportedError
 from entrenar.nn.attention import (
@@ -80,6 +81,8 @@ REMAT_POLICIES = (
     "dots_with_no_batch_dims_saveable",
 )
 """`jax.checkpoint_policies` names `LlamaConfig.remat_policy` accepts."""
+REMAT_SAVED_DTYPES = ("bfloat16",)
+"""`LlamaConfig.remat_saved_dtype`'s values (None: the layer input in ``dtype``)."""
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": silu,
@@ -145,6 +148,24 @@ class LlamaConfig:
             input gradient is faster from it); False: a bfloat16 table is the
             head itself, read ``(V, D)``, and no copy is held (Gemma-3-27B:
             2.82 GB; the step slower, benchmarks/results/big_shapes.md).
+        remat_saved_dtype: None (the default), or ``"bfloat16"``: with every
+            layer wholly recomputed (``remat_policy`` ``"nothing_saveable"``, or
+            ``remat`` without a policy), the one activation a layer keeps for the
+            backward pass, its input ``h: (B, T, D)`` (the residual stream), is
+            kept rounded to bfloat16 instead of in ``dtype``: ``L x B x T x D x 2``
+            bytes instead of ``x 4`` (Qwen2.5-32B at 1 x 2048: 1.34 GB less),
+            what gradient checkpointing of a bfloat16 model keeps (PEFT).
+            The forward pass, the loss and the residual stream itself are
+            unchanged (float32); the backward pass recomputes each layer from
+            the rounded input, so gradients are those of the layer at
+            ``bf16(h)``: a relative perturbation of ``h`` of at most 2^-9
+            (`_saved_as`; specs/models.md).
+        mlp_chunk_elements: a dense MLP runs over chunks of tokens of at most this
+            ``tokens x I`` (`entrenar.nn.layers.token_chunked`); None: its
+            default, `entrenar.nn.layers.MLP_CHUNK_ELEMENTS` (2^23). Lower: less
+            memory in the backward pass (Qwen2.5-32B at 1 x 2048, 2^22: 14 chunks
+            instead of 7, 0.11 GB less), more dequantization of NF4 weights (each
+            chunk's recomputation dequantizes the MLP's). The values are the same.
         architecture: the registry name of the family (``"llama"``, ``"qwen2"``,
             ...); `to_hf_config` writes that family's ``config.json``.
         hf_wrapper: the vision-language ``model_type`` (``"gemma3"``,
@@ -319,6 +340,8 @@ class LlamaConfig:
     matmul_dtype: str | None = None
     remat_policy: str | None = None
     tied_head_copy: bool = True
+    remat_saved_dtype: str | None = None
+    mlp_chunk_elements: int | None = None
     architecture: str = "llama"
     hf_wrapper: str | None = None
     rope_type: str = "default"
@@ -415,6 +438,8 @@ class LlamaConfig:
                 f"LlamaConfig.remat_policy must be None or one of {REMAT_POLICIES} "
                 f"(jax.checkpoint_policies), got {self.remat_policy!r}"
             )
+        _check_remat_saved(self)
+        _check_mlp_chunks(self)
         check_switches(self)
         _check_experts(self)
         if self.hf_wrapper is not None and self.hf_wrapper not in WRAPPERS:
@@ -607,7 +632,8 @@ class LlamaConfig:
         """``layer`` rematerialised as ``remat`` / ``remat_policy`` ask (or as is).
 
         A ``dots*`` policy also saves the attention kernel's named outputs
-        (`ATTENTION_NAME`): attention is a product too.
+        (`ATTENTION_NAME`): attention is a product too. (``remat_saved_dtype``
+        takes `_saved_as` instead, in `_layers`.)
         """
         if self.remat_policy is not None:
             policy = getattr(jax.checkpoint_policies, self.remat_policy)
@@ -949,13 +975,18 @@ class LlamaConfig:
         if fused is not _DENSE and cache is None:
             kernel_mask = (True, self.sliding_window if every and not mixed else None)
 
-        def layer(carry: Any, xs: Any) -> tuple[Any, Any]:
+        local_rope = ropes[1] is not ropes[0]
+        # the arrays every layer reads, an argument of `_saved_as`'s custom_vjp
+        shared = (masks, ropes, q_scale, None if fused is _DENSE else fused)
+
+        def step(shared: Any, carry: Any, xs: Any) -> tuple[Any, Any]:
+            masks, ropes, q_scale, fused = shared
             lp, index, (slide, no_rope, jitter) = xs
             h, kv = (carry, None) if cache is None else (carry[0], carry[1:])
             mask, tables = masks[every], ropes[every]
             if mixed:  # this layer's mask and rotary tables
                 mask = jnp.where(slide, masks[1], masks[0])
-                if ropes[1] is not ropes[0]:
+                if local_rope:
                     cos, sin = (
                         jnp.where(slide, local, full) for full, local in zip(*ropes)
                     )
@@ -987,7 +1018,13 @@ class LlamaConfig:
             ys = (h if return_hidden else None, logits if router else None)
             return (h if kv is None else (h, *kv)), ys
 
-        if cache is None:  # (decoding: no remat)
+        def layer(carry: Any, xs: Any) -> tuple[Any, Any]:
+            return step(shared, carry, xs)
+
+        if cache is None and self.remat_saved_dtype is not None:
+            saved = _saved_as(step, self.remat_saved_dtype, self.dtype)
+            layer = functools.partial(saved, shared)
+        elif cache is None:  # (decoding: no remat)
             layer = self._remat(layer)
         h0 = h
         if cache is None:
@@ -1073,7 +1110,8 @@ class LlamaConfig:
         """
         if not self.num_experts:
             mlp = functools.partial(self._mlp, mp)
-            return token_chunked(mlp, x, self.intermediate_size), None
+            width = self.intermediate_size
+            return token_chunked(mlp, x, width, self.mlp_chunk_elements), None
         if jitter is not None:  # Mixtral: router and experts read the jittered x
             key = jax.random.wrap_key_data(jitter)
             x = router_jitter(x, self.router_jitter_noise, key)
@@ -1309,6 +1347,122 @@ def _check_experts(c: LlamaConfig) -> None:
             "LlamaConfig.num_experts > 0 takes unfused, bias-free experts; set "
             "fused_gate_up=False and mlp_bias=False"
         )
+
+
+def _check_remat_saved(config: LlamaConfig) -> None:
+    """``remat_saved_dtype``: None, or bfloat16 with every layer recomputed."""
+    saved = config.remat_saved_dtype
+    if saved is None:
+        return
+    if saved not in REMAT_SAVED_DTYPES:
+        raise ConfigError(
+            f"LlamaConfig.remat_saved_dtype must be None or one of "
+            f"{REMAT_SAVED_DTYPES}, got {saved!r}"
+        )
+    whole = config.remat_policy == "nothing_saveable" or (
+        config.remat and config.remat_policy is None
+    )
+    if not whole:
+        raise ConfigError(
+            f"LlamaConfig.remat_saved_dtype {saved!r} rounds the input that a wholly "
+            f"recomputed layer keeps; it needs remat_policy 'nothing_saveable' (or "
+            f"remat without a policy), got remat_policy {config.remat_policy!r}, "
+            f"remat {config.remat}"
+        )
+    if config.dtype != "float32":
+        raise ConfigError(
+            f"LlamaConfig.remat_saved_dtype {saved!r} rounds a float32 residual "
+            f"stream; with dtype {config.dtype!r} the layer input is already "
+            f"{config.dtype}: remove remat_saved_dtype"
+        )
+
+
+def _check_mlp_chunks(config: LlamaConfig) -> None:
+    """``mlp_chunk_elements``: None, or a positive bound on a dense MLP's chunks."""
+    n = config.mlp_chunk_elements
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ConfigError(
+            f"LlamaConfig.mlp_chunk_elements must be None or a positive int, got {n!r}"
+        )
+    if config.num_experts:
+        raise ConfigError(
+            f"LlamaConfig.mlp_chunk_elements bounds a dense MLP's chunks of tokens; "
+            f"this model's MLPs are mixtures of {config.num_experts} experts: remove "
+            f"it"
+        )
+
+
+def _saved_as(
+    layer: Callable[[Any, jax.Array, Any], Any], saved: str, dtype: str
+) -> Callable[[Any, jax.Array, Any], Any]:
+    """``layer(shared, h, xs)``, recomputed in the backward pass from ``bf16(h)``.
+
+    A `jax.custom_vjp` whose forward pass is ``layer`` itself (the same values)
+    and whose residuals are ``h: (B, T, D)`` rounded to ``saved`` and the
+    arguments as they are: ``shared`` (the masks and rotary tables every layer
+    reads; arguments, not closed over, which a custom_vjp cannot do with
+    traced values) and ``xs`` (the layer's slice of the stacked parameters,
+    which the scan forwards rather than copies). The backward pass is
+    ``jax.vjp(layer, shared, h', xs)`` at ``h' = dtype(saved(h))``: the layer's
+    Jacobian at ``h'`` instead of ``h`` (``|h' - h| <= 2^-9 |h|`` element-wise
+    for bfloat16) applied to exact incoming cotangents, so the residual
+    connection's identity passes them through unchanged and only the attention
+    and MLP branches see the rounding. That is `jax.checkpoint` with
+    ``nothing_saveable`` with the saved input at half the bytes, as gradient
+    checkpointing of a bfloat16 model keeps it (PEFT on a bfloat16 model).
+    """
+    low, high = jnp.dtype(saved), jnp.dtype(dtype)
+    bits = jnp.dtype(f"uint{8 * low.itemsize}")
+    primal = lambda x: isinstance(x, CustomVJPPrimal)  # noqa: E731
+    empty = lambda x: x is None  # noqa: E731
+
+    @jax.custom_vjp
+    def run(shared: Any, h: jax.Array, xs: Any) -> Any:
+        return layer(shared, h, xs)
+
+    def forward(shared: Any, h: Any, xs: Any) -> tuple[Any, Any]:
+        args = (shared, xs)
+        value = jax.tree.map(lambda p: p.value, args, is_leaf=primal)
+        # the arguments split by whether they are differentiated (the adapters)
+        # or not (the frozen base: its codes, scales, norms; masks, tables), so
+        # that the backward pass differentiates the layer in the former only
+        moving = jax.tree.map(lambda p: p.value if p.perturbed else None, args,
+                              is_leaf=primal)  # fmt: skip
+        fixed = jax.tree.map(lambda p: None if p.perturbed else p.value, args,
+                             is_leaf=primal)  # fmt: skip
+        # kept as the rounded values' bit patterns: XLA:CPU turns a scan's stack
+        # of bfloat16 residuals into a float32 one (converting where it is
+        # written and read), which it cannot do to integers
+        kept = jax.lax.bitcast_convert_type(h.value.astype(low), bits)  # (B, T, D)
+        return layer(value[0], h.value, value[1]), (kept, moving, fixed)
+
+    def backward(res: Any, ct: Any) -> Any:
+        kept, moving, fixed = res
+        ct = jax.tree.map(_instantiate, ct, is_leaf=_symbolic)
+        h = jax.lax.bitcast_convert_type(kept, low).astype(high)
+
+        def differentiated(h: jax.Array, moving: Any) -> Any:
+            shared, xs = jax.tree.map(lambda m, f: f if m is None else m,
+                                      moving, fixed, is_leaf=empty)  # fmt: skip
+            return layer(shared, h, xs)
+
+        _, vjp = jax.vjp(differentiated, h, moving)
+        dh, dmoving = vjp(ct)
+        return (dmoving[0], dh, dmoving[1])  # None: no cotangent (not differentiated)
+
+    run.defvjp(forward, backward, symbolic_zeros=True)
+    return run
+
+
+def _symbolic(x: Any) -> bool:
+    return isinstance(x, SymbolicZero)
+
+
+def _instantiate(x: Any) -> Any:
+    """A `SymbolicZero` cotangent as zeros (others as they are)."""
+    return jnp.zeros(x.shape, x.dtype) if isinstance(x, SymbolicZero) else x
 
 
 def _layer_keys(key: Any, n: int) -> jax.Array | None:

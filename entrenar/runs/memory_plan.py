@@ -231,7 +231,8 @@ def refusal(plan: MemoryPlan) -> str:
         f"training.max_memory: this run needs about {gb(plan.peak)} at its peak "
         f"({phase}), over the budget of {gb(plan.budget)}. Parts: {parts}. To fit, "
         "lower data.batch_size or data.seq_len (activations), set "
-        "model.remat_policy (e.g. nothing_saveable: keep fewer activations), "
+        "model.remat_policy (e.g. nothing_saveable: keep fewer activations; "
+        "with it model.remat_saved_dtype: bfloat16 keeps them in half), "
         "lora.quantize_base: nf4 or model.keep_quantized: true (4-bit bases; with "
         "lora.quantize_untargeted: true also the weights no target adapts), fewer "
         "lora.targets or a lower lora.rank (adapters, optimizer), model.dtype: "
@@ -434,7 +435,10 @@ def _step_bytes(
     what = f"batch {d.batch_size * spec.training.grad_accum} x "
     what += f"{d.seq_len}" if built.is_lm else f"{built.config.sizes[0]} features"
     if built.is_decoder:
-        what += f", remat {config.remat_policy or 'none'}, matmul "
+        what += f", remat {config.remat_policy or 'none'}"
+        if config.remat_saved_dtype is not None:
+            what += f" (inputs kept in {config.remat_saved_dtype})"
+        what += ", matmul "
         what += f"{config.matmul_dtype or 'float32'}"
     if cfg.compute_dtype:
         what += f", compute {cfg.compute_dtype}"

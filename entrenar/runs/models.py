@@ -415,17 +415,24 @@ def build_model(
 
 
 def with_precision(built: BuiltModel, section: ModelSection) -> BuiltModel:
-    """Apply ``matmul_dtype``, ``remat_policy``, ``tied_head_copy`` (LlamaConfig's)."""
+    """Apply the LlamaConfig options of ``model`` (``matmul_dtype`` and others).
+
+    ``matmul_dtype``, ``remat_policy``, ``tied_head_copy``, ``remat_saved_dtype``,
+    ``mlp_chunk_elements``.
+    """
     if (
         section.matmul_dtype == "float32"
         and section.remat_policy is None
         and section.tied_head_copy
+        and section.remat_saved_dtype is None
+        and section.mlp_chunk_elements is None
     ):
         return built
     if not built.is_decoder:
         raise ConfigError(
-            f"model.matmul_dtype / model.remat_policy / model.tied_head_copy apply "
-            f"to a Llama-style decoder "
+            f"model.matmul_dtype / model.remat_policy / model.tied_head_copy / "
+            f"model.remat_saved_dtype / model.mlp_chunk_elements apply to a "
+            f"Llama-style decoder "
             f"(llama, qwen2, ...), not {built.architecture}; remove them"
         )
     md = section.matmul_dtype
@@ -436,6 +443,8 @@ def with_precision(built: BuiltModel, section: ModelSection) -> BuiltModel:
             matmul_dtype=None if matmul_dtype == "float32" else matmul_dtype,
             remat_policy=section.remat_policy,
             tied_head_copy=section.tied_head_copy,
+            remat_saved_dtype=section.remat_saved_dtype,
+            mlp_chunk_elements=section.mlp_chunk_elements,
         )
     except ConfigError as e:
         raise ConfigError(f"model: {e}") from None
