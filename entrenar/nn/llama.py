@@ -158,8 +158,8 @@ class LlamaConfig:
             The forward pass, the loss and the residual stream itself are
             unchanged (float32); the backward pass recomputes each layer from
             the rounded input, so gradients are those of the layer at
-            ``bf16(h)``: a relative perturbation of ``h`` of at most 2^-9
-            (`_saved_as`; specs/models.md).
+            ``bf16(h)``: a relative perturbation of ``h`` of at most 2^-9, which
+            sharp attention can amplify (`_saved_as`; specs/models.md).
         mlp_chunk_elements: a dense MLP runs over chunks of tokens of at most this
             ``tokens x I`` (`entrenar.nn.layers.token_chunked`); None: its
             default, `entrenar.nn.layers.MLP_CHUNK_ELEMENTS` (2^23). Lower: less
