@@ -18,6 +18,7 @@ from entrenar import nn
 from entrenar.errors import FormatError, UnsupportedError
 from entrenar.io.gguf_families import FAMILY_KEY, written_name
 from entrenar.io.gguf_reader import GGUFFile, GGUFValueType
+from entrenar.io.hf_folder import check_field_types
 
 INT_LIMITS = {
     "vocab_size": 1 << 24,
@@ -103,8 +104,9 @@ def family_fields(g: GGUFFile, name: str, allowed: Collection[str]) -> dict[str,
     ``general.architecture`` ``name``.
 
     Raises:
-        FormatError: not a JSON object of ``allowed``, or another architecture's
-            family (or none entrenar knows).
+        FormatError: not a JSON object of ``allowed``, another architecture's
+            family (or none entrenar knows), or a value not of its field's type
+            (`check_field_types`).
     """
     f = g.fields.get(FAMILY_KEY)
     if f is None:
@@ -129,4 +131,7 @@ def family_fields(g: GGUFFile, name: str, allowed: Collection[str]) -> dict[str,
                 f"{g.path}: metadata {FAMILY_KEY!r} names family {family!r}, which "
                 f"is not written as general.architecture {name!r}"
             )
+    else:
+        arch = nn.architecture_for_gguf(name, g.path)
+    check_field_types(arch.config_class, value, f"{g.path}: metadata {FAMILY_KEY!r}")
     return value

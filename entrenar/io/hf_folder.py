@@ -235,37 +235,113 @@ def check_hf_counts(hf: Mapping[str, Any], path: str, prefix: str = "") -> None:
                 )
 
 
-def check_config_values(config: Any, path: str) -> None:
-    """Refuse a config whose numbers no checkpoint has, before anything uses them.
+Kinds = list[tuple[tuple[type, ...], tuple[type, ...]]]
+"""A field's types, each with the types of its items when it is a tuple (`_kinds`)."""
+_KINDS: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+    "None": (type(None),),
+}
 
-    Every float field (and float in a tuple field) must be finite: a NaN YaRN
-    ``beta_fast`` or an infinite Llama 4 ``llama_4_scaling_beta`` gave NaN logits
-    from a load that succeeded. Every integer must lie below ``2**31``, and the
-    counts of `COUNT_LIMITS` below their limit: a ``n_routed_experts`` or
-    ``num_hidden_layers`` of 10^9 had the load build a name per expert or layer
-    (minutes, gigabytes) before any tensor's shape was compared. No integer
-    field is negative (none has a negative meaning; `check_hf_counts` names the
-    ``config.json`` keys the families read, this catches every field).
+
+def _kinds(annotation: str) -> Kinds | None:
+    """A field's annotation as ``[(types, element types of a tuple)]``, or None.
+
+    None: not one of the plain forms configs use (``int``, ``float | None``,
+    ``tuple[str, ...] | None``, ...); such a field is left unchecked.
+    """
+    out: Kinds = []
+    for part in (a.strip() for a in annotation.split("|")):
+        inner = part.removeprefix("tuple[").removesuffix(", ...]")
+        if part.startswith("tuple[") and inner in _KINDS:
+            out.append(((tuple,), _KINDS[inner]))
+        elif part in _KINDS:
+            out.append((_KINDS[part], ()))
+        else:
+            return None
+    return out
+
+
+def _fits(x: Any, kinds: Kinds) -> bool:
+    """Whether ``x`` is of one of ``kinds`` (a bool is no int or float here)."""
+    value: Any = x  # (isinstance below would narrow x to object)
+    for types, items in kinds:
+        if not isinstance(x, types) or (isinstance(x, bool) and bool not in types):
+            continue
+        elems: tuple[Any, ...] = value if items else ()  # (a tuple then)
+        if all(
+            isinstance(v, items) and (bool in items or not isinstance(v, bool))
+            for v in elems
+        ):
+            return True
+    return False
+
+
+def check_field_types(cls: type, values: Mapping[str, Any], where: str) -> None:
+    """Refuse a value of ``values`` (config fields by name) not of its field's type.
+
+    A list stands for a tuple (JSON has no tuples).
+
+    Raises:
+        FormatError: naming ``where``, the field, its value and the type wanted.
+    """
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        kinds = _kinds(types[key]) if key in types else None
+        as_read = tuple(value) if isinstance(value, list) else value
+        if kinds is not None and not _fits(as_read, kinds):
+            raise FormatError(
+                f"{where}: {key} = {value!r:.60} is not {types[key]}; the file is "
+                "corrupt"
+            )
+
+
+def check_config_values(
+    config: Any, path: str, source: str = "the config.json"
+) -> None:
+    """Refuse a config whose values no checkpoint has, before anything uses them.
+
+    Every field must hold its annotated type (a string or a list where a number
+    belongs came through a GGUF file's ``entrenar.family`` object, loaded, and
+    crashed the first forward pass). Every float field (and float in a tuple
+    field) must be finite: a NaN YaRN ``beta_fast`` or an infinite Llama 4
+    ``llama_4_scaling_beta`` gave NaN logits from a load that succeeded. Every
+    integer must lie in ``[0, 2**31)``, and the counts of `COUNT_LIMITS` below
+    their limit: a ``n_routed_experts`` or ``num_hidden_layers`` of 10^9 had the
+    load build a name per expert or layer (minutes, gigabytes) before any
+    tensor's shape was compared. No integer field is negative (none has a
+    negative meaning; `check_hf_counts` names the ``config.json`` keys the
+    families read, this catches every field). ``source`` names what the config
+    was read from, for the message.
 
     Raises:
         FormatError: naming ``path``, the field and its value.
     """
+    name = type(config).__name__
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
+        kinds = _kinds(str(f.type))
+        if kinds is not None and not _fits(value, kinds):
+            raise FormatError(
+                f"{path}: {name}.{f.name} = {value!r:.60} is not {f.type}; "
+                f"{source} is corrupt"
+            )
         limit = COUNT_LIMITS.get(f.name, (1 << 31) - 1)
         for x in value if isinstance(value, tuple) else (value,):
             if isinstance(x, bool):
                 continue
             if isinstance(x, float) and not math.isfinite(x):
                 raise FormatError(
-                    f"{path}: {type(config).__name__}.{f.name} = {x!r}: want a "
-                    "finite number; the config.json is corrupt"
+                    f"{path}: {name}.{f.name} = {x!r}: want a finite number; "
+                    f"{source} is corrupt"
                 )
             if isinstance(x, int) and not 0 <= x <= limit:
                 what = "negative" if x < 0 else f"over the limit of {limit}"
                 raise FormatError(
-                    f"{path}: {type(config).__name__}.{f.name} = {x} is {what}; "
-                    "the config.json is corrupt or not a model entrenar can load"
+                    f"{path}: {name}.{f.name} = {x} is {what}; {source} is corrupt "
+                    "or not a model entrenar can load"
                 )
 
 
@@ -784,6 +860,7 @@ __all__ = [
     "HF_COUNTS",
     "HFFolder",
     "check_config_values",
+    "check_field_types",
     "check_hf_counts",
     "load_hf_folder",
     "load_hf_llama",

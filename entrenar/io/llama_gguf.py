@@ -91,6 +91,7 @@ from entrenar.io.glm4moe_gguf import (
     glm4moe_config_from_gguf,
 )
 from entrenar.io.heap import bound_heap, host_buffer, to_device, trim_heap
+from entrenar.io.hf_folder import check_config_values
 from entrenar.io.read_ahead import ReadAhead
 from entrenar.io.tokenizer import BPETokenizer
 from entrenar.nn import LlamaConfig
@@ -446,7 +447,9 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
 
     Every integer is checked against `INT_LIMITS`, every float against
     `FLOAT_RANGES`, and the shapes against each other (heads divide the width, KV
-    heads divide the heads, an even head dimension).
+    heads divide the heads, an even head dimension); the config built, every field
+    is checked as a ``config.json``'s are (`check_config_values`: its type, finite
+    floats, integers in range), the fields ``entrenar.family`` gives included.
 
     Raises:
         FormatError: missing, out-of-range or inconsistent fields (named in the
@@ -454,6 +457,13 @@ def llama_config_from_gguf(g: GGUFFile) -> LlamaConfig:
         UnsupportedError: an architecture entrenar does not implement, a rope
             scaling or partial rotary.
     """
+    config = _config_from_gguf(g)
+    check_config_values(config, g.path, "the GGUF metadata")
+    return config
+
+
+def _config_from_gguf(g: GGUFFile) -> LlamaConfig:
+    """`llama_config_from_gguf` before its values are checked."""
     name = _arch_name(g)
     arch = nn.architecture_for_gguf(name, g.path)
     if name == "deepseek2":  # DeepSeek-V2/V3's latent attention: its own keys

@@ -439,7 +439,8 @@ def load_adapter(
         ``base_params`` with every adapted weight a `LoRAWeight` (adapters float32).
 
     Raises:
-        FormatError: a missing, corrupt or malformed file.
+        FormatError: a missing, corrupt or malformed file, or an adapter tensor
+            holding NaN or Inf (named).
         CompatibilityError: names, shapes or ranks that do not fit the base; the
             message lists every mismatch.
         UnsupportedError: a setting PEFT's forward depends on that entrenar does
@@ -478,7 +479,9 @@ def load_adapter(
         )
     out_leaves = list(flat)
     for k, layers in per_leaf.items():
-        out_leaves[k] = _lora_leaf(flat[k], names[k], layers, found, cfg, stacked_keys)
+        out_leaves[k] = _lora_leaf(
+            flat[k], names[k], layers, found, cfg, stacked_keys, wfile
+        )
     return jax.tree_util.tree_unflatten(treedef, out_leaves)
 
 
@@ -605,6 +608,21 @@ def _place_modules(
     return per_leaf
 
 
+def _finite(x: Any, file: str, module: str, part: str) -> np.ndarray:
+    """``x`` as float32, or `FormatError` when it holds NaN or Inf.
+
+    A non-finite adapter value makes every output of its module NaN (PEFT loads
+    it so); the adapter file is corrupt, or saved from a run that diverged.
+    """
+    v = np.asarray(x, dtype=np.float32)
+    if not np.isfinite(v).all():
+        raise FormatError(
+            f"{file}: {module}.{part} holds NaN or Inf; the adapter is corrupt or "
+            "was saved from a run that diverged (use an earlier checkpoint)"
+        )
+    return v
+
+
 def _lora_leaf(
     base: Any,
     name: str,
@@ -612,8 +630,12 @@ def _lora_leaf(
     found: dict[str, dict[str, Any]],
     cfg: dict[str, Any],
     stacked_keys: tuple[str, ...],
+    file: str,
 ) -> LoRAWeight:
     """The `LoRAWeight` over ``base`` from its modules' A and B (``{layer: module}``).
+
+    Raises:
+        FormatError: a tensor of ``file`` holding NaN or Inf (`_finite`).
 
     A layer of a stacked leaf without tensors gets ``A = 0``, ``B = 0``: its update
     ``s·BA`` is zero as in PEFT, and stays zero in training (both gradients,
@@ -641,8 +663,8 @@ def _lora_leaf(
     a = np.zeros((n, big, fan_in), np.float32)  # (L, R, in), zero past each r_i
     b = np.zeros((n, out, big), np.float32)  # (L, out, R)
     for j, m in layers.items():
-        a[j, : rank_of[j]] = np.asarray(found[m]["A"], dtype=np.float32)
-        b[j, :, : rank_of[j]] = np.asarray(found[m]["B"], dtype=np.float32)
+        a[j, : rank_of[j]] = _finite(found[m]["A"], file, m, "lora_A")
+        b[j, :, : rank_of[j]] = _finite(found[m]["B"], file, m, "lora_B")
     if stacked_split(name, stacked_keys) is None:
         a, b = a[0], b[0]  # (r, in), (out, r)
     node = LoRAWeight(
@@ -660,7 +682,7 @@ def _lora_leaf(
     # the layers without tensors
     mag = np.array(eager_dora_norm(node), np.float32).reshape(n, out)
     for j, m in layers.items():
-        mag[j] = np.asarray(found[m][MAGNITUDE], dtype=np.float32)
+        mag[j] = _finite(found[m][MAGNITUDE], file, m, "lora_magnitude_vector")
     lead = tuple(node.a.shape[:-2])
     return node.replace(magnitude=jax.numpy.asarray(mag.reshape(*lead, out)))
 

@@ -9,6 +9,7 @@ files in tests/io/test_gguf_moe.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from entrenar import io, nn, quant
-from entrenar.errors import ConfigError, UnsupportedError
+from entrenar.errors import ConfigError, FormatError, UnsupportedError
 from entrenar.io.deepseek_gguf import (
     gguf_tensor_names,
     join_kv_b,
@@ -269,6 +270,27 @@ def test_a_deepseek2_file_entrenar_cannot_read_is_refused(
 ):
     path = _rewritten(tmp_path, fields, drop)
     with pytest.raises(UnsupportedError, match=match):
+        io.load_llama_gguf(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [  # each loaded before: NaN logits, or a crash in the first forward pass
+        ("rope_mscale_all_dim", math.nan, "rope_mscale_all_dim = nan: want a finite"),
+        ("rope_factor", math.inf, "rope_factor = inf: want a finite"),
+        ("rope_original_max_position_embeddings", -1, "embeddings = -1 is negative"),
+        ("rope_mscale_all_dim", "x", "rope_mscale_all_dim = 'x' is not float"),
+        # each refused, but as "'>' not supported between instances of ..."
+        ("n_group", [4], r"n_group = \[4\] is not int"),
+        ("topk_group", None, "topk_group = None is not int"),
+    ],
+)
+def test_entrenars_family_object_holds_only_sound_values(key, value, match, tmp_path):
+    g = io.read_gguf(_rewritten(tmp_path))
+    family = json.loads(g.fields[FAMILY_KEY].value) | {key: value}
+    text = GGUFField(json.dumps(family), GGUFValueType.STRING)
+    path = _rewritten(tmp_path, {FAMILY_KEY: text})
+    with pytest.raises(FormatError, match=rf"x\.gguf: .*{match}"):
         io.load_llama_gguf(path)
 
 

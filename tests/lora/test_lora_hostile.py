@@ -116,6 +116,27 @@ def test_two_adapters_in_one_file_are_refused_not_mixed(tmp_path):
     assert other in str(e.value)
 
 
+@pytest.mark.parametrize("part", ["lora_A", "lora_B"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_an_adapter_tensor_with_nan_or_inf_is_refused_naming_it(tmp_path, part, value):
+    """It loaded before, and every output of its module was NaN."""
+    from safetensors.numpy import load_file, save_file
+
+    base = make_params()
+    lora.save_adapter(lora.apply(base, CFG, key=jax.random.key(0)), tmp_path)
+    file = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(file)
+    name = next(k for k in tensors if k.endswith(f".{part}.weight"))
+    tensors[name] = tensors[name].copy()
+    tensors[name].flat[-1] = value
+    save_file(tensors, file)
+    module = name.removeprefix("base_model.model.").removesuffix(f".{part}.weight")
+    with pytest.raises(
+        FormatError, match=rf"safetensors: {re.escape(module)}\.{part} "
+    ):
+        lora.load_adapter(tmp_path, base)
+
+
 def test_saved_rank_patterns_still_load(tmp_path):
     base = make_params()
     lp = lora.apply(base, CFG, key=jax.random.key(1))
