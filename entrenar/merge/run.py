@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import shutil
 import warnings
@@ -42,6 +41,8 @@ from entrenar.io import (
     save_safetensors,
     unflatten_params,
 )
+from entrenar.io.bounded import MAX_CONFIG_BYTES, read_json
+from entrenar.io.hf_folder import MAX_INDEX_BYTES
 from entrenar.io.hf_mxfp4 import (
     MXFP4Stack,
     mxfp4_stacks,
@@ -93,6 +94,22 @@ class Source:
     mxfp4: bool = False  # a folder whose expert stacks are MXFP4 pairs
 
 
+def _json_object(path: str, where: str, max_bytes: int) -> dict[str, Any]:
+    """``path``'s JSON object, read within `entrenar.io.bounded`'s limits.
+
+    Raises:
+        FormatError: a file over ``max_bytes``, too deep, not JSON or not an
+            object, naming ``where`` (the recipe key) and the file.
+    """
+    try:
+        value = read_json(path, max_bytes=max_bytes)
+    except FormatError as e:
+        raise FormatError(f"{where}{e}") from None
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}{path}: want a JSON object")
+    return value
+
+
 def _open_folder(folder: str, where: str) -> Source:
     """A Hugging Face folder: ``model.safetensors`` or the shards of its index.
 
@@ -102,13 +119,9 @@ def _open_folder(folder: str, where: str) -> Source:
     """
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-        except (ValueError, AttributeError, RecursionError):
-            raise FormatError(f"{where}{index}: not a safetensors index") from None
+        weight_map = _json_object(index, where, MAX_INDEX_BYTES).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise FormatError(f"{index}: 'weight_map' must map names to files")
+            raise FormatError(f"{where}{index}: 'weight_map' must map names to files")
         files = sorted({str(v) for v in weight_map.values()})
     elif os.path.isfile(os.path.join(folder, "model.safetensors")):
         files = ["model.safetensors"]
@@ -128,11 +141,7 @@ def _open_folder(folder: str, where: str) -> Source:
     arch = "custom"
     cfg = os.path.join(folder, "config.json")
     if os.path.exists(cfg):
-        try:
-            with open(cfg, encoding="utf-8") as f:
-                arch = str(json.load(f).get("model_type", arch))
-        except (ValueError, AttributeError, RecursionError):
-            raise FormatError(f"{where}{cfg}: not a JSON object") from None
+        arch = str(_json_object(cfg, where, MAX_CONFIG_BYTES).get("model_type", arch))
     meta = ModelMetadata(os.path.basename(os.path.normpath(folder)), arch)
     stacks = read_mxfp4_stacks(leaves, f"{where}{folder}")
     mxfp4 = any(isinstance(v, MXFP4Stack) for v in stacks.values())

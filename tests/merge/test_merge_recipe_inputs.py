@@ -77,14 +77,17 @@ def test_a_missing_shard_and_unreadable_folder_files_name_the_key(folder):
     with pytest.raises(FormatError, match=r"models\[1\]\.model: .*'shard-1"):
         _run(folder, doc)
     index.write_text("[" * 100_000 + "]" * 100_000)  # RecursionError in json
-    with pytest.raises(FormatError, match="not a safetensors index"):
+    with pytest.raises(FormatError, match=r"models\[1\]\.model: .*nests deeper"):
         _run(folder, doc)
+    index.write_text(json.dumps({"weight_map": {}}) + " " * (16 << 20))  # 16 MiB +
+    with pytest.raises(FormatError, match=r"models\[1\]\.model: .*over the file"):
+        _run(folder, doc)  # (was read whole: json.load had no bound)
     index.unlink()
     (folder / "hf" / "model.safetensors").write_bytes(
         (folder / "a.safetensors").read_bytes()
     )
     (folder / "hf" / "config.json").write_bytes(b'{"model_type": "\xff"}')
-    with pytest.raises(FormatError, match=r"config\.json: not a JSON object"):
+    with pytest.raises(FormatError, match=r"config\.json line 1.*not UTF-8"):
         _run(folder, doc)
     (folder / "hf" / "config.json").write_text('{"model_type": "custom"}')
     model, _ = _run(folder, doc)
