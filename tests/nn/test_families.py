@@ -43,6 +43,11 @@ TARGETS = {
     "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
     "glm4_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],  # the same conversion
 }
+# This module's programs (every family's tiny model, float32, checked against torch
+# at 1e-4) compile with XLA:CPU's elemental IR emitter for loop fusions instead of
+# the fusion emitters: 40-60% less compile time (QUALITY.md, "Where the suite's time
+# goes"). Per program, unlike XLA_FLAGS: every other test compiles as users do.
+QUICK = {"xla_cpu_use_fusion_emitters": False}
 LANGUAGE_MODELS = [a for a in nn.architectures() if a.hf_class is not None]
 FAMILIES = [a for a in LANGUAGE_MODELS if a.name not in KNOWN_GAPS]
 
@@ -120,7 +125,8 @@ def test_logits_equal_transformers(family):
     config, params, hf_dict, state = family
     tokens, mask = _batch(config.vocab_size)
     want = _torch_logits(_hf_model(hf_dict, state), tokens, mask)
-    got = jax.jit(config.apply)(params, jnp.asarray(tokens), mask=jnp.asarray(mask))
+    apply = jax.jit(config.apply, compiler_options=QUICK)
+    got = apply(params, jnp.asarray(tokens), mask=jnp.asarray(mask))
     got = np.asarray(got)
     assert np.abs(want[mask]).max() > 0.5  # not a degenerate model
     np.testing.assert_allclose(got[mask], want[mask], atol=TOL, rtol=TOL)
@@ -131,7 +137,7 @@ def test_cached_generation_equals_transformers(family):
     tokens, _ = _batch(config.vocab_size)
     model = _hf_model(hf_dict, state)  # fresh: dynamic rope keeps no state
     cache_hf = transformers.DynamicCache(config=model.config)
-    step = jax.jit(config.apply_cached)
+    step = jax.jit(config.apply_cached, compiler_options=QUICK)
     cache = config.init_cache(2, T)
     got, want = [], []
     for t0, t1 in [(0, 5), *((t, t + 1) for t in range(5, T))]:  # prefill, steps
@@ -168,9 +174,15 @@ def adapted(family, tmp_path_factory):
     peft_model = peft.PeftModel.from_pretrained(model, str(folder), is_trainable=True)
     tokens, mask = _batch(config.vocab_size)
     trainable, frozen = lora.split(lp)
-    grad_fn = jax.jit(jax.grad(_loss_jax, argnums=1, has_aux=True), static_argnums=0)
+    grad_fn = _loss_grad()
     grads, logits = grad_fn(config, trainable, frozen, jnp.asarray(tokens), mask)
     return config, grads, np.asarray(logits), peft_model.eval()
+
+
+def _loss_grad():
+    """The LoRA loss's gradient in the trainable tree, and the logits (aux)."""
+    grad = jax.grad(_loss_jax, argnums=1, has_aux=True)
+    return jax.jit(grad, static_argnums=0, compiler_options=QUICK)
 
 
 def _loss_jax(config, trainable, frozen, tokens, mask):
@@ -241,7 +253,7 @@ def test_dora_logits_and_gradients_equal_peft(family, tmp_path):
     ).eval()
     tokens, mask = _batch(config.vocab_size)
     trainable, frozen = lora.split(lp)
-    grad_fn = jax.jit(jax.grad(_loss_jax, argnums=1, has_aux=True), static_argnums=0)
+    grad_fn = _loss_grad()
     grads, logits = grad_fn(config, trainable, frozen, jnp.asarray(tokens), mask)
     out = peft_model(
         torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask.astype(int))
@@ -487,7 +499,7 @@ def test_full_finetuning_gradients_equal_transformers(name, extra):
         picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
         return -jnp.sum(picked * w) / jnp.sum(w)
 
-    ours = nn.to_hf_names(jax.jit(jax.grad(loss))(params))
+    ours = nn.to_hf_names(jax.jit(jax.grad(loss), compiler_options=QUICK)(params))
     logits = model(
         torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask.astype(int))
     ).logits

@@ -184,8 +184,13 @@ def test_attention_sinks_equal_transformers_eager(path, window):
         buf_v = jnp.stack([jnp.zeros_like(v), v])
         return cached_attention(q, buf_k, buf_v, 1, jnp.asarray(full), sinks=z)
 
-    got, vjp = jax.vjp(run, *(jnp.asarray(x) for x in (q, k, v, sinks)))
-    grads = vjp(jnp.asarray(_weights(got.shape)))
+    @jax.jit  # one program: op by op, each of its operations compiled apart
+    def value_and_vjp(q, k, v, z, ct):
+        out, vjp = jax.vjp(run, q, k, v, z)
+        return out, vjp(ct)
+
+    ct = jnp.asarray(_weights((b, t, q.shape[2], d)))  # (B, T, H, d)
+    got, grads = value_and_vjp(*(jnp.asarray(x) for x in (q, k, v, sinks)), ct)
     rows = pad[:, :, None, None].repeat(4, 2)  # padded queries: no key allowed
     np.testing.assert_allclose(
         np.asarray(got)[rows.repeat(d, 3)], want[rows.repeat(d, 3)], atol=2e-6

@@ -1,6 +1,7 @@
 """The KV cache: in-place writes of the new entries, per-row positions."""
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -61,14 +62,21 @@ def test_per_row_positions_and_masks():
         cache_positions(jnp.zeros((2, 2), jnp.int32), 1)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program per model and shape
 def _step(model, params, tokens, cache):
-    return jax.jit(model.apply_cached)(params, tokens, cache)
+    return model.apply_cached(params, tokens, cache)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # eager: a compile per weight shape
+def _init(model, key):
+    return model.init(key)
+
+
+@pytest.mark.usefixtures("quick_compiles")
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
 def test_per_row_cache_equals_each_row_alone(model):
     """Rows at different positions in one cache get the logits they get alone."""
-    params = model.init(jax.random.key(0))
+    params = _init(model, jax.random.key(0))
     rng = np.random.default_rng(0)
     lens = (7, 3, 12)  # past the tiny sliding windows (4)
     s = 16
@@ -97,9 +105,10 @@ def test_per_row_cache_equals_each_row_alone(model):
         )
 
 
+@pytest.mark.usefixtures("quick_compiles")
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
 def test_equal_per_row_positions_equal_a_scalar_one(model):
-    params = model.init(jax.random.key(1))
+    params = _init(model, jax.random.key(1))
     toks = jnp.asarray(np.random.default_rng(1).integers(1, 50, size=(2, 5)))
     one = model.init_cache(2, 8)._replace(pos=jnp.int32(2))
     rows = one._replace(pos=jnp.full((2,), 2, jnp.int32))
