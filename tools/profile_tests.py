@@ -9,7 +9,8 @@ setup, call and teardown); the CPU seconds of the subprocesses it waited for
 (``os.times``' children: the CLI, the examples, the multi-device checks); and the
 seconds JAX spent tracing, lowering to MLIR and compiling (or reading from the
 persistent cache) in this process, from `jax.monitoring`'s duration events, with the
-persistent cache's hits and misses. Compile seconds are wall time inside XLA: on a
+persistent cache's hits and misses (a line without some of them, from an earlier
+version, reads them as 0). Compile seconds are wall time inside XLA: on a
 loaded machine they grow with the load, CPU seconds much less. The summary prints the
 totals, the modules by CPU (self + children) and the slowest tests.
 """
@@ -33,12 +34,12 @@ COMPILE = "/jax/core/compile/backend_compile_duration"
 HITS = "/jax/compilation_cache/cache_hits"
 MISSES = "/jax/compilation_cache/cache_misses"
 
-_events: collections.Counter[str] = collections.Counter()
+_events: collections.defaultdict[str, float] = collections.defaultdict(float)
 _out: Any = None
 
 
-def _duration(event: str, seconds: float, **_: object) -> None:
-    _events[event] += seconds
+def _duration(event: str, duration_secs: float, **_: str | int) -> None:
+    _events[event] += duration_secs
 
 
 def _count(event: str, **_: object) -> None:
@@ -77,17 +78,33 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: object) -> Iterator[Non
         "trace": _events[TRACE],
         "lower": _events[LOWER],
         "compile": _events[COMPILE],
-        "hits": _events[HITS],
-        "misses": _events[MISSES],
+        "hits": int(_events[HITS]),
+        "misses": int(_events[MISSES]),
     }
     if _out is not None:
         _out.write(json.dumps(record) + "\n")
 
 
+KEYS = ("wall", "cpu", "child", "trace", "lower", "compile", "hits", "misses")
+"""The figures of a line the summary adds up; one a line lacks counts as 0 (files
+written by earlier versions of this plugin have no compile events)."""
+
+
+def read_records(paths: list[str]) -> list[dict[str, Any]]:
+    """The lines of ``paths`` (blank ones skipped), each with every `KEYS` figure."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    records.append(r | {k: r.get(k) or 0 for k in KEYS})
+    return records
+
+
 def summary(paths: list[str], top: int = 30) -> None:
     """Print the totals, the modules by CPU (self + children), the slowest tests."""
-    records = [json.loads(line) for p in paths for line in open(p)]
-    keys = ("wall", "cpu", "child", "trace", "lower", "compile", "hits", "misses")
+    records, keys = read_records(paths), KEYS
     total = {k: sum(r[k] for r in records) for k in keys}
     print(f"{len(records)} tests", " ".join(f"{k} {v:.0f}" for k, v in total.items()))
     modules: dict[str, collections.Counter[str]] = collections.defaultdict(

@@ -1,8 +1,9 @@
 """Checked reads of a llama.cpp GGUF's ``{arch}.*`` hyperparameters.
 
-Every integer lies in ``(0, INT_LIMITS[key]]``, every float is finite and inside
-``FLOAT_RANGES[key]`` (keys without the ``{arch}.`` prefix), and a missing key is
-its default or a `FormatError` naming the file and the key.
+Every integer lies in ``(0, INT_LIMITS[key]]`` (keys without an entry: below
+``2**31``, as `entrenar.io.hf_folder.check_config_values` has them), every float is
+finite and inside ``FLOAT_RANGES[key]`` (keys without the ``{arch}.`` prefix), and a
+missing key is its default or a `FormatError` naming the file and the key.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ INT_LIMITS = {
     "rope.scaling.original_context_length": 1 << 27,
 }
 """Largest value entrenar accepts for each integer ``{arch}.*`` hyperparameter."""
+INT_LIMIT_DEFAULT = (1 << 31) - 1
+"""Largest value of an integer ``{arch}.*`` key without an `INT_LIMITS` entry (below
+``2**31``: a config value `check_config_values` accepts)."""
 FLOAT_RANGES = {
     "rope.freq_base": (1.0, 1e12),
     "rope.freq_base_swa": (1.0, 1e12),
@@ -57,13 +61,17 @@ FLOAT_RANGES = {
 
 
 def meta_int(g: GGUFFile, key: str, default: int | None = None) -> int:
-    """An integer hyperparameter: present (or defaulted), ``0 < value <= limit``."""
+    """An integer hyperparameter: present (or defaulted), ``0 < value <= limit``.
+
+    ``limit`` is ``INT_LIMITS[key]`` (without the ``{arch}.`` prefix), else
+    `INT_LIMIT_DEFAULT`, ``2**31 - 1``: every value below ``2**31``.
+    """
     f = g.fields.get(key)
     if f is None:
         if default is None:
             raise FormatError(f"{g.path}: metadata {key!r} is missing")
         return default
-    limit = INT_LIMITS.get(key.split(".", 1)[1], 1 << 31)
+    limit = INT_LIMITS.get(key.split(".", 1)[1], INT_LIMIT_DEFAULT)
     if isinstance(f.value, bool) or not isinstance(f.value, int) or f.value <= 0:
         raise FormatError(f"{g.path}: metadata {key!r} = {f.value!r}, want an int > 0")
     if f.value > limit:

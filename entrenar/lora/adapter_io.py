@@ -439,8 +439,10 @@ def load_adapter(
         ``base_params`` with every adapted weight a `LoRAWeight` (adapters float32).
 
     Raises:
-        FormatError: a missing, corrupt or malformed file, or an adapter tensor
-            holding NaN or Inf (named).
+        FormatError: a missing, corrupt or malformed file, an adapter tensor
+            holding NaN or Inf (named), or layer ranks whose zero padding over the
+            stacked layers would be far larger than the file and the base weight
+            (`_check_padding`).
         CompatibilityError: names, shapes or ranks that do not fit the base; the
             message lists every mismatch.
         UnsupportedError: a setting PEFT's forward depends on that entrenar does
@@ -623,6 +625,56 @@ def _finite(x: Any, file: str, module: str, part: str) -> np.ndarray:
     return v
 
 
+PAD_FILE_FACTOR = 8
+"""`_check_padding`: how many times its own tensors' float32 bytes a stacked
+adapter's zero-padded ``A`` and ``B`` may take (beside the base weight's size)."""
+
+
+def _check_padding(
+    file: str,
+    mods: list[str],
+    n: int,
+    big: int,
+    fan_in: int,
+    out: int,
+    file_ranks: list[int],
+) -> None:
+    """Refuse a stacked adapter whose padding would dwarf the file and the base.
+
+    Stacked over ``n`` layers, ``A`` and ``B`` take ``n·R·(in + out)·4`` bytes
+    (``R`` the largest rank), whatever ranks the file's layers have: one layer of a
+    huge rank among small ones (or alone, the other layers missing) would allocate
+    about ``n`` times the file's bytes. The padded size is bounded by
+    ``PAD_FILE_FACTOR`` times the file's own tensors (as float32: ``Σ r_i·(in +
+    out)·4``; a legitimate ``rank_pattern`` spread or ``layers_to_transform`` on an
+    eighth of the layers or more) plus the base weight's dense float32 size
+    (``n·out·in·4``; any rank up to half the smaller side of the weight, on any
+    layers, fits there). A larger one is not an adapter anyone trains: a rank above
+    the weight's own dimensions on a few layers.
+
+    Raises:
+        FormatError: naming the file, the modules, their ranks and the bytes.
+    """
+    padded = n * big * (fan_in + out) * 4
+    own = sum(file_ranks) * (fan_in + out) * 4
+    base = n * out * fan_in * 4
+    limit = PAD_FILE_FACTOR * own + base
+    if padded > limit:
+        shown = ", ".join(mods[:4]) + (
+            f" and {len(mods) - 4} more" if len(mods) > 4 else ""
+        )
+        raise FormatError(
+            f"{file}: {shown} (ranks {min(file_ranks)} to {big} on {len(mods)} of "
+            f"{n} stacked layers, weight ({out}, {fan_in})) would take {padded:,} "
+            f"bytes padded to rank {big} over the layers, above the limit of "
+            f"{limit:,} ({PAD_FILE_FACTOR} x the file's {own:,} bytes of these "
+            f"tensors as float32 plus the base weight's {base:,}); the adapter is "
+            "corrupt or hostile (give its layers ranks within the weight's "
+            "dimensions, or merge it in PEFT with merge_and_unload and load the "
+            "merged model)"
+        )
+
+
 def _lora_leaf(
     base: Any,
     name: str,
@@ -635,7 +687,8 @@ def _lora_leaf(
     """The `LoRAWeight` over ``base`` from its modules' A and B (``{layer: module}``).
 
     Raises:
-        FormatError: a tensor of ``file`` holding NaN or Inf (`_finite`).
+        FormatError: a tensor of ``file`` holding NaN or Inf (`_finite`), or
+            padding past `_check_padding`'s bound.
 
     A layer of a stacked leaf without tensors gets ``A = 0``, ``B = 0``: its update
     ``s·BA`` is zero as in PEFT, and stays zero in training (both gradients,
@@ -644,8 +697,9 @@ def _lora_leaf(
     trains there, where PEFT has no adapter on that layer.
 
     Layers with different ranks ``r_i`` (``rank_pattern`` by layer) are padded with
-    zeros to the largest, and layers with different ranks or alphas get their own
-    scales (`entrenar.lora.weight.with_layer_ranks`).
+    zeros to the largest (within `_check_padding`'s bound), and layers with
+    different ranks or alphas get their own scales
+    (`entrenar.lora.weight.with_layer_ranks`).
     """
     mods = list(layers.values())
     n = logical_shape(base)[0] if stacked_split(name, stacked_keys) else 1
@@ -660,6 +714,7 @@ def _lora_leaf(
     ranks = [rank_of.get(j, rank_of[first]) for j in range(n)]
     alphas = [alpha_of.get(j, alpha_of[first]) for j in range(n)]
     big = max(ranks)
+    _check_padding(file, mods, n, big, fan_in, out, [rank_of[j] for j in layers])
     a = np.zeros((n, big, fan_in), np.float32)  # (L, R, in), zero past each r_i
     b = np.zeros((n, out, big), np.float32)  # (L, out, R)
     for j, m in layers.items():

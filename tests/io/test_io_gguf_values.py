@@ -98,6 +98,25 @@ def test_bad_hyperparameters_are_format_errors_naming_file_and_key(
     assert key in str(e.value) or "inconsistent" in str(e.value)
 
 
+@pytest.mark.parametrize(("value", "ok"), [(2**31 - 1, True), (2**31, False)])
+def test_a_key_without_its_own_limit_is_below_2_to_the_31(tmp_path, value, ok):
+    """As `check_config_values` has a config's integers: in ``[0, 2**31)``."""
+    from entrenar.io.gguf_meta import INT_LIMITS, meta_int
+
+    key = "llama.expert_count"
+    assert key.split(".", 1)[1] not in INT_LIMITS
+    path = tmp_path / "m.gguf"
+    write_gguf(path, {key: GGUFField(value, U32)}, {})
+    g = read_gguf(path)
+    if ok:
+        assert meta_int(g, key) == value
+        return
+    with pytest.raises(
+        FormatError, match=rf"m\.gguf: metadata '{key}' = {value} is over"
+    ):
+        meta_int(g, key)
+
+
 def test_an_odd_head_dimension_is_inconsistent(base, tmp_path):
     fields = {
         "llama.attention.key_length": GGUFField(15, U32),

@@ -6,6 +6,7 @@ import json
 import re
 
 import jax
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -149,6 +150,40 @@ def test_saved_rank_patterns_still_load(tmp_path):
     assert cfg["rank_pattern"] and cfg["alpha_pattern"]
     back = lora.load_adapter(tmp_path, base)["model"]["layers"]
     assert back["up_proj"]["weight"].rank != back["down_proj"]["weight"].rank
+
+
+def test_one_huge_rank_among_small_ones_is_refused_before_padding(
+    tmp_path, monkeypatch
+):
+    """Rank 512 on layer 0 of 32, rank 1 elsewhere: padding is 32x the file's bytes."""
+    from safetensors.numpy import load_file, save_file
+
+    from entrenar.lora import adapter_io
+
+    n, big = 32, 512
+    base = {"model": {"layers": {"up_proj": {"weight": jax.numpy.zeros((n, 2, 2))}}}}
+    one = LoRAConfig(rank=1, alpha=1.0, targets="up_proj")
+    lora.save_adapter(lora.apply(base, one, key=jax.random.key(0)), tmp_path)
+    file = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(file)
+    stem = "base_model.model.model.layers.0.up_proj"
+    tensors[f"{stem}.lora_A.weight"] = np.zeros((big, 2), np.float32)
+    tensors[f"{stem}.lora_B.weight"] = np.zeros((2, big), np.float32)
+    save_file(tensors, file)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    cfg["rank_pattern"] = {"model.layers.0.up_proj": big}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    padded = n * big * (2 + 2) * 4
+    with pytest.raises(
+        FormatError, match=rf"safetensors: .*ranks 1 to {big} on 32 of 32"
+    ) as e:
+        lora.load_adapter(tmp_path, base)
+    assert f"{padded:,} bytes" in str(e.value)
+    assert "model.layers.0.up_proj" in str(e.value)
+    # the same file within the bound (a legitimate spread) loads, padded
+    monkeypatch.setattr(adapter_io, "PAD_FILE_FACTOR", 64)
+    w = lora.load_adapter(tmp_path, base)["model"]["layers"]["up_proj"]["weight"]
+    assert w.a.shape == (n, big, 2)
 
 
 def test_lora_config_targets_are_checked_like_adapter_patterns(deadline):
