@@ -21,8 +21,9 @@ QLoRA on one 24 GB GPU (``<model>-qlora-all``: Qwen2.5-14B, Qwen3-14B,
 Mistral-Small-24B, Gemma-3-27B's text model, Qwen2.5-32B, Qwen3-32B), NF4 bases with
 ``quantize_untargeted``, rank 16 on every linear layer; Gemma-3-27B again with
 ``model.tied_head_copy: false`` (no transposed copy of the tied head); Qwen2.5-32B and
-Qwen3-32B with ``model.remat_saved_dtype: bfloat16`` (``-bf16-saved``), and with it
-``model.mlp_chunk_elements: 4194304`` and ``adamw_8bit`` (``-24gb``). Batch 1 x 2048
+Qwen3-32B with ``model.llama_options: {remat_saved_dtype: bfloat16}``
+(``-bf16-saved``), and with it ``mlp_chunk_elements: 4194304`` and ``adamw_8bit``
+(``-24gb``). Batch 1 x 2048
 (``--seqs`` adds lengths planned whole; measured runs 1 x 512), ``nothing_saveable``,
 bfloat16 matmuls, AdamW unless named.
 
@@ -154,7 +155,7 @@ CASES: dict[str, dict[str, Any]] = {
             targets="all-linear",
             quantize="nf4",
             untargeted=True,
-            model={"remat_saved_dtype": "bfloat16"},
+            model={"llama_options": {"remat_saved_dtype": "bfloat16"}},
         )
         for name, shape in [("qwen2.5-32b", QWEN25_32B), ("qwen3-32b", QWEN3_32B)]
     },
@@ -164,7 +165,12 @@ CASES: dict[str, dict[str, Any]] = {
             targets="all-linear",
             quantize="nf4",
             untargeted=True,
-            model={"remat_saved_dtype": "bfloat16", "mlp_chunk_elements": 1 << 22},
+            model={
+                "llama_options": {
+                    "remat_saved_dtype": "bfloat16",
+                    "mlp_chunk_elements": 1 << 22,
+                }
+            },
             optimizer="adamw_8bit",
         )
         for name, shape in [("qwen2.5-32b", QWEN25_32B), ("qwen3-32b", QWEN3_32B)]

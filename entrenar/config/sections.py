@@ -85,21 +85,17 @@ class ModelSection(Config):
         "copy (Gemma-3-27B: 2.82 GB less, the step slower); "
         "LlamaConfig.tied_head_copy",
     )
-    remat_saved_dtype: Literal["bfloat16"] | None = option(
-        None,
-        doc="llama only, with remat_policy: nothing_saveable: keep each layer's "
-        "input (the residual stream, L x B x T x D) for the backward pass in "
-        "bfloat16 instead of float32, as gradient checkpointing of a bfloat16 "
-        "model does (half that memory: Qwen2.5-32B at 1 x 2048, 1.34 GB); the "
-        "forward pass and loss are unchanged, gradients are the layers' at the "
-        "rounded inputs; LlamaConfig.remat_saved_dtype",
-    )
-    mlp_chunk_elements: int | None = option(
-        None,
-        doc="llama only, dense MLPs: run the MLP over chunks of at most this many "
-        "tokens x intermediate_size values (null: 8388608, 2^23); lower: less memory "
-        "in the backward pass, more recomputation (NF4 weights dequantized per "
-        "chunk), the same values; LlamaConfig.mlp_chunk_elements",
+    llama_options: dict[str, Any] = option(
+        factory=dict,
+        doc="llama only: more LlamaConfig fields set on the loaded or built model, "
+        "checked by LlamaConfig (entrenar.runs.models.LLAMA_OPTIONS): "
+        "remat_saved_dtype: bfloat16 (with remat_policy: nothing_saveable, keep "
+        "each layer's input, the residual stream, for the backward pass in "
+        "bfloat16 as gradient checkpointing of a bfloat16 model does: Qwen2.5-32B "
+        "at 1 x 2048, 1.34 GB less; the forward pass and loss unchanged, gradients "
+        "the layers' at the rounded inputs), mlp_chunk_elements: N (dense MLPs run "
+        "over chunks of at most N tokens x intermediate_size values; null: 2^23; "
+        "lower: less memory, more recomputation, the same values)",
     )
     kernels: Policy = option(
         "auto",

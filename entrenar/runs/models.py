@@ -414,25 +414,34 @@ def build_model(
     return with_precision(built, section)
 
 
+LLAMA_OPTIONS = ("remat_saved_dtype", "mlp_chunk_elements")
+"""The `LlamaConfig` fields ``model.llama_options`` may set: how a step computes and
+what it keeps, never a size (LlamaConfig checks the values)."""
+
+
 def with_precision(built: BuiltModel, section: ModelSection) -> BuiltModel:
     """Apply the LlamaConfig options of ``model`` (``matmul_dtype`` and others).
 
-    ``matmul_dtype``, ``remat_policy``, ``tied_head_copy``, ``remat_saved_dtype``,
-    ``mlp_chunk_elements``.
+    ``matmul_dtype``, ``remat_policy``, ``tied_head_copy`` and ``llama_options``
+    (the fields of `LLAMA_OPTIONS`, declared once, in `LlamaConfig`).
     """
+    unknown = sorted(set(section.llama_options) - set(LLAMA_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"model.llama_options: {unknown} cannot be set here; it takes "
+            f"{', '.join(LLAMA_OPTIONS)}"
+        )
     if (
         section.matmul_dtype == "float32"
         and section.remat_policy is None
         and section.tied_head_copy
-        and section.remat_saved_dtype is None
-        and section.mlp_chunk_elements is None
+        and not section.llama_options
     ):
         return built
     if not built.is_decoder:
         raise ConfigError(
             f"model.matmul_dtype / model.remat_policy / model.tied_head_copy / "
-            f"model.remat_saved_dtype / model.mlp_chunk_elements apply to a "
-            f"Llama-style decoder "
+            f"model.llama_options apply to a Llama-style decoder "
             f"(llama, qwen2, ...), not {built.architecture}; remove them"
         )
     md = section.matmul_dtype
@@ -443,8 +452,7 @@ def with_precision(built: BuiltModel, section: ModelSection) -> BuiltModel:
             matmul_dtype=None if matmul_dtype == "float32" else matmul_dtype,
             remat_policy=section.remat_policy,
             tied_head_copy=section.tied_head_copy,
-            remat_saved_dtype=section.remat_saved_dtype,
-            mlp_chunk_elements=section.mlp_chunk_elements,
+            **section.llama_options,
         )
     except ConfigError as e:
         raise ConfigError(f"model: {e}") from None

@@ -141,14 +141,19 @@ def test_the_yaml_field_reaches_the_llama_config():
     cfg = nn.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                          num_layers=1, num_heads=2, num_kv_heads=1)  # fmt: skip
     built = models.BuiltModel("llama", cfg, {})
+    options = {"remat_saved_dtype": "bfloat16", "mlp_chunk_elements": 4096}
     section = ModelSection(architecture="llama", remat_policy="nothing_saveable",
-                           remat_saved_dtype="bfloat16")  # fmt: skip
+                           llama_options=options)  # fmt: skip
     got = models.with_precision(built, section).config
-    assert got.remat_saved_dtype == "bfloat16"
+    assert (got.remat_saved_dtype, got.mlp_chunk_elements) == ("bfloat16", 4096)
     with pytest.raises(ConfigError, match=r"model: .*nothing_saveable"):
-        models.with_precision(
-            built, ModelSection(architecture="llama", remat_saved_dtype="bfloat16")
-        )
+        models.with_precision(built, ModelSection(
+            architecture="llama", llama_options={"remat_saved_dtype": "bfloat16"}
+        ))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"model.llama_options: \['hidden_size'\]"):
+        models.with_precision(built, ModelSection(
+            architecture="llama", llama_options={"hidden_size": 32}
+        ))  # fmt: skip
 
 
 def test_mlp_chunk_elements_sets_the_chunks_of_tokens():
